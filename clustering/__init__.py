@@ -1,0 +1,17 @@
+"""clustering: text embedding, balanced hierarchical k-means, and greedy routing.
+
+This package owns the mapping *text → cluster path* used at every point of
+memtree's life: offline (the pipeline embeds windows and builds the tree),
+during training (each sequence carries the path its windows were routed to),
+and at query time (a question's text is embedded and routed the same way).
+
+- `clustering.embed`: loads all-MiniLM-L6-v2 offline and embeds long windows.
+- `clustering.kmeans`: one node's balanced mini-batch k-means (FAISS search).
+- `clustering.tree`: the tree format, building level by level, loading.
+- `clustering.route`: batched greedy root-to-leaf traversal.
+"""
+
+from clustering.route import route, route_texts
+from clustering.tree import Tree, load_tree
+
+__all__ = ["Tree", "load_tree", "route", "route_texts"]

@@ -1,0 +1,132 @@
+"""Balanced mini-batch k-means for one node of the tree (seed 002, App. C).
+
+Expectation–maximisation with k-means++ initialisation; every step draws
+`batch_size` *new* points (a fresh pass over a random permutation, wrapping
+when exhausted; the whole node when it is smaller than a batch). After each
+assignment step, a cluster holding more than `balance_factor × batch / k`
+points has its assignments split evenly at random with the smallest cluster
+(Jégou et al., 2010): the two clusters' points are pooled and halved by a
+random hyperplane, until no cluster is over the limit. The split is what
+pulls small (or empty) clusters towards dense regions, so the final Voronoi
+cells used for greedy routing come out close to uniform.
+
+Nearest-centroid search uses FAISS (exact IndexFlatL2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import faiss
+import numpy as np
+
+
+@dataclass(frozen=True)
+class NodeFit:
+    centroids: np.ndarray  # (k, d) float32
+    k: int
+    n_points: int
+    balance_splits: int  # splits performed across all steps
+
+
+def nearest(x: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Index of the nearest row of c for every row of x (exact L2, FAISS)."""
+    index = faiss.IndexFlatL2(c.shape[1])
+    index.add(np.ascontiguousarray(c, dtype=np.float32))
+    _, ind = index.search(np.ascontiguousarray(x, dtype=np.float32), 1)
+    return ind[:, 0].astype(np.int64)
+
+
+def kmeans_pp(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
+    """k-means++ seeding (Arthur & Vassilvitskii, 2006) on the rows of x."""
+    n = x.shape[0]
+    centers = np.empty((k, x.shape[1]), dtype=np.float32)
+    centers[0] = x[rng.integers(n)]
+    d2 = ((x - centers[0]) ** 2).sum(1).astype(np.float64)
+    for i in range(1, k):
+        total = d2.sum()
+        if total <= 0:  # fewer distinct points than k: duplicate seeds are harmless, splits fix them
+            j = int(rng.integers(n))
+        else:
+            j = int(rng.choice(n, p=d2 / total))
+        centers[i] = x[j]
+        d2 = np.minimum(d2, ((x - centers[i]) ** 2).sum(1))
+    return centers
+
+
+def balance(
+    x: np.ndarray, assign: np.ndarray, k: int, limit: int, rng: np.random.Generator
+) -> int:
+    """Split over-limit clusters evenly with the smallest one, in place; returns the split count.
+
+    The largest and the smallest cluster's points (rows of x) are pooled and
+    halved by a random hyperplane: the points are ordered by their projection
+    on a random direction and each cluster takes one half. The split is even
+    and random as in the paper, and spatial rather than a coin flip per point,
+    so the two new means land apart and the nearest-centroid cells used for
+    routing inherit the balance (a per-point coin flip gives both clusters the
+    same mean, which then collapse). Both clusters end at (big + small) / 2:
+    the largest size strictly shrinks and the loop terminates.
+    """
+    splits = 0
+    counts = np.bincount(assign, minlength=k)
+    for _ in range(4 * k * k):
+        big = int(np.argmax(counts))
+        small = int(np.argmin(counts))
+        if counts[big] <= limit or counts[big] - counts[small] <= 1:
+            break
+        members = np.flatnonzero((assign == big) | (assign == small))
+        direction = rng.standard_normal(x.shape[1]).astype(np.float32)
+        members = members[np.argsort(x[members] @ direction, kind="stable")]
+        half = len(members) // 2
+        assign[members[:half]] = small
+        assign[members[half:]] = big
+        counts[small], counts[big] = half, len(members) - half
+        splits += 1
+    return splits
+
+
+def balanced_kmeans(
+    x: np.ndarray,
+    k: int,
+    *,
+    batch_size: int = 6400,
+    steps: int = 20,
+    balance_factor: float = 1.1,
+    rng: np.random.Generator,
+) -> NodeFit:
+    """Fit k centroids to the rows of x (n, d) float32 (rows assumed L2-normalised)."""
+    n, d = x.shape
+    if n == 0:
+        raise ValueError("balanced_kmeans: no points")
+    k = max(1, min(k, n))
+    if k == 1:
+        return NodeFit(x.mean(0, keepdims=True).astype(np.float32), 1, n, 0)
+    perm = rng.permutation(n)
+    pos = 0
+
+    def next_batch() -> np.ndarray:
+        nonlocal perm, pos
+        if n <= batch_size:
+            return x
+        if pos + batch_size > n:
+            perm, pos = rng.permutation(n), 0
+        idx = np.sort(perm[pos : pos + batch_size])  # sorted: sequential reads from a memmap
+        pos += batch_size
+        return x[idx]
+
+    centroids = kmeans_pp(next_batch(), k, rng)
+    splits = 0
+    for _ in range(steps):
+        b = next_batch()
+        assign = nearest(b, centroids)
+        limit = max(1, math.ceil(balance_factor * len(b) / k))
+        splits += balance(b, assign, k, limit, rng)
+        onehot = np.zeros((k, len(b)), dtype=np.float64)
+        onehot[assign, np.arange(len(b))] = 1.0
+        sums = onehot @ b  # (k, d): per-cluster sums as one small GEMM
+        counts = np.bincount(assign, minlength=k)
+        nz = counts > 0
+        centroids[nz] = (sums[nz] / counts[nz, None]).astype(np.float32)
+    return NodeFit(centroids, k, n, splits)

@@ -1,0 +1,49 @@
+"""Greedy root-to-leaf routing: embeddings or texts → cluster paths.
+
+`route` is the one function that turns an embedding into a path; the
+pipeline's assign stage, the trainer's data and every query-time lookup go
+through it, so identical text always fetches identical memories. Cost is
+levels × branching distance computations per point (vs. B^L for an
+exhaustive nearest-leaf search).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from clustering.route_core import route_step
+from clustering.tree import Tree
+
+
+def route(tree: Tree, x: np.ndarray, *, batch_size: int = 262144) -> np.ndarray:
+    """Paths of the rows of x (n, dim) → (n, levels) int64 global cluster ids per level.
+
+    Column l-1 is the level-l cluster id in [0, B^l); the last column is the leaf id.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != tree.dim:
+        raise ValueError(f"route: expected embeddings of shape (n, {tree.dim}), got {x.shape}")
+    n = x.shape[0]
+    paths = np.empty((n, tree.levels), dtype=np.int64)
+    for s in range(0, n, batch_size):
+        xb = x[s : s + batch_size]
+        parent = np.zeros(len(xb), dtype=np.int64)
+        for lvl in range(1, tree.levels + 1):
+            parent = route_step(tree.centroids[lvl - 1], tree.valid[lvl - 1], xb, parent, tree.branching)
+            paths[s : s + len(xb), lvl - 1] = parent
+    return paths
+
+
+def route_texts(tree: Tree, texts: Sequence[str], *, model=None, device: str = "auto") -> np.ndarray:
+    """Embed texts exactly as the tree's windows were embedded, then route → (n, levels)."""
+    from clustering.embed import embed_texts, load_embedder
+
+    emb = tree.meta.get("embedder", {})
+    model = model or load_embedder(
+        emb.get("model"), device=device, max_seq_length=int(emb.get("max_seq_length", 256))
+    )
+    x = embed_texts(model, list(texts), strategy=emb.get("strategy", "truncate"),
+                    batch_size=int(emb.get("batch_size", 64)))
+    return route(tree, x)

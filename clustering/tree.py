@@ -1,0 +1,257 @@
+"""The clustering tree: format, level-by-level construction, loading.
+
+Geometry: `levels` levels under a root, every node split into at most
+`branching` children. Cluster ids are *global per level* and nested: the
+children of cluster p at level l-1 are p·B … p·B + B-1 at level l (B =
+branching; the root is cluster 0 at level 0). So a leaf id determines the
+whole path (id // B^j), and memory banks can address level l by a dense
+index in [0, B^l). A node with too few points gets fewer children; the unused
+ids are marked invalid and never routed to. Every valid node has ≥ 1 valid
+child, so routing always ends at a valid leaf.
+
+On disk (format `memtree-tree`, version 1; see clustering/README.md):
+  tree.json             levels, branching, dim, metric, config, embedder, tree_id, per-level stats, file checksums
+  centroids-l{l}.npy    (B^l, dim) float32
+  valid-l{l}.npy        (B^l,) bool
+  sizes-l{l}.npy        (B^l,) int64: build points routed to each cluster
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clustering.kmeans import balanced_kmeans
+from clustering.route_core import route_step
+from memtree.io import atomic_path, atomic_write_json, read_json, sha256_file
+
+TREE_FORMAT = "memtree-tree"
+TREE_VERSION = 1
+
+
+@dataclass
+class Tree:
+    levels: int
+    branching: int
+    dim: int
+    centroids: list[np.ndarray]  # level l-1 → (B^l, dim) float32
+    valid: list[np.ndarray]  # level l-1 → (B^l,) bool
+    sizes: list[np.ndarray] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tree_id(self) -> str:
+        return self.meta.get("tree_id") or compute_tree_id(self)
+
+    def n_clusters(self, level: int) -> int:
+        return self.branching**level
+
+    def children(self, level: int, parent: int) -> np.ndarray:
+        """Global ids at `level` of the valid children of `parent` (a level-1 id)."""
+        ids = np.arange(parent * self.branching, (parent + 1) * self.branching)
+        return ids[self.valid[level - 1][ids]]
+
+
+def compute_tree_id(tree: Tree) -> str:
+    h = hashlib.sha256()
+    h.update(f"{TREE_FORMAT}/{TREE_VERSION}/{tree.levels}/{tree.branching}/{tree.dim}".encode())
+    for c, v in zip(tree.centroids, tree.valid):
+        h.update(np.ascontiguousarray(c, dtype=np.float32).tobytes())
+        h.update(np.ascontiguousarray(v, dtype=np.bool_).tobytes())
+    return h.hexdigest()[:24]
+
+
+def node_children(n_points: int, branching: int, min_points_per_child: int) -> int:
+    return max(1, min(branching, n_points // min_points_per_child))
+
+
+def fit_node(
+    x: np.ndarray,
+    *,
+    branching: int,
+    min_points_per_child: int,
+    batch_size: int,
+    steps: int,
+    balance_factor: float,
+    seed: int,
+    level: int,
+    node: int,
+    fallback: np.ndarray,
+) -> tuple[np.ndarray, int, int]:
+    """Centroids of one node's children → ((branching, dim) rows, n valid children, splits).
+
+    The RNG is keyed by (seed, level, node), so a node's result does not depend
+    on which worker fits it or in what order.
+    """
+    out = np.zeros((branching, x.shape[1] if x.size else fallback.shape[0]), dtype=np.float32)
+    if x.shape[0] == 0:
+        # Reachable by no build point: one child, the parent's own centroid.
+        out[0] = fallback
+        return out, 1, 0
+    rng = np.random.default_rng([seed, level, node])
+    k = node_children(x.shape[0], branching, min_points_per_child)
+    fit = balanced_kmeans(
+        x, k, batch_size=batch_size, steps=steps, balance_factor=balance_factor, rng=rng
+    )
+    out[: fit.k] = fit.centroids
+    return out, fit.k, fit.balance_splits
+
+
+def build_tree(
+    x: np.ndarray,
+    *,
+    levels: int,
+    branching: int,
+    batch_size: int = 6400,
+    steps: int = 20,
+    balance_factor: float = 1.1,
+    min_points_per_child: int = 2,
+    seed: int = 0,
+    fit_nodes: Callable[..., Sequence[tuple[np.ndarray, int, int]]] | None = None,
+    on_level: Callable[[int], None] | None = None,
+) -> tuple[Tree, np.ndarray]:
+    """Build the tree root-to-leaves on x (n, dim) float32; returns (tree, paths (n, levels)).
+
+    `fit_nodes(level, nodes)` fits a list of (node_id, member_indices) and
+    returns fit_node results in order; the default runs them serially, the
+    pipeline passes a Dask-backed one.
+    """
+    n, dim = x.shape
+    params = dict(branching=branching, min_points_per_child=min_points_per_child,
+                  batch_size=batch_size, steps=steps, balance_factor=balance_factor, seed=seed)
+
+    def serial(level: int, nodes: list[tuple[int, np.ndarray]], parent_c: np.ndarray):
+        return [
+            fit_node(x[idx], level=level, node=p, fallback=parent_c[p], **params) for p, idx in nodes
+        ]
+
+    fit_nodes = fit_nodes or serial
+    centroids: list[np.ndarray] = []
+    valid: list[np.ndarray] = []
+    sizes: list[np.ndarray] = []
+    splits: list[int] = []
+    parent = np.zeros(n, dtype=np.int64)
+    parent_c = x.mean(0, keepdims=True).astype(np.float32) if n else np.zeros((1, dim), np.float32)
+    parent_valid = np.ones(1, dtype=bool)
+    paths = np.zeros((n, levels), dtype=np.int64)
+    for level in range(1, levels + 1):
+        order = np.argsort(parent, kind="stable")
+        bounds = np.searchsorted(parent[order], np.arange(branching ** (level - 1) + 1))
+        nodes = [
+            (p, order[bounds[p] : bounds[p + 1]])
+            for p in np.flatnonzero(parent_valid)
+        ]
+        results = fit_nodes(level, nodes, parent_c)
+        c = np.zeros((branching**level, dim), dtype=np.float32)
+        v = np.zeros(branching**level, dtype=bool)
+        s_total = 0
+        for (p, _), (rows, k, s) in zip(nodes, results):
+            c[p * branching : (p + 1) * branching] = rows
+            v[p * branching : p * branching + k] = True
+            s_total += s
+        parent = route_step(c, v, x, parent, branching) if n else parent
+        paths[:, level - 1] = parent
+        centroids.append(c)
+        valid.append(v)
+        sizes.append(np.bincount(parent, minlength=branching**level).astype(np.int64))
+        splits.append(s_total)
+        parent_c, parent_valid = c, v
+        if on_level:
+            on_level(level)
+    tree = Tree(levels, branching, dim, centroids, valid, sizes,
+                meta={"balance_splits": splits, "n_points": n})
+    tree.meta["tree_id"] = compute_tree_id(tree)
+    return tree, paths
+
+
+def level_stats(tree: Tree) -> list[dict[str, Any]]:
+    out = []
+    for lvl in range(1, tree.levels + 1):
+        v, s = tree.valid[lvl - 1], tree.sizes[lvl - 1] if tree.sizes else None
+        d: dict[str, Any] = {"level": lvl, "n_clusters": int(tree.branching**lvl), "n_valid": int(v.sum())}
+        if s is not None and v.any():
+            sv = s[v]
+            mean = float(sv.mean())
+            d.update(
+                n_empty=int((sv == 0).sum()),
+                min_size=int(sv.min()), max_size=int(sv.max()), mean_size=mean,
+                balance_ratio=float(sv.max() / mean) if mean > 0 else None,
+            )
+        # Nodes of the level above that received fewer than `branching` children.
+        per_parent = v.reshape(-1, tree.branching).sum(1)
+        d["parents_with_fewer_children"] = int(((per_parent > 0) & (per_parent < tree.branching)).sum())
+        out.append(d)
+    return out
+
+
+def save_tree(tree: Tree, out_dir: str | Path, *, config: dict[str, Any], embedder: dict[str, Any]) -> dict:
+    """Write the tree files into out_dir (each atomically); returns tree.json's content."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, str] = {}
+    for lvl in range(1, tree.levels + 1):
+        for stem, arr in (("centroids", tree.centroids[lvl - 1]), ("valid", tree.valid[lvl - 1]),
+                          ("sizes", tree.sizes[lvl - 1])):
+            name = f"{stem}-l{lvl}.npy"
+            with atomic_path(out / name) as tmp:
+                with open(tmp, "wb") as f:
+                    np.save(f, arr, allow_pickle=False)
+            files[name] = sha256_file(out / name)
+    meta = {
+        "format": TREE_FORMAT,
+        "version": TREE_VERSION,
+        "tree_id": tree.tree_id,
+        "levels": tree.levels,
+        "branching": tree.branching,
+        "dim": tree.dim,
+        "metric": "l2",
+        "inputs_l2_normalized": True,
+        "n_points": int(tree.meta.get("n_points", 0)),
+        "balance_splits_per_level": tree.meta.get("balance_splits", []),
+        "level_stats": level_stats(tree),
+        "config": config,
+        "embedder": embedder,
+        "files": files,
+    }
+    atomic_write_json(out / "tree.json", meta)
+    return meta
+
+
+def load_tree(path: str | Path, *, verify: bool = True) -> Tree:
+    """Load a tree directory (or its tree.json); checks format, version and checksums."""
+    p = Path(path)
+    d = p.parent if p.name == "tree.json" else p
+    meta = read_json(d / "tree.json")
+    if meta.get("format") != TREE_FORMAT:
+        raise ValueError(f"{d}/tree.json: not a memtree tree (format={meta.get('format')!r})")
+    if meta.get("version") != TREE_VERSION:
+        raise ValueError(
+            f"{d}/tree.json: tree format version {meta.get('version')} is not supported "
+            f"(this memtree reads version {TREE_VERSION})"
+        )
+    cents, valid, sizes = [], [], []
+    for lvl in range(1, meta["levels"] + 1):
+        for stem, acc in (("centroids", cents), ("valid", valid), ("sizes", sizes)):
+            name = f"{stem}-l{lvl}.npy"
+            f = d / name
+            if not f.is_file():
+                raise FileNotFoundError(f"{f}: missing tree file")
+            if verify and sha256_file(f) != meta["files"].get(name):
+                raise ValueError(f"{f}: checksum mismatch (file changed since the tree was written)")
+            acc.append(np.load(f, allow_pickle=False))
+    B, L = meta["branching"], meta["levels"]
+    for lvl, c in enumerate(cents, start=1):
+        if c.shape != (B**lvl, meta["dim"]):
+            raise ValueError(f"{d}/centroids-l{lvl}.npy: shape {c.shape}, expected {(B**lvl, meta['dim'])}")
+    tree = Tree(L, B, meta["dim"], cents, valid, sizes, meta=meta)
+    return tree
+
+
+def describe(tree: Tree) -> str:
+    return json.dumps(level_stats(tree), indent=2)

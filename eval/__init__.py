@@ -1,0 +1,1 @@
+"""eval stage (see docs/ARCHITECTURE.md)."""

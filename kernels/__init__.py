@@ -1,0 +1,1 @@
+"""kernels stage (see docs/ARCHITECTURE.md)."""

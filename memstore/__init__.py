@@ -1,0 +1,1 @@
+"""memstore stage (see docs/ARCHITECTURE.md)."""

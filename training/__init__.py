@@ -1,0 +1,1 @@
+"""training stage (see docs/ARCHITECTURE.md)."""
