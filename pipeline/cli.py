@@ -28,6 +28,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_run)
 
+    m = sub.add_parser("demo", help="the main job on the embedded default corpus (what `make demo` runs)")
+    m.add_argument("--root", default="runs/demo", help="run directory (default runs/demo)")
+    m.add_argument("--n-docs", type=int, default=4000)
+    m.add_argument("overrides", nargs="*", help="pipeline key=value overrides")
+    m.set_defaults(func=_demo)
+
     d = sub.add_parser("demo-corpus", help="write the embedded default corpus as JSONL")
     d.add_argument("out", help="output .jsonl path")
     d.add_argument("--n-docs", type=int, default=4000)
@@ -61,6 +67,14 @@ def _run(args: argparse.Namespace) -> int:
         from pathlib import Path
 
         print(f"report: {Path(cfg.out) / 'report' / 'report.md'}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from pipeline.demo import run_demo
+
+    report = run_demo(args.root, n_docs=args.n_docs, overrides=args.overrides)
+    print(f"\nDemo finished. Report: {report.resolve()}")
     return 0
 
 

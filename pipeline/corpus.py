@@ -88,6 +88,10 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 @dataclass(frozen=True, kw_only=True)
 class CorpusSpec:
     """Everything that determines the corpus: the same spec always yields the same bytes.
@@ -107,18 +111,20 @@ class CorpusSpec:
     def __post_init__(self) -> None:
         # Validate eagerly: a bad spec would otherwise surface as an obscure error deep
         # inside generation, or worse, as a silently odd corpus.
-        if not _is_int(self.n_docs) or not 1 <= self.n_docs <= 10_000_000:
-            raise ValueError(f"CorpusSpec.n_docs must be an int in [1, 10000000], got {self.n_docs!r}")
-        if not _is_int(self.seed) or self.seed < 0:
-            raise ValueError(f"CorpusSpec.seed must be a non-negative int, got {self.seed!r}")
-        s = self.zipf_exponent
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or not 0 <= s <= 10:
-            raise ValueError(f"CorpusSpec.zipf_exponent must be a finite number in [0, 10], got {s!r}")
-        e = self.entities_per_subtopic
+        n, seed, s = self.n_docs, self.seed, self.zipf_exponent
+        e, f = self.entities_per_subtopic, self.long_doc_fraction
+        if not _is_int(n) or not 1 <= n <= 10_000_000:
+            raise ValueError(f"CorpusSpec.n_docs must be an int in [1, 10000000], got {n!r}")
+        if not _is_int(seed) or seed < 0:
+            raise ValueError(f"CorpusSpec.seed must be a non-negative int, got {seed!r}")
+        if not _is_real(s) or not 0 <= s <= 10:
+            raise ValueError(f"CorpusSpec.zipf_exponent must be a number in [0, 10], got {s!r}")
+        # 500 per subtopic (32,000 names) keeps syllable names plentiful and unique.
         if not _is_int(e) or not 1 <= e <= 500:
-            raise ValueError(f"CorpusSpec.entities_per_subtopic must be an int in [1, 500], got {e!r}")
-        f = self.long_doc_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0 <= f <= 1:
+            raise ValueError(
+                f"CorpusSpec.entities_per_subtopic must be an int in [1, 500], got {e!r}"
+            )
+        if not _is_real(f) or not 0 <= f <= 1:
             raise ValueError(f"CorpusSpec.long_doc_fraction must be a number in [0, 1], got {f!r}")
 
 
@@ -190,6 +196,8 @@ class _Domain:
     subs: tuple[_Sub, ...]
 
 
+# The hand-written tables below keep a compact layout on purpose.
+# fmt: off
 _SPEC: tuple[_Domain, ...] = (
     _Domain(
         "astronomy", "astronomy", "astronomers", "astronomer",
@@ -216,7 +224,8 @@ _SPEC: tuple[_Domain, ...] = (
         ),
         (
             _sub("stellar_evolution", "stellar evolution",
-                 "red giant, white dwarf, main sequence, nuclear fusion, stellar core, helium flash, "
+                 "red giant, white dwarf, main sequence, nuclear fusion, stellar core, "
+                 "helium flash, "
                  "protostar, supernova, neutron star, stellar wind, hydrogen shell, "
                  "planetary nebula, brown dwarf, carbon core, luminosity class, collapse phase",
                  "ignite, collapse, fuse, expel, exhaust, compress, heat, shed",
@@ -252,7 +261,8 @@ _SPEC: tuple[_Domain, ...] = (
         "Chef {name}",
         (
             _cat("signature_ingredient", "signature ingredient",
-                 "saffron, smoked paprika, black garlic, sumac, tamarind, fennel pollen, yuzu zest, "
+                 "saffron, smoked paprika, black garlic, sumac, tamarind, fennel pollen, "
+                 "yuzu zest, "
                  "green cardamom, star anise, white miso, pink peppercorn, dried lime",
                  "{Ref}'s signature dish is built around {v}.",
                  "{Ref} rarely cooks without {v}."),
@@ -282,7 +292,8 @@ _SPEC: tuple[_Domain, ...] = (
                  "glossy, velvety, rich, silky, concentrated, clear, tangy, smooth"),
             _sub("grilling_and_smoking", "grilling and smoking",
                  "charcoal, smoker, brisket, wood chip, dry rub, marinade, grill grate, ember, "
-                 "smoke ring, rack of ribs, open flame, barbecue sauce, meat thermometer, fire pit, "
+                 "smoke ring, rack of ribs, open flame, barbecue sauce, meat thermometer, "
+                 "fire pit, "
                  "skewer, chimney starter, bark, hickory log",
                  "grill, smoke, sear, baste, char, marinate, rest, carve",
                  "smoky, charred, juicy, slow-cooked, blackened, caramelized, fiery, succulent"),
@@ -327,7 +338,8 @@ _SPEC: tuple[_Domain, ...] = (
                  "giant squid, crushing pressure, marine snow, submersible, ocean trench, "
                  "gulper eel, chemosynthesis, midnight zone, sea cucumber, vampire squid",
                  "lure, scavenge, illuminate, withstand, filter, hunt, ambush, consume",
-                 "bioluminescent, abyssal, cold, lightless, gelatinous, pressurized, alien, sparse"),
+                 "bioluminescent, abyssal, cold, lightless, gelatinous, pressurized, alien, "
+                 "sparse"),
             _sub("marine_mammals", "marine mammals",
                  "humpback whale, dolphin pod, sea otter, blubber, echolocation, baleen, blowhole, "
                  "orca, seal colony, migration route, whale calf, whale song, tail fluke, "
@@ -336,7 +348,8 @@ _SPEC: tuple[_Domain, ...] = (
                  "migratory, social, warm-blooded, playful, vocal, endangered, intelligent, "
                  "streamlined"),
             _sub("intertidal_zones", "intertidal zones",
-                 "tide pool, barnacle, mussel bed, sea star, kelp, periwinkle, limpet, hermit crab, "
+                 "tide pool, barnacle, mussel bed, sea star, kelp, periwinkle, limpet, "
+                 "hermit crab, "
                  "splash zone, rocky shore, wave action, sea urchin, seaweed, low tide, "
                  "high tide mark",
                  "expose, pry, shelter, graze, submerge, batter, anchor, scour",
@@ -422,7 +435,8 @@ _SPEC: tuple[_Domain, ...] = (
         ),
         (
             _sub("castles_and_sieges", "castles and sieges",
-                 "castle keep, curtain wall, siege engine, trebuchet, moat, drawbridge, battlement, "
+                 "castle keep, curtain wall, siege engine, trebuchet, moat, drawbridge, "
+                 "battlement, "
                  "garrison, gatehouse, battering ram, arrow slit, portcullis, siege tower, "
                  "rampart, motte, inner bailey",
                  "besiege, fortify, storm, defend, breach, garrison, undermine, surrender",
@@ -441,7 +455,8 @@ _SPEC: tuple[_Domain, ...] = (
                  "grant, swear, till, owe, inherit, levy, collect, serve",
                  "hereditary, agrarian, bound, landed, noble, servile, manorial, obligated"),
             _sub("crusades_and_trade", "crusades and trade",
-                 "crusade, pilgrim route, merchant guild, trade fair, spice route, galley, caravan, "
+                 "crusade, pilgrim route, merchant guild, trade fair, spice route, galley, "
+                 "caravan, "
                  "silver coin, river toll, port city, banker, wool trade, letter of credit, "
                  "warehouse, merchant ledger",
                  "trade, ship, finance, export, import, tax, barter, escort",
@@ -684,7 +699,8 @@ _SPEC: tuple[_Domain, ...] = (
                  "bullish, bearish, listed, overvalued, liquid, speculative, blue-chip, "
                  "dividend-paying"),
             _sub("banking_and_lending", "banking and lending",
-                 "mortgage, savings account, loan officer, credit score, interest rate, collateral, "
+                 "mortgage, savings account, loan officer, credit score, interest rate, "
+                 "collateral, "
                  "overdraft, deposit, loan default, central bank, reserve requirement, "
                  "checking account, repayment schedule, lender, borrower",
                  "lend, borrow, deposit, repay, approve, refinance, withdraw, secure",
@@ -743,7 +759,8 @@ _SPEC: tuple[_Domain, ...] = (
                  "secure, encrypted, malicious, vulnerable, authenticated, suspicious, hardened, "
                  "compromised"),
             _sub("wireless_networks", "wireless networks",
-                 "access point, signal strength, radio channel, antenna, mesh node, Wi-Fi standard, "
+                 "access point, signal strength, radio channel, antenna, mesh node, "
+                 "Wi-Fi standard, "
                  "interference, roaming client, frequency band, beamforming, network name, "
                  "range extender, signal-to-noise ratio, coverage map, hotspot",
                  "broadcast, extend, tune, survey, amplify, configure, scan, connect",
@@ -963,7 +980,8 @@ _SPEC: tuple[_Domain, ...] = (
                  "neural, cognitive, cerebral, spinal, neurological, sensory, degenerative, "
                  "motor"),
             _sub("surgery", "surgery",
-                 "scalpel, operating theater, anesthesia, incision, suture, surgeon, sterile field, "
+                 "scalpel, operating theater, anesthesia, incision, suture, surgeon, "
+                 "sterile field, "
                  "laparoscope, stitch, retractor, scrub nurse, recovery room, skin graft, "
                  "tourniquet, post-operative care",
                  "incise, suture, sterilize, anesthetize, graft, close, remove, clamp",
@@ -1026,6 +1044,8 @@ _SPEC: tuple[_Domain, ...] = (
     ),
 )
 
+# fmt: on
+
 DOMAINS: dict[str, tuple[str, ...]] = {d.key: tuple(s.key for s in d.subs) for d in _SPEC}
 """Domain key → its subtopic keys, in canonical order (16 domains × 4 subtopics). Read-only."""
 
@@ -1040,8 +1060,10 @@ TOPICS: tuple[tuple[str, str], ...] = tuple((d, t) for d, ts in DOMAINS.items() 
 _VOWELS = "aeiou"
 # Multi-syllable verbs stressed on the last syllable double their final consonant.
 _DOUBLE_FINAL = frozenset(
-    "expel control outwit patrol compel propel deter repel refer transfer equip regret submit "
-    "admit permit commit transmit retransmit occur rebel acquit".split()
+    _w(
+        "expel, control, outwit, patrol, compel, propel, deter, repel, refer, transfer, equip, "
+        "regret, submit, admit, permit, commit, transmit, retransmit, occur, rebel, acquit"
+    )
 )
 
 
@@ -1070,12 +1092,7 @@ def _gerund(v: str) -> str:
         return v + "ing"
     if v.endswith("e") and len(v) > 2:
         return v[:-1] + "ing"
-    cvc = (
-        len(v) >= 3
-        and v[-1] not in _VOWELS + "wxy"
-        and v[-2] in _VOWELS
-        and v[-3] not in _VOWELS
-    )
+    cvc = len(v) >= 3 and v[-1] not in _VOWELS + "wxy" and v[-2] in _VOWELS and v[-3] not in _VOWELS
     if v in _DOUBLE_FINAL or (cvc and _syllables(v) == 1):
         return v + v[-1] + "ing"
     return v + "ing"
@@ -1188,8 +1205,8 @@ _GENERIC_FACT = (
 )
 # Extra phrasings for measured quantities that carry a unit ("... a mass of 3.2 solar masses").
 _MEASURE_FACT = (
-    "{Ref} is listed with a {label} of {dv}.",
-    "With a {label} of {dv}, {ref} stands out in the records.",
+    "{Ref} is listed with {a_label} of {dv}.",
+    "With {a_label} of {dv}, {ref} stands out in the records.",
 )
 
 
@@ -1344,7 +1361,7 @@ def _build_world(spec: CorpusSpec) -> _World:
             ents.append(_Entity(name, ref, topic.index, k + 1, facts))
         per_topic.append(tuple(ents))
     s = float(spec.zipf_exponent)
-    probs = tuple(HEAD_MENTION_PROB * (r ** -s) for r in range(1, spec.entities_per_subtopic + 1))
+    probs = tuple(HEAD_MENTION_PROB * (r**-s) for r in range(1, spec.entities_per_subtopic + 1))
     return _World(_TOPIC_TABLE, tuple(per_topic), probs)
 
 
@@ -1392,7 +1409,7 @@ def _plans(spec: CorpusSpec, world: _World) -> Iterator[_Plan]:
 
 
 def _fill(rng: random.Random, template: str, fields: tuple[str, ...], topic: _Topic) -> str:
-    """Fill a template; redraw when an adjective stutters into its noun ("ornamental ornamental")."""
+    """Fill a template; redraw if an adjective stutters into its noun ("ornamental ornamental")."""
     for _ in range(8):
         s = _fill_once(rng, template, fields, topic)
         if not _STUTTER.search(s):
@@ -1470,6 +1487,7 @@ def _fact_sentence(rng: random.Random, ent: _Entity, fact: _Fact, topic: _Topic)
             a_v=shown,
             dv=shown,
             label=attr.label,
+            a_label=_a(attr.label),
             p=topic.domain.agent,
         )
     )

@@ -40,7 +40,7 @@ def dask_client(cfg: DaskConfig) -> Iterator[Client]:
         threads_per_worker=cfg.threads_per_worker,
         processes=True,
         memory_limit=cfg.memory_limit,
-        dashboard_address=None,
+        dashboard_address=":0",
     )
     client = Client(cluster)
     try:

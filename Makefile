@@ -1,0 +1,41 @@
+# Two commands for a fresh machine: `make demo` and `make test`.
+# Both create .venv and install memtree into it on first use.
+# FAISS=gpu selects faiss-gpu instead of faiss-cpu (they are mutually exclusive).
+
+PYTHON ?= python3
+VENV ?= .venv
+FAISS ?= cpu
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.memtree-installed-$(FAISS)
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test test-all install bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet --progress-bar off -e ".[$(FAISS),dev]"
+	$(PY) -m pip check
+	rm -f $(VENV)/.memtree-installed-*
+	touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/memtree demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m "slow or not slow"
+
+bench: $(STAMP)
+	$(PY) bench/pipeline.py
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,39 @@
+import pytest
+
+from memtree.config import ConfigError, load_config, to_dict
+from pipeline.config import PipelineConfig
+
+
+def test_defaults_and_overrides():
+    cfg = load_config(PipelineConfig, {"out": "x"}, ["tree.levels=3", "ingest.inputs=[a.jsonl,b.parquet]"])
+    assert cfg.tree.levels == 3 and cfg.tree.branching == 16
+    assert cfg.ingest.inputs == ["a.jsonl", "b.parquet"]
+    assert to_dict(cfg)["tree"]["levels"] == 3
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ConfigError, match=r"tree\.levelz"):
+        load_config(PipelineConfig, {"out": "x", "tree": {"levelz": 3}})
+    with pytest.raises(ConfigError, match=r"unknown config key bogus"):
+        load_config(PipelineConfig, {"out": "x"}, ["bogus=1"])
+
+
+def test_type_and_value_errors_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"tree\.branching: expected an integer"):
+        load_config(PipelineConfig, {"out": "x", "tree": {"branching": "many"}})
+    with pytest.raises(ConfigError, match=r"embed\.strategy: 'max' is not one of"):
+        load_config(PipelineConfig, {"out": "x", "embed": {"strategy": "max"}})
+    with pytest.raises(ConfigError, match=r"branching must be >= 2"):
+        load_config(PipelineConfig, {"out": "x", "tree": {"branching": 1}})
+    with pytest.raises(ConfigError, match="missing required config key out"):
+        load_config(PipelineConfig, {})
+    with pytest.raises(ConfigError, match="seq_len"):
+        load_config(PipelineConfig, {"out": "x", "pack": {"seq_len": 16}})
+
+
+def test_yaml_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("out: r\ntree:\n  levels: 2\n")
+    assert load_config(PipelineConfig, p).tree.levels == 2
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(PipelineConfig, tmp_path / "missing.yaml")

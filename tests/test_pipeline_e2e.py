@@ -1,0 +1,172 @@
+"""End to end on real Dask, MiniLM, FAISS and MDS: counts, shards, determinism, resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from memtree.config import load_config
+from pipeline.config import PipelineConfig
+from pipeline.run import run_pipeline
+from tests.conftest import write_jsonl
+
+OVERRIDES = [
+    "tree.levels=2", "tree.branching=8", "tree.batch_size=1024", "tree.steps=10",
+    "window.window_tokens=256", "window.vocab_size=2000", "window.train_sample_docs=400",
+    "pack.seq_len=512", "pack.size_limit=256kb", "embed.max_seq_length=64",
+    "ingest.partition_docs=100", "ingest.keep_fields=[domain,topic]", "progress=false",
+]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, corpus_records):
+    return write_jsonl(tmp_path_factory.mktemp("corpus") / "c.jsonl", corpus_records)
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory, corpus, dask_client):
+    out = tmp_path_factory.mktemp("runs") / "a"
+    cfg = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}}, OVERRIDES)
+    t0 = time.time()
+    markers = run_pipeline(cfg, client=dask_client, log=lambda m: None)
+    return out, markers, time.time() - t0
+
+
+def _read_all(out: Path):
+    from streaming import StreamingDataset
+    from streaming.base.util import clean_stale_shared_memory
+
+    from pipeline.shards import open_streams
+
+    clean_stale_shared_memory()
+    ds = StreamingDataset(streams=open_streams(out / "shards"), shuffle=False, batch_size=1)
+    return [ds[i] for i in range(len(ds))]
+
+
+def test_end_to_end_counts(run_a, corpus_records):
+    # Speed is measured in bench/pipeline.py, not asserted here.
+    out, markers, _ = run_a
+    rep = markers["report"]["stats"]
+    assert rep["reconciled"]
+    ing = markers["ingest"]["stats"]
+    assert ing["records_in"] == len(corpus_records) == ing["kept"] + ing["rejected"]
+    assert (out / "report" / "report.md").is_file() and (out / "report" / "cluster_sizes.png").is_file()
+
+
+def test_every_window_in_exactly_one_sample_with_valid_paths(run_a):
+    from clustering.tree import load_tree
+
+    out, markers, _ = run_a
+    tree = load_tree(out / "tree")
+    n_windows = markers["window"]["stats"]["n_windows"]
+    windows = pa.concat_tables(
+        [pq.read_table(out / "window" / p["file"]) for p in markers["window"]["stats"]["parts"]]
+    )
+    tokens = windows["tokens"].to_pylist()
+    seen = []
+    eot = markers["tokenizer"]["stats"]["eot_id"]
+    samples = _read_all(out)
+    assert len(samples) == markers["shards"]["stats"]["n_samples"]
+    for s in samples:
+        path, wids, b, tok = s["path"], s["window_ids"], s["doc_bounds"], s["tokens"]
+        assert len(tok) <= 512 and b[0] == 0 and b[-1] == len(tok) and len(b) == len(wids) + 1
+        assert s["leaf"] == path[-1] and path[1] // 8 == path[0]
+        assert all(tree.valid[lv][path[lv]] for lv in range(2))
+        for j, w in enumerate(wids):
+            seg = tok[b[j] : b[j + 1]]
+            n = len(tokens[w])
+            assert list(seg[:n]) == tokens[w]
+            assert len(seg) == n or (len(seg) == n + 1 and seg[-1] == eot)
+        seen.extend(wids.tolist())
+    assert sorted(seen) == list(range(n_windows))
+    # The assignment table and the samples agree on every window's path.
+    assign = pa.concat_tables([pq.read_table(p) for p in sorted((out / "assign").glob("part-*.parquet"))])
+    leaf = assign["leaf"].to_numpy()
+    for s in samples[:50]:
+        assert (leaf[s["window_ids"]] == s["leaf"]).all()
+
+
+def test_query_time_routing_matches_training_assignment(run_a):
+    from clustering.route import route_texts
+    from clustering.tree import load_tree
+
+    out, markers, _ = run_a
+    tree = load_tree(out / "tree")
+    w = pq.read_table(out / "window" / "part-00000.parquet", columns=["text"])["text"].to_pylist()[:20]
+    a = pq.read_table(out / "assign" / "part-00000.parquet", columns=["path"])["path"].to_pylist()[:20]
+    got = route_texts(tree, w, device="cpu")
+    assert got.tolist() == a
+
+
+def test_topics_cluster_together(run_a):
+    """The default corpus has real topical structure: level-1 clusters are domain-pure."""
+    out, markers, _ = run_a
+    docs = pa.concat_tables([pq.read_table(out / "ingest" / p["file"], columns=["doc_ordinal", "meta"])
+                             for p in markers["ingest"]["stats"]["parts"]])
+    import json
+
+    domain = np.array([json.loads(m)["domain"] for m in docs["meta"].to_pylist()])
+    assign = pa.concat_tables([pq.read_table(p) for p in sorted((out / "assign").glob("part-*.parquet"))])
+    dom = domain[assign["doc_ordinal"].to_numpy()]
+    sub = assign["subtree"].to_numpy()
+    purity = sum(np.unique(dom[sub == s], return_counts=True)[1].max() for s in np.unique(sub)) / len(sub)
+    # 16 domains into 8 clusters: a perfect clustering has purity 0.5; random ~0.07.
+    assert purity > 0.35
+
+
+def test_rerun_skips_finished_stages(run_a, corpus, dask_client):
+    out, _, _ = run_a
+    logs: list[str] = []
+    cfg = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}}, OVERRIDES)
+    run_pipeline(cfg, client=dask_client, log=logs.append)
+    assert all("up to date" in line for line in logs) and len(logs) == 8
+    # Changing only the packing reruns shards and report, nothing upstream.
+    logs.clear()
+    cfg2 = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
+                       [*OVERRIDES, "pack.seq_len=1024"])
+    run_pipeline(cfg2, client=dask_client, log=logs.append)
+    rerun = [line.split("]")[0][1:] for line in logs if "running" in line]
+    assert rerun == ["shards", "report"]
+    run_pipeline(cfg, client=dask_client, log=lambda m: None)  # restore for the other tests
+
+
+def _files(root: Path, sub: str) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted((root / sub).rglob("*"))
+            if p.is_file() and p.name != "_stage.json"}
+
+
+def test_killed_run_resumes_to_identical_outputs(run_a, corpus, tmp_path):
+    """SIGKILL mid-embed, rerun: tree, assignments and shards are byte-identical to run A."""
+    out_a, _, _ = run_a
+    out_b = tmp_path / "b"
+    cmd = [sys.executable, "-m", "memtree", "pipeline", f"out={out_b}", f"ingest.inputs=[{corpus}]",
+           "dask.n_workers=2", *OVERRIDES]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 240
+    killed = False
+    while time.time() < deadline and proc.poll() is None:
+        parts = list((out_b / ".work").glob("embed-*/parts/part-*.npy"))
+        if parts:
+            os.killpg(proc.pid, signal.SIGKILL)
+            killed = True
+            break
+        time.sleep(0.05)
+    proc.wait()
+    assert killed, "the run finished before it could be interrupted"
+    assert not (out_b / "embed").exists()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[embed] running (resuming)" in r.stdout
+    for sub in ("tree", "assign", "shards", "window", "tokenizer"):
+        assert _files(out_b, sub) == _files(out_a, sub), sub
