@@ -375,15 +375,22 @@ def run_pipeline(
     """Run (or resume) the pipeline up to and including stage `until`; returns the stage markers."""
     if until is not None and until not in STAGE_NAMES:
         raise ValueError(f"unknown stage {until!r}; stages: {STAGE_NAMES}")
-    if "://" in cfg.out and not cfg.out.startswith("file://"):
-        raise ValueError(
-            f"out={cfg.out}: the pipeline writes to a local run directory; copy it to remote storage "
-            "afterwards (MDS streams read from remote with streaming.Stream(remote=...))"
-        )
-    root = Path(cfg.out.removeprefix("file://"))
+    remote = "://" in cfg.out and not cfg.out.startswith("file://")
+    if remote:
+        # Work happens in a local staging copy (Dask tasks need a shared filesystem and
+        # atomic renames); every finished stage is then uploaded through fsspec.
+        import hashlib
+        import os
+
+        base = Path(os.environ.get("MEMTREE_STAGING", Path.home() / ".cache" / "memtree" / "staging"))
+        root = base / hashlib.sha256(cfg.out.encode()).hexdigest()[:16]
+    else:
+        root = Path(cfg.out.removeprefix("file://"))
     root.mkdir(parents=True, exist_ok=True)
     atomic_write_json(root / "config.json", {"format": "memtree-run", "version": PIPELINE_FORMAT_VERSION,
                                              "config": to_dict(cfg)})
+    if remote:
+        _upload(root / "config.json", cfg.out.rstrip("/") + "/config.json")
     wanted = STAGE_NAMES[: STAGE_NAMES.index(until) + 1] if until else STAGE_NAMES
 
     def go(c) -> dict[str, dict]:
@@ -394,12 +401,47 @@ def run_pipeline(
                 break
             fps[st.name] = fingerprint(st, st.config(cfg), [fps[d] for d in st.deps])
             ctx.markers[st.name] = run_stage(root, st, fps[st.name], ctx, log=log)
+            if remote:
+                _sync_stage(root / st.name, cfg.out.rstrip("/") + "/" + st.name, log)
         return ctx.markers
 
     if client is not None:
         return go(client)
     with dask_client(cfg.dask) as c:
         return go(c)
+
+
+def _upload(local: Path, url: str) -> None:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    if local.is_dir():
+        fs.put(str(local), path, recursive=True)
+    else:
+        fs.put_file(str(local), path)
+
+
+def _sync_stage(local: Path, url: str, log: Callable[[str], None]) -> None:
+    """Upload a finished stage unless the remote copy has the same fingerprint; marker last."""
+    import json
+
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    marker = f"{path}/_stage.json"
+    local_marker = json.loads((local / "_stage.json").read_text())
+    if fs.exists(marker):
+        with fs.open(marker, "r") as f:
+            if json.load(f).get("fingerprint") == local_marker["fingerprint"]:
+                return
+        fs.rm(path, recursive=True)
+    for p in sorted(local.rglob("*")):
+        if p.is_file() and p.name != "_stage.json":
+            fs.makedirs(f"{path}/{p.parent.relative_to(local)}".rstrip("/."), exist_ok=True)
+            fs.put_file(str(p), f"{path}/{p.relative_to(local)}")
+    # The marker goes last: a remote stage with a marker is complete.
+    fs.put_file(str(local / "_stage.json"), marker)
+    log(f"[{local.name}] uploaded to {url}")
 
 
 def stage_status(root: str | Path) -> dict[str, dict | None]:

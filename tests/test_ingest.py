@@ -97,3 +97,19 @@ def test_missing_input_named(tmp_path, dask_client):
 
 def test_normalize_text():
     assert normalize_text("e\u0301\r\nx\x07y\tz") == "\u00e9\nxy\tz"
+
+
+def test_remote_output_through_fsspec(tmp_path, dask_client, monkeypatch):
+    import fsspec
+
+    monkeypatch.setenv("MEMTREE_STAGING", str(tmp_path / "staging"))
+    f = write_jsonl(tmp_path / "a.jsonl", [{"id": "r1", "text": "Remote run."}, "{bad"])
+    cfg = load_config(PipelineConfig, {"out": "memory://bucket/run", "progress": False,
+                                       "ingest": {"inputs": [str(f)]}})
+    run_pipeline(cfg, until="ingest", client=dask_client, log=lambda m: None)
+    fs = fsspec.filesystem("memory")
+    assert fs.exists("/bucket/run/config.json")
+    assert fs.exists("/bucket/run/ingest/_stage.json")
+    with fs.open("/bucket/run/ingest/rejects.parquet", "rb") as fh:
+        assert pq.read_table(fh).to_pylist()[0]["reason"] == "malformed_json"
+    assert fs.exists("/bucket/run/ingest/docs/part-00000.parquet")
