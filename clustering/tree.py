@@ -19,7 +19,6 @@ On disk (format `memtree-tree`, version 1; see clustering/README.md):
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -252,6 +251,3 @@ def load_tree(path: str | Path, *, verify: bool = True) -> Tree:
     tree = Tree(L, B, meta["dim"], cents, valid, sizes, meta=meta)
     return tree
 
-
-def describe(tree: Tree) -> str:
-    return json.dumps(level_stats(tree), indent=2)

@@ -253,9 +253,6 @@ def _tree(ctx: Ctx, work: Path) -> dict:
 
 
 # ----------------------------------------------------------------------------- assign
-ASSIGN_SCHEMA_BASE = [("window_ordinal", pa.int64()), ("doc_ordinal", pa.int64())]
-
-
 def assign_part(tree_dir: str, emb_path: str, windows_path: str, out_path: str, offset: int, n: int) -> list[list[int]]:
     """Dask task: route one partition's windows; returns per-level cluster sizes (sparse)."""
     from clustering.route import route
