@@ -6,9 +6,12 @@ when exhausted; the whole node when it is smaller than a batch). After each
 assignment step, a cluster holding more than `balance_factor × batch / k`
 points has its assignments split evenly at random with the smallest cluster
 (Jégou et al., 2010): the two clusters' points are pooled and halved by a
-random hyperplane, until no cluster is over the limit. The split is what
-pulls small (or empty) clusters towards dense regions, so the final Voronoi
-cells used for greedy routing come out close to uniform.
+random hyperplane, until no cluster is over the limit. The split pulls small
+(or empty) clusters towards dense regions.
+
+That rule balances the training assignments, not the nearest-centroid cells
+that routing uses; `equalize_cells` then rescales centroid norms so those
+cells come out balanced too (optional, `tree.equalize_steps`).
 
 Nearest-centroid search uses FAISS (exact IndexFlatL2).
 """
@@ -21,6 +24,9 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 from threadpoolctl import threadpool_limits
+
+
+EQUALIZE_SAMPLE = 65536
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,44 @@ def balance(
     return splits
 
 
+def equalize_cells(x: np.ndarray, c: np.ndarray, *, steps: int, lr: float = 0.1) -> np.ndarray:
+    """Rescale centroid norms so the nearest-centroid cells of x come out equal in size.
+
+    The App. C rule balances the *training* assignments, but routing is by
+    nearest centroid, and the cells of the resulting means are not balanced
+    below level 1 (measured max/mean 1.9–4 at levels 2–4). For unit-norm x the
+    routing score is ||c||² − 2·x·c, so a centroid's norm acts as a bias on its
+    cell: points on a cell's boundary lie less aligned with it than its
+    centroid's norm, and a larger norm shrinks the cell there. Directions stay
+    the k-means directions; each step changes each norm by at most ±lr
+    (relative) in the direction that moves its cell towards the target size,
+    halving lr whenever the largest cell grows. The best configuration
+    seen (fewest empty cells, then smallest maximum) is returned, so the result
+    is never worse on x than the k-means centroids. Routing stays plain L2.
+    """
+    n, k = x.shape[0], c.shape[0]
+    if steps <= 0 or k < 2:
+        return c
+    norms = np.linalg.norm(c, axis=1).astype(np.float64)
+    norms[norms == 0] = 1e-6
+    dirs = c / norms[:, None]
+    target = n / k
+    best_key, best, prev_max = None, c, None
+    for _ in range(steps + 1):
+        cand = (norms[:, None] * dirs).astype(np.float32)
+        sizes = np.bincount(nearest(x, cand), minlength=k)
+        key = (int((sizes == 0).sum()), int(sizes.max()))
+        if best_key is None or key < best_key:
+            best_key, best = key, cand
+        if sizes.max() <= 1.02 * target and sizes.min() > 0:
+            break
+        if prev_max is not None and sizes.max() > prev_max:
+            lr *= 0.5  # overshoot: the cells are more sensitive than the step assumed
+        prev_max = sizes.max()
+        norms *= 1.0 + lr * np.tanh(np.log((sizes + 1) / (target + 1)))
+    return best
+
+
 def balanced_kmeans(
     x: np.ndarray,
     k: int,
@@ -95,6 +139,7 @@ def balanced_kmeans(
     batch_size: int = 6400,
     steps: int = 20,
     balance_factor: float = 1.1,
+    equalize_steps: int = 0,
     rng: np.random.Generator,
 ) -> NodeFit:
     """Fit k centroids to the rows of x (n, d) float32 (rows assumed L2-normalised).
@@ -106,8 +151,15 @@ def balanced_kmeans(
     comes from fitting many nodes at once (Dask tasks) instead.
     """
     with threadpool_limits(limits=1):
-        return _balanced_kmeans(x, k, batch_size=batch_size, steps=steps,
-                                balance_factor=balance_factor, rng=rng)
+        fit = _balanced_kmeans(x, k, batch_size=batch_size, steps=steps,
+                               balance_factor=balance_factor, rng=rng)
+        if equalize_steps and fit.k > 1:
+            xs = x
+            if x.shape[0] > EQUALIZE_SAMPLE:
+                xs = x[np.sort(rng.choice(x.shape[0], EQUALIZE_SAMPLE, replace=False))]
+            fit = NodeFit(equalize_cells(np.asarray(xs), fit.centroids, steps=equalize_steps),
+                          fit.k, fit.n_points, fit.balance_splits)
+        return fit
 
 
 def _balanced_kmeans(x, k, *, batch_size, steps, balance_factor, rng) -> NodeFit:

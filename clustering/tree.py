@@ -78,6 +78,7 @@ def fit_node(
     batch_size: int,
     steps: int,
     balance_factor: float,
+    equalize_steps: int = 0,
     seed: int,
     level: int,
     node: int,
@@ -96,7 +97,8 @@ def fit_node(
     rng = np.random.default_rng([seed, level, node])
     k = node_children(x.shape[0], branching, min_points_per_child)
     fit = balanced_kmeans(
-        x, k, batch_size=batch_size, steps=steps, balance_factor=balance_factor, rng=rng
+        x, k, batch_size=batch_size, steps=steps, balance_factor=balance_factor,
+        equalize_steps=equalize_steps, rng=rng,
     )
     out[: fit.k] = fit.centroids
     return out, fit.k, fit.balance_splits
@@ -111,6 +113,7 @@ def build_tree(
     steps: int = 20,
     balance_factor: float = 1.1,
     min_points_per_child: int = 2,
+    equalize_steps: int = 40,
     seed: int = 0,
     fit_nodes: Callable[..., Sequence[tuple[np.ndarray, int, int]]] | None = None,
     on_level: Callable[[int], None] | None = None,
@@ -123,7 +126,8 @@ def build_tree(
     """
     n, dim = x.shape
     params = dict(branching=branching, min_points_per_child=min_points_per_child,
-                  batch_size=batch_size, steps=steps, balance_factor=balance_factor, seed=seed)
+                  batch_size=batch_size, steps=steps, balance_factor=balance_factor,
+                  equalize_steps=equalize_steps, seed=seed)
 
     def serial(level: int, nodes: list[tuple[int, np.ndarray]], parent_c: np.ndarray):
         return [

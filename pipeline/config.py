@@ -87,6 +87,9 @@ class TreeConfig:
     balance_factor: float = 1.1
     """A cluster holding more than balance_factor × (batch / k) points in an assignment step
     has its points split evenly at random with the smallest cluster (Jegou et al., 2010)."""
+    equalize_steps: int = 40
+    """After k-means, steps of centroid-norm rescaling that equalise the nearest-centroid cells
+    routing uses (clustering.kmeans.equalize_cells); 0 keeps the paper's rule alone."""
     min_points_per_child: int = 2
     """A node with n points gets min(branching, n // min_points_per_child) children (at least 1)."""
     auto_reduce: bool = False
@@ -94,6 +97,8 @@ class TreeConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "levels", "branching", "batch_size", "steps", "min_points_per_child")
+        if self.equalize_steps < 0:
+            raise ValueError("TreeConfig.equalize_steps must be >= 0")
         if self.branching < 2:
             raise ValueError("TreeConfig.branching must be >= 2")
         if self.balance_factor < 1.0:

@@ -215,7 +215,7 @@ def _tree(ctx: Ctx, work: Path) -> dict:
         ctx.log(f"[tree] {x.shape[0]} windows: levels reduced {t.levels} -> {levels} (tree.auto_reduce)")
     params = dict(branching=t.branching, min_points_per_child=t.min_points_per_child,
                   batch_size=t.batch_size, steps=t.steps, balance_factor=t.balance_factor,
-                  seed=ctx.cfg.seed)
+                  equalize_steps=t.equalize_steps, seed=ctx.cfg.seed)
     n_workers = max(1, len(ctx.client.scheduler_info()["workers"]))
 
     def fit_nodes(level, nodes, parent_c):

@@ -123,6 +123,17 @@ def test_topics_cluster_together(run_a):
     assert purity > 0.35
 
 
+def test_routing_cells_balanced_on_real_embeddings(run_a):
+    from clustering.tree import build_tree, level_stats
+
+    out, _, _ = run_a
+    x = np.load(out / "embed" / "embeddings.npy")
+    kw = dict(levels=2, branching=8, batch_size=1024, steps=10, seed=0)
+    plain = [s["balance_ratio"] for s in level_stats(build_tree(x, equalize_steps=0, **kw)[0])]
+    eq = [s["balance_ratio"] for s in level_stats(build_tree(x, equalize_steps=40, **kw)[0])]
+    assert eq[1] < plain[1] and max(eq) < 1.35, (plain, eq)
+
+
 def test_rerun_skips_finished_stages(run_a, corpus, dask_client):
     out, _, _ = run_a
     logs: list[str] = []
