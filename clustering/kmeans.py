@@ -26,9 +26,6 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 
-EQUALIZE_SAMPLE = 65536
-
-
 @dataclass(frozen=True)
 class NodeFit:
     centroids: np.ndarray  # (k, d) float32
@@ -144,22 +141,27 @@ def balanced_kmeans(
 ) -> NodeFit:
     """Fit k centroids to the rows of x (n, d) float32 (rows assumed L2-normalised).
 
-    Runs single-threaded (BLAS and OpenMP): a node's work is a few MFLOP per
-    step, where thread fan-out costs more than it saves and spin-waits badly
+    Call it inside `single_threaded()`: a node's work is a few MFLOP per step,
+    where BLAS/OpenMP fan-out costs more than it saves and spin-waits badly
     when other processes share the cores (measured: FAISS search of 6,400 × 16
     × 384 took 1.7 ms on one thread, 13.7 ms on two under load). Parallelism
-    comes from fitting many nodes at once (Dask tasks) instead.
+    comes from fitting many nodes at once (threads or Dask tasks) instead.
     """
-    with threadpool_limits(limits=1):
-        fit = _balanced_kmeans(x, k, batch_size=batch_size, steps=steps,
-                               balance_factor=balance_factor, rng=rng)
-        if equalize_steps and fit.k > 1:
-            xs = x
-            if x.shape[0] > EQUALIZE_SAMPLE:
-                xs = x[np.sort(rng.choice(x.shape[0], EQUALIZE_SAMPLE, replace=False))]
-            fit = NodeFit(equalize_cells(np.asarray(xs), fit.centroids, steps=equalize_steps),
-                          fit.k, fit.n_points, fit.balance_splits)
-        return fit
+    fit = _balanced_kmeans(x, k, batch_size=batch_size, steps=steps,
+                           balance_factor=balance_factor, rng=rng)
+    if equalize_steps and fit.k > 1:
+        xs = x
+        if x.shape[0] > batch_size:
+            # One batch-sized sample: cell sizes to within a few percent, at EM-step cost.
+            xs = x[np.sort(rng.choice(x.shape[0], batch_size, replace=False))]
+        fit = NodeFit(equalize_cells(np.asarray(xs), fit.centroids, steps=equalize_steps),
+                      fit.k, fit.n_points, fit.balance_splits)
+    return fit
+
+
+def single_threaded():
+    """Context limiting BLAS and OpenMP (FAISS) to one thread, for node fits."""
+    return threadpool_limits(limits=1)
 
 
 def _balanced_kmeans(x, k, *, batch_size, steps, balance_factor, rng) -> NodeFit:

@@ -19,6 +19,8 @@ On disk (format `memtree-tree`, version 1; see clustering/README.md):
 from __future__ import annotations
 
 import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from clustering.kmeans import balanced_kmeans
+from clustering.kmeans import balanced_kmeans, single_threaded
 from clustering.route_core import route_step
 from memtree.io import atomic_path, atomic_write_json, read_json, sha256_file
 
@@ -116,25 +118,30 @@ def build_tree(
     equalize_steps: int = 40,
     seed: int = 0,
     fit_nodes: Callable[..., Sequence[tuple[np.ndarray, int, int]]] | None = None,
+    n_jobs: int | None = None,
     on_level: Callable[[int], None] | None = None,
 ) -> tuple[Tree, np.ndarray]:
     """Build the tree root-to-leaves on x (n, dim) float32; returns (tree, paths (n, levels)).
 
     `fit_nodes(level, nodes)` fits a list of (node_id, member_indices) and
-    returns fit_node results in order; the default runs them serially, the
-    pipeline passes a Dask-backed one.
+    returns fit_node results in order; the default runs them on `n_jobs`
+    threads (default: all cores), the pipeline passes a Dask-backed one.
     """
     n, dim = x.shape
     params = dict(branching=branching, min_points_per_child=min_points_per_child,
                   batch_size=batch_size, steps=steps, balance_factor=balance_factor,
                   equalize_steps=equalize_steps, seed=seed)
 
-    def serial(level: int, nodes: list[tuple[int, np.ndarray]], parent_c: np.ndarray):
-        return [
-            fit_node(x[idx], level=level, node=p, fallback=parent_c[p], **params) for p, idx in nodes
-        ]
+    def threaded(level: int, nodes: list[tuple[int, np.ndarray]], parent_c: np.ndarray):
+        # Nodes are independent and their RNGs keyed by id: thread order cannot change results.
+        def one(node):
+            p, idx = node
+            return fit_node(x[idx], level=level, node=p, fallback=parent_c[p], **params)
 
-    fit_nodes = fit_nodes or serial
+        with single_threaded(), ThreadPoolExecutor(max_workers=n_jobs or os.cpu_count() or 1) as ex:
+            return list(ex.map(one, nodes))
+
+    fit_nodes = fit_nodes or threaded
     centroids: list[np.ndarray] = []
     valid: list[np.ndarray] = []
     sizes: list[np.ndarray] = []

@@ -175,16 +175,15 @@ def _embed(ctx: Ctx, work: Path) -> dict:
 def fit_nodes_task(emb_path: str, nodes: list[tuple[int, np.ndarray]], level: int, params: dict,
                    fallbacks: np.ndarray) -> list[tuple[np.ndarray, int, int]]:
     """Dask task: fit a group of sibling-independent nodes of one level."""
-    import faiss
-
+    from clustering.kmeans import single_threaded
     from clustering.tree import fit_node
 
-    faiss.omp_set_num_threads(1)
     x = np.load(emb_path, mmap_mode="r")
-    return [
-        fit_node(np.asarray(x[np.sort(idx)]), level=level, node=int(p), fallback=fb, **params)
-        for (p, idx), fb in zip(nodes, fallbacks)
-    ]
+    with single_threaded():
+        return [
+            fit_node(np.asarray(x[np.sort(idx)]), level=level, node=int(p), fallback=fb, **params)
+            for (p, idx), fb in zip(nodes, fallbacks)
+        ]
 
 
 def effective_levels(n: int, levels: int, branching: int, auto_reduce: bool) -> int:
