@@ -26,6 +26,9 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 
+EQUALIZE_SAMPLE = 65536
+
+
 @dataclass(frozen=True)
 class NodeFit:
     centroids: np.ndarray  # (k, d) float32
@@ -151,9 +154,10 @@ def balanced_kmeans(
                            balance_factor=balance_factor, rng=rng)
     if equalize_steps and fit.k > 1:
         xs = x
-        if x.shape[0] > batch_size:
-            # One batch-sized sample: cell sizes to within a few percent, at EM-step cost.
-            xs = x[np.sort(rng.choice(x.shape[0], batch_size, replace=False))]
+        if x.shape[0] > EQUALIZE_SAMPLE:
+            # Measured on the 4×16 synthetic benchmark: a 6,400-point sample left level 2 at
+            # max/mean 3.5, a 65,536-point one at 2.0, for ~20% more build time.
+            xs = x[np.sort(rng.choice(x.shape[0], EQUALIZE_SAMPLE, replace=False))]
         fit = NodeFit(equalize_cells(np.asarray(xs), fit.centroids, steps=equalize_steps),
                       fit.k, fit.n_points, fit.balance_splits)
     return fit
