@@ -721,6 +721,25 @@ def greedy_vs_exhaustive(tree, xq: np.ndarray, rounds: int) -> dict:
     }
 
 
+def routing_rows(r: dict, n_leaves: int, data: str) -> list[dict]:
+    """Throughput and agreement rows of one greedy-vs-exhaustive comparison."""
+    return [
+        row(
+            "assign",
+            f"routing throughput, greedy vs exhaustive, {n_leaves:,} leaves",
+            r["greedy_per_s"],
+            unit="pts/s",
+            baseline=round(r["exhaustive_per_s"], 1),
+            ratio=r["throughput_ratio"],
+            target=">= 100x",
+            met=r["throughput_ratio"] >= 100,
+            data=data,
+        ),
+        row("assign", "agreement greedy leaf == exhaustive nearest leaf", r["agreement"],
+            data=data, target="(info)"),
+    ]
+
+
 def bench_assign(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
     L, B, nq = S["assign_levels"], S["assign_branching"], S["assign_queries"]
     res: dict[str, Any] = {"loadavg_start": loadavg()}
@@ -742,28 +761,7 @@ def bench_assign(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
         f"constructed {L}x{B} tree ({B**L:,} leaves; child = parent + noise of norm "
         f"{radii}, renormalised); {nq:,} queries = random leaf + noise {q_radius}"
     )
-    rows.append(
-        row(
-            "assign",
-            f"routing throughput, greedy vs exhaustive, {B**L:,} leaves",
-            r["greedy_per_s"],
-            unit="pts/s",
-            baseline=round(r["exhaustive_per_s"], 1),
-            ratio=r["throughput_ratio"],
-            target=">= 100x",
-            met=r["throughput_ratio"] >= 100,
-            data=data_c,
-        )
-    )
-    rows.append(
-        row(
-            "assign",
-            "agreement greedy leaf == exhaustive nearest leaf",
-            r["agreement"],
-            data=data_c,
-            target="(info)",
-        )
-    )
+    rows += routing_rows(r, B**L, data_c)
 
     # The default-config tree built on synthetic data (shared with the balance benchmark).
     built = ctx.get("balance_tree") or balance_tree(S, ctx)
@@ -782,28 +780,7 @@ def bench_assign(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
         f"tree built by build_tree (default TreeConfig params, {lb}x{bb}) on {gen['n']:,} "
         f"synthetic GMM pts; {nq:,} held-out pts of the same mixture"
     )
-    rows.append(
-        row(
-            "assign",
-            f"routing throughput, greedy vs exhaustive, {bb**lb:,} leaves",
-            r2["greedy_per_s"],
-            unit="pts/s",
-            baseline=round(r2["exhaustive_per_s"], 1),
-            ratio=r2["throughput_ratio"],
-            target=">= 100x",
-            met=r2["throughput_ratio"] >= 100,
-            data=data_b,
-        )
-    )
-    rows.append(
-        row(
-            "assign",
-            "agreement greedy leaf == exhaustive nearest leaf",
-            r2["agreement"],
-            data=data_b,
-            target="(info)",
-        )
-    )
+    rows += routing_rows(r2, bb**lb, data_b)
     rows.append(
         row(
             "assign",
