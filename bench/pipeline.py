@@ -833,6 +833,22 @@ def balance_tree(S: dict, ctx: dict) -> dict:
     return ctx["balance_tree"]
 
 
+def balance_rows(stats: list[dict], data: str) -> list[dict]:
+    """One max/mean row per tree level."""
+    return [
+        row(
+            "balance",
+            f"max/mean size, level {s['level']} (mean {s['mean_size']:.1f}, "
+            f"max {s['max_size']}, min {s['min_size']}, empty {s['n_empty']})",
+            s["balance_ratio"],
+            target="<= 1.2",
+            met=s["balance_ratio"] <= 1.2,
+            data=data,
+        )
+        for s in stats
+    ]
+
+
 def bench_balance(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
     from clustering.tree import build_tree, level_stats
 
@@ -852,18 +868,7 @@ def bench_balance(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
         f"({tc['levels']}x{tc['branching']}, batch {tc['batch_size']}, steps {tc['steps']}, "
         f"balance_factor {tc['balance_factor']})"
     )
-    for s in st:
-        rows.append(
-            row(
-                "balance",
-                f"max/mean size, level {s['level']} (mean {s['mean_size']:.1f}, "
-                f"max {s['max_size']}, min {s['min_size']}, empty {s['n_empty']})",
-                s["balance_ratio"],
-                target="<= 1.2",
-                met=s["balance_ratio"] <= 1.2,
-                data=data,
-            )
-        )
+    rows += balance_rows(st, data)
 
     q = ctx.get("real_quality") or real_embeddings(
         S["quality_docs"], S["quality_max_seq_length"], ctx["cache"]
@@ -883,18 +888,7 @@ def bench_balance(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
         f"real: MiniLM emb. of {len(q['x']):,} corpus docs, build_tree {lv}x{br}, "
         "other params default"
     )
-    for s in st2:
-        rows.append(
-            row(
-                "balance",
-                f"max/mean size, level {s['level']} (mean {s['mean_size']:.1f}, "
-                f"max {s['max_size']}, min {s['min_size']}, empty {s['n_empty']})",
-                s["balance_ratio"],
-                target="<= 1.2",
-                met=s["balance_ratio"] <= 1.2,
-                data=data2,
-            )
-        )
+    rows += balance_rows(st2, data2)
     res["loadavg_end"] = loadavg()
     return res, rows
 

@@ -94,18 +94,29 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp
         _fsync_tree(tmp)
-        if path.exists():
-            old = path.parent / f".{path.name}.tmp-old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        replace_dir(tmp, path)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Move a finished directory onto dst, replacing any previous version.
+
+    A directory cannot be renamed over a non-empty one, so the old version is
+    first moved aside; a crash between the two renames leaves `src` complete,
+    and the caller's rerun publishes it again.
+    """
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.tmp-old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+    _fsync_dir(dst.parent)
 
 
 def _fsync_tree(root: Path) -> None:

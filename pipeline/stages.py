@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memtree.io import atomic_write_json, read_json
+from memtree.io import atomic_write_json, read_json, replace_dir
 
 MARKER = "_stage.json"
 
@@ -73,13 +72,6 @@ def run_stage(root: Path, stage: StageDef, fp: str, ctx: Any, *, log: Callable[[
     marker = {"stage": stage.name, "version": stage.version, "fingerprint": fp,
               "stats": stats, "seconds": round(seconds, 3)}
     atomic_write_json(work / MARKER, marker)
-    if out.exists():
-        old = root / ".work" / f".old-{stage.name}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        os.replace(work, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(work, out)
+    replace_dir(work, out)
     log(f"[{stage.name}] done in {seconds:.1f}s")
     return marker
