@@ -1,0 +1,103 @@
+"""Choosing what to block: the best-matching part of the bank for a set of queries (Fig. 6b).
+
+The paper blocks "the best-matching parts of the memory bank" for the
+atomic-number probes and reports the drop at 1/16 of the bank. Here the
+queries are routed through the same greedy traversal as training; clusters at
+a chosen granularity level are ranked by how many queries land in them, and
+whole subtrees are blocked in that order until the requested share of the
+bank's parameters is refused. `random_block` is the control: the same share,
+subtrees drawn at random.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from memstore.store import MemoryStore
+
+
+def subtree_share(store: MemoryStore, level: int) -> float:
+    """Share of the bank's parameters inside one level-`level` subtree (that cluster's
+    block and all its descendants; shallower levels are shared and not counted)."""
+    B = store.info.memory.branching
+    total = sum(L.info.n_blocks * L.info.params for L in store.levels.values())
+    inside = sum(L.info.params * B ** (lv - level) for lv, L in store.levels.items() if lv >= level)
+    return inside / total
+
+
+def _n_subtrees(store: MemoryStore, level: int, fraction: float) -> int:
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    share = subtree_share(store, level)
+    # smallest count whose share reaches the fraction (tolerant of float rounding: 16 × 1/16 == 1/16·16)
+    return max(1, int(np.ceil(fraction / share - 1e-9)))
+
+
+def rank_clusters(paths: np.ndarray, level: int) -> list[tuple[int, int]]:
+    """(cluster, queries) at `level`, most queries first; ties by cluster id."""
+    ids, counts = np.unique(np.asarray(paths)[:, level - 1], return_counts=True)
+    order = sorted(zip(ids.tolist(), counts.tolist(), strict=True), key=lambda t: (-t[1], t[0]))
+    return [(int(c), int(n)) for c, n in order]
+
+
+def adversarial_block(
+    store: MemoryStore,
+    *,
+    paths: np.ndarray | None = None,
+    texts: Sequence[str] | None = None,
+    tree: Any | None = None,
+    fraction: float = 1 / 16,
+    level: int = 1,
+    reason: str = "adversarial blocking",
+) -> dict[str, Any]:
+    """Block the subtrees the queries route to most, up to `fraction` of the bank.
+
+    Give query `paths` (n, L) directly, or `texts` with the `tree` to route them.
+    Returns what was blocked, the share of the bank refused, and how many of the
+    queries now hit a blocked path.
+    """
+    if paths is None:
+        if texts is None or tree is None:
+            raise ValueError("adversarial_block: give paths, or texts together with the tree to route them")
+        from clustering.route import route_texts
+
+        paths = route_texts(tree, list(texts))
+    paths = np.asarray(paths, dtype=np.int64)
+    n = _n_subtrees(store, level, fraction)
+    ranked = rank_clusters(paths, level)
+    chosen = [c for c, _ in ranked[:n]]
+    if len(chosen) < n:  # the queries touch fewer subtrees than the budget allows: fill by id
+        B = store.info.memory.branching
+        rest = [c for c in range(B**level) if c not in set(chosen)]
+        chosen += rest[: n - len(chosen)]
+    return _block_report(store, paths, level, chosen, reason)
+
+
+def random_block(
+    store: MemoryStore,
+    *,
+    fraction: float = 1 / 16,
+    level: int = 1,
+    seed: int = 0,
+    paths: np.ndarray | None = None,
+    reason: str = "random blocking (control)",
+) -> dict[str, Any]:
+    """Control for `adversarial_block`: the same share of the bank, subtrees drawn at random."""
+    n = _n_subtrees(store, level, fraction)
+    B = store.info.memory.branching
+    chosen = sorted(np.random.default_rng(seed).choice(B**level, size=n, replace=False).tolist())
+    return _block_report(store, None if paths is None else np.asarray(paths), level, chosen, reason)
+
+
+def _block_report(store: MemoryStore, paths: np.ndarray | None, level: int, chosen: list[int],
+                  reason: str) -> dict[str, Any]:
+    store.block(level, chosen, subtree=True, reason=reason)
+    report: dict[str, Any] = {"level": level, "clusters": chosen, "bank_fraction_blocked": store.blocked_fraction()}
+    if paths is not None and len(paths):
+        hit = np.isin(paths[:, level - 1], chosen)
+        report["queries"] = len(paths)
+        report["queries_blocked"] = int(hit.sum())
+    return report

@@ -1,0 +1,637 @@
+"""The memory store: tiers, fetch by cluster path, training gather/scatter, blocking, deletion.
+
+`MemoryStore` opens a bank written by `memstore.format` and serves it:
+
+- Each level is read through one tier backend chosen by the placement policy
+  (`memstore.placement`): RAM (the level file loaded into memory), flash (a
+  local file read with `pread`, optionally O_DIRECT so the page cache is
+  bypassed), or disk (a slower store: any local path or fsspec URL, read
+  through fsspec). A level's file stays where the manifest says it is;
+  `relocate_level` moves it to another directory or URL.
+- Flash and disk tiers keep an LRU cache of decoded blocks with a byte budget;
+  consecutive queries share shallow levels, which is where the cache pays.
+- Every read is checked against the block's digest (a mismatch names the level,
+  cluster and file), and counted per tier: reads, bytes read, cache hits/misses.
+- Blocked and deleted blocks are refused *before* any tier is touched, so the
+  read counters prove they were never read; fetch substitutes the fallback
+  (zeros = no memory, or the generic memory).
+- Edits (scatter, delete, edit) are journaled: the new records are written to
+  `journal/` atomically, then applied in place, then the manifest generation is
+  bumped and the journal removed. A crash before the journal lands leaves the
+  previous version; after it, opening the bank replays it. Either way every
+  block is whole.
+- Block / unblock / delete / edit append to `audit.jsonl` (who, when, what, why).
+
+One writer at a time: the store does not lock against a second process editing
+the same bank.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import getpass
+import json
+import mmap
+import os
+import socket
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Self
+
+import numpy as np
+import torch
+
+from memstore.cache import ByteLRU
+from memstore.format import (
+    DIGEST_BYTES,
+    GENERIC,
+    BankError,
+    BankInfo,
+    LevelInfo,
+    check_files,
+    check_tree,
+    corrupt_message,
+    digest,
+    is_url,
+    level_path,
+    read_manifest,
+    sums_name,
+)
+from memstore.placement import TierBudget, place_levels
+from memtree.io import atomic_write_bytes, atomic_write_json, dumps_json, read_json
+
+POLICY_FORMAT = "memtree-bank-policy"
+JOURNAL_FORMAT = "memtree-bank-journal"
+Fallback = Literal["zeros", "generic"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierConfig:
+    """One storage tier. Tiers are listed fastest first."""
+
+    name: str
+    kind: Literal["ram", "flash", "disk"]
+    capacity_bytes: int | None = None  # placement budget; None = unbounded
+    cache_bytes: int = 0  # LRU of decoded blocks (flash/disk); RAM needs none
+    direct: bool = False  # flash: O_DIRECT reads, bypassing the page cache
+
+
+DEFAULT_TIERS: tuple[TierConfig, ...] = (
+    TierConfig(name="ram", kind="ram", capacity_bytes=1 << 30),
+    TierConfig(name="flash", kind="flash", cache_bytes=256 << 20),
+)
+
+
+@dataclass
+class TierStats:
+    reads: int = 0
+    bytes_read: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    load_bytes: int = 0  # bytes read to fill a RAM tier at open
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+# --------------------------------------------------------------------------- tier backends
+
+
+class _LevelReader:
+    """Reads whole records of one level from where its file lives."""
+
+    def __init__(self, path: str, lv: LevelInfo, stats: TierStats) -> None:
+        self.path, self.lv, self.stats = path, lv, stats
+
+    def read(self, slot: int) -> memoryview:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _RamReader(_LevelReader):
+    def __init__(self, path: str, lv: LevelInfo, stats: TierStats) -> None:
+        super().__init__(path, lv, stats)
+        with _open_any(path) as f:
+            self.buf = bytearray(f.read())
+        stats.load_bytes += len(self.buf)
+
+    def read(self, slot: int) -> memoryview:
+        off = slot * self.lv.stride
+        self.stats.reads += 1
+        self.stats.bytes_read += self.lv.record_bytes
+        # a copy: cached tensors must not alias a buffer that edits overwrite
+        return memoryview(bytearray(self.buf[off : off + self.lv.record_bytes]))
+
+    def write(self, slot: int, record: bytes) -> None:
+        off = slot * self.lv.stride
+        self.buf[off : off + len(record)] = record
+
+
+class _FlashReader(_LevelReader):
+    def __init__(self, path: str, lv: LevelInfo, stats: TierStats, direct: bool) -> None:
+        super().__init__(path, lv, stats)
+        flags = os.O_RDONLY
+        self.direct = direct and hasattr(os, "O_DIRECT")
+        if self.direct:
+            flags |= os.O_DIRECT
+        try:
+            self.fd = os.open(path, flags)
+        except OSError as e:
+            if not self.direct:
+                raise
+            # filesystems such as tmpfs refuse O_DIRECT; fall back to buffered reads
+            self.direct = False
+            self.fd = os.open(path, os.O_RDONLY)
+            del e
+
+    def read(self, slot: int) -> memoryview:
+        n = self.lv.stride if self.direct else self.lv.record_bytes
+        # O_DIRECT needs an aligned buffer: anonymous mmaps are page-aligned
+        buf = mmap.mmap(-1, n) if self.direct else bytearray(n)
+        got = os.preadv(self.fd, [buf], slot * self.lv.stride)
+        if got < self.lv.record_bytes:
+            raise BankError(f"{self.path}: short read at level {self.lv.level} slot {slot} "
+                            f"({got} of {self.lv.record_bytes} bytes); file truncated?")
+        self.stats.reads += 1
+        self.stats.bytes_read += got
+        return memoryview(buf)[: self.lv.record_bytes]
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _DiskReader(_LevelReader):
+    def __init__(self, path: str, lv: LevelInfo, stats: TierStats) -> None:
+        super().__init__(path, lv, stats)
+        self.f = _open_any(path, block_size=0)
+        self.lock = threading.Lock()
+
+    def read(self, slot: int) -> memoryview:
+        with self.lock:
+            self.f.seek(slot * self.lv.stride)
+            data = self.f.read(self.lv.record_bytes)
+        if len(data) < self.lv.record_bytes:
+            raise BankError(f"{self.path}: short read at level {self.lv.level} slot {slot}; file truncated?")
+        self.stats.reads += 1
+        self.stats.bytes_read += len(data)
+        return memoryview(bytearray(data))
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def _open_any(path: str, **kw):
+    if is_url(path):
+        import fsspec
+
+        return fsspec.open(path, "rb", **kw).open()
+    return open(path, "rb", buffering=0 if kw.get("block_size") == 0 else -1)
+
+
+# --------------------------------------------------------------------------- the store
+
+
+def _utcnow() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds")
+
+
+def _ranges(ids: Iterable[int]) -> list[list[int]]:
+    """Sorted ids → [[start, stop), …] runs, for compact policy files and audit entries."""
+    out: list[list[int]] = []
+    for i in sorted({int(x) for x in ids}):
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return out
+
+
+@dataclass
+class _Level:
+    info: LevelInfo
+    tier: str
+    reader: _LevelReader
+    sums: bytearray
+    mask: np.ndarray  # refused (blocked or deleted) slots
+    cache: ByteLRU | None
+    verified: set[int] = field(default_factory=set)
+
+
+class MemoryStore:
+    """Serve a memory bank by cluster path. See the module docstring for guarantees.
+
+    `verify`: "always" checks every read against its digest, "once" each block once
+    per open store (then trusts the page it read), "never" skips the check.
+    `out_dtype`: dtype of returned tensors (default: the storage dtype for fp32/bf16/fp16,
+    float32 for quantised or low-rank banks).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        tiers: Sequence[TierConfig] = DEFAULT_TIERS,
+        placement: str | Mapping[int, str] = "hierarchical",
+        tree: Any | None = None,
+        verify: Literal["always", "once", "never"] = "always",
+        out_dtype: torch.dtype | None = None,
+        user: str | None = None,
+    ) -> None:
+        self.root = Path(root)
+        recover(self.root)
+        self.info: BankInfo = read_manifest(self.root)
+        check_files(self.info)
+        if tree is not None:
+            check_tree(self.info, tree)
+        if verify not in ("always", "once", "never"):
+            raise ValueError(f"verify: {verify!r} is not one of 'always', 'once', 'never'")
+        self.verify, self.out_dtype = verify, out_dtype
+        self.user = user or os.environ.get("MEMTREE_USER") or _whoami()
+        self.tiers = {t.name: t for t in tiers}
+        if len(self.tiers) != len(tiers):
+            raise ValueError(f"tier names must be unique: {[t.name for t in tiers]}")
+        self.tier_stats = {t.name: TierStats() for t in tiers}
+        level_bytes = {lv.level: lv.file_bytes for lv in self.info.levels.values()}
+        self.placement = place_levels(
+            level_bytes, [TierBudget(name=t.name, capacity_bytes=t.capacity_bytes) for t in tiers], placement
+        )
+        self.policy = read_policy(self.root)
+        self._codecs = {lv: self.info.codec(lv) for lv in self.info.levels}
+        self.levels: dict[int, _Level] = {}
+        for lv in self.info.levels.values():
+            tname = self.placement[lv.level]
+            tier = self.tiers[tname]
+            path = self._file_path(lv)
+            stats = self.tier_stats[tname]
+            if tier.kind == "ram":
+                reader: _LevelReader = _RamReader(path, lv, stats)
+            elif tier.kind == "flash":
+                if is_url(path):
+                    raise BankError(f"level {lv.level} lives at {path}; a flash tier needs a local file")
+                reader = _FlashReader(path, lv, stats, tier.direct)
+            else:
+                reader = _DiskReader(path, lv, stats)
+            cache = ByteLRU(tier.cache_bytes) if tier.kind != "ram" and tier.cache_bytes > 0 else None
+            self.levels[lv.level] = _Level(info=lv, tier=tname, reader=reader,
+                                           sums=bytearray((self.root / sums_name(lv)).read_bytes()),
+                                           mask=self._refused_mask(lv), cache=cache)
+        self.refused_served = {lv: 0 for lv in self.levels}
+
+    # -- plumbing ---------------------------------------------------------------
+    def _file_path(self, lv: LevelInfo) -> str:
+        return level_path(self.root, lv)
+
+    def _refused_mask(self, lv: LevelInfo) -> np.ndarray:
+        mask = np.zeros(lv.n_blocks, dtype=bool)
+        for source in (self.policy["blocked"], self.info.manifest.get("deleted", {})):
+            for start, stop in source.get(str(lv.level), []):
+                lo, hi = max(start - lv.first_cluster, 0), min(stop - lv.first_cluster, lv.n_blocks)
+                if lo < hi:
+                    mask[lo:hi] = True
+        return mask
+
+    def close(self) -> None:
+        for lv in self.levels.values():
+            lv.reader.close()
+        self.levels = {}
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def fallback(self) -> Fallback:
+        return self.policy["fallback"]
+
+    def codec(self, level: int):
+        return self._codecs[level]
+
+    def _level(self, level: int) -> _Level:
+        try:
+            return self.levels[level]
+        except KeyError:
+            raise BankError(f"{self.root}: level {level} holds no memory (levels: {sorted(self.levels)})") from None
+
+    # -- reading ------------------------------------------------------------------
+    def _read_slot(self, L: _Level, slot: int) -> torch.Tensor:
+        key = (L.info.level, slot)
+        if L.cache is not None:
+            hit = L.cache.get(key)
+            stats = self.tier_stats[L.tier]
+            if hit is not None:
+                stats.cache_hits += 1
+                return hit
+            stats.cache_misses += 1
+        rec = L.reader.read(slot)
+        if self.verify == "always" or (self.verify == "once" and slot not in L.verified):
+            if digest(rec) != bytes(L.sums[slot * DIGEST_BYTES : (slot + 1) * DIGEST_BYTES]):
+                raise BankError(corrupt_message(self.info, L.info, slot))
+            L.verified.add(slot)
+        t = self._codecs[L.info.level].decode(rec, self.out_dtype)
+        if L.cache is not None:
+            L.cache.put(key, t, t.numel() * t.element_size())
+        return t
+
+    def is_refused(self, level: int, cluster: int) -> bool:
+        L = self._level(level)
+        return bool(L.mask[L.info.slot(cluster)])
+
+    def fetch_flat(self, level: int, cluster: int) -> torch.Tensor:
+        """One block as a flat (params,) tensor; a blocked/deleted block yields the
+        fallback without touching any tier. `cluster=GENERIC` reads the generic memory."""
+        L = self._level(level)
+        slot = L.info.slot(cluster)
+        if cluster != GENERIC and L.mask[slot]:
+            self.refused_served[level] += 1
+            if self.fallback == "generic" and L.info.has_generic:
+                return self._read_slot(L, L.info.n_blocks)
+            return torch.zeros(L.info.params, dtype=self._zero_dtype())
+        return self._read_slot(L, slot)
+
+    def _zero_dtype(self) -> torch.dtype:
+        if self.out_dtype is not None:
+            return self.out_dtype
+        from memstore.format import _TORCH_DTYPES
+
+        return _TORCH_DTYPES.get(self.info.dtype, torch.float32) if not self.info.rank else torch.float32
+
+    def fetch(self, path: Sequence[int], *, flat: bool = False) -> dict[int, Any]:
+        """Blocks of every memory level on a path of global cluster ids (one per tree level).
+
+        Returns {level: {tensor name: tensor shaped as geometry.block_layout}} ready to
+        attach (or {level: flat tensor} with flat=True). One contiguous read per level
+        not in cache.
+        """
+        path = [int(c) for c in path]
+        if len(path) < max(self.levels):
+            raise ValueError(f"path {path} has {len(path)} levels; this bank needs {max(self.levels)}")
+        out = {}
+        for level in self.levels:
+            t = self.fetch_flat(level, path[level - 1])
+            out[level] = t if flat else self._codecs[level].unflatten(t)
+        return out
+
+    def fetch_generic(self, *, flat: bool = False) -> dict[int, Any]:
+        out = {}
+        for level in self.levels:
+            t = self.fetch_flat(level, GENERIC)
+            out[level] = t if flat else self._codecs[level].unflatten(t)
+        return out
+
+    def gather(self, paths: np.ndarray | torch.Tensor | Sequence[Sequence[int]]) -> dict[int, torch.Tensor]:
+        """Training-time batch fetch: paths (B, L) global ids → {level: (B, params)}.
+
+        Each distinct block is read once however many rows share it; rows whose
+        path entry is GENERIC (-1) get the generic memory.
+        """
+        p = np.asarray(paths.cpu() if isinstance(paths, torch.Tensor) else paths, dtype=np.int64)
+        if p.ndim != 2 or p.shape[1] < max(self.levels):
+            raise ValueError(f"gather: paths must be (B, >= {max(self.levels)}), got {p.shape}")
+        out = {}
+        for level in self.levels:
+            ids, inverse = np.unique(p[:, level - 1], return_inverse=True)
+            blocks = torch.stack([self.fetch_flat(level, int(c)) for c in ids])
+            out[level] = blocks[torch.from_numpy(inverse.reshape(-1))]
+        return out
+
+    # -- writing (journaled) -----------------------------------------------------------
+    def scatter(self, level: int, clusters: Sequence[int], values: torch.Tensor) -> None:
+        """Write updated blocks back: values (n, params) for global cluster ids (or GENERIC)."""
+        values = torch.as_tensor(values)
+        if values.ndim != 2 or values.shape[0] != len(clusters):
+            raise ValueError(f"scatter: values must be (len(clusters)={len(clusters)}, params), got "
+                             f"{tuple(values.shape)}")
+        L = self._level(level)
+        slots = [L.info.slot(int(c)) for c in clusters]
+        refused = [int(c) for c, s in zip(clusters, slots, strict=True) if c != GENERIC and L.mask[s]]
+        if refused:
+            raise BankError(f"scatter: level {level} clusters {refused[:10]} are blocked or deleted; "
+                            "unblock them first (deleted blocks stay deleted)")
+        codec = self._codecs[level]
+        self._commit([(level, s, codec.encode(v)) for s, v in zip(slots, values, strict=True)])
+
+    def edit(self, level: int, cluster: int, values: torch.Tensor | Mapping[str, torch.Tensor], *,
+             reason: str = "") -> None:
+        """Replace one block (flat tensor, or {tensor name: tensor} covering the layout)."""
+        codec = self._codecs[level]
+        if isinstance(values, Mapping):
+            names = [t.name for t in codec.layout]
+            if set(values) != set(names):
+                raise ValueError(f"edit: level {level} needs tensors {names}, got {sorted(values)}")
+            values = torch.cat([torch.as_tensor(values[n]).reshape(-1) for n in names])
+        self.scatter(level, [cluster], torch.as_tensor(values).reshape(1, -1))
+        self._audit("edit", {level: [cluster]}, reason)
+
+    def delete(self, level: int, clusters: Sequence[int] = (), *, subtree: bool = False, reason: str = "") -> dict:
+        """Erase blocks: their bytes are overwritten with zeros in place, the digests and
+        manifest updated, and they are refused from then on. `subtree=True` deletes the
+        given clusters' whole subtrees at this and every deeper level."""
+        targets = self._expand(level, clusters, subtree)
+        self.info.manifest.setdefault("deleted", {})
+        writes = []
+        for lv, ids in targets.items():
+            L = self.levels[lv]
+            zero = bytes(L.info.record_bytes)
+            writes += [(lv, L.info.slot(c), zero) for c in ids]
+            merged = [i for a, b in self.info.manifest["deleted"].get(str(lv), []) for i in range(a, b)]
+            self.info.manifest["deleted"][str(lv)] = _ranges(merged + list(ids))
+        self._commit(writes, manifest=self.info.manifest)
+        for lv in targets:
+            self.levels[lv].mask = self._refused_mask(self.levels[lv].info)
+        self._audit("delete", targets, reason)
+        return {lv: len(ids) for lv, ids in targets.items()}
+
+    def _commit(self, writes: list[tuple[int, int, bytes]], manifest: dict | None = None) -> None:
+        manifest = dict(manifest or self.info.manifest)
+        manifest["generation"] = self.info.generation + 1
+        for lv, _, _ in writes:
+            if is_url(self._file_path(self.levels[lv].info)):
+                raise BankError(f"level {lv} lives at {self._file_path(self.levels[lv].info)}, which is "
+                                "read-only here; relocate it to a local path to edit it")
+        journal = _journal_bytes(manifest, writes)
+        jdir = self.root / "journal"
+        jdir.mkdir(exist_ok=True)
+        atomic_write_bytes(jdir / f"{manifest['generation']:012d}.jnl", journal)
+        _apply_journals(self.root)
+        self.info = read_manifest(self.root)
+        for lv, slot, rec in writes:
+            L = self.levels[lv]
+            L.sums[slot * DIGEST_BYTES : (slot + 1) * DIGEST_BYTES] = digest(rec)
+            L.verified.discard(slot)
+            if L.cache is not None:
+                L.cache.discard((lv, slot))
+            if isinstance(L.reader, _RamReader):
+                L.reader.write(slot, rec)
+
+    # -- blocking ------------------------------------------------------------------------
+    def _expand(self, level: int, clusters: Sequence[int], subtree: bool) -> dict[int, list[int]]:
+        L = self._level(level)
+        for c in clusters:
+            L.info.slot(int(c))  # validates the id
+        out = {level: sorted({int(c) for c in clusters})}
+        if subtree:
+            B = self.info.memory.branching
+            for deeper in sorted(x for x in self.levels if x > level):
+                span = B ** (deeper - level)
+                out[deeper] = [c * span + j for c in out[level] for j in range(span)]
+        return out
+
+    def block(self, level: int, clusters: Sequence[int], *, subtree: bool = False, reason: str = "") -> dict:
+        """Refuse blocks from now on (persisted in policy.json). Returns counts per level."""
+        targets = self._expand(level, clusters, subtree)
+        for lv, ids in targets.items():
+            cur = [i for a, b in self.policy["blocked"].get(str(lv), []) for i in range(a, b)]
+            self.policy["blocked"][str(lv)] = _ranges(cur + ids)
+        self._save_policy()
+        self._audit("block", targets, reason)
+        return {lv: len(ids) for lv, ids in targets.items()}
+
+    def unblock(self, level: int, clusters: Sequence[int], *, subtree: bool = False, reason: str = "") -> dict:
+        targets = self._expand(level, clusters, subtree)
+        for lv, ids in targets.items():
+            drop = set(ids)
+            cur = [i for a, b in self.policy["blocked"].get(str(lv), []) for i in range(a, b) if i not in drop]
+            self.policy["blocked"][str(lv)] = _ranges(cur)
+        self._save_policy()
+        self._audit("unblock", targets, reason)
+        return {lv: len(ids) for lv, ids in targets.items()}
+
+    def set_fallback(self, fallback: Fallback) -> None:
+        if fallback not in ("zeros", "generic"):
+            raise ValueError(f"fallback: {fallback!r} is not 'zeros' or 'generic'")
+        if fallback == "generic" and not any(L.info.has_generic for L in self.levels.values()):
+            raise BankError(f"{self.root}: fallback 'generic' needs a bank with a generic memory")
+        self.policy["fallback"] = fallback
+        self._save_policy()
+        self._audit("set-fallback", {}, fallback)
+
+    def blocked_fraction(self) -> float:
+        """Share of the bank's parameters that is refused (blocked or deleted)."""
+        total = sum(L.info.n_blocks * L.info.params for L in self.levels.values())
+        refused = sum(int(L.mask.sum()) * L.info.params for L in self.levels.values())
+        return refused / total if total else 0.0
+
+    def _save_policy(self) -> None:
+        atomic_write_json(self.root / "policy.json", self.policy)
+        for L in self.levels.values():
+            L.mask = self._refused_mask(L.info)
+
+    def _audit(self, action: str, targets: Mapping[int, Sequence[int]], reason: str) -> None:
+        entry = {
+            "time": _utcnow(), "user": self.user, "host": socket.gethostname(), "action": action,
+            "targets": {str(lv): _ranges(ids) for lv, ids in targets.items()},
+            "reason": reason, "generation": self.info.generation,
+        }
+        line = (json.dumps(entry, sort_keys=True) + "\n").encode()
+        fd = os.open(self.root / "audit.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line)  # one write of one line: appends from one writer never interleave
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- counters ---------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return {
+            "tiers": {n: s.as_dict() for n, s in self.tier_stats.items()},
+            "placement": {str(k): v for k, v in self.placement.items()},
+            "refused_served": {str(k): v for k, v in self.refused_served.items()},
+            "caches": {str(k): L.cache.stats() for k, L in self.levels.items() if L.cache is not None},
+        }
+
+    def reset_stats(self) -> None:
+        for s in self.tier_stats.values():
+            s.reads = s.bytes_read = s.cache_hits = s.cache_misses = 0
+        self.refused_served = {lv: 0 for lv in self.levels}
+
+
+def _whoami() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry in some containers
+        return f"uid-{os.getuid()}"
+
+
+def read_policy(root: Path) -> dict[str, Any]:
+    path = root / "policy.json"
+    if not path.exists():
+        return {"format": POLICY_FORMAT, "version": 1, "fallback": "zeros", "blocked": {}}
+    p = read_json(path)
+    if p.get("format") != POLICY_FORMAT or p.get("version") != 1:
+        raise BankError(f"{path}: not a {POLICY_FORMAT} v1 file")
+    if p.get("fallback") not in ("zeros", "generic"):
+        raise BankError(f"{path}: fallback {p.get('fallback')!r} is not 'zeros' or 'generic'")
+    return p
+
+
+# --------------------------------------------------------------------------- journal
+
+
+def _journal_bytes(manifest: dict, writes: list[tuple[int, int, bytes]]) -> bytes:
+    entries, body, off = [], [], 0
+    for lv, slot, rec in writes:
+        entries.append({"level": lv, "slot": slot, "offset": off, "length": len(rec)})
+        body.append(rec)
+        off += len(rec)
+    header = {"format": JOURNAL_FORMAT, "version": 1, "manifest": manifest, "entries": entries, "body_bytes": off}
+    head = dumps_json(header).encode()
+    return len(head).to_bytes(8, "little") + head + b"".join(body)
+
+
+def _apply_journals(root: Path) -> int:
+    """Apply every complete journal in order; idempotent, so a crash mid-apply is
+    repaired by applying again. Returns how many were applied."""
+    jdir = root / "journal"
+    if not jdir.is_dir():
+        return 0
+    done = 0
+    for stale in jdir.glob(".*.tmp"):  # a journal whose write never finished: the edit never happened
+        stale.unlink()
+    for jpath in sorted(jdir.glob("*.jnl")):
+        data = jpath.read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + n])
+        if header.get("format") != JOURNAL_FORMAT or len(data) != 8 + n + header["body_bytes"]:
+            raise BankError(f"{jpath}: malformed journal; the bank needs manual repair")
+        body = memoryview(data)[8 + n :]
+        manifest = header["manifest"]
+        levels = {int(k): LevelInfo(**v) for k, v in manifest["levels"].items()}
+        by_level: dict[int, list[dict]] = {}
+        for e in header["entries"]:
+            by_level.setdefault(e["level"], []).append(e)
+        for lv, entries in by_level.items():
+            info = levels[lv]
+            fd = os.open(level_path(root, info), os.O_WRONLY)
+            sfd = os.open(root / sums_name(info), os.O_WRONLY)
+            try:
+                for e in entries:
+                    rec = body[e["offset"] : e["offset"] + e["length"]]
+                    os.pwrite(fd, rec, e["slot"] * info.stride)
+                    os.pwrite(sfd, digest(rec), e["slot"] * DIGEST_BYTES)
+                os.fsync(fd)
+                os.fsync(sfd)
+            finally:
+                os.close(fd)
+                os.close(sfd)
+        atomic_write_json(root / "manifest.json", manifest)
+        jpath.unlink()
+        done += 1
+    return done
+
+
+def recover(root: str | os.PathLike) -> int:
+    """Finish any interrupted edit of the bank at root (called by every open)."""
+    return _apply_journals(Path(root))
+
+
+def audit_log(root: str | os.PathLike) -> list[dict[str, Any]]:
+    path = Path(root) / "audit.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
