@@ -28,6 +28,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                 _add_relocate):
         add(subparsers)
     p.set_defaults(func=lambda args: _help(p))
+    _add_simulate(sub)
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate-fetch",
+        help="simulate on-device memory fetch latency (hierarchical vs flat bank, sessions, sweeps)",
+        description="Model fetch latency of a hierarchical bank vs a flat bank of equal fetch size on "
+                    "hardware profiles (RAM / flash / disk tiers), over one fetch, a session trace with a "
+                    "cache, and sweeps of memory configurations (seed 002 §3, Fig. 5).",
+    )
+    from memstore.simulate import add_simulate_arguments, run_simulate
+
+    add_simulate_arguments(p)
+    p.set_defaults(func=run_simulate)
 
 
 def _help(parser: argparse.ArgumentParser) -> int:
