@@ -1,0 +1,328 @@
+"""The anchor transformer and its memory layers (seed 002 §2.2, App. A Fig. 14, App. I).
+
+`AnchorLM` is an OpenLM-style decoder: token embedding; per block a gain-only
+LayerNorm → attention (q/k gain-only norms, RoPE, optional GQA) → residual,
+gain-only LayerNorm → SwiGLU FFN → residual; a final gain-only norm; an output
+head tied to the embedding or separate. Its parameter count equals
+`AnchorShape.params()` exactly, so the geometry module's accounting is the
+model's. Presets other than OpenLM (Gemma/Qwen/Llama) get the same shapes and
+counts (GQA, per-head q/k norms, q/k/v biases, post-sublayer norms when
+`norms_per_block == 4`) but not those models' norm/activation variants, so
+their released weights do not load as-is.
+
+Memories arrive already gathered per sequence: the bank (`training/bank.py`)
+hands over one flat block per level, shape (B, P_level), laid out by
+`memstore.geometry.block_layout`; `assemble_memories` splits them into named
+per-layer tensors and concatenates levels along the memory width, and the
+blocks apply them with batched matmuls (one memory per sequence).
+
+Decisions where the paper is silent or its numbers were lost:
+- LoRA scale = `lora_alpha / r` with r the layer's rank after concatenating
+  levels (the usual LoRA convention; App. I's value for the factor is lost).
+  Concatenating the levels' ranks makes their LoRAs one LoRA of rank Σ r_l.
+- KV memories: queries attend to the m learned keys/values in a separate
+  softmax (no causal mask, no RoPE on either side: the query is taken after its
+  q-norm but before rotation, so the memory read does not depend on position);
+  the result is added to the attention output before the output projection.
+  A separate softmax keeps zero-initialised values an exact no-op, which a
+  softmax shared with the context keys would not be. Learned keys are used as
+  stored (no k-norm): they are KV-cache entries, which sit after the norm.
+- RoPE positions are absolute within the packed sequence, not restarted per
+  document: document masking already stops cross-document attention, and
+  RoPE only sees position differences within a document.
+- Init: truncated normal (±2σ, σ = `init_std`) for every linear and embedding
+  weight, zero biases, norm gains 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from memstore.format import RecordCodec
+from memstore.geometry import AnchorShape, MemoryConfig, block_layout, memory_layers
+
+# Per layer index: named memory tensors, each with a leading batch dim B.
+LayerMemories = dict[str, Tensor]
+Memories = dict[int, LayerMemories]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    anchor: AnchorShape
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    memory: MemoryConfig | None = None
+    lora_alpha: float = 1.0
+    attn_impl: Literal["sdpa"] = "sdpa"
+
+    def __post_init__(self) -> None:
+        if self.max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")
+        if self.init_std <= 0:
+            raise ValueError(f"init_std must be positive, got {self.init_std}")
+        if self.lora_alpha <= 0:
+            raise ValueError(f"lora_alpha must be positive, got {self.lora_alpha}")
+        if self.attn_impl != "sdpa":
+            raise ValueError(f"attn_impl {self.attn_impl!r} is not supported; use 'sdpa'")
+        if self.anchor.norms_per_block not in (2, 4):
+            raise ValueError(
+                f"anchor {self.anchor.name}: norms_per_block must be 2 (pre-norms) or 4 "
+                f"(pre- and post-norms), got {self.anchor.norms_per_block}"
+            )
+        if self.memory is not None:
+            memory_layers(self.anchor, self.memory)  # raises on a placement the anchor cannot hold
+
+
+def segment_ids_from_eot(input_ids: Tensor, eot_id: int) -> Tensor:
+    """(B, S) token ids → (B, S) document index; an EOT token ends (belongs to) its document."""
+    is_eot = (input_ids == eot_id).long()
+    return torch.cumsum(is_eot, dim=-1) - is_eot
+
+
+def assemble_memories(
+    blocks: dict[int, Tensor], anchor: AnchorShape, memory_config: MemoryConfig
+) -> Memories:
+    """Per-level flat blocks {level: (B, P_level)} → {layer: {name: (B, …)}}.
+
+    Levels are concatenated along the memory width: rows for FFN / KV / LoRA A
+    tensors, columns for LoRA B tensors (named `*_b`). Layers that carry no
+    memory are absent. Slices and concatenations keep gradients flowing back to
+    the flat blocks.
+    """
+    per_layer: dict[int, dict[str, list[Tensor]]] = {}
+    for level in range(1, memory_config.n_levels + 1):
+        layout = block_layout(anchor, memory_config, level)
+        if not layout:
+            continue
+        if level not in blocks:
+            raise ValueError(f"memory level {level} has multiplier "
+                             f"{memory_config.multipliers[level - 1]} but no blocks were given")
+        flat = blocks[level]
+        want = sum(t.numel for t in layout)
+        if flat.ndim != 2 or flat.shape[1] != want:
+            raise ValueError(
+                f"level {level} blocks: expected shape (B, {want}), got {tuple(flat.shape)}"
+            )
+        # dtype only matters for encoding; unflatten is the bank's own split of a record.
+        for name, t in RecordCodec(layout=tuple(layout), dtype="fp32").unflatten(flat).items():
+            _, layer, tensor = name.split(".")
+            per_layer.setdefault(int(layer), {}).setdefault(tensor, []).append(t)
+    return {
+        layer: {name: _cat_width(name, parts) for name, parts in tensors.items()}
+        for layer, tensors in sorted(per_layer.items())
+    }
+
+
+def _cat_width(name: str, parts: list[Tensor]) -> Tensor:
+    """Join levels along the memory width: LoRA B (B, out, w) by column, others (B, w, ·) by row."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2 if name.endswith("_b") else 1)
+
+
+def _gain_norm(dim: int, eps: float) -> nn.LayerNorm:
+    return nn.LayerNorm(dim, eps=eps, elementwise_affine=True, bias=False)
+
+
+def _lora(x: Tensor, a: Tensor, b: Tensor, alpha: float) -> Tensor:
+    """scale·(x·Aᵀ)·Bᵀ per sequence, scale = alpha / r.
+
+    x (B, S, in), a (B, r, in), b (B, out, r) → (B, S, out).
+    """
+    a, b = a.to(x.dtype), b.to(x.dtype)
+    return (alpha / a.shape[1]) * ((x @ a.mT) @ b.mT)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (B, S, H, D); cos/sin (S, D)."""
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        a = cfg.anchor
+        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.kv_heads, a.head_dim
+        self.q = nn.Linear(a.d_model, a.q_dim, bias=a.qkv_bias)
+        self.k = nn.Linear(a.d_model, a.kv_dim, bias=a.qkv_bias)
+        self.v = nn.Linear(a.d_model, a.kv_dim, bias=a.qkv_bias)
+        self.o = nn.Linear(a.q_dim, a.d_model, bias=False)
+        self.qk_norm = a.qk_norm
+        if a.qk_norm != "none":
+            q_norm_dim = a.q_dim if a.qk_norm == "full" else a.head_dim
+            k_norm_dim = a.kv_dim if a.qk_norm == "full" else a.head_dim
+            self.q_norm = _gain_norm(q_norm_dim, cfg.norm_eps)
+            self.k_norm = _gain_norm(k_norm_dim, cfg.norm_eps)
+        self.lora_alpha = cfg.lora_alpha
+        self.mem_type = cfg.memory.type if cfg.memory is not None else None
+
+    def _heads(self, x: Tensor, n: int) -> Tensor:
+        return x.unflatten(-1, (n, self.head_dim))  # (B, S, n, D)
+
+    def _repeat_kv(self, x: Tensor) -> Tensor:
+        """(B, H_kv, S, D) → (B, H, S, D); explicit repeat keeps every SDPA backend usable."""
+        groups = self.n_heads // self.n_kv_heads
+        return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                mem: LayerMemories | None) -> Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)  # (B, S, q_dim), (B, S, kv_dim) ×2
+        if mem is not None and self.mem_type == "lora-qk":
+            q = q + _lora(x, mem["q_a"], mem["q_b"], self.lora_alpha)
+            k = k + _lora(x, mem["k_a"], mem["k_b"], self.lora_alpha)
+        if mem is not None and self.mem_type == "lora-ov":
+            v = v + _lora(x, mem["v_a"], mem["v_b"], self.lora_alpha)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = self._heads(q, self.n_heads)  # (B, S, H, D)
+        k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)  # (B, S, H_kv, D)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_pos_free = q.transpose(1, 2)  # (B, H, S, D), the query KV memories read with
+        q = _rope(q, cos, sin).transpose(1, 2)  # (B, H, S, D)
+        k = _rope(k, cos, sin).transpose(1, 2)  # (B, H_kv, S, D)
+        k, v = self._repeat_kv(k), self._repeat_kv(v.transpose(1, 2))
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, S, D)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if mem is not None and self.mem_type == "kv":
+            out = out + self._read_kv_memory(q_pos_free, mem["k"], mem["v"])
+        out = out.transpose(1, 2).flatten(2)  # (B, S, q_dim)
+        y = self.o(out)
+        if mem is not None and self.mem_type == "lora-ov":
+            y = y + _lora(out, mem["o_a"], mem["o_b"], self.lora_alpha)
+        return y
+
+    def _read_kv_memory(self, q: Tensor, k_mem: Tensor, v_mem: Tensor) -> Tensor:
+        """q (B, H, S, D); k_mem/v_mem (B, m, kv_dim) → (B, H, S, D), softmax over the m slots."""
+        k_mem = self._repeat_kv(self._heads(k_mem.to(q.dtype), self.n_kv_heads).transpose(1, 2))
+        v_mem = self._repeat_kv(self._heads(v_mem.to(q.dtype), self.n_kv_heads).transpose(1, 2))
+        return F.scaled_dot_product_attention(q, k_mem, v_mem)  # every query sees every slot
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w3(silu(w1 x) ⊙ w2 x)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, f = cfg.anchor.d_model, cfg.anchor.ffn_dim
+        self.w1 = nn.Linear(d, f, bias=False)
+        self.w2 = nn.Linear(d, f, bias=False)
+        self.w3 = nn.Linear(f, d, bias=False)
+        self.lora_alpha = cfg.lora_alpha
+        self.mem_type = cfg.memory.type if cfg.memory is not None else None
+
+    def forward(self, x: Tensor, mem: LayerMemories | None) -> Tensor:
+        if mem is None or self.mem_type not in ("ffn", "lora-ffn"):
+            return self.w3(F.silu(self.w1(x)) * self.w2(x))
+        if self.mem_type == "lora-ffn":
+            g = self.w1(x) + _lora(x, mem["w1_a"], mem["w1_b"], self.lora_alpha)  # (B, S, ffn)
+            u = self.w2(x) + _lora(x, mem["w2_a"], mem["w2_b"], self.lora_alpha)
+            h = F.silu(g) * u
+            return self.w3(h) + _lora(h, mem["w3_a"], mem["w3_b"], self.lora_alpha)
+        # FFN memory widens the inner dim by W; the widened w3 sums the two halves' outputs.
+        w1, w2, w3 = (mem[n].to(x.dtype) for n in ("w1", "w2", "w3"))  # (B, W, d) each
+        h_mem = F.silu(x @ w1.mT) * (x @ w2.mT)  # (B, S, W)
+        return self.w3(F.silu(self.w1(x)) * self.w2(x)) + h_mem @ w3
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, eps = cfg.anchor.d_model, cfg.norm_eps
+        self.attn_norm = _gain_norm(d, eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = _gain_norm(d, eps)
+        self.ffn = FeedForward(cfg)
+        # Gemma-style sandwich norms on the sublayer outputs when the shape has 4 norms.
+        self.post_norms = cfg.anchor.norms_per_block == 4
+        if self.post_norms:
+            self.attn_post_norm = _gain_norm(d, eps)
+            self.ffn_post_norm = _gain_norm(d, eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                mem: LayerMemories | None) -> Tensor:
+        a = self.attn(self.attn_norm(x), cos, sin, mask, mem)
+        x = x + (self.attn_post_norm(a) if self.post_norms else a)
+        f = self.ffn(self.ffn_norm(x), mem)
+        return x + (self.ffn_post_norm(f) if self.post_norms else f)
+
+
+class AnchorLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        a = cfg.anchor
+        if a.head_dim % 2:
+            raise ValueError(f"anchor {a.name}: RoPE needs an even head_dim, got {a.head_dim}")
+        self.config = cfg
+        self.embed = nn.Embedding(a.vocab_size, a.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(a.n_layers))
+        self.norm = _gain_norm(a.d_model, cfg.norm_eps)
+        self.lm_head = None if a.tied_embeddings else nn.Linear(a.d_model, a.vocab_size, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = self.config.init_std
+        for m in self.modules():
+            if isinstance(m, nn.Linear | nn.Embedding):
+                nn.init.trunc_normal_(m.weight, std=std, a=-2 * std, b=2 * std)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+
+    def _rope_tables(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """cos, sin (S, D) for absolute positions 0..S-1, in fp32."""
+        d = self.config.anchor.head_dim
+        f32 = torch.float32
+        inv_freq = self.config.rope_theta ** (-torch.arange(0, d, 2, device=device, dtype=f32) / d)
+        pos = torch.arange(seq_len, device=device, dtype=f32)
+        angles = torch.outer(pos, inv_freq)  # (S, D/2)
+        angles = torch.cat((angles, angles), dim=-1)  # (S, D)
+        return angles.cos(), angles.sin()
+
+    def forward(self, input_ids: Tensor, *, segment_ids: Tensor | None = None,
+                memories: Memories | None = None) -> Tensor:
+        """input_ids (B, S) → logits (B, S, V).
+
+        segment_ids (B, S): document index per token (`segment_ids_from_eot`);
+        attention is causal and within a document. None: causal only.
+        memories: per-sequence memories from `assemble_memories`.
+        """
+        _, seq_len = input_ids.shape
+        if seq_len > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds max_seq_len {self.config.max_seq_len}"
+            )
+        if memories:
+            if self.config.memory is None:
+                raise ValueError("memories were given to a model configured without memory")
+            bad = [i for i in memories if not 0 <= i < len(self.blocks)]
+            if bad:
+                raise ValueError(
+                    f"memories for layers {bad}, but the anchor has {len(self.blocks)} layers"
+                )
+        mask = None
+        if segment_ids is not None:
+            same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, S, S)
+            causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=input_ids.device).tril()
+            mask = (same_doc & causal)[:, None]  # (B, 1, S, S), broadcast over heads
+        cos, sin = self._rope_tables(seq_len, input_ids.device)
+        x = self.embed(input_ids)  # (B, S, d)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, mask, memories.get(i) if memories else None)
+        x = self.norm(x)
+        return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed.weight)
