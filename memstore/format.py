@@ -26,10 +26,11 @@ absmax scale per group of `QUANT_GROUP` values (dequantised on fetch).
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ from memstore.geometry import (
     plan,
 )
 from memtree.config import from_dict, to_dict
-from memtree.io import atomic_dir, atomic_write_json, read_json
+from memtree.io import atomic_dir, atomic_write_json, read_json, restore_replaced_dir
 
 FORMAT = "memtree-bank"
 VERSION = 1
@@ -146,7 +147,10 @@ class RecordCodec:
             raise BankError("block contains NaN or inf values; refusing to store it")
         vals = self._factorise(flat) if self.rank else flat.float()
         if self.dtype in _TORCH_DTYPES:
-            return vals.to(_TORCH_DTYPES[self.dtype]).contiguous().view(torch.uint8).numpy().tobytes()
+            cast = vals.to(_TORCH_DTYPES[self.dtype])
+            if not torch.isfinite(cast).all():
+                raise BankError(f"block values overflow {self.dtype} (max |x| = {float(vals.abs().max()):.4g})")
+            return cast.contiguous().view(torch.uint8).numpy().tobytes()
         n = vals.numel()
         groups = math.ceil(n / QUANT_GROUP)
         padded = torch.zeros(groups * QUANT_GROUP, dtype=torch.float32)
@@ -295,7 +299,7 @@ def build_manifest(*, anchor: AnchorShape, memory: MemoryConfig, dtype: str, ran
     levels = _level_infos(anchor, memory, dtype, rank, subtree, generic)
     if not levels:
         raise BankError(f"memory config {memory.multipliers} has no non-zero level; nothing to store")
-    return {
+    manifest = {
         "format": FORMAT,
         "version": VERSION,
         "generation": 0,
@@ -310,11 +314,22 @@ def build_manifest(*, anchor: AnchorShape, memory: MemoryConfig, dtype: str, ran
         "levels": {str(k): {f: getattr(v, f) for f in v.__dataclass_fields__} for k, v in levels.items()},
         "extra": extra or {},
     }
+    manifest["layout_digest"] = layout_digest(manifest)
+    return manifest
+
+
+def layout_digest(manifest: dict[str, Any]) -> str:
+    """Digest of the fields that decide how record bytes decode. Record digests cannot
+    catch an edit of these (e.g. dtype bf16 → fp16 keeps every size), this does."""
+    fixed = {k: manifest[k] for k in ("anchor", "memory", "dtype", "rank", "tree_id", "subtree", "align", "digest")}
+    fixed["levels"] = {k: {f: v for f, v in lv.items() if f != "file"} for k, lv in manifest["levels"].items()}
+    return xxhash.xxh3_128_hexdigest(json.dumps(fixed, sort_keys=True).encode())
 
 
 def read_manifest(root: str | os.PathLike) -> BankInfo:
     root = Path(root)
     path = root / "manifest.json"
+    restore_replaced_dir(root)
     if not path.exists():
         raise FileNotFoundError(f"{root}: not a memory bank (no manifest.json)")
     m = read_json(path)
@@ -330,11 +345,10 @@ def read_manifest(root: str | os.PathLike) -> BankInfo:
     # The manifest must agree with what the geometry says these files hold.
     expect = _level_infos(anchor, memory, info.dtype, info.rank, info.subtree,
                           any(v.has_generic for v in levels.values()))
-    if set(expect) != set(levels) or any(
-        (expect[k].stride, expect[k].record_bytes, expect[k].n_blocks) != (v.stride, v.record_bytes, v.n_blocks)
-        for k, v in levels.items()
-    ):
+    if set(expect) != set(levels) or any(replace(v, file=expect[k].file) != expect[k] for k, v in levels.items()):
         raise BankError(f"{path}: level table does not match its anchor/memory config (edited by hand?)")
+    if m.get("layout_digest") != layout_digest(m):
+        raise BankError(f"{path}: anchor/memory/dtype/level fields do not match layout_digest (edited by hand?)")
     return info
 
 

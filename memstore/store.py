@@ -28,6 +28,7 @@ the same bank.
 
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import getpass
 import json
@@ -326,7 +327,7 @@ class MemoryStore:
             stats = self.tier_stats[L.tier]
             if hit is not None:
                 stats.cache_hits += 1
-                return hit
+                return hit.clone()  # callers may edit what they fetch; the cached block must not change
             stats.cache_misses += 1
         rec = L.reader.read(slot)
         if self.verify == "always" or (self.verify == "once" and slot not in L.verified):
@@ -336,11 +337,13 @@ class MemoryStore:
         t = self._codecs[L.info.level].decode(rec, self.out_dtype)
         if L.cache is not None:
             L.cache.put(key, t, t.numel() * t.element_size())
+            return t.clone()
         return t
 
     def is_refused(self, level: int, cluster: int) -> bool:
         L = self._level(level)
-        return bool(L.mask[L.info.slot(cluster)])
+        slot = L.info.slot(cluster)
+        return cluster != GENERIC and bool(L.mask[slot])
 
     def fetch_flat(self, level: int, cluster: int) -> torch.Tensor:
         """One block as a flat (params,) tensor; a blocked/deleted block yields the
@@ -424,6 +427,10 @@ class MemoryStore:
             names = [t.name for t in codec.layout]
             if set(values) != set(names):
                 raise ValueError(f"edit: level {level} needs tensors {names}, got {sorted(values)}")
+            for t in codec.layout:
+                if tuple(torch.as_tensor(values[t.name]).shape) != t.shape:
+                    raise ValueError(f"edit: level {level} tensor {t.name} must have shape {t.shape}, "
+                                     f"got {tuple(torch.as_tensor(values[t.name]).shape)}")
             values = torch.cat([torch.as_tensor(values[n]).reshape(-1) for n in names])
         self.scatter(level, [cluster], torch.as_tensor(values).reshape(1, -1))
         self._audit("edit", {level: [cluster]}, reason)
@@ -433,15 +440,16 @@ class MemoryStore:
         manifest updated, and they are refused from then on. `subtree=True` deletes the
         given clusters' whole subtrees at this and every deeper level."""
         targets = self._expand(level, clusters, subtree)
-        self.info.manifest.setdefault("deleted", {})
+        manifest = copy.deepcopy(self.info.manifest)  # untouched if the commit fails
+        deleted = manifest.setdefault("deleted", {})
         writes = []
         for lv, ids in targets.items():
             L = self.levels[lv]
             zero = bytes(L.info.record_bytes)
             writes += [(lv, L.info.slot(c), zero) for c in ids]
-            merged = [i for a, b in self.info.manifest["deleted"].get(str(lv), []) for i in range(a, b)]
-            self.info.manifest["deleted"][str(lv)] = _ranges(merged + list(ids))
-        self._commit(writes, manifest=self.info.manifest)
+            merged = [i for a, b in deleted.get(str(lv), []) for i in range(a, b)]
+            deleted[str(lv)] = _ranges(merged + list(ids))
+        self._commit(writes, manifest=manifest)
         for lv in targets:
             self.levels[lv].mask = self._refused_mask(self.levels[lv].info)
         self._audit("delete", targets, reason)
@@ -473,6 +481,8 @@ class MemoryStore:
     def _expand(self, level: int, clusters: Sequence[int], subtree: bool) -> dict[int, list[int]]:
         L = self._level(level)
         for c in clusters:
+            if int(c) == GENERIC:
+                raise ValueError(f"level {level}: the generic memory cannot be blocked or deleted")
             L.info.slot(int(c))  # validates the id
         out = {level: sorted({int(c) for c in clusters})}
         if subtree:
@@ -548,6 +558,9 @@ class MemoryStore:
     def reset_stats(self) -> None:
         for s in self.tier_stats.values():
             s.reads = s.bytes_read = s.cache_hits = s.cache_misses = 0
+        for L in self.levels.values():
+            if L.cache is not None:
+                L.cache.hits = L.cache.misses = L.cache.evictions = 0
         self.refused_served = {lv: 0 for lv in self.levels}
 
 
@@ -626,8 +639,17 @@ def _apply_journals(root: Path) -> int:
 
 
 def recover(root: str | os.PathLike) -> int:
-    """Finish any interrupted edit of the bank at root (called by every open)."""
-    return _apply_journals(Path(root))
+    """Finish any interrupted edit of the bank at root (called by every open): put back
+    a bank whose replacement was interrupted, drop temp files of interrupted atomic
+    writes, replay complete journals."""
+    from memtree.io import restore_replaced_dir
+
+    root = Path(root)
+    restore_replaced_dir(root)
+    if root.is_dir():
+        for stale in root.glob(".*.tmp"):
+            stale.unlink(missing_ok=True)
+    return _apply_journals(root)
 
 
 def audit_log(root: str | os.PathLike) -> list[dict[str, Any]]:

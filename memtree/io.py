@@ -104,8 +104,9 @@ def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """Move a finished directory onto dst, replacing any previous version.
 
     A directory cannot be renamed over a non-empty one, so the old version is
-    first moved aside; a crash between the two renames leaves `src` complete,
-    and the caller's rerun publishes it again.
+    first moved aside; a crash between the two renames leaves `src` complete and
+    the old version at `.name.tmp-old`, which `restore_replaced_dir` (called by
+    readers) puts back, and the caller's rerun publishes the new one again.
     """
     src, dst = Path(src), Path(dst)
     if dst.exists():
@@ -117,6 +118,18 @@ def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     else:
         os.replace(src, dst)
     _fsync_dir(dst.parent)
+
+
+def restore_replaced_dir(path: str | os.PathLike) -> bool:
+    """Undo a `replace_dir` interrupted between its two renames: if `path` is missing
+    but the moved-aside previous version is there, put it back. Returns True if it did."""
+    path = Path(path)
+    old = path.parent / f".{path.name}.tmp-old"
+    if not path.exists() and old.is_dir():
+        os.replace(old, path)
+        _fsync_dir(path.parent)
+        return True
+    return False
 
 
 def _fsync_tree(root: Path) -> None:
