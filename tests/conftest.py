@@ -46,3 +46,29 @@ def corpus_records():
     from pipeline.corpus import CorpusSpec, generate_corpus
 
     return list(generate_corpus(CorpusSpec(n_docs=1200, seed=3, long_doc_fraction=0.01)))
+
+
+# Small pipeline settings shared by the end-to-end tests (2 × 8 tree, 512-token samples).
+PIPELINE_OVERRIDES = [
+    "tree.levels=2", "tree.branching=8", "tree.batch_size=1024", "tree.steps=10",
+    "window.window_tokens=256", "window.vocab_size=2000", "window.train_sample_docs=400",
+    "pack.seq_len=512", "pack.size_limit=256kb", "embed.max_seq_length=64",
+    "ingest.partition_docs=100", "ingest.keep_fields=[domain,topic]", "progress=false",
+]
+
+
+@pytest.fixture(scope="session")
+def pipeline_run(tmp_path_factory, corpus_records, dask_client):
+    """One real pipeline run on the 1,200-document corpus: (run dir, stage markers, seconds, corpus path)."""
+    import time
+
+    from memtree.config import load_config
+    from pipeline.config import PipelineConfig
+    from pipeline.run import run_pipeline
+
+    corpus = write_jsonl(tmp_path_factory.mktemp("corpus") / "c.jsonl", corpus_records)
+    out = tmp_path_factory.mktemp("runs") / "a"
+    cfg = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}}, PIPELINE_OVERRIDES)
+    t0 = time.time()
+    markers = run_pipeline(cfg, client=dask_client, log=lambda m: None)
+    return out, markers, time.time() - t0, corpus

@@ -17,28 +17,19 @@ import pytest
 from memtree.config import load_config
 from pipeline.config import PipelineConfig
 from pipeline.run import run_pipeline
-from tests.conftest import write_jsonl
+from tests.conftest import PIPELINE_OVERRIDES
 
-OVERRIDES = [
-    "tree.levels=2", "tree.branching=8", "tree.batch_size=1024", "tree.steps=10",
-    "window.window_tokens=256", "window.vocab_size=2000", "window.train_sample_docs=400",
-    "pack.seq_len=512", "pack.size_limit=256kb", "embed.max_seq_length=64",
-    "ingest.partition_docs=100", "ingest.keep_fields=[domain,topic]", "progress=false",
-]
+OVERRIDES = PIPELINE_OVERRIDES
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory, corpus_records):
-    return write_jsonl(tmp_path_factory.mktemp("corpus") / "c.jsonl", corpus_records)
+def corpus(pipeline_run):
+    return pipeline_run[3]
 
 
 @pytest.fixture(scope="module")
-def run_a(tmp_path_factory, corpus, dask_client):
-    out = tmp_path_factory.mktemp("runs") / "a"
-    cfg = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}}, OVERRIDES)
-    t0 = time.time()
-    markers = run_pipeline(cfg, client=dask_client, log=lambda m: None)
-    return out, markers, time.time() - t0
+def run_a(pipeline_run):
+    return pipeline_run[:3]
 
 
 def _read_all(out: Path):

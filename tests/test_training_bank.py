@@ -149,3 +149,17 @@ def test_per_subtree_training_then_merge_equals_training_one_bank(tmp_path):
         a = hashlib.sha256((merged.root / f"level-{lv}.bin").read_bytes()).hexdigest()
         b = hashlib.sha256((ref.root / f"level-{lv}.bin").read_bytes()).hexdigest()
         assert a == b, f"level {lv} differs"
+
+
+def test_sparse_state_survives_a_state_dict_round_trip():
+    table = torch.nn.Parameter(torch.randn(6, 4))
+    opt = MemoryAdamW([table], lr=0.05)
+    table.grad = torch.sparse_coo_tensor(torch.tensor([[1, 3]]), torch.ones(2, 4), table.shape)
+    opt.step()
+    clone = torch.nn.Parameter(table.detach().clone())
+    opt2 = MemoryAdamW([clone], lr=0.05)
+    opt2.load_state_dict(opt.state_dict())
+    for p, o in ((table, opt), (clone, opt2)):
+        p.grad = torch.sparse_coo_tensor(torch.tensor([[3, 5]]), torch.ones(2, 4), p.shape)
+        o.step()
+    assert torch.equal(table, clone)

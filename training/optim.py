@@ -100,6 +100,10 @@ class MemoryAdamW(Optimizer):
             st["exp_avg"] = torch.zeros(0, p.shape[1])
             st["exp_avg_sq"] = torch.zeros(0, p.shape[1])
             st["steps"] = torch.zeros(0, dtype=torch.long)
+        for key in ("slot", "used", "steps"):
+            # Optimizer.load_state_dict casts every non-"step" state tensor to the param dtype
+            if st[key].dtype != torch.long:
+                st[key] = st[key].round().long()
         slot = st["slot"]
         new = rows[slot[rows] < 0]
         if len(new):

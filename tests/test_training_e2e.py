@@ -1,0 +1,156 @@
+"""Composer training end to end on real pipeline shards: falling loss, frozen anchor, resume, errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from composer.core import Callback
+
+from memstore.format import verify_bank
+from memtree.config import ConfigError
+from training.config import load_train_config
+from training.train import build_model, train
+
+
+class LossLog(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def batch_end(self, state, logger) -> None:
+        self.losses.append(float(state.loss))
+
+
+@pytest.fixture(autouse=True)
+def _clean_streaming_shm():
+    from streaming.base.util import clean_stale_shared_memory
+
+    clean_stale_shared_memory()
+    yield
+    clean_stale_shared_memory()
+
+
+def _cfg(shards: Path, folder: Path, *extra: str):
+    base = [f"data.shards={shards}", f"save_folder={folder}", "data.batch_size=4", "optim.warmup=2ba",
+            "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}"]
+    return load_train_config(None, base + list(extra))
+
+
+def test_baseline_then_frozen_memories(pipeline_run, tmp_path):
+    shards = pipeline_run[0] / "shards"
+    log = LossLog()
+    base = train(_cfg(shards, tmp_path / "base", "max_duration=12ba", "optim.lr=1e-2"), callbacks=[log])
+    assert len(log.losses) == 12
+    assert sum(log.losses[-3:]) / 3 < sum(log.losses[:3]) / 3 - 0.5, log.losses  # it learns
+
+    from safetensors.torch import load_file
+
+    anchor_before = load_file(base["anchor"])
+    log2 = LossLog()
+    frozen = train(_cfg(shards, tmp_path / "frozen", "max_duration=6ba", "mode=frozen",
+                        f"anchor_checkpoint={tmp_path / 'base'}", "memory.multipliers=[16,8]", "memory.lr=1e-2"),
+                   callbacks=[log2])
+    anchor_after = load_file(frozen["anchor"])
+    assert all(torch.equal(anchor_before[k], anchor_after[k]) for k in anchor_before)  # frozen anchor
+    # the first frozen step starts from the trained anchor (memories have no effect at init)
+    assert log2.losses[0] == pytest.approx(log.losses[-1], abs=1.0)
+    from clustering.tree import compute_tree_id, load_tree
+
+    info = verify_bank(frozen["bank"])
+    assert info["levels"] == [1, 2]
+    from memstore.format import read_manifest
+
+    assert read_manifest(frozen["bank"]).tree_id == compute_tree_id(load_tree(pipeline_run[0] / "tree"))
+
+
+def test_memories_start_with_no_effect_and_generic_rate(pipeline_run, tmp_path):
+    shards = pipeline_run[0] / "shards"
+    cfg = _cfg(shards, tmp_path / "x", "mode=scratch", "memory.multipliers=[4,2]")
+    model, manifest = build_model(cfg)
+    from training.data import build_dataloader
+
+    batch = next(iter(build_dataloader(shards, batch_size=4, shuffle=False)))
+    model.eval()
+    with torch.no_grad():
+        model.memory_mode = "fetched"
+        fetched = model(batch)
+        model.memory_mode = "none"
+        plain = model(batch)
+    assert torch.equal(fetched, plain)
+    model.train()
+    draws = torch.cat([model._draw_generic(64) for _ in range(200) if not model.forwards.add_(1) is None])
+    p = 1 / int(manifest["branching"])
+    n = len(draws)
+    assert abs(float(draws.float().sum()) - n * p) < 4 * (n * p * (1 - p)) ** 0.5
+
+
+def test_nonfinite_loss_stops_with_the_step(pipeline_run, tmp_path):
+    model, _ = build_model(_cfg(pipeline_run[0] / "shards", tmp_path / "n"))
+    labels = torch.zeros(2, 5, dtype=torch.long)
+    out = torch.full((2, 5, model.anchor_shape.vocab_size), float("nan"))
+    with pytest.raises(FloatingPointError, match="training forward 0"):
+        model.loss(out, {"labels": labels, "paths": torch.zeros(2, 2, dtype=torch.long)})
+
+
+def test_config_errors_name_the_key(pipeline_run, tmp_path):
+    shards = pipeline_run[0] / "shards"
+    with pytest.raises(ConfigError, match="memory.bogus"):
+        _cfg(shards, tmp_path / "e", "memory.bogus=1")
+    with pytest.raises(ConfigError, match="anchor_checkpoint"):
+        _cfg(shards, tmp_path / "e", "mode=frozen", "memory.multipliers=[4,2]")
+    with pytest.raises(ConfigError, match="3 levels, but the shards' tree has 2"):
+        build_model(_cfg(shards, tmp_path / "e", "mode=scratch", "memory.multipliers=[4,2,1]"))
+    with pytest.raises(ConfigError, match="'fetched'|is not one of"):
+        _cfg(shards, tmp_path / "e", "mode=sideways")
+
+
+def test_resume_after_kill_matches_an_uninterrupted_run(pipeline_run, tmp_path):
+    shards = pipeline_run[0] / "shards"
+    args = [f"data.shards={shards}", "data.batch_size=4", "max_duration=8ba", "save_interval=1ba",
+            "autoresume=true", "run_name=resume-test", "mode=scratch", "memory.multipliers=[8,4]",
+            "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}",
+            "save_num_checkpoints_to_keep=-1"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    cmd = [sys.executable, "-m", "training.train"]
+    killed_dir = tmp_path / "killed"
+    proc = subprocess.Popen([*cmd, *args, f"save_folder={killed_dir}"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    ckpt = killed_dir / "checkpoints" / "ep0-ba3-rank0.pt"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not ckpt.exists():
+        time.sleep(0.05)
+    assert proc.poll() is None, f"run ended before the kill: {proc.stderr.read()[-2000:]}"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed_dir / "anchor.safetensors").exists()
+    r = subprocess.run([*cmd, *args, f"save_folder={killed_dir}"], env=env, capture_output=True, text=True,
+                       timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r2 = subprocess.run([*cmd, *args, f"save_folder={tmp_path / 'straight'}"], env=env, capture_output=True,
+                        text=True, timeout=600, check=False)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    a, b = load_file(killed_dir / "anchor.safetensors"), load_file(tmp_path / "straight" / "anchor.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    from memstore.store import MemoryStore
+
+    with MemoryStore(killed_dir / "bank") as s1, MemoryStore(tmp_path / "straight" / "bank") as s2:
+        for lv in (1, 2):
+            for c in range(8**lv):
+                assert torch.equal(s1.fetch_flat(lv, c), s2.fetch_flat(lv, c))
+
+
+def test_save_folder_of_another_config_is_refused(pipeline_run, tmp_path):
+    shards = pipeline_run[0] / "shards"
+    train(_cfg(shards, tmp_path / "s", "max_duration=1ba"))
+    with pytest.raises(ConfigError, match="another config.*optim.lr"):
+        from training.train import check_save_folder
+
+        check_save_folder(_cfg(shards, tmp_path / "s", "max_duration=1ba", "optim.lr=0.5"))

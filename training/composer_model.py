@@ -1,0 +1,102 @@
+"""The Composer model: an anchor LM plus its trainable memory bank.
+
+Each training sequence fetches the blocks of its cluster path from the bank
+(or, with probability `generic_prob` = 1/branching by default, the generic
+memory — seed 002 §4), assembles them per layer and runs the anchor with them.
+The draw for each sequence depends only on (seed, training-forward counter,
+row), and the counter is a buffer saved in checkpoints, so a resumed run makes
+the same draws.
+
+At evaluation `memory_mode` selects "fetched", "generic" or "none" (anchor only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
+from composer.models import ComposerModel
+
+from memstore.geometry import AnchorShape, MemoryConfig
+from training.bank import TrainableBank
+from training.model import AnchorLM, ModelConfig, assemble_memories
+
+MemoryMode = Literal["fetched", "generic", "none"]
+
+
+class MemtreeLM(ComposerModel):
+    def __init__(self, *, anchor: AnchorShape, memory: MemoryConfig | None, max_seq_len: int,
+                 generic_prob: float | None = None, seed: int = 0, rope_theta: float = 10000.0,
+                 norm_eps: float = 1e-5, init_std: float = 0.02, lora_alpha: float = 1.0,
+                 memory_init_std: float = 0.02, subtree: int | None = None, freeze_anchor: bool = False) -> None:
+        super().__init__()
+        self.anchor_shape, self.memory = anchor, memory
+        self.model = AnchorLM(ModelConfig(anchor=anchor, max_seq_len=max_seq_len, rope_theta=rope_theta,
+                                          norm_eps=norm_eps, init_std=init_std, memory=memory,
+                                          lora_alpha=lora_alpha))
+        self.bank = (TrainableBank(anchor, memory, subtree=subtree, seed=seed, std=memory_init_std)
+                     if memory is not None else None)
+        self.generic_prob = (1.0 / memory.branching if generic_prob is None else generic_prob) if memory else 0.0
+        self.seed = seed
+        self.memory_mode: MemoryMode = "fetched"
+        self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
+        if freeze_anchor:
+            self.model.requires_grad_(False)
+        self.train_metrics = {"LanguageCrossEntropy": LanguageCrossEntropy()}
+        self.eval_metrics = {"LanguageCrossEntropy": LanguageCrossEntropy(),
+                             "LanguagePerplexity": LanguagePerplexity()}
+        # what the last forward did, for callbacks: rows used per level, generic flags
+        self.last_slots: dict[int, torch.Tensor] = {}
+        self.last_use_generic: torch.Tensor | None = None
+        self.last_seq_loss: torch.Tensor | None = None
+
+    def _draw_generic(self, batch: int) -> torch.Tensor:
+        key = hashlib.blake2b(f"{self.seed}:{int(self.forwards)}".encode(), digest_size=8).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
+        return torch.rand(batch, generator=g) < self.generic_prob
+
+    def memories_for(self, paths: torch.Tensor, use_generic: torch.Tensor):
+        slots = self.bank.slots(paths.cpu(), use_generic.cpu())
+        device = next(self.bank.parameters()).device
+        blocks = self.bank({lv: r.to(device) for lv, r in slots.items()})
+        self.last_slots, self.last_use_generic = slots, use_generic
+        return assemble_memories(blocks, self.anchor_shape, self.memory)
+
+    def forward(self, batch: dict[str, Any]) -> torch.Tensor:
+        ids = batch["input_ids"]
+        mems = None
+        if self.bank is not None and self.memory_mode != "none":
+            B = ids.shape[0]
+            if self.training:
+                use_generic = self._draw_generic(B)
+                self.forwards += 1
+            else:
+                use_generic = torch.full((B,), self.memory_mode == "generic")
+            mems = self.memories_for(batch["paths"], use_generic)
+        return self.model(ids, segment_ids=batch.get("segment_ids"), memories=mems)
+
+    def loss(self, outputs: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+        labels = batch["labels"]
+        per_tok = F.cross_entropy(outputs.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                  reduction="none").view_as(labels)
+        mask = labels != -100
+        n = mask.sum()
+        loss = per_tok.sum() / n.clamp(min=1)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"loss is {loss.item()} at training forward {int(self.forwards)}; batch paths "
+                f"{batch['paths'][:4].tolist()} … — stopping (lower the LR or check the data)")
+        self.last_seq_loss = (per_tok.sum(1) / mask.sum(1).clamp(min=1)).detach()
+        return loss
+
+    def get_metrics(self, is_train: bool = False) -> dict[str, Any]:
+        return self.train_metrics if is_train else self.eval_metrics
+
+    def update_metric(self, batch: Any, outputs: Any, metric: Any) -> None:
+        metric.update(outputs, batch["labels"])
+
+    def anchor_parameters(self):
+        return self.model.parameters()

@@ -1,0 +1,153 @@
+"""Training configuration: YAML (llm-foundry style) validated into keyword-only dataclasses.
+
+`memtree train CONFIG.yaml key=value …` and `composer -n N training/train.py CONFIG.yaml …`
+both go through `load_train_config`; unknown keys and bad values are errors that
+name the key (and the allowed values). See `training/yamls/` for examples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from memstore.geometry import ANCHOR_PRESETS, AnchorShape, MemoryConfig, get_anchor
+from memtree.config import ConfigError, load_config, to_dict
+
+Mode = Literal["baseline", "frozen", "cotrain", "scratch"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSection:
+    anchor: str = "tiny"  # a memstore.geometry preset name, or "custom" with `shape`
+    shape: dict[str, Any] = field(default_factory=dict)  # AnchorShape fields overriding the preset
+    vocab_size: int | None = None  # None: the shards' tokenizer vocabulary
+    max_seq_len: int | None = None  # None: the shards' seq_len
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    lora_alpha: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemorySection:
+    multipliers: list[int] = field(default_factory=list)  # empty: no memory (baseline)
+    type: Literal["ffn", "lora-qk", "lora-ov", "lora-ffn", "kv"] = "ffn"
+    placement: Literal["uniform", "early", "middle", "late", "explicit"] = "uniform"
+    placement_layers: int = 10
+    layers: list[int] = field(default_factory=list)
+    generic_prob: float | None = None  # None: 1 / branching (seed 002 §4)
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    init_std: float = 0.02
+    export_dtype: Literal["fp32", "bf16", "fp16", "int8", "int4"] = "bf16"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSection:
+    shards: str  # a pipeline run's shards/ directory (memtree-shards v1)
+    subtrees: list[int] | None = None  # per-subtree job: train only these level-1 subtrees
+    batch_size: int = 8  # global batch (sequences)
+    shuffle: bool = True
+    shuffle_seed: int = 0
+    num_workers: int = 0
+    eval_fraction: float = 0.0  # reserved for held-out evaluation by eval/
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimSection:
+    lr: float = 3e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.05
+    warmup: str = "10ba"
+    alpha_f: float = 0.1  # cooldown LR as a fraction of the peak
+    max_grad_norm: float | None = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    data: DataSection
+    run_name: str = "memtree"
+    save_folder: str = "runs/train"
+    mode: Mode = "baseline"
+    anchor_checkpoint: str | None = None  # frozen / cotrain: a Composer checkpoint of an anchor-only run
+    model: ModelSection = field(default_factory=ModelSection)
+    memory: MemorySection = field(default_factory=MemorySection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    max_duration: str = "20ba"
+    seed: int = 0
+    device: Literal["auto", "cpu", "gpu"] = "auto"
+    precision: Literal["auto", "fp32", "amp_bf16", "amp_fp16"] = "auto"
+    microbatch_size: int | None = None
+    save_interval: str = "1000ba"
+    save_num_checkpoints_to_keep: int = 2
+    autoresume: bool = False
+    log_interval: str = "1ba"
+    progress_bar: bool = False
+    fsdp: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode == "baseline" and self.memory.multipliers:
+            raise ConfigError("memory.multipliers: mode 'baseline' trains no memory; set mode to "
+                              "'frozen', 'cotrain' or 'scratch', or leave memory.multipliers empty")
+        if self.mode != "baseline" and not any(self.memory.multipliers):
+            raise ConfigError(f"memory.multipliers: mode {self.mode!r} needs a non-zero memory configuration")
+        if self.mode in ("frozen", "cotrain") and not self.anchor_checkpoint:
+            raise ConfigError(f"anchor_checkpoint: mode {self.mode!r} starts from a trained anchor; give its "
+                              "checkpoint (or use mode 'scratch')")
+        if self.model.anchor not in ANCHOR_PRESETS and self.model.anchor != "custom":
+            raise ConfigError(f"model.anchor: {self.model.anchor!r} is not one of "
+                              f"{sorted(ANCHOR_PRESETS) + ['custom']}")
+        gp = self.memory.generic_prob
+        if gp is not None and not 0 <= gp <= 1:
+            raise ConfigError(f"memory.generic_prob: {gp} must be in [0, 1]")
+
+    def anchor_shape(self, vocab_size: int) -> AnchorShape:
+        fields = {f.name for f in dataclasses.fields(AnchorShape)}
+        unknown = sorted(set(self.model.shape) - fields)
+        if unknown:
+            raise ConfigError(f"model.shape: unknown key(s) {unknown}; allowed: {sorted(fields)}")
+        if self.model.anchor == "custom":
+            base = dict(self.model.shape)
+            base.setdefault("name", "custom")
+        else:
+            base = {**dataclasses.asdict(get_anchor(self.model.anchor)), **self.model.shape}
+        base["vocab_size"] = self.model.vocab_size or vocab_size
+        try:
+            return AnchorShape(**base)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"model: {e}") from None
+
+    def memory_config(self, branching: int) -> MemoryConfig | None:
+        if not any(self.memory.multipliers):
+            return None
+        try:
+            return MemoryConfig(multipliers=tuple(self.memory.multipliers), type=self.memory.type,
+                                placement=self.memory.placement, placement_layers=self.memory.placement_layers,
+                                layers=tuple(self.memory.layers), branching=branching)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def fingerprint(self) -> str:
+        """Hash of everything that shapes the model and its data: a checkpoint from a run
+        with a different fingerprint is refused. Duration, saving and logging may change."""
+        d = to_dict(self)
+        for k in ("max_duration", "save_interval", "save_num_checkpoints_to_keep", "autoresume", "log_interval",
+                  "progress_bar", "save_folder", "run_name", "device", "microbatch_size"):
+            d.pop(k, None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# Small shapes that train on a CPU in minutes (vocab comes from the tokenizer).
+ANCHOR_PRESETS.setdefault("tiny", AnchorShape(name="tiny", n_layers=4, d_model=128, n_heads=4, head_dim=32,
+                                              ffn_dim=512, tied_embeddings=True))
+ANCHOR_PRESETS.setdefault("small", AnchorShape(name="small", n_layers=8, d_model=256, n_heads=8, head_dim=32,
+                                               ffn_dim=1024, tied_embeddings=True))
+
+
+def load_train_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    return load_config(TrainConfig, str(path) if path else None, list(overrides))

@@ -1,0 +1,207 @@
+"""Build and run a Composer Trainer for a memtree config.
+
+One process: `memtree train CONFIG.yaml [key=value …]`.
+Several GPUs: `composer -n N training/train.py CONFIG.yaml [key=value …]` (this file is
+the launcher's script; Composer's launcher sets the distributed environment).
+
+What a run leaves in `save_folder`:
+  memtree_config.yaml / memtree_config.json   the resolved config and its fingerprint
+  checkpoints/                                 Composer checkpoints (model, optimizer, dataloader)
+  anchor.safetensors                           the anchor's weights (input to frozen / cotrain runs)
+  bank/                                        the memory bank in the memstore format (memtree-bank v1)
+  metrics.json                                 final training metrics
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memtree.config import ConfigError, dump_yaml, to_dict
+from memtree.io import atomic_write_json, atomic_write_text, read_json
+from training.composer_model import MemtreeLM
+from training.config import TrainConfig, load_train_config
+from training.data import build_dataloader, read_shards_manifest, tokenizer_vocab_size
+from training.optim import MemoryAdamW
+
+
+def build_model(cfg: TrainConfig) -> tuple[MemtreeLM, dict[str, Any]]:
+    manifest = read_shards_manifest(cfg.data.shards)
+    vocab = tokenizer_vocab_size(cfg.data.shards, manifest)
+    anchor = cfg.anchor_shape(vocab)
+    memory = cfg.memory_config(int(manifest["branching"]))
+    if memory is not None and memory.n_levels > int(manifest["levels"]):
+        raise ConfigError(f"memory.multipliers: {memory.n_levels} levels, but the shards' tree has "
+                          f"{manifest['levels']}")
+    if cfg.model.vocab_size and cfg.model.vocab_size < vocab:
+        raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} is smaller than the tokenizer's {vocab}")
+    seq_len = int(manifest["seq_len"])
+    subtree = cfg.data.subtrees[0] if cfg.data.subtrees and len(cfg.data.subtrees) == 1 and memory else None
+    model = MemtreeLM(anchor=anchor, memory=memory, max_seq_len=cfg.model.max_seq_len or seq_len,
+                      generic_prob=cfg.memory.generic_prob, seed=cfg.seed, rope_theta=cfg.model.rope_theta,
+                      norm_eps=cfg.model.norm_eps, init_std=cfg.model.init_std, lora_alpha=cfg.model.lora_alpha,
+                      memory_init_std=cfg.memory.init_std, subtree=subtree, freeze_anchor=cfg.mode == "frozen")
+    if cfg.anchor_checkpoint:
+        load_anchor(model, cfg.anchor_checkpoint)
+    return model, manifest
+
+
+def load_anchor(model: MemtreeLM, path: str) -> None:
+    """Anchor weights from `anchor.safetensors` (or a run directory holding one)."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "anchor.safetensors"
+    if not p.exists():
+        raise FileNotFoundError(f"anchor_checkpoint {path}: no anchor.safetensors there (a baseline run writes it)")
+    state = load_file(str(p))
+    missing, unexpected = model.model.load_state_dict(state, strict=False)
+    if unexpected or missing:
+        raise ConfigError(f"anchor_checkpoint {p}: does not match the model "
+                          f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+
+
+def check_save_folder(cfg: TrainConfig) -> None:
+    """Refuse to resume a save folder written by a different config."""
+    folder = Path(cfg.save_folder)
+    meta = folder / "memtree_config.json"
+    if meta.exists():
+        old = read_json(meta)
+        if old["fingerprint"] != cfg.fingerprint():
+            new = to_dict(cfg)
+            diffs = _diff(old["config"], new)
+            raise ConfigError(f"{folder} holds checkpoints of another config (differs at {diffs[:5]}); "
+                              "use a new save_folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(meta, {"fingerprint": cfg.fingerprint(), "config": to_dict(cfg)})
+    atomic_write_text(folder / "memtree_config.yaml", dump_yaml(cfg))
+
+
+def drop_unfinished_checkpoints(folder: Path) -> list[Path]:
+    """Remove checkpoints newer than the one `latest-rank0.pt` points to.
+
+    A run killed while saving leaves the newest file without the `latest` link
+    updated; Composer would resume from the older one and then refuse to
+    overwrite the newer name. Those files are incomplete by definition."""
+    latest = folder / "latest-rank0.pt"
+    if not latest.is_symlink():
+        return []
+    target = Path(os.readlink(latest)).name
+    m = _BATCH.search(target)
+    if not m:
+        return []
+    dropped = []
+    for f in folder.glob("ep*-ba*-rank*.pt"):
+        k = _BATCH.search(f.name)
+        if k and int(k.group(1)) > int(m.group(1)):
+            f.unlink()
+            dropped.append(f)
+    return dropped
+
+
+_BATCH = re.compile(r"-ba(\d+)-")
+
+
+def _diff(a: Any, b: Any, where: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            out += _diff(a.get(k), b.get(k), f"{where}.{k}" if where else k)
+        return out
+    return [] if a == b else [where]
+
+
+def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, loggers: list[Any] | None = None):
+    from composer import Trainer
+    from composer.optim import CosineAnnealingWithWarmupScheduler
+    from composer.utils import reproducibility
+
+    from training.callbacks import default_callbacks
+
+    check_save_folder(cfg)
+    if cfg.autoresume:
+        drop_unfinished_checkpoints(Path(cfg.save_folder) / "checkpoints")
+    reproducibility.seed_all(cfg.seed)  # the model is built before the Trainer seeds anything
+    model, _ = build_model(cfg)
+    groups = []
+    anchor_params = [p for p in model.anchor_parameters() if p.requires_grad]
+    if anchor_params:
+        groups.append({"params": anchor_params, "lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay})
+    if model.bank is not None:
+        groups.append({"params": list(model.bank.parameters()), "lr": cfg.memory.lr,
+                       "weight_decay": cfg.memory.weight_decay})
+    optimizer = MemoryAdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+                            max_grad_norm=cfg.optim.max_grad_norm)
+    gpu = torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "gpu"
+    precision = cfg.precision if cfg.precision != "auto" else ("amp_bf16" if gpu else "fp32")
+    parallelism = None
+    if cfg.fsdp:
+        if model.bank is not None:
+            raise ConfigError("fsdp: sharding a model with a sparse memory bank is not supported yet; "
+                              "multi-GPU runs use DDP (leave fsdp false)")
+        parallelism = {"fsdp": {"sharding_strategy": "FULL_SHARD", "mixed_precision": "PURE"}}
+    loader = build_dataloader(cfg.data.shards, batch_size=cfg.data.batch_size, subtrees=cfg.data.subtrees,
+                              shuffle=cfg.data.shuffle, shuffle_seed=cfg.data.shuffle_seed,
+                              num_workers=cfg.data.num_workers)
+    return Trainer(
+        model=model, train_dataloader=loader, max_duration=cfg.max_duration, optimizers=optimizer,
+        schedulers=CosineAnnealingWithWarmupScheduler(t_warmup=cfg.optim.warmup, alpha_f=cfg.optim.alpha_f),
+        callbacks=default_callbacks() + list(callbacks or []), loggers=loggers, run_name=cfg.run_name,
+        save_folder=str(Path(cfg.save_folder) / "checkpoints"), save_interval=cfg.save_interval,
+        save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep, save_overwrite=not cfg.autoresume,
+        autoresume=cfg.autoresume, device="gpu" if gpu else "cpu", precision=precision, seed=cfg.seed,
+        device_train_microbatch_size=cfg.microbatch_size or "auto" if gpu else cfg.microbatch_size,
+        progress_bar=cfg.progress_bar, log_to_console=not cfg.progress_bar, console_log_interval=cfg.log_interval,
+        parallelism_config=parallelism, step_schedulers_every_batch=True,
+    )
+
+
+def export(trainer: Any, cfg: TrainConfig) -> dict[str, str]:
+    """Write the anchor weights and the bank (memstore format) next to the checkpoints."""
+    from safetensors.torch import save_file
+
+    model: MemtreeLM = trainer.state.model
+    folder = Path(cfg.save_folder)
+    out = {}
+    state = {k: v.detach().cpu().contiguous() for k, v in model.model.state_dict().items()}
+    # tied embeddings share storage; safetensors refuses shared tensors, so store copies
+    save_file({k: v.clone() for k, v in state.items()}, str(folder / "anchor.safetensors"))
+    out["anchor"] = str(folder / "anchor.safetensors")
+    if model.bank is not None:
+        manifest = read_shards_manifest(cfg.data.shards)
+        info = model.bank.export(folder / "bank", dtype=cfg.memory.export_dtype, tree_id=manifest["tree_id"])
+        out["bank"] = str(info.root)
+    return out
+
+
+def train(cfg: TrainConfig, *, callbacks: list[Any] | None = None) -> dict[str, Any]:
+    trainer = build_trainer(cfg, callbacks=callbacks)
+    try:
+        trainer.fit()
+        paths = export(trainer, cfg)
+        metrics = {k: float(v) for k, v in trainer.state.train_metric_values.items()}
+        atomic_write_json(Path(cfg.save_folder) / "metrics.json", {"train": metrics, **paths})
+        return {"metrics": metrics, **paths, "trainer": trainer}
+    finally:
+        trainer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        print("usage: composer -n N training/train.py CONFIG.yaml [key=value …]", file=sys.stderr)
+        return 2
+    config, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
+    result = train(load_train_config(config, overrides))
+    print(f"done: {result['metrics']}; anchor {result['anchor']}" + (f"; bank {result['bank']}" if 'bank' in result else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
