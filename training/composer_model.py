@@ -27,6 +27,11 @@ from training.model import AnchorLM, ModelConfig, assemble_memories
 MemoryMode = Literal["fetched", "generic", "none"]
 
 
+def unwrap(model: Any) -> Any:
+    """The MemtreeLM inside a DDP/FSDP wrapper (Composer wraps the model for multi-GPU)."""
+    return getattr(model, "module", model)
+
+
 class MemtreeLM(ComposerModel):
     def __init__(self, *, anchor: AnchorShape, memory: MemoryConfig | None, max_seq_len: int,
                  generic_prob: float | None = None, seed: int = 0, rope_theta: float = 10000.0,
@@ -45,6 +50,9 @@ class MemtreeLM(ComposerModel):
         self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
         if freeze_anchor:
             self.model.requires_grad_(False)
+        if self.bank is not None:
+            # sparse gradients cannot go through DDP's buckets; MemoryAdamW reduces them itself
+            self._ddp_params_and_buffers_to_ignore = [f"bank.tables.{lv}" for lv in self.bank.tables]
         self.train_metrics = {"LanguageCrossEntropy": LanguageCrossEntropy()}
         self.eval_metrics = {"LanguageCrossEntropy": LanguageCrossEntropy(),
                              "LanguagePerplexity": LanguagePerplexity()}
@@ -54,7 +62,10 @@ class MemtreeLM(ComposerModel):
         self.last_seq_loss: torch.Tensor | None = None
 
     def _draw_generic(self, batch: int) -> torch.Tensor:
-        key = hashlib.blake2b(f"{self.seed}:{int(self.forwards)}".encode(), digest_size=8).digest()
+        from composer.utils import dist
+
+        key = hashlib.blake2b(f"{self.seed}:{int(self.forwards)}:{dist.get_global_rank()}".encode(),
+                              digest_size=8).digest()
         g = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
         return torch.rand(batch, generator=g) < self.generic_prob
 

@@ -35,6 +35,39 @@ class MemoryAdamW(Optimizer):
         self.last_grad_norm: float | None = None
         self.last_rows: dict[int, int] = {}  # id(param) → rows updated in the last step
 
+    def _sync_sparse_grads(self) -> None:
+        """Average sparse gradients across data-parallel ranks.
+
+        DDP cannot bucket sparse gradients, so the bank tables are excluded from
+        DDP (`MemtreeLM` lists them in `_ddp_params_and_buffers_to_ignore`) and
+        reduced here: every rank's (rows, values) are gathered and summed, then
+        divided by the world size as DDP does for dense gradients."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        world = dist.get_world_size()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or not p.grad.is_sparse:
+                    continue
+                g = p.grad.coalesce()
+                rows, vals = g.indices()[0], g.values()
+                n = torch.tensor([len(rows)], device=vals.device)
+                sizes = [torch.zeros_like(n) for _ in range(world)]
+                dist.all_gather(sizes, n)
+                cap = int(max(int(x) for x in sizes))
+                pad_rows = torch.zeros(cap, dtype=rows.dtype, device=rows.device)
+                pad_vals = torch.zeros(cap, vals.shape[1], dtype=vals.dtype, device=vals.device)
+                pad_rows[: len(rows)], pad_vals[: len(rows)] = rows, vals
+                all_rows = [torch.zeros_like(pad_rows) for _ in range(world)]
+                all_vals = [torch.zeros_like(pad_vals) for _ in range(world)]
+                dist.all_gather(all_rows, pad_rows)
+                dist.all_gather(all_vals, pad_vals)
+                idx = torch.cat([r[: int(k)] for r, k in zip(all_rows, sizes, strict=True)])
+                val = torch.cat([v[: int(k)] for v, k in zip(all_vals, sizes, strict=True)]) / world
+                p.grad = torch.sparse_coo_tensor(idx[None], val, p.shape).coalesce()
+
     def _clip_coef(self) -> float:
         sq = torch.zeros((), dtype=torch.float64)
         for group in self.param_groups:
@@ -58,6 +91,7 @@ class MemoryAdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._sync_sparse_grads()
         coef = self._clip_coef()
         self.last_rows = {}
         for group in self.param_groups:

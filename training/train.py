@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from memtree.config import ConfigError, dump_yaml, to_dict
-from memtree.io import atomic_write_json, atomic_write_text, read_json
-from training.composer_model import MemtreeLM
+from memtree.io import atomic_path, atomic_write_json, atomic_write_text, read_json
+from training.composer_model import MemtreeLM, unwrap
 from training.config import TrainConfig, load_train_config
 from training.data import build_dataloader, read_shards_manifest, tokenizer_vocab_size
 from training.optim import MemoryAdamW
@@ -164,19 +164,25 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
 
 def export(trainer: Any, cfg: TrainConfig) -> dict[str, str]:
     """Write the anchor weights and the bank (memstore format) next to the checkpoints."""
+    from composer.utils import dist
     from safetensors.torch import save_file
 
-    model: MemtreeLM = trainer.state.model
+    model: MemtreeLM = unwrap(trainer.state.model)
     folder = Path(cfg.save_folder)
-    out = {}
+    out = {"anchor": str(folder / "anchor.safetensors")}
+    if model.bank is not None:
+        out["bank"] = str(folder / "bank")
+    if dist.get_global_rank() != 0:  # one writer; the others wait for it
+        dist.barrier()
+        return out
     state = {k: v.detach().cpu().contiguous() for k, v in model.model.state_dict().items()}
     # tied embeddings share storage; safetensors refuses shared tensors, so store copies
-    save_file({k: v.clone() for k, v in state.items()}, str(folder / "anchor.safetensors"))
-    out["anchor"] = str(folder / "anchor.safetensors")
+    with atomic_path(folder / "anchor.safetensors") as tmp:
+        save_file({k: v.clone() for k, v in state.items()}, str(tmp))
     if model.bank is not None:
         manifest = read_shards_manifest(cfg.data.shards)
-        info = model.bank.export(folder / "bank", dtype=cfg.memory.export_dtype, tree_id=manifest["tree_id"])
-        out["bank"] = str(info.root)
+        model.bank.export(folder / "bank", dtype=cfg.memory.export_dtype, tree_id=manifest["tree_id"])
+    dist.barrier()
     return out
 
 

@@ -6,13 +6,15 @@ import torch
 from composer.core import Callback, State
 from composer.loggers import Logger
 
+from training.composer_model import unwrap
+
 
 class BankTouch(Callback):
     def __init__(self) -> None:
         self.seen: dict[int, torch.Tensor] = {}
 
     def after_forward(self, state: State, logger: Logger) -> None:
-        model = state.model
+        model = unwrap(state.model)
         bank = getattr(model, "bank", None)
         if bank is None or not model.training:
             return
@@ -21,7 +23,7 @@ class BankTouch(Callback):
             seen[rows] = True
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        bank = getattr(state.model, "bank", None)
+        bank = getattr(unwrap(state.model), "bank", None)
         if bank is None or not self.seen:
             return
         metrics, touched, total = {}, 0, 0

@@ -9,6 +9,8 @@ from __future__ import annotations
 from composer.core import Callback, State
 from composer.loggers import Logger
 
+from training.composer_model import unwrap
+
 
 class GenericVsFetchedLoss(Callback):
     def __init__(self, decay: float = 0.9) -> None:
@@ -20,7 +22,7 @@ class GenericVsFetchedLoss(Callback):
         self.ema[key] = value if old is None else self.decay * old + (1 - self.decay) * value
 
     def after_loss(self, state: State, logger: Logger) -> None:
-        model = state.model
+        model = unwrap(state.model)
         if getattr(model, "bank", None) is None or model.last_seq_loss is None or model.last_use_generic is None:
             return
         loss, generic = model.last_seq_loss.cpu(), model.last_use_generic

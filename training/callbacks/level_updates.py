@@ -9,6 +9,8 @@ import torch
 from composer.core import Callback, State
 from composer.loggers import Logger
 
+from training.composer_model import unwrap
+
 
 class LevelUpdates(Callback):
     def __init__(self) -> None:
@@ -19,7 +21,7 @@ class LevelUpdates(Callback):
         self.step_rows = {}
 
     def after_forward(self, state: State, logger: Logger) -> None:
-        model = state.model
+        model = unwrap(state.model)
         if getattr(model, "bank", None) is None or not model.training:
             return
         generic = model.last_use_generic if model.last_use_generic is not None else torch.zeros(0, dtype=torch.bool)
