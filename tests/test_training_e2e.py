@@ -176,3 +176,45 @@ def test_two_process_ddp_with_the_composer_launcher(pipeline_run, tmp_path):
                        capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert verify_bank(tmp_path / "ddp" / "bank")["levels"] == [1, 2]
+
+
+def test_init_bank_must_match_model_tree_and_config(pipeline_run, tmp_path):
+    shards = pipeline_run[0] / "shards"
+    cfg = _cfg(shards, tmp_path / "m", "mode=scratch", "memory.multipliers=[4,2]")
+    model, manifest = build_model(cfg)
+    with torch.no_grad():
+        model.bank.tables["2"][3] = 1.0
+    model.bank.export(tmp_path / "good", dtype="fp32", tree_id=manifest["tree_id"])
+    model.bank.export(tmp_path / "other-tree", dtype="fp32", tree_id="not-this-tree")
+    loaded, _ = build_model(_cfg(shards, tmp_path / "m", "mode=scratch", "memory.multipliers=[4,2]",
+                                 f"memory.init_bank={tmp_path / 'good'}"))
+    assert torch.equal(loaded.bank.tables["2"][3], torch.ones_like(loaded.bank.tables["2"][3]))
+    with pytest.raises(ConfigError, match="tree not-this-tree"):
+        build_model(_cfg(shards, tmp_path / "m", "mode=scratch", "memory.multipliers=[4,2]",
+                         f"memory.init_bank={tmp_path / 'other-tree'}"))
+    with pytest.raises(ConfigError, match="memory config"):
+        build_model(_cfg(shards, tmp_path / "m", "mode=scratch", "memory.multipliers=[8,2]",
+                         f"memory.init_bank={tmp_path / 'good'}"))
+
+
+def test_post_hoc_memories_on_a_local_hf_model(pipeline_run, tmp_path):
+    """Table 2's setup at toy scale: a (tiny, random) HF Llama is the frozen anchor."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf_dir = tmp_path / "tiny-llama"
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 intermediate_size=64, vocab_size=2048)).save_pretrained(hf_dir)
+    shards = pipeline_run[0] / "shards"
+    log = LossLog()
+    out = train(load_train_config(None, [
+        f"data.shards={shards}", f"save_folder={tmp_path / 'hf'}", "data.batch_size=4", "max_duration=4ba",
+        "mode=frozen", f"model.hf_dir={hf_dir}", "memory.multipliers=[8,4]", "memory.lr=5e-2",
+        "optim.warmup=1ba"]), callbacks=[log])
+    assert all(torch.isfinite(torch.tensor(log.losses)))
+    from safetensors.torch import load_file
+
+    base = LlamaForCausalLM.from_pretrained(hf_dir).state_dict()
+    after = load_file(out["anchor"])
+    assert all(torch.equal(base[k], after[k]) for k in after)  # the HF anchor stayed frozen
+    assert verify_bank(out["bank"])["levels"] == [1, 2]

@@ -36,14 +36,26 @@ class MemtreeLM(ComposerModel):
     def __init__(self, *, anchor: AnchorShape, memory: MemoryConfig | None, max_seq_len: int,
                  generic_prob: float | None = None, seed: int = 0, rope_theta: float = 10000.0,
                  norm_eps: float = 1e-5, init_std: float = 0.02, lora_alpha: float = 1.0,
-                 memory_init_std: float = 0.02, subtree: int | None = None, freeze_anchor: bool = False) -> None:
+                 memory_init_std: float = 0.02, subtree: int | None = None, freeze_anchor: bool = False,
+                 hf_dir: str | None = None) -> None:
         super().__init__()
         self.anchor_shape, self.memory = anchor, memory
-        self.model = AnchorLM(ModelConfig(anchor=anchor, max_seq_len=max_seq_len, rope_theta=rope_theta,
-                                          norm_eps=norm_eps, init_std=init_std, memory=memory,
-                                          lora_alpha=lora_alpha))
         self.bank = (TrainableBank(anchor, memory, subtree=subtree, seed=seed, std=memory_init_std)
                      if memory is not None else None)
+        self.hf = None
+        if hf_dir is not None:
+            # post-hoc memories on a pretrained HF causal LM (Table 2); the HF model is the anchor
+            from training.hf import HFMemoryModel
+
+            if memory is None:
+                raise ValueError("model.hf_dir: post-hoc training needs memory.multipliers")
+            self.hf = HFMemoryModel(hf_dir, memory, bank=self.bank, cotrain=not freeze_anchor,
+                                    lora_alpha=lora_alpha, seed=seed)
+            self.model = self.hf.hf
+        else:
+            self.model = AnchorLM(ModelConfig(anchor=anchor, max_seq_len=max_seq_len, rope_theta=rope_theta,
+                                              norm_eps=norm_eps, init_std=init_std, memory=memory,
+                                              lora_alpha=lora_alpha))
         self.generic_prob = (1.0 / memory.branching if generic_prob is None else generic_prob) if memory else 0.0
         self.seed = seed
         self.memory_mode: MemoryMode = "fetched"
@@ -87,6 +99,11 @@ class MemtreeLM(ComposerModel):
             else:
                 use_generic = torch.full((B,), self.memory_mode == "generic")
             mems = self.memories_for(batch["paths"], use_generic)
+        if self.hf is not None:
+            # no document mask: the HF anchors were not trained with one (App. A.6)
+            if mems is None:
+                return self.model(input_ids=ids, use_cache=False).logits
+            return self.hf(ids, memories=mems, use_cache=False).logits
         return self.model(ids, segment_ids=batch.get("segment_ids"), memories=mems)
 
     def loss(self, outputs: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:

@@ -30,6 +30,7 @@ class ModelSection:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     lora_alpha: float = 1.0
+    hf_dir: str | None = None  # post-hoc memories on this local HF causal LM (it is the anchor)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +45,7 @@ class MemorySection:
     weight_decay: float = 0.0
     init_std: float = 0.02
     export_dtype: Literal["fp32", "bf16", "fp16", "int8", "int4"] = "bf16"
+    init_bank: str | None = None  # start from this memstore bank (e.g. merged per-subtree banks)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,7 +98,7 @@ class TrainConfig:
                               "'frozen', 'cotrain' or 'scratch', or leave memory.multipliers empty")
         if self.mode != "baseline" and not any(self.memory.multipliers):
             raise ConfigError(f"memory.multipliers: mode {self.mode!r} needs a non-zero memory configuration")
-        if self.mode in ("frozen", "cotrain") and not self.anchor_checkpoint:
+        if self.mode in ("frozen", "cotrain") and not self.anchor_checkpoint and not self.model.hf_dir:
             raise ConfigError(f"anchor_checkpoint: mode {self.mode!r} starts from a trained anchor; give its "
                               "checkpoint (or use mode 'scratch')")
         if self.model.anchor not in ANCHOR_PRESETS and self.model.anchor != "custom":
@@ -107,6 +109,16 @@ class TrainConfig:
             raise ConfigError(f"memory.generic_prob: {gp} must be in [0, 1]")
 
     def anchor_shape(self, vocab_size: int) -> AnchorShape:
+        if self.model.hf_dir:
+            from transformers import AutoConfig
+
+            from training.hf import anchor_shape_from_hf
+
+            shape = anchor_shape_from_hf(AutoConfig.from_pretrained(self.model.hf_dir, local_files_only=True))
+            if shape.vocab_size < vocab_size:
+                raise ConfigError(f"model.hf_dir: the model's vocabulary ({shape.vocab_size}) is smaller than the "
+                                  f"shards' tokenizer ({vocab_size}); tokenize with the model's own tokenizer")
+            return shape
         fields = {f.name for f in dataclasses.fields(AnchorShape)}
         unknown = sorted(set(self.model.shape) - fields)
         if unknown:

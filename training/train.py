@@ -45,10 +45,40 @@ def build_model(cfg: TrainConfig) -> tuple[MemtreeLM, dict[str, Any]]:
     model = MemtreeLM(anchor=anchor, memory=memory, max_seq_len=cfg.model.max_seq_len or seq_len,
                       generic_prob=cfg.memory.generic_prob, seed=cfg.seed, rope_theta=cfg.model.rope_theta,
                       norm_eps=cfg.model.norm_eps, init_std=cfg.model.init_std, lora_alpha=cfg.model.lora_alpha,
-                      memory_init_std=cfg.memory.init_std, subtree=subtree, freeze_anchor=cfg.mode == "frozen")
+                      memory_init_std=cfg.memory.init_std, subtree=subtree, freeze_anchor=cfg.mode == "frozen",
+                      hf_dir=cfg.model.hf_dir)
     if cfg.anchor_checkpoint:
         load_anchor(model, cfg.anchor_checkpoint)
+    if cfg.memory.init_bank:
+        model.bank = load_bank(cfg.memory.init_bank, model, manifest)
+        if model.hf is not None:
+            model.hf.bank = model.bank
     return model, manifest
+
+
+def load_bank(path: str, model: MemtreeLM, manifest: dict[str, Any]):
+    """A memstore bank as the starting bank, refused unless it fits this model, tree and subtree."""
+    import dataclasses
+
+    from memstore.format import read_manifest
+    from training.bank import TrainableBank
+
+    if model.bank is None:
+        raise ConfigError("memory.init_bank: this run has no memory (memory.multipliers is empty)")
+    info = read_manifest(path)
+    problems = []
+    if info.tree_id != manifest["tree_id"]:
+        problems.append(f"tree {info.tree_id} vs the shards' tree {manifest['tree_id']}")
+    strip = lambda a: {k: v for k, v in dataclasses.asdict(a).items() if k != "name"}
+    if strip(info.anchor) != strip(model.anchor_shape):
+        problems.append(f"anchor shape {strip(info.anchor)} vs the model's {strip(model.anchor_shape)}")
+    if info.memory != model.memory:
+        problems.append(f"memory config {info.memory} vs {model.memory}")
+    if info.subtree != model.bank.subtree:
+        problems.append(f"subtree {info.subtree} vs the run's {model.bank.subtree}")
+    if problems:
+        raise ConfigError(f"memory.init_bank {path}: does not match this run: " + "; ".join(problems))
+    return TrainableBank.from_bank(path)
 
 
 def load_anchor(model: MemtreeLM, path: str) -> None:
@@ -134,7 +164,7 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
     if anchor_params:
         groups.append({"params": anchor_params, "lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay})
     if model.bank is not None:
-        groups.append({"params": list(model.bank.parameters()), "lr": cfg.memory.lr,
+        groups.append({"params": list(model.bank.bank_parameters()), "lr": cfg.memory.lr,
                        "weight_decay": cfg.memory.weight_decay})
     optimizer = MemoryAdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
                             max_grad_norm=cfg.optim.max_grad_norm)
