@@ -114,6 +114,9 @@ ANCHOR_PRESETS: dict[str, AnchorShape] = {
                                head_dim=64, ffn_dim=8192, vocab_size=128_256, tied_embeddings=True,
                                qk_norm="none"),
 }
+# Small shapes that train on a CPU in minutes (the trainer sets vocab_size from the tokenizer).
+ANCHOR_PRESETS["tiny"] = AnchorShape(name="tiny", n_layers=4, d_model=128, n_heads=4, head_dim=32, ffn_dim=512)
+ANCHOR_PRESETS["small"] = AnchorShape(name="small", n_layers=8, d_model=256, n_heads=8, head_dim=32, ffn_dim=1024)
 for _depth in (12, 17, 19, 21, 22):  # Table 8: 260M/320M/350M/370M/385M anchors
     ANCHOR_PRESETS[f"openlm-410m-l{_depth}"] = replace(
         ANCHOR_PRESETS["openlm-410m"], name=f"openlm-410m-l{_depth}", n_layers=_depth

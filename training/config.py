@@ -154,12 +154,5 @@ class TrainConfig:
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-# Small shapes that train on a CPU in minutes (vocab comes from the tokenizer).
-ANCHOR_PRESETS.setdefault("tiny", AnchorShape(name="tiny", n_layers=4, d_model=128, n_heads=4, head_dim=32,
-                                              ffn_dim=512, tied_embeddings=True))
-ANCHOR_PRESETS.setdefault("small", AnchorShape(name="small", n_layers=8, d_model=256, n_heads=8, head_dim=32,
-                                               ffn_dim=1024, tied_embeddings=True))
-
-
 def load_train_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     return load_config(TrainConfig, str(path) if path else None, list(overrides))
