@@ -52,6 +52,7 @@ def adversarial_block(
     fraction: float = 1 / 16,
     level: int = 1,
     reason: str = "adversarial blocking",
+    persist: bool = True,
 ) -> dict[str, Any]:
     """Block the subtrees the queries route to most, up to `fraction` of the bank.
 
@@ -73,7 +74,7 @@ def adversarial_block(
         B = store.info.memory.branching
         rest = [c for c in range(B**level) if c not in set(chosen)]
         chosen += rest[: n - len(chosen)]
-    return _block_report(store, paths, level, chosen, reason)
+    return _block_report(store, paths, level, chosen, reason, persist)
 
 
 def random_block(
@@ -84,17 +85,18 @@ def random_block(
     seed: int = 0,
     paths: np.ndarray | None = None,
     reason: str = "random blocking (control)",
+    persist: bool = True,
 ) -> dict[str, Any]:
     """Control for `adversarial_block`: the same share of the bank, subtrees drawn at random."""
     n = _n_subtrees(store, level, fraction)
     B = store.info.memory.branching
     chosen = sorted(np.random.default_rng(seed).choice(B**level, size=n, replace=False).tolist())
-    return _block_report(store, None if paths is None else np.asarray(paths), level, chosen, reason)
+    return _block_report(store, None if paths is None else np.asarray(paths), level, chosen, reason, persist)
 
 
 def _block_report(store: MemoryStore, paths: np.ndarray | None, level: int, chosen: list[int],
-                  reason: str) -> dict[str, Any]:
-    store.block(level, chosen, subtree=True, reason=reason)
+                  reason: str, persist: bool) -> dict[str, Any]:
+    store.block(level, chosen, subtree=True, reason=reason, persist=persist)
     report: dict[str, Any] = {"level": level, "clusters": chosen, "bank_fraction_blocked": store.blocked_fraction()}
     if paths is not None and len(paths):
         hit = np.isin(paths[:, level - 1], chosen)

@@ -492,22 +492,34 @@ class MemoryStore:
                 out[deeper] = [c * span + j for c in out[level] for j in range(span)]
         return out
 
-    def block(self, level: int, clusters: Sequence[int], *, subtree: bool = False, reason: str = "") -> dict:
-        """Refuse blocks from now on (persisted in policy.json). Returns counts per level."""
+    def block(self, level: int, clusters: Sequence[int], *, subtree: bool = False, reason: str = "",
+              persist: bool = True) -> dict:
+        """Refuse blocks from now on. Returns counts per level. `persist=False` blocks for this
+        open store only (an experiment on a shared bank): policy.json and the audit log are
+        left alone."""
         targets = self._expand(level, clusters, subtree)
         for lv, ids in targets.items():
             cur = [i for a, b in self.policy["blocked"].get(str(lv), []) for i in range(a, b)]
             self.policy["blocked"][str(lv)] = _ranges(cur + ids)
+        if not persist:
+            for L in self.levels.values():
+                L.mask = self._refused_mask(L.info)
+            return {lv: len(ids) for lv, ids in targets.items()}
         self._save_policy()
         self._audit("block", targets, reason)
         return {lv: len(ids) for lv, ids in targets.items()}
 
-    def unblock(self, level: int, clusters: Sequence[int], *, subtree: bool = False, reason: str = "") -> dict:
+    def unblock(self, level: int, clusters: Sequence[int], *, subtree: bool = False, reason: str = "",
+                persist: bool = True) -> dict:
         targets = self._expand(level, clusters, subtree)
         for lv, ids in targets.items():
             drop = set(ids)
             cur = [i for a, b in self.policy["blocked"].get(str(lv), []) for i in range(a, b) if i not in drop]
             self.policy["blocked"][str(lv)] = _ranges(cur)
+        if not persist:
+            for L in self.levels.values():
+                L.mask = self._refused_mask(L.info)
+            return {lv: len(ids) for lv, ids in targets.items()}
         self._save_policy()
         self._audit("unblock", targets, reason)
         return {lv: len(ids) for lv, ids in targets.items()}

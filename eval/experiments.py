@@ -1,0 +1,167 @@
+"""Experiments on a trained run: fetched vs generic vs anchor-only, and memory blocking (Fig. 6b).
+
+`knowledge_eval` scores the long-tail probes and held-out perplexity with the
+three memory settings side by side (Table 1's layout) and accuracy per
+mention-frequency bucket (Fig. 1's analogue). `blocking_eval` blocks the part
+of the bank that a target set of probes routes to (memstore's adversarial
+blocking: the best-matching level-1 subtree(s), 1/B of the bank) and, as the
+control, the same share at random; it reports the accuracy change on the
+blocked probes and on all others. Blocking is applied to the open store only
+(`persist=False`): the run's bank on disk is not modified.
+
+`write_report` turns the results into JSON, markdown and PNGs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eval.longtail import accuracy_by_bucket
+from eval.model import RunModel
+from eval.tasks import multiple_choice, perplexity
+from memstore.blocking import adversarial_block, random_block
+from memtree.io import atomic_path, atomic_write_json, atomic_write_text
+
+MODES = ("none", "generic", "fetched")
+MODE_LABEL = {"none": "anchor only", "generic": "anchor + generic memory", "fetched": "anchor + fetched memory"}
+
+
+def knowledge_eval(rm: RunModel, probes: Sequence[dict[str, Any]], held_out: Sequence[dict[str, Any]] = (),
+                   *, modes: Sequence[str] = MODES) -> dict[str, Any]:
+    modes = [m for m in modes if m == "none" or rm.has_memory]
+    paths = rm.route([p["context"] for p in probes]) if rm.has_memory else None
+    doc_paths = rm.route([d["text"] for d in held_out]) if rm.has_memory and held_out else None
+    out: dict[str, Any] = {"n_probes": len(probes), "modes": {}}
+    for mode in modes:
+        mc = multiple_choice(rm, probes, mode=mode, paths=paths)
+        row = {"accuracy": mc["accuracy"], "accuracy_norm": mc["accuracy_norm"],
+               "by_bucket": accuracy_by_bucket(probes, mc["predictions"]), "predictions": mc["predictions"]}
+        if held_out:
+            row["perplexity"] = perplexity(rm, held_out, mode=mode, paths=doc_paths)["perplexity"]
+        out["modes"][mode] = row
+    return out
+
+
+def blocking_eval(rm: RunModel, probes: Sequence[dict[str, Any]], *, target_domains: Sequence[str],
+                  fraction: float | None = None, level: int = 1, seed: int = 0) -> dict[str, Any]:
+    """Accuracy with fetched memories before and after blocking the target probes' best match."""
+    if not rm.has_memory:
+        raise ValueError("blocking needs a run with a memory bank")
+    store = rm.store
+    fraction = fraction if fraction is not None else 1 / store.info.memory.branching
+    paths = rm.route([p["context"] for p in probes])
+    target = np.asarray([p.get("domain") in set(target_domains) for p in probes])
+    if not target.any():
+        raise ValueError(f"no probe belongs to the target domains {list(target_domains)}")
+
+    def score() -> np.ndarray:
+        preds = multiple_choice(rm, probes, mode="fetched", paths=paths)["predictions"]
+        return np.asarray(preds) == np.asarray([p["gold"] for p in probes])
+
+    def acc(mask: np.ndarray, ok: np.ndarray) -> float | None:
+        return float(ok[mask].mean()) if mask.any() else None
+
+    base = score()
+    result: dict[str, Any] = {"fraction": fraction, "level": level, "target_domains": list(target_domains),
+                              "n_target": int(target.sum()), "n_other": int((~target).sum()), "settings": {}}
+    for name in ("adversarial", "random"):
+        saved = {k: list(v) for k, v in store.policy["blocked"].items()}
+        if name == "adversarial":
+            rep = adversarial_block(store, paths=paths[target], fraction=fraction, level=level, persist=False)
+        else:
+            rep = random_block(store, fraction=fraction, level=level, seed=seed, paths=paths[target], persist=False)
+        ok = score()
+        blocked_paths = np.isin(paths[:, level - 1], rep["clusters"])
+        result["settings"][name] = {
+            "clusters": rep["clusters"], "bank_fraction_blocked": rep["bank_fraction_blocked"],
+            "target_routed_to_blocked": float(blocked_paths[target].mean()),
+            "accuracy_target": {"before": acc(target, base), "after": acc(target, ok)},
+            "accuracy_other": {"before": acc(~target, base), "after": acc(~target, ok)},
+            "other_predictions_changed": int((ok != base)[~target & ~blocked_paths].sum()),
+        }
+        store.policy["blocked"] = saved
+        for L in store.levels.values():  # back to the bank's own policy
+            L.mask = store._refused_mask(L.info)
+    return result
+
+
+def _fig(width: float = 6.0, height: float = 4.0):
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=110)
+
+
+def _save(fig, path: Path) -> None:
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", bbox_inches="tight")
+
+
+def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None,
+                 blocking: dict[str, Any] | None = None, meta: dict[str, Any] | None = None) -> dict[str, str]:
+    """results.json, report.md, and PNGs (accuracy vs mention frequency; blocking)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, str] = {}
+    lines = ["# memtree evaluation", ""]
+    if meta:
+        lines += [f"- {k}: {v}" for k, v in meta.items()] + [""]
+    if knowledge:
+        lines += ["## Long-tail knowledge probes", "", f"{knowledge['n_probes']} probes (4-way multiple choice).", "",
+                  "| setting | accuracy | accuracy (length-normalised) | held-out perplexity |", "|---|---:|---:|---:|"]
+        for mode, row in knowledge["modes"].items():
+            ppl = f"{row['perplexity']:.2f}" if "perplexity" in row else "—"
+            lines.append(f"| {MODE_LABEL[mode]} | {row['accuracy']:.1%} | {row['accuracy_norm']:.1%} | {ppl} |")
+        buckets = [b["bucket"] for b in next(iter(knowledge["modes"].values()))["by_bucket"]]
+        lines += ["", "Accuracy by how many documents state the fact:", "",
+                  "| setting | " + " | ".join(f"{b} (n={n})" for b, n in zip(
+                      buckets, [b["n"] for b in next(iter(knowledge["modes"].values()))["by_bucket"]], strict=True))
+                  + " |", "|---|" + "---:|" * len(buckets)]
+        for mode, row in knowledge["modes"].items():
+            cells = ["—" if b["accuracy"] is None else f"{b['accuracy']:.1%}" for b in row["by_bucket"]]
+            lines.append(f"| {MODE_LABEL[mode]} | " + " | ".join(cells) + " |")
+        fig = _fig()
+        ax = fig.add_subplot()
+        for mode, row in knowledge["modes"].items():
+            xs = [i for i, b in enumerate(row["by_bucket"]) if b["accuracy"] is not None]
+            ax.plot(xs, [row["by_bucket"][i]["accuracy"] for i in xs], marker="o", label=MODE_LABEL[mode])
+        ax.set_xticks(range(len(buckets)), buckets)
+        ax.set_xlabel("documents stating the fact")
+        ax.set_ylabel("probe accuracy")
+        ax.axhline(0.25, color="grey", lw=0.8, ls=":", label="chance (4 choices)")
+        ax.set_title("Long-tail knowledge: accuracy vs fact frequency")
+        ax.legend(fontsize=8)
+        _save(fig, out / "accuracy_vs_frequency.png")
+        files["accuracy_vs_frequency_png"] = str(out / "accuracy_vs_frequency.png")
+    if blocking:
+        lines += ["", "## Memory blocking (Fig. 6b)", "",
+                  (f"Target domains {blocking['target_domains']} ({blocking['n_target']} probes; {blocking['n_other']} "
+                  f"others); blocked share of the bank ≈ {blocking['fraction']:.4g}."), "",
+                  ("| blocking | target before | target after | others before | others after | "
+                  "target probes routed to blocked part |"), "|---|---:|---:|---:|---:|---:|"]
+        for name, s in blocking["settings"].items():
+            t, o = s["accuracy_target"], s["accuracy_other"]
+            lines.append(f"| {name} | {t['before']:.1%} | {t['after']:.1%} | {o['before']:.1%} | {o['after']:.1%} | "
+                         f"{s['target_routed_to_blocked']:.0%} |")
+        fig = _fig()
+        ax = fig.add_subplot()
+        names = list(blocking["settings"])
+        x = np.arange(len(names))
+        for k, (key, label) in enumerate((("accuracy_target", "target domains"), ("accuracy_other", "other domains"))):
+            before = [blocking["settings"][n][key]["before"] or 0 for n in names]
+            after = [blocking["settings"][n][key]["after"] or 0 for n in names]
+            ax.bar(x + k * 0.4 - 0.2, before, 0.18, label=f"{label}, unblocked", alpha=0.5)
+            ax.bar(x + k * 0.4 - 0.02, after, 0.18, label=f"{label}, blocked")
+        ax.set_xticks(x, names)
+        ax.set_ylabel("probe accuracy (fetched memory)")
+        ax.set_title("Blocking 1/B of the bank")
+        ax.legend(fontsize=7)
+        _save(fig, out / "blocking.png")
+        files["blocking_png"] = str(out / "blocking.png")
+    atomic_write_json(out / "results.json", {"meta": meta or {}, "knowledge": knowledge, "blocking": blocking})
+    atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+    files["json"], files["markdown"] = str(out / "results.json"), str(out / "report.md")
+    return files

@@ -1,0 +1,136 @@
+"""Evaluation harness on a real (tiny, briefly trained) run from the shared pipeline run."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eval.experiments import blocking_eval, knowledge_eval, write_report
+from eval.longtail import BUCKETS, accuracy_by_bucket, build_probes
+from eval.model import RunModel
+from eval.tasks import extract_integer, few_shot, multiple_choice, perplexity
+from pipeline.corpus import CorpusSpec, entity_facts
+from training.config import load_train_config
+from training.train import train
+
+SPEC = CorpusSpec(n_docs=1200, seed=3, long_doc_fraction=0.01)  # the corpus of tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def run(pipeline_run, tmp_path_factory):
+    from streaming.base.util import clean_stale_shared_memory
+
+    clean_stale_shared_memory()
+    folder = tmp_path_factory.mktemp("evalrun") / "run"
+    train(load_train_config(None, [
+        f"data.shards={pipeline_run[0] / 'shards'}", f"save_folder={folder}", "data.batch_size=4",
+        "max_duration=6ba", "mode=scratch", "memory.multipliers=[16,8]", "memory.lr=3e-2", "optim.warmup=1ba",
+        "memory.export_dtype=fp32",
+        "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}"]))
+    clean_stale_shared_memory()
+    return RunModel.load(folder)
+
+
+@pytest.fixture(scope="module")
+def probes():
+    return build_probes(entity_facts(SPEC), seed=0)[::40]  # ~49 probes spread over all 16 domains
+
+
+def test_probes_are_deterministic_and_well_formed():
+    facts = entity_facts(SPEC)
+    a, b = build_probes(facts, seed=1), build_probes(facts, seed=1)
+    assert a == b and a != build_probes(facts, seed=2)
+    for p in a[:50]:
+        assert len(p["choices"]) == 4 and len(set(p["choices"])) == 4
+        assert p["context"].startswith("the ") and p["context"].endswith(" is")
+    # bucket counts add up and follow the facts' own mention counts
+    rows = accuracy_by_bucket(a, [p["gold"] for p in a])
+    assert sum(r["n"] for r in rows) == len(a)
+    assert all(r["accuracy"] in (None, 1.0) for r in rows)
+    lo, hi = BUCKETS[0]
+    assert rows[0]["n"] == sum(lo <= p["mentions"] < hi for p in a)
+
+
+def test_retrieval_uses_the_training_path_for_identical_text(run, pipeline_run):
+    out = pipeline_run[0]  # window part 0 and assign part 0 list the same windows in the same order
+    texts = pq.read_table(out / "window" / "part-00000.parquet", columns=["text"])["text"].to_pylist()[:12]
+    want = pq.read_table(out / "assign" / "part-00000.parquet", columns=["path"])["path"].to_pylist()[:12]
+    assert run.route(texts).tolist() == want
+
+
+def test_multiple_choice_and_perplexity_match_direct_computation(run, probes):
+    items = probes[:6]
+    paths = run.route([p["context"] for p in items])
+    res = multiple_choice(run, items, mode="fetched", paths=paths)
+    for i, it in enumerate(items):
+        ctx = run.encode(it["context"])
+        mems = run.memories(paths[i : i + 1], 1, "fetched")
+        scores = []
+        for ch in it["choices"]:
+            cont = run.encode(" " + ch)
+            ids = torch.tensor([ctx + cont])
+            with torch.no_grad():
+                lp = F.log_softmax(run.model(ids, memories=mems)[0, :-1].float(), -1)
+            scores.append(float(lp[torch.arange(len(ctx) - 1, ids.shape[1] - 1), ids[0, len(ctx):]].sum()))
+        assert res["predictions"][i] == int(np.argmax(scores))
+    docs = [{"text": "the star is bright and the telescope is old"}]
+    ids = torch.tensor([run.encode(docs[0]["text"])])
+    with torch.no_grad():
+        lp = F.log_softmax(run.model(ids)[0, :-1].float(), -1)
+    nll = -float(lp[torch.arange(ids.shape[1] - 1), ids[0, 1:]].mean())
+    assert perplexity(run, docs, mode="none")["nll"] == pytest.approx(nll, rel=1e-5)
+
+
+def test_extraction_and_few_shot_routing():
+    assert extract_integer("it is 5,812 kelvin") == "5812"
+    assert extract_integer("no digits") is None
+    assert extract_integer("-40 degrees") == "-40"
+    items = few_shot([{"context": "Q2", "choices": ["a", "b"], "gold": 1}],
+                     [{"context": "Q1", "choices": ["x", "y"], "gold": 0}])
+    assert items[0]["context"] == "Q1 x\nQ2" and items[0]["query"] == "Q2"  # retrieval sees only Q2
+
+
+def test_memory_settings_and_report(run, probes, tmp_path):
+    held_out = [{"text": f"{p['context']} {p['choices'][p['gold']]}."} for p in probes[::6]]
+    k = knowledge_eval(run, probes, held_out)
+    assert set(k["modes"]) == {"none", "generic", "fetched"}
+    for row in k["modes"].values():
+        assert 0 <= row["accuracy"] <= 1 and row["perplexity"] > 1
+    # trained memories change the scores: fetched and anchor-only differ somewhere
+    assert k["modes"]["fetched"]["perplexity"] != k["modes"]["none"]["perplexity"]
+    domains = sorted({p["domain"] for p in probes})
+    b = blocking_eval(run, probes, target_domains=domains[:1])
+    adv = b["settings"]["adversarial"]
+    assert adv["bank_fraction_blocked"] == pytest.approx(1 / 8)  # one level-1 subtree of a branching-8 bank
+    assert adv["other_predictions_changed"] == 0  # probes routed elsewhere never see the blocked part
+    files = write_report(tmp_path / "report", knowledge=k, blocking=b, meta={"run": "test"})
+    for key in ("json", "markdown", "accuracy_vs_frequency_png", "blocking_png"):
+        assert (tmp_path / "report").joinpath(files[key].rsplit("/", 1)[-1]).stat().st_size > 0
+    data = json.loads((tmp_path / "report" / "results.json").read_text())
+    assert data["blocking"]["settings"]["random"]["bank_fraction_blocked"] == pytest.approx(1 / 8)
+    # the bank on disk is untouched by the experiment
+    assert not (run.store.root / "policy.json").exists()
+
+
+def test_blocking_changes_scores_only_under_the_blocked_subtree(run, probes):
+    paths = run.route([p["context"] for p in probes])
+    seqs = [run.encode(p["context"] + " " + p["choices"][0]) for p in probes]
+    before = run.logprobs(seqs, paths=paths, mode="fetched")
+    def trained(c: int) -> bool:  # a block the short run updated (W3 left its zero init)
+        w3 = run.store.codec(1).unflatten(run.store.fetch_flat(1, c))["layers.0.w3"]
+        return bool(w3.abs().sum() > 0)
+
+    target = next(int(c) for c in np.unique(paths[:, 0]) if trained(int(c)))
+    run.store.block(1, [target], subtree=True, persist=False)
+    try:
+        after = run.logprobs(seqs, paths=paths, mode="fetched")
+    finally:
+        run.store.unblock(1, [target], subtree=True, persist=False)
+    for i in range(len(probes)):
+        same = torch.equal(before[i], after[i])
+        assert same == (int(paths[i, 0]) != target), i
