@@ -17,7 +17,7 @@ from importlib.metadata import entry_points
 from memtree import __version__
 
 # Used when memtree runs from a source tree that was never pip-installed.
-_FALLBACK = ("pipeline.cli", "memstore.cli", "training.cli")
+_FALLBACK = ("pipeline.cli", "memstore.cli", "training.cli", "eval.cli")
 
 
 def _registrars():

@@ -38,6 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("out", help="output .jsonl path")
     d.add_argument("--n-docs", type=int, default=4000)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--facts", help="also write every fact with its mention count (JSONL) for the "
+                                   "long-tail knowledge benchmark (memtree eval --facts)")
     d.set_defaults(func=_corpus)
 
 
@@ -81,6 +83,12 @@ def _demo(args: argparse.Namespace) -> int:
 def _corpus(args: argparse.Namespace) -> int:
     from pipeline.corpus import CorpusSpec, write_corpus_jsonl
 
-    n = write_corpus_jsonl(args.out, CorpusSpec(n_docs=args.n_docs, seed=args.seed))
+    spec = CorpusSpec(n_docs=args.n_docs, seed=args.seed)
+    n = write_corpus_jsonl(args.out, spec)
     print(f"wrote {n} documents to {args.out}", file=sys.stderr)
+    if args.facts:
+        from pipeline.corpus import write_facts_jsonl
+
+        k = write_facts_jsonl(args.facts, spec)
+        print(f"wrote {k} facts to {args.facts}", file=sys.stderr)
     return 0

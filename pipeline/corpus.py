@@ -1595,6 +1595,15 @@ def entity_facts(spec: CorpusSpec | None = None) -> list[dict]:
     return out
 
 
+def write_facts_jsonl(path: str | os.PathLike[str], spec: CorpusSpec | None = None) -> int:
+    """Write `entity_facts(spec)` as JSONL (atomically) and return the fact count."""
+    from memtree.io import atomic_write_text
+
+    facts = entity_facts(spec)
+    atomic_write_text(path, "".join(json.dumps(f, sort_keys=True) + "\n" for f in facts))
+    return len(facts)
+
+
 def write_corpus_jsonl(path: str | os.PathLike[str], spec: CorpusSpec | None = None) -> int:
     """Write the corpus as JSONL (one UTF-8 object per line) and return the record count.
 

@@ -134,3 +134,18 @@ def test_blocking_changes_scores_only_under_the_blocked_subtree(run, probes):
     for i in range(len(probes)):
         same = torch.equal(before[i], after[i])
         assert same == (int(paths[i, 0]) != target), i
+
+
+def test_eval_cli_writes_the_report(run, tmp_path):
+    from memtree.cli import main
+    from pipeline.corpus import write_facts_jsonl
+
+    facts = tmp_path / "facts.jsonl"
+    assert write_facts_jsonl(facts, SPEC) == len(entity_facts(SPEC))
+    out = tmp_path / "report"
+    folder = run.store.root.parent
+    assert main(["eval", str(folder), "--facts", str(facts), "--max-probes", "16", "--block-domains",
+                 "astronomy,cooking", "--out", str(out)]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["knowledge"]["n_probes"] == 16
+    assert (out / "accuracy_vs_frequency.png").stat().st_size > 0

@@ -1,0 +1,54 @@
+"""`memtree eval RUN …`: long-tail probes, held-out perplexity and memory blocking on a trained run."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="evaluate a training run: anchor-only vs generic vs fetched memory, and memory blocking",
+        description="Score the long-tail fact probes (accuracy per mention-frequency bucket) and held-out "
+                    "perplexity with anchor-only, generic and fetched memories; optionally block the part "
+                    "of the bank that chosen domains' probes route to (and a random control). Writes "
+                    "results.json, report.md and PNGs.",
+    )
+    p.add_argument("run", help="a training run's save_folder (memtree_config.json, anchor.safetensors, bank/)")
+    p.add_argument("--facts", required=True, help="facts JSONL (memtree demo-corpus --facts …)")
+    p.add_argument("--tree", help="clustering tree directory (default: next to the run's shards)")
+    p.add_argument("--held-out", help="JSONL of held-out documents ({'text': …}) for perplexity")
+    p.add_argument("--max-probes", type=int, default=0, help="evaluate at most this many probes (0 = all)")
+    p.add_argument("--block-domains", help="comma-separated domains whose probes' best match gets blocked")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="report directory (default RUN/eval)")
+    p.set_defaults(func=_eval)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from eval.experiments import blocking_eval, knowledge_eval, write_report
+    from eval.longtail import build_probes, load_facts
+    from eval.model import RunModel
+
+    rm = RunModel.load(args.run, tree_dir=args.tree)
+    probes = build_probes(load_facts(args.facts), seed=args.seed)
+    if args.max_probes:
+        step = max(1, len(probes) // args.max_probes)
+        probes = probes[::step][: args.max_probes]
+    held_out = []
+    if args.held_out:
+        with open(args.held_out, encoding="utf-8") as f:
+            held_out = [json.loads(line) for line in f if line.strip()]
+    knowledge = knowledge_eval(rm, probes, held_out)
+    blocking = None
+    if args.block_domains:
+        blocking = blocking_eval(rm, probes, target_domains=args.block_domains.split(","), seed=args.seed)
+    out = Path(args.out) if args.out else Path(args.run) / "eval"
+    files = write_report(out, knowledge=knowledge, blocking=blocking,
+                         meta={"run": str(Path(args.run).resolve()), "probes": len(probes)})
+    print(Path(files["markdown"]).read_text())
+    print(f"report: {Path(files['markdown']).resolve()}")
+    return 0
