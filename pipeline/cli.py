@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_run)
 
-    m = sub.add_parser("demo", help="the main job on the embedded default corpus (what `make demo` runs)")
+    m = sub.add_parser("demo-pipeline", help="only the pipeline part of `memtree demo` (default corpus → shards)")
     m.add_argument("--root", default="runs/demo", help="run directory (default runs/demo)")
     m.add_argument("--n-docs", type=int, default=4000)
     m.add_argument("overrides", nargs="*", help="pipeline key=value overrides")

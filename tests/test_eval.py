@@ -149,3 +149,28 @@ def test_eval_cli_writes_the_report(run, tmp_path):
     data = json.loads((out / "results.json").read_text())
     assert data["knowledge"]["n_probes"] == 16
     assert (out / "accuracy_vs_frequency.png").stat().st_size > 0
+
+
+def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path):
+    """`memtree demo` on a small corpus: pipeline → anchor → co-training → evaluation report."""
+    from memtree.cli import main
+
+    root = tmp_path / "demo"
+    rc = main(["demo", "--root", str(root), "--n-docs", "640", "--anchor-steps", "2", "--cotrain-steps", "2",
+               "--max-probes", "16", "--train", "memory.multipliers=[8,4]", "--train", "data.batch_size=2",
+               "--train", "model.shape={n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}",
+               "tree.levels=2", "tree.branching=4", "window.window_tokens=256", "pack.seq_len=256",
+               "window.vocab_size=1000", "window.train_sample_docs=300", "embed.max_seq_length=64", "progress=false"])
+    assert rc == 0
+    data = json.loads((root / "report" / "results.json").read_text())
+    assert set(data["knowledge"]["modes"]) == {"none", "generic", "fetched"}
+    assert data["blocking"]["settings"]["adversarial"]["bank_fraction_blocked"] == pytest.approx(1 / 4)
+    assert (root / "report" / "accuracy_vs_frequency.png").exists()
+    assert (root / "train" / "cotrain" / "bank" / "manifest.json").exists()
+    # a rerun resumes: nothing is trained again
+    assert main(["demo", "--root", str(root), "--n-docs", "640", "--anchor-steps", "2", "--cotrain-steps", "2",
+                 "--max-probes", "16", "--train", "memory.multipliers=[8,4]", "--train", "data.batch_size=2",
+                 "--train", "model.shape={n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}",
+                 "tree.levels=2", "tree.branching=4", "window.window_tokens=256", "pack.seq_len=256",
+                 "window.vocab_size=1000", "window.train_sample_docs=300", "embed.max_seq_length=64",
+                 "progress=false"]) == 0
