@@ -1,8 +1,9 @@
 """Byte-budgeted LRU cache with hit/miss counters.
 
-Used by the real store (one per tier, holding fetched blocks) and by the fetch
-simulator (the same policy over block keys), so simulated hit rates are the
-store's hit rates. Consecutive queries share shallow levels of their paths
+Used by the real store (one per tier, holding decoded blocks of the levels on
+that tier) and by the fetch simulator (the same policy over block keys; the
+simulator keeps one session cache for all levels, so its hit rates equal the
+store's when the store's levels share one cached tier). Consecutive queries share shallow levels of their paths
 (compositionality, seed 002 §3), which is what this cache exploits.
 """
 

@@ -36,20 +36,23 @@ How the tiers are measured
   a negative intercept is clamped to zero latency.
 
 Capacities and `cache_gb` are not measured: by default RAM gets a quarter of the
-physical memory, flash the free space of the workdir's filesystem at
-calibration, disk is unbounded; each tier's `source` says so.
+physical memory, the slowest measured tier is unbounded (as disk is in the shipped
+profiles, so `simulate-fetch`'s flat baseline always has a home), and a flash
+tier above a measured disk gets the free space of its filesystem at calibration;
+each tier's `source` says so (`capacity_gb=` overrides).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import math
 import os
 import shutil
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -229,6 +232,8 @@ def _remove_bank(root: Path) -> None:
             p = level_path(root, lv)
             if not is_url(p) and not Path(p).resolve().is_relative_to(root.resolve()):
                 Path(p).unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    Path(p).parent.rmdir()  # the directory relocate_level made for it, if now empty
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -291,14 +296,15 @@ class Calibration:
                 "fits": [f.to_dict() for f in self.fits]}
 
 
-def _default_capacity_gb(name: str, workdir: Path) -> tuple[float | None, str]:
-    if name == "ram":
+def _default_capacity_gb(name: str, where: Path, last: bool) -> tuple[float | None, str]:
+    """Assumed capacity of a measured tier (None = unbounded) and the note saying so."""
+    if name == "ram" and not last:
         phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return round(phys / 4 / 1e9, 2), f"capacity: assumed 1/4 of this machine's {phys / 1e9:.1f} GB RAM"
-    if name == "disk":
-        return None, "capacity: unbounded"
-    free = shutil.disk_usage(workdir).free
-    return round(free / 1e9, 1), f"capacity: free space on the workdir's filesystem at calibration ({free / 1e9:.1f} GB)"
+    if last:  # as in the shipped profiles, the slowest tier takes whatever does not fit above it
+        return None, "capacity: unbounded (the slowest measured tier takes whatever does not fit)"
+    free = shutil.disk_usage(where).free
+    return round(free / 1e9, 1), f"capacity: free space on its filesystem at calibration ({free / 1e9:.1f} GB)"
 
 
 def _sig(x: float, digits: int = 4) -> float:
@@ -321,13 +327,14 @@ def measure(
     name: str = "this-machine",
     capacity_gb: Mapping[str, float | None] | None = None,
     cache_gb: float = 0.5,
-    progress: Any = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Calibration:
     """Measure the tiers and fit a profile; see the module docstring. `progress(msg)` gets log lines."""
     say = progress or (lambda _msg: None)
     tiers = list(dict.fromkeys(tiers))
     if disk_dir is not None and "disk" not in tiers:
         tiers.append("disk")
+    tiers.sort(key=lambda t: ("ram", "flash", "disk").index(tier_kind(t)))  # a profile lists tiers fastest first
     if "disk" in tiers and disk_dir is None:
         raise ValueError("the disk tier needs disk_dir (where to put the level file it reads)")
     if not tiers:
@@ -395,8 +402,8 @@ def measure(
         if capacity_gb is not None and f.name in capacity_gb:
             cap, cap_note = capacity_gb[f.name], "capacity: given"
         else:
-            cap, cap_note = _default_capacity_gb(f.name, workdir if f.name != "disk" or is_url(str(disk_dir))
-                                                 else Path(disk_dir))
+            where = Path(disk_dir) if f.name == "disk" and not is_url(str(disk_dir)) else workdir
+            cap, cap_note = _default_capacity_gb(f.name, where, last=f is fits[-1])
         src = (f"measured by memtree memstore calibrate on {host} {date}: MemoryStore.fetch_flat of random "
                f"uncached blocks ({f.method}; verify={verify}; cache 0), {len(sizes)} sizes "
                f"{human_bytes(sizes[0])}-{human_bytes(sizes[-1])} x {repeats} fetches, medians fitted by "
@@ -622,8 +629,10 @@ def validate(
                     t1 = time.perf_counter()
                     store.codec(lv.level).unflatten(flat)  # what fetch(path) adds per level
                     t2 = time.perf_counter()
+                    del flat  # freeing the block belongs to its fetch, as in `measure`
+                    t3 = time.perf_counter()
                     if i >= warmup:
-                        per_level[lv.level].append(t1 - t0)
+                        per_level[lv.level].append((t1 - t0) + (t3 - t2))
                         unflat[lv.level].append(t2 - t1)
             methods = dict(cold.methods)
             p_codecs = {lv.level: store.codec(lv.level) for lv in levels}

@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     subparsers = p.add_subparsers(dest="memstore_command", metavar="SUBCOMMAND")
     for add in (_add_plan, _add_init, _add_info, _add_verify, _add_fetch, _add_block, _add_split, _add_merge,
-                _add_relocate):
+                _add_relocate, _add_calibrate):
         add(subparsers)
     p.set_defaults(func=lambda args: _help(p))
     _add_simulate(sub)
@@ -412,6 +412,18 @@ def _add_relocate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--level", type=int, required=True)
     p.add_argument("--to", required=True, help="directory or URL (e.g. /mnt/external/bank or s3://bucket/bank)")
     p.set_defaults(func=_relocate)
+
+
+def _add_calibrate(subparsers: argparse._SubParsersAction) -> None:
+    from memstore.calibrate import add_calibrate_arguments, run_calibrate
+
+    p = subparsers.add_parser(
+        "calibrate", help="measure this machine's RAM / flash (/ disk) tiers through the real store; write a profile",
+        description="Time real fetches from file-backed banks (O_DIRECT where possible), fit latency + "
+                    "bandwidth per tier and write a memtree-hw-profile YAML for simulate-fetch.",
+    )
+    add_calibrate_arguments(p)
+    p.set_defaults(func=run_calibrate)
 
 
 def _relocate(args: argparse.Namespace) -> int:

@@ -199,12 +199,14 @@ class RecordCodec:
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """(…, params) → {name: (…, *shape)} views, in layout order."""
-        out, off = {}, 0
         lead = flat.shape[:-1]
-        for t in self.layout:
-            out[t.name] = flat[..., off : off + t.numel].reshape(*lead, *t.shape)
-            off += t.numel
-        return out
+        parts = torch.split(flat, self._numels, dim=-1)  # one call: cheaper than slicing per tensor
+        return {t.name: p.view(*lead, *t.shape) if p.is_contiguous() else p.reshape(*lead, *t.shape)
+                for t, p in zip(self.layout, parts, strict=True)}
+
+    @property
+    def _numels(self) -> list[int]:
+        return [t.numel for t in self.layout]
 
 
 # --------------------------------------------------------------------------- manifest

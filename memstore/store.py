@@ -8,8 +8,9 @@
   bypassed), or disk (a slower store: any local path or fsspec URL, read
   through fsspec). A level's file stays where the manifest says it is;
   `relocate_level` moves it to another directory or URL.
-- Flash and disk tiers keep an LRU cache of decoded blocks with a byte budget;
-  consecutive queries share shallow levels, which is where the cache pays.
+- Flash and disk tiers keep an LRU cache of decoded blocks, one byte budget per
+  tier shared by the levels it holds; consecutive queries share shallow levels,
+  which is where the cache pays.
 - Every read is checked against the block's digest (a mismatch names the level,
   cluster and file), and counted per tier: reads, bytes read, cache hits/misses.
 - Blocked and deleted blocks are refused *before* any tier is touched, so the
@@ -32,7 +33,6 @@ import copy
 import datetime as _dt
 import getpass
 import json
-import mmap
 import os
 import socket
 import threading
@@ -46,6 +46,7 @@ import torch
 
 from memstore.cache import ByteLRU
 from memstore.format import (
+    ALIGN,
     DIGEST_BYTES,
     GENERIC,
     BankError,
@@ -151,15 +152,18 @@ class _FlashReader(_LevelReader):
 
     def read(self, slot: int) -> memoryview:
         n = self.lv.stride if self.direct else self.lv.record_bytes
-        # O_DIRECT needs an aligned buffer: anonymous mmaps are page-aligned
-        buf = mmap.mmap(-1, n) if self.direct else bytearray(n)
+        # O_DIRECT needs an aligned buffer: an aligned window of a heap array (a fresh mmap
+        # per read would fault in and zero every page, halving throughput)
+        raw = np.empty(n + ALIGN, dtype=np.uint8)
+        start = (-raw.ctypes.data) % ALIGN
+        buf = memoryview(raw[start : start + n])
         got = os.preadv(self.fd, [buf], slot * self.lv.stride)
         if got < self.lv.record_bytes:
             raise BankError(f"{self.path}: short read at level {self.lv.level} slot {slot} "
                             f"({got} of {self.lv.record_bytes} bytes); file truncated?")
         self.stats.reads += 1
         self.stats.bytes_read += got
-        return memoryview(buf)[: self.lv.record_bytes]
+        return buf[: self.lv.record_bytes]
 
     def close(self) -> None:
         os.close(self.fd)
@@ -220,6 +224,8 @@ class _Level:
     mask: np.ndarray  # refused (blocked or deleted) slots
     cache: ByteLRU | None
     verified: set[int] = field(default_factory=set)
+    hits: int = 0  # cache hits for this level (the tier's cache is shared by its levels)
+    misses: int = 0
 
 
 class MemoryStore:
@@ -263,6 +269,7 @@ class MemoryStore:
         self.policy = read_policy(self.root)
         self._codecs = {lv: self.info.codec(lv) for lv in self.info.levels}
         self.levels: dict[int, _Level] = {}
+        self.caches: dict[str, ByteLRU] = {}
         for lv in self.info.levels.values():
             tname = self.placement[lv.level]
             tier = self.tiers[tname]
@@ -276,7 +283,9 @@ class MemoryStore:
                 reader = _FlashReader(path, lv, stats, tier.direct)
             else:
                 reader = _DiskReader(path, lv, stats)
-            cache = ByteLRU(tier.cache_bytes) if tier.kind != "ram" and tier.cache_bytes > 0 else None
+            if tname not in self.caches and tier.kind != "ram" and tier.cache_bytes > 0:
+                self.caches[tname] = ByteLRU(tier.cache_bytes)  # one budget per tier, shared by its levels
+            cache = self.caches.get(tname)
             self.levels[lv.level] = _Level(info=lv, tier=tname, reader=reader,
                                            sums=bytearray((self.root / sums_name(lv)).read_bytes()),
                                            mask=self._refused_mask(lv), cache=cache)
@@ -327,8 +336,10 @@ class MemoryStore:
             stats = self.tier_stats[L.tier]
             if hit is not None:
                 stats.cache_hits += 1
+                L.hits += 1
                 return hit.clone()  # callers may edit what they fetch; the cached block must not change
             stats.cache_misses += 1
+            L.misses += 1
         rec = L.reader.read(slot)
         if self.verify == "always" or (self.verify == "once" and slot not in L.verified):
             if digest(rec) != bytes(L.sums[slot * DIGEST_BYTES : (slot + 1) * DIGEST_BYTES]):
@@ -564,15 +575,19 @@ class MemoryStore:
             "tiers": {n: s.as_dict() for n, s in self.tier_stats.items()},
             "placement": {str(k): v for k, v in self.placement.items()},
             "refused_served": {str(k): v for k, v in self.refused_served.items()},
-            "caches": {str(k): L.cache.stats() for k, L in self.levels.items() if L.cache is not None},
+            "caches": {name: c.stats() for name, c in self.caches.items()},
+            "levels": {str(k): {"tier": L.tier, "cache_hits": L.hits, "cache_misses": L.misses,
+                                "hit_rate": L.hits / (L.hits + L.misses) if L.hits + L.misses else 0.0}
+                       for k, L in self.levels.items()},
         }
 
     def reset_stats(self) -> None:
         for s in self.tier_stats.values():
             s.reads = s.bytes_read = s.cache_hits = s.cache_misses = 0
+        for c in self.caches.values():
+            c.hits = c.misses = c.evictions = 0
         for L in self.levels.values():
-            if L.cache is not None:
-                L.cache.hits = L.cache.misses = L.cache.evictions = 0
+            L.hits = L.misses = 0
         self.refused_served = {lv: 0 for lv in self.levels}
 
 

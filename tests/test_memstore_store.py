@@ -348,8 +348,8 @@ def test_lru_with_a_one_block_budget(bank, slack, hits):
         s = st.stats()["tiers"]["flash"]
         assert (s["cache_hits"], s["reads"]) == (hits, 6 - hits)
         if slack == 0:
-            assert st.stats()["caches"]["2"]["evictions"] == 3
-            assert st.stats()["caches"]["2"]["entries"] == 1
+            assert st.stats()["caches"]["flash"]["evictions"] == 3
+            assert st.stats()["caches"]["flash"]["entries"] == 1
 
 
 def test_mutating_a_fetched_block_does_not_poison_the_cache(bank):
