@@ -45,6 +45,7 @@ from memstore.geometry import (
     MEMORY_TYPES,
     LevelPlan,
     Plan,
+    block_layout,
     human,
     human_bytes,
     parse_multipliers,
@@ -106,8 +107,14 @@ class HardwareProfile:
     description: str = ""
     tiers: tuple[TierProfile, ...]
     cache_gb: float = 0.0
+    # Host CPU per tensor handed to the model when a block is attached: `fetch(path)` builds one
+    # view per layer tensor of every level (hits included). 0 leaves it out (the shipped profiles);
+    # `memtree memstore calibrate` measures it.
+    tensor_us: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.tensor_us) and self.tensor_us >= 0):
+            raise ValueError(f"profile {self.name!r}: tensor_us must be non-negative, got {self.tensor_us}")
         if self.format != PROFILE_FORMAT:
             raise ValueError(f"format {self.format!r} is not {PROFILE_FORMAT!r}")
         if self.version != PROFILE_VERSION:
@@ -225,6 +232,13 @@ class FetchResult:
         }
 
 
+def attach_seconds(p: Plan, level: int, profile: HardwareProfile) -> float:
+    """CPU time to hand one level's block to the model as per-layer tensors."""
+    if not profile.tensor_us:
+        return 0.0
+    return len(block_layout(p.anchor, p.memory, level)) * profile.tensor_us * 1e-6
+
+
 def flat_baseline(p: Plan, profile: HardwareProfile, dtype: str, tier: str | None = None) -> FlatBaseline:
     """The flat bank, on the fastest tier that holds it, or on `tier` (checked against its capacity)."""
     deepest = memory_levels(p)[-1]
@@ -234,7 +248,8 @@ def flat_baseline(p: Plan, profile: HardwareProfile, dtype: str, tier: str | Non
     policy: Policy = "flat" if tier is None else {deepest.level: tier}
     placed = place_levels({deepest.level: bank}, profile.budgets(), policy)[deepest.level]
     return FlatBaseline(level=deepest.level, n_blocks=n_blocks, block_bytes=fetch, bank_bytes=bank, tier=placed,
-                        seconds=profile.tier(placed).read_seconds(fetch))
+                        seconds=profile.tier(placed).read_seconds(fetch)
+                        + sum(attach_seconds(p, lv.level, profile) for lv in memory_levels(p)))
 
 
 def simulate_fetch(p: Plan, profile: HardwareProfile, dtype: str = "bf16", policy: Policy = "hierarchical",
@@ -250,7 +265,8 @@ def simulate_fetch(p: Plan, profile: HardwareProfile, dtype: str = "bf16", polic
         block = stored_bytes(lv.block_params, dtype)
         levels.append(LevelFetch(level=lv.level, tier=tiers[lv.level], block_bytes=block,
                                  bank_bytes=lv.n_blocks * block,
-                                 seconds=profile.tier(tiers[lv.level]).read_seconds(block)))
+                                 seconds=profile.tier(tiers[lv.level]).read_seconds(block)
+                                 + attach_seconds(p, lv.level, profile)))
     return FetchResult(profile=profile.name, dtype=dtype, policy=_policy_name(policy), levels=tuple(levels),
                        flat=flat_baseline(p, profile, dtype, flat_tier))
 
@@ -450,10 +466,11 @@ def simulate_session(p: Plan, profile: HardwareProfile, trace: np.ndarray, dtype
     flat = flat_baseline(p, profile, dtype, flat_tier)
     mem = memory_levels(p)
     block = [stored_bytes(lv.block_params, dtype) for lv in mem]
-    miss_s = [profile.tier(placement[lv.level]).read_seconds(b) for lv, b in zip(mem, block)]
+    attach = [attach_seconds(p, lv.level, profile) for lv in mem]
+    miss_s = [profile.tier(placement[lv.level]).read_seconds(b) + a for lv, b, a in zip(mem, block, attach, strict=True)]
     ram = profile.tiers[0]
     # A hit still copies the block out of the cache when asked to count it (bandwidth only, no seek).
-    hit_s = [b / (ram.bandwidth_gbps * 1e9) if count_cache_copy else 0.0 for b in block]
+    hit_s = [(b / (ram.bandwidth_gbps * 1e9) if count_cache_copy else 0.0) + a for b, a in zip(block, attach, strict=True)]
     flat_hit_s = flat.block_bytes / (ram.bandwidth_gbps * 1e9) if count_cache_copy else 0.0
 
     n, k = t.shape[0], len(mem)
