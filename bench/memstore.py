@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import fmt  # bench/ is on sys.path when run as a script
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -160,24 +161,6 @@ def median_rows(runs: list[list[dict]]) -> list[dict]:
             r["met"] = judge(r["rule"], r["value"], r["baseline"], r["ratio"])
         out.append(r)
     return out
-
-
-def fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        if v == 0:
-            return "0"
-        if abs(v) >= 1000:
-            return f"{v:,.0f}"
-        if abs(v) >= 10:
-            return f"{v:.1f}"
-        return f"{v:.3f}"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return str(v)
 
 
 def print_table(rows: list[dict]) -> None:

@@ -44,6 +44,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from _common import fmt  # bench/ is on sys.path when run as a script
+
 from memstore.geometry import AnchorShape, MemoryConfig, plan
 from training.bank import TrainableBank
 from training.model import AnchorLM, ModelConfig, assemble_memories
@@ -138,24 +140,6 @@ def row(bench: str, metric: str, value: Any, *, data: str, baseline: Any = None,
         unit: str = "") -> dict:
     return {"bench": bench, "metric": metric, "value": value, "unit": unit,
             "baseline": baseline, "ratio": ratio, "target": target, "met": met, "data": data}
-
-
-def fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        if v == 0:
-            return "0"
-        if abs(v) >= 1000:
-            return f"{v:,.0f}"
-        if abs(v) >= 10:
-            return f"{v:.1f}"
-        return f"{v:.3f}"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return str(v)
 
 
 def print_table(rows: list[dict]) -> None:

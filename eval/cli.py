@@ -33,8 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     d.add_argument("--root", default="runs/demo", help="run directory (default runs/demo)")
     d.add_argument("--n-docs", type=int, default=4000)
-    d.add_argument("--anchor-steps", type=int, default=60)
-    d.add_argument("--cotrain-steps", type=int, default=60)
+    d.add_argument("--anchor-steps", type=int, default=150)
+    d.add_argument("--cotrain-steps", type=int, default=150)
     d.add_argument("--max-probes", type=int, default=256, help="probes to evaluate (0 = all)")
     d.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
                    help="training override for both stages (repeatable), e.g. --train data.batch_size=4")
