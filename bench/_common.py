@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 
@@ -21,3 +23,14 @@ def fmt(v: Any) -> str:
     if isinstance(v, int):
         return f"{v:,}"
     return str(v)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def loadavg() -> list[float]:
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:  # pragma: no cover
+        return []

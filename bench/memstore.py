@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import fmt  # bench/ is on sys.path when run as a script
+from _common import fmt, loadavg, log  # bench/ is on sys.path when run as a script
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -95,17 +95,6 @@ def sizes(quick: bool) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- helpers
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def loadavg() -> list[float]:
-    try:
-        return [round(v, 2) for v in os.getloadavg()]
-    except OSError:  # pragma: no cover
-        return []
-
-
 def pressure() -> dict[str, float]:
     """Linux PSI avg10 for cpu and io ("some"), when available: how contended the machine is."""
     out = {}

@@ -41,7 +41,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np
-from _common import fmt  # bench/ is on sys.path when run as a script
+from _common import fmt, loadavg, log  # bench/ is on sys.path when run as a script
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -112,17 +112,6 @@ def sizes(quick: bool) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- helpers
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def loadavg() -> list[float]:
-    try:
-        return [round(v, 2) for v in os.getloadavg()]
-    except OSError:  # pragma: no cover
-        return []
-
-
 def n_cores() -> int:
     return os.cpu_count() or 1
 

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from _common import fmt  # bench/ is on sys.path when run as a script
+from _common import fmt, loadavg, log  # bench/ is on sys.path when run as a script
 
 from memstore.geometry import AnchorShape, MemoryConfig, plan
 from training.bank import TrainableBank
@@ -105,17 +105,6 @@ def sizes(quick: bool) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- helpers
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def loadavg() -> list[float]:
-    try:
-        return [round(v, 2) for v in os.getloadavg()]
-    except OSError:  # pragma: no cover
-        return []
-
-
 def pressure() -> dict[str, float]:
     """Linux PSI avg10 for cpu ("some"), when available: how contended the machine is."""
     try:
