@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import fmt, loadavg, log  # bench/ is on sys.path when run as a script
+from _common import fmt, loadavg, log, write_results  # bench/ is on sys.path when run as a script
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -168,16 +168,6 @@ def print_table(rows: list[dict]) -> None:
     print("-" * len(line))
     for c in cells:
         print("  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)))
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, np.integer):
-        return int(o)
-    if isinstance(o, np.floating):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    return str(o)
 
 
 def write_bank_for(root: Path, anchor: str, multipliers: list[int], branching: int, seed: int):
@@ -556,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
                 res["bench_seconds"] = round(time.perf_counter() - t0, 1)
                 run["benchmarks"][name] = res
                 run["rows"] += rows
-                out.write_text(json.dumps(results, indent=2, default=_json_default))  # partial results survive
+                write_results(results, out)  # partial results survive
                 log(f"=== {name} done in {res['bench_seconds']}s (load average {loadavg()})")
             print()
             print_table(run["rows"])
@@ -566,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     results["rows"] = median_rows([r["rows"] for r in results["runs"]])
     results["meta"]["finished"] = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
     results["meta"]["loadavg_end"] = loadavg()
-    out.write_text(json.dumps(results, indent=2, default=_json_default))
+    write_results(results, out)
     if args.runs > 1:
         print(f"medians over {args.runs} runs (ratio range in brackets); each row's median value, baseline and "
               "ratio are taken separately")

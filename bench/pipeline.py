@@ -41,7 +41,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np
-from _common import fmt, loadavg, log  # bench/ is on sys.path when run as a script
+from _common import (  # bench/ is on sys.path when run as a script
+    finish,
+    fmt,
+    loadavg,
+    log,
+    write_results,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -258,16 +264,6 @@ def flat_kmeans(x: np.ndarray, k: int, *, niter: int, seed: int) -> tuple[np.nda
     km.train(x)
     _, lab = km.index.search(x, 1)
     return lab[:, 0].astype(np.int64), time.perf_counter() - t0, params
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, np.integer):
-        return int(o)
-    if isinstance(o, np.floating):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    return str(o)
 
 
 def corpus_docs(n: int, seed: int = 0) -> list[dict]:
@@ -1191,17 +1187,9 @@ def main(argv: list[str] | None = None) -> int:
         results["benchmarks"][name] = res
         all_rows[name] = rows
         results["rows"] = [r for b in BENCHES if b in all_rows for r in all_rows[b]]
-        out.write_text(
-            json.dumps(results, indent=2, default=_json_default)
-        )  # partial results survive
+        write_results(results, out)  # partial results survive
         log(f"=== {name} done in {res['bench_seconds']}s")
-    results["meta"]["finished"] = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
-    results["meta"]["loadavg_end"] = loadavg()
-    out.write_text(json.dumps(results, indent=2, default=_json_default))
-    print()
-    print_table(results["rows"])
-    print(f"\nresults: {out}")
-    return 0
+    return finish(results, out, print_table)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from _common import fmt, loadavg, log  # bench/ is on sys.path when run as a script
+from _common import (  # bench/ is on sys.path when run as a script
+    finish,
+    fmt,
+    loadavg,
+    log,
+    write_results,
+)
 
 from memstore.geometry import AnchorShape, MemoryConfig, plan
 from training.bank import TrainableBank
@@ -147,14 +153,6 @@ def print_table(rows: list[dict]) -> None:
     print("-" * len(line))
     for c in cells:
         print("  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)))
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, Path):
-        return str(o)
-    if isinstance(o, tuple):
-        return list(o)
-    raise TypeError(f"not JSON serialisable: {type(o)}")
 
 
 def median(xs: list[float]) -> float:
@@ -624,15 +622,9 @@ def main(argv: list[str] | None = None) -> int:
                                            / 2**20, 2)
         results["benchmarks"][name] = res
         results["rows"] += rows
-        out.write_text(json.dumps(results, indent=2, default=_json_default))  # partial results
+        write_results(results, out)  # partial results
         log(f"=== {name} done in {res['bench_seconds']}s (load average {loadavg()})")
-    results["meta"]["finished"] = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
-    results["meta"]["loadavg_end"] = loadavg()
-    out.write_text(json.dumps(results, indent=2, default=_json_default))
-    print()
-    print_table(results["rows"])
-    print(f"\nresults: {out}")
-    return 0
+    return finish(results, out, print_table)
 
 
 if __name__ == "__main__":
