@@ -1,4 +1,5 @@
-"""`memtree eval RUN …`: long-tail probes, held-out perplexity and memory blocking on a trained run."""
+"""`memtree eval RUN …` (long-tail probes, perplexity, RAG baseline, blocking), `memtree eval-sweep`,
+`memtree eval-retention` and the main job `memtree demo`."""
 
 from __future__ import annotations
 
@@ -20,9 +21,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--held-out", help="JSONL of held-out documents ({'text': …}) for perplexity")
     p.add_argument("--max-probes", type=int, default=0, help="evaluate at most this many probes (0 = all)")
     p.add_argument("--block-domains", help="comma-separated domains whose probes' best match gets blocked")
+    p.add_argument("--rag", nargs="?", const="", metavar="PIPELINE_RUN",
+                   help="add the RAG baseline (App. H): the nearest training window of the question's leaf "
+                        "cluster in the context; datastore = this pipeline run (default: the run's shards' parent)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="report directory (default RUN/eval)")
     p.set_defaults(func=_eval)
+
+    s = sub.add_parser(
+        "eval-sweep",
+        help="train and evaluate every setting of a sweep YAML (memory location / size, App. F, Fig. 3)",
+        description="Expand SWEEP.yaml (eval/yamls/sweep-*.yaml) into training runs, train each (finished "
+                    "runs are skipped), score them with anchor-only / generic / fetched memory and write "
+                    "OUT/results.json, OUT/report.md and OUT/sweep.png.",
+    )
+    s.add_argument("sweep", help="sweep YAML (eval/yamls/sweep-location.yaml, sweep-size.yaml)")
+    s.add_argument("overrides", nargs="*", help="sweep key=value overrides (e.g. out=… eval.max_probes=64)")
+    s.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
+                   help="training override for every run (repeatable), applied last")
+    s.set_defaults(func=_sweep)
+
+    r = sub.add_parser(
+        "eval-retention",
+        help="continue a memory run's anchor on other subtrees with the bank frozen; measure forgetting",
+        description="From a run with a bank, continue training the anchor on a subset of level-1 subtrees "
+                    "with the bank frozen, then score the long-tail probes before and after (anchor-only / "
+                    "generic / fetched, revisited vs not-revisited subtrees, per frequency bucket). Writes "
+                    "OUT/results.json, OUT/report.md and OUT/retention.png.",
+    )
+    r.add_argument("config", nargs="?", help="retention YAML (eval/yamls/retention.yaml); optional")
+    r.add_argument("overrides", nargs="*", help="key=value overrides (run=… out=… facts=… steps=…)")
+    r.set_defaults(func=_retention)
 
     d = sub.add_parser(
         "demo",
@@ -56,23 +85,20 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    import json
     from pathlib import Path
 
-    from eval.experiments import blocking_eval, knowledge_eval, write_report
-    from eval.longtail import build_probes, load_facts
+    from eval.experiments import blocking_eval, knowledge_eval, load_eval_inputs, write_report
     from eval.model import RunModel
 
     rm = RunModel.load(args.run, tree_dir=args.tree)
-    probes = build_probes(load_facts(args.facts), seed=args.seed)
-    if args.max_probes:
-        step = max(1, len(probes) // args.max_probes)
-        probes = probes[::step][: args.max_probes]
-    held_out = []
-    if args.held_out:
-        with open(args.held_out, encoding="utf-8") as f:
-            held_out = [json.loads(line) for line in f if line.strip()]
-    knowledge = knowledge_eval(rm, probes, held_out)
+    probes, held_out = load_eval_inputs(args.facts, held_out=args.held_out, max_probes=args.max_probes,
+                                        seed=args.seed)
+    rag = None
+    if args.rag is not None:
+        from eval.rag import RagIndex
+
+        rag = RagIndex.open(args.rag or Path(rm.config.data.shards).parent)
+    knowledge = knowledge_eval(rm, probes, held_out, rag=rag)
     blocking = None
     if args.block_domains:
         blocking = blocking_eval(rm, probes, target_domains=args.block_domains.split(","), seed=args.seed)
@@ -81,4 +107,29 @@ def _eval(args: argparse.Namespace) -> int:
                          meta={"run": str(Path(args.run).resolve()), "probes": len(probes)})
     print(Path(files["markdown"]).read_text())
     print(f"report: {Path(files['markdown']).resolve()}")
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from eval.sweeps import load_sweep_config, run_sweep
+
+    result = run_sweep(load_sweep_config(args.sweep, args.overrides), train_overrides=args.train)
+    print(Path(result["files"]["markdown"]).read_text(encoding="utf-8"))
+    print(f"report: {result['files']['markdown']}")
+    return 0
+
+
+def _retention(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from eval.retention import load_retention_config, run_retention
+
+    config, overrides = args.config, list(args.overrides)
+    if config and "=" in config:  # no YAML: every argument is an override
+        config, overrides = None, [config, *overrides]
+    result = run_retention(load_retention_config(config, overrides))
+    print(Path(result["files"]["markdown"]).read_text(encoding="utf-8"))
+    print(f"report: {result['files']['markdown']}")
     return 0

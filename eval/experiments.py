@@ -2,7 +2,8 @@
 
 `knowledge_eval` scores the long-tail probes and held-out perplexity with the
 three memory settings side by side (Table 1's layout) and accuracy per
-mention-frequency bucket (Fig. 1's analogue). `blocking_eval` blocks the part
+mention-frequency bucket (Fig. 1's analogue), optionally beside the vanilla
+RAG baseline (App. H, `eval.rag`). `blocking_eval` blocks the part
 of the bank that a target set of probes routes to (memstore's adversarial
 blocking: the best-matching level-1 subtree(s), 1/B of the bank) and, as the
 control, the same share at random; it reports the accuracy change on the
@@ -14,35 +15,65 @@ blocked probes and on all others. Blocking is applied to the open store only
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from eval.longtail import accuracy_by_bucket
+from eval.longtail import accuracy_by_bucket, build_probes, load_facts
 from eval.model import RunModel
+from eval.rag import RagIndex, rag_items
 from eval.tasks import multiple_choice, perplexity
 from memstore.blocking import adversarial_block, random_block
 from memtree.io import atomic_path, atomic_write_json, atomic_write_text
 
 MODES = ("none", "generic", "fetched")
-MODE_LABEL = {"none": "anchor only", "generic": "anchor + generic memory", "fetched": "anchor + fetched memory"}
+# RAG settings (App. H): the retrieved window in the context, with this memory mode.
+RAG_MODES = {"rag": "none", "rag+fetched": "fetched"}
+MODE_LABEL = {"none": "anchor only", "generic": "anchor + generic memory", "fetched": "anchor + fetched memory",
+              "rag": "anchor + RAG (nearest training window)", "rag+fetched": "anchor + RAG + fetched memory"}
+
+
+def load_eval_inputs(facts: str | Path, *, held_out: str | Path | None = None, max_probes: int = 0,
+                     seed: int = 0) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Probes from a facts JSONL (at most `max_probes`, evenly spread; 0 = all) and held-out documents."""
+    probes = build_probes(load_facts(facts), seed=seed)
+    if max_probes:
+        probes = probes[:: max(1, len(probes) // max_probes)][:max_probes]
+    docs = []
+    if held_out:
+        with open(held_out, encoding="utf-8") as f:
+            docs = [json.loads(line) for line in f if line.strip()]
+    return probes, docs
 
 
 def knowledge_eval(rm: RunModel, probes: Sequence[dict[str, Any]], held_out: Sequence[dict[str, Any]] = (),
-                   *, modes: Sequence[str] = MODES) -> dict[str, Any]:
+                   *, modes: Sequence[str] = MODES, rag: RagIndex | None = None) -> dict[str, Any]:
+    """Probe accuracy (overall and per frequency bucket) and held-out perplexity per memory setting.
+
+    With `rag`, also the RAG baseline: each probe 0-shot behind its nearest training window, anchor
+    only and (runs with a bank) with fetched memory; its retrieval record goes to out["rag"]."""
     modes = [m for m in modes if m == "none" or rm.has_memory]
     paths = rm.route([p["context"] for p in probes]) if rm.has_memory else None
     doc_paths = rm.route([d["text"] for d in held_out]) if rm.has_memory and held_out else None
     out: dict[str, Any] = {"n_probes": len(probes), "modes": {}}
+
+    def row(items: Sequence[dict[str, Any]], mode: str) -> dict[str, Any]:
+        mc = multiple_choice(rm, items, mode=mode, paths=paths)
+        return {"accuracy": mc["accuracy"], "accuracy_norm": mc["accuracy_norm"],
+                "by_bucket": accuracy_by_bucket(probes, mc["predictions"]), "predictions": mc["predictions"]}
+
     for mode in modes:
-        mc = multiple_choice(rm, probes, mode=mode, paths=paths)
-        row = {"accuracy": mc["accuracy"], "accuracy_norm": mc["accuracy_norm"],
-               "by_bucket": accuracy_by_bucket(probes, mc["predictions"]), "predictions": mc["predictions"]}
+        out["modes"][mode] = row(probes, mode)
         if held_out:
-            row["perplexity"] = perplexity(rm, held_out, mode=mode, paths=doc_paths)["perplexity"]
-        out["modes"][mode] = row
+            out["modes"][mode]["perplexity"] = perplexity(rm, held_out, mode=mode, paths=doc_paths)["perplexity"]
+    if rag is not None:
+        items, out["rag"] = rag_items(rm, rag, probes)
+        for name, mode in RAG_MODES.items():
+            if mode == "none" or rm.has_memory:
+                out["modes"][name] = row(items, mode)
     return out
 
 
@@ -89,13 +120,13 @@ def blocking_eval(rm: RunModel, probes: Sequence[dict[str, Any]], *, target_doma
     return result
 
 
-def _fig(width: float = 6.0, height: float = 4.0):
+def new_figure(width: float = 6.0, height: float = 4.0):
     from matplotlib.figure import Figure
 
     return Figure(figsize=(width, height), dpi=110)
 
 
-def _save(fig, path: Path) -> None:
+def save_png(fig, path: Path) -> None:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", bbox_inches="tight")
 
@@ -115,6 +146,12 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
         for mode, row in knowledge["modes"].items():
             ppl = f"{row['perplexity']:.2f}" if "perplexity" in row else "—"
             lines.append(f"| {MODE_LABEL[mode]} | {row['accuracy']:.1%} | {row['accuracy_norm']:.1%} | {ppl} |")
+        if "rag" in knowledge:
+            r = knowledge["rag"]
+            sims = [s for s in r["similarity"] if s is not None]
+            lines += ["", (f"RAG (App. H): nearest training window inside the question's level-{r['level']} cluster "
+                           f"(mean cosine {np.mean(sims) if sims else float('nan'):.3f}), its head kept to fit the "
+                           f"context (mean {np.mean(r['kept_tokens']):.0f} tokens), 0-shot.")]
         buckets = [b["bucket"] for b in next(iter(knowledge["modes"].values()))["by_bucket"]]
         lines += ["", "Accuracy by how many documents state the fact:", "",
                   "| setting | " + " | ".join(f"{b} (n={n})" for b, n in zip(
@@ -123,7 +160,7 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
         for mode, row in knowledge["modes"].items():
             cells = ["—" if b["accuracy"] is None else f"{b['accuracy']:.1%}" for b in row["by_bucket"]]
             lines.append(f"| {MODE_LABEL[mode]} | " + " | ".join(cells) + " |")
-        fig = _fig()
+        fig = new_figure()
         ax = fig.add_subplot()
         for mode, row in knowledge["modes"].items():
             xs = [i for i, b in enumerate(row["by_bucket"]) if b["accuracy"] is not None]
@@ -134,7 +171,7 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
         ax.axhline(0.25, color="grey", lw=0.8, ls=":", label="chance (4 choices)")
         ax.set_title("Long-tail knowledge: accuracy vs fact frequency")
         ax.legend(fontsize=8)
-        _save(fig, out / "accuracy_vs_frequency.png")
+        save_png(fig, out / "accuracy_vs_frequency.png")
         files["accuracy_vs_frequency_png"] = str(out / "accuracy_vs_frequency.png")
     if blocking:
         lines += ["", "## Memory blocking (Fig. 6b)", "",
@@ -146,7 +183,7 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
             t, o = s["accuracy_target"], s["accuracy_other"]
             lines.append(f"| {name} | {t['before']:.1%} | {t['after']:.1%} | {o['before']:.1%} | {o['after']:.1%} | "
                          f"{s['target_routed_to_blocked']:.0%} |")
-        fig = _fig()
+        fig = new_figure()
         ax = fig.add_subplot()
         names = list(blocking["settings"])
         x = np.arange(len(names))
@@ -159,7 +196,7 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
         ax.set_ylabel("probe accuracy (fetched memory)")
         ax.set_title("Blocking 1/B of the bank")
         ax.legend(fontsize=7)
-        _save(fig, out / "blocking.png")
+        save_png(fig, out / "blocking.png")
         files["blocking_png"] = str(out / "blocking.png")
     atomic_write_json(out / "results.json", {"meta": meta or {}, "knowledge": knowledge, "blocking": blocking})
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")

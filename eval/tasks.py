@@ -23,7 +23,7 @@ import numpy as np
 from eval.model import MemoryMode, RunModel
 
 
-def _query(item: dict[str, Any]) -> str:
+def retrieval_query(item: dict[str, Any]) -> str:
     """The text memories are retrieved with: the question itself, not few-shot examples."""
     return item.get("query", item["context"])
 
@@ -39,7 +39,7 @@ def multiple_choice(rm: RunModel, items: Sequence[dict[str, Any]], *, mode: Memo
     """Accuracy of argmax Σ log p(choice | context) (and per-token normalised).
 
     Returns {"accuracy", "accuracy_norm", "n", "predictions"}."""
-    p = _paths(rm, [_query(it) for it in items], mode, paths)
+    p = _paths(rm, [retrieval_query(it) for it in items], mode, paths)
     seqs, owners, cont_lens = [], [], []
     for i, it in enumerate(items):
         ctx = rm.encode(it["context"])
@@ -103,7 +103,7 @@ def generation(rm: RunModel, items: Sequence[dict[str, Any]], *, mode: MemoryMod
                paths: np.ndarray | None = None, extract: Callable[[str], str | None] = extract_integer,
                max_new_tokens: int = 8) -> dict[str, Any]:
     """Greedy continuation of each context; correct when extract(output) == extract(answer)."""
-    p = _paths(rm, [_query(it) for it in items], mode, paths)
+    p = _paths(rm, [retrieval_query(it) for it in items], mode, paths)
     outputs, correct = [], 0
     for i, it in enumerate(items):
         out = rm.decode(rm.greedy(rm.encode(it["context"]), max_new_tokens=max_new_tokens,
@@ -121,5 +121,5 @@ def few_shot(items: Sequence[dict[str, Any]], shots: Sequence[dict[str, Any]], *
         return f"{ex['context']} {ans}"
 
     prefix = sep.join(solved(s) for s in shots)
-    return [{**it, "query": _query(it), "context": f"{prefix}{sep}{it['context']}" if prefix else it["context"]}
+    return [{**it, "query": retrieval_query(it), "context": f"{prefix}{sep}{it['context']}" if prefix else it["context"]}
             for it in items]

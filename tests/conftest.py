@@ -13,6 +13,21 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _interpret_triton_without_a_gpu() -> None:
+    """Run our Triton kernels in the interpreter on a CPU-only machine.
+
+    `@triton.jit` reads TRITON_INTERPRET when a kernel module is imported, and
+    training/ imports kernels/ — so it is set here, before any test module
+    imports either, or kernels imported early would not run on the CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_interpret_triton_without_a_gpu()
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
@@ -72,3 +87,19 @@ def pipeline_run(tmp_path_factory, corpus_records, dask_client):
     t0 = time.time()
     markers = run_pipeline(cfg, client=dask_client, log=lambda m: None)
     return out, markers, time.time() - t0, corpus
+
+
+def train_tiny_run(shards: Path, folder: Path, *overrides: str) -> Path:
+    """Train a small memory run on `shards` into `folder` (scratch mode, fp32 bank); returns `folder`.
+
+    Streaming's shared memory is cleaned before and after, as tests open several datasets."""
+    from streaming.base.util import clean_stale_shared_memory
+
+    from training.config import load_train_config
+    from training.train import train
+
+    clean_stale_shared_memory()
+    train(load_train_config(None, [f"data.shards={shards}", f"save_folder={folder}", "mode=scratch",
+                                   "optim.warmup=1ba", "memory.export_dtype=fp32", *overrides]))
+    clean_stale_shared_memory()
+    return folder

@@ -15,25 +15,16 @@ from eval.longtail import BUCKETS, accuracy_by_bucket, build_probes
 from eval.model import RunModel
 from eval.tasks import extract_integer, few_shot, multiple_choice, perplexity
 from pipeline.corpus import CorpusSpec, entity_facts
-from training.config import load_train_config
-from training.train import train
+from tests.conftest import train_tiny_run
 
 SPEC = CorpusSpec(n_docs=1200, seed=3, long_doc_fraction=0.01)  # the corpus of tests/conftest.py
 
 
 @pytest.fixture(scope="module")
 def run(pipeline_run, tmp_path_factory):
-    from streaming.base.util import clean_stale_shared_memory
-
-    clean_stale_shared_memory()
-    folder = tmp_path_factory.mktemp("evalrun") / "run"
-    train(load_train_config(None, [
-        f"data.shards={pipeline_run[0] / 'shards'}", f"save_folder={folder}", "data.batch_size=4",
-        "max_duration=6ba", "mode=scratch", "memory.multipliers=[16,8]", "memory.lr=3e-2", "optim.warmup=1ba",
-        "memory.export_dtype=fp32",
-        "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}"]))
-    clean_stale_shared_memory()
-    return RunModel.load(folder)
+    return RunModel.load(train_tiny_run(pipeline_run[0] / "shards", tmp_path_factory.mktemp("evalrun") / "run",
+                            "data.batch_size=4", "max_duration=6ba", "memory.multipliers=[16,8]", "memory.lr=3e-2",
+                            "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}"))
 
 
 @pytest.fixture(scope="module")

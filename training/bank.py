@@ -33,6 +33,11 @@ _ALL_RAM = TierConfig(name="ram", kind="ram")
 class TrainableBank(nn.Module):
     """Per-level memory tables; rows = clusters of the (sub)tree, last row = generic memory."""
 
+    # Composer's FSDP skips children marked so: the tables stay whole on every rank, since a
+    # step reads a handful of rows by index and FSDP's flat shards cannot take sparse gradients.
+    # `MemoryAdamW` averages the sparse gradients across ranks instead.
+    _fsdp_wrap = False
+
     def __init__(
         self,
         anchor: AnchorShape,

@@ -8,6 +8,10 @@ row), and the counter is a buffer saved in checkpoints, so a resumed run makes
 the same draws.
 
 At evaluation `memory_mode` selects "fetched", "generic" or "none" (anchor only).
+
+With a Mixture-of-Chapters model (`moc`, training/moc.py) the memory is inside
+the anchor; the training loss adds the router's auxiliary losses
+(`AnchorLM.moc_aux_loss`, already weighted by their coefficients).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from composer.models import ComposerModel
 
 from memstore.geometry import AnchorShape, MemoryConfig
 from training.bank import TrainableBank
+from training.moc import MoCConfig
 from training.model import AnchorLM, ModelConfig, assemble_memories
 
 MemoryMode = Literal["fetched", "generic", "none"]
@@ -37,7 +42,7 @@ class MemtreeLM(ComposerModel):
                  generic_prob: float | None = None, seed: int = 0, rope_theta: float = 10000.0,
                  norm_eps: float = 1e-5, init_std: float = 0.02, lora_alpha: float = 1.0,
                  memory_init_std: float = 0.02, subtree: int | None = None, freeze_anchor: bool = False,
-                 hf_dir: str | None = None) -> None:
+                 hf_dir: str | None = None, moc: MoCConfig | None = None) -> None:
         super().__init__()
         self.anchor_shape, self.memory = anchor, memory
         self.bank = (TrainableBank(anchor, memory, subtree=subtree, seed=seed, std=memory_init_std)
@@ -49,22 +54,27 @@ class MemtreeLM(ComposerModel):
 
             if memory is None:
                 raise ValueError("model.hf_dir: post-hoc training needs memory.multipliers")
+            if moc is not None:
+                raise ValueError("model.hf_dir: Mixture-of-Chapters layers are not supported on HF models")
             self.hf = HFMemoryModel(hf_dir, memory, bank=self.bank, cotrain=not freeze_anchor,
                                     lora_alpha=lora_alpha, seed=seed)
             self.model = self.hf.hf
         else:
             self.model = AnchorLM(ModelConfig(anchor=anchor, max_seq_len=max_seq_len, rope_theta=rope_theta,
                                               norm_eps=norm_eps, init_std=init_std, memory=memory,
-                                              lora_alpha=lora_alpha))
+                                              lora_alpha=lora_alpha, moc=moc))
         self.generic_prob = (1.0 / memory.branching if generic_prob is None else generic_prob) if memory else 0.0
         self.seed = seed
         self.memory_mode: MemoryMode = "fetched"
         self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
         if freeze_anchor:
             self.model.requires_grad_(False)
-        if self.bank is not None:
-            # sparse gradients cannot go through DDP's buckets; MemoryAdamW reduces them itself
-            self._ddp_params_and_buffers_to_ignore = [f"bank.tables.{lv}" for lv in self.bank.tables]
+        # sparse gradients cannot go through DDP's buckets; MemoryAdamW reduces them itself
+        sparse = [f"bank.tables.{lv}" for lv in self.bank.tables] if self.bank is not None else []
+        if self.hf is None and self.model.moc_banks is not None:
+            sparse += [f"model.moc_banks.{k}.weight" for k in self.model.moc_banks]
+        if sparse:
+            self._ddp_params_and_buffers_to_ignore = sparse
         self.train_metrics = {"LanguageCrossEntropy": LanguageCrossEntropy()}
         self.eval_metrics = {"LanguageCrossEntropy": LanguageCrossEntropy(),
                              "LanguagePerplexity": LanguagePerplexity()}
@@ -118,7 +128,8 @@ class MemtreeLM(ComposerModel):
                 f"loss is {loss.item()} at training forward {int(self.forwards)}; batch paths "
                 f"{batch['paths'][:4].tolist()} … — stopping (lower the LR or check the data)")
         self.last_seq_loss = (per_tok.sum(1) / mask.sum(1).clamp(min=1)).detach()
-        return loss
+        aux = self.model.moc_aux_loss() if self.training and self.hf is None else None
+        return loss if aux is None else loss + aux
 
     def get_metrics(self, is_train: bool = False) -> dict[str, Any]:
         return self.train_metrics if is_train else self.eval_metrics
@@ -127,4 +138,10 @@ class MemtreeLM(ComposerModel):
         metric.update(outputs, batch["labels"])
 
     def anchor_parameters(self):
-        return self.model.parameters()
+        """Everything in the model except the MoC banks and layers (`moc_parameters`)."""
+        moc = {id(p) for group in self.moc_parameters() for p in group}
+        return (p for p in self.model.parameters() if id(p) not in moc)
+
+    def moc_parameters(self) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+        """(latent banks, memory layers), each its own optimizer group; empty without MoC."""
+        return ([], []) if self.hf is not None else self.model.moc_parameters()

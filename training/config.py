@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from memstore.geometry import ANCHOR_PRESETS, AnchorShape, MemoryConfig, get_anchor
 from memtree.config import ConfigError, load_config, to_dict
+from training.moc import MoCConfig
 
 Mode = Literal["baseline", "frozen", "cotrain", "scratch"]
 
@@ -31,6 +32,7 @@ class ModelSection:
     init_std: float = 0.02
     lora_alpha: float = 1.0
     hf_dir: str | None = None  # post-hoc memories on this local HF causal LM (it is the anchor)
+    moc: MoCConfig | None = None  # Mixture-of-Chapters memory layers (training/moc.py), mode 'baseline'
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +70,8 @@ class OptimSection:
     warmup: str = "10ba"
     alpha_f: float = 0.1  # cooldown LR as a fraction of the peak
     max_grad_norm: float | None = 1.0
+    moc_bank_lr: float | None = None  # MoC latent bank(s); None: lr
+    moc_layer_lr: float | None = None  # MoC routers, memory attention and variation-2 FFNs; None: lr
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +108,15 @@ class TrainConfig:
         if self.model.anchor not in ANCHOR_PRESETS and self.model.anchor != "custom":
             raise ConfigError(f"model.anchor: {self.model.anchor!r} is not one of "
                               f"{sorted(ANCHOR_PRESETS) + ['custom']}")
+        if self.model.moc is not None:
+            if self.mode != "baseline":
+                raise ConfigError(f"model.moc: a Mixture-of-Chapters model trains from scratch without "
+                                  f"hierarchical memories; use mode 'baseline', not {self.mode!r}")
+            if self.model.hf_dir:
+                raise ConfigError("model.moc: not supported with model.hf_dir (the anchor must be AnchorLM)")
+            if self.fsdp:
+                raise ConfigError("fsdp: the MoC latent bank's sparse gradients cannot be sharded; "
+                                  "multi-GPU MoC runs use DDP (leave fsdp false)")
         gp = self.memory.generic_prob
         if gp is not None and not 0 <= gp <= 1:
             raise ConfigError(f"memory.generic_prob: {gp} must be in [0, 1]")

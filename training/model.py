@@ -16,6 +16,13 @@ hands over one flat block per level, shape (B, P_level), laid out by
 per-layer tensors and concatenates levels along the memory width, and the
 blocks apply them with batched matmuls (one memory per sequence).
 
+Mixture of Chapters (`ModelConfig.moc`, `training/moc.py`, seed 000): a latent
+memory bank read by routed cross-attention at chosen blocks, either between
+attention and FFN (variation 1) or after the FFN and followed by a second FFN
+(variation 2, seed 004 §2.3); the bank(s) live in `AnchorLM.moc_banks` and
+`moc_aux_loss()` returns the router losses of the last forward. It excludes
+the hierarchical `memory` (one kind of memory per model).
+
 Decisions where the paper is silent or its numbers were lost:
 - LoRA scale = `lora_alpha / r` with r the layer's rank after concatenating
   levels (the usual LoRA convention; App. I's value for the factor is lost).
@@ -45,6 +52,7 @@ from torch import Tensor, nn
 
 from memstore.format import RecordCodec
 from memstore.geometry import AnchorShape, MemoryConfig, block_layout, memory_layers
+from training.moc import LatentBank, MoCConfig, MoCLayer, bank_for, build_banks, mean_aux_loss
 
 # Per layer index: named memory tensors, each with a leading batch dim B.
 LayerMemories = dict[str, Tensor]
@@ -59,6 +67,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     memory: MemoryConfig | None = None
+    moc: MoCConfig | None = None
     lora_alpha: float = 1.0
     attn_impl: Literal["sdpa"] = "sdpa"
 
@@ -78,6 +87,11 @@ class ModelConfig:
             )
         if self.memory is not None:
             memory_layers(self.anchor, self.memory)  # raises on a placement the anchor cannot hold
+        if self.moc is not None:
+            if self.memory is not None:
+                raise ValueError("memory and moc are mutually exclusive (one kind of memory per model)")
+            self.moc.geometry(d_model=self.anchor.d_model, n_layers=self.anchor.n_layers,
+                              anchor_heads=self.anchor.n_heads)  # raises if the anchor cannot hold it
 
 
 def segment_ids_from_eot(input_ids: Tensor, eot_id: int) -> Tensor:
@@ -239,9 +253,10 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        d, eps = cfg.anchor.d_model, cfg.norm_eps
+        a, eps = cfg.anchor, cfg.norm_eps
+        d = a.d_model
         self.attn_norm = _gain_norm(d, eps)
         self.attn = Attention(cfg)
         self.ffn_norm = _gain_norm(d, eps)
@@ -251,13 +266,27 @@ class Block(nn.Module):
         if self.post_norms:
             self.attn_post_norm = _gain_norm(d, eps)
             self.ffn_post_norm = _gain_norm(d, eps)
+        moc = cfg.moc if cfg.moc is not None and layer in cfg.moc.layers else None
+        # the memory sublayer brings its own pre-norm (RMSNorm, seed 000 eq. 1) and no post-norm
+        self.moc = (MoCLayer(moc, d_model=d, n_layers=a.n_layers, anchor_heads=a.n_heads, norm_eps=eps)
+                    if moc is not None else None)
+        self.moc_variation = moc.variation if moc is not None else None
+        if self.moc_variation == 2:
+            self.moc_ffn_norm = _gain_norm(d, eps)
+            self.moc_ffn = FeedForward(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-                mem: LayerMemories | None) -> Tensor:
+                mem: LayerMemories | None, bank: LatentBank | None = None) -> Tensor:
         a = self.attn(self.attn_norm(x), cos, sin, mask, mem)
         x = x + (self.attn_post_norm(a) if self.post_norms else a)
+        if self.moc_variation == 1:  # Self-Attn → MemXAttn → MLP
+            x = x + self.moc(x, bank)
         f = self.ffn(self.ffn_norm(x), mem)
-        return x + (self.ffn_post_norm(f) if self.post_norms else f)
+        x = x + (self.ffn_post_norm(f) if self.post_norms else f)
+        if self.moc_variation == 2:  # Self-Attn → MLP → MemXAttn → MLP
+            x = x + self.moc(x, bank)
+            x = x + self.moc_ffn(self.moc_ffn_norm(x), None)
+        return x
 
 
 class AnchorLM(nn.Module):
@@ -268,7 +297,8 @@ class AnchorLM(nn.Module):
             raise ValueError(f"anchor {a.name}: RoPE needs an even head_dim, got {a.head_dim}")
         self.config = cfg
         self.embed = nn.Embedding(a.vocab_size, a.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(a.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(a.n_layers))
+        self.moc_banks = build_banks(cfg.moc, a.d_model) if cfg.moc is not None else None
         self.norm = _gain_norm(a.d_model, cfg.norm_eps)
         self.lm_head = None if a.tied_embeddings else nn.Linear(a.d_model, a.vocab_size, bias=False)
         self.reset_parameters()
@@ -283,6 +313,33 @@ class AnchorLM(nn.Module):
                     nn.init.zeros_(m.bias)
             elif isinstance(m, nn.LayerNorm):
                 nn.init.ones_(m.weight)
+        for m in self.modules():  # after the generic pass: zero-init W_O, bank std, router bias
+            if isinstance(m, MoCLayer | LatentBank):
+                m.reset_parameters()
+
+    def moc_layers(self) -> list[MoCLayer]:
+        return [b.moc for b in self.blocks if b.moc is not None]
+
+    def moc_aux_loss(self) -> Tensor | None:
+        """Mean over memory layers of lb_coef·L_lb + z_coef·L_z from the last forward; None without MoC."""
+        layers = self.moc_layers()
+        return mean_aux_loss(layers) if layers else None
+
+    def moc_parameters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(latent banks, memory layers: routers, memory attention, variation-2 FFNs); empty without MoC."""
+        if self.moc_banks is None:
+            return [], []
+        layers = []
+        for b in self.blocks:
+            if b.moc is not None:
+                layers += list(b.moc.parameters())
+            if b.moc_variation == 2:
+                layers += list(b.moc_ffn_norm.parameters()) + list(b.moc_ffn.parameters())
+        return list(self.moc_banks.parameters()), layers
+
+    def fsdp_wrap_fn(self, module: nn.Module) -> bool:
+        """Composer's FSDP auto-wrap rule: one shard unit per transformer block."""
+        return isinstance(module, Block)
 
     def _rope_tables(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """cos, sin (S, D) for absolute positions 0..S-1, in fp32."""
@@ -323,6 +380,7 @@ class AnchorLM(nn.Module):
         cos, sin = self._rope_tables(seq_len, input_ids.device)
         x = self.embed(input_ids)  # (B, S, d)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, mask, memories.get(i) if memories else None)
+            bank = bank_for(self.moc_banks, i) if block.moc is not None else None
+            x = block(x, cos, sin, mask, memories.get(i) if memories else None, bank)
         x = self.norm(x)
         return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed.weight)

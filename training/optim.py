@@ -26,12 +26,16 @@ from torch.optim import Optimizer
 
 class MemoryAdamW(Optimizer):
     def __init__(self, params: Iterable[Any], *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float | None = None) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float | None = None,
+                 dense_sharded: bool = False) -> None:
         if lr < 0 or eps <= 0 or not all(0 <= b < 1 for b in betas) or weight_decay < 0:
             raise ValueError(f"invalid MemoryAdamW hyperparameters lr={lr} betas={betas} eps={eps} "
                              f"weight_decay={weight_decay}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.max_grad_norm = max_grad_norm
+        # FSDP: each rank holds a shard of every dense gradient, so the squared norms are summed
+        # across ranks; sparse (bank) gradients are replicated after `_sync_sparse_grads`.
+        self.dense_sharded = dense_sharded
         self.last_grad_norm: float | None = None
         self.last_rows: dict[int, int] = {}  # id(param) → rows updated in the last step
 
@@ -69,21 +73,36 @@ class MemoryAdamW(Optimizer):
                 p.grad = torch.sparse_coo_tensor(idx[None], val, p.shape).coalesce()
 
     def _clip_coef(self) -> float:
-        sq = torch.zeros((), dtype=torch.float64)
+        dense_sq, sparse_sq = 0.0, 0.0
         for group in self.param_groups:
             for p in group["params"]:
                 g = p.grad
                 if g is None:
                     continue
-                vals = g.coalesce().values() if g.is_sparse else g
-                sq += vals.double().pow(2).sum()
-        norm = float(sq.sqrt())
+                if g.is_sparse:
+                    sparse_sq = sparse_sq + g.coalesce().values().double().pow(2).sum()
+                else:
+                    dense_sq = dense_sq + g.double().pow(2).sum()
+        if self.dense_sharded:
+            dense_sq = self._sum_across_ranks(dense_sq)
+        norm = float(torch.as_tensor(dense_sq + sparse_sq).sqrt())
         self.last_grad_norm = norm
         if not math.isfinite(norm):
             raise FloatingPointError(f"gradient norm is {norm}; refusing to step")
         if self.max_grad_norm is None or norm <= self.max_grad_norm:
             return 1.0
         return self.max_grad_norm / (norm + 1e-6)
+
+    def _sum_across_ranks(self, value: torch.Tensor | float) -> torch.Tensor | float:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return value
+        device = next((p.grad.device for g in self.param_groups for p in g["params"] if p.grad is not None),
+                      torch.device("cpu"))
+        t = torch.as_tensor(value, dtype=torch.float64).to(device)
+        dist.all_reduce(t)  # every rank joins, also one whose shards hold no gradient
+        return t
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -129,11 +148,12 @@ class MemoryAdamW(Optimizer):
         st = self.state[p]
         if not st:
             # pool: row r's state lives at pool index slot[r] (-1 = never updated)
-            st["slot"] = torch.full((p.shape[0],), -1, dtype=torch.long)
+            dev = p.device
+            st["slot"] = torch.full((p.shape[0],), -1, dtype=torch.long, device=dev)
             st["used"] = torch.zeros((), dtype=torch.long)
-            st["exp_avg"] = torch.zeros(0, p.shape[1])
-            st["exp_avg_sq"] = torch.zeros(0, p.shape[1])
-            st["steps"] = torch.zeros(0, dtype=torch.long)
+            st["exp_avg"] = torch.zeros(0, p.shape[1], device=dev)
+            st["exp_avg_sq"] = torch.zeros(0, p.shape[1], device=dev)
+            st["steps"] = torch.zeros(0, dtype=torch.long, device=dev)
         for key in ("slot", "used", "steps"):
             # Optimizer.load_state_dict casts every non-"step" state tensor to the param dtype
             if st[key].dtype != torch.long:
@@ -147,10 +167,10 @@ class MemoryAdamW(Optimizer):
                 cap = min(p.shape[0], max(need, 2 * st["exp_avg"].shape[0]))
                 for key in ("exp_avg", "exp_avg_sq", "steps"):
                     old = st[key]
-                    grown = torch.zeros((cap, *old.shape[1:]), dtype=old.dtype)
+                    grown = torch.zeros((cap, *old.shape[1:]), dtype=old.dtype, device=old.device)
                     grown[: old.shape[0]] = old
                     st[key] = grown
-            slot[new] = torch.arange(used, need)
+            slot[new] = torch.arange(used, need, device=slot.device)
             st["used"] = torch.tensor(need)
         idx = slot[rows]
         st["steps"][idx] += 1

@@ -40,13 +40,18 @@ def build_model(cfg: TrainConfig) -> tuple[MemtreeLM, dict[str, Any]]:
                           f"{manifest['levels']}")
     if cfg.model.vocab_size and cfg.model.vocab_size < vocab:
         raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} is smaller than the tokenizer's {vocab}")
+    if cfg.model.moc is not None:
+        try:  # the geometry's messages start with "moc…"
+            cfg.model.moc.geometry(d_model=anchor.d_model, n_layers=anchor.n_layers, anchor_heads=anchor.n_heads)
+        except ValueError as e:
+            raise ConfigError(f"model.{e}") from None
     seq_len = int(manifest["seq_len"])
     subtree = cfg.data.subtrees[0] if cfg.data.subtrees and len(cfg.data.subtrees) == 1 and memory else None
     model = MemtreeLM(anchor=anchor, memory=memory, max_seq_len=cfg.model.max_seq_len or seq_len,
                       generic_prob=cfg.memory.generic_prob, seed=cfg.seed, rope_theta=cfg.model.rope_theta,
                       norm_eps=cfg.model.norm_eps, init_std=cfg.model.init_std, lora_alpha=cfg.model.lora_alpha,
                       memory_init_std=cfg.memory.init_std, subtree=subtree, freeze_anchor=cfg.mode == "frozen",
-                      hf_dir=cfg.model.hf_dir)
+                      hf_dir=cfg.model.hf_dir, moc=cfg.model.moc)
     if cfg.anchor_checkpoint:
         load_anchor(model, cfg.anchor_checkpoint)
     if cfg.memory.init_bank:
@@ -166,16 +171,16 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
     if model.bank is not None:
         groups.append({"params": list(model.bank.bank_parameters()), "lr": cfg.memory.lr,
                        "weight_decay": cfg.memory.weight_decay})
-    optimizer = MemoryAdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-                            max_grad_norm=cfg.optim.max_grad_norm)
+    moc_bank, moc_layers = model.moc_parameters()  # Table 6: their own learning rates
+    for params, lr in ((moc_bank, cfg.optim.moc_bank_lr), (moc_layers, cfg.optim.moc_layer_lr)):
+        if params:
+            groups.append({"params": params, "lr": cfg.optim.lr if lr is None else lr,
+                           "weight_decay": cfg.optim.weight_decay})
     gpu = torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "gpu"
+    parallelism = fsdp_parallelism(cfg, model, gpu=gpu)
+    optimizer = MemoryAdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+                            max_grad_norm=cfg.optim.max_grad_norm, dense_sharded=parallelism is not None)
     precision = cfg.precision if cfg.precision != "auto" else ("amp_bf16" if gpu else "fp32")
-    parallelism = None
-    if cfg.fsdp:
-        if model.bank is not None:
-            raise ConfigError("fsdp: sharding a model with a sparse memory bank is not supported yet; "
-                              "multi-GPU runs use DDP (leave fsdp false)")
-        parallelism = {"fsdp": {"sharding_strategy": "FULL_SHARD", "mixed_precision": "PURE"}}
     loader = build_dataloader(cfg.data.shards, batch_size=cfg.data.batch_size, subtrees=cfg.data.subtrees,
                               shuffle=cfg.data.shuffle, shuffle_seed=cfg.data.shuffle_seed,
                               num_workers=cfg.data.num_workers)
@@ -192,6 +197,38 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
     )
 
 
+def fsdp_parallelism(cfg: TrainConfig, model: MemtreeLM, *, gpu: bool) -> dict[str, Any] | None:
+    """Composer's FSDP settings for `fsdp: true`, or None.
+
+    Composer wraps each child of the ComposerModel on its own: the anchor is
+    sharded block by block (`AnchorLM.fsdp_wrap_fn`), the bank is skipped
+    (`TrainableBank._fsdp_wrap`) and stays whole on every rank. Composer does
+    not move a model it shards, so the bank is put on this rank's GPU here."""
+    if not cfg.fsdp:
+        return None
+    if not gpu:
+        raise ConfigError("fsdp: true needs GPUs (device: gpu); Composer's FSDP does not run on the CPU")
+    if model.hf is not None:
+        raise ConfigError("fsdp: true with model.hf_dir is not supported (the HF model's memory hooks call "
+                          "the unwrapped modules); use DDP for post-hoc runs (leave fsdp false)")
+    if model.bank is not None:
+        from composer.utils import dist
+
+        model.bank.to(torch.device("cuda", dist.get_local_rank()))
+    # DEFAULT: bf16 compute, fp32 gradient reduction (PURE would reduce in bf16)
+    return {"fsdp": {"sharding_strategy": "FULL_SHARD", "mixed_precision": "DEFAULT", "use_orig_params": True}}
+
+
+def anchor_state_dict(model: MemtreeLM) -> dict[str, torch.Tensor]:
+    """The anchor's full weights on the CPU; under FSDP every rank must call this (it all-gathers)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # cpu_offload pins host memory, which needs a GPU: off when the weights are on the CPU already
+    on_gpu = any(p.is_cuda for p in model.model.parameters())
+    full = get_model_state_dict(model.model, options=StateDictOptions(full_state_dict=True, cpu_offload=on_gpu))
+    return {k: v.detach().cpu().contiguous() for k, v in full.items()}
+
+
 def export(trainer: Any, cfg: TrainConfig) -> dict[str, str]:
     """Write the anchor weights and the bank (memstore format) next to the checkpoints."""
     from composer.utils import dist
@@ -202,10 +239,10 @@ def export(trainer: Any, cfg: TrainConfig) -> dict[str, str]:
     out = {"anchor": str(folder / "anchor.safetensors")}
     if model.bank is not None:
         out["bank"] = str(folder / "bank")
+    state = anchor_state_dict(model)
     if dist.get_global_rank() != 0:  # one writer; the others wait for it
         dist.barrier()
         return out
-    state = {k: v.detach().cpu().contiguous() for k, v in model.model.state_dict().items()}
     # tied embeddings share storage; safetensors refuses shared tensors, so store copies
     with atomic_path(folder / "anchor.safetensors") as tmp:
         save_file({k: v.clone() for k, v in state.items()}, str(tmp))

@@ -1,0 +1,173 @@
+"""Vanilla RAG baseline (App. H): the nearest training window in the query's cluster, prepended.
+
+The datastore is the pipeline run the model was trained on, read through its
+documented run-directory format (pipeline/README.md): `assign/` gives every
+window's cluster path, `embed/embeddings.npy` its all-MiniLM-L6-v2 embedding
+(row = window ordinal), `window/` its text. A query is embedded with the tree's
+own embedder settings and routed with `clustering.route.route` — the greedy
+traversal that assigned the training data and that fetches memories — so RAG
+and fetched memories look in the same cluster. Inside the query's cluster at
+`level` (default: the leaf; App. H uses the deepest memory level) the window
+with the highest cosine similarity wins (ties: the lowest window ordinal).
+
+"Document" here is a training window: the unit the tree clusters and the
+pipeline embeds (App. C), which is the whole document when it is shorter than
+`window.window_tokens`.
+
+The retrieved text is prepended to the 0-shot question (App. H: no few-shot
+examples with RAG), separated by a blank line. When context + longest
+continuation would exceed the model's `max_seq_len`, the window is cut from the
+right: its head is kept, because the head is what the embedder read (the
+`truncate` strategy embeds the first word pieces) and so what matched the
+query. Memories, when combined with RAG, are still fetched with the question
+alone (App. B).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eval.model import RunModel
+from eval.tasks import retrieval_query
+from memtree.io import read_json
+
+SEPARATOR = "\n\n"
+
+
+def nearest_in_cluster(queries: np.ndarray, query_paths: np.ndarray, paths: np.ndarray, embeddings: np.ndarray,
+                       *, level: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per query, the stored row in the query's level-`level` cluster with the largest cosine similarity.
+
+    queries (n, dim) and embeddings (W, dim) are L2-normalised, so the dot product is the cosine;
+    query_paths (n, L) and paths (W, L) are cluster ids per level. Returns (rows (n,) int64, −1 where
+    the cluster holds no row; similarities (n,) float32, NaN where there is none)."""
+    col = paths[:, level - 1]
+    order = np.argsort(col, kind="stable")  # rows grouped by cluster, ascending row inside each
+    sorted_ids = col[order]
+    rows = np.full(len(queries), -1, dtype=np.int64)
+    sims = np.full(len(queries), np.nan, dtype=np.float32)
+    for i, c in enumerate(query_paths[:, level - 1]):
+        lo, hi = np.searchsorted(sorted_ids, c, "left"), np.searchsorted(sorted_ids, c, "right")
+        if lo == hi:
+            continue
+        members = order[lo:hi]
+        s = np.asarray(embeddings[members], dtype=np.float32) @ np.asarray(queries[i], dtype=np.float32)  # (k,)
+        j = int(np.argmax(s))  # first maximum: the lowest ordinal among ties
+        rows[i], sims[i] = members[j], s[j]
+    return rows, sims
+
+
+@dataclass
+class RagIndex:
+    """A pipeline run's windows as a datastore: paths (W, L), embeddings (W, dim), texts by ordinal."""
+
+    root: Path
+    tree: Any
+    paths: np.ndarray  # (W, L) int64
+    embeddings: np.ndarray  # (W, dim) float32, memory-mapped
+    parts: list[dict[str, Any]]  # window parts: file, offset, n
+
+    @classmethod
+    def open(cls, run_dir: str | Path) -> RagIndex:
+        import pyarrow.parquet as pq
+
+        from clustering.tree import load_tree
+
+        root = Path(run_dir)
+        for stage in ("window", "embed", "tree", "assign"):
+            if not (root / stage / "_stage.json").exists():
+                raise FileNotFoundError(f"{root}: no finished `{stage}` stage; the RAG datastore is a pipeline "
+                                        "run directory (memtree pipeline … out=RUN)")
+        tree = load_tree(root / "tree")
+        embeddings = np.load(root / "embed" / "embeddings.npy", mmap_mode="r")
+        paths = np.full((embeddings.shape[0], tree.levels), -1, dtype=np.int64)
+        for p in read_json(root / "assign" / "_stage.json")["stats"]["parts"]:
+            t = pq.read_table(root / "assign" / p["file"], columns=["window_ordinal", "path"])
+            ords = t["window_ordinal"].to_numpy()
+            paths[ords] = np.asarray(t["path"].combine_chunks().flatten(), dtype=np.int64).reshape(len(ords), -1)
+        if (paths < 0).any():
+            raise ValueError(f"{root}/assign: {(paths[:, 0] < 0).sum()} windows have no assigned path")
+        parts = read_json(root / "window" / "_stage.json")["stats"]["parts"]
+        return cls(root=root, tree=tree, paths=paths, embeddings=embeddings, parts=parts)
+
+    def texts(self, ordinals: Sequence[int]) -> list[str]:
+        """The windows' exact text spans (what the pipeline embedded), in the order asked."""
+        import pyarrow.parquet as pq
+
+        offsets = np.asarray([p["offset"] for p in self.parts])
+        out: dict[int, str] = {}
+        by_part: dict[int, list[int]] = {}
+        for o in {int(o) for o in ordinals}:
+            by_part.setdefault(int(np.searchsorted(offsets, o, "right") - 1), []).append(o)
+        for k, ords in by_part.items():
+            part = self.parts[k]
+            col = pq.read_table(self.root / "window" / part["file"], columns=["text"])["text"]
+            for o in ords:
+                out[o] = col[o - part["offset"]].as_py()
+        return [out[int(o)] for o in ordinals]
+
+    def retrieve(self, texts: Sequence[str], *, level: int | None = None) -> dict[str, np.ndarray]:
+        """Embed and route the texts, then pick each one's nearest window inside its cluster.
+
+        Returns {"paths": (n, L), "ordinals": (n,) (−1: empty cluster), "similarity": (n,)}."""
+        from clustering.embed import embed_texts, load_embedder
+        from clustering.route import route
+
+        level = level or self.tree.levels
+        if not 1 <= level <= self.tree.levels:
+            raise ValueError(f"rag level {level} must be in [1, {self.tree.levels}]")
+        emb = self.tree.meta.get("embedder", {})
+        model = load_embedder(emb.get("model"), max_seq_length=int(emb.get("max_seq_length", 256)))
+        x = embed_texts(model, list(texts), strategy=emb.get("strategy", "truncate"),
+                        batch_size=int(emb.get("batch_size", 64)))  # (n, dim)
+        paths = route(self.tree, x)
+        rows, sims = nearest_in_cluster(x, paths, self.paths, self.embeddings, level=level)
+        return {"paths": paths, "ordinals": rows, "similarity": sims}
+
+
+def _fit(rm: RunModel, doc: str, query: str, reserve: int) -> tuple[str, int]:
+    """The longest head of `doc` such that doc + separator + query + `reserve` tokens fits max_seq_len."""
+    limit = rm.model.config.max_seq_len
+    ids = rm.encode(doc)
+    k = min(len(ids), limit - reserve - len(rm.encode(SEPARATOR + query)))
+    while k > 0:
+        head = rm.decode(ids[:k])
+        over = len(rm.encode(head + SEPARATOR + query)) + reserve - limit
+        if over <= 0:
+            return head, k
+        k -= over  # re-tokenising across the cut can merge or split a few tokens
+    return "", 0
+
+
+def rag_items(rm: RunModel, index: RagIndex, items: Sequence[dict[str, Any]], *,
+              level: int | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Items whose context is (retrieved window head + blank line + the 0-shot question).
+
+    Multiple-choice items reserve room for their longest choice, generation items for their answer.
+    Each new item keeps the question as its `query`, so fetched memories are still retrieved with the
+    question alone. Returns (items, retrieval record: per item the window ordinal, its cluster path,
+    cosine similarity and the tokens of it kept)."""
+    if rm.tree is not None and rm.tree.tree_id != index.tree.tree_id:
+        raise ValueError(f"rag: the datastore {index.root} was clustered with tree {index.tree.tree_id}, the run's "
+                         f"memories with tree {rm.tree.tree_id}; use the pipeline run the model was trained on")
+    queries = [retrieval_query(it) for it in items]
+    hit = index.retrieve(queries, level=level)
+    found = hit["ordinals"] >= 0
+    docs = dict(zip(hit["ordinals"][found].tolist(), index.texts(hit["ordinals"][found].tolist()), strict=True))
+    out, kept = [], []
+    for it, q, o in zip(items, queries, hit["ordinals"].tolist(), strict=True):
+        conts = it["choices"] if "choices" in it else [it["answer"]]
+        reserve = max(len(rm.encode(c if c.startswith(" ") else " " + c.strip())) for c in conts)  # as scored
+        head, k = _fit(rm, docs[o], q, reserve) if o >= 0 else ("", 0)
+        kept.append(k)
+        out.append({**it, "query": q, "context": f"{head}{SEPARATOR}{q}" if head else q})
+    record = {"level": level or index.tree.levels, "datastore": str(index.root.resolve()),
+              "ordinals": hit["ordinals"].tolist(), "paths": hit["paths"].tolist(),
+              "similarity": [None if np.isnan(s) else float(s) for s in hit["similarity"]],
+              "kept_tokens": kept}
+    return out, record

@@ -1,0 +1,154 @@
+"""The FFN-memory read as torch custom ops (`memtree::ffn_memory` and its backward).
+
+`ffn_memory` validates its arguments and calls the forward op; the ops pick
+the Triton kernels on CUDA (or on CPU under TRITON_INTERPRET=1 when
+impl="triton") and the pure-torch reference otherwise. Both ops have fake
+implementations, so torch.compile traces them as opaque nodes, and the forward
+has an autograd formula that calls the backward op and turns its per-block
+gradient slots into a sparse COO bank gradient or a dense one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernels.ffn_memory import kernel
+from kernels.ffn_memory.naive import ffn_memory_naive, ffn_memory_naive_backward
+
+IMPLS = ("auto", "triton", "reference")
+
+
+def _use_triton(x: Tensor, impl: str) -> bool:
+    if impl == "reference" or (impl == "auto" and x.device.type != "cuda"):
+        return False
+    if x.device.type == "cpu" and not kernel.interpreting():
+        raise RuntimeError("impl='triton' on CPU needs TRITON_INTERPRET=1 set before "
+                           "kernels.ffn_memory is first imported")
+    return True
+
+
+@torch.library.custom_op("memtree::ffn_memory", mutates_args=())
+def _ffn_memory_op(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor,
+                   block_idx: Tensor, *, sparse_grad: bool, impl: str) -> Tensor:
+    if _use_triton(x, impl):
+        return kernel.ffn_memory_forward(x, bank_w1, bank_w2, bank_w3, block_idx)
+    return ffn_memory_naive(x, bank_w1, bank_w2, bank_w3, block_idx).contiguous()
+
+
+@_ffn_memory_op.register_fake
+def _(x, bank_w1, bank_w2, bank_w3, block_idx, *, sparse_grad, impl):
+    return x.new_empty(x.shape)
+
+
+def _reference_backward(dy, x, bank_w1, bank_w2, bank_w3, block_idx, num_slots):
+    """The backward op's contract computed from the naive per-pair gradients."""
+    dx, *pair_grads = ffn_memory_naive_backward(dy, x, bank_w1, bank_w2, bank_w3, block_idx)
+    groups = kernel.group_pairs(block_idx, bank_w1.shape[0])
+    pair_slot = torch.empty_like(groups.slot).scatter_(0, groups.order, groups.slot)  # (P,)
+    valid = block_idx.reshape(-1) >= 0
+    grads = []
+    for g, bank in zip(pair_grads, (bank_w1, bank_w2, bank_w3)):
+        out = g.new_zeros(num_slots, *bank.shape[1:])
+        out.index_add_(0, pair_slot[valid], g.flatten(0, 1)[valid])
+        grads.append(out.to(bank.dtype))
+    return dx.contiguous(), *grads, kernel.slot_ids(groups, num_slots)
+
+
+@torch.library.custom_op("memtree::ffn_memory_backward", mutates_args=())
+def _ffn_memory_backward_op(dy: Tensor, x: Tensor, bank_w1: Tensor, bank_w2: Tensor,
+                            bank_w3: Tensor, block_idx: Tensor, num_slots: int, impl: str
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    args = (dy, x, bank_w1, bank_w2, bank_w3, block_idx, num_slots)
+    if _use_triton(x, impl):
+        return kernel.ffn_memory_backward(*args)
+    return _reference_backward(*args)
+
+
+@_ffn_memory_backward_op.register_fake
+def _(dy, x, bank_w1, bank_w2, bank_w3, block_idx, num_slots, impl):
+    grads = [b.new_empty(num_slots, *b.shape[1:]) for b in (bank_w1, bank_w2, bank_w3)]
+    return x.new_empty(x.shape), *grads, block_idx.new_empty(num_slots)
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    ctx.save_for_backward(*inputs)
+    ctx.sparse_grad = keyword_only_inputs["sparse_grad"]
+    ctx.impl = keyword_only_inputs["impl"]
+
+
+def _bank_grad(slots: Tensor, ids: Tensor, bank: Tensor, sparse: bool) -> Tensor:
+    """Slot gradients (U, W, d) with block ids (U,) -> the bank's gradient (N, W, d)."""
+    if sparse:  # ids are the sorted distinct referenced blocks, exactly U of them
+        return torch.sparse_coo_tensor(ids[None], slots, bank.shape, is_coalesced=True)
+    # Unused slots (id -1) hold zeros; sending them to block 0 adds nothing.
+    return slots.new_zeros(bank.shape).index_add_(0, ids.clamp(min=0), slots)
+
+
+def _backward(ctx, dy):
+    x, bank_w1, bank_w2, bank_w3, block_idx = ctx.saved_tensors
+    if ctx.sparse_grad:  # exact slot count: one host sync, like any data-dependent nnz
+        num_slots = int(torch.unique(block_idx[block_idx >= 0]).numel())
+    else:  # static upper bound, so the graph has no data-dependent shape
+        num_slots = block_idx.numel()
+    dx, g1, g2, g3, ids = torch.ops.memtree.ffn_memory_backward(
+        dy, x, bank_w1, bank_w2, bank_w3, block_idx, num_slots, ctx.impl)
+    banks = (bank_w1, bank_w2, bank_w3)
+    bank_grads = [_bank_grad(g, ids, b, ctx.sparse_grad) for g, b in zip((g1, g2, g3), banks)]
+    return dx, *bank_grads, None
+
+
+_ffn_memory_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check(x: Tensor, banks: tuple[Tensor, Tensor, Tensor], block_idx: Tensor, impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if x.ndim != 3:
+        raise ValueError(f"x must be (B, S, d), got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be float32/float16/bfloat16, got {x.dtype}")
+    for name, b in zip(("bank_w1", "bank_w2", "bank_w3"), banks):
+        if b.ndim != 3 or b.shape != banks[0].shape or b.shape[2] != x.shape[2]:
+            raise ValueError(f"{name} must be (N, W, d={x.shape[2]}) like bank_w1 "
+                             f"{tuple(banks[0].shape)}, got {tuple(b.shape)}")
+        if b.stride(2) != 1 or b.stride(1) != b.shape[2]:
+            raise ValueError(f"{name}'s inner (W, d) dims must be contiguous, got strides "
+                             f"{tuple(b.stride())}")
+        if b.dtype not in (torch.float32, torch.float16, torch.bfloat16) or b.device != x.device:
+            raise ValueError(f"{name} must be a float32/float16/bfloat16 tensor on {x.device}, "
+                             f"got {b.dtype} on {b.device}")
+    if block_idx.dtype != torch.int64 or block_idx.ndim != 2 or block_idx.shape[0] != x.shape[0]:
+        raise ValueError(f"block_idx must be int64 (B={x.shape[0]}, k), got {block_idx.dtype} "
+                         f"{tuple(block_idx.shape)}")
+    if block_idx.device != x.device:
+        raise ValueError(f"block_idx must be on {x.device}, got {block_idx.device}")
+
+
+def ffn_memory(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor, block_idx: Tensor,
+               *, sparse_grad: bool = True, impl: str = "auto") -> Tensor:
+    """FFN-memory read: y = Σ_j [silu(x W1[idx_j]ᵀ) ⊙ (x W2[idx_j]ᵀ)] W3[idx_j].
+
+    Args:
+        x: (B, S, d) float32/float16/bfloat16 tokens (the FFN input).
+        bank_w1, bank_w2, bank_w3: (N, W, d) banks of N blocks of memory width W. The
+            inner (W, d) dims must be contiguous; the block stride is free, so views into
+            a wider per-level table work. Cast to x's dtype for the matmuls.
+        block_idx: int64 (B, k), each sequence's blocks, entries in [-1, N) (not checked
+            on the device); -1 is padding. A sequence's memory is its blocks concatenated
+            along the width, so the result is a sum over its blocks; repeats count twice.
+        sparse_grad: bank gradients as sparse COO tensors (N, W, d) whose nnz are the
+            referenced blocks (like nn.Embedding(sparse=True); costs one host sync per
+            backward to count them), else dense (N, W, d) tensors (use this under
+            torch.compile and torch.library.opcheck, and for banks that are slices of a
+            table that requires grad: slicing's backward has no sparse kernel).
+        impl: "auto" (Triton on CUDA, the reference elsewhere), "triton" (also on CPU
+            under TRITON_INTERPRET=1), or "reference" (`ffn_memory_naive`).
+
+    Returns:
+        y: (B, S, d) in x's dtype, accumulated in fp32. Gradients flow to x (in x's dtype)
+        and the banks (in their dtypes). The Triton path needs B·k·S < 2³¹.
+    """
+    _check(x, (bank_w1, bank_w2, bank_w3), block_idx, impl)
+    return _ffn_memory_op(x, bank_w1, bank_w2, bank_w3, block_idx, sparse_grad=sparse_grad,
+                          impl=impl)

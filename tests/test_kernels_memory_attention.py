@@ -1,0 +1,338 @@
+"""Memory attention by block index: Triton kernel vs the gathered pure-torch reference.
+
+Without a GPU the Triton kernels run under TRITON_INTERPRET=1 (set here before
+the kernel module is first imported), on tiny but odd shapes; `gpu`-marked
+tests run the compiled kernels on CUDA. Reference gradients come from autograd
+through `memory_attention_naive`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels.memory_attention import memory_attention, memory_attention_naive, op
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+interp = pytest.mark.skipif(not INTERPRET, reason="CPU Triton tests need TRITON_INTERPRET=1")
+
+# Max error relative to the reference's largest magnitude. Under the interpreter
+# tiles are fp32 after loading, so fp16/bf16 differ from the reference only by
+# rounding of inputs/outputs; on a GPU P and dS are rounded to fp16/bf16 for the dots.
+TOL_CPU = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+TOL_GPU = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
+
+@dataclass(frozen=True)
+class Case:
+    b: int
+    h: int
+    h_kv: int
+    s: int
+    d: int
+    n: int
+    t: int
+    k: int
+    per_token: bool
+    mode: str | None  # None: no weights
+    dtype: torch.dtype = torch.float32
+
+    def __str__(self) -> str:
+        kind = "tok" if self.per_token else "seq"
+        dt = str(self.dtype).removeprefix("torch.")
+        return (f"{kind}-{self.mode}-{dt}-B{self.b}H{self.h}/{self.h_kv}S{self.s}D{self.d}"
+                f"N{self.n}T{self.t}k{self.k}")
+
+
+CPU_CASES = [
+    Case(3, 4, 2, 63, 32, 9, 20, 4, False, "bias"),
+    Case(2, 6, 2, 1, 80, 5, 12, 3, False, "mix"),
+    Case(2, 2, 2, 100, 64, 6, 7, 2, False, None),
+    Case(2, 4, 1, 63, 32, 7, 20, 3, False, "mix", torch.float16),
+    Case(2, 2, 1, 20, 64, 5, 12, 3, False, "bias", torch.bfloat16),
+    Case(1, 6, 2, 63, 32, 9, 20, 3, True, "bias"),
+    Case(1, 4, 4, 100, 64, 7, 12, 2, True, "mix"),
+    Case(2, 2, 1, 1, 80, 4, 20, 3, True, None),
+    Case(2, 4, 2, 37, 32, 6, 9, 3, True, "mix", torch.bfloat16),
+    Case(1, 2, 2, 63, 64, 6, 20, 4, True, "bias", torch.float16),
+]
+
+GPU_CASES = [
+    Case(2, 12, 12, 256, 64, 40, 64, 9, False, "mix", torch.bfloat16),
+    Case(2, 12, 4, 255, 64, 40, 64, 9, False, "bias", torch.bfloat16),
+    Case(2, 8, 2, 100, 80, 30, 37, 5, False, None, torch.float16),
+    Case(2, 12, 12, 256, 64, 40, 64, 9, True, "mix", torch.bfloat16),
+    Case(2, 8, 4, 63, 32, 30, 37, 6, True, "bias", torch.float16),
+    Case(1, 4, 2, 100, 64, 12, 20, 4, True, "mix", torch.float32),
+    Case(3, 4, 2, 1, 128, 12, 64, 4, False, "bias", torch.float32),
+]
+
+
+def make_inputs(case: Case, device: str = "cpu", seed: int = 0):
+    """Non-contiguous q, bank_k, bank_v; block_idx, weights with ragged padding, a repeated
+    block and queries whose every entry is padding."""
+    g = torch.Generator().manual_seed(seed)
+    c = case
+    # Strided like real callers: q from (B, S, H, D) projections, K/V halves of one tensor.
+    q = torch.randn(c.b, c.s, c.h, c.d, generator=g).transpose(1, 2)
+    bank_k, bank_v = torch.randn(c.n, c.t, 2, c.h_kv, c.d, generator=g).unbind(2)
+    shape = (c.b, c.s, c.k) if c.per_token else (c.b, c.k)
+    idx = torch.randint(0, c.n, shape, generator=g)
+    idx = idx.masked_fill(torch.rand(shape, generator=g) < 0.3, -1)  # ragged k
+    idx[0, ..., 0] = 1
+    if c.k > 1:
+        idx[0, ..., 1] = 1  # the same block twice in one list
+    if c.per_token:
+        idx[-1, 1::3] = -1  # tokens without memory
+    elif c.b > 2:
+        idx[-1] = -1  # a sequence without memory
+    weights = None
+    if c.mode is not None:
+        weights = torch.rand(shape, generator=g) * 0.9 + 0.1
+    return (q.to(device, c.dtype), bank_k.to(device, c.dtype), bank_v.to(device, c.dtype),
+            idx.to(device), None if weights is None else weights.to(device))
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.float(), ref.float()
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
+def grads_of(fn, inputs, grad_out):
+    leaves = [x.detach().requires_grad_() if x is not None and x.is_floating_point() else x
+              for x in inputs]
+    out = fn(*leaves)
+    diff = [x for x in leaves if x is not None and x.requires_grad]
+    grads = torch.autograd.grad(out, diff, grad_out)
+    return out, [g.to_dense() if g.layout != torch.strided else g for g in grads]
+
+
+def check_case(case: Case, device: str, tol: dict) -> None:
+    q, bk, bv, idx, w = make_inputs(case, device)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
+    mode = case.mode or "bias"
+
+    def kernel(q, bk, bv, idx, w):
+        return memory_attention(q, bk, bv, idx, w, weight_mode=mode, impl="triton")
+
+    def ref(q, bk, bv, idx, w):
+        return memory_attention_naive(q, bk, bv, idx, w, weight_mode=mode)
+
+    inputs = (q, bk, bv, idx, w)
+    out, grads = grads_of(kernel, inputs, grad_out)
+    out_ref, grads_ref = grads_of(ref, inputs, grad_out)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    names = ["dq", "dbank_k", "dbank_v", "dweights"]
+    errors = {"out": rel_err(out, out_ref)}
+    errors.update({n: rel_err(g, r) for n, g, r in zip(names, grads, grads_ref)})
+    assert max(errors.values()) < tol[case.dtype], errors
+    assert len(grads) == (4 if w is not None else 3)
+    for g, x in zip(grads, [q, bk, bv, w]):
+        assert g.dtype == x.dtype and g.shape == x.shape
+
+
+@interp
+@pytest.mark.parametrize("case", CPU_CASES, ids=str)
+def test_kernel_matches_reference(case):
+    check_case(case, "cpu", TOL_CPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_gpu_kernel_matches_reference(case):
+    check_case(case, "cuda", TOL_GPU)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_dispatch_runs_triton():
+    q, bk, bv, idx, w = make_inputs(GPU_CASES[0], "cuda")
+    auto = memory_attention(q, bk, bv, idx, w, weight_mode="mix")
+    triton = memory_attention(q, bk, bv, idx, w, weight_mode="mix", impl="triton")
+    assert torch.equal(auto, triton)
+
+
+@interp
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("mode", ["bias", "mix"])
+def test_kernel_lse_matches_reference(per_token, mode):
+    """The saved statistics: joint log-sum-exp per query, or per entry in mix mode
+    (repeated entries share their block's value), +inf where nothing is normalised."""
+    case = Case(3, 4, 2, 21, 32, 6, 20, 3, per_token, mode)
+    q, bk, bv, idx, w = make_inputs(case)
+    _, lse = op.memory_attention_fwd(q, bk, bv, idx, w, mode, 0.3, "triton", True)
+    _, lse_ref = memory_attention_naive(q, bk, bv, idx, w, weight_mode=mode, scale=0.3,
+                                        return_lse=True)
+    assert lse.shape == lse_ref.shape
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+    finite = torch.isfinite(lse_ref)
+    assert finite.any() and (~finite).any()
+    torch.testing.assert_close(lse[finite], lse_ref[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["naive", pytest.param("triton", marks=interp)])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_sparse_grad_covers_only_referenced_blocks(impl, per_token):
+    case = Case(2, 2, 1, 9, 16, 12, 10, 3, per_token, "mix")
+    q, bk, bv, idx, w = make_inputs(case)
+    grad_out = torch.randn(q.shape)
+    results = {}
+    for sparse in (True, False):
+        k, v = bk.clone().requires_grad_(), bv.clone().requires_grad_()
+        out = memory_attention(q, k, v, idx, w, weight_mode="mix", sparse_grad=sparse, impl=impl)
+        out.backward(grad_out)
+        results[sparse] = (k.grad, v.grad)
+    referenced = torch.unique(idx[idx >= 0])
+    for sparse_g, dense_g in zip(results[True], results[False]):
+        assert sparse_g.is_sparse and dense_g.layout == torch.strided
+        assert torch.equal(sparse_g._indices()[0], referenced)
+        assert sparse_g._nnz() == referenced.numel() < case.n
+        torch.testing.assert_close(sparse_g.to_dense(), dense_g)
+        unreferenced = torch.ones(case.n, dtype=torch.bool)
+        unreferenced[referenced] = False
+        assert not dense_g[unreferenced].any() and dense_g[referenced].abs().sum() > 0
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("mode", ["bias", "mix", None])
+def test_cpu_dispatch_gradients_match_autograd(per_token, mode):
+    """On CPU "auto" runs the reference with its explicit backward (no autograd inside
+    the op): it must equal autograd through the reference, weight gradients included."""
+    case = Case(3, 4, 2, 7, 16, 6, 5, 4, per_token, mode)
+    inputs = make_inputs(case)
+    grad_out = torch.randn(inputs[0].shape)
+    wm = mode or "bias"
+    out, grads = grads_of(lambda *a: memory_attention(*a, weight_mode=wm), inputs, grad_out)
+    out_ref, grads_ref = grads_of(lambda *a: memory_attention_naive(*a, weight_mode=wm),
+                                  inputs, grad_out)
+    torch.testing.assert_close(out, out_ref)
+    for g, r in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+def test_bias_mode_is_mix_with_partition_weights():
+    """The documented relation: bias(w) = mix(w_c Z_c / Σ_c w_c Z_c), Z_c = Σ_t exp(s_t)."""
+    case = Case(2, 2, 2, 5, 16, 6, 8, 3, True, "bias")
+    q, bk, bv, idx, w = make_inputs(case)
+    _, log_z = memory_attention_naive(q, bk, bv, idx, w, weight_mode="mix", return_lse=True)
+    valid = (idx >= 0)[:, None]  # (B, 1, S, k)
+    wz = torch.where(valid, w[:, None] * torch.exp(torch.where(valid, log_z, 0.0)), 0.0)
+    mix_w = wz / wz.sum(-1, keepdim=True).clamp_min(1e-30)  # (B, H, S, k)
+    bias = memory_attention_naive(q, bk, bv, idx, w, weight_mode="bias")
+    per_head = torch.stack([  # mix weights depend on the head: one call per head
+        memory_attention_naive(q[:, i:i + 1], bk[:, :, i:i + 1], bv[:, :, i:i + 1], idx,
+                               mix_w[:, i], weight_mode="mix")[:, 0] for i in range(case.h)], 1)
+    torch.testing.assert_close(bias, per_head, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["naive", pytest.param("triton", marks=interp)])
+def test_unweighted_read_is_sdpa_on_gathered_blocks(impl):
+    """Seed 000 Algorithm 1: attention over the concatenated selected chapters."""
+    case = Case(2, 4, 2, 13, 32, 7, 12, 3, False, None)
+    q, bk, bv, _, _ = make_inputs(case)
+    idx = torch.tensor([[4, 0, 6], [2, 2, 5]])
+    out = memory_attention(q, bk, bv, idx, impl=impl)
+    gk = bk[idx].flatten(1, 2).transpose(1, 2).repeat_interleave(2, dim=1)  # (B, H, k·T, D)
+    gv = bv[idx].flatten(1, 2).transpose(1, 2).repeat_interleave(2, dim=1)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, gk, gv),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_all_padding_reads_zeros():
+    case = Case(2, 2, 1, 4, 16, 3, 5, 2, False, "bias")
+    q, bk, bv, _, w = make_inputs(case)
+    idx = torch.tensor([[0, 2], [-1, -1]])
+    out = memory_attention(q, bk, bv, idx, w)
+    assert not out[1].any() and out[0].abs().sum() > 0
+
+
+def test_non_leaf_bank_gets_dense_gradient():
+    """MoC projects its unique chapters every step: the bank is computed, not a leaf."""
+    case = Case(2, 2, 1, 6, 16, 5, 4, 2, False, "mix")
+    q, _, _, idx, w = make_inputs(case)
+    chapters = torch.randn(case.n, case.t, 24)
+    proj = torch.nn.Linear(24, 2 * case.d)
+    grads = []
+    for fn in (memory_attention, memory_attention_naive):
+        proj.zero_grad()
+        kv = proj(chapters).unflatten(-1, (2, case.h_kv, case.d))  # (N, T, 2, H_kv, D)
+        fn(q, kv[:, :, 0], kv[:, :, 1], idx, w, weight_mode="mix").sum().backward()
+        grads.append(proj.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("impl", ["naive", pytest.param("triton", marks=interp)])
+@pytest.mark.parametrize("sparse_grad", [True, False])
+@pytest.mark.parametrize("per_token,mode", [(False, "mix"), (True, "bias")])
+def test_opcheck(impl, sparse_grad, per_token, mode):
+    case = Case(2, 2, 1, 3, 16, 4, 5, 2, per_token, mode)
+    q, bk, bv, idx, w = make_inputs(case)
+    args = (q.requires_grad_(), bk.requires_grad_(), bv.requires_grad_(), idx,
+            w.requires_grad_(), mode, 0.25, impl, sparse_grad)
+    torch.library.opcheck(op.memory_attention_fwd, args)
+    with torch.no_grad():
+        out, lse = op.memory_attention_fwd(*args)
+    bwd_args = (torch.randn_like(out), q.detach(), bk.detach(), bv.detach(), idx, w.detach(),
+                out, lse, mode, 0.25, impl, True, True, sparse_grad)
+    torch.library.opcheck(op.memory_attention_bwd, bwd_args)
+
+
+def test_compile_fullgraph_matches_eager():
+    """torch.compile traces the op (CPU: reference dispatch) without graph breaks."""
+    case = Case(2, 4, 2, 6, 16, 5, 4, 3, True, "mix")
+    q, bk, bv, idx, w = make_inputs(case)
+
+    def fn(q, bk, bv, idx, w):
+        out = memory_attention(q * 2, bk, bv, idx, w.softmax(-1), weight_mode="mix",
+                               sparse_grad=False)
+        return out.square().sum()
+
+    grad_out = torch.tensor(1.0)
+    eager, g_eager = grads_of(fn, (q, bk, bv, idx, w), grad_out)
+    compiled, g_comp = grads_of(torch.compile(fn, fullgraph=True), (q, bk, bv, idx, w), grad_out)
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(g_comp, g_eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@interp
+def test_block_out_of_range_is_rejected():
+    q, bk, bv, _, _ = make_inputs(Case(1, 2, 1, 3, 16, 4, 5, 2, False, None))
+    with pytest.raises(ValueError, match="block 4"):
+        memory_attention(q, bk, bv, torch.tensor([[0, 4]]), impl="triton")
+
+
+def test_triton_on_cpu_needs_interpreter(monkeypatch):
+    q, bk, bv, idx, _ = make_inputs(Case(1, 2, 1, 3, 16, 4, 5, 2, False, None))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        memory_attention(q, bk, bv, idx, impl="triton")
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"weight_mode": "joint"}, "weight_mode"),
+    ({"impl": "cuda"}, "impl"),
+    ({"q": torch.zeros(1, 3, 3, 16)}, "multiple of memory KV heads"),
+    ({"q": torch.zeros(1, 2, 3, 8)}, "head dim"),
+    ({"block_idx": torch.zeros(1, 2)}, "integer"),
+    ({"block_idx": torch.zeros(1, 4, 2, dtype=torch.long)}, "block_idx must be"),
+    ({"weights": torch.ones(1, 3)}, "weights shape"),
+])
+def test_bad_arguments_are_named(change, match):
+    q, bk, bv, idx, _ = make_inputs(Case(1, 2, 2, 3, 16, 4, 5, 2, False, None))
+    kwargs = {"q": q, "bank_k": bk, "bank_v": bv, "block_idx": idx} | change
+    with pytest.raises(ValueError, match=match):
+        memory_attention(**kwargs)
+
+
+def test_default_scale_is_inverse_sqrt_d():
+    q, bk, bv, idx, _ = make_inputs(Case(1, 2, 1, 3, 16, 4, 5, 2, False, None))
+    torch.testing.assert_close(memory_attention(q, bk, bv, idx),
+                               memory_attention(q, bk, bv, idx, scale=1 / math.sqrt(16)))

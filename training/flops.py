@@ -1,0 +1,197 @@
+"""Analytic FLOPs of an anchor with Mixture-of-Chapters layers, by seed 000 App. A.2's rules.
+
+Counting rules (App. A.2): a linear layer costs 2·N·d_in·d_out; attention
+matmuls (QKᵀ and AV together) 4·B·L_q·L_k·d; softmax 5 FLOPs per score plus 2
+for masking and scaling; RMSNorm N·(4d + 4); RoPE 3·L·(d_q + d_kv); the SwiGLU
+activation 5 per hidden unit; a residual add 1 per element; cross-entropy 5 per
+vocabulary entry for each of the L - 1 predicted tokens. A MoC layer adds the
+router (mean pooling B·d·(L - 1) + B·d, the linear layer over all C chapters,
+softmax, top-k at ⌈log₂ k⌉ per chapter), the router's auxiliary-loss terms,
+memory preprocessing (chapter weighting and RMSNorm of every selected memory
+token), memory cross-attention over N_sel = (n_shared + k)·T tokens, an extra
+RMSNorm and an extra residual; variation 2 also a second FFN with its norm and
+residual. The backward pass is 2× the forward.
+
+What the counts describe: the seed's per-sequence accounting, which projects
+each sequence's N_sel memory tokens. `training/moc.py` projects the batch's
+unique chapters once, so with B > 1 it does at most this much memory work.
+Backbone norms are counted as RMSNorm and q/k norms not at all, as in the seed
+(AnchorLM's gain-only LayerNorms and OpenLM q/k norms cost slightly more).
+
+The router auxiliary-loss count is the seed's (331,859 for one sequence and
+4,097 chapters), which covers the load-balance loss, a squared-probability
+balance term, the z-loss and the router entropy; App. A.2 prints only the
+total, and the split into terms in `router_aux` follows the reference
+estimator the seed names (scripts/estimate_flops.py). The model's own
+auxiliary losses (load balance and z-loss) are a subset of it.
+
+Low-rank memory, which the seed does not count: "factorized" adds
+2·B·N_sel·r·d to expand the selected tokens; "reduced" runs the memory
+attention at width r (W_Q d→r, W_K/W_V r→kv, W_O r→d).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from memstore.geometry import AnchorShape
+from training.moc import MoCConfig
+
+SOFTMAX = 5  # FLOPs per softmax score (exp, sum, divide, max, subtract)
+MASK_SCALE = 2  # masking and scaling per attention score
+SWIGLU = 5  # SiLU (4) and the gate product (1) per hidden unit
+
+
+def linear(n: int, d_in: int, d_out: int) -> int:
+    return 2 * n * d_in * d_out
+
+
+def attn_matmuls(batch: int, lq: int, lk: int, d: int) -> int:
+    """QKᵀ and AV together."""
+    return 4 * batch * lq * lk * d
+
+
+def attn_elementwise(batch: int, heads: int, lq: int, lk: int) -> int:
+    return batch * heads * lq * lk * (SOFTMAX + MASK_SCALE)
+
+
+def rms_norm(n: int, d: int) -> int:
+    return n * (4 * d + 4)
+
+
+def router_aux(samples: int, chapters: int, top_k: int) -> int:
+    """FLOPs of the router's auxiliary losses over `samples` routed sequences."""
+    s, c, k = samples, chapters, max(top_k, 1)
+    reduce_s = c * max(s - 1, 0)  # summing a (S, C) tensor over S
+    selection_freq = s * c * (k - 1) + reduce_s + c
+    mean_prob = reduce_s + c
+    load_balance = c + (c - 1) + 1
+    sq_prob_mean = s * c + reduce_s + c
+    sq_prob_mse = c + c + (c - 1) + 1
+    z_logsumexp = s * SOFTMAX * c
+    z_square_mean = s + max(s - 1, 0) + 1
+    entropy = s * c * 4
+    return (selection_freq + mean_prob + load_balance + sq_prob_mean + sq_prob_mse + z_logsumexp
+            + z_square_mean + entropy)
+
+
+def _ffn(anchor: AnchorShape, tokens: int) -> dict[str, int]:
+    d, f = anchor.d_model, anchor.ffn_dim
+    up, gate, down = linear(tokens, d, f), linear(tokens, d, f), linear(tokens, f, d)
+    act = tokens * f * SWIGLU
+    return {"up": up, "gate": gate, "down": down, "swiglu": act, "total": up + gate + down + act}
+
+
+def standard_layer(anchor: AnchorShape, *, seq_len: int, batch: int = 1) -> dict[str, int]:
+    """One transformer block: self-attention, RoPE, two norms, SwiGLU FFN, two residual adds."""
+    n, d = batch * seq_len, anchor.d_model
+    q, k, v = linear(n, d, anchor.q_dim), linear(n, d, anchor.kv_dim), linear(n, d, anchor.kv_dim)
+    o = linear(n, anchor.q_dim, d)
+    matmuls = attn_matmuls(batch, seq_len, seq_len, anchor.q_dim)
+    softmax = attn_elementwise(batch, anchor.n_heads, seq_len, seq_len)
+    out = {"q": q, "k": k, "v": v, "o": o, "attn_matmuls": matmuls, "attn_softmax": softmax,
+           "self_attn": q + k + v + o + matmuls + softmax,
+           "rope": 3 * n * (anchor.q_dim + anchor.kv_dim),
+           "norms": 2 * rms_norm(n, d),
+           "mlp": _ffn(anchor, n)["total"],
+           "residual": 2 * n * d}
+    out["total"] = out["self_attn"] + out["rope"] + out["norms"] + out["mlp"] + out["residual"]
+    return out
+
+
+def moc_layer(anchor: AnchorShape, moc: MoCConfig, *, seq_len: int, batch: int = 1) -> dict[str, int]:
+    """A block with a MoC memory layer: the standard block (`standard`) plus what memory adds (`extra`)."""
+    g = moc.geometry(d_model=anchor.d_model, n_layers=anchor.n_layers, anchor_heads=anchor.n_heads)
+    n, d, C, k = batch * seq_len, anchor.d_model, moc.n_chapters, moc.top_k
+    n_sel = moc.n_selected * moc.tokens_per_chapter  # memory tokens per sequence
+    m = batch * n_sel  # memory tokens the layer projects
+    out = {"standard": standard_layer(anchor, seq_len=seq_len, batch=batch)["total"]}
+    out["pooling"] = batch * d * (seq_len - 1) + batch * d
+    out["router_linear"] = linear(batch, d, C)
+    out["router_softmax"] = batch * C * SOFTMAX
+    out["top_k"] = batch * C * max(1, math.ceil(math.log2(k)))
+    out["router"] = out["pooling"] + out["router_linear"] + out["router_softmax"] + out["top_k"]
+    out["router_aux"] = router_aux(batch, C, k)
+    out["weighting"] = m * g.mem_dim
+    out["memory_norm"] = rms_norm(m, g.mem_dim) if moc.memory_norm else 0
+    out["expand"] = linear(m, moc.rank, d) if moc.low_rank == "factorized" else 0
+    out["memory_preprocess"] = out["weighting"] + out["memory_norm"] + out["expand"]
+    out["mem_q"] = linear(n, d, g.q_dim)
+    out["mem_k"] = linear(m, g.mem_dim, g.kv_dim)
+    out["mem_v"] = linear(m, g.mem_dim, g.kv_dim)
+    out["mem_o"] = linear(n, g.q_dim, d)
+    out["mem_attn_matmuls"] = attn_matmuls(batch, seq_len, n_sel, g.q_dim)
+    out["mem_attn_softmax"] = attn_elementwise(batch, g.n_heads, seq_len, n_sel)
+    out["memory_attn"] = sum(out[key] for key in ("mem_q", "mem_k", "mem_v", "mem_o", "mem_attn_matmuls",
+                                                  "mem_attn_softmax"))
+    out["extra_norm"] = rms_norm(n, d)
+    out["extra_residual"] = n * d
+    out["second_mlp"] = rms_norm(n, d) + _ffn(anchor, n)["total"] + n * d if moc.variation == 2 else 0
+    out["extra"] = sum(out[key] for key in ("router", "router_aux", "memory_preprocess", "memory_attn",
+                                            "extra_norm", "extra_residual", "second_mlp"))
+    out["total"] = out["standard"] + out["extra"]
+    return out
+
+
+def head(anchor: AnchorShape, *, seq_len: int, batch: int = 1) -> dict[str, int]:
+    """Final norm, LM head and cross-entropy."""
+    n = batch * seq_len
+    out = {"final_norm": rms_norm(n, anchor.d_model),
+           "lm_head": linear(n, anchor.d_model, anchor.vocab_size),
+           "ce_loss": batch * (seq_len - 1) * anchor.vocab_size * SOFTMAX}
+    out["total"] = out["final_norm"] + out["lm_head"] + out["ce_loss"]
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFlops:
+    layers: tuple[int, ...]  # forward FLOPs per block
+    memory_attn: tuple[int, ...]  # per block: memory attention except W_O (0 without memory)
+    head: int
+    forward: int
+
+    @property
+    def backward(self) -> int:
+        return 2 * self.forward
+
+    @property
+    def forward_backward(self) -> int:
+        return 3 * self.forward
+
+    def training(self, *, checkpointing: bool = False, memory_recompute: bool = False) -> int:
+        """Forward + backward + recomputation: `checkpointing` re-runs every block's forward (Table 6:
+        gradient checkpointing); `memory_recompute` also re-runs each memory attention before its
+        output projection (the reference estimator's checkpointed memory attention)."""
+        total = self.forward_backward
+        if checkpointing:
+            total += sum(self.layers)
+        if memory_recompute:
+            total += sum(self.memory_attn)
+        return total
+
+
+def model_flops(anchor: AnchorShape, moc: MoCConfig | None = None, *, seq_len: int,
+                batch: int = 1) -> ModelFlops:
+    std = standard_layer(anchor, seq_len=seq_len, batch=batch)["total"]
+    mem = moc_layer(anchor, moc, seq_len=seq_len, batch=batch) if moc is not None else None
+    layers, attn = [], []
+    for i in range(anchor.n_layers):
+        has = mem is not None and i in moc.layers
+        layers.append(mem["total"] if has else std)
+        attn.append(mem["memory_attn"] - mem["mem_o"] if has else 0)
+    h = head(anchor, seq_len=seq_len, batch=batch)["total"]
+    return ModelFlops(layers=tuple(layers), memory_attn=tuple(attn), head=h, forward=sum(layers) + h)
+
+
+def iso_flop_depth(anchor: AnchorShape, moc: MoCConfig, *, seq_len: int, batch: int = 1,
+                   checkpointing: bool = False, memory_recompute: bool = False) -> int:
+    """Depth of the dense baseline (the anchor's blocks repeated, no memory) whose training FLOPs
+    first reach the MoC model's: the smallest n with dense(n) ≥ MoC."""
+    target = model_flops(anchor, moc, seq_len=seq_len, batch=batch).training(
+        checkpointing=checkpointing, memory_recompute=memory_recompute)
+    n = 1
+    while model_flops(replace(anchor, n_layers=n), seq_len=seq_len, batch=batch).training(
+            checkpointing=checkpointing) < target:
+        n += 1
+    return n
