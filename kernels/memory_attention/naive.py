@@ -19,32 +19,36 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class _Gathered:
-    """Per-query copies of the referenced blocks and the softmax over them."""
+    """Copies of the referenced blocks and the softmax over them.
 
-    valid: Tensor  # (B, S, k)
-    safe: Tensor  # (B, S, k) block ids, padding → 0
-    w: Tensor | None  # (B, S, k) fp32 weights
+    S' is S for per-token lists and 1 for per-sequence lists: one copy per
+    sequence then serves all its queries by broadcasting."""
+
+    valid: Tensor  # (B, S', k)
+    safe: Tensor  # (B, S', k) block ids, padding → 0
+    w: Tensor | None  # (B, S', k) fp32 weights
     mix: bool
-    kk: Tensor  # (B, H, S, k, T, D) fp32
-    vv: Tensor  # (B, H, S, k, T, D) fp32
+    kk: Tensor  # (B, H, S', k, T, D) fp32
+    vv: Tensor  # (B, H, S', k, T, D) fp32
     p: Tensor  # (B, H, S, k, T) probabilities, per block (unweighted) when mix
     lse: Tensor  # (B, H, S) or (B, H, S, k) when mix
 
 
 def _gather(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
             weights: Tensor | None, weight_mode: str, scale: float) -> _Gathered:
-    b, h, s, _ = q.shape
+    h = q.shape[1]
     t, h_kv = bank_k.shape[1:3]
     if h % h_kv:
         raise ValueError(f"query heads {h} must be a multiple of memory KV heads {h_kv}")
     if weight_mode not in ("bias", "mix"):
         raise ValueError(f"weight_mode must be 'bias' or 'mix', got {weight_mode!r}")
-    idx = block_idx if block_idx.ndim == 3 else block_idx[:, None, :].expand(b, s, -1)  # (B, S, k)
+    idx = block_idx if block_idx.ndim == 3 else block_idx[:, None, :]  # (B, S', k)
     k = idx.shape[-1]
-    valid = idx >= 0  # (B, S, k)
+    valid = idx >= 0  # (B, S', k)
     safe = idx.clamp(min=0)
     groups = h // h_kv
-    # (B, S, k, T, H_kv, D) → (B, H, S, k, T, D): one explicit copy per query token.
+    # (B, S', k, T, H_kv, D) → (B, H, S', k, T, D): an explicit copy per sequence (per token
+    # for per-token lists).
     kk = bank_k.float()[safe].permute(0, 4, 1, 2, 3, 5).repeat_interleave(groups, dim=1)
     vv = bank_v.float()[safe].permute(0, 4, 1, 2, 3, 5).repeat_interleave(groups, dim=1)
     logits = torch.einsum("bhsd,bhsktd->bhskt", q.float(), kk) * scale  # (B, H, S, k, T)
@@ -52,7 +56,7 @@ def _gather(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
     neg = torch.finfo(torch.float32).min
     w = None
     if weights is not None:
-        w = (weights if weights.ndim == 3 else weights[:, None, :].expand(b, s, k)).float()
+        w = (weights if weights.ndim == 3 else weights[:, None, :]).float()  # (B, S', k)
     mix = weight_mode == "mix" and w is not None
     if not mix:
         if w is not None:
@@ -141,11 +145,15 @@ def memory_attention_naive_backward(
         p_eff = g.p
         dw_heads = None if g.w is None else ds.sum(-1) / torch.where(g.valid, g.w, 1.0)[:, None]
     dq = torch.einsum("bhskt,bhsktd->bhsd", ds, g.kk) * scale
-    dkk = torch.einsum("bhskt,bhsd->bhsktd", ds, q.float()) * scale
-    dvv = torch.einsum("bhskt,bhsd->bhsktd", p_eff, do)
+    # per-sequence lists: sum over the queries here, not after a per-query copy
+    spec = "bhsktd" if block_idx.ndim == 3 else "bhktd"
+    dkk = torch.einsum(f"bhskt,bhsd->{spec}", ds, q.float()) * scale
+    dvv = torch.einsum(f"bhskt,bhsd->{spec}", p_eff, do)
+    if block_idx.ndim == 2:
+        dkk, dvv = dkk[:, :, None], dvv[:, :, None]  # (B, H, 1, k, T, D)
 
     def to_bank(x: Tensor, like: Tensor) -> Tensor:
-        # (B, H, S, k, T, D) → sum the GQA group → (B·S·k, T, H_kv, D) → add per block id.
+        # (B, H, S', k, T, D) → sum the GQA group → (B·S'·k, T, H_kv, D) → add per block id.
         x = x.unflatten(1, (h_kv, h // h_kv)).sum(2).permute(0, 2, 3, 4, 1, 5).flatten(0, 2)
         return torch.zeros((n, t, h_kv, d), dtype=torch.float32, device=q.device).index_add_(
             0, g.safe.flatten(), x).to(like.dtype)
