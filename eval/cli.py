@@ -1,5 +1,5 @@
 """`memtree eval RUN …` (long-tail probes, perplexity, RAG baseline, blocking), `memtree eval-sweep`,
-`memtree eval-retention` and the main job `memtree demo`."""
+`memtree eval-retention`, `memtree eval-tasks` (your own task suite) and the main job `memtree demo`."""
 
 from __future__ import annotations
 
@@ -52,6 +52,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("config", nargs="?", help="retention YAML (eval/yamls/retention.yaml); optional")
     r.add_argument("overrides", nargs="*", help="key=value overrides (run=… out=… facts=… steps=…)")
     r.set_defaults(func=_retention)
+
+    t = sub.add_parser(
+        "eval-tasks",
+        help="score a run on a suite of LLM-Foundry-style JSONL tasks (Table 1's layout)",
+        description="Score every task of SUITE.yaml (eval/yamls/suite-example.yaml) anchor-only and, when the "
+                    "run has a bank, with generic and fetched memory; report each task and the common- / "
+                    "specific-knowledge group averages. Writes OUT/results.json, OUT/report.md, OUT/suite.png.",
+    )
+    t.add_argument("suite", help="suite YAML (eval/yamls/suite-example.yaml)")
+    t.add_argument("run", help="a training run's save_folder")
+    t.add_argument("--tree", help="clustering tree directory (default: next to the run's shards)")
+    t.add_argument("--out", help="report directory (default RUN/eval-tasks)")
+    t.set_defaults(func=_tasks)
 
     d = sub.add_parser(
         "demo",
@@ -132,4 +145,19 @@ def _retention(args: argparse.Namespace) -> int:
     result = run_retention(load_retention_config(config, overrides))
     print(Path(result["files"]["markdown"]).read_text(encoding="utf-8"))
     print(f"report: {result['files']['markdown']}")
+    return 0
+
+
+def _tasks(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from eval.model import RunModel
+    from eval.suite import load_suite_config, run_suite, write_suite_report
+
+    cfg = load_suite_config(args.suite)
+    result = run_suite(RunModel.load(args.run, tree_dir=args.tree), cfg)
+    out = Path(args.out) if args.out else Path(args.run) / "eval-tasks"
+    files = write_suite_report(out, result, meta={"run": str(Path(args.run).resolve()), "suite": args.suite})
+    print(Path(files["markdown"]).read_text(encoding="utf-8"))
+    print(f"report: {Path(files['markdown']).resolve()}")
     return 0

@@ -16,11 +16,12 @@ generic and fetched memories side by side.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from memtree.io import iter_jsonl
 
 # Mention-count buckets (inclusive lower bound, exclusive upper bound).
 BUCKETS: tuple[tuple[int, int], ...] = ((0, 1), (1, 2), (2, 4), (4, 8), (8, 16), (16, 10**9))
@@ -34,18 +35,11 @@ def bucket_label(lo: int, hi: int) -> str:
 
 def load_facts(path: str | Path) -> list[dict[str, Any]]:
     facts = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-            missing = {"reference", "label", "attribute", "value", "mentions"} - set(rec)
-            if missing:
-                raise ValueError(f"{path}:{n}: fact lacks {sorted(missing)}")
-            facts.append(rec)
+    for n, rec in iter_jsonl(path):
+        missing = {"reference", "label", "attribute", "value", "mentions"} - set(rec)
+        if missing:
+            raise ValueError(f"{path}:{n}: fact lacks {sorted(missing)}")
+        facts.append(rec)
     return facts
 
 

@@ -1,19 +1,25 @@
-"""Task scorers: multiple choice by log-likelihood, perplexity, and generation with answer extraction.
+"""Task scorers: multiple choice and schema by log-likelihood, perplexity, and generation with answer extraction.
 
 Every scorer takes a `RunModel` and a memory mode ("none" = anchor only,
 "generic", "fetched") and routes each item exactly as App. B says: the
-question/context for multiple choice and generation, the whole document for
-perplexity. Items are LLM-Foundry-style dicts:
+question/context for multiple choice and generation, the options' common
+prefix for schema tasks, the whole document for perplexity. Items are LLM-Foundry-style dicts:
 
   multiple choice  {"context": str, "choices": [str, …], "gold": int}   (+ optional "query":
                    the text to route when the context holds more than the question)
+  schema           {"context_options": [str, …], "continuation": str, "gold": int}   (+ optional "query")
   generation       {"context": str, "answer": str}
   perplexity       {"text": str}
+
+Schema items are routed with the part of the text every option shares (App. B):
+their longest common prefix, cut back to a word boundary so a half-word does not
+steer the embedding; when the options share nothing, the continuation.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,7 +31,19 @@ from eval.model import MemoryMode, RunModel
 
 def retrieval_query(item: dict[str, Any]) -> str:
     """The text memories are retrieved with: the question itself, not few-shot examples."""
-    return item.get("query", item["context"])
+    if "query" in item:
+        return item["query"]
+    if "context_options" in item:
+        return schema_query(item["context_options"], item["continuation"])
+    return item["context"]
+
+
+def schema_query(options: Sequence[str], continuation: str) -> str:
+    """The options' longest common prefix (whole words only), or the continuation when it is empty."""
+    prefix = os.path.commonprefix(list(options))
+    if any(len(o) > len(prefix) and not o[len(prefix)].isspace() for o in options):
+        prefix = re.sub(r"\S+$", "", prefix)  # the prefix ends inside a word: drop that word
+    return prefix.strip() or continuation.strip()
 
 
 def _paths(rm: RunModel, texts: list[str], mode: MemoryMode, paths: np.ndarray | None) -> np.ndarray | None:
@@ -34,19 +52,16 @@ def _paths(rm: RunModel, texts: list[str], mode: MemoryMode, paths: np.ndarray |
     return paths if paths is not None else rm.route(texts)
 
 
-def multiple_choice(rm: RunModel, items: Sequence[dict[str, Any]], *, mode: MemoryMode = "fetched",
-                    paths: np.ndarray | None = None, batch_size: int = 16) -> dict[str, Any]:
-    """Accuracy of argmax Σ log p(choice | context) (and per-token normalised).
+def _continuation(rm: RunModel, text: str) -> list[int]:
+    return rm.encode(text) if text.startswith(" ") else rm.encode(" " + text.strip())
 
-    Returns {"accuracy", "accuracy_norm", "n", "predictions"}."""
-    p = _paths(rm, [retrieval_query(it) for it in items], mode, paths)
+
+def _ranked(rm: RunModel, items: Sequence[dict[str, Any]], pairs: list[list[tuple[list[int], list[int]]]],
+            p: np.ndarray | None, mode: MemoryMode, batch_size: int) -> dict[str, Any]:
+    """Score each item's (context, continuation) pairs by Σ log p(continuation | context); pick the best."""
     seqs, owners, cont_lens = [], [], []
-    for i, it in enumerate(items):
-        ctx = rm.encode(it["context"])
-        if not it["choices"] or not 0 <= int(it["gold"]) < len(it["choices"]):
-            raise ValueError(f"item {i}: needs choices and a gold index inside them, got {it}")
-        for ch in it["choices"]:
-            cont = rm.encode(" " + ch.strip()) if not ch.startswith(" ") else rm.encode(ch)
+    for i, options in enumerate(pairs):
+        for ctx, cont in options:
             seqs.append(ctx + cont)
             owners.append(i)
             cont_lens.append(len(cont))
@@ -56,17 +71,52 @@ def multiple_choice(rm: RunModel, items: Sequence[dict[str, Any]], *, mode: Memo
         rows = None if p is None else p[np.asarray(owners[s : s + batch_size])]
         for j, lp in enumerate(rm.logprobs(chunk, paths=rows, mode=mode)):
             scores[s + j] = float(lp[-cont_lens[s + j] :].sum())
-    preds, preds_norm, k = [], [], 0
-    for it in items:
-        n = len(it["choices"])
-        sc = scores[k : k + n]
-        ln = np.asarray(cont_lens[k : k + n], dtype=float)
+    preds, preds_norm, per_item, k = [], [], [], 0
+    for options in pairs:
+        sc = scores[k : k + len(options)]
+        ln = np.asarray(cont_lens[k : k + len(options)], dtype=float)
         preds.append(int(sc.argmax()))
         preds_norm.append(int((sc / ln).argmax()))
-        k += n
+        per_item.append(sc.tolist())
+        k += len(options)
     gold = np.asarray([int(it["gold"]) for it in items])
     return {"n": len(items), "accuracy": float((np.asarray(preds) == gold).mean()),
-            "accuracy_norm": float((np.asarray(preds_norm) == gold).mean()), "predictions": preds}
+            "accuracy_norm": float((np.asarray(preds_norm) == gold).mean()), "predictions": preds,
+            "scores": per_item}
+
+
+def _check_gold(i: int, it: dict[str, Any], options_key: str) -> None:
+    if not it[options_key] or not 0 <= int(it["gold"]) < len(it[options_key]):
+        raise ValueError(f"item {i}: needs {options_key} and a gold index inside them, got {it}")
+
+
+def multiple_choice(rm: RunModel, items: Sequence[dict[str, Any]], *, mode: MemoryMode = "fetched",
+                    paths: np.ndarray | None = None, batch_size: int = 16) -> dict[str, Any]:
+    """Accuracy of argmax Σ log p(choice | context) (and per-token normalised).
+
+    Returns {"accuracy", "accuracy_norm", "n", "predictions", "scores"} (scores: per item, per choice)."""
+    p = _paths(rm, [retrieval_query(it) for it in items], mode, paths)
+    pairs = []
+    for i, it in enumerate(items):
+        _check_gold(i, it, "choices")
+        ctx = rm.encode(it["context"])
+        pairs.append([(ctx, _continuation(rm, ch)) for ch in it["choices"]])
+    return _ranked(rm, items, pairs, p, mode, batch_size)
+
+
+def schema(rm: RunModel, items: Sequence[dict[str, Any]], *, mode: MemoryMode = "fetched",
+           paths: np.ndarray | None = None, batch_size: int = 16) -> dict[str, Any]:
+    """Accuracy of argmax Σ log p(continuation | context option) (and per-token normalised).
+
+    Memories are fetched with `retrieval_query` (the options' common prefix). Returns the same
+    keys as `multiple_choice`; scores are per item, per context option."""
+    p = _paths(rm, [retrieval_query(it) for it in items], mode, paths)
+    pairs = []
+    for i, it in enumerate(items):
+        _check_gold(i, it, "context_options")
+        cont = _continuation(rm, it["continuation"])
+        pairs.append([(rm.encode(opt), cont) for opt in it["context_options"]])
+    return _ranked(rm, items, pairs, p, mode, batch_size)
 
 
 def perplexity(rm: RunModel, docs: Sequence[dict[str, Any]], *, mode: MemoryMode = "fetched",
@@ -115,11 +165,23 @@ def generation(rm: RunModel, items: Sequence[dict[str, Any]], *, mode: MemoryMod
 
 
 def few_shot(items: Sequence[dict[str, Any]], shots: Sequence[dict[str, Any]], *, sep: str = "\n") -> list[dict]:
-    """Prefix each item's context with solved examples (their context + gold answer)."""
+    """Prefix each item's context (each context option, for schema items) with solved examples."""
     def solved(ex: dict[str, Any]) -> str:
+        if "context_options" in ex:
+            return f"{ex['context_options'][int(ex['gold'])]} {ex['continuation'].strip()}"
         ans = ex["choices"][int(ex["gold"])] if "choices" in ex else ex["answer"]
         return f"{ex['context']} {ans}"
 
     prefix = sep.join(solved(s) for s in shots)
-    return [{**it, "query": retrieval_query(it), "context": f"{prefix}{sep}{it['context']}" if prefix else it["context"]}
-            for it in items]
+
+    def shot(text: str) -> str:
+        return f"{prefix}{sep}{text}" if prefix else text
+
+    out = []
+    for it in items:
+        if "context_options" in it:  # schema: every option gets the examples
+            options = [shot(o) for o in it["context_options"]]
+            out.append({**it, "query": retrieval_query(it), "context_options": options})
+        else:
+            out.append({**it, "query": retrieval_query(it), "context": shot(it["context"])})
+    return out

@@ -79,6 +79,19 @@ def read_json(path: str | os.PathLike) -> Any:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
+def iter_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError) -> Iterator[tuple[int, Any]]:
+    """(line number, record) for each non-blank line; a line that is not JSON raises `error`
+    naming file:line."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise error(f"{path}:{lineno}: not valid JSON ({e})") from None
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Build a directory under a temp name; rename it onto `path` on clean exit.
