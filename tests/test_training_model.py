@@ -111,6 +111,28 @@ def test_document_mask_and_causality():
         torch.testing.assert_close(model(ids)[:, :12], model(future)[:, :12], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("anchor", [TINY, TINY_GQA], ids=lambda a: a.name)
+def test_flex_attention_matches_the_dense_document_mask(anchor):
+    """attn_impl "flex" (block-sparse FlexAttention) computes what the dense SDPA mask does,
+    with ragged documents (one ends mid-block, one is a single token) and without segments."""
+    torch.manual_seed(0)
+    sdpa = AnchorLM(ModelConfig(anchor=anchor, max_seq_len=160))
+    flex = AnchorLM(ModelConfig(anchor=anchor, max_seq_len=160, attn_impl="flex"))
+    flex.load_state_dict(sdpa.state_dict())
+    ids = _tokens(batch=2, seq=150)
+    ids[0, [40, 41, 130]] = EOT  # documents 0..40, 41 alone, 42..130, 131..149
+    ids[1, 99] = EOT
+    seg = segment_ids_from_eot(ids, EOT)
+    for segments in (seg, None):
+        a, b = sdpa(ids, segment_ids=segments), flex(ids, segment_ids=segments)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+        ga = torch.autograd.grad(a.square().mean(), sdpa.blocks[0].attn.q.weight)[0]
+        gb = torch.autograd.grad(b.square().mean(), flex.blocks[0].attn.q.weight)[0]
+        torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="attn_impl 'xformers' is not supported"):
+        ModelConfig(anchor=anchor, attn_impl="xformers")
+
+
 @pytest.mark.parametrize("placement", PLACEMENTS, ids=lambda p: p["placement"])
 @pytest.mark.parametrize("kind", MEMORY_TYPES)
 @pytest.mark.parametrize("anchor", [TINY, TINY_GQA], ids=["tiny", "tiny-gqa"])

@@ -42,7 +42,7 @@ class MemtreeLM(ComposerModel):
                  generic_prob: float | None = None, seed: int = 0, rope_theta: float = 10000.0,
                  norm_eps: float = 1e-5, init_std: float = 0.02, lora_alpha: float = 1.0,
                  memory_init_std: float = 0.02, subtree: int | None = None, freeze_anchor: bool = False,
-                 hf_dir: str | None = None, moc: MoCConfig | None = None) -> None:
+                 hf_dir: str | None = None, moc: MoCConfig | None = None, attn_impl: str = "sdpa") -> None:
         super().__init__()
         self.anchor_shape, self.memory = anchor, memory
         self.bank = (TrainableBank(anchor, memory, subtree=subtree, seed=seed, std=memory_init_std)
@@ -62,7 +62,7 @@ class MemtreeLM(ComposerModel):
         else:
             self.model = AnchorLM(ModelConfig(anchor=anchor, max_seq_len=max_seq_len, rope_theta=rope_theta,
                                               norm_eps=norm_eps, init_std=init_std, memory=memory,
-                                              lora_alpha=lora_alpha, moc=moc))
+                                              lora_alpha=lora_alpha, moc=moc, attn_impl=attn_impl))
         self.generic_prob = (1.0 / memory.branching if generic_prob is None else generic_prob) if memory else 0.0
         self.seed = seed
         self.memory_mode: MemoryMode = "fetched"

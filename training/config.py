@@ -33,6 +33,9 @@ class ModelSection:
     lora_alpha: float = 1.0
     hf_dir: str | None = None  # post-hoc memories on this local HF causal LM (it is the anchor)
     moc: MoCConfig | None = None  # Mixture-of-Chapters memory layers (training/moc.py), mode 'baseline'
+    # document-masked attention: "sdpa" (dense mask), "flex" (block-sparse FlexAttention),
+    # "auto" = flex on a GPU, sdpa on the CPU
+    attn_impl: Literal["auto", "sdpa", "flex"] = "auto"
 
 
 @dataclass(frozen=True, kw_only=True)

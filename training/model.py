@@ -44,7 +44,7 @@ Decisions where the paper is silent or its numbers were lost:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +69,9 @@ class ModelConfig:
     memory: MemoryConfig | None = None
     moc: MoCConfig | None = None
     lora_alpha: float = 1.0
-    attn_impl: Literal["sdpa"] = "sdpa"
+    # "sdpa": a dense (B, 1, S, S) document mask (CPU, short sequences); "flex": FlexAttention
+    # with a block-sparse document mask, compiled on CUDA (skips the blocks across documents).
+    attn_impl: Literal["sdpa", "flex"] = "sdpa"
 
     def __post_init__(self) -> None:
         if self.max_seq_len <= 0:
@@ -78,8 +80,8 @@ class ModelConfig:
             raise ValueError(f"init_std must be positive, got {self.init_std}")
         if self.lora_alpha <= 0:
             raise ValueError(f"lora_alpha must be positive, got {self.lora_alpha}")
-        if self.attn_impl != "sdpa":
-            raise ValueError(f"attn_impl {self.attn_impl!r} is not supported; use 'sdpa'")
+        if self.attn_impl not in ("sdpa", "flex"):
+            raise ValueError(f"attn_impl {self.attn_impl!r} is not supported; use 'sdpa' or 'flex'")
         if self.anchor.norms_per_block not in (2, 4):
             raise ValueError(
                 f"anchor {self.anchor.name}: norms_per_block must be 2 (pre-norms) or 4 "
@@ -163,6 +165,37 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + _rotate_half(x) * sin
 
 
+_COMPILED_FLEX: dict[str, Any] = {}
+
+
+def _flex_attention(device: torch.device):
+    """flex_attention, compiled once per process on CUDA (eager it runs an unfused reference)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if "cuda" not in _COMPILED_FLEX:
+        _COMPILED_FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX["cuda"]
+
+
+def document_block_mask(segment_ids: Tensor | None, *, batch: int, seq_len: int, device: torch.device):
+    """FlexAttention BlockMask: causal, and within one document when segment_ids (B, S) is given.
+
+    Built once per forward and shared by every layer; blocks that lie entirely across a
+    document boundary are skipped by the kernel rather than masked element by element."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if segment_ids is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+        return create_block_mask(mask_mod, None, None, seq_len, seq_len, device=device)
+
+    def doc_mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (segment_ids[b, q_idx] == segment_ids[b, kv_idx])
+    return create_block_mask(doc_mask_mod, batch, None, seq_len, seq_len, device=device)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -209,8 +242,10 @@ class Attention(nn.Module):
         k, v = self._repeat_kv(k), self._repeat_kv(v.transpose(1, 2))
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, S, D)
-        else:
+        elif isinstance(mask, Tensor):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:  # a FlexAttention BlockMask
+            out = _flex_attention(q.device)(q, k, v, block_mask=mask)
         if mem is not None and self.mem_type == "kv":
             out = out + self._read_kv_memory(q_pos_free, mem["k"], mem["v"])
         out = out.transpose(1, 2).flatten(2)  # (B, S, q_dim)
@@ -373,7 +408,10 @@ class AnchorLM(nn.Module):
                     f"memories for layers {bad}, but the anchor has {len(self.blocks)} layers"
                 )
         mask = None
-        if segment_ids is not None:
+        if self.config.attn_impl == "flex":
+            mask = document_block_mask(segment_ids, batch=input_ids.shape[0], seq_len=seq_len,
+                                       device=input_ids.device)
+        elif segment_ids is not None:
             same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, S, S)
             causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=input_ids.device).tril()
             mask = (same_doc & causal)[:, None]  # (B, 1, S, S), broadcast over heads

@@ -51,7 +51,7 @@ def build_model(cfg: TrainConfig) -> tuple[MemtreeLM, dict[str, Any]]:
                       generic_prob=cfg.memory.generic_prob, seed=cfg.seed, rope_theta=cfg.model.rope_theta,
                       norm_eps=cfg.model.norm_eps, init_std=cfg.model.init_std, lora_alpha=cfg.model.lora_alpha,
                       memory_init_std=cfg.memory.init_std, subtree=subtree, freeze_anchor=cfg.mode == "frozen",
-                      hf_dir=cfg.model.hf_dir, moc=cfg.model.moc)
+                      hf_dir=cfg.model.hf_dir, moc=cfg.model.moc, attn_impl=attn_impl(cfg))
     if cfg.anchor_checkpoint:
         load_anchor(model, cfg.anchor_checkpoint)
     if cfg.memory.init_bank:
@@ -59,6 +59,14 @@ def build_model(cfg: TrainConfig) -> tuple[MemtreeLM, dict[str, Any]]:
         if model.hf is not None:
             model.hf.bank = model.bank
     return model, manifest
+
+
+def attn_impl(cfg: TrainConfig) -> str:
+    """`model.attn_impl` resolved: "auto" is FlexAttention where the run uses a GPU."""
+    if cfg.model.attn_impl != "auto":
+        return cfg.model.attn_impl
+    gpu = torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "gpu"
+    return "flex" if gpu else "sdpa"
 
 
 def load_bank(path: str, model: MemtreeLM, manifest: dict[str, Any]):
