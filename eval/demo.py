@@ -31,6 +31,7 @@ def run_main_job(root: str | Path = "runs/demo", *, n_docs: int = 4000, pipeline
     from eval.experiments import blocking_eval, knowledge_eval, write_report
     from eval.longtail import build_probes, load_facts
     from eval.model import RunModel
+    from eval.rag import RagIndex, routing_agreement
     from pipeline.corpus import CorpusSpec, write_facts_jsonl
     from pipeline.demo import run_demo
     from training.config import load_train_config
@@ -68,6 +69,9 @@ def run_main_job(root: str | Path = "runs/demo", *, n_docs: int = 4000, pipeline
         probes = probes[:: max(1, len(probes) // max_probes)][:max_probes]
     _log(f"evaluating {len(probes)} probes × 3 memory settings, then blocking")
     knowledge = knowledge_eval(rm, probes)
+    index = RagIndex.open(root / "pipeline")
+    knowledge["routing"] = routing_agreement(index.texts(range(len(index.paths))), index.paths, probes,
+                                             rm.route([p["context"] for p in probes]))
     domains = sorted({p["domain"] for p in probes})
     blocking = blocking_eval(rm, probes, target_domains=domains[:1])
     timings["eval_s"] = time.time() - t

@@ -131,6 +131,22 @@ def save_png(fig, path: Path) -> None:
         fig.savefig(tmp, format="png", bbox_inches="tight")
 
 
+def _routing_lines(r: dict[str, Any]) -> list[str]:
+    """Markdown for `eval.rag.routing_agreement`: per level, the share of probes routed to a
+    cluster that holds a window stating their fact."""
+    levels = len(r["all"])
+    pct = lambda v: "—" if v is None else f"{v:.0%}"
+    lines = ["", (f"Routing: share of probes whose question is routed to a cluster holding a training window "
+                  f"that states the fact ({r['n_with_stating_window']} of {r['n_probes']} probes have one). "
+                  "Fetched memory can only carry facts its block was trained on."), "",
+             "| probes | " + " | ".join(f"level {lv}" for lv in range(1, levels + 1)) + " |",
+             "|---|" + "---:|" * levels,
+             "| all | " + " | ".join(pct(v) for v in r["all"]) + " |"]
+    lines += [f"| {b['bucket']} (n={b['n']}) | " + " | ".join(pct(v) for v in b["rates"]) + " |"
+              for b in r["by_bucket"] if b["n"]]
+    return lines
+
+
 def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None,
                  blocking: dict[str, Any] | None = None, meta: dict[str, Any] | None = None) -> dict[str, str]:
     """results.json, report.md, and PNGs (accuracy vs mention frequency; blocking)."""
@@ -160,6 +176,8 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
         for mode, row in knowledge["modes"].items():
             cells = ["—" if b["accuracy"] is None else f"{b['accuracy']:.1%}" for b in row["by_bucket"]]
             lines.append(f"| {MODE_LABEL[mode]} | " + " | ".join(cells) + " |")
+        if "routing" in knowledge:
+            lines += _routing_lines(knowledge["routing"])
         fig = new_figure()
         ax = fig.add_subplot()
         for mode, row in knowledge["modes"].items():

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from eval.longtail import BUCKETS, bucket_label
 from eval.model import RunModel
 from eval.tasks import retrieval_query
 from memtree.io import read_json
@@ -171,3 +172,38 @@ def rag_items(rm: RunModel, index: RagIndex, items: Sequence[dict[str, Any]], *,
               "similarity": [None if np.isnan(s) else float(s) for s in hit["similarity"]],
               "kept_tokens": kept}
     return out, record
+
+
+def routing_agreement(window_texts: Sequence[str], window_paths: np.ndarray, probes: Sequence[dict[str, Any]],
+                      probe_paths: np.ndarray) -> dict[str, Any]:
+    """How often a probe is routed to a cluster that holds a training window stating its fact.
+
+    A window states the fact when it contains both the probe's entity and its gold answer.
+    Per level l: the share of probes (that have a stating window) whose level-l cluster holds
+    at least one such window, over all probes and per mention bucket. A fetched memory can only
+    carry a fact it was trained on, so this bounds what fetched memory can add per level.
+
+    window_paths (W, L), probe_paths (n, L): cluster ids per level."""
+    levels = window_paths.shape[1]
+    by_entity: dict[str, list[int]] = {}
+    for p in probes:
+        ent = p.get("entity")
+        if ent and ent not in by_entity:
+            by_entity[ent] = [w for w, t in enumerate(window_texts) if ent in t]
+    hits, mentions = [], []
+    for p, path in zip(probes, probe_paths, strict=True):
+        gold = p["choices"][p["gold"]].strip()
+        stating = [w for w in by_entity.get(p.get("entity") or "", []) if gold in window_texts[w]]
+        if stating:
+            hits.append((window_paths[stating] == path[None, :]).any(axis=0))  # (L,)
+            mentions.append(int(p["mentions"]))
+    hit = np.asarray(hits, dtype=bool).reshape(-1, levels)
+    m = np.asarray(mentions)
+
+    def rates(sel: np.ndarray) -> list[float | None]:
+        return [float(hit[sel, lv].mean()) if sel.any() else None for lv in range(levels)]
+
+    return {"n_probes": len(probes), "n_with_stating_window": len(hit),
+            "all": rates(np.ones(len(hit), dtype=bool)),
+            "by_bucket": [{"bucket": bucket_label(lo, hi), "n": int(((m >= lo) & (m < hi)).sum()),
+                           "rates": rates((m >= lo) & (m < hi))} for lo, hi in BUCKETS]}

@@ -157,6 +157,10 @@ def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path):
     assert set(data["knowledge"]["modes"]) == {"none", "generic", "fetched"}
     assert data["blocking"]["settings"]["adversarial"]["bank_fraction_blocked"] == pytest.approx(1 / 4)
     assert (root / "report" / "accuracy_vs_frequency.png").exists()
+    routing = data["knowledge"]["routing"]
+    assert routing["n_with_stating_window"] > 0 and len(routing["all"]) == 2
+    assert routing["all"][0] >= routing["all"][1]  # a leaf hit implies a hit on its parent
+    assert "Routing: share of probes" in (root / "report" / "report.md").read_text()
     assert (root / "train" / "cotrain" / "bank" / "manifest.json").exists()
     # a rerun resumes: nothing is trained again
     assert main(["demo", "--root", str(root), "--n-docs", "640", "--anchor-steps", "2", "--cotrain-steps", "2",

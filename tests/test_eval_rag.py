@@ -127,3 +127,23 @@ def test_knowledge_eval_and_cli_report_the_rag_columns(run, index, probes, tmp_p
     assert {"rag", "rag+fetched"} <= set(data["knowledge"]["modes"])
     assert data["knowledge"]["rag"]["datastore"] == str(index.root.resolve())  # the run's own pipeline run
     assert "anchor + RAG (nearest training window)" in (out / "report.md").read_text()
+
+
+def test_routing_agreement_on_a_hand_made_case():
+    from eval.rag import routing_agreement
+
+    texts = ["Pelos wrote 41 symphonies.", "Pelos lived in Rome.", "Feniror was born in 1683.", "nothing"]
+    window_paths = np.array([[0, 0], [0, 1], [1, 2], [1, 3]])
+    probes = [
+        {"entity": "Pelos", "choices": ["12", "41"], "gold": 1, "mentions": 1},  # stated in window 0 only
+        {"entity": "Feniror", "choices": ["1683", "1700"], "gold": 0, "mentions": 3},  # window 2
+        {"entity": "Nobody", "choices": ["1", "2"], "gold": 0, "mentions": 1},  # stated nowhere
+    ]
+    probe_paths = np.array([[0, 1], [1, 2], [0, 0]])  # Pelos: right level 1, wrong leaf
+    r = routing_agreement(texts, window_paths, probes, probe_paths)
+    assert r["n_probes"] == 3 and r["n_with_stating_window"] == 2
+    assert r["all"] == [1.0, 0.5]
+    rows = {b["bucket"]: b for b in r["by_bucket"]}
+    assert rows["1"]["n"] == 1 and rows["1"]["rates"] == [1.0, 0.0]
+    assert rows["2-3"]["rates"] == [1.0, 1.0]
+    assert rows["0"]["rates"] == [None, None]
