@@ -6,6 +6,7 @@ import datetime as _dt
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,3 +66,35 @@ def finish(results: dict, out: Path, print_table) -> int:
     print_table(results["rows"])
     print(f"\nresults: {out}")
     return 0
+
+
+def elapsed_ms(call: Callable[[], Any], device: str) -> float:
+    """Wall time of call(): CUDA events on the GPU, perf_counter on the CPU."""
+    import torch
+
+    if device == "cuda":
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        events[0].record()
+        call()
+        events[1].record()
+        torch.cuda.synchronize()
+        return events[0].elapsed_time(events[1])
+    t0 = time.perf_counter()
+    call()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def peak_mib(call: Callable[[], Any], device: str) -> float | None:
+    """Allocator peak of call() above what was allocated before it."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        kept = call()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        del kept
+        return peak / 2**20
+    return None

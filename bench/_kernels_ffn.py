@@ -25,11 +25,11 @@ import argparse
 import os
 import statistics
 import sys
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from _common import fmt, log  # bench/ is on sys.path when run as a script
+from _common import elapsed_ms, fmt, log, peak_mib  # bench/ is on sys.path when run as a script
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -98,36 +98,6 @@ def _run(fn, p: dict, backward: bool) -> list:
     return [y.detach(), *(t.grad.to_dense() if t.grad.is_sparse else t.grad for t in leaves)]
 
 
-def _time_ms(fn, p: dict, backward: bool, device: str) -> float:
-    import torch
-
-    if device != "cuda":
-        t0 = time.perf_counter()
-        _run(fn, p, backward)
-        return (time.perf_counter() - t0) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    _run(fn, p, backward)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
-
-
-def _peak_mib(fn, p: dict, device: str) -> float | None:
-    import torch
-
-    if device != "cuda":
-        return None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = _run(fn, p, backward=True)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del out
-    return peak / 2**20
-
-
 def _rel_err(got, ref) -> float:
     got, ref = got.double(), ref.double()
     return float((got - ref).norm() / ref.norm().clamp(min=1e-30))
@@ -171,11 +141,11 @@ def run_ffn(args: argparse.Namespace) -> dict[str, Any]:
         order = list(variants)
         for r in range(args.runs):  # interleaved, alternating direction, so drift hits all variants
             for v in order if r % 2 == 0 else order[::-1]:
-                times[v][pname].append(_time_ms(variants[v], p, bwd, device))
+                times[v][pname].append(elapsed_ms(partial(_run, variants[v], p, bwd), device))
 
     rows = []
     for v in variants:
-        peak = _peak_mib(variants[v], p, device)
+        peak = peak_mib(partial(_run, variants[v], p, True), device)
         for pname, (_, flops) in passes.items():
             ms = statistics.median(times[v][pname])
             base = statistics.median(times["gather_bmm"][pname])

@@ -53,7 +53,15 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from _common import finish, fmt, loadavg, log, write_results  # bench/ is on sys.path
+from _common import (  # bench/ is on sys.path
+    elapsed_ms,
+    finish,
+    fmt,
+    loadavg,
+    log,
+    peak_mib,
+    write_results,
+)
 
 BENCHES = ("attention", "ffn")
 CUDA_SIZES = {
@@ -177,38 +185,6 @@ def _run(fn, p: dict, idx, backward: bool, weighted: bool) -> list:
     return [y.detach(), *(leaves[n].grad for n in names)]
 
 
-def _elapsed_ms(call: Callable, device: str) -> float:
-    """Wall time of call(): CUDA events on the GPU, perf_counter on the CPU."""
-    import torch
-
-    if device == "cuda":
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        events[0].record()
-        call()
-        events[1].record()
-        torch.cuda.synchronize()
-        return events[0].elapsed_time(events[1])
-    t0 = time.perf_counter()
-    call()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def _peak_mib(call: Callable, device: str) -> float | None:
-    """Allocator peak of call() above what was allocated before it."""
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        kept = call()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-        del kept
-        return peak / 2**20
-    return None
-
-
 def time_variants(variants: dict, p: dict, runs: int, warmup: int, device: str) -> dict:
     """{variant: {pass: median ms}} for forward and forward+backward, interleaved (A B, B A,
     ...) so drift hits every variant; a variant that runs out of memory gets None."""
@@ -230,12 +206,12 @@ def time_variants(variants: dict, p: dict, runs: int, warmup: int, device: str) 
         for r in range(runs):
             for v in order if r % 2 == 0 else order[::-1]:
                 fn, idx, weighted = alive[v]
-                times[v].append(_elapsed_ms(partial(_run, fn, p, idx, bwd, weighted), device))
+                times[v].append(elapsed_ms(partial(_run, fn, p, idx, bwd, weighted), device))
         for v in alive:
             res[v][pname] = statistics.median(times[v])
     for v, (fn, idx, weighted) in variants.items():
         try:
-            res[v]["peak_mib"] = _peak_mib(partial(_run, fn, p, idx, True, weighted), device)
+            res[v]["peak_mib"] = peak_mib(partial(_run, fn, p, idx, True, weighted), device)
         except torch.OutOfMemoryError:
             res[v]["peak_mib"] = None
             torch.cuda.empty_cache()
