@@ -5,12 +5,19 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+# The scripts run as `python bench/<name>.py`: put the repository on sys.path once, here, so
+# they can import the project's packages after importing this module.
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
 
 def fmt(v: Any) -> str:

@@ -24,16 +24,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 from functools import partial
-from pathlib import Path
 from typing import Any
 
-from _common import elapsed_ms, fmt, log, peak_mib  # bench/ is on sys.path when run as a script
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from _common import (  # bench/ is on sys.path when run as a script
+    elapsed_ms,
+    fmt,
+    log,
+    peak_mib,
+)
 
 # B sequences of S tokens, d_model, memory width W per block (~1/10 of a 3,072-wide
 # FFN), k blocks per sequence (one per level of a 3-level tree with this branching).

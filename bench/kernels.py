@@ -49,11 +49,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
 from _common import (  # bench/ is on sys.path
+    REPO,
     elapsed_ms,
     finish,
     fmt,

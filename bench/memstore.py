@@ -36,11 +36,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import fmt, loadavg, log, write_results  # bench/ is on sys.path when run as a script
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from _common import (  # bench/ is on sys.path when run as a script
+    REPO,
+    fmt,
+    loadavg,
+    log,
+    write_results,
+)
 
 BENCHES = ("throughput", "flat", "calibrate", "session")
 MiB = 1 << 20

@@ -42,16 +42,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np
 from _common import (  # bench/ is on sys.path when run as a script
+    REPO,
     finish,
     fmt,
     loadavg,
     log,
     write_results,
 )
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 DIM = 384  # all-MiniLM-L6-v2
 BENCHES = ("embed", "tree", "assign", "balance", "e2e")

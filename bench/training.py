@@ -39,12 +39,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
 from _common import (  # bench/ is on sys.path when run as a script
+    REPO,
     finish,
     fmt,
     loadavg,
