@@ -18,6 +18,10 @@ Benchmarks (see bench/README.md for what each one compares):
                                                                   target: x64 <= 1.1x of x1
   state     MemoryAdamW optimizer state of the x64 bank after K steps vs a dense AdamW's
             2 x bank params x 4 bytes; fraction of bank rows touched              (info)
+  read      step time of KV and FFN memories read in place by the fused ops
+            (`TrainableBank.read`; on the CPU the ops run their pure-torch reference) vs
+            gathered per-sequence copies (F.embedding + assemble_memories), same batches;
+            the per-step losses of the two must agree                           (info)
 
 Step times are medians over measured steps; warmup steps (the first steps of every model
 instance) are excluded. Nothing is extrapolated: a figure is measured here or absent.
@@ -53,7 +57,7 @@ from training.bank import TrainableBank
 from training.model import AnchorLM, ModelConfig, assemble_memories
 from training.optim import MemoryAdamW
 
-BENCHES = ("overhead", "banksize", "state")
+BENCHES = ("overhead", "banksize", "state", "read")
 GiB = 1 << 30
 
 
@@ -231,9 +235,10 @@ class Trainer:
     """
 
     def __init__(self, S: dict, a: AnchorShape, mem: MemoryConfig | None, *, sparse: bool = True,
-                 max_grad_norm: float | None = None, seq_len: int | None = None) -> None:
+                 max_grad_norm: float | None = None, seq_len: int | None = None,
+                 read: str = "gather") -> None:
         torch.manual_seed(S["seed"])
-        self.a, self.mem, self.sparse = a, mem, sparse
+        self.a, self.mem, self.sparse, self.read = a, mem, sparse, read
         seq_len = seq_len or S["seq_len"]
         self.model = AnchorLM(ModelConfig(anchor=a, max_seq_len=seq_len, memory=mem))
         self.bank = make_bank(a, mem, S["seed"]) if mem is not None else None
@@ -258,12 +263,15 @@ class Trainer:
             self.distinct_rows.append(sum(len(set(r.tolist())) for r in slots.values()))
             for lv, r in slots.items():
                 self.rows_seen.setdefault(lv, set()).update(r.tolist())
-            if self.sparse:
+            if self.read == "fused":
+                mems = self.bank.read(slots)
+            elif self.sparse:
                 blocks = self.bank(slots)
             else:
                 blocks = {lv: F.embedding(r, self.bank.tables[str(lv)], sparse=False)
                           for lv, r in slots.items()}
-            mems = assemble_memories(blocks, self.a, self.mem)
+            if self.read != "fused":
+                mems = assemble_memories(blocks, self.a, self.mem)
         ids = batch["ids"]
         logits = self.model(ids[:, :-1], memories=mems)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
@@ -537,6 +545,50 @@ def bench_state(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
     return res, rows
 
 
+# ------------------------------------------------------------------------ 4. read
+def bench_read(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
+    """Fused in-place read vs gathered copies, per memory type, at the overhead benchmark's
+    anchor and fetched width (FFN: W rows of 3·d per layer; KV: W slots of 2·kv_dim)."""
+    a = anchor_shape(S)
+    W = fetched_width(a, S["fetch_fraction"])
+    mults = split_width(W, S["level_weights"])
+    br = S["overhead_branching"]
+    T = S["seq_len"]
+    warm, rounds, per = S["warmup_steps"], S["overhead_rounds"], S["overhead_steps_per_round"]
+    n = warm + rounds * per
+    batches = make_batches(S, n, seq_len=T, n_leaf=br ** len(mults), levels=len(mults),
+                           branching=br, seed=S["seed"] + 300)
+    res: dict[str, Any] = {"anchor": S["anchor"], "multipliers": list(mults), "branching": br}
+    rows = []
+    for kind in ("ffn", "kv"):
+        mem = MemoryConfig(multipliers=mults, type=kind, branching=br)
+        runs = {r: Trainer(S, a, mem, read=r) for r in ("gather", "fused")}
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        losses: dict[str, list[float]] = {k: [] for k in runs}
+        for k, tr in runs.items():
+            for i in range(warm):
+                losses[k].append(tr.step(batches[i])[1])
+        for r in range(rounds):
+            for k in (["gather", "fused"] if r % 2 == 0 else ["fused", "gather"]):
+                for j in range(per):
+                    dt, loss = runs[k].step(batches[warm + r * per + j])
+                    times[k].append(dt)
+                    losses[k].append(loss)
+        t_g, t_f = median(times["gather"]), median(times["fused"])
+        diff = max(abs(x - y) for x, y in zip(losses["gather"], losses["fused"], strict=True))
+        log(f"  {kind}: gather {t_g * 1e3:.1f} ms, fused {t_f * 1e3:.1f} ms per step; "
+            f"max loss difference {diff:.2e}")
+        res[kind] = {"fetch_params": plan(a, mem).fetch_params, "steps": times,
+                     "losses": losses, "median_s": {"gather": t_g, "fused": t_f},
+                     "time_ratio": t_f / t_g, "max_loss_diff": diff}
+        data = f"{S['anchor']['name']} B{S['batch']}xS{T}, {kind} mem {list(mults)} br {br}"
+        rows += [row("read", f"{kind}: step ms, fused vs gathered", t_f * 1e3,
+                     baseline=t_g * 1e3, ratio=t_g / t_f, data=data, unit="ms"),
+                 row("read", f"{kind}: max |loss difference| over {n} steps", diff,
+                     target="<= 1e-4", met=diff <= 1e-4, data=data)]
+    return res, rows
+
+
 # ------------------------------------------------------------------------------------- main
 def wait_quiet(limit_s: float) -> float | None:
     """Wait up to limit_s for the 1-min load average to fall below 0.5 per core."""
@@ -601,7 +653,8 @@ def main(argv: list[str] | None = None) -> int:
                  "quick": args.quick, "machine": machine(), "sizes": S,
                  "loadavg_start": loadavg()},
         "benchmarks": {}, "rows": []}
-    fns = {"overhead": bench_overhead, "banksize": bench_banksize, "state": bench_state}
+    fns = {"overhead": bench_overhead, "banksize": bench_banksize, "state": bench_state,
+           "read": bench_read}
     ctx: dict[str, Any] = {}
     for name in [b for b in BENCHES if b in selected]:
         waited = wait_quiet(args.wait_quiet)

@@ -217,6 +217,107 @@ def test_cpu_dispatch_gradients_match_autograd(per_token, mode):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["naive", pytest.param("triton", marks=interp)])
+@pytest.mark.parametrize("per_token,mode", [(False, "bias"), (True, None), (False, None)])
+def test_lse_is_differentiable(impl, per_token, mode):
+    """return_lse: the joint log-sum-exp and its gradient (folded into delta) against
+    autograd through the gathered reference; -inf for queries that read nothing."""
+    case = Case(3, 4, 2, 11, 16, 6, 5, 3, per_token, mode)
+    q, bk, bv, idx, w = make_inputs(case)
+    g = torch.Generator().manual_seed(3)
+    r_out, r_lse = torch.randn(q.shape, generator=g), torch.randn(q.shape[:3], generator=g)
+
+    def loss(fn):
+        def run(q, bk, bv, idx, w):
+            out, lse = fn(q, bk, bv, idx, w)
+            finite = torch.isfinite(lse)
+            return (out * r_out).sum() + torch.where(finite, lse, 0.0).mul(r_lse).sum(), lse
+        return run
+
+    def ref(q, bk, bv, idx, w):
+        out, lse = memory_attention_naive(q, bk, bv, idx, w, return_lse=True)
+        return out, lse.masked_fill(torch.isposinf(lse), -math.inf)
+
+    def kern(q, bk, bv, idx, w):
+        return memory_attention(q, bk, bv, idx, w, impl=impl, return_lse=True)
+
+    inputs = (q, bk, bv, idx, w)
+    results = []
+    for fn in (kern, ref):
+        leaves = [x.detach().requires_grad_() if x is not None and x.is_floating_point() else x
+                  for x in inputs]
+        total, lse = loss(fn)(*leaves)
+        diff = [x for x in leaves if x is not None and x.requires_grad]
+        grads = torch.autograd.grad(total, diff)
+        results.append((lse.detach(), [gr.to_dense() for gr in grads]))
+    (lse, grads), (lse_ref, grads_ref) = results
+    empty = torch.isneginf(lse_ref)
+    assert empty.any() and torch.equal(torch.isneginf(lse), empty)
+    torch.testing.assert_close(lse[~empty], lse_ref[~empty], rtol=1e-5, atol=1e-5)
+    for gr, ref_g in zip(grads, grads_ref, strict=True):
+        assert rel_err(gr, ref_g) < 1e-4
+
+
+@pytest.mark.parametrize("impl", ["naive", pytest.param("triton", marks=interp)])
+def test_reads_of_two_banks_merge_into_one_softmax(impl):
+    """A hierarchical path reads one block per level from banks whose blocks differ in size;
+    merging the per-bank reads by their lse is SDPA over all the tokens, gradients included."""
+    g = torch.Generator().manual_seed(5)
+    b, h, h_kv, s, d = 3, 4, 2, 9, 16
+    q = torch.randn(b, h, s, d, generator=g)
+    banks = [(torch.randn(5, t, h_kv, d, generator=g), torch.randn(5, t, h_kv, d, generator=g))
+             for t in (3, 7)]
+    rows = [torch.tensor([0, 4, 4]), torch.tensor([2, 1, 3])]
+    grad_out = torch.randn(q.shape, generator=g)
+
+    def merged(q, k1, v1, k2, v2):
+        outs, lses = zip(*(memory_attention(q, k, v, r[:, None], impl=impl, return_lse=True)
+                           for (k, v), r in zip(((k1, v1), (k2, v2)), rows)))
+        w = torch.softmax(torch.stack(lses), dim=0)[..., None]  # (2, B, H, S, 1)
+        return (w * torch.stack(outs)).sum(0)
+
+    def sdpa(q, k1, v1, k2, v2):
+        gk = torch.cat([k1[rows[0]], k2[rows[1]]], 1).transpose(1, 2).repeat_interleave(2, 1)
+        gv = torch.cat([v1[rows[0]], v2[rows[1]]], 1).transpose(1, 2).repeat_interleave(2, 1)
+        return F.scaled_dot_product_attention(q, gk, gv)
+
+    inputs = (q, *banks[0], *banks[1])
+    out, grads = grads_of(merged, inputs, grad_out)
+    out_ref, grads_ref = grads_of(sdpa, inputs, grad_out)
+    assert rel_err(out, out_ref) < 1e-5
+    for gr, ref_g in zip(grads, grads_ref, strict=True):
+        assert rel_err(gr, ref_g) < 1e-4
+
+
+def test_return_lse_refuses_mix_mode():
+    q, bk, bv, idx, w = make_inputs(Case(2, 2, 1, 3, 16, 4, 5, 2, False, "mix"))
+    with pytest.raises(ValueError, match="return_lse"):
+        memory_attention(q, bk, bv, idx, w, weight_mode="mix", return_lse=True)
+
+
+@pytest.mark.parametrize("impl", ["naive", pytest.param("triton", marks=interp)])
+def test_sparse_grad_modes(impl):
+    """None: sparse for leaf banks, dense for computed ones; True: sparse even through a
+    computed bank, for callers whose upstream accepts it (the trainer's row views)."""
+    case = Case(2, 2, 1, 5, 16, 8, 4, 2, False, None)
+    q, bk, bv, idx, _ = make_inputs(case)
+    layouts = {}
+    for sparse in (None, True):
+        for leaf in (True, False):
+            k0 = bk.clone().requires_grad_()
+            v0 = bv.clone().requires_grad_()
+            k, v = (k0, v0) if leaf else (k0 * 1, v0 * 1)
+            out = memory_attention(q, k, v, idx, sparse_grad=sparse, impl=impl)
+            if leaf:
+                out.sum().backward()
+                layouts[sparse, leaf] = k0.grad.layout
+            else:
+                gk, = torch.autograd.grad(out.sum(), k)
+                layouts[sparse, leaf] = gk.layout
+    assert layouts == {(None, True): torch.sparse_coo, (None, False): torch.strided,
+                       (True, True): torch.sparse_coo, (True, False): torch.sparse_coo}
+
+
 def test_bias_mode_is_mix_with_partition_weights():
     """The documented relation: bias(w) = mix(w_c Z_c / Σ_c w_c Z_c), Z_c = Σ_t exp(s_t)."""
     case = Case(2, 2, 2, 5, 16, 6, 8, 3, True, "bias")
@@ -279,8 +380,9 @@ def test_opcheck(impl, sparse_grad, per_token, mode):
     torch.library.opcheck(op.memory_attention_fwd, args)
     with torch.no_grad():
         out, lse = op.memory_attention_fwd(*args)
+    grad_lse = None if mode == "mix" else torch.randn_like(lse)
     bwd_args = (torch.randn_like(out), q.detach(), bk.detach(), bv.detach(), idx, w.detach(),
-                out, lse, mode, 0.25, impl, True, True, sparse_grad)
+                out, lse, grad_lse, mode, 0.25, impl, True, True, sparse_grad)
     torch.library.opcheck(op.memory_attention_bwd, bwd_args)
 
 

@@ -4,10 +4,18 @@ Each memory level is one `nn.Parameter` of shape (n_slots, P_level): a row per
 cluster (global id minus the bank's first id — a per-subtree bank holds only
 its subtree's rows) plus a last row for the generic memory, exactly the slot
 order of the on-disk `memtree-bank` format (memstore/README.md). A batch's
-blocks are read with `F.embedding(..., sparse=True)`, so the gradient is a
-sparse tensor over the rows fetched in the step: nothing bank-sized is
-touched by the backward pass, and `training.optim.MemoryAdamW` updates only
-those rows. Step time therefore does not grow with the bank.
+blocks are read in one of two ways, both with a sparse gradient over the rows
+fetched in the step — nothing bank-sized is touched by the backward pass, and
+`training.optim.MemoryAdamW` updates only those rows, so step time does not
+grow with the bank:
+- `read` (KV and FFN memories, the trainer's default): every memory layer's
+  tensors as views into the tables, read in place by the fused kernels
+  (`kernels.memory_attention`, `kernels.ffn_memory`) by row index. No (B, P)
+  copy of the blocks is made. The kernels hand back sparse gradients per view;
+  `_RowViews` merges them into one sparse gradient of the table.
+- `forward` (gathered): `F.embedding(..., sparse=True)` copies each sequence's
+  rows, (B, P_level), for `training.model.assemble_memories`; LoRA memories,
+  which have no in-place kernel, and `memory.read: gather` use it.
 
 Generic memory (seed 002 §4): during co-training a sequence uses the generic
 row with probability 1/branching and its fetched path otherwise; at evaluation
@@ -16,18 +24,62 @@ either can be asked for.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from memstore.format import GENERIC, BankInfo, RecordCodec, paper_init, write_bank
 from memstore.geometry import AnchorShape, MemoryConfig, block_layout
 from memstore.store import MemoryStore, TierConfig
+from training.model import BankRead, Memories
 
 _ALL_RAM = TierConfig(name="ram", kind="ram")
+
+# memory types with an in-place (fused) read; LoRA memories are always gathered
+READ_IN_PLACE = ("kv", "ffn")
+
+
+class _RowViews(torch.autograd.Function):
+    """Column spans of a (rows, P) table as views (rows, *shape), one per span.
+
+    The kernels that read the views return sparse COO gradients over the rows they
+    touched; slicing's own backward has no sparse kernel, so this function is the
+    views' backward: it writes each view's gradient rows into its columns of one
+    (U, P) buffer for the U rows any view touched and returns a single sparse table
+    gradient, like F.embedding(sparse=True). A dense incoming gradient makes the
+    table's gradient dense.
+    """
+
+    @staticmethod
+    def forward(ctx, table: Tensor, spans: tuple[tuple[int, tuple[int, ...]], ...]):
+        ctx.set_materialize_grads(False)  # views nobody read get None, not a dense zero
+        ctx.spans, ctx.table_shape = spans, table.shape
+        n = table.shape[0]
+        return tuple(table.narrow(1, off, math.prod(shape)).view(n, *shape) for off, shape in spans)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None):
+        got = [(off, math.prod(shape), g) for (off, shape), g in zip(ctx.spans, grads)
+               if g is not None]
+        if not got:
+            return None, None
+        n, p = ctx.table_shape
+        if any(not g.is_sparse for _, _, g in got):
+            out = got[0][2].new_zeros((n, p))
+            for off, width, g in got:
+                out[:, off:off + width] += g.to_dense().reshape(n, width)
+            return out, None
+        got = [(off, width, g.coalesce()) for off, width, g in got]
+        rows = torch.unique(torch.cat([g.indices()[0] for _, _, g in got]))  # sorted (U,)
+        values = got[0][2].values().new_zeros((rows.numel(), p))  # (U, P)
+        for off, width, g in got:
+            at = torch.searchsorted(rows, g.indices()[0])
+            values[at, off:off + width] += g.values().reshape(-1, width)
+        return torch.sparse_coo_tensor(rows[None], values, (n, p), is_coalesced=True), None
 
 
 class TrainableBank(nn.Module):
@@ -110,6 +162,31 @@ class TrainableBank(nn.Module):
     def forward(self, slots: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """{level: (B,) rows} → {level: (B, P_level)} blocks; gradients are sparse over the rows."""
         return {lv: F.embedding(rows, self.tables[str(lv)], sparse=True) for lv, rows in slots.items()}
+
+    def read(self, slots: dict[int, Tensor]) -> Memories:
+        """{level: (B,) rows} → {layer: BankRead} for KV and FFN memories: each memory
+        layer's tensors as views into the tables (KV (N, m, H_kv, D), FFN (N, W, d)),
+        read in place by the fused kernels; gradients stay sparse over the rows."""
+        kind = self.memory.type
+        if kind not in READ_IN_PLACE:
+            raise ValueError(f"{kind} memories have no in-place read; use forward() (gathered)")
+        shape_of = {"kv": lambda w: (w, self.anchor.kv_heads, self.anchor.head_dim),
+                    "ffn": lambda w: (w, self.anchor.d_model)}[kind]
+        per_layer: dict[int, list[tuple[dict[str, Tensor], Tensor]]] = {}
+        for lv, rows in slots.items():
+            names, spans, off = [], [], 0
+            for t in block_layout(self.anchor, self.memory, lv):
+                _, layer, name = t.name.split(".")
+                names.append((int(layer), name))
+                spans.append((off, shape_of(t.shape[0])))
+                off += t.numel
+            views = _RowViews.apply(self.tables[str(lv)], tuple(spans))
+            by_layer: dict[int, dict[str, Tensor]] = {}
+            for (layer, name), view in zip(names, views, strict=True):
+                by_layer.setdefault(layer, {})[name] = view
+            for layer, tensors in by_layer.items():
+                per_layer.setdefault(layer, []).append((tensors, rows))
+        return {layer: BankRead(levels=tuple(levels)) for layer, levels in sorted(per_layer.items())}
 
     def bank_parameters(self) -> Iterator[nn.Parameter]:
         yield from self.tables.values()

@@ -2,7 +2,10 @@
 
 Each training sequence fetches the blocks of its cluster path from the bank
 (or, with probability `generic_prob` = 1/branching by default, the generic
-memory — seed 002 §4), assembles them per layer and runs the anchor with them.
+memory — seed 002 §4) and runs the anchor with them: KV and FFN memories are
+read in place by the fused kernels (`memory_read="fused"`, the default),
+LoRA memories — and everything with `memory_read="gather"` — from
+per-sequence copies assembled per layer.
 The draw for each sequence depends only on (seed, training-forward counter,
 row), and the counter is a buffer saved in checkpoints, so a resumed run makes
 the same draws.
@@ -25,7 +28,7 @@ from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from composer.models import ComposerModel
 
 from memstore.geometry import AnchorShape, MemoryConfig
-from training.bank import TrainableBank
+from training.bank import READ_IN_PLACE, TrainableBank
 from training.moc import MoCConfig
 from training.model import AnchorLM, ModelConfig, assemble_memories
 
@@ -42,8 +45,11 @@ class MemtreeLM(ComposerModel):
                  generic_prob: float | None = None, seed: int = 0, rope_theta: float = 10000.0,
                  norm_eps: float = 1e-5, init_std: float = 0.02, lora_alpha: float = 1.0,
                  memory_init_std: float = 0.02, subtree: int | None = None, freeze_anchor: bool = False,
-                 hf_dir: str | None = None, moc: MoCConfig | None = None, attn_impl: str = "sdpa") -> None:
+                 hf_dir: str | None = None, moc: MoCConfig | None = None, attn_impl: str = "sdpa",
+                 memory_read: str = "fused") -> None:
         super().__init__()
+        if memory_read not in ("fused", "gather"):
+            raise ValueError(f"memory_read {memory_read!r} is not 'fused' or 'gather'")
         self.anchor_shape, self.memory = anchor, memory
         self.bank = (TrainableBank(anchor, memory, subtree=subtree, seed=seed, std=memory_init_std)
                      if memory is not None else None)
@@ -63,6 +69,10 @@ class MemtreeLM(ComposerModel):
             self.model = AnchorLM(ModelConfig(anchor=anchor, max_seq_len=max_seq_len, rope_theta=rope_theta,
                                               norm_eps=norm_eps, init_std=init_std, memory=memory,
                                               lora_alpha=lora_alpha, moc=moc, attn_impl=attn_impl))
+        # KV/FFN memories of our own anchor are read in place by the fused kernels; LoRA
+        # memories and HF anchors (whose hooks take per-sequence tensors) are gathered
+        self.read_in_place = (memory_read == "fused" and memory is not None and self.hf is None
+                              and memory.type in READ_IN_PLACE)
         self.generic_prob = (1.0 / memory.branching if generic_prob is None else generic_prob) if memory else 0.0
         self.seed = seed
         self.memory_mode: MemoryMode = "fetched"
@@ -94,9 +104,11 @@ class MemtreeLM(ComposerModel):
     def memories_for(self, paths: torch.Tensor, use_generic: torch.Tensor):
         slots = self.bank.slots(paths.cpu(), use_generic.cpu())
         device = next(self.bank.parameters()).device
-        blocks = self.bank({lv: r.to(device) for lv, r in slots.items()})
+        rows = {lv: r.to(device) for lv, r in slots.items()}
         self.last_slots, self.last_use_generic = slots, use_generic
-        return assemble_memories(blocks, self.anchor_shape, self.memory)
+        if self.read_in_place:
+            return self.bank.read(rows)
+        return assemble_memories(self.bank(rows), self.anchor_shape, self.memory)
 
     def forward(self, batch: dict[str, Any]) -> torch.Tensor:
         ids = batch["input_ids"]

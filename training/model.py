@@ -10,11 +10,19 @@ counts (GQA, per-head q/k norms, q/k/v biases, post-sublayer norms when
 `norms_per_block == 4`) but not those models' norm/activation variants, so
 their released weights do not load as-is.
 
-Memories arrive already gathered per sequence: the bank (`training/bank.py`)
-hands over one flat block per level, shape (B, P_level), laid out by
-`memstore.geometry.block_layout`; `assemble_memories` splits them into named
-per-layer tensors and concatenates levels along the memory width, and the
-blocks apply them with batched matmuls (one memory per sequence).
+A layer's memory arrives in one of two forms:
+- gathered (`LayerMemories` dict): one flat block per level and sequence,
+  (B, P_level), laid out by `memstore.geometry.block_layout`;
+  `assemble_memories` splits them into named per-layer tensors and
+  concatenates levels along the memory width, and the blocks apply them with
+  batched matmuls. Blocks fetched from a memstore bank (eval, on device) and
+  every LoRA memory take this form.
+- read in place (`BankRead`): views into the trainable bank's tables plus
+  each sequence's row per level (`TrainableBank.read`). KV memories are read
+  by `kernels.memory_attention` one level at a time and the levels merged by
+  their log-sum-exps into the same single softmax; FFN memories by
+  `kernels.ffn_memory`, summed over levels. No (B, …) copy of the blocks is
+  made and the bank's gradient stays sparse over the rows read.
 
 Mixture of Chapters (`ModelConfig.moc`, `training/moc.py`, seed 000): a latent
 memory bank read by routed cross-attention at chosen blocks, either between
@@ -50,12 +58,27 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels.ffn_memory import ffn_memory
+from kernels.memory_attention import memory_attention
 from memstore.format import RecordCodec
 from memstore.geometry import AnchorShape, MemoryConfig, block_layout, memory_layers
 from training.moc import LatentBank, MoCConfig, MoCLayer, bank_for, build_banks, mean_aux_loss
 
-# Per layer index: named memory tensors, each with a leading batch dim B.
-LayerMemories = dict[str, Tensor]
+
+@dataclass(frozen=True)
+class BankRead:
+    """One layer's memory read in place from a bank, without per-sequence copies.
+
+    levels: per memory level, ({name: view}, rows): the layer's tensors for every
+    bank row as views into that level's table — KV "k"/"v" (N_l, m_l, H_kv, D),
+    FFN "w1"/"w2"/"w3" (N_l, W_l, d) — and rows (B,) int64, each sequence's row.
+    """
+
+    levels: tuple[tuple[dict[str, Tensor], Tensor], ...]
+
+
+# Per layer index: named memory tensors, each with a leading batch dim B, or a BankRead.
+LayerMemories = dict[str, Tensor] | BankRead
 Memories = dict[int, LayerMemories]
 
 
@@ -225,6 +248,11 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
                 mem: LayerMemories | None) -> Tensor:
         q, k, v = self.q(x), self.k(x), self.v(x)  # (B, S, q_dim), (B, S, kv_dim) ×2
+        if isinstance(mem, BankRead) and self.mem_type != "kv":
+            if self.mem_type == "ffn":
+                mem = None  # the FFN reads it
+            else:
+                raise ValueError(f"{self.mem_type} memories are read gathered, not in place")
         if mem is not None and self.mem_type == "lora-qk":
             q = q + _lora(x, mem["q_a"], mem["q_b"], self.lora_alpha)
             k = k + _lora(x, mem["k_a"], mem["k_b"], self.lora_alpha)
@@ -247,7 +275,8 @@ class Attention(nn.Module):
         else:  # a FlexAttention BlockMask
             out = _flex_attention(q.device)(q, k, v, block_mask=mask)
         if mem is not None and self.mem_type == "kv":
-            out = out + self._read_kv_memory(q_pos_free, mem["k"], mem["v"])
+            out = out + (self._read_kv_bank(q_pos_free, mem) if isinstance(mem, BankRead)
+                         else self._read_kv_memory(q_pos_free, mem["k"], mem["v"]))
         out = out.transpose(1, 2).flatten(2)  # (B, S, q_dim)
         y = self.o(out)
         if mem is not None and self.mem_type == "lora-ov":
@@ -259,6 +288,21 @@ class Attention(nn.Module):
         k_mem = self._repeat_kv(self._heads(k_mem.to(q.dtype), self.n_kv_heads).transpose(1, 2))
         v_mem = self._repeat_kv(self._heads(v_mem.to(q.dtype), self.n_kv_heads).transpose(1, 2))
         return F.scaled_dot_product_attention(q, k_mem, v_mem)  # every query sees every slot
+
+    @staticmethod
+    def _read_kv_bank(q: Tensor, mem: BankRead) -> Tensor:
+        """q (B, H, S, D) → (B, H, S, D): the same softmax over every level's slots as
+        `_read_kv_memory` on the concatenated levels, read by block index from the bank."""
+        if len(mem.levels) == 1:
+            (views, rows), = mem.levels
+            return memory_attention(q, views["k"], views["v"], rows[:, None], sparse_grad=True)
+        outs, lses = zip(*(memory_attention(q, views["k"], views["v"], rows[:, None],
+                                            sparse_grad=True, return_lse=True)
+                           for views, rows in mem.levels))
+        # levels differ in slot count, so one call per level; their lses weight the
+        # partial reads into the joint softmax exactly (every sequence reads every level)
+        share = torch.softmax(torch.stack(lses), dim=0)[..., None]  # (L, B, H, S, 1) fp32
+        return (share * torch.stack(outs).float()).sum(0).to(q.dtype)
 
 
 class FeedForward(nn.Module):
@@ -276,6 +320,13 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor, mem: LayerMemories | None) -> Tensor:
         if mem is None or self.mem_type not in ("ffn", "lora-ffn"):
             return self.w3(F.silu(self.w1(x)) * self.w2(x))
+        if isinstance(mem, BankRead):  # the widened inner dim is a sum over levels' blocks
+            if self.mem_type != "ffn":
+                raise ValueError(f"{self.mem_type} memories are read gathered, not in place")
+            y = self.w3(F.silu(self.w1(x)) * self.w2(x))
+            for views, rows in mem.levels:
+                y = y + ffn_memory(x, views["w1"], views["w2"], views["w3"], rows[:, None])
+            return y
         if self.mem_type == "lora-ffn":
             g = self.w1(x) + _lora(x, mem["w1_a"], mem["w1_b"], self.lora_alpha)  # (B, S, ffn)
             u = self.w2(x) + _lora(x, mem["w2_a"], mem["w2_b"], self.lora_alpha)
@@ -392,7 +443,8 @@ class AnchorLM(nn.Module):
 
         segment_ids (B, S): document index per token (`segment_ids_from_eot`);
         attention is causal and within a document. None: causal only.
-        memories: per-sequence memories from `assemble_memories`.
+        memories: per-layer memories, gathered (`assemble_memories`) or read in place
+        from a bank (`BankRead`, `training.bank.TrainableBank.read`).
         """
         _, seq_len = input_ids.shape
         if seq_len > self.config.max_seq_len:

@@ -3,8 +3,8 @@
 Contract (the Triton kernel and `naive.py` implement the same function):
 
     memory_attention(q, bank_k, bank_v, block_idx, weights=None, *,
-                     weight_mode="bias", scale=None, sparse_grad=True,
-                     impl="auto") -> out
+                     weight_mode="bias", scale=None, sparse_grad=None,
+                     impl="auto", return_lse=False) -> out | (out, lse)
 
 - q: (B, H, S, D) queries from the token stream.
 - bank_k, bank_v: (N, T, H_kv, D) the bank of N memory blocks (chapters) of T
@@ -18,6 +18,11 @@ Contract (the Triton kernel and `naive.py` implement the same function):
   summed with the weights. Without weights both are the plain joint softmax.
 - out: (B, H, S, D) in q's dtype; no causal mask over memory; a query whose
   blocks are all padding reads zeros.
+- lse (return_lse, joint softmax only): fp32 (B, H, S) log-sum-exp of the
+  scaled logits (log-weights included), -inf for a query without valid
+  blocks; differentiable. Reads of several banks (a hierarchical path's
+  levels, whose blocks differ in size) merge exactly into one softmax over
+  all their tokens: out = Σ_i softmax_i(lse_i) · out_i.
 
 Which weight mode is exact for what:
 - weights=None: exactly seed 000 eq. (4) over the concatenated selected
@@ -37,11 +42,13 @@ Which weight mode is exact for what:
   read. Weights must be > 0.
 
 Gradients: dq (B, H, S, D); the bank's gradient is computed only for the U
-unique referenced blocks (a (U, T, H_kv, D) buffer, never a bank-sized one):
-with sparse_grad=True and leaf banks (parameters) it is a sparse COO tensor
-(indices = the block ids) as nn.Embedding(sparse=True) gives; with
-sparse_grad=False, or for a computed bank (views and matmuls upstream do not
-take sparse gradients), it is scattered into a dense bank-shaped tensor.
+unique referenced blocks (a (U, T, H_kv, D) buffer, never a bank-sized one).
+It is returned as a sparse COO tensor (indices = the block ids), as
+nn.Embedding(sparse=True) gives, when sparse_grad is True, or when it is None
+and both banks are leaves (parameters); otherwise it is scattered into a
+dense bank-shaped tensor (computed banks: views and matmuls upstream do not
+take sparse gradients). sparse_grad=True on a non-leaf bank is for callers
+whose upstream op accepts sparse gradients (training.bank's row views).
 torch.compile needs the dense form unless
 torch._dynamo.config.capture_dynamic_output_shape_ops is set (U is
 data-dependent). d(weights) like weights.
@@ -54,6 +61,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
 from kernels.memory_attention import op
@@ -71,19 +79,30 @@ def memory_attention(
     *,
     weight_mode: str = "bias",
     scale: float | None = None,
-    sparse_grad: bool = True,
+    sparse_grad: bool | None = None,
     impl: str = "auto",
-) -> Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """q (B, H, S, D), bank_k/bank_v (N, T, H_kv, D), block_idx (B, k) or (B, S, k) int,
-    weights like block_idx or None → (B, H, S, D) in q's dtype (see the module docstring).
+    weights like block_idx or None → (B, H, S, D) in q's dtype (see the module docstring);
+    with return_lse also the joint softmax's lse, fp32 (B, H, S), -inf where nothing is read.
 
     scale defaults to 1/sqrt(D). Reads K/V by block id without gathering copies.
+    sparse_grad None: sparse bank gradients for leaf banks, dense for computed ones.
     """
     _validate(q, bank_k, bank_v, block_idx, weights, weight_mode, impl)
+    if return_lse and op.is_mix(weights, weight_mode):
+        raise ValueError("return_lse: mix mode normalises each block on its own; there is no "
+                         "joint log-sum-exp to return")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, _ = op.memory_attention_fwd(q, bank_k, bank_v, block_idx, weights, weight_mode, scale,
-                                     impl, sparse_grad)
-    return out
+    if sparse_grad is None:
+        sparse_grad = bank_k.is_leaf and bank_v.is_leaf
+    out, lse = op.memory_attention_fwd(q, bank_k, bank_v, block_idx, weights, weight_mode, scale,
+                                       impl, bool(sparse_grad))
+    if not return_lse:
+        return out
+    # the ops mark "nothing to normalise" with +inf (exp(s − lse) = 0); to callers it is -inf
+    return out, lse.masked_fill(torch.isposinf(lse), -math.inf)
 
 
 def _validate(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,

@@ -368,8 +368,10 @@ class Launch:
                per_token: bool) -> Launch:
         d = q.shape[-1]
         block_d = max(16, triton.next_power_of_2(d))
-        dtypes = {q.dtype, bank_k.dtype, bank_v.dtype}
-        if interpreting() or torch.float32 in dtypes or len(dtypes) > 1:
+        # Tiles are computed in the queries' precision: an fp32 bank read by bf16 queries
+        # (a trainable bank under autocast) is cast tile by tile after loading, as the
+        # gathered path casts its copy; accumulation is fp32 either way.
+        if interpreting() or q.dtype == torch.float32:
             compute = tl.float32
         else:
             compute = tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16
@@ -549,9 +551,11 @@ def forward(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
 
 def backward(grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
              weights: Tensor | None, out: Tensor, lse: Tensor, mix: bool, scale: float,
-             need_kv: bool, need_dw: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+             need_kv: bool, need_dw: bool, *, grad_lse: Tensor | None = None
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq (B, H, S, D); unique blocks (U,); dK, dV for them (U, T, H_kv, D) in the bank's
-    dtypes; dweights like weights (empty when not asked for)."""
+    dtypes; dweights like weights (empty when not asked for). grad_lse (B, H, S), the
+    gradient of the joint lse (not mix), enters through delta."""
     b, h, s, d = q.shape
     t, h_kv = bank_k.shape[1:3]
     k = block_idx.shape[-1]
@@ -564,6 +568,8 @@ def backward(grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_
         delta = lse  # unused: mix mode reads dC, written by the dQ kernel
     else:
         delta = (grad_out.float() * out.float()).sum(-1)  # (B, H, S)
+        if grad_lse is not None:  # d lse / d s = P, so dS = P·(dP − delta + dLSE)
+            delta = delta - grad_lse.float()
     table_strides = (table.coef.stride(0), table.coef.stride(1), table.coef_token_stride,
                      table.ent.stride(0), table.ent.stride(1), table.ent_token_stride)
     dims = (s, t, d, h // h_kv, table.tokens_per_tile, table.n_s_tiles, scale, scale * _LOG2E)

@@ -118,14 +118,21 @@ def memory_attention_naive_backward(
     *,
     weight_mode: str = "bias",
     scale: float | None = None,
+    grad_lse: Tensor | None = None,
+    blocks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Gradients of `memory_attention_naive` for grad_out (B, H, S, D).
 
     Returns dq (B, H, S, D), dense d(bank_k), d(bank_v) (N, T, H_kv, D) and
     d(weights) like weights (None without weights), each in its input's dtype.
-    bias: dS = P·(dP − rowsum(dO·O)), d(weight) = Σ_t dS / weight.
+    bias: dS = P·(dP − rowsum(dO·O) + dLSE), d(weight) = Σ_t dS / weight.
     mix:  with O_c = softmax_c·V_c, d(weight) = dO·O_c and
           dS = weight·P_c·(dP − dO·O_c).
+
+    grad_lse (B, H, S): the gradient reaching the joint softmax's log-sum-exp
+    (bias mode only; d lse / d logit = P). blocks (U,) sorted unique block ids:
+    return d(bank_k), d(bank_v) for those blocks only, (U, T, H_kv, D), so no
+    bank-sized buffer is made (every referenced block must be among them).
     """
     h, d = q.shape[1], q.shape[3]
     n, t, h_kv, _ = bank_k.shape
@@ -133,6 +140,8 @@ def memory_attention_naive_backward(
     g = _gather(q, bank_k, bank_v, block_idx, weights, weight_mode, scale)
     do = grad_out.float()
     dp = torch.einsum("bhsd,bhsktd->bhskt", do, g.vv)  # (B, H, S, k, T)
+    if g.mix and grad_lse is not None:
+        raise ValueError("grad_lse: the per-block log-sum-exps of mix mode are not differentiable")
     if g.mix:
         w = g.w[:, None, :, :, None]  # (B, 1, S, k, 1)
         dc = torch.einsum("bhsd,bhskd->bhsk", do, torch.einsum("bhskt,bhsktd->bhskd", g.p, g.vv))
@@ -141,7 +150,10 @@ def memory_attention_naive_backward(
         dw_heads = dc  # (B, H, S, k)
     else:
         out = torch.einsum("bhskt,bhsktd->bhsd", g.p, g.vv)
-        ds = g.p * (dp - (do * out).sum(-1)[..., None, None])
+        delta = (do * out).sum(-1)  # (B, H, S)
+        if grad_lse is not None:
+            delta = delta - grad_lse.float()
+        ds = g.p * (dp - delta[..., None, None])
         p_eff = g.p
         dw_heads = None if g.w is None else ds.sum(-1) / torch.where(g.valid, g.w, 1.0)[:, None]
     dq = torch.einsum("bhskt,bhsktd->bhsd", ds, g.kk) * scale
@@ -152,11 +164,19 @@ def memory_attention_naive_backward(
     if block_idx.ndim == 2:
         dkk, dvv = dkk[:, :, None], dvv[:, :, None]  # (B, H, 1, k, T, D)
 
+    rows, ids = n, g.safe.flatten()
+    if blocks is not None:
+        # padding entries carry zero gradients; send them to any row
+        rows = blocks.numel()
+        ids = torch.searchsorted(blocks, ids).clamp(max=max(rows - 1, 0))
+
     def to_bank(x: Tensor, like: Tensor) -> Tensor:
         # (B, H, S', k, T, D) → sum the GQA group → (B·S'·k, T, H_kv, D) → add per block id.
         x = x.unflatten(1, (h_kv, h // h_kv)).sum(2).permute(0, 2, 3, 4, 1, 5).flatten(0, 2)
-        return torch.zeros((n, t, h_kv, d), dtype=torch.float32, device=q.device).index_add_(
-            0, g.safe.flatten(), x).to(like.dtype)
+        if rows == 0:
+            return x.new_zeros((0, t, h_kv, d), dtype=like.dtype)
+        return torch.zeros((rows, t, h_kv, d), dtype=torch.float32, device=q.device).index_add_(
+            0, ids, x).to(like.dtype)
 
     dw = None
     if dw_heads is not None:

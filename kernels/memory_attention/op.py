@@ -1,8 +1,9 @@
 """Memory attention as torch custom ops: forward, backward, fake shapes and autograd.
 
-`memtree::memory_attention_fwd` returns (out, lse); `memtree::memory_attention_bwd`
-returns the gradients with the bank's part restricted to the referenced
-blocks. Both dispatch inside: the Triton kernels for CUDA tensors (or when
+`memtree::memory_attention_fwd` returns (out, lse), the joint softmax's lse
+differentiable (so reads of several banks can be merged exactly);
+`memtree::memory_attention_bwd` returns the gradients with the bank's part
+restricted to the referenced blocks. Both dispatch inside: the Triton kernels for CUDA tensors (or when
 `impl="triton"` under TRITON_INTERPRET=1), the pure-torch reference otherwise,
 with its explicit gathered backward. The ops are opaque to
 torch.compile (the reference table needs host syncs), which traces them through
@@ -69,11 +70,13 @@ def _fwd_fake(q, bank_k, bank_v, block_idx, weights, weight_mode, scale, impl, s
 @torch.library.custom_op("memtree::memory_attention_bwd", mutates_args=())
 def memory_attention_bwd(
     grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
-    weights: Tensor | None, out: Tensor, lse: Tensor, weight_mode: str, scale: float,
-    impl: str, need_kv: bool, need_dw: bool, sparse_grad: bool,
+    weights: Tensor | None, out: Tensor, lse: Tensor, grad_lse: Tensor | None,
+    weight_mode: str, scale: float, impl: str, need_kv: bool, need_dw: bool, sparse_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq (B, H, S, D), blocks, dK, dV, dweights like weights).
 
+    grad_lse: None, or the gradient (B, H, S) of the joint softmax's log-sum-exp
+    (bias mode), which folds into delta: dS = P·(dP − (rowsum(dO·O) − dLSE)).
     sparse_grad: blocks (U,) int64 are the unique referenced block ids and dK/dV
     (U, T, H_kv, D) their gradients (U is data-dependent); otherwise dK/dV are
     bank-shaped and blocks is empty, so every shape is static. U = 0 without
@@ -85,27 +88,27 @@ def memory_attention_bwd(
         from kernels.memory_attention.kernel import backward
 
         dq, blocks, dk, dv, dw = backward(grad_out, q, bank_k, bank_v, block_idx, weights, out,
-                                          lse.contiguous(), mix, scale, need_kv, need_dw)
+                                          lse.contiguous(), mix, scale, need_kv, need_dw,
+                                          grad_lse=grad_lse)
         if need_kv and not sparse_grad:
             dk = dk.new_zeros(bank_k.shape).index_copy_(0, blocks, dk)
             dv = dv.new_zeros(bank_v.shape).index_copy_(0, blocks, dv)
             blocks = blocks[:0].clone()
         return dq, blocks, dk, dv, dw
+    # sparse: gradients for the referenced blocks only, never a bank-sized buffer
+    blocks = torch.unique(block_idx[block_idx >= 0]).long() if need_kv and sparse_grad else None
     dq, dk, dv, dw = memory_attention_naive_backward(
         grad_out, q, bank_k, bank_v, block_idx, weights,
-        weight_mode="mix" if mix else "bias", scale=scale)
-    blocks = block_idx.new_empty(0, dtype=torch.int64)
-    if need_kv and sparse_grad:
-        blocks = torch.unique(block_idx[block_idx >= 0]).long()
-        dk, dv = dk[blocks], dv[blocks]
-    elif not need_kv:
-        dk, dv = dk[:0].clone(), dv[:0].clone()
+        weight_mode="mix" if mix else "bias", scale=scale, grad_lse=grad_lse,
+        blocks=blocks if need_kv else block_idx.new_empty(0, dtype=torch.int64))
+    if blocks is None:
+        blocks = block_idx.new_empty(0, dtype=torch.int64)
     return dq.contiguous(), blocks, dk, dv, dw if need_dw else q.new_empty(0)
 
 
 @memory_attention_bwd.register_fake
-def _bwd_fake(grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, weight_mode, scale,
-              impl, need_kv, need_dw, sparse_grad):
+def _bwd_fake(grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, grad_lse, weight_mode,
+              scale, impl, need_kv, need_dw, sparse_grad):
     if need_kv and sparse_grad:
         n_u = torch.library.get_ctx().new_dynamic_size()
         k_shape, v_shape = (n_u, *bank_k.shape[1:]), (n_u, *bank_v.shape[1:])
@@ -127,20 +130,20 @@ def _setup_context(ctx, inputs, output):
     q, bank_k, bank_v, block_idx, weights, weight_mode, scale, impl, sparse_grad = inputs
     out, lse = output
     ctx.save_for_backward(q, bank_k, bank_v, block_idx, weights, out, lse)
-    ctx.mark_non_differentiable(lse)
-    # A computed bank (e.g. per-step projected chapters) gets a dense gradient: the ops
-    # that produced it (views, matmuls) do not take sparse gradients.
-    sparse = sparse_grad and bank_k.is_leaf and bank_v.is_leaf
-    ctx.args = (weight_mode, scale, impl, sparse)
+    if is_mix(weights, weight_mode):  # per-block statistics; only the joint lse is a result
+        ctx.mark_non_differentiable(lse)
+    ctx.args = (weight_mode, scale, impl, sparse_grad)
 
 
-def _backward(ctx, grad_out, _grad_lse):
+def _backward(ctx, grad_out, grad_lse):
     q, bank_k, bank_v, block_idx, weights, out, lse = ctx.saved_tensors
     weight_mode, scale, impl, sparse_grad = ctx.args
     need_q, need_k, need_v, _, need_w = ctx.needs_input_grad[:5]
+    if is_mix(weights, weight_mode):
+        grad_lse = None
     dq, blocks, dk, dv, dw = memory_attention_bwd(
-        grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, weight_mode, scale, impl,
-        need_k or need_v, need_w, sparse_grad)
+        grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, grad_lse, weight_mode, scale,
+        impl, need_k or need_v, need_w, sparse_grad)
     if sparse_grad:  # like nn.Embedding(sparse=True): indices = the referenced block ids
         dk = torch.sparse_coo_tensor(blocks[None], dk, bank_k.shape, is_coalesced=True)
         dv = torch.sparse_coo_tensor(blocks[None], dv, bank_v.shape, is_coalesced=True)
