@@ -628,7 +628,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=BENCHES, action="append",
                     help="run only this benchmark (repeatable)")
     date = _dt.date.today().isoformat()
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / f"training-{date}.json"))
+    ap.add_argument("--out", default=None,
+                    help="results JSON (default bench/results/training[-ONLY…]-DATE.json, so a "
+                    "partial run does not overwrite a full one)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override one size from sizes() (JSON value); recorded in the JSON")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
@@ -644,7 +646,8 @@ def main(argv: list[str] | None = None) -> int:
             S[key] = json.loads(val)
         except json.JSONDecodeError:
             S[key] = val
-    out = Path(args.out)
+    parts = "".join(f"-{b}" for b in args.only or [])
+    out = Path(args.out or REPO / "bench" / "results" / f"training{parts}-{date}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     selected = args.only or list(BENCHES)
     results: dict[str, Any] = {

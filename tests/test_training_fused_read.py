@@ -160,3 +160,18 @@ def test_triton_kernels_read_views_with_sparse_table_gradients():
         grads.append(table.grad)
     assert grads[0].is_sparse and grads[0].coalesce().indices()[0].tolist() == [1, 4]
     torch.testing.assert_close(grads[0].to_dense(), grads[1], rtol=1e-4, atol=1e-5)
+
+
+def test_memory_read_config_resolves_by_device():
+    from memtree.config import ConfigError
+    from training.config import load_train_config
+    from training.train import memory_read
+
+    def cfg(*extra):
+        return load_train_config(None, ["data.shards=/nonexistent", *extra])
+
+    assert memory_read(cfg("device=cpu")) == "gather"  # auto: the reference is slower on CPU
+    assert memory_read(cfg("device=gpu")) == "fused"
+    assert memory_read(cfg("device=cpu", "memory.read=fused")) == "fused"
+    with pytest.raises(ConfigError, match="memory.read"):
+        cfg("memory.read=copy")

@@ -350,3 +350,10 @@ def test_trainer_fit_tiny_moc(pipeline_run, tmp_path):
     assert not (changed & ~read_ever).any()  # chapters no sequence read stay exactly as initialised
     assert (changed | ~read_late).all() and int(read_ever.sum()) < len(read_ever)
     assert "moc_banks.shared.weight" in load_file(out["anchor"])
+    # eval loads the run with its chapters inside the model (there is no memstore bank)
+    from eval.model import RunModel
+
+    run = RunModel.load(tmp_path / "moc")
+    assert run.model.moc_layers() and not run.has_memory
+    lp = run.logprobs([run.encode("the cluster of a rare fact")], mode="none")[0]
+    assert lp.numel() > 1 and torch.isfinite(lp).all()

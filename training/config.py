@@ -52,8 +52,9 @@ class MemorySection:
     export_dtype: Literal["fp32", "bf16", "fp16", "int8", "int4"] = "bf16"
     init_bank: str | None = None  # start from this memstore bank (e.g. merged per-subtree banks)
     # "fused": KV/FFN memories read in place from the bank by the fused kernels (no per-sequence
-    # copies); "gather": copy each sequence's blocks first. LoRA memories are always gathered.
-    read: Literal["fused", "gather"] = "fused"
+    # copies); "gather": copy each sequence's blocks first; "auto": fused on a GPU, gather on
+    # the CPU (where the fused ops run their slower reference). LoRA memories are always gathered.
+    read: Literal["auto", "fused", "gather"] = "auto"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -52,7 +52,7 @@ def build_model(cfg: TrainConfig) -> tuple[MemtreeLM, dict[str, Any]]:
                       norm_eps=cfg.model.norm_eps, init_std=cfg.model.init_std, lora_alpha=cfg.model.lora_alpha,
                       memory_init_std=cfg.memory.init_std, subtree=subtree, freeze_anchor=cfg.mode == "frozen",
                       hf_dir=cfg.model.hf_dir, moc=cfg.model.moc, attn_impl=attn_impl(cfg),
-                      memory_read=cfg.memory.read)
+                      memory_read=memory_read(cfg))
     if cfg.anchor_checkpoint:
         load_anchor(model, cfg.anchor_checkpoint)
     if cfg.memory.init_bank:
@@ -68,6 +68,16 @@ def attn_impl(cfg: TrainConfig) -> str:
         return cfg.model.attn_impl
     gpu = torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "gpu"
     return "flex" if gpu else "sdpa"
+
+
+def memory_read(cfg: TrainConfig) -> str:
+    """`memory.read` resolved: "auto" reads in place where the run uses a GPU (the Triton
+    kernels); on the CPU the fused ops run their reference, which is slower than the
+    gathered read (bench/training.py --only read)."""
+    if cfg.memory.read != "auto":
+        return cfg.memory.read
+    gpu = torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "gpu"
+    return "fused" if gpu else "gather"
 
 
 def load_bank(path: str, model: MemtreeLM, manifest: dict[str, Any]):
