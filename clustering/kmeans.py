@@ -25,7 +25,6 @@ import faiss
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-
 EQUALIZE_SAMPLE = 65536
 
 
@@ -169,7 +168,7 @@ def single_threaded():
 
 
 def _balanced_kmeans(x, k, *, batch_size, steps, balance_factor, rng) -> NodeFit:
-    n, d = x.shape
+    n = x.shape[0]
     if n == 0:
         raise ValueError("balanced_kmeans: no points")
     k = max(1, min(k, n))

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,9 +128,9 @@ def build_tree(
     threads (default: all cores), the pipeline passes a Dask-backed one.
     """
     n, dim = x.shape
-    params = dict(branching=branching, min_points_per_child=min_points_per_child,
-                  batch_size=batch_size, steps=steps, balance_factor=balance_factor,
-                  equalize_steps=equalize_steps, seed=seed)
+    params = {"branching": branching, "min_points_per_child": min_points_per_child,
+              "batch_size": batch_size, "steps": steps, "balance_factor": balance_factor,
+              "equalize_steps": equalize_steps, "seed": seed}
 
     def threaded(level: int, nodes: list[tuple[int, np.ndarray]], parent_c: np.ndarray):
         # Nodes are independent and their RNGs keyed by id: thread order cannot change results.
@@ -209,9 +209,8 @@ def save_tree(tree: Tree, out_dir: str | Path, *, config: dict[str, Any], embedd
         for stem, arr in (("centroids", tree.centroids[lvl - 1]), ("valid", tree.valid[lvl - 1]),
                           ("sizes", tree.sizes[lvl - 1])):
             name = f"{stem}-l{lvl}.npy"
-            with atomic_path(out / name) as tmp:
-                with open(tmp, "wb") as f:
-                    np.save(f, arr, allow_pickle=False)
+            with atomic_path(out / name) as tmp, open(tmp, "wb") as f:
+                np.save(f, arr, allow_pickle=False)
             files[name] = sha256_file(out / name)
     meta = {
         "format": TREE_FORMAT,

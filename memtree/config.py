@@ -161,7 +161,7 @@ def load_config(
             raise ConfigError(f"config file not found: {path}")
         try:
             base = OmegaConf.load(path)
-        except Exception as e:  # yaml errors come in several types
+        except Exception as e:  # noqa: BLE001 — yaml errors come in several types
             raise ConfigError(f"{path}: cannot parse YAML ({e})") from None
     for ov in overrides:
         if "=" not in ov:
@@ -169,7 +169,7 @@ def load_config(
     try:
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
         data = OmegaConf.to_container(merged, resolve=True)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 — OmegaConf raises many types; all become a ConfigError
         raise ConfigError(f"cannot resolve config: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError("config must be a mapping at the top level")

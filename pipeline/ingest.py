@@ -259,7 +259,7 @@ def _read_text(w: _UnitWriter, url: str) -> None:
     try:
         with fsspec.open(url, "rb") as f:
             data = f.read()
-    except Exception as e:  # permissions, broken links, remote errors
+    except Exception as e:  # noqa: BLE001 — permissions, broken links, remote errors: a reject
         w.records_in += 1
         w.reject(url, "file", "unreadable", f"{type(e).__name__}: {e}")
         return

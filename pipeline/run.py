@@ -133,9 +133,8 @@ def embed_part(windows_path: str, out_path: str, model: str | None, device: str,
     m = load_embedder(model, device=device, max_seq_length=max_seq_length)
     texts = pq.read_table(windows_path, columns=["text"])["text"].to_pylist()
     emb = embed_texts(m, texts, strategy=strategy, batch_size=batch_size)
-    with atomic_path(out) as tmp:
-        with open(tmp, "wb") as f:
-            np.save(f, emb, allow_pickle=False)
+    with atomic_path(out) as tmp, open(tmp, "wb") as f:
+        np.save(f, emb, allow_pickle=False)
     return emb.shape[0]
 
 
@@ -212,9 +211,9 @@ def _tree(ctx: Ctx, work: Path) -> dict:
     levels = effective_levels(x.shape[0], t.levels, t.branching, t.auto_reduce)
     if levels != t.levels:
         ctx.log(f"[tree] {x.shape[0]} windows: levels reduced {t.levels} -> {levels} (tree.auto_reduce)")
-    params = dict(branching=t.branching, min_points_per_child=t.min_points_per_child,
-                  batch_size=t.batch_size, steps=t.steps, balance_factor=t.balance_factor,
-                  equalize_steps=t.equalize_steps, seed=ctx.cfg.seed)
+    params = {"branching": t.branching, "min_points_per_child": t.min_points_per_child,
+              "batch_size": t.batch_size, "steps": t.steps, "balance_factor": t.balance_factor,
+              "equalize_steps": t.equalize_steps, "seed": ctx.cfg.seed}
     n_workers = max(1, len(ctx.client.scheduler_info()["workers"]))
 
     def fit_nodes(level, nodes, parent_c):
@@ -288,9 +287,8 @@ def _assign(ctx: Ctx, work: Path) -> dict:
     res = map_tasks(ctx.client, assign_part, args, desc="assign", progress=ctx.cfg.progress)
     sizes = [np.sum([np.asarray(r[lv]) for r in res], axis=0) for lv in range(len(res[0]))]
     for lv, s in enumerate(sizes, start=1):
-        with atomic_path(work / f"sizes-l{lv}.npy") as tmp:
-            with open(tmp, "wb") as f:
-                np.save(f, s.astype(np.int64), allow_pickle=False)
+        with atomic_path(work / f"sizes-l{lv}.npy") as tmp, open(tmp, "wb") as f:
+            np.save(f, s.astype(np.int64), allow_pickle=False)
     parts = [{"file": f"part-{i:05d}.parquet", "n": p["n"], "offset": p["offset"]} for i, p in enumerate(wparts)]
     return {"n_windows": int(sizes[0].sum()), "parts": parts}
 

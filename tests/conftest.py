@@ -55,8 +55,7 @@ def dask_client():
 
 def write_jsonl(path: Path, records: list) -> Path:
     with open(path, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+        f.writelines((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
     return path
 
 

@@ -55,7 +55,7 @@ def test_reject_reasons_and_reconciliation(tmp_path, dask_client):
     assert by_reason["malformed_json"]["source"] == str(f)
     assert "same text as doc a" in by_reason["duplicate_content"]["detail"]
     docs = pq.read_table(tmp_path / "run" / "ingest" / stats["parts"][0]["file"]).to_pylist()
-    assert [d["doc_id"] for d in docs][0] == "a"
+    assert docs[0]["doc_id"] == "a"
     assert docs[-1]["doc_id"].startswith("sha:")
     assert [d["doc_ordinal"] for d in docs] == list(range(len(docs)))
 

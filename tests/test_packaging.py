@@ -8,8 +8,9 @@ import numpy as np
 
 def test_top_level_kernels_package_does_not_confuse_transformers():
     # transformers probes for an unrelated hub package named `kernels`; ours must not be taken for it.
-    import kernels  # noqa: F401  (ours, importable)
     from transformers.utils import import_utils
+
+    import kernels  # noqa: F401  (ours, importable)
 
     assert not import_utils.is_kernels_available()
     from transformers import AutoModel
@@ -38,10 +39,11 @@ def test_mean_strategy_covers_the_whole_window():
 
 
 def test_cli_lists_subcommands_and_names_bad_input(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "memtree", "--help"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "memtree", "--help"], capture_output=True, text=True,
+                       check=False)
     assert r.returncode == 0 and "pipeline" in r.stdout and "demo" in r.stdout
     r = subprocess.run(
         [sys.executable, "-m", "memtree", "pipeline", f"out={tmp_path / 'r'}", "tree.levelz=2"],
-        capture_output=True, text=True,
+        capture_output=True, text=True, check=False,
     )
     assert r.returncode == 1 and "tree.levelz" in r.stderr

@@ -90,7 +90,7 @@ def test_query_time_routing_matches_training_assignment(run_a):
     from clustering.route import route_texts
     from clustering.tree import load_tree
 
-    out, markers, _ = run_a
+    out, _, _ = run_a
     tree = load_tree(out / "tree")
     w = pq.read_table(out / "window" / "part-00000.parquet", columns=["text"])["text"].to_pylist()[:20]
     a = pq.read_table(out / "assign" / "part-00000.parquet", columns=["path"])["path"].to_pylist()[:20]
@@ -119,7 +119,7 @@ def test_routing_cells_balanced_on_real_embeddings(run_a):
 
     out, _, _ = run_a
     x = np.load(out / "embed" / "embeddings.npy")
-    kw = dict(levels=2, branching=8, batch_size=1024, steps=10, seed=0)
+    kw = {"levels": 2, "branching": 8, "batch_size": 1024, "steps": 10, "seed": 0}
     plain = [s["balance_ratio"] for s in level_stats(build_tree(x, equalize_steps=0, **kw)[0])]
     eq = [s["balance_ratio"] for s in level_stats(build_tree(x, equalize_steps=40, **kw)[0])]
     assert eq[1] < plain[1] and max(eq) < 1.35, (plain, eq)
@@ -167,7 +167,7 @@ def test_killed_run_resumes_to_identical_outputs(run_a, corpus, tmp_path):
     proc.wait()
     assert killed, "the run finished before it could be interrupted"
     assert not (out_b / "embed").exists()
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "[embed] running (resuming)" in r.stdout
     for sub in ("tree", "assign", "shards", "window", "tokenizer"):
