@@ -49,6 +49,32 @@ def loadavg() -> list[float]:
         return []
 
 
+def pressure(resources: tuple[str, ...] = ("cpu",)) -> dict[str, float]:
+    """Linux PSI avg10 ("some") per resource, when available: how contended the machine is."""
+    out = {}
+    for res in resources:
+        try:
+            line = Path(f"/proc/pressure/{res}").read_text().splitlines()[0]
+            out[res] = float(dict(kv.split("=") for kv in line.split()[1:])["avg10"])
+        except (OSError, KeyError, ValueError, IndexError):
+            pass
+    return out
+
+
+def wait_quiet(limit_s: float, *, per_core: float = 1.0) -> float | None:
+    """Wait up to limit_s for the 1-min load average to fall below per_core x the cores."""
+    if limit_s <= 0:
+        return None
+    cores = os.cpu_count() or 1
+    t0 = time.perf_counter()
+    while os.getloadavg()[0] >= per_core * cores and time.perf_counter() - t0 < limit_s:
+        time.sleep(5)
+    waited = time.perf_counter() - t0
+    if waited > 1:
+        log(f"waited {waited:.0f}s for a quieter machine (load average now {loadavg()})")
+    return round(waited, 1)
+
+
 def json_default(o: Any) -> Any:
     """JSON for what benchmark results hold besides plain values: numpy scalars/arrays, paths, tuples."""
     if isinstance(o, np.integer):

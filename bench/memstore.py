@@ -41,6 +41,8 @@ from _common import (  # bench/ is on sys.path when run as a script
     fmt,
     loadavg,
     log,
+    pressure,
+    wait_quiet,
     write_results,
 )
 
@@ -97,18 +99,6 @@ def sizes(quick: bool) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- helpers
-def pressure() -> dict[str, float]:
-    """Linux PSI avg10 for cpu and io ("some"), when available: how contended the machine is."""
-    out = {}
-    for res in ("cpu", "io"):
-        try:
-            line = Path(f"/proc/pressure/{res}").read_text().splitlines()[0]
-            out[res] = float(dict(kv.split("=") for kv in line.split()[1:])["avg10"])
-        except (OSError, KeyError, ValueError, IndexError):
-            pass
-    return out
-
-
 def judge(rule: tuple | None, value: Any, baseline: Any, ratio: float | None) -> bool | None:
     """Whether a row meets its target: ("ge", x) / ("le", x) / ("between", lo, hi) on the ratio,
     ("eq",) on value == baseline."""
@@ -466,19 +456,6 @@ def session_latency_rows(sim_pl: float, sim_copy: float, measured: float, measur
 
 
 # ------------------------------------------------------------------------------------- main
-def wait_quiet(limit_s: float) -> float | None:
-    """Wait up to limit_s for the 1-min load average to fall below the core count."""
-    if limit_s <= 0:
-        return None
-    t0 = time.perf_counter()
-    while os.getloadavg()[0] >= (os.cpu_count() or 1) and time.perf_counter() - t0 < limit_s:
-        time.sleep(5)
-    waited = time.perf_counter() - t0
-    if waited > 1:
-        log(f"waited {waited:.0f}s for a quieter machine (load average now {loadavg()})")
-    return round(waited, 1)
-
-
 def machine(work: Path) -> dict:
     import psutil
     import torch
@@ -527,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         "meta": {"command": " ".join([Path(sys.executable).name, *sys.argv]),
                  "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "quick": args.quick,
                  "runs": args.runs, "machine": machine(work), "sizes": S, "loadavg_start": loadavg(),
-                 "pressure_start": pressure()},
+                 "pressure_start": pressure(("cpu", "io"))},
         "runs": [], "rows": []}
     fns = {"throughput": bench_throughput, "flat": bench_flat, "calibrate": bench_calibrate,
            "session": bench_session}
@@ -539,12 +516,12 @@ def main(argv: list[str] | None = None) -> int:
             for name in [b for b in BENCHES if b in selected]:
                 waited = wait_quiet(args.wait_quiet)
                 t0 = time.perf_counter()
-                before = {"loadavg": loadavg(), "pressure": pressure(), "waited_for_quiet_s": waited}
+                before = {"loadavg": loadavg(), "pressure": pressure(("cpu", "io")), "waited_for_quiet_s": waited}
                 log(f"=== run {k + 1}/{args.runs}: {name} (load average {before['loadavg']}, "
                     f"pressure avg10 {before['pressure']})")
                 res, rows = fns[name](S, ctx)
                 res["load_before"] = before
-                res["load_after"] = {"loadavg": loadavg(), "pressure": pressure()}
+                res["load_after"] = {"loadavg": loadavg(), "pressure": pressure(("cpu", "io"))}
                 res["bench_seconds"] = round(time.perf_counter() - t0, 1)
                 run["benchmarks"][name] = res
                 run["rows"] += rows

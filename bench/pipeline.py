@@ -47,6 +47,7 @@ from _common import (  # bench/ is on sys.path when run as a script
     fmt,
     loadavg,
     log,
+    wait_quiet,
     write_results,
 )
 
@@ -1073,19 +1074,6 @@ def bench_e2e(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
 
 
 # ------------------------------------------------------------------------------------- main
-def wait_quiet(limit_s: float) -> float | None:
-    """Wait up to limit_s for the 1-min load average to fall below the core count."""
-    if limit_s <= 0:
-        return None
-    t0 = time.perf_counter()
-    while os.getloadavg()[0] >= n_cores() and time.perf_counter() - t0 < limit_s:
-        time.sleep(5)
-    waited = time.perf_counter() - t0
-    if waited > 1:
-        log(f"waited {waited:.0f}s for a quieter machine (load average now {loadavg()})")
-    return round(waited, 1)
-
-
 def machine() -> dict:
     import faiss
     import psutil

@@ -49,6 +49,8 @@ from _common import (  # bench/ is on sys.path when run as a script
     fmt,
     loadavg,
     log,
+    pressure,
+    wait_quiet,
     write_results,
 )
 
@@ -111,15 +113,6 @@ def sizes(quick: bool) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- helpers
-def pressure() -> dict[str, float]:
-    """Linux PSI avg10 for cpu ("some"), when available: how contended the machine is."""
-    try:
-        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
-        return {"cpu": float(dict(kv.split("=") for kv in line.split()[1:])["avg10"])}
-    except (OSError, KeyError, ValueError, IndexError):
-        return {}
-
-
 def mem_available() -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -590,20 +583,6 @@ def bench_read(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
 
 
 # ------------------------------------------------------------------------------------- main
-def wait_quiet(limit_s: float) -> float | None:
-    """Wait up to limit_s for the 1-min load average to fall below 0.5 per core."""
-    if limit_s <= 0:
-        return None
-    cores = os.cpu_count() or 1
-    t0 = time.perf_counter()
-    while os.getloadavg()[0] >= 0.5 * cores and time.perf_counter() - t0 < limit_s:
-        time.sleep(5)
-    waited = time.perf_counter() - t0
-    if waited > 1:
-        log(f"waited {waited:.0f}s for a quieter machine (load average now {loadavg()})")
-    return round(waited, 1)
-
-
 def machine() -> dict:
     return {"python": platform.python_version(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "cores": os.cpu_count(),
@@ -660,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
            "read": bench_read}
     ctx: dict[str, Any] = {}
     for name in [b for b in BENCHES if b in selected]:
-        waited = wait_quiet(args.wait_quiet)
+        waited = wait_quiet(args.wait_quiet, per_core=0.5)
         before = {"loadavg": loadavg(), "pressure": pressure()}
         log(f"=== {name} (load average {before['loadavg']}, cpu pressure {before['pressure']})")
         t0 = time.perf_counter()

@@ -248,11 +248,6 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
                 mem: LayerMemories | None) -> Tensor:
         q, k, v = self.q(x), self.k(x), self.v(x)  # (B, S, q_dim), (B, S, kv_dim) ×2
-        if isinstance(mem, BankRead) and self.mem_type != "kv":
-            if self.mem_type == "ffn":
-                mem = None  # the FFN reads it
-            else:
-                raise ValueError(f"{self.mem_type} memories are read gathered, not in place")
         if mem is not None and self.mem_type == "lora-qk":
             q = q + _lora(x, mem["q_a"], mem["q_b"], self.lora_alpha)
             k = k + _lora(x, mem["k_a"], mem["k_b"], self.lora_alpha)
@@ -320,22 +315,20 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor, mem: LayerMemories | None) -> Tensor:
         if mem is None or self.mem_type not in ("ffn", "lora-ffn"):
             return self.w3(F.silu(self.w1(x)) * self.w2(x))
-        if isinstance(mem, BankRead):  # the widened inner dim is a sum over levels' blocks
-            if self.mem_type != "ffn":
-                raise ValueError(f"{self.mem_type} memories are read gathered, not in place")
-            y = self.w3(F.silu(self.w1(x)) * self.w2(x))
-            for views, rows in mem.levels:
-                y = y + ffn_memory(x, views["w1"], views["w2"], views["w3"], rows[:, None])
-            return y
         if self.mem_type == "lora-ffn":
             g = self.w1(x) + _lora(x, mem["w1_a"], mem["w1_b"], self.lora_alpha)  # (B, S, ffn)
             u = self.w2(x) + _lora(x, mem["w2_a"], mem["w2_b"], self.lora_alpha)
             h = F.silu(g) * u
             return self.w3(h) + _lora(h, mem["w3_a"], mem["w3_b"], self.lora_alpha)
         # FFN memory widens the inner dim by W; the widened w3 sums the two halves' outputs.
+        y = self.w3(F.silu(self.w1(x)) * self.w2(x))
+        if isinstance(mem, BankRead):  # (only KV/FFN memories are read in place)
+            for views, rows in mem.levels:  # levels' blocks add up along the widened dim
+                y = y + ffn_memory(x, views["w1"], views["w2"], views["w3"], rows[:, None])
+            return y
         w1, w2, w3 = (mem[n].to(x.dtype) for n in ("w1", "w2", "w3"))  # (B, W, d) each
         h_mem = F.silu(x @ w1.mT) * (x @ w2.mT)  # (B, S, W)
-        return self.w3(F.silu(self.w1(x)) * self.w2(x)) + h_mem @ w3
+        return y + h_mem @ w3
 
 
 class Block(nn.Module):

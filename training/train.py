@@ -62,12 +62,16 @@ def build_model(cfg: TrainConfig) -> tuple[MemtreeLM, dict[str, Any]]:
     return model, manifest
 
 
+def uses_gpu(cfg: TrainConfig) -> bool:
+    """Whether the run trains on GPUs (`device: auto` means: if one is present)."""
+    return torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "gpu"
+
+
 def attn_impl(cfg: TrainConfig) -> str:
     """`model.attn_impl` resolved: "auto" is FlexAttention where the run uses a GPU."""
     if cfg.model.attn_impl != "auto":
         return cfg.model.attn_impl
-    gpu = torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "gpu"
-    return "flex" if gpu else "sdpa"
+    return "flex" if uses_gpu(cfg) else "sdpa"
 
 
 def memory_read(cfg: TrainConfig) -> str:
@@ -76,8 +80,7 @@ def memory_read(cfg: TrainConfig) -> str:
     gathered read (bench/training.py --only read)."""
     if cfg.memory.read != "auto":
         return cfg.memory.read
-    gpu = torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "gpu"
-    return "fused" if gpu else "gather"
+    return "fused" if uses_gpu(cfg) else "gather"
 
 
 def load_bank(path: str, model: MemtreeLM, manifest: dict[str, Any]):
@@ -195,7 +198,7 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
         if params:
             groups.append({"params": params, "lr": cfg.optim.lr if lr is None else lr,
                            "weight_decay": cfg.optim.weight_decay})
-    gpu = torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "gpu"
+    gpu = uses_gpu(cfg)
     parallelism = fsdp_parallelism(cfg, model, gpu=gpu)
     optimizer = MemoryAdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
                             max_grad_norm=cfg.optim.max_grad_norm, dense_sharded=parallelism is not None)

@@ -3,8 +3,9 @@
 `memtree::memory_attention_fwd` returns (out, lse), the joint softmax's lse
 differentiable (so reads of several banks can be merged exactly);
 `memtree::memory_attention_bwd` returns the gradients with the bank's part
-restricted to the referenced blocks. Both dispatch inside: the Triton kernels for CUDA tensors (or when
-`impl="triton"` under TRITON_INTERPRET=1), the pure-torch reference otherwise,
+restricted to the referenced blocks. Both dispatch inside: the Triton kernels
+for CUDA tensors (or when `impl="triton"` under TRITON_INTERPRET=1), the
+pure-torch reference otherwise,
 with its explicit gathered backward. The ops are opaque to
 torch.compile (the reference table needs host syncs), which traces them through
 the fake implementations. The bank's gradient is a sparse COO tensor over the
@@ -95,14 +96,15 @@ def memory_attention_bwd(
             dv = dv.new_zeros(bank_v.shape).index_copy_(0, blocks, dv)
             blocks = blocks[:0].clone()
         return dq, blocks, dk, dv, dw
-    # sparse: gradients for the referenced blocks only, never a bank-sized buffer
-    blocks = torch.unique(block_idx[block_idx >= 0]).long() if need_kv and sparse_grad else None
+    # sparse: gradients for the referenced blocks only, never a bank-sized buffer; no
+    # blocks at all without need_kv; dense (blocks=None to the reference) otherwise
+    blocks = block_idx.new_empty(0, dtype=torch.int64)
+    if need_kv and sparse_grad:
+        blocks = torch.unique(block_idx[block_idx >= 0]).long()
     dq, dk, dv, dw = memory_attention_naive_backward(
         grad_out, q, bank_k, bank_v, block_idx, weights,
         weight_mode="mix" if mix else "bias", scale=scale, grad_lse=grad_lse,
-        blocks=blocks if need_kv else block_idx.new_empty(0, dtype=torch.int64))
-    if blocks is None:
-        blocks = block_idx.new_empty(0, dtype=torch.int64)
+        blocks=None if need_kv and not sparse_grad else blocks)
     return dq.contiguous(), blocks, dk, dv, dw if need_dw else q.new_empty(0)
 
 
