@@ -13,10 +13,12 @@ from typing import Any
 
 import numpy as np
 
-# The scripts run as `python bench/<name>.py`: put the repository on sys.path once, here, so
-# they can import the project's packages after importing this module.
+# The scripts run as `python bench/<name>.py`: put the repository first on sys.path, here, so
+# they can import the project's packages after importing this module. First, not merely present:
+# bench/ is sys.path[0] and bench/kernels.py would otherwise shadow the `kernels` package
+# whenever the repository also reaches sys.path through PYTHONPATH.
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
+if sys.path[0] != str(REPO):
     sys.path.insert(0, str(REPO))
 
 

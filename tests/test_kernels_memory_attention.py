@@ -63,6 +63,9 @@ CPU_CASES = [
     Case(2, 2, 1, 1, 80, 4, 20, 3, True, None),
     Case(2, 4, 2, 37, 32, 6, 9, 3, True, "mix", torch.bfloat16),
     Case(1, 2, 2, 63, 64, 6, 20, 4, True, "bias", torch.float16),
+    # T a multiple of the interpreter's BLOCK_N (16): the unmasked EVEN_T loads
+    Case(2, 4, 2, 63, 32, 7, 32, 3, False, "bias"),
+    Case(1, 4, 2, 37, 32, 6, 16, 3, True, "mix"),
 ]
 
 GPU_CASES = [

@@ -88,8 +88,12 @@ _INTERPRETER = {name: {key: 32 if key.startswith("B") else v for key, v in cfg.i
 
 
 def interpreting() -> bool:
-    """Whether the kernels were defined under TRITON_INTERPRET=1 (so they can run on CPU)."""
-    return isinstance(_up, triton.runtime.interpreter.InterpretedFunction)
+    """Whether the kernels were defined under TRITON_INTERPRET=1 (so they can run on CPU).
+
+    Asked of the jitted object rather than the environment, which may have changed since
+    import; by exclusion, because `triton.runtime.interpreter` is not an attribute of
+    `triton.runtime` on every Triton release (3.6 does not import it)."""
+    return not isinstance(_up, triton.runtime.JITFunction)
 
 
 @triton.jit

@@ -26,8 +26,9 @@ A tile computes every slot for all its queries (coef = 0 masks the rest), so
 per-token lists cost in proportion to the unique blocks a tile touches: about
 the per-sequence cost when neighbouring tokens share chapters, up to TS times
 more when they share none. Building the table costs two host syncs per call
-(forward and backward each). Tile sizes are fixed heuristics, not tuned on a
-GPU.
+(forward and backward each). Tile sizes are fixed heuristics; a sweep on an H100
+(bench/tune_attention.py, docs/BENCHMARKS.md) moved forward+backward by less than
+the table's host time, so they were left as they are.
 
 Softmax statistics are fp32 and scores are taken in the log2 domain. The
 joint softmax ("bias") adds log2(coef) to the scores; "mix" normalises every
@@ -50,6 +51,16 @@ import triton.language as tl
 from torch import Tensor
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _keep(idx, n, EVEN: tl.constexpr):
+    """Mask idx < n. When the launch knows n fills the tile (EVEN), an all-true constant
+    instead: a mask over a run-time bound has constancy 1 along the head dimension, which
+    cuts every K/V/Q load to 2-byte accesses; a constant one keeps them 16 bytes wide."""
+    if EVEN:
+        return tl.full(idx.shape, 1, tl.int1)
+    return idx < n
 
 
 @triton.jit
@@ -80,7 +91,7 @@ def _load_block_tile(ptr, blk, hkv, nn, dd, nmask, dmask, s_n, s_t, s_h, s_d,
 
 @triton.jit
 def _slot_tile(it, n_tt, grp, tok, rmask, GroupBlocks, Coef, Ent, sg_g, sg_l, sc_g, sc_l, sc_t,
-               se_g, se_l, se_t, T, BLOCK_N: tl.constexpr):
+               se_g, se_l, se_t, T, BLOCK_N: tl.constexpr, EVEN_T: tl.constexpr):
     """Iteration `it` of a tile's flat (slot × T tile) loop: the slot's block id, tile index
     and token range, and per row the coefficient and first entry (-1: not referenced)."""
     sl = it // n_tt
@@ -89,7 +100,7 @@ def _slot_tile(it, n_tt, grp, tok, rmask, GroupBlocks, Coef, Ent, sg_g, sg_l, sc
     c = tl.load(Coef + grp * sc_g + sl * sc_l + tok * sc_t, mask=rmask, other=0.0)
     j = tl.load(Ent + grp * se_g + sl * se_l + tok * se_t, mask=rmask, other=-1)
     nn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-    return blk, nt, nn, nn < T, c, j
+    return blk, nt, nn, _keep(nn, T, EVEN_T), c, j
 
 
 @triton.jit
@@ -101,7 +112,7 @@ def _fwd_kernel(
     S, T, D, G, TS, n_s_tiles, scale_log2,
     PER_TOKEN: tl.constexpr, MIX: tl.constexpr, ONE_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    COMPUTE: tl.constexpr, PREC: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_T: tl.constexpr, COMPUTE: tl.constexpr, PREC: tl.constexpr,
 ):
     """Output and log-sum-exp of one query tile. One flat loop over (slot, T tile), so the
     K/V loads of the next block are pipelined even when a block is a single tile.
@@ -119,7 +130,7 @@ def _fwd_kernel(
         grp = b
     tok, s, h, rmask = _row_setup((pid % n_s_tiles) * TS, hkv, G, TS, S, BLOCK_M)
     dd = tl.arange(0, BLOCK_D)
-    dmask = dd < D
+    dmask = _keep(dd, D, EVEN_D)
     q = _load_rows(Q, b, h, s, dd, rmask, dmask, sq_b, sq_h, sq_s, sq_d, COMPUTE)
     lse_row = b * sl_b + h * sl_h + s * sl_s  # (BLOCK_M,)
 
@@ -132,7 +143,7 @@ def _fwd_kernel(
     for it in range(n_iter):
         blk, nt, nn, nmask, c, j = _slot_tile(it, n_tt, grp, tok, rmask, GroupBlocks, Coef, Ent,
                                               sg_g, sg_l, sc_g, sc_l, sc_t, se_g, se_l, se_t,
-                                              T, BLOCK_N)
+                                              T, BLOCK_N, EVEN_T)
         k = _load_block_tile(K, blk, hkv, nn, dd, nmask, dmask, sk_n, sk_t, sk_h, sk_d, COMPUTE)
         v = _load_block_tile(V, blk, hkv, nn, dd, nmask, dmask, sv_n, sv_t, sv_h, sv_d, COMPUTE)
         s2 = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
@@ -193,7 +204,7 @@ def _bwd_dq_kernel(
     PER_TOKEN: tl.constexpr, MIX: tl.constexpr, NEED_DC: tl.constexpr,
     ONE_TILE: tl.constexpr, DC_PASS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    COMPUTE: tl.constexpr, PREC: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_T: tl.constexpr, COMPUTE: tl.constexpr, PREC: tl.constexpr,
 ):
     """dQ for one query tile, and dC = ∂L/∂coef per (query row, first entry).
 
@@ -213,7 +224,7 @@ def _bwd_dq_kernel(
         grp = b
     tok, s, h, rmask = _row_setup((pid % n_s_tiles) * TS, hkv, G, TS, S, BLOCK_M)
     dd = tl.arange(0, BLOCK_D)
-    dmask = dd < D
+    dmask = _keep(dd, D, EVEN_D)
     q = _load_rows(Q, b, h, s, dd, rmask, dmask, sq_b, sq_h, sq_s, sq_d, COMPUTE)
     do = _load_rows(dO, b, h, s, dd, rmask, dmask, sdo_b, sdo_h, sdo_s, sdo_d, COMPUTE)
     row = b * sl_b + h * sl_h + s * sl_s  # (BLOCK_M,)
@@ -227,7 +238,7 @@ def _bwd_dq_kernel(
     for it in range(n_iter):
         blk, _, nn, nmask, c, j = _slot_tile(it, n_tt, grp, tok, rmask, GroupBlocks, Coef, Ent,
                                              sg_g, sg_l, sc_g, sc_l, sc_t, se_g, se_l, se_t,
-                                             T, BLOCK_N)
+                                             T, BLOCK_N, EVEN_T)
         jmask = rmask & (j >= 0)
         k = _load_block_tile(K, blk, hkv, nn, dd, nmask, dmask, sk_n, sk_t, sk_h, sk_d, COMPUTE)
         v = _load_block_tile(V, blk, hkv, nn, dd, nmask, dmask, sv_n, sv_t, sv_h, sv_d, COMPUTE)
@@ -302,7 +313,7 @@ def _bwd_dkv_kernel(
     S, T, D, G, TS, n_s_tiles, scale, scale_log2,
     PER_TOKEN: tl.constexpr, MIX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    COMPUTE: tl.constexpr, PREC: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_T: tl.constexpr, COMPUTE: tl.constexpr, PREC: tl.constexpr,
 ):
     """dK/dV of one (unique block, KV head, T tile), summed over every query tile of
     every (group, slot) pair that references the block: one tile per pair for per-token
@@ -315,9 +326,9 @@ def _bwd_dkv_kernel(
     hkv = tl.program_id(1)
     blk = tl.load(UBlocks + u).to(tl.int64)
     nn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = nn < T
+    nmask = _keep(nn, T, EVEN_T)
     dd = tl.arange(0, BLOCK_D)
-    dmask = dd < D
+    dmask = _keep(dd, D, EVEN_D)
     k = _load_block_tile(K, blk, hkv, nn, dd, nmask, dmask, sk_n, sk_t, sk_h, sk_d, COMPUTE)
     v = _load_block_tile(V, blk, hkv, nn, dd, nmask, dmask, sv_n, sv_t, sv_h, sv_d, COMPUTE)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -362,6 +373,8 @@ class Launch:
     num_stages: int
     compute: tl.dtype
     prec: str
+    even_d: bool  # D == block_d: no mask along the head dimension
+    even_t: bool  # block_n divides T: no mask along a block's tokens
 
     @classmethod
     def choose(cls, q: Tensor, bank_k: Tensor, bank_v: Tensor, t: int, g: int,
@@ -390,13 +403,14 @@ class Launch:
             warps = 4 if block_d <= 64 and block_m <= 64 else 8
         return cls(block_m=block_m, block_n=block_n, block_d=block_d, num_warps=warps,
                    num_stages=stages, compute=compute,
-                   prec="tf32" if compute != tl.float32 else "ieee")
+                   prec="tf32" if compute != tl.float32 else "ieee",
+                   even_d=d == block_d, even_t=t % block_n == 0)
 
     def meta(self) -> dict:
         """Launch keywords shared by the three kernels."""
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_D": self.block_d,
-                "COMPUTE": self.compute, "PREC": self.prec, "num_warps": self.num_warps,
-                "num_stages": self.num_stages}
+                "EVEN_D": self.even_d, "EVEN_T": self.even_t, "COMPUTE": self.compute,
+                "PREC": self.prec, "num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -414,8 +428,8 @@ class Table:
     ublocks: Tensor  # (U,) int64 sorted unique referenced blocks
     u_order: Tensor  # (U,) int32 unique blocks by descending pair count
     pair_off: Tensor  # (U + 1,) int32 CSR offsets into pair_group/pair_slot
-    pair_group: Tensor  # (P,) int32
-    pair_slot: Tensor  # (P,) int32
+    pair_group: Tensor  # (G·L,) int32; the first P = pair_off[-1] are the pairs
+    pair_slot: Tensor  # (G·L,) int32
 
     @property
     def coef_token_stride(self) -> int:
@@ -431,69 +445,78 @@ def build_table(block_idx: Tensor, weights: Tensor | None, s: int, n_bank: int,
     """The reference table for block_idx (B, k) or (B, S, k) and weights of the same shape.
 
     Two host syncs: the largest slot count and block id (one transfer), and the
-    number of unique blocks.
+    number of unique blocks. Everything else is fixed-shape torch ops: entries that
+    must not land anywhere (padding, repeats) are routed to a spare last element that is
+    dropped, rather than selected by boolean masks, each of which would be another sync
+    (profiled on an H100: a dozen such syncs made this table cost 2.5 ms per call, four
+    times the forward kernel).
     """
     per_token = block_idx.ndim == 3
     b, k = block_idx.shape[0], block_idx.shape[-1]
     dev = block_idx.device
     idx = block_idx.long()
     w = None if weights is None else weights.float()
+    n_s_tiles = triton.cdiv(s, tokens_per_tile)
     if per_token:
-        n_s_tiles = triton.cdiv(s, tokens_per_tile)
         pad = n_s_tiles * tokens_per_tile - s
         idx = F.pad(idx, (0, 0, 0, pad), value=-1).reshape(b * n_s_tiles, tokens_per_tile * k)
         if w is not None:
             w = F.pad(w, (0, 0, 0, pad)).reshape(idx.shape)
         tpg = tokens_per_tile
     else:
-        n_s_tiles = triton.cdiv(s, tokens_per_tile)
         tpg = 1
     n_groups, n_ent = idx.shape  # (G, tokens per group · k)
     srt, order = idx.sort(dim=1, stable=True)  # padding (-1) first
     new = srt >= 0
     new[:, 1:] &= srt[:, 1:] != srt[:, :-1]
-    slot_sorted = new.cumsum(1) - 1
+    slot_sorted = new.cumsum(1) - 1  # the slot of each sorted entry; -1 for padding
     count = new.sum(1)
     n_slots, top = (int(v) for v in torch.stack([count.max(), srt[:, -1].max()]).tolist())
     if top >= n_bank:
         raise ValueError(f"block_idx holds block {top} but the bank has {n_bank} blocks")
     n_slots = max(n_slots, 1)
-    gi = torch.arange(n_groups, device=dev)[:, None].expand(n_groups, n_ent)
-    group_blocks = torch.full((n_groups, n_slots), -1, dtype=torch.long, device=dev)
-    group_blocks[gi[new], slot_sorted[new]] = srt[new]
+    # (G, L + 1): first entries of a block write its slot, the rest the spare column
+    group_blocks = torch.full((n_groups, n_slots + 1), -1, dtype=torch.long, device=dev)
+    group_blocks.scatter_(1, torch.where(new, slot_sorted, n_slots), srt)
+    group_blocks = group_blocks[:, :n_slots]
 
     slot = torch.empty_like(slot_sorted).scatter_(1, order, slot_sorted)  # per original entry
     valid = idx >= 0
     pos = torch.arange(n_ent, device=dev)
-    tok = (pos // k).expand(n_groups, n_ent)
-    j = (pos % k).expand(n_groups, n_ent)
-    g_v, slot_v, tok_v, j_v = gi[valid], slot[valid], tok[valid], j[valid]
-    coef = torch.zeros((n_groups, n_slots, tpg), dtype=torch.float32, device=dev)
-    vals = w[valid] if w is not None else torch.ones_like(g_v, dtype=torch.float32)
-    coef.index_put_((g_v, slot_v, tok_v), vals, accumulate=True)
-    flat = (g_v * n_slots + slot_v) * tpg + tok_v
-    ent = torch.full((n_groups * n_slots * tpg,), k, dtype=torch.long, device=dev)
-    ent.scatter_reduce_(0, flat, j_v, reduce="amin")
-    first = torch.full_like(idx, -1)
-    first[valid] = ent[flat]
-    ent = torch.where(ent == k, -1, ent).view(n_groups, n_slots, tpg)
+    gi = torch.arange(n_groups, device=dev)[:, None]
+    n_cells = n_groups * n_slots * tpg
+    # flat (group, slot, token) cell of every entry; padding goes to the spare cell n_cells
+    flat = torch.where(valid, (gi * n_slots + slot) * tpg + pos // k, n_cells)
+    vals = w if w is not None else torch.ones(idx.shape, dtype=torch.float32, device=dev)
+    coef = torch.zeros(n_cells + 1, dtype=torch.float32, device=dev)
+    coef.index_add_(0, flat.flatten(), vals.flatten())
+    ent = torch.full((n_cells + 1,), k, dtype=torch.long, device=dev)
+    ent.scatter_reduce_(0, flat.flatten(), (pos % k).expand(n_groups, n_ent).flatten(),
+                        reduce="amin")
+    first = torch.where(valid, ent[flat], -1)
+    ent = torch.where(ent == k, -1, ent)[:n_cells].view(n_groups, n_slots, tpg)
+    coef = coef[:n_cells].view(n_groups, n_slots, tpg)
     if per_token:
         first = first.view(b, n_s_tiles * tokens_per_tile, k)[:, :s]
 
-    ublocks = torch.unique(srt[srt >= 0])  # (U,) sorted
+    # unique referenced blocks from a bitmap over the bank (no sort); nonzero is the sync
+    present = torch.zeros(n_bank + 1, dtype=torch.bool, device=dev)
+    present[torch.where(valid, idx, n_bank).flatten()] = True
+    ublocks = present[:n_bank].nonzero().flatten()  # (U,) sorted
+    n_u = ublocks.numel()
+    rank = present[:n_bank].cumsum(0) - 1  # block id -> its index in ublocks
     used = group_blocks >= 0
-    uid = torch.searchsorted(ublocks, group_blocks[used])
-    by_u = torch.argsort(uid, stable=True)
-    gl = torch.arange(n_groups, device=dev)[:, None].expand(n_groups, n_slots)
-    sl = torch.arange(n_slots, device=dev)[None, :].expand(n_groups, n_slots)
-    per_u = torch.bincount(uid, minlength=ublocks.numel())
+    uid = torch.where(used, rank[group_blocks.clamp(min=0)], n_u).flatten()  # (G·L,), n_u unused
+    by_u = torch.argsort(uid, stable=True)  # pairs grouped by block; unused ones at the end
+    per_u = torch.bincount(uid, minlength=n_u + 1)[:n_u]
     pair_off = F.pad(per_u.cumsum(0), (1, 0))
     return Table(
         per_token=per_token, tokens_per_tile=tokens_per_tile, n_s_tiles=n_s_tiles,
         group_blocks=group_blocks.int(), group_count=count.int(), coef=coef, ent=ent.int(),
         first=first, ublocks=ublocks,
         u_order=torch.argsort(per_u, descending=True, stable=True).int(),
-        pair_off=pair_off.int(), pair_group=gl[used][by_u].int(), pair_slot=sl[used][by_u].int(),
+        pair_off=pair_off.int(), pair_group=(by_u // n_slots).int(),
+        pair_slot=(by_u % n_slots).int(),
     )
 
 
