@@ -24,6 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rag", nargs="?", const="", metavar="PIPELINE_RUN",
                    help="add the RAG baseline (App. H): the nearest training window of the question's leaf "
                         "cluster in the context; datastore = this pipeline run (default: the run's shards' parent)")
+    p.add_argument("--epochs", type=float, default=1.0,
+                   help="epochs the model trained over the corpus in all (exposures = mentions × epochs)")
+    p.add_argument("--block-level", type=int, default=1, help="tree level of the blocked subtrees (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="report directory (default RUN/eval)")
     p.set_defaults(func=_eval)
@@ -74,10 +77,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "resume. Prints the report path.",
     )
     d.add_argument("--root", default="runs/demo", help="run directory (default runs/demo)")
-    d.add_argument("--n-docs", type=int, default=4000)
-    d.add_argument("--anchor-steps", type=int, default=150)
-    d.add_argument("--cotrain-steps", type=int, default=150)
-    d.add_argument("--max-probes", type=int, default=256, help="probes to evaluate (0 = all)")
+    d.add_argument("--seed", type=int, default=0, help="corpus, training and probe seed (default 0)")
+    d.add_argument("--corpus", action="append", default=[], metavar="KEY=VALUE",
+                   help="pipeline.bios.BiosSpec field (repeatable), e.g. --corpus entities_per_subtopic=4")
+    d.add_argument("--anchor-duration", default="2ep", help="anchor pretraining (Composer time, default 2ep)")
+    d.add_argument("--cotrain-duration", default="5ep", help="co-training (Composer time, default 5ep)")
+    d.add_argument("--max-probes", type=int, default=0, help="probes to evaluate, evenly spread (0 = all)")
+    d.add_argument("--target-domain", help="blocking target (default: the first domain in sorted order)")
+    d.add_argument("--no-rag", action="store_true", help="skip the RAG rows")
     d.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
                    help="training override for both stages (repeatable), e.g. --train data.batch_size=4")
     d.add_argument("overrides", nargs="*", help="pipeline key=value overrides")
@@ -87,11 +94,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from omegaconf import OmegaConf
+
     from eval.demo import run_main_job
 
-    report = run_main_job(args.root, n_docs=args.n_docs, pipeline_overrides=args.overrides,
-                          train_overrides=args.train, anchor_steps=args.anchor_steps,
-                          cotrain_steps=args.cotrain_steps, max_probes=args.max_probes)
+    corpus = OmegaConf.to_container(OmegaConf.from_dotlist(args.corpus))
+    report = run_main_job(args.root, corpus=corpus, pipeline_overrides=args.overrides,
+                          train_overrides=args.train, anchor_duration=args.anchor_duration,
+                          cotrain_duration=args.cotrain_duration, max_probes=args.max_probes,
+                          target_domain=args.target_domain, rag=not args.no_rag, seed=args.seed)
     print(Path(report).read_text())
     print(f"Demo finished. Report: {Path(report).resolve()}")
     return 0
@@ -105,7 +116,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     rm = RunModel.load(args.run, tree_dir=args.tree)
     probes, held_out = load_eval_inputs(args.facts, held_out=args.held_out, max_probes=args.max_probes,
-                                        seed=args.seed)
+                                        seed=args.seed, epochs=args.epochs)
     rag = None
     if args.rag is not None:
         from eval.rag import RagIndex
@@ -114,7 +125,8 @@ def _eval(args: argparse.Namespace) -> int:
     knowledge = knowledge_eval(rm, probes, held_out, rag=rag)
     blocking = None
     if args.block_domains:
-        blocking = blocking_eval(rm, probes, target_domains=args.block_domains.split(","), seed=args.seed)
+        blocking = blocking_eval(rm, probes, target_domains=args.block_domains.split(","), seed=args.seed,
+                                 level=args.block_level, fraction=rm.store.info.memory.branching ** -args.block_level)
     out = Path(args.out) if args.out else Path(args.run) / "eval"
     files = write_report(out, knowledge=knowledge, blocking=blocking,
                          meta={"run": str(Path(args.run).resolve()), "probes": len(probes)})

@@ -37,9 +37,10 @@ MODE_LABEL = {"none": "anchor only", "generic": "anchor + generic memory", "fetc
 
 
 def load_eval_inputs(facts: str | Path, *, held_out: str | Path | None = None, max_probes: int = 0,
-                     seed: int = 0) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Probes from a facts JSONL (at most `max_probes`, evenly spread; 0 = all) and held-out documents."""
-    probes = build_probes(load_facts(facts), seed=seed)
+                     seed: int = 0, epochs: float = 1.0) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Probes from a facts JSONL (at most `max_probes`, evenly spread; 0 = all) and held-out documents;
+    `epochs`: how many times training went over the corpus (exposures = mentions × epochs)."""
+    probes = build_probes(load_facts(facts), seed=seed, epochs=epochs)
     if max_probes:
         probes = probes[:: max(1, len(probes) // max_probes)][:max_probes]
     docs = []
@@ -58,7 +59,10 @@ def knowledge_eval(rm: RunModel, probes: Sequence[dict[str, Any]], held_out: Seq
     modes = [m for m in modes if m == "none" or rm.has_memory]
     paths = rm.route([p["context"] for p in probes]) if rm.has_memory else None
     doc_paths = rm.route([d["text"] for d in held_out]) if rm.has_memory and held_out else None
-    out: dict[str, Any] = {"n_probes": len(probes), "modes": {}}
+    out: dict[str, Any] = {"n_probes": len(probes), "n_choices": len(probes[0]["choices"]) if probes else None,
+                           "modes": {}}
+    if paths is not None:  # what fetched memory used: the traversal of each question's text
+        out["paths"] = paths.tolist()
 
     def row(items: Sequence[dict[str, Any]], mode: str) -> dict[str, Any]:
         mc = multiple_choice(rm, items, mode=mode, paths=paths)
@@ -78,11 +82,22 @@ def knowledge_eval(rm: RunModel, probes: Sequence[dict[str, Any]], held_out: Seq
 
 
 def blocking_eval(rm: RunModel, probes: Sequence[dict[str, Any]], *, target_domains: Sequence[str],
-                  fraction: float | None = None, level: int = 1, seed: int = 0) -> dict[str, Any]:
-    """Accuracy with fetched memories before and after blocking the target probes' best match."""
+                  fraction: float | None = None, level: int = 1, seed: int = 0,
+                  fallback: str | None = None) -> dict[str, Any]:
+    """Accuracy with fetched memories before and after blocking the target probes' best match.
+
+    The random control draws the same number of subtrees among those the adversarial blocking
+    left open, so it never repeats the adversarial choice. `fallback` ("zeros": a blocked block
+    reads as no memory; "generic": as the generic memory) applies to this experiment only; None
+    keeps the bank's policy."""
     if not rm.has_memory:
         raise ValueError("blocking needs a run with a memory bank")
     store = rm.store
+    saved_fallback = store.policy["fallback"]
+    if fallback is not None:
+        if fallback not in ("zeros", "generic"):
+            raise ValueError(f"fallback: {fallback!r} is not 'zeros' or 'generic'")
+        store.policy["fallback"] = fallback
     fraction = fraction if fraction is not None else 1 / store.info.memory.branching
     paths = rm.route([p["context"] for p in probes])
     target = np.asarray([p.get("domain") in set(target_domains) for p in probes])
@@ -98,13 +113,17 @@ def blocking_eval(rm: RunModel, probes: Sequence[dict[str, Any]], *, target_doma
 
     base = score()
     result: dict[str, Any] = {"fraction": fraction, "level": level, "target_domains": list(target_domains),
+                              "fallback": store.policy["fallback"],
                               "n_target": int(target.sum()), "n_other": int((~target).sum()), "settings": {}}
+    adversarial: list[int] = []
     for name in ("adversarial", "random"):
         saved = {k: list(v) for k, v in store.policy["blocked"].items()}
         if name == "adversarial":
             rep = adversarial_block(store, paths=paths[target], fraction=fraction, level=level, persist=False)
+            adversarial = rep["clusters"]
         else:
-            rep = random_block(store, fraction=fraction, level=level, seed=seed, paths=paths[target], persist=False)
+            rep = random_block(store, fraction=fraction, level=level, seed=seed, paths=paths[target], persist=False,
+                               exclude=adversarial)
         ok = score()
         blocked_paths = np.isin(paths[:, level - 1], rep["clusters"])
         result["settings"][name] = {
@@ -117,6 +136,7 @@ def blocking_eval(rm: RunModel, probes: Sequence[dict[str, Any]], *, target_doma
         store.policy["blocked"] = saved
         for L in store.levels.values():  # back to the bank's own policy
             L.mask = store._refused_mask(L.info)
+    store.policy["fallback"] = saved_fallback
     return result
 
 
@@ -148,16 +168,23 @@ def _routing_lines(r: dict[str, Any]) -> list[str]:
 
 
 def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None,
-                 blocking: dict[str, Any] | None = None, meta: dict[str, Any] | None = None) -> dict[str, str]:
-    """results.json, report.md, and PNGs (accuracy vs mention frequency; blocking)."""
+                 blocking: dict[str, Any] | None = None, meta: dict[str, Any] | None = None,
+                 design: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
+    """results.json, report.md, and PNGs (accuracy vs exposure; blocking). `design`: (choice, why)
+    pairs printed as the report's first section."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, str] = {}
     lines = ["# memtree evaluation", ""]
+    if design:
+        lines += ["## Design: what was chosen and why", ""] + [f"- **{k}**: {v}" for k, v in design] + [""]
     if meta:
         lines += [f"- {k}: {v}" for k, v in meta.items()] + [""]
     if knowledge:
-        lines += ["## Long-tail knowledge probes", "", f"{knowledge['n_probes']} probes (4-way multiple choice).", "",
+        k_choices = knowledge.get("n_choices") or 4
+        lines += ["## Long-tail knowledge probes", "",
+                  (f"{knowledge['n_probes']} probes ({k_choices}-way multiple choice, chance {1 / k_choices:.0%}); "
+                  "memories fetched by routing the question text alone."), "",
                   "| setting | accuracy | accuracy (length-normalised) | held-out perplexity |", "|---|---:|---:|---:|"]
         for mode, row in knowledge["modes"].items():
             ppl = f"{row['perplexity']:.2f}" if "perplexity" in row else "—"
@@ -169,7 +196,8 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
                            f"(mean cosine {np.mean(sims) if sims else float('nan'):.3f}), its head kept to fit the "
                            f"context (mean {np.mean(r['kept_tokens']):.0f} tokens), 0-shot.")]
         buckets = [b["bucket"] for b in next(iter(knowledge["modes"].values()))["by_bucket"]]
-        lines += ["", "Accuracy by how many documents state the fact:", "",
+        lines += ["", ("Accuracy by exposure (how many times training saw a statement of the fact; "
+                      "95 % intervals in results.json):"), "",
                   "| setting | " + " | ".join(f"{b} (n={n})" for b, n in zip(
                       buckets, [b["n"] for b in next(iter(knowledge["modes"].values()))["by_bucket"]], strict=True))
                   + " |", "|---|" + "---:|" * len(buckets)]
@@ -184,17 +212,18 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
             xs = [i for i, b in enumerate(row["by_bucket"]) if b["accuracy"] is not None]
             ax.plot(xs, [row["by_bucket"][i]["accuracy"] for i in xs], marker="o", label=MODE_LABEL[mode])
         ax.set_xticks(range(len(buckets)), buckets)
-        ax.set_xlabel("documents stating the fact")
+        ax.set_xlabel("exposures (times training saw a statement of the fact)")
         ax.set_ylabel("probe accuracy")
-        ax.axhline(0.25, color="grey", lw=0.8, ls=":", label="chance (4 choices)")
-        ax.set_title("Long-tail knowledge: accuracy vs fact frequency")
+        ax.axhline(1 / k_choices, color="grey", lw=0.8, ls=":", label=f"chance ({k_choices} choices)")
+        ax.set_title("Long-tail knowledge: accuracy vs exposure")
         ax.legend(fontsize=8)
         save_png(fig, out / "accuracy_vs_frequency.png")
         files["accuracy_vs_frequency_png"] = str(out / "accuracy_vs_frequency.png")
     if blocking:
         lines += ["", "## Memory blocking (Fig. 6b)", "",
                   (f"Target domains {blocking['target_domains']} ({blocking['n_target']} probes; {blocking['n_other']} "
-                  f"others); blocked share of the bank ≈ {blocking['fraction']:.4g}."), "",
+                  f"others); blocked share of the bank ≈ {blocking['fraction']:.4g} (level-{blocking['level']} "
+                  f"subtrees); a blocked block reads as {blocking.get('fallback', 'zeros')}."), "",
                   ("| blocking | target before | target after | others before | others after | "
                   "target probes routed to blocked part |"), "|---|---:|---:|---:|---:|---:|"]
         for name, s in blocking["settings"].items():

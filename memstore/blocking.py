@@ -86,11 +86,16 @@ def random_block(
     paths: np.ndarray | None = None,
     reason: str = "random blocking (control)",
     persist: bool = True,
+    exclude: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """Control for `adversarial_block`: the same share of the bank, subtrees drawn at random."""
+    """Control for `adversarial_block`: the same share of the bank, subtrees drawn at random
+    among those not in `exclude` (e.g. the adversarial choice, so the control never repeats it)."""
     n = _n_subtrees(store, level, fraction)
     B = store.info.memory.branching
-    chosen = sorted(np.random.default_rng(seed).choice(B**level, size=n, replace=False).tolist())
+    pool = np.setdiff1d(np.arange(B**level), np.asarray(list(exclude), dtype=np.int64))
+    if len(pool) < n:
+        raise ValueError(f"random_block: {n} subtrees to draw at level {level} but only {len(pool)} are not excluded")
+    chosen = sorted(np.random.default_rng(seed).choice(pool, size=n, replace=False).tolist())
     return _block_report(store, None if paths is None else np.asarray(paths), level, chosen, reason, persist)
 
 

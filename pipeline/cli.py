@@ -30,16 +30,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     m = sub.add_parser("demo-pipeline", help="only the pipeline part of `memtree demo` (default corpus → shards)")
     m.add_argument("--root", default="runs/demo", help="run directory (default runs/demo)")
-    m.add_argument("--n-docs", type=int, default=4000)
+    m.add_argument("--seed", type=int, default=0, help="corpus seed")
     m.add_argument("overrides", nargs="*", help="pipeline key=value overrides")
     m.set_defaults(func=_demo)
 
-    d = sub.add_parser("demo-corpus", help="write the embedded default corpus as JSONL")
-    d.add_argument("out", help="output .jsonl path")
-    d.add_argument("--n-docs", type=int, default=4000)
+    d = sub.add_parser("demo-corpus", help="write the embedded default corpus (entity-centric bios) to a directory",
+                       description="Writes DIR/corpus.jsonl, facts.jsonl (every fact with the number of "
+                                   "documents stating it), heldout.jsonl and corpus.json. --topical writes the "
+                                   "older topical-prose corpus to one JSONL file instead.")
+    d.add_argument("out", help="output directory (with --topical: a .jsonl path)")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--facts", help="also write every fact with its mention count (JSONL) for the "
-                                   "long-tail knowledge benchmark (memtree eval --facts)")
+    d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a pipeline.bios.BiosSpec field (repeatable), e.g. --set entities_per_subtopic=4")
+    d.add_argument("--topical", action="store_true", help="the topical-prose corpus (pipeline/corpus.py)")
+    d.add_argument("--n-docs", type=int, default=4000, help="--topical only: number of documents")
+    d.add_argument("--facts", help="--topical only: also write every fact with its mention count (JSONL)")
     d.set_defaults(func=_corpus)
 
 
@@ -73,22 +78,31 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from pipeline.bios import BiosSpec
     from pipeline.demo import run_demo
 
-    report = run_demo(args.root, n_docs=args.n_docs, overrides=args.overrides)
+    report = run_demo(args.root, spec=BiosSpec(seed=args.seed), overrides=args.overrides)
     print(f"\nDemo finished. Report: {report.resolve()}")
     return 0
 
 
 def _corpus(args: argparse.Namespace) -> int:
-    from pipeline.corpus import CorpusSpec, write_corpus_jsonl
+    if args.topical:
+        from pipeline.corpus import CorpusSpec, write_corpus_jsonl, write_facts_jsonl
 
-    spec = CorpusSpec(n_docs=args.n_docs, seed=args.seed)
-    n = write_corpus_jsonl(args.out, spec)
-    print(f"wrote {n} documents to {args.out}", file=sys.stderr)
-    if args.facts:
-        from pipeline.corpus import write_facts_jsonl
+        spec = CorpusSpec(n_docs=args.n_docs, seed=args.seed)
+        n = write_corpus_jsonl(args.out, spec)
+        print(f"wrote {n} documents to {args.out}", file=sys.stderr)
+        if args.facts:
+            k = write_facts_jsonl(args.facts, spec)
+            print(f"wrote {k} facts to {args.facts}", file=sys.stderr)
+        return 0
+    from omegaconf import OmegaConf
 
-        k = write_facts_jsonl(args.facts, spec)
-        print(f"wrote {k} facts to {args.facts}", file=sys.stderr)
+    from memtree.config import from_dict
+    from pipeline.bios import BiosSpec, write_bios
+
+    fields = {**OmegaConf.to_container(OmegaConf.from_dotlist(args.set)), "seed": args.seed}
+    info = write_bios(args.out, from_dict(BiosSpec, fields, where="corpus"))
+    print(f"wrote {info['documents']} documents and {info['n_facts']} facts to {args.out}", file=sys.stderr)
     return 0

@@ -1,8 +1,9 @@
-"""The main job on the embedded default corpus (`memtree demo`, `make demo`).
+"""The pipeline part of the main job on the embedded default corpus (`memtree demo-pipeline`).
 
-Writes the deterministic synthetic corpus (pipeline.corpus) and runs the
-pipeline with `pipeline/demo.yaml`. Later stages of memtree (training,
-evaluation) extend the same run directory.
+Writes the entity-centric default corpus (`pipeline.bios`: corpus.jsonl, facts.jsonl,
+heldout.jsonl, corpus.json) under the run root unless it is there, then runs the pipeline with
+`pipeline/demo.yaml`. Later stages of memtree (training, evaluation) extend the same run
+directory (`eval/demo.py`).
 """
 
 from __future__ import annotations
@@ -10,23 +11,32 @@ from __future__ import annotations
 from pathlib import Path
 
 from memtree.config import load_config
+from memtree.io import read_json
+from pipeline.bios import BiosSpec, write_bios
 from pipeline.config import PipelineConfig
-from pipeline.corpus import CorpusSpec, write_corpus_jsonl
 from pipeline.run import run_pipeline
 
 DEMO_YAML = Path(__file__).with_name("demo.yaml")
 
 
-def run_demo(root: str | Path = "runs/demo", *, n_docs: int = 4000, overrides: list[str] = ()) -> Path:
-    """Run the demo pipeline under `root`; returns the report path."""
+def run_demo(root: str | Path = "runs/demo", *, spec: BiosSpec | None = None, overrides: list[str] = ()) -> Path:
+    """Write the corpus (if absent) and run the demo pipeline under `root`; returns the report path.
+
+    A root that already holds a corpus of another spec is refused: its pipeline stages and
+    training runs belong to that corpus."""
     root = Path(root)
-    corpus = root / "corpus.jsonl"
-    if not corpus.exists():
-        n = write_corpus_jsonl(corpus, CorpusSpec(n_docs=n_docs))
-        print(f"[demo] wrote the default corpus: {n} documents → {corpus}")
+    spec = spec or BiosSpec()
+    if (root / "corpus.json").exists():
+        have = read_json(root / "corpus.json")["spec"]
+        want = {**{k: getattr(spec, k) for k in spec.__dataclass_fields__}, "filler": list(spec.filler)}
+        if have != want:
+            raise ValueError(f"{root}: holds a corpus written with {have}, not {want}; use another --root")
+    else:
+        info = write_bios(root, spec)
+        print(f"[demo] wrote the default corpus: {info['documents']} documents, {info['n_facts']} facts → {root}")
     cfg = load_config(
         PipelineConfig, DEMO_YAML,
-        [f"out={root / 'pipeline'}", f'ingest.inputs=["{corpus}"]', *overrides],
+        [f"out={root / 'pipeline'}", f'ingest.inputs=["{root / "corpus.jsonl"}"]', *overrides],
     )
     run_pipeline(cfg)
     return Path(cfg.out) / "report" / "report.md"

@@ -38,13 +38,53 @@ def test_probes_are_deterministic_and_well_formed():
     assert a == b and a != build_probes(facts, seed=2)
     for p in a[:50]:
         assert len(p["choices"]) == 4 and len(set(p["choices"])) == 4
-        assert p["context"].startswith("the ") and p["context"].endswith(" is")
+        assert p["context"].startswith("The ") and p["context"].endswith(" is")
     # bucket counts add up and follow the facts' own mention counts
     rows = accuracy_by_bucket(a, [p["gold"] for p in a])
     assert sum(r["n"] for r in rows) == len(a)
     assert all(r["accuracy"] in (None, 1.0) for r in rows)
     lo, hi = BUCKETS[0]
     assert rows[0]["n"] == sum(lo <= p["mentions"] < hi for p in a)
+
+
+def test_bios_probes_draw_distractors_from_the_value_set_and_count_exposures():
+    from pipeline.bios import BiosSpec, bios_facts
+
+    facts = bios_facts(BiosSpec(seed=2, entities_per_subtopic=3, head_docs=4))
+    probes = build_probes(facts, seed=0, epochs=3)
+    assert probes == build_probes(facts, seed=0, epochs=3)
+    assert len(probes) == len(facts)  # every attribute has ≥ 4 values: no fact is dropped
+    for p, f in zip(probes, facts, strict=True):
+        assert set(p["choices"]) <= set(f["values"]) and p["choices"][p["gold"]] == f["value"]
+        assert p["exposures"] == 3 * f["mentions"]
+        assert p["context"] == f"The {f['label']} of {f['reference']} is"
+    rows = accuracy_by_bucket(probes, [p["gold"] for p in probes])
+    assert {r["bucket"] for r in rows if r["n"]} >= {"0", "2-3"}
+    assert all(r["ci95"] is None or r["ci95"][0] <= r["accuracy"] <= r["ci95"][1] for r in rows)
+
+
+def test_scorer_is_at_chance_without_knowledge(run):
+    """No knowledge of the facts (random weights, and a model never trained on them): chance."""
+    import dataclasses
+
+    from pipeline.bios import BiosSpec, bios_facts
+    from training.train import build_model
+
+    probes = build_probes(bios_facts(BiosSpec(seed=4)), seed=0)[::2]  # 1,536 probes
+    torch.manual_seed(0)
+    fresh = build_model(run.config)[0].model.eval()  # freshly initialised anchor and bank
+    chance, se = 0.25, (0.25 * 0.75 / len(probes)) ** 0.5
+    for rm in (dataclasses.replace(run, model=fresh), run):
+        for mode in ("none", "generic", "fetched"):
+            acc = multiple_choice(rm, probes, mode=mode, batch_size=256)["accuracy"]
+            assert abs(acc - chance) < 4 * se, (mode, acc)
+
+
+def test_fetched_retrieval_is_the_traversal_of_the_question_text(run, probes):
+    from clustering.route import route_texts
+
+    k = knowledge_eval(run, probes[:12], modes=("fetched",))
+    assert k["paths"] == route_texts(run.tree, [p["context"] for p in probes[:12]]).tolist()
 
 
 def test_retrieval_uses_the_training_path_for_identical_text(run, pipeline_run):
@@ -142,30 +182,40 @@ def test_eval_cli_writes_the_report(run, tmp_path):
     assert (out / "accuracy_vs_frequency.png").stat().st_size > 0
 
 
-def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path):
-    """`memtree demo` on a small corpus: pipeline → anchor → co-training → evaluation report."""
+def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path, capsys):
+    """`memtree demo` on a small corpus: corpus → pipeline → anchor → co-training → evaluation report."""
     from memtree.cli import main
 
     root = tmp_path / "demo"
-    rc = main(["demo", "--root", str(root), "--n-docs", "640", "--anchor-steps", "2", "--cotrain-steps", "2",
-               "--max-probes", "16", "--train", "memory.multipliers=[8,4]", "--train", "data.batch_size=2",
-               "--train", "model.shape={n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}",
-               "tree.levels=2", "tree.branching=4", "window.window_tokens=256", "pack.seq_len=256",
-               "window.vocab_size=1000", "window.train_sample_docs=300", "embed.max_seq_length=64", "progress=false"])
-    assert rc == 0
+    argv = ["demo", "--root", str(root), "--corpus", "entities_per_subtopic=2", "--corpus", "head_docs=3",
+            "--anchor-duration", "2ba", "--cotrain-duration", "1ep", "--max-probes", "48",
+            "--train", "memory.multipliers=[0,8]", "--train", "data.batch_size=4",
+            "--train", "model.shape={n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}",
+            "tree.levels=2", "tree.branching=4", "window.vocab_size=1000", "window.train_sample_docs=300",
+            "progress=false"]
+    assert main(argv) == 0
     data = json.loads((root / "report" / "results.json").read_text())
-    assert set(data["knowledge"]["modes"]) == {"none", "generic", "fetched"}
-    assert data["blocking"]["settings"]["adversarial"]["bank_fraction_blocked"] == pytest.approx(1 / 4)
+    assert set(data["knowledge"]["modes"]) == {"none", "generic", "fetched", "rag", "rag+fetched"}
+    assert data["knowledge"]["n_choices"] == 4 and data["knowledge"]["n_probes"] == 48
+    # exposures = documents stating the fact × epochs: 2 batches of 4 samples + 1 epoch
+    manifest = json.loads((root / "pipeline" / "shards" / "manifest.json").read_text())
+    epochs = 8 / sum(s["n_samples"] for s in manifest["streams"]) + 1
+    assert data["meta"]["epochs"] == pytest.approx(epochs)
+    rows = data["knowledge"]["modes"]["fetched"]["by_bucket"]
+    assert sum(r["n"] for r in rows) == 48 and rows[0]["bucket"] == "0" and rows[0]["n"] > 0
+    b = data["blocking"]
+    assert b["level"] == 2 and b["fallback"] == "generic"
+    assert b["settings"]["adversarial"]["bank_fraction_blocked"] == pytest.approx(1 / 16)
+    assert b["settings"]["random"]["clusters"] != b["settings"]["adversarial"]["clusters"]
+    assert "perplexity" in data["knowledge"]["modes"]["none"]
+    report = (root / "report" / "report.md").read_text()
+    assert "Routing: share of probes" in report and "## Design" in report
     assert (root / "report" / "accuracy_vs_frequency.png").exists()
-    routing = data["knowledge"]["routing"]
-    assert routing["n_with_stating_window"] > 0 and len(routing["all"]) == 2
-    assert routing["all"][0] >= routing["all"][1]  # a leaf hit implies a hit on its parent
-    assert "Routing: share of probes" in (root / "report" / "report.md").read_text()
     assert (root / "train" / "cotrain" / "bank" / "manifest.json").exists()
-    # a rerun resumes: nothing is trained again
-    assert main(["demo", "--root", str(root), "--n-docs", "640", "--anchor-steps", "2", "--cotrain-steps", "2",
-                 "--max-probes", "16", "--train", "memory.multipliers=[8,4]", "--train", "data.batch_size=2",
-                 "--train", "model.shape={n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}",
-                 "tree.levels=2", "tree.branching=4", "window.window_tokens=256", "pack.seq_len=256",
-                 "window.vocab_size=1000", "window.train_sample_docs=300", "embed.max_seq_length=64",
-                 "progress=false"]) == 0
+    # a rerun resumes: nothing is trained again, the corpus is not rewritten
+    mtime = (root / "corpus.jsonl").stat().st_mtime_ns
+    assert main(argv) == 0
+    assert (root / "corpus.jsonl").stat().st_mtime_ns == mtime
+    # a different corpus under the same root is refused
+    assert main([*argv[:3], "--corpus", "entities_per_subtopic=3", *argv[5:]]) == 1
+    assert "holds a corpus" in capsys.readouterr().err

@@ -65,6 +65,9 @@ class DataSection:
     shuffle: bool = True
     shuffle_seed: int = 0
     num_workers: int = 0
+    # False: an epoch sees every sample exactly once (the last batch may be short), so exposure
+    # counts (documents × epochs) are exact; True drops the ragged last batch of each epoch.
+    drop_last: bool = True
     eval_fraction: float = 0.0  # reserved for held-out evaluation by eval/
 
 

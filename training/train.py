@@ -205,7 +205,7 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
     precision = cfg.precision if cfg.precision != "auto" else ("amp_bf16" if gpu else "fp32")
     loader = build_dataloader(cfg.data.shards, batch_size=cfg.data.batch_size, subtrees=cfg.data.subtrees,
                               shuffle=cfg.data.shuffle, shuffle_seed=cfg.data.shuffle_seed,
-                              num_workers=cfg.data.num_workers)
+                              num_workers=cfg.data.num_workers, drop_last=cfg.data.drop_last)
     return Trainer(
         model=model, train_dataloader=loader, max_duration=cfg.max_duration, optimizers=optimizer,
         schedulers=CosineAnnealingWithWarmupScheduler(t_warmup=cfg.optim.warmup, alpha_f=cfg.optim.alpha_f),

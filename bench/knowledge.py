@@ -1,0 +1,153 @@
+"""The demo's knowledge experiment over N seeds: the table with mean ± sd and 95 % intervals.
+
+Each seed is a whole `memtree demo` (corpus, pipeline, anchor, co-training, evaluation) under
+`--root/seed-K` (reruns resume). The baseline of every figure is measured in the same run: the
+generic memory (anchor + a memory of the same size fetched for every query), against which the
+fetched memory's gain is the paper's claim; blocking is compared with its random control.
+
+    .venv/bin/python bench/knowledge.py --seeds 0 1 2
+    .venv/bin/python bench/knowledge.py --seeds 1 2 --existing 0=runs/demo   # reuse `make demo`
+    .venv/bin/python bench/knowledge.py --seeds 0 --root /tmp/kn --train data.batch_size=4
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import _common  # noqa: F401  (puts the repository on sys.path)
+from _common import REPO, finish, loadavg, log
+
+from memtree.io import read_json
+
+MODES = ("none", "generic", "fetched", "rag")
+
+
+def _lo(bucket: str) -> int:
+    return int(re.match(r"\d+", bucket).group())
+
+
+def _avg(rows: list[dict], lo: int, hi: int) -> float | None:
+    """Probe-weighted accuracy over buckets whose lower bound is in [lo, hi]."""
+    sel = [r for r in rows if r["n"] and lo <= _lo(r["bucket"]) <= hi]
+    n = sum(r["n"] for r in sel)
+    return sum(r["n"] * r["accuracy"] for r in sel) / n if n else None
+
+
+def summarise(report: dict[str, Any]) -> dict[str, Any]:
+    """The figures the issue's targets are stated in, from one demo report."""
+    k, b = report["knowledge"], report["blocking"]
+    modes = k["modes"]
+    top = max(_lo(r["bucket"]) for r in modes["fetched"]["by_bucket"] if r["n"])
+    out: dict[str, Any] = {"n_choices": k["n_choices"], "routing_leaf": k["routing"]["all"][-1]}
+    for m in MODES:
+        if m not in modes:
+            continue
+        rows = modes[m]["by_bucket"]
+        out[m] = {"acc_1_7": _avg(rows, 1, 7), "acc_0": _avg(rows, 0, 0), "acc_top": _avg(rows, top, top),
+                  "perplexity": modes[m].get("perplexity"),
+                  "by_bucket": {r["bucket"]: r["accuracy"] for r in rows}}
+    out["gap_1_7"] = 100 * (out["fetched"]["acc_1_7"] - out["generic"]["acc_1_7"])
+    out["gap_top"] = 100 * (out["fetched"]["acc_top"] - out["generic"]["acc_top"])
+    adv, rnd = b["settings"]["adversarial"], b["settings"]["random"]
+    out["blocking"] = {
+        "n_target": b["n_target"],
+        "target_drop": 100 * (adv["accuracy_target"]["before"] - adv["accuracy_target"]["after"]),
+        "other_change": 100 * (adv["accuracy_other"]["after"] - adv["accuracy_other"]["before"]),
+        "random_target_change": 100 * (rnd["accuracy_target"]["after"] - rnd["accuracy_target"]["before"]),
+    }
+    out["seconds"] = report["meta"].get("total_s")
+    return out
+
+
+def _ms(values: list[float]) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "—"
+    if len(values) == 1:
+        return f"{values[0]:.1f}"
+    return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
+
+
+def table(per_seed: dict[int, dict[str, Any]]) -> str:
+    runs = list(per_seed.values())
+    pct = lambda m, key: [100 * r[m][key] for r in runs if m in r and r[m][key] is not None]
+    lines = [f"Knowledge experiment over seeds {sorted(per_seed)} (mean ± sd across seeds, points):", "",
+             "| figure | value | target |", "|---|---:|---|"]
+    lines.append(f"| fetched − generic on 1–7 exposures | {_ms([r['gap_1_7'] for r in runs])} | ≥ +10 |")
+    lines.append(f"| fetched − generic on the top bucket | {_ms([r['gap_top'] for r in runs])} | within ±5 |")
+    for m in ("none", "generic", "fetched"):
+        lines.append(f"| {m}: unseen facts (chance {100 / runs[0]['n_choices']:.0f}) | {_ms(pct(m, 'acc_0'))} | "
+                     "at chance |")
+    lines.append(f"| blocking: target domain drop | {_ms([r['blocking']['target_drop'] for r in runs])} | "
+                 "to within 3 of generic |")
+    lines.append(f"| blocking: other domains change | {_ms([r['blocking']['other_change'] for r in runs])} | ≤ 2 |")
+    lines.append(f"| random blocking: target change | "
+                 f"{_ms([r['blocking']['random_target_change'] for r in runs])} | ≤ 3 |")
+    lines.append(f"| demo wall time (s) | {_ms([r['seconds'] for r in runs])} | ≤ 900 |")
+    buckets = list(runs[0]["fetched"]["by_bucket"])
+    lines += ["", "Accuracy by exposure bucket (%, mean ± sd across seeds):", "",
+              "| setting | " + " | ".join(buckets) + " |", "|---|" + "---:|" * len(buckets)]
+    for m in MODES:
+        if all(m in r for r in runs):
+            cells = [_ms([None if r[m]["by_bucket"][b] is None else 100 * r[m]["by_bucket"][b] for r in runs])
+                     for b in buckets]
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    ppl = [(m, [r[m]["perplexity"] for r in runs if m in r]) for m in ("none", "generic", "fetched")]
+    lines += ["", "Held-out perplexity: " + ", ".join(f"{m} {_ms(v)}" for m, v in ppl)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--root", default=str(REPO / "runs" / "knowledge"))
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / f"knowledge-{time.strftime('%Y-%m-%d')}.json"))
+    ap.add_argument("--train", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--existing", action="append", default=[], metavar="SEED=ROOT",
+                    help="a finished demo of that seed with the same settings (e.g. 0=runs/demo): its "
+                         "report is summarised, not rerun (repeatable)")
+    args = ap.parse_args(argv)
+    existing = {}
+    for item in args.existing:
+        seed, _, root = item.partition("=")
+        if not seed.isdigit() or not (Path(root) / "report" / "results.json").exists():
+            ap.error(f"--existing {item!r}: expected SEED=ROOT with ROOT/report/results.json")
+        existing[int(seed)] = Path(root) / "report" / "results.json"
+    from eval.demo import run_main_job
+
+    results: dict[str, Any] = {"seeds": {}, "meta": {"argv": sys.argv[1:], "loadavg_start": loadavg(),
+                                                      "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}}
+    for seed in sorted(set(args.seeds) | set(existing)):
+        t = time.time()
+        if seed in existing:
+            log(f"seed {seed}: the finished demo report {existing[seed]}")
+            data = read_json(existing[seed])
+            if data["meta"]["corpus"]["spec"]["seed"] != seed:
+                raise SystemExit(f"{existing[seed]} was run with corpus seed "
+                                 f"{data['meta']['corpus']['spec']['seed']}, not {seed}")
+        else:
+            log(f"seed {seed}: memtree demo under {args.root}/seed-{seed}")
+            report = run_main_job(Path(args.root) / f"seed-{seed}", seed=seed, train_overrides=args.train)
+            data = read_json(Path(report).with_name("results.json"))
+        results["seeds"][seed] = summarise(data)
+        results["seeds"][seed]["bench_seconds"] = time.time() - t
+    per_seed = results["seeds"]
+    results["rows"] = table(per_seed)
+    results["ratio_fetched_over_generic_1_7"] = [r["fetched"]["acc_1_7"] / r["generic"]["acc_1_7"]
+                                                 for r in per_seed.values()]
+    if not all(math.isfinite(x) for x in results["ratio_fetched_over_generic_1_7"]):
+        raise SystemExit("a generic accuracy of 0 on 1–7 exposures: no ratio")
+    ratios = ", ".join(f"{x:.2f}" for x in results["ratio_fetched_over_generic_1_7"])
+    return finish(results, Path(args.out),
+                  lambda rows: print(rows + f"\n\nratio fetched / generic accuracy on 1–7 exposures, per seed: {ratios}"))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,522 @@
+"""The default corpus of the knowledge benchmark: entity-centric documents with controlled exposure.
+
+Why this corpus
+---------------
+memtree's point is one effect (seed 002, Fig. 1): an anchor learns what is common, fetched
+memories hold the long tail, and blocking a subtree removes exactly its knowledge. Measuring it
+at micro scale needs a corpus whose knowledge is *known*, in the spirit of the synthetic
+biographies used to study knowledge storage in small LMs (Allen-Zhu & Li, "Physics of Language
+Models, Part 3", bioS):
+
+* **Entity-centric documents.** Each document is about one fictional entity and states some of
+  its facts, framed in varied sentences and mixed with prose from the entity's subtopic. A
+  document therefore embeds like its entity's subtopic, and a question that names the entity
+  with its kind ("the red giant Veltharion") routes where the documents about it went.
+* **Topical structure at every level.** 4 fields > 16 domains > 64 subtopics (the vocabulary
+  in `pipeline/data/bios_vocab.json`), so a 3-level tree of branching 4 can recover field,
+  domain and subtopic; every subtopic has its own entity kind, nouns, verbs and adjectives.
+* **Known exposure per fact.** Within a subtopic, entity ranks follow a Zipf law in how many
+  documents are about them (`docs(rank) = max(1, round(head_docs · rank^-s))`); each document
+  about an entity states each of its facts with probability `state_prob` (at least one). A
+  share `withheld_prob` of entities have one fact that no document ever states: the unseen
+  control. `bios_facts` reports, per fact, exactly how many documents state it.
+* **Closed value sets.** Every attribute takes one of ~12 values, drawn uniformly and
+  independently per entity, so every value is equally familiar and a probe's distractors carry
+  no frequency bias (a fact nobody stated is at chance for any scorer).
+* **One canonical clause per statement.** Every statement of a fact contains
+  "the {label} of the {kind} {name} is {value}", inside varied frames ("Records show that …",
+  "As every astronomer knows, …"). The benchmark measures *storage* of a fact, not extraction
+  across paraphrases, which a 4-layer model trained for minutes cannot learn (Part 3.1 finds
+  extraction needs paraphrase augmentation and far more exposures).
+
+Deterministic: the same `BiosSpec` gives byte-identical records on any machine (integer-seeded
+`random.Random` streams per document, no hashing, no set iteration).
+
+Records: ``{"id": "bio-000000", "text", "field", "domain", "topic", "entity"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import string
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+__all__ = ["BiosSpec", "bios_facts", "generate_bios", "heldout_bios", "load_vocabulary", "write_bios"]
+
+VOCAB_PATH = Path(__file__).with_name("data") / "bios_vocab.json"
+VOCAB_FORMAT = "memtree-bios-vocab"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BiosSpec:
+    """Everything that determines the corpus: the same spec always yields the same bytes.
+
+    entities_per_subtopic: entities per subtopic (64 subtopics). head_docs: documents about the
+    rank-1 entity of a subtopic; rank r gets max(1, round(head_docs · r^-zipf_exponent)).
+    state_prob: probability that a document about an entity states each of its (non-withheld)
+    facts. withheld_prob: share of entities with one fact never stated (the unseen control).
+    famous_per_domain: entities per domain that no document is about but every document of the
+    domain may mention in passing: with probability common_prob a document ends with one fact of
+    a famous entity of its domain. Those facts are the domain's common knowledge — the most
+    frequent facts of the corpus, stated across all of the domain's subtopics.
+    filler: (min, max) prose sentences of the subtopic per document.
+    """
+
+    seed: int = 0
+    entities_per_subtopic: int = 12
+    head_docs: int = 20
+    zipf_exponent: float = 1.3
+    state_prob: float = 0.8
+    withheld_prob: float = 0.3
+    famous_per_domain: int = 1
+    common_prob: float = 0.6
+    filler: tuple[int, int] = (2, 4)
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("seed", isinstance(self.seed, int) and self.seed >= 0, "a non-negative int"),
+            ("entities_per_subtopic", isinstance(self.entities_per_subtopic, int)
+             and 1 <= self.entities_per_subtopic <= 500, "an int in [1, 500]"),
+            ("head_docs", isinstance(self.head_docs, int) and 1 <= self.head_docs <= 10_000, "an int in [1, 10000]"),
+            ("zipf_exponent", isinstance(self.zipf_exponent, (int, float)) and 0 <= self.zipf_exponent <= 10,
+             "a number in [0, 10]"),
+            ("state_prob", isinstance(self.state_prob, (int, float)) and 0 < self.state_prob <= 1, "in (0, 1]"),
+            ("withheld_prob", isinstance(self.withheld_prob, (int, float)) and 0 <= self.withheld_prob <= 1,
+             "in [0, 1]"),
+            ("famous_per_domain", isinstance(self.famous_per_domain, int) and 0 <= self.famous_per_domain <= 100,
+             "an int in [0, 100]"),
+            ("common_prob", isinstance(self.common_prob, (int, float)) and 0 <= self.common_prob <= 1, "in [0, 1]"),
+            ("filler", len(self.filler) == 2 and 0 <= self.filler[0] <= self.filler[1] <= 50,
+             "a (min, max) pair with 0 ≤ min ≤ max ≤ 50"),
+        )
+        for name, ok, what in checks:
+            if not ok:
+                raise ValueError(f"BiosSpec.{name} must be {what}, got {getattr(self, name)!r}")
+
+    def docs_for_rank(self, rank: int) -> int:
+        return max(1, round(self.head_docs * rank ** -float(self.zipf_exponent)))
+
+
+# --------------------------------------------------------------------------------------------
+# Vocabulary (data file) → topics
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Attr:
+    key: str
+    label: str
+    values: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Topic:
+    index: int
+    field: str
+    domain: str
+    domain_label: str
+    agents: str
+    agent: str
+    places: tuple[str, ...]
+    general_nouns: tuple[str, ...]
+    key: str
+    label: str
+    kind: str
+    nouns: tuple[str, ...]
+    verbs: tuple[tuple[str, str, str], ...]  # (base, third person, gerund)
+    adjs: tuple[str, ...]
+    attrs: tuple[_Attr, ...]
+
+
+def load_vocabulary(path: str | os.PathLike[str] = VOCAB_PATH) -> tuple[_Topic, ...]:
+    """The topics of a vocabulary file (format `memtree-bios-vocab` v1), with clear errors."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read the bios vocabulary: {e}") from e
+    if data.get("format") != VOCAB_FORMAT or data.get("version") != 1:
+        raise ValueError(f"{path}: not a {VOCAB_FORMAT} v1 file (format={data.get('format')!r}, "
+                         f"version={data.get('version')!r})")
+    topics: list[_Topic] = []
+    for f in data["fields"]:
+        for d in f["domains"]:
+            where = f"{path}: domain {d.get('key')!r}"
+            attrs = tuple(_Attr(a["key"], a["label"], tuple(a["values"])) for a in d["attributes"])
+            for a in attrs:
+                if len(set(a.values)) != len(a.values) or len(a.values) < 4:
+                    raise ValueError(f"{where}: attribute {a.key!r} needs ≥ 4 distinct values")
+            for s in d["subtopics"]:
+                if not s["nouns"] or not s["verbs"] or not s["adjectives"]:
+                    raise ValueError(f"{where}: subtopic {s.get('key')!r} lacks nouns, verbs or adjectives")
+                topics.append(_Topic(
+                    len(topics), f["key"], d["key"], d["label"], d["agents"], d["agent"], tuple(d["places"]),
+                    tuple(d["nouns"]), s["key"], s["label"], s["kind"], tuple(s["nouns"]),
+                    tuple((v, _third_person(v), _gerund(v)) for v in s["verbs"]), tuple(s["adjectives"]), attrs))
+    return tuple(topics)
+
+
+@cache
+def _default_topics() -> tuple[_Topic, ...]:
+    return load_vocabulary()
+
+
+_VOWELS = "aeiou"
+
+
+def _third_person(v: str) -> str:
+    if v.endswith(("s", "sh", "ch", "x", "z", "o")):
+        return v + "es"
+    if v.endswith("y") and len(v) > 1 and v[-2] not in _VOWELS:
+        return v[:-1] + "ies"
+    return v + "s"
+
+
+def _gerund(v: str) -> str:
+    if v.endswith("ie"):
+        return v[:-2] + "ying"
+    if v.endswith("e") and not v.endswith(("ee", "ye", "oe")):
+        return v[:-1] + "ing"
+    if (len(v) >= 3 and v[-1] not in _VOWELS + "wxy" and v[-2] in _VOWELS and v[-3] not in _VOWELS
+            and len(v) <= 4):
+        return v + v[-1] + "ing"
+    return v + "ing"
+
+
+def _a(phrase: str) -> str:
+    return ("an " if phrase[0].lower() in _VOWELS else "a ") + phrase
+
+
+def _cap(s: str) -> str:
+    return s[:1].upper() + s[1:]
+
+
+# --------------------------------------------------------------------------------------------
+# Sentences
+# --------------------------------------------------------------------------------------------
+# {c}: the canonical clause "the {label} of the {kind} {name} is {value}". Every statement of a
+# fact contains it, inside one of these frames.
+_FACT_FRAMES = (
+    "{C}.",
+    "Records show that {c}.",
+    "As every {agent} knows, {c}.",
+    "It is well documented that {c}.",
+    "According to the archive, {c}.",
+    "{Agents} agree that {c}.",
+    "Notably, {c}.",
+    "In the standard reference on {topic}, {c}.",
+    "One detail is worth remembering: {c}.",
+    "Few readers forget that {c}.",
+)
+# Common knowledge, mentioned in passing at the end of any document.
+_COMMON_FRAMES = (
+    "Everyone knows that {c}.",
+    "As is common knowledge, {c}.",
+    "As most readers will remember, {c}.",
+    "It is widely known that {c}.",
+)
+_INTROS = (
+    "{Ref} is {a_kind} known to {agents} who study {topic}.",
+    "This entry is about {name}, {a_kind} often discussed in {topic}.",
+    "Among {agents}, {name} is remembered as {a_kind} of note.",
+    "{Name} is {a_kind}, and {agents} interested in {topic} often mention it.",
+    "The {kind} {name} appears in many accounts of {topic}.",
+)
+# Entity-centric prose: {name}/{ref} plus subtopic words; N1/N2 nouns, A1 adjective, V1 verb.
+_ABOUT = (
+    "{Agents} often mention {name} when they discuss the {N1}.",
+    "Much of what is said about {name} concerns the {A1} {N1}.",
+    "To understand {name}, one must first understand the {N1} and the {N2}.",
+    "{Name} is closely tied to the {N1} in most accounts of {topic}.",
+    "Any {agent} who studies {name} learns to {V1} the {N1} with care.",
+    "Descriptions of {name} rarely leave out the {A1} {N1}.",
+    "{Name} is often compared with other examples of the {A1} {N1}.",
+)
+# Subtopic prose without the entity.
+_FILLER = (
+    "The {A1} {N1} is central to the study of {topic}.",
+    "{Agents} often {V1} the {N1} before they turn to the {N2}.",
+    "When {agents} {V1} the {N1}, the {N2} tends to become more {A1}.",
+    "In {topic}, the {N1} usually {S1} the {N2}.",
+    "Few subjects in {domain} are as {A1} as the {N1}.",
+    "Without the {N1}, no {agent} could {V1} the {N2} properly.",
+    "{G1} the {N1} requires patience and a close look at the {N2}.",
+    "At the {place}, much depends on how well the {N1} {S1} the {N2}.",
+    "Textbooks on {domain} describe the {N1} as {A1}.",
+    "Experts in {topic} still disagree about how the {N1} {S1} the {N2}.",
+)
+
+
+def _fields(template: str) -> tuple[str, ...]:
+    return tuple(f for _, f, _, _ in string.Formatter().parse(template) if f)
+
+
+def _fill(rng: random.Random, template: str, topic: _Topic, ent: _Entity | None) -> str:
+    nouns = rng.sample(topic.nouns, min(2, len(topic.nouns)))
+    verb = rng.choice(topic.verbs)
+    vals = {
+        "N1": nouns[0], "N2": nouns[-1], "A1": rng.choice(topic.adjs), "V1": verb[0], "S1": verb[1],
+        "G1": _cap(verb[2]), "agents": topic.agents, "Agents": _cap(topic.agents), "agent": topic.agent,
+        "topic": topic.label, "domain": topic.domain_label, "place": rng.choice(topic.places),
+        "kind": topic.kind, "a_kind": _a(topic.kind),
+    }
+    if ent is not None:
+        vals |= {"name": ent.name, "Name": ent.name, "ref": ent.ref, "Ref": _cap(ent.ref)}
+    return _cap(template.format(**{k: vals[k] for k in _fields(template)}))
+
+
+def canonical_clause(label: str, reference: str, value: str) -> str:
+    """The clause every statement of a fact contains, and that a probe completes."""
+    return f"the {label} of {reference} is {value}"
+
+
+# --------------------------------------------------------------------------------------------
+# World: entities, facts, documents
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Entity:
+    name: str
+    ref: str
+    topic: int
+    rank: int  # 1-based Zipf rank within its subtopic
+    values: tuple[int, ...]  # per attribute of the domain: index into its values
+    withheld: int  # attribute index never stated, or -1
+
+
+@dataclass(frozen=True)
+class _Doc:
+    index: int
+    topic: int
+    entity: int  # rank - 1 within the topic
+    stated: tuple[int, ...]  # attribute indices stated
+    heldout: bool = False
+    side: tuple[int, int] | None = None  # (famous entity, attribute) stated in passing at the end
+
+
+_ONSETS = ("Vel", "Or", "Ka", "Thal", "Mor", "Ser", "Bri", "Quen", "Dra", "Ly", "Ash", "Cor", "Fen", "Gal",
+           "Hal", "Ist", "Jor", "Kel", "Lun", "Mar", "Nim", "Os", "Pel", "Riv", "Sol", "Tor", "Ul", "Var",
+           "Wen", "Yr", "Zan", "Bel", "Cas", "Del", "El", "Fal", "Gor", "Hes", "Ith", "Kor", "Nal", "Per",
+           "Sev", "Tam", "Ves", "Ard")
+_MIDS = ("a", "e", "i", "o", "u", "ar", "en", "il", "or", "an", "eth", "is", "um", "ad", "el", "ir", "on",
+         "av", "ith", "ul", "ev", "os")
+_ENDS = ("ion", "und", "ath", "is", "or", "an", "el", "ia", "on", "ar", "eth", "yn", "ius", "ara", "os", "ix",
+         "em", "orn", "ald", "ira", "un", "as", "ek", "iel", "ost", "imar", "wen", "oth", "esk", "ande")
+_S_WORLD, _S_DOCS, _S_TEXT, _S_HELDOUT, _S_FAMOUS = 1, 2, 3, 4, 5
+
+
+def _rng(seed: int, stream: int, index: int) -> random.Random:
+    """An independent generator per (seed, stream, index): integer seeding is platform-stable."""
+    return random.Random(((seed * 16 + stream) << 40) + index)
+
+
+def _name(rng: random.Random, used: set[str]) -> str:
+    while True:
+        r = rng.random()
+        n_mid = 0 if r < 0.2 else (1 if r < 0.8 else 2)
+        name = rng.choice(_ONSETS) + "".join(rng.choice(_MIDS) for _ in range(n_mid)) + rng.choice(_ENDS)
+        low = name.lower()
+        if name not in used and not any(x in low for x in ("aa", "ee", "ii", "oo", "uu")):
+            used.add(name)
+            return name
+
+
+@dataclass(frozen=True)
+class _World:
+    topics: tuple[_Topic, ...]
+    entities: tuple[tuple[_Entity, ...], ...]  # per topic, by rank
+    famous: tuple[_Entity, ...]  # rank 0: mentioned in passing anywhere, no document of their own
+    docs: tuple[_Doc, ...]
+
+
+def _build(spec: BiosSpec, topics: Sequence[_Topic]) -> _World:
+    used: set[str] = set()
+    entities = []
+    for t in topics:
+        rng = _rng(spec.seed, _S_WORLD, t.index)
+        ents = []
+        for k in range(spec.entities_per_subtopic):
+            name = _name(rng, used)
+            values = tuple(rng.randrange(len(a.values)) for a in t.attrs)
+            withheld = rng.randrange(len(t.attrs)) if rng.random() < spec.withheld_prob else -1
+            ents.append(_Entity(name, f"the {t.kind} {name}", t.index, k + 1, values, withheld))
+        entities.append(tuple(ents))
+    famous = []
+    domains = sorted({t.domain: t.index for t in topics}.items(), key=lambda kv: kv[1])
+    for d, (domain, first) in enumerate(domains):
+        rng = _rng(spec.seed, _S_FAMOUS, d)
+        subs = [t for t in topics if t.domain == domain]
+        for k in range(spec.famous_per_domain):
+            t = subs[k % len(subs)]
+            name = _name(rng, used)
+            values = tuple(rng.randrange(len(a.values)) for a in t.attrs)
+            famous.append(_Entity(name, f"the {t.kind} {name}", t.index, 0, values, -1))
+    # Documents: per topic, docs_for_rank(r) documents about entity r; then one global order,
+    # shuffled, so the stream mixes topics (the pipeline does not rely on input order).
+    docs: list[tuple[int, int, tuple[int, ...]]] = []
+    for t, ents in zip(topics, entities, strict=True):
+        for e in ents:
+            rng = _rng(spec.seed, _S_DOCS, t.index * 100_000 + e.rank)
+            for _ in range(spec.docs_for_rank(e.rank)):
+                docs.append((t.index, e.rank - 1, _stated(rng, e, spec.state_prob)))
+    _rng(spec.seed, _S_DOCS, 10**9).shuffle(docs)
+    by_domain: dict[str, list[int]] = {}
+    for f, e in enumerate(famous):
+        by_domain.setdefault(topics[e.topic].domain, []).append(f)
+    out = []
+    for i, d in enumerate(docs):
+        side = None
+        rng = _rng(spec.seed, _S_FAMOUS, 10**6 + i)
+        own = by_domain.get(topics[d[0]].domain, [])
+        if own and rng.random() < spec.common_prob:
+            f = rng.choice(own)
+            side = (f, rng.randrange(len(topics[famous[f].topic].attrs)))
+        out.append(_Doc(i, *d, side=side))
+    return _World(tuple(topics), tuple(entities), tuple(famous), tuple(out))
+
+
+def _stated(rng: random.Random, e: _Entity, p: float) -> tuple[int, ...]:
+    allowed = [j for j in range(len(e.values)) if j != e.withheld]
+    stated = [j for j in allowed if rng.random() < p]
+    return tuple(stated or [rng.choice(allowed)])
+
+
+def _render(doc: _Doc, world: _World, seed: int, stream: int = _S_TEXT) -> str:
+    rng = _rng(seed, stream, doc.index)
+    t = world.topics[doc.topic]
+    e = world.entities[doc.topic][doc.entity]
+    facts = []
+    for j in doc.stated:
+        a = t.attrs[j]
+        c = canonical_clause(a.label, e.ref, a.values[e.values[j]])
+        frame = rng.choice(_FACT_FRAMES)
+        facts.append(frame.format(c=c, C=_cap(c), agent=t.agent, Agents=_cap(t.agents), topic=t.label))
+    lo, hi = (2, 4) if stream != _S_HELDOUT else (1, 2)
+    prose = [_fill(rng, rng.choice(_ABOUT), t, e) for _ in range(rng.randint(1, 2))]
+    prose += [_fill(rng, rng.choice(_FILLER), t, None) for _ in range(rng.randint(lo, hi) - 2)]
+    rng.shuffle(prose)
+    body = prose + facts
+    rng.shuffle(body)
+    if doc.side is not None:  # last, so it never reaches the embedded head of the document
+        f = world.famous[doc.side[0]]
+        a = world.topics[f.topic].attrs[doc.side[1]]
+        body.append(rng.choice(_COMMON_FRAMES).format(c=canonical_clause(a.label, f.ref, a.values[f.values[doc.side[1]]])))
+    return " ".join([_fill(rng, rng.choice(_INTROS), t, e), *body])
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def generate_bios(spec: BiosSpec | None = None, *, topics: Sequence[_Topic] | None = None) -> Iterator[dict]:
+    """Yield the corpus records in a fixed order (deterministic for the spec)."""
+    spec = spec or BiosSpec()
+    world = _build(spec, topics or _default_topics())
+    for d in world.docs:
+        t = world.topics[d.topic]
+        yield {"id": f"bio-{d.index:06d}", "text": _render(d, world, spec.seed), "field": t.field,
+               "domain": t.domain, "topic": t.key, "entity": world.entities[d.topic][d.entity].name}
+
+
+def bios_facts(spec: BiosSpec | None = None, *, topics: Sequence[_Topic] | None = None) -> list[dict]:
+    """Every (entity, attribute) fact with `mentions`: how many documents of the corpus state it.
+
+    Also `value` (as written), `values` (the attribute's closed value set, for distractors),
+    `label`, `reference` ("the red giant Veltharion"), `kind`, `rank` (0: a famous entity, only
+    mentioned in passing), `field`, `domain`, `topic`, `withheld` (never stated by design) and
+    `famous`. Counted from the document plans, which
+    `generate_bios` renders one to one.
+    """
+    spec = spec or BiosSpec()
+    world = _build(spec, topics or _default_topics())
+    counts: dict[tuple[int, int, int], int] = {}
+    for d in world.docs:
+        for j in d.stated:
+            counts[d.topic, d.entity, j] = counts.get((d.topic, d.entity, j), 0) + 1
+        if d.side is not None:
+            counts[-1, *d.side] = counts.get((-1, *d.side), 0) + 1
+    members = [(t.index, k, e) for t, ents in zip(world.topics, world.entities, strict=True)
+               for k, e in enumerate(ents)] + [(-1, f, e) for f, e in enumerate(world.famous)]
+    out = []
+    for key, k, e in members:
+        t = world.topics[e.topic]
+        for j, a in enumerate(t.attrs):
+            out.append({"entity": e.name, "reference": e.ref, "kind": t.kind, "rank": e.rank,
+                        "field": t.field, "domain": t.domain, "topic": t.key, "attribute": a.key,
+                        "label": a.label, "value": a.values[e.values[j]], "values": list(a.values),
+                        "mentions": counts.get((key, k, j), 0), "withheld": j == e.withheld,
+                        "famous": key == -1})
+    return out
+
+
+def heldout_bios(spec: BiosSpec | None = None, n_docs: int = 256, *,
+                 topics: Sequence[_Topic] | None = None) -> list[dict]:
+    """Fresh documents about entities the corpus is about (never trained on): held-out perplexity.
+
+    Entities are drawn in proportion to their corpus documents, each document states the facts
+    the corpus states about that entity at least once, with new frames and prose.
+    """
+    spec = spec or BiosSpec()
+    world = _build(spec, topics or _default_topics())
+    seen: dict[tuple[int, int], set[int]] = {}
+    for d in world.docs:
+        seen.setdefault((d.topic, d.entity), set()).update(d.stated)
+    rng = _rng(spec.seed, _S_HELDOUT, 0)
+    out = []
+    for i in range(n_docs):
+        src = world.docs[rng.randrange(len(world.docs))]
+        stated = tuple(sorted(seen[src.topic, src.entity]))
+        doc = _Doc(i, src.topic, src.entity, stated, heldout=True, side=None)
+        t = world.topics[src.topic]
+        out.append({"id": f"bio-heldout-{i:05d}", "text": _render(doc, world, spec.seed, _S_HELDOUT),
+                    "field": t.field, "domain": t.domain, "topic": t.key,
+                    "entity": world.entities[src.topic][src.entity].name})
+    return out
+
+
+def write_bios(out_dir: str | os.PathLike[str], spec: BiosSpec | None = None, *,
+               heldout_docs: int = 256) -> dict[str, str | int]:
+    """Write `corpus.jsonl`, `facts.jsonl`, `heldout.jsonl` and `corpus.json` (the spec) atomically."""
+    from memtree.io import atomic_write_json, atomic_write_text
+
+    spec = spec or BiosSpec()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    docs = list(generate_bios(spec))
+    facts = bios_facts(spec)
+    held = heldout_bios(spec, heldout_docs)
+    for name, rows in (("corpus.jsonl", docs), ("facts.jsonl", facts), ("heldout.jsonl", held)):
+        atomic_write_text(out / name, "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n"
+                                              for r in rows))
+    atomic_write_json(out / "corpus.json", {"format": "memtree-bios", "version": 1, "spec": {
+        **{k: getattr(spec, k) for k in spec.__dataclass_fields__}, "filler": list(spec.filler)},
+        "documents": len(docs), "facts": len(facts), "heldout_documents": len(held),
+        "vocabulary": VOCAB_PATH.name})
+    return {"corpus": str(out / "corpus.jsonl"), "facts": str(out / "facts.jsonl"),
+            "heldout": str(out / "heldout.jsonl"), "documents": len(docs), "n_facts": len(facts)}
+
+
+def exposure_stats(facts: Sequence[dict]) -> dict[int, int]:
+    """How many facts are stated by exactly k documents (k → count)."""
+    out: dict[int, int] = {}
+    for f in facts:
+        out[f["mentions"]] = out.get(f["mentions"], 0) + 1
+    return dict(sorted(out.items()))
+
+
+if __name__ == "__main__":  # pragma: no cover - a quick look at the corpus
+    s = BiosSpec()
+    docs = list(generate_bios(s))
+    print(len(docs), "docs;", sum(len(d["text"].split()) for d in docs) / len(docs), "words/doc")
+    print(docs[0]["text"], "\n")
+    print(docs[1]["text"])
+    fs = bios_facts(s)
+    print(len(fs), "facts", exposure_stats(fs))
+    print(math.fsum(1 for f in fs if f["withheld"]), "withheld")

@@ -1,0 +1,116 @@
+"""The entity-centric default corpus (pipeline/bios.py): determinism, exposure counts, vocabulary checks."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import pytest
+
+from pipeline.bios import (
+    VOCAB_PATH,
+    BiosSpec,
+    bios_facts,
+    canonical_clause,
+    generate_bios,
+    heldout_bios,
+    load_vocabulary,
+    write_bios,
+)
+
+SMALL = BiosSpec(seed=5, entities_per_subtopic=4, head_docs=6, zipf_exponent=1.0)
+
+
+def test_same_spec_same_bytes_and_seeds_differ():
+    a = list(generate_bios(SMALL))
+    assert a == list(generate_bios(SMALL))
+    b = list(generate_bios(BiosSpec(seed=6, entities_per_subtopic=4, head_docs=6, zipf_exponent=1.0)))
+    assert [r["text"] for r in a] != [r["text"] for r in b]
+    assert len({r["id"] for r in a}) == len(a)
+
+
+def test_documents_per_entity_follow_the_zipf_plan():
+    docs = list(generate_bios(SMALL))
+    per_entity = Counter((r["topic"], r["entity"]) for r in docs)
+    facts = bios_facts(SMALL)
+    rank = {(f["topic"], f["entity"]): f["rank"] for f in facts if not f["famous"]}
+    assert len(rank) == 64 * SMALL.entities_per_subtopic  # 4 fields × 4 domains × 4 subtopics
+    for key, r in rank.items():
+        assert per_entity[key] == SMALL.docs_for_rank(r) == max(1, round(6 * r**-1.0))
+
+
+def test_exposure_counts_equal_a_count_over_the_generated_text():
+    """`mentions` is counted from the plan; here it is recounted from the rendered documents."""
+    docs = list(generate_bios(SMALL))
+    facts = bios_facts(SMALL)
+    by_name: dict[str, list[dict]] = {}
+    for f in facts:
+        by_name.setdefault(f["entity"], []).append(f)
+    counted: Counter = Counter()
+    for d in docs:
+        for name in set(re.findall(r"[A-Z][a-z]+", d["text"])) & set(by_name):
+            for f in by_name[name]:
+                clause = canonical_clause(f["label"], f["reference"], f["value"])
+                counted[name, f["attribute"]] += bool(re.search(re.escape(clause) + r"[.,]", d["text"],
+                                                                re.IGNORECASE))
+    assert all(counted[f["entity"], f["attribute"]] == f["mentions"] for f in facts)
+    # withheld facts are never stated, and the buckets the benchmark needs are all populated
+    assert all(f["mentions"] == 0 for f in facts if f["withheld"])
+    assert {0, 1, 2} <= {f["mentions"] for f in facts}
+    # famous entities have no document of their own but are stated across many topics
+    famous = [f for f in facts if f["famous"]]
+    assert len(famous) == 16 * 4 and not {f["entity"] for f in famous} & {d["entity"] for d in docs}
+    assert sum(f["mentions"] for f in famous) == sum(bool(re.search(r"(Everyone knows|common knowledge|"
+                                                                      r"readers will remember|widely known)",
+                                                                      d["text"])) for d in docs)
+
+
+def test_values_are_closed_sets_and_uniform():
+    facts = bios_facts(BiosSpec(seed=1))
+    position: Counter = Counter()  # index of the value in its set, for the 12-value attributes
+    for f in facts:
+        assert f["value"] in f["values"]
+        if len(f["values"]) == 12:
+            position[f["values"].index(f["value"])] += 1
+    n = sum(position.values())
+    assert n > 2000 and len(position) == 12
+    # uniform draws: every position within ±30 % of n / 12 (~4.5 standard deviations)
+    assert all(abs(c - n / 12) < 0.3 * n / 12 for c in position.values()), position
+
+
+def test_heldout_documents_are_new_text_about_seen_entities():
+    docs = list(generate_bios(SMALL))
+    held = heldout_bios(SMALL, 40)
+    assert held == heldout_bios(SMALL, 40)
+    texts = {d["text"] for d in docs}
+    seen = {(d["topic"], d["entity"]) for d in docs}
+    assert all(h["text"] not in texts and (h["topic"], h["entity"]) in seen for h in held)
+
+
+def test_write_bios_writes_all_files(tmp_path):
+    info = write_bios(tmp_path, SMALL, heldout_docs=8)
+    lines = (tmp_path / "corpus.jsonl").read_text().splitlines()
+    assert len(lines) == info["documents"] and json.loads(lines[0])["id"] == "bio-000000"
+    meta = json.loads((tmp_path / "corpus.json").read_text())
+    assert meta["format"] == "memtree-bios" and meta["version"] == 1 and meta["spec"]["seed"] == 5
+    assert len((tmp_path / "facts.jsonl").read_text().splitlines()) == info["n_facts"]
+    assert len((tmp_path / "heldout.jsonl").read_text().splitlines()) == 8
+
+
+def test_bad_spec_and_bad_vocabulary_are_named(tmp_path):
+    with pytest.raises(ValueError, match="state_prob"):
+        BiosSpec(state_prob=0)
+    with pytest.raises(ValueError, match="entities_per_subtopic"):
+        BiosSpec(entities_per_subtopic=0)
+    bad = tmp_path / "v.json"
+    bad.write_text(json.dumps({"format": "other", "version": 1}))
+    with pytest.raises(ValueError, match="not a memtree-bios-vocab v1 file"):
+        load_vocabulary(bad)
+    data = json.loads(VOCAB_PATH.read_text())
+    data["fields"][0]["domains"][0]["attributes"][0]["values"] = ["a", "a", "b", "c"]
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="attribute 'surface_temperature' needs ≥ 4 distinct values"):
+        load_vocabulary(bad)
+    topics = load_vocabulary()
+    assert len(topics) == 64 and len({t.kind for t in topics}) == 64
