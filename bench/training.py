@@ -232,9 +232,10 @@ class Trainer:
                  read: str = "gather") -> None:
         torch.manual_seed(S["seed"])
         self.a, self.mem, self.sparse, self.read = a, mem, sparse, read
+        self.device = torch.device(S.get("device", "cpu"))
         seq_len = seq_len or S["seq_len"]
-        self.model = AnchorLM(ModelConfig(anchor=a, max_seq_len=seq_len, memory=mem))
-        self.bank = make_bank(a, mem, S["seed"]) if mem is not None else None
+        self.model = AnchorLM(ModelConfig(anchor=a, max_seq_len=seq_len, memory=mem)).to(self.device)
+        self.bank = make_bank(a, mem, S["seed"]).to(self.device) if mem is not None else None
         kw = {"lr": S["lr"], "betas": tuple(S["betas"]), "eps": 1e-8, "weight_decay": 0.0}
         groups = [{"params": list(self.model.parameters())}]
         self.dense_opt = None
@@ -250,6 +251,7 @@ class Trainer:
 
     def step(self, batch: dict) -> tuple[float, float]:
         t0, c0 = time.perf_counter(), time.process_time()
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         mems = None
         if self.bank is not None:
             slots = self.bank.slots(batch["paths"], batch["generic"])
@@ -275,6 +277,8 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         if self.dense_opt is not None:
             self.dense_opt.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":  # the step is done when the device is
+            torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
         # CPU seconds of this process per wall second: ~ the thread count when the machine is
         # quiet, lower when other work takes the cores (a contaminated step)
@@ -615,8 +619,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                     help="before each benchmark, wait up to SECONDS for the 1-minute load "
                     "average to drop below half the core count")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the models train (fp32 on either)")
     args = ap.parse_args(argv)
-    S = sizes(args.quick)
+    S = sizes(args.quick) | {"device": args.device}
     for kv in args.set:
         key, _, val = kv.partition("=")
         if key not in S:
