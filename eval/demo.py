@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from memtree.io import read_json
 
 DEMO_TRAIN_YAML = Path(__file__).with_name("demo.yaml")
@@ -69,7 +71,7 @@ def _epochs(duration: str, batch_size: int, n_samples: int) -> float:
     if d.endswith("ep"):
         return float(d[:-2])
     if d.endswith("ba"):
-        return min(float(d[:-2]) * batch_size, float("inf")) / max(n_samples, 1)
+        return float(d[:-2]) * batch_size / max(n_samples, 1)
     raise ValueError(f"demo durations must be in epochs ('2ep') or batches ('150ba'), got {duration!r}")
 
 
@@ -130,15 +132,15 @@ def run_main_job(root: str | Path = "runs/demo", *, corpus: dict[str, Any] | Non
     index = RagIndex.open(root / "pipeline") if rag else None
     knowledge = knowledge_eval(rm, probes, held_out, rag=index)
     index = index or RagIndex.open(root / "pipeline")
-    knowledge["routing"] = routing_agreement(index.texts(range(len(index.paths))), index.paths, probes,
-                                             rm.route([p["context"] for p in probes]))
+    paths = np.asarray(knowledge["paths"])  # each question's traversal, as fetched memory used it
+    knowledge["routing"] = routing_agreement(index.texts(range(len(index.paths))), index.paths, probes, paths)
     domains = sorted({p["domain"] for p in probes})
     target = target_domain or domains[0]
     if target not in domains:
         raise ValueError(f"target_domain {target!r} is not one of the probes' domains {domains}")
     _log(f"blocking the level-2 subtree the {target} probes route to (1/16 of the bank), and a random one")
     blocking = blocking_eval(rm, probes, target_domains=[target], level=2, fraction=1 / 16, seed=seed,
-                             fallback="generic")
+                             fallback="generic", paths=paths)
     timings["eval_s"] = time.time() - t
     timings["total_s"] = time.time() - t0
     metrics = {name: read_json(root / "train" / name / "metrics.json")["train"] for name, _ in stages}

@@ -83,23 +83,21 @@ def knowledge_eval(rm: RunModel, probes: Sequence[dict[str, Any]], held_out: Seq
 
 def blocking_eval(rm: RunModel, probes: Sequence[dict[str, Any]], *, target_domains: Sequence[str],
                   fraction: float | None = None, level: int = 1, seed: int = 0,
-                  fallback: str | None = None) -> dict[str, Any]:
+                  fallback: str | None = None, paths: np.ndarray | None = None) -> dict[str, Any]:
     """Accuracy with fetched memories before and after blocking the target probes' best match.
 
     The random control draws the same number of subtrees among those the adversarial blocking
     left open, so it never repeats the adversarial choice. `fallback` ("zeros": a blocked block
     reads as no memory; "generic": as the generic memory) applies to this experiment only; None
-    keeps the bank's policy."""
+    keeps the bank's policy. `paths`: the probes' routed paths when the caller has them
+    (knowledge_eval's `paths`), so the questions are not embedded again."""
     if not rm.has_memory:
         raise ValueError("blocking needs a run with a memory bank")
+    if fallback not in (None, "zeros", "generic"):
+        raise ValueError(f"fallback: {fallback!r} is not 'zeros' or 'generic'")
     store = rm.store
-    saved_fallback = store.policy["fallback"]
-    if fallback is not None:
-        if fallback not in ("zeros", "generic"):
-            raise ValueError(f"fallback: {fallback!r} is not 'zeros' or 'generic'")
-        store.policy["fallback"] = fallback
     fraction = fraction if fraction is not None else 1 / store.info.memory.branching
-    paths = rm.route([p["context"] for p in probes])
+    paths = rm.route([p["context"] for p in probes]) if paths is None else np.asarray(paths)
     target = np.asarray([p.get("domain") in set(target_domains) for p in probes])
     if not target.any():
         raise ValueError(f"no probe belongs to the target domains {list(target_domains)}")
@@ -111,32 +109,39 @@ def blocking_eval(rm: RunModel, probes: Sequence[dict[str, Any]], *, target_doma
     def acc(mask: np.ndarray, ok: np.ndarray) -> float | None:
         return float(ok[mask].mean()) if mask.any() else None
 
-    base = score()
+    saved_fallback = store.policy["fallback"]
+    store.policy["fallback"] = fallback or saved_fallback
     result: dict[str, Any] = {"fraction": fraction, "level": level, "target_domains": list(target_domains),
                               "fallback": store.policy["fallback"],
                               "n_target": int(target.sum()), "n_other": int((~target).sum()), "settings": {}}
     adversarial: list[int] = []
-    for name in ("adversarial", "random"):
-        saved = {k: list(v) for k, v in store.policy["blocked"].items()}
-        if name == "adversarial":
-            rep = adversarial_block(store, paths=paths[target], fraction=fraction, level=level, persist=False)
-            adversarial = rep["clusters"]
-        else:
-            rep = random_block(store, fraction=fraction, level=level, seed=seed, paths=paths[target], persist=False,
-                               exclude=adversarial)
-        ok = score()
-        blocked_paths = np.isin(paths[:, level - 1], rep["clusters"])
-        result["settings"][name] = {
-            "clusters": rep["clusters"], "bank_fraction_blocked": rep["bank_fraction_blocked"],
-            "target_routed_to_blocked": float(blocked_paths[target].mean()),
-            "accuracy_target": {"before": acc(target, base), "after": acc(target, ok)},
-            "accuracy_other": {"before": acc(~target, base), "after": acc(~target, ok)},
-            "other_predictions_changed": int((ok != base)[~target & ~blocked_paths].sum()),
-        }
-        store.policy["blocked"] = saved
-        for L in store.levels.values():  # back to the bank's own policy
-            L.mask = store._refused_mask(L.info)
-    store.policy["fallback"] = saved_fallback
+    try:  # whatever happens, the bank is left with its own policy
+        base = score()
+        for name in ("adversarial", "random"):
+            saved = {k: list(v) for k, v in store.policy["blocked"].items()}
+            try:
+                if name == "adversarial":
+                    rep = adversarial_block(store, paths=paths[target], fraction=fraction, level=level,
+                                            persist=False)
+                    adversarial = rep["clusters"]
+                else:
+                    rep = random_block(store, fraction=fraction, level=level, seed=seed, paths=paths[target],
+                                       persist=False, exclude=adversarial)
+                ok = score()
+            finally:
+                store.policy["blocked"] = saved
+                for L in store.levels.values():
+                    L.mask = store._refused_mask(L.info)
+            blocked_paths = np.isin(paths[:, level - 1], rep["clusters"])
+            result["settings"][name] = {
+                "clusters": rep["clusters"], "bank_fraction_blocked": rep["bank_fraction_blocked"],
+                "target_routed_to_blocked": float(blocked_paths[target].mean()),
+                "accuracy_target": {"before": acc(target, base), "after": acc(target, ok)},
+                "accuracy_other": {"before": acc(~target, base), "after": acc(~target, ok)},
+                "other_predictions_changed": int((ok != base)[~target & ~blocked_paths].sum()),
+            }
+    finally:
+        store.policy["fallback"] = saved_fallback
     return result
 
 

@@ -44,7 +44,7 @@ import random
 import string
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 __all__ = ["BiosSpec", "bios_facts", "generate_bios", "heldout_bios", "load_vocabulary", "write_bios"]
@@ -77,6 +77,10 @@ class BiosSpec:
     famous_per_domain: int = 1
     common_prob: float = 0.6
     filler: tuple[int, int] = (2, 4)
+
+    def record(self) -> dict:
+        """The spec as corpus.json stores it (JSON types), to write and to compare against."""
+        return {**{k: getattr(self, k) for k in self.__dataclass_fields__}, "filler": list(self.filler)}
 
     def __post_init__(self) -> None:
         checks = (
@@ -335,7 +339,14 @@ class _World:
     docs: tuple[_Doc, ...]
 
 
-def _build(spec: BiosSpec, topics: Sequence[_Topic]) -> _World:
+def _world(spec: BiosSpec, topics: Sequence[_Topic] | None) -> _World:
+    """The corpus plan; built once per (spec, topics), since the corpus, its facts and its
+    held-out documents are all read off the same plan (write_bios asks for all three)."""
+    return _build(spec, tuple(topics or _default_topics()))
+
+
+@lru_cache(maxsize=4)
+def _build(spec: BiosSpec, topics: tuple[_Topic, ...]) -> _World:
     used: set[str] = set()
     entities = []
     for t in topics:
@@ -418,7 +429,7 @@ def _render(doc: _Doc, world: _World, seed: int, stream: int = _S_TEXT) -> str:
 def generate_bios(spec: BiosSpec | None = None, *, topics: Sequence[_Topic] | None = None) -> Iterator[dict]:
     """Yield the corpus records in a fixed order (deterministic for the spec)."""
     spec = spec or BiosSpec()
-    world = _build(spec, topics or _default_topics())
+    world = _world(spec, topics)
     for d in world.docs:
         t = world.topics[d.topic]
         yield {"id": f"bio-{d.index:06d}", "text": _render(d, world, spec.seed), "field": t.field,
@@ -435,7 +446,7 @@ def bios_facts(spec: BiosSpec | None = None, *, topics: Sequence[_Topic] | None 
     `generate_bios` renders one to one.
     """
     spec = spec or BiosSpec()
-    world = _build(spec, topics or _default_topics())
+    world = _world(spec, topics)
     counts: dict[tuple[int, int, int], int] = {}
     for d in world.docs:
         for j in d.stated:
@@ -464,7 +475,7 @@ def heldout_bios(spec: BiosSpec | None = None, n_docs: int = 256, *,
     the corpus states about that entity at least once, with new frames and prose.
     """
     spec = spec or BiosSpec()
-    world = _build(spec, topics or _default_topics())
+    world = _world(spec, topics)
     seen: dict[tuple[int, int], set[int]] = {}
     for d in world.docs:
         seen.setdefault((d.topic, d.entity), set()).update(d.stated)
@@ -495,8 +506,7 @@ def write_bios(out_dir: str | os.PathLike[str], spec: BiosSpec | None = None, *,
     for name, rows in (("corpus.jsonl", docs), ("facts.jsonl", facts), ("heldout.jsonl", held)):
         atomic_write_text(out / name, "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n"
                                               for r in rows))
-    atomic_write_json(out / "corpus.json", {"format": "memtree-bios", "version": 1, "spec": {
-        **{k: getattr(spec, k) for k in spec.__dataclass_fields__}, "filler": list(spec.filler)},
+    atomic_write_json(out / "corpus.json", {"format": "memtree-bios", "version": 1, "spec": spec.record(),
         "documents": len(docs), "facts": len(facts), "heldout_documents": len(held),
         "vocabulary": VOCAB_PATH.name})
     return {"corpus": str(out / "corpus.jsonl"), "facts": str(out / "facts.jsonl"),

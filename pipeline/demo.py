@@ -27,8 +27,7 @@ def run_demo(root: str | Path = "runs/demo", *, spec: BiosSpec | None = None, ov
     root = Path(root)
     spec = spec or BiosSpec()
     if (root / "corpus.json").exists():
-        have = read_json(root / "corpus.json")["spec"]
-        want = {**{k: getattr(spec, k) for k in spec.__dataclass_fields__}, "filler": list(spec.filler)}
+        have, want = read_json(root / "corpus.json")["spec"], spec.record()
         if have != want:
             raise ValueError(f"{root}: holds a corpus written with {have}, not {want}; use another --root")
     else:
