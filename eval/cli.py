@@ -1,5 +1,6 @@
 """`memtree eval RUN …` (long-tail probes, perplexity, RAG baseline, blocking), `memtree eval-sweep`,
-`memtree eval-retention`, `memtree eval-tasks` (your own task suite) and the main job `memtree demo`."""
+`memtree eval-retention`, `memtree eval-tasks` (your own task suite), `memtree eval-longctx` (CAMELoT's
+long-context perplexity on a frozen anchor) and the main job `memtree demo`."""
 
 from __future__ import annotations
 
@@ -68,6 +69,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--tree", help="clustering tree directory (default: next to the run's shards)")
     t.add_argument("--out", help="report directory (default RUN/eval-tasks)")
     t.set_defaults(func=_tasks)
+
+    lc = sub.add_parser(
+        "eval-longctx",
+        help="long-context perplexity of a run's frozen anchor: base / XL / Memorizing / CAMELoT (seed 001)",
+        description="Run long documents through the run's frozen anchor window by window with each method and "
+                    "report perplexity, its ratio to base, perplexity per position bucket (0-L, L-2L, 2L-4L, …) and "
+                    "CAMELoT's ablations. Long documents: the --docs records sharing --group-by, joined with the "
+                    "end-of-text token. Writes OUT/results.json, OUT/report.md and OUT/ppl_vs_length.png.",
+    )
+    lc.add_argument("run", help="a training run's save_folder (memtree_config.json, anchor.safetensors)")
+    lc.add_argument("--method", default="base,xl,memorizing,camelot",
+                    help="comma-separated methods among base, xl, memorizing, camelot (default: all four)")
+    lc.add_argument("--window", type=int, default=128, help="window L in tokens (default 128)")
+    lc.add_argument("--docs", help="JSONL of documents ({'text': …}; default: heldout.jsonl beside the run's "
+                                   "pipeline run, as `memtree demo` lays it out)")
+    lc.add_argument("--group-by", default="topic",
+                    help="record key whose documents are joined into one long document (default topic; "
+                         "'none': every record alone)")
+    lc.add_argument("--max-docs", type=int, default=0, help="score at most this many long documents (0 = all)")
+    lc.add_argument("--slots", type=int, default=4096, help="memory slots M per layer and KV head (default 4096)")
+    lc.add_argument("--threshold", type=float, default=0.93, help="CAMELoT's novelty threshold R (default 0.93)")
+    lc.add_argument("--no-ablations", action="store_true", help="skip CAMELoT's four ablations")
+    lc.add_argument("--out", help="report directory (default RUN/eval-longctx)")
+    lc.set_defaults(func=_longctx)
 
     d = sub.add_parser(
         "demo",
@@ -170,6 +195,32 @@ def _tasks(args: argparse.Namespace) -> int:
     result = run_suite(RunModel.load(args.run, tree_dir=args.tree), cfg)
     out = Path(args.out) if args.out else Path(args.run) / "eval-tasks"
     files = write_suite_report(out, result, meta={"run": str(Path(args.run).resolve()), "suite": args.suite})
+    print(Path(files["markdown"]).read_text(encoding="utf-8"))
+    print(f"report: {Path(files['markdown']).resolve()}")
+    return 0
+
+
+def _longctx(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from eval.longctx import load_records, long_documents, longctx_eval, write_longctx_report
+    from eval.model import RunModel
+    from memstore.camelot import CamelotConfig
+
+    methods = [m.strip() for m in args.method.split(",") if m.strip()]
+    rm = RunModel.load(args.run)
+    docs_path = Path(args.docs) if args.docs else Path(rm.config.data.shards).resolve().parent.parent / "heldout.jsonl"
+    if not docs_path.exists():
+        raise FileNotFoundError(f"eval-longctx: no documents at {docs_path}; pass --docs FILE.jsonl")
+    group_by = None if args.group_by == "none" else args.group_by
+    _keys, docs = long_documents(load_records(docs_path), rm.encode, group_by=group_by, separator=rm.eot_id,
+                                max_docs=args.max_docs)
+    results = longctx_eval(rm, docs, methods=methods, window=args.window,
+                           cfg=CamelotConfig(slots=args.slots, threshold=args.threshold),
+                           ablations=not args.no_ablations, log=print)
+    out = Path(args.out) if args.out else Path(args.run) / "eval-longctx"
+    files = write_longctx_report(out, results, meta={"run": str(Path(args.run).resolve()), "docs": str(docs_path),
+                                                     "group_by": group_by})
     print(Path(files["markdown"]).read_text(encoding="utf-8"))
     print(f"report: {Path(files['markdown']).resolve()}")
     return 0

@@ -61,10 +61,17 @@ class BiosSpec:
     rank-1 entity of a subtopic; rank r gets max(1, round(head_docs · r^-zipf_exponent)).
     state_prob: probability that a document about an entity states each of its (non-withheld)
     facts. withheld_prob: share of entities with one fact never stated (the unseen control).
-    famous_per_domain: entities per domain that no document is about but every document of the
-    domain may mention in passing: with probability common_prob a document ends with one fact of
-    a famous entity of its domain. Those facts are the domain's common knowledge — the most
-    frequent facts of the corpus, stated across all of the domain's subtopics.
+    famous_per_domain: entities per domain that every document of the domain may mention in
+    passing: with probability common_prob a document ends with one fact of a famous entity of its
+    domain. Those facts are the domain's common knowledge — the most frequent facts of the corpus,
+    stated across all of the domain's subtopics. famous_are_heads: a famous entity is the head
+    (rank 1, head_docs documents) of one of its domain's subtopics, as common knowledge is in
+    real text (an entity everyone mentions is also the one most written about); False: famous
+    entities have no documents of their own (rank 0), only the passing mentions — measured to
+    let the leaf memory of the famous entity's subtopic override the anchor on them
+    (docs/BENCHMARKS.md, issue 12). common_scope: which documents mention a famous entity in
+    passing — "domain" (its own domain's) or "corpus" (every document: knowledge no memory
+    block sees more often than the anchor does, the paper's common knowledge).
     filler: (min, max) prose sentences of the subtopic per document.
     """
 
@@ -76,6 +83,8 @@ class BiosSpec:
     withheld_prob: float = 0.3
     famous_per_domain: int = 1
     common_prob: float = 0.6
+    famous_are_heads: bool = False
+    common_scope: str = "domain"
     filler: tuple[int, int] = (2, 4)
 
     def record(self) -> dict:
@@ -96,6 +105,8 @@ class BiosSpec:
             ("famous_per_domain", isinstance(self.famous_per_domain, int) and 0 <= self.famous_per_domain <= 100,
              "an int in [0, 100]"),
             ("common_prob", isinstance(self.common_prob, (int, float)) and 0 <= self.common_prob <= 1, "in [0, 1]"),
+            ("famous_are_heads", isinstance(self.famous_are_heads, bool), "a bool"),
+            ("common_scope", self.common_scope in ("domain", "corpus"), "'domain' or 'corpus'"),
             ("filler", len(self.filler) == 2 and 0 <= self.filler[0] <= self.filler[1] <= 50,
              "a (min, max) pair with 0 ≤ min ≤ max ≤ 50"),
         )
@@ -335,7 +346,10 @@ def _name(rng: random.Random, used: set[str]) -> str:
 class _World:
     topics: tuple[_Topic, ...]
     entities: tuple[tuple[_Entity, ...], ...]  # per topic, by rank
-    famous: tuple[_Entity, ...]  # rank 0: mentioned in passing anywhere, no document of their own
+    famous: tuple[_Entity, ...]  # mentioned in passing across their domain
+    # per famous entity, (topic, entity index) of the documented entity it is, or (-1, f) when it
+    # has no documents of its own (rank 0): the key its facts are counted under
+    famous_keys: tuple[tuple[int, int], ...]
     docs: tuple[_Doc, ...]
 
 
@@ -358,16 +372,23 @@ def _build(spec: BiosSpec, topics: tuple[_Topic, ...]) -> _World:
             withheld = rng.randrange(len(t.attrs)) if rng.random() < spec.withheld_prob else -1
             ents.append(_Entity(name, f"the {t.kind} {name}", t.index, k + 1, values, withheld))
         entities.append(tuple(ents))
-    famous = []
+    famous: list[_Entity] = []
+    famous_keys: list[tuple[int, int]] = []
     domains = sorted({t.domain: t.index for t in topics}.items(), key=lambda kv: kv[1])
     for d, (domain, first) in enumerate(domains):
         rng = _rng(spec.seed, _S_FAMOUS, d)
         subs = [t for t in topics if t.domain == domain]
         for k in range(spec.famous_per_domain):
             t = subs[k % len(subs)]
+            if spec.famous_are_heads:  # the k-th famous entity: rank 1 + k // 4 of the (k % 4)-th subtopic
+                i = min(k // len(subs), spec.entities_per_subtopic - 1)
+                famous.append(entities[t.index][i])
+                famous_keys.append((t.index, i))
+                continue
             name = _name(rng, used)
             values = tuple(rng.randrange(len(a.values)) for a in t.attrs)
             famous.append(_Entity(name, f"the {t.kind} {name}", t.index, 0, values, -1))
+            famous_keys.append((-1, len(famous) - 1))
     # Documents: per topic, docs_for_rank(r) documents about entity r; then one global order,
     # shuffled, so the stream mixes topics (the pipeline does not rely on input order).
     docs: list[tuple[int, int, tuple[int, ...]]] = []
@@ -384,12 +405,15 @@ def _build(spec: BiosSpec, topics: tuple[_Topic, ...]) -> _World:
     for i, d in enumerate(docs):
         side = None
         rng = _rng(spec.seed, _S_FAMOUS, 10**6 + i)
-        own = by_domain.get(topics[d[0]].domain, [])
+        # other documents mention a famous entity in passing, not its own documents
+        pool = range(len(famous)) if spec.common_scope == "corpus" else by_domain.get(topics[d[0]].domain, [])
+        own = [f for f in pool if famous_keys[f] != (d[0], d[1])]
         if own and rng.random() < spec.common_prob:
             f = rng.choice(own)
-            side = (f, rng.randrange(len(topics[famous[f].topic].attrs)))
+            # never a withheld fact (a head entity may have one): it stays unseen by design
+            side = (f, rng.choice([j for j in range(len(topics[famous[f].topic].attrs)) if j != famous[f].withheld]))
         out.append(_Doc(i, *d, side=side))
-    return _World(tuple(topics), tuple(entities), tuple(famous), tuple(out))
+    return _World(tuple(topics), tuple(entities), tuple(famous), tuple(famous_keys), tuple(out))
 
 
 def _stated(rng: random.Random, e: _Entity, p: float) -> tuple[int, ...]:
@@ -414,7 +438,7 @@ def _render(doc: _Doc, world: _World, seed: int, stream: int = _S_TEXT) -> str:
     rng.shuffle(prose)
     body = prose + facts
     rng.shuffle(body)
-    if doc.side is not None:  # last, so it never reaches the embedded head of the document
+    if doc.side is not None:  # last: beyond the embedded head (the demo's 64 word pieces) in 98 % of documents
         f = world.famous[doc.side[0]]
         a = world.topics[f.topic].attrs[doc.side[1]]
         body.append(rng.choice(_COMMON_FRAMES).format(c=canonical_clause(a.label, f.ref, a.values[f.values[doc.side[1]]])))
@@ -440,8 +464,8 @@ def bios_facts(spec: BiosSpec | None = None, *, topics: Sequence[_Topic] | None 
     """Every (entity, attribute) fact with `mentions`: how many documents of the corpus state it.
 
     Also `value` (as written), `values` (the attribute's closed value set, for distractors),
-    `label`, `reference` ("the red giant Veltharion"), `kind`, `rank` (0: a famous entity, only
-    mentioned in passing), `field`, `domain`, `topic`, `withheld` (never stated by design) and
+    `label`, `reference` ("the red giant Veltharion"), `kind`, `rank` (0: a famous entity with no
+    documents of its own, only mentioned in passing), `field`, `domain`, `topic`, `withheld` (never stated by design) and
     `famous`. Counted from the document plans, which
     `generate_bios` renders one to one.
     """
@@ -452,9 +476,12 @@ def bios_facts(spec: BiosSpec | None = None, *, topics: Sequence[_Topic] | None 
         for j in d.stated:
             counts[d.topic, d.entity, j] = counts.get((d.topic, d.entity, j), 0) + 1
         if d.side is not None:
-            counts[-1, *d.side] = counts.get((-1, *d.side), 0) + 1
+            key = (*world.famous_keys[d.side[0]], d.side[1])
+            counts[key] = counts.get(key, 0) + 1
+    famous = set(world.famous_keys)
     members = [(t.index, k, e) for t, ents in zip(world.topics, world.entities, strict=True)
-               for k, e in enumerate(ents)] + [(-1, f, e) for f, e in enumerate(world.famous)]
+               for k, e in enumerate(ents)] + [(-1, f, e) for f, e in enumerate(world.famous)
+                                               if world.famous_keys[f][0] == -1]
     out = []
     for key, k, e in members:
         t = world.topics[e.topic]
@@ -463,7 +490,7 @@ def bios_facts(spec: BiosSpec | None = None, *, topics: Sequence[_Topic] | None 
                         "field": t.field, "domain": t.domain, "topic": t.key, "attribute": a.key,
                         "label": a.label, "value": a.values[e.values[j]], "values": list(a.values),
                         "mentions": counts.get((key, k, j), 0), "withheld": j == e.withheld,
-                        "famous": key == -1})
+                        "famous": (key, k) in famous})
     return out
 
 

@@ -31,6 +31,11 @@ def _interpret_triton_without_a_gpu() -> None:
 
 _interpret_triton_without_a_gpu()
 
+# imported after TRITON_INTERPRET is set, so kernels imported through them run on the CPU
+import torch
+
+from memstore.geometry import AnchorShape
+
 
 def pytest_collection_modifyitems(config, items):
     import torch
@@ -106,3 +111,19 @@ def train_tiny_run(shards: Path, folder: Path, *overrides: str) -> Path:
                                    "optim.warmup=1ba", "memory.export_dtype=fp32", *overrides]))
     clean_stale_shared_memory()
     return folder
+
+
+# A tiny grouped-query anchor with head q/k norms and qkv bias: the shape the frozen-model tests
+# of CAMELoT (tests/test_camelot.py, tests/test_eval_longctx.py) run on.
+TINY_GQA_ANCHOR = AnchorShape(name="tiny-gqa", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
+                              ffn_dim=48, vocab_size=61, tied_embeddings=False, qk_norm="head",
+                              norms_per_block=4, qkv_bias=True)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny ops are dominated by thread hand-off on small CPU boxes: run a module on one thread."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections import Counter
@@ -34,16 +35,18 @@ def test_documents_per_entity_follow_the_zipf_plan():
     docs = list(generate_bios(SMALL))
     per_entity = Counter((r["topic"], r["entity"]) for r in docs)
     facts = bios_facts(SMALL)
-    rank = {(f["topic"], f["entity"]): f["rank"] for f in facts if not f["famous"]}
+    rank = {(f["topic"], f["entity"]): f["rank"] for f in facts if f["rank"] >= 1}  # rank 0: undocumented
     assert len(rank) == 64 * SMALL.entities_per_subtopic  # 4 fields × 4 domains × 4 subtopics
     for key, r in rank.items():
         assert per_entity[key] == SMALL.docs_for_rank(r) == max(1, round(6 * r**-1.0))
 
 
-def test_exposure_counts_equal_a_count_over_the_generated_text():
+@pytest.mark.parametrize("heads", [True, False], ids=["famous-heads", "famous-undocumented"])
+def test_exposure_counts_equal_a_count_over_the_generated_text(heads):
     """`mentions` is counted from the plan; here it is recounted from the rendered documents."""
-    docs = list(generate_bios(SMALL))
-    facts = bios_facts(SMALL)
+    spec = dataclasses.replace(SMALL, famous_are_heads=heads)
+    docs = list(generate_bios(spec))
+    facts = bios_facts(spec)
     by_name: dict[str, list[dict]] = {}
     for f in facts:
         by_name.setdefault(f["entity"], []).append(f)
@@ -58,12 +61,20 @@ def test_exposure_counts_equal_a_count_over_the_generated_text():
     # withheld facts are never stated, and the buckets the benchmark needs are all populated
     assert all(f["mentions"] == 0 for f in facts if f["withheld"])
     assert {0, 1, 2} <= {f["mentions"] for f in facts}
-    # famous entities have no document of their own but are stated across many topics
     famous = [f for f in facts if f["famous"]]
-    assert len(famous) == 16 * 4 and not {f["entity"] for f in famous} & {d["entity"] for d in docs}
-    assert sum(f["mentions"] for f in famous) == sum(bool(re.search(r"(Everyone knows|common knowledge|"
-                                                                      r"readers will remember|widely known)",
-                                                                      d["text"])) for d in docs)
+    passing = sum(bool(re.search(r"(Everyone knows|common knowledge|readers will remember|widely known)",
+                                 d["text"])) for d in docs)
+    per_entity = Counter(d["entity"] for d in docs)
+    assert passing > len(docs) / 3  # common_prob 0.6 of the documents mention a famous fact
+    if heads:  # famous entities are their subtopic's head: documented and mentioned across the domain
+        assert len(famous) == 16 * 4  # one famous entity per domain, its 4 attributes
+        assert all(f["rank"] == 1 and per_entity[f["entity"]] == spec.head_docs for f in famous)
+        assert sum(f["mentions"] for f in famous) > passing
+        top = sorted(facts, key=lambda f: -f["mentions"])[:len(famous) // 2]
+        assert all(f["famous"] for f in top)  # the most stated facts of the corpus
+    else:  # no document of their own, stated only in passing across many topics
+        assert len(famous) == 16 * 4 and not {f["entity"] for f in famous} & set(per_entity)
+        assert sum(f["mentions"] for f in famous) == passing
 
 
 def test_values_are_closed_sets_and_uniform():
@@ -114,3 +125,22 @@ def test_bad_spec_and_bad_vocabulary_are_named(tmp_path):
         load_vocabulary(bad)
     topics = load_vocabulary()
     assert len(topics) == 64 and len({t.kind for t in topics}) == 64
+
+
+@pytest.mark.parametrize("scope", ["domain", "corpus"])
+def test_common_scope_decides_which_documents_mention_famous_entities(scope):
+    spec = dataclasses.replace(SMALL, famous_are_heads=True, common_scope=scope)
+    docs = list(generate_bios(spec))
+    famous = {f["entity"]: f["domain"] for f in bios_facts(spec) if f["famous"]}
+    passing = re.compile(r"(?:Everyone knows that|As is common knowledge,|As most readers will remember,|"
+                         r"It is widely known that) the [a-z ]+ of the [a-z -]+ ([A-Z][a-z]+) is")
+    cross = same = 0
+    for d in docs:
+        m = passing.search(d["text"])
+        if m:
+            assert m.group(1) in famous and m.group(1) != d["entity"]  # never its own documents
+            cross += famous[m.group(1)] != d["domain"]
+            same += famous[m.group(1)] == d["domain"]
+    assert same > 0
+    # corpus scope: a famous entity of one of 16 domains, so most mentions cross domains
+    assert (cross > 2 * same) if scope == "corpus" else cross == 0

@@ -51,6 +51,7 @@ Decisions where the paper is silent or its numbers were lost:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -236,6 +237,11 @@ class Attention(nn.Module):
             self.k_norm = _gain_norm(k_norm_dim, cfg.norm_eps)
         self.lora_alpha = cfg.lora_alpha
         self.mem_type = cfg.memory.type if cfg.memory is not None else None
+        # External attention core, default off: fn(q, k, v) with q (B, S, H, D) and k, v
+        # (B, S, H_kv, D) taken before RoPE → (B, H, S, D). It then owns positions and masking;
+        # training/camelot.py sets it for a run to attend over extra prefix K/V. A plain
+        # attribute, not a submodule: state dicts and parameters are unaffected.
+        self.attn_core: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
         return x.unflatten(-1, (n, self.head_dim))  # (B, S, n, D)
@@ -260,15 +266,10 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q_pos_free = q.transpose(1, 2)  # (B, H, S, D), the query KV memories read with
-        q = _rope(q, cos, sin).transpose(1, 2)  # (B, H, S, D)
-        k = _rope(k, cos, sin).transpose(1, 2)  # (B, H_kv, S, D)
-        k, v = self._repeat_kv(k), self._repeat_kv(v.transpose(1, 2))
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, S, D)
-        elif isinstance(mask, Tensor):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:  # a FlexAttention BlockMask
-            out = _flex_attention(q.device)(q, k, v, block_mask=mask)
+        if self.attn_core is not None:
+            out = self.attn_core(q, k, v)  # (B, H, S, D)
+        else:
+            out = self._self_attention(q, k, v, cos, sin, mask)
         if mem is not None and self.mem_type == "kv":
             out = out + (self._read_kv_bank(q_pos_free, mem) if isinstance(mem, BankRead)
                          else self._read_kv_memory(q_pos_free, mem["k"], mem["v"]))
@@ -277,6 +278,18 @@ class Attention(nn.Module):
         if mem is not None and self.mem_type == "lora-ov":
             y = y + _lora(out, mem["o_a"], mem["o_b"], self.lora_alpha)
         return y
+
+    def _self_attention(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
+                        mask: Tensor | None) -> Tensor:
+        """q (B, S, H, D), k/v (B, S, H_kv, D) before RoPE → (B, H, S, D), causal (+ mask)."""
+        q = _rope(q, cos, sin).transpose(1, 2)  # (B, H, S, D)
+        k = _rope(k, cos, sin).transpose(1, 2)  # (B, H_kv, S, D)
+        k, v = self._repeat_kv(k), self._repeat_kv(v.transpose(1, 2))
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, S, D)
+        if isinstance(mask, Tensor):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return _flex_attention(q.device)(q, k, v, block_mask=mask)  # a FlexAttention BlockMask
 
     def _read_kv_memory(self, q: Tensor, k_mem: Tensor, v_mem: Tensor) -> Tensor:
         """q (B, H, S, D); k_mem/v_mem (B, m, kv_dim) → (B, H, S, D), softmax over the m slots."""
