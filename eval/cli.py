@@ -91,6 +91,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     lc.add_argument("--slots", type=int, default=4096, help="memory slots M per layer and KV head (default 4096)")
     lc.add_argument("--threshold", type=float, default=0.93, help="CAMELoT's novelty threshold R (default 0.93)")
     lc.add_argument("--no-ablations", action="store_true", help="skip CAMELoT's four ablations")
+    lc.add_argument("--visibility", choices=("causal", "full"), default="causal",
+                    help="which retrieved entries a query sees: causal (entries of tokens up to its own; "
+                         "default) or full (all L, as the seed's prefix reads — leaks the next token through "
+                         "the key it was retrieved with, so its perplexity is not a fair score; "
+                         "training/camelot.py)")
     lc.add_argument("--out", help="report directory (default RUN/eval-longctx)")
     lc.set_defaults(func=_longctx)
 
@@ -217,7 +222,7 @@ def _longctx(args: argparse.Namespace) -> int:
                                 max_docs=args.max_docs)
     results = longctx_eval(rm, docs, methods=methods, window=args.window,
                            cfg=CamelotConfig(slots=args.slots, threshold=args.threshold),
-                           ablations=not args.no_ablations, log=print)
+                           ablations=not args.no_ablations, visibility=args.visibility, log=print)
     out = Path(args.out) if args.out else Path(args.run) / "eval-longctx"
     files = write_longctx_report(out, results, meta={"run": str(Path(args.run).resolve()), "docs": str(docs_path),
                                                      "group_by": group_by})

@@ -218,12 +218,17 @@ class _SlotSearch:
             else:
                 self._stale[h, slots.cpu()] = True
 
+    def changed_mask(self, mask: Tensor) -> None:
+        """mask (H, M) bool: the slots rewritten (all heads at once)."""
+        self._stale |= mask.cpu()
+
     def search(self, keys: Tensor, filled: Tensor, q: Tensor) -> Match:
         """keys (H, M, D), filled (H, M) bool, q (H, L, D) → Match (H, L)."""
         if not self.faiss:
             qn, kn = F.normalize(q.float(), dim=-1), F.normalize(keys.float(), dim=-1)
             sims = qn @ kn.mT  # (H, L, M)
-            sims = sims.masked_fill(~filled[:, None, :], float("-inf"))
+            if not bool(filled.all()):  # a full memory (the usual case) needs no mask pass
+                sims.masked_fill_(~filled[:, None, :], float("-inf"))
             sim, slot = sims.max(dim=-1)
             return Match(slot=slot.masked_fill(sim == float("-inf"), -1), sim=sim)
         slots, sims = [], []
@@ -335,66 +340,97 @@ class AssociativeMemory:
     @torch.no_grad()
     def write(self, k: Tensor, v: Tensor, match: Match | None = None) -> None:
         """Consolidate / replace with the window's keys and values k, v (H, L, D); `match` is
-        the read's (recomputed when None)."""
+        the read's (recomputed when None).
+
+        All heads at once: a head's slots are rows h·M … h·M + M − 1 of the flattened (H·M, D)
+        tables, so each step below is one tensor op over every head and token instead of a
+        Python loop per head. Each slot's arithmetic is the per-head rule's, term for term and
+        in the same order (consolidation sums its tokens in token order), so results are
+        bit-identical to applying the rules head by head."""
         _check_kv(k, v, self.heads, self.dim)
         if match is None:
             match = self.search(k)
         k, v = k.to(self.keys), v.to(self.values)
-        for h in range(self.heads):
-            self._write_head(h, k[h], v[h], match.slot[h].to(k.device), match.sim[h].to(k.device))
-
-    def _write_head(self, h: int, k: Tensor, v: Tensor, slot: Tensor, sim: Tensor) -> None:
-        cfg, n_tok, dev = self.cfg, k.shape[0], k.device
-        filled = self.filled[h].clone()
+        cfg, (n_heads, n_tok), m, dev = self.cfg, k.shape[:2], self.cfg.slots, k.device
+        slot, sim = match.slot.to(dev), match.sim.to(dev)
+        filled = self.filled.clone()  # as before the window
         has = slot >= 0
         order = torch.arange(n_tok, device=dev)
         if not cfg.consolidation:
-            novel = torch.ones(n_tok, dtype=torch.bool, device=dev)
+            novel = torch.ones(n_heads, n_tok, dtype=torch.bool, device=dev)
         elif cfg.novelty:
             novel = ~(has & (sim > cfg.threshold))
         else:  # empty slots go first, in token order; the rest join their nearest slot
-            novel = order < int((~filled).sum())
+            novel = order[None] < (~filled).sum(1, keepdim=True)
             novel |= ~has
         familiar = ~novel
-        touched = torch.zeros(cfg.slots, dtype=torch.bool, device=dev)
-        if bool(familiar.any()):  # eq. 6–8 for every familiar token at once
-            tgt = slot[familiar]
-            n = torch.bincount(tgt, minlength=cfg.slots)
-            upd = n > 0
-            c = self.counts[h].float()
-            for table, x in ((self.keys, k), (self.values, v)):
-                total = torch.zeros_like(table[h]).index_add_(0, tgt, x[familiar])
-                mean = (c[:, None] * table[h] + total) / (c + n.float()).clamp(min=1)[:, None]
-                table[h] = torch.where(upd[:, None], mean, table[h])
-            self.counts[h] += n
-            touched |= upd
-            self.stats["consolidated"] += int(familiar.sum())
-        new_tok = order[novel]
-        if len(new_tok):
-            cand = self._candidates(h, filled, touched)
-            if len(new_tok) > len(cand):
-                self.stats["dropped"] += len(new_tok) - len(cand)
-                new_tok = new_tok[len(new_tok) - len(cand):]  # the most recent tokens win
-            tgt = cand[: len(new_tok)]
-            self.keys[h, tgt], self.values[h, tgt] = k[new_tok], v[new_tok]
-            self.counts[h, tgt] = 1
-            self.filled[h, tgt] = True
-            touched[tgt] = True
-            self.stats["novel"] += len(new_tok)
-        self.ages[h] = torch.where(touched, 0, self.ages[h] + self.filled[h].long())
-        self._search.changed(touched.nonzero().squeeze(1), head=h)
+        base = torch.arange(n_heads, device=dev)[:, None] * m  # head h's first flat slot
+        keys, values = self.keys.view(-1, self.dim), self.values.view(-1, self.dim)
+        counts, touched = self.counts.view(-1), torch.zeros(n_heads * m, dtype=torch.bool, device=dev)
+        n_fam = int(familiar.sum())
+        if n_fam:  # eq. 6–8 for every familiar token at once, only the slots they reach
+            tgt = (slot + base)[familiar]  # head-major, token order within a head
+            upd, inv = torch.unique(tgt, return_inverse=True)
+            n = torch.bincount(inv, minlength=len(upd))
+            c = counts[upd].float()
+            denom = (c + n.float()).clamp(min=1)[:, None]
+            for table, x in ((keys, k), (values, v)):
+                total = table.new_zeros(len(upd), self.dim).index_add_(0, inv, x[familiar])
+                table[upd] = (c[:, None] * table[upd] + total) / denom
+            counts[upd] += n
+            touched[upd] = True
+            self.stats["consolidated"] += n_fam
+        n_new = novel.sum(1)  # per head
+        if bool(n_new.any()):
+            cand, n_cand = self._candidates(filled, touched.view(n_heads, m), n_new)
+            n_take = torch.minimum(n_new, n_cand)
+            self.stats["dropped"] += int((n_new - n_take).sum())
+            # the most recent tokens win: a head's r-th novel token (0-based) takes candidate
+            # r − (n_new − n_take) when that is ≥ 0, else it is dropped
+            pos = novel.cumsum(1) - 1 - (n_new - n_take)[:, None]
+            take = novel & (pos >= 0)
+            h_idx, t_idx = take.nonzero(as_tuple=True)
+            dst = cand[h_idx, pos[h_idx, t_idx]] + h_idx * m
+            src = h_idx * n_tok + t_idx
+            keys[dst] = k.reshape(-1, self.dim)[src]
+            values[dst] = v.reshape(-1, self.dim)[src]
+            counts[dst] = 1
+            self.filled.view(-1)[dst] = True
+            touched[dst] = True
+            self.stats["novel"] += len(dst)
+        touched = touched.view(n_heads, m)
+        self.ages.copy_(torch.where(touched, 0, self.ages + self.filled.long()))
+        self._search.changed_mask(touched)
 
-    def _candidates(self, h: int, filled: Tensor, touched: Tensor) -> Tensor:
-        """Slots a novel token may replace, in the order they are taken: empty first (by
-        index), then filled and not updated this window, oldest first (or random)."""
+    def _candidates(self, filled: Tensor, touched: Tensor, n_new: Tensor) -> tuple[Tensor, Tensor]:
+        """Slots a novel token may replace, per head in the order they are taken: empty first
+        (by index), then filled and not updated this window, oldest first (or random). →
+        (cand (H, K) slot indices, the first n_cand[h] of row h valid; n_cand (H,)), K enough
+        for min(n_new, n_cand) per head."""
         free = ~touched
-        empty = (free & ~filled).nonzero().squeeze(1)
-        old = (free & filled).nonzero().squeeze(1)
+        n_cand = free.sum(1)
+        need = int(torch.minimum(n_new, n_cand).max())
         if self.cfg.recency:
-            old = old[torch.sort(self.ages[h, old], descending=True, stable=True).indices]
-        else:
+            # one ascending key per slot, unique, that orders a head's candidates as the rule
+            # does: empty (by index) < filled by age descending (ties by index) < touched
+            m = self.cfg.slots
+            idx = torch.arange(m, device=filled.device)
+            key = torch.where(filled, -self.ages * m + idx, idx - (1 << 62))
+            key = key.masked_fill(touched, 1 << 62)
+            cand = torch.topk(key, need, dim=1, largest=False, sorted=True).indices
+            return cand, n_cand
+        # random replacement: one randperm per head with novel tokens, in head order, so the
+        # generator is drawn exactly as the per-head rule draws it
+        cand = torch.zeros(self.heads, need, dtype=torch.int64, device=filled.device)
+        for h in range(self.heads):
+            if int(n_new[h]) == 0:
+                continue
+            empty = (free[h] & ~filled[h]).nonzero().squeeze(1)
+            old = (free[h] & filled[h]).nonzero().squeeze(1)
             old = old[torch.randperm(len(old), generator=self.generator).to(old.device)]
-        return torch.cat([empty, old])
+            row = torch.cat([empty, old])[:need]
+            cand[h, :len(row)] = row
+        return cand, n_cand
 
     def state(self) -> dict[str, Tensor]:
         return {"keys": self.keys, "values": self.values, "counts": self.counts,

@@ -1,4 +1,5 @@
-"""`memtree pipeline …` and `memtree demo-corpus`: thin wrappers over pipeline.run."""
+"""`memtree pipeline …`, `memtree demo-corpus` and `memtree docs-corpus`: thin wrappers over pipeline.run,
+pipeline.bios and pipeline.debdocs."""
 
 from __future__ import annotations
 
@@ -46,6 +47,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--n-docs", type=int, default=4000, help="--topical only: number of documents")
     d.add_argument("--facts", help="--topical only: also write every fact with its mention count (JSONL)")
     d.set_defaults(func=_corpus)
+
+    t = sub.add_parser("docs-corpus", help="real long text: a Debian package's documentation → train/test JSONL",
+                       description="Download (apt-get download, no root) or read a documentation package and "
+                                   "write OUT/train.jsonl, test.jsonl (split by a hash of each page's path), "
+                                   "rejects.jsonl and corpus.json (pipeline/debdocs.py). Default: the Python 3.11 "
+                                   "documentation sources (python3.11-doc), for `memtree eval-longctx`.")
+    t.add_argument("out", help="output directory")
+    t.add_argument("--deb", help="a .deb already on disk (default: OUT/../<package>_*.deb, downloaded if absent)")
+    t.add_argument("--package", default="python3.11-doc")
+    t.add_argument("--prefix", default=None, help="path prefix of the files to keep inside the package")
+    t.add_argument("--suffix", default=None, help="file name ending of the files to keep")
+    t.add_argument("--test-fraction", type=float, default=0.1)
+    t.add_argument("--min-chars", type=int, default=2000, help="shorter files are rejected (too_short)")
+    t.set_defaults(func=_docs)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -105,4 +120,22 @@ def _corpus(args: argparse.Namespace) -> int:
     fields = {**OmegaConf.to_container(OmegaConf.from_dotlist(args.set)), "seed": args.seed}
     info = write_bios(args.out, from_dict(BiosSpec, fields, where="corpus"))
     print(f"wrote {info['documents']} documents and {info['n_facts']} facts to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _docs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pipeline.debdocs import PYTHON_DOC, fetch_deb, write_docs_corpus
+
+    default = PYTHON_DOC if args.package == PYTHON_DOC["package"] else {}
+    prefix = args.prefix if args.prefix is not None else default.get("prefix")
+    suffix = args.suffix if args.suffix is not None else default.get("suffix")
+    if prefix is None or suffix is None:
+        raise SystemExit(f"docs-corpus: --prefix and --suffix are needed for package {args.package!r}")
+    deb = Path(args.deb) if args.deb else fetch_deb(args.package, Path(args.out).resolve().parent)
+    meta = write_docs_corpus(args.out, deb=deb, package=args.package, prefix=prefix, suffix=suffix,
+                             test_fraction=args.test_fraction, min_chars=args.min_chars)
+    print(f"{meta['files']} files → {meta['train']} train, {meta['test']} test, {meta['rejected']} rejected "
+          f"→ {args.out}", file=sys.stderr)
     return 0

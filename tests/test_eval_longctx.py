@@ -206,6 +206,17 @@ def test_cli_end_to_end_on_a_tiny_run(tmp_path, capsys):
                  "--max-docs", "1", "--group-by", "none", "--no-ablations", "--out", str(out)]) == 0
     lc = json.loads((out / "results.json").read_text())["longctx"]
     assert set(lc["methods"]) == {"base", "xl"} and lc["ablations"] == {} and lc["docs"]["n_docs"] == 1
+    assert lc["visibility"] == "causal"
+    # --visibility full reaches the hookup: the first window (nothing retrieved yet) is unchanged, and
+    # later windows see every retrieved entry, so CAMELoT's loss there differs from the causal run's
+    base_args = ["eval-longctx", str(run), "--method", "camelot", "--window", "4", "--docs", str(docs),
+                 "--group-by", "none", "--no-ablations", "--slots", "8"]
+    assert main([*base_args, "--out", str(tmp_path / "c")]) == 0
+    assert main([*base_args, "--visibility", "full", "--out", str(tmp_path / "f")]) == 0
+    causal, full = (json.loads((tmp_path / k / "results.json").read_text())["longctx"] for k in "cf")
+    assert full["visibility"] == "full"
+    cb, fb = causal["methods"]["camelot"]["by_position"], full["methods"]["camelot"]["by_position"]
+    assert cb[0]["sum_nll"] == fb[0]["sum_nll"] and cb[1]["sum_nll"] != fb[1]["sum_nll"]
     # a window the model cannot hold: an error naming window
     assert main(["eval-longctx", str(run), "--window", "20", "--out", str(out)]) != 0
     assert "window=20" in capsys.readouterr().err

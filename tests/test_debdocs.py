@@ -1,0 +1,89 @@
+"""The real-text corpus from a Debian documentation package (pipeline/debdocs.py): the .deb is
+read without dpkg, every file is kept or rejected with a reason, and the split is stable."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from pipeline.debdocs import in_test_split, iter_deb_files, write_docs_corpus
+
+PREFIX = "usr/share/doc/pkg/_sources/"
+
+
+def _ar_member(name: str, data: bytes) -> bytes:
+    head = f"{name:<16}{0:<12}{0:<6}{0:<6}{'100644':<8}{len(data):<10}`\n".encode("ascii")
+    assert len(head) == 60
+    return head + data + (b"\n" if len(data) % 2 else b"")
+
+
+def make_deb(path: Path, files: dict[str, bytes], compression: str = "xz") -> Path:
+    """A Debian package as dpkg writes one: an ar archive of debian-binary, control and data tarballs."""
+    def tarball(members: dict[str, bytes]) -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode=f"w:{compression}") as tar:
+            for name, data in members.items():
+                info = tarfile.TarInfo("./" + name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            d = tarfile.TarInfo("./usr/share/doc/pkg/")
+            d.type = tarfile.DIRTYPE
+            tar.addfile(d)
+        return buf.getvalue()
+
+    body = (b"!<arch>\n" + _ar_member("debian-binary", b"2.0\n")
+            + _ar_member(f"control.tar.{compression}", tarball({"control": b"Package: pkg\n"}))
+            + _ar_member(f"data.tar.{compression}", tarball(files)))
+    path.write_bytes(body)
+    return path
+
+
+def _page(i: int, n: int = 3000) -> bytes:
+    return (f"Page {i}\n=======\n\n" + "Some documentation prose written by people. " * (n // 45)).encode()
+
+
+def test_deb_members_are_read_without_dpkg(tmp_path):
+    files = {PREFIX + "library/os.rst.txt": _page(1), PREFIX + "tutorial/intro.rst.txt": _page(2),
+             "usr/share/doc/pkg/copyright": b"(c)", PREFIX + "library/os.html": b"<html>"}
+    deb = make_deb(tmp_path / "pkg_1.0_all.deb", files, compression="gz")
+    got = dict(iter_deb_files(deb, prefix=PREFIX, suffix=".rst.txt"))
+    assert got == {k: v for k, v in files.items() if k.endswith(".rst.txt")}
+
+
+def test_every_file_is_kept_or_rejected_and_the_split_is_stable(tmp_path):
+    files = {PREFIX + f"library/m{i:03d}.rst.txt": _page(i) for i in range(60)}
+    files[PREFIX + "short.rst.txt"] = b"too short"
+    files[PREFIX + "bad.rst.txt"] = b"\xff\xfe not utf-8" * 300
+    files[PREFIX + "blank.rst.txt"] = b"  \n\n "
+    deb = make_deb(tmp_path / "pkg_1.0_all.deb", files)
+    meta = write_docs_corpus(tmp_path / "out", deb=deb, package="pkg", prefix=PREFIX, suffix=".rst.txt",
+                             test_fraction=0.25, min_chars=1000)
+    assert meta["files"] == 63 == meta["train"] + meta["test"] + meta["rejected"]
+    rejects = {r["id"]: r["reason"] for r in map(json.loads, (tmp_path / "out/rejects.jsonl").read_text().splitlines())}
+    assert rejects == {"short.rst.txt": "too_short", "bad.rst.txt": "invalid_utf8", "blank.rst.txt": "empty"}
+    train = [json.loads(x) for x in (tmp_path / "out/train.jsonl").read_text().splitlines()]
+    test = [json.loads(x) for x in (tmp_path / "out/test.jsonl").read_text().splitlines()]
+    assert {r["id"] for r in test} == {f"library/m{i:03d}.rst.txt" for i in range(60)
+                                      if in_test_split(f"library/m{i:03d}.rst.txt", 0.25)}
+    assert 5 <= len(test) <= 25 and len(train) + len(test) == 60  # ~15 expected
+    assert all(r["section"] == "library" and r["source"] == "pkg" and r["text"].startswith("Page") for r in train)
+    assert json.loads((tmp_path / "out/corpus.json").read_text())["format"] == "memtree-debdocs"
+    # the split depends on the page alone: a package with fewer pages splits the rest the same way
+    deb2 = make_deb(tmp_path / "pkg_2.0_all.deb", {k: v for k, v in list(files.items())[:30]})
+    write_docs_corpus(tmp_path / "out2", deb=deb2, package="pkg", prefix=PREFIX, suffix=".rst.txt",
+                      test_fraction=0.25, min_chars=1000)
+    test2 = {json.loads(x)["id"] for x in (tmp_path / "out2/test.jsonl").read_text().splitlines()}
+    assert test2 == {r["id"] for r in test if int(r["id"][9:12]) < 30}
+
+
+def test_bad_packages_are_named(tmp_path):
+    (tmp_path / "x.deb").write_bytes(b"PK\x03\x04 a zip file")
+    with pytest.raises(ValueError, match="x.deb: not a Debian package"):
+        list(iter_deb_files(tmp_path / "x.deb"))
+    deb = make_deb(tmp_path / "pkg_1.0_all.deb", {"usr/share/doc/other/a.txt": b"text"})
+    with pytest.raises(ValueError, match="no file under"):
+        write_docs_corpus(tmp_path / "out", deb=deb, prefix=PREFIX, suffix=".rst.txt")
