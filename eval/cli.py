@@ -90,6 +90,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     lc.add_argument("--max-docs", type=int, default=0, help="score at most this many long documents (0 = all)")
     lc.add_argument("--slots", type=int, default=4096, help="memory slots M per layer and KV head (default 4096)")
     lc.add_argument("--threshold", type=float, default=0.93, help="CAMELoT's novelty threshold R (default 0.93)")
+    lc.add_argument("--layers", help="comma-separated memory-augmented layers (default: every layer), e.g. 2,3")
     lc.add_argument("--no-ablations", action="store_true", help="skip CAMELoT's four ablations")
     lc.add_argument("--visibility", choices=("causal", "full"), default="causal",
                     help="which retrieved entries a query sees: causal (entries of tokens up to its own; "
@@ -218,10 +219,11 @@ def _longctx(args: argparse.Namespace) -> int:
     if not docs_path.exists():
         raise FileNotFoundError(f"eval-longctx: no documents at {docs_path}; pass --docs FILE.jsonl")
     group_by = None if args.group_by == "none" else args.group_by
+    layers = tuple(int(x) for x in args.layers.split(",") if x.strip()) if args.layers else None
     _keys, docs = long_documents(load_records(docs_path), rm.encode, group_by=group_by, separator=rm.eot_id,
                                 max_docs=args.max_docs)
     results = longctx_eval(rm, docs, methods=methods, window=args.window,
-                           cfg=CamelotConfig(slots=args.slots, threshold=args.threshold),
+                           cfg=CamelotConfig(slots=args.slots, threshold=args.threshold, layers=layers),
                            ablations=not args.no_ablations, visibility=args.visibility, log=print)
     out = Path(args.out) if args.out else Path(args.run) / "eval-longctx"
     files = write_longctx_report(out, results, meta={"run": str(Path(args.run).resolve()), "docs": str(docs_path),

@@ -215,6 +215,8 @@ def test_cli_end_to_end_on_a_tiny_run(tmp_path, capsys):
     assert main([*base_args, "--visibility", "full", "--out", str(tmp_path / "f")]) == 0
     causal, full = (json.loads((tmp_path / k / "results.json").read_text())["longctx"] for k in "cf")
     assert full["visibility"] == "full"
+    assert main([*base_args, "--layers", "1", "--out", str(tmp_path / "l")]) == 0
+    assert json.loads((tmp_path / "l" / "results.json").read_text())["longctx"]["camelot_config"]["layers"] == [1]
     cb, fb = causal["methods"]["camelot"]["by_position"], full["methods"]["camelot"]["by_position"]
     assert cb[0]["sum_nll"] == fb[0]["sum_nll"] and cb[1]["sum_nll"] != fb[1]["sum_nll"]
     # a window the model cannot hold: an error naming window
