@@ -49,7 +49,7 @@ from torch import nn
 from memstore.camelot import CamelotConfig
 from memtree.config import to_dict
 from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl
-from training.camelot import METHODS, longdoc_token_nll
+from training.camelot import METHODS, check_window, context_limit, longdoc_token_nll
 
 # CamelotConfig switch → ablation name (App. A.2.1); each turns one switch off.
 ABLATIONS: dict[str, str] = {"consolidation": "camelot-no-consolidation", "novelty": "camelot-no-novelty",
@@ -66,26 +66,6 @@ def frozen_lm(model: Any) -> nn.Module:
     if isinstance(model, nn.Module):
         return model
     raise TypeError(f"{type(model).__name__} is neither a RunModel nor a torch model")
-
-
-def context_limit(model: nn.Module) -> int:
-    """Positions the model supports (AnchorLM's max_seq_len, HF's max_position_embeddings)."""
-    from training.camelot import _backend  # the hookup already knows both model families
-
-    return int(_backend(model).max_positions)
-
-
-def check_window(model: nn.Module, window: int, methods: Sequence[str]) -> None:
-    """A memory method positions the window after a prefix of L entries: it needs 2L positions,
-    base only L. Errors name `window`."""
-    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        raise ValueError(f"window must be a positive integer, got {window!r}")
-    limit = context_limit(model)
-    need = window if list(methods) == ["base"] else 2 * window
-    if need > limit:
-        what = "window" if need == window else "2·window (memory prefix + window)"
-        raise ValueError(f"window={window}: {what} = {need} positions exceeds the model's context of {limit}; "
-                         f"use window ≤ {limit if need == window else limit // 2}")
 
 
 def position_buckets(window: int, length: int) -> list[tuple[int, int]]:

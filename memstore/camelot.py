@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from memtree.config import from_dict, to_dict
+from memtree.config import from_dict, is_int, to_dict
 from memtree.io import atomic_dir, atomic_write_json, read_json, restore_replaced_dir, sha256_file
 
 FORMAT = "memtree-camelot"
@@ -96,9 +96,6 @@ class CamelotConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        def is_int(x) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
         if not is_int(self.slots) or self.slots <= 0:
             raise ValueError(f"slots must be a positive integer, got {self.slots!r}")
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, int | float) \

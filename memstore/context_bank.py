@@ -75,10 +75,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from memtree.config import from_dict, to_dict
+from clustering.kmeans import kmeans_pp
+from memtree.config import from_dict, is_int, is_number, to_dict
 from memtree.io import atomic_dir, atomic_write_json, iter_jsonl, read_json, sha256_file
 
 FORMAT = "memtree-context-bank"
@@ -89,14 +91,6 @@ _KEEP_VERSIONS = 2  # the current version and its fallback
 # Test hook: seconds to sleep after a new version is fully written under its temp name and
 # before it is renamed into place (lets a test kill a save at its most delicate instant).
 SAVE_PAUSE_ENV = "MEMTREE_CONTEXT_BANK_SAVE_PAUSE"
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
 
 
 def _utcnow() -> str:
@@ -127,23 +121,23 @@ class ContextBankConfig:
     def __post_init__(self) -> None:
         for name in ("dim", "n_latent", "n_clusters", "top_k", "kmeans_iters"):
             v = getattr(self, name)
-            if not _is_int(v) or v <= 0:
+            if not is_int(v) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if not _is_int(self.capacity) or self.capacity < 2:
+        if not is_int(self.capacity) or self.capacity < 2:
             # a full bank makes room by merging a pair, so it must be able to hold two
             raise ValueError(f"capacity must be an integer >= 2, got {self.capacity!r}")
         if self.top_k > self.n_clusters:
             raise ValueError(f"top_k={self.top_k} exceeds n_clusters={self.n_clusters}")
         for name in ("merge_importance_weight", "merge_age_weight"):
             v = getattr(self, name)
-            if not _is_num(v) or not v >= 0 or v == float("inf"):
+            if not is_number(v) or not v >= 0 or v == float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         if self.merge_rule not in ("sum", "mean"):
             raise ValueError(f"merge_rule {self.merge_rule!r} is not one of 'sum', 'mean'")
-        if not _is_int(self.recluster_every) or self.recluster_every < 0:
+        if not is_int(self.recluster_every) or self.recluster_every < 0:
             raise ValueError(f"recluster_every must be a non-negative integer, "
                              f"got {self.recluster_every!r}")
-        if not _is_int(self.seed):
+        if not is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
 
@@ -357,15 +351,10 @@ class ContextBank:
         if not ids:
             return
         x = torch.stack([self._mean(i) for i in ids])  # (N, d)
-        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step)
-        kk = min(k, len(ids))
-        cent = [x[int(torch.randint(len(ids), (1,), generator=g))]]
-        for _ in range(1, kk):  # k-means++: next centre ∝ squared distance to the chosen ones
-            d2 = torch.cdist(x, torch.stack(cent)).pow(2).min(1).values
-            if float(d2.sum()) <= 0:
-                break  # fewer distinct points than clusters
-            cent.append(x[int(torch.multinomial(d2, 1, generator=g))])
-        c = torch.stack(cent)  # (k', d)
+        rng = np.random.default_rng(self.cfg.seed * 1_000_003 + self.step)
+        # the tree's k-means++ seeding; with fewer distinct points than clusters the duplicate
+        # seeds get no members and read as empty clusters
+        c = torch.from_numpy(kmeans_pp(x.numpy(), min(k, len(ids)), rng))  # (k', d)
         assign = torch.cdist(x, c).argmin(1)
         for _ in range(self.cfg.kmeans_iters):
             for j in range(len(c)):
@@ -390,7 +379,7 @@ class ContextBank:
         if q.numel() != self.cfg.dim:
             raise ValueError(f"query has dimension {q.numel()}, the bank has dim={self.cfg.dim}")
         top_k = self.cfg.top_k if top_k is None else top_k
-        if not _is_int(top_k) or top_k <= 0:
+        if not is_int(top_k) or top_k <= 0:
             raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
         self.stats["reads"] += 1
         live = (self.counts > 0).nonzero().flatten()  # (k',)

@@ -25,6 +25,16 @@ class ConfigError(ValueError):
     """A configuration value or key is invalid; the message names the key."""
 
 
+def is_int(x: Any) -> bool:
+    """An int that is not a bool: what config validation means by "an integer"."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x: Any) -> bool:
+    """An int or float that is not a bool."""
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
 def _is_optional(tp: Any) -> tuple[bool, Any]:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):

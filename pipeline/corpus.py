@@ -58,6 +58,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from memtree.config import is_int
+
 __all__ = [
     "DOMAINS",
     "TOPICS",
@@ -82,10 +84,6 @@ LONG_DOC_WORDS = (2600, 6000)
 # --------------------------------------------------------------------------------------------
 # Spec
 # --------------------------------------------------------------------------------------------
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_real(x: object) -> bool:
@@ -113,14 +111,14 @@ class CorpusSpec:
         # inside generation, or worse, as a silently odd corpus.
         n, seed, s = self.n_docs, self.seed, self.zipf_exponent
         e, f = self.entities_per_subtopic, self.long_doc_fraction
-        if not _is_int(n) or not 1 <= n <= 10_000_000:
+        if not is_int(n) or not 1 <= n <= 10_000_000:
             raise ValueError(f"CorpusSpec.n_docs must be an int in [1, 10000000], got {n!r}")
-        if not _is_int(seed) or seed < 0:
+        if not is_int(seed) or seed < 0:
             raise ValueError(f"CorpusSpec.seed must be a non-negative int, got {seed!r}")
         if not _is_real(s) or not 0 <= s <= 10:
             raise ValueError(f"CorpusSpec.zipf_exponent must be a number in [0, 10], got {s!r}")
         # 500 per subtopic (32,000 names) keeps syllable names plentiful and unique.
-        if not _is_int(e) or not 1 <= e <= 500:
+        if not is_int(e) or not 1 <= e <= 500:
             raise ValueError(
                 f"CorpusSpec.entities_per_subtopic must be an int in [1, 500], got {e!r}"
             )

@@ -407,6 +407,27 @@ def _frozen(model: nn.Module) -> Iterator[None]:
         model.train(was)
 
 
+def context_limit(model: nn.Module) -> int:
+    """Positions the model supports (AnchorLM's max_seq_len, HF's max_position_embeddings)."""
+    return int(_backend(model).max_positions)
+
+
+def check_window(model: nn.Module, window: int, methods: Sequence[str]) -> None:
+    """Errors naming `window` unless every method fits: a memory method positions the window after
+    a prefix of L entries, so it needs 2L positions; base needs L."""
+    _check_window(window, methods, context_limit(model))
+
+
+def _check_window(window: int, methods: Sequence[str], limit: int) -> None:
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ValueError(f"window must be a positive integer, got {window!r}")
+    need = window if list(methods) == ["base"] else 2 * window
+    if need > limit:
+        what = "window" if need == window else "2·window (memory prefix + window)"
+        raise ValueError(f"window={window}: {what} = {need} positions exceeds the model's context of {limit}; "
+                         f"use window ≤ {limit if need == window else limit // 2}")
+
+
 def longdoc_token_nll(model: nn.Module, tokens: Tensor | Sequence[int], *,
                       method: Method = "camelot", window: int = 128,
                       cfg: CamelotConfig | None = None, memory: CamelotMemory | None = None,
@@ -419,14 +440,8 @@ def longdoc_token_nll(model: nn.Module, tokens: Tensor | Sequence[int], *,
         raise ValueError(f"method {method!r} is not one of {list(METHODS)}")
     if visibility not in ("causal", "full"):
         raise ValueError(f"visibility {visibility!r} is not one of 'causal', 'full'")
-    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        raise ValueError(f"window must be a positive integer, got {window!r}")
     b = _backend(model)
-    span = window if method == "base" else 2 * window
-    if span > b.max_positions:
-        what = "window" if method == "base" else "2·window (prefix + window)"
-        raise ValueError(f"window={window}: {what} = {span} positions exceeds the model's context "
-                         f"of {b.max_positions}")
+    _check_window(window, [method], b.max_positions)
     if method == "base":
         if memory is not None:
             raise ValueError("method 'base' uses no memory, but one was given")
