@@ -1,6 +1,7 @@
 """`memtree eval RUN …` (long-tail probes, perplexity, RAG baseline, blocking), `memtree eval-sweep`,
 `memtree eval-retention`, `memtree eval-tasks` (your own task suite), `memtree eval-longctx` (CAMELoT's
-long-context perplexity on a frozen anchor) and the main job `memtree demo`."""
+long-context perplexity on a frozen anchor), `memtree eval-context-bank` (recall through the context
+bank) and the main job `memtree demo`."""
 
 from __future__ import annotations
 
@@ -99,6 +100,22 @@ def register(sub: argparse._SubParsersAction) -> None:
                          "training/camelot.py)")
     lc.add_argument("--out", help="report directory (default RUN/eval-longctx)")
     lc.set_defaults(func=_longctx)
+
+    cb = sub.add_parser(
+        "eval-context-bank",
+        help="cross-session recall through the context bank (seed 004 §9) on a bios demo run's frozen anchor",
+        description="New entities' documents are compressed into a context bank over several sessions (saved and "
+                    "reopened between them); a later session answers probes about them from the question alone. "
+                    "Compares no bank, a bank that never merges, banks filled past capacity (merging), the "
+                    "probe's own entry and the document in context. Trains the compressor first when needed. "
+                    "Writes OUT/results.json, OUT/report.md and OUT/recall.png.",
+    )
+    cb.add_argument("root", help="a bios demo run (memtree demo's --root): corpus.json, facts.jsonl, train/anchor")
+    cb.add_argument("overrides", nargs="*", help="eval.context_recall.ContextRecallConfig key=value overrides "
+                                                 "(n_entities=… sessions=… capacities=[1,0.5] top_k=…)")
+    cb.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
+                    help="compressor training override (repeatable), e.g. --train max_duration=1ep")
+    cb.set_defaults(func=_context_bank)
 
     d = sub.add_parser(
         "demo",
@@ -230,4 +247,13 @@ def _longctx(args: argparse.Namespace) -> int:
                                                      "group_by": group_by})
     print(Path(files["markdown"]).read_text(encoding="utf-8"))
     print(f"report: {Path(files['markdown']).resolve()}")
+    return 0
+
+
+def _context_bank(args: argparse.Namespace) -> int:
+    from eval.context_recall import load_recall_config, run_recall
+
+    train = ",".join(f'"{t}"' for t in args.train)
+    cfg = load_recall_config(None, [f"root={args.root}", *args.overrides, *([f"train=[{train}]"] if train else [])])
+    print(run_recall(cfg))
     return 0

@@ -38,21 +38,12 @@ class RunModel:
     @classmethod
     def load(cls, save_folder: str | Path, *, tree_dir: str | Path | None = None,
              tiers: list[TierConfig] | None = None) -> RunModel:
-        from safetensors.torch import load_file
-        from tokenizers import Tokenizer
-
         from clustering.tree import load_tree
-        from memtree.config import from_dict
-        from memtree.io import read_json
-        from training.train import build_model
+        from training.train import load_run
 
         folder = Path(save_folder)
-        meta = read_json(folder / "memtree_config.json")
-        cfg = from_dict(TrainConfig, meta["config"])
-        composer_model, manifest = build_model(_without_init(cfg))
+        composer_model, cfg, manifest, tokenizer = load_run(folder)
         model = composer_model.model
-        model.load_state_dict(load_file(str(folder / "anchor.safetensors")))
-        model.eval()
         store = None
         if (folder / "bank").exists():
             tree_dir = Path(tree_dir) if tree_dir else Path(cfg.data.shards).parent / "tree"
@@ -61,8 +52,6 @@ class RunModel:
                                 tiers=tiers or [TierConfig(name="ram", kind="ram")])
         else:
             tree = load_tree(tree_dir) if tree_dir else None
-        tok_path = (Path(cfg.data.shards) / manifest["tokenizer"]).resolve()
-        tokenizer = Tokenizer.from_file(str(tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path))
         return cls(config=cfg, model=model, store=store, tokenizer=tokenizer, eot_id=int(manifest["eot_id"]),
                    tree=tree)
 
@@ -120,11 +109,3 @@ class RunModel:
                 break
             out.append(nxt)
         return out[len(prompt) :]
-
-
-def _without_init(cfg: TrainConfig) -> TrainConfig:
-    """The run's config with nothing to load at build time (weights come from the run folder)."""
-    import dataclasses
-
-    return dataclasses.replace(cfg, anchor_checkpoint=None, mode="scratch" if cfg.memory.multipliers else "baseline",
-                               memory=dataclasses.replace(cfg.memory, init_bank=None))

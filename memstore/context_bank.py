@@ -104,7 +104,9 @@ class ContextBankConfig:
     merge_importance_weight β, merge_age_weight γ: the merge score's weighting (module
     docstring); merge_rule: "sum" (seed §9.4) or "mean" (importance-weighted);
     recluster_every: full k-means every that many writes (0: only on request);
-    kmeans_iters: Lloyd iterations of a full re-cluster; seed: its k-means++ init."""
+    kmeans_iters: Lloyd iterations of a full re-cluster; seed: its k-means++ init;
+    writer: what writes the entries (e.g. a compressor's id, `training.context_vae.writer_id`):
+    a bank is only opened by the writer that made it."""
 
     dim: int
     n_latent: int
@@ -117,6 +119,7 @@ class ContextBankConfig:
     recluster_every: int = 0
     kmeans_iters: int = 20
     seed: int = 0
+    writer: str = ""
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_latent", "n_clusters", "top_k", "kmeans_iters"):
@@ -580,7 +583,7 @@ class ContextBank:
                 raise ValueError(f"{path}: manifest {name}={man.get(name)!r} disagrees with "
                                  f"config {name}={getattr(cfg, name)!r}")
         if expect is not None:
-            for name in ("dim", "n_latent", "capacity", "n_clusters"):
+            for name in ("dim", "n_latent", "capacity", "n_clusters", "writer"):
                 if getattr(expect, name) != getattr(cfg, name):
                     raise ValueError(f"{path}: bank was written with {name}="
                                      f"{getattr(cfg, name)}, expected {name}="

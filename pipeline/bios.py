@@ -42,7 +42,7 @@ import math
 import os
 import random
 import string
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from pathlib import Path
@@ -538,6 +538,34 @@ def write_bios(out_dir: str | os.PathLike[str], spec: BiosSpec | None = None, *,
         "vocabulary": VOCAB_PATH.name})
     return {"corpus": str(out / "corpus.jsonl"), "facts": str(out / "facts.jsonl"),
             "heldout": str(out / "heldout.jsonl"), "documents": len(docs), "n_facts": len(facts)}
+
+
+def recall_pairs(docs: Iterable[dict], facts: Sequence[dict]) -> list[dict]:
+    """(document, question about a fact the document states) pairs: what the context bank's
+    compressor is trained and evaluated on (training/context_train.py, eval/context_recall.py).
+
+    A document states a fact when it contains the fact's canonical clause (any case); the
+    question is the probe's context, "The {label} of {reference} is", the answer the value. Each
+    pair also carries the fact's closed value set (`values`) for unbiased distractors. Only the
+    facts of the document's own entity and of famous entities (stated in passing) are looked for."""
+    by_entity: dict[str, list[dict]] = {}
+    for f in facts:
+        by_entity.setdefault(f["entity"], []).append(f)
+    famous = [f for f in facts if f.get("famous")]
+    out = []
+    for d in docs:
+        text = d["text"].lower()
+        seen = set()
+        for f in by_entity.get(d["entity"], []) + famous:
+            key = (f["entity"], f["attribute"])
+            if key in seen or canonical_clause(f["label"], f["reference"], f["value"]).lower() not in text:
+                continue
+            seen.add(key)
+            out.append({"doc": d["id"], "prompt": d["text"], "question": f"The {f['label']} of {f['reference']} is",
+                        "answer": f["value"], "values": list(f["values"]), "entity": f["entity"],
+                        "label": f["label"], "reference": f["reference"],
+                        "attribute": f["attribute"], "domain": f.get("domain"), "topic": f.get("topic")})
+    return out
 
 
 def exposure_stats(facts: Sequence[dict]) -> dict[int, int]:

@@ -62,6 +62,29 @@ def build_model(cfg: TrainConfig) -> tuple[MemtreeLM, dict[str, Any]]:
     return model, manifest
 
 
+def load_run(save_folder: str | Path) -> tuple[MemtreeLM, TrainConfig, dict[str, Any], Any]:
+    """A finished run, ready to score text: (model in eval mode with the run's anchor weights, its
+    config, its shards manifest, its tokenizer). The bank is not opened here (memstore does that)."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+
+    from memtree.config import from_dict
+
+    folder = Path(save_folder)
+    cfg = from_dict(TrainConfig, read_json(folder / "memtree_config.json")["config"])
+    # nothing to load at build time: the weights come from the run folder
+    bare = dataclasses.replace(cfg, anchor_checkpoint=None, mode="scratch" if cfg.memory.multipliers else "baseline",
+                               memory=dataclasses.replace(cfg.memory, init_bank=None))
+    model, manifest = build_model(bare)
+    model.model.load_state_dict(load_file(str(folder / "anchor.safetensors")))
+    model.eval()
+    tok_path = (Path(cfg.data.shards) / manifest["tokenizer"]).resolve()
+    tokenizer = Tokenizer.from_file(str(tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path))
+    return model, cfg, manifest, tokenizer
+
+
 def uses_gpu(cfg: TrainConfig) -> bool:
     """Whether the run trains on GPUs (`device: auto` means: if one is present)."""
     return torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "gpu"
