@@ -78,6 +78,7 @@ class ContextRecallConfig:
     n_clusters: int = 16
     top_k: int = 2
     merge_rule: str = "sum"
+    merge_scope: str = "all"
     merge_importance_weight: float = 1.0
     merge_age_weight: float = 0.1
     world_seed: int = -1
@@ -320,7 +321,8 @@ def run_recall(cfg: ContextRecallConfig) -> Path:
             shutil.rmtree(bank_root)
         bcfg = ContextBankConfig(dim=vae.latent_dim, n_latent=vae.cfg.n_latent, capacity=capacity,
                                  n_clusters=min(cfg.n_clusters, capacity), top_k=min(cfg.top_k, cfg.n_clusters, capacity),
-                                 merge_rule=cfg.merge_rule, merge_importance_weight=cfg.merge_importance_weight,
+                                 merge_rule=cfg.merge_rule, merge_scope=cfg.merge_scope,
+                                 merge_importance_weight=cfg.merge_importance_weight,
                                  merge_age_weight=cfg.merge_age_weight, seed=cfg.seed, writer=writer)
         t = time.time()
         written: dict[int, int] = {}  # written entry id → chunk index

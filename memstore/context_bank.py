@@ -33,7 +33,11 @@ entries a, b with token blocks A, B (n_latent, d):
 (ties: the pair of lowest ids). ||A − B||² is the information lost by merging (§9.4: merge
 only what is already close); importance makes attended pairs dearer; age makes old pairs
 cheaper, and a pair is as young as its younger member, so a freshly written entry is protected
-even when it lies next to an old one. With β = γ = 0 this is the seed's plain closest pair.
+even when it lies next to an old one. With β = γ = 0 this is the seed's plain closest pair. For large banks (§10.2), `merge_scope=
+"cluster"` looks for the pair only inside each k-means cluster (the IVF lists retrieval reads):
+O(N²/k) per merge instead of O(N²), with each cluster's distance matrix cached until the cluster
+gains or loses an entry (weights still change every write, through age, so only distances are
+cached); when no cluster holds two mergeable entries it falls back to every pair.
 Blocked entries are never merged (their content would leak into a servable entry). The merged
 entry gets a new id, tokens A + B (`merge_rule="sum"`, the seed's element-wise addition) or the
 importance-weighted mean ((1 + I_a)·A + (1 + I_b)·B) / (2 + I_a + I_b) (`"mean"`), attn_sum and
@@ -102,7 +106,9 @@ class ContextBankConfig:
     """dim: d of a latent token; n_latent: tokens per entry; capacity: most entries held;
     n_clusters: k of the k-means; top_k: clusters a retrieval reads (default of `retrieve`);
     merge_importance_weight β, merge_age_weight γ: the merge score's weighting (module
-    docstring); merge_rule: "sum" (seed §9.4) or "mean" (importance-weighted);
+    docstring); merge_rule: "sum" (seed §9.4) or "mean" (importance-weighted); merge_scope:
+    which pairs are candidates, "all" (exact) or "cluster" (pairs inside one k-means cluster,
+    §10.2: O(N²/k) per merge, distances cached per cluster, for large banks);
     recluster_every: full k-means every that many writes (0: only on request);
     kmeans_iters: Lloyd iterations of a full re-cluster; seed: its k-means++ init;
     writer: what writes the entries (e.g. a compressor's id, `training.context_vae.writer_id`):
@@ -116,6 +122,7 @@ class ContextBankConfig:
     merge_importance_weight: float = 1.0
     merge_age_weight: float = 0.1
     merge_rule: Literal["sum", "mean"] = "sum"
+    merge_scope: Literal["all", "cluster"] = "all"
     recluster_every: int = 0
     kmeans_iters: int = 20
     seed: int = 0
@@ -137,6 +144,8 @@ class ContextBankConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         if self.merge_rule not in ("sum", "mean"):
             raise ValueError(f"merge_rule {self.merge_rule!r} is not one of 'sum', 'mean'")
+        if self.merge_scope not in ("all", "cluster"):
+            raise ValueError(f"merge_scope {self.merge_scope!r} is not one of 'all', 'cluster'")
         if not is_int(self.recluster_every) or self.recluster_every < 0:
             raise ValueError(f"recluster_every must be a non-negative integer, "
                              f"got {self.recluster_every!r}")
@@ -201,6 +210,9 @@ class ContextBank:
         self.log: list[dict[str, Any]] = []  # this process's audit records
         self._pending = 0  # records at the tail of `log` not yet in audit.jsonl
         self.recovered: list[tuple[str, str]] = []  # (version, why skipped) from `open`
+        # merge_scope "cluster": cluster → (member ids, their (n, n) distances); dropped when
+        # the cluster gains or loses an entry (tokens never change in place)
+        self._dist_cache: dict[int, tuple[list[int], Tensor]] = {}
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -252,32 +264,72 @@ class ContextBank:
         self._leave_cluster(eid)
         del self.tokens[eid], self.meta[eid]
 
-    def pair_scores(self) -> tuple[list[int], Tensor, Tensor, Tensor]:
-        """The merge score of every pair of non-blocked entries: (ids (N,), dist (N, N),
-        weight (N, N), score (N, N)) float64, dist = ||A − B||²_F, score = dist · weight
-        (module docstring); the diagonal is +inf in score."""
-        ids = [i for i, m in self.meta.items() if not m.blocked]
+    def _gram_dist(self, ids: list[int]) -> Tensor:
+        """(N, N) float64 ||A − B||²_F between the entries `ids`."""
         x = torch.stack([self.tokens[i].flatten() for i in ids]).double() if ids else \
             torch.zeros(0, self.cfg.n_latent * self.cfg.dim, dtype=torch.float64)  # (N, L·d)
         sq = (x * x).sum(1)
         # Gram form: O(N²) memory instead of O(N²·L·d); float64 keeps it exact enough
-        dist = (sq[:, None] + sq[None, :] - 2.0 * (x @ x.T)).clamp(min=0.0)
+        return (sq[:, None] + sq[None, :] - 2.0 * (x @ x.T)).clamp(min=0.0)
+
+    def _weighted(self, ids: list[int], dist: Tensor) -> tuple[Tensor, Tensor]:
+        """(weight, score) (N, N) of the pairs among `ids` given their distances; the diagonal
+        and every pair with a blocked member score +inf."""
         imp = torch.tensor([self.meta[i].importance for i in ids], dtype=torch.float64)
         age = torch.tensor([self.meta[i].age for i in ids], dtype=torch.float64)
         weight = (1.0 + self.cfg.merge_importance_weight * (imp[:, None] + imp[None, :])) \
             / (1.0 + self.cfg.merge_age_weight * torch.minimum(age[:, None], age[None, :]))
         score = dist * weight
         score.fill_diagonal_(float("inf"))
+        blocked = torch.tensor([self.meta[i].blocked for i in ids], dtype=torch.bool)
+        if bool(blocked.any()):
+            score[blocked, :] = float("inf")
+            score[:, blocked] = float("inf")
+        return weight, score
+
+    def pair_scores(self) -> tuple[list[int], Tensor, Tensor, Tensor]:
+        """The merge score of every pair of non-blocked entries: (ids (N,), dist (N, N),
+        weight (N, N), score (N, N)) float64, dist = ||A − B||²_F, score = dist · weight
+        (module docstring); the diagonal is +inf in score."""
+        ids = [i for i, m in self.meta.items() if not m.blocked]
+        dist = self._gram_dist(ids)
+        weight, score = self._weighted(ids, dist)
         return ids, dist, weight, score
 
+    def _cluster_dist(self, c: int) -> tuple[list[int], Tensor]:
+        """Cluster c's members (id order) and their distances, cached until the cluster changes."""
+        hit = self._dist_cache.get(c)
+        if hit is None:
+            ids = [i for i, m in self.meta.items() if m.cluster == c]
+            hit = self._dist_cache[c] = (ids, self._gram_dist(ids))
+        return hit
+
+    def _closest_pair(self) -> tuple[int, int, float, float, float]:
+        """(a, b, distance, weight, score) of the pair to merge, a < b; ties: the lowest ids."""
+        best = None
+        if self.cfg.merge_scope == "cluster":
+            for c in (self.counts >= 2).nonzero().flatten().tolist():
+                ids, dist = self._cluster_dist(c)
+                weight, score = self._weighted(ids, dist)
+                flat = int(torch.argmin(score))
+                i, j = divmod(flat, len(ids))
+                cand = (float(score[i, j]), min(ids[i], ids[j]), max(ids[i], ids[j]), float(dist[i, j]),
+                        float(weight[i, j]))
+                if cand[0] < float("inf") and (best is None or cand[:3] < best[:3]):
+                    best = cand
+        if best is None:  # exact search (also when no cluster holds two mergeable entries)
+            ids, dist, weight, score = self.pair_scores()
+            if len(ids) < 2:
+                raise RuntimeError(f"context bank full (capacity={self.cfg.capacity}) and fewer than "
+                                   "two unblocked entries to merge: unblock or delete some")
+            flat = int(torch.argmin(score))  # row-major: ties go to the lowest ids
+            i, j = divmod(flat, len(ids))
+            best = (float(score[i, j]), ids[i], ids[j], float(dist[i, j]), float(weight[i, j]))
+        score, a, b, d, w = best
+        return min(a, b), max(a, b), d, w, score
+
     def _merge_closest(self) -> int:
-        ids, dist, weight, score = self.pair_scores()
-        if len(ids) < 2:
-            raise RuntimeError(f"context bank full (capacity={self.cfg.capacity}) and fewer than "
-                               "two unblocked entries to merge: unblock or delete some")
-        flat = int(torch.argmin(score))  # row-major: ties go to the lowest ids
-        i, j = divmod(flat, len(ids))
-        a, b = sorted((ids[i], ids[j]))
+        a, b, distance, weight, score = self._closest_pair()
         ma, mb = self.meta[a], self.meta[b]
         xa, xb = self.tokens[a], self.tokens[b]
         if self.cfg.merge_rule == "sum":
@@ -287,8 +339,8 @@ class ContextBank:
             x = (wa * xa + wb * xb) / (wa + wb)
         session = mb.session  # b is the newer (ids are monotonic)
         attn_sum, attn_count = ma.attn_sum + mb.attn_sum, ma.attn_count + mb.attn_count
-        rec = {"a": a, "b": b, "distance": float(dist[i, j]), "weight": float(weight[i, j]),
-               "score": float(score[i, j]), "rule": self.cfg.merge_rule}
+        rec = {"a": a, "b": b, "distance": distance, "weight": weight, "score": score,
+               "rule": self.cfg.merge_rule, "scope": self.cfg.merge_scope}
         self._remove(a)
         self._remove(b)
         new = self._add(x, session, merged_from=[a, b], attn_sum=attn_sum, attn_count=attn_count)
@@ -333,6 +385,7 @@ class ContextBank:
             self.centroids[c] += (x - self.centroids[c]) / n  # running mean
         self.counts[c] += 1
         self.meta[eid].cluster = c
+        self._dist_cache.pop(c, None)
 
     def _leave_cluster(self, eid: int) -> None:
         c = self.meta[eid].cluster
@@ -340,6 +393,7 @@ class ContextBank:
         if n > 1:  # undo the running mean: c' = (n·c − x) / (n − 1)
             self.centroids[c] = (n * self.centroids[c] - self._mean(eid)) / (n - 1)
         self.counts[c] = n - 1  # an emptied centroid stays put; the next new entry re-seeds it
+        self._dist_cache.pop(c, None)
 
     @torch.no_grad()
     def recluster(self) -> None:
@@ -350,6 +404,7 @@ class ContextBank:
         k = self.cfg.n_clusters
         self.centroids.zero_()
         self.counts.zero_()
+        self._dist_cache.clear()
         self.stats["reclusters"] += 1
         if not ids:
             return

@@ -43,7 +43,7 @@ def filled(bank: ContextBank, pts) -> list[int]:
 # -- config ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("field,value", [("dim", 0), ("n_latent", -1), ("capacity", 1),
                                          ("n_clusters", 0), ("merge_age_weight", -1.0),
-                                         ("merge_rule", "max"), ("top_k", 3)])
+                                         ("merge_rule", "max"), ("top_k", 3), ("merge_scope", "tree")])
 def test_config_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         cfg(**{field: value})
@@ -143,6 +143,59 @@ def test_blocked_entries_are_not_merged():
     bank.block([a])
     bank.append(tok(5, 5), session="t")
     assert a in bank.meta and c_ not in bank.meta and d not in bank.meta
+
+
+def test_cluster_scope_merges_the_closest_pair_inside_a_cluster():
+    # two clusters seeded by (0,0) and (10,0); (4,0) joins the first (its centroid moves to
+    # (2,0)), (6.5,0) the second. Globally closest: (4,0)–(6.5,0) (d² = 6.25) across the
+    # clusters; inside them: (0,0)–(4,0) (16) and (6.5,0)–(10,0) (12.25).
+    pts = [(0, 0), (10, 0), (4, 0), (6.5, 0)]
+    exact = ContextBank(cfg())
+    ids = filled(exact, pts)
+    exact.append(tok(20, 20), session="t")
+    assert exact.log[-1]["ids"] == [ids[2], ids[3]] and exact.log[-1]["distance"] == pytest.approx(6.25)
+    scoped = ContextBank(cfg(merge_scope="cluster"))
+    ids = filled(scoped, pts)
+    assert [scoped.meta[i].cluster for i in ids] == [0, 1, 0, 1]
+    scoped.append(tok(20, 20), session="t")
+    rec = scoped.log[-1]
+    assert rec["ids"] == [ids[1], ids[3]] and rec["distance"] == pytest.approx(12.25)
+    assert rec["scope"] == "cluster" and len(scoped) == 4
+
+
+def test_cluster_scope_falls_back_to_all_pairs_when_no_cluster_can_merge():
+    bank = ContextBank(cfg(capacity=2, n_clusters=2, merge_scope="cluster"))
+    a, b = filled(bank, [(0, 0), (10, 0)])  # one entry per cluster
+    bank.append(tok(1, 1), session="t")
+    assert bank.log[-1]["ids"] == [a, b] and len(bank) == 2
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cluster_scope_cache_gives_the_uncached_choice(seed):
+    """Cached per-cluster distances pick exactly what a fresh computation picks, merge after
+    merge, through deletions, blocking, importance, ageing and re-clustering."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    c = ContextBankConfig(dim=3, n_latent=2, capacity=12, n_clusters=3, merge_scope="cluster",
+                          merge_importance_weight=0.5, merge_age_weight=0.2, recluster_every=9)
+    bank = ContextBank(c)
+    for _ in range(80):
+        if len(bank) >= c.capacity:
+            cached = bank._closest_pair()  # with whatever the cache holds
+            saved = dict(bank._dist_cache)
+            bank._dist_cache.clear()
+            assert bank._closest_pair() == cached
+            bank._dist_cache.update(saved)
+        bank.append(torch.randn(2, 3), session="s")
+        assert len(bank) <= c.capacity
+        if rng.random() < 0.2:
+            ids = list(bank.meta)
+            bank.record_attention([rng.choice(ids)], [rng.random()])
+        if rng.random() < 0.05 and len(bank) > 3:
+            bank.delete([rng.choice(list(bank.meta))])
+        if rng.random() < 0.05 and len(bank) > 3:
+            bank.block([rng.choice(list(bank.meta))])
+    assert bank.stats["merges"] > 10 and all(r["scope"] == "cluster" for r in bank.log if r["action"] == "merge")
 
 
 # -- retrieval --------------------------------------------------------------------------------
