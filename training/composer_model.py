@@ -32,6 +32,7 @@ from memstore.geometry import AnchorShape, MemoryConfig
 from training.bank import READ_IN_PLACE, TrainableBank
 from training.moc import MoCConfig
 from training.model import AnchorLM, ModelConfig, assemble_memories
+from training.pkm import PKMConfig
 
 MemoryMode = Literal["fetched", "generic", "none"]
 
@@ -46,7 +47,8 @@ class MemtreeLM(ComposerModel):
                  generic_prob: float | None = None, seed: int = 0, rope_theta: float = 10000.0,
                  norm_eps: float = 1e-5, init_std: float = 0.02, lora_alpha: float = 1.0,
                  memory_init_std: float = 0.02, subtree: int | None = None, freeze_anchor: bool = False,
-                 hf_dir: str | None = None, moc: MoCConfig | None = None, attn_impl: str = "sdpa",
+                 hf_dir: str | None = None, moc: MoCConfig | None = None, pkm: PKMConfig | None = None,
+                 attn_impl: str = "sdpa",
                  memory_read: str = "fused") -> None:
         super().__init__()
         if memory_read not in ("fused", "gather"):
@@ -69,7 +71,7 @@ class MemtreeLM(ComposerModel):
         else:
             self.model = AnchorLM(ModelConfig(anchor=anchor, max_seq_len=max_seq_len, rope_theta=rope_theta,
                                               norm_eps=norm_eps, init_std=init_std, memory=memory,
-                                              lora_alpha=lora_alpha, moc=moc, attn_impl=attn_impl))
+                                              lora_alpha=lora_alpha, moc=moc, pkm=pkm, attn_impl=attn_impl))
         # KV/FFN memories of our own anchor are read in place by the fused kernels; LoRA
         # memories and HF anchors (whose hooks take per-sequence tensors) are gathered
         self.read_in_place = (memory_read == "fused" and memory is not None and self.hf is None
@@ -84,6 +86,9 @@ class MemtreeLM(ComposerModel):
         sparse = [f"bank.tables.{lv}" for lv in self.bank.tables] if self.bank is not None else []
         if self.hf is None and self.model.moc_banks is not None:
             sparse += [f"model.moc_banks.{k}.weight" for k in self.model.moc_banks]
+        if self.hf is None:
+            sparse += [f"model.blocks.{i}.pkm.values.weight" for i, b in enumerate(self.model.blocks)
+                       if b.pkm is not None]
         if sparse:
             self._ddp_params_and_buffers_to_ignore = sparse
         self.train_metrics = {"LanguageCrossEntropy": LanguageCrossEntropy()}

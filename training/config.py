@@ -17,6 +17,7 @@ from typing import Any, Literal
 from memstore.geometry import ANCHOR_PRESETS, AnchorShape, MemoryConfig, get_anchor
 from memtree.config import ConfigError, load_config, to_dict
 from training.moc import MoCConfig
+from training.pkm import PKMConfig
 
 Mode = Literal["baseline", "frozen", "cotrain", "scratch"]
 
@@ -33,6 +34,7 @@ class ModelSection:
     lora_alpha: float = 1.0
     hf_dir: str | None = None  # post-hoc memories on this local HF causal LM (it is the anchor)
     moc: MoCConfig | None = None  # Mixture-of-Chapters memory layers (training/moc.py), mode 'baseline'
+    pkm: PKMConfig | None = None  # product-key memory layers replacing FFNs (training/pkm.py), mode 'baseline'
     # document-masked attention: "sdpa" (dense mask), "flex" (block-sparse FlexAttention),
     # "auto" = flex on a GPU, sdpa on the CPU
     attn_impl: Literal["auto", "sdpa", "flex"] = "auto"
@@ -127,6 +129,14 @@ class TrainConfig:
             if self.fsdp:
                 raise ConfigError("fsdp: the MoC latent bank's sparse gradients cannot be sharded; "
                                   "multi-GPU MoC runs use DDP (leave fsdp false)")
+        if self.model.pkm is not None:
+            if self.mode != "baseline":
+                raise ConfigError(f"model.pkm: a memory-layer model trains without hierarchical memories; "
+                                  f"use mode 'baseline', not {self.mode!r}")
+            if self.model.hf_dir or self.model.moc is not None:
+                raise ConfigError("model.pkm: not with model.hf_dir or model.moc (one kind of memory per model)")
+            if self.fsdp:
+                raise ConfigError("fsdp: the memory layer's sparse value gradients cannot be sharded; use DDP")
         gp = self.memory.generic_prob
         if gp is not None and not 0 <= gp <= 1:
             raise ConfigError(f"memory.generic_prob: {gp} must be in [0, 1]")

@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 
 from memstore.geometry import AnchorShape
 from training.moc import MoCConfig
+from training.pkm import PKMConfig
 
 SOFTMAX = 5  # FLOPs per softmax score (exp, sum, divide, max, subtract)
 MASK_SCALE = 2  # masking and scaling per attention score
@@ -171,14 +172,33 @@ class ModelFlops:
         return total
 
 
+def pkm_block(anchor: AnchorShape, pkm: PKMConfig, *, seq_len: int, batch: int = 1) -> dict[str, int]:
+    """A block whose FFN a product-key memory layer replaces (seed 003 §3): the standard block
+    with its SwiGLU MLP swapped for the memory lookup (`PKMConfig.flops`)."""
+    out = standard_layer(anchor, seq_len=seq_len, batch=batch)
+    out["memory_lookup"] = pkm.flops(anchor.d_model, batch * seq_len)
+    out["total"] = out["total"] - out["mlp"] + out["memory_lookup"]
+    out["mlp"] = 0
+    return out
+
+
+def pkm_params(anchor: AnchorShape, pkm: PKMConfig) -> int:
+    """Parameters of the anchor with its chosen FFNs replaced by memory layers."""
+    ffn = 3 * anchor.d_model * anchor.ffn_dim
+    n = len(pkm.resolved_layers(anchor.n_layers))
+    return anchor.params() - n * ffn + n * pkm.params(anchor.d_model)
+
+
 def model_flops(anchor: AnchorShape, moc: MoCConfig | None = None, *, seq_len: int,
-                batch: int = 1) -> ModelFlops:
+                batch: int = 1, pkm: PKMConfig | None = None) -> ModelFlops:
     std = standard_layer(anchor, seq_len=seq_len, batch=batch)["total"]
     mem = moc_layer(anchor, moc, seq_len=seq_len, batch=batch) if moc is not None else None
+    pk = pkm_block(anchor, pkm, seq_len=seq_len, batch=batch)["total"] if pkm is not None else None
+    pk_layers = pkm.resolved_layers(anchor.n_layers) if pkm is not None else ()
     layers, attn = [], []
     for i in range(anchor.n_layers):
         has = mem is not None and i in moc.layers
-        layers.append(mem["total"] if has else std)
+        layers.append(mem["total"] if has else pk if i in pk_layers else std)
         attn.append(mem["memory_attn"] - mem["mem_o"] if has else 0)
     h = head(anchor, seq_len=seq_len, batch=batch)["total"]
     return ModelFlops(layers=tuple(layers), memory_attn=tuple(attn), head=h, forward=sum(layers) + h)

@@ -64,6 +64,7 @@ from kernels.memory_attention import memory_attention
 from memstore.format import RecordCodec
 from memstore.geometry import AnchorShape, MemoryConfig, block_layout, memory_layers
 from training.moc import LatentBank, MoCConfig, MoCLayer, bank_for, build_banks, mean_aux_loss
+from training.pkm import PKMConfig, ProductKeyMemory
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class ModelConfig:
     init_std: float = 0.02
     memory: MemoryConfig | None = None
     moc: MoCConfig | None = None
+    pkm: PKMConfig | None = None  # product-key memory layers replacing FFNs (training/pkm.py, seed 003)
     lora_alpha: float = 1.0
     # "sdpa": a dense (B, 1, S, S) document mask (CPU, short sequences); "flex": FlexAttention
     # with a block-sparse document mask, compiled on CUDA (skips the blocks across documents).
@@ -113,6 +115,10 @@ class ModelConfig:
             )
         if self.memory is not None:
             memory_layers(self.anchor, self.memory)  # raises on a placement the anchor cannot hold
+        if self.pkm is not None:
+            if self.memory is not None or self.moc is not None:
+                raise ValueError("pkm excludes memory and moc (one kind of memory per model)")
+            self.pkm.resolved_layers(self.anchor.n_layers)  # raises on a block the anchor lacks
         if self.moc is not None:
             if self.memory is not None:
                 raise ValueError("memory and moc are mutually exclusive (one kind of memory per model)")
@@ -352,7 +358,10 @@ class Block(nn.Module):
         self.attn_norm = _gain_norm(d, eps)
         self.attn = Attention(cfg)
         self.ffn_norm = _gain_norm(d, eps)
-        self.ffn = FeedForward(cfg)
+        # a product-key memory layer takes this block's FFN's place (seed 003 §3)
+        pkm = cfg.pkm is not None and layer in cfg.pkm.resolved_layers(a.n_layers)
+        self.pkm = ProductKeyMemory(cfg.pkm, d) if pkm else None
+        self.ffn = None if pkm else FeedForward(cfg)
         # Gemma-style sandwich norms on the sublayer outputs when the shape has 4 norms.
         self.post_norms = cfg.anchor.norms_per_block == 4
         if self.post_norms:
@@ -373,7 +382,7 @@ class Block(nn.Module):
         x = x + (self.attn_post_norm(a) if self.post_norms else a)
         if self.moc_variation == 1:  # Self-Attn → MemXAttn → MLP
             x = x + self.moc(x, bank)
-        f = self.ffn(self.ffn_norm(x), mem)
+        f = self.pkm(self.ffn_norm(x)) if self.pkm is not None else self.ffn(self.ffn_norm(x), mem)
         x = x + (self.ffn_post_norm(f) if self.post_norms else f)
         if self.moc_variation == 2:  # Self-Attn → MLP → MemXAttn → MLP
             x = x + self.moc(x, bank)
@@ -405,8 +414,8 @@ class AnchorLM(nn.Module):
                     nn.init.zeros_(m.bias)
             elif isinstance(m, nn.LayerNorm):
                 nn.init.ones_(m.weight)
-        for m in self.modules():  # after the generic pass: zero-init W_O, bank std, router bias
-            if isinstance(m, MoCLayer | LatentBank):
+        for m in self.modules():  # after the generic pass: zero-init W_O, bank std, router bias,
+            if isinstance(m, MoCLayer | LatentBank | ProductKeyMemory):  # PKM sub-keys and values
                 m.reset_parameters()
 
     def moc_layers(self) -> list[MoCLayer]:
@@ -428,6 +437,9 @@ class AnchorLM(nn.Module):
             if b.moc_variation == 2:
                 layers += list(b.moc_ffn_norm.parameters()) + list(b.moc_ffn.parameters())
         return list(self.moc_banks.parameters()), layers
+
+    def pkm_layers(self) -> list[ProductKeyMemory]:
+        return [b.pkm for b in self.blocks if b.pkm is not None]
 
     def fsdp_wrap_fn(self, module: nn.Module) -> bool:
         """Composer's FSDP auto-wrap rule: one shard unit per transformer block."""

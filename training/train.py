@@ -51,7 +51,7 @@ def build_model(cfg: TrainConfig) -> tuple[MemtreeLM, dict[str, Any]]:
                       generic_prob=cfg.memory.generic_prob, seed=cfg.seed, rope_theta=cfg.model.rope_theta,
                       norm_eps=cfg.model.norm_eps, init_std=cfg.model.init_std, lora_alpha=cfg.model.lora_alpha,
                       memory_init_std=cfg.memory.init_std, subtree=subtree, freeze_anchor=cfg.mode == "frozen",
-                      hf_dir=cfg.model.hf_dir, moc=cfg.model.moc, attn_impl=attn_impl(cfg),
+                      hf_dir=cfg.model.hf_dir, moc=cfg.model.moc, pkm=cfg.model.pkm, attn_impl=attn_impl(cfg),
                       memory_read=memory_read(cfg))
     if cfg.anchor_checkpoint:
         load_anchor(model, cfg.anchor_checkpoint)
