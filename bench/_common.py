@@ -88,6 +88,17 @@ def json_default(o: Any) -> Any:
     return str(o)
 
 
+def run_meta(args: Any, **extra: Any) -> dict:
+    """The start of a results JSON's "meta": when, where, library versions, load, the arguments."""
+    import platform
+
+    import torch
+
+    return {"started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": platform.node(),
+            "python": platform.python_version(), "torch": torch.__version__, "loadavg_start": loadavg(),
+            "args": vars(args), **extra}
+
+
 def write_results(results: dict, out: Path) -> None:
     out.write_text(json.dumps(results, indent=2, default=json_default))
 

@@ -22,13 +22,12 @@ import copy
 import dataclasses
 import datetime as _dt
 import math
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from _common import REPO, finish, fmt, loadavg, log  # bench/ on sys.path
+from _common import REPO, finish, fmt, log, run_meta  # bench/ on sys.path
 
 from memstore.context_bank import ContextBank, ContextBankConfig
 
@@ -97,10 +96,7 @@ def main() -> int:
     day = _dt.date.today().isoformat()
     out = REPO / "bench" / "results" / f"context-bank-{day}{'-quick' if args.quick else ''}.json"
     out = out if args.out is None else Path(args.out)
-    results = {"meta": {"started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-                        "machine": platform.node(), "python": platform.python_version(),
-                        "torch": torch.__version__, "threads": args.threads, "loadavg_start": loadavg(),
-                        "args": vars(args)},
+    results = {"meta": run_meta(args, threads=args.threads),
                "rows": [run(n, args) for n in sizes]}
     return finish(results, out, print_table)
 

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from _common import REPO, finish, fmt, loadavg, log  # bench/ on sys.path
+from _common import REPO, finish, fmt, log, run_meta  # bench/ on sys.path
 
 from training.pkm import PKMConfig, ProductKeyMemory
 
@@ -81,10 +80,7 @@ def main() -> int:
                                                                            [64, 128, 256, 512])
     day = _dt.date.today().isoformat()
     out = Path(args.out) if args.out else REPO / "bench" / "results" / f"pkm-{day}{'-quick' if args.quick else ''}.json"
-    results = {"meta": {"started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-                        "machine": platform.node(), "python": platform.python_version(),
-                        "torch": torch.__version__, "threads": args.threads, "loadavg_start": loadavg(),
-                        "args": vars(args)},
+    results = {"meta": run_meta(args, threads=args.threads),
                "rows": [run(n, args) for n in sizes]}
     return finish(results, out, print_table)
 

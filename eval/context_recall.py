@@ -28,7 +28,10 @@ merges, entries read per probe. JSON + markdown + PNG.
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -118,8 +121,6 @@ def training_pairs(root: Path, out: Path, cfg: ContextRecallConfig) -> Path:
     (seeds eval seed + 1000·k, k ≥ 1), so answers can only come from the compressed document, never
     from what the anchor learnt; entities of the run's corpus or of the evaluation world are left out.
     `train_on_corpus` adds the run's own corpus (facts the anchor partly knows)."""
-    import json
-
     from pipeline.bios import bios_facts, generate_bios, recall_pairs
 
     path = out / "pairs.jsonl"
@@ -260,8 +261,6 @@ def _origins(bank_root: Path) -> dict[int, set[int]]:
 
 def run_recall(cfg: ContextRecallConfig) -> Path:
     """Run the experiment (training the compressor first when needed); returns the report path."""
-    import os
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from training.context_train import load_context_config, train_context_vae
     from training.train import load_run
@@ -305,7 +304,8 @@ def run_recall(cfg: ContextRecallConfig) -> Path:
     preds, _ = score(model, vae, tok, probes, None, contexts=[docs[doc_index[p["doc"]]]["text"] for p in probes],
                      batch_size=cfg.batch_size)
     results["in_context"] = _acc(probes, preds, cfg.sessions)
-    own = [torch.cat([lat[j] for j in range(n_written) if owner[j] == doc_index[p["doc"]]]) for p in probes]
+    doc_lat = [lat[[j for j in range(n_written) if owner[j] == i]].flatten(0, 1) for i in range(len(docs))]
+    own = [doc_lat[doc_index[p["doc"]]] for p in probes]  # (chunks·n_latent, e) each
     preds, _ = score(model, vae, tok, probes, own, batch_size=cfg.batch_size)
     results["own_entry"] = _acc(probes, preds, cfg.sessions)
     timings["baselines_s"] = round(time.time() - t, 1)
@@ -316,8 +316,6 @@ def run_recall(cfg: ContextRecallConfig) -> Path:
         name = "never_merges" if capacity >= n_written else f"capacity_{frac:g}"
         bank_root = out / "banks" / name
         if bank_root.exists():
-            import shutil
-
             shutil.rmtree(bank_root)
         bcfg = ContextBankConfig(dim=vae.latent_dim, n_latent=vae.cfg.n_latent, capacity=capacity,
                                  n_clusters=min(cfg.n_clusters, capacity), top_k=min(cfg.top_k, cfg.n_clusters, capacity),

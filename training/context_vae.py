@@ -50,8 +50,6 @@ hooks for the duration of a `reading` block.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -277,7 +275,6 @@ class ContextReader(nn.Module):
 
     def __init__(self, cfg: ContextVAEConfig, *, d_model: int, n_layers: int) -> None:
         super().__init__()
-        self.n_layers = n_layers
         self.layer_ids = tuple(sorted({i % (n_layers + 1) for i in cfg.reader_layers}))
         latent = cfg.latent_dim or 2 * d_model
         self.layers = nn.ModuleDict({str(i): ReaderLayer(d_model, latent, cfg.reader_heads)
@@ -461,7 +458,3 @@ def load_vae(folder: str | Path, model: nn.Module, *, anchor_folder: str | Path 
     vae = ContextVAE(cfg, d_model=d, n_layers=n_layers, max_seq_len=max_len)
     vae.load_state_dict(load_file(str(folder / man["weights"]["file"])))
     return vae.eval()
-
-
-def config_digest(cfg: ContextVAEConfig) -> str:
-    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:16]
