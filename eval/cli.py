@@ -1,7 +1,7 @@
 """`memtree eval RUN …` (long-tail probes, perplexity, RAG baseline, blocking), `memtree eval-sweep`,
 `memtree eval-retention`, `memtree eval-tasks` (your own task suite), `memtree eval-longctx` (CAMELoT's
 long-context perplexity on a frozen anchor), `memtree eval-context-bank` (recall through the context
-bank) and the main job `memtree demo`."""
+bank), `memtree eval-continual` (learning new facts without forgetting) and the main job `memtree demo`."""
 
 from __future__ import annotations
 
@@ -116,6 +116,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     cb.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
                     help="compressor training override (repeatable), e.g. --train max_duration=1ep")
     cb.set_defaults(func=_context_bank)
+
+    ct = sub.add_parser(
+        "eval-continual",
+        help="learning new facts in sequence without forgetting: sparse memory finetuning vs full vs LoRA (seed 003)",
+        description="Pretrains a memory-layer model on a bios demo run's shards when needed, collects its background "
+                    "access counts, then streams new facts (one gradient step per fact's paraphrases) through each "
+                    "configuration of the grid and measures learning (new-fact accuracy) and forgetting (old-fact "
+                    "accuracy, held-out perplexity). Writes OUT/results.json, OUT/report.md, OUT/pareto.png "
+                    "(default OUT: ROOT/continual). Grid: eval/yamls/continual.yaml.",
+    )
+    ct.add_argument("root", help="a bios demo run (memtree demo's --root): corpus.json, facts.jsonl, pipeline/shards")
+    ct.add_argument("overrides", nargs="*", help="eval.continual.ContinualConfig key=value overrides "
+                                                 "(n_facts=… paraphrases=… run=… out=…)")
+    ct.add_argument("--config", help="YAML with the grid (default eval/yamls/continual.yaml)")
+    ct.set_defaults(func=_continual)
 
     d = sub.add_parser(
         "demo",
@@ -256,4 +271,11 @@ def _context_bank(args: argparse.Namespace) -> int:
     train = ",".join(f'"{t}"' for t in args.train)
     cfg = load_recall_config(None, [f"root={args.root}", *args.overrides, *([f"train=[{train}]"] if train else [])])
     print(run_recall(cfg))
+    return 0
+
+
+def _continual(args: argparse.Namespace) -> int:
+    from eval.continual import load_continual_config, run_continual
+
+    print(run_continual(load_continual_config(args.config, [f"root={args.root}", *args.overrides])))
     return 0

@@ -323,7 +323,7 @@ _MIDS = ("a", "e", "i", "o", "u", "ar", "en", "il", "or", "an", "eth", "is", "um
          "av", "ith", "ul", "ev", "os")
 _ENDS = ("ion", "und", "ath", "is", "or", "an", "el", "ia", "on", "ar", "eth", "yn", "ius", "ara", "os", "ix",
          "em", "orn", "ald", "ira", "un", "as", "ek", "iel", "ost", "imar", "wen", "oth", "esk", "ande")
-_S_WORLD, _S_DOCS, _S_TEXT, _S_HELDOUT, _S_FAMOUS = 1, 2, 3, 4, 5
+_S_WORLD, _S_DOCS, _S_TEXT, _S_HELDOUT, _S_FAMOUS, _S_PARAPHRASE = 1, 2, 3, 4, 5, 6
 
 
 def _rng(seed: int, stream: int, index: int) -> random.Random:
@@ -566,6 +566,29 @@ def recall_pairs(docs: Iterable[dict], facts: Sequence[dict]) -> list[dict]:
                         "label": f["label"], "reference": f["reference"],
                         "attribute": f["attribute"], "domain": f.get("domain"), "topic": f.get("topic")})
     return out
+
+
+def fact_statements(fact: dict, n: int, *, seed: int = 0, topics: Sequence[_Topic] | None = None) -> list[str]:
+    """n statements of one fact, each in a different frame while frames last (the corpus's fact
+    frames, then its common-knowledge ones; beyond that they repeat): the paraphrases a model
+    learns a new fact from in continual finetuning (seed 003 §5.1). Every statement contains the
+    fact's canonical clause, which a probe completes. Deterministic for (fact, n, seed).
+
+    fact: a `bios_facts` record (`label`, `reference`, `value`, `topic`, `entity`, `attribute`)."""
+    import zlib
+
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        raise ValueError(f"statements per fact must be a positive integer, got {n!r}")
+    by_key = {t.key: t for t in (topics or _default_topics())}
+    t = by_key.get(fact.get("topic"))
+    if t is None:
+        raise ValueError(f"fact {fact.get('entity')!r}/{fact.get('attribute')!r}: unknown topic {fact.get('topic')!r}")
+    c = canonical_clause(fact["label"], fact["reference"], fact["value"])
+    frames = list(_FACT_FRAMES + _COMMON_FRAMES)
+    rng = _rng(seed, _S_PARAPHRASE, zlib.crc32(f"{fact['entity']}|{fact['attribute']}".encode()))
+    rng.shuffle(frames)
+    return [frames[i % len(frames)].format(c=c, C=_cap(c), agent=t.agent, Agents=_cap(t.agents), topic=t.label)
+            for i in range(n)]
 
 
 def exposure_stats(facts: Sequence[dict]) -> dict[int, int]:

@@ -182,3 +182,32 @@ def test_composer_fit_updates_only_the_value_rows_read(pipeline_run, tmp_path):
     # 4 steps × 2 sequences × 2 heads × 4 slots per token reach many rows, never all 1,024: a row
     # no token read keeps its initial value bit for bit
     assert 0 < moved < 32 * 32
+
+
+def test_value_learning_rate_gets_its_own_group(pipeline_run, tmp_path):
+    """`optim.pkm_value_lr`: the memory values in their own optimizer group, without weight decay;
+    every other parameter stays in the anchor group."""
+    from streaming.base.util import clean_stale_shared_memory
+
+    from training.composer_model import unwrap
+    from training.config import load_train_config
+    from training.train import build_trainer
+
+    shards = pipeline_run[0] / "shards"
+    cfg = load_train_config(None, [f"data.shards={shards}", f"save_folder={tmp_path / 'run'}", "mode=baseline",
+                                   "data.batch_size=2", "optim.pkm_value_lr=0.05",
+                                   "model.shape={n_layers: 2, d_model: 32, n_heads: 2, head_dim: 16, ffn_dim: 64}",
+                                   "model.pkm={n_keys: 8, heads: 2, k: 4, key_dim: 8, layers: [1]}"])
+    clean_stale_shared_memory()
+    trainer = build_trainer(cfg)
+    try:
+        groups = trainer.state.optimizers[0].param_groups
+        values = unwrap(trainer.state.model).model.blocks[1].pkm.values.weight
+        mem = [g for g in groups if any(p is values for p in g["params"])]
+        assert len(mem) == 1 and len(mem[0]["params"]) == 1
+        assert mem[0]["initial_lr"] == 0.05 and mem[0]["weight_decay"] == 0.0
+        n = sum(p.numel() for g in groups for p in g["params"])
+        assert n == sum(p.numel() for p in unwrap(trainer.state.model).model.parameters())
+    finally:
+        trainer.close()
+        clean_stale_shared_memory()

@@ -1,5 +1,7 @@
 """`memtree train CONFIG.yaml [key=value …]`: one-process training (thin wrapper over training.train), and
-`memtree train-context-vae CONFIG.yaml [key=value …]`: the context bank's compressor (training.context_train)."""
+`memtree train-context-vae CONFIG.yaml [key=value …]`: the context bank's compressor (training.context_train),
+`memtree finetune CONFIG.yaml [key=value …]` and `memtree finetune-background RUN`: continual finetuning
+(training.finetune)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("config", nargs="?", help="YAML config (key=value overrides follow)")
     c.add_argument("overrides", nargs="*", help="key=value overrides, e.g. vae.ratio=16")
     c.set_defaults(func=_train_context)
+    register_finetune(sub)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -45,4 +48,52 @@ def _train_context(args: argparse.Namespace) -> int:
         config, overrides = None, [config, *overrides]
     result = train_context_vae(load_context_config(config, overrides))
     print(f"done: {result['folder']} ({result['steps']} steps; last losses {result['last_losses']})")
+    return 0
+
+
+def register_finetune(sub: argparse._SubParsersAction) -> None:
+    f = sub.add_parser(
+        "finetune",
+        help="continual finetuning on a stream of new data: sparse memory finetuning, full or LoRA (seed 003)",
+        description="Stream a JSONL of batches ({'id', 'texts': [...]}) through a finished run, one gradient "
+                    "step per record, with method sparse_memory | full | lora. Writes SAVE_FOLDER/"
+                    "anchor.safetensors + finetune.json. Example: training/yamls/finetune-sparse.yaml.",
+    )
+    f.add_argument("config", nargs="?", help="YAML config (key=value overrides follow)")
+    f.add_argument("overrides", nargs="*", help="key=value overrides, e.g. spec.method=lora spec.lr=1e-3")
+    f.set_defaults(func=_finetune)
+
+    b = sub.add_parser(
+        "finetune-background",
+        help="collect a memory-layer run's background access counts over its pretraining shards",
+        description="Count, per memory-layer slot, in how many of BATCHES pretraining batches it was read "
+                    "(the IDF of sparse memory finetuning); stored with the checkpoint in RUN/pkm_background.",
+    )
+    b.add_argument("run", help="a finished run folder whose model has model.pkm")
+    b.add_argument("--batches", type=int, default=1000, help="background batches (default 1000, the seed's)")
+    b.add_argument("--batch-size", type=int, default=1,
+                   help="sequences per batch (default 1: about a finetuning batch's tokens, so IDF separates slots)")
+    b.add_argument("--seed", type=int, default=0, help="shuffle seed of the shards (default 0)")
+    b.set_defaults(func=_background)
+
+
+def _finetune(args: argparse.Namespace) -> int:
+    from training.finetune import finetune, load_finetune_config
+
+    config, overrides = args.config, list(args.overrides)
+    if config and "=" in config:  # overrides only
+        config, overrides = None, [config, *overrides]
+    rec = finetune(load_finetune_config(config, overrides))
+    ch = rec["changed"]
+    print(f"done: {rec['config']['save_folder']} ({rec['label']}: {rec['steps']} steps; "
+          f"{ch['elements']:,} of {ch['of_elements']:,} parameters changed, {ch['bytes']:,} bytes)")
+    return 0
+
+
+def _background(args: argparse.Namespace) -> int:
+    from training.finetune import collect_run_background
+
+    for layer, folder in collect_run_background(args.run, batches=args.batches, batch_size=args.batch_size,
+                                                seed=args.seed).items():
+        print(f"layer {layer}: {folder}")
     return 0

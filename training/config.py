@@ -84,6 +84,9 @@ class OptimSection:
     max_grad_norm: float | None = 1.0
     moc_bank_lr: float | None = None  # MoC latent bank(s); None: lr
     moc_layer_lr: float | None = None  # MoC routers, memory attention and variation-2 FFNs; None: lr
+    # memory-layer values (model.pkm), their own group without weight decay (a row is decayed only
+    # when read, so decay would punish rarely read slots); None: lr and weight_decay like the rest
+    pkm_value_lr: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,12 +30,15 @@ applied to the rows read so the gradient stays sparse).
 
 The model option is `ModelConfig.pkm` (training/model.py: the layer replaces the FFN of the
 chosen blocks) and `model.pkm` in the trainer's YAML (training/yamls/tiny-pkm.yaml); the values'
-sparse gradients go through MemoryAdamW's lazy rows like the bank's. The `memtree finetune` and
-`memtree eval-continual` commands are not here yet.
+sparse gradients go through MemoryAdamW's lazy rows like the bank's. `memtree finetune`
+(training/finetune.py) streams new data through it; `memtree eval-continual` (eval/continual.py)
+measures learning and forgetting.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -128,6 +131,9 @@ class ProductKeyMemory(nn.Module):
         self.values = nn.Embedding(cfg.n_slots, vd, sparse=True)
         self.w1 = nn.Linear(d_model, vd, bias=False)
         self.w2 = nn.Linear(vd, d_model, bias=False)
+        # When a list, every forward appends its slots (…, H, k): how finetuning counts a batch's
+        # accesses from the very forward it trains on (a plain attribute, not state).
+        self.recorder: list[Tensor] | None = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -172,6 +178,8 @@ class ProductKeyMemory(nn.Module):
         """x (…, d) → (…, d). trainable: (N,) bool, the slots whose values may receive gradient
         (sparse memory finetuning); the others are read as constants. None: all of them."""
         look = self.lookup(x)
+        if self.recorder is not None:
+            self.recorder.append(look.indices.detach())
         rows = F.embedding(look.indices, self.values.weight, sparse=True)  # (…, H, k, vd)
         if trainable is not None:
             m = trainable[look.indices].to(rows.dtype)[..., None]  # (…, H, k, 1)
@@ -214,23 +222,95 @@ def trainable_rows(counts: Tensor, doc_freq: Tensor, n_batches: int, top_t: int)
     return keep
 
 
+def keep_rows(grad: Tensor, keep: Tensor) -> Tensor:
+    """A values table's sparse gradient (N, vd) restricted to the rows where keep (N,) is True:
+    the same update as reading the other rows as constants (`forward(trainable=keep)`), from one
+    forward, after the batch's accesses are known."""
+    g = grad.coalesce()
+    sel = keep[g.indices()[0]]
+    return torch.sparse_coo_tensor(g.indices()[:, sel], g.values()[sel], g.shape).coalesce()
+
+
+@contextmanager
+def recording(model: nn.Module) -> Iterator[dict[int, list[Tensor]]]:
+    """While open, every forward of the model's memory layers records its slots: yields
+    {block index: [indices (…, H, k) per forward]}."""
+    layers = {i: b.pkm for i, b in enumerate(model.blocks) if getattr(b, "pkm", None) is not None}
+    if not layers:
+        raise ValueError("the model has no product-key memory layer (model.pkm)")
+    logs: dict[int, list[Tensor]] = {i: [] for i in layers}
+    for i, m in layers.items():
+        m.recorder = logs[i]
+    try:
+        yield logs
+    finally:
+        for m in layers.values():
+            m.recorder = None
+
+
+@torch.no_grad()
+def collect_background(model: nn.Module, batches: Iterable[dict[str, Tensor]], n_batches: int,
+                       *, progress: bool = True) -> dict[int, BackgroundCounts]:
+    """Document frequencies of every memory layer's slots over n_batches pretraining batches
+    (dicts with `input_ids` (B, S) and `labels` (B, S), -100 on padding: padded positions are
+    not counted). Fewer batches than asked: an error naming both."""
+    from tqdm import tqdm
+
+    if not is_int(n_batches) or n_batches <= 0:
+        raise ValueError(f"background batches must be a positive integer, got {n_batches!r}")
+    model.eval()
+    out: dict[int, BackgroundCounts] = {}
+    done = 0
+    with recording(model) as logs, tqdm(total=n_batches, desc="background counts", disable=not progress) as bar:
+        for batch in batches:
+            ids = batch["input_ids"]
+            real = torch.ones_like(ids, dtype=torch.bool)
+            if "labels" in batch:  # a position is padding when neither it nor its successor is a target
+                real = batch["labels"] != -100
+                real[:, 1:] |= batch["labels"][:, :-1] != -100
+            model(ids, segment_ids=batch.get("segment_ids"))
+            for i, log in logs.items():
+                n_slots = model.blocks[i].pkm.cfg.n_slots
+                out.setdefault(i, BackgroundCounts.empty(n_slots)).add_batch(access_counts(log[-1], n_slots, real),
+                                                                              tokens=int(real.sum()))
+                log.clear()
+            done += 1
+            bar.update()
+            if done == n_batches:
+                break
+    if done < n_batches:
+        raise ValueError(f"background counts asked for {n_batches} batches, the data gave {done}")
+    return out
+
+
+def background_dir(run: str | Path, layer: int) -> Path:
+    """Where a run folder keeps the background counts of its memory layer `layer`."""
+    return Path(run) / "pkm_background" / f"layer_{layer}"
+
+
 @dataclass
 class BackgroundCounts:
     """In how many background batches each slot was read at least once (df, (N,) int64), out of
-    n_batches: the IDF side of the TF-IDF, collected once over pretraining data."""
+    n_batches: the IDF side of the TF-IDF, collected once over pretraining data. tokens: the real
+    tokens those batches held (IDF separates slots only when a background batch is about as large
+    as a finetuning batch: with far larger ones every common slot is in every batch); source: what
+    they were collected over."""
 
     doc_freq: Tensor
     n_batches: int = 0
+    tokens: int = 0
+    source: str = ""
 
     @classmethod
     def empty(cls, n_slots: int) -> BackgroundCounts:
         return cls(doc_freq=torch.zeros(n_slots, dtype=torch.int64))
 
-    def add_batch(self, counts: Tensor) -> None:
+    def add_batch(self, counts: Tensor, tokens: int = 0) -> None:
         if counts.shape != self.doc_freq.shape:
             raise ValueError(f"batch counts have {counts.numel()} slots, the background {self.doc_freq.numel()}")
         self.doc_freq += (counts > 0).to(torch.int64)
         self.n_batches += 1
+        self.tokens += int(tokens)
 
     def save(self, folder: str | Path) -> Path:
         """background_counts.safetensors + background_counts.json (format memtree-pkm-background v1)."""
@@ -242,7 +322,7 @@ class BackgroundCounts:
             save_file({"doc_freq": self.doc_freq.contiguous()}, str(tmp))
         atomic_write_json(folder / "background_counts.json", {
             "format": BACKGROUND_FORMAT, "version": BACKGROUND_VERSION, "n_batches": self.n_batches,
-            "n_slots": int(self.doc_freq.numel()),
+            "tokens": self.tokens, "source": self.source, "n_slots": int(self.doc_freq.numel()),
             "sha256": sha256_file(folder / "background_counts.safetensors")})
         return folder
 
@@ -267,4 +347,4 @@ class BackgroundCounts:
             raise ValueError(f"{folder}: background counts cover n_slots={man['n_slots']}, the memory has "
                              f"n_slots={n_slots}")
         return cls(doc_freq=load_file(str(folder / "background_counts.safetensors"))["doc_freq"],
-                   n_batches=int(man["n_batches"]))
+                   n_batches=int(man["n_batches"]), tokens=int(man.get("tokens", 0)), source=man.get("source", ""))

@@ -211,6 +211,10 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
     model, _ = build_model(cfg)
     groups = []
     anchor_params = [p for p in model.anchor_parameters() if p.requires_grad]
+    if cfg.optim.pkm_value_lr is not None and model.model.pkm_layers():
+        values = [m.values.weight for m in model.model.pkm_layers()]
+        anchor_params = [p for p in anchor_params if all(p is not v for v in values)]
+        groups.append({"params": values, "lr": cfg.optim.pkm_value_lr, "weight_decay": 0.0})
     if anchor_params:
         groups.append({"params": anchor_params, "lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay})
     if model.bank is not None:

@@ -1,0 +1,347 @@
+"""`memtree eval-continual`: learning new facts in sequence without forgetting (seed 003 §5.1, Figs. 3, 5).
+
+The experiment. A model whose middle FFN is a product-key memory layer is pretrained on a bios
+demo run's shards (`ROOT/train/pkm`, trained here when missing, like any `memtree train` run) and
+its background access counts are collected over its pretraining batches (stored with the
+checkpoint). It then meets `n_facts` facts about entities the corpus never mentions (a bios
+world drawn with another seed; names that occur in the corpus are skipped), one at a time: each
+fact is a batch of `paraphrases` statements of it in different frames, and each batch is one
+gradient step (`memtree finetune`'s stream; the stream is written to OUT/stream.jsonl so the
+command can replay it). Every configuration starts from the same pretrained weights.
+
+Measured before and after each stream:
+- learning: 4-way accuracy on the new facts, "The {label} of {reference} is" with distractors drawn
+  uniformly from the attribute's closed value set (chance 25 % before finetuning, in expectation);
+- forgetting: accuracy on probes of old facts the corpus states often (`old_min_mentions`), and
+  perplexity on held-out bios documents; forgetting = the old-fact accuracy drop (points) and the
+  held-out perplexity increase (%).
+Configurations: a grid over each method's learning knobs (learning rates for all, LoRA rank,
+top-t and the TF / all-accessed ablations for sparse memory finetuning: eval/yamls/continual.yaml).
+The target (003: sparse memory finetuning forgets ≤ 1/3 of full finetuning and ≤ 1/2 of LoRA at
+equal learning) is checked at the learning level every method reaches: each method's least
+forgetting among its configurations that learn at least that much. JSON + markdown + PNGs.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from memtree.config import ConfigError, is_int, load_config, to_dict
+from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json
+from training.finetune import FinetuneSpec
+
+DEFAULT_YAML = Path(__file__).parent / "yamls" / "continual.yaml"
+CHANCE = 0.25
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContinualConfig:
+    """root: a bios demo run; run: the pretrained memory-layer run (default ROOT/train/pkm,
+    trained with `pretrain` overrides of the demo's training YAML when missing); background_batches,
+    background_batch_size: the pretraining batches (of that many windows) the background counts are
+    collected over (again when the stored ones were collected otherwise); n_facts, paraphrases: the
+    stream; world_seed: the new facts' bios world (-1: corpus seed + 2000); old_probes,
+    old_min_mentions: the old-fact probes (facts stated in at least that many documents);
+    held_out_docs; runs: the configurations; out: report folder (default ROOT/continual)."""
+
+    root: str = "runs/demo"
+    run: str = ""
+    pretrain: list[str] = field(default_factory=list)
+    background_batches: int = 1000
+    background_batch_size: int = 1
+    n_facts: int = 256
+    paraphrases: int = 8
+    world_seed: int = -1
+    old_probes: int = 512
+    old_min_mentions: int = 4
+    held_out_docs: int = 64
+    runs: list[FinetuneSpec] = field(default_factory=list)
+    seed: int = 0
+    out: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("background_batches", "background_batch_size", "n_facts", "paraphrases", "old_probes", "held_out_docs"):
+            v = getattr(self, name)
+            if not is_int(v) or v <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if not self.runs:
+            raise ConfigError("runs: no finetuning configuration to compare (eval/yamls/continual.yaml lists them)")
+
+
+def load_continual_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> ContinualConfig:
+    return load_config(ContinualConfig, str(path or DEFAULT_YAML), list(overrides))
+
+
+# -- data --------------------------------------------------------------------------------------------
+
+def new_facts(root: Path, cfg: ContinualConfig) -> list[dict[str, Any]]:
+    """n_facts facts of entities the run's corpus never mentions, spread over entities (every
+    fact of an entity before the next entity's), deterministic for the config."""
+    from memtree.config import from_dict
+    from pipeline.bios import BiosSpec, bios_facts
+
+    spec_rec = read_json(root / "corpus.json")["spec"]
+    seed = cfg.world_seed if cfg.world_seed >= 0 else int(spec_rec["seed"]) + 2000
+    spec = from_dict(BiosSpec, {**spec_rec, "seed": seed}, where="corpus.json spec")
+    corpus = [r for _, r in iter_jsonl(root / "facts.jsonl")]
+    known_names = {r["entity"] for r in corpus} | {r["reference"].split()[-1] for r in corpus}
+    facts = [f for f in bios_facts(spec) if f["entity"] not in known_names and not f.get("famous")
+             and f["reference"].split()[-1] not in known_names]
+    by_entity: dict[str, list[dict[str, Any]]] = {}
+    for f in facts:
+        by_entity.setdefault(f["entity"], []).append(f)
+    names = sorted(by_entity)
+    random.Random(cfg.seed).shuffle(names)
+    out: list[dict[str, Any]] = []
+    for n in names:
+        out += by_entity[n]
+        if len(out) >= cfg.n_facts:
+            return out[: cfg.n_facts]
+    raise ValueError(f"the bios world of seed {seed} has {len(out)} facts of new entities, fewer than "
+                     f"n_facts={cfg.n_facts}")
+
+
+def write_stream(facts: Sequence[dict[str, Any]], path: Path, paraphrases: int, seed: int) -> list[tuple[str, list[str]]]:
+    """The finetuning stream, one record per fact ({"id", "texts"}), written as JSONL."""
+    import json
+
+    from pipeline.bios import fact_statements
+
+    records = [(f"{f['entity']}/{f['attribute']}", fact_statements(f, paraphrases, seed=seed)) for f in facts]
+    atomic_write_text(path, "".join(json.dumps({"id": i, "texts": t}, ensure_ascii=False) + "\n" for i, t in records))
+    return records
+
+
+def old_probes(root: Path, cfg: ContinualConfig) -> list[dict[str, Any]]:
+    """Probes of corpus facts stated in ≥ old_min_mentions documents, evenly spread, ≤ old_probes."""
+    from eval.longtail import build_probes, load_facts
+
+    probes = build_probes(load_facts(root / "facts.jsonl"), seed=cfg.seed, min_mentions=cfg.old_min_mentions)
+    if not probes:
+        raise ValueError(f"{root}/facts.jsonl: no fact stated in ≥ {cfg.old_min_mentions} documents")
+    step = max(1, len(probes) // cfg.old_probes)
+    return probes[::step][: cfg.old_probes]
+
+
+# -- measuring ---------------------------------------------------------------------------------------
+
+def measure(rm, new: Sequence[dict[str, Any]], old: Sequence[dict[str, Any]],
+            held_out: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Learning (new-fact accuracy), old-fact accuracy and held-out perplexity of rm's model."""
+    from eval.longtail import wilson
+    from eval.tasks import multiple_choice, perplexity
+
+    out = {}
+    for name, probes in (("new", new), ("old", old)):
+        mc = multiple_choice(rm, probes, mode="none", batch_size=32)
+        k = sum(int(p == q["gold"]) for p, q in zip(mc["predictions"], probes, strict=True))
+        out[f"{name}_accuracy"] = k / len(probes)
+        out[f"{name}_ci95"] = list(wilson(k, len(probes)))
+    out["perplexity"] = perplexity(rm, held_out, mode="none", batch_size=16)["perplexity"]
+    return out
+
+
+def forgetting(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """Old-fact accuracy drop (points, > 0 = forgot) and held-out perplexity increase (%)."""
+    return {"old_drop": 100 * (before["old_accuracy"] - after["old_accuracy"]),
+            "ppl_increase_pct": 100 * (after["perplexity"] / before["perplexity"] - 1),
+            "learned": 100 * (after["new_accuracy"] - before["new_accuracy"])}
+
+
+def equal_learning(rows: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
+    """The target check: the learning level L every method reaches (the smallest of the methods'
+    best new-fact accuracies); per method, its least forgetting (`key`) among configurations
+    learning ≥ L; the ratios sparse / full and sparse / LoRA (≤ 1/3 and ≤ 1/2 wanted). Sparse
+    memory finetuning counts with its TF-IDF ranking only (the tf / all rows are ablations). A
+    baseline that does not forget (≤ 0) leaves its ratio undefined (None), not met."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["method"] == "sparse_memory" and r.get("spec", {}).get("ranking", "tfidf") != "tfidf":
+            continue
+        by.setdefault(r["method"], []).append(r)
+    if not {"sparse_memory", "full", "lora"} <= set(by):
+        return {"level": None, "note": "needs sparse_memory (tfidf), full and lora configurations"}
+    level = min(max(r["after"]["new_accuracy"] for r in rs) for rs in by.values())
+    best = {}
+    for m, rs in by.items():
+        ok = [r for r in rs if r["after"]["new_accuracy"] >= level - 1e-9]
+        pick = min(ok, key=lambda r: r["forgetting"][key])
+        best[m] = {"label": pick["label"], "new_accuracy": pick["after"]["new_accuracy"],
+                   "forgetting": pick["forgetting"][key]}
+    out: dict[str, Any] = {"level": level, "key": key, "best": best}
+    s = max(best["sparse_memory"]["forgetting"], 0.0)
+    for base, want in (("full", 1 / 3), ("lora", 1 / 2)):
+        f = best[base]["forgetting"]
+        out[f"ratio_vs_{base}"] = s / f if f > 0 else None
+        out[f"met_vs_{base}"] = bool(s / f <= want) if f > 0 else None
+    return out
+
+
+def ensure_pretrained(root: Path, cfg: ContinualConfig) -> Path:
+    """The memory-layer run (trained when missing) with its background counts (collected when missing)."""
+    from eval.demo import DEMO_TRAIN_YAML
+    from training.config import load_train_config
+    from training.finetune import collect_run_background
+    from training.train import train
+
+    run = Path(cfg.run) if cfg.run else root / "train" / "pkm"
+    if not (run / "anchor.safetensors").exists():
+        overrides = [f"data.shards={root / 'pipeline' / 'shards'}", "mode=baseline", "memory.multipliers=[]",
+                     f"save_folder={run}", "run_name=continual-pkm", f"seed={cfg.seed}", *cfg.pretrain]
+        tcfg = load_train_config(DEMO_TRAIN_YAML, overrides)
+        if tcfg.model.pkm is None:
+            raise ConfigError("pretrain: the overrides give no model.pkm (e.g. model.pkm.n_keys=128)")
+        print(f"pretraining the memory-layer model → {run}", flush=True)
+        train(tcfg)
+    if not _background_matches(run, cfg):
+        print(f"collecting background counts over {cfg.background_batches} pretraining batches", flush=True)
+        collect_run_background(run, batches=cfg.background_batches, batch_size=cfg.background_batch_size,
+                               seed=cfg.seed)
+    return run
+
+
+def _background_matches(run: Path, cfg: ContinualConfig) -> bool:
+    found = sorted((run / "pkm_background").glob("layer_*/background_counts.json"))
+    want = f"{cfg.background_batch_size} sequence(s) per batch"
+    return bool(found) and all(read_json(f)["n_batches"] == cfg.background_batches
+                               and want in read_json(f).get("source", "") for f in found)
+
+
+def run_continual(cfg: ContinualConfig, *, progress: bool = True) -> Path:
+    """The whole experiment; returns the markdown report's path."""
+    import torch
+
+    from eval.model import RunModel
+    from training.finetune import batch_tensors, finetune_stream, load_background
+
+    root = Path(cfg.root)
+    out = Path(cfg.out) if cfg.out else root / "continual"
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    run = ensure_pretrained(root, cfg)
+    timings = {"pretrain_s": round(time.time() - t0, 1)}
+    rm = RunModel.load(run)
+    model = rm.model
+    background = load_background(run / "pkm_background", model)
+    facts = new_facts(root, cfg)
+    records = write_stream(facts, out / "stream.jsonl", cfg.paraphrases, cfg.seed)
+    from eval.longtail import build_probes
+
+    new = build_probes([{**f, "mentions": 0} for f in facts], seed=cfg.seed)
+    old = old_probes(root, cfg)
+    held = [r for _, r in iter_jsonl(root / "heldout.jsonl")][: cfg.held_out_docs]
+    limit = model.config.max_seq_len
+    batches = [(rid, *batch_tensors(texts, rm.encode, pad_id=rm.eot_id, max_len=limit, where=f"fact {rid}:"))
+               for rid, texts in records]
+    pretrained = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    t = time.time()
+    before = measure(rm, new, old, held)
+    timings["measure_s"] = round(time.time() - t, 1)
+    rows = []
+    for spec in cfg.runs:
+        model.load_state_dict(pretrained)
+        torch.manual_seed(cfg.seed)
+        res = finetune_stream(model, batches, spec, background=background, progress=progress)
+        after = measure(rm, new, old, held)
+        trained = [v["trained"] for r in res["log"] for k, v in r.items() if k.startswith("layer_")]
+        rows.append({"label": spec.label, "method": spec.method, "spec": to_dict(spec), "after": after,
+                     "forgetting": forgetting(before, after), "seconds": res["seconds"],
+                     "changed": {k: res["changed"][k] for k in ("elements", "of_elements", "bytes")},
+                     "trained_rows_per_step": float(np.mean(trained)) if trained else None,
+                     "final_loss": res["log"][-1]["loss"]})
+        f = rows[-1]["forgetting"]
+        print(f"{spec.label}: learned {after['new_accuracy']:.1%}, old facts {after['old_accuracy']:.1%} "
+              f"(−{f['old_drop']:.1f}), held-out ppl {after['perplexity']:.3f} (+{f['ppl_increase_pct']:.1f} %)",
+              flush=True)
+    model.load_state_dict(pretrained)
+    timings["total_s"] = round(time.time() - t0, 1)
+    report = {"format": "memtree-continual", "version": 1, "config": to_dict(cfg), "run": str(run),
+              "pretrained": read_json(run / "memtree_config.json")["config"]["model"],
+              "background": {"batches": background[next(iter(background))].n_batches,
+                             "tokens_per_batch": background[next(iter(background))].tokens
+                             / max(1, background[next(iter(background))].n_batches),
+                             "source": background[next(iter(background))].source},
+              "tokens_per_finetune_batch": float(np.mean([int(b[2].sum()) for b in batches])),
+              "n_new_probes": len(new), "n_old_probes": len(old), "held_out_documents": len(held),
+              "chance": CHANCE, "before": before, "runs": rows,
+              "target": {"old_drop": equal_learning(rows, "old_drop"),
+                         "ppl_increase_pct": equal_learning(rows, "ppl_increase_pct")},
+              "timings": timings}
+    return write_continual_report(out, report)
+
+
+# -- report ------------------------------------------------------------------------------------------
+
+def _ratio(tgt: dict[str, Any], base: str) -> str:
+    r = tgt[f"ratio_vs_{base}"]
+    if r is None:
+        return f"undefined ({base} does not forget at this level)"
+    return f"{r:.2f} ({'met' if tgt[f'met_vs_{base}'] else 'not met'})"
+
+
+METHOD_STYLE = {"sparse_memory": ("tab:green", "o"), "full": ("tab:red", "s"), "lora": ("tab:blue", "^")}
+
+
+def write_continual_report(out: Path, report: dict[str, Any]) -> Path:
+    from eval.experiments import new_figure, save_png
+
+    atomic_write_json(out / "results.json", report)
+    b = report["before"]
+    lines = ["# Continual learning: new facts in sequence (seed 003)", "",
+             (f"{report['n_new_probes']} new facts, one gradient step each on {report['config']['paraphrases']} "
+              f"paraphrases; learning = 4-way accuracy on them (chance 25 %); forgetting = accuracy drop on "
+              f"{report['n_old_probes']} old-fact probes and held-out perplexity increase on "
+              f"{report['held_out_documents']} documents. Background counts: {report['background']['batches']} "
+              f"pretraining batches of {report['background']['tokens_per_batch']:.0f} tokens (a finetuning batch: "
+              f"{report['tokens_per_finetune_batch']:.0f})."), "",
+             (f"Before finetuning: new facts {b['new_accuracy']:.1%}, old facts {b['old_accuracy']:.1%}, "
+             f"held-out perplexity {b['perplexity']:.3f}."), "",
+             ("| configuration | new facts | old facts | old drop (pts) | held-out ppl | ppl increase | "
+             "params changed | bytes changed | s |"),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in report["runs"]:
+        a, f, c = r["after"], r["forgetting"], r["changed"]
+        lines.append(f"| {r['label']} | {a['new_accuracy']:.1%} | {a['old_accuracy']:.1%} | {f['old_drop']:+.1f} | "
+                     f"{a['perplexity']:.3f} | {f['ppl_increase_pct']:+.1f} % | {c['elements']:,} | "
+                     f"{c['bytes']:,} | {r['seconds']:.0f} |")
+    lines += ["", "## At equal learning (the target: sparse ≤ 1/3 of full's forgetting, ≤ 1/2 of LoRA's)", ""]
+    for key, tgt in report["target"].items():
+        if tgt.get("level") is None:
+            lines.append(f"- {key}: {tgt.get('note')}")
+            continue
+        best = tgt["best"]
+        lines.append(f"- {key} at new-fact accuracy ≥ {tgt['level']:.1%}: "
+                     + "; ".join(f"{m} {v['forgetting']:+.2f} ({v['label']})" for m, v in best.items())
+                     + f". Sparse / full {_ratio(tgt, 'full')}, sparse / LoRA {_ratio(tgt, 'lora')}.")
+    lines += ["", f"Timings: {report['timings']}", ""]
+    atomic_write_text(out / "report.md", "\n".join(lines))
+
+    fig = new_figure(11.0, 4.2)
+    for j, (key, ylabel) in enumerate((("old_accuracy", "old-fact accuracy (forgetting ↓)"),
+                                       ("perplexity", "held-out perplexity (forgetting ↑)"))):
+        ax = fig.add_subplot(1, 2, j + 1)
+        for m, (color, marker) in METHOD_STYLE.items():
+            rs = [r for r in report["runs"] if r["method"] == m and r["spec"].get("ranking", "tfidf") == "tfidf"]
+            if rs:
+                ax.scatter([r["after"]["new_accuracy"] for r in rs], [r["after"][key] for r in rs], c=color,
+                           marker=marker, label=m.replace("_", " "))
+        for ranking, marker in (("tf", "v"), ("all", "D")):  # 003 Fig. 6's ablations, hollow
+            rs = [r for r in report["runs"] if r["method"] == "sparse_memory" and r["spec"].get("ranking") == ranking]
+            if rs:
+                ax.scatter([r["after"]["new_accuracy"] for r in rs], [r["after"][key] for r in rs],
+                           facecolors="none", edgecolors="tab:green", marker=marker, label=f"sparse, {ranking} ranking")
+        ax.scatter([b["new_accuracy"]], [b[key]], c="black", marker="*", s=80, label="before")
+        ax.axvline(report["chance"], color="grey", lw=0.8, ls=":")
+        ax.set_xlabel("new-fact accuracy (learning)")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8)
+    fig.suptitle("Learning vs forgetting over learning rates, LoRA ranks and top-t")
+    save_png(fig, out / "pareto.png")
+    return out / "report.md"
