@@ -35,6 +35,7 @@ import numpy as np
 
 from memtree.config import ConfigError, is_int, load_config, to_dict
 from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json
+from training.block_finetune import BlockFinetuneSpec
 from training.finetune import FinetuneSpec
 
 DEFAULT_YAML = Path(__file__).parent / "yamls" / "continual.yaml"
@@ -49,7 +50,10 @@ class ContinualConfig:
     collected over (again when the stored ones were collected otherwise); n_facts, paraphrases: the
     stream; world_seed: the new facts' bios world (-1: corpus seed + 2000); old_probes,
     old_min_mentions: the old-fact probes (facts stated in at least that many documents);
-    held_out_docs; runs: the configurations; out: report folder (default ROOT/continual)."""
+    held_out_docs; runs: the configurations; blocks_run: a hierarchical-memory run (default
+    ROOT/train/cotrain) whose bank blocks `block_runs` update on the same stream (TF-IDF units,
+    every fetched block, or the anchor: training/block_finetune.py; empty: skipped); out: report
+    folder (default ROOT/continual)."""
 
     root: str = "runs/demo"
     run: str = ""
@@ -63,6 +67,8 @@ class ContinualConfig:
     old_min_mentions: int = 4
     held_out_docs: int = 64
     runs: list[FinetuneSpec] = field(default_factory=list)
+    blocks_run: str = ""
+    block_runs: list[BlockFinetuneSpec] = field(default_factory=list)
     seed: int = 0
     out: str = ""
 
@@ -133,18 +139,21 @@ def old_probes(root: Path, cfg: ContinualConfig) -> list[dict[str, Any]]:
 # -- measuring ---------------------------------------------------------------------------------------
 
 def measure(rm, new: Sequence[dict[str, Any]], old: Sequence[dict[str, Any]],
-            held_out: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Learning (new-fact accuracy), old-fact accuracy and held-out perplexity of rm's model."""
+            held_out: Sequence[dict[str, Any]], *, paths: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """Learning (new-fact accuracy), old-fact accuracy and held-out perplexity of rm's model; with
+    `paths` ({"new", "old", "held"}: each item's route from its own text), fetched memories."""
     from eval.longtail import wilson
     from eval.tasks import multiple_choice, perplexity
 
+    mode = "none" if paths is None else "fetched"
     out = {}
     for name, probes in (("new", new), ("old", old)):
-        mc = multiple_choice(rm, probes, mode="none", batch_size=32)
+        mc = multiple_choice(rm, probes, mode=mode, batch_size=32, paths=None if paths is None else paths[name])
         k = sum(int(p == q["gold"]) for p, q in zip(mc["predictions"], probes, strict=True))
         out[f"{name}_accuracy"] = k / len(probes)
         out[f"{name}_ci95"] = list(wilson(k, len(probes)))
-    out["perplexity"] = perplexity(rm, held_out, mode="none", batch_size=16)["perplexity"]
+    out["perplexity"] = perplexity(rm, held_out, mode=mode, batch_size=16,
+                                   paths=None if paths is None else paths["held"])["perplexity"]
     return out
 
 
@@ -261,6 +270,11 @@ def run_continual(cfg: ContinualConfig, *, progress: bool = True) -> Path:
               f"(−{f['old_drop']:.1f}), held-out ppl {after['perplexity']:.3f} (+{f['ppl_increase_pct']:.1f} %)",
               flush=True)
     model.load_state_dict(pretrained)
+    hierarchical = None
+    if cfg.block_runs:
+        t = time.time()
+        hierarchical = run_blocks(root, out, cfg, records, new, old, held, progress=progress)
+        timings["blocks_s"] = round(time.time() - t, 1)
     timings["total_s"] = round(time.time() - t0, 1)
     report = {"format": "memtree-continual", "version": 1, "config": to_dict(cfg), "run": str(run),
               "pretrained": read_json(run / "memtree_config.json")["config"]["model"],
@@ -273,8 +287,97 @@ def run_continual(cfg: ContinualConfig, *, progress: bool = True) -> Path:
               "chance": CHANCE, "before": before, "runs": rows,
               "target": {"old_drop": equal_learning(rows, "old_drop"),
                          "ppl_increase_pct": equal_learning(rows, "ppl_increase_pct")},
-              "timings": timings}
+              "hierarchical": hierarchical, "timings": timings}
     return write_continual_report(out, report)
+
+
+def run_blocks(root: Path, out: Path, cfg: ContinualConfig, records: Sequence[tuple[str, list[str]]],
+               new: Sequence[dict[str, Any]], old: Sequence[dict[str, Any]], held: Sequence[dict[str, Any]], *,
+               progress: bool = True) -> dict[str, Any]:
+    """The same stream into a hierarchical-memory run: each configuration of `block_runs` from the
+    run's own weights and a fresh copy of its bank; edits written through memstore's edit path."""
+    import shutil
+
+    import torch
+    from tqdm import tqdm
+
+    from eval.model import RunModel
+    from memstore.store import MemoryStore, TierConfig
+    from training.block_finetune import (
+        BlockFinetuner,
+        UnitBackground,
+        collect_unit_background,
+        write_edits,
+    )
+    from training.finetune import batch_tensors
+
+    run = Path(cfg.blocks_run) if cfg.blocks_run else root / "train" / "cotrain"
+    tree = root / "pipeline" / "tree"  # a demo root's tree; else the run's own (next to its shards)
+    rm = RunModel.load(run, tree_dir=tree if tree.is_dir() else None)
+    if rm.store is None:
+        raise ValueError(f"{run}: blocks_run has no bank (a co-trained hierarchical-memory run is needed)")
+    fracs = {s.unit_frac for s in cfg.block_runs if s.method == "tfidf"}
+    if len(fracs) > 1:
+        raise ConfigError(f"block_runs: tfidf configurations use different unit_frac {sorted(fracs)}; use one")
+    bg_dir = run / "block_background"
+    background = None
+    if fracs:
+        frac = fracs.pop()
+        try:
+            background = UnitBackground.load(bg_dir)
+        except FileNotFoundError:
+            background = None
+        if background is None or abs(background.unit_frac - frac) > 1e-12:
+            print(f"collecting block background counts over {run}'s pretraining windows", flush=True)
+            background = collect_unit_background(rm, rm.config.data.shards, unit_frac=frac, progress=progress)
+            background.save(bg_dir)
+    model = rm.model
+    pretrained = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    texts = [t for _, ts in records for t in ts]
+    flat_paths = rm.route(texts)
+    batches, k = [], 0
+    for rid, ts in records:
+        ids, real = batch_tensors(ts, rm.encode, pad_id=rm.eot_id, max_len=model.config.max_seq_len, where=f"fact {rid}:")
+        batches.append((rid, ids, real, flat_paths[k : k + len(ts)]))
+        k += len(ts)
+    paths = {"new": rm.route([p["context"] for p in new]), "old": rm.route([p["context"] for p in old]),
+             "held": rm.route([d["text"] for d in held])}
+    # how often a new fact's question fetches the leaf its statements were routed to
+    leaf = flat_paths[:, -1].reshape(len(records), -1)
+    agree = float(np.mean([paths["new"][i, -1] in set(leaf[i].tolist()) for i in range(len(records))]))
+    bank = run / "bank"
+    before = measure(rm, new, old, held, paths=paths)
+    rows = []
+    for spec in cfg.block_runs:
+        work = out / "bank-work"
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(bank, work)
+        model.load_state_dict(pretrained)
+        rm.store = MemoryStore(work, tree=rm.tree, out_dtype=torch.float32, tiers=[TierConfig(name="ram", kind="ram")])
+        torch.manual_seed(cfg.seed)
+        ft = BlockFinetuner(rm, spec, background=background)
+        t = time.time()
+        log = [ft.step(ids, real, p, where=f"fact {rid}")
+               for rid, ids, real, p in tqdm(batches, desc=f"finetune {spec.label}", disable=not progress)]
+        ft.finish()
+        seconds = time.time() - t
+        edits = write_edits(rm.store, ft.blocks, ft.touched, reason=f"eval-continual {spec.label}")
+        anchor_changed = sum(int((v != pretrained[k]).sum()) for k, v in model.state_dict().items())
+        after = measure(rm, new, old, held, paths=paths)
+        rows.append({"label": spec.label, "method": spec.method, "spec": to_dict(spec), "after": after,
+                     "forgetting": forgetting(before, after), "seconds": round(seconds, 1), "bank": edits,
+                     "anchor_params_changed": anchor_changed,
+                     "units_trained_per_step": float(np.mean([r.get("units_trained", 0) for r in log])),
+                     "final_loss": log[-1]["loss"]})
+        f = rows[-1]["forgetting"]
+        print(f"{spec.label}: learned {after['new_accuracy']:.1%}, old facts {after['old_accuracy']:.1%} "
+              f"(−{f['old_drop']:.1f}), held-out ppl {after['perplexity']:.3f} (+{f['ppl_increase_pct']:.1f} %), "
+              f"bank bytes changed {edits['bytes_changed']:,}", flush=True)
+        rm.store.close()
+        shutil.rmtree(work, ignore_errors=True)
+    model.load_state_dict(pretrained)
+    return {"run": str(run), "background": None if background is None else background.source,
+            "question_leaf_agreement": agree, "before": before, "runs": rows}
 
 
 # -- report ------------------------------------------------------------------------------------------
@@ -320,8 +423,27 @@ def write_continual_report(out: Path, report: dict[str, Any]) -> Path:
         lines.append(f"- {key} at new-fact accuracy ≥ {tgt['level']:.1%}: "
                      + "; ".join(f"{m} {v['forgetting']:+.2f} ({v['label']})" for m, v in best.items())
                      + f". Sparse / full {_ratio(tgt, 'full')}, sparse / LoRA {_ratio(tgt, 'lora')}.")
+    hier = report.get("hierarchical")
+    if hier:
+        hb = hier["before"]
+        lines += ["", "## Beyond the seed: TF-IDF updates of hierarchical memory blocks", "",
+                  (f"The same stream into {hier['run']} (anchor + fetched blocks; every text routed by its own "
+                   f"text, probes by the question). A new fact's question fetches a leaf one of its statements "
+                   f"was routed to for {hier['question_leaf_agreement']:.0%} of the facts. Before: new facts "
+                   f"{hb['new_accuracy']:.1%}, old facts {hb['old_accuracy']:.1%}, held-out perplexity "
+                   f"{hb['perplexity']:.3f}. Background: {hier['background']}."), "",
+                  ("| configuration | new facts | old facts | old drop (pts) | held-out ppl | ppl increase | "
+                  "bank records rewritten | bank bytes changed | anchor params changed | s |"),
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in hier["runs"]:
+            a, f, bk = r["after"], r["forgetting"], r["bank"]
+            lines.append(f"| {r['label']} | {a['new_accuracy']:.1%} | {a['old_accuracy']:.1%} | {f['old_drop']:+.1f} | "
+                         f"{a['perplexity']:.3f} | {f['ppl_increase_pct']:+.1f} % | {bk['records']} | "
+                         f"{bk['bytes_changed']:,} | {r['anchor_params_changed']:,} | {r['seconds']:.0f} |")
     lines += ["", f"Timings: {report['timings']}", ""]
     atomic_write_text(out / "report.md", "\n".join(lines))
+    if hier:
+        _block_plot(hier, report["chance"], out / "pareto_blocks.png")
 
     fig = new_figure(11.0, 4.2)
     for j, (key, ylabel) in enumerate((("old_accuracy", "old-fact accuracy (forgetting ↓)"),
@@ -341,7 +463,37 @@ def write_continual_report(out: Path, report: dict[str, Any]) -> Path:
         ax.axvline(report["chance"], color="grey", lw=0.8, ls=":")
         ax.set_xlabel("new-fact accuracy (learning)")
         ax.set_ylabel(ylabel)
+        if key == "perplexity":  # a blown-up configuration would flatten the rest
+            ax.set_yscale("log")
         ax.legend(fontsize=8)
     fig.suptitle("Learning vs forgetting over learning rates, LoRA ranks and top-t")
     save_png(fig, out / "pareto.png")
     return out / "report.md"
+
+
+BLOCK_STYLE = {"tfidf": ("tab:green", "o"), "all_fetched": ("tab:orange", "D"), "anchor": ("tab:red", "s")}
+
+
+def _block_plot(hier: dict[str, Any], chance: float, path: Path) -> None:
+    from eval.experiments import new_figure, save_png
+
+    fig = new_figure(11.0, 4.2)
+    b = hier["before"]
+    for j, (key, ylabel) in enumerate((("old_accuracy", "old-fact accuracy (forgetting ↓)"),
+                                       ("perplexity", "held-out perplexity (forgetting ↑)"))):
+        ax = fig.add_subplot(1, 2, j + 1)
+        for m, (color, marker) in BLOCK_STYLE.items():
+            rs = [r for r in hier["runs"] if r["method"] == m]
+            if rs:
+                ax.scatter([r["after"]["new_accuracy"] for r in rs], [r["after"][key] for r in rs], c=color,
+                           marker=marker, label={"tfidf": "TF-IDF units", "all_fetched": "every fetched block",
+                                                 "anchor": "anchor finetune"}[m])
+        ax.scatter([b["new_accuracy"]], [b[key]], c="black", marker="*", s=80, label="before")
+        ax.axvline(chance, color="grey", lw=0.8, ls=":")
+        ax.set_xlabel("new-fact accuracy (learning, fetched memory)")
+        ax.set_ylabel(ylabel)
+        if key == "perplexity":  # a blown-up configuration would flatten the rest
+            ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    fig.suptitle("Hierarchical memory blocks: learning vs forgetting")
+    save_png(fig, path)

@@ -257,25 +257,33 @@ def test_memtree_finetune_end_to_end(pkm_run, pipeline_run, tmp_path, capsys):
     assert "bad.jsonl:1: a record needs 'texts'" in capsys.readouterr().err
 
 
-def test_eval_continual_writes_its_report(pkm_run, tmp_path):
+def test_eval_continual_writes_its_report(pkm_run, pipeline_run, tmp_path):
     """The experiment on a bios world, run against the tiny memory-layer run (its own background
-    counts collected first): results.json, report.md and pareto.png, each configuration from the
-    same pretrained weights."""
+    counts collected first) and, for the hierarchical part, a tiny co-trained bank run: results.json,
+    report.md and both Pareto PNGs, each configuration from the same pretrained weights and bank."""
     from streaming.base.util import clean_stale_shared_memory
 
     from eval.continual import load_continual_config, run_continual
     from memtree.io import read_json
     from pipeline.bios import BiosSpec, write_bios
+    from tests.conftest import train_tiny_run
     from training.train import load_run
 
     root = tmp_path / "bios"
     write_bios(root, BiosSpec(entities_per_subtopic=2), heldout_docs=8)
+    mem_run = train_tiny_run(pipeline_run[0] / "shards", tmp_path / "memrun", "data.batch_size=2", "max_duration=2ba",
+                             "memory.multipliers=[16,8]",
+                             "model.shape={n_layers: 2, d_model: 32, n_heads: 2, head_dim: 16, ffn_dim: 64}")
+    bank_bytes = {f.name: f.read_bytes() for f in (mem_run / "bank").glob("level-*.bin")}
     clean_stale_shared_memory()
     cfg = load_continual_config(None, [f"root={root}", f"run={pkm_run}", "n_facts=6", "paraphrases=3",
                                        "old_probes=16", "held_out_docs=4", "background_batches=2",
                                        f"out={tmp_path / 'out'}",
                                        ("runs=[{method: sparse_memory, top_t: 8, lr: 2.0}, "
-                                        "{method: lora, lora_rank: 2, lr: 1.0e-3}, {method: full, lr: 1.0e-4}]")])
+                                        "{method: lora, lora_rank: 2, lr: 1.0e-3}, {method: full, lr: 1.0e-4}]"),
+                                       f"blocks_run={mem_run}",
+                                       ("block_runs=[{method: tfidf, top_t: 4, lr: 1.0, unit_frac: 0.25}, "
+                                        "{method: all_fetched, lr: 1.0}, {method: anchor, lr: 1.0e-4}]")])
     report = run_continual(cfg, progress=False)
     clean_stale_shared_memory()
     res = read_json(tmp_path / "out" / "results.json")
@@ -289,6 +297,15 @@ def test_eval_continual_writes_its_report(pkm_run, tmp_path):
     # the run itself was never written: every configuration started from it
     model, *_ = load_run(pkm_run)
     assert res["before"]["perplexity"] > 0 and model is not None
+    hier = res["hierarchical"]
+    assert [r["method"] for r in hier["runs"]] == ["tfidf", "all_fetched", "anchor"]
+    tfidf, every, anchor = hier["runs"]
+    assert 0 < tfidf["bank"]["params_changed"] < every["bank"]["params_changed"]
+    assert anchor["bank"]["records"] == 0 and anchor["anchor_params_changed"] > 0
+    assert tfidf["anchor_params_changed"] == 0 == every["anchor_params_changed"]
+    assert (tmp_path / "out" / "pareto_blocks.png").stat().st_size > 0
+    # every configuration edited a copy: the run's own bank is byte-identical
+    assert {f.name: f.read_bytes() for f in (mem_run / "bank").glob("level-*.bin")} == bank_bytes
 
 
 def test_shipped_continual_grid_loads():

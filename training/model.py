@@ -330,6 +330,10 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(f, d, bias=False)
         self.lora_alpha = cfg.lora_alpha
         self.mem_type = cfg.memory.type if cfg.memory is not None else None
+        # When a list, each forward with gathered FFN memories appends the memory's hidden
+        # activations (B, S, W): how block finetuning counts the units a batch uses
+        # (training/block_finetune.py). A plain attribute, not state.
+        self.recorder: list[Tensor] | None = None
 
     def forward(self, x: Tensor, mem: LayerMemories | None) -> Tensor:
         if mem is None or self.mem_type not in ("ffn", "lora-ffn"):
@@ -347,6 +351,8 @@ class FeedForward(nn.Module):
             return y
         w1, w2, w3 = (mem[n].to(x.dtype) for n in ("w1", "w2", "w3"))  # (B, W, d) each
         h_mem = F.silu(x @ w1.mT) * (x @ w2.mT)  # (B, S, W)
+        if self.recorder is not None:
+            self.recorder.append(h_mem.detach())
         return y + h_mem @ w3
 
 

@@ -1,0 +1,157 @@
+"""training/block_finetune.py: TF-IDF updates of hierarchical memory blocks change exactly the
+chosen hidden units' rows of the fetched blocks (every other block, row and anchor weight bit for
+bit), every-fetched-block and anchor finetuning change what they should, edits go through the
+store's edit path and read back, background counts round-trip, and bad input names the value."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import train_tiny_run
+from training.block_finetune import (
+    BlockFinetuner,
+    BlockFinetuneSpec,
+    UnitBackground,
+    collect_unit_background,
+    unit_layout,
+    write_edits,
+)
+from training.finetune import batch_tensors
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TEXTS = ["the colour of the lantern Orvel is deep green", "Orvel the lantern is deep green in colour",
+         "records show the lantern Orvel is deep green", "the lantern Orvel glows a deep green"]
+
+
+@pytest.fixture(scope="module")
+def mem_run(pipeline_run, tmp_path_factory):
+    return train_tiny_run(pipeline_run[0] / "shards", tmp_path_factory.mktemp("blockrun") / "run",
+                          "data.batch_size=2", "max_duration=3ba", "memory.multipliers=[16,8]",
+                          "model.shape={n_layers: 2, d_model: 32, n_heads: 2, head_dim: 16, ffn_dim: 64}")
+
+
+@pytest.fixture(scope="module")
+def background(mem_run, pipeline_run):
+    from streaming.base.util import clean_stale_shared_memory
+
+    from eval.model import RunModel
+
+    clean_stale_shared_memory()
+    bg = collect_unit_background(RunModel.load(mem_run), pipeline_run[0] / "shards", unit_frac=0.25,
+                                 max_windows=24, progress=False)
+    clean_stale_shared_memory()
+    return bg
+
+
+def _fresh(mem_run, tmp_path):
+    """The run with its own copy of the bank (edits must not reach the shared fixture)."""
+    from eval.model import RunModel
+    from memstore.store import MemoryStore, TierConfig
+
+    rm = RunModel.load(mem_run)
+    shutil.copytree(mem_run / "bank", tmp_path / "bank")
+    rm.store = MemoryStore(tmp_path / "bank", tree=rm.tree, out_dtype=torch.float32,
+                           tiers=[TierConfig(name="ram", kind="ram")])
+    return rm
+
+
+def _batch(rm):
+    ids, real = batch_tensors(TEXTS, rm.encode, pad_id=rm.eot_id, max_len=64)
+    return ids, real, rm.route(TEXTS)
+
+
+def _units_changed(ft, level, cluster):
+    """{(layer index, unit)} whose w1/w2/w3 rows differ from the store's copy."""
+    old = ft.codecs[level].unflatten(ft.store.fetch_flat(level, cluster).float())
+    new = ft.codecs[level].unflatten(ft.blocks[(level, cluster)])
+    out = set()
+    for name, t in old.items():
+        rows = (t != new[name]).any(-1).nonzero().flatten().tolist()
+        out |= {(ft.lidx[int(name.split(".")[1])], r) for r in rows}
+    return out
+
+
+def test_background_counts_round_trip(background, tmp_path):
+    assert set(background.df) == {1, 2} and background.unit_frac == 0.25
+    for lv, df in background.df.items():
+        assert int(background.windows[lv].sum()) == 24  # every window routed to one block per level
+        assert bool((df <= background.windows[lv][:, None, None]).all())
+        assert int(df.sum()) > 0
+    background.save(tmp_path / "bg")
+    back = UnitBackground.load(tmp_path / "bg")
+    assert all(torch.equal(back.df[lv], background.df[lv]) for lv in background.df)
+    assert "24 windows" in back.source
+    with pytest.raises(FileNotFoundError, match="no block background counts"):
+        UnitBackground.load(tmp_path / "nowhere")
+
+
+def test_tfidf_step_moves_exactly_the_chosen_units(mem_run, background, tmp_path):
+    rm = _fresh(mem_run, tmp_path)
+    anchor = {k: v.clone() for k, v in rm.model.state_dict().items()}
+    ft = BlockFinetuner(rm, BlockFinetuneSpec(method="tfidf", top_t=5, lr=5.0, unit_frac=0.25), background=background)
+    ids, real, paths = _batch(rm)
+    rec = ft.step(ids, real, paths, where="fact 0")
+    ft.finish()
+    assert rec["units_trained"] == 5
+    keep = ft.last_keep
+    moved = 0
+    for lv in sorted(rm.store.levels):
+        fetched = sorted({int(c) for c in paths[:, lv - 1]})
+        for j, c in enumerate(fetched):
+            chosen = {(li, u) for li, u in zip(*np.nonzero(keep[lv][j].numpy()), strict=True)}
+            changed = _units_changed(ft, lv, c) if (lv, c) in ft.blocks else set()
+            assert changed <= chosen  # nothing outside the top-t moved
+            moved += len(changed)
+    assert 0 < moved <= 5
+    assert all(torch.equal(v, anchor[k]) for k, v in rm.model.state_dict().items())  # the anchor untouched
+    untouched = [(lv, c) for lv in rm.store.levels for c in range(4) if (lv, c) not in ft.touched]
+    assert all((lv, c) not in ft.blocks or torch.equal(ft.blocks[(lv, c)], rm.store.fetch_flat(lv, c).float())
+               for lv, c in untouched)
+    # through the edit path: the store now serves the edited blocks, and says what it rewrote
+    edits = write_edits(rm.store, ft.blocks, ft.touched)
+    assert edits["records"] == len(ft.touched) and 0 < edits["params_changed"]
+    assert edits["bytes_changed"] == edits["params_changed"] * 4  # an fp32 bank
+    for lv, c in ft.touched:
+        assert torch.equal(rm.store.fetch_flat(lv, c).float(), ft.blocks[(lv, c)])
+
+
+def test_all_fetched_and_anchor_methods(mem_run, tmp_path):
+    rm = _fresh(mem_run, tmp_path / "a")
+    ids, real, paths = _batch(rm)
+    ft = BlockFinetuner(rm, BlockFinetuneSpec(method="all_fetched", lr=1.0))
+    ft.step(ids, real, paths)
+    ft.finish()
+    fetched = {(lv, int(c)) for lv in rm.store.levels for c in paths[:, lv - 1]}
+    assert ft.touched == fetched
+    widths = sum(w for cols in unit_layout(rm.model, rm.store).values() for _, _, w in cols)
+    assert sum(len(_units_changed(ft, lv, c)) for lv, c in fetched) > widths // 2  # most units of each block
+
+    rm = _fresh(mem_run, tmp_path / "b")
+    before = {k: v.clone() for k, v in rm.model.state_dict().items()}
+    ft = BlockFinetuner(rm, BlockFinetuneSpec(method="anchor", lr=1e-3))
+    ft.step(ids, real, paths)
+    ft.finish()
+    assert not ft.touched and write_edits(rm.store, ft.blocks, ft.touched)["records"] == 0
+    changed = [k for k, v in rm.model.state_dict().items() if not torch.equal(v, before[k])]
+    assert len(changed) == len(before)  # AdamW with decay moves every anchor tensor
+
+
+def test_bad_input_names_the_value(mem_run, background, tmp_path):
+    rm = _fresh(mem_run, tmp_path)
+    ids, real, paths = _batch(rm)
+    with pytest.raises(ValueError, match="needs the run's block background counts"):
+        BlockFinetuner(rm, BlockFinetuneSpec(method="tfidf"))
+    with pytest.raises(ValueError, match="unit_frac=0.25, the spec unit_frac=0.5"):
+        BlockFinetuner(rm, BlockFinetuneSpec(method="tfidf", unit_frac=0.5), background=background)
+    ft = BlockFinetuner(rm, BlockFinetuneSpec(method="tfidf", top_t=100_000, unit_frac=0.25), background=background)
+    with pytest.raises(ValueError, match=r"fact 3: top_t=100000 exceeds the \d+ units this batch used"):
+        ft.step(ids, real, paths, where="fact 3")
+    from memtree.config import ConfigError
+
+    with pytest.raises(ConfigError, match="block finetune method='everything'"):
+        BlockFinetuneSpec(method="everything")
