@@ -389,12 +389,11 @@ def _ratio(tgt: dict[str, Any], base: str) -> str:
     return f"{r:.2f} ({'met' if tgt[f'met_vs_{base}'] else 'not met'})"
 
 
-METHOD_STYLE = {"sparse_memory": ("tab:green", "o"), "full": ("tab:red", "s"), "lora": ("tab:blue", "^")}
+METHOD_STYLE = {"sparse_memory": {"c": "tab:green", "marker": "o"}, "full": {"c": "tab:red", "marker": "s"},
+                "lora": {"c": "tab:blue", "marker": "^"}}
 
 
 def write_continual_report(out: Path, report: dict[str, Any]) -> Path:
-    from eval.experiments import new_figure, save_png
-
     atomic_write_json(out / "results.json", report)
     b = report["before"]
     lines = ["# Continual learning: new facts in sequence (seed 003)", "",
@@ -443,57 +442,46 @@ def write_continual_report(out: Path, report: dict[str, Any]) -> Path:
     lines += ["", f"Timings: {report['timings']}", ""]
     atomic_write_text(out / "report.md", "\n".join(lines))
     if hier:
-        _block_plot(hier, report["chance"], out / "pareto_blocks.png")
+        _pareto([(BLOCK_LABEL[m], [r for r in hier["runs"] if r["method"] == m], style)
+                 for m, style in BLOCK_STYLE.items()], hier["before"], report["chance"],
+                "Hierarchical memory blocks: learning vs forgetting", out / "pareto_blocks.png")
+    tfidf = [(m.replace("_", " "), [r for r in report["runs"] if r["method"] == m
+                                    and r["spec"].get("ranking", "tfidf") == "tfidf"], style)
+             for m, style in METHOD_STYLE.items()]
+    ablations = [(f"sparse, {rk} ranking", [r for r in report["runs"] if r["method"] == "sparse_memory"
+                                            and r["spec"].get("ranking") == rk],
+                  {"facecolors": "none", "edgecolors": "tab:green", "marker": mk})  # 003 Fig. 6, hollow
+                 for rk, mk in (("tf", "v"), ("all", "D"))]
+    _pareto(tfidf + ablations, b, report["chance"], "Learning vs forgetting over learning rates, LoRA ranks and top-t",
+            out / "pareto.png")
+    return out / "report.md"
+
+
+BLOCK_STYLE = {"tfidf": {"c": "tab:green", "marker": "o"}, "all_fetched": {"c": "tab:orange", "marker": "D"},
+               "anchor": {"c": "tab:red", "marker": "s"}}
+BLOCK_LABEL = {"tfidf": "TF-IDF units", "all_fetched": "every fetched block", "anchor": "anchor finetune"}
+
+
+def _pareto(series: Sequence[tuple[str, Sequence[dict[str, Any]], dict[str, Any]]], before: dict[str, Any],
+            chance: float, title: str, path: Path) -> None:
+    """Learning (x) against each forgetting measure (old-fact accuracy, held-out perplexity), one
+    marker per configuration: series of (label, rows, scatter style)."""
+    from eval.experiments import new_figure, save_png
 
     fig = new_figure(11.0, 4.2)
     for j, (key, ylabel) in enumerate((("old_accuracy", "old-fact accuracy (forgetting ↓)"),
                                        ("perplexity", "held-out perplexity (forgetting ↑)"))):
         ax = fig.add_subplot(1, 2, j + 1)
-        for m, (color, marker) in METHOD_STYLE.items():
-            rs = [r for r in report["runs"] if r["method"] == m and r["spec"].get("ranking", "tfidf") == "tfidf"]
-            if rs:
-                ax.scatter([r["after"]["new_accuracy"] for r in rs], [r["after"][key] for r in rs], c=color,
-                           marker=marker, label=m.replace("_", " "))
-        for ranking, marker in (("tf", "v"), ("all", "D")):  # 003 Fig. 6's ablations, hollow
-            rs = [r for r in report["runs"] if r["method"] == "sparse_memory" and r["spec"].get("ranking") == ranking]
-            if rs:
-                ax.scatter([r["after"]["new_accuracy"] for r in rs], [r["after"][key] for r in rs],
-                           facecolors="none", edgecolors="tab:green", marker=marker, label=f"sparse, {ranking} ranking")
-        ax.scatter([b["new_accuracy"]], [b[key]], c="black", marker="*", s=80, label="before")
-        ax.axvline(report["chance"], color="grey", lw=0.8, ls=":")
+        for label, rows, style in series:
+            if rows:
+                ax.scatter([r["after"]["new_accuracy"] for r in rows], [r["after"][key] for r in rows],
+                           label=label, **style)
+        ax.scatter([before["new_accuracy"]], [before[key]], c="black", marker="*", s=80, label="before")
+        ax.axvline(chance, color="grey", lw=0.8, ls=":")
         ax.set_xlabel("new-fact accuracy (learning)")
         ax.set_ylabel(ylabel)
         if key == "perplexity":  # a blown-up configuration would flatten the rest
             ax.set_yscale("log")
         ax.legend(fontsize=8)
-    fig.suptitle("Learning vs forgetting over learning rates, LoRA ranks and top-t")
-    save_png(fig, out / "pareto.png")
-    return out / "report.md"
-
-
-BLOCK_STYLE = {"tfidf": ("tab:green", "o"), "all_fetched": ("tab:orange", "D"), "anchor": ("tab:red", "s")}
-
-
-def _block_plot(hier: dict[str, Any], chance: float, path: Path) -> None:
-    from eval.experiments import new_figure, save_png
-
-    fig = new_figure(11.0, 4.2)
-    b = hier["before"]
-    for j, (key, ylabel) in enumerate((("old_accuracy", "old-fact accuracy (forgetting ↓)"),
-                                       ("perplexity", "held-out perplexity (forgetting ↑)"))):
-        ax = fig.add_subplot(1, 2, j + 1)
-        for m, (color, marker) in BLOCK_STYLE.items():
-            rs = [r for r in hier["runs"] if r["method"] == m]
-            if rs:
-                ax.scatter([r["after"]["new_accuracy"] for r in rs], [r["after"][key] for r in rs], c=color,
-                           marker=marker, label={"tfidf": "TF-IDF units", "all_fetched": "every fetched block",
-                                                 "anchor": "anchor finetune"}[m])
-        ax.scatter([b["new_accuracy"]], [b[key]], c="black", marker="*", s=80, label="before")
-        ax.axvline(chance, color="grey", lw=0.8, ls=":")
-        ax.set_xlabel("new-fact accuracy (learning, fetched memory)")
-        ax.set_ylabel(ylabel)
-        if key == "perplexity":  # a blown-up configuration would flatten the rest
-            ax.set_yscale("log")
-        ax.legend(fontsize=8)
-    fig.suptitle("Hierarchical memory blocks: learning vs forgetting")
+    fig.suptitle(title)
     save_png(fig, path)
