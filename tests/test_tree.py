@@ -133,3 +133,32 @@ def test_equalize_cells_balances_routing_cells_below_level_1():
     # Isotropic noise inside a blob is the hard case; real embeddings: test_pipeline_e2e.
     assert r_eq[0] < r_plain[0] and r_eq[1] < r_plain[1], (r_plain, r_eq)
     np.testing.assert_array_equal(route(eq, x), paths)  # still plain nearest-centroid routing
+
+
+def test_route_step_settles_float32_near_ties_in_float64():
+    """Points all but equidistant from two children (gaps far below float32's resolution) get the
+    float64 argmin, as does every other point; invalid children are never chosen."""
+    from clustering.route_core import route_step
+
+    rng = np.random.default_rng(5)
+    B, d, n = 8, 64, 3000
+    c = rng.normal(size=(B * B, d))
+    c = (c / np.linalg.norm(c, axis=1, keepdims=True)).astype(np.float32)  # equal norms: midpoints tie
+    valid = np.ones(B * B, dtype=bool)
+    valid[[3, 17, 42]] = False
+    parent = rng.integers(0, B, size=n)
+    a = parent * B + rng.integers(0, B, size=n)
+    b = parent * B + (a - parent * B + 1) % B
+    t = rng.uniform(0.5 - 1e-6, 0.5 + 1e-6, size=(n, 1))
+    x = (c[a].astype(np.float64) * t + c[b].astype(np.float64) * (1 - t)).astype(np.float32)
+    x[: n // 3] = rng.normal(size=(n // 3, d)).astype(np.float32)  # and ordinary points
+    got = route_step(c, valid, x, parent, B)
+    for i in range(n):
+        ids = np.arange(parent[i] * B, parent[i] * B + B)
+        cc = c[ids].astype(np.float64)
+        s = (cc * cc).sum(1) - 2.0 * cc @ x[i].astype(np.float64)
+        s[~valid[ids]] = np.inf
+        assert got[i] == ids[np.argmin(s)], i
+    # one at a time, the same answers (nothing depends on the rest of the batch)
+    for i in (0, 1500, n - 1):
+        assert route_step(c, valid, x[i : i + 1], parent[i : i + 1], B)[0] == got[i]

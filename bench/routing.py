@@ -1,0 +1,125 @@
+"""Greedy routing throughput at 65,536 leaves against exhaustive nearest-leaf search (issue #16).
+
+    .venv/bin/python bench/routing.py --quick     # 4 × 8 tree (4,096 leaves), 2,000 queries
+    .venv/bin/python bench/routing.py             # 4 × 16 tree (65,536 leaves), 20,000 queries
+
+Candidate: `clustering.route.route` (points sorted by parent, one float32 GEMM per parent
+group, float64 re-scoring of near ties). Baselines in the same run, interleaved: exhaustive
+search over every leaf (`faiss.IndexFlatL2`, index build included, as in bench/pipeline.py) and
+the previous routing step kept here (`float64_route_step`: the same groups scored in float64,
+the centroids and points cast per group). Agreement: the candidate's paths against that
+level-by-level float64 argmin (the issue's criterion: 100 %) and its leaf against the exhaustive
+nearest leaf. The tree is bench/pipeline.py's constructed one (children = parent + noise,
+renormalised), queries a random leaf plus noise. JSON: --out, default
+bench/results/routing-<date>[-quick].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import math
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+from _common import REPO, finish, fmt, log, run_meta  # bench/ on sys.path
+
+
+def _bench_pipeline():
+    """bench/pipeline.py (its constructed tree); by path: `pipeline` is the project's package."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_pipeline", Path(__file__).with_name("pipeline.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def float64_route_step(centroids, valid, x, parent, branching):
+    """The routing step before issue #16: per parent group, float64 scores ||c||² − 2·x·c."""
+    n = x.shape[0]
+    out = np.empty(n, dtype=np.int64)
+    order = np.argsort(parent, kind="stable")
+    sorted_parent = parent[order]
+    starts = np.flatnonzero(np.r_[True, sorted_parent[1:] != sorted_parent[:-1]])
+    ends = np.r_[starts[1:], n]
+    for s, e in zip(starts, ends, strict=True):
+        lo = int(sorted_parent[s]) * branching
+        c = centroids[lo : lo + branching].astype(np.float64)
+        rows = order[s:e]
+        scores = (c * c).sum(1)[None, :] - 2.0 * (x[rows].astype(np.float64) @ c.T)
+        scores[:, ~valid[lo : lo + branching]] = np.inf
+        out[rows] = lo + np.argmin(scores, axis=1)
+    return out
+
+
+def float64_route(tree, x):
+    parent = np.zeros(len(x), dtype=np.int64)
+    paths = np.empty((len(x), tree.levels), dtype=np.int64)
+    for lvl in range(tree.levels):
+        parent = float64_route_step(tree.centroids[lvl], tree.valid[lvl], x, parent, tree.branching)
+        paths[:, lvl] = parent
+    return paths
+
+
+def exhaustive(tree, x):
+    import faiss
+
+    index = faiss.IndexFlatL2(tree.dim)
+    index.add(np.ascontiguousarray(tree.centroids[-1]))
+    return index.search(np.ascontiguousarray(x), 1)[1][:, 0]
+
+
+def main() -> int:
+    from clustering.route import route
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    levels, branching, nq = (4, 8, 2_000) if args.quick else (4, 16, 20_000)
+    bp = _bench_pipeline()
+    DIM, constructed_tree = bp.DIM, bp.constructed_tree
+    tree = constructed_tree(levels, branching, seed=7, radii=[0.6, 0.35, 0.2])
+    rng = np.random.default_rng(8)
+    leaf = rng.integers(0, branching**levels, size=nq)
+    xq = tree.centroids[-1][leaf] + 0.1 / math.sqrt(DIM) * rng.standard_normal((nq, DIM)).astype(np.float32)
+    xq = (xq / np.linalg.norm(xq, axis=1, keepdims=True)).astype(np.float32)
+    fns = {"route": lambda: route(tree, xq), "float64_route": lambda: float64_route(tree, xq),
+           "exhaustive": lambda: exhaustive(tree, xq)}
+    secs: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(args.repeats):  # interleaved, order alternating
+        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            t = time.perf_counter()
+            fns[name]()
+            secs[name].append(time.perf_counter() - t)
+        log(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in secs.items()))
+    got, ref, exh = route(tree, xq), float64_route(tree, xq), exhaustive(tree, xq)
+    med = {k: statistics.median(v) for k, v in secs.items()}
+    rows = [{"leaves": branching**levels, "queries": nq, "method": k, "seconds": med[k], "points_per_s": nq / med[k],
+             "route_speedup": med[k] / med["route"]} for k in fns]
+    import faiss
+
+    results = {"meta": run_meta(args, faiss_threads=faiss.omp_get_max_threads()), "rows": rows,
+               "runs_seconds": secs,
+               "agreement_with_float64_argmin": float((got == ref).all(1).mean()),
+               "leaf_agreement_with_exhaustive": float((got[:, -1] == exh).mean())}
+    log(f"agreement with the float64 level-by-level argmin: {results['agreement_with_float64_argmin']:.4f}; "
+        f"leaf = exhaustive nearest leaf: {results['leaf_agreement_with_exhaustive']:.4f}")
+    day = _dt.date.today().isoformat()
+    out = Path(args.out) if args.out else REPO / "bench" / "results" / f"routing-{day}{'-quick' if args.quick else ''}.json"
+    return finish(results, out, print_table)
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = ["leaves", "queries", "method", "seconds", "points_per_s", "route_speedup"]
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(fmt(r.get(c)) for c in cols))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
