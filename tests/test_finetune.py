@@ -137,7 +137,7 @@ def test_full_finetuning_changes_every_trained_tensor():
     assert set(ch["tensors"]) == set(before)
     v = ch["tensors"]["blocks.1.pkm.values.weight"]
     assert 0 < v["rows"] < v["of_rows"]
-    assert ch["bytes"] == ch["elements"] * 4
+    assert ch["bytes"] == ch["elements"] * 4 and ch["rows"] == sum(t["rows"] for t in ch["tensors"].values())
 
 
 def test_bad_input_names_the_value():

@@ -294,7 +294,7 @@ def changes(before: dict[str, Tensor], model: nn.Module) -> dict[str, Any]:
             rows += r
             nbytes += c * a.element_size()
     total = sum(t.numel() for t in before.values())
-    return {"elements": n, "of_elements": total, "bytes": nbytes, "tensors": tensors}
+    return {"elements": n, "of_elements": total, "bytes": nbytes, "rows": rows, "tensors": tensors}
 
 
 def finetune_stream(model: nn.Module, batches: Iterable[tuple[str, Tensor, Tensor]], spec: FinetuneSpec, *,
