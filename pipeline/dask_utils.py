@@ -13,10 +13,13 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import dask
 from dask.distributed import Client, LocalCluster, as_completed
 from tqdm.auto import tqdm
 
 from pipeline.config import DaskConfig
+
+MMAP_THRESHOLD = 32 * 2**20  # bytes: allocations above it are mmap'ed (glibc's dynamic maximum)
 
 
 @contextlib.contextmanager
@@ -35,13 +38,18 @@ def dask_client(cfg: DaskConfig) -> Iterator[Client]:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     n_workers = cfg.n_workers or os.cpu_count() or 1
-    cluster = LocalCluster(
-        n_workers=n_workers,
-        threads_per_worker=cfg.threads_per_worker,
-        processes=True,
-        memory_limit=cfg.memory_limit,
-        dashboard_address=":0",
-    )
+    # Dask's nannies set MALLOC_TRIM_THRESHOLD_ (to hand freed memory back to the OS). Setting any
+    # glibc threshold turns off its dynamic mmap threshold, so every large tensor buffer is then
+    # mmap'ed and unmapped per allocation: measured 11 % slower MiniLM encode on one thread
+    # (32.4 vs 36.5 windows/s). A fixed mmap threshold restores the speed (35.8) and keeps the trim.
+    with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}):
+        cluster = LocalCluster(
+            n_workers=n_workers,
+            threads_per_worker=cfg.threads_per_worker,
+            processes=True,
+            memory_limit=cfg.memory_limit,
+            dashboard_address=":0",
+        )
     client = Client(cluster)
     try:
         yield client
