@@ -7,7 +7,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,13 +103,19 @@ def write_results(results: dict, out: Path) -> None:
     out.write_text(json.dumps(results, indent=2, default=json_default))
 
 
-def finish(results: dict, out: Path, print_table) -> int:
-    """Stamp the end of the run, write the results, print the table and where they went."""
+def finish(results: dict, out: Path, print_table: Callable[[list[dict]], None] | Sequence[str]) -> int:
+    """Stamp the end of the run, write the results, print the table and where they went.
+    print_table: a printer of the rows, or the row keys to print as plain `a | b | c` columns."""
     results["meta"]["finished"] = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
     results["meta"]["loadavg_end"] = loadavg()
     write_results(results, out)
     print()
-    print_table(results["rows"])
+    if callable(print_table):
+        print_table(results["rows"])
+    else:
+        print(" | ".join(print_table))
+        for r in results["rows"]:
+            print(" | ".join(fmt(r.get(c)) for c in print_table))
     print(f"\nresults: {out}")
     return 0
 

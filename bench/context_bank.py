@@ -27,10 +27,12 @@ import time
 from pathlib import Path
 
 import torch
-from _common import REPO, finish, fmt, log, run_meta  # bench/ on sys.path
+from _common import REPO, finish, log, run_meta  # bench/ on sys.path
 
 from memstore.context_bank import ContextBank, ContextBankConfig
 
+# The columns of the printed table.
+COLUMNS = ["n", "clusters", "all_ms", "cluster_ms", "speedup", "exact_pair_found", "distance_vs_exact_median"]
 
 def _fill(cfg: ContextBankConfig, n: int, seed: int) -> ContextBank:
     g = torch.Generator().manual_seed(seed)
@@ -72,12 +74,6 @@ def run(n: int, args: argparse.Namespace) -> dict:
     return row
 
 
-def print_table(rows: list[dict]) -> None:
-    cols = ["n", "clusters", "all_ms", "cluster_ms", "speedup", "exact_pair_found", "distance_vs_exact_median"]
-    print(" | ".join(cols))
-    for r in rows:
-        print(" | ".join(fmt(r.get(c)) for c in cols))
-
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -98,7 +94,7 @@ def main() -> int:
     out = out if args.out is None else Path(args.out)
     results = {"meta": run_meta(args, threads=args.threads),
                "rows": [run(n, args) for n in sizes]}
-    return finish(results, out, print_table)
+    return finish(results, out, COLUMNS)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,12 @@ import time
 from pathlib import Path
 
 import torch
-from _common import REPO, finish, fmt, log, run_meta  # bench/ on sys.path
+from _common import REPO, finish, log, run_meta  # bench/ on sys.path
 
 from training.pkm import PKMConfig, ProductKeyMemory
 
+# The columns of the printed table.
+COLUMNS = ["slots", "tokens", "product_key_ms", "exhaustive_ms", "speedup", "same_slots", "rows_in_other_order"]
 
 def _ms(fn) -> float:
     t = time.perf_counter()
@@ -55,12 +57,6 @@ def run(n_keys: int, args: argparse.Namespace) -> dict:
     return row
 
 
-def print_table(rows: list[dict]) -> None:
-    cols = ["slots", "tokens", "product_key_ms", "exhaustive_ms", "speedup", "same_slots", "rows_in_other_order"]
-    print(" | ".join(cols))
-    for r in rows:
-        print(" | ".join(fmt(r.get(c)) for c in cols))
-
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -82,7 +78,7 @@ def main() -> int:
     out = Path(args.out) if args.out else REPO / "bench" / "results" / f"pkm-{day}{'-quick' if args.quick else ''}.json"
     results = {"meta": run_meta(args, threads=args.threads),
                "rows": [run(n, args) for n in sizes]}
-    return finish(results, out, print_table)
+    return finish(results, out, COLUMNS)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import REPO, finish, fmt, log, run_meta  # bench/ on sys.path
+from _common import REPO, finish, log, run_meta  # bench/ on sys.path
 
+# The columns of the printed table.
+COLUMNS = ["leaves", "queries", "method", "seconds", "points_per_s", "route_speedup"]
 
 def _bench_pipeline():
     """bench/pipeline.py (its constructed tree); by path: `pipeline` is the project's package."""
@@ -111,14 +113,8 @@ def main() -> int:
         f"leaf = exhaustive nearest leaf: {results['leaf_agreement_with_exhaustive']:.4f}")
     day = _dt.date.today().isoformat()
     out = Path(args.out) if args.out else REPO / "bench" / "results" / f"routing-{day}{'-quick' if args.quick else ''}.json"
-    return finish(results, out, print_table)
+    return finish(results, out, COLUMNS)
 
-
-def print_table(rows: list[dict]) -> None:
-    cols = ["leaves", "queries", "method", "seconds", "points_per_s", "route_speedup"]
-    print(" | ".join(cols))
-    for r in rows:
-        print(" | ".join(fmt(r.get(c)) for c in cols))
 
 
 if __name__ == "__main__":
