@@ -37,6 +37,7 @@ from memtree.config import ConfigError, is_int, load_config, to_dict
 from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json
 from training.block_finetune import BlockFinetuneSpec
 from training.finetune import FinetuneSpec
+from training.pkm import BACKGROUND_DIR
 
 DEFAULT_YAML = Path(__file__).parent / "yamls" / "continual.yaml"
 CHANCE = 0.25
@@ -217,10 +218,9 @@ def ensure_pretrained(root: Path, cfg: ContinualConfig) -> Path:
 
 
 def _background_matches(run: Path, cfg: ContinualConfig) -> bool:
-    found = sorted((run / "pkm_background").glob("layer_*/background_counts.json"))
+    mans = [read_json(f) for f in sorted((run / BACKGROUND_DIR).glob("layer_*/background_counts.json"))]
     want = f"{cfg.background_batch_size} sequence(s) per batch"
-    return bool(found) and all(read_json(f)["n_batches"] == cfg.background_batches
-                               and want in read_json(f).get("source", "") for f in found)
+    return bool(mans) and all(m["n_batches"] == cfg.background_batches and want in m.get("source", "") for m in mans)
 
 
 def run_continual(cfg: ContinualConfig, *, progress: bool = True) -> Path:
@@ -238,7 +238,7 @@ def run_continual(cfg: ContinualConfig, *, progress: bool = True) -> Path:
     timings = {"pretrain_s": round(time.time() - t0, 1)}
     rm = RunModel.load(run)
     model = rm.model
-    background = load_background(run / "pkm_background", model)
+    background = load_background(run / BACKGROUND_DIR, model)
     facts = new_facts(root, cfg)
     records = write_stream(facts, out / "stream.jsonl", cfg.paraphrases, cfg.seed)
     from eval.longtail import build_probes
@@ -276,12 +276,11 @@ def run_continual(cfg: ContinualConfig, *, progress: bool = True) -> Path:
         hierarchical = run_blocks(root, out, cfg, records, new, old, held, progress=progress)
         timings["blocks_s"] = round(time.time() - t, 1)
     timings["total_s"] = round(time.time() - t0, 1)
+    bg = next(iter(background.values()))  # every layer's counts came from the same batches
     report = {"format": "memtree-continual", "version": 1, "config": to_dict(cfg), "run": str(run),
               "pretrained": read_json(run / "memtree_config.json")["config"]["model"],
-              "background": {"batches": background[next(iter(background))].n_batches,
-                             "tokens_per_batch": background[next(iter(background))].tokens
-                             / max(1, background[next(iter(background))].n_batches),
-                             "source": background[next(iter(background))].source},
+              "background": {"batches": bg.n_batches, "tokens_per_batch": bg.tokens / max(1, bg.n_batches),
+                             "source": bg.source},
               "tokens_per_finetune_batch": float(np.mean([int(b[2].sum()) for b in batches])),
               "n_new_probes": len(new), "n_old_probes": len(old), "held_out_documents": len(held),
               "chance": CHANCE, "before": before, "runs": rows,

@@ -159,3 +159,37 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def write_checked_tensors(folder: str | os.PathLike, name: str, tensors: dict, manifest: dict) -> Path:
+    """folder/name.safetensors, then folder/name.json: `manifest` plus the tensors file's sha256.
+    Both written atomically, the manifest last (a manifest names only a finished tensors file)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with atomic_path(folder / f"{name}.safetensors") as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    atomic_write_json(folder / f"{name}.json", {**manifest, "sha256": sha256_file(folder / f"{name}.safetensors")})
+    return folder
+
+
+def read_checked_tensors(folder: str | os.PathLike, name: str, *, fmt: str, version: int,
+                         missing: str) -> tuple[dict, dict]:
+    """(tensors, manifest) written by `write_checked_tensors`. No manifest: FileNotFoundError
+    "{folder}: {missing}"; another format / version or a tensors file failing its sha256: a
+    ValueError naming the file."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    man_path = folder / f"{name}.json"
+    if not man_path.exists():
+        raise FileNotFoundError(f"{folder}: {missing}")
+    man = read_json(man_path)
+    if man.get("format") != fmt or man.get("version") != version:
+        raise ValueError(f"{man_path}: format {man.get('format')!r} version {man.get('version')!r} is not "
+                         f"{fmt!r} v{version}")
+    if sha256_file(folder / f"{name}.safetensors") != man["sha256"]:
+        raise ValueError(f"{folder}: {name}.safetensors does not match its sha256")
+    return load_file(str(folder / f"{name}.safetensors")), man
+

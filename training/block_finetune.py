@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from memtree.config import ConfigError, is_int
-from memtree.io import atomic_path, atomic_write_json, read_json, sha256_file
+from memtree.io import read_checked_tensors, write_checked_tensors
 
 BACKGROUND_FORMAT = "memtree-block-background"
 BACKGROUND_VERSION = 1
@@ -122,35 +122,17 @@ class UnitBackground:
     source: str = ""
 
     def save(self, folder: str | Path) -> Path:
-        from safetensors.torch import save_file
-
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        tensors = {f"df.{lv}": t.contiguous() for lv, t in self.df.items()}
-        tensors |= {f"windows.{lv}": t.contiguous() for lv, t in self.windows.items()}
-        with atomic_path(folder / "unit_background.safetensors") as tmp:
-            save_file(tensors, str(tmp))
-        atomic_write_json(folder / "unit_background.json", {
+        """unit_background.safetensors + unit_background.json (format memtree-block-background v1)."""
+        tensors = {f"df.{lv}": t for lv, t in self.df.items()} | {f"windows.{lv}": t for lv, t in self.windows.items()}
+        return write_checked_tensors(folder, "unit_background", tensors, {
             "format": BACKGROUND_FORMAT, "version": BACKGROUND_VERSION, "unit_frac": self.unit_frac,
-            "source": self.source, "levels": {str(lv): list(t.shape) for lv, t in self.df.items()},
-            "sha256": sha256_file(folder / "unit_background.safetensors")})
-        return folder
+            "source": self.source, "levels": {str(lv): list(t.shape) for lv, t in self.df.items()}})
 
     @classmethod
     def load(cls, folder: str | Path) -> UnitBackground:
-        from safetensors.torch import load_file
-
-        folder = Path(folder)
-        man_path = folder / "unit_background.json"
-        if not man_path.exists():
-            raise FileNotFoundError(f"{folder}: no block background counts (unit_background.json); collect them "
-                                    "with training.block_finetune.collect_unit_background first")
-        man = read_json(man_path)
-        if man.get("format") != BACKGROUND_FORMAT or man.get("version") != BACKGROUND_VERSION:
-            raise ValueError(f"{man_path}: not a {BACKGROUND_FORMAT} v{BACKGROUND_VERSION} file")
-        if sha256_file(folder / "unit_background.safetensors") != man["sha256"]:
-            raise ValueError(f"{folder}: unit_background.safetensors does not match its sha256")
-        t = load_file(str(folder / "unit_background.safetensors"))
+        t, man = read_checked_tensors(folder, "unit_background", fmt=BACKGROUND_FORMAT, version=BACKGROUND_VERSION,
+                                      missing="no block background counts (unit_background.json); collect them "
+                                              "with training.block_finetune.collect_unit_background first")
         levels = [int(k) for k in man["levels"]]
         return cls(df={lv: t[f"df.{lv}"] for lv in levels}, windows={lv: t[f"windows.{lv}"] for lv in levels},
                    unit_frac=float(man["unit_frac"]), source=man.get("source", ""))
@@ -160,6 +142,11 @@ def _layer_index(layout: dict[int, list[tuple[int, int, int]]]) -> dict[int, int
     return {layer: i for i, layer in enumerate(sorted(layout))}
 
 
+def _level_widths(layout: dict[int, list[tuple[int, int, int]]]) -> dict[int, int]:
+    """{level: W}, a level's hidden units per layer (the same in every layer that has them)."""
+    return {lv: w for cols in layout.values() for lv, _, w in cols}
+
+
 @torch.no_grad()
 def collect_unit_background(rm, shards: str | Path, *, unit_frac: float = 0.125, max_windows: int = 0,
                             progress: bool = True) -> UnitBackground:
@@ -167,13 +154,13 @@ def collect_unit_background(rm, shards: str | Path, *, unit_frac: float = 0.125,
     blocks by), which units of each fetched block were used. rm: an `eval.model.RunModel` with a bank."""
     from tqdm import tqdm
 
-    from training.data import build_dataloader
+    from training.data import build_dataloader, real_positions
     from training.model import assemble_memories
 
     model, store = rm.model, rm.store
     layout = unit_layout(model, store)
     lidx = _layer_index(layout)
-    width = {lv: w for cols in layout.values() for lv, _, w in cols}
+    width = _level_widths(layout)
     df = {lv: torch.zeros(store.levels[lv].info.n_blocks, len(layout), width[lv], dtype=torch.int64)
           for lv in width}
     windows = {lv: torch.zeros(store.levels[lv].info.n_blocks, dtype=torch.int64) for lv in width}
@@ -183,8 +170,7 @@ def collect_unit_background(rm, shards: str | Path, *, unit_frac: float = 0.125,
     with recording_units(model) as logs:
         for batch in tqdm(loader, desc="block background", disable=not progress):
             ids, labels, paths = batch["input_ids"], batch["labels"], batch["paths"]
-            real = labels != -100
-            real[:, 1:] |= labels[:, :-1] != -100
+            real = real_positions(labels)
             model(ids, segment_ids=batch["segment_ids"],
                   memories=assemble_memories(store.gather(paths), model.config.anchor, model.config.memory))
             for layer, cols in layout.items():
@@ -210,6 +196,7 @@ class BlockFinetuner:
         self.rm, self.model, self.store, self.spec = rm, rm.model, rm.store, spec
         self.layout = unit_layout(self.model, self.store)
         self.lidx = _layer_index(self.layout)
+        self.widths = _level_widths(self.layout)
         self.blocks: dict[tuple[int, int], Tensor] = {}  # (level, global cluster) → flat fp32 block
         self.touched: set[tuple[int, int]] = set()
         self.last_keep: dict[int, Tensor] | None = None  # tfidf: the last step's units, per level (n_uniq, layers, W)
@@ -286,8 +273,8 @@ class BlockFinetuner:
                         if keep is None or bool(keep[lv][j].any()):
                             self.blocks[(lv, c)] -= self.spec.lr * g[j]
                             self.touched.add((lv, c))
-                    trained += int(keep[lv].sum()) if keep is not None else sum(w for cols in self.layout.values()
-                                                                                   for v, _, w in cols if v == lv) * len(uniq[lv])
+                    trained += (int(keep[lv].sum()) if keep is not None
+                                else self.widths[lv] * len(self.layout) * len(uniq[lv]))
             rec["units_trained"] = trained
         self.n_steps += 1
         return rec
@@ -296,7 +283,7 @@ class BlockFinetuner:
         """{level: (n_uniq, n_layers, W) bool}: the batch's top_t units by TF-IDF against each
         block's own background (003 §4's score with a block's windows as |B|)."""
         counts = {lv: torch.zeros(len(uniq[lv]), len(self.layout), w, dtype=torch.int64)
-                  for lv, w in {lv: w for cols in self.layout.values() for lv, _, w in cols}.items()}
+                  for lv, w in self.widths.items()}
         pos = {lv: {c: j for j, c in enumerate(uniq[lv])} for lv in uniq}
         for layer, cols in self.layout.items():
             h = logs[layer][-1]

@@ -75,6 +75,14 @@ class Collate:
                 "segment_ids": torch.from_numpy(seg), "paths": torch.from_numpy(paths)}
 
 
+def real_positions(labels: torch.Tensor) -> torch.Tensor:
+    """(B, S) labels from `Collate` → (B, S) bool, True on real tokens: a position is padding
+    when neither it nor its predecessor has a target (a document's last token has none itself)."""
+    real = labels != -100
+    real[:, 1:] |= labels[:, :-1] != -100
+    return real
+
+
 def build_dataloader(shards: str | Path, *, batch_size: int, subtrees: list[int] | None = None,
                      shuffle: bool = True, shuffle_seed: int = 0, num_workers: int = 0,
                      drop_last: bool = True):

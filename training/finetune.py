@@ -24,6 +24,7 @@ v1: the config, per-step loss and rows updated, and what changed: parameters and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -38,9 +39,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memtree.config import ConfigError, is_int, load_config
-from memtree.io import atomic_path, atomic_write_json, iter_jsonl, read_json
+from memtree.io import atomic_dir, atomic_path, atomic_write_json, iter_jsonl, read_json
 from training.lora import add_lora, merge_lora
 from training.pkm import (
+    BACKGROUND_DIR,
     BackgroundCounts,
     access_counts,
     background_dir,
@@ -231,14 +233,12 @@ class Finetuner:
         sparse_memory, per layer the slots accessed and trained."""
         self.model.train()
         rec = {}
-        if self.memory:
-            with recording(self.model) as logs:
-                loss = lm_loss(self.model(ids), ids, real)
-        else:
+        sparse = self.spec.method == "sparse_memory"
+        with recording(self.model) if sparse else contextlib.nullcontext() as logs:  # only sparse needs the slots
             loss = lm_loss(self.model(ids), ids, real)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        if self.spec.method == "sparse_memory":
+        if sparse:
             for i, m in self.memory.items():
                 counts = access_counts(logs[i][-1], m.cfg.n_slots, real)
                 accessed = int((counts > 0).sum())
@@ -347,9 +347,10 @@ def finetune(cfg: FinetuneConfig, *, progress: bool = True) -> dict[str, Any]:
         raise ValueError(f"{out} already holds a finished finetune (finetune.json); choose another save_folder")
     composer_model, _train_cfg, manifest, tokenizer = load_run(cfg.run)
     model = composer_model.model
+    bg_dir = Path(cfg.background or Path(cfg.run) / BACKGROUND_DIR)
     background = None
     if cfg.spec.method == "sparse_memory" and cfg.spec.ranking == "tfidf":
-        background = load_background(cfg.background or Path(cfg.run) / "pkm_background", model)
+        background = load_background(bg_dir, model)
     records = read_stream(cfg.data, cfg.max_records)
     pad_id, limit = int(manifest["eot_id"]), model.config.max_seq_len
 
@@ -364,9 +365,8 @@ def finetune(cfg: FinetuneConfig, *, progress: bool = True) -> dict[str, Any]:
     with atomic_path(out / "anchor.safetensors") as tmp:
         save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(tmp))
     shutil.copyfile(Path(cfg.run) / "memtree_config.json", out / "memtree_config.json")
-    src_bg = Path(cfg.background or Path(cfg.run) / "pkm_background")
-    if src_bg.is_dir() and not (out / "pkm_background").exists():
-        shutil.copytree(src_bg, out / "pkm_background")
+    if bg_dir.is_dir() and not (out / BACKGROUND_DIR).exists():
+        shutil.copytree(bg_dir, out / BACKGROUND_DIR)
     record = {"format": FINETUNE_FORMAT, "version": FINETUNE_VERSION,
               "config": json.loads(json.dumps(dataclasses.asdict(cfg))), "label": cfg.spec.label,
               "optimizer": cfg.spec.resolved_optimizer, "weight_decay": cfg.spec.resolved_weight_decay, **result}
@@ -388,14 +388,10 @@ def collect_run_background(run: str | Path, *, batches: int = 1000, batch_size: 
     loader = build_dataloader(train_cfg.data.shards, batch_size=batch_size, shuffle=True, shuffle_seed=seed,
                               drop_last=False)
     counts = collect_background(composer_model.model, loader, batches, progress=progress)
-    final = Path(run) / "pkm_background"
-    tmp = final.with_name(".pkm_background.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    for i, bg in counts.items():
-        bg.source = f"{train_cfg.data.shards} (shuffle seed {seed}, {batch_size} sequence(s) per batch)"
-        bg.save(tmp / f"layer_{i}")
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    with atomic_dir(Path(run) / BACKGROUND_DIR) as tmp:
+        for i, bg in counts.items():
+            bg.source = f"{train_cfg.data.shards} (shuffle seed {seed}, {batch_size} sequence(s) per batch)"
+            bg.save(tmp / f"layer_{i}")
     return {i: background_dir(run, i) for i in counts}
 
 

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memtree.config import is_int
-from memtree.io import atomic_path, atomic_write_json, read_json, sha256_file
+from memtree.io import read_checked_tensors, write_checked_tensors
 
 BACKGROUND_FORMAT = "memtree-pkm-background"
 BACKGROUND_VERSION = 1
@@ -256,6 +256,8 @@ def collect_background(model: nn.Module, batches: Iterable[dict[str, Tensor]], n
     not counted). Fewer batches than asked: an error naming both."""
     from tqdm import tqdm
 
+    from training.data import real_positions
+
     if not is_int(n_batches) or n_batches <= 0:
         raise ValueError(f"background batches must be a positive integer, got {n_batches!r}")
     model.eval()
@@ -264,10 +266,7 @@ def collect_background(model: nn.Module, batches: Iterable[dict[str, Tensor]], n
     with recording(model) as logs, tqdm(total=n_batches, desc="background counts", disable=not progress) as bar:
         for batch in batches:
             ids = batch["input_ids"]
-            real = torch.ones_like(ids, dtype=torch.bool)
-            if "labels" in batch:  # a position is padding when neither it nor its successor is a target
-                real = batch["labels"] != -100
-                real[:, 1:] |= batch["labels"][:, :-1] != -100
+            real = real_positions(batch["labels"]) if "labels" in batch else torch.ones_like(ids, dtype=torch.bool)
             model(ids, segment_ids=batch.get("segment_ids"))
             for i, log in logs.items():
                 n_slots = model.blocks[i].pkm.cfg.n_slots
@@ -283,9 +282,12 @@ def collect_background(model: nn.Module, batches: Iterable[dict[str, Tensor]], n
     return out
 
 
+BACKGROUND_DIR = "pkm_background"  # in a run folder: one layer_{i}/ per memory layer
+
+
 def background_dir(run: str | Path, layer: int) -> Path:
     """Where a run folder keeps the background counts of its memory layer `layer`."""
-    return Path(run) / "pkm_background" / f"layer_{layer}"
+    return Path(run) / BACKGROUND_DIR / f"layer_{layer}"
 
 
 @dataclass
@@ -314,37 +316,19 @@ class BackgroundCounts:
 
     def save(self, folder: str | Path) -> Path:
         """background_counts.safetensors + background_counts.json (format memtree-pkm-background v1)."""
-        from safetensors.torch import save_file
-
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        with atomic_path(folder / "background_counts.safetensors") as tmp:
-            save_file({"doc_freq": self.doc_freq.contiguous()}, str(tmp))
-        atomic_write_json(folder / "background_counts.json", {
+        return write_checked_tensors(folder, "background_counts", {"doc_freq": self.doc_freq}, {
             "format": BACKGROUND_FORMAT, "version": BACKGROUND_VERSION, "n_batches": self.n_batches,
-            "tokens": self.tokens, "source": self.source, "n_slots": int(self.doc_freq.numel()),
-            "sha256": sha256_file(folder / "background_counts.safetensors")})
-        return folder
+            "tokens": self.tokens, "source": self.source, "n_slots": int(self.doc_freq.numel())})
 
     @classmethod
     def load(cls, folder: str | Path, *, n_slots: int | None = None) -> BackgroundCounts:
         """Read them back; a missing file, another format / version, a checksum mismatch or (with
         n_slots) another memory size: an error naming the value."""
-        from safetensors.torch import load_file
-
-        folder = Path(folder)
-        man_path = folder / "background_counts.json"
-        if not man_path.exists():
-            raise FileNotFoundError(f"{folder}: no background counts (background_counts.json); collect "
-                                    "them over pretraining batches before sparse memory finetuning")
-        man = read_json(man_path)
-        if man.get("format") != BACKGROUND_FORMAT or man.get("version") != BACKGROUND_VERSION:
-            raise ValueError(f"{man_path}: format {man.get('format')!r} version {man.get('version')!r} is not "
-                             f"{BACKGROUND_FORMAT!r} v{BACKGROUND_VERSION}")
-        if sha256_file(folder / "background_counts.safetensors") != man["sha256"]:
-            raise ValueError(f"{folder}: background_counts.safetensors does not match its sha256")
+        t, man = read_checked_tensors(folder, "background_counts", fmt=BACKGROUND_FORMAT, version=BACKGROUND_VERSION,
+                                      missing="no background counts (background_counts.json); collect them over "
+                                              "pretraining batches before sparse memory finetuning")
         if n_slots is not None and man["n_slots"] != n_slots:
             raise ValueError(f"{folder}: background counts cover n_slots={man['n_slots']}, the memory has "
                              f"n_slots={n_slots}")
-        return cls(doc_freq=load_file(str(folder / "background_counts.safetensors"))["doc_freq"],
-                   n_batches=int(man["n_batches"]), tokens=int(man.get("tokens", 0)), source=man.get("source", ""))
+        return cls(doc_freq=t["doc_freq"], n_batches=int(man["n_batches"]), tokens=int(man.get("tokens", 0)),
+                   source=man.get("source", ""))
