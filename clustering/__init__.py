@@ -5,8 +5,9 @@ memtree's life: offline (the pipeline embeds windows and builds the tree),
 during training (each sequence carries the path its windows were routed to),
 and at query time (a question's text is embedded and routed the same way).
 
-- `clustering.embed`: loads all-MiniLM-L6-v2 offline and embeds long windows.
-- `clustering.kmeans`: one node's balanced mini-batch k-means (FAISS search).
+- `clustering.embed`: loads all-MiniLM-L6-v2 offline (torch, or the int8 OpenVINO export of
+  `clustering.embed_export`) and embeds long windows.
+- `clustering.kmeans`: balanced mini-batch k-means, the nodes of a level fitted together.
 - `clustering.tree`: the tree format, building level by level, loading.
 - `clustering.route`: batched greedy root-to-leaf traversal.
 """

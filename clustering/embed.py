@@ -10,6 +10,10 @@ windows. Two strategies are offered (config `embed.strategy`):
   re-normalised, so the whole window contributes. Costs ~window/256 forwards.
 
 Embeddings are L2-normalised float32 (the tree clusters normalised vectors).
+
+Two backends (config `embed.backend`): `torch` (sentence-transformers on the CPU or CUDA) and
+`openvino-int8`, the same model quantised to int8 and run by OpenVINO on the CPU, from an export
+made locally by `clustering.embed_export` (figures: docs/BENCHMARKS.md, issue #16).
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ from typing import Literal
 
 import numpy as np
 
-_MODELS: dict[tuple[str, str, int], object] = {}
+from clustering.embed_export import OPENVINO_INT8, quiet_loaders, read_export
+
+BACKENDS = ("torch", OPENVINO_INT8)
+_MODELS: dict[tuple, object] = {}
 
 
 def default_model_path() -> str:
@@ -36,13 +43,31 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_embedder(model: str | None = None, *, device: str = "auto", max_seq_length: int = 256):
-    """A SentenceTransformer from a local path, cached once per process (i.e. per Dask worker)."""
+def resolve_backend(backend: str, device: str) -> str:
+    """`auto` → torch when the device resolves to CUDA, the int8 OpenVINO network on the CPU."""
+    if backend != "auto":
+        return backend
+    return "torch" if resolve_device(device).startswith("cuda") else OPENVINO_INT8
+
+
+def load_embedder(model: str | None = None, *, device: str = "auto", max_seq_length: int = 256,
+                  backend: str = "torch", threads: int | None = None):
+    """A SentenceTransformer from a local path, cached once per process (i.e. per Dask worker).
+
+    backend `torch`: `model` is a sentence-transformers directory (None: the packaged MiniLM).
+    backend `openvino-int8`: `model` is an export directory written by
+    `clustering.embed_export.export_openvino_int8`; it runs on the CPU with `threads` OpenVINO
+    threads (default: torch's intra-op thread count, which the pipeline sets per worker).
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if backend not in BACKENDS:
+        raise ValueError(f"embed.backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == OPENVINO_INT8:
+        return _load_openvino(model, device=device, max_seq_length=max_seq_length, threads=threads)
     path = model or default_model_path()
     dev = resolve_device(device)
-    key = (path, dev, max_seq_length)
+    key = (backend, path, dev, max_seq_length)
     if key not in _MODELS:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"embedding model directory not found: {path}")
@@ -52,6 +77,49 @@ def load_embedder(model: str | None = None, *, device: str = "auto", max_seq_len
         m.max_seq_length = max_seq_length
         _MODELS[key] = m
     return _MODELS[key]
+
+
+def _load_openvino(export_dir: str | None, *, device: str, max_seq_length: int, threads: int | None):
+    if export_dir is None:
+        raise ValueError(f"embed.backend={OPENVINO_INT8!r} needs the export directory "
+                         "(clustering.embed_export.export_openvino_int8)")
+    if device not in ("auto", "cpu"):
+        raise ValueError(f"embed.backend={OPENVINO_INT8!r} runs on the CPU; got device={device!r} "
+                         "(use backend 'torch' on a GPU)")
+    import torch
+
+    threads = threads or torch.get_num_threads()
+    key = (OPENVINO_INT8, str(export_dir), threads, max_seq_length)
+    if key not in _MODELS:
+        meta = read_export(export_dir)
+        from sentence_transformers import SentenceTransformer
+
+        quiet_loaders()
+        m = SentenceTransformer(
+            str(export_dir), backend="openvino", device="cpu", local_files_only=True,
+            # OpenVINO pins its threads to cores, each process from core 0: two Dask workers of
+            # one thread then share one core (measured: 43 docs/s each pinned, 80 unpinned).
+            model_kwargs={"file_name": meta["file"],
+                          "ov_config": {"INFERENCE_NUM_THREADS": threads, "ENABLE_CPU_PINNING": False}},
+        )
+        m.max_seq_length = max_seq_length
+        _MODELS[key] = m
+    return _MODELS[key]
+
+
+def embedder_from_meta(emb: dict, base: str | os.PathLike | None = None, *, device: str = "auto"):
+    """The embedder a tree's windows were embedded with, from tree.json's `embedder` entry.
+
+    An int8 export is recorded as a path relative to the tree directory (`base`), so a run
+    folder can be moved as a whole; it runs on the CPU whatever `device` says, so that queries
+    go through the very network the windows went through.
+    """
+    backend = emb.get("backend", "torch")
+    model = emb.get("model")
+    if backend == OPENVINO_INT8:
+        model, device = os.path.join(base or ".", emb["export"]), "cpu"
+    return load_embedder(model, device=device, max_seq_length=int(emb.get("max_seq_length", 256)),
+                         backend=backend)
 
 
 def _chunk_spans(model, texts: list[str], max_pieces: int) -> list[list[tuple[int, int]]]:

@@ -38,12 +38,10 @@ def route(tree: Tree, x: np.ndarray, *, batch_size: int = 262144) -> np.ndarray:
 
 def route_texts(tree: Tree, texts: Sequence[str], *, model=None, device: str = "auto") -> np.ndarray:
     """Embed texts exactly as the tree's windows were embedded, then route → (n, levels)."""
-    from clustering.embed import embed_texts, load_embedder
+    from clustering.embed import embed_texts, embedder_from_meta
 
     emb = tree.meta.get("embedder", {})
-    model = model or load_embedder(
-        emb.get("model"), device=device, max_seq_length=int(emb.get("max_seq_length", 256))
-    )
+    model = model or embedder_from_meta(emb, tree.path, device=device)
     x = embed_texts(model, list(texts), strategy=emb.get("strategy", "truncate"),
                     batch_size=int(emb.get("batch_size", 64)))
     return route(tree, x)

@@ -28,12 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from clustering.kmeans import balanced_kmeans, single_threaded
+from clustering.kmeans import fit_nodes_batched, single_threaded
 from clustering.route_core import route_step
 from memtree.io import atomic_path, atomic_write_json, read_json, sha256_file
 
 TREE_FORMAT = "memtree-tree"
 TREE_VERSION = 1
+# Batch rows one batched level fit may hold (float32: 192 MiB at dim 384); more nodes go to
+# more chunks.
+CHUNK_ROWS = 1 << 17
 
 
 @dataclass
@@ -45,6 +48,7 @@ class Tree:
     valid: list[np.ndarray]  # level l-1 → (B^l,) bool
     sizes: list[np.ndarray] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None  # the directory it was loaded from (relative paths in meta resolve here)
 
     @property
     def tree_id(self) -> str:
@@ -72,6 +76,51 @@ def node_children(n_points: int, branching: int, min_points_per_child: int) -> i
     return max(1, min(branching, n_points // min_points_per_child))
 
 
+def fit_level(
+    x: np.ndarray,
+    nodes: Sequence[tuple[int, np.ndarray]],
+    fallbacks: np.ndarray,
+    *,
+    branching: int,
+    min_points_per_child: int,
+    batch_size: int,
+    steps: int,
+    balance_factor: float,
+    equalize_steps: int = 0,
+    seed: int,
+    level: int,
+) -> list[tuple[np.ndarray, int, int]]:
+    """`fit_node` for the nodes (node_id, row indices into x) of one level, fitted together
+    (`fit_nodes_batched`); fallbacks[i] is node i's own centroid. Call inside `single_threaded()`.
+
+    Each node's RNG is keyed by (seed, level, node) and its arithmetic reads only
+    its own rows, so a node's result does not depend on which nodes are fitted
+    with it, on which worker, or in what order: it equals `fit_node` on its rows.
+    """
+    out: list[tuple[np.ndarray, int, int] | None] = [None] * len(nodes)
+    todo = []
+    for i, (_, idx) in enumerate(nodes):
+        if len(idx):
+            todo.append(i)
+            continue
+        # Reachable by no build point: one child, the parent's own centroid.
+        rows = np.zeros((branching, fallbacks.shape[-1]), dtype=np.float32)
+        rows[0] = fallbacks[i]
+        out[i] = (rows, 1, 0)
+    fits = fit_nodes_batched(
+        x, [nodes[i][1] for i in todo],
+        [node_children(len(nodes[i][1]), branching, min_points_per_child) for i in todo],
+        [np.random.default_rng([seed, level, int(nodes[i][0])]) for i in todo],
+        batch_size=batch_size, steps=steps, balance_factor=balance_factor,
+        equalize_steps=equalize_steps,
+    )
+    for i, fit in zip(todo, fits):
+        rows = np.zeros((branching, fallbacks.shape[-1]), dtype=np.float32)
+        rows[: fit.k] = fit.centroids
+        out[i] = (rows, fit.k, fit.balance_splits)
+    return out  # type: ignore[return-value]
+
+
 def fit_node(
     x: np.ndarray,
     *,
@@ -89,21 +138,25 @@ def fit_node(
     """Centroids of one node's children → ((branching, dim) rows, n valid children, splits).
 
     The RNG is keyed by (seed, level, node), so a node's result does not depend
-    on which worker fits it or in what order.
+    on which worker fits it or in what order; `fit_level` gives the same.
     """
-    out = np.zeros((branching, x.shape[1] if x.size else fallback.shape[0]), dtype=np.float32)
-    if x.shape[0] == 0:
-        # Reachable by no build point: one child, the parent's own centroid.
-        out[0] = fallback
-        return out, 1, 0
-    rng = np.random.default_rng([seed, level, node])
-    k = node_children(x.shape[0], branching, min_points_per_child)
-    fit = balanced_kmeans(
-        x, k, batch_size=batch_size, steps=steps, balance_factor=balance_factor,
-        equalize_steps=equalize_steps, rng=rng,
-    )
-    out[: fit.k] = fit.centroids
-    return out, fit.k, fit.balance_splits
+    return fit_level(
+        x, [(node, np.arange(x.shape[0]))], np.asarray(fallback)[None], branching=branching,
+        min_points_per_child=min_points_per_child, batch_size=batch_size, steps=steps,
+        balance_factor=balance_factor, equalize_steps=equalize_steps, seed=seed, level=level,
+    )[0]
+
+
+def level_chunks(sizes: Sequence[int], batch_size: int, n_chunks: int) -> list[range]:
+    """Split a level's nodes (sizes in points) into ≥ n_chunks contiguous groups of about equal
+    work (rows per EM step, min(size, batch_size)), each holding ≤ CHUNK_ROWS batch rows
+    (a batched fit holds one float32 copy of its batch rows) unless one node alone has more."""
+    load = np.minimum(np.asarray(sizes, dtype=np.int64), batch_size) + 1
+    total = int(load.sum())
+    parts = max(1, min(len(load), max(n_chunks, -(-total // CHUNK_ROWS))))
+    cut = np.searchsorted(np.cumsum(load), np.arange(1, parts) * total / parts, side="left") + 1
+    bounds = np.unique(np.r_[0, np.minimum(cut, len(load)), len(load)])
+    return [range(a, b) for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
 
 
 def build_tree(
@@ -123,23 +176,27 @@ def build_tree(
 ) -> tuple[Tree, np.ndarray]:
     """Build the tree root-to-leaves on x (n, dim) float32; returns (tree, paths (n, levels)).
 
-    `fit_nodes(level, nodes)` fits a list of (node_id, member_indices) and
-    returns fit_node results in order; the default runs them on `n_jobs`
-    threads (default: all cores), the pipeline passes a Dask-backed one.
+    `fit_nodes(level, nodes, parent_c)` fits a list of (node_id, member_indices)
+    and returns fit_node results in order; the default fits each level's nodes
+    in batches (`fit_level`), one chunk of nodes per thread on `n_jobs` threads
+    (default: all cores); the pipeline passes a Dask-backed one. The tree is
+    the same for every n_jobs and every fit_nodes that returns fit_node results.
     """
     n, dim = x.shape
     params = {"branching": branching, "min_points_per_child": min_points_per_child,
               "batch_size": batch_size, "steps": steps, "balance_factor": balance_factor,
               "equalize_steps": equalize_steps, "seed": seed}
+    workers = n_jobs or os.cpu_count() or 1
 
     def threaded(level: int, nodes: list[tuple[int, np.ndarray]], parent_c: np.ndarray):
-        # Nodes are independent and their RNGs keyed by id: thread order cannot change results.
-        def one(node):
-            p, idx = node
-            return fit_node(x[idx], level=level, node=p, fallback=parent_c[p], **params)
+        chunks = level_chunks([len(idx) for _, idx in nodes], batch_size, workers)
 
-        with single_threaded(), ThreadPoolExecutor(max_workers=n_jobs or os.cpu_count() or 1) as ex:
-            return list(ex.map(one, nodes))
+        def one(chunk: range):
+            part = [nodes[i] for i in chunk]
+            return fit_level(x, part, parent_c[[p for p, _ in part]], level=level, **params)
+
+        with single_threaded(), ThreadPoolExecutor(max_workers=workers) as ex:
+            return [fit for part in ex.map(one, chunks) for fit in part]
 
     fit_nodes = fit_nodes or threaded
     centroids: list[np.ndarray] = []
@@ -258,6 +315,5 @@ def load_tree(path: str | Path, *, verify: bool = True) -> Tree:
     for lvl, c in enumerate(cents, start=1):
         if c.shape != (B**lvl, meta["dim"]):
             raise ValueError(f"{d}/centroids-l{lvl}.npy: shape {c.shape}, expected {(B**lvl, meta['dim'])}")
-    tree = Tree(L, B, meta["dim"], cents, valid, sizes, meta=meta)
-    return tree
+    return Tree(L, B, meta["dim"], cents, valid, sizes, meta=meta, path=d)
 

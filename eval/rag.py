@@ -116,14 +116,14 @@ class RagIndex:
         """Embed and route the texts, then pick each one's nearest window inside its cluster.
 
         Returns {"paths": (n, L), "ordinals": (n,) (−1: empty cluster), "similarity": (n,)}."""
-        from clustering.embed import embed_texts, load_embedder
+        from clustering.embed import embed_texts, embedder_from_meta
         from clustering.route import route
 
         level = level or self.tree.levels
         if not 1 <= level <= self.tree.levels:
             raise ValueError(f"rag level {level} must be in [1, {self.tree.levels}]")
         emb = self.tree.meta.get("embedder", {})
-        model = load_embedder(emb.get("model"), max_seq_length=int(emb.get("max_seq_length", 256)))
+        model = embedder_from_meta(emb, self.tree.path)
         x = embed_texts(model, list(texts), strategy=emb.get("strategy", "truncate"),
                         batch_size=int(emb.get("batch_size", 64)))  # (n, dim)
         paths = route(self.tree, x)

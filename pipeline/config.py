@@ -68,10 +68,20 @@ class EmbedConfig:
     max_seq_length: int = 256
     batch_size: int = 64
     device: str = "auto"
-    """auto (CUDA when available), cpu, cuda, cuda:N."""
+    """auto (CUDA when available), cpu, cuda, cuda:N. Applies to backend torch."""
+    backend: Literal["auto", "torch", "openvino-int8"] = "auto"
+    """torch: sentence-transformers in PyTorch (CPU or CUDA). openvino-int8: the model exported
+    to OpenVINO and quantised to int8, CPU only, calibrated on the corpus's first
+    `calibration_samples` windows: 2.2-2.5x torch's encode on the CPU at cosine >= 0.996 and the
+    same leaf NMI (docs/BENCHMARKS.md, issue #16). auto: torch on CUDA, openvino-int8 otherwise."""
+    calibration_samples: int = 300
 
     def __post_init__(self) -> None:
-        _positive(self, "max_seq_length", "batch_size")
+        _positive(self, "max_seq_length", "batch_size", "calibration_samples")
+        if self.backend not in ("auto", "torch", "openvino-int8"):
+            raise ValueError(f"EmbedConfig.backend must be auto, torch or openvino-int8, got {self.backend!r}")
+        if self.backend == "openvino-int8" and self.device not in ("auto", "cpu"):
+            raise ValueError(f"EmbedConfig.device={self.device!r}: backend openvino-int8 runs on the CPU")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,7 @@ itself lives in `pipeline.ingest`, `pipeline.window`, `clustering.*` and
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -119,8 +120,11 @@ def _window(ctx: Ctx, work: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------ embed
+EXPORT_DIR = "embedder"  # the int8 export, inside the embed stage's directory
+
+
 def embed_part(windows_path: str, out_path: str, model: str | None, device: str, strategy: str,
-               max_seq_length: int, batch_size: int, threads: int) -> int:
+               max_seq_length: int, batch_size: int, threads: int, backend: str = "torch") -> int:
     """Dask task: embed one windows partition (skipped if already written)."""
     out = Path(out_path)
     if out.exists():
@@ -130,7 +134,8 @@ def embed_part(windows_path: str, out_path: str, model: str | None, device: str,
     from clustering.embed import embed_texts, load_embedder
 
     torch.set_num_threads(threads)
-    m = load_embedder(model, device=device, max_seq_length=max_seq_length)
+    m = load_embedder(model, device=device, max_seq_length=max_seq_length, backend=backend,
+                      threads=threads)
     texts = pq.read_table(windows_path, columns=["text"])["text"].to_pylist()
     emb = embed_texts(m, texts, strategy=strategy, batch_size=batch_size)
     with atomic_path(out) as tmp, open(tmp, "wb") as f:
@@ -138,15 +143,51 @@ def embed_part(windows_path: str, out_path: str, model: str | None, device: str,
     return emb.shape[0]
 
 
+def _embed_fingerprint(e) -> dict:
+    """The embed settings that change the vectors: the backend as resolved (`auto` picks by device),
+    not the device itself (same network, same math up to float rounding). A torch run leaves the
+    backend keys out, so torch runs made before the int8 backend existed keep their fingerprint."""
+    from clustering.embed import resolve_backend
+
+    d = {k: v for k, v in to_dict(e).items() if k != "device"}
+    d["backend"] = resolve_backend(e.backend, e.device)
+    if d["backend"] == "torch":
+        d.pop("backend"), d.pop("calibration_samples")
+    return d
+
+
+def _first_texts(ctx: Ctx, n: int) -> list[str]:
+    """The corpus's first n windows, in order: the int8 export's calibration set."""
+    out: list[str] = []
+    for p in ctx.parts("window"):
+        if len(out) >= n:
+            break
+        col = pq.read_table(ctx.stage_dir("window") / p["file"], columns=["text"])["text"]
+        out.extend(col.slice(0, n - len(out)).to_pylist())
+    return out
+
+
 def _embed(ctx: Ctx, work: Path) -> dict:
-    from clustering.embed import default_model_path
+    from clustering.embed import default_model_path, resolve_backend
+    from clustering.embed_export import OPENVINO_INT8, export_openvino_int8
 
     e = ctx.cfg.embed
     wparts = ctx.parts("window")
     (work / "parts").mkdir(exist_ok=True)
+    model, export, export_s = e.model, None, 0.0
+    backend = resolve_backend(e.backend, e.device)
+    if backend == OPENVINO_INT8:
+        model = str(work / EXPORT_DIR)
+        t0 = time.time()
+        export = export_openvino_int8(e.model or default_model_path(), model,
+                                      _first_texts(ctx, e.calibration_samples),
+                                      max_seq_length=e.max_seq_length)
+        export_s = time.time() - t0
+        ctx.log(f"[embed] int8 OpenVINO export ready in {export_s:.1f} s")
     args = [
         (str(ctx.stage_dir("window") / p["file"]), str(work / "parts" / f"part-{i:05d}.npy"),
-         e.model, e.device, e.strategy, e.max_seq_length, e.batch_size, ctx.cfg.dask.threads_per_worker)
+         model, e.device, e.strategy, e.max_seq_length, e.batch_size, ctx.cfg.dask.threads_per_worker,
+         backend)
         for i, p in enumerate(wparts)
     ]
     t0 = time.time()
@@ -166,6 +207,8 @@ def _embed(ctx: Ctx, work: Path) -> dict:
         del mm
     shutil.rmtree(work / "parts")
     return {"n": n_total, "dim": dim, "model": e.model, "model_resolved": e.model or default_model_path(),
+            "backend": backend, "export": EXPORT_DIR if export else None,
+            "calibration": export["calibration"] if export else None, "export_seconds": round(export_s, 3),
             "strategy": e.strategy, "max_seq_length": e.max_seq_length, "batch_size": e.batch_size,
             "embed_seconds": round(seconds, 3), "windows_per_second": round(n_total / max(seconds, 1e-9), 1)}
 
@@ -175,14 +218,12 @@ def fit_nodes_task(emb_path: str, nodes: list[tuple[int, np.ndarray]], level: in
                    fallbacks: np.ndarray) -> list[tuple[np.ndarray, int, int]]:
     """Dask task: fit a group of sibling-independent nodes of one level."""
     from clustering.kmeans import single_threaded
-    from clustering.tree import fit_node
+    from clustering.tree import fit_level
 
     x = np.load(emb_path, mmap_mode="r")
-    with single_threaded():
-        return [
-            fit_node(np.asarray(x[np.sort(idx)]), level=level, node=int(p), fallback=fb, **params)
-            for (p, idx), fb in zip(nodes, fallbacks)
-        ]
+    with single_threaded():  # sorted rows: sequential reads from the memmap
+        return fit_level(x, [(int(p), np.sort(idx)) for p, idx in nodes], np.asarray(fallbacks),
+                         level=level, **params)
 
 
 def effective_levels(n: int, levels: int, branching: int, auto_reduce: bool) -> int:
@@ -244,10 +285,19 @@ def _tree(ctx: Ctx, work: Path) -> dict:
         tree, work,
         config={**to_dict(t), "levels_requested": t.levels, "levels": levels, "seed": ctx.cfg.seed},
         embedder={"model": em["model"], "strategy": em["strategy"],
-                  "max_seq_length": em["max_seq_length"], "batch_size": em["batch_size"], "dim": em["dim"]},
+                  "max_seq_length": em["max_seq_length"], "batch_size": em["batch_size"], "dim": em["dim"],
+                  **_export_ref(ctx, em)},
     )
     return {"tree_id": meta["tree_id"], "levels": levels, "branching": t.branching,
             "n_points": int(x.shape[0]), "level_stats": meta["level_stats"]}
+
+
+def _export_ref(ctx: Ctx, em: dict) -> dict:
+    """tree.json's pointer to the embedder export, relative to the tree directory."""
+    if not em.get("export"):
+        return {"backend": em.get("backend", "torch")}
+    rel = os.path.relpath(ctx.stage_dir("embed") / em["export"], ctx.stage_dir("tree"))
+    return {"backend": em["backend"], "export": rel}
 
 
 # ----------------------------------------------------------------------------- assign
@@ -349,8 +399,7 @@ STAGES: list[StageDef] = [
     StageDef("tokenizer", 1, ("ingest",), lambda c: {k: to_dict(c.window)[k] for k in
              ("tokenizer", "vocab_size", "train_sample_docs", "eot_token")}, _tokenizer),
     StageDef("window", 1, ("ingest", "tokenizer"), lambda c: c.window.window_tokens, _window),
-    StageDef("embed", 1, ("window",), lambda c: {k: v for k, v in to_dict(c.embed).items() if k != "device"},
-             _embed),
+    StageDef("embed", 1, ("window",), lambda c: _embed_fingerprint(c.embed), _embed),
     StageDef("tree", 1, ("embed",), lambda c: {**to_dict(c.tree), "seed": c.seed}, _tree),
     StageDef("assign", 1, ("tree", "embed", "window"), lambda c: None, _assign),
     StageDef("shards", 1, ("assign", "window", "tokenizer", "tree"), lambda c: to_dict(c.pack), _shards),

@@ -54,7 +54,7 @@ def test_nearest_stays_inside_the_query_cluster():
 
 
 def test_retrieval_matches_a_brute_force_search_of_the_query_leaf(run, index, pipeline_run, probes):
-    from clustering.embed import embed_texts, load_embedder
+    from clustering.embed import embed_texts, embedder_from_meta
 
     out = pipeline_run[0]
     windows = pq.read_table(out / "window" / "part-00003.parquet", columns=["text"])["text"].to_pylist()[:5]
@@ -66,7 +66,7 @@ def test_retrieval_matches_a_brute_force_search_of_the_query_leaf(run, index, pi
                              for f in sorted((out / "assign").glob("part-*.parquet"))])
     emb = np.load(out / "embed" / "embeddings.npy")
     e = index.tree.meta["embedder"]
-    x = embed_texts(load_embedder(e["model"], max_seq_length=e["max_seq_length"]), queries, strategy=e["strategy"])
+    x = embed_texts(embedder_from_meta(e, index.tree.path), queries, strategy=e["strategy"])
     for i, leaf in enumerate(hit["paths"][:, -1]):
         members = np.flatnonzero(leaves == leaf)
         best = members[np.argmax(emb[members] @ x[i])]

@@ -1,4 +1,6 @@
-"""Balanced hierarchical k-means and greedy routing (real FAISS)."""
+"""Balanced hierarchical k-means and greedy routing (flat k-means baseline: real FAISS)."""
+
+import itertools
 
 import numpy as np
 import pytest
@@ -64,8 +66,9 @@ def test_balance_rule_enforces_limit_on_skewed_assignments():
 
 def test_balanced_tree_on_skewed_data():
     x = _sphere(20000, seed=4, skew=True)
-    tree, _ = build_tree(x, levels=2, branching=8, seed=0)
-    unbalanced, _ = build_tree(x, levels=2, branching=8, seed=0, balance_factor=1e9)
+    # The App. C rule alone (no equalisation, hence no centroid relocation either).
+    tree, _ = build_tree(x, levels=2, branching=8, seed=0, equalize_steps=0)
+    unbalanced, _ = build_tree(x, levels=2, branching=8, seed=0, balance_factor=1e9, equalize_steps=0)
     ratio = level_stats(tree)[0]["balance_ratio"]
     ratio_off = level_stats(unbalanced)[0]["balance_ratio"]
     assert ratio < 1.35, level_stats(tree)
@@ -162,3 +165,180 @@ def test_route_step_settles_float32_near_ties_in_float64():
     # one at a time, the same answers (nothing depends on the rest of the batch)
     for i in (0, 1500, n - 1):
         assert route_step(c, valid, x[i : i + 1], parent[i : i + 1], B)[0] == got[i]
+
+
+def _mixture(n, d, comps, seed, spread=0.5):
+    """Points of `comps` Gaussian blobs on the unit sphere, with their labels."""
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(size=(comps, d))
+    lab = rng.integers(0, comps, n)
+    x = (centers[lab] + spread * rng.normal(size=(n, d))).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True), lab
+
+
+def test_level_fit_equals_fitting_each_node_alone():
+    """fit_level fits a level's nodes together; each node comes out bit for bit as fit_node gives
+    it alone (the per-node path the Dask fitter uses), in any grouping of the nodes."""
+    from clustering.kmeans import EQUALIZE_SAMPLE
+    from clustering.tree import fit_level, fit_node
+
+    x, _ = _mixture(EQUALIZE_SAMPLE + 9000, 8, 12, seed=20)
+    rng = np.random.default_rng(21)
+    perm = rng.permutation(len(x))
+    # Node sizes cover every path: sampled equalisation (> EQUALIZE_SAMPLE), mini-batches
+    # (> batch_size), a whole node per step, fewer children than branching, one child, empty.
+    sizes = [EQUALIZE_SAMPLE + 10, 3000, 700, 400, 9, 1, 0]
+    cuts = np.r_[0, np.cumsum(sizes)]
+    nodes = [(p, np.sort(perm[a:b])) for p, (a, b) in enumerate(itertools.pairwise(cuts.tolist()))]
+    fallbacks = rng.normal(size=(len(nodes), 8)).astype(np.float32)
+    params = {"branching": 8, "min_points_per_child": 2, "batch_size": 512, "steps": 4,
+              "balance_factor": 1.1, "equalize_steps": 6, "seed": 3, "level": 2}
+    together = fit_level(x, nodes, fallbacks, **params)
+    regrouped = [None] * len(nodes)  # even and odd nodes in two other batches, odd ones reversed
+    for group in (list(range(0, len(nodes), 2)), list(range(len(nodes) - 1 - len(nodes) % 2, 0, -2))):
+        for i, fit in zip(group, fit_level(x, [nodes[i] for i in group], fallbacks[group], **params)):
+            regrouped[i] = fit
+    assert [k for _, k, _ in together] == [8, 8, 8, 8, 4, 1, 1]
+    np.testing.assert_array_equal(together[-1][0][0], fallbacks[-1])  # empty node: the parent's centroid
+    for (p, idx), fit, other in zip(nodes, together, regrouped):
+        alone = fit_node(x[idx], fallback=fallbacks[p], node=p, **params)
+        for a, b in ((fit, alone), (fit, other)):
+            np.testing.assert_array_equal(a[0], b[0])
+            assert a[1:] == b[1:]
+    assert sum(s for _, _, s in together) > 0  # the balance rule did act
+
+
+def test_build_tree_is_independent_of_threads_and_fitter():
+    """The same tree for any n_jobs, and through a fit_nodes hook that fits node by node."""
+    from clustering.tree import fit_node
+
+    x, _ = _mixture(6000, 16, 10, seed=22)
+    kw = {"levels": 3, "branching": 4, "batch_size": 700, "steps": 6, "seed": 5}
+    one, paths = build_tree(x, n_jobs=1, **kw)
+    three, _ = build_tree(x, n_jobs=3, **kw)
+    params = {k: kw[k] for k in ("branching", "batch_size", "steps", "seed")}
+
+    def per_node(level, nodes, parent_c):
+        return [fit_node(x[idx], level=level, node=p, fallback=parent_c[p], min_points_per_child=2,
+                         balance_factor=1.1, equalize_steps=40, **params) for p, idx in nodes]
+
+    hooked, _ = build_tree(x, fit_nodes=per_node, **kw)
+    assert one.tree_id == three.tree_id == hooked.tree_id
+    np.testing.assert_array_equal(route(one, x), paths)
+
+
+def test_equalize_cells_keeps_directions_and_never_worsens_cells():
+    from clustering.kmeans import equalize_cells
+
+    x, _ = _mixture(3000, 24, 6, seed=23, spread=0.8)
+    rng = np.random.default_rng(24)
+    for trial in range(3):
+        c = x[rng.choice(len(x), 10, replace=False)] * rng.uniform(0.5, 1.5, size=(10, 1)).astype(np.float32)
+        out = equalize_cells(x, c, steps=30)
+
+        def key(cc):
+            d = (cc.astype(np.float64) ** 2).sum(1)[None] - 2.0 * x.astype(np.float64) @ cc.T.astype(np.float64)
+            s = np.bincount(d.argmin(1), minlength=len(cc))
+            return (int((s == 0).sum()), int(s.max()))
+
+        assert key(out) <= key(c), trial
+        assert key(out)[1] < key(c)[1], trial  # these starts are far from balanced: it must help
+        cos = (out * c).sum(1) / np.linalg.norm(out, axis=1) / np.linalg.norm(c, axis=1)
+        np.testing.assert_allclose(cos, 1.0, atol=1e-5)
+
+
+def test_a_centroid_left_with_an_empty_cell_is_moved_into_the_largest_cell():
+    from clustering.kmeans import relocate_cells
+
+    x, lab = _mixture(3000, 16, 4, seed=31, spread=0.6)
+    away = -x.mean(0) / np.linalg.norm(x.mean(0))
+    keep = x @ away < -0.05  # every point on the far side of `away`
+    x, lab = x[keep], lab[keep]
+    # Four centroids on the four components, a fifth pointing away from all of them: its cell
+    # is empty (x·ĉ < 0 everywhere), as a few level-2 cells end on the synthetic 4 × 16 tree.
+    comps = np.stack([x[lab == j].mean(0) for j in range(4)])
+    c = np.vstack([comps, away[None]]).astype(np.float32)
+    assert _cell_sizes(x, c)[4] == 0
+    moved = relocate_cells(x, c, np.random.default_rng(0), steps=0)  # the moves alone
+    assert (_cell_sizes(x, moved) > 0).all()
+    s = _cell_sizes(x, relocate_cells(x, c, np.random.default_rng(0), steps=40))  # and equalised
+    assert (s > 0).all() and s.max() < _cell_sizes(x, c).max(), s
+
+
+def test_a_region_with_too_few_centroids_takes_one_from_a_region_with_too_many():
+    """Two equal blobs, three centroids in one and one in the other (the 5-vs-3 split of topics
+    measured on the synthetic tree): rescaling norms cannot fix it, moving a centroid does."""
+    from clustering.kmeans import equalize_cells, relocate_cells
+
+    rng = np.random.default_rng(5)
+    a, b = np.eye(32)[0], np.eye(32)[1]
+    x = np.vstack([a + 0.05 * rng.normal(size=(1000, 32)), b + 0.05 * rng.normal(size=(1000, 32))])
+    x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+    in_a = x[:1000][rng.choice(1000, 3, replace=False)]
+    c = np.vstack([in_a, x[1000:1500].mean(0)[None]]).astype(np.float32)
+    eq = _cell_sizes(x, equalize_cells(x, c, steps=40))
+    assert eq.max() > 1.5 * len(x) / 4, eq  # rescaling norms alone leaves a cell over 1.5x the mean
+    s = _cell_sizes(x, relocate_cells(x, c, rng, steps=40))
+    assert s.max() <= 1.2 * len(x) / 4, s
+
+
+def _cell_sizes(x, c):
+    return np.bincount(np.argmin((c * c).sum(1)[None] - 2.0 * x @ c.T, axis=1), minlength=len(c))
+
+
+def _nmi(a, b):
+    """Normalised mutual information (arithmetic mean of the entropies)."""
+    _, a = np.unique(a, return_inverse=True)
+    _, b = np.unique(b, return_inverse=True)
+    joint = np.zeros((a.max() + 1, b.max() + 1))
+    np.add.at(joint, (a, b), 1.0)
+    p = joint / joint.sum()
+    pa, pb = p.sum(1), p.sum(0)
+    nz = p > 0
+    mi = (p[nz] * np.log(p[nz] / np.outer(pa, pb)[nz])).sum()
+    ha, hb = -(pa * np.log(pa)).sum(), -(pb * np.log(pb)).sum()
+    return mi / ((ha + hb) / 2)
+
+
+def test_tree_quality_matches_flat_kmeans_on_a_mixture():
+    """Leaves of a 2x8 tree on a 64-component mixture: NMI within 5% of flat k-means with as many
+    centroids (FAISS), and balanced cells at both levels."""
+    import faiss
+
+    x, lab = _mixture(16000, 32, 64, seed=25, spread=0.35)
+    tree, paths = build_tree(x, levels=2, branching=8, batch_size=2048, seed=0)
+    km = faiss.Kmeans(32, 64, niter=20, seed=0, max_points_per_centroid=1000)
+    km.train(x)
+    flat = km.index.search(x, 1)[1][:, 0]
+    hier_nmi, flat_nmi = _nmi(lab, paths[:, -1]), _nmi(lab, flat)
+    assert hier_nmi >= 0.95 * flat_nmi, (hier_nmi, flat_nmi)
+    stats = level_stats(tree)
+    assert all(s["n_empty"] == 0 and s["balance_ratio"] < 1.3 for s in stats), stats
+
+
+def test_stopping_converged_nodes_early_changes_nothing(monkeypatch):
+    """Nodes whose batch is the whole node stop stepping once an EM step moved no point and split
+    nothing; running all the steps instead gives the same centroids and split counts."""
+    from clustering import kmeans
+    from clustering.kmeans import fit_nodes_batched
+
+    x, _ = _mixture(9000, 16, 30, seed=26, spread=0.3)
+    rng = np.random.default_rng(27)
+    perm = rng.permutation(len(x))
+    # One node over batch_size (never stops); with these data the others stopped after 3 to 23 of
+    # the 25 steps, some after balance splits.
+    sizes = [2500, 1200, 900, 600, 400, 300, 200, 120, 60]
+    cuts = np.r_[0, np.cumsum(sizes)].tolist()
+    members = [np.sort(perm[a:b]) for a, b in itertools.pairwise(cuts)]
+
+    def fit():
+        return fit_nodes_batched(x, members, [8] * len(members),
+                                 [np.random.default_rng([1, i]) for i in range(len(members))],
+                                 batch_size=2000, steps=25, balance_factor=1.3, equalize_steps=5)
+
+    early = fit()
+    monkeypatch.setattr(kmeans._BatchedFit, "stop_converged", False)
+    full = fit()
+    for a, b in zip(early, full):
+        np.testing.assert_array_equal(a.centroids, b.centroids)
+        assert a.balance_splits == b.balance_splits

@@ -1,0 +1,131 @@
+"""The whole pipeline at scale: documents/s, peak memory, and 1 vs 2 Dask workers (issue #16).
+
+    .venv/bin/python bench/pipeline_scale.py                          # 50,000 docs, 1 and 2 workers
+    .venv/bin/python bench/pipeline_scale.py --docs 10000 50000 --workers 2   # memory vs corpus size
+
+Each run is `run_pipeline` (all 8 stages, LocalCluster start included) on the synthetic corpus
+(`pipeline.corpus`, seed 0) in a fresh child interpreter, with the e2e settings of
+bench/pipeline.py (3 x 8 tree, 512-token windows and samples, embed max_seq_length 128) and
+`--backend` for the embedder; the peak RSS of the child and its Dask workers is sampled every
+0.5 s (bench/pipeline.py's RssSampler). The issue's memory criterion: peak memory must not grow
+with the corpus beyond the embeddings themselves, so each row also gives peak RSS minus the
+embedding matrix (windows x 384 x 4 bytes). Scaling: docs/s with 2 workers over 1 worker.
+JSON: --out, default bench/results/pipeline-scale-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import REPO, finish, log, run_meta, write_results  # bench/ on sys.path
+
+COLUMNS = ["docs", "workers", "backend", "windows", "seconds", "docs_per_s", "embed_s",
+           "peak_rss_gib", "peak_minus_embeddings_gib", "speedup_vs_1_worker"]
+
+
+def _bench_pipeline():
+    """bench/pipeline.py (config builder, RSS sampler); by path: `pipeline` is the project's package."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_pipeline", Path(__file__).with_name("pipeline.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def child(spec_path: str) -> int:
+    """Runs in a fresh interpreter, so the sampled RSS is the pipeline's alone."""
+    from memtree.config import to_dict
+    from pipeline.run import run_pipeline
+
+    spec = json.loads(Path(spec_path).read_text())
+    cfg = _bench_pipeline().pipeline_cfg(
+        Path(spec["root"]), [spec["corpus"]],
+        window={"window_tokens": 512},
+        embed={"device": "cpu", "max_seq_length": 128, "backend": spec["backend"]},
+        tree={"levels": 3, "branching": 8, "auto_reduce": True},
+        pack={"seq_len": 512},
+        dask={"n_workers": spec["workers"], "threads_per_worker": 1},
+    )
+    t0 = time.perf_counter()
+    markers = run_pipeline(cfg, log=lambda m: None)
+    Path(spec["result"]).write_text(json.dumps(
+        {"seconds": time.perf_counter() - t0, "config": to_dict(cfg), "markers": markers}, default=str))
+    return 0
+
+
+def one_run(bp, corpus: Path, docs: int, workers: int, backend: str, tmp: Path) -> dict:
+    work = Path(tempfile.mkdtemp(prefix=f"scale-{docs}-{workers}w-", dir=tmp))
+    spec = {"root": str(work / "run"), "corpus": str(corpus), "result": str(work / "result.json"),
+            "workers": workers, "backend": backend}
+    (work / "spec.json").write_text(json.dumps(spec))
+    log(f"run_pipeline: {docs:,} docs, {workers} worker(s), backend {backend}")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--_child", str(work / "spec.json")],
+                            cwd=str(REPO))
+    sampler = bp.RssSampler(proc.pid, 0.5)
+    sampler.start()
+    rc = proc.wait()
+    wall = time.perf_counter() - t0
+    sampler.stop()
+    if rc != 0:
+        raise RuntimeError(f"pipeline child failed with exit status {rc} ({work})")
+    out = json.loads((work / "result.json").read_text())
+    mk = out["markers"]
+    n_win = mk["window"]["stats"]["n_windows"]
+    gib = 1024**3
+    emb_bytes = n_win * mk["embed"]["stats"]["dim"] * 4
+    r = {"docs": docs, "workers": workers, "backend": backend, "windows": n_win,
+         "tokens": mk["window"]["stats"]["n_tokens"], "seconds": out["seconds"], "child_wall_seconds": wall,
+         "docs_per_s": docs / out["seconds"], "embed_s": mk["embed"]["seconds"],
+         "stage_seconds": {k: v["seconds"] for k, v in mk.items()},
+         "peak_rss_gib": sampler.peak_total / gib, "peak_driver_gib": sampler.peak_root / gib,
+         "peak_workers_gib": sampler.peak_children / gib, "embeddings_gib": emb_bytes / gib,
+         "peak_minus_embeddings_gib": (sampler.peak_total - emb_bytes) / gib,
+         "rss_samples": sampler.samples, "tree_level_stats": mk["tree"]["stats"]["level_stats"]}
+    log(f"  {out['seconds']:.0f} s, {r['docs_per_s']:.1f} docs/s, embed {r['embed_s']:.0f} s, "
+        f"peak RSS {r['peak_rss_gib']:.2f} GiB (driver {r['peak_driver_gib']:.2f}, workers "
+        f"{r['peak_workers_gib']:.2f}); stages " + ", ".join(f"{k} {v:.0f}s" for k, v in r["stage_seconds"].items()))
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    return r
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--docs", type=int, nargs="+", default=[50_000])
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--backend", default="openvino-int8", choices=["torch", "openvino-int8"])
+    p.add_argument("--tmp", default=None, help="scratch directory (default: the system temp dir)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--_child", dest="child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args.child)
+    bp = _bench_pipeline()
+    tmp = Path(tempfile.mkdtemp(prefix="memtree-bench-scale-", dir=args.tmp))
+    day = _dt.date.today().isoformat()
+    out = Path(args.out) if args.out else REPO / "bench" / "results" / f"pipeline-scale-{day}.json"
+    rows: list[dict] = []
+    for docs in args.docs:
+        corpus = tmp / f"corpus-{docs}.jsonl"
+        bp.write_jsonl(bp.corpus_docs(docs), corpus)
+        for workers in args.workers:
+            rows.append(one_run(bp, corpus, docs, workers, args.backend, tmp))
+            for r in rows:
+                one = next((o for o in rows if o["docs"] == r["docs"] and o["workers"] == 1), None)
+                r["speedup_vs_1_worker"] = r["docs_per_s"] / one["docs_per_s"] if one else None
+            write_results({"meta": run_meta(args), "rows": rows}, out)  # partial results survive
+    return finish({"meta": run_meta(args), "rows": rows}, out, COLUMNS)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

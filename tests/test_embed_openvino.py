@@ -1,0 +1,113 @@
+"""The int8 OpenVINO embedding backend: local export, reuse, integrity, accuracy, pipeline and routing."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from clustering.embed import embed_texts, load_embedder
+from clustering.embed_export import OV_INT8_FILE, export_openvino_int8, read_export
+from memtree.config import load_config
+from pipeline.config import PipelineConfig
+from pipeline.run import run_pipeline
+from tests.conftest import PIPELINE_OVERRIDES, write_jsonl
+
+MSL = 64
+
+
+@pytest.fixture(scope="module")
+def texts(corpus_records):
+    return [r["text"] for r in corpus_records[:160]]
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory, texts):
+    from clustering.embed import default_model_path
+
+    out = tmp_path_factory.mktemp("ov") / "export"
+    meta = export_openvino_int8(default_model_path(), out, texts[:48], max_seq_length=MSL)
+    return out, meta
+
+
+def test_export_is_recorded_and_reused(export, texts):
+    from clustering.embed import default_model_path
+
+    out, meta = export
+    assert read_export(out)["files"] == meta["files"]
+    assert (out / OV_INT8_FILE).is_file() and (out / OV_INT8_FILE).with_suffix(".bin").is_file()
+    assert meta["calibration"]["n"] == 48 and meta["calibration"]["max_seq_length"] == MSL
+    xml = out / OV_INT8_FILE
+    before = xml.stat().st_mtime_ns
+    again = export_openvino_int8(default_model_path(), out, texts[:48], max_seq_length=MSL)
+    assert again == meta and xml.stat().st_mtime_ns == before  # same key: nothing rebuilt
+
+
+def test_int8_embeddings_close_to_torch(export, texts):
+    out, _ = export
+    held_out = texts[48:]
+    ref = embed_texts(load_embedder(None, device="cpu", max_seq_length=MSL), held_out)
+    got = embed_texts(load_embedder(str(out), max_seq_length=MSL, backend="openvino-int8", threads=1),
+                      held_out)
+    assert got.shape == ref.shape and got.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    cos = (got * ref).sum(1)
+    assert cos.mean() > 0.99 and cos.min() > 0.97, (cos.mean(), cos.min())
+
+
+def test_damaged_export_is_named(export, tmp_path):
+    out, _ = export
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    binf = bad / Path(OV_INT8_FILE).with_suffix(".bin")
+    data = bytearray(binf.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    binf.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="openvino_model_qint8_quantized.bin: checksum mismatch"):
+        read_export(bad)
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        load_embedder(str(bad), backend="openvino-int8", max_seq_length=MSL)
+
+
+def test_auto_backend_is_int8_on_the_cpu_and_torch_on_cuda():
+    from clustering.embed import resolve_backend
+
+    assert resolve_backend("auto", "cpu") == "openvino-int8"
+    assert resolve_backend("auto", "cuda:0") == "torch"
+    assert resolve_backend("torch", "cpu") == "torch"
+
+
+def test_backend_config_errors():
+    with pytest.raises(ValueError, match="backend"):
+        load_config(PipelineConfig, {"embed": {"backend": "onnx"}})
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        load_config(PipelineConfig, {"embed": {"backend": "openvino-int8", "device": "cuda"}})
+    with pytest.raises(ValueError, match="needs the export directory"):
+        load_embedder(None, backend="openvino-int8")
+
+
+def test_pipeline_with_int8_backend_routes_queries_through_the_export(
+        tmp_path, corpus_records, dask_client):
+    from clustering.route import route_texts
+    from clustering.tree import load_tree
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", corpus_records[:400])
+    out = tmp_path / "run"
+    cfg = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
+                      [*PIPELINE_OVERRIDES, "tree.branching=4", "embed.backend=openvino-int8",
+                       "embed.calibration_samples=40"])
+    markers = run_pipeline(cfg, client=dask_client, log=lambda m: None)
+    em = markers["embed"]["stats"]
+    assert em["backend"] == "openvino-int8" and em["calibration"]["n"] == 40
+    read_export(out / "embed" / em["export"])
+    # The run folder moves as a whole: the tree finds the export relative to itself.
+    moved = tmp_path / "moved"
+    out.rename(moved)
+    tree = load_tree(moved / "tree")
+    assert tree.meta["embedder"]["backend"] == "openvino-int8"
+    w = pq.read_table(moved / "window" / "part-00000.parquet", columns=["text"])["text"].to_pylist()[:30]
+    a = pq.read_table(moved / "assign" / "part-00000.parquet", columns=["path"])["path"].to_pylist()[:30]
+    assert route_texts(tree, w).tolist() == a
