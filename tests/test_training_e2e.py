@@ -255,6 +255,9 @@ def test_kv_memories_read_in_place_train_like_gathered_ones(pipeline_run, tmp_pa
     with MemoryStore(fused["bank"]) as a, MemoryStore(gathered["bank"]) as b:
         for level in (1, 2):
             for cluster in range(a.info.level(level).n_blocks):
+                # atol 1e-4 = 1 % of one Adam step at memory.lr 1e-2: the two reads sum in different
+                # orders, and Adam scales a near-zero gradient's rounding difference up to ~lr
+                # (measured: 2.1e-5 on 1 of 1,024 values when the demo data changed, 2026-11-25).
                 torch.testing.assert_close(a._read_slot(a.levels[level], a.info.level(level).slot(cluster)),
                                            b._read_slot(b.levels[level], b.info.level(level).slot(cluster)),
-                                           rtol=1e-3, atol=1e-5)
+                                           rtol=1e-3, atol=1e-4)
