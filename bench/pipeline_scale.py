@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -93,8 +94,6 @@ def one_run(bp, corpus: Path, docs: int, workers: int, backend: str, tmp: Path) 
     log(f"  {out['seconds']:.0f} s, {r['docs_per_s']:.1f} docs/s, embed {r['embed_s']:.0f} s, "
         f"peak RSS {r['peak_rss_gib']:.2f} GiB (driver {r['peak_driver_gib']:.2f}, workers "
         f"{r['peak_workers_gib']:.2f}); stages " + ", ".join(f"{k} {v:.0f}s" for k, v in r["stage_seconds"].items()))
-    import shutil
-
     shutil.rmtree(work, ignore_errors=True)
     return r
 
