@@ -875,6 +875,7 @@ class RssSampler(threading.Thread):
         self.peak_children = 0
         self.max_procs = 0
         self.samples = 0
+        self.timeline: list[tuple[float, int, int]] = []  # (unix time, root RSS, descendants' RSS)
 
     def run(self) -> None:
         import psutil
@@ -899,6 +900,7 @@ class RssSampler(threading.Thread):
             self.peak_children = max(self.peak_children, child_rss)
             self.max_procs = max(self.max_procs, len(procs))
             self.samples += 1
+            self.timeline.append((time.time(), root_rss, child_rss))
             self.stop_evt.wait(self.interval)
 
     def stop(self) -> None:

@@ -55,11 +55,36 @@ def child(spec_path: str) -> int:
         pack={"seq_len": 512},
         dask={"n_workers": spec["workers"], "threads_per_worker": 1},
     )
+    events: list[tuple[float, str]] = []  # (unix time, log line): stage boundaries for the RSS timeline
     t0 = time.perf_counter()
-    markers = run_pipeline(cfg, log=lambda m: None)
+    markers = run_pipeline(cfg, log=lambda m: events.append((time.time(), m)))
     Path(spec["result"]).write_text(json.dumps(
-        {"seconds": time.perf_counter() - t0, "config": to_dict(cfg), "markers": markers}, default=str))
+        {"seconds": time.perf_counter() - t0, "config": to_dict(cfg), "markers": markers, "events": events},
+        default=str))
     return 0
+
+
+def stage_peaks(timeline: list[tuple[float, int, int]], events: list[tuple[float, str]]) -> dict:
+    """Peak driver / worker / total RSS (GiB) per stage, from the "[stage] running" ... "done" log lines.
+
+    The baseline (start of the stage) is kept too, so a stage's own growth is peak - start."""
+    gib = 1024**3
+    spans, start = {}, {}
+    for t, line in events:
+        if not line.startswith("["):
+            continue
+        name, rest = line[1:].split("]", 1)
+        if rest.startswith(" running"):
+            start[name] = t
+        elif rest.startswith(" done") and name in start:
+            spans[name] = (start.pop(name), t)
+    out = {}
+    for name, (a, b) in spans.items():
+        rows = [r for r in timeline if a <= r[0] <= b] or [min(timeline, key=lambda r: abs(r[0] - a))]
+        out[name] = {"driver_gib": max(r[1] for r in rows) / gib, "workers_gib": max(r[2] for r in rows) / gib,
+                     "total_gib": max(r[1] + r[2] for r in rows) / gib,
+                     "workers_start_gib": rows[0][2] / gib, "driver_start_gib": rows[0][1] / gib}
+    return out
 
 
 def one_run(bp, corpus: Path, docs: int, workers: int, backend: str, tmp: Path) -> dict:
@@ -90,10 +115,13 @@ def one_run(bp, corpus: Path, docs: int, workers: int, backend: str, tmp: Path) 
          "peak_rss_gib": sampler.peak_total / gib, "peak_driver_gib": sampler.peak_root / gib,
          "peak_workers_gib": sampler.peak_children / gib, "embeddings_gib": emb_bytes / gib,
          "peak_minus_embeddings_gib": (sampler.peak_total - emb_bytes) / gib,
-         "rss_samples": sampler.samples, "tree_level_stats": mk["tree"]["stats"]["level_stats"]}
+         "rss_samples": sampler.samples, "stage_rss": stage_peaks(sampler.timeline, out["events"]), "tree_level_stats": mk["tree"]["stats"]["level_stats"]}
     log(f"  {out['seconds']:.0f} s, {r['docs_per_s']:.1f} docs/s, embed {r['embed_s']:.0f} s, "
         f"peak RSS {r['peak_rss_gib']:.2f} GiB (driver {r['peak_driver_gib']:.2f}, workers "
         f"{r['peak_workers_gib']:.2f}); stages " + ", ".join(f"{k} {v:.0f}s" for k, v in r["stage_seconds"].items()))
+    for name, m in r["stage_rss"].items():
+        log(f"    {name:9s} driver {m['driver_start_gib']:.2f} -> {m['driver_gib']:.2f} GiB, "
+            f"workers {m['workers_start_gib']:.2f} -> {m['workers_gib']:.2f} GiB")
     shutil.rmtree(work, ignore_errors=True)
     return r
 

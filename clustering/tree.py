@@ -30,7 +30,7 @@ import numpy as np
 
 from clustering.kmeans import fit_nodes_batched, single_threaded
 from clustering.route_core import route_step
-from memtree.io import atomic_path, atomic_write_json, read_json, sha256_file
+from memtree.io import atomic_dir, atomic_save_npy, atomic_write_json, read_json, sha256_file
 
 TREE_FORMAT = "memtree-tree"
 TREE_VERSION = 1
@@ -258,16 +258,25 @@ def level_stats(tree: Tree) -> list[dict[str, Any]]:
 
 
 def save_tree(tree: Tree, out_dir: str | Path, *, config: dict[str, Any], embedder: dict[str, Any]) -> dict:
-    """Write the tree files into out_dir (each atomically); returns tree.json's content."""
+    """Write the tree files into out_dir (each atomically); returns tree.json's content.
+
+    A directory that already holds a tree is replaced whole (written beside it, then renamed),
+    so a failed write (a full disk) leaves the previous tree loadable, not a mix of the two."""
     out = Path(out_dir)
+    if (out / "tree.json").exists():
+        with atomic_dir(out) as tmp:
+            return _write_tree(tree, tmp, config=config, embedder=embedder)
     out.mkdir(parents=True, exist_ok=True)
+    return _write_tree(tree, out, config=config, embedder=embedder)
+
+
+def _write_tree(tree: Tree, out: Path, *, config: dict[str, Any], embedder: dict[str, Any]) -> dict:
     files: dict[str, str] = {}
     for lvl in range(1, tree.levels + 1):
         for stem, arr in (("centroids", tree.centroids[lvl - 1]), ("valid", tree.valid[lvl - 1]),
                           ("sizes", tree.sizes[lvl - 1])):
             name = f"{stem}-l{lvl}.npy"
-            with atomic_path(out / name) as tmp, open(tmp, "wb") as f:
-                np.save(f, arr, allow_pickle=False)
+            atomic_save_npy(out / name, arr)
             files[name] = sha256_file(out / name)
     meta = {
         "format": TREE_FORMAT,
@@ -308,8 +317,14 @@ def load_tree(path: str | Path, *, verify: bool = True) -> Tree:
             f = d / name
             if not f.is_file():
                 raise FileNotFoundError(f"{f}: missing tree file")
-            if verify and sha256_file(f) != meta["files"].get(name):
-                raise ValueError(f"{f}: checksum mismatch (file changed since the tree was written)")
+            if verify:
+                want, got = meta.get("files", {}).get(name), sha256_file(f)
+                if got != want:
+                    raise ValueError(
+                        f"{f}: checksum mismatch (file changed since the tree was written): sha256 {got}, "
+                        f"{d / 'tree.json'} records {want}; the tree is damaged: restore the directory from "
+                        "a copy or rebuild it (delete it and re-run the `memtree pipeline` command that wrote "
+                        "it)")
             acc.append(np.load(f, allow_pickle=False))
     B, L = meta["branching"], meta["levels"]
     for lvl, c in enumerate(cents, start=1):

@@ -109,17 +109,14 @@ def blocking_eval(rm: RunModel, probes: Sequence[dict[str, Any]], *, target_doma
     def acc(mask: np.ndarray, ok: np.ndarray) -> float | None:
         return float(ok[mask].mean()) if mask.any() else None
 
-    saved_fallback = store.policy["fallback"]
-    store.policy["fallback"] = fallback or saved_fallback
-    result: dict[str, Any] = {"fraction": fraction, "level": level, "target_domains": list(target_domains),
-                              "fallback": store.policy["fallback"],
-                              "n_target": int(target.sum()), "n_other": int((~target).sum()), "settings": {}}
-    adversarial: list[int] = []
-    try:  # whatever happens, the bank is left with its own policy
+    with store.experiment(fallback=fallback):  # whatever happens, the bank keeps its own policy
+        result: dict[str, Any] = {"fraction": fraction, "level": level, "target_domains": list(target_domains),
+                                  "fallback": store.policy["fallback"],
+                                  "n_target": int(target.sum()), "n_other": int((~target).sum()), "settings": {}}
+        adversarial: list[int] = []
         base = score()
         for name in ("adversarial", "random"):
-            saved = {k: list(v) for k, v in store.policy["blocked"].items()}
-            try:
+            with store.experiment():
                 if name == "adversarial":
                     rep = adversarial_block(store, paths=paths[target], fraction=fraction, level=level,
                                             persist=False)
@@ -128,10 +125,6 @@ def blocking_eval(rm: RunModel, probes: Sequence[dict[str, Any]], *, target_doma
                     rep = random_block(store, fraction=fraction, level=level, seed=seed, paths=paths[target],
                                        persist=False, exclude=adversarial)
                 ok = score()
-            finally:
-                store.policy["blocked"] = saved
-                for L in store.levels.values():
-                    L.mask = store._refused_mask(L.info)
             blocked_paths = np.isin(paths[:, level - 1], rep["clusters"])
             result["settings"][name] = {
                 "clusters": rep["clusters"], "bank_fraction_blocked": rep["bank_fraction_blocked"],
@@ -140,8 +133,6 @@ def blocking_eval(rm: RunModel, probes: Sequence[dict[str, Any]], *, target_doma
                 "accuracy_other": {"before": acc(~target, base), "after": acc(~target, ok)},
                 "other_predictions_changed": int((ok != base)[~target & ~blocked_paths].sum()),
             }
-    finally:
-        store.policy["fallback"] = saved_fallback
     return result
 
 

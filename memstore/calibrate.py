@@ -45,7 +45,6 @@ each tier's `source` says so (`capacity_gb=` overrides).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import math
 import os
@@ -63,6 +62,7 @@ import torch
 from memstore.format import is_url, level_path, read_manifest, write_bank
 from memstore.geometry import AnchorShape, MemoryConfig, human_bytes, stored_bytes
 from memstore.geometry import plan as make_plan
+from memstore.locking import remove_bank
 from memstore.simulate import (
     PROFILE_FORMAT,
     PROFILE_VERSION,
@@ -219,22 +219,6 @@ def _drop_cache(path: str) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-
-
-def _remove_bank(root: Path) -> None:
-    """Delete a bank, including level files relocated outside it."""
-    try:
-        info = read_manifest(root)
-    except (FileNotFoundError, ValueError):
-        info = None
-    if info is not None:
-        for lv in info.levels.values():
-            p = level_path(root, lv)
-            if not is_url(p) and not Path(p).resolve().is_relative_to(root.resolve()):
-                Path(p).unlink(missing_ok=True)
-                with contextlib.suppress(OSError):
-                    Path(p).parent.rmdir()  # the directory relocate_level made for it, if now empty
-    shutil.rmtree(root, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- store plumbing
@@ -411,7 +395,7 @@ def measure(
             store.close()
         if not keep:
             for b in banks:
-                _remove_bank(b)
+                remove_bank(b)
     fits = tuple(fit_tier(t, {s: samples[(t, s)] for s in sizes}, method=methods[t]) for t in tiers)
     host = socket.gethostname()
     now = _dt.datetime.now(_dt.UTC)
@@ -658,7 +642,7 @@ def validate(
             p_codecs = {lv.level: store.codec(lv.level) for lv in levels}
     finally:
         if not keep:
-            _remove_bank(root)
+            remove_bank(root)
     rows = []
     for lf in sim.levels:
         m = np.asarray(per_level[lf.level])

@@ -317,6 +317,9 @@ def _add_block(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument("--clusters", help="global cluster ids at --level, e.g. 3,7")
         p.add_argument("--subtree", action="store_true", help="include every descendant at deeper levels")
         p.add_argument("--reason", default="", help="recorded in the audit log")
+        p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                       help="if another process is writing the bank, wait this long for it (default: fail at "
+                            "once, naming it)")
         if name == "block":
             p.add_argument("--queries", help="adversarial: a text file, one query per line; block the subtrees "
                                              "they route to (needs --tree)")
@@ -333,7 +336,7 @@ def _block(args: argparse.Namespace) -> int:
     from memstore.store import MemoryStore
 
     clusters = [int(c) for c in args.clusters.split(",")] if args.clusters else []
-    with MemoryStore(args.bank) as store:
+    with MemoryStore(args.bank, lock_wait=args.wait) as store:
         if args.action == "block" and args.fallback:
             store.set_fallback(args.fallback)
         if args.action == "block" and (args.queries or args.random):

@@ -451,7 +451,8 @@ def write_bank(
     extra: dict[str, Any] | None = None,
     progress: bool = False,
 ) -> BankInfo:
-    """Write a complete bank atomically (temp dir, then one rename over any old one).
+    """Write a complete bank atomically (temp dir, then one rename over any old one), holding
+    the bank's writer lock (`memstore.locking`; another writer: `BankBusy` naming it).
 
     Values come from `blocks(level)` — an iterable of (cluster or GENERIC, flat tensor)
     covering every slot — or, when not given, from `init` (default: App. I init, seed 0).
@@ -461,7 +462,9 @@ def write_bank(
     manifest = build_manifest(anchor=anchor, memory=memory, dtype=dtype, rank=rank, tree_id=tree_id,
                               subtree=subtree, generic=generic, extra=extra)
     init = init or paper_init(0)
-    with atomic_dir(root) as tmp:
+    from memstore.locking import bank_writer, exclusive_change  # locking imports this module
+
+    with bank_writer(root, operation="write"), atomic_dir(root, publish_guard=lambda: exclusive_change(root)) as tmp:
         info = BankInfo(root=tmp, manifest=manifest, anchor=anchor, memory=memory, dtype=dtype, rank=rank,
                         tree_id=tree_id, subtree=subtree,
                         levels={int(k): LevelInfo(**v) for k, v in manifest["levels"].items()})

@@ -10,6 +10,7 @@ of slot ranges in subtree order, plus the generic memory's slot.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ from memstore.format import (
     sums_name,
 )
 from memstore.geometry import AnchorShape, MemoryConfig
+from memstore.locking import bank_writer, exclusive_change
 from memstore.store import _ranges, recover
 from memtree.config import from_dict
 from memtree.io import atomic_dir, atomic_write_json, read_json
@@ -69,36 +71,37 @@ def _deleted_only_in(info: BankInfo) -> dict[str, list[list[int]]]:
 
 def split_bank(root: str | os.PathLike, subtree: int, out: str | os.PathLike) -> BankInfo:
     """Write the per-subtree bank of level-1 cluster `subtree` (with the generic memory)."""
-    recover(root)
-    src = read_manifest(root)
-    check_files(src)
-    if src.subtree is not None:
-        raise BankError(f"{src.root}: already a per-subtree bank (subtree {src.subtree})")
-    generic = any(lv.has_generic for lv in src.levels.values())
-    manifest = build_manifest(anchor=src.anchor, memory=src.memory, dtype=src.dtype, rank=src.rank,
-                              tree_id=src.tree_id, subtree=subtree, generic=generic,
-                              extra={**src.manifest.get("extra", {}), "split_from_generation": src.generation})
-    part = _info(out, manifest)
-    deleted = {}
-    with atomic_dir(out) as tmp:
-        for level, lv in part.levels.items():
-            sums = bytearray(lv.n_slots * DIGEST_BYTES)
-            with open(tmp / lv.file, "wb") as f:
-                f.truncate(lv.file_bytes)
-                _copy_slots(src, level, lv.first_cluster, lv.n_blocks, f, sums, 0)
-                if generic:
-                    _copy_slots(src, level, src.level(level).n_blocks, 1, f, sums, lv.n_blocks)
-            (tmp / sums_name(lv)).write_bytes(bytes(sums))
-            hi = lv.first_cluster + lv.n_blocks
-            ids = [i for a, b in _deleted_only_in(src).get(str(level), []) for i in range(a, b)
-                   if lv.first_cluster <= i < hi]
-            if ids:
-                deleted[str(level)] = _ranges(ids)
-        if deleted:
-            manifest["deleted"] = deleted
-        atomic_write_json(tmp / "manifest.json", manifest)
-        _copy_policy(src.root, tmp)
-    return read_manifest(out)
+    with _locked([root], out, "split"):
+        recover(root)
+        src = read_manifest(root)
+        check_files(src)
+        if src.subtree is not None:
+            raise BankError(f"{src.root}: already a per-subtree bank (subtree {src.subtree})")
+        generic = any(lv.has_generic for lv in src.levels.values())
+        manifest = build_manifest(anchor=src.anchor, memory=src.memory, dtype=src.dtype, rank=src.rank,
+                                  tree_id=src.tree_id, subtree=subtree, generic=generic,
+                                  extra={**src.manifest.get("extra", {}), "split_from_generation": src.generation})
+        part = _info(out, manifest)
+        deleted = {}
+        with atomic_dir(out, publish_guard=lambda: exclusive_change(out)) as tmp:
+            for level, lv in part.levels.items():
+                sums = bytearray(lv.n_slots * DIGEST_BYTES)
+                with open(tmp / lv.file, "wb") as f:
+                    f.truncate(lv.file_bytes)
+                    _copy_slots(src, level, lv.first_cluster, lv.n_blocks, f, sums, 0)
+                    if generic:
+                        _copy_slots(src, level, src.level(level).n_blocks, 1, f, sums, lv.n_blocks)
+                (tmp / sums_name(lv)).write_bytes(bytes(sums))
+                hi = lv.first_cluster + lv.n_blocks
+                ids = [i for a, b in _deleted_only_in(src).get(str(level), []) for i in range(a, b)
+                       if lv.first_cluster <= i < hi]
+                if ids:
+                    deleted[str(level)] = _ranges(ids)
+            if deleted:
+                manifest["deleted"] = deleted
+            atomic_write_json(tmp / "manifest.json", manifest)
+            _copy_policy(src.root, tmp)
+        return read_manifest(out)
 
 
 def merge_banks(parts: Sequence[str | os.PathLike], out: str | os.PathLike, *,
@@ -107,60 +110,62 @@ def merge_banks(parts: Sequence[str | os.PathLike], out: str | os.PathLike, *,
 
     Blocks are copied byte for byte. The generic memory, trained by every job,
     is their element-wise mean (`generic="mean"`) or subtree 0's (`"first"`).
-    Deleted lists and blocked sets are united; audit logs are concatenated.
+    Deleted lists and blocked sets are united; audit logs are concatenated. The parts' and the
+    output's writer locks are held throughout, so no part changes while it is copied.
     """
-    infos = []
-    for p in parts:
-        recover(p)
-        info = read_manifest(p)
-        check_files(info)
-        infos.append(info)
-    if not infos:
-        raise BankError("merge: no banks given")
-    B = infos[0].memory.branching
-    by_subtree: dict[int, BankInfo] = {}
-    for info in infos:
-        if info.subtree is None:
-            raise BankError(f"{info.root}: not a per-subtree bank (manifest subtree is null)")
-        if info.subtree in by_subtree:
-            raise BankError(f"merge: subtree {info.subtree} given twice ({by_subtree[info.subtree].root}, {info.root})")
-        _same_bank_shape(infos[0], info)
-        by_subtree[info.subtree] = info
-    missing = sorted(set(range(B)) - set(by_subtree))
-    if missing:
-        raise BankError(f"merge: subtrees {missing} are missing; a merged bank needs all {B}")
-    if generic not in ("mean", "first"):
-        raise ValueError(f"merge: generic={generic!r} is not 'mean' or 'first'")
-    first = by_subtree[0]
-    has_generic = any(lv.has_generic for lv in first.levels.values())
-    manifest = build_manifest(anchor=first.anchor, memory=first.memory, dtype=first.dtype, rank=first.rank,
-                              tree_id=first.tree_id, subtree=None, generic=has_generic,
-                              extra={"merged_from": [str(by_subtree[s].root) for s in range(B)],
-                                     "generic_merge": generic})
-    merged = _info(out, manifest)
-    deleted: dict[str, list[int]] = {}
-    with atomic_dir(out) as tmp:
-        for level, lv in merged.levels.items():
-            sums = bytearray(lv.n_slots * DIGEST_BYTES)
-            with open(tmp / lv.file, "wb") as f:
-                f.truncate(lv.file_bytes)
-                for s in range(B):
-                    part = by_subtree[s]
-                    plv = part.level(level)
-                    _copy_slots(part, level, 0, plv.n_blocks, f, sums, plv.first_cluster)
-                    for a, b in _deleted_only_in(part).get(str(level), []):
-                        deleted.setdefault(str(level), []).extend(range(a, b))
-                if has_generic:
-                    rec = _merged_generic(merged, level, [by_subtree[s] for s in range(B)], generic)
-                    f.seek(lv.n_blocks * lv.stride)
-                    f.write(rec)
-                    sums[lv.n_blocks * DIGEST_BYTES : (lv.n_blocks + 1) * DIGEST_BYTES] = digest(rec)
-            (tmp / sums_name(lv)).write_bytes(bytes(sums))
-        if deleted:
-            manifest["deleted"] = {k: _ranges(v) for k, v in deleted.items()}
-        atomic_write_json(tmp / "manifest.json", manifest)
-        _merge_policies([by_subtree[s].root for s in range(B)], tmp)
-    return read_manifest(out)
+    with _locked(parts, out, "merge"):
+        infos = []
+        for p in parts:
+            recover(p)
+            info = read_manifest(p)
+            check_files(info)
+            infos.append(info)
+        if not infos:
+            raise BankError("merge: no banks given")
+        B = infos[0].memory.branching
+        by_subtree: dict[int, BankInfo] = {}
+        for info in infos:
+            if info.subtree is None:
+                raise BankError(f"{info.root}: not a per-subtree bank (manifest subtree is null)")
+            if info.subtree in by_subtree:
+                raise BankError(f"merge: subtree {info.subtree} given twice ({by_subtree[info.subtree].root}, {info.root})")
+            _same_bank_shape(infos[0], info)
+            by_subtree[info.subtree] = info
+        missing = sorted(set(range(B)) - set(by_subtree))
+        if missing:
+            raise BankError(f"merge: subtrees {missing} are missing; a merged bank needs all {B}")
+        if generic not in ("mean", "first"):
+            raise ValueError(f"merge: generic={generic!r} is not 'mean' or 'first'")
+        first = by_subtree[0]
+        has_generic = any(lv.has_generic for lv in first.levels.values())
+        manifest = build_manifest(anchor=first.anchor, memory=first.memory, dtype=first.dtype, rank=first.rank,
+                                  tree_id=first.tree_id, subtree=None, generic=has_generic,
+                                  extra={"merged_from": [str(by_subtree[s].root) for s in range(B)],
+                                         "generic_merge": generic})
+        merged = _info(out, manifest)
+        deleted: dict[str, list[int]] = {}
+        with atomic_dir(out, publish_guard=lambda: exclusive_change(out)) as tmp:
+            for level, lv in merged.levels.items():
+                sums = bytearray(lv.n_slots * DIGEST_BYTES)
+                with open(tmp / lv.file, "wb") as f:
+                    f.truncate(lv.file_bytes)
+                    for s in range(B):
+                        part = by_subtree[s]
+                        plv = part.level(level)
+                        _copy_slots(part, level, 0, plv.n_blocks, f, sums, plv.first_cluster)
+                        for a, b in _deleted_only_in(part).get(str(level), []):
+                            deleted.setdefault(str(level), []).extend(range(a, b))
+                    if has_generic:
+                        rec = _merged_generic(merged, level, [by_subtree[s] for s in range(B)], generic)
+                        f.seek(lv.n_blocks * lv.stride)
+                        f.write(rec)
+                        sums[lv.n_blocks * DIGEST_BYTES : (lv.n_blocks + 1) * DIGEST_BYTES] = digest(rec)
+                (tmp / sums_name(lv)).write_bytes(bytes(sums))
+            if deleted:
+                manifest["deleted"] = {k: _ranges(v) for k, v in deleted.items()}
+            atomic_write_json(tmp / "manifest.json", manifest)
+            _merge_policies([by_subtree[s].root for s in range(B)], tmp)
+        return read_manifest(out)
 
 
 def _merged_generic(merged: BankInfo, level: int, parts: list[BankInfo], how: GenericMerge) -> bytes:
@@ -219,7 +224,11 @@ def relocate_level(root: str | os.PathLike, level: int, dest: str) -> str:
     Copy, verify every record against its digest at the destination, switch the
     manifest atomically, then remove the old copy. Returns the new location.
     """
-    root = Path(root)
+    with bank_writer(root, operation="relocate"):
+        return _relocate_level(Path(root), level, dest)
+
+
+def _relocate_level(root: Path, level: int, dest: str) -> str:
     recover(root)
     info = read_manifest(root)
     check_files(info)
@@ -247,10 +256,21 @@ def relocate_level(root: str | os.PathLike, level: int, dest: str) -> str:
     manifest = dict(info.manifest)
     manifest["levels"] = {**manifest["levels"], str(level): {**manifest["levels"][str(level)],
                                                              "file": new if new != str(root / name) else name}}
-    atomic_write_json(root / "manifest.json", manifest)
-    ofs, op = fsspec.core.url_to_fs(old)
-    ofs.rm(op)
+    with exclusive_change(root):  # readers reopen the level where it now lives
+        atomic_write_json(root / "manifest.json", manifest)
+        ofs, op = fsspec.core.url_to_fs(old)
+        ofs.rm(op)
     return new
+
+
+@contextlib.contextmanager
+def _locked(sources: Sequence[str | os.PathLike], out: str | os.PathLike, operation: str):
+    """Writer locks of the source banks (nobody edits them while they are copied) and of `out`."""
+    with contextlib.ExitStack() as stack:
+        for src in sources:
+            stack.enter_context(bank_writer(src, operation=f"{operation} (source)"))
+        stack.enter_context(bank_writer(out, operation=operation))
+        yield
 
 
 __all__ = ["GENERIC", "merge_banks", "relocate_level", "split_bank"]

@@ -22,16 +22,19 @@
   previous version; after it, opening the bank replays it. Either way every
   block is whole.
 - Block / unblock / delete / edit append to `audit.jsonl` (who, when, what, why).
-
-One writer at a time: the store does not lock against a second process editing
-the same bank.
+- One writer per bank, across processes (`memstore.locking`): every write takes
+  the bank's writer lock (a second writer waits `lock_wait` seconds, then fails
+  naming the holder) and first reloads what another process changed, so no
+  update is lost. Reads hold the bank's reader lock for one fetch / gather and
+  reload when the bank's change counter moved: a fetch sees the old bank or the
+  new one, never a mix, and a block is honoured by every open store's next fetch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime as _dt
-import getpass
 import json
 import os
 import socket
@@ -61,6 +64,7 @@ from memstore.format import (
     read_manifest,
     sums_name,
 )
+from memstore.locking import BankBusy, ReadWriteLock, bank_writer, exclusive_change, whoami
 from memstore.placement import TierBudget, place_levels
 from memtree.io import atomic_write_bytes, atomic_write_json, dumps_json, read_json
 
@@ -247,28 +251,46 @@ class MemoryStore:
         verify: Literal["always", "once", "never"] = "always",
         out_dtype: torch.dtype | None = None,
         user: str | None = None,
+        lock_wait: float = 0.0,
     ) -> None:
         self.root = Path(root)
         recover(self.root)
-        self.info: BankInfo = read_manifest(self.root)
-        check_files(self.info)
-        if tree is not None:
-            check_tree(self.info, tree)
         if verify not in ("always", "once", "never"):
             raise ValueError(f"verify: {verify!r} is not one of 'always', 'once', 'never'")
         self.verify, self.out_dtype = verify, out_dtype
-        self.user = user or os.environ.get("MEMTREE_USER") or _whoami()
+        self.lock_wait = lock_wait  # seconds a write waits for another process's writer lock
+        self.user = user or whoami()
         self.tiers = {t.name: t for t in tiers}
         if len(self.tiers) != len(tiers):
             raise ValueError(f"tier names must be unique: {[t.name for t in tiers]}")
         self.tier_stats = {t.name: TierStats() for t in tiers}
+        self._placement_rule, self._tree = placement, tree
+        self._session: list[tuple[str, Any]] = []  # persist=False (un)blocks, experiment fallbacks: kept over reloads
+        self._mutex = threading.RLock()  # one operation at a time per store: the lock fd is shared
+        self._depth = 0
+        self.levels: dict[int, _Level] = {}
+        self.refused_served: dict[int, int] = {}
+        self._rw = ReadWriteLock(self.root)
+        with self._rw.shared() as seen:
+            self._load()
+            self._seen = seen
+
+    def _load(self) -> None:
+        """(Re)read manifest, digests and policy and (re)open the level files; counters survive."""
+        info = read_manifest(self.root)
+        check_files(info)
+        if self._tree is not None:
+            check_tree(info, self._tree)
+        self._close_levels()
+        self.info = info
         level_bytes = {lv.level: lv.file_bytes for lv in self.info.levels.values()}
         self.placement = place_levels(
-            level_bytes, [TierBudget(name=t.name, capacity_bytes=t.capacity_bytes) for t in tiers], placement
+            level_bytes, [TierBudget(name=t.name, capacity_bytes=t.capacity_bytes) for t in self.tiers.values()],
+            self._placement_rule,
         )
-        self.policy = read_policy(self.root)
+        self._disk_policy = read_policy(self.root)
+        self._effective_policy(masks=False)
         self._codecs = {lv: self.info.codec(lv) for lv in self.info.levels}
-        self.levels: dict[int, _Level] = {}
         self.caches: dict[str, ByteLRU] = {}
         for lv in self.info.levels.values():
             tname = self.placement[lv.level]
@@ -289,7 +311,53 @@ class MemoryStore:
             self.levels[lv.level] = _Level(info=lv, tier=tname, reader=reader,
                                            sums=bytearray((self.root / sums_name(lv)).read_bytes()),
                                            mask=self._refused_mask(lv), cache=cache)
-        self.refused_served = {lv: 0 for lv in self.levels}
+            self.refused_served.setdefault(lv.level, 0)
+        self._identity = _identity(self.root, self.info)
+
+    def _reload(self) -> None:
+        """Another process changed the bank: only the policy (a block), or the blocks themselves."""
+        if _identity(self.root, read_manifest(self.root)) == self._identity:
+            self._disk_policy = read_policy(self.root)
+            self._effective_policy()
+        else:
+            self._load()
+
+    @contextlib.contextmanager
+    def _reading(self):
+        """One consistent read: the reader lock held shared, the bank reloaded first if it changed."""
+        with self._mutex:
+            if self._depth:
+                yield
+                return
+            with self._rw.shared() as counter:
+                if counter != self._seen:
+                    self._reload()
+                    self._seen = counter
+                self._depth = 1
+                try:
+                    yield
+                finally:
+                    self._depth = 0
+
+    @contextlib.contextmanager
+    def _writing(self, operation: str):
+        """The bank's writer lock for one operation, with this store brought up to date first."""
+        with bank_writer(self.root, operation=operation, wait=self.lock_wait), self._mutex:
+            with self._rw.shared() as counter:
+                if counter != self._seen:
+                    self._reload()
+                    self._seen = counter
+            yield
+
+    def refresh(self) -> bool:
+        """Reload now if another process changed the bank; True if it had. Every fetch does this
+        itself, so a long-running reader needs it only to see changes between fetches."""
+        with self._mutex, self._rw.shared() as counter:
+            if counter == self._seen:
+                return False
+            self._reload()
+            self._seen = counter
+            return True
 
     # -- plumbing ---------------------------------------------------------------
     def _file_path(self, lv: LevelInfo) -> str:
@@ -304,10 +372,14 @@ class MemoryStore:
                     mask[lo:hi] = True
         return mask
 
-    def close(self) -> None:
+    def _close_levels(self) -> None:
         for lv in self.levels.values():
             lv.reader.close()
         self.levels = {}
+
+    def close(self) -> None:
+        self._close_levels()
+        self._rw.close()
 
     def __enter__(self) -> Self:
         return self
@@ -352,21 +424,23 @@ class MemoryStore:
         return t
 
     def is_refused(self, level: int, cluster: int) -> bool:
-        L = self._level(level)
-        slot = L.info.slot(cluster)
-        return cluster != GENERIC and bool(L.mask[slot])
+        with self._reading():
+            L = self._level(level)
+            slot = L.info.slot(cluster)
+            return cluster != GENERIC and bool(L.mask[slot])
 
     def fetch_flat(self, level: int, cluster: int) -> torch.Tensor:
         """One block as a flat (params,) tensor; a blocked/deleted block yields the
         fallback without touching any tier. `cluster=GENERIC` reads the generic memory."""
-        L = self._level(level)
-        slot = L.info.slot(cluster)
-        if cluster != GENERIC and L.mask[slot]:
-            self.refused_served[level] += 1
-            if self.fallback == "generic" and L.info.has_generic:
-                return self._read_slot(L, L.info.n_blocks)
-            return torch.zeros(L.info.params, dtype=self._zero_dtype())
-        return self._read_slot(L, slot)
+        with self._reading():
+            L = self._level(level)
+            slot = L.info.slot(cluster)
+            if cluster != GENERIC and L.mask[slot]:
+                self.refused_served[level] += 1
+                if self.fallback == "generic" and L.info.has_generic:
+                    return self._read_slot(L, L.info.n_blocks)
+                return torch.zeros(L.info.params, dtype=self._zero_dtype())
+            return self._read_slot(L, slot)
 
     def _zero_dtype(self) -> torch.dtype:
         if self.out_dtype is not None:
@@ -383,20 +457,22 @@ class MemoryStore:
         not in cache.
         """
         path = [int(c) for c in path]
-        if len(path) < max(self.levels):
-            raise ValueError(f"path {path} has {len(path)} levels; this bank needs {max(self.levels)}")
-        out = {}
-        for level in self.levels:
-            t = self.fetch_flat(level, path[level - 1])
-            out[level] = t if flat else self._codecs[level].unflatten(t)
-        return out
+        with self._reading():
+            if len(path) < max(self.levels):
+                raise ValueError(f"path {path} has {len(path)} levels; this bank needs {max(self.levels)}")
+            out = {}
+            for level in self.levels:
+                t = self.fetch_flat(level, path[level - 1])
+                out[level] = t if flat else self._codecs[level].unflatten(t)
+            return out
 
     def fetch_generic(self, *, flat: bool = False) -> dict[int, Any]:
-        out = {}
-        for level in self.levels:
-            t = self.fetch_flat(level, GENERIC)
-            out[level] = t if flat else self._codecs[level].unflatten(t)
-        return out
+        with self._reading():
+            out = {}
+            for level in self.levels:
+                t = self.fetch_flat(level, GENERIC)
+                out[level] = t if flat else self._codecs[level].unflatten(t)
+            return out
 
     def gather(self, paths: np.ndarray | torch.Tensor | Sequence[Sequence[int]]) -> dict[int, torch.Tensor]:
         """Training-time batch fetch: paths (B, L) global ids → {level: (B, params)}.
@@ -405,14 +481,15 @@ class MemoryStore:
         path entry is GENERIC (-1) get the generic memory.
         """
         p = np.asarray(paths.cpu() if isinstance(paths, torch.Tensor) else paths, dtype=np.int64)
-        if p.ndim != 2 or p.shape[1] < max(self.levels):
-            raise ValueError(f"gather: paths must be (B, >= {max(self.levels)}), got {p.shape}")
-        out = {}
-        for level in self.levels:
-            ids, inverse = np.unique(p[:, level - 1], return_inverse=True)
-            blocks = torch.stack([self.fetch_flat(level, int(c)) for c in ids])
-            out[level] = blocks[torch.from_numpy(inverse.reshape(-1))]
-        return out
+        with self._reading():
+            if p.ndim != 2 or p.shape[1] < max(self.levels):
+                raise ValueError(f"gather: paths must be (B, >= {max(self.levels)}), got {p.shape}")
+            out = {}
+            for level in self.levels:
+                ids, inverse = np.unique(p[:, level - 1], return_inverse=True)
+                blocks = torch.stack([self.fetch_flat(level, int(c)) for c in ids])
+                out[level] = blocks[torch.from_numpy(inverse.reshape(-1))]
+            return out
 
     # -- writing (journaled) -----------------------------------------------------------
     def scatter(self, level: int, clusters: Sequence[int], values: torch.Tensor) -> None:
@@ -421,6 +498,10 @@ class MemoryStore:
         if values.ndim != 2 or values.shape[0] != len(clusters):
             raise ValueError(f"scatter: values must be (len(clusters)={len(clusters)}, params), got "
                              f"{tuple(values.shape)}")
+        with self._writing("scatter"):
+            self._scatter(level, clusters, values)
+
+    def _scatter(self, level: int, clusters: Sequence[int], values: torch.Tensor) -> None:
         L = self._level(level)
         slots = [L.info.slot(int(c)) for c in clusters]
         refused = [int(c) for c, s in zip(clusters, slots, strict=True) if c != GENERIC and L.mask[s]]
@@ -443,13 +524,18 @@ class MemoryStore:
                     raise ValueError(f"edit: level {level} tensor {t.name} must have shape {t.shape}, "
                                      f"got {tuple(torch.as_tensor(values[t.name]).shape)}")
             values = torch.cat([torch.as_tensor(values[n]).reshape(-1) for n in names])
-        self.scatter(level, [cluster], torch.as_tensor(values).reshape(1, -1))
-        self._audit("edit", {level: [cluster]}, reason)
+        with self._writing("edit"):
+            self._scatter(level, [cluster], torch.as_tensor(values).reshape(1, -1))
+            self._audit("edit", {level: [cluster]}, reason)
 
     def delete(self, level: int, clusters: Sequence[int] = (), *, subtree: bool = False, reason: str = "") -> dict:
         """Erase blocks: their bytes are overwritten with zeros in place, the digests and
         manifest updated, and they are refused from then on. `subtree=True` deletes the
         given clusters' whole subtrees at this and every deeper level."""
+        with self._writing("delete"):
+            return self._delete(level, clusters, subtree, reason)
+
+    def _delete(self, level: int, clusters: Sequence[int], subtree: bool, reason: str) -> dict:
         targets = self._expand(level, clusters, subtree)
         manifest = copy.deepcopy(self.info.manifest)  # untouched if the commit fails
         deleted = manifest.setdefault("deleted", {})
@@ -477,8 +563,11 @@ class MemoryStore:
         jdir = self.root / "journal"
         jdir.mkdir(exist_ok=True)
         atomic_write_bytes(jdir / f"{manifest['generation']:012d}.jnl", journal)
-        _apply_journals(self.root)
+        with self._rw.exclusive() as counter:  # readers wait while bytes change, then reload
+            _apply_journals(self.root)
+            self._seen = counter
         self.info = read_manifest(self.root)
+        self._identity = _identity(self.root, self.info)
         for lv, slot, rec in writes:
             L = self.levels[lv]
             L.sums[slot * DIGEST_BYTES : (slot + 1) * DIGEST_BYTES] = digest(rec)
@@ -505,44 +594,72 @@ class MemoryStore:
 
     def block(self, level: int, clusters: Sequence[int], *, subtree: bool = False, reason: str = "",
               persist: bool = True) -> dict:
-        """Refuse blocks from now on. Returns counts per level. `persist=False` blocks for this
-        open store only (an experiment on a shared bank): policy.json and the audit log are
-        left alone."""
-        targets = self._expand(level, clusters, subtree)
-        for lv, ids in targets.items():
-            cur = [i for a, b in self.policy["blocked"].get(str(lv), []) for i in range(a, b)]
-            self.policy["blocked"][str(lv)] = _ranges(cur + ids)
-        if not persist:
-            for L in self.levels.values():
-                L.mask = self._refused_mask(L.info)
-            return {lv: len(ids) for lv, ids in targets.items()}
-        self._save_policy()
-        self._audit("block", targets, reason)
-        return {lv: len(ids) for lv, ids in targets.items()}
+        """Refuse blocks from now on: in every process, at its next fetch. Returns counts per level.
+        `persist=False` blocks for this open store only (an experiment on a shared bank):
+        policy.json and the audit log are left alone."""
+        return self._set_blocked("block", level, clusters, subtree, reason, persist)
 
     def unblock(self, level: int, clusters: Sequence[int], *, subtree: bool = False, reason: str = "",
                 persist: bool = True) -> dict:
+        return self._set_blocked("unblock", level, clusters, subtree, reason, persist)
+
+    def _set_blocked(self, action: str, level: int, clusters: Sequence[int], subtree: bool, reason: str,
+                     persist: bool) -> dict:
         targets = self._expand(level, clusters, subtree)
-        for lv, ids in targets.items():
-            drop = set(ids)
-            cur = [i for a, b in self.policy["blocked"].get(str(lv), []) for i in range(a, b) if i not in drop]
-            self.policy["blocked"][str(lv)] = _ranges(cur)
+        counts = {lv: len(ids) for lv, ids in targets.items()}
         if not persist:
+            with self._mutex:
+                self._session.append((action, targets))
+                self._effective_policy()
+            return counts
+        with self._writing(action):
+            _apply_blocked(self._disk_policy, action, targets)
+            self._save_policy()
+            self._audit(action, targets, reason)
+        return counts
+
+    @contextlib.contextmanager
+    def experiment(self, *, fallback: Fallback | None = None):
+        """An experiment on this open store: `persist=False` blocks made inside the `with` (and
+        `fallback`, if given) are undone when it exits; the bank on disk is never touched. Nests."""
+        if fallback is not None:
+            self._check_fallback(fallback)
+        with self._mutex:
+            mark = len(self._session)
+            if fallback is not None:
+                self._session.append(("fallback", fallback))
+                self._effective_policy()
+        try:
+            yield self
+        finally:
+            with self._mutex:
+                del self._session[mark:]
+                self._effective_policy()
+
+    def _effective_policy(self, masks: bool = True) -> None:
+        """self.policy = the bank's policy.json + this store's session-only changes, in order."""
+        self.policy = copy.deepcopy(self._disk_policy)
+        for action, arg in self._session:
+            if action == "fallback":
+                self.policy["fallback"] = arg
+            else:
+                _apply_blocked(self.policy, action, arg)
+        if masks:
             for L in self.levels.values():
                 L.mask = self._refused_mask(L.info)
-            return {lv: len(ids) for lv, ids in targets.items()}
-        self._save_policy()
-        self._audit("unblock", targets, reason)
-        return {lv: len(ids) for lv, ids in targets.items()}
 
-    def set_fallback(self, fallback: Fallback) -> None:
+    def _check_fallback(self, fallback: str) -> None:
         if fallback not in ("zeros", "generic"):
             raise ValueError(f"fallback: {fallback!r} is not 'zeros' or 'generic'")
         if fallback == "generic" and not any(L.info.has_generic for L in self.levels.values()):
             raise BankError(f"{self.root}: fallback 'generic' needs a bank with a generic memory")
-        self.policy["fallback"] = fallback
-        self._save_policy()
-        self._audit("set-fallback", {}, fallback)
+
+    def set_fallback(self, fallback: Fallback) -> None:
+        self._check_fallback(fallback)
+        with self._writing("set-fallback"):
+            self._disk_policy["fallback"] = fallback
+            self._save_policy()
+            self._audit("set-fallback", {}, fallback)
 
     def blocked_fraction(self) -> float:
         """Share of the bank's parameters that is refused (blocked or deleted)."""
@@ -551,9 +668,11 @@ class MemoryStore:
         return refused / total if total else 0.0
 
     def _save_policy(self) -> None:
-        atomic_write_json(self.root / "policy.json", self.policy)
-        for L in self.levels.values():
-            L.mask = self._refused_mask(L.info)
+        """Publish `_disk_policy` (this store's session-only blocks stay out of the file)."""
+        with self._rw.exclusive() as counter:
+            atomic_write_json(self.root / "policy.json", self._disk_policy)
+            self._seen = counter
+        self._effective_policy()
 
     def _audit(self, action: str, targets: Mapping[int, Sequence[int]], reason: str) -> None:
         entry = {
@@ -591,11 +710,18 @@ class MemoryStore:
         self.refused_served = {lv: 0 for lv in self.levels}
 
 
-def _whoami() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):  # no passwd entry in some containers
-        return f"uid-{os.getuid()}"
+def _apply_blocked(policy: dict[str, Any], action: str, targets: Mapping[int, Sequence[int]]) -> None:
+    for lv, ids in targets.items():
+        cur = {i for a, b in policy["blocked"].get(str(lv), []) for i in range(a, b)}
+        cur = cur | set(ids) if action == "block" else cur - set(ids)
+        policy["blocked"][str(lv)] = _ranges(cur)
+
+
+def _identity(root: Path, info: BankInfo) -> tuple:
+    """What a reader's open files and digests depend on: the directory (a rewrite or merge
+    replaces it), the generation (in-place edits) and where each level's file lives (relocate)."""
+    return (os.stat(root).st_ino, info.generation,
+            tuple(sorted((lv.level, lv.file) for lv in info.levels.values())))
 
 
 def read_policy(root: Path) -> dict[str, Any]:
@@ -668,15 +794,31 @@ def _apply_journals(root: Path) -> int:
 def recover(root: str | os.PathLike) -> int:
     """Finish any interrupted edit of the bank at root (called by every open): put back
     a bank whose replacement was interrupted, drop temp files of interrupted atomic
-    writes, replay complete journals."""
+    writes, replay complete journals. Done under the writer lock; if a live process holds
+    it, that writer is mid-operation (its temp files and journal are its own) and will
+    finish them, so nothing is touched."""
     from memtree.io import restore_replaced_dir
 
     root = Path(root)
-    restore_replaced_dir(root)
-    if root.is_dir():
-        for stale in root.glob(".*.tmp"):
-            stale.unlink(missing_ok=True)
-    return _apply_journals(root)
+    if not _needs_recovery(root):
+        return 0
+    try:
+        with bank_writer(root, operation="recover"), exclusive_change(root):
+            restore_replaced_dir(root)
+            if root.is_dir():
+                for stale in root.glob(".*.tmp"):
+                    stale.unlink(missing_ok=True)
+            return _apply_journals(root)
+    except BankBusy:
+        return 0
+
+
+def _needs_recovery(root: Path) -> bool:
+    if not root.exists():
+        return (root.parent / f".{root.name}.tmp-old").is_dir()
+    jdir = root / "journal"
+    return (any(root.glob(".*.tmp")) or
+            (jdir.is_dir() and (any(jdir.glob("*.jnl")) or any(jdir.glob(".*.tmp")))))
 
 
 def audit_log(root: str | os.PathLike) -> list[dict[str, Any]]:

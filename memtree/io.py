@@ -10,14 +10,52 @@ it into place only once complete.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+# Errors that mean "the storage could not take the write" (full, over quota, failing, read-only,
+# over a file-size limit), as opposed to a bug: they are reported naming the path being written.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.EROFS})
+
+
+class WriteFailed(OSError):
+    """A write that the storage refused; the message names the path and what was kept."""
+
+
+def write_error(path: str | os.PathLike, e: BaseException, kept: str = "", *, outer: bool = False) -> BaseException:
+    """`e` re-worded to name `path`, if it is a storage error (ENOSPC, EIO, …) anywhere in its
+    chain; otherwise `e` itself. `kept` says what survives (default: the previous version).
+    An error already naming a path is kept, unless `outer` (a directory being published names
+    itself rather than one of its temp files)."""
+    cause: BaseException | None = e
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno in DISK_ERRNOS):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None or (isinstance(e, WriteFailed) and not outer):
+        return e
+    kept = kept or "nothing was replaced: the previous version, if any, is intact"
+    return WriteFailed(cause.errno, f"could not write {path}: {os.strerror(cause.errno)}; {kept}. "
+                                    "Free space (or fix the disk) and rerun: finished work is reused")
+
+
+@contextlib.contextmanager
+def naming_path(path: str | os.PathLike, kept: str | Callable[[], str] = "", *,
+                outer: bool = False) -> Iterator[None]:
+    """Re-raise storage errors from the block as `WriteFailed` naming `path` (see `write_error`);
+    `kept` may be a function, asked only when the error happens."""
+    try:
+        yield
+    except Exception as e:
+        err = write_error(path, e, kept() if callable(kept) else kept, outer=outer)
+        if err is e:
+            raise
+        raise err from e
 
 
 def _fsync_dir(path: Path) -> None:
@@ -43,11 +81,12 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     os.close(fd)
     tmp_path = Path(tmp)
     try:
-        yield tmp_path
-        with open(tmp_path, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp_path, path)
-        _fsync_dir(path.parent)
+        with naming_path(path):
+            yield tmp_path
+            with open(tmp_path, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp_path, path)
+            _fsync_dir(path.parent)
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
@@ -56,6 +95,18 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
+
+
+def atomic_save_npy(path: str | os.PathLike, arr: Any) -> None:
+    """`np.save` atomically. Serialised in memory first: numpy's own file writes report a full
+    disk as a short write without its errno, which `WriteFailed` could not recognise."""
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    atomic_write_bytes(path, buf.getbuffer())
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -93,11 +144,13 @@ def iter_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError) -> 
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_dir(path: str | os.PathLike, *,
+               publish_guard: Callable[[], contextlib.AbstractContextManager] | None = None) -> Iterator[Path]:
     """Build a directory under a temp name; rename it onto `path` on clean exit.
 
     An existing `path` is replaced. A crash leaves only a `.name.tmp-*` sibling,
-    which the next attempt removes.
+    which the next attempt removes. `publish_guard()` is entered around the renames only
+    (e.g. a lock that keeps readers out while the old version is swapped for the new).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,9 +158,11 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        yield tmp
-        _fsync_tree(tmp)
-        replace_dir(tmp, path)
+        with naming_path(path, outer=True):
+            yield tmp
+            _fsync_tree(tmp)
+            with publish_guard() if publish_guard else contextlib.nullcontext():
+                replace_dir(tmp, path)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

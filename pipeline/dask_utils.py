@@ -78,8 +78,10 @@ def map_tasks(
     try:
         for fut in as_completed(futures):
             if fut.status == "error":
-                client.cancel(futures)
-                fut.result()  # re-raises the task's own exception
+                try:
+                    fut.result()  # re-raises the task's own exception
+                finally:  # cancelling the failed future first would turn its error into a FutureCancelledError
+                    client.cancel([f for f in futures if f is not fut])
             bar.update(1)
         return [f.result() for f in futures]
     finally:

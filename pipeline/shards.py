@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from memtree.io import atomic_path, atomic_write_json, read_json
+from memtree.io import atomic_path, atomic_write_json, naming_path, read_json
 
 SHARDS_FORMAT = "memtree-shards"
 SHARDS_VERSION = 1
@@ -111,8 +111,9 @@ def write_stream(split_dir: str, out_dir: str, subtree: int, seq_len: int, eot_i
     offs = tokens.combine_chunks().offsets.to_numpy()
     sample_leaf: list[int] = []
     n_tokens = 0
-    with MDSWriter(out=str(out), columns=MDS_COLUMNS, compression=compression,
-                   hashes=hashes or None, size_limit=size_limit, progress_bar=False) as writer:
+    with naming_path(out, kept="the partial stream is rewritten whole on the rerun"), \
+            MDSWriter(out=str(out), columns=MDS_COLUMNS, compression=compression,
+                      hashes=hashes or None, size_limit=size_limit, progress_bar=False) as writer:
         for rows in samples:
             seq: list[np.ndarray] = []
             bounds = [0]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memtree.io import atomic_write_json, read_json, replace_dir
+from memtree.io import atomic_write_json, naming_path, read_json, replace_dir
 
 MARKER = "_stage.json"
 
@@ -67,7 +67,8 @@ def run_stage(root: Path, stage: StageDef, fp: str, ctx: Any, *, log: Callable[[
             shutil.rmtree(stale, ignore_errors=True)
     log(f"[{stage.name}] running" + (" (resuming)" if any(work.iterdir()) else ""))
     t0 = time.time()
-    stats = stage.fn(ctx, work)
+    with naming_path(work, kept=f"finished stages, and the parts of stage {stage.name} already written, are kept"):
+        stats = stage.fn(ctx, work)
     seconds = time.time() - t0
     marker = {"stage": stage.name, "version": stage.version, "fingerprint": fp,
               "stats": stats, "seconds": round(seconds, 3)}

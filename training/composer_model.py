@@ -8,8 +8,8 @@ the trainer's `memory.read: auto` picks it on a GPU), LoRA memories — and
 everything with `memory_read="gather"` — from per-sequence copies assembled
 per layer.
 The draw for each sequence depends only on (seed, training-forward counter,
-row), and the counter is a buffer saved in checkpoints, so a resumed run makes
-the same draws.
+the sequence's tokens), and the counter is a buffer saved in checkpoints, so a
+resumed run makes the same draws, also at another world size.
 
 At evaluation `memory_mode` selects "fetched", "generic" or "none" (anchor only).
 
@@ -99,13 +99,17 @@ class MemtreeLM(ComposerModel):
         self.last_use_generic: torch.Tensor | None = None
         self.last_seq_loss: torch.Tensor | None = None
 
-    def _draw_generic(self, batch: int) -> torch.Tensor:
-        from composer.utils import dist
-
-        key = hashlib.blake2b(f"{self.seed}:{int(self.forwards)}:{dist.get_global_rank()}".encode(),
-                              digest_size=8).digest()
-        g = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
-        return torch.rand(batch, generator=g) < self.generic_prob
+    def _draw_generic(self, batch: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """(B,) bool, True where a sequence reads the generic memory. Each sequence's draw is
+        keyed on (seed, forward counter, its tokens `ids[i]`), not on the rank or its row, so a
+        run resumed at another world size, where Streaming deals the same global batch out to
+        more or fewer ranks, draws the same for every sequence (identical sequences in one
+        forward draw alike). Without `ids` the row index stands in for the tokens."""
+        rows = ids.detach().cpu().numpy() if ids is not None else None
+        prefix = f"{self.seed}:{int(self.forwards)}:".encode()
+        u = [int.from_bytes(hashlib.blake2b(prefix + (rows[i].tobytes() if rows is not None else b"row%d" % i),
+                                            digest_size=8).digest(), "little") / 2.0**64 for i in range(batch)]
+        return torch.tensor(u, dtype=torch.float64) < self.generic_prob
 
     def memories_for(self, paths: torch.Tensor, use_generic: torch.Tensor):
         slots = self.bank.slots(paths.cpu(), use_generic.cpu())
@@ -122,7 +126,7 @@ class MemtreeLM(ComposerModel):
         if self.bank is not None and self.memory_mode != "none":
             B = ids.shape[0]
             if self.training:
-                use_generic = self._draw_generic(B)
+                use_generic = self._draw_generic(B, ids)
                 self.forwards += 1
             else:
                 use_generic = torch.full((B,), self.memory_mode == "generic")

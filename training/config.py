@@ -71,6 +71,10 @@ class DataSection:
     # counts (documents × epochs) are exact; True drops the ragged last batch of each epoch.
     drop_last: bool = True
     eval_fraction: float = 0.0  # reserved for held-out evaluation by eval/
+    # check every shard file the run reads (compressed and decompressed copies) against the size
+    # and hash its MDS index records before the Trainer is built (training.data.verify_shards);
+    # not part of the fingerprint (it does not change what is trained)
+    verify_shards: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,6 +191,7 @@ class TrainConfig:
         for k in ("max_duration", "save_interval", "save_num_checkpoints_to_keep", "autoresume", "log_interval",
                   "progress_bar", "save_folder", "run_name", "device", "microbatch_size"):
             d.pop(k, None)
+        d["data"].pop("verify_shards", None)  # a check, not a setting: runs from before it keep their fingerprint
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

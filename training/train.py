@@ -14,6 +14,7 @@ What a run leaves in `save_folder`:
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -23,11 +24,18 @@ from typing import Any
 import torch
 
 from memtree.config import ConfigError, dump_yaml, to_dict
-from memtree.io import atomic_path, atomic_write_json, atomic_write_text, read_json
+from memtree.io import atomic_path, atomic_write_json, atomic_write_text, naming_path, read_json
 from training.composer_model import MemtreeLM, unwrap
 from training.config import TrainConfig, load_train_config
-from training.data import build_dataloader, read_shards_manifest, tokenizer_vocab_size
+from training.data import (
+    build_dataloader,
+    read_shards_manifest,
+    tokenizer_vocab_size,
+    verify_shards,
+)
 from training.optim import MemoryAdamW
+
+log = logging.getLogger(__name__)
 
 
 def build_model(cfg: TrainConfig) -> tuple[MemtreeLM, dict[str, Any]]:
@@ -198,13 +206,22 @@ def _diff(a: Any, b: Any, where: str = "") -> list[str]:
 
 
 def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, loggers: list[Any] | None = None):
-    from composer import Trainer
+    """The Composer Trainer for `cfg`. Before anything is built, with `data.verify_shards` (the
+    default) every shard file the run reads is checked against its MDS index's size and hash
+    (`training.data.verify_shards`; one read of the files, ~1 ms for the demo's 1.7 MB, disk-bound
+    on large data), and a `memory.init_bank` is read through memstore's per-block digests, so
+    corrupt inputs are named before any step."""
+    from composer import DataSpec, Trainer
     from composer.optim import CosineAnnealingWithWarmupScheduler
     from composer.utils import reproducibility
 
     from training.callbacks import default_callbacks
 
     check_save_folder(cfg)
+    if cfg.data.verify_shards:  # a flipped byte is named here, not trained on (or a zstd error mid-run)
+        stats = verify_shards(cfg.data.shards, subtrees=cfg.data.subtrees)
+        log.info("verified %d shard files (%.1f MB) in %.2f s", stats["files"], stats["bytes"] / 1e6,
+                 stats["seconds"])
     if cfg.autoresume:
         drop_unfinished_checkpoints(Path(cfg.save_folder) / "checkpoints")
     reproducibility.seed_all(cfg.seed)  # the model is built before the Trainer seeds anything
@@ -233,8 +250,12 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
     loader = build_dataloader(cfg.data.shards, batch_size=cfg.data.batch_size, subtrees=cfg.data.subtrees,
                               shuffle=cfg.data.shuffle, shuffle_seed=cfg.data.shuffle_seed,
                               num_workers=cfg.data.num_workers, drop_last=cfg.data.drop_last)
+    # the loss is a mean over target tokens: weighting each microbatch by its share of the global
+    # batch's target tokens (not of its samples) keeps the gradient that of the whole global batch,
+    # whatever the world size or microbatching (elastic resumption, training/README.md)
     return Trainer(
-        model=model, train_dataloader=loader, max_duration=cfg.max_duration, optimizers=optimizer,
+        model=model, train_dataloader=DataSpec(loader, get_num_tokens_in_batch=batch_tokens),
+        accumulate_train_batch_on_tokens=True, max_duration=cfg.max_duration, optimizers=optimizer,
         schedulers=CosineAnnealingWithWarmupScheduler(t_warmup=cfg.optim.warmup, alpha_f=cfg.optim.alpha_f),
         callbacks=default_callbacks() + list(callbacks or []), loggers=loggers, run_name=cfg.run_name,
         save_folder=str(Path(cfg.save_folder) / "checkpoints"), save_interval=cfg.save_interval,
@@ -244,6 +265,13 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
         progress_bar=cfg.progress_bar, log_to_console=not cfg.progress_bar, console_log_interval=cfg.log_interval,
         parallelism_config=parallelism, step_schedulers_every_batch=True,
     )
+
+
+def batch_tokens(batch: dict[str, Any]) -> dict[str, int]:
+    """Composer's token counts of a batch: `total` (every position, as Composer counts by default)
+    and `loss_generating` (positions with a target, the loss's denominator)."""
+    ids = batch["input_ids"]
+    return {"total": int(ids.numel()), "loss_generating": int((batch["labels"] != -100).sum())}
 
 
 def fsdp_parallelism(cfg: TrainConfig, model: MemtreeLM, *, gpu: bool) -> dict[str, Any] | None:
@@ -302,10 +330,21 @@ def export(trainer: Any, cfg: TrainConfig) -> dict[str, str]:
     return out
 
 
+def _checkpoints_kept(folder: Path, autoresume: bool) -> str:
+    latest = folder / "latest-rank0.pt"
+    if not latest.is_symlink():
+        return "no checkpoint was complete yet"
+    how = ("the rerun resumes from it and drops the unfinished one" if autoresume
+           else "set autoresume: true to resume from it")
+    return f"the last complete checkpoint, {Path(os.readlink(latest)).name}, is intact; {how}"
+
+
 def train(cfg: TrainConfig, *, callbacks: list[Any] | None = None) -> dict[str, Any]:
     trainer = build_trainer(cfg, callbacks=callbacks)
     try:
-        trainer.fit()
+        ckpts = Path(cfg.save_folder) / "checkpoints"
+        with naming_path(ckpts, kept=lambda: _checkpoints_kept(ckpts, cfg.autoresume)):
+            trainer.fit()
         paths = export(trainer, cfg)
         metrics = {k: float(v) for k, v in trainer.state.train_metric_values.items()}
         atomic_write_json(Path(cfg.save_folder) / "metrics.json", {"train": metrics, **paths})
