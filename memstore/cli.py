@@ -226,7 +226,8 @@ def _add_info(subparsers: argparse._SubParsersAction) -> None:
 
 def _info(args: argparse.Namespace) -> int:
     from memstore.format import read_manifest
-    from memstore.store import read_policy, recover
+    from memstore.journal import recover
+    from memstore.store import read_policy
 
     recover(args.bank)
     info = read_manifest(args.bank)
@@ -254,7 +255,7 @@ def _add_verify(subparsers: argparse._SubParsersAction) -> None:
 
 def _verify(args: argparse.Namespace) -> int:
     from memstore.format import check_tree, read_manifest, verify_bank
-    from memstore.store import recover
+    from memstore.journal import recover
 
     recover(args.bank)
     if args.tree:

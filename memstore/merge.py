@@ -35,8 +35,9 @@ from memstore.format import (
     sums_name,
 )
 from memstore.geometry import AnchorShape, MemoryConfig
+from memstore.journal import recover
 from memstore.locking import bank_writer, exclusive_change
-from memstore.store import _ranges, recover
+from memstore.store import _ranges
 from memtree.config import from_dict
 from memtree.io import atomic_dir, atomic_write_json, read_json
 

@@ -64,12 +64,12 @@ from memstore.format import (
     read_manifest,
     sums_name,
 )
-from memstore.locking import BankBusy, ReadWriteLock, bank_writer, exclusive_change, whoami
+from memstore.journal import apply_journals, journal_bytes, recover
+from memstore.locking import ReadWriteLock, bank_writer, whoami
 from memstore.placement import TierBudget, place_levels
-from memtree.io import atomic_write_bytes, atomic_write_json, dumps_json, read_json
+from memtree.io import atomic_write_bytes, atomic_write_json, read_json
 
 POLICY_FORMAT = "memtree-bank-policy"
-JOURNAL_FORMAT = "memtree-bank-journal"
 Fallback = Literal["zeros", "generic"]
 
 
@@ -559,12 +559,12 @@ class MemoryStore:
             if is_url(self._file_path(self.levels[lv].info)):
                 raise BankError(f"level {lv} lives at {self._file_path(self.levels[lv].info)}, which is "
                                 "read-only here; relocate it to a local path to edit it")
-        journal = _journal_bytes(manifest, writes)
+        journal = journal_bytes(manifest, writes)
         jdir = self.root / "journal"
         jdir.mkdir(exist_ok=True)
         atomic_write_bytes(jdir / f"{manifest['generation']:012d}.jnl", journal)
         with self._rw.exclusive() as counter:  # readers wait while bytes change, then reload
-            _apply_journals(self.root)
+            apply_journals(self.root)
             self._seen = counter
         self.info = read_manifest(self.root)
         self._identity = _identity(self.root, self.info)
@@ -734,95 +734,3 @@ def read_policy(root: Path) -> dict[str, Any]:
     if p.get("fallback") not in ("zeros", "generic"):
         raise BankError(f"{path}: fallback {p.get('fallback')!r} is not 'zeros' or 'generic'")
     return p
-
-
-# --------------------------------------------------------------------------- journal
-
-
-def _journal_bytes(manifest: dict, writes: list[tuple[int, int, bytes]]) -> bytes:
-    entries, body, off = [], [], 0
-    for lv, slot, rec in writes:
-        entries.append({"level": lv, "slot": slot, "offset": off, "length": len(rec)})
-        body.append(rec)
-        off += len(rec)
-    header = {"format": JOURNAL_FORMAT, "version": 1, "manifest": manifest, "entries": entries, "body_bytes": off}
-    head = dumps_json(header).encode()
-    return len(head).to_bytes(8, "little") + head + b"".join(body)
-
-
-def _apply_journals(root: Path) -> int:
-    """Apply every complete journal in order; idempotent, so a crash mid-apply is
-    repaired by applying again. Returns how many were applied."""
-    jdir = root / "journal"
-    if not jdir.is_dir():
-        return 0
-    done = 0
-    for stale in jdir.glob(".*.tmp"):  # a journal whose write never finished: the edit never happened
-        stale.unlink()
-    for jpath in sorted(jdir.glob("*.jnl")):
-        data = jpath.read_bytes()
-        n = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8 : 8 + n])
-        if header.get("format") != JOURNAL_FORMAT or len(data) != 8 + n + header["body_bytes"]:
-            raise BankError(f"{jpath}: malformed journal; the bank needs manual repair")
-        body = memoryview(data)[8 + n :]
-        manifest = header["manifest"]
-        levels = {int(k): LevelInfo(**v) for k, v in manifest["levels"].items()}
-        by_level: dict[int, list[dict]] = {}
-        for e in header["entries"]:
-            by_level.setdefault(e["level"], []).append(e)
-        for lv, entries in by_level.items():
-            info = levels[lv]
-            fd = os.open(level_path(root, info), os.O_WRONLY)
-            sfd = os.open(root / sums_name(info), os.O_WRONLY)
-            try:
-                for e in entries:
-                    rec = body[e["offset"] : e["offset"] + e["length"]]
-                    os.pwrite(fd, rec, e["slot"] * info.stride)
-                    os.pwrite(sfd, digest(rec), e["slot"] * DIGEST_BYTES)
-                os.fsync(fd)
-                os.fsync(sfd)
-            finally:
-                os.close(fd)
-                os.close(sfd)
-        atomic_write_json(root / "manifest.json", manifest)
-        jpath.unlink()
-        done += 1
-    return done
-
-
-def recover(root: str | os.PathLike) -> int:
-    """Finish any interrupted edit of the bank at root (called by every open): put back
-    a bank whose replacement was interrupted, drop temp files of interrupted atomic
-    writes, replay complete journals. Done under the writer lock; if a live process holds
-    it, that writer is mid-operation (its temp files and journal are its own) and will
-    finish them, so nothing is touched."""
-    from memtree.io import restore_replaced_dir
-
-    root = Path(root)
-    if not _needs_recovery(root):
-        return 0
-    try:
-        with bank_writer(root, operation="recover"), exclusive_change(root):
-            restore_replaced_dir(root)
-            if root.is_dir():
-                for stale in root.glob(".*.tmp"):
-                    stale.unlink(missing_ok=True)
-            return _apply_journals(root)
-    except BankBusy:
-        return 0
-
-
-def _needs_recovery(root: Path) -> bool:
-    if not root.exists():
-        return (root.parent / f".{root.name}.tmp-old").is_dir()
-    jdir = root / "journal"
-    return (any(root.glob(".*.tmp")) or
-            (jdir.is_dir() and (any(jdir.glob("*.jnl")) or any(jdir.glob(".*.tmp")))))
-
-
-def audit_log(root: str | os.PathLike) -> list[dict[str, Any]]:
-    path = Path(root) / "audit.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

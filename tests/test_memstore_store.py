@@ -30,7 +30,8 @@ import torch
 
 from memstore.format import GENERIC, BankError, read_manifest, verify_bank, write_bank
 from memstore.geometry import AnchorShape, MemoryConfig, block_layout
-from memstore.store import MemoryStore, TierConfig, audit_log
+from memstore.journal import audit_log
+from memstore.store import MemoryStore, TierConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
