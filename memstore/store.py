@@ -330,9 +330,7 @@ class MemoryStore:
                 yield
                 return
             with self._rw.shared() as counter:
-                if counter != self._seen:
-                    self._reload()
-                    self._seen = counter
+                self._catch_up(counter)
                 self._depth = 1
                 try:
                     yield
@@ -343,21 +341,22 @@ class MemoryStore:
     def _writing(self, operation: str):
         """The bank's writer lock for one operation, with this store brought up to date first."""
         with bank_writer(self.root, operation=operation, wait=self.lock_wait), self._mutex:
-            with self._rw.shared() as counter:
-                if counter != self._seen:
-                    self._reload()
-                    self._seen = counter
+            self.refresh()
             yield
 
     def refresh(self) -> bool:
         """Reload now if another process changed the bank; True if it had. Every fetch does this
         itself, so a long-running reader needs it only to see changes between fetches."""
         with self._mutex, self._rw.shared() as counter:
-            if counter == self._seen:
-                return False
-            self._reload()
-            self._seen = counter
-            return True
+            return self._catch_up(counter)
+
+    def _catch_up(self, counter: int) -> bool:
+        """Reload if the bank's change counter moved past what this store last saw."""
+        if counter == self._seen:
+            return False
+        self._reload()
+        self._seen = counter
+        return True
 
     # -- plumbing ---------------------------------------------------------------
     def _file_path(self, lv: LevelInfo) -> str:
