@@ -132,6 +132,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     ct.add_argument("--config", help="YAML with the grid (default eval/yamls/continual.yaml)")
     ct.set_defaults(func=_continual)
 
+    ad = sub.add_parser(
+        "eval-adapters",
+        help="memory adapters vs full fine-tuning vs LoRA on new facts (seed 004 §7.3)",
+        description="Fine-tunes a bios demo run's pretrained anchor on facts about new entities under four "
+                    "conditions (full, lora, mem_adapter, mem_adapter+lora) from the same weights, and measures "
+                    "learning (new-fact accuracy), forgetting (old-fact accuracy, held-out perplexity), trainable "
+                    "parameters, bank bytes, FLOPs per token and step time. Writes OUT/results.json, OUT/report.md, "
+                    "OUT/pareto.png (default OUT: ROOT/adapters). Grid: eval/yamls/adapters.yaml.",
+    )
+    ad.add_argument("root", help="a bios demo run (memtree demo's --root): corpus.json, facts.jsonl, train/anchor")
+    ad.add_argument("overrides", nargs="*", help="eval.adapters.AdaptersConfig key=value overrides "
+                                                 "(n_facts=… epochs=… run=… out=…)")
+    ad.add_argument("--config", help="YAML with the grid (default eval/yamls/adapters.yaml)")
+    ad.set_defaults(func=_adapters)
+
     d = sub.add_parser(
         "demo",
         help="the main job (what `make demo` runs): pipeline → anchor → memory co-training → evaluation",
@@ -278,4 +293,11 @@ def _continual(args: argparse.Namespace) -> int:
     from eval.continual import load_continual_config, run_continual
 
     print(run_continual(load_continual_config(args.config, [f"root={args.root}", *args.overrides])))
+    return 0
+
+
+def _adapters(args: argparse.Namespace) -> int:
+    from eval.adapters import load_adapters_config, run_adapters
+
+    print(run_adapters(load_adapters_config(args.config, [f"root={args.root}", *args.overrides])))
     return 0

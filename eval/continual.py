@@ -194,6 +194,24 @@ def equal_learning(rows: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
     return out
 
 
+def fact_task(root: Path, out: Path, cfg, rm) -> tuple[list, list, list, list, list]:
+    """The new-fact task on a demo root, shared with eval-adapters: the stream's records (written
+    to OUT/stream.jsonl), the new-fact probes, the old-fact probes, the held-out documents and the
+    stream tokenised for rm's model, one (record id, ids, real) batch per record. cfg: any config
+    with n_facts, paraphrases, world_seed, old_probes, old_min_mentions, held_out_docs, seed."""
+    from eval.longtail import build_probes
+    from training.finetune import batch_tensors
+
+    facts = new_facts(root, cfg)
+    records = write_stream(facts, out / "stream.jsonl", cfg.paraphrases, cfg.seed)
+    new = build_probes([{**f, "mentions": 0} for f in facts], seed=cfg.seed)
+    held = [r for _, r in iter_jsonl(root / "heldout.jsonl")][: cfg.held_out_docs]
+    limit = rm.model.config.max_seq_len
+    batches = [(rid, *batch_tensors(texts, rm.encode, pad_id=rm.eot_id, max_len=limit, where=f"fact {rid}:"))
+               for rid, texts in records]
+    return records, new, old_probes(root, cfg), held, batches
+
+
 def ensure_pretrained(root: Path, cfg: ContinualConfig) -> Path:
     """The memory-layer run (trained when missing) with its background counts (collected when missing)."""
     from eval.demo import DEMO_TRAIN_YAML
@@ -228,7 +246,7 @@ def run_continual(cfg: ContinualConfig, *, progress: bool = True) -> Path:
     import torch
 
     from eval.model import RunModel
-    from training.finetune import batch_tensors, finetune_stream, load_background
+    from training.finetune import finetune_stream, load_background
 
     root = Path(cfg.root)
     out = Path(cfg.out) if cfg.out else root / "continual"
@@ -239,16 +257,7 @@ def run_continual(cfg: ContinualConfig, *, progress: bool = True) -> Path:
     rm = RunModel.load(run)
     model = rm.model
     background = load_background(run / BACKGROUND_DIR, model)
-    facts = new_facts(root, cfg)
-    records = write_stream(facts, out / "stream.jsonl", cfg.paraphrases, cfg.seed)
-    from eval.longtail import build_probes
-
-    new = build_probes([{**f, "mentions": 0} for f in facts], seed=cfg.seed)
-    old = old_probes(root, cfg)
-    held = [r for _, r in iter_jsonl(root / "heldout.jsonl")][: cfg.held_out_docs]
-    limit = model.config.max_seq_len
-    batches = [(rid, *batch_tensors(texts, rm.encode, pad_id=rm.eot_id, max_len=limit, where=f"fact {rid}:"))
-               for rid, texts in records]
+    records, new, old, held, batches = fact_task(root, out, cfg, rm)
     pretrained = {k: v.detach().clone() for k, v in model.state_dict().items()}
     t = time.time()
     before = measure(rm, new, old, held)
@@ -441,7 +450,7 @@ def write_continual_report(out: Path, report: dict[str, Any]) -> Path:
     lines += ["", f"Timings: {report['timings']}", ""]
     atomic_write_text(out / "report.md", "\n".join(lines))
     if hier:
-        _pareto([(BLOCK_LABEL[m], [r for r in hier["runs"] if r["method"] == m], style)
+        plot_pareto([(BLOCK_LABEL[m], [r for r in hier["runs"] if r["method"] == m], style)
                  for m, style in BLOCK_STYLE.items()], hier["before"], report["chance"],
                 "Hierarchical memory blocks: learning vs forgetting", out / "pareto_blocks.png")
     tfidf = [(m.replace("_", " "), [r for r in report["runs"] if r["method"] == m
@@ -451,7 +460,7 @@ def write_continual_report(out: Path, report: dict[str, Any]) -> Path:
                                             and r["spec"].get("ranking") == rk],
                   {"facecolors": "none", "edgecolors": "tab:green", "marker": mk})  # 003 Fig. 6, hollow
                  for rk, mk in (("tf", "v"), ("all", "D"))]
-    _pareto(tfidf + ablations, b, report["chance"], "Learning vs forgetting over learning rates, LoRA ranks and top-t",
+    plot_pareto(tfidf + ablations, b, report["chance"], "Learning vs forgetting over learning rates, LoRA ranks and top-t",
             out / "pareto.png")
     return out / "report.md"
 
@@ -461,7 +470,7 @@ BLOCK_STYLE = {"tfidf": {"c": "tab:green", "marker": "o"}, "all_fetched": {"c": 
 BLOCK_LABEL = {"tfidf": "TF-IDF units", "all_fetched": "every fetched block", "anchor": "anchor finetune"}
 
 
-def _pareto(series: Sequence[tuple[str, Sequence[dict[str, Any]], dict[str, Any]]], before: dict[str, Any],
+def plot_pareto(series: Sequence[tuple[str, Sequence[dict[str, Any]], dict[str, Any]]], before: dict[str, Any],
             chance: float, title: str, path: Path) -> None:
     """Learning (x) against each forgetting measure (old-fact accuracy, held-out perplexity), one
     marker per configuration: series of (label, rows, scatter style)."""

@@ -15,6 +15,11 @@ Methods (`method`):
   full           every parameter (AdamW, weight decay 0.1 by default: the seed's baseline).
   lora           LoRA adapters on every attention and FFN matrix (training/lora.py), merged into
                  the weights when the stream ends. AdamW by default.
+  mem_adapter    memory cross-attention adapters (training/mem_adapter.py, seed 004 §7.3): MoC
+                 layers added to the chosen blocks (`adapter`), the base model frozen; the bank at
+                 lr × adapter.bank_lr_factor (0: frozen, §6.1). A model that already has MoC
+                 layers has its own memory trained this way instead (its pretrained bank). AdamW.
+  mem_adapter+lora  both: the adapters and LoRA on the base's matrices (merged at the end).
 
 What the run leaves in `save_folder`: anchor.safetensors and memtree_config.json (a run folder
 that `load_run` / `memtree eval` open like any other), the background counts it was given
@@ -41,6 +46,7 @@ from torch import Tensor, nn
 from memtree.config import ConfigError, is_int, load_config
 from memtree.io import atomic_dir, atomic_path, atomic_write_json, iter_jsonl, read_json
 from training.lora import add_lora, merge_lora
+from training.mem_adapter import AdapterSpec, adapter_groups, attach_to_anchor
 from training.pkm import (
     BACKGROUND_DIR,
     BackgroundCounts,
@@ -53,7 +59,7 @@ from training.pkm import (
 
 FINETUNE_FORMAT = "memtree-finetune"
 FINETUNE_VERSION = 1
-METHODS = ("sparse_memory", "full", "lora")
+METHODS = ("sparse_memory", "full", "lora", "mem_adapter", "mem_adapter+lora")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +70,8 @@ class FinetuneSpec:
     adamw otherwise: each method's best in the seed); lr; weight_decay: AdamW's (-1: 0.1 for
     full and lora as in the seed, 0 for sparse_memory); top_t: slots trained per batch and memory
     layer; ranking: tfidf | tf | all; lora_rank, lora_alpha (0: 2 × rank), lora_targets: all |
-    attention; steps_per_batch: gradient steps per record."""
+    attention; steps_per_batch: gradient steps per record; adapter: the memory adapters of
+    mem_adapter and mem_adapter+lora (`training.mem_adapter.AdapterSpec`)."""
 
     method: str = "sparse_memory"
     optimizer: str = "auto"
@@ -76,11 +83,14 @@ class FinetuneSpec:
     lora_alpha: float = 0.0
     lora_targets: str = "all"
     steps_per_batch: int = 1
+    adapter: AdapterSpec = dataclasses.field(default_factory=AdapterSpec)
 
     def __post_init__(self) -> None:
         checks = (
             ("method", self.method in METHODS, f"one of {METHODS}"),
             ("optimizer", self.optimizer in ("auto", "sgd", "adamw"), "auto, sgd or adamw"),
+            ("optimizer", not (self.method.startswith("mem_adapter") and self.optimizer == "sgd"),
+             "auto or adamw with a mem_adapter method (its bank in its own parameter group)"),
             ("lr", isinstance(self.lr, int | float) and self.lr > 0, "positive"),
             ("weight_decay", isinstance(self.weight_decay, int | float) and (self.weight_decay >= 0
                                                                              or self.weight_decay == -1),
@@ -116,6 +126,17 @@ class FinetuneSpec:
             return f"sparse {sel} lr={self.lr:g}"
         if self.method == "lora":
             return f"lora r={self.lora_rank} lr={self.lr:g}"
+        if self.method.startswith("mem_adapter"):
+            a = self.adapter
+            parts = [f"mem-adapter {a.layers}", f"{a.n_chapters}×{a.tokens_per_chapter}"]
+            parts += [f"v{a.variation}"] if a.variation != 1 else []
+            parts += [] if a.shared_bank else ["per-layer"]
+            parts += [a.bank_dtype] if a.bank_dtype != "fp32" else []
+            parts += [f"{a.low_rank} r={a.rank}"] if a.low_rank != "none" else []
+            parts += ["frozen bank" if a.bank_lr_factor == 0 else f"bank×{a.bank_lr_factor:g}"] if a.bank_lr_factor != 1 else []
+            parts += ["frozen W_K W_V"] if a.freeze_kv else []
+            parts += [f"+ lora r={self.lora_rank}"] if self.method.endswith("+lora") else []
+            return " ".join(parts) + f" lr={self.lr:g}"
         return f"full lr={self.lr:g}"
 
 
@@ -211,21 +232,38 @@ class Finetuner:
             params = [m.values.weight for m in self.memory.values()]
             for p in params:
                 p.requires_grad_(True)
-        elif spec.method == "lora":
+        elif spec.method in ("lora", "mem_adapter+lora"):
             alpha = spec.lora_alpha or 2.0 * spec.lora_rank
             self.wrapped = add_lora(model, rank=spec.lora_rank, alpha=alpha, targets=spec.lora_targets)
             params = [p for p in model.parameters() if p.requires_grad]
+        elif spec.method == "mem_adapter":
+            for p in model.parameters():
+                p.requires_grad_(False)
+            params = []
         else:
             for p in model.parameters():
                 p.requires_grad_(True)
             params = list(model.parameters())
+        groups = None
+        self.adapter = None
+        if spec.method.startswith("mem_adapter"):
+            if model.config.moc is None:  # a pretrained MoC model keeps (and trains) its own memory
+                # the adapters' init follows the torch seed the caller set, like LoRA's A
+                self.adapter = attach_to_anchor(model, spec.adapter, seed=int(torch.initial_seed()) % 2**31)
+            mem = adapter_groups(model, spec.adapter)
+            dense = params + [p for p in mem["layers"] + mem["kv"] if p.requires_grad]
+            bank = [p for p in mem["bank"] if p.requires_grad]
+            groups = [{"params": dense}] + ([{"params": bank, "lr": spec.lr * spec.adapter.bank_lr_factor,
+                                               "weight_decay": 0.0}] if bank else [])
+            params = dense + bank
         self.params = params
         if spec.resolved_optimizer == "sgd":
             # plain SGD (no momentum, no decay): the only torch optimizer that takes the memory's
             # sparse gradients as they are, and the seed's choice for sparse memory finetuning
             self.opt = torch.optim.SGD(params, lr=spec.lr)
         else:
-            self.opt = MemoryAdamW(params, lr=spec.lr, betas=(0.9, 0.999), weight_decay=spec.resolved_weight_decay)
+            self.opt = MemoryAdamW(groups or params, lr=spec.lr, betas=(0.9, 0.999),
+                                   weight_decay=spec.resolved_weight_decay)
         self.n_steps = 0
 
     def step(self, ids: Tensor, real: Tensor, *, where: str = "") -> dict[str, Any]:
@@ -236,8 +274,9 @@ class Finetuner:
         sparse = self.spec.method == "sparse_memory"
         with recording(self.model) if sparse else contextlib.nullcontext() as logs:  # only sparse needs the slots
             loss = lm_loss(self.model(ids), ids, real)
+        aux = self.model.moc_aux_loss() if self.spec.method.startswith("mem_adapter") else None
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss if aux is None else loss + aux).backward()
         if sparse:
             for i, m in self.memory.items():
                 counts = access_counts(logs[i][-1], m.cfg.n_slots, real)
@@ -264,7 +303,7 @@ class Finetuner:
 
     def finish(self) -> None:
         """Fold LoRA adapters into the weights and leave every parameter frozen."""
-        if self.spec.method == "lora":
+        if self.spec.method in ("lora", "mem_adapter+lora"):
             merge_lora(self.model)
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -277,10 +316,13 @@ def snapshot(model: nn.Module) -> dict[str, Tensor]:
 
 def changes(before: dict[str, Tensor], model: nn.Module) -> dict[str, Any]:
     """What finetuning changed: parameters (elements), bytes (elements × their size), and per
-    tensor the rows (first dimension) that differ: what a device would have to rewrite."""
+    tensor the rows (first dimension) that differ: what a device would have to rewrite. Tensors
+    the finetune added (memory adapters) count under added_elements / added_bytes."""
     after = model.state_dict()
-    if set(after) != set(before):
-        raise ValueError(f"state dict keys changed: {sorted(set(after) ^ set(before))[:4]}")
+    gone = sorted(set(before) - set(after))
+    if gone:
+        raise ValueError(f"state dict keys disappeared: {gone[:4]}")
+    new = [after[k] for k in sorted(set(after) - set(before))]
     n = rows = nbytes = 0
     tensors = {}
     for k, b in before.items():
@@ -294,7 +336,8 @@ def changes(before: dict[str, Tensor], model: nn.Module) -> dict[str, Any]:
             rows += r
             nbytes += c * a.element_size()
     total = sum(t.numel() for t in before.values())
-    return {"elements": n, "of_elements": total, "bytes": nbytes, "rows": rows, "tensors": tensors}
+    return {"elements": n, "of_elements": total, "bytes": nbytes, "rows": rows, "tensors": tensors,
+            "added_elements": sum(t.numel() for t in new), "added_bytes": sum(t.numel() * t.element_size() for t in new)}
 
 
 def finetune_stream(model: nn.Module, batches: Iterable[tuple[str, Tensor, Tensor]], spec: FinetuneSpec, *,
@@ -364,7 +407,12 @@ def finetune(cfg: FinetuneConfig, *, progress: bool = True) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     with atomic_path(out / "anchor.safetensors") as tmp:
         save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(tmp))
-    shutil.copyfile(Path(cfg.run) / "memtree_config.json", out / "memtree_config.json")
+    run_config = read_json(Path(cfg.run) / "memtree_config.json")
+    if model.config.moc is not None:  # memory adapters were added: the run reopens with them
+        from memtree.config import to_dict
+
+        run_config["config"]["model"]["moc"] = to_dict(model.config.moc)
+    atomic_write_json(out / "memtree_config.json", run_config)
     if bg_dir.is_dir() and not (out / BACKGROUND_DIR).exists():
         shutil.copytree(bg_dir, out / BACKGROUND_DIR)
     record = {"format": FINETUNE_FORMAT, "version": FINETUNE_VERSION,

@@ -28,6 +28,11 @@ auxiliary losses (load balance and z-loss) are a subset of it.
 Low-rank memory, which the seed does not count: "factorized" adds
 2·B·N_sel·r·d to expand the selected tokens; "reduced" runs the memory
 attention at width r (W_Q d→r, W_K/W_V r→kv, W_O r→d).
+
+Fine-tuning conditions (seed 004 §7.3, `finetune_accounting`): trainable parameters, bytes of
+the memory bank and forward FLOPs per token of full fine-tuning, LoRA (unmerged while it trains:
+2·r·(d_in + d_out) per token and adapted matrix; merged, it costs nothing at inference), memory
+adapters (their MoC layers as counted above) and both together.
 """
 
 from __future__ import annotations
@@ -215,3 +220,73 @@ def iso_flop_depth(anchor: AnchorShape, moc: MoCConfig, *, seq_len: int, batch: 
             checkpointing=checkpointing) < target:
         n += 1
     return n
+
+
+# -- fine-tuning conditions (seed 004 §7.3) -------------------------------------------------------------
+
+LORA_MATRICES = {"attention": ("q", "k", "v", "o"), "all": ("q", "k", "v", "o", "w1", "w2", "w3")}
+
+
+def _matrix_shapes(anchor: AnchorShape) -> dict[str, tuple[int, int]]:
+    """(d_in, d_out) of each projection of a block."""
+    d, f = anchor.d_model, anchor.ffn_dim
+    return {"q": (d, anchor.q_dim), "k": (d, anchor.kv_dim), "v": (d, anchor.kv_dim), "o": (anchor.q_dim, d),
+            "w1": (d, f), "w2": (d, f), "w3": (f, d)}
+
+
+def lora_params(anchor: AnchorShape, rank: int, targets: str = "all") -> int:
+    """A (r, d_in) and B (d_out, r) on every targeted matrix of every block."""
+    shapes = _matrix_shapes(anchor)
+    return anchor.n_layers * sum(rank * sum(shapes[m]) for m in LORA_MATRICES[targets])
+
+
+def lora_flops_per_token(anchor: AnchorShape, rank: int, targets: str = "all") -> int:
+    """Forward FLOPs an unmerged adapter adds per token: x·Aᵀ, then ·Bᵀ, then the add."""
+    shapes = _matrix_shapes(anchor)
+    return anchor.n_layers * sum(linear(1, i, rank) + linear(1, rank, o) + o
+                                 for i, o in (shapes[m] for m in LORA_MATRICES[targets]))
+
+
+def moc_params(anchor: AnchorShape, moc: MoCConfig) -> dict[str, int]:
+    """Parameters of MoC memory layers by the groups seed 004 §6.1 treats apart: "bank" (latent
+    tables, a factorised bank's up-projection), "kv" (W_K, W_V) and "layers" (router, W_Q, W_O,
+    the pre-norm gain, variation 2's MLP and its norm), as `training/moc.py` builds them."""
+    g = moc.geometry(d_model=anchor.d_model, n_layers=anchor.n_layers, anchor_heads=anchor.n_heads)
+    d, n = anchor.d_model, len(moc.layers)
+    per_bank = moc.n_chapters * moc.tokens_per_chapter * g.stored_dim
+    per_bank += moc.rank * d if moc.low_rank == "factorized" else 0
+    layer = d * moc.n_chapters + moc.n_chapters + d * g.q_dim + g.q_dim * d + d
+    layer += 3 * d * anchor.ffn_dim + d if moc.variation == 2 else 0
+    return {"bank": per_bank * (1 if moc.shared_bank else n), "kv": n * 2 * g.mem_dim * g.kv_dim,
+            "layers": n * layer}
+
+
+def finetune_accounting(anchor: AnchorShape, method: str, *, seq_len: int, lora_rank: int = 0,
+                        lora_targets: str = "all", moc: MoCConfig | None = None,
+                        train_bank: bool = True, train_kv: bool = True) -> dict[str, int]:
+    """What a fine-tuning condition trains and costs: trainable parameters, bytes of the memory
+    bank as stored, forward FLOPs per token while training (unmerged LoRA) and at inference
+    (LoRA merged). method: full | lora | mem_adapter | mem_adapter+lora (`training/finetune.py`)."""
+    from training.moc import bank_bytes
+
+    base = model_flops(anchor, seq_len=seq_len).forward
+    out = {"trainable_params": 0, "bank_bytes": 0, "base_flops_per_token": base // seq_len}
+    train_fwd = infer_fwd = base
+    if method == "full":
+        out["trainable_params"] = anchor.params()
+    if method in ("lora", "mem_adapter+lora"):
+        out["trainable_params"] += lora_params(anchor, lora_rank, lora_targets)
+        train_fwd += seq_len * lora_flops_per_token(anchor, lora_rank, lora_targets)
+    if method.startswith("mem_adapter"):
+        if moc is None:
+            raise ValueError(f"method {method} needs the adapters' MoCConfig")
+        p = moc_params(anchor, moc)
+        out["trainable_params"] += p["layers"] + (p["kv"] if train_kv else 0) + (p["bank"] if train_bank else 0)
+        out["adapter_params"] = sum(p.values())
+        out["bank_bytes"] = bank_bytes(moc, anchor.d_model)
+        extra = model_flops(anchor, moc, seq_len=seq_len).forward - base
+        train_fwd += extra
+        infer_fwd += extra
+    out["train_flops_per_token"] = train_fwd // seq_len
+    out["inference_flops_per_token"] = infer_fwd // seq_len
+    return out

@@ -61,6 +61,7 @@ memory read depends on them (the seed trains this way; see training/README.md).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -69,6 +70,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels.memory_attention import memory_attention
+from memstore.format import QUANT_GROUP
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +93,7 @@ class MoCConfig:
     zero_init_out: bool = True
     low_rank: Literal["none", "factorized", "reduced"] = "none"
     rank: int | None = None  # r for low_rank
+    bank_dtype: Literal["fp32", "bf16", "int8", "int4"] = "fp32"  # how the bank is stored (seed 004 §5.2)
     norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
@@ -125,6 +128,8 @@ class MoCConfig:
                              f"(low_rank {self.low_rank!r}, rank {self.rank})")
         if self.rank is not None and self.rank <= 0:
             raise ValueError(f"rank must be positive, got {self.rank}")
+        if self.bank_dtype not in BANK_DTYPES:
+            raise ValueError(f"bank_dtype must be one of {tuple(BANK_DTYPES)}, got {self.bank_dtype!r}")
 
     @property
     def n_routed(self) -> int:
@@ -214,11 +219,49 @@ def _memory_read(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor, w
     return memory_attention(q, bank_k, bank_v, block_idx, weights, weight_mode=weight_mode, sparse_grad=False)
 
 
+# Bytes per stored bank value; int8 / int4 add one fp32 absmax scale per QUANT_GROUP values, as
+# memstore's records do (memstore/format.py), so a bank quantises here as it would on disk.
+BANK_DTYPES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
+
+
+def quantise(rows: Tensor, dtype: str) -> Tensor:
+    """rows (..., n) → the values a `dtype` store returns for them, with a straight-through
+    gradient (quantisation-aware training: the forward reads what is stored, the fp32 master
+    copy gets the unquantised gradient). int8/int4: symmetric absmax per group of QUANT_GROUP
+    consecutive values of a row."""
+    if dtype == "fp32":
+        return rows
+    if dtype == "bf16":
+        q = rows.to(torch.bfloat16).to(rows.dtype)
+    else:
+        n = rows.shape[-1]
+        pad = -n % QUANT_GROUP
+        g = F.pad(rows.detach(), (0, pad)).unflatten(-1, (-1, QUANT_GROUP))  # (..., n_groups, G)
+        qmax = 127 if dtype == "int8" else 7
+        scale = g.abs().amax(dim=-1, keepdim=True) / qmax
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = ((g / scale).round().clamp(-qmax, qmax) * scale).flatten(-2)[..., :n]
+    return rows + (q - rows).detach()
+
+
+def bank_bytes(cfg: MoCConfig, d_model: int) -> int:
+    """Bytes of the stored bank(s): C·T·m values in `bank_dtype` (+ group scales), and the fp32
+    up-projection of a factorised bank."""
+    values = cfg.n_chapters * cfg.tokens_per_chapter * (cfg.rank or d_model)
+    per = values * BANK_DTYPES[cfg.bank_dtype]
+    if cfg.bank_dtype in ("int8", "int4"):
+        per += 4 * cfg.n_chapters * math.ceil(cfg.tokens_per_chapter * (cfg.rank or d_model) / QUANT_GROUP)
+    if cfg.low_rank == "factorized":
+        per += 4 * cfg.rank * d_model
+    return int(per) * (1 if cfg.shared_bank else len(cfg.layers))
+
+
 class LatentBank(nn.Module):
     """The latent memory: a (C, T·m) table, one row per chapter, read with sparse gradients.
 
     m is d, or r when low-rank; "factorized" adds a dense (r, d) up-projection
-    applied to the selected chapters only."""
+    applied to the selected chapters only. A quantised `bank_dtype` reads each selected row as
+    its stored (quantised) values (`quantise`)."""
 
     def __init__(self, cfg: MoCConfig, d_model: int) -> None:
         super().__init__()
@@ -237,7 +280,7 @@ class LatentBank(nn.Module):
 
     def forward(self, chapters: Tensor) -> Tensor:
         """chapters (U,) → their tokens (U, T, m_out); the table's gradient is sparse over `chapters`."""
-        rows = F.embedding(chapters, self.weight, sparse=True)  # (U, T·m)
+        rows = quantise(F.embedding(chapters, self.weight, sparse=True), self.cfg.bank_dtype)  # (U, T·m)
         tokens = rows.unflatten(-1, (self.cfg.tokens_per_chapter, -1))  # (U, T, m)
         return tokens if self.up is None else tokens @ self.up.to(tokens.dtype)
 
