@@ -165,7 +165,8 @@ def test_shipped_yamls_validate():
             assert load_context_config(path).vae.ratio > 0, path
             continue
         if path.name.startswith("finetune-"):  # `memtree finetune` (training/finetune.py)
-            assert load_finetune_config(path).spec.method == "sparse_memory", path
+            want = {"finetune-sparse.yaml": "sparse_memory", "finetune-adapter.yaml": "mem_adapter"}[path.name]
+            assert load_finetune_config(path).spec.method == want, path
             continue
         cfg = load_train_config(path)
         assert cfg.run_name, path
