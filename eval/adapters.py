@@ -23,6 +23,7 @@ full fine-tuning trains every weight by definition). JSON + markdown + PNG.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -32,9 +33,12 @@ from typing import Any
 
 import numpy as np
 
+from eval.continual import fact_task, forgetting, measure, plot_pareto
 from memtree.config import ConfigError, is_int, load_config, to_dict
 from memtree.io import atomic_write_json, atomic_write_text
-from training.finetune import FinetuneSpec
+from training.finetune import FinetuneSpec, finetune_stream
+from training.flops import finetune_accounting, lora_params
+from training.mem_adapter import adapter_summary, detach_from_anchor
 
 DEFAULT_YAML = Path(__file__).parent / "yamls" / "adapters.yaml"
 CHANCE = 0.25
@@ -83,8 +87,6 @@ def load_adapters_config(path: str | Path | None = None, overrides: Sequence[str
 
 def accounting(model, spec: FinetuneSpec, seq_len: int) -> dict[str, Any]:
     """training/flops.py's accounting of one configuration on this model."""
-    from training.flops import finetune_accounting
-
     a = model.config.anchor
     moc = None
     if spec.method.startswith("mem_adapter"):
@@ -98,8 +100,6 @@ def matched_lora(runs: Sequence[FinetuneSpec], model, seq_len: int) -> list[Fine
     """LoRA ranks chosen so each row's trainable parameters come nearest the first mem_adapter
     configuration's: a lora row's LoRA matches it alone, a mem_adapter+lora row's LoRA fills what
     its own (smaller) adapter leaves. Without a mem_adapter row the ranks stay as given."""
-    from training.flops import lora_params
-
     ref = next((r for r in runs if r.method == "mem_adapter"), None)
     if ref is None:
         return list(runs)
@@ -124,10 +124,7 @@ def run_adapters(cfg: AdaptersConfig, *, progress: bool = True) -> Path:
     """The whole experiment; returns the markdown report's path."""
     import torch
 
-    from eval.continual import fact_task, forgetting, measure
     from eval.model import RunModel
-    from training.finetune import finetune_stream
-    from training.mem_adapter import adapter_summary, detach_from_anchor
 
     root = Path(cfg.root)
     out = Path(cfg.out) if cfg.out else root / "adapters"
@@ -186,14 +183,12 @@ def routing_agreement(rm, batches: Sequence[tuple], probes: Sequence[dict[str, A
     excluded) overlap the question's, against the same share for random top-k draws (1 −
     C(C_r − k, k) / C(C_r, k)). Sequence-level routing pools the whole sequence, so a bare
     question and a statement in another frame need not route alike. None without MoC routing."""
-    import math
-
     import torch
 
     model = rm.model
     layers = [(i, b.moc) for i, b in enumerate(model.blocks) if b.moc is not None]
     moc = model.config.moc
-    if not layers or moc.top_k == 0:
+    if not layers:
         return None
     by_id = {f"{p['entity']}/{p['attribute']}": p for p in probes}
     hits = {i: [] for i, _ in layers}
@@ -237,8 +232,6 @@ def best_per_method(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]
 
 
 def write_adapters_report(out: Path, report: dict[str, Any]) -> Path:
-    from eval.continual import plot_pareto
-
     atomic_write_json(out / "results.json", report)
     b, c = report["before"], report["config"]
     lines = ["# Memory adapters vs full fine-tuning vs LoRA (seed 004 §7.3)", "",

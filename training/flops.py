@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass, replace
 
 from memstore.geometry import AnchorShape
-from training.moc import MoCConfig
+from training.moc import MoCConfig, bank_bytes
 from training.pkm import PKMConfig
 
 SOFTMAX = 5  # FLOPs per softmax score (exp, sum, divide, max, subtract)
@@ -267,8 +267,6 @@ def finetune_accounting(anchor: AnchorShape, method: str, *, seq_len: int, lora_
     """What a fine-tuning condition trains and costs: trainable parameters, bytes of the memory
     bank as stored, forward FLOPs per token while training (unmerged LoRA) and at inference
     (LoRA merged). method: full | lora | mem_adapter | mem_adapter+lora (`training/finetune.py`)."""
-    from training.moc import bank_bytes
-
     base = model_flops(anchor, seq_len=seq_len).forward
     out = {"trainable_params": 0, "bank_bytes": 0, "base_flops_per_token": base // seq_len}
     train_fwd = infer_fwd = base

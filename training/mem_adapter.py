@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from memtree.config import ConfigError, is_int
-from training.moc import BANK_DTYPES, MoCConfig
+from training.moc import BANK_DTYPES, MoCConfig, MoCLayer, bank_bytes, build_banks
+from training.model import FeedForward, _gain_norm
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,9 +145,6 @@ def attach_to_anchor(model: nn.Module, spec: AdapterSpec, *, seed: int = 0) -> M
     on the model's device and dtype from `seed` (the global RNG is left as it was); the model's
     config gains `moc`, so a saved run reopens with its adapters. A model that already has MoC
     layers or product-key memories is refused (its memory is not an adapter's to replace)."""
-    from training.moc import MoCLayer, build_banks
-    from training.model import FeedForward, _gain_norm
-
     cfg = model.config
     if cfg.moc is not None or cfg.pkm is not None:
         raise ValueError("the model already has a memory layer (moc / pkm); memory adapters go on a model "
@@ -214,8 +212,6 @@ def adapter_groups(model: nn.Module, spec: AdapterSpec) -> dict[str, list[nn.Par
 
 def adapter_summary(moc: MoCConfig, d_model: int) -> dict[str, Any]:
     """What a report says about an adapter configuration."""
-    from training.moc import bank_bytes
-
     return {"layers": list(moc.layers), "variation": moc.variation, "shared_bank": moc.shared_bank,
             "chapters": moc.n_chapters, "tokens_per_chapter": moc.tokens_per_chapter, "top_k": moc.top_k,
             "low_rank": moc.low_rank, "rank": moc.rank, "bank_dtype": moc.bank_dtype,
