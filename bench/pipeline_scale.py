@@ -6,7 +6,8 @@
 Each run is `run_pipeline` (all 8 stages, LocalCluster start included) on the synthetic corpus
 (`pipeline.corpus`, seed 0) in a fresh child interpreter, with the e2e settings of
 bench/pipeline.py (3 x 8 tree, 512-token windows and samples, embed max_seq_length 128) and
-`--backend` for the embedder; the peak RSS of the child and its Dask workers is sampled every
+`--backend` for the embedder and `--mmap-threshold-mib` for its workers' allocator (0: glibc's
+dynamic threshold; several values are run one after another for each size); the peak RSS of the child and its Dask workers is sampled every
 0.5 s (bench/pipeline.py's RssSampler). The issue's memory criterion: peak memory must not grow
 with the corpus beyond the embeddings themselves, so each row also gives peak RSS minus the
 embedding matrix (windows x 384 x 4 bytes). Scaling: docs/s with 2 workers over 1 worker.
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from _common import REPO, finish, log, run_meta, write_results  # bench/ on sys.path
 
-COLUMNS = ["docs", "workers", "backend", "windows", "seconds", "docs_per_s", "embed_s",
+COLUMNS = ["docs", "workers", "backend", "mmap_threshold_mib", "windows", "seconds", "docs_per_s", "embed_s",
            "peak_rss_gib", "peak_minus_embeddings_gib", "speedup_vs_1_worker"]
 
 
@@ -50,7 +51,8 @@ def child(spec_path: str) -> int:
     cfg = _bench_pipeline().pipeline_cfg(
         Path(spec["root"]), [spec["corpus"]],
         window={"window_tokens": 512},
-        embed={"device": "cpu", "max_seq_length": 128, "backend": spec["backend"]},
+        embed={"device": "cpu", "max_seq_length": 128, "backend": spec["backend"],
+               "mmap_threshold_mib": spec["mmap_threshold_mib"]},
         tree={"levels": 3, "branching": 8, "auto_reduce": True},
         pack={"seq_len": 512},
         dask={"n_workers": spec["workers"], "threads_per_worker": 1},
@@ -87,12 +89,12 @@ def stage_peaks(timeline: list[tuple[float, int, int]], events: list[tuple[float
     return out
 
 
-def one_run(bp, corpus: Path, docs: int, workers: int, backend: str, tmp: Path) -> dict:
+def one_run(bp, corpus: Path, docs: int, workers: int, backend: str, mmap_mib: int, tmp: Path) -> dict:
     work = Path(tempfile.mkdtemp(prefix=f"scale-{docs}-{workers}w-", dir=tmp))
     spec = {"root": str(work / "run"), "corpus": str(corpus), "result": str(work / "result.json"),
-            "workers": workers, "backend": backend}
+            "workers": workers, "backend": backend, "mmap_threshold_mib": mmap_mib}
     (work / "spec.json").write_text(json.dumps(spec))
-    log(f"run_pipeline: {docs:,} docs, {workers} worker(s), backend {backend}")
+    log(f"run_pipeline: {docs:,} docs, {workers} worker(s), backend {backend}, mmap threshold {mmap_mib} MiB")
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--_child", str(work / "spec.json")],
                             cwd=str(REPO))
@@ -108,7 +110,7 @@ def one_run(bp, corpus: Path, docs: int, workers: int, backend: str, tmp: Path) 
     n_win = mk["window"]["stats"]["n_windows"]
     gib = 1024**3
     emb_bytes = n_win * mk["embed"]["stats"]["dim"] * 4
-    r = {"docs": docs, "workers": workers, "backend": backend, "windows": n_win,
+    r = {"docs": docs, "workers": workers, "backend": backend, "mmap_threshold_mib": mmap_mib, "windows": n_win,
          "tokens": mk["window"]["stats"]["n_tokens"], "seconds": out["seconds"], "child_wall_seconds": wall,
          "docs_per_s": docs / out["seconds"], "embed_s": mk["embed"]["seconds"],
          "stage_seconds": {k: v["seconds"] for k, v in mk.items()},
@@ -131,6 +133,8 @@ def main() -> int:
     p.add_argument("--docs", type=int, nargs="+", default=[50_000])
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--backend", default="openvino-int8", choices=["torch", "openvino-int8"])
+    p.add_argument("--mmap-threshold-mib", type=int, nargs="+", default=[4],
+                   help="EmbedConfig.mmap_threshold_mib values to compare (0: glibc's dynamic threshold)")
     p.add_argument("--tmp", default=None, help="scratch directory (default: the system temp dir)")
     p.add_argument("--out", default=None)
     p.add_argument("--_child", dest="child", help=argparse.SUPPRESS)
@@ -146,9 +150,11 @@ def main() -> int:
         corpus = tmp / f"corpus-{docs}.jsonl"
         bp.write_jsonl(bp.corpus_docs(docs), corpus)
         for workers in args.workers:
-            rows.append(one_run(bp, corpus, docs, workers, args.backend, tmp))
+            for mib in args.mmap_threshold_mib:
+                rows.append(one_run(bp, corpus, docs, workers, args.backend, mib, tmp))
             for r in rows:
-                one = next((o for o in rows if o["docs"] == r["docs"] and o["workers"] == 1), None)
+                one = next((o for o in rows if o["docs"] == r["docs"] and o["workers"] == 1
+                            and o["mmap_threshold_mib"] == r["mmap_threshold_mib"]), None)
                 r["speedup_vs_1_worker"] = r["docs_per_s"] / one["docs_per_s"] if one else None
             write_results({"meta": run_meta(args), "rows": rows}, out)  # partial results survive
     return finish({"meta": run_meta(args), "rows": rows}, out, COLUMNS)

@@ -75,9 +75,18 @@ class EmbedConfig:
     `calibration_samples` windows: 2.2-2.5x torch's encode on the CPU at cosine >= 0.996 and the
     same leaf NMI (docs/BENCHMARKS.md, issue #16). auto: torch on CUDA, openvino-int8 otherwise."""
     calibration_samples: int = 300
+    mmap_threshold_mib: int = 4
+    """Fixed glibc mmap threshold (MiB) in the embed workers; 0 keeps glibc's dynamic threshold.
+    glibc raises that threshold each time a large block is freed, so the encoder's activations of
+    varying sizes then come from the heap, which fragments: worker memory grew with the corpus
+    (+0.40 GiB from 10k to 50k documents). Fixed, memory stays flat at the price of mapping each
+    large block anew (docs/BENCHMARKS.md, issue #16). Does not change the embeddings."""
 
     def __post_init__(self) -> None:
         _positive(self, "max_seq_length", "batch_size", "calibration_samples")
+        if self.mmap_threshold_mib < 0 or self.mmap_threshold_mib > 32:
+            raise ValueError(f"EmbedConfig.mmap_threshold_mib must be 0 (glibc's dynamic threshold) "
+                             f"or 1..32 (glibc's maximum), got {self.mmap_threshold_mib}")
         if self.backend not in ("auto", "torch", "openvino-int8"):
             raise ValueError(f"EmbedConfig.backend must be auto, torch or openvino-int8, got {self.backend!r}")
         if self.backend == "openvino-int8" and self.device not in ("auto", "cpu"):

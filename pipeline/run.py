@@ -124,12 +124,16 @@ EXPORT_DIR = "embedder"  # the int8 export, inside the embed stage's directory
 
 
 def embed_part(windows_path: str, out_path: str, model: str | None, device: str, strategy: str,
-               max_seq_length: int, batch_size: int, threads: int, backend: str = "torch") -> int:
+               max_seq_length: int, batch_size: int, threads: int, backend: str = "torch",
+               mmap_threshold_mib: int = 0) -> int:
     """Dask task: embed one windows partition (skipped if already written)."""
     out = Path(out_path)
     if out.exists():
         return int(np.load(out, mmap_mode="r").shape[0])
     import torch
+
+    if mmap_threshold_mib:
+        _fix_mmap_threshold(mmap_threshold_mib << 20)
 
     from clustering.embed import embed_texts, load_embedder
 
@@ -143,6 +147,21 @@ def embed_part(windows_path: str, out_path: str, model: str | None, device: str,
     del texts, emb
     _trim_heap()
     return n
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def _fix_mmap_threshold(nbytes: int) -> None:
+    """Serve blocks of nbytes or more by mmap for the rest of this process's life (glibc only).
+    Setting the threshold also turns off glibc's dynamic raising of it, which is what let the
+    encoders' large activations fragment the heap (EmbedConfig.mmap_threshold_mib)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, nbytes)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _trim_heap() -> None:
@@ -160,11 +179,11 @@ def _trim_heap() -> None:
 
 def _embed_fingerprint(e) -> dict:
     """The embed settings that change the vectors: the backend as resolved (`auto` picks by device),
-    not the device itself (same network, same math up to float rounding). A torch run leaves the
+    not the device itself (same network, same math up to float rounding) nor the allocator setting. A torch run leaves the
     backend keys out, so torch runs made before the int8 backend existed keep their fingerprint."""
     from clustering.embed import resolve_backend
 
-    d = {k: v for k, v in to_dict(e).items() if k != "device"}
+    d = {k: v for k, v in to_dict(e).items() if k not in ("device", "mmap_threshold_mib")}
     d["backend"] = resolve_backend(e.backend, e.device)
     if d["backend"] == "torch":
         d.pop("backend"), d.pop("calibration_samples")
@@ -202,7 +221,7 @@ def _embed(ctx: Ctx, work: Path) -> dict:
     args = [
         (str(ctx.stage_dir("window") / p["file"]), str(work / "parts" / f"part-{i:05d}.npy"),
          model, e.device, e.strategy, e.max_seq_length, e.batch_size, ctx.cfg.dask.threads_per_worker,
-         backend)
+         backend, e.mmap_threshold_mib)
         for i, p in enumerate(wparts)
     ]
     t0 = time.time()
