@@ -35,7 +35,7 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q -m "slow or not slow"
 
 bench: $(STAMP)
-	$(PY) bench/pipeline.py
+	$(PY) bench/pipeline_stages.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -1,11 +1,16 @@
-"""Helpers shared by the benchmark scripts (run as `python bench/<name>.py`, so this is on sys.path)."""
+"""Helpers shared by the benchmark scripts.
+
+The scripts run as `python bench/<name>.py`, so bench/ is sys.path[0] and they import this
+module (and the `_`-prefixed helper modules) by name; the project's packages come from the
+installed (editable) memtree. No script is named like a project package, which it would shadow.
+"""
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
 import os
-import sys
+import platform
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -13,13 +18,7 @@ from typing import Any
 
 import numpy as np
 
-# The scripts run as `python bench/<name>.py`: put the repository first on sys.path, here, so
-# they can import the project's packages after importing this module. First, not merely present:
-# bench/ is sys.path[0] and bench/kernels.py would otherwise shadow the `kernels` package
-# whenever the repository also reaches sys.path through PYTHONPATH.
 REPO = Path(__file__).resolve().parents[1]
-if sys.path[0] != str(REPO):
-    sys.path.insert(0, str(REPO))
 
 
 def fmt(v: Any) -> str:
@@ -90,8 +89,6 @@ def json_default(o: Any) -> Any:
 
 def run_meta(args: Any, **extra: Any) -> dict:
     """The start of a results JSON's "meta": when, where, library versions, load, the arguments."""
-    import platform
-
     import torch
 
     return {"started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": platform.node(),

@@ -16,7 +16,7 @@ timings there only time that reference; the run checks the outputs and gradients
 reference and (under TRITON_INTERPRET=1, which the standalone run sets) of the Triton
 kernels against the baseline.
 
-`run_ffn(args)` is imported by bench/kernels.py; it needs `args.device` and `args.runs`.
+`run_ffn(args)` is imported by bench/kernel_ops.py; it needs `args.device` and `args.runs`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ import statistics
 from functools import partial
 from typing import Any
 
-from _common import (  # bench/ is on sys.path when run as a script
+import torch
+import torch.nn.functional as F
+from _common import (  # bench/ is sys.path[0] when a script runs
     elapsed_ms,
     fmt,
     log,
@@ -44,8 +46,6 @@ CPU_SIZES = {"B": 3, "S": 63, "d": 64, "W": 40, "levels": 3, "branching": 2,
 
 def make_problem(sz: dict, device: str, seed: int = 0) -> dict:
     """Bank of every level's blocks (N = Σ branching^ℓ) and one root-to-leaf path per sequence."""
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, sz["dtype"])
     b, s, d, w, br = sz["B"], sz["S"], sz["d"], sz["W"], sz["branching"]
@@ -64,15 +64,20 @@ def make_problem(sz: dict, device: str, seed: int = 0) -> dict:
 
 def gather_bmm(x, w1, w2, w3, idx):
     """training/model.py's FFN-memory branch on blocks gathered out of the bank."""
-    import torch.nn.functional as F
-
     w1, w2, w3 = (w[idx].flatten(1, 2) for w in (w1, w2, w3))  # (B, k·W, d) copies
     return (F.silu(x @ w1.mT) * (x @ w2.mT)) @ w3
 
 
-def _variants(impl: str) -> dict:
-    from kernels.ffn_memory import ffn_memory
+def _ffn_memory():
+    """kernels.ffn_memory, imported when first needed: it imports triton and defines its
+    kernels, which must come after main() settles TRITON_INTERPRET."""
+    import kernels.ffn_memory
 
+    return kernels.ffn_memory
+
+
+def _variants(impl: str) -> dict:
+    ffn_memory = _ffn_memory().ffn_memory
     return {
         "gather_bmm": gather_bmm,
         "fused_sparse": lambda x, a, b, c, i: ffn_memory(x, a, b, c, i, impl=impl),
@@ -86,8 +91,6 @@ def _leaves(p: dict) -> list:
 
 def _run(fn, p: dict, backward: bool) -> list:
     """One call; returns the output and (if backward) the densified gradients."""
-    import torch
-
     leaves = _leaves(p) if backward else [p["x"], *p["banks"]]
     with torch.set_grad_enabled(backward):
         y = fn(*leaves, p["idx"])
@@ -104,8 +107,6 @@ def _rel_err(got, ref) -> float:
 
 def _errors(fn, p: dict) -> dict[str, float]:
     """Relative error of fn's output and gradients against the baseline's, both fp32."""
-    import torch
-
     p32 = {**p, "x": p["x"].float(), "banks": [b.float() for b in p["banks"]], "dy": p["dy"].float()}
     ref = _run(gather_bmm, p32, backward=True)
     got = _run(fn, p, backward=True)
@@ -116,10 +117,7 @@ def _errors(fn, p: dict) -> dict[str, float]:
 
 def run_ffn(args: argparse.Namespace) -> dict[str, Any]:
     """Time and check the fused FFN-memory op on args.device; returns every figure measured."""
-    import torch
-
-    from kernels.ffn_memory import kernel as ffn_kernel
-
+    ffn_kernel = _ffn_memory().kernel
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is available")

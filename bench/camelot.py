@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import os
 import platform
 import statistics
 import sys
@@ -41,7 +42,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from _common import REPO, finish, fmt, loadavg, log, pressure, write_results  # bench/ on sys.path
+import torch
+from _common import REPO, finish, fmt, loadavg, log, pressure, write_results  # bench/: sys.path[0]
+
+from memstore.camelot import AssociativeMemory, CamelotConfig, FifoKNNCache
+from memtree.geometry import AnchorShape, get_anchor
+from training.camelot import longdoc_token_nll, new_memory
+from training.model import AnchorLM, ModelConfig
 
 # Anchor shapes (training/model.py's AnchorLM): "tiny" is the demo's anchor (4 layers × d 128,
 # 4 heads × 32); "d768" a GPT-2-small-sized one (12 × 768, 12 heads × 64).
@@ -61,8 +68,6 @@ def sizes(quick: bool) -> dict[str, Any]:
 
 
 def anchor_of(shape: str, vocab: int):
-    from memstore.geometry import AnchorShape, get_anchor
-
     spec = SHAPES[shape]
     if "anchor" in spec:
         return replace(get_anchor(spec["anchor"]), vocab_size=vocab)
@@ -71,10 +76,6 @@ def anchor_of(shape: str, vocab: int):
 
 def fill(mem, gen) -> None:
     """Put a full memory in place (module docstring): random keys / values, counts, ages."""
-    import torch
-
-    from memstore.camelot import AssociativeMemory, FifoKNNCache
-
     if isinstance(mem, AssociativeMemory | FifoKNNCache):
         mem.keys.copy_(torch.randn(mem.keys.shape, generator=gen))
         mem.values.copy_(torch.randn(mem.values.shape, generator=gen))
@@ -95,8 +96,6 @@ def table_gb(n_layers: int, heads: int, dim: int, slots: int, window: int) -> fl
 
 # ------------------------------------------------------------------------------ base forward
 def base_per_token(model, doc, window: int) -> float:
-    from training.camelot import longdoc_token_nll
-
     t0 = time.perf_counter()
     longdoc_token_nll(model, doc, method="base", window=window)
     return (time.perf_counter() - t0) / (len(doc) - 1)
@@ -104,10 +103,6 @@ def base_per_token(model, doc, window: int) -> float:
 
 # ---------------------------------------------------------------------------- memory alone
 def bench_memory(S: dict, shape: str, base_s: float, n_layers: int, heads: int, dim: int) -> list[dict]:
-    import torch
-
-    from memstore.camelot import AssociativeMemory, CamelotConfig, FifoKNNCache
-
     L, rows = S["window"], []
     g = torch.Generator().manual_seed(0)
     centers = torch.randn(heads, 4 * max(S["slots"]), dim, generator=g)
@@ -146,11 +141,6 @@ def bench_memory(S: dict, shape: str, base_s: float, n_layers: int, heads: int, 
 
 # ------------------------------------------------------------------------------ end to end
 def bench_e2e(S: dict, shape: str, model, n_layers: int, heads: int, dim: int) -> list[dict]:
-    import torch
-
-    from memstore.camelot import CamelotConfig
-    from training.camelot import longdoc_token_nll, new_memory
-
     L, W = S["window"], S["windows"]
     g = torch.Generator().manual_seed(2)
     doc = torch.randint(S["vocab"], (W * L + 1,), generator=g)
@@ -202,8 +192,6 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small variant (< 2 min)")
     ap.add_argument("--shapes", help=f"comma-separated among {sorted(SHAPES)}")
@@ -241,7 +229,6 @@ def main(argv: list[str] | None = None) -> int:
         faiss_version = faiss.__version__
     except ImportError:  # pragma: no cover
         ap.error("faiss is not installed")
-    from training.model import AnchorLM, ModelConfig
 
     host = platform.node() or "cpu"
     date = _dt.date.today().isoformat()
@@ -253,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         "meta": {"command": " ".join([Path(sys.executable).name, *sys.argv]),
                  "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "quick": args.quick,
                  "machine": {"host": host, "platform": platform.platform(), "processor": platform.processor(),
-                             "cpu_count": __import__("os").cpu_count(), "torch_threads": torch.get_num_threads()},
+                             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()},
                  "torch": torch.__version__, "faiss": faiss_version, "sizes": S, "loadavg_start": loadavg(),
                  "pressure_start": pressure()},
         "shapes": {}, "rows": []}

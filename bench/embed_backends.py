@@ -5,7 +5,7 @@
 
 The issue's bar for making `embed.backend: openvino-int8` the default: >= 2x raw torch encode on
 the same texts and threads, embeddings at cosine >= 0.99 to the torch ones, and leaf NMI on a
-labelled corpus within 1 %. Data: the synthetic corpus (`pipeline.corpus`, seed 0), labels
+labelled corpus within 1 %. Data: the synthetic corpus (`pipeline.corpus.topical`, seed 0), labels
 domain x topic (64 classes). The int8 export is calibrated on 300 documents that are not in the
 measured set (the pipeline calibrates on the corpus's own first windows). Speed: interleaved
 rounds (A B, B A) of encode on the first `timed` documents per (max_seq_length, threads) setting,
@@ -25,7 +25,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import REPO, finish, log, run_meta  # bench/ on sys.path
+from _common import REPO, finish, log, run_meta  # bench/ is sys.path[0] when a script runs
+
+from clustering.embed import default_model_path, embed_texts, load_embedder
+from clustering.embed_export import export_openvino_int8
+from clustering.tree import build_tree
+from pipeline.corpus.topical import CorpusSpec, generate_corpus
 
 COLUMNS = ["setting", "torch_docs_per_s", "int8_docs_per_s", "speedup"]
 CALIBRATION = 300
@@ -36,11 +41,6 @@ def main() -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch
     from sklearn.metrics import normalized_mutual_info_score
-
-    from clustering.embed import default_model_path, embed_texts, load_embedder
-    from clustering.embed_export import export_openvino_int8
-    from clustering.tree import build_tree
-    from pipeline.corpus import CorpusSpec, generate_corpus
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")

@@ -1,8 +1,8 @@
 """Benchmarks of the Triton kernels, each against its baselines in the same run.
 
-    .venv/bin/python bench/kernels.py --device cuda            # H200 shapes: time, TFLOP/s, memory
-    .venv/bin/python bench/kernels.py --device cpu             # tiny shapes: correctness + reference
-    .venv/bin/python bench/kernels.py --device cuda --only attention --runs 20
+    .venv/bin/python bench/kernel_ops.py --device cuda         # H200 shapes: time, TFLOP/s, memory
+    .venv/bin/python bench/kernel_ops.py --device cpu          # tiny shapes: correctness + reference
+    .venv/bin/python bench/kernel_ops.py --device cuda --only attention --runs 20
 
 Memory attention (kernels/memory_attention), forward and forward+backward (gradients to q,
 bank_k, bank_v and, when weighted, the weights):
@@ -32,14 +32,13 @@ is the allocator's peak above what the inputs hold. On CPU the op dispatches to 
 reference: only the reference is timed, and the Triton kernels (TRITON_INTERPRET=1, set
 here) are checked against it on tiny shapes.
 
-The FFN-memory op's benchmark (bench/_kernels_ffn.py, `run_ffn`) runs too when present.
+The FFN-memory op's benchmark (bench/_kernels_ffn.py, `run_ffn`) runs too.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import importlib.util
 import os
 import statistics
 import sys
@@ -49,7 +48,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from _common import (  # bench/ is on sys.path
+import torch
+import torch.nn.functional as F
+from _common import (  # bench/ is sys.path[0] when a script runs
     REPO,
     elapsed_ms,
     finish,
@@ -59,6 +60,9 @@ from _common import (  # bench/ is on sys.path
     peak_mib,
     write_results,
 )
+from _kernels_ffn import run_ffn
+
+from kernels.memory_attention import memory_attention, memory_attention_naive
 
 BENCHES = ("attention", "ffn")
 CUDA_SIZES = {
@@ -83,8 +87,6 @@ CPU_SIZES = {
 # ------------------------------------------------------------------------------- problems
 def moc_problem(sz: dict, device: str, dtype, seed: int = 0) -> dict:
     """Sequence-level top-(k-1) routed chapters + the shared chapter 0, router weights."""
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     b, k, n = sz["B"], sz["k"], sz["N"]
     routed = torch.stack([torch.randperm(n - 1, generator=g)[:2 * (k - 1)] + 1 for _ in range(b)])
@@ -96,8 +98,6 @@ def moc_problem(sz: dict, device: str, dtype, seed: int = 0) -> dict:
 
 def hkv_problem(sz: dict, device: str, dtype, seed: int = 0) -> dict:
     """One root-to-leaf path per sequence through a `levels`-deep tree of KV blocks."""
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     br, lv = sz["branching"], sz["levels"]
     counts = [br ** (i + 1) for i in range(lv)]
@@ -108,8 +108,6 @@ def hkv_problem(sz: dict, device: str, dtype, seed: int = 0) -> dict:
 
 
 def _tensors(sz: dict, n: int, t: int, idx, g, device: str, dtype) -> dict:
-    import torch
-
     b, h, h_kv, s, d = sz["B"], sz["H"], sz["H_kv"], sz["S"], sz["D"]
     def rnd(*shape):
         return torch.randn(*shape, generator=g).to(device, dtype)
@@ -121,8 +119,6 @@ def _tensors(sz: dict, n: int, t: int, idx, g, device: str, dtype) -> dict:
 
 def token_idx(p: dict, s: int, locality, seed: int = 1):
     """(B, S, k) per-token lists derived from the sequence lists (see the module docstring)."""
-    import torch
-
     g = torch.Generator(device=p["idx"].device).manual_seed(seed)
     seq = p["idx"]  # (B, k), entry 0 shared
     b, k = seq.shape
@@ -140,9 +136,6 @@ def token_idx(p: dict, s: int, locality, seed: int = 1):
 def gather_sdpa(q, bank_k, bank_v, idx, w=None):
     """Baseline: the referenced blocks gathered into (B, H_kv, k·T, D) copies, then SDPA;
     router weights as a float mask of log-weights (the "bias" mode)."""
-    import torch
-    import torch.nn.functional as F
-
     h = q.shape[1]
     t, h_kv = bank_k.shape[1:3]
     kg = bank_k[idx].flatten(1, 2).transpose(1, 2)  # (B, H_kv, k·T, D)
@@ -153,9 +146,15 @@ def gather_sdpa(q, bank_k, bank_v, idx, w=None):
     return F.scaled_dot_product_attention(q, kg, vg, attn_mask=mask, enable_gqa=h != h_kv)
 
 
-def _kernel(mode: str | None, **kw) -> Callable:
-    from kernels.memory_attention import memory_attention
+def _attn_kernel():
+    """kernels/memory_attention/kernel.py (reference table, interpreter check), imported when
+    first needed: it imports triton, which must come after main() settles TRITON_INTERPRET."""
+    from kernels.memory_attention import kernel
 
+    return kernel
+
+
+def _kernel(mode: str | None, **kw) -> Callable:
     def fn(q, bank_k, bank_v, idx, w=None):
         return memory_attention(q, bank_k, bank_v, idx, w if mode else None,
                                 weight_mode=mode or "bias", **kw)
@@ -163,15 +162,11 @@ def _kernel(mode: str | None, **kw) -> Callable:
 
 
 def _naive(q, bank_k, bank_v, idx, w=None):
-    from kernels.memory_attention import memory_attention_naive
-
     return memory_attention_naive(q, bank_k, bank_v, idx)
 
 
 # --------------------------------------------------------------------------------- timing
 def _run(fn, p: dict, idx, backward: bool, weighted: bool) -> list:
-    import torch
-
     names = ["q", "bank_k", "bank_v"] + (["w"] if weighted else [])
     leaves = {n: p[n].detach().requires_grad_(backward) for n in names}
     with torch.set_grad_enabled(backward):
@@ -185,8 +180,6 @@ def _run(fn, p: dict, idx, backward: bool, weighted: bool) -> list:
 def time_variants(variants: dict, p: dict, runs: int, warmup: int, device: str) -> dict:
     """{variant: {pass: median ms}} for forward and forward+backward, interleaved (A B, B A,
     ...) so drift hits every variant; a variant that runs out of memory gets None."""
-    import torch
-
     res: dict[str, dict[str, Any]] = {v: {} for v in variants}
     for pname, bwd in (("forward", False), ("forward_backward", True)):
         alive = dict(variants)
@@ -217,8 +210,6 @@ def time_variants(variants: dict, p: dict, runs: int, warmup: int, device: str) 
 
 def errors(fn, ref, p: dict, idx, weighted: bool) -> dict[str, float]:
     """Relative (Frobenius) error of fn's output and gradients against ref's in fp32."""
-    import torch
-
     p32 = {n: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v)
            for n, v in p.items()}
     got = _run(fn, p, idx, True, weighted)
@@ -257,20 +248,10 @@ def attn_flops(b, h, s, kt, d) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------ scenarios
-def bench_attention(args, sz: dict) -> tuple[dict, list[dict]]:
-    import torch
-
-    from kernels.memory_attention import kernel as attn_kernel
-
-    device, dtype = args.device, getattr(torch, sz["dtype"])
-    result: dict[str, Any] = {"sizes": sz, "timed": "triton kernels" if device == "cuda"
-                              else "pure-torch reference (CPU dispatch)"}
-    rows: list[dict] = []
-    cuda = device == "cuda"
-
-    # -- moc: sequence-level lists
-    m = sz["moc"]
-    p = moc_problem(m, device, dtype)
+def _moc(args, sz: dict, p: dict, result: dict) -> list[dict]:
+    """Sequence-level lists at MoC's shape: the kernel (unweighted, "bias", "mix") against
+    SDPA on gathered blocks; on the CPU the reference alone."""
+    m, device, cuda = sz["moc"], args.device, args.device == "cuda"
     fl = attn_flops(m["B"], m["H"], m["S"], m["k"] * m["T"], m["D"])
     log(f"moc: {m} {sz['dtype']}")
     if cuda:
@@ -283,8 +264,8 @@ def bench_attention(args, sz: dict) -> tuple[dict, list[dict]]:
             "kernel_mix": (_kernel("mix"), p["idx"], True),
         }
     else:
-        variants = {"reference": (_kernel(None, impl="naive"), p["idx"], False),
-                    "reference_mix": (_kernel("mix", impl="naive"), p["idx"], True)}
+        variants = {"reference": (_kernel(None, impl="reference"), p["idx"], False),
+                    "reference_mix": (_kernel("mix", impl="reference"), p["idx"], True)}
     res = time_variants(variants, p, args.runs, sz["warmup"], device)
     moc_rows = rows_of("moc", {v: r for v, r in res.items() if "bias" not in v}, fl,
                        "sdpa_gather" if cuda else None)
@@ -300,10 +281,17 @@ def bench_attention(args, sz: dict) -> tuple[dict, list[dict]]:
                          met=frac >= 0.5)
         result["moc_errors_vs_sdpa_gather_fp32"] = errors(_kernel(None), gather_sdpa, p,
                                                           p["idx"], False)
-    rows += moc_rows
     result["moc_unique_blocks"] = int(p["idx"].unique().numel())
+    return moc_rows
 
-    # -- token: per-token lists at the same k
+
+def _token(args, sz: dict, p: dict, result: dict) -> list[dict]:
+    """Per-token lists at the same k, per locality: the unique blocks a tile touches, and (on a
+    GPU) the time against the sequence-level lists."""
+    attn_kernel = _attn_kernel()
+    m, device, cuda = sz["moc"], args.device, args.device == "cuda"
+    fl = attn_flops(m["B"], m["H"], m["S"], m["k"] * m["T"], m["D"])
+    rows: list[dict] = []
     tok_res: dict[str, Any] = {}
     for loc in sz["token_locality"]:
         tidx = token_idx(p, m["S"], loc)
@@ -324,33 +312,52 @@ def bench_attention(args, sz: dict) -> tuple[dict, list[dict]]:
         tok_res[str(loc)] = {"mean_slots_per_tile": slots, "k": m["k"],
                              "tokens_per_tile": table.tokens_per_tile}
     result["token"] = tok_res
+    return rows
 
-    # -- naive per-token formulation vs the kernel, B=1
+
+def _naive_token(args, sz: dict, p: dict) -> tuple[list[dict], Any]:
+    """The naive per-token formulation against the kernel at B=1; also returns its lists."""
+    m, device = sz["moc"], args.device
     s1 = sz["naive_s"]
     p1 = {n: (v[:1, :, :s1] if n in ("q", "dy") else v[:1] if n in ("idx", "w", "pool") else v)
           for n, v in p.items()}
     tidx1 = token_idx(p1, s1, sz["token_locality"][0])
     fl1 = attn_flops(1, m["H"], s1, m["k"] * m["T"], m["D"])
     variants = {"naive_per_token": (_naive, tidx1, False)}
-    if cuda:
+    if device == "cuda":
         variants["kernel_per_token"] = (_kernel(None), tidx1, False)
     res = time_variants(variants, p1, args.runs, sz["warmup"], device)
-    rows += [dict(r, scenario=f"naive_token B=1 S={s1}") for r in
-             rows_of("naive", res, fl1, "naive_per_token")]
+    rows = [dict(r, scenario=f"naive_token B=1 S={s1}") for r in
+            rows_of("naive", res, fl1, "naive_per_token")]
+    return rows, tidx1
 
-    # -- hkv: hierarchical KV path, GQA
-    hk = sz["hkv"]
-    ph = hkv_problem(hk, device, dtype)
+
+def _hkv(args, sz: dict, ph: dict) -> list[dict]:
+    """A hierarchical KV path with GQA: the kernel against SDPA on gathered blocks."""
+    hk, device, cuda = sz["hkv"], args.device, args.device == "cuda"
     flh = attn_flops(hk["B"], hk["H"], hk["S"], hk["levels"] * hk["T"], hk["D"])
     log(f"hkv: {hk}, {ph['n']} blocks")
     if cuda:
         variants = {"sdpa_gather": (gather_sdpa, ph["idx"], False),
                     "kernel": (_kernel(None), ph["idx"], False)}
     else:
-        variants = {"reference": (_kernel(None, impl="naive"), ph["idx"], False)}
+        variants = {"reference": (_kernel(None, impl="reference"), ph["idx"], False)}
     res = time_variants(variants, ph, args.runs, sz["warmup"], device)
-    rows += rows_of("hkv", res, flh, "sdpa_gather" if cuda else None)
-    if cuda:
+    return rows_of("hkv", res, flh, "sdpa_gather" if cuda else None)
+
+
+def bench_attention(args, sz: dict) -> tuple[dict, list[dict]]:
+    device, dtype = args.device, getattr(torch, sz["dtype"])
+    result: dict[str, Any] = {"sizes": sz, "timed": "triton kernels" if device == "cuda"
+                              else "pure-torch reference (CPU dispatch)"}
+    p = moc_problem(sz["moc"], device, dtype)
+    rows = _moc(args, sz, p, result)
+    rows += _token(args, sz, p, result)
+    naive_rows, tidx1 = _naive_token(args, sz, p)
+    rows += naive_rows
+    ph = hkv_problem(sz["hkv"], device, dtype)
+    rows += _hkv(args, sz, ph)
+    if device == "cuda":
         result["hkv_errors_vs_sdpa_gather_fp32"] = errors(_kernel(None), gather_sdpa, ph,
                                                           ph["idx"], False)
     else:
@@ -361,11 +368,10 @@ def bench_attention(args, sz: dict) -> tuple[dict, list[dict]]:
 def cpu_correctness(p: dict, ph: dict, tidx) -> dict:
     """Relative errors on the CPU shapes: the reference against SDPA-on-gather, and the
     Triton kernels (interpreter) against the reference, per index and weight mode."""
-    from kernels.memory_attention import kernel as attn_kernel
-
-    out = {"reference_vs_sdpa_gather": errors(_kernel(None, impl="naive"), gather_sdpa, p,
+    attn_kernel = _attn_kernel()
+    out = {"reference_vs_sdpa_gather": errors(_kernel(None, impl="reference"), gather_sdpa, p,
                                               p["idx"], False),
-           "reference_vs_sdpa_gather_hkv": errors(_kernel(None, impl="naive"), gather_sdpa, ph,
+           "reference_vs_sdpa_gather_hkv": errors(_kernel(None, impl="reference"), gather_sdpa, ph,
                                                   ph["idx"], False)}
     if not attn_kernel.interpreting():
         return out
@@ -377,14 +383,12 @@ def cpu_correctness(p: dict, ph: dict, tidx) -> dict:
                 if mode:
                     prob["w"] = prob["w"][:, None].expand(idx.shape).contiguous()
             out[f"triton_{kind}_{mode}"] = errors(_kernel(mode, impl="triton"),
-                                                  _kernel(mode, impl="naive"), prob, idx,
+                                                  _kernel(mode, impl="reference"), prob, idx,
                                                   mode is not None)
     return out
 
 
 def bench_ffn(args, _sz: dict) -> tuple[dict, list[dict]]:
-    from _kernels_ffn import run_ffn
-
     res = run_ffn(args)
     rows = [row("ffn_memory", "ffn", r["variant"], r["pass"], r["ms"], None, tflops=r["tflops"],
                 peak_mib=r["peak_mib"], vs_baseline=r["speedup_vs_gather"])
@@ -405,8 +409,6 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cuda", "cpu"),
                     default="cuda" if torch.cuda.is_available() else "cpu")
@@ -434,9 +436,6 @@ def main(argv: list[str] | None = None) -> int:
         "benchmarks": {}, "rows": []}
     fns = {"attention": bench_attention, "ffn": bench_ffn}
     selected = [b for b in BENCHES if b in (args.only or BENCHES)]
-    if "ffn" in selected and importlib.util.find_spec("_kernels_ffn") is None:
-        log("bench/_kernels_ffn.py not present: skipping the FFN-memory benchmark")
-        selected.remove("ffn")
     for name in selected:
         t0 = time.perf_counter()
         res, rows = fns[name](args, sz)

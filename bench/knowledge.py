@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _common  # noqa: F401  (puts the repository on sys.path)
-from _common import REPO, finish, loadavg, log
+from _common import REPO, finish, loadavg, log  # bench/ is sys.path[0] when a script runs
 
+from eval.demo import run_main_job
 from memtree.io import read_json
 
 MODES = ("none", "generic", "fetched", "rag")
@@ -120,8 +120,6 @@ def main(argv: list[str] | None = None) -> int:
         if not seed.isdigit() or not (Path(root) / "report" / "results.json").exists():
             ap.error(f"--existing {item!r}: expected SEED=ROOT with ROOT/report/results.json")
         existing[int(seed)] = Path(root) / "report" / "results.json"
-    from eval.demo import run_main_job
-
     results: dict[str, Any] = {"seeds": {}, "meta": {"argv": sys.argv[1:], "loadavg_start": loadavg(),
                                                       "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}}
     for seed in sorted(set(args.seeds) | set(existing)):

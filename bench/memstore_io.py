@@ -1,8 +1,8 @@
 """Benchmarks of the memory store (memstore), each against its baseline in the same run.
 
-    .venv/bin/python bench/memstore.py                 # full suite 3 times (~2 min; ~3.5 GB of banks per run, deleted)
-    .venv/bin/python bench/memstore.py --quick --runs 1   # small variant (seconds)
-    .venv/bin/python bench/memstore.py --only flat --out /tmp/flat.json
+    .venv/bin/python bench/memstore_io.py              # full suite 3 times (~2 min; ~3.5 GB of banks per run, deleted)
+    .venv/bin/python bench/memstore_io.py --quick --runs 1   # small variant (seconds)
+    .venv/bin/python bench/memstore_io.py --only flat --out /tmp/flat.json
 
 Benchmarks (see bench/README.md for what each one compares):
 
@@ -10,7 +10,7 @@ Benchmarks (see bench/README.md for what each one compares):
               O_DIRECT os.preadv of the same offsets and sizes into one aligned buffer   target >= 0.8x
   flat        random-block fetch latency of a bank with 100x the blocks vs a small bank, same
               block size, O_DIRECT                                                       target <= 1.2x
-  calibrate   memstore.calibrate on this machine, then validate: simulate_fetch on the measured
+  calibrate   memstore.sim.calibrate on this machine, then validate: simulate_fetch on the measured
               profile vs real cold path fetches of a 3-level bank          target: simulated/measured within 20%
   session     per-level cache hit rates of a real store on a Zipf trace vs simulate_session's
               (same ByteLRU policy)                                                      target: equal
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import (  # bench/ is on sys.path when run as a script
+from _common import (  # bench/ is sys.path[0] when a script runs
     REPO,
     fmt,
     loadavg,
@@ -45,6 +45,21 @@ from _common import (  # bench/ is on sys.path when run as a script
     wait_quiet,
     write_results,
 )
+
+from memstore.format import level_path, write_bank
+from memstore.sim.calibrate import (
+    _drop_cache,
+    _random_init,
+    format_calibration,
+    format_validation,
+    measure,
+    validate,
+    write_profile,
+)
+from memstore.sim.latency import simulate_session, zipf_trace
+from memstore.sim.profiles import HardwareProfile, TierProfile
+from memstore.store import MemoryStore, TierConfig
+from memtree.geometry import MemoryConfig, get_anchor, plan, stored_bytes
 
 BENCHES = ("throughput", "flat", "calibrate", "session")
 MiB = 1 << 20
@@ -164,10 +179,6 @@ def print_table(rows: list[dict]) -> None:
 
 def write_bank_for(root: Path, anchor: str, multipliers: list[int], branching: int, seed: int):
     """A bf16 FFN bank with random values (the calibration's init), page cache dropped afterwards."""
-    from memstore.calibrate import _drop_cache, _random_init
-    from memstore.format import level_path, write_bank
-    from memstore.geometry import MemoryConfig, get_anchor
-
     t0 = time.perf_counter()
     info = write_bank(root, anchor=get_anchor(anchor), memory=MemoryConfig(multipliers=tuple(multipliers),
                       branching=branching), dtype="bf16", init=_random_init(seed))
@@ -179,8 +190,6 @@ def write_bank_for(root: Path, anchor: str, multipliers: list[int], branching: i
 
 
 def flash_store(root: Path, *, verify: str = "always", cache_bytes: int = 0):
-    from memstore.store import MemoryStore, TierConfig
-
     return MemoryStore(root, tiers=(TierConfig(name="flash", kind="flash", cache_bytes=cache_bytes, direct=True),),
                        placement="hierarchical", verify=verify)
 
@@ -191,8 +200,6 @@ def _direct_of(store) -> bool:
 
 # ------------------------------------------------------------------------- 1. throughput
 def bench_throughput(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
-    from memstore.format import level_path
-
     m, B = S["throughput_multiplier"], S["throughput_branching"]
     root = ctx["work"] / "throughput-bank"
     info = write_bank_for(root, S["anchor"], [0, m], B, seed=1)
@@ -277,8 +284,6 @@ def bench_throughput(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
 def bench_flat(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
     m = S["flat_multiplier"]
     small_b, big_b = S["flat_small_branching"], S["flat_big_branching"]
-    from memstore.geometry import plan, stored_bytes
-
     block = stored_bytes(plan(S["anchor"], (0, m)).levels[1].block_params, "bf16")
     need = (big_b**2 + small_b**2 + 2) * block
     free = shutil.disk_usage(ctx["work"]).free
@@ -327,14 +332,6 @@ def bench_flat(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
 
 # -------------------------------------------------------------------------- 3. calibrate
 def bench_calibrate(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
-    from memstore.calibrate import (
-        format_calibration,
-        format_validation,
-        measure,
-        validate,
-        write_profile,
-    )
-
     work = ctx["work"] / "calibrate"
     cal = measure(work, sizes=S["calibrate_sizes"], repeats=S["calibrate_repeats"],
                   bank_bytes=S["calibrate_bank_bytes"], progress=log)
@@ -375,9 +372,6 @@ def bench_calibrate(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
 
 # ---------------------------------------------------------------------------- 4. session
 def bench_session(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
-    from memstore.geometry import plan
-    from memstore.simulate import HardwareProfile, TierProfile, simulate_session, zipf_trace
-
     mult, B = S["session_multipliers"], S["session_branching"]
     budget = S["session_cache_bytes"]
     root = ctx["work"] / "session-bank"

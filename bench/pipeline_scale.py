@@ -4,11 +4,11 @@
     .venv/bin/python bench/pipeline_scale.py --docs 10000 50000 --workers 2   # memory vs corpus size
 
 Each run is `run_pipeline` (all 8 stages, LocalCluster start included) on the synthetic corpus
-(`pipeline.corpus`, seed 0) in a fresh child interpreter, with the e2e settings of
-bench/pipeline.py (3 x 8 tree, 512-token windows and samples, embed max_seq_length 128) and
+(`pipeline.corpus.topical`, seed 0) in a fresh child interpreter, with the e2e settings of
+bench/pipeline_stages.py (3 x 8 tree, 512-token windows and samples, embed max_seq_length 128) and
 `--backend` for the embedder and `--mmap-threshold-mib` for its workers' allocator (0: glibc's
 dynamic threshold; several values are run one after another for each size); the peak RSS of the child and its Dask workers is sampled every
-0.5 s (bench/pipeline.py's RssSampler). The issue's memory criterion: peak memory must not grow
+0.5 s (bench/_pipeline_common.py's RssSampler). The issue's memory criterion: peak memory must not grow
 with the corpus beyond the embeddings themselves, so each row also gives peak RSS minus the
 embedding matrix (windows x 384 x 4 bytes). Scaling: docs/s with 2 workers over 1 worker.
 JSON: --out, default bench/results/pipeline-scale-<date>.json.
@@ -20,35 +20,24 @@ import argparse
 import datetime as _dt
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO, finish, log, run_meta, write_results  # bench/ on sys.path
+from _common import REPO, finish, log, run_meta, write_results  # bench/ is sys.path[0]
+from _pipeline_common import corpus_docs, pipeline_cfg, run_sampled, write_jsonl
+
+from memtree.config import to_dict
+from pipeline.run import run_pipeline
 
 COLUMNS = ["docs", "workers", "backend", "mmap_threshold_mib", "windows", "seconds", "docs_per_s", "embed_s",
            "peak_rss_gib", "peak_minus_embeddings_gib", "speedup_vs_1_worker"]
 
 
-def _bench_pipeline():
-    """bench/pipeline.py (config builder, RSS sampler); by path: `pipeline` is the project's package."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_pipeline", Path(__file__).with_name("pipeline.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def child(spec_path: str) -> int:
     """Runs in a fresh interpreter, so the sampled RSS is the pipeline's alone."""
-    from memtree.config import to_dict
-    from pipeline.run import run_pipeline
-
     spec = json.loads(Path(spec_path).read_text())
-    cfg = _bench_pipeline().pipeline_cfg(
+    cfg = pipeline_cfg(
         Path(spec["root"]), [spec["corpus"]],
         window={"window_tokens": 512},
         embed={"device": "cpu", "max_seq_length": 128, "backend": spec["backend"],
@@ -89,20 +78,13 @@ def stage_peaks(timeline: list[tuple[float, int, int]], events: list[tuple[float
     return out
 
 
-def one_run(bp, corpus: Path, docs: int, workers: int, backend: str, mmap_mib: int, tmp: Path) -> dict:
+def one_run(corpus: Path, docs: int, workers: int, backend: str, mmap_mib: int, tmp: Path) -> dict:
     work = Path(tempfile.mkdtemp(prefix=f"scale-{docs}-{workers}w-", dir=tmp))
     spec = {"root": str(work / "run"), "corpus": str(corpus), "result": str(work / "result.json"),
             "workers": workers, "backend": backend, "mmap_threshold_mib": mmap_mib}
     (work / "spec.json").write_text(json.dumps(spec))
     log(f"run_pipeline: {docs:,} docs, {workers} worker(s), backend {backend}, mmap threshold {mmap_mib} MiB")
-    t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--_child", str(work / "spec.json")],
-                            cwd=str(REPO))
-    sampler = bp.RssSampler(proc.pid, 0.5)
-    sampler.start()
-    rc = proc.wait()
-    wall = time.perf_counter() - t0
-    sampler.stop()
+    rc, wall, sampler = run_sampled(Path(__file__), ["--_child", str(work / "spec.json")], REPO)
     if rc != 0:
         raise RuntimeError(f"pipeline child failed with exit status {rc} ({work})")
     out = json.loads((work / "result.json").read_text())
@@ -141,17 +123,16 @@ def main() -> int:
     args = p.parse_args()
     if args.child:
         return child(args.child)
-    bp = _bench_pipeline()
     tmp = Path(tempfile.mkdtemp(prefix="memtree-bench-scale-", dir=args.tmp))
     day = _dt.date.today().isoformat()
     out = Path(args.out) if args.out else REPO / "bench" / "results" / f"pipeline-scale-{day}.json"
     rows: list[dict] = []
     for docs in args.docs:
         corpus = tmp / f"corpus-{docs}.jsonl"
-        bp.write_jsonl(bp.corpus_docs(docs), corpus)
+        write_jsonl(corpus_docs(docs), corpus)
         for workers in args.workers:
             for mib in args.mmap_threshold_mib:
-                rows.append(one_run(bp, corpus, docs, workers, args.backend, mib, tmp))
+                rows.append(one_run(corpus, docs, workers, args.backend, mib, tmp))
             for r in rows:
                 one = next((o for o in rows if o["docs"] == r["docs"] and o["workers"] == 1
                             and o["mmap_threshold_mib"] == r["mmap_threshold_mib"]), None)

@@ -5,13 +5,13 @@
 
 Candidate: `clustering.route.route` (points sorted by parent, one float32 GEMM per parent
 group, float64 re-scoring of near ties). Baselines in the same run, interleaved: exhaustive
-search over every leaf (`faiss.IndexFlatL2`, index build included, as in bench/pipeline.py) and
-the previous routing step kept here (`float64_route_step`: the same groups scored in float64,
-the centroids and points cast per group). Agreement: the candidate's paths against that
-level-by-level float64 argmin (the issue's criterion: 100 %) and its leaf against the exhaustive
-nearest leaf. The tree is bench/pipeline.py's constructed one (children = parent + noise,
-renormalised), queries a random leaf plus noise. JSON: --out, default
-bench/results/routing-<date>[-quick].json.
+search over every leaf (`faiss.IndexFlatL2`, index build included, as in
+bench/pipeline_stages.py) and the previous routing step kept here (`float64_route_step`: the
+same groups scored in float64, the centroids and points cast per group). Agreement: the
+candidate's paths against that level-by-level float64 argmin (the issue's criterion: 100 %) and
+its leaf against the exhaustive nearest leaf. The tree is the pipeline benchmark's constructed
+one (bench/_pipeline_assign.py: children = parent + noise, renormalised), queries a random leaf
+plus noise. JSON: --out, default bench/results/routing-<date>[-quick].json.
 """
 
 from __future__ import annotations
@@ -24,20 +24,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import REPO, finish, log, run_meta  # bench/ on sys.path
+from _common import REPO, finish, log, run_meta  # bench/ is sys.path[0] when a script runs
+from _pipeline_assign import constructed_tree
+from _pipeline_common import DIM
+
+from clustering.route import route
 
 # The columns of the printed table.
 COLUMNS = ["leaves", "queries", "method", "seconds", "points_per_s", "route_speedup"]
-
-def _bench_pipeline():
-    """bench/pipeline.py (its constructed tree); by path: `pipeline` is the project's package."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_pipeline", Path(__file__).with_name("pipeline.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def float64_route_step(centroids, valid, x, parent, branching):
     """The routing step before issue #16: per parent group, float64 scores ||c||² − 2·x·c."""
@@ -75,16 +69,12 @@ def exhaustive(tree, x):
 
 
 def main() -> int:
-    from clustering.route import route
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     levels, branching, nq = (4, 8, 2_000) if args.quick else (4, 16, 20_000)
-    bp = _bench_pipeline()
-    DIM, constructed_tree = bp.DIM, bp.constructed_tree
     tree = constructed_tree(levels, branching, seed=7, radii=[0.6, 0.35, 0.2])
     rng = np.random.default_rng(8)
     leaf = rng.integers(0, branching**levels, size=nq)

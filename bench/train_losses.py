@@ -1,8 +1,8 @@
 """Per-step training losses of one config, to compare the same run across devices/precisions.
 
-    python bench/train_losses.py eval/demo.yaml --out gpu.json device=gpu precision=amp_bf16 \
+    python bench/train_losses.py training/yamls/demo.yaml --out gpu.json device=gpu precision=amp_bf16 \
         data.shards=runs/demo/pipeline/shards mode=scratch max_duration=200ba
-    python bench/train_losses.py eval/demo.yaml --out cpu.json device=cpu precision=fp32 ...
+    python bench/train_losses.py training/yamls/demo.yaml --out cpu.json device=cpu precision=fp32 ...
     python bench/train_losses.py --compare cpu.json gpu.json
 
 Runs training.train.train (a real Composer Trainer.fit) with a callback that records the
@@ -18,10 +18,11 @@ import sys
 import time
 from pathlib import Path
 
-from _common import log  # bench/ is on sys.path; puts the repository first
+from _common import log  # bench/ is sys.path[0] when a script runs
 
 
 def record(config: str, overrides: list[str], out: Path) -> int:
+    # Composer and the trainer (which imports it) are heavy; --compare needs neither.
     import torch
     from composer.core import Callback
 

@@ -1,8 +1,8 @@
 """Benchmarks of memory training steps, each against its baseline in the same run.
 
-    .venv/bin/python bench/training.py --wait-quiet 240  # full run (~5 min on 2 idle CPU cores)
-    .venv/bin/python bench/training.py --quick           # small variant (~20 s)
-    .venv/bin/python bench/training.py --only overhead --out /tmp/overhead.json
+    .venv/bin/python bench/training_steps.py --wait-quiet 240  # full run (~5 min on 2 idle CPU cores)
+    .venv/bin/python bench/training_steps.py --quick           # small variant (~20 s)
+    .venv/bin/python bench/training_steps.py --only overhead --out /tmp/overhead.json
 
 Every timed step is a direct PyTorch training step: forward of `training.model.AnchorLM`
 (memories fetched from a `training.bank.TrainableBank` and assembled with
@@ -54,7 +54,7 @@ from _common import (  # bench/ is on sys.path when run as a script
     write_results,
 )
 
-from memstore.geometry import AnchorShape, MemoryConfig, plan
+from memtree.geometry import AnchorShape, MemoryConfig, plan
 from training.bank import TrainableBank
 from training.model import AnchorLM, ModelConfig, assemble_memories
 from training.optim import MemoryAdamW

@@ -1,6 +1,6 @@
 """Tile-size sweep of the memory-attention kernels on a GPU (the numbers behind Launch.choose).
 
-    python bench/tune_attention.py                    # moc and hkv shapes of bench/kernels.py
+    python bench/tune_attention.py                    # moc and hkv shapes of bench/kernel_ops.py
     python bench/tune_attention.py --scenario moc --runs 50
 
 Each candidate launch (BLOCK_M, BLOCK_N, warps, stages) replaces Launch.choose for one
@@ -13,19 +13,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import itertools
 import sys
 from pathlib import Path
 
-from _common import finish, log  # bench/ is on sys.path; puts the repository first
+import torch
+from _common import finish, log  # bench/ is sys.path[0] when a script runs
+from kernel_ops import CUDA_SIZES, gather_sdpa, hkv_problem, moc_problem
 
-# bench/kernels.py shares its name with the `kernels` package: load it under another one.
-_spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).with_name("kernels.py"))
-bk_bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bk_bench)
-CUDA_SIZES, gather_sdpa = bk_bench.CUDA_SIZES, bk_bench.gather_sdpa
-hkv_problem, moc_problem = bk_bench.hkv_problem, bk_bench.moc_problem
+from kernels.memory_attention import memory_attention
 
 CANDIDATES = {
     "block_m": (64, 128),
@@ -40,11 +36,9 @@ def _rel(a, b) -> float:
 
 
 def sweep(scenario: str, runs: int) -> list[dict]:
-    import torch
     from triton.testing import do_bench
 
-    from kernels.memory_attention import kernel as K
-    from kernels.memory_attention import memory_attention
+    from kernels.memory_attention import kernel as K  # imports triton (GPU only)
 
     sz = CUDA_SIZES[scenario]
     p = (moc_problem if scenario == "moc" else hkv_problem)(sz, "cuda", torch.bfloat16)
@@ -99,18 +93,16 @@ def profile(scenario: str, out_dir: Path) -> None:
     """Where one forward+backward spends its time at the current Launch.choose: each CUDA
     kernel's device time against the host time of the whole call (plan() builds the
     reference table with torch ops and host syncs, once in forward, once in backward)."""
-    import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
+    from triton.testing import do_bench
 
-    from kernels.memory_attention import kernel as K
-    from kernels.memory_attention import memory_attention
+    from kernels.memory_attention import kernel as K  # imports triton (GPU only)
 
     sz = CUDA_SIZES[scenario]
     p = (moc_problem if scenario == "moc" else hkv_problem)(sz, "cuda", torch.bfloat16)
     q, bk, bv, idx, dy = p["q"], p["bank_k"], p["bank_v"], p["idx"], p["dy"]
     leaves = [x.detach().requires_grad_() for x in (q, bk, bv)]
-    from triton.testing import do_bench
     plan_ms = do_bench(lambda: K.plan(q, bk, bv, idx, None), rep=25, return_mode="median")
     print(f"{scenario}: plan() alone {plan_ms:.3f} ms")
     for _ in range(3):
@@ -140,8 +132,6 @@ def print_table(all_rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenario", choices=("moc", "hkv"), action="append")
     ap.add_argument("--runs", type=int, default=25, help="do_bench repetition time (ms)")

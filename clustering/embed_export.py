@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import logging
 import os
 import shutil
 import tempfile
@@ -89,8 +90,6 @@ def quiet_loaders() -> None:
     "could not infer whether the model was already converted" (it probes a Hub cache layout;
     `file_name` says which network to load) and sentence-transformers' advice to save a converted
     network (the export does)."""
-    import logging
-
     logging.getLogger("optimum.intel.openvino.modeling_base").setLevel(logging.ERROR)
     logging.getLogger("sentence_transformers.backend.utils").setLevel(logging.ERROR)
 

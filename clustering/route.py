@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from clustering.embed import embed_texts, embedder_from_meta
 from clustering.route_core import route_step
 from clustering.tree import Tree
 
@@ -38,8 +39,6 @@ def route(tree: Tree, x: np.ndarray, *, batch_size: int = 262144) -> np.ndarray:
 
 def route_texts(tree: Tree, texts: Sequence[str], *, model=None, device: str = "auto") -> np.ndarray:
     """Embed texts exactly as the tree's windows were embedded, then route → (n, levels)."""
-    from clustering.embed import embed_texts, embedder_from_meta
-
     emb = tree.meta.get("embedder", {})
     model = model or embedder_from_meta(emb, tree.path, device=device)
     x = embed_texts(model, list(texts), strategy=emb.get("strategy", "truncate"),

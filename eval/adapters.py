@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from eval.continual import fact_task, forgetting, measure, plot_pareto
+from eval.model import RunModel
 from memtree.config import ConfigError, is_int, load_config, to_dict
 from memtree.io import atomic_write_json, atomic_write_text
 from training.finetune import FinetuneSpec, finetune_stream
@@ -123,8 +124,6 @@ def matched_lora(runs: Sequence[FinetuneSpec], model, seq_len: int) -> list[Fine
 def run_adapters(cfg: AdaptersConfig, *, progress: bool = True) -> Path:
     """The whole experiment; returns the markdown report's path."""
     import torch
-
-    from eval.model import RunModel
 
     root = Path(cfg.root)
     out = Path(cfg.out) if cfg.out else root / "adapters"

@@ -6,6 +6,10 @@ bank), `memtree eval-continual` (learning new facts without forgetting) and the 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+# Each command imports its library modules inside its handler: `memtree --help` loads every stage's
+# cli.py, and the eval modules pull in torch and Composer.
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -157,7 +161,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--root", default="runs/demo", help="run directory (default runs/demo)")
     d.add_argument("--seed", type=int, default=0, help="corpus, training and probe seed (default 0)")
     d.add_argument("--corpus", action="append", default=[], metavar="KEY=VALUE",
-                   help="pipeline.bios.BiosSpec field (repeatable), e.g. --corpus entities_per_subtopic=4")
+                   help="pipeline.corpus.bios.BiosSpec field (repeatable), e.g. --corpus entities_per_subtopic=4")
     d.add_argument("--anchor-duration", default="2ep", help="anchor pretraining (Composer time, default 2ep)")
     d.add_argument("--cotrain-duration", default="5ep", help="co-training (Composer time, default 5ep)")
     d.add_argument("--max-probes", type=int, default=0, help="probes to evaluate, evenly spread (0 = all)")
@@ -170,8 +174,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from omegaconf import OmegaConf
 
     from eval.demo import run_main_job
@@ -187,9 +189,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from eval.experiments import blocking_eval, knowledge_eval, load_eval_inputs, write_report
+    from eval.knowledge import blocking_eval, knowledge_eval, load_eval_inputs, write_report
     from eval.model import RunModel
 
     rm = RunModel.load(args.run, tree_dir=args.tree)
@@ -214,8 +214,6 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from eval.sweeps import load_sweep_config, run_sweep
 
     result = run_sweep(load_sweep_config(args.sweep, args.overrides), train_overrides=args.train)
@@ -225,8 +223,6 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _retention(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from eval.retention import load_retention_config, run_retention
 
     config, overrides = args.config, list(args.overrides)
@@ -239,8 +235,6 @@ def _retention(args: argparse.Namespace) -> int:
 
 
 def _tasks(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from eval.model import RunModel
     from eval.suite import load_suite_config, run_suite, write_suite_report
 
@@ -254,8 +248,6 @@ def _tasks(args: argparse.Namespace) -> int:
 
 
 def _longctx(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from eval.longctx import load_records, long_documents, longctx_eval, write_longctx_report
     from eval.model import RunModel
     from memstore.camelot import CamelotConfig

@@ -42,11 +42,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from eval.experiments import new_figure, save_png
 from eval.longtail import build_probes, wilson
+from eval.plots import new_figure, save_png
 from memstore.context_bank import ContextBank, ContextBankConfig
 from memtree.config import from_dict, is_int, load_config, to_dict
 from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json
+from pipeline.corpus.bios import BiosSpec, bios_facts, generate_bios, recall_pairs
 from training.context_vae import (
     chunk_ids,
     compress,
@@ -106,8 +107,6 @@ def load_recall_config(path: str | Path | None, overrides: Sequence[str] = ()) -
 # -- data --------------------------------------------------------------------------------------
 
 def _world_spec(root: Path, seed: int):
-    from pipeline.bios import BiosSpec
-
     spec_rec = read_json(root / "corpus.json")["spec"]
     return from_dict(BiosSpec, {**spec_rec, "seed": seed}, where="corpus.json spec")
 
@@ -121,8 +120,6 @@ def training_pairs(root: Path, out: Path, cfg: ContextRecallConfig) -> Path:
     (seeds eval seed + 1000·k, k ≥ 1), so answers can only come from the compressed document, never
     from what the anchor learnt; entities of the run's corpus or of the evaluation world are left out.
     `train_on_corpus` adds the run's own corpus (facts the anchor partly knows)."""
-    from pipeline.bios import bios_facts, generate_bios, recall_pairs
-
     path = out / "pairs.jsonl"
     if path.exists():
         return path
@@ -144,8 +141,6 @@ def training_pairs(root: Path, out: Path, cfg: ContextRecallConfig) -> Path:
 def new_entities(root: Path, cfg: ContextRecallConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(documents, probes) about n_entities entities of a fresh bios world (one document each;
     probes: every fact the document states, 4-way). Deterministic for the config."""
-    from pipeline.bios import bios_facts, generate_bios, recall_pairs
-
     seed = _eval_seed(root, cfg)
     spec = _world_spec(root, seed)
     trained = {r["entity"] for _, r in iter_jsonl(root / "facts.jsonl")}
@@ -262,6 +257,7 @@ def _origins(bank_root: Path) -> dict[int, set[int]]:
 def run_recall(cfg: ContextRecallConfig) -> Path:
     """Run the experiment (training the compressor first when needed); returns the report path."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Imported once the hub is offline: they load composer / transformers, which read it on import.
     from training.context_train import load_context_config, train_context_vae
     from training.train import load_run
 

@@ -24,7 +24,9 @@ forgetting among its configurations that learn at least that much. JSON + markdo
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,12 +34,34 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
-from memtree.config import ConfigError, is_int, load_config, to_dict
+from eval.demo import DEMO_TRAIN_YAML
+from eval.longtail import build_probes, load_facts, wilson
+from eval.model import RunModel
+from eval.plots import new_figure, save_png
+from eval.tasks import multiple_choice, perplexity
+from memstore.store import MemoryStore, TierConfig
+from memtree.config import ConfigError, from_dict, is_int, load_config, to_dict
 from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json
-from training.block_finetune import BlockFinetuneSpec
-from training.finetune import FinetuneSpec
+from pipeline.corpus.bios import BiosSpec, bios_facts, fact_statements
+from training.block_finetune import (
+    BlockFinetuner,
+    BlockFinetuneSpec,
+    UnitBackground,
+    collect_unit_background,
+    write_edits,
+)
+from training.config import load_train_config
+from training.finetune import (
+    FinetuneSpec,
+    batch_tensors,
+    collect_run_background,
+    finetune_stream,
+    load_background,
+)
 from training.pkm import BACKGROUND_DIR
+from training.train import train
 
 DEFAULT_YAML = Path(__file__).parent / "yamls" / "continual.yaml"
 CHANCE = 0.25
@@ -91,9 +115,6 @@ def load_continual_config(path: str | Path | None = None, overrides: Sequence[st
 def new_facts(root: Path, cfg: ContinualConfig) -> list[dict[str, Any]]:
     """n_facts facts of entities the run's corpus never mentions, spread over entities (every
     fact of an entity before the next entity's), deterministic for the config."""
-    from memtree.config import from_dict
-    from pipeline.bios import BiosSpec, bios_facts
-
     spec_rec = read_json(root / "corpus.json")["spec"]
     seed = cfg.world_seed if cfg.world_seed >= 0 else int(spec_rec["seed"]) + 2000
     spec = from_dict(BiosSpec, {**spec_rec, "seed": seed}, where="corpus.json spec")
@@ -117,10 +138,6 @@ def new_facts(root: Path, cfg: ContinualConfig) -> list[dict[str, Any]]:
 
 def write_stream(facts: Sequence[dict[str, Any]], path: Path, paraphrases: int, seed: int) -> list[tuple[str, list[str]]]:
     """The finetuning stream, one record per fact ({"id", "texts"}), written as JSONL."""
-    import json
-
-    from pipeline.bios import fact_statements
-
     records = [(f"{f['entity']}/{f['attribute']}", fact_statements(f, paraphrases, seed=seed)) for f in facts]
     atomic_write_text(path, "".join(json.dumps({"id": i, "texts": t}, ensure_ascii=False) + "\n" for i, t in records))
     return records
@@ -128,8 +145,6 @@ def write_stream(facts: Sequence[dict[str, Any]], path: Path, paraphrases: int, 
 
 def old_probes(root: Path, cfg: ContinualConfig) -> list[dict[str, Any]]:
     """Probes of corpus facts stated in ≥ old_min_mentions documents, evenly spread, ≤ old_probes."""
-    from eval.longtail import build_probes, load_facts
-
     probes = build_probes(load_facts(root / "facts.jsonl"), seed=cfg.seed, min_mentions=cfg.old_min_mentions)
     if not probes:
         raise ValueError(f"{root}/facts.jsonl: no fact stated in ≥ {cfg.old_min_mentions} documents")
@@ -143,9 +158,6 @@ def measure(rm, new: Sequence[dict[str, Any]], old: Sequence[dict[str, Any]],
             held_out: Sequence[dict[str, Any]], *, paths: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     """Learning (new-fact accuracy), old-fact accuracy and held-out perplexity of rm's model; with
     `paths` ({"new", "old", "held"}: each item's route from its own text), fetched memories."""
-    from eval.longtail import wilson
-    from eval.tasks import multiple_choice, perplexity
-
     mode = "none" if paths is None else "fetched"
     out = {}
     for name, probes in (("new", new), ("old", old)):
@@ -199,9 +211,6 @@ def fact_task(root: Path, out: Path, cfg, rm) -> tuple[list, list, list, list, l
     to OUT/stream.jsonl), the new-fact probes, the old-fact probes, the held-out documents and the
     stream tokenised for rm's model, one (record id, ids, real) batch per record. cfg: any config
     with n_facts, paraphrases, world_seed, old_probes, old_min_mentions, held_out_docs, seed."""
-    from eval.longtail import build_probes
-    from training.finetune import batch_tensors
-
     facts = new_facts(root, cfg)
     records = write_stream(facts, out / "stream.jsonl", cfg.paraphrases, cfg.seed)
     new = build_probes([{**f, "mentions": 0} for f in facts], seed=cfg.seed)
@@ -214,11 +223,6 @@ def fact_task(root: Path, out: Path, cfg, rm) -> tuple[list, list, list, list, l
 
 def ensure_pretrained(root: Path, cfg: ContinualConfig) -> Path:
     """The memory-layer run (trained when missing) with its background counts (collected when missing)."""
-    from eval.demo import DEMO_TRAIN_YAML
-    from training.config import load_train_config
-    from training.finetune import collect_run_background
-    from training.train import train
-
     run = Path(cfg.run) if cfg.run else root / "train" / "pkm"
     if not (run / "anchor.safetensors").exists():
         overrides = [f"data.shards={root / 'pipeline' / 'shards'}", "mode=baseline", "memory.multipliers=[]",
@@ -244,9 +248,6 @@ def _background_matches(run: Path, cfg: ContinualConfig) -> bool:
 def run_continual(cfg: ContinualConfig, *, progress: bool = True) -> Path:
     """The whole experiment; returns the markdown report's path."""
     import torch
-
-    from eval.model import RunModel
-    from training.finetune import finetune_stream, load_background
 
     root = Path(cfg.root)
     out = Path(cfg.out) if cfg.out else root / "continual"
@@ -304,20 +305,7 @@ def run_blocks(root: Path, out: Path, cfg: ContinualConfig, records: Sequence[tu
                progress: bool = True) -> dict[str, Any]:
     """The same stream into a hierarchical-memory run: each configuration of `block_runs` from the
     run's own weights and a fresh copy of its bank; edits written through memstore's edit path."""
-    import shutil
-
     import torch
-    from tqdm import tqdm
-
-    from eval.model import RunModel
-    from memstore.store import MemoryStore, TierConfig
-    from training.block_finetune import (
-        BlockFinetuner,
-        UnitBackground,
-        collect_unit_background,
-        write_edits,
-    )
-    from training.finetune import batch_tensors
 
     run = Path(cfg.blocks_run) if cfg.blocks_run else root / "train" / "cotrain"
     tree = root / "pipeline" / "tree"  # a demo root's tree; else the run's own (next to its shards)
@@ -474,8 +462,6 @@ def plot_pareto(series: Sequence[tuple[str, Sequence[dict[str, Any]], dict[str, 
             chance: float, title: str, path: Path) -> None:
     """Learning (x) against each forgetting measure (old-fact accuracy, held-out perplexity), one
     marker per configuration: series of (label, rows, scatter style)."""
-    from eval.experiments import new_figure, save_png
-
     fig = new_figure(11.0, 4.2)
     for j, (key, ylabel) in enumerate((("old_accuracy", "old-fact accuracy (forgetting ↓)"),
                                        ("perplexity", "held-out perplexity (forgetting ↑)"))):

@@ -1,19 +1,27 @@
-"""The main job (`memtree demo`, `make demo`): corpus → pipeline → anchor → co-training → knowledge report.
+"""The main job (`memtree demo`, `make demo`): the knowledge experiment, corpus to report, in one place.
 
-The experiment behind seed 002's central result (Fig. 1, Table 1, Fig. 6b), at micro scale:
+The experiment behind seed 002's central result (Fig. 1, Table 1, Fig. 6b), at micro scale. Read it
+from here: `run_main_job` runs each step through the module that does it, and every step resumes
+(a written corpus, a finished pipeline stage or training run is reused).
 
-1. the entity-centric default corpus (`pipeline.bios`): documents about fictional entities, a
-   Zipf-like number of documents per entity, facts with a known number of stating documents
-   and a closed value set, plus held-out documents about the same entities;
-2. the clustering pipeline (`pipeline/demo.yaml`: 3 levels × 4, one leaf per subtopic);
-3. an anchor-only run for `anchor_duration`, then co-training anchor + hierarchical FFN memories
-   for `cotrain_duration` (`eval/demo.yaml`);
-4. the report: probe accuracy per exposure bucket (documents stating the fact × epochs trained)
-   for anchor only / + generic / + fetched memory and the RAG rows, routing agreement per level,
-   held-out perplexity with document retrieval, and blocking the subtree a target domain's probes
-   route to (adversarial) against a random subtree of the same share.
+1. corpus (`pipeline.corpus.bios`, written by `pipeline.demo.run_demo`): the entity-centric
+   default corpus, documents about fictional entities, a Zipf-like number of documents per
+   entity, facts with a known number of stating documents and a closed value set
+   (`facts.jsonl`), plus held-out documents about the same entities (`heldout.jsonl`);
+2. pipeline (`pipeline.demo.run_demo` → `pipeline.run`, config `pipeline/yamls/demo.yaml`): ingest,
+   embed, the 3-level × 4 clustering tree (one leaf per subtopic), assignments and shards;
+3. anchor (`training.train.train`, config `training/yamls/demo.yaml`, `mode=baseline`): the
+   anchor-only run for `anchor_duration`;
+4. co-training (`training.train.train`, same YAML, `mode=cotrain`): anchor + hierarchical FFN
+   memories for `cotrain_duration`;
+5. knowledge and blocking eval (`eval.knowledge`): probes from the facts (`eval.longtail`) scored
+   through the trained run (`eval.model.RunModel`) with anchor only / + generic / + fetched memory
+   and the RAG rows (`eval.rag`), routing agreement per level (`eval.rag.routing_agreement`), and
+   blocking the subtree a target domain's probes route to (adversarial, `memstore.blocking`)
+   against a random subtree of the same share (`eval.knowledge.blocking_eval`);
+6. report (`eval.knowledge.write_report`): `ROOT/report/report.md`, `results.json` and PNGs, with
+   the design choices below (`DESIGN`) as its first section.
 
-Every stage resumes: a written corpus, a finished pipeline stage or training run is reused.
 This module sits at the top of the import graph because it drives every stage.
 """
 
@@ -25,9 +33,18 @@ from typing import Any
 
 import numpy as np
 
-from memtree.io import read_json
+from eval.knowledge import blocking_eval, knowledge_eval, write_report
+from eval.longtail import build_probes, load_facts
+from eval.model import RunModel
+from eval.rag import RagIndex, routing_agreement
+from memtree.config import from_dict
+from memtree.io import iter_jsonl, read_json
+from pipeline.corpus.bios import BiosSpec
+from pipeline.demo import run_demo
+from training.config import load_train_config
+from training.train import train
 
-DEMO_TRAIN_YAML = Path(__file__).with_name("demo.yaml")
+DEMO_TRAIN_YAML = Path(__file__).resolve().parents[1] / "training" / "yamls" / "demo.yaml"
 
 # Why each choice was made; printed into the report so a reader can judge the experiment.
 DESIGN = (
@@ -81,20 +98,9 @@ def run_main_job(root: str | Path = "runs/demo", *, corpus: dict[str, Any] | Non
                  target_domain: str | None = None, rag: bool = True, seed: int = 0) -> Path:
     """Run (or resume) the whole demo under `root`; returns the evaluation report path.
 
-    corpus: `pipeline.bios.BiosSpec` fields (e.g. {"entities_per_subtopic": 4}); `max_probes`
+    corpus: `pipeline.corpus.bios.BiosSpec` fields (e.g. {"entities_per_subtopic": 4}); `max_probes`
     keeps that many probes, evenly spread (0 = all); `target_domain`: the blocking target
     (default: the first domain in sorted order)."""
-    from eval.experiments import blocking_eval, knowledge_eval, write_report
-    from eval.longtail import build_probes, load_facts
-    from eval.model import RunModel
-    from eval.rag import RagIndex, routing_agreement
-    from memtree.config import from_dict
-    from memtree.io import iter_jsonl
-    from pipeline.bios import BiosSpec
-    from pipeline.demo import run_demo
-    from training.config import load_train_config
-    from training.train import train
-
     root = Path(root)
     t0 = time.time()
     timings: dict[str, float] = {}

@@ -1,4 +1,5 @@
-"""Experiments on a trained run: fetched vs generic vs anchor-only, and memory blocking (Fig. 6b).
+"""The knowledge and blocking experiments on a trained run: fetched vs generic vs anchor-only, and memory
+blocking (Fig. 6b).
 
 `knowledge_eval` scores the long-tail probes and held-out perplexity with the
 three memory settings side by side (Table 1's layout) and accuracy per
@@ -24,10 +25,11 @@ import numpy as np
 
 from eval.longtail import accuracy_by_bucket, build_probes, load_facts
 from eval.model import RunModel
+from eval.plots import new_figure, save_png
 from eval.rag import RagIndex, rag_items
 from eval.tasks import multiple_choice, perplexity
 from memstore.blocking import adversarial_block, random_block
-from memtree.io import atomic_path, atomic_write_json, atomic_write_text
+from memtree.io import atomic_write_json, atomic_write_text
 
 MODES = ("none", "generic", "fetched")
 # RAG settings (App. H): the retrieved window in the context, with this memory mode.
@@ -134,17 +136,6 @@ def blocking_eval(rm: RunModel, probes: Sequence[dict[str, Any]], *, target_doma
                 "other_predictions_changed": int((ok != base)[~target & ~blocked_paths].sum()),
             }
     return result
-
-
-def new_figure(width: float = 6.0, height: float = 4.0):
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(width, height), dpi=110)
-
-
-def save_png(fig, path: Path) -> None:
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", bbox_inches="tight")
 
 
 def _routing_lines(r: dict[str, Any]) -> list[str]:

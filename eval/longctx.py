@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from eval.plots import new_figure, save_png
 from memstore.camelot import CamelotConfig
 from memtree.config import to_dict
 from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl
@@ -203,8 +204,6 @@ def _fmt(v: float | None, spec: str = ".3f") -> str:
 def write_longctx_report(out_dir: str | Path, results: dict[str, Any],
                          meta: dict[str, Any] | None = None) -> dict[str, str]:
     """OUT/results.json ({"meta", "longctx": results}), OUT/report.md, OUT/ppl_vs_length.png."""
-    from eval.experiments import new_figure, save_png
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     r, d = results, results["docs"]

@@ -19,9 +19,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from clustering.route import route_texts
+from clustering.tree import load_tree
 from memstore.store import MemoryStore, TierConfig
 from training.config import TrainConfig
 from training.model import AnchorLM, assemble_memories
+from training.train import load_run
 
 MemoryMode = Literal["none", "generic", "fetched"]
 
@@ -38,9 +41,6 @@ class RunModel:
     @classmethod
     def load(cls, save_folder: str | Path, *, tree_dir: str | Path | None = None,
              tiers: list[TierConfig] | None = None) -> RunModel:
-        from clustering.tree import load_tree
-        from training.train import load_run
-
         folder = Path(save_folder)
         composer_model, cfg, manifest, tokenizer = load_run(folder)
         model = composer_model.model
@@ -60,8 +60,6 @@ class RunModel:
         return self.store is not None
 
     def route(self, texts: list[str]) -> np.ndarray:
-        from clustering.route import route_texts
-
         if self.tree is None:
             raise ValueError("routing needs the clustering tree (pass tree_dir)")
         return route_texts(self.tree, texts)

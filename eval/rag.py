@@ -32,6 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from clustering.embed import embed_texts, embedder_from_meta
+from clustering.route import route
+from clustering.tree import load_tree
 from eval.longtail import BUCKETS, bucket_label
 from eval.model import RunModel
 from eval.tasks import retrieval_query
@@ -77,8 +80,6 @@ class RagIndex:
     def open(cls, run_dir: str | Path) -> RagIndex:
         import pyarrow.parquet as pq
 
-        from clustering.tree import load_tree
-
         root = Path(run_dir)
         for stage in ("window", "embed", "tree", "assign"):
             if not (root / stage / "_stage.json").exists():
@@ -116,9 +117,6 @@ class RagIndex:
         """Embed and route the texts, then pick each one's nearest window inside its cluster.
 
         Returns {"paths": (n, L), "ordinals": (n,) (−1: empty cluster), "similarity": (n,)}."""
-        from clustering.embed import embed_texts, embedder_from_meta
-        from clustering.route import route
-
         level = level or self.tree.levels
         if not 1 <= level <= self.tree.levels:
             raise ValueError(f"rag level {level} must be in [1, {self.tree.levels}]")

@@ -25,13 +25,15 @@ from typing import Any
 
 import numpy as np
 
-from eval.experiments import MODE_LABEL, knowledge_eval, load_eval_inputs, new_figure, save_png
+from eval.knowledge import MODE_LABEL, knowledge_eval, load_eval_inputs
 from eval.longtail import BUCKETS, bucket_label
 from eval.model import RunModel
+from eval.plots import new_figure, save_png
 from eval.sweeps import check_overrides, ensure_trained
 from memtree.config import ConfigError, from_dict, load_config, to_dict
 from memtree.io import atomic_write_json, atomic_write_text, read_json
 from training.config import TrainConfig
+from training.data import read_shards_manifest
 
 # What makes the experiment what it is; overrides may change anything else (e.g. optim.lr).
 RESERVED = ("mode", "anchor_checkpoint", "memory.init_bank", "memory.lr", "memory.weight_decay",
@@ -68,8 +70,6 @@ def load_retention_config(path: str | Path | None, overrides: Sequence[str] = ()
 
 def default_subtrees(shards: str | Path, seed: int) -> list[int]:
     """A seeded half (at least two) of the level-1 subtrees that hold samples; the rest stay unvisited."""
-    from training.data import read_shards_manifest
-
     avail = sorted(s["subtree"] for s in read_shards_manifest(shards)["streams"] if s["n_samples"] > 0)
     if len(avail) < 3:
         raise ConfigError(f"subtrees: the shards hold samples in {len(avail)} subtrees; retention needs at "

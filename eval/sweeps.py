@@ -4,7 +4,7 @@ A sweep YAML (see eval/yamls/) names a base training config, overrides shared
 by every run, and a list of settings, each a name plus its own `key=value`
 training overrides. `expand` turns it into one `TrainConfig` per setting
 (saved under OUT/runs/<setting>, run name `<sweep>-<setting>`, the sweep's
-seed) with its parameter accounting from `memstore.geometry.plan`; `run_sweep`
+seed) with its parameter accounting from `memtree.geometry.plan`; `run_sweep`
 trains each with `training.train.train` — the code behind `memtree train` —
 scores it with `knowledge_eval` and writes OUT/results.json, OUT/report.md and
 OUT/sweep.png (the metric per memory setting vs the setting) beside each
@@ -25,19 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from eval.experiments import (
-    MODE_LABEL,
-    knowledge_eval,
-    load_eval_inputs,
-    new_figure,
-    save_png,
-    write_report,
-)
+from eval.knowledge import MODE_LABEL, knowledge_eval, load_eval_inputs, write_report
 from eval.model import RunModel
-from memstore.geometry import Plan, plan
+from eval.plots import new_figure, save_png
 from memtree.config import ConfigError, load_config, to_dict
+from memtree.geometry import Plan, human, plan
 from memtree.io import atomic_write_json, atomic_write_text, dumps_json, read_json
 from training.config import TrainConfig, load_train_config
+from training.data import read_shards_manifest, tokenizer_vocab_size
+from training.train import train
 
 # Keys the sweep itself sets for every run.
 RESERVED = ("save_folder", "run_name", "seed")
@@ -111,8 +107,6 @@ class SweepRun:
 
 def run_plan(cfg: TrainConfig) -> Plan:
     """The run's parameter accounting (anchor, per-level blocks, fetched, bank) from its shards."""
-    from training.data import read_shards_manifest, tokenizer_vocab_size
-
     manifest = read_shards_manifest(cfg.data.shards)
     memory = cfg.memory_config(int(manifest["branching"]))
     if memory is None:
@@ -140,8 +134,6 @@ def expand(cfg: SweepConfig, train_overrides: Sequence[str] = ()) -> list[SweepR
 
 def ensure_trained(cfg: TrainConfig, log: Callable[[str], None] = print) -> str:
     """Train unless the save folder holds a finished run of this exact config: 'trained' or 'skipped'."""
-    from training.train import train
-
     folder = Path(cfg.save_folder)
     if (folder / "metrics.json").exists():
         old = read_json(folder / "memtree_config.json")["config"]
@@ -203,8 +195,6 @@ def _fmt(metric: str, v: float | None) -> str:
 
 def write_sweep_report(out: Path, result: dict[str, Any], *, metric: str, x_axis: str) -> dict[str, str]:
     """OUT/results.json, OUT/report.md and OUT/sweep.png (the metric per memory setting vs the setting)."""
-    from memstore.geometry import human
-
     out.mkdir(parents=True, exist_ok=True)
     rows = result["runs"]
     modes = [m for m in MODE_LABEL if any(m in r["modes"] for r in rows)]  # cached results come key-sorted

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from clustering.route import route_texts
 from memstore.store import MemoryStore
 
 
@@ -63,8 +64,6 @@ def adversarial_block(
     if paths is None:
         if texts is None or tree is None:
             raise ValueError("adversarial_block: give paths, or texts together with the tree to route them")
-        from clustering.route import route_texts
-
         paths = route_texts(tree, list(texts))
     paths = np.asarray(paths, dtype=np.int64)
     n = _n_subtrees(store, level, fraction)

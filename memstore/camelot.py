@@ -60,6 +60,7 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from memtree.config import from_dict, is_int, to_dict
@@ -587,8 +588,6 @@ class CamelotMemory:
     # -- on disk ----------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         """Write the memory as a `memtree-camelot` v1 directory (atomically replaced)."""
-        from safetensors.torch import save_file
-
         path = Path(path)
         tensors = {f"{i}.{name}": t.detach().contiguous().cpu()
                    for i, mem in self.layers.items() for name, t in mem.state().items()}
@@ -606,8 +605,6 @@ class CamelotMemory:
 
     @classmethod
     def load(cls, path: str | Path, *, device: torch.device | str | None = None) -> CamelotMemory:
-        from safetensors.torch import load_file
-
         path = Path(path)
         restore_replaced_dir(path)
         if not (path / "manifest.json").is_file():

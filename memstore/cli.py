@@ -2,11 +2,19 @@
 
 Thin wrappers over the memstore library. Each subcommand is one
 `_add_<name>(subparsers)` that declares its flags and one `_<name>(args)`
-handler that calls the library and prints; the library does the work.
+handler that calls the library and prints; the library does the work. This
+module also owns the flags of the fetch-latency simulator (`memstore.sim`):
+`memtree simulate-fetch` and `memtree memstore calibrate`.
+
+Handlers import the memstore library (and clustering) when they run, not at
+module top: `memtree` builds every stage's parser on each call, and the library
+pulls in torch.
 
     memtree memstore plan --anchor openlm-160m --memory 256,64,16,0 --type ffn
     memtree memstore plan --anchor n_layers=35,d_model=512,n_heads=12,head_dim=32,ffn_dim=2048 \\
         --memory 0,64,0,0 --placement late --json
+    memtree simulate-fetch --profile phone --anchor openlm-160m --memory 256,64,16,0
+    memtree memstore calibrate --validate
 """
 
 from __future__ import annotations
@@ -15,6 +23,24 @@ import argparse
 import dataclasses
 import json
 import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from memtree.geometry import (
+    DTYPES,
+    MEMORY_TYPES,
+    AnchorShape,
+    MemoryConfig,
+    format_plan,
+    get_anchor,
+    human,
+    human_bytes,
+    parse_multipliers,
+    plan,
+)
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,20 +57,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_simulate(sub)
 
 
-def _add_simulate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "simulate-fetch",
-        help="simulate on-device memory fetch latency (hierarchical vs flat bank, sessions, sweeps)",
-        description="Model fetch latency of a hierarchical bank vs a flat bank of equal fetch size on "
-                    "hardware profiles (RAM / flash / disk tiers), over one fetch, a session trace with a "
-                    "cache, and sweeps of memory configurations (seed 002 §3, Fig. 5).",
-    )
-    from memstore.simulate import add_simulate_arguments, run_simulate
-
-    add_simulate_arguments(p)
-    p.set_defaults(func=run_simulate)
-
-
 def _help(parser: argparse.ArgumentParser) -> int:
     parser.print_help()
     return 2
@@ -56,8 +68,6 @@ def parse_anchor(text: str):
     """A preset name ('openlm-160m') or an explicit shape
     'n_layers=35,d_model=512,n_heads=12,head_dim=32,ffn_dim=2048[,vocab_size=…,n_kv_heads=…,
     tied_embeddings=false,…]' → AnchorShape."""
-    from memstore.geometry import AnchorShape, get_anchor
-
     text = text.strip()
     if "=" not in text:
         return get_anchor(text)
@@ -108,8 +118,6 @@ def _convert(key: str, annotation: str, value: str) -> object:
 # --- plan ---------------------------------------------------------------------------------------
 
 def _add_memory_args(p: argparse.ArgumentParser) -> None:
-    from memstore.geometry import MEMORY_TYPES
-
     p.add_argument("--anchor", required=True,
                    help="preset name (e.g. openlm-160m) or shape "
                         "n_layers=35,d_model=512,n_heads=12,head_dim=32,ffn_dim=2048[,…]")
@@ -127,8 +135,6 @@ def _add_memory_args(p: argparse.ArgumentParser) -> None:
 
 
 def _memory_config(args: argparse.Namespace, branching: int | None = None):
-    from memstore.geometry import MemoryConfig, parse_multipliers
-
     layers = _parse_layers(args.layers) if args.layers else ()
     placement = args.placement or ("explicit" if layers else "uniform")
     return MemoryConfig(multipliers=parse_multipliers(args.memory), type=args.type, placement=placement,
@@ -151,8 +157,6 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from memstore.geometry import format_plan, plan
-
     p = plan(parse_anchor(args.anchor), _memory_config(args))
     print(json.dumps(p.to_dict(), indent=2) if args.json else format_plan(p))
     return 0
@@ -200,8 +204,6 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _describe(info) -> str:
-    from memstore.geometry import human, human_bytes
-
     lines = [f"bank {info.root}  (memtree-bank v{info.manifest['version']}, generation {info.generation})",
              (f"  tree {info.tree_id or '(unbound)'}  subtree {info.subtree if info.subtree is not None else 'all'}"
              f"  dtype {info.dtype}{f' rank {info.rank}' if info.rank else ''}  type {info.memory.type}")]
@@ -381,8 +383,6 @@ def _add_split(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _split(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from memstore.format import read_manifest
     from memstore.merge import split_bank
 
@@ -418,18 +418,6 @@ def _add_relocate(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_relocate)
 
 
-def _add_calibrate(subparsers: argparse._SubParsersAction) -> None:
-    from memstore.calibrate import add_calibrate_arguments, run_calibrate
-
-    p = subparsers.add_parser(
-        "calibrate", help="measure this machine's RAM / flash (/ disk) tiers through the real store; write a profile",
-        description="Time real fetches from file-backed banks (O_DIRECT where possible), fit latency + "
-                    "bandwidth per tier and write a memtree-hw-profile YAML for simulate-fetch.",
-    )
-    add_calibrate_arguments(p)
-    p.set_defaults(func=run_calibrate)
-
-
 def _relocate(args: argparse.Namespace) -> int:
     from memstore.merge import relocate_level
 
@@ -442,3 +430,180 @@ def _parse_layers(text: str) -> tuple[int, ...]:
         return tuple(int(p) for p in text.strip("()[] ").split(",") if p.strip())
     except ValueError:
         raise ValueError(f"--layers {text!r}: expected comma-separated layer indices like 0,5,9") from None
+
+
+# --- simulate-fetch (memstore.sim) --------------------------------------------------------------
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate-fetch",
+        help="simulate on-device memory fetch latency (hierarchical vs flat bank, sessions, sweeps)",
+        description="Model fetch latency of a hierarchical bank vs a flat bank of equal fetch size on "
+                    "hardware profiles (RAM / flash / disk tiers), over one fetch, a session trace with a "
+                    "cache, and sweeps of memory configurations (seed 002 §3, Fig. 5).",
+    )
+    add_simulate_arguments(p)
+    p.set_defaults(func=run_simulate)
+
+
+def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--profile", action="append", dest="profiles", metavar="phone|laptop|PATH",
+                        help="hardware profile (repeatable; default: phone and laptop)")
+    parser.add_argument("--anchor", default="openlm-160m", help="anchor preset (default openlm-160m)")
+    parser.add_argument("--memory", default="256,64,16,0", help="multipliers per level (default 256,64,16,0)")
+    parser.add_argument("--type", default="ffn", choices=MEMORY_TYPES, help="memory type (default ffn)")
+    parser.add_argument("--dtype", default="bf16", choices=DTYPES, help="storage dtype (default bf16)")
+    parser.add_argument("--policy", default="hierarchical", choices=("hierarchical", "flat"),
+                        help="placement of the hierarchical bank's levels (default hierarchical)")
+    parser.add_argument("--pin-tier", metavar="TIER",
+                        help="store both banks on this one tier, e.g. disk (Fig. 5 right); overrides --policy")
+    parser.add_argument("--branching", type=int, default=16, help="tree branching (default 16)")
+    parser.add_argument("--trace", default="zipf", metavar="zipf|PATH.npy|PATH.jsonl",
+                        help="query trace: synthetic Zipf sessions (default) or a file of cluster paths")
+    parser.add_argument("--queries-file", help="real queries, one per line (needs --tree); overrides --trace")
+    parser.add_argument("--tree", help="clustering tree directory to route --queries-file through")
+    parser.add_argument("--n-queries", type=int, default=1000, help="queries in a zipf trace (default 1000)")
+    parser.add_argument("--cache-gb", type=float, help="session cache budget (default: the profile's cache_gb)")
+    parser.add_argument("--count-cache-copy", action="store_true",
+                        help="charge cache hits a copy at the fastest tier's bandwidth")
+    parser.add_argument("--sweep", help='memory configs to compare, e.g. "256,64,16,0;0,16,4,1;5376,0,0,0"')
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="runs/simulate-fetch", help="output directory (default runs/simulate-fetch)")
+
+
+def _cli_trace(args: argparse.Namespace, levels: int) -> tuple[np.ndarray, str]:
+    from memstore.sim.latency import load_trace, trace_from_texts, zipf_trace
+
+    if args.queries_file:
+        if not args.tree:
+            raise ValueError("--queries-file needs --tree (the clustering tree to route the queries through)")
+        qf = Path(args.queries_file)
+        if not qf.is_file():
+            raise FileNotFoundError(f"queries file not found: {qf}")
+        texts = [line.strip() for line in qf.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not texts:
+            raise ValueError(f"{qf}: no queries (one per line)")
+        return trace_from_texts(args.tree, texts), f"queries:{qf}"
+    if args.tree:
+        raise ValueError("--tree is only used with --queries-file")
+    if args.trace == "zipf":
+        return zipf_trace(args.n_queries, args.branching, levels, seed=args.seed), "zipf"
+    return load_trace(args.trace), f"file:{args.trace}"
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from memstore.sim.latency import Policy, pinned, simulate_fetch, simulate_session, sweep
+    from memstore.sim.profiles import load_profile
+    from memstore.sim.report import ProfileResults, format_table, write_report
+
+    profiles = [load_profile(name) for name in (args.profiles or ["phone", "laptop"])]
+    mult = parse_multipliers(args.memory)
+    p = plan(args.anchor, mult, type=args.type, branching=args.branching)
+    trace, trace_kind = _cli_trace(args, p.memory.n_levels)
+    cache_bytes = None if args.cache_gb is None else round(args.cache_gb * 1e9)
+    configs = [parse_multipliers(c) for c in args.sweep.split(";") if c.strip()] if args.sweep else []
+    placement: Policy = pinned(p, args.pin_tier) if args.pin_tier else args.policy
+    results = []
+    for prof in profiles:
+        rows: list[dict[str, Any]] = []
+        if configs:
+            # A zipf trace is redrawn per config so configs of other depths can be swept too.
+            rows = sweep(args.anchor, configs, prof, type=args.type, dtype=args.dtype, policy=args.policy,
+                         pin_tier=args.pin_tier, branching=args.branching,
+                         trace=None if trace_kind == "zipf" else trace, n_queries=args.n_queries, seed=args.seed,
+                         cache_bytes=cache_bytes, count_cache_copy=args.count_cache_copy)
+        results.append(ProfileResults(
+            profile=prof, fetch=simulate_fetch(p, prof, args.dtype, placement, flat_tier=args.pin_tier),
+            session=simulate_session(p, prof, trace, args.dtype, cache_bytes, policy=placement,
+                                     flat_tier=args.pin_tier, count_cache_copy=args.count_cache_copy),
+            sweep=tuple(rows)))
+    meta = {"anchor": args.anchor, "memory": list(mult), "type": args.type, "dtype": args.dtype,
+            "policy": args.policy, "pin_tier": args.pin_tier, "branching": args.branching, "trace": trace_kind,
+            "n_queries": int(trace.shape[0]), "seed": args.seed, "count_cache_copy": args.count_cache_copy,
+            "plan": p.to_dict()}
+    paths = write_report(results, args.out, meta=meta)
+    print(format_table(results))
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+    return 0
+
+
+# --- calibrate (memstore.sim.calibrate) ---------------------------------------------------------
+
+CALIBRATE_OUT = "runs/calibrate/this-machine.yaml"
+CALIBRATE_WORKDIR = "runs/calibrate/work"
+_KiB, _MiB = 1 << 10, 1 << 20
+
+
+def _add_calibrate(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "calibrate", help="measure this machine's RAM / flash (/ disk) tiers through the real store; write a profile",
+        description="Time real fetches from file-backed banks (O_DIRECT where possible), fit latency + "
+                    "bandwidth per tier and write a memtree-hw-profile YAML for simulate-fetch.",
+    )
+    add_calibrate_arguments(p)
+    p.set_defaults(func=run_calibrate)
+
+
+def parse_size(text: str) -> int:
+    """'4K' / '4KiB' / '1M' / '32MiB' / '4096' → bytes (binary units)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": _KiB, "M": _MiB, "G": 1 << 30}.get(t[-1:], 1)
+    num = t[:-1] if mult > 1 else t
+    try:
+        return int(float(num) * mult)
+    except ValueError:
+        raise ValueError(f"size {text!r}: expected bytes like 4096, 64K or 32M") from None
+
+
+def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default=CALIBRATE_OUT, metavar="PROFILE.yaml",
+                        help=f"where to write the measured profile (default {CALIBRATE_OUT})")
+    parser.add_argument("--workdir", default=None,
+                        help="scratch directory for the calibration banks, on the flash device to measure "
+                             f"(default {CALIBRATE_WORKDIR})")
+    parser.add_argument("--tiers", default="ram,flash", help="tiers to measure (default ram,flash)")
+    parser.add_argument("--disk-dir", help="also measure a 'disk' tier with level files moved to this directory")
+    parser.add_argument("--repeats", type=int, default=30, help="random fetches per tier and size (default 30)")
+    parser.add_argument("--sizes", default=None,
+                        help="block sizes, multiples of 4096 (default 4K,16K,64K,256K,1M,4M,16M,32M)")
+    parser.add_argument("--bank-mb", type=float, default=64,
+                        help="bytes per calibration bank (at least 4 blocks; default 64 MiB)")
+    parser.add_argument("--no-direct", dest="direct", action="store_false",
+                        help="buffered reads with posix_fadvise(DONTNEED) before each, instead of O_DIRECT")
+    parser.add_argument("--verify", default="always", choices=("always", "once", "never"),
+                        help="store checksum mode while timing (default always, the store's default)")
+    parser.add_argument("--name", default="this-machine", help="profile name (default this-machine)")
+    parser.add_argument("--validate", action="store_true",
+                        help="then fetch random paths of a 3-level openlm-160m bank (FFN 64,16,4, branching 4) "
+                             "and compare with simulate_fetch on the new profile")
+    parser.add_argument("--n-fetches", type=int, default=40, help="paths fetched by --validate (default 40)")
+    parser.add_argument("--keep", action="store_true", help="keep the calibration banks in --workdir")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from memstore.sim.calibrate import (
+        DEFAULT_SIZES,
+        format_calibration,
+        format_validation,
+        measure,
+        validate,
+        write_profile,
+    )
+
+    out = Path(args.out)
+    workdir = Path(args.workdir) if args.workdir else Path(CALIBRATE_WORKDIR)
+    sizes = tuple(parse_size(s) for s in args.sizes.split(",") if s.strip()) if args.sizes else DEFAULT_SIZES
+    tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    cal = measure(workdir, tiers=tiers, sizes=sizes, repeats=args.repeats, direct=args.direct,
+                  disk_dir=args.disk_dir, bank_bytes=int(args.bank_mb * _MiB), verify=args.verify, seed=args.seed,
+                  keep=args.keep, name=args.name, progress=lambda msg: print(msg, flush=True))
+    print(format_calibration(cal))
+    prof = write_profile(cal, out)
+    print(f"profile: {out}")
+    if args.validate:
+        v = validate(prof, workdir, n_fetches=args.n_fetches, direct=args.direct, verify=args.verify,
+                     disk_dir=args.disk_dir, seed=args.seed, keep=args.keep)
+        print(format_validation(v))
+    return 0

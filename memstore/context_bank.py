@@ -81,6 +81,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from clustering.kmeans import kmeans_pp
@@ -541,8 +542,6 @@ class ContextBank:
     def save(self, root: str | os.PathLike) -> Path:
         """Write the bank as a new version under `root` and bind it there; keeps the version
         this state came from (or the newest before) as the fallback, prunes older ones."""
-        from safetensors.torch import save_file
-
         root = Path(root)
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(".v*.tmp-*"):  # temp dirs of saves killed mid-way
@@ -611,8 +610,6 @@ class ContextBank:
 
     @classmethod
     def _load_version(cls, path: Path, expect: ContextBankConfig | None) -> ContextBank:
-        from safetensors.torch import load_file
-
         try:
             man = read_json(path / "manifest.json")
         except (OSError, ValueError, UnicodeDecodeError) as e:

@@ -17,10 +17,11 @@ path is one contiguous `pread` per level, whatever the bank size, and aligned
 offsets permit O_DIRECT reads. Only JSON and raw little-endian arrays are ever
 parsed; nothing is unpickled, so a bank from an untrusted source cannot run code.
 
-A record is one block's parameters, the concatenation of `geometry.block_layout`
-tensors, optionally factorised (each 2-D tensor stored as U (a, r) · V (r, b))
-and encoded in the storage dtype: fp32/bf16/fp16 raw, or int8/int4 with one fp32
-absmax scale per group of `QUANT_GROUP` values (dequantised on fetch).
+A record is one block's parameters, the concatenation of its `block_layout` tensors
+(`memtree.geometry.join_block`; the layout work is all there), optionally factorised
+(each 2-D tensor stored as U (a, r) · V (r, b)) and encoded in the storage dtype:
+fp32/bf16/fp16 raw, or int8/int4 with one fp32 absmax scale per group of
+`QUANT_GROUP` values (dequantised on fetch).
 """
 
 from __future__ import annotations
@@ -34,20 +35,25 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import numpy as np
 import torch
 import xxhash
+from tqdm.auto import tqdm
 
-from memstore.geometry import (
+from clustering.tree import compute_tree_id
+from memtree.config import from_dict, to_dict
+from memtree.geometry import (
     DTYPES,
     QUANT_GROUP,
     AnchorShape,
     MemoryConfig,
     TensorSpec,
     block_layout,
+    join_block,
     plan,
+    split_block,
 )
-from memtree.config import from_dict, to_dict
 from memtree.io import atomic_dir, atomic_write_json, read_json, restore_replaced_dir
 
 FORMAT = "memtree-bank"
@@ -116,10 +122,10 @@ class RecordCodec:
 
     # -- low-rank -------------------------------------------------------------
     def _factorise(self, flat: torch.Tensor) -> torch.Tensor:
-        parts, off = [], 0
+        parts = []
+        tensors = split_block(self.layout, flat)
         for r, t in zip(self._ranks(), self.layout, strict=True):
-            m = flat[off : off + t.numel].view(t.shape).double()
-            off += t.numel
+            m = tensors[t.name].double()
             u, s, vh = torch.linalg.svd(m, full_matrices=False)
             # split singular values evenly so U and V have similar scales (quantises better)
             root = s[:r].sqrt()
@@ -198,15 +204,8 @@ class RecordCodec:
         return vals.to(want)
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """(…, params) → {name: (…, *shape)} views, in layout order."""
-        lead = flat.shape[:-1]
-        parts = torch.split(flat, self._numels, dim=-1)  # one call: cheaper than slicing per tensor
-        return {t.name: p.view(*lead, *t.shape) if p.is_contiguous() else p.reshape(*lead, *t.shape)
-                for t, p in zip(self.layout, parts, strict=True)}
-
-    @property
-    def _numels(self) -> list[int]:
-        return [t.numel for t in self.layout]
+        """(…, params) → {name: (…, *shape)} views, in layout order (`memtree.geometry.split_block`)."""
+        return split_block(self.layout, flat)
 
 
 # --------------------------------------------------------------------------- manifest
@@ -365,8 +364,6 @@ def level_path(root: str | os.PathLike, lv: LevelInfo) -> str:
 
 def _size(path: str) -> int | None:
     if is_url(path):
-        import fsspec
-
         fs, p = fsspec.core.url_to_fs(path)
         return fs.size(p) if fs.exists(p) else None
     return os.path.getsize(path) if os.path.exists(path) else None
@@ -392,8 +389,6 @@ def sums_name(lv: LevelInfo) -> str:
 
 def check_tree(info: BankInfo, tree: Any) -> None:
     """Refuse a tree the bank was not built for (compares clustering tree ids)."""
-    from clustering.tree import compute_tree_id
-
     tid = compute_tree_id(tree)
     if info.tree_id is None:
         raise BankError(f"{info.root}: bank is not bound to a tree; cannot check tree {tid}")
@@ -411,23 +406,29 @@ def check_tree(info: BankInfo, tree: Any) -> None:
 Init = Callable[[int, int, RecordCodec], torch.Tensor]
 
 
+def paper_block(layout: tuple[TensorSpec, ...], *, seed: int, level: int, cluster: int,
+                std: float = 0.02) -> torch.Tensor:
+    """One flat fp32 block with the App. I initialisation, deterministic per (seed, level,
+    cluster): memories have no effect at step 0 (FFN W3, LoRA B and KV values are zero)."""
+    g = torch.Generator().manual_seed(int.from_bytes(
+        hashlib.blake2b(f"{seed}:{level}:{cluster}".encode(), digest_size=8).digest(), "little") >> 1)
+    tensors = {}
+    for t in layout:
+        role = t.name.rsplit(".", 1)[-1]
+        x = torch.zeros(t.shape)
+        if role in ("w1", "w2", "k"):
+            torch.nn.init.trunc_normal_(x, std=std, a=-2 * std, b=2 * std, generator=g)
+        elif role.endswith("_a"):
+            torch.nn.init.kaiming_uniform_(x, a=math.sqrt(5), generator=g)
+        tensors[t.name] = x
+    return join_block(layout, tensors)
+
+
 def paper_init(seed: int, std: float = 0.02) -> Init:
-    """App. I initialisation, deterministic per (seed, level, cluster): memories have no
-    effect at step 0 (FFN W3, LoRA B and KV values are zero)."""
+    """`write_bank`'s init with `paper_block`'s values."""
 
     def init(level: int, cluster: int, codec: RecordCodec) -> torch.Tensor:
-        g = torch.Generator().manual_seed(int.from_bytes(
-            hashlib.blake2b(f"{seed}:{level}:{cluster}".encode(), digest_size=8).digest(), "little") >> 1)
-        parts = []
-        for t in codec.layout:
-            role = t.name.rsplit(".", 1)[-1]
-            x = torch.zeros(t.shape)
-            if role in ("w1", "w2", "k"):
-                torch.nn.init.trunc_normal_(x, std=std, a=-2 * std, b=2 * std, generator=g)
-            elif role.endswith("_a"):
-                torch.nn.init.kaiming_uniform_(x, a=math.sqrt(5), generator=g)
-            parts.append(x.reshape(-1))
-        return torch.cat(parts)
+        return paper_block(codec.layout, seed=seed, level=level, cluster=cluster, std=std)
 
     return init
 
@@ -457,8 +458,6 @@ def write_bank(
     Values come from `blocks(level)` — an iterable of (cluster or GENERIC, flat tensor)
     covering every slot — or, when not given, from `init` (default: App. I init, seed 0).
     """
-    from tqdm.auto import tqdm
-
     manifest = build_manifest(anchor=anchor, memory=memory, dtype=dtype, rank=rank, tree_id=tree_id,
                               subtree=subtree, generic=generic, extra=extra)
     init = init or paper_init(0)
@@ -520,8 +519,6 @@ def verify_bank(root: str | os.PathLike, *, chunk_slots: int = 64) -> dict[str, 
 
 def _open_read(path: str):
     if is_url(path):
-        import fsspec
-
         return fsspec.open(path, "rb").open()
     return open(path, "rb")
 

@@ -30,6 +30,7 @@ import fcntl
 import getpass
 import json
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -224,8 +225,6 @@ class ReadWriteLock:
 
 def remove_bank(root: str | os.PathLike) -> None:
     """Delete a bank: its directory, level files relocated outside it, and its lock files."""
-    import shutil
-
     root = Path(root)
     with bank_writer(root, operation="remove"):
         try:

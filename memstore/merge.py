@@ -34,11 +34,11 @@ from memstore.format import (
     read_manifest,
     sums_name,
 )
-from memstore.geometry import AnchorShape, MemoryConfig
 from memstore.journal import recover
 from memstore.locking import bank_writer, exclusive_change
 from memstore.store import _ranges
 from memtree.config import from_dict
+from memtree.geometry import AnchorShape, MemoryConfig
 from memtree.io import atomic_dir, atomic_write_json, read_json
 
 GenericMerge = Literal["mean", "first"]

@@ -1,7 +1,7 @@
 """Which storage tier holds which bank level (seed 002 §3, Fig. 5).
 
 Shared by the real store (`memstore.store`) and the fetch simulator
-(`memstore.simulate`), so a simulated layout is the layout the store would use.
+(`memstore.sim.latency`), so a simulated layout is the layout the store would use.
 
 Tiers are given fastest first (RAM, flash, disk …), each with a capacity in
 bytes (None = unbounded). Policies:

@@ -44,11 +44,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Self
 
+import fsspec
 import numpy as np
 import torch
 
 from memstore.cache import ByteLRU
 from memstore.format import (
+    _TORCH_DTYPES,
     ALIGN,
     DIGEST_BYTES,
     GENERIC,
@@ -195,8 +197,6 @@ class _DiskReader(_LevelReader):
 
 def _open_any(path: str, **kw):
     if is_url(path):
-        import fsspec
-
         return fsspec.open(path, "rb", **kw).open()
     return open(path, "rb", buffering=0 if kw.get("block_size") == 0 else -1)
 
@@ -444,8 +444,6 @@ class MemoryStore:
     def _zero_dtype(self) -> torch.dtype:
         if self.out_dtype is not None:
             return self.out_dtype
-        from memstore.format import _TORCH_DTYPES
-
         return _TORCH_DTYPES.get(self.info.dtype, torch.float32) if not self.info.rank else torch.float32
 
     def fetch(self, path: Sequence[int], *, flat: bool = False) -> dict[int, Any]:

@@ -1,10 +1,15 @@
-"""Memory geometry and parameter accounting (seed 002 §2.1–2.2, App. A, App. F, App. I).
+"""Model shapes, memory geometry and parameter accounting (seed 002 §2.1–2.2, App. A, App. F, App. I).
 
-One place answers "how big is everything": the anchor's parameter count, the
-parameters of one memory block at each level, what a path fetches, what the
-whole bank holds, and the bytes of each in every storage dtype. The on-disk
-bank (`memstore.format`), the trainer and the fetch simulator all size their
-tensors from here, so the numbers the user plans with are the numbers on disk.
+The shape vocabulary every stage shares: anchor shapes and presets, memory
+configurations, which layers carry memory and how wide, the named tensors of a
+block (`block_layout`) and how a flat block splits into them and joins back
+(`split_block` / `join_block`). One place also answers "how big is everything":
+the anchor's parameter count, the parameters of one memory block at each level,
+what a path fetches, what the whole bank holds, and the bytes of each in every
+storage dtype. The on-disk bank (`memstore.format`), the trainer and the fetch
+simulator all size and cut their tensors from here, so the numbers the user
+plans with are the numbers on disk. Pure Python: it works on torch tensors and
+numpy arrays alike and imports neither torch nor any stage.
 
 Conventions
 - Levels are 1-based; level l of a tree with branching B has B**l clusters.
@@ -22,8 +27,10 @@ Conventions
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 MemoryType = Literal["ffn", "lora-qk", "lora-ov", "lora-ffn", "kv"]
 MEMORY_TYPES: tuple[str, ...] = ("ffn", "lora-qk", "lora-ov", "lora-ffn", "kv")
@@ -245,6 +252,51 @@ def block_layout(anchor: AnchorShape, mem: MemoryConfig, level: int) -> list[Ten
             continue
         out += [TensorSpec(f"layers.{layer}.{n}", s) for n, s in _layer_tensors(anchor, mem.type, w)]
     return out
+
+
+def _is_torch(x: Any) -> bool:
+    # torch is never imported here (memtree stays light); a torch tensor means torch is loaded.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def split_block(layout: Sequence[TensorSpec], flat: Any) -> dict[str, Any]:
+    """Flat block(s) (…, params) → {name: (…, *shape)} views, in layout order.
+
+    `flat` is a torch tensor or a numpy array; the parts are views of it, so
+    gradients flow back to a torch `flat`. The inverse of `join_block`.
+    """
+    numels = [t.numel for t in layout]
+    lead = tuple(flat.shape[:-1])
+    if _is_torch(flat):
+        parts = flat.split(numels, dim=-1)  # one call: cheaper than slicing per tensor
+        return {t.name: p.view(*lead, *t.shape) if p.is_contiguous() else p.reshape(*lead, *t.shape)
+                for t, p in zip(layout, parts, strict=True)}
+    if sum(numels) != flat.shape[-1]:
+        raise ValueError(f"block has {flat.shape[-1]} values, the layout needs {sum(numels)}")
+    out, off = {}, 0
+    for t, n in zip(layout, numels, strict=True):
+        out[t.name] = flat[..., off : off + n].reshape(*lead, *t.shape)
+        off += n
+    return out
+
+
+def join_block(layout: Sequence[TensorSpec], tensors: Mapping[str, Any]) -> Any:
+    """{name: (…, *shape)} → flat block(s) (…, params): each tensor row-major, in layout order.
+
+    Torch tensors or numpy arrays (not mixed); the inverse of `split_block`.
+    """
+    if not layout:
+        raise ValueError("empty layout: a level without memory has no block")
+    missing = [t.name for t in layout if t.name not in tensors]
+    if missing:
+        raise ValueError(f"tensors missing from the block: {missing[:5]}")
+    first = tensors[layout[0].name]
+    lead = tuple(first.shape[: first.ndim - len(layout[0].shape)])
+    parts = [tensors[t.name].reshape(*lead, t.numel) for t in layout]
+    if _is_torch(first):
+        return sys.modules["torch"].cat(parts, dim=-1)
+    return sys.modules["numpy"].concatenate(parts, axis=-1)  # a numpy array: numpy is loaded
 
 
 def stored_bytes(n_params: int, dtype: str) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -100,9 +101,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 def atomic_save_npy(path: str | os.PathLike, arr: Any) -> None:
     """`np.save` atomically. Serialised in memory first: numpy's own file writes report a full
     disk as a short write without its errno, which `WriteFailed` could not recognise."""
-    import io
-
-    import numpy as np
+    import numpy as np  # here, not at the top: memtree is the light base every stage imports
 
     buf = io.BytesIO()
     np.save(buf, arr, allow_pickle=False)

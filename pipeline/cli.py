@@ -1,10 +1,14 @@
-"""`memtree pipeline …`, `memtree demo-corpus` and `memtree docs-corpus`: thin wrappers over pipeline.run,
-pipeline.bios and pipeline.debdocs."""
+"""`memtree pipeline …`, `memtree demo-pipeline`, `memtree demo-corpus` and `memtree docs-corpus`: thin
+wrappers over pipeline.run, pipeline.demo, pipeline.corpus and pipeline.debdocs."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+# The dispatcher calls `register` for every command on each start: the libraries (Dask, the
+# corpora, OmegaConf) are imported inside the command that runs, so `memtree --help` loads none.
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,8 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("out", help="output directory (with --topical: a .jsonl path)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a pipeline.bios.BiosSpec field (repeatable), e.g. --set entities_per_subtopic=4")
-    d.add_argument("--topical", action="store_true", help="the topical-prose corpus (pipeline/corpus.py)")
+                   help="a pipeline.corpus.bios.BiosSpec field (repeatable), e.g. --set entities_per_subtopic=4")
+    d.add_argument("--topical", action="store_true", help="the topical-prose corpus (pipeline/corpus/topical.py)")
     d.add_argument("--n-docs", type=int, default=4000, help="--topical only: number of documents")
     d.add_argument("--facts", help="--topical only: also write every fact with its mention count (JSONL)")
     d.set_defaults(func=_corpus)
@@ -86,14 +90,12 @@ def _run(args: argparse.Namespace) -> int:
     cfg = load_config(PipelineConfig, config, overrides)
     markers = run_pipeline(cfg, until=args.until)
     if "report" in markers:
-        from pathlib import Path
-
         print(f"report: {Path(cfg.out) / 'report' / 'report.md'}")
     return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from pipeline.bios import BiosSpec
+    from pipeline.corpus.bios import BiosSpec
     from pipeline.demo import run_demo
 
     report = run_demo(args.root, spec=BiosSpec(seed=args.seed), overrides=args.overrides)
@@ -103,7 +105,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _corpus(args: argparse.Namespace) -> int:
     if args.topical:
-        from pipeline.corpus import CorpusSpec, write_corpus_jsonl, write_facts_jsonl
+        from pipeline.corpus.topical import CorpusSpec, write_corpus_jsonl, write_facts_jsonl
 
         spec = CorpusSpec(n_docs=args.n_docs, seed=args.seed)
         n = write_corpus_jsonl(args.out, spec)
@@ -115,7 +117,7 @@ def _corpus(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
     from memtree.config import from_dict
-    from pipeline.bios import BiosSpec, write_bios
+    from pipeline.corpus.bios import BiosSpec, write_bios
 
     fields = {**OmegaConf.to_container(OmegaConf.from_dotlist(args.set)), "seed": args.seed}
     info = write_bios(args.out, from_dict(BiosSpec, fields, where="corpus"))
@@ -124,8 +126,6 @@ def _corpus(args: argparse.Namespace) -> int:
 
 
 def _docs(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from pipeline.debdocs import PYTHON_DOC, fetch_deb, write_docs_corpus
 
     default = PYTHON_DOC if args.package == PYTHON_DOC["package"] else {}

@@ -34,6 +34,8 @@ import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 
+from memtree.io import atomic_write_json, atomic_write_text, sha256_file
+
 FORMAT = "memtree-debdocs"
 VERSION = 1
 PYTHON_DOC = {"package": "python3.11-doc", "prefix": "usr/share/doc/python3.11/html/_sources/",
@@ -97,8 +99,6 @@ def write_docs_corpus(out_dir: str | Path, *, deb: str | Path, package: str = PY
                       prefix: str = PYTHON_DOC["prefix"], suffix: str = PYTHON_DOC["suffix"],
                       test_fraction: float = 0.1, min_chars: int = 2000) -> dict:
     """Write train/test/rejects JSONL and corpus.json (module docstring) from a `.deb`; returns corpus.json."""
-    from memtree.io import atomic_write_json, atomic_write_text, sha256_file
-
     if not 0 < test_fraction < 1:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     if min_chars < 0:

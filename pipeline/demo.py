@@ -1,9 +1,9 @@
-"""The pipeline part of the main job on the embedded default corpus (`memtree demo-pipeline`).
+"""The pipeline-only demo (`memtree demo-pipeline`): the default corpus through the pipeline, no training.
 
-Writes the entity-centric default corpus (`pipeline.bios`: corpus.jsonl, facts.jsonl,
+Writes the entity-centric default corpus (`pipeline.corpus.bios`: corpus.jsonl, facts.jsonl,
 heldout.jsonl, corpus.json) under the run root unless it is there, then runs the pipeline with
-`pipeline/demo.yaml`. Later stages of memtree (training, evaluation) extend the same run
-directory (`eval/demo.py`).
+`pipeline/yamls/demo.yaml`. The main job, `memtree demo` (`eval/demo.py`, what `make demo` runs),
+calls this first and then trains and evaluates in the same run directory.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 
 from memtree.config import load_config
 from memtree.io import read_json
-from pipeline.bios import BiosSpec, write_bios
 from pipeline.config import PipelineConfig
+from pipeline.corpus.bios import BiosSpec, write_bios
 from pipeline.run import run_pipeline
 
-DEMO_YAML = Path(__file__).with_name("demo.yaml")
+DEMO_YAML = Path(__file__).with_name("yamls") / "demo.yaml"
 
 
 def run_demo(root: str | Path = "runs/demo", *, spec: BiosSpec | None = None, overrides: list[str] = ()) -> Path:

@@ -10,6 +10,9 @@ itself lives in `pipeline.ingest`, `pipeline.window`, `clustering.*` and
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import json
 import os
 import shutil
 import time
@@ -18,16 +21,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from clustering.embed import default_model_path, embed_texts, load_embedder, resolve_backend
+from clustering.embed_export import OPENVINO_INT8, export_openvino_int8
+from clustering.kmeans import single_threaded
+from clustering.route import route
+from clustering.tree import build_tree, fit_level, load_tree, save_tree
 from memtree.config import to_dict
 from memtree.io import atomic_path, atomic_save_npy, atomic_write_json
 from pipeline import ingest as ing
 from pipeline.config import PipelineConfig
 from pipeline.dask_utils import dask_client, map_tasks
+from pipeline.report import write_report
+from pipeline.shards import SHARDS_FORMAT, SHARDS_VERSION, split_part, stream_name, write_stream
 from pipeline.stages import StageDef, fingerprint, read_marker, run_stage
+from pipeline.window import build_tokenizer, tokenizer_eot_id, window_part
 
 PIPELINE_FORMAT_VERSION = 1
 
@@ -92,16 +104,12 @@ def _ingest(ctx: Ctx, work: Path) -> dict:
 
 # -------------------------------------------------------------------------- tokenizer
 def _tokenizer(ctx: Ctx, work: Path) -> dict:
-    from pipeline.window import build_tokenizer
-
     parts = [ctx.stage_dir("ingest") / p["file"] for p in ctx.parts("ingest")]
     return build_tokenizer(ctx.cfg.window, parts, work)
 
 
 # ----------------------------------------------------------------------------- window
 def _window(ctx: Ctx, work: Path) -> dict:
-    from pipeline.window import window_part
-
     tok_dir = str(ctx.stage_dir("tokenizer"))
     docs = ctx.parts("ingest")
     args = [
@@ -134,9 +142,6 @@ def embed_part(windows_path: str, out_path: str, model: str | None, device: str,
 
     if mmap_threshold_mib:
         _fix_mmap_threshold(mmap_threshold_mib << 20)
-
-    from clustering.embed import embed_texts, load_embedder
-
     torch.set_num_threads(threads)
     m = load_embedder(model, device=device, max_seq_length=max_seq_length, backend=backend,
                       threads=threads)
@@ -156,8 +161,6 @@ def _fix_mmap_threshold(nbytes: int) -> None:
     """Serve blocks of nbytes or more by mmap for the rest of this process's life (glibc only).
     Setting the threshold also turns off glibc's dynamic raising of it, which is what let the
     encoders' large activations fragment the heap (EmbedConfig.mmap_threshold_mib)."""
-    import ctypes
-
     try:
         ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, nbytes)
     except (OSError, AttributeError):  # not glibc
@@ -169,8 +172,6 @@ def _trim_heap() -> None:
     activations differ in size from batch to batch, and glibc keeps the freed pages: measured in
     one process over 30 parts of 700 windows, RSS grew 0.31 GiB untrimmed and 0.14 GiB trimmed
     (docs/BENCHMARKS.md, issue #16)."""
-    import ctypes
-
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
@@ -181,8 +182,6 @@ def _embed_fingerprint(e) -> dict:
     """The embed settings that change the vectors: the backend as resolved (`auto` picks by device),
     not the device itself (same network, same math up to float rounding) nor the allocator setting. A torch run leaves the
     backend keys out, so torch runs made before the int8 backend existed keep their fingerprint."""
-    from clustering.embed import resolve_backend
-
     d = {k: v for k, v in to_dict(e).items() if k not in ("device", "mmap_threshold_mib")}
     d["backend"] = resolve_backend(e.backend, e.device)
     if d["backend"] == "torch":
@@ -202,9 +201,6 @@ def _first_texts(ctx: Ctx, n: int) -> list[str]:
 
 
 def _embed(ctx: Ctx, work: Path) -> dict:
-    from clustering.embed import default_model_path, resolve_backend
-    from clustering.embed_export import OPENVINO_INT8, export_openvino_int8
-
     e = ctx.cfg.embed
     wparts = ctx.parts("window")
     (work / "parts").mkdir(exist_ok=True)
@@ -251,9 +247,6 @@ def _embed(ctx: Ctx, work: Path) -> dict:
 def fit_nodes_task(emb_path: str, nodes: list[tuple[int, np.ndarray]], level: int, params: dict,
                    fallbacks: np.ndarray) -> list[tuple[np.ndarray, int, int]]:
     """Dask task: fit a group of sibling-independent nodes of one level."""
-    from clustering.kmeans import single_threaded
-    from clustering.tree import fit_level
-
     x = np.load(emb_path, mmap_mode="r")
     with single_threaded():  # sorted rows: sequential reads from the memmap
         return fit_level(x, [(int(p), np.sort(idx)) for p, idx in nodes], np.asarray(fallbacks),
@@ -278,8 +271,6 @@ def effective_levels(n: int, levels: int, branching: int, auto_reduce: bool) -> 
 
 
 def _tree(ctx: Ctx, work: Path) -> dict:
-    from clustering.tree import build_tree, save_tree
-
     t = ctx.cfg.tree
     emb_path = ctx.stage_dir("embed") / "embeddings.npy"
     x = np.load(emb_path)
@@ -337,9 +328,6 @@ def _export_ref(ctx: Ctx, em: dict) -> dict:
 # ----------------------------------------------------------------------------- assign
 def assign_part(tree_dir: str, emb_path: str, windows_path: str, out_path: str, offset: int, n: int) -> list[list[int]]:
     """Dask task: route one partition's windows; returns per-level cluster sizes (sparse)."""
-    from clustering.route import route
-    from clustering.tree import load_tree
-
     out = Path(out_path)
     tree = load_tree(tree_dir)
     if not out.exists():
@@ -378,9 +366,6 @@ def _assign(ctx: Ctx, work: Path) -> dict:
 
 # ----------------------------------------------------------------------------- shards
 def _shards(ctx: Ctx, work: Path) -> dict:
-    from pipeline.shards import SHARDS_FORMAT, SHARDS_VERSION, split_part, stream_name, write_stream
-    from pipeline.window import tokenizer_eot_id
-
     p = ctx.cfg.pack
     split = work / ".split"
     split.mkdir(exist_ok=True)
@@ -418,8 +403,6 @@ def _shards(ctx: Ctx, work: Path) -> dict:
 
 # ----------------------------------------------------------------------------- report
 def _report(ctx: Ctx, work: Path) -> dict:
-    from pipeline.report import write_report
-
     return write_report(ctx.root, ctx.markers, work)
 
 
@@ -455,9 +438,6 @@ def run_pipeline(
     if remote:
         # Work happens in a local staging copy (Dask tasks need a shared filesystem and
         # atomic renames); every finished stage is then uploaded through fsspec.
-        import hashlib
-        import os
-
         base = Path(os.environ.get("MEMTREE_STAGING", Path.home() / ".cache" / "memtree" / "staging"))
         root = base / hashlib.sha256(cfg.out.encode()).hexdigest()[:16]
     else:
@@ -488,8 +468,6 @@ def run_pipeline(
 
 
 def _upload(local: Path, url: str) -> None:
-    import fsspec
-
     fs, path = fsspec.core.url_to_fs(url)
     if local.is_dir():
         fs.put(str(local), path, recursive=True)
@@ -499,10 +477,6 @@ def _upload(local: Path, url: str) -> None:
 
 def _sync_stage(local: Path, url: str, log: Callable[[str], None]) -> None:
     """Upload a finished stage unless the remote copy has the same fingerprint; marker last."""
-    import json
-
-    import fsspec
-
     fs, path = fsspec.core.url_to_fs(url)
     marker = f"{path}/_stage.json"
     local_marker = json.loads((local / "_stage.json").read_text())

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from memtree.io import atomic_path, atomic_write_json, naming_path, read_json
@@ -150,8 +151,6 @@ def write_stream(split_dir: str, out_dir: str, subtree: int, seq_len: int, eot_i
 
 
 def pc_list_lengths(arr) -> np.ndarray:
-    import pyarrow.compute as pc
-
     return pc.list_value_length(arr).to_numpy().astype(np.int64)
 
 

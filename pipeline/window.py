@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from memtree.io import atomic_path, atomic_write_json
 from pipeline.config import WindowConfig
@@ -48,7 +49,6 @@ def iter_doc_texts(doc_parts: list[Path], limit: int):
 
 def build_tokenizer(cfg: WindowConfig, doc_parts: list[Path], out_dir: Path) -> dict:
     """Write an HF tokenizer directory into out_dir; returns its description."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -97,8 +97,6 @@ _TOKENIZERS: dict[str, object] = {}
 
 def load_tokenizer(tok_dir: str):
     """The run's tokenizer, loaded once per worker process."""
-    from tokenizers import Tokenizer
-
     if tok_dir not in _TOKENIZERS:
         _TOKENIZERS[tok_dir] = Tokenizer.from_file(str(Path(tok_dir) / "tokenizer.json"))
     return _TOKENIZERS[tok_dir]

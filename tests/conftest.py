@@ -34,7 +34,7 @@ _interpret_triton_without_a_gpu()
 # imported after TRITON_INTERPRET is set, so kernels imported through them run on the CPU
 import torch
 
-from memstore.geometry import AnchorShape
+from memtree.geometry import AnchorShape
 
 
 def pytest_collection_modifyitems(config, items):
@@ -66,7 +66,7 @@ def write_jsonl(path: Path, records: list) -> Path:
 
 @pytest.fixture(scope="session")
 def corpus_records():
-    from pipeline.corpus import CorpusSpec, generate_corpus
+    from pipeline.corpus.topical import CorpusSpec, generate_corpus
 
     return list(generate_corpus(CorpusSpec(n_docs=1200, seed=3, long_doc_fraction=0.01)))
 

@@ -1,4 +1,4 @@
-"""The entity-centric default corpus (pipeline/bios.py): determinism, exposure counts, vocabulary checks."""
+"""The entity-centric default corpus (pipeline/corpus/bios.py): determinism, exposure counts, vocabulary checks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from pipeline.bios import (
+from pipeline.corpus.bios import (
     VOCAB_PATH,
     BiosSpec,
     bios_facts,

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from memtree.geometry import split_block
 from tests.conftest import train_tiny_run
 from training.block_finetune import (
     BlockFinetuner,
@@ -67,8 +68,8 @@ def _batch(rm):
 
 def _units_changed(ft, level, cluster):
     """{(layer index, unit)} whose w1/w2/w3 rows differ from the store's copy."""
-    old = ft.codecs[level].unflatten(ft.store.fetch_flat(level, cluster).float())
-    new = ft.codecs[level].unflatten(ft.blocks[(level, cluster)])
+    old = split_block(ft.layouts[level], ft.store.fetch_flat(level, cluster).float())
+    new = split_block(ft.layouts[level], ft.blocks[(level, cluster)])
     out = set()
     for name, t in old.items():
         rows = (t != new[name]).any(-1).nonzero().flatten().tolist()

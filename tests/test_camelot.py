@@ -365,7 +365,7 @@ def test_hf_model_loaded_by_memtree_is_untouched(tmp_path):
 
 
 def test_wrapped_models_are_unwrapped():
-    from memstore.geometry import MemoryConfig
+    from memtree.geometry import MemoryConfig
     from training.hf import HFMemoryModel
 
     model, ids = _hf("qwen"), torch.randint(0, VOCAB, (20,))

@@ -187,7 +187,13 @@ def test_losses_reach_only_the_compressor_and_reader(model):
 # -- recall pairs and the end-to-end experiment -------------------------------------------------
 
 def test_recall_pairs_find_every_statement_the_corpus_plan_makes():
-    from pipeline.bios import BiosSpec, bios_facts, canonical_clause, generate_bios, recall_pairs
+    from pipeline.corpus.bios import (
+        BiosSpec,
+        bios_facts,
+        canonical_clause,
+        generate_bios,
+        recall_pairs,
+    )
 
     spec = BiosSpec(seed=2, entities_per_subtopic=3, head_docs=4)
     docs, facts = list(generate_bios(spec)), bios_facts(spec)
@@ -207,7 +213,7 @@ def _tiny_bios_run(root: Path) -> Path:
 
     from memtree.config import to_dict
     from memtree.io import atomic_write_json
-    from pipeline.bios import BiosSpec, write_bios
+    from pipeline.corpus.bios import BiosSpec, write_bios
     from training.config import load_train_config
     from training.train import build_model
 

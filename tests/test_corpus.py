@@ -1,4 +1,4 @@
-"""Tests for the embedded synthetic corpus (pipeline/corpus.py).
+"""Tests for the embedded synthetic corpus (pipeline/corpus/topical.py).
 
 They pin the properties the rest of memtree relies on: byte-for-byte determinism, balanced
 topics that are separable from the words alone, facts that never contradict themselves,
@@ -15,8 +15,8 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from pipeline import corpus
-from pipeline.corpus import (
+from pipeline.corpus import topical as corpus
+from pipeline.corpus.topical import (
     DOMAINS,
     TOPICS,
     CorpusSpec,

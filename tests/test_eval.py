@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eval.experiments import blocking_eval, knowledge_eval, write_report
+from eval.knowledge import blocking_eval, knowledge_eval, write_report
 from eval.longtail import BUCKETS, accuracy_by_bucket, build_probes
 from eval.model import RunModel
 from eval.tasks import extract_integer, few_shot, multiple_choice, perplexity
-from pipeline.corpus import CorpusSpec, entity_facts
+from pipeline.corpus.topical import CorpusSpec, entity_facts
 from tests.conftest import train_tiny_run
 
 SPEC = CorpusSpec(n_docs=1200, seed=3, long_doc_fraction=0.01)  # the corpus of tests/conftest.py
@@ -48,7 +48,7 @@ def test_probes_are_deterministic_and_well_formed():
 
 
 def test_bios_probes_draw_distractors_from_the_value_set_and_count_exposures():
-    from pipeline.bios import BiosSpec, bios_facts
+    from pipeline.corpus.bios import BiosSpec, bios_facts
 
     facts = bios_facts(BiosSpec(seed=2, entities_per_subtopic=3, head_docs=4))
     probes = build_probes(facts, seed=0, epochs=3)
@@ -67,7 +67,7 @@ def test_scorer_is_at_chance_without_knowledge(run):
     """No knowledge of the facts (random weights, and a model never trained on them): chance."""
     import dataclasses
 
-    from pipeline.bios import BiosSpec, bios_facts
+    from pipeline.corpus.bios import BiosSpec, bios_facts
     from training.train import build_model
 
     probes = build_probes(bios_facts(BiosSpec(seed=4)), seed=0)[::2]  # 1,536 probes
@@ -169,7 +169,7 @@ def test_blocking_changes_scores_only_under_the_blocked_subtree(run, probes):
 
 def test_eval_cli_writes_the_report(run, tmp_path):
     from memtree.cli import main
-    from pipeline.corpus import write_facts_jsonl
+    from pipeline.corpus.topical import write_facts_jsonl
 
     facts = tmp_path / "facts.jsonl"
     assert write_facts_jsonl(facts, SPEC) == len(entity_facts(SPEC))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eval.experiments import knowledge_eval, load_eval_inputs
+from eval.knowledge import knowledge_eval, load_eval_inputs
 from eval.model import RunModel
 from eval.retention import RetentionConfig, default_subtrees, run_retention
 from memstore.format import GENERIC
@@ -29,7 +29,7 @@ def run(pipeline_run, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    from pipeline.corpus import CorpusSpec, write_facts_jsonl
+    from pipeline.corpus.topical import CorpusSpec, write_facts_jsonl
 
     d = tmp_path_factory.mktemp("retinputs")
     write_facts_jsonl(d / "facts.jsonl", CorpusSpec(n_docs=1200, seed=3, long_doc_fraction=0.01))

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from memstore.geometry import AnchorShape
+from memtree.geometry import AnchorShape
 from training.finetune import Finetuner, FinetuneSpec, batch_tensors, changes, snapshot
 from training.lora import LoRALinear, add_lora, merge_lora
 from training.model import AnchorLM, ModelConfig
@@ -161,7 +161,7 @@ def test_bad_input_names_the_value():
 
 
 def test_fact_statements_are_deterministic_distinct_and_state_the_fact():
-    from pipeline.bios import BiosSpec, bios_facts, canonical_clause, fact_statements
+    from pipeline.corpus.bios import BiosSpec, bios_facts, canonical_clause, fact_statements
 
     f = bios_facts(BiosSpec())[3]
     a, b = fact_statements(f, 8, seed=1), fact_statements(f, 8, seed=1)
@@ -265,7 +265,7 @@ def test_eval_continual_writes_its_report(pkm_run, pipeline_run, tmp_path):
 
     from eval.continual import load_continual_config, run_continual
     from memtree.io import read_json
-    from pipeline.bios import BiosSpec, write_bios
+    from pipeline.corpus.bios import BiosSpec, write_bios
     from tests.conftest import train_tiny_run
     from training.train import load_run
 

@@ -1,4 +1,4 @@
-"""memstore.geometry accounting against the paper's own numbers (seed 002).
+"""memtree.geometry accounting against the paper's own numbers (seed 002).
 
 Every expected number below is typed in from the paper's tables (App. A Tables 4–8,
 Tables 1–3, App. D) or from the hand formulas of App. I and seeds/README.md; none was
@@ -9,22 +9,29 @@ the paper's precision.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 
-from memstore.geometry import (
+from memtree.cli import main
+from memtree.geometry import (
     ANCHOR_PRESETS,
     AnchorShape,
     MemoryConfig,
     block_layout,
     get_anchor,
+    human,
+    human_bytes,
+    join_block,
     layer_widths,
     memory_layers,
     parse_multipliers,
     plan,
+    split_block,
     stored_bytes,
 )
-from memtree.cli import main
 
 
 def _b(n: int) -> float:  # billions, paper precision (one decimal)
@@ -480,8 +487,53 @@ def test_cli_memstore_without_subcommand(capsys):
 
 def test_human_rounding_sanity():
     # the paper-style short forms used in format_plan
-    from memstore.geometry import human, human_bytes
-
     assert human(4_624_220_160) == "4.6B"
     assert human(18_063_360) == "18.1M"
     assert human_bytes(9_000_000_000) == "9.0 GB"
+
+
+# --- split_block / join_block: the flat block ↔ named tensors -----------------------------------
+
+_SMALL = AnchorShape(name="small-test", n_layers=3, d_model=16, n_heads=2, n_kv_heads=1, head_dim=8, ffn_dim=32)
+
+
+@pytest.mark.parametrize("kind", ["ffn", "lora-qk", "kv"])
+def test_split_join_block_round_trip_torch(kind):
+    import torch
+
+    layout = block_layout(_SMALL, MemoryConfig(multipliers=(4,), type=kind, placement="late", placement_layers=2), 1)
+    params = sum(t.numel for t in layout)
+    flat = torch.randn(5, params)
+    parts = split_block(layout, flat)
+    assert list(parts) == [t.name for t in layout]
+    off = 0
+    for t in layout:  # each part is a view of its span, row-major
+        assert parts[t.name].shape == (5, *t.shape)
+        assert parts[t.name].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        assert torch.equal(parts[t.name].reshape(5, -1), flat[:, off : off + t.numel])
+        off += t.numel
+    assert torch.equal(join_block(layout, parts), flat)
+    one = split_block(layout, flat[0])  # no leading dims
+    assert torch.equal(join_block(layout, one), flat[0])
+
+
+def test_split_join_block_numpy_matches_torch():
+    import torch
+
+    layout = block_layout(_SMALL, MemoryConfig(multipliers=(4,), type="lora-ffn"), 1)
+    flat = np.arange(2 * sum(t.numel for t in layout), dtype=np.float32).reshape(2, -1)
+    parts = split_block(layout, flat)
+    tparts = split_block(layout, torch.from_numpy(flat))
+    for name, p in parts.items():
+        assert np.array_equal(p, tparts[name].numpy())
+    assert np.array_equal(join_block(layout, parts), flat)
+    with pytest.raises(ValueError, match="layout needs"):
+        split_block(layout, flat[:, :-1])
+    with pytest.raises(ValueError, match="missing"):
+        join_block(layout, {k: v for k, v in parts.items() if k != layout[0].name})
+
+
+def test_geometry_imports_no_torch_or_numpy():
+    code = "import sys, memtree.geometry; print(sorted({'torch', 'numpy'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

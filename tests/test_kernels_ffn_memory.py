@@ -151,7 +151,7 @@ def test_padding_only_rows_and_bank_views():
 @interpreter
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_matches_model_feedforward_memory_branch(impl):
-    from memstore.geometry import AnchorShape, MemoryConfig
+    from memtree.geometry import AnchorShape, MemoryConfig
     from training.model import FeedForward, ModelConfig
 
     b, s, d, w = 3, 63, 64, 40

@@ -180,7 +180,7 @@ def test_kernel_lse_matches_reference(per_token, mode):
     torch.testing.assert_close(lse[finite], lse_ref[finite], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["naive", pytest.param("triton", marks=interp)])
+@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=interp)])
 @pytest.mark.parametrize("per_token", [False, True])
 def test_sparse_grad_covers_only_referenced_blocks(impl, per_token):
     case = Case(2, 2, 1, 9, 16, 12, 10, 3, per_token, "mix")
@@ -220,7 +220,7 @@ def test_cpu_dispatch_gradients_match_autograd(per_token, mode):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["naive", pytest.param("triton", marks=interp)])
+@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=interp)])
 @pytest.mark.parametrize("per_token,mode", [(False, "bias"), (True, None), (False, None)])
 def test_lse_is_differentiable(impl, per_token, mode):
     """return_lse: the joint log-sum-exp and its gradient (folded into delta) against
@@ -261,7 +261,7 @@ def test_lse_is_differentiable(impl, per_token, mode):
         assert rel_err(gr, ref_g) < 1e-4
 
 
-@pytest.mark.parametrize("impl", ["naive", pytest.param("triton", marks=interp)])
+@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=interp)])
 def test_reads_of_two_banks_merge_into_one_softmax(impl):
     """A hierarchical path reads one block per level from banks whose blocks differ in size;
     merging the per-bank reads by their lse is SDPA over all the tokens, gradients included."""
@@ -298,7 +298,7 @@ def test_return_lse_refuses_mix_mode():
         memory_attention(q, bk, bv, idx, w, weight_mode="mix", return_lse=True)
 
 
-@pytest.mark.parametrize("impl", ["naive", pytest.param("triton", marks=interp)])
+@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=interp)])
 def test_sparse_grad_modes(impl):
     """None: sparse for leaf banks, dense for computed ones; True: sparse even through a
     computed bank, for callers whose upstream accepts it (the trainer's row views)."""
@@ -336,7 +336,7 @@ def test_bias_mode_is_mix_with_partition_weights():
     torch.testing.assert_close(bias, per_head, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("impl", ["naive", pytest.param("triton", marks=interp)])
+@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=interp)])
 def test_unweighted_read_is_sdpa_on_gathered_blocks(impl):
     """Seed 000 Algorithm 1: attention over the concatenated selected chapters."""
     case = Case(2, 4, 2, 13, 32, 7, 12, 3, False, None)
@@ -372,7 +372,7 @@ def test_non_leaf_bank_gets_dense_gradient():
     torch.testing.assert_close(grads[0], grads[1])
 
 
-@pytest.mark.parametrize("impl", ["naive", pytest.param("triton", marks=interp)])
+@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=interp)])
 @pytest.mark.parametrize("sparse_grad", [True, False])
 @pytest.mark.parametrize("per_token,mode", [(False, "mix"), (True, "bias")])
 def test_opcheck(impl, sparse_grad, per_token, mode):

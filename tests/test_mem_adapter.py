@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from memstore.geometry import AnchorShape
 from memtree.config import ConfigError
+from memtree.geometry import AnchorShape
 from training.finetune import Finetuner, FinetuneSpec, batch_tensors, changes, snapshot
 from training.mem_adapter import AdapterSpec, attach_to_anchor, detach_from_anchor
 from training.moc import LatentBank, MoCConfig, MoCLayer, quantise
@@ -321,7 +321,7 @@ def test_memtree_finetune_with_adapters_saves_a_run_that_reopens_with_them(ancho
 def test_eval_adapters_writes_its_report(anchor_run, tmp_path):
     from eval.adapters import load_adapters_config, run_adapters
     from memtree.io import read_json
-    from pipeline.bios import BiosSpec, write_bios
+    from pipeline.corpus.bios import BiosSpec, write_bios
 
     root = tmp_path / "bios"
     write_bios(root, BiosSpec(entities_per_subtopic=2), heldout_docs=4)

@@ -1,4 +1,4 @@
-"""Tier calibration (memstore.calibrate): the fit on hand-made timings, a tiny real calibration, validate, CLI."""
+"""Tier calibration (memstore.sim.calibrate): the fit on hand-made timings, a tiny real calibration, validate, CLI."""
 
 from __future__ import annotations
 
@@ -8,21 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from memstore.calibrate import (
-    add_calibrate_arguments,
+from memstore.cli import add_calibrate_arguments, parse_size, run_calibrate
+from memstore.format import read_manifest
+from memstore.sim.calibrate import (
     calibrate,
     fit_latency_bandwidth,
     fit_tier,
     measure,
-    parse_size,
-    run_calibrate,
     validate,
     write_calibration_bank,
 )
-from memstore.format import read_manifest
-from memstore.geometry import AnchorShape, plan
-from memstore.simulate import load_profile, simulate_fetch
+from memstore.sim.latency import simulate_fetch
+from memstore.sim.profiles import load_profile
 from memstore.store import MemoryStore, TierConfig
+from memtree.geometry import AnchorShape, plan
 
 KiB = 1024
 # Sizes far enough apart that even RAM reads (~25 µs at 4 KiB) grow clearly with size on a busy machine.

@@ -40,9 +40,9 @@ from memstore.format import (
     verify_bank,
     write_bank,
 )
-from memstore.geometry import QUANT_GROUP, AnchorShape, MemoryConfig, block_layout
 from memstore.locking import lock_paths
 from memstore.store import MemoryStore, TierConfig
+from memtree.geometry import QUANT_GROUP, AnchorShape, MemoryConfig, block_layout
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -558,7 +558,7 @@ import os, signal, sys, time
 sys.path.insert(0, {str(REPO)!r})
 import torch
 from memstore.format import write_bank
-from memstore.geometry import AnchorShape, MemoryConfig
+from memtree.geometry import AnchorShape, MemoryConfig
 TINY = AnchorShape(name="tiny", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=100)
 MEM = MemoryConfig(multipliers=(8, 4, 2), branching=4)
 root, marker = sys.argv[1], sys.argv[2]

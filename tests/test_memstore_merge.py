@@ -11,11 +11,11 @@ import torch
 
 from memstore.blocking import adversarial_block, random_block, rank_clusters, subtree_share
 from memstore.format import GENERIC, BankError, read_manifest, verify_bank, write_bank
-from memstore.geometry import AnchorShape, MemoryConfig
 from memstore.journal import audit_log
 from memstore.merge import merge_banks, relocate_level, split_bank
 from memstore.store import MemoryStore, TierConfig
 from memtree.cli import main
+from memtree.geometry import AnchorShape, MemoryConfig
 
 ANCHOR = AnchorShape(name="tiny", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=100)
 MEM = MemoryConfig(multipliers=(8, 4, 2), branching=4)

@@ -1,4 +1,4 @@
-"""Fetch-latency simulator (memstore.simulate): hand-checked costs, placement, sessions, traces, §3 claims."""
+"""Fetch-latency simulator (memstore.sim): hand-checked costs, placement, sessions, traces, §3 claims."""
 
 from __future__ import annotations
 
@@ -10,21 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memstore.geometry import AnchorShape, plan, stored_bytes
-from memstore.simulate import (
-    HardwareProfile,
-    TierProfile,
-    add_simulate_arguments,
-    load_profile,
+from memstore.cli import add_simulate_arguments, run_simulate
+from memstore.sim.latency import (
     load_trace,
     pinned,
-    run_simulate,
     simulate_fetch,
     simulate_session,
     validate_trace,
     zipf_trace,
 )
+from memstore.sim.profiles import HardwareProfile, TierProfile, load_profile
 from memtree.config import ConfigError
+from memtree.geometry import AnchorShape, plan, stored_bytes
 
 # 2 layers × 3 SwiGLU tensors × (m × d_model=8) → a level block holds 48·m parameters.
 TINY = AnchorShape(name="tiny", n_layers=2, d_model=8, n_heads=2, head_dim=4, ffn_dim=16, vocab_size=32)
@@ -313,7 +310,7 @@ def test_routed_paths_replay_as_a_session(tmp_path):
 
 @pytest.mark.slow
 def test_trace_from_texts_routes_real_queries(tmp_path):
-    from memstore.simulate import trace_from_texts
+    from memstore.sim.latency import trace_from_texts
 
     _tiny_tree(tmp_path)
     texts = ["the atomic number of carbon", "the atomic number of carbon", "a recipe for bread"]

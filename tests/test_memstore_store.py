@@ -29,9 +29,9 @@ import pytest
 import torch
 
 from memstore.format import GENERIC, BankError, read_manifest, verify_bank, write_bank
-from memstore.geometry import AnchorShape, MemoryConfig, block_layout
 from memstore.journal import audit_log
 from memstore.store import MemoryStore, TierConfig
+from memtree.geometry import AnchorShape, MemoryConfig, block_layout
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -2,6 +2,8 @@
 
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import numpy as np
 
@@ -47,3 +49,16 @@ def test_cli_lists_subcommands_and_names_bad_input(tmp_path):
         capture_output=True, text=True, check=False,
     )
     assert r.returncode == 1 and "tree.levelz" in r.stderr
+
+
+def test_package_data_ships_every_stage_config():
+    # Each stage keeps its YAMLs in <stage>/yamls/, a data folder rather than a package: a wheel
+    # carries them only if pyproject.toml's package-data patterns name them.
+    repo = Path(__file__).resolve().parents[1]
+    table = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    missing = []
+    for folder in sorted(repo.glob("*/yamls")):
+        pkg = folder.parent
+        shipped = {f for pat in [*table.get("*", []), *table.get(pkg.name, [])] for f in pkg.glob(pat)}
+        missing += [str(f.relative_to(repo)) for f in folder.rglob("*") if f.is_file() and f not in shipped]
+    assert not missing, f"not in pyproject.toml's package-data: {missing}"

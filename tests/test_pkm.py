@@ -124,7 +124,7 @@ def test_config_errors_name_the_value():
 # -- the model option and the trainer -------------------------------------------------------------
 
 def test_anchor_with_a_memory_layer_counts_and_runs():
-    from memstore.geometry import AnchorShape
+    from memtree.geometry import AnchorShape
     from training.flops import model_flops, pkm_params
     from training.model import AnchorLM, ModelConfig
 

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from memstore.format import GENERIC, BankError, read_manifest, verify_bank, write_bank
-from memstore.geometry import AnchorShape, MemoryConfig
 from memstore.locking import BankBusy, bank_writer, holder, lock_paths
 from memstore.store import MemoryStore, TierConfig, read_policy
+from memtree.geometry import AnchorShape, MemoryConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = AnchorShape(name="tiny", n_layers=2, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=100)

@@ -30,7 +30,7 @@ def small_run(tmp_path_factory, dask_client) -> Path:
     shards per stream); the torch embedder, which needs no int8 export (the slow part here)."""
     from memtree.config import load_config
     from pipeline.config import PipelineConfig
-    from pipeline.corpus import CorpusSpec, generate_corpus
+    from pipeline.corpus.topical import CorpusSpec, generate_corpus
     from pipeline.run import run_pipeline
     from tests.conftest import PIPELINE_OVERRIDES, write_jsonl
 

@@ -85,7 +85,7 @@ BANK_AND_TREE = """
 import numpy as np, torch
 from clustering.tree import Tree, load_tree, save_tree
 from memstore.format import GENERIC, read_manifest, verify_bank, write_bank
-from memstore.geometry import AnchorShape, MemoryConfig
+from memtree.geometry import AnchorShape, MemoryConfig
 from memstore.store import MemoryStore, TierConfig
 
 anchor = AnchorShape(name="t", n_layers=2, d_model=64, n_heads=2, head_dim=32, ffn_dim=128, vocab_size=100)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from memstore.format import GENERIC, read_manifest
-from memstore.geometry import AnchorShape, MemoryConfig, block_layout
 from memstore.merge import merge_banks
 from memstore.store import MemoryStore
+from memtree.geometry import AnchorShape, MemoryConfig, block_layout
 from training.bank import TrainableBank
 from training.optim import MemoryAdamW
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from memstore.geometry import AnchorShape
+from memtree.geometry import AnchorShape
 from training import flops
 from training.config import load_train_config
 from training.moc import MoCConfig

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from memstore.geometry import AnchorShape, MemoryConfig
+from memtree.geometry import AnchorShape, MemoryConfig
 from training.bank import TrainableBank
 from training.composer_model import MemtreeLM
 from training.optim import MemoryAdamW

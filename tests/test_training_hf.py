@@ -16,7 +16,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 transformers = pytest.importorskip("transformers")
 
-from memstore.geometry import ANCHOR_PRESETS, AnchorShape, MemoryConfig
+from memtree.geometry import ANCHOR_PRESETS, AnchorShape, MemoryConfig
 from training.bank import TrainableBank
 from training.hf import HFMemoryModel, anchor_shape_from_hf, hf_param_count
 from training.model import assemble_memories

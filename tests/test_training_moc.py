@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from composer.core import Callback
 
-from memstore.geometry import AnchorShape, MemoryConfig
 from memtree.config import ConfigError
+from memtree.geometry import AnchorShape, MemoryConfig
 from training.composer_model import MemtreeLM
 from training.config import load_train_config
 from training.moc import LatentBank, MoCConfig, MoCLayer, load_balance_loss, route, z_loss

@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memstore.format import GENERIC, BankInfo, RecordCodec, paper_init, write_bank
-from memstore.geometry import AnchorShape, MemoryConfig, block_layout
+from memstore.format import GENERIC, BankInfo, paper_block, write_bank
 from memstore.store import MemoryStore, TierConfig
+from memtree.geometry import AnchorShape, MemoryConfig, block_layout
 from training.model import BankRead, Memories
 
 _ALL_RAM = TierConfig(name="ram", kind="ram")
@@ -114,7 +114,6 @@ class TrainableBank(nn.Module):
         self.first: dict[int, int] = {}
         self.n_blocks: dict[int, int] = {}
         self.tables = nn.ParameterDict()
-        fill = paper_init(seed, std)
         for lv in self.levels:
             n = B ** (lv - 1) if subtree is not None else B**lv
             self.n_blocks[lv] = n
@@ -123,10 +122,9 @@ class TrainableBank(nn.Module):
             params = sum(t.numel for t in layout)
             table = torch.zeros(n + 1, params, dtype=dtype)
             if init == "paper":
-                codec = RecordCodec(layout, "fp32")
                 for row in range(n + 1):
                     cluster = GENERIC if row == n else self.first[lv] + row
-                    table[row] = fill(lv, cluster, codec).to(dtype)
+                    table[row] = paper_block(layout, seed=seed, level=lv, cluster=cluster, std=std).to(dtype)
             self.tables[str(lv)] = nn.Parameter(table)
 
     # -- addressing --------------------------------------------------------------

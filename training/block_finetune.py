@@ -30,10 +30,16 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from memtree.config import ConfigError, is_int
+from memtree.geometry import TensorSpec, block_layout, join_block, layer_widths
 from memtree.io import read_checked_tensors, write_checked_tensors
+from training.data import build_dataloader, real_positions
+from training.model import assemble_memories
+from training.optim import MemoryAdamW
 
 BACKGROUND_FORMAT = "memtree-block-background"
 BACKGROUND_VERSION = 1
@@ -72,8 +78,6 @@ class BlockFinetuneSpec:
 def unit_layout(model: nn.Module, store) -> dict[int, list[tuple[int, int, int]]]:
     """Per anchor layer with FFN memory, its hidden columns by level: [(level, start, width)] in
     the order `assemble_memories` concatenates them."""
-    from memstore.geometry import layer_widths
-
     cfg = model.config
     if cfg.memory is None or cfg.memory.type != "ffn":
         raise ValueError("block finetuning needs a run with FFN memories (memory.type: ffn)")
@@ -152,11 +156,6 @@ def collect_unit_background(rm, shards: str | Path, *, unit_frac: float = 0.125,
                             progress: bool = True) -> UnitBackground:
     """Count, over the run's pretraining windows (each with the path pretraining fetched its
     blocks by), which units of each fetched block were used. rm: an `eval.model.RunModel` with a bank."""
-    from tqdm import tqdm
-
-    from training.data import build_dataloader, real_positions
-    from training.model import assemble_memories
-
     model, store = rm.model, rm.store
     layout = unit_layout(model, store)
     lidx = _layer_index(layout)
@@ -191,8 +190,6 @@ class BlockFinetuner:
     from `store` the first time a batch fetches them and kept (edited) in `self.blocks` after."""
 
     def __init__(self, rm, spec: BlockFinetuneSpec, *, background: UnitBackground | None = None) -> None:
-        from training.optim import MemoryAdamW
-
         self.rm, self.model, self.store, self.spec = rm, rm.model, rm.store, spec
         self.layout = unit_layout(self.model, self.store)
         self.lidx = _layer_index(self.layout)
@@ -215,15 +212,11 @@ class BlockFinetuner:
             p.requires_grad_(spec.method == "anchor")
         self.opt = (MemoryAdamW(list(self.model.parameters()), lr=spec.lr, betas=(0.9, 0.999),
                                 weight_decay=spec.weight_decay) if spec.method == "anchor" else None)
-        from memstore.format import RecordCodec
-
-        self.codecs = {lv: RecordCodec(layout=tuple(self._level_layout(lv)), dtype="fp32") for lv in self.store.levels}
+        anchor, memory = self.model.config.anchor, self.model.config.memory
+        # each level's block tensors in flat order: the row masks are joined by it
+        self.layouts: dict[int, tuple[TensorSpec, ...]] = {
+            lv: tuple(block_layout(anchor, memory, lv)) for lv in self.store.levels}
         self.n_steps = 0
-
-    def _level_layout(self, level: int):
-        from memstore.geometry import block_layout
-
-        return block_layout(self.model.config.anchor, self.model.config.memory, level)
 
     def _block(self, level: int, cluster: int) -> Tensor:
         key = (level, cluster)
@@ -233,10 +226,6 @@ class BlockFinetuner:
 
     def step(self, ids: Tensor, real: Tensor, paths: np.ndarray, *, where: str = "") -> dict[str, Any]:
         """One step on a batch: ids, real (B, S); paths (B, L) each sequence's route."""
-        import torch.nn.functional as F
-
-        from training.model import assemble_memories
-
         train_blocks = self.spec.method != "anchor"
         leaves, blocks, uniq = {}, {}, {}
         for lv in sorted(self.store.levels):
@@ -317,12 +306,12 @@ class BlockFinetuner:
     def _row_mask(self, level: int, keep: Tensor) -> Tensor:
         """(n_uniq, n_layers, W) bool → (n_uniq, params) float: 1 on the rows of w1, w2 and w3 (all
         stored (W, d)) of the kept units."""
-        parts = []
-        for t in self.codecs[level].layout:
+        rows_of = {}
+        for t in self.layouts[level]:
             _, layer, _name = t.name.split(".")
             rows = keep[:, self.lidx[int(layer)]].float()  # (n_uniq, W)
-            parts.append(rows[:, :, None].expand(-1, -1, int(np.prod(t.shape[1:]))).reshape(rows.shape[0], -1))
-        return torch.cat(parts, dim=1)
+            rows_of[t.name] = rows[:, :, None].expand(-1, -1, int(np.prod(t.shape[1:])))  # (n_uniq, W, d)
+        return join_block(self.layouts[level], rows_of)
 
     def finish(self) -> None:
         for p in self.model.parameters():

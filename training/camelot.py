@@ -76,6 +76,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memstore.camelot import CamelotConfig, CamelotMemory, Prefix
+from training.hf import _decoder_layers, _text_config, anchor_shape_from_hf
+from training.model import AnchorLM
 
 Method = Literal["base", "xl", "memorizing", "camelot"]
 METHODS: tuple[str, ...] = ("base", "xl", "memorizing", "camelot")
@@ -295,8 +297,6 @@ class _HFBackend:
     def __init__(self, hf: nn.Module) -> None:
         from transformers import AttentionInterface
 
-        from training.hf import _decoder_layers, _text_config, anchor_shape_from_hf
-
         AttentionInterface.register(_HF_ATTN, _hf_attention)
         self.model = hf
         a = anchor_shape_from_hf(hf.config)
@@ -362,8 +362,6 @@ class _HFBackend:
 
 
 def _backend(model: nn.Module) -> _AnchorBackend | _HFBackend:
-    from training.model import AnchorLM
-
     if isinstance(model, AnchorLM):
         return _AnchorBackend(model)
     inner = getattr(model, "hf", None)  # HFMemoryModel: its hooks are no-ops with no memories

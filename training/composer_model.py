@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from composer.models import ComposerModel
 
-from memstore.geometry import AnchorShape, MemoryConfig
+from memtree.geometry import AnchorShape, MemoryConfig
 from training.bank import READ_IN_PLACE, TrainableBank
+from training.hf import HFMemoryModel
 from training.moc import MoCConfig
 from training.model import AnchorLM, ModelConfig, assemble_memories
 from training.pkm import PKMConfig
@@ -59,8 +60,6 @@ class MemtreeLM(ComposerModel):
         self.hf = None
         if hf_dir is not None:
             # post-hoc memories on a pretrained HF causal LM (Table 2); the HF model is the anchor
-            from training.hf import HFMemoryModel
-
             if memory is None:
                 raise ValueError("model.hf_dir: post-hoc training needs memory.multipliers")
             if moc is not None:

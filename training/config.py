@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from memstore.geometry import ANCHOR_PRESETS, AnchorShape, MemoryConfig, get_anchor
 from memtree.config import ConfigError, load_config, to_dict
+from memtree.geometry import ANCHOR_PRESETS, AnchorShape, MemoryConfig, get_anchor
+from training.hf import anchor_shape_from_hf
 from training.moc import MoCConfig
 from training.pkm import PKMConfig
 
@@ -24,7 +25,7 @@ Mode = Literal["baseline", "frozen", "cotrain", "scratch"]
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSection:
-    anchor: str = "tiny"  # a memstore.geometry preset name, or "custom" with `shape`
+    anchor: str = "tiny"  # a memtree.geometry preset name, or "custom" with `shape`
     shape: dict[str, Any] = field(default_factory=dict)  # AnchorShape fields overriding the preset
     vocab_size: int | None = None  # None: the shards' tokenizer vocabulary
     max_seq_len: int | None = None  # None: the shards' seq_len
@@ -151,8 +152,6 @@ class TrainConfig:
     def anchor_shape(self, vocab_size: int) -> AnchorShape:
         if self.model.hf_dir:
             from transformers import AutoConfig
-
-            from training.hf import anchor_shape_from_hf
 
             shape = anchor_shape_from_hf(AutoConfig.from_pretrained(self.model.hf_dir, local_files_only=True))
             if shape.vocab_size < vocab_size:

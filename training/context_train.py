@@ -2,7 +2,7 @@
 
 Input: a finished anchor run (`anchor`: its save_folder) and recall pairs (`data.pairs`, JSONL, one
 record per (document, fact it states): {"doc", "prompt", "question", "answer", …}; eval's
-`memtree eval-context-bank` writes them from a bios corpus with `pipeline.bios.recall_pairs`).
+`memtree eval-context-bank` writes them from a bios corpus with `pipeline.corpus.bios.recall_pairs`).
 Each example is the chunk of the prompt that holds the answer (what one bank entry would hold),
 the question with its answer (the recall loss is on the answer's tokens) and the question alone
 (the retrieval query). Losses: training/context_vae.py.
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from composer.models import ComposerModel
 from torch import Tensor
+from torch.utils.data import DataLoader
 
 from memtree.config import ConfigError, dump_yaml, is_int, load_config
 from memtree.io import atomic_write_text, iter_jsonl
@@ -38,6 +39,7 @@ from training.context_vae import (
     save_vae,
     segments,
 )
+from training.train import load_run
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,9 +219,6 @@ def train_context_vae(cfg: ContextTrainConfig) -> dict[str, Any]:
     from composer import Trainer
     from composer.optim import CosineAnnealingWithWarmupScheduler
     from composer.utils import reproducibility
-    from torch.utils.data import DataLoader
-
-    from training.train import load_run
 
     _check_save_folder(cfg)
     reproducibility.seed_all(cfg.seed)

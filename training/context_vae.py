@@ -59,10 +59,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from memtree.config import ConfigError, from_dict, is_int, is_number, to_dict
 from memtree.io import atomic_path, atomic_write_json, read_json, sha256_file
+from training.model import AnchorLM
 
 FORMAT = "memtree-context-vae"
 VERSION = 1
@@ -300,8 +302,6 @@ class ContextVAE(nn.Module):
 
 def anchor_dims(model: nn.Module) -> tuple[int, int, int]:
     """(d_model, n_layers, max_seq_len) of a memtree AnchorLM."""
-    from training.model import AnchorLM
-
     if not isinstance(model, AnchorLM):
         raise TypeError(f"the context bank reads through memtree's AnchorLM, got {type(model).__name__}")
     return model.config.anchor.d_model, model.config.anchor.n_layers, model.config.max_seq_len
@@ -408,8 +408,6 @@ def anchor_fingerprint(model: nn.Module, anchor_folder: str | Path) -> dict[str,
 
 def save_vae(folder: str | Path, vae: ContextVAE, *, anchor: dict[str, Any], metrics: dict[str, Any]) -> Path:
     """Write weights + manifest (format memtree-context-vae v1) atomically; returns the folder."""
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     with atomic_path(folder / WEIGHTS_FILE) as tmp:
@@ -432,8 +430,6 @@ def load_vae(folder: str | Path, model: nn.Module, *, anchor_folder: str | Path 
     """Load a trained compressor + reader for `model`. A manifest of another format / version, or a
     compressor trained for another anchor (shape, or weights when `anchor_folder` is given): a
     ValueError naming the field."""
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     man = read_json(folder / MANIFEST_FILE)
     if man.get("format") != FORMAT:

@@ -16,12 +16,17 @@ Batch (B = batch size, S = the shards' seq_len):
 
 from __future__ import annotations
 
+import hashlib
 import json
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import xxhash
+from tokenizers import Tokenizer
 
 SHARDS_FORMAT = "memtree-shards"
 SHARDS_VERSION = 1
@@ -39,8 +44,6 @@ def read_shards_manifest(shards: str | Path) -> dict[str, Any]:
 
 
 def tokenizer_vocab_size(shards: str | Path, manifest: dict[str, Any]) -> int:
-    from tokenizers import Tokenizer
-
     tok = (Path(shards) / manifest["tokenizer"]).resolve()
     path = tok / "tokenizer.json" if tok.is_dir() else tok
     return Tokenizer.from_file(str(path)).get_vocab_size()
@@ -139,10 +142,6 @@ def _pick_hash(recorded: dict[str, str]) -> str | None:
 def _hash_file(path: Path, algo: str, chunk: int = 1 << 22) -> str:
     """Hex digest of a file, read in chunks; the same value as `streaming.base.hashing.get_hash`
     (MDSWriter's) on the whole content."""
-    import hashlib
-
-    import xxhash
-
     h = getattr(xxhash, algo)() if algo in xxhash.algorithms_available else hashlib.new(algo)
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -173,9 +172,6 @@ def verify_shards(shards: str | Path, manifest: dict[str, Any] | None = None,
     every file (the compressed shards plus any decompressed copies); xxh64 hashes at several GB/s,
     so the time is the disk's read time (training/README.md has a measurement).
     """
-    import time
-    import warnings
-
     t0 = time.perf_counter()
     root = Path(shards)
     manifest = manifest if manifest is not None else read_shards_manifest(shards)

@@ -41,21 +41,27 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import Tensor, nn
+from tqdm import tqdm
 
-from memtree.config import ConfigError, is_int, load_config
+from memtree.config import ConfigError, is_int, load_config, to_dict
 from memtree.io import atomic_dir, atomic_path, atomic_write_json, iter_jsonl, read_json
+from training.data import build_dataloader
 from training.lora import add_lora, merge_lora
 from training.mem_adapter import AdapterSpec, adapter_groups, attach_to_anchor
+from training.optim import MemoryAdamW
 from training.pkm import (
     BACKGROUND_DIR,
     BackgroundCounts,
     access_counts,
     background_dir,
+    collect_background,
     keep_rows,
     recording,
     trainable_rows,
 )
+from training.train import load_run
 
 FINETUNE_FORMAT = "memtree-finetune"
 FINETUNE_VERSION = 1
@@ -210,8 +216,6 @@ class Finetuner:
 
     def __init__(self, model: nn.Module, spec: FinetuneSpec, *,
                  background: dict[int, BackgroundCounts] | None = None) -> None:
-        from training.optim import MemoryAdamW
-
         self.model, self.spec = model, spec
         self.memory = {i: b.pkm for i, b in enumerate(model.blocks) if getattr(b, "pkm", None) is not None}
         self.background = background or {}
@@ -345,8 +349,6 @@ def finetune_stream(model: nn.Module, batches: Iterable[tuple[str, Tensor, Tenso
                     on_record: Callable[[int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Stream (record id, ids, real) batches through `Finetuner`; returns the step log and what
     changed. The model is changed in place and left in eval mode with LoRA merged."""
-    from tqdm import tqdm
-
     before = snapshot(model)
     ft = Finetuner(model, spec, background=background)
     log = []
@@ -380,10 +382,6 @@ def read_stream(path: str | Path, max_records: int = 0) -> list[tuple[str, list[
 
 def finetune(cfg: FinetuneConfig, *, progress: bool = True) -> dict[str, Any]:
     """Run a finetune from a config (the `memtree finetune` command); returns finetune.json's record."""
-    from safetensors.torch import save_file
-
-    from training.train import load_run
-
     torch.manual_seed(cfg.seed)
     out = Path(cfg.save_folder)
     if (out / "finetune.json").exists():
@@ -409,8 +407,6 @@ def finetune(cfg: FinetuneConfig, *, progress: bool = True) -> dict[str, Any]:
         save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(tmp))
     run_config = read_json(Path(cfg.run) / "memtree_config.json")
     if model.config.moc is not None:  # memory adapters were added: the run reopens with them
-        from memtree.config import to_dict
-
         run_config["config"]["model"]["moc"] = to_dict(model.config.moc)
     atomic_write_json(out / "memtree_config.json", run_config)
     if bg_dir.is_dir() and not (out / BACKGROUND_DIR).exists():
@@ -428,10 +424,6 @@ def collect_run_background(run: str | Path, *, batches: int = 1000, batch_size: 
     store them with the checkpoint (run/pkm_background/layer_{i}, replaced whole); returns the
     folders. Default: 1,000 batches (the seed's count) of one training window each, about as many
     tokens as a finetuning batch of a fact's paraphrases (BackgroundCounts says why that matters)."""
-    from training.data import build_dataloader
-    from training.pkm import collect_background
-    from training.train import load_run
-
     composer_model, train_cfg, _, _ = load_run(run)
     loader = build_dataloader(train_cfg.data.shards, batch_size=batch_size, shuffle=True, shuffle_seed=seed,
                               drop_last=False)

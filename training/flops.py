@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from memstore.geometry import AnchorShape
+from memtree.geometry import AnchorShape
 from training.moc import MoCConfig, bank_bytes
 from training.pkm import PKMConfig
 

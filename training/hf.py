@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memstore.geometry import AnchorShape, MemoryConfig, memory_layers
+from memtree.geometry import AnchorShape, MemoryConfig, memory_layers
 from training.bank import TrainableBank
 from training.model import Memories, assemble_memories
 

@@ -12,8 +12,8 @@ their released weights do not load as-is.
 
 A layer's memory arrives in one of two forms:
 - gathered (`LayerMemories` dict): one flat block per level and sequence,
-  (B, P_level), laid out by `memstore.geometry.block_layout`;
-  `assemble_memories` splits them into named per-layer tensors and
+  (B, P_level), laid out by `memtree.geometry.block_layout`;
+  `assemble_memories` splits them (`split_block`) into named per-layer tensors and
   concatenates levels along the memory width, and the blocks apply them with
   batched matmuls. Blocks fetched from a memstore bank (eval, on device) and
   every LoRA memory take this form.
@@ -61,8 +61,7 @@ from torch import Tensor, nn
 
 from kernels.ffn_memory import ffn_memory
 from kernels.memory_attention import memory_attention
-from memstore.format import RecordCodec
-from memstore.geometry import AnchorShape, MemoryConfig, block_layout, memory_layers
+from memtree.geometry import AnchorShape, MemoryConfig, block_layout, memory_layers, split_block
 from training.moc import LatentBank, MoCConfig, MoCLayer, bank_for, build_banks, mean_aux_loss
 from training.pkm import PKMConfig, ProductKeyMemory
 
@@ -156,8 +155,8 @@ def assemble_memories(
             raise ValueError(
                 f"level {level} blocks: expected shape (B, {want}), got {tuple(flat.shape)}"
             )
-        # dtype only matters for encoding; unflatten is the bank's own split of a record.
-        for name, t in RecordCodec(layout=tuple(layout), dtype="fp32").unflatten(flat).items():
+        # the split every consumer of a flat block uses (memstore records included)
+        for name, t in split_block(layout, flat).items():
             _, layer, tensor = name.split(".")
             per_layer.setdefault(int(layer), {}).setdefault(tensor, []).append(t)
     return {
@@ -200,6 +199,7 @@ _COMPILED_FLEX: dict[str, Any] = {}
 
 def _flex_attention(device: torch.device):
     """flex_attention, compiled once per process on CUDA (eager it runs an unfused reference)."""
+    # here, not at the top: it loads torch's compiler stack (seconds), needed only for attn_impl flex
     from torch.nn.attention.flex_attention import flex_attention
 
     if device.type != "cuda":
@@ -214,7 +214,7 @@ def document_block_mask(segment_ids: Tensor | None, *, batch: int, seq_len: int,
 
     Built once per forward and shared by every layer; blocks that lie entirely across a
     document boundary are skipped by the kernel rather than masked element by element."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask  # heavy: see _flex_attention
 
     if segment_ids is None:
         def mask_mod(b, h, q_idx, kv_idx):

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.optim import Optimizer
 
 
@@ -46,8 +47,6 @@ class MemoryAdamW(Optimizer):
         DDP (`MemtreeLM` lists them in `_ddp_params_and_buffers_to_ignore`) and
         reduced here: every rank's (rows, values) are gathered and summed, then
         divided by the world size as DDP does for dense gradients."""
-        import torch.distributed as dist
-
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return
         world = dist.get_world_size()
@@ -94,8 +93,6 @@ class MemoryAdamW(Optimizer):
         return self.max_grad_norm / (norm + 1e-6)
 
     def _sum_across_ranks(self, value: torch.Tensor | float) -> torch.Tensor | float:
-        import torch.distributed as dist
-
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return value
         device = next((p.grad.device for g in self.param_groups for p in g["params"] if p.grad is not None),

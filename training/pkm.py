@@ -46,9 +46,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from memtree.config import is_int
 from memtree.io import read_checked_tensors, write_checked_tensors
+from training.data import real_positions
 
 BACKGROUND_FORMAT = "memtree-pkm-background"
 BACKGROUND_VERSION = 1
@@ -254,10 +256,6 @@ def collect_background(model: nn.Module, batches: Iterable[dict[str, Tensor]], n
     """Document frequencies of every memory layer's slots over n_batches pretraining batches
     (dicts with `input_ids` (B, S) and `labels` (B, S), -100 on padding: padded positions are
     not counted). Fewer batches than asked: an error naming both."""
-    from tqdm import tqdm
-
-    from training.data import real_positions
-
     if not is_int(n_batches) or n_batches <= 0:
         raise ValueError(f"background batches must be a positive integer, got {n_batches!r}")
     model.eval()

@@ -14,6 +14,7 @@ What a run leaves in `save_folder`:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -22,9 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
-from memtree.config import ConfigError, dump_yaml, to_dict
+from memstore.format import read_manifest
+from memtree.config import ConfigError, dump_yaml, from_dict, to_dict
 from memtree.io import atomic_path, atomic_write_json, atomic_write_text, naming_path, read_json
+from training.bank import TrainableBank
+from training.callbacks import default_callbacks
 from training.composer_model import MemtreeLM, unwrap
 from training.config import TrainConfig, load_train_config
 from training.data import (
@@ -73,13 +79,6 @@ def build_model(cfg: TrainConfig) -> tuple[MemtreeLM, dict[str, Any]]:
 def load_run(save_folder: str | Path) -> tuple[MemtreeLM, TrainConfig, dict[str, Any], Any]:
     """A finished run, ready to score text: (model in eval mode with the run's anchor weights, its
     config, its shards manifest, its tokenizer). The bank is not opened here (memstore does that)."""
-    import dataclasses
-
-    from safetensors.torch import load_file
-    from tokenizers import Tokenizer
-
-    from memtree.config import from_dict
-
     folder = Path(save_folder)
     cfg = from_dict(TrainConfig, read_json(folder / "memtree_config.json")["config"])
     # nothing to load at build time: the weights come from the run folder
@@ -108,7 +107,7 @@ def attn_impl(cfg: TrainConfig) -> str:
 def memory_read(cfg: TrainConfig) -> str:
     """`memory.read` resolved: "auto" reads in place where the run uses a GPU (the Triton
     kernels); on the CPU the fused ops run their reference, which is slower than the
-    gathered read (bench/training.py --only read)."""
+    gathered read (bench/training_steps.py --only read)."""
     if cfg.memory.read != "auto":
         return cfg.memory.read
     return "fused" if uses_gpu(cfg) else "gather"
@@ -116,11 +115,6 @@ def memory_read(cfg: TrainConfig) -> str:
 
 def load_bank(path: str, model: MemtreeLM, manifest: dict[str, Any]):
     """A memstore bank as the starting bank, refused unless it fits this model, tree and subtree."""
-    import dataclasses
-
-    from memstore.format import read_manifest
-    from training.bank import TrainableBank
-
     if model.bank is None:
         raise ConfigError("memory.init_bank: this run has no memory (memory.multipliers is empty)")
     info = read_manifest(path)
@@ -141,8 +135,6 @@ def load_bank(path: str, model: MemtreeLM, manifest: dict[str, Any]):
 
 def load_anchor(model: MemtreeLM, path: str) -> None:
     """Anchor weights from `anchor.safetensors` (or a run directory holding one)."""
-    from safetensors.torch import load_file
-
     p = Path(path)
     if p.is_dir():
         p = p / "anchor.safetensors"
@@ -214,8 +206,6 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
     from composer import DataSpec, Trainer
     from composer.optim import CosineAnnealingWithWarmupScheduler
     from composer.utils import reproducibility
-
-    from training.callbacks import default_callbacks
 
     check_save_folder(cfg)
     if cfg.data.verify_shards:  # a flipped byte is named here, not trained on (or a zstd error mid-run)
@@ -309,7 +299,6 @@ def anchor_state_dict(model: MemtreeLM) -> dict[str, torch.Tensor]:
 def export(trainer: Any, cfg: TrainConfig) -> dict[str, str]:
     """Write the anchor weights and the bank (memstore format) next to the checkpoints."""
     from composer.utils import dist
-    from safetensors.torch import save_file
 
     model: MemtreeLM = unwrap(trainer.state.model)
     folder = Path(cfg.save_folder)

@@ -3,7 +3,7 @@
 It gathers every referenced block into an explicit (B, k, W, d) copy, which is
 exactly what the Triton kernel avoids; it defines the semantics, is the CPU
 implementation of the custom op, and checks the kernel's outputs and gradients.
-Shapes are documented in `kernels.ffn_memory.ffn_memory`. All math is fp32.
+Shapes are documented in `kernels.ffn_memory.op.ffn_memory`. All math is fp32.
 """
 
 from __future__ import annotations

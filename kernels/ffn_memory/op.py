@@ -1,8 +1,9 @@
-"""The FFN-memory read as torch custom ops (`memtree::ffn_memory` and its backward).
+"""The FFN-memory read: the public function, its checks and its custom ops.
 
-`ffn_memory` validates its arguments and calls the forward op; the ops pick
-the Triton kernels on CUDA (or on CPU under TRITON_INTERPRET=1 when
-impl="triton") and the pure-torch reference otherwise. Both ops have fake
+`ffn_memory` checks its arguments and calls `memtree::ffn_memory`; the ops
+(forward and `memtree::ffn_memory_backward`) pick the Triton kernels
+(`kernel.py`) on CUDA (or on CPU under TRITON_INTERPRET=1 when impl="triton")
+and the pure-torch reference (`naive.py`) otherwise. Both ops have fake
 implementations, so torch.compile traces them as opaque nodes, and the forward
 has an autograd formula that calls the backward op and turns its per-block
 gradient slots into a sparse COO bank gradient or a dense one.
@@ -148,6 +149,12 @@ def ffn_memory(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor, blo
     Returns:
         y: (B, S, d) in x's dtype, accumulated in fp32. Gradients flow to x (in x's dtype)
         and the banks (in their dtypes). The Triton path needs B·k·S < 2³¹.
+
+    Gradients: dx (B, S, d), and for each bank a gradient on the referenced blocks only,
+    computed as (U, W, d) slots for the U distinct blocks (never a bank-sized buffer) and
+    returned as a sparse COO or dense (N, W, d) tensor as sparse_grad selects; with sparse
+    gradients the banks must be leaves or views whose backward accepts them, which slices
+    do not.
     """
     _check(x, (bank_w1, bank_w2, bank_w3), block_idx, impl)
     return _ffn_memory_op(x, bank_w1, bank_w2, bank_w3, block_idx, sparse_grad=sparse_grad,

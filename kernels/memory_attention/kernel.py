@@ -531,7 +531,7 @@ def _lse_strides(lse: Tensor) -> tuple[int, int, int, int]:
 
 def plan(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
          weights: Tensor | None) -> tuple[Launch, Table]:
-    """Tile sizes and reference table of one call (also used by bench/kernels.py to report
+    """Tile sizes and reference table of one call (also used by bench/kernel_ops.py to report
     how many slots a tile touches)."""
     h, s = q.shape[1], q.shape[2]
     n, t, h_kv, _ = bank_k.shape

@@ -5,7 +5,7 @@ is exactly what the Triton kernel avoids; it exists to define the semantics
 and to check the kernel's outputs and gradients. The explicit backward is the
 CPU backward of the custom op (autograd does not run inside an op's body);
 tests check it against autograd through the forward. Shapes are documented in
-`kernels.memory_attention.memory_attention`.
+`kernels.memory_attention.op.memory_attention`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""Memory attention as torch custom ops: forward, backward, fake shapes and autograd.
+"""Memory attention read by block index: the public function, its checks and its custom ops.
 
-`memtree::memory_attention_fwd` returns (out, lse), the joint softmax's lse
-differentiable (so reads of several banks can be merged exactly);
-`memtree::memory_attention_bwd` returns the gradients with the bank's part
-restricted to the referenced blocks. Both dispatch inside: the Triton kernels
-for CUDA tensors (or when `impl="triton"` under TRITON_INTERPRET=1), the
-pure-torch reference otherwise,
-with its explicit gathered backward. The ops are opaque to
+`memory_attention` checks its arguments and calls `memtree::memory_attention_fwd`,
+which returns (out, lse), the joint softmax's lse differentiable (so reads of
+several banks can be merged exactly); `memtree::memory_attention_bwd` returns
+the gradients with the bank's part restricted to the referenced blocks. Both
+ops dispatch inside: the Triton kernels (`kernel.py`) for CUDA tensors (or when
+`impl="triton"` under TRITON_INTERPRET=1), the pure-torch reference (`naive.py`)
+otherwise, with its explicit gathered backward. The ops are opaque to
 torch.compile (the reference table needs host syncs), which traces them through
 the fake implementations. The bank's gradient is a sparse COO tensor over the
 unique referenced blocks (the backward op's (U, T, H_kv, D) rows) or, with
@@ -14,6 +14,10 @@ sparse_grad=False, those rows scattered into a bank-shaped tensor; only the
 latter has static shapes, which torch.compile needs unless
 torch._dynamo.config.capture_dynamic_output_shape_ops is set.
 """
+
+from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -23,21 +27,27 @@ from kernels.memory_attention.naive import (
     memory_attention_naive_backward,
 )
 
-IMPLS = ("auto", "triton", "naive")
+IMPLS = ("auto", "triton", "reference")
 
 
-def use_triton(q: Tensor, impl: str) -> bool:
-    if impl == "naive" or (impl == "auto" and not q.is_cuda):
+def _triton_kernels():
+    """kernel.py, imported on the first Triton call only: it imports triton (heavy, and
+    not needed on the CPU), and the kernels pick the interpreter when they are defined,
+    so a TRITON_INTERPRET=1 set before that first call is honoured."""
+    from kernels.memory_attention import kernel
+
+    return kernel
+
+
+def _use_triton(q: Tensor, impl: str) -> bool:
+    if impl == "reference" or (impl == "auto" and not q.is_cuda):
         return False
-    if not q.is_cuda:
-        from kernels.memory_attention.kernel import interpreting
-
-        if not interpreting():
-            raise ValueError("impl='triton' on CPU tensors needs TRITON_INTERPRET=1")
+    if not q.is_cuda and not _triton_kernels().interpreting():
+        raise ValueError("impl='triton' on CPU tensors needs TRITON_INTERPRET=1")
     return True
 
 
-def is_mix(weights: Tensor | None, weight_mode: str) -> bool:
+def _is_mix(weights: Tensor | None, weight_mode: str) -> bool:
     """Without weights both modes are the plain joint softmax."""
     return weights is not None and weight_mode == "mix"
 
@@ -49,11 +59,9 @@ def memory_attention_fwd(
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, S, D), lse fp32 (B, H, S) or (B, H, S, k) in mix mode). sparse_grad
     only selects the bank gradient's layout in backward."""
-    mix = is_mix(weights, weight_mode)
-    if use_triton(q, impl):
-        from kernels.memory_attention.kernel import forward
-
-        return forward(q, bank_k, bank_v, block_idx, weights, mix, scale)
+    mix = _is_mix(weights, weight_mode)
+    if _use_triton(q, impl):
+        return _triton_kernels().forward(q, bank_k, bank_v, block_idx, weights, mix, scale)
     out, lse = memory_attention_naive(q, bank_k, bank_v, block_idx, weights,
                                       weight_mode="mix" if mix else "bias", scale=scale,
                                       return_lse=True)
@@ -63,7 +71,7 @@ def memory_attention_fwd(
 @memory_attention_fwd.register_fake
 def _fwd_fake(q, bank_k, bank_v, block_idx, weights, weight_mode, scale, impl, sparse_grad):
     b, h, s, _ = q.shape
-    shape = (b, h, s, block_idx.shape[-1]) if is_mix(weights, weight_mode) else (b, h, s)
+    shape = (b, h, s, block_idx.shape[-1]) if _is_mix(weights, weight_mode) else (b, h, s)
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
         shape, dtype=torch.float32)
 
@@ -83,14 +91,12 @@ def memory_attention_bwd(
     bank-shaped and blocks is empty, so every shape is static. U = 0 without
     need_kv, dweights empty without need_dw.
     """
-    mix = is_mix(weights, weight_mode)
+    mix = _is_mix(weights, weight_mode)
     need_dw = need_dw and weights is not None
-    if use_triton(q, impl):
-        from kernels.memory_attention.kernel import backward
-
-        dq, blocks, dk, dv, dw = backward(grad_out, q, bank_k, bank_v, block_idx, weights, out,
-                                          lse.contiguous(), mix, scale, need_kv, need_dw,
-                                          grad_lse=grad_lse)
+    if _use_triton(q, impl):
+        dq, blocks, dk, dv, dw = _triton_kernels().backward(
+            grad_out, q, bank_k, bank_v, block_idx, weights, out, lse.contiguous(), mix, scale,
+            need_kv, need_dw, grad_lse=grad_lse)
         if need_kv and not sparse_grad:
             dk = dk.new_zeros(bank_k.shape).index_copy_(0, blocks, dk)
             dv = dv.new_zeros(bank_v.shape).index_copy_(0, blocks, dv)
@@ -132,7 +138,7 @@ def _setup_context(ctx, inputs, output):
     q, bank_k, bank_v, block_idx, weights, weight_mode, scale, impl, sparse_grad = inputs
     out, lse = output
     ctx.save_for_backward(q, bank_k, bank_v, block_idx, weights, out, lse)
-    if is_mix(weights, weight_mode):  # per-block statistics; only the joint lse is a result
+    if _is_mix(weights, weight_mode):  # per-block statistics; only the joint lse is a result
         ctx.mark_non_differentiable(lse)
     ctx.args = (weight_mode, scale, impl, sparse_grad)
 
@@ -141,7 +147,7 @@ def _backward(ctx, grad_out, grad_lse):
     q, bank_k, bank_v, block_idx, weights, out, lse = ctx.saved_tensors
     weight_mode, scale, impl, sparse_grad = ctx.args
     need_q, need_k, need_v, _, need_w = ctx.needs_input_grad[:5]
-    if is_mix(weights, weight_mode):
+    if _is_mix(weights, weight_mode):
         grad_lse = None
     dq, blocks, dk, dv, dw = memory_attention_bwd(
         grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, grad_lse, weight_mode, scale,
@@ -160,3 +166,103 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 memory_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
+           weights: Tensor | None, weight_mode: str, impl: str) -> None:
+    if weight_mode not in ("bias", "mix"):
+        raise ValueError(f"weight_mode must be 'bias' or 'mix', got {weight_mode!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if q.ndim != 4:
+        raise ValueError(f"q must be (B, H, S, D), got shape {tuple(q.shape)}")
+    if bank_k.ndim != 4 or bank_k.shape != bank_v.shape:
+        raise ValueError(f"bank_k/bank_v must both be (N, T, H_kv, D), got "
+                         f"{tuple(bank_k.shape)} and {tuple(bank_v.shape)}")
+    b, h, s, d = q.shape
+    if bank_k.shape[3] != d:
+        raise ValueError(f"bank head dim {bank_k.shape[3]} != query head dim {d}")
+    if h % bank_k.shape[2]:
+        raise ValueError(f"query heads {h} must be a multiple of memory KV heads "
+                         f"{bank_k.shape[2]}")
+    if block_idx.dtype.is_floating_point or block_idx.dtype.is_complex:
+        raise ValueError(f"block_idx must be an integer tensor, got {block_idx.dtype}")
+    if block_idx.ndim not in (2, 3) or block_idx.shape[0] != b or block_idx.shape[-1] < 1 or (
+            block_idx.ndim == 3 and block_idx.shape[1] != s):
+        raise ValueError(f"block_idx must be (B={b}, k) or (B={b}, S={s}, k), got "
+                         f"{tuple(block_idx.shape)}")
+    if weights is not None and weights.shape != block_idx.shape:
+        raise ValueError(f"weights shape {tuple(weights.shape)} != block_idx shape "
+                         f"{tuple(block_idx.shape)}")
+    if len({q.device, bank_k.device, bank_v.device, block_idx.device}) > 1:
+        raise ValueError("q, bank_k, bank_v and block_idx must be on one device")
+
+
+def memory_attention(
+    q: Tensor,
+    bank_k: Tensor,
+    bank_v: Tensor,
+    block_idx: Tensor,
+    weights: Tensor | None = None,
+    *,
+    weight_mode: str = "bias",
+    scale: float | None = None,
+    sparse_grad: bool | None = None,
+    impl: str = "auto",
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of the queries over the memory blocks each sequence (or token) names.
+
+    Reads K/V by block id without gathering copies; the Triton kernel and `naive.py`
+    implement the same function.
+
+    Args:
+        q: (B, H, S, D) queries from the token stream.
+        bank_k, bank_v: (N, T, H_kv, D), the bank of N memory blocks (chapters) of T
+            tokens; H % H_kv == 0 (GQA).
+        block_idx: integer (B, k) per-sequence block lists, or (B, S, k) per-token lists;
+            -1 marks padding (ragged k). A block may repeat within a list: it then counts
+            once per entry.
+        weights: None or float, same shape as block_idx (router weights). weight_mode
+            "bias": one softmax over every referenced token, log(weight) added to the
+            block's logits (weights must be > 0); "mix": a softmax per block, block
+            outputs summed with the weights. Without weights both are the plain joint
+            softmax (see the package docstring for which mode is exact for what).
+        scale: the logits' scale, default 1/sqrt(D).
+        sparse_grad: the bank's gradient as a sparse COO tensor (indices = the block ids,
+            as nn.Embedding(sparse=True) gives) or scattered into a dense bank-shaped
+            tensor. None: sparse when both banks are leaves (parameters), dense for
+            computed banks (views and matmuls upstream do not take sparse gradients).
+            True on a non-leaf bank is for callers whose upstream op accepts sparse
+            gradients (training.bank's row views). torch.compile needs the dense form
+            unless torch._dynamo.config.capture_dynamic_output_shape_ops is set (the
+            number of unique blocks U is data-dependent).
+        impl: "auto" (Triton on CUDA, the reference on CPU), "triton" (also on CPU under
+            TRITON_INTERPRET=1), or "reference" (`memory_attention_naive`, everywhere).
+        return_lse: also return the joint softmax's log-sum-exp (not in "mix" mode).
+
+    Returns:
+        out: (B, H, S, D) in q's dtype; no causal mask over memory; a query whose blocks
+        are all padding reads zeros. With return_lse, (out, lse): lse fp32 (B, H, S), the
+        log-sum-exp of the scaled logits (log-weights included), -inf for a query without
+        valid blocks; differentiable. Reads of several banks (a hierarchical path's
+        levels, whose blocks differ in size) merge exactly into one softmax over all
+        their tokens: out = Σ_i softmax_i(lse_i) · out_i.
+
+    Gradients: dq (B, H, S, D); the bank's gradient is computed only for the U unique
+    referenced blocks (a (U, T, H_kv, D) buffer, never a bank-sized one) and returned in
+    the layout sparse_grad selects; d(weights) like weights.
+    """
+    _check(q, bank_k, bank_v, block_idx, weights, weight_mode, impl)
+    if return_lse and _is_mix(weights, weight_mode):
+        raise ValueError("return_lse: mix mode normalises each block on its own; there is no "
+                         "joint log-sum-exp to return")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if sparse_grad is None:
+        sparse_grad = bank_k.is_leaf and bank_v.is_leaf
+    out, lse = memory_attention_fwd(q, bank_k, bank_v, block_idx, weights, weight_mode, scale,
+                                    impl, bool(sparse_grad))
+    if not return_lse:
+        return out
+    # the ops mark "nothing to normalise" with +inf (exp(s − lse) = 0); to callers it is -inf
+    return out, lse.masked_fill(torch.isposinf(lse), -math.inf)

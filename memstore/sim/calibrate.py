@@ -1,7 +1,7 @@
 """Calibrate a hardware profile on this machine through the real store, and check the simulator against it.
 
 `memtree simulate-fetch` predicts fetch latency from a hardware profile
-(`memstore.simulate`): one block read on a tier costs
+(`memstore.sim.latency`): one block read on a tier costs
 ``latency + bytes / bandwidth``. The shipped profiles (phone, laptop) are
 datasheet figures. `calibrate` measures those two numbers per tier *on this
 machine, through the code users run*, and writes a profile in the same format;
@@ -44,8 +44,8 @@ each tier's `source` says so (`capacity_gb=` overrides).
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
+import json
 import math
 import os
 import shutil
@@ -59,28 +59,32 @@ from typing import Any
 import numpy as np
 import torch
 
-from memstore.format import is_url, level_path, read_manifest, write_bank
-from memstore.geometry import AnchorShape, MemoryConfig, human_bytes, stored_bytes
-from memstore.geometry import plan as make_plan
+from memstore.format import RecordCodec, is_url, level_path, read_manifest, write_bank
 from memstore.locking import remove_bank
-from memstore.simulate import (
+from memstore.merge import relocate_level
+from memstore.sim.latency import Policy, level_placement, memory_levels, simulate_fetch
+from memstore.sim.profiles import (
     PROFILE_FORMAT,
     PROFILE_VERSION,
     HardwareProfile,
-    Policy,
     TierProfile,
-    level_placement,
     load_profile,
-    memory_levels,
-    simulate_fetch,
 )
 from memstore.store import MemoryStore, TierConfig
+from memtree.config import to_dict
+from memtree.geometry import (
+    AnchorShape,
+    MemoryConfig,
+    block_layout,
+    get_anchor,
+    human_bytes,
+    stored_bytes,
+)
+from memtree.geometry import plan as make_plan
 from memtree.io import atomic_write_text
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES: tuple[int, ...] = (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 32 * MiB)
-DEFAULT_OUT = "runs/calibrate/this-machine.yaml"
-DEFAULT_WORKDIR = "runs/calibrate/work"
 _HEAD_DIM = 256  # calibration anchor: one kv block of w keys + w values of 256 bf16 = 1024·w bytes
 _BYTES_PER_W = 2 * _HEAD_DIM * 2
 
@@ -274,8 +278,6 @@ class Calibration:
     settings: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        from memtree.config import to_dict
-
         return {"host": self.host, "date": self.date, "settings": self.settings, "profile": to_dict(self.profile),
                 "fits": [f.to_dict() for f in self.fits]}
 
@@ -298,11 +300,6 @@ def _sig(x: float, digits: int = 4) -> float:
 def measure_tensor_us(repeats: int = 200) -> float:
     """Microseconds per tensor to split a flat block into its per-layer views (what `fetch(path)` does
     for every level, hits included), on an openlm-160m FFN block of 105 tensors."""
-    import torch
-
-    from memstore.format import RecordCodec
-    from memstore.geometry import MemoryConfig, block_layout, get_anchor
-
     layout = tuple(block_layout(get_anchor("openlm-160m"), MemoryConfig(multipliers=(4,)), 1))
     codec = RecordCodec(layout, "bf16")
     flat = torch.zeros(codec.params, dtype=torch.bfloat16)
@@ -366,8 +363,6 @@ def measure(
                 droot = workdir / f"calibrate-{s}-disk"
                 banks.append(droot)
                 shutil.copytree(root, droot, dirs_exist_ok=False)
-                from memstore.merge import relocate_level
-
                 relocate_level(droot, 1, str(Path(disk_dir) / f"calibrate-{s}") if not is_url(str(disk_dir))
                                else str(disk_dir).rstrip("/") + f"/calibrate-{s}")
                 _drop_cache(level_path(droot, read_manifest(droot).level(1)))
@@ -431,12 +426,10 @@ def _yaml_num(x: float | None) -> str:
 
 def profile_yaml(cal: Calibration) -> str:
     """The profile as YAML in the shipped profiles' layout, the measured medians as comments."""
-    import json
-
     p = cal.profile
     lines = [
-        "# Hardware profile for `memtree simulate-fetch` (memstore/simulate.py), MEASURED on this machine",
-        "# by `memtree memstore calibrate` (memstore/calibrate.py). Units are decimal: GB/s, microseconds,",
+        "# Hardware profile for `memtree simulate-fetch` (memstore/sim/latency.py), MEASURED on this machine",
+        "# by `memtree memstore calibrate` (memstore/sim/calibrate.py). Units are decimal: GB/s, microseconds,",
         "# GB. Per tier: median seconds of MemoryStore.fetch_flat per block size, and the fit",
         "# seconds = latency + bytes / bandwidth (capacities and cache_gb are assumptions, not measured).",
         f"# settings: {json.dumps(cal.settings, sort_keys=True)}",
@@ -603,8 +596,6 @@ def validate(
                    extra={"purpose": "memtree memstore calibrate --validate"})
         for lv, t in mapping.items():
             if tier_kind(t) == "disk":
-                from memstore.merge import relocate_level
-
                 relocate_level(root, lv, str(disk_dir))
         info = read_manifest(root)
         for lv in info.levels.values():
@@ -661,47 +652,11 @@ def validate(
         unflatten_mean_s=float(sum(r["unflatten_mean_s"] for r in rows)), levels=tuple(rows))
 
 
-# --------------------------------------------------------------------------- CLI
-
-
-def parse_size(text: str) -> int:
-    """'4K' / '4KiB' / '1M' / '32MiB' / '4096' → bytes (binary units)."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": KiB, "M": MiB, "G": 1 << 30}.get(t[-1:], 1)
-    num = t[:-1] if mult > 1 else t
-    try:
-        return int(float(num) * mult)
-    except ValueError:
-        raise ValueError(f"size {text!r}: expected bytes like 4096, 64K or 32M") from None
-
-
-def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default=DEFAULT_OUT, metavar="PROFILE.yaml",
-                        help=f"where to write the measured profile (default {DEFAULT_OUT})")
-    parser.add_argument("--workdir", default=None,
-                        help="scratch directory for the calibration banks, on the flash device to measure "
-                             f"(default {DEFAULT_WORKDIR})")
-    parser.add_argument("--tiers", default="ram,flash", help="tiers to measure (default ram,flash)")
-    parser.add_argument("--disk-dir", help="also measure a 'disk' tier with level files moved to this directory")
-    parser.add_argument("--repeats", type=int, default=30, help="random fetches per tier and size (default 30)")
-    parser.add_argument("--sizes", default=None,
-                        help="block sizes, multiples of 4096 (default 4K,16K,64K,256K,1M,4M,16M,32M)")
-    parser.add_argument("--bank-mb", type=float, default=64,
-                        help="bytes per calibration bank (at least 4 blocks; default 64 MiB)")
-    parser.add_argument("--no-direct", dest="direct", action="store_false",
-                        help="buffered reads with posix_fadvise(DONTNEED) before each, instead of O_DIRECT")
-    parser.add_argument("--verify", default="always", choices=("always", "once", "never"),
-                        help="store checksum mode while timing (default always, the store's default)")
-    parser.add_argument("--name", default="this-machine", help="profile name (default this-machine)")
-    parser.add_argument("--validate", action="store_true",
-                        help="then fetch random paths of a 3-level openlm-160m bank (FFN 64,16,4, branching 4) "
-                             "and compare with simulate_fetch on the new profile")
-    parser.add_argument("--n-fetches", type=int, default=40, help="paths fetched by --validate (default 40)")
-    parser.add_argument("--keep", action="store_true", help="keep the calibration banks in --workdir")
-    parser.add_argument("--seed", type=int, default=0)
+# --------------------------------------------------------------------------- text
 
 
 def format_calibration(cal: Calibration) -> str:
+    """Per tier: the per-size timings, the fit and its largest error, as `memtree memstore calibrate` prints them."""
     lines = []
     for f in cal.fits:
         lines += [f"{f.name}: {f.method}",
@@ -716,6 +671,7 @@ def format_calibration(cal: Calibration) -> str:
 
 
 def format_validation(v: Validation) -> str:
+    """Simulated vs measured latency per level and per path, as `calibrate --validate` prints them."""
     head = (f"validate: {v.anchor} memory ({','.join(map(str, v.multipliers))}) branching {v.branching} "
             f"{v.dtype}, {v.n_fetches} cold path fetches of {human_bytes(v.fetch_bytes)} (verify={v.verify})")
     lines = [head]
@@ -732,26 +688,8 @@ def format_validation(v: Validation) -> str:
     return "\n".join(lines)
 
 
-def run_calibrate(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    workdir = Path(args.workdir) if args.workdir else Path(DEFAULT_WORKDIR)
-    sizes = tuple(parse_size(s) for s in args.sizes.split(",") if s.strip()) if args.sizes else DEFAULT_SIZES
-    tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
-    cal = measure(workdir, tiers=tiers, sizes=sizes, repeats=args.repeats, direct=args.direct,
-                  disk_dir=args.disk_dir, bank_bytes=int(args.bank_mb * MiB), verify=args.verify, seed=args.seed,
-                  keep=args.keep, name=args.name, progress=lambda msg: print(msg, flush=True))
-    print(format_calibration(cal))
-    prof = write_profile(cal, out)
-    print(f"profile: {out}")
-    if args.validate:
-        v = validate(prof, workdir, n_fetches=args.n_fetches, direct=args.direct, verify=args.verify,
-                     disk_dir=args.disk_dir, seed=args.seed, keep=args.keep)
-        print(format_validation(v))
-    return 0
-
-
 __all__ = [
-    "DEFAULT_SIZES", "Calibration", "SizeTiming", "TierFit", "Validation", "add_calibrate_arguments",
-    "calibrate", "calibration_anchor", "fit_latency_bandwidth", "fit_tier", "measure", "parse_size",
-    "profile_yaml", "run_calibrate", "tier_kind", "validate", "write_calibration_bank", "write_profile",
+    "DEFAULT_SIZES", "Calibration", "SizeTiming", "TierFit", "Validation", "calibrate", "calibration_anchor",
+    "fit_latency_bandwidth", "fit_tier", "format_calibration", "format_validation", "measure", "profile_yaml",
+    "tier_kind", "validate", "write_calibration_bank", "write_profile",
 ]

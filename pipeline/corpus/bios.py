@@ -13,7 +13,7 @@ Models, Part 3", bioS):
   document therefore embeds like its entity's subtopic, and a question that names the entity
   with its kind ("the red giant Veltharion") routes where the documents about it went.
 * **Topical structure at every level.** 4 fields > 16 domains > 64 subtopics (the vocabulary
-  in `pipeline/data/bios_vocab.json`), so a 3-level tree of branching 4 can recover field,
+  in `pipeline/corpus/data/bios_vocab.json`), so a 3-level tree of branching 4 can recover field,
   domain and subtopic; every subtopic has its own entity kind, nouns, verbs and adjectives.
 * **Known exposure per fact.** Within a subtopic, entity ranks follow a Zipf law in how many
   documents are about them (`docs(rank) = max(1, round(head_docs · rank^-s))`); each document
@@ -42,10 +42,13 @@ import math
 import os
 import random
 import string
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from pathlib import Path
+
+from memtree.io import atomic_write_json, atomic_write_text
 
 __all__ = ["BiosSpec", "bios_facts", "generate_bios", "heldout_bios", "load_vocabulary", "write_bios"]
 
@@ -181,6 +184,7 @@ def _default_topics() -> tuple[_Topic, ...]:
     return load_vocabulary()
 
 
+# Simpler rules than grammar.py's (the topical corpus): kept apart, since they fix this corpus's bytes.
 _VOWELS = "aeiou"
 
 
@@ -522,8 +526,6 @@ def heldout_bios(spec: BiosSpec | None = None, n_docs: int = 256, *,
 def write_bios(out_dir: str | os.PathLike[str], spec: BiosSpec | None = None, *,
                heldout_docs: int = 256) -> dict[str, str | int]:
     """Write `corpus.jsonl`, `facts.jsonl`, `heldout.jsonl` and `corpus.json` (the spec) atomically."""
-    from memtree.io import atomic_write_json, atomic_write_text
-
     spec = spec or BiosSpec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -575,8 +577,6 @@ def fact_statements(fact: dict, n: int, *, seed: int = 0, topics: Sequence[_Topi
     fact's canonical clause, which a probe completes. Deterministic for (fact, n, seed).
 
     fact: a `bios_facts` record (`label`, `reference`, `value`, `topic`, `entity`, `attribute`)."""
-    import zlib
-
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
         raise ValueError(f"statements per fact must be a positive integer, got {n!r}")
     by_key = {t.key: t for t in (topics or _default_topics())}

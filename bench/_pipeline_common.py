@@ -1,0 +1,191 @@
+"""Helpers of the pipeline benchmarks: result rows, synthetic data, corpus files, pipeline
+configs and the RSS sampler (bench/pipeline_stages.py, its stage modules `_pipeline_*.py`,
+bench/pipeline_scale.py and bench/routing.py import them)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pyarrow.parquet as pq
+
+from pipeline.config import (
+    DaskConfig,
+    EmbedConfig,
+    IngestConfig,
+    PackConfig,
+    PipelineConfig,
+    TreeConfig,
+    WindowConfig,
+)
+from pipeline.corpus.topical import CorpusSpec, generate_corpus
+
+DIM = 384  # all-MiniLM-L6-v2
+
+
+def n_cores() -> int:
+    return os.cpu_count() or 1
+
+
+def row(
+    bench: str,
+    metric: str,
+    value: Any,
+    *,
+    data: str,
+    baseline: Any = None,
+    ratio: float | None = None,
+    target: str = "",
+    met: bool | None = None,
+    unit: str = "",
+) -> dict:
+    return {
+        "bench": bench,
+        "metric": metric,
+        "value": value,
+        "unit": unit,
+        "baseline": baseline,
+        "ratio": ratio,
+        "target": target,
+        "met": met,
+        "data": data,
+    }
+
+
+def gmm_sphere(
+    n: int,
+    seed: int,
+    *,
+    dim: int = DIM,
+    domains: int = 16,
+    topics: int = 4,
+    topic_spread: float = 0.8,
+    point_spread: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """A labelled Gaussian mixture on the unit sphere shaped like the corpus: 16 domains x 4
+    topics = 64 components. Domain centres are uniform on the sphere; a topic centre is its
+    domain centre plus Gaussian noise of norm ~topic_spread, renormalised; a point is its topic
+    centre plus noise of norm ~point_spread, renormalised (within-topic cosine ~0.5, like MiniLM
+    embeddings of one subtopic). Returns (x (n, dim) float32, labels (n,) int64 in [0, 64))."""
+    rng = np.random.default_rng(seed)
+    dom = rng.standard_normal((domains, dim)).astype(np.float32)
+    dom /= np.linalg.norm(dom, axis=1, keepdims=True)
+    top = np.repeat(dom, topics, axis=0) + topic_spread / math.sqrt(dim) * rng.standard_normal(
+        (domains * topics, dim)
+    ).astype(np.float32)
+    top /= np.linalg.norm(top, axis=1, keepdims=True)
+    labels = rng.integers(0, domains * topics, size=n)
+    x = np.empty((n, dim), dtype=np.float32)
+    step = 65536
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        xb = top[labels[s:e]] + point_spread / math.sqrt(dim) * rng.standard_normal(
+            (e - s, dim), dtype=np.float32
+        )
+        xb /= np.linalg.norm(xb, axis=1, keepdims=True)
+        x[s:e] = xb
+    return x, labels.astype(np.int64)
+
+
+def corpus_docs(n: int, seed: int = 0) -> list[dict]:
+    return list(generate_corpus(CorpusSpec(n_docs=n, seed=seed)))
+
+
+def write_jsonl(docs: list[dict], path: Path) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(d, ensure_ascii=False) + "\n" for d in docs)
+
+
+def window_texts(run_root: Path, parts: list[dict]) -> list[str]:
+    """The texts of a pipeline run's windows, in order, from its window stage's parquet parts."""
+    texts: list[str] = []
+    for p in parts:
+        texts += pq.read_table(run_root / "window" / p["file"], columns=["text"])[
+            "text"
+        ].to_pylist()
+    return texts
+
+
+def pipeline_cfg(root: Path, inputs: list[str], **sections: Any) -> PipelineConfig:
+    kinds = {
+        "ingest": IngestConfig,
+        "window": WindowConfig,
+        "embed": EmbedConfig,
+        "tree": TreeConfig,
+        "pack": PackConfig,
+        "dask": DaskConfig,
+    }
+    sections = {"ingest": {}, "embed": {"device": "cpu"}, **sections}
+    sections["ingest"] = {**sections["ingest"], "inputs": inputs}
+    parts = {k: kinds[k](**v) for k, v in sections.items()}
+    return PipelineConfig(out=str(root), progress=False, **parts)
+
+
+def quiet(_msg: str) -> None:
+    pass
+
+
+class RssSampler(threading.Thread):
+    """Samples the summed RSS of a process and all its descendants every `interval` s."""
+
+    def __init__(self, pid: int, interval: float = 0.5):
+        super().__init__(daemon=True)
+        self.root = psutil.Process(pid)
+        self.interval = interval
+        self.stop_evt = threading.Event()
+        self.peak_total = 0
+        self.peak_root = 0
+        self.peak_children = 0
+        self.max_procs = 0
+        self.samples = 0
+        self.timeline: list[tuple[float, int, int]] = []  # (unix time, root RSS, descendants' RSS)
+
+    def run(self) -> None:
+        while not self.stop_evt.is_set():
+            try:
+                procs = [self.root] + self.root.children(recursive=True)
+            except psutil.Error:
+                break
+            root_rss, child_rss = 0, 0
+            for p in procs:
+                try:
+                    rss = p.memory_info().rss
+                except psutil.Error:
+                    continue
+                if p.pid == self.root.pid:
+                    root_rss = rss
+                else:
+                    child_rss += rss
+            self.peak_total = max(self.peak_total, root_rss + child_rss)
+            self.peak_root = max(self.peak_root, root_rss)
+            self.peak_children = max(self.peak_children, child_rss)
+            self.max_procs = max(self.max_procs, len(procs))
+            self.samples += 1
+            self.timeline.append((time.time(), root_rss, child_rss))
+            self.stop_evt.wait(self.interval)
+
+    def stop(self) -> None:
+        self.stop_evt.set()
+        self.join()
+
+
+def run_sampled(script: Path, args: list[str], cwd: Path) -> tuple[int, float, RssSampler]:
+    """Run `python script *args` to its end while sampling its RSS (with its Dask workers) every 0.5 s
+    → (exit status, wall seconds, sampler)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, str(Path(script).resolve()), *args], cwd=str(cwd))
+    sampler = RssSampler(proc.pid, 0.5)
+    sampler.start()
+    rc = proc.wait()
+    wall = time.perf_counter() - t0
+    sampler.stop()
+    return rc, wall, sampler

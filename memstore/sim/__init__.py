@@ -1,0 +1,11 @@
+"""The on-device fetch-latency simulator and its device calibration (seed 002 §3, Fig. 5).
+
+- `profiles`: hardware profiles (storage tiers; the shipped ones in `memstore/yamls/profiles/`).
+- `latency`: the cost model: one path fetch, a session of queries (Zipf, routed texts or a
+  trace file) through a cache, sweeps of memory configs.
+- `report`: results.json, the Markdown table and the figures.
+- `calibrate`: measure this machine's tiers through the real store into a profile, and
+  check the simulator against real fetches.
+
+The command-line flags live in `memstore.cli` (`memtree simulate-fetch`, `memtree memstore calibrate`).
+"""
