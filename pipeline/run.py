@@ -26,7 +26,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from clustering.embed import default_model_path, embed_texts, load_embedder, resolve_backend
+from clustering.embed import (
+    SEQ_BUCKET,
+    default_model_path,
+    embed_texts,
+    load_embedder,
+    resolve_backend,
+)
 from clustering.embed_export import OPENVINO_INT8, export_openvino_int8
 from clustering.kmeans import single_threaded
 from clustering.route import route
@@ -186,6 +192,8 @@ def _embed_fingerprint(e) -> dict:
     d["backend"] = resolve_backend(e.backend, e.device)
     if d["backend"] == "torch":
         d.pop("backend"), d.pop("calibration_samples")
+    else:  # the int8 network's padding changes its vectors slightly (cosine >= 0.9997)
+        d["seq_bucket"] = SEQ_BUCKET
     return d
 
 

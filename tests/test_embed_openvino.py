@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from clustering.embed import embed_texts, load_embedder
+from clustering.embed import SEQ_BUCKET, embed_texts, load_embedder
 from clustering.embed_export import OV_INT8_FILE, export_openvino_int8, read_export
 from memtree.config import load_config
 from pipeline.config import PipelineConfig
@@ -58,6 +58,21 @@ def test_int8_embeddings_close_to_torch(export, texts):
     assert cos.mean() > 0.99 and cos.min() > 0.97, (cos.mean(), cos.min())
 
 
+def test_int8_batches_come_in_few_shapes(export, texts):
+    """OpenVINO keeps memory per input shape (issue #16): lengths are padded to SEQ_BUCKET multiples,
+    so a corpus of any size runs through at most max_seq_length / SEQ_BUCKET lengths, and the
+    padding (masked) leaves the vectors as they were to int8 rounding."""
+    out, _ = export
+    m = load_embedder(str(out), max_seq_length=MSL, backend="openvino-int8", threads=1)
+    short = ["a b", "one two three four five six seven"]
+    lengths = {m[0].preprocess([t])["input_ids"].shape[1] for t in short + texts[:8]}
+    assert lengths <= {SEQ_BUCKET * k for k in range(1, MSL // SEQ_BUCKET + 1)}, lengths
+    assert m[0].preprocess(short[:1])["input_ids"].shape[1] == SEQ_BUCKET  # "[CLS] a b [SEP]" padded
+    alone = np.stack([embed_texts(m, [t])[0] for t in short])
+    together = embed_texts(m, short + texts[:6])[:2]  # padded to MSL beside the long texts
+    assert ((alone * together).sum(1) > 0.999).all()
+
+
 def test_damaged_export_is_named(export, tmp_path):
     out, _ = export
     bad = tmp_path / "bad"
@@ -87,6 +102,8 @@ def test_backend_config_errors():
         load_config(PipelineConfig, {"embed": {"backend": "openvino-int8", "device": "cuda"}})
     with pytest.raises(ValueError, match="needs the export directory"):
         load_embedder(None, backend="openvino-int8")
+    with pytest.raises(ValueError, match="mmap_threshold_mib"):
+        load_config(PipelineConfig, {"embed": {"mmap_threshold_mib": 33}})
 
 
 def test_pipeline_with_int8_backend_routes_queries_through_the_export(
