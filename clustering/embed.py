@@ -29,6 +29,7 @@ from clustering.embed_export import OPENVINO_INT8, quiet_loaders, read_export
 BACKENDS = ("torch", OPENVINO_INT8)
 SEQ_BUCKET = 32
 """The int8 network's batches are padded to a multiple of this many word pieces (see `_bucket_lengths`)."""
+FULL_BATCHES = "memtree_full_batches"  # attribute of a model whose bulk batches are all batch_size
 _MODELS: dict[tuple, object] = {}
 
 
@@ -115,12 +116,14 @@ def _bucket_lengths(m, multiple: int) -> None:
     OpenVINO keeps memory for every input shape it has run: padded to the longest text, a corpus
     brings ever new shapes, and an embed worker's memory grew with the corpus (one process,
     30 parts of 700 texts: +0.30 GiB; +0.005 GiB with lengths in multiples of 32,
-    docs/BENCHMARKS.md, issue #16). The attention mask keeps the vectors those of the unpadded
-    batch; the padding costs under `multiple` tokens per text, and nothing once texts reach
-    max_seq_length, as a corpus's windows do."""
+    docs/BENCHMARKS.md, issue #16). Parts of varying sizes also end in batches of every size, so
+    `embed_texts` fills such a model's last batch with empty texts (FULL_BATCHES). The attention
+    mask keeps the vectors those of the unpadded batch to int8 rounding; the padding costs under
+    `multiple` tokens per text, and nothing once texts reach max_seq_length, as windows do."""
     tr = m[0]
     text = {**tr.processing_kwargs.get("text", {}), "padding": True, "pad_to_multiple_of": multiple}
     tr.processing_kwargs = {**tr.processing_kwargs, "text": text}
+    setattr(m, FULL_BATCHES, True)  # the batch dimension too: parts of any size end in a full batch
 
 
 def embedder_from_meta(emb: dict, base: str | os.PathLike | None = None, *, device: str = "auto"):
@@ -155,6 +158,17 @@ def _chunk_spans(model, texts: list[str], max_pieces: int) -> list[list[tuple[in
     return spans
 
 
+def _encode(model, texts: list[str], batch_size: int) -> np.ndarray:
+    """model.encode, normalised; a model marked FULL_BATCHES gets its last batch filled with empty
+    texts when there is more than one batch, so bulk embedding runs one batch size only."""
+    n, fill = len(texts), 0
+    if getattr(model, FULL_BATCHES, False) and n > batch_size and n % batch_size:
+        fill = batch_size - n % batch_size  # encode sorts by length: the empties join the shortest
+    out = model.encode(texts + [""] * fill, batch_size=batch_size, normalize_embeddings=True,
+                       convert_to_numpy=True, show_progress_bar=False)
+    return out[:n]
+
+
 def embed_texts(
     model,
     texts: list[str],
@@ -166,19 +180,12 @@ def embed_texts(
     if not texts:
         return np.zeros((0, model.get_sentence_embedding_dimension()), dtype=np.float32)
     if strategy == "truncate":
-        out = model.encode(
-            texts, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True,
-            show_progress_bar=False,
-        )
-        return np.ascontiguousarray(out, dtype=np.float32)
+        return np.ascontiguousarray(_encode(model, texts, batch_size), dtype=np.float32)
     if strategy != "mean":
         raise ValueError(f"embed.strategy must be 'truncate' or 'mean', got {strategy!r}")
     spans = _chunk_spans(model, texts, model.max_seq_length - 2)
     chunks = [t[a:b] for t, sp in zip(texts, spans) for a, b in sp]
-    emb = model.encode(
-        chunks, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True,
-        show_progress_bar=False,
-    ).astype(np.float32)
+    emb = _encode(model, chunks, batch_size).astype(np.float32)
     owner = np.repeat(np.arange(len(texts)), [len(sp) for sp in spans])
     sums = np.zeros((len(texts), emb.shape[1]), dtype=np.float64)
     np.add.at(sums, owner, emb)

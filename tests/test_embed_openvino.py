@@ -71,6 +71,15 @@ def test_int8_batches_come_in_few_shapes(export, texts):
     alone = np.stack([embed_texts(m, [t])[0] for t in short])
     together = embed_texts(m, short + texts[:6])[:2]  # padded to MSL beside the long texts
     assert ((alone * together).sum(1) > 0.999).all()
+    # more than one batch: the last is filled with empty texts, which do not come back
+    seen, encode = [], m.encode
+    m.encode = lambda x, **kw: seen.append(len(x)) or encode(x, **kw)
+    try:
+        many = embed_texts(m, texts[:37], batch_size=8)
+    finally:
+        del m.encode  # the cached model's own method again
+    assert seen == [40] and many.shape == (37, 384)
+    assert ((many * embed_texts(m, texts[:37], batch_size=64)).sum(1) > 0.999).all()
 
 
 def test_damaged_export_is_named(export, tmp_path):
