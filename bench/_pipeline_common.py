@@ -137,10 +137,14 @@ def quiet(_msg: str) -> None:
 class RssSampler(threading.Thread):
     """Samples the summed RSS of a process and all its descendants every `interval` s."""
 
-    def __init__(self, pid: int, interval: float = 0.5):
+    def __init__(self, pid: int, interval: float = 0.5, pss: bool = False):
         super().__init__(daemon=True)
         self.root = psutil.Process(pid)
         self.interval = interval
+        # PSS splits shared pages (a memmapped file read by several workers) between the processes
+        # that map them, where summed RSS counts them once per process; it reads smaps, so slower.
+        self.pss = pss
+        self.peak_pss_total = 0
         self.stop_evt = threading.Event()
         self.peak_total = 0
         self.peak_root = 0
@@ -155,10 +159,11 @@ class RssSampler(threading.Thread):
                 procs = [self.root] + self.root.children(recursive=True)
             except psutil.Error:
                 break
-            root_rss, child_rss = 0, 0
+            root_rss, child_rss, pss = 0, 0, 0
             for p in procs:
                 try:
                     rss = p.memory_info().rss
+                    pss += p.memory_full_info().pss if self.pss else 0
                 except psutil.Error:
                     continue
                 if p.pid == self.root.pid:
@@ -166,6 +171,7 @@ class RssSampler(threading.Thread):
                 else:
                     child_rss += rss
             self.peak_total = max(self.peak_total, root_rss + child_rss)
+            self.peak_pss_total = max(self.peak_pss_total, pss)
             self.peak_root = max(self.peak_root, root_rss)
             self.peak_children = max(self.peak_children, child_rss)
             self.max_procs = max(self.max_procs, len(procs))
@@ -178,12 +184,12 @@ class RssSampler(threading.Thread):
         self.join()
 
 
-def run_sampled(script: Path, args: list[str], cwd: Path) -> tuple[int, float, RssSampler]:
+def run_sampled(script: Path, args: list[str], cwd: Path, pss: bool = False) -> tuple[int, float, RssSampler]:
     """Run `python script *args` to its end while sampling its RSS (with its Dask workers) every 0.5 s
     → (exit status, wall seconds, sampler)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, str(Path(script).resolve()), *args], cwd=str(cwd))
-    sampler = RssSampler(proc.pid, 0.5)
+    sampler = RssSampler(proc.pid, 0.5, pss=pss)
     sampler.start()
     rc = proc.wait()
     wall = time.perf_counter() - t0

@@ -10,7 +10,8 @@ bench/pipeline_stages.py (3 x 8 tree, 512-token windows and samples, embed max_s
 dynamic threshold; several values are run one after another for each size); the peak RSS of the child and its Dask workers is sampled every
 0.5 s (bench/_pipeline_common.py's RssSampler). The issue's memory criterion: peak memory must not grow
 with the corpus beyond the embeddings themselves, so each row also gives peak RSS minus the
-embedding matrix (windows x 384 x 4 bytes). Scaling: docs/s with 2 workers over 1 worker.
+embedding matrix (windows x 384 x 4 bytes), and the peak of the summed PSS: the tree stage's
+workers memmap embeddings.npy, and summed RSS counts those shared pages once per process. Scaling: docs/s with 2 workers over 1 worker.
 JSON: --out, default bench/results/pipeline-scale-<date>.json.
 """
 
@@ -31,7 +32,7 @@ from memtree.config import to_dict
 from pipeline.run import run_pipeline
 
 COLUMNS = ["docs", "workers", "backend", "mmap_threshold_mib", "windows", "seconds", "docs_per_s", "embed_s",
-           "peak_rss_gib", "peak_minus_embeddings_gib", "speedup_vs_1_worker"]
+           "peak_rss_gib", "peak_pss_gib", "peak_minus_embeddings_gib", "speedup_vs_1_worker"]
 
 
 def child(spec_path: str) -> int:
@@ -84,7 +85,7 @@ def one_run(corpus: Path, docs: int, workers: int, backend: str, mmap_mib: int, 
             "workers": workers, "backend": backend, "mmap_threshold_mib": mmap_mib}
     (work / "spec.json").write_text(json.dumps(spec))
     log(f"run_pipeline: {docs:,} docs, {workers} worker(s), backend {backend}, mmap threshold {mmap_mib} MiB")
-    rc, wall, sampler = run_sampled(Path(__file__), ["--_child", str(work / "spec.json")], REPO)
+    rc, wall, sampler = run_sampled(Path(__file__), ["--_child", str(work / "spec.json")], REPO, pss=True)
     if rc != 0:
         raise RuntimeError(f"pipeline child failed with exit status {rc} ({work})")
     out = json.loads((work / "result.json").read_text())
@@ -99,9 +100,10 @@ def one_run(corpus: Path, docs: int, workers: int, backend: str, mmap_mib: int, 
          "peak_rss_gib": sampler.peak_total / gib, "peak_driver_gib": sampler.peak_root / gib,
          "peak_workers_gib": sampler.peak_children / gib, "embeddings_gib": emb_bytes / gib,
          "peak_minus_embeddings_gib": (sampler.peak_total - emb_bytes) / gib,
+         "peak_pss_gib": sampler.peak_pss_total / gib,
          "rss_samples": sampler.samples, "stage_rss": stage_peaks(sampler.timeline, out["events"]), "tree_level_stats": mk["tree"]["stats"]["level_stats"]}
     log(f"  {out['seconds']:.0f} s, {r['docs_per_s']:.1f} docs/s, embed {r['embed_s']:.0f} s, "
-        f"peak RSS {r['peak_rss_gib']:.2f} GiB (driver {r['peak_driver_gib']:.2f}, workers "
+        f"peak RSS {r['peak_rss_gib']:.2f} GiB, PSS {r['peak_pss_gib']:.2f} GiB (driver {r['peak_driver_gib']:.2f}, workers "
         f"{r['peak_workers_gib']:.2f}); stages " + ", ".join(f"{k} {v:.0f}s" for k, v in r["stage_seconds"].items()))
     for name, m in r["stage_rss"].items():
         log(f"    {name:9s} driver {m['driver_start_gib']:.2f} -> {m['driver_gib']:.2f} GiB, "
