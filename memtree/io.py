@@ -129,6 +129,19 @@ def read_json(path: str | os.PathLike) -> Any:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
+def read_format_json(path: str | os.PathLike, fmt: str, version: int, what: str) -> dict:
+    """A JSON file that names its `format` and `version`; anything else is an error naming the
+    file, the `what` it should have been, and what it holds."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read the {what}: {e}") from e
+    if data.get("format") != fmt or data.get("version") != version:
+        raise ValueError(f"{path}: not a {fmt} v{version} file (format={data.get('format')!r}, "
+                         f"version={data.get('version')!r})")
+    return data
+
+
 def iter_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError) -> Iterator[tuple[int, Any]]:
     """(line number, record) for each non-blank line; a line that is not JSON raises `error`
     naming file:line."""

@@ -163,14 +163,19 @@ def embed_part(windows_path: str, out_path: str, model: str | None, device: str,
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 
 
+def _glibc(fn: str, *args: int) -> None:
+    """Call one of glibc's allocator functions; nothing on another C library."""
+    try:
+        getattr(ctypes.CDLL("libc.so.6"), fn)(*args)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _fix_mmap_threshold(nbytes: int) -> None:
     """Serve blocks of nbytes or more by mmap for the rest of this process's life (glibc only).
     Setting the threshold also turns off glibc's dynamic raising of it, which is what let the
     encoders' large activations fragment the heap (EmbedConfig.mmap_threshold_mib)."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, nbytes)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    _glibc("mallopt", M_MMAP_THRESHOLD, nbytes)
 
 
 def _trim_heap() -> None:
@@ -178,10 +183,7 @@ def _trim_heap() -> None:
     activations differ in size from batch to batch, and glibc keeps the freed pages: measured in
     one process over 30 parts of 700 windows, RSS grew 0.31 GiB untrimmed and 0.14 GiB trimmed
     (docs/BENCHMARKS.md, issue #16)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    _glibc("malloc_trim", 0)
 
 
 def _embed_fingerprint(e) -> dict:

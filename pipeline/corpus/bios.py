@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from functools import cache, lru_cache
 from pathlib import Path
 
-from memtree.io import atomic_write_json, atomic_write_text
+from memtree.io import atomic_write_json, atomic_write_text, read_format_json
 
 __all__ = ["BiosSpec", "bios_facts", "generate_bios", "heldout_bios", "load_vocabulary", "write_bios"]
 
@@ -154,13 +154,7 @@ class _Topic:
 
 def load_vocabulary(path: str | os.PathLike[str] = VOCAB_PATH) -> tuple[_Topic, ...]:
     """The topics of a vocabulary file (format `memtree-bios-vocab` v1), with clear errors."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: cannot read the bios vocabulary: {e}") from e
-    if data.get("format") != VOCAB_FORMAT or data.get("version") != 1:
-        raise ValueError(f"{path}: not a {VOCAB_FORMAT} v1 file (format={data.get('format')!r}, "
-                         f"version={data.get('version')!r})")
+    data = read_format_json(path, VOCAB_FORMAT, 1, "bios vocabulary")
     topics: list[_Topic] = []
     for f in data["fields"]:
         for d in f["domains"]:

@@ -8,10 +8,11 @@ verbs (base form) and adjectives. `topical.py` turns it into documents; the file
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from memtree.io import read_format_json
 
 __all__ = ["VOCABULARY", "VOCAB_PATH", "Attribute", "Domain", "Subtopic", "load_vocabulary"]
 
@@ -66,13 +67,7 @@ def _attribute(a: dict) -> Attribute:
 
 def load_vocabulary(path: str | os.PathLike[str] = VOCAB_PATH) -> tuple[Domain, ...]:
     """The domains of a vocabulary file (format `memtree-topical-vocab` v1), in file order."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: cannot read the topical vocabulary: {e}") from e
-    if data.get("format") != VOCAB_FORMAT or data.get("version") != 1:
-        raise ValueError(f"{path}: not a {VOCAB_FORMAT} v1 file (format={data.get('format')!r}, "
-                         f"version={data.get('version')!r})")
+    data = read_format_json(path, VOCAB_FORMAT, 1, "topical vocabulary")
     return tuple(
         Domain(
             d["key"], d["label"], d["agents"], d["agent"], tuple(d["places"]), tuple(d["nouns"]),
