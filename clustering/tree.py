@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from clustering.kmeans import fit_nodes_batched, single_threaded
+from clustering.kmeans import EQUALIZE_SAMPLE, fit_nodes_batched, single_threaded
 from clustering.route_core import route_step
 from memtree.io import atomic_dir, atomic_save_npy, atomic_write_json, read_json, sha256_file
 
@@ -87,6 +87,7 @@ def fit_level(
     steps: int,
     balance_factor: float,
     equalize_steps: int = 0,
+    restarts: int = 1,
     seed: int,
     level: int,
 ) -> list[tuple[np.ndarray, int, int]]:
@@ -96,6 +97,11 @@ def fit_level(
     Each node's RNG is keyed by (seed, level, node) and its arithmetic reads only
     its own rows, so a node's result does not depend on which nodes are fitted
     with it, on which worker, or in what order: it equals `fit_node` on its rows.
+
+    `restarts` > 1 fits each node that many times (restart r > 0 keyed by (seed, level, node, r))
+    and keeps the fit with the lowest routing distortion (`distortion`), as FAISS's `nredo` does:
+    k-means++ from one seed can leave two true clusters under one centroid, and on small trees
+    the routing quality of the whole tree follows the objective (docs/BENCHMARKS.md, issue #12).
     """
     out: list[tuple[np.ndarray, int, int] | None] = [None] * len(nodes)
     todo = []
@@ -107,18 +113,45 @@ def fit_level(
         rows = np.zeros((branching, fallbacks.shape[-1]), dtype=np.float32)
         rows[0] = fallbacks[i]
         out[i] = (rows, 1, 0)
-    fits = fit_nodes_batched(
-        x, [nodes[i][1] for i in todo],
-        [node_children(len(nodes[i][1]), branching, min_points_per_child) for i in todo],
-        [np.random.default_rng([seed, level, int(nodes[i][0])]) for i in todo],
-        batch_size=batch_size, steps=steps, balance_factor=balance_factor,
-        equalize_steps=equalize_steps,
-    )
+    if restarts < 1:
+        raise ValueError(f"restarts must be >= 1, got {restarts}")
+    members = [nodes[i][1] for i in todo]
+    ks = [node_children(len(nodes[i][1]), branching, min_points_per_child) for i in todo]
+    fits, best = [], []
+    for r in range(restarts):
+        key = [] if r == 0 else [r]  # restart 0 keeps the single-fit key: restarts=1 is unchanged
+        cand = fit_nodes_batched(
+            x, members, ks, [np.random.default_rng([seed, level, int(nodes[i][0]), *key]) for i in todo],
+            batch_size=batch_size, steps=steps, balance_factor=balance_factor,
+            equalize_steps=equalize_steps,
+        )
+        if restarts == 1:
+            fits = cand
+            break
+        for j, fit in enumerate(cand):
+            d = distortion(x, members[j], fit.centroids)
+            if r == 0:
+                fits.append(fit)
+                best.append(d)
+            elif d < best[j]:  # ties keep the earlier restart
+                fits[j], best[j] = fit, d
     for i, fit in zip(todo, fits):
         rows = np.zeros((branching, fallbacks.shape[-1]), dtype=np.float32)
         rows[: fit.k] = fit.centroids
         out[i] = (rows, fit.k, fit.balance_splits)
     return out  # type: ignore[return-value]
+
+
+def distortion(x: np.ndarray, rows: np.ndarray, centroids: np.ndarray) -> float:
+    """Mean squared L2 distance of x[rows] (rows sorted) to their nearest centroid (k, d), the
+    k-means objective under the rule routing uses. Nodes above EQUALIZE_SAMPLE rows are scored
+    on evenly spaced rows: deterministic, and one bounded float32 copy."""
+    if len(rows) > EQUALIZE_SAMPLE:
+        rows = rows[:: -(-len(rows) // EQUALIZE_SAMPLE)]
+    xs = np.asarray(x[rows], dtype=np.float32)  # (n, d)
+    c = np.asarray(centroids, dtype=np.float32)  # (k, d)
+    d2 = np.einsum("nd,nd->n", xs, xs)[:, None] + np.einsum("kd,kd->k", c, c)[None, :] - 2.0 * (xs @ c.T)
+    return float(np.maximum(d2.min(1), 0.0).mean(dtype=np.float64))
 
 
 def fit_node(
@@ -130,6 +163,7 @@ def fit_node(
     steps: int,
     balance_factor: float,
     equalize_steps: int = 0,
+    restarts: int = 1,
     seed: int,
     level: int,
     node: int,
@@ -143,7 +177,8 @@ def fit_node(
     return fit_level(
         x, [(node, np.arange(x.shape[0]))], np.asarray(fallback)[None], branching=branching,
         min_points_per_child=min_points_per_child, batch_size=batch_size, steps=steps,
-        balance_factor=balance_factor, equalize_steps=equalize_steps, seed=seed, level=level,
+        balance_factor=balance_factor, equalize_steps=equalize_steps, restarts=restarts, seed=seed,
+        level=level,
     )[0]
 
 
@@ -169,6 +204,7 @@ def build_tree(
     balance_factor: float = 1.1,
     min_points_per_child: int = 2,
     equalize_steps: int = 40,
+    restarts: int = 1,
     seed: int = 0,
     fit_nodes: Callable[..., Sequence[tuple[np.ndarray, int, int]]] | None = None,
     n_jobs: int | None = None,
@@ -185,7 +221,7 @@ def build_tree(
     n, dim = x.shape
     params = {"branching": branching, "min_points_per_child": min_points_per_child,
               "batch_size": batch_size, "steps": steps, "balance_factor": balance_factor,
-              "equalize_steps": equalize_steps, "seed": seed}
+              "equalize_steps": equalize_steps, "restarts": restarts, "seed": seed}
     workers = n_jobs or os.cpu_count() or 1
 
     def threaded(level: int, nodes: list[tuple[int, np.ndarray]], parent_c: np.ndarray):

@@ -55,7 +55,8 @@ DESIGN = (
     ("exposures", ("documents stating the fact × epochs over them (anchor + co-training), counted from the "
                   "corpus plan; every sample is seen once per epoch (drop_last off)")),
     ("tree", ("3 levels × 4 = fields / domains / subtopics; a domain is one level-2 subtree = 1/16 of the bank, "
-             "the paper's blocking share")),
+             "the paper's blocking share; 20 k-means restarts per node, the lowest distortion kept: one "
+             "k-means++ seed can merge two subtopics, and the questions' leaf routing follows the objective")),
     ("memory", ("FFN memories at levels 2 and 3 only (level 1 spans four domains, so blocking a domain "
                "removes all of its memory); leaf blocks ≥ level-2 blocks because the tail is most specific")),
     ("generic", ("drawn with probability 1/16 as in the paper (seed 002 §4): as many updates as one "

@@ -280,6 +280,15 @@ def effective_levels(n: int, levels: int, branching: int, auto_reduce: bool) -> 
     return lv
 
 
+def _tree_fingerprint(c) -> dict:
+    """The tree config and seed; `restarts` only when it is not 1, so trees built before the
+    field existed keep their fingerprint (the same fit)."""
+    fp = {**to_dict(c.tree), "seed": c.seed}
+    if fp.get("restarts") == 1:
+        del fp["restarts"]
+    return fp
+
+
 def _tree(ctx: Ctx, work: Path) -> dict:
     t = ctx.cfg.tree
     emb_path = ctx.stage_dir("embed") / "embeddings.npy"
@@ -289,7 +298,7 @@ def _tree(ctx: Ctx, work: Path) -> dict:
         ctx.log(f"[tree] {x.shape[0]} windows: levels reduced {t.levels} -> {levels} (tree.auto_reduce)")
     params = {"branching": t.branching, "min_points_per_child": t.min_points_per_child,
               "batch_size": t.batch_size, "steps": t.steps, "balance_factor": t.balance_factor,
-              "equalize_steps": t.equalize_steps, "seed": ctx.cfg.seed}
+              "equalize_steps": t.equalize_steps, "restarts": t.restarts, "seed": ctx.cfg.seed}
     n_workers = max(1, len(ctx.client.scheduler_info()["workers"]))
 
     def fit_nodes(level, nodes, parent_c):
@@ -426,7 +435,7 @@ STAGES: list[StageDef] = [
              ("tokenizer", "vocab_size", "train_sample_docs", "eot_token")}, _tokenizer),
     StageDef("window", 1, ("ingest", "tokenizer"), lambda c: c.window.window_tokens, _window),
     StageDef("embed", 1, ("window",), lambda c: _embed_fingerprint(c.embed), _embed),
-    StageDef("tree", 1, ("embed",), lambda c: {**to_dict(c.tree), "seed": c.seed}, _tree),
+    StageDef("tree", 1, ("embed",), lambda c: _tree_fingerprint(c), _tree),
     StageDef("assign", 1, ("tree", "embed", "window"), lambda c: None, _assign),
     StageDef("shards", 1, ("assign", "window", "tokenizer", "tree"), lambda c: to_dict(c.pack), _shards),
     StageDef("report", 1, ("ingest", "window", "embed", "tree", "assign", "shards"), lambda c: None, _report),

@@ -37,3 +37,21 @@ def test_yaml_file(tmp_path):
     assert load_config(PipelineConfig, p).tree.levels == 2
     with pytest.raises(ConfigError, match="not found"):
         load_config(PipelineConfig, tmp_path / "missing.yaml")
+
+
+def test_tree_restarts_is_validated_and_only_in_the_fingerprint_when_used():
+    """restarts=1 (the default) leaves the tree stage's fingerprint what it was before the field
+    existed, so finished runs are not rebuilt; any other value is a different tree."""
+    import json
+
+    from pipeline.run import STAGES
+
+    with pytest.raises(ConfigError, match="restarts"):
+        load_config(PipelineConfig, {"out": "x", "tree": {"restarts": 0}})
+    tree = next(s for s in STAGES if s.name == "tree")
+    default = load_config(PipelineConfig, {"out": "x"})
+    before = {**to_dict(default.tree), "seed": default.seed}
+    del before["restarts"]
+    assert json.dumps(tree.config(default), sort_keys=True) == json.dumps(before, sort_keys=True)
+    more = load_config(PipelineConfig, {"out": "x", "tree": {"restarts": 4}})
+    assert tree.config(more)["restarts"] == 4

@@ -342,3 +342,47 @@ def test_stopping_converged_nodes_early_changes_nothing(monkeypatch):
     for a, b in zip(early, full):
         np.testing.assert_array_equal(a.centroids, b.centroids)
         assert a.balance_splits == b.balance_splits
+
+
+def test_restarts_keep_each_nodes_lowest_distortion_fit():
+    """restarts=R fits every node R times (restart r > 0 keyed by (seed, level, node, r)) and keeps,
+    per node, the fit whose routing distortion is lowest; restarts=1 is the single fit unchanged."""
+    from clustering.kmeans import fit_nodes_batched, single_threaded
+    from clustering.tree import distortion, fit_level
+
+    x, _ = _mixture(5000, 16, 24, seed=30, spread=0.45)
+    perm = np.random.default_rng(31).permutation(len(x))
+    nodes = [(p, np.sort(perm[a:b])) for p, (a, b) in enumerate(itertools.pairwise([0, 2600, 4200, 5000]))]
+    fallbacks = np.zeros((len(nodes), 16), dtype=np.float32)
+    params = {"branching": 6, "min_points_per_child": 2, "batch_size": 1000, "steps": 8,
+              "balance_factor": 1.1, "equalize_steps": 10, "seed": 4, "level": 2}
+    with single_threaded():
+        one = fit_level(x, nodes, fallbacks, **params)
+        best = fit_level(x, nodes, fallbacks, restarts=5, **params)
+        cands = [fit_nodes_batched(x, [idx for _, idx in nodes], [6] * len(nodes),
+                                   [np.random.default_rng([4, 2, p, *([r] if r else [])]) for p, _ in nodes],
+                                   batch_size=1000, steps=8, balance_factor=1.1, equalize_steps=10)
+                 for r in range(5)]
+    for j, (_, idx) in enumerate(nodes):
+        np.testing.assert_array_equal(one[j][0][:6], cands[0][j].centroids)
+        d = [distortion(x, idx, c[j].centroids) for c in cands]
+        np.testing.assert_array_equal(best[j][0][:6], cands[int(np.argmin(d))][j].centroids)
+        assert distortion(x, idx, best[j][0][:6]) <= distortion(x, idx, one[j][0][:6])
+    assert len({round(distortion(x, nodes[0][1], c[0].centroids), 6) for c in cands}) > 1  # restarts differ
+    with pytest.raises(ValueError, match="restarts"):
+        fit_level(x, nodes, fallbacks, restarts=0, **params)
+
+
+def test_restarts_lower_tree_distortion_and_recover_the_mixture_better():
+    """On a mixture where one k-means++ seed can merge components, 8 restarts per node lower the
+    leaf distortion over 4 tree seeds and recover the components better (leaf NMI)."""
+    x, lab = _mixture(4000, 16, 16, seed=32, spread=0.55)
+    d, nmi = {1: [], 8: []}, {1: [], 8: []}
+    for seed in range(4):
+        for r in (1, 8):
+            tree, paths = build_tree(x, levels=2, branching=4, batch_size=2000, steps=10, seed=seed, n_jobs=1,
+                                     restarts=r)
+            d[r].append(float(((x - tree.centroids[1][paths[:, 1]]) ** 2).sum(1).mean()))
+            nmi[r].append(_nmi(lab, paths[:, 1]))
+    assert np.mean(d[8]) < np.mean(d[1]), d
+    assert np.mean(nmi[8]) > np.mean(nmi[1]) + 0.01, nmi  # measured: 0.894 → 0.929
