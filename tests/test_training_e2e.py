@@ -90,6 +90,24 @@ def test_memories_start_with_no_effect_and_generic_rate(pipeline_run, tmp_path):
     assert abs(float(draws.float().sum()) - n * p) < 4 * (n * p * (1 - p)) ** 0.5
 
 
+
+def test_memory_dropout_trains_through_composer(pipeline_run, tmp_path):
+    """memory.dropout through a real Trainer.fit: dropped forwards (anchor alone) and fetched ones
+    mix in one run with the memory callbacks attached, and the run writes a valid bank."""
+    shards = pipeline_run[0] / "shards"
+    cfg = _cfg(shards, tmp_path / "d", "max_duration=8ba", "mode=scratch", "memory.multipliers=[4,2]",
+               "memory.dropout=0.5")
+    log = LossLog()
+    out = train(cfg, callbacks=[log])
+    model = out["trainer"].state.model
+    assert int(model.forwards) == 8 and len(log.losses) == 8
+    drawn = []
+    for i in range(8):  # the run's draws, recomputed from (seed, counter)
+        model.forwards.fill_(i)
+        drawn.append(model._draw_dropout())
+    assert 0 < sum(drawn) < 8  # both kinds of forward happened
+    verify_bank(out["bank"])
+
 def test_nonfinite_loss_stops_with_the_step(pipeline_run, tmp_path):
     model, _ = build_model(_cfg(pipeline_run[0] / "shards", tmp_path / "n"))
     labels = torch.zeros(2, 5, dtype=torch.long)

@@ -11,6 +11,9 @@ The draw for each sequence depends only on (seed, training-forward counter,
 the sequence's tokens), and the counter is a buffer saved in checkpoints, so a
 resumed run makes the same draws, also at another world size.
 
+With `memory_dropout` p, a training forward runs the anchor alone with probability p, drawn
+from (seed, counter) only, so every rank of a data-parallel step draws alike.
+
 At evaluation `memory_mode` selects "fetched", "generic" or "none" (anchor only).
 
 With a Mixture-of-Chapters model (`moc`, training/moc.py) the memory is inside
@@ -50,7 +53,7 @@ class MemtreeLM(ComposerModel):
                  memory_init_std: float = 0.02, subtree: int | None = None, freeze_anchor: bool = False,
                  hf_dir: str | None = None, moc: MoCConfig | None = None, pkm: PKMConfig | None = None,
                  attn_impl: str = "sdpa",
-                 memory_read: str = "fused") -> None:
+                 memory_read: str = "fused", memory_dropout: float = 0.0) -> None:
         super().__init__()
         if memory_read not in ("fused", "gather"):
             raise ValueError(f"memory_read {memory_read!r} is not 'fused' or 'gather'")
@@ -76,6 +79,7 @@ class MemtreeLM(ComposerModel):
         self.read_in_place = (memory_read == "fused" and memory is not None and self.hf is None
                               and memory.type in READ_IN_PLACE)
         self.generic_prob = (1.0 / memory.branching if generic_prob is None else generic_prob) if memory else 0.0
+        self.memory_dropout = memory_dropout if memory else 0.0
         self.seed = seed
         self.memory_mode: MemoryMode = "fetched"
         self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
@@ -97,6 +101,15 @@ class MemtreeLM(ComposerModel):
         self.last_slots: dict[int, torch.Tensor] = {}
         self.last_use_generic: torch.Tensor | None = None
         self.last_seq_loss: torch.Tensor | None = None
+
+    def _draw_dropout(self) -> bool:
+        """True when this training forward runs without memory (probability `memory_dropout`),
+        keyed on (seed, forward counter) alone: the same on every rank and on resumption."""
+        if self.memory_dropout <= 0:
+            return False
+        key = f"{self.seed}:{int(self.forwards)}:dropout".encode()
+        u = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") / 2.0**64
+        return u < self.memory_dropout
 
     def _draw_generic(self, batch: int, ids: torch.Tensor | None = None) -> torch.Tensor:
         """(B,) bool, True where a sequence reads the generic memory. Each sequence's draw is
@@ -124,12 +137,17 @@ class MemtreeLM(ComposerModel):
         mems = None
         if self.bank is not None and self.memory_mode != "none":
             B = ids.shape[0]
-            if self.training:
-                use_generic = self._draw_generic(B, ids)
+            dropped = self.training and self._draw_dropout()
+            if dropped:  # callbacks see a forward that read no block
+                self.last_slots, self.last_use_generic = {}, None
                 self.forwards += 1
             else:
-                use_generic = torch.full((B,), self.memory_mode == "generic")
-            mems = self.memories_for(batch["paths"], use_generic)
+                if self.training:
+                    use_generic = self._draw_generic(B, ids)
+                    self.forwards += 1
+                else:
+                    use_generic = torch.full((B,), self.memory_mode == "generic")
+                mems = self.memories_for(batch["paths"], use_generic)
         if self.hf is not None:
             # no document mask: the HF anchors were not trained with one (App. A.6)
             if mems is None:

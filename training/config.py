@@ -49,6 +49,10 @@ class MemorySection:
     placement_layers: int = 10
     layers: list[int] = field(default_factory=list)
     generic_prob: float | None = None  # None: 1 / branching (seed 002 §4)
+    # Probability that a training forward runs the anchor alone (no fetched or generic memory), so
+    # the anchor keeps learning what every sequence shares and a fetched block does not override it
+    # on entities it was not built for (issue #12's top bucket; docs/BENCHMARKS.md). 0: the paper.
+    dropout: float = 0.0
     lr: float = 1e-3
     weight_decay: float = 0.0
     init_std: float = 0.02
@@ -148,6 +152,8 @@ class TrainConfig:
         gp = self.memory.generic_prob
         if gp is not None and not 0 <= gp <= 1:
             raise ConfigError(f"memory.generic_prob: {gp} must be in [0, 1]")
+        if not 0 <= self.memory.dropout < 1:
+            raise ConfigError(f"memory.dropout: {self.memory.dropout} must be in [0, 1)")
 
     def anchor_shape(self, vocab_size: int) -> AnchorShape:
         if self.model.hf_dir:

@@ -66,7 +66,7 @@ def build_model(cfg: TrainConfig) -> tuple[MemtreeLM, dict[str, Any]]:
                       norm_eps=cfg.model.norm_eps, init_std=cfg.model.init_std, lora_alpha=cfg.model.lora_alpha,
                       memory_init_std=cfg.memory.init_std, subtree=subtree, freeze_anchor=cfg.mode == "frozen",
                       hf_dir=cfg.model.hf_dir, moc=cfg.model.moc, pkm=cfg.model.pkm, attn_impl=attn_impl(cfg),
-                      memory_read=memory_read(cfg))
+                      memory_read=memory_read(cfg), memory_dropout=cfg.memory.dropout)
     if cfg.anchor_checkpoint:
         load_anchor(model, cfg.anchor_checkpoint)
     if cfg.memory.init_bank:
