@@ -117,24 +117,23 @@ def fit_level(
         raise ValueError(f"restarts must be >= 1, got {restarts}")
     members = [nodes[i][1] for i in todo]
     ks = [node_children(len(nodes[i][1]), branching, min_points_per_child) for i in todo]
-    fits, best = [], []
-    for r in range(restarts):
-        key = [] if r == 0 else [r]  # restart 0 keeps the single-fit key: restarts=1 is unchanged
-        cand = fit_nodes_batched(
+
+    def fit(r: int) -> list:
+        key = [r] if r else []  # restart 0 keeps the single-fit key: restarts=1 is unchanged
+        return fit_nodes_batched(
             x, members, ks, [np.random.default_rng([seed, level, int(nodes[i][0]), *key]) for i in todo],
             batch_size=batch_size, steps=steps, balance_factor=balance_factor,
             equalize_steps=equalize_steps,
         )
-        if restarts == 1:
-            fits = cand
-            break
-        for j, fit in enumerate(cand):
-            d = distortion(x, members[j], fit.centroids)
-            if r == 0:
-                fits.append(fit)
-                best.append(d)
-            elif d < best[j]:  # ties keep the earlier restart
-                fits[j], best[j] = fit, d
+
+    fits = fit(0)
+    if restarts > 1:
+        best = [distortion(x, m, f.centroids) for m, f in zip(members, fits)]
+        for r in range(1, restarts):
+            for j, cand in enumerate(fit(r)):
+                d = distortion(x, members[j], cand.centroids)
+                if d < best[j]:  # ties keep the earlier restart
+                    fits[j], best[j] = cand, d
     for i, fit in zip(todo, fits):
         rows = np.zeros((branching, fallbacks.shape[-1]), dtype=np.float32)
         rows[: fit.k] = fit.centroids

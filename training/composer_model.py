@@ -137,17 +137,14 @@ class MemtreeLM(ComposerModel):
         mems = None
         if self.bank is not None and self.memory_mode != "none":
             B = ids.shape[0]
-            dropped = self.training and self._draw_dropout()
-            if dropped:  # callbacks see a forward that read no block
+            if not self.training:
+                mems = self.memories_for(batch["paths"], torch.full((B,), self.memory_mode == "generic"))
+            elif self._draw_dropout():  # the anchor alone; callbacks see a forward that read no block
                 self.last_slots, self.last_use_generic = {}, None
-                self.forwards += 1
             else:
-                if self.training:
-                    use_generic = self._draw_generic(B, ids)
-                    self.forwards += 1
-                else:
-                    use_generic = torch.full((B,), self.memory_mode == "generic")
-                mems = self.memories_for(batch["paths"], use_generic)
+                mems = self.memories_for(batch["paths"], self._draw_generic(B, ids))
+            if self.training:
+                self.forwards += 1
         if self.hf is not None:
             # no document mask: the HF anchors were not trained with one (App. A.6)
             if mems is None:
