@@ -43,7 +43,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import REPO, finish, fmt, loadavg, log, pressure, write_results  # bench/: sys.path[0]
+from _common import (  # bench/: sys.path[0]
+    finish,
+    fmt,
+    loadavg,
+    log,
+    pressure,
+    results_path,
+    write_results,
+)
 
 from memstore.camelot import AssociativeMemory, CamelotConfig, FifoKNNCache
 from memtree.geometry import AnchorShape, get_anchor
@@ -234,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     date = _dt.date.today().isoformat()
     # a --quick run never overwrites the full run's figures (docs/BENCHMARKS.md cites that file)
     stem = f"camelot-quick-{date}-{host}" if args.quick else f"camelot-{date}-{host}"
-    out = Path(args.out or REPO / "bench" / "results" / f"{stem}.json")
+    out = results_path(args.out, f"{stem}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
         "meta": {"command": " ".join([Path(sys.executable).name, *sys.argv]),

@@ -24,10 +24,9 @@ import datetime as _dt
 import math
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from _common import REPO, finish, log, run_meta  # bench/ on sys.path
+from _common import finish, log, results_path, run_meta  # bench/ on sys.path
 
 from memstore.context_bank import ContextBank, ContextBankConfig
 
@@ -90,8 +89,7 @@ def main() -> int:
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else ([256, 1024] if args.quick else
                                                                         [256, 1024, 4096])
     day = _dt.date.today().isoformat()
-    out = REPO / "bench" / "results" / f"context-bank-{day}{'-quick' if args.quick else ''}.json"
-    out = out if args.out is None else Path(args.out)
+    out = results_path(args.out, f"context-bank-{day}{'-quick' if args.quick else ''}.json")
     results = {"meta": run_meta(args, threads=args.threads),
                "rows": [run(n, args) for n in sizes]}
     return finish(results, out, COLUMNS)

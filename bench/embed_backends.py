@@ -25,7 +25,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import REPO, finish, log, run_meta  # bench/ is sys.path[0] when a script runs
+from _common import (  # bench/ is sys.path[0] when a script runs
+    finish,
+    log,
+    results_path,
+    run_meta,
+)
 
 from clustering.embed import default_model_path, embed_texts, load_embedder
 from clustering.embed_export import export_openvino_int8
@@ -119,8 +124,7 @@ def main() -> int:
                "rows": rows, "runs_seconds": runs, "export_seconds": export_s, "cosine": cosine,
                "leaf_nmi": quality, "default_criteria": verdict}
     day = _dt.date.today().isoformat()
-    out = Path(args.out) if args.out else (
-        REPO / "bench" / "results" / f"embed-backends-{day}{'-quick' if args.quick else ''}.json")
+    out = results_path(args.out, f"embed-backends-{day}{'-quick' if args.quick else ''}.json")
     return finish(results, out, COLUMNS)
 
 

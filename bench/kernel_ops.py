@@ -51,13 +51,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from _common import (  # bench/ is sys.path[0] when a script runs
-    REPO,
     elapsed_ms,
     finish,
     fmt,
     loadavg,
     log,
     peak_mib,
+    results_path,
     write_results,
 )
 from _kernels_ffn import run_ffn
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":  # before triton is first imported: check Triton on CPU too
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import triton
-    out = Path(args.out or REPO / "bench" / "results" / f"kernels-{args.device}-{date}.json")
+    out = results_path(args.out, f"kernels-{args.device}-{date}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     sz = CUDA_SIZES if args.device == "cuda" else CPU_SIZES
     results: dict[str, Any] = {

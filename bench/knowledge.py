@@ -21,7 +21,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import REPO, finish, loadavg, log  # bench/ is sys.path[0] when a script runs
+from _common import (  # bench/ is sys.path[0] when a script runs
+    REPO,
+    finish,
+    loadavg,
+    log,
+    results_path,
+)
 
 from eval.demo import run_main_job
 from memtree.io import read_json
@@ -108,12 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--root", default=str(REPO / "runs" / "knowledge"))
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / f"knowledge-{time.strftime('%Y-%m-%d')}.json"))
+    ap.add_argument("--out", default=None, help="JSON (default bench/results/knowledge-DATE.json)")
     ap.add_argument("--train", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--existing", action="append", default=[], metavar="SEED=ROOT",
                     help="a finished demo of that seed with the same settings (e.g. 0=runs/demo): its "
                          "report is summarised, not rerun (repeatable)")
     args = ap.parse_args(argv)
+    out = results_path(args.out, f"knowledge-{time.strftime('%Y-%m-%d')}.json")
     existing = {}
     for item in args.existing:
         seed, _, root = item.partition("=")
@@ -143,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if not all(math.isfinite(x) for x in results["ratio_fetched_over_generic_1_7"]):
         raise SystemExit("a generic accuracy of 0 on 1–7 exposures: no ratio")
     ratios = ", ".join(f"{x:.2f}" for x in results["ratio_fetched_over_generic_1_7"])
-    return finish(results, Path(args.out),
+    return finish(results, out,
                   lambda rows: print(rows + f"\n\nratio fetched / generic accuracy on 1–7 exposures, per seed: {ratios}"))
 
 

@@ -37,11 +37,11 @@ from typing import Any
 
 import numpy as np
 from _common import (  # bench/ is sys.path[0] when a script runs
-    REPO,
     fmt,
     loadavg,
     log,
     pressure,
+    results_path,
     wait_quiet,
     write_results,
 )
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small, fast variant")
     ap.add_argument("--only", choices=BENCHES, action="append", help="run only this benchmark (repeatable)")
     date = _dt.date.today().isoformat()
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / f"memstore-{date}.json"))
+    ap.add_argument("--out", default=None, help="JSON (default bench/results/memstore-DATE.json)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "memtree-bench-memstore"),
                     help="scratch directory for the banks (on the flash device to measure); removed afterwards")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         S[key] = json.loads(val) if val[:1] in "[{0123456789" else val
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    out = Path(args.out)
+    out = results_path(args.out, f"memstore-{date}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     ctx: dict[str, Any] = {"work": work, "out": out}
     selected = args.only or list(BENCHES)

@@ -25,7 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO, finish, log, run_meta, write_results  # bench/ is sys.path[0]
+from _common import (  # bench/ is sys.path[0]
+    REPO,
+    finish,
+    log,
+    results_path,
+    run_meta,
+    write_results,
+)
 from _pipeline_common import corpus_docs, pipeline_cfg, run_sampled, write_jsonl
 
 from memtree.config import to_dict
@@ -127,7 +134,7 @@ def main() -> int:
         return child(args.child)
     tmp = Path(tempfile.mkdtemp(prefix="memtree-bench-scale-", dir=args.tmp))
     day = _dt.date.today().isoformat()
-    out = Path(args.out) if args.out else REPO / "bench" / "results" / f"pipeline-scale-{day}.json"
+    out = results_path(args.out, f"pipeline-scale-{day}.json")
     rows: list[dict] = []
     for docs in args.docs:
         corpus = tmp / f"corpus-{docs}.jsonl"

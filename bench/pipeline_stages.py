@@ -45,11 +45,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np
 import psutil
 from _common import (  # bench/ is sys.path[0] when a script runs
-    REPO,
     finish,
     fmt,
     loadavg,
     log,
+    results_path,
     wait_quiet,
     write_results,
 )
@@ -176,7 +176,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, An
     ap.add_argument(
         "--only", choices=BENCHES, action="append", help="run only this benchmark (repeatable)"
     )
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "pipeline.json"))
+    ap.add_argument("--out", default=None, help="JSON (default bench/results/pipeline.json)")
     ap.add_argument(
         "--cache-dir",
         default=os.path.join(tempfile.gettempdir(), "memtree-bench-cache"),
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     # balance runs before assign (assign reuses its tree); results are printed in BENCHES order.
     order = [b for b in ("embed", "tree", "balance", "assign", "e2e") if b in selected]
     all_rows: dict[str, list[dict]] = {}
-    out = Path(args.out)
+    out = results_path(args.out, "pipeline.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in order:
         waited = wait_quiet(args.wait_quiet)

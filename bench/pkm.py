@@ -17,10 +17,9 @@ import argparse
 import datetime as _dt
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from _common import REPO, finish, log, run_meta  # bench/ on sys.path
+from _common import finish, log, results_path, run_meta  # bench/ on sys.path
 
 from training.pkm import PKMConfig, ProductKeyMemory
 
@@ -75,7 +74,7 @@ def main() -> int:
     sizes = [int(s) for s in args.n_keys.split(",")] if args.n_keys else ([64, 128] if args.quick else
                                                                            [64, 128, 256, 512])
     day = _dt.date.today().isoformat()
-    out = Path(args.out) if args.out else REPO / "bench" / "results" / f"pkm-{day}{'-quick' if args.quick else ''}.json"
+    out = results_path(args.out, f"pkm-{day}{'-quick' if args.quick else ''}.json")
     results = {"meta": run_meta(args, threads=args.threads),
                "rows": [run(n, args) for n in sizes]}
     return finish(results, out, COLUMNS)

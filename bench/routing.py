@@ -21,10 +21,14 @@ import datetime as _dt
 import math
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
-from _common import REPO, finish, log, run_meta  # bench/ is sys.path[0] when a script runs
+from _common import (  # bench/ is sys.path[0] when a script runs
+    finish,
+    log,
+    results_path,
+    run_meta,
+)
 from _pipeline_assign import constructed_tree
 from _pipeline_common import DIM
 
@@ -102,7 +106,7 @@ def main() -> int:
     log(f"agreement with the float64 level-by-level argmin: {results['agreement_with_float64_argmin']:.4f}; "
         f"leaf = exhaustive nearest leaf: {results['leaf_agreement_with_exhaustive']:.4f}")
     day = _dt.date.today().isoformat()
-    out = Path(args.out) if args.out else REPO / "bench" / "results" / f"routing-{day}{'-quick' if args.quick else ''}.json"
+    out = results_path(args.out, f"routing-{day}{'-quick' if args.quick else ''}.json")
     return finish(results, out, COLUMNS)
 
 

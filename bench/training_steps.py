@@ -44,12 +44,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from _common import (  # bench/ is on sys.path when run as a script
-    REPO,
     finish,
     fmt,
     loadavg,
     log,
     pressure,
+    results_path,
     wait_quiet,
     write_results,
 )
@@ -632,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         except json.JSONDecodeError:
             S[key] = val
     parts = "".join(f"-{b}" for b in args.only or [])
-    out = Path(args.out or REPO / "bench" / "results" / f"training{parts}-{date}.json")
+    out = results_path(args.out, f"training{parts}-{date}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     selected = args.only or list(BENCHES)
     results: dict[str, Any] = {

@@ -24,7 +24,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import REPO, finish, log, run_meta  # bench/ is sys.path[0] when a script runs
+from _common import (  # bench/ is sys.path[0] when a script runs
+    REPO,
+    finish,
+    log,
+    results_path,
+    run_meta,
+)
 
 from clustering.embed import embed_texts, embedder_from_meta
 from clustering.route import route
@@ -55,7 +61,7 @@ def main() -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if 1 not in args.restarts:
         args.restarts = [1, *args.restarts]  # the baseline
-    out = args.out or REPO / "bench" / "results" / f"tree-restarts-{_dt.date.today().isoformat()}.json"
+    out = results_path(args.out, f"tree-restarts-{_dt.date.today().isoformat()}.json")
 
     pipe = args.run / "pipeline"
     base = load_tree(pipe / "tree")

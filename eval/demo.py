@@ -2,7 +2,8 @@
 
 The experiment behind seed 002's central result (Fig. 1, Table 1, Fig. 6b), at micro scale. Read it
 from here: `run_main_job` runs each step through the module that does it, and every step resumes
-(a written corpus, a finished pipeline stage or training run is reused).
+(a written corpus and a finished pipeline stage are reused; a training run only when its config, the
+shards and the run before it are unchanged, recorded in its folder's `demo_inputs.json`).
 
 1. corpus (`pipeline.corpus.bios`, written by `pipeline.demo.run_demo`): the entity-centric
    default corpus, documents about fictional entities, a Zipf-like number of documents per
@@ -27,6 +28,9 @@ This module sits at the top of the import graph because it drives every stage.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +42,7 @@ from eval.longtail import build_probes, load_facts
 from eval.model import RunModel
 from eval.rag import RagIndex, routing_agreement
 from memtree.config import from_dict
-from memtree.io import iter_jsonl, read_json
+from memtree.io import atomic_write_json, iter_jsonl, read_json
 from pipeline.corpus.bios import BiosSpec
 from pipeline.demo import run_demo
 from training.config import load_train_config
@@ -93,6 +97,30 @@ def _epochs(duration: str, batch_size: int, n_samples: int) -> float:
     raise ValueError(f"demo durations must be in epochs ('2ep') or batches ('150ba'), got {duration!r}")
 
 
+def _train_stage(name: str, cfg, inputs: dict[str, str]) -> str:
+    """Train one stage unless `save_folder` finished a run from the same `inputs`; returns their key.
+
+    A folder trained (or half-trained) from other inputs, or by a version that did not record them,
+    is removed first: Composer would otherwise resume its checkpoints on the new shards."""
+    folder = Path(cfg.save_folder)
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+    marker = folder / "demo_inputs.json"
+    old = read_json(marker) if marker.is_file() else None
+    if old is not None and old.get("key") == key:
+        if (folder / "metrics.json").exists():
+            _log(f"{name}: already trained from these inputs ({folder}), skipping")
+            return key
+    elif folder.exists() and any(folder.iterdir()):
+        changed = sorted(k for k in inputs if (old or {}).get("inputs", {}).get(k) != inputs[k])
+        _log(f"{name}: {folder} was trained from other inputs ({', '.join(changed)} changed), retraining")
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(marker, {"key": key, "inputs": inputs})
+    _log(f"{name}: training ({cfg.max_duration}, mode {cfg.mode}) → {folder}")
+    train(cfg)
+    return key
+
+
 def run_main_job(root: str | Path = "runs/demo", *, corpus: dict[str, Any] | None = None,
                  pipeline_overrides: list[str] = (), train_overrides: list[str] = (),
                  anchor_duration: str = "2ep", cotrain_duration: str = "5ep", max_probes: int = 0,
@@ -118,15 +146,16 @@ def run_main_job(root: str | Path = "runs/demo", *, corpus: dict[str, Any] | Non
               ("cotrain", ["mode=cotrain", f"save_folder={root / 'train' / 'cotrain'}", "run_name=demo-cotrain",
                            f"anchor_checkpoint={root / 'train' / 'anchor'}", f"max_duration={cotrain_duration}"]))
     epochs = 0.0
+    # What a stage was trained from: its config, the shards' contents (the pipeline's shards-stage
+    # fingerprint, which folds in the tree and assignments) and the stage before it. The config alone
+    # names the shards by path, so a rebuilt tree under the same root would otherwise be reused.
+    upstream = read_json(shards / "_stage.json")["fingerprint"]
     for name, extra in stages:
         t = time.time()
         cfg = load_train_config(DEMO_TRAIN_YAML, common + extra)
         epochs += _epochs(cfg.max_duration, cfg.data.batch_size, n_samples)
-        if (Path(cfg.save_folder) / "metrics.json").exists():
-            _log(f"{name}: already trained ({cfg.save_folder}), skipping")
-        else:
-            _log(f"{name}: training ({cfg.max_duration}, mode {cfg.mode}) → {cfg.save_folder}")
-            train(cfg)
+        inputs = {"config": cfg.fingerprint(), "duration": cfg.max_duration, "upstream": upstream}
+        upstream = _train_stage(name, cfg, inputs)
         timings[f"{name}_s"] = time.time() - t
 
     t = time.time()

@@ -96,6 +96,62 @@ class RunModel:
         return [lp[i, : len(s) - 1] for i, s in enumerate(sequences)]
 
     @torch.no_grad()
+    def choice_scores(self, items: list[tuple[list[int], list[list[int]]]], *, paths: np.ndarray | None = None,
+                      mode: MemoryMode = "fetched", pack: bool | None = None) -> list[list[float]]:
+        """Per (prefix, choices) item, Σ log p(choice | prefix) for each choice; paths (n, L) for fetched memories.
+
+        A `packable` model scores an item in one row, prefix + choice 1 + … + choice k: each choice's
+        tokens take the positions that follow the prefix and see only the prefix and their own
+        choice, so a score equals that of the separate sequence prefix + choice (up to float
+        rounding) for a k-th of the prefix's compute. pack=False (and other models, and empty
+        prefixes) score the separate sequences."""
+        if pack is None:
+            pack = self.model.packable and all(prefix for prefix, _ in items)
+        if not pack:
+            seqs = [prefix + c for prefix, choices in items for c in choices]
+            rows = None if paths is None else np.repeat(paths, [len(ch) for _, ch in items], axis=0)
+            lps = iter(self.logprobs(seqs, paths=rows, mode=mode))
+            return [[float(next(lps)[-len(c):].sum()) for c in choices] for _, choices in items]
+        S = max(len(prefix) + sum(map(len, choices)) for prefix, choices in items)
+        n = len(items)
+        ids = torch.full((n, S), self.eot_id, dtype=torch.long)
+        pos = torch.zeros((n, S), dtype=torch.long)
+        seg = torch.full((n, S), -1, dtype=torch.long)  # 0: prefix, k + 1: choice k, −1: padding
+        starts = []
+        for i, (prefix, choices) in enumerate(items):
+            P = len(prefix)
+            ids[i, :P], pos[i, :P], seg[i, :P] = torch.tensor(prefix), torch.arange(P), 0
+            o, row = P, []
+            for k, c in enumerate(choices):
+                ids[i, o : o + len(c)], pos[i, o : o + len(c)] = torch.tensor(c), torch.arange(P, P + len(c))
+                seg[i, o : o + len(c)] = k + 1
+                row.append(o)
+                o += len(c)
+            starts.append(row)
+        causal = torch.ones(S, S, dtype=torch.bool).tril()
+        # a query sees the prefix and its own segment; padding sees itself, so no softmax row is empty
+        sees = (seg[:, None, :] == 0) | (seg[:, :, None] == seg[:, None, :])
+        mask = (sees & causal & (seg[:, None, :] >= 0)) | torch.eye(S, dtype=torch.bool)
+        h = self.model(ids, positions=pos, attn_mask=mask, memories=self.memories(paths, n, mode), hidden=True)
+        # token j of a choice is predicted at the position before it (the prefix's last for j = 0):
+        # the head runs on those positions only, a few per item instead of the whole row
+        rows, at, target = [], [], []
+        for i, (prefix, choices) in enumerate(items):
+            for o, c in zip(starts[i], choices, strict=True):
+                rows += [i] * len(c)
+                at += [len(prefix) - 1, *range(o, o + len(c) - 1)]
+                target += c
+        logits = self.model.logits(h[torch.tensor(rows), torch.tensor(at)]).float()  # (M, V)
+        lp = F.log_softmax(logits, dim=-1).gather(-1, torch.tensor(target)[:, None])[:, 0].tolist()  # (M,)
+        out, k = [], 0
+        for _, choices in items:
+            out.append([])
+            for c in choices:
+                out[-1].append(float(sum(lp[k : k + len(c)])))
+                k += len(c)
+        return out
+
+    @torch.no_grad()
     def greedy(self, prompt: list[int], *, max_new_tokens: int, paths: np.ndarray | None = None,
                mode: MemoryMode = "fetched", stop: int | None = None) -> list[int]:
         mems = self.memories(paths, 1, mode)

@@ -117,6 +117,30 @@ def test_multiple_choice_and_perplexity_match_direct_computation(run, probes):
     assert perplexity(run, docs, mode="none")["nll"] == pytest.approx(nll, rel=1e-5)
 
 
+def test_choice_scores_in_one_row_equal_the_separate_sequences(run, probes):
+    """Multiple choice scores an item's choices in one row behind the shared question; every score
+    is the separate sequence's, in each memory mode, on ragged items (a one-token question, a
+    one-token choice), and pack=False computes the same."""
+    items = probes[:7]
+    paths = run.route([p["context"] for p in items])
+    batch = [(run.encode(it["context"]), [run.encode(" " + ch) for ch in it["choices"]]) for it in items]
+    batch[0] = (batch[0][0][:1], batch[0][1])
+    batch[1] = (batch[1][0], [batch[1][1][0][:1], *batch[1][1][1:]])
+    assert max(len(c) for _, choices in batch for c in choices) > 2
+    for mode in ("none", "generic", "fetched"):
+        packed = run.choice_scores(batch, paths=paths, mode=mode)
+        apart = run.choice_scores(batch, paths=paths, mode=mode, pack=False)
+        for i, (prefix, choices) in enumerate(batch):
+            mems = run.memories(paths[i : i + 1], 1, mode)
+            for k, c in enumerate(choices):
+                ids = torch.tensor([prefix + c])
+                with torch.no_grad():
+                    lp = F.log_softmax(run.model(ids, memories=mems)[0, :-1].float(), -1)
+                direct = float(lp[torch.arange(len(prefix) - 1, ids.shape[1] - 1), ids[0, len(prefix):]].sum())
+                assert packed[i][k] == pytest.approx(direct, abs=1e-4), (mode, i, k)
+                assert apart[i][k] == pytest.approx(direct, abs=1e-4), (mode, i, k)
+
+
 def test_extraction_and_few_shot_routing():
     assert extract_integer("it is 5,812 kelvin") == "5812"
     assert extract_integer("no digits") is None
@@ -213,9 +237,18 @@ def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path, capsys):
     assert (root / "report" / "accuracy_vs_frequency.png").exists()
     assert (root / "train" / "cotrain" / "bank" / "manifest.json").exists()
     # a rerun resumes: nothing is trained again, the corpus is not rewritten
-    mtime = (root / "corpus.jsonl").stat().st_mtime_ns
+    trained = lambda: {s: (root / "train" / s / "metrics.json").stat().st_mtime_ns for s in ("anchor", "cotrain")}
+    mtime, before = (root / "corpus.jsonl").stat().st_mtime_ns, trained()
     assert main(argv) == 0
-    assert (root / "corpus.jsonl").stat().st_mtime_ns == mtime
+    assert (root / "corpus.jsonl").stat().st_mtime_ns == mtime and trained() == before
+    # a pipeline change that rebuilds the shards under the same root retrains both stages on them
+    capsys.readouterr()
+    assert main([*argv, "tree.restarts=2"]) == 0
+    after = trained()
+    assert all(after[s] != before[s] for s in before)
+    assert capsys.readouterr().out.count("(upstream changed), retraining") == 2
+    inputs = json.loads((root / "train" / "anchor" / "demo_inputs.json").read_text())["inputs"]
+    assert inputs["upstream"] == json.loads((root / "pipeline" / "shards" / "_stage.json").read_text())["fingerprint"]
     # a different corpus under the same root is refused
     assert main([*argv[:3], "--corpus", "entities_per_subtopic=3", *argv[5:]]) == 1
     assert "holds a corpus" in capsys.readouterr().err

@@ -291,3 +291,52 @@ def test_rope_depends_on_relative_position_only():
 
     torch.testing.assert_close(score(5, 2), score(13, 10))
     assert not torch.allclose(score(5, 2), score(5, 4))
+
+
+@pytest.mark.parametrize("anchor", [TINY, TINY_GQA], ids=["tiny", "gqa"])
+@pytest.mark.parametrize("kind", MEMORY_TYPES)
+def test_a_shared_prefix_row_scores_each_continuation_as_its_own_sequence(anchor, kind):
+    """positions + attn_mask put prefix + c1 + c2 + c3 in one row: each continuation's logits equal
+    those of the separate sequence prefix + c, with memories of every type, on ragged lengths."""
+    mem = MemoryConfig(multipliers=(4,), type=kind, branching=2)
+    model = _model(anchor, mem)
+    memories = assemble_memories(_init_blocks(anchor, mem, 1, app_i=False), anchor, mem)
+    row = _tokens(1, 63, seed=3)[0]
+    prefix, conts = row[:13], [row[13:14], row[14:19], row[19:58]]  # 1, 5 and 39 tokens
+    ids = torch.cat([prefix, *conts])[None]  # (1, 58): longer than some separate sequences
+    seg = torch.cat([torch.full((len(c),), k) for k, c in enumerate([prefix, *conts])])
+    pos = torch.cat([torch.arange(13)] + [torch.arange(13, 13 + len(c)) for c in conts])[None]
+    mask = ((seg[None, :] == 0) | (seg[:, None] == seg[None, :])) & torch.ones(58, 58, dtype=torch.bool).tril()
+    with torch.no_grad():
+        packed = model(ids, positions=pos, attn_mask=mask[None], memories=memories)[0]  # (58, V)
+        o = 13
+        for c in conts:
+            apart = model(torch.cat([prefix, c])[None], memories=memories)[0]
+            torch.testing.assert_close(packed[:13], apart[:13], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(packed[o : o + len(c)], apart[13:], atol=1e-5, rtol=1e-5)
+            o += len(c)
+
+
+def test_positions_mask_and_hidden_states_are_checked():
+    model = _model(TINY)
+    ids = _tokens(2, 24)
+    pos, causal = torch.arange(24).expand(2, 24), torch.ones(2, 24, 24, dtype=torch.bool).tril()
+    with torch.no_grad():
+        plain = model(ids)
+        torch.testing.assert_close(model(ids, positions=pos, attn_mask=causal), plain, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(model.logits(model(ids, hidden=True)), plain)
+        # a row longer than max_seq_len (64) is allowed while its positions stay below it
+        long_ids = _tokens(1, 80)
+        model(long_ids, positions=torch.arange(80)[None] % 40, attn_mask=torch.ones(1, 80, 80, dtype=torch.bool).tril())
+    with pytest.raises(ValueError, match="go together"):
+        model(ids, positions=pos)
+    with pytest.raises(ValueError, match="do not match"):
+        model(ids, positions=pos[:, :5], attn_mask=causal)
+    with pytest.raises(ValueError, match="exceeds max_seq_len 64"):
+        model(_tokens(1, 80), positions=torch.arange(80)[None], attn_mask=torch.ones(1, 80, 80, dtype=torch.bool))
+    from training.moc import MoCConfig
+
+    moc = AnchorLM(ModelConfig(anchor=TINY, moc=MoCConfig(n_chapters=4, tokens_per_chapter=2, top_k=1, layers=(1,))))
+    assert model.packable and not moc.packable  # a MoC layer routes the whole row
+    with pytest.raises(ValueError, match="packable"):
+        moc(ids, positions=pos, attn_mask=causal)

@@ -189,8 +189,8 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (B, S, H, D); cos/sin (S, D)."""
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    """x (B, S, H, D); cos/sin (S, D), or (B, S, D) for per-row positions."""
+    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)  # (…, S, 1, D)
     return x * cos + _rotate_half(x) * sin
 
 
@@ -461,19 +461,42 @@ class AnchorLM(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)  # (S, D)
         return angles.cos(), angles.sin()
 
+    @property
+    def packable(self) -> bool:
+        """Whether every layer but attention acts on each token alone, so that `positions` and
+        `attn_mask` can put several sequences sharing a prefix into one row and score them exactly
+        as apart. Mixture-of-Chapters layers route a whole row and a custom attention core ignores
+        the mask, so neither allows it."""
+        return all(b.moc is None and b.attn.attn_core is None for b in self.blocks)
+
     def forward(self, input_ids: Tensor, *, segment_ids: Tensor | None = None,
-                memories: Memories | None = None) -> Tensor:
-        """input_ids (B, S) → logits (B, S, V).
+                memories: Memories | None = None, positions: Tensor | None = None,
+                attn_mask: Tensor | None = None, hidden: bool = False) -> Tensor:
+        """input_ids (B, S) → logits (B, S, V), or with hidden=True the last block's output (B, S, d),
+        to take `logits` of only the positions a scorer reads.
 
         segment_ids (B, S): document index per token (`segment_ids_from_eot`);
         attention is causal and within a document. None: causal only.
         memories: per-layer memories, gathered (`assemble_memories`) or read in place
         from a bank (`BankRead`, `training.bank.TrainableBank.read`).
+        positions (B, S) int and attn_mask (B, S, S) bool, given together (and only to a
+        `packable` model): each token's RoPE position, and which keys each query sees (True:
+        attends), in place of 0..S-1 and the causal mask; a row may then be longer than
+        max_seq_len as long as its positions are below it (`eval.model.RunModel.choice_scores`).
         """
         _, seq_len = input_ids.shape
-        if seq_len > self.config.max_seq_len:
+        if (positions is None) != (attn_mask is None):
+            raise ValueError("positions and attn_mask go together")
+        if positions is not None:
+            if not self.packable:
+                raise ValueError("positions/attn_mask need a packable model (no MoC layer, no custom attention core)")
+            if positions.shape != input_ids.shape or attn_mask.shape != (*input_ids.shape, seq_len):
+                raise ValueError(f"positions {tuple(positions.shape)} and attn_mask {tuple(attn_mask.shape)} "
+                                 f"do not match input_ids {tuple(input_ids.shape)}")
+        span = seq_len if positions is None else int(positions.max()) + 1
+        if span > self.config.max_seq_len:
             raise ValueError(
-                f"sequence length {seq_len} exceeds max_seq_len {self.config.max_seq_len}"
+                f"sequence length {span} exceeds max_seq_len {self.config.max_seq_len}"
             )
         if memories:
             if self.config.memory is None:
@@ -484,17 +507,25 @@ class AnchorLM(nn.Module):
                     f"memories for layers {bad}, but the anchor has {len(self.blocks)} layers"
                 )
         mask = None
-        if self.config.attn_impl == "flex":
+        if attn_mask is not None:
+            mask = attn_mask[:, None]  # (B, 1, S, S), dense: SDPA on any device
+        elif self.config.attn_impl == "flex":
             mask = document_block_mask(segment_ids, batch=input_ids.shape[0], seq_len=seq_len,
                                        device=input_ids.device)
         elif segment_ids is not None:
             same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, S, S)
             causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=input_ids.device).tril()
             mask = (same_doc & causal)[:, None]  # (B, 1, S, S), broadcast over heads
-        cos, sin = self._rope_tables(seq_len, input_ids.device)
+        cos, sin = self._rope_tables(span, input_ids.device)  # (span, D)
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]  # (B, S, D)
         x = self.embed(input_ids)  # (B, S, d)
         for i, block in enumerate(self.blocks):
             bank = bank_for(self.moc_banks, i) if block.moc is not None else None
             x = block(x, cos, sin, mask, memories.get(i) if memories else None, bank)
+        return x if hidden else self.logits(x)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """Final hidden states (..., d) from `forward(..., hidden=True)` → logits (..., V)."""
         x = self.norm(x)
         return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed.weight)
