@@ -158,7 +158,8 @@ class RunModel:
         out = list(prompt)
         for _ in range(max_new_tokens):
             ids = torch.tensor([out[-self.model.config.max_seq_len :]])
-            nxt = int(self.model(ids, memories=mems)[0, -1].argmax())
+            h = self.model(ids, memories=mems, hidden=True)[0, -1]  # (d,): the head runs on the last position only
+            nxt = int(self.model.logits(h).argmax())
             if stop is not None and nxt == stop:
                 break
             out.append(nxt)

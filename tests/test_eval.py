@@ -141,6 +141,20 @@ def test_choice_scores_in_one_row_equal_the_separate_sequences(run, probes):
                 assert apart[i][k] == pytest.approx(direct, abs=1e-4), (mode, i, k)
 
 
+def test_greedy_decoding_matches_the_argmax_of_full_forwards(run, probes):
+    """Generation's greedy decoding (head on the last position only) picks what the full forward's
+    last logits pick, token by token, with fetched memory; the stop token ends it."""
+    paths = run.route([probes[0]["context"]])
+    prompt = run.encode(probes[0]["context"])
+    got = run.greedy(prompt, max_new_tokens=6, paths=paths, mode="fetched")
+    mems, out = run.memories(paths, 1, "fetched"), list(prompt)
+    for _ in range(6):
+        with torch.no_grad():
+            out.append(int(run.model(torch.tensor([out]), memories=mems)[0, -1].argmax()))
+    assert got == out[len(prompt):]
+    assert run.greedy(prompt, max_new_tokens=6, paths=paths, mode="fetched", stop=got[2]) == got[:got.index(got[2])]
+
+
 def test_extraction_and_few_shot_routing():
     assert extract_integer("it is 5,812 kelvin") == "5812"
     assert extract_integer("no digits") is None
