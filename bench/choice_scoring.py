@@ -58,6 +58,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = results_path(args.out, f"choice-scoring-{_dt.date.today().isoformat()}.json")
+    meta = run_meta(args, threads=torch.get_num_threads())
     rm = RunModel.load(args.run / "train" / "cotrain", tree_dir=args.run / "pipeline" / "tree")
     probes = build_probes(load_facts(args.run / "facts.jsonl"), seed=0)
     if args.probes:
@@ -79,7 +80,7 @@ def main() -> int:
                          "same_choice": bool((b.argmax(1) == p.argmax(1)).all())})
             log(f"  separate {base_s:.1f} s, one row {packed_s:.1f} s ({base_s / packed_s:.2f}x), "
                 f"max |Δscore| {rows[-1]['max_abs_score_diff']:.2e}")
-    results = {"meta": run_meta(args, threads=torch.get_num_threads()), "rows": rows}
+    results = {"meta": meta, "rows": rows}
     return finish(results, out, ["setting", "mode", "probes", "separate_s", "one_row_s", "speedup",
                                  "tokens_separate", "tokens_one_row", "max_abs_score_diff", "same_choice"])
 

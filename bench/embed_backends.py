@@ -52,6 +52,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    meta = run_meta(args)  # at the start: when the run began, and the load then
     n_docs, timed = (1000, 256) if args.quick else (3000, 512)
     settings = [(256, 1)] if args.quick else [(256, 1), (256, 2), (128, 1), (128, 2)]
     docs = list(generate_corpus(CorpusSpec(n_docs=n_docs + CALIBRATION, seed=0)))
@@ -120,7 +121,7 @@ def main() -> int:
     verdict = {"speed_2x": at_default["speedup"] >= 2.0, "cosine_0.99_min": cosine["min"] >= 0.99,
                "nmi_within_1pct": all(q["ratio"] >= 0.99 for q in quality.values())}
     log(f"default criteria (pipeline settings: msl {msl}, one thread per worker): {verdict}")
-    results = {"meta": run_meta(args, docs=n_docs, timed_docs=timed, calibration_docs=CALIBRATION),
+    results = {"meta": {**meta, "docs": n_docs, "timed_docs": timed, "calibration_docs": CALIBRATION},
                "rows": rows, "runs_seconds": runs, "export_seconds": export_s, "cosine": cosine,
                "leaf_nmi": quality, "default_criteria": verdict}
     day = _dt.date.today().isoformat()

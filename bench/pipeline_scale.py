@@ -135,6 +135,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="memtree-bench-scale-", dir=args.tmp))
     day = _dt.date.today().isoformat()
     out = results_path(args.out, f"pipeline-scale-{day}.json")
+    meta = run_meta(args)  # at the start: when the run began, and the load then
     rows: list[dict] = []
     for docs in args.docs:
         corpus = tmp / f"corpus-{docs}.jsonl"
@@ -146,8 +147,8 @@ def main() -> int:
                 one = next((o for o in rows if o["docs"] == r["docs"] and o["workers"] == 1
                             and o["mmap_threshold_mib"] == r["mmap_threshold_mib"]), None)
                 r["speedup_vs_1_worker"] = r["docs_per_s"] / one["docs_per_s"] if one else None
-            write_results({"meta": run_meta(args), "rows": rows}, out)  # partial results survive
-    return finish({"meta": run_meta(args), "rows": rows}, out, COLUMNS)
+            write_results({"meta": meta, "rows": rows}, out)  # partial results survive
+    return finish({"meta": meta, "rows": rows}, out, COLUMNS)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    meta = run_meta(args)  # at the start: when the run began, and the load then
     levels, branching, nq = (4, 8, 2_000) if args.quick else (4, 16, 20_000)
     tree = constructed_tree(levels, branching, seed=7, radii=[0.6, 0.35, 0.2])
     rng = np.random.default_rng(8)
@@ -99,7 +100,7 @@ def main() -> int:
              "route_speedup": med[k] / med["route"]} for k in fns]
     import faiss
 
-    results = {"meta": run_meta(args, faiss_threads=faiss.omp_get_max_threads()), "rows": rows,
+    results = {"meta": {**meta, "faiss_threads": faiss.omp_get_max_threads()}, "rows": rows,
                "runs_seconds": secs,
                "agreement_with_float64_argmin": float((got == ref).all(1).mean()),
                "leaf_agreement_with_exhaustive": float((got[:, -1] == exh).mean())}

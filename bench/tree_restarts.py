@@ -57,6 +57,7 @@ def main() -> int:
     ap.add_argument("--restarts", type=int, nargs="+", default=[1, 5, 10, 20])
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    meta = run_meta(args)  # at the start: when the run began, and the load then
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if 1 not in args.restarts:
@@ -104,8 +105,8 @@ def main() -> int:
                         "build_s_mean": statistics.mean(row["build_s"] for row in rows if row["restarts"] == r),
                         "ratio_to_1": statistics.mean(leaf) / base_mean})
     plot(rows, args.restarts, out.with_suffix(".png"))
-    results = {"meta": run_meta(args, windows=int(x.shape[0]), probes=len(probes),
-                                backend=emb.get("backend", "torch")), "rows": summary, "trees": rows}
+    results = {"meta": {**meta, "windows": int(x.shape[0]), "probes": len(probes),
+                        "backend": emb.get("backend", "torch")}, "rows": summary, "trees": rows}
     return finish(results, out, ["restarts", "leaf_mean", "leaf_min", "stated_once_mean", "stated_once_min",
                                  "build_s_mean", "ratio_to_1"])
 

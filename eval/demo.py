@@ -45,7 +45,7 @@ from memtree.config import from_dict
 from memtree.io import atomic_write_json, iter_jsonl, read_json
 from pipeline.corpus.bios import BiosSpec
 from pipeline.demo import run_demo
-from training.config import load_train_config
+from training.config import TrainConfig, load_train_config
 from training.train import train
 
 DEMO_TRAIN_YAML = Path(__file__).resolve().parents[1] / "training" / "yamls" / "demo.yaml"
@@ -97,7 +97,7 @@ def _epochs(duration: str, batch_size: int, n_samples: int) -> float:
     raise ValueError(f"demo durations must be in epochs ('2ep') or batches ('150ba'), got {duration!r}")
 
 
-def _train_stage(name: str, cfg, inputs: dict[str, str]) -> str:
+def _train_stage(name: str, cfg: TrainConfig, inputs: dict[str, str]) -> str:
     """Train one stage unless `save_folder` finished a run from the same `inputs`; returns their key.
 
     A folder trained (or half-trained) from other inputs, or by a version that did not record them,
