@@ -117,30 +117,24 @@ class RunModel:
         ids = torch.full((n, S), self.eot_id, dtype=torch.long)
         pos = torch.zeros((n, S), dtype=torch.long)
         seg = torch.full((n, S), -1, dtype=torch.long)  # 0: prefix, k + 1: choice k, −1: padding
-        starts = []
+        # token j of a choice is predicted at the position before it (the prefix's last for j = 0):
+        # the head runs on those positions only, a few per item instead of the whole row
+        rows, at, target = [], [], []
         for i, (prefix, choices) in enumerate(items):
-            P = len(prefix)
+            P = o = len(prefix)
             ids[i, :P], pos[i, :P], seg[i, :P] = torch.tensor(prefix), torch.arange(P), 0
-            o, row = P, []
             for k, c in enumerate(choices):
                 ids[i, o : o + len(c)], pos[i, o : o + len(c)] = torch.tensor(c), torch.arange(P, P + len(c))
                 seg[i, o : o + len(c)] = k + 1
-                row.append(o)
+                rows += [i] * len(c)
+                at += [P - 1, *range(o, o + len(c) - 1)]
+                target += c
                 o += len(c)
-            starts.append(row)
         causal = torch.ones(S, S, dtype=torch.bool).tril()
         # a query sees the prefix and its own segment; padding sees itself, so no softmax row is empty
         sees = (seg[:, None, :] == 0) | (seg[:, :, None] == seg[:, None, :])
         mask = (sees & causal & (seg[:, None, :] >= 0)) | torch.eye(S, dtype=torch.bool)
         h = self.model(ids, positions=pos, attn_mask=mask, memories=self.memories(paths, n, mode), hidden=True)
-        # token j of a choice is predicted at the position before it (the prefix's last for j = 0):
-        # the head runs on those positions only, a few per item instead of the whole row
-        rows, at, target = [], [], []
-        for i, (prefix, choices) in enumerate(items):
-            for o, c in zip(starts[i], choices, strict=True):
-                rows += [i] * len(c)
-                at += [len(prefix) - 1, *range(o, o + len(c) - 1)]
-                target += c
         logits = self.model.logits(h[torch.tensor(rows), torch.tensor(at)]).float()  # (M, V)
         lp = F.log_softmax(logits, dim=-1).gather(-1, torch.tensor(target)[:, None])[:, 0].tolist()  # (M,)
         out, k = [], 0

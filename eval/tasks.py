@@ -60,28 +60,21 @@ def _ranked(rm: RunModel, items: Sequence[dict[str, Any]], pairs: list[list[tupl
             p: np.ndarray | None, mode: MemoryMode, batch_size: int) -> dict[str, Any]:
     """Score each item's (context, continuation) pairs by Σ log p(continuation | context); pick the best.
 
-    batch_size: sequences per forward; items whose options share one context (multiple choice)
-    go batch_size items to a forward, one row each (`RunModel.choice_scores`)."""
+    Scored through `RunModel.choice_scores`, batch_size units per forward: an item whose options
+    share one context (multiple choice) is one unit, all its continuations in one row; otherwise
+    (schema) every pair is its own unit."""
     cont_lens = [len(cont) for options in pairs for _, cont in options]
     if all(ctx == options[0][0] for options in pairs for ctx, _ in options):
-        flat: list[float] = []
-        for s in range(0, len(pairs), batch_size):
-            chunk = [(options[0][0], [cont for _, cont in options]) for options in pairs[s : s + batch_size]]
-            rows = None if p is None else p[s : s + batch_size]
-            flat += [sc for item in rm.choice_scores(chunk, paths=rows, mode=mode) for sc in item]
-        scores = np.asarray(flat)
+        units = [(options[0][0], [cont for _, cont in options]) for options in pairs]
+        owners = list(range(len(pairs)))
     else:
-        seqs, owners = [], []
-        for i, options in enumerate(pairs):
-            for ctx, cont in options:
-                seqs.append(ctx + cont)
-                owners.append(i)
-        scores = np.zeros(len(seqs))
-        for s in range(0, len(seqs), batch_size):
-            chunk = seqs[s : s + batch_size]
-            rows = None if p is None else p[np.asarray(owners[s : s + batch_size])]
-            for j, lp in enumerate(rm.logprobs(chunk, paths=rows, mode=mode)):
-                scores[s + j] = float(lp[-cont_lens[s + j] :].sum())
+        units = [(ctx, [cont]) for options in pairs for ctx, cont in options]
+        owners = [i for i, options in enumerate(pairs) for _ in options]
+    flat: list[float] = []
+    for s in range(0, len(units), batch_size):
+        rows = None if p is None else p[np.asarray(owners[s : s + batch_size])]
+        flat += [sc for unit in rm.choice_scores(units[s : s + batch_size], paths=rows, mode=mode) for sc in unit]
+    scores = np.asarray(flat)
     preds, preds_norm, per_item, k = [], [], [], 0
     for options in pairs:
         sc = scores[k : k + len(options)]
