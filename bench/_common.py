@@ -100,20 +100,20 @@ RESULTS = REPO / "bench" / "results"
 
 
 def results_path(out: str | Path | None, default: str) -> Path:
-    """Where a run writes its JSON: `out` as given, else bench/results/`default`.
+    """Where a run writes its JSON, its folder made: `out` as given, else bench/results/`default`.
 
     The files under bench/results are the records docs/BENCHMARKS.md cites, and default names
     are per day: a second run on the same day takes `<stem>-2.json` (`-3`, ...) rather than
     overwrite the first."""
     if out:
-        return Path(out)
-    path = RESULTS / default
-    n = 2
-    while path.exists():
-        path = RESULTS / f"{Path(default).stem}-{n}{Path(default).suffix}"
-        n += 1
-    if path.name != default:
-        log(f"bench/results/{default} holds an earlier run: writing {path.name}")
+        path = Path(out)
+    else:
+        path, n = RESULTS / default, 2
+        while path.exists():
+            path = RESULTS / f"{Path(default).stem}-{n}{Path(default).suffix}"
+            n += 1
+        if path.name != default:
+            log(f"bench/results/{default} holds an earlier run: writing {path.name}")
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
 

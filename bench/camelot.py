@@ -243,7 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     # a --quick run never overwrites the full run's figures (docs/BENCHMARKS.md cites that file)
     stem = f"camelot-quick-{date}-{host}" if args.quick else f"camelot-{date}-{host}"
     out = results_path(args.out, f"{stem}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
         "meta": {"command": " ".join([Path(sys.executable).name, *sys.argv]),
                  "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "quick": args.quick,

@@ -425,7 +425,6 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import triton
     out = results_path(args.out, f"kernels-{args.device}-{date}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     sz = CUDA_SIZES if args.device == "cuda" else CPU_SIZES
     results: dict[str, Any] = {
         "meta": {"command": " ".join([Path(sys.executable).name, *sys.argv]),

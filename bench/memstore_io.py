@@ -491,7 +491,6 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     out = results_path(args.out, f"memstore-{date}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     ctx: dict[str, Any] = {"work": work, "out": out}
     selected = args.only or list(BENCHES)
     results: dict[str, Any] = {

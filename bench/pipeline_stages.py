@@ -240,7 +240,6 @@ def main(argv: list[str] | None = None) -> int:
     order = [b for b in ("embed", "tree", "balance", "assign", "e2e") if b in selected]
     all_rows: dict[str, list[dict]] = {}
     out = results_path(args.out, "pipeline.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     for name in order:
         waited = wait_quiet(args.wait_quiet)
         t0 = time.perf_counter()

@@ -633,7 +633,6 @@ def main(argv: list[str] | None = None) -> int:
             S[key] = val
     parts = "".join(f"-{b}" for b in args.only or [])
     out = results_path(args.out, f"training{parts}-{date}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     selected = args.only or list(BENCHES)
     results: dict[str, Any] = {
         "meta": {"command": " ".join([Path(sys.executable).name, *sys.argv]),

@@ -31,6 +31,8 @@ def test_a_second_run_on_the_same_day_takes_the_next_free_name(common, tmp_path)
     assert common.results_path(None, "knowledge-2026-11-26.json").name == "knowledge-2026-11-26-3.json"
     # an explicit --out is written as given, even over an existing file
     assert common.results_path(str(first), "x.json") == first
+    # and its folder is made, as a default's is
+    assert common.results_path(str(tmp_path / "new" / "r.json"), "x.json").parent.is_dir()
 
 
 def test_no_bench_script_builds_a_results_path_of_its_own():
