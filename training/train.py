@@ -205,7 +205,7 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
     corrupt inputs are named before any step."""
     from composer import DataSpec, Trainer
     from composer.optim import CosineAnnealingWithWarmupScheduler
-    from composer.utils import reproducibility
+    from composer.utils import dist, reproducibility
 
     check_save_folder(cfg)
     if cfg.data.verify_shards:  # a flipped byte is named here, not trained on (or a zstd error mid-run)
@@ -237,6 +237,10 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
     optimizer = MemoryAdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
                             max_grad_norm=cfg.optim.max_grad_norm, dense_sharded=parallelism is not None)
     precision = cfg.precision if cfg.precision != "auto" else ("amp_bf16" if gpu else "fp32")
+    # the process group before the loader: a StreamingDataset built first opens one of its own on
+    # MASTER_PORT and closes it, and the Trainer's second rendezvous on that port races the closing
+    # store (a rank that reaches the dying one never joins: "1/2 clients joined" after 300 s)
+    dist.initialize_dist("gpu" if gpu else "cpu")  # idempotent; the Trainer then reuses it
     loader = build_dataloader(cfg.data.shards, batch_size=cfg.data.batch_size, subtrees=cfg.data.subtrees,
                               shuffle=cfg.data.shuffle, shuffle_seed=cfg.data.shuffle_seed,
                               num_workers=cfg.data.num_workers, drop_last=cfg.data.drop_last)
