@@ -137,15 +137,21 @@ def test_resume_after_kill_matches_an_uninterrupted_run(pipeline_run, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     cmd = [sys.executable, "-m", "training.train"]
     killed_dir = tmp_path / "killed"
-    proc = subprocess.Popen([*cmd, *args, f"save_folder={killed_dir}"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     ckpt = killed_dir / "checkpoints" / "ep0-ba3-rank0.pt"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and not ckpt.exists():
-        time.sleep(0.05)
-    assert proc.poll() is None, f"run ended before the kill: {proc.stderr.read()[-2000:]}"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    log = tmp_path / "killed.log"  # a file, not a pipe nobody reads while the run fills it
+    with log.open("wb") as fh:
+        proc = subprocess.Popen([*cmd, *args, f"save_folder={killed_dir}"], env=env, stdout=fh,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None and not ckpt.exists():
+            time.sleep(0.02)
+        alive = proc.poll() is None
+        if alive:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert alive and ckpt.exists(), (f"no kill after the ba3 checkpoint: rc={proc.returncode}, checkpoint "
+                                     f"{'written' if ckpt.exists() else 'missing'}; log tail:\n"
+                                     f"{log.read_text(errors='replace')[-2000:]}")
     assert not (killed_dir / "anchor.safetensors").exists()
     r = subprocess.run([*cmd, *args, f"save_folder={killed_dir}"], env=env, capture_output=True, text=True,
                        timeout=600, check=False)
