@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -83,7 +86,6 @@ PIPELINE_OVERRIDES = [
 @pytest.fixture(scope="session")
 def pipeline_run(tmp_path_factory, corpus_records, dask_client):
     """One real pipeline run on the 1,200-document corpus: (run dir, stage markers, seconds, corpus path)."""
-    import time
 
     from memtree.config import load_config
     from pipeline.config import PipelineConfig
@@ -111,6 +113,26 @@ def train_tiny_run(shards: Path, folder: Path, *overrides: str) -> Path:
                                    "optim.warmup=1ba", "memory.export_dtype=fp32", *overrides]))
     clean_stale_shared_memory()
     return folder
+
+
+def kill_when_ready(cmd: list[str], ready, *, env: dict[str, str], log: Path, timeout: float) -> str | None:
+    """Start `cmd` in its own session, its output to `log`; SIGKILL its process group once `ready()`
+    holds (or at the deadline). None when it was killed while running and ready; else why not,
+    with the exit code and the log's tail, so a crash, a run that outpaced the poll and a stall
+    are told apart."""
+    t0 = time.time()
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        while time.time() < t0 + timeout and proc.poll() is None and not ready():
+            time.sleep(0.02)
+        alive = proc.poll() is None
+        if alive:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    if alive and ready():
+        return None
+    return (f"{'killed at the deadline' if alive else f'exited (rc={proc.returncode})'} after "
+            f"{time.time() - t0:.0f} s, not ready; log tail:\n{log.read_text(errors='replace')[-3000:]}")
 
 
 # A tiny grouped-query anchor with head q/k norms and qkv bias: the shape the frozen-model tests

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +15,7 @@ import pytest
 from memtree.config import load_config
 from pipeline.config import PipelineConfig
 from pipeline.run import run_pipeline
-from tests.conftest import PIPELINE_OVERRIDES
+from tests.conftest import PIPELINE_OVERRIDES, kill_when_ready
 
 OVERRIDES = PIPELINE_OVERRIDES
 
@@ -178,23 +176,9 @@ def test_killed_run_resumes_to_identical_outputs(run_a, corpus, tmp_path):
     cmd = [sys.executable, "-m", "memtree", "pipeline", f"out={out_b}", f"ingest.inputs=[{corpus}]",
            "dask.n_workers=2", *OVERRIDES]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    log = tmp_path / "run-b-killed.log"
-    with log.open("wb") as fh:
-        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-        t0, deadline = time.time(), time.time() + 480
-        killed = False
-        while time.time() < deadline and proc.poll() is None:
-            if any((out_b / ".work").glob("embed-*/parts/part-*.npy")):
-                os.killpg(proc.pid, signal.SIGKILL)
-                killed = True
-                break
-            time.sleep(0.02)
-        if not killed and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    # Say why the kill never came (a crash, the run outpacing the poll, a stall), not just that it did not.
-    assert killed, (f"no embed part appeared to kill at: rc={proc.returncode} after {time.time() - t0:.0f} s; "
-                    f"log tail:\n{log.read_text(errors='replace')[-3000:]}")
+    why = kill_when_ready(cmd, lambda: any((out_b / ".work").glob("embed-*/parts/part-*.npy")), env=env,
+                          log=tmp_path / "run-b-killed.log", timeout=480)
+    assert why is None, f"no kill at the first embed part: {why}"
     assert not (out_b / "embed").exists()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stderr[-3000:]

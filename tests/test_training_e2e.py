@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from composer.core import Callback
 
 from memstore.format import verify_bank
 from memtree.config import ConfigError
+from tests.conftest import kill_when_ready
 from training.config import load_train_config
 from training.train import build_model, train
 
@@ -138,20 +137,9 @@ def test_resume_after_kill_matches_an_uninterrupted_run(pipeline_run, tmp_path):
     cmd = [sys.executable, "-m", "training.train"]
     killed_dir = tmp_path / "killed"
     ckpt = killed_dir / "checkpoints" / "ep0-ba3-rank0.pt"
-    log = tmp_path / "killed.log"  # a file, not a pipe nobody reads while the run fills it
-    with log.open("wb") as fh:
-        proc = subprocess.Popen([*cmd, *args, f"save_folder={killed_dir}"], env=env, stdout=fh,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + 300
-        while time.time() < deadline and proc.poll() is None and not ckpt.exists():
-            time.sleep(0.02)
-        alive = proc.poll() is None
-        if alive:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert alive and ckpt.exists(), (f"no kill after the ba3 checkpoint: rc={proc.returncode}, checkpoint "
-                                     f"{'written' if ckpt.exists() else 'missing'}; log tail:\n"
-                                     f"{log.read_text(errors='replace')[-2000:]}")
+    why = kill_when_ready([*cmd, *args, f"save_folder={killed_dir}"], ckpt.exists, env=env,
+                          log=tmp_path / "killed.log", timeout=300)
+    assert why is None, f"no kill after the ba3 checkpoint: {why}"
     assert not (killed_dir / "anchor.safetensors").exists()
     r = subprocess.run([*cmd, *args, f"save_folder={killed_dir}"], env=env, capture_output=True, text=True,
                        timeout=600, check=False)
