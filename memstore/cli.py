@@ -13,6 +13,7 @@ pulls in torch.
     memtree memstore plan --anchor openlm-160m --memory 256,64,16,0 --type ffn
     memtree memstore plan --anchor n_layers=35,d_model=512,n_heads=12,head_dim=32,ffn_dim=2048 \\
         --memory 0,64,0,0 --placement late --json
+    memtree memstore plan --anchor openlm-1.4b --memory 768,256,16,0 --ranks 8 --device-memory 80GiB
     memtree simulate-fetch --profile phone --anchor openlm-160m --memory 256,64,16,0
     memtree memstore calibrate --validate
 """
@@ -26,6 +27,14 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from memtree.budget import (
+    DEFAULT_GLOBAL_BATCH,
+    DEFAULT_HEADROOM,
+    DEFAULT_SEQ_LEN,
+    format_training_report,
+    parse_bytes,
+    training_report,
+)
 from memtree.geometry import (
     DTYPES,
     MEMORY_TYPES,
@@ -153,12 +162,48 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_memory_args(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    t = p.add_argument_group(
+        "training memory per rank (memtree/budget.py)",
+        "With --ranks, also print the bytes one training rank holds for each layout (replicated or "
+        "sharded bank × DDP or FSDP anchor), whether it fits the device and from how many ranks it "
+        "would. Activations and workspace are not modelled; --headroom is kept free for them.")
+    t.add_argument("--ranks", type=int, metavar="N", help="data-parallel ranks (GPUs) to plan for")
+    t.add_argument("--device-memory", metavar="SIZE",
+                   help="memory of one device, e.g. 80GiB (GiB/Gi = 2^30 bytes, GB/G = 10^9); "
+                        "required with --ranks")
+    t.add_argument("--global-batch", type=int, default=DEFAULT_GLOBAL_BATCH, metavar="SEQS",
+                   help=f"sequences per optimizer step over all ranks (default {DEFAULT_GLOBAL_BATCH}: "
+                        "the paper's 2M tokens at 2048 per sequence)")
+    t.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, metavar="TOKENS",
+                   help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}); reported only, as the "
+                        "activations it sizes are not modelled")
+    t.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, metavar="FRACTION",
+                   help=f"fraction of device memory kept for activations and workspace "
+                        f"(default {DEFAULT_HEADROOM})")
     p.set_defaults(func=_plan)
 
 
 def _plan(args: argparse.Namespace) -> int:
     p = plan(parse_anchor(args.anchor), _memory_config(args))
-    print(json.dumps(p.to_dict(), indent=2) if args.json else format_plan(p))
+    report = None
+    if args.ranks is not None:
+        if args.device_memory is None:
+            raise ValueError("--ranks needs --device-memory SIZE (e.g. --device-memory 80GiB)")
+        report = training_report(p, ranks=args.ranks, device_bytes=parse_bytes(args.device_memory),
+                                 headroom=args.headroom, global_batch=args.global_batch,
+                                 seq_len=args.seq_len)
+    elif args.device_memory is not None:
+        raise ValueError("--device-memory is used with --ranks N; give the number of ranks")
+    if args.json:
+        out = p.to_dict()
+        if report is not None:
+            out["training_memory"] = report.to_dict()
+        print(json.dumps(out, indent=2))
+        return 0
+    print(format_plan(p))
+    if report is not None:
+        print()
+        print(format_training_report(report, args.device_memory))
     return 0
 
 
