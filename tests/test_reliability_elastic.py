@@ -1,63 +1,16 @@
 """Elastic resumption: a co-training run stopped at one world size and resumed at another (gloo on
 the CPU, global batch fixed) sees the same global batches in the same order as an uninterrupted run
 and ends with the same anchor and bank, up to the float rounding of the cross-rank reductions.
-
-The file is also the launcher's script: `composer -n N tests/test_reliability_elastic.py --log L
-[--stop-at S] key=value …` trains with `BatchLog` (and `StopAt`) attached."""
+The runs are launched with `composer -n N tests/train_launcher.py` (its `BatchLog` and `StopAt`)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from composer.core import Callback
+from train_launcher import launch, read_log
 
-
-class BatchLog(Callback):
-    """Appends one JSON line per global batch to `path` (rank 0 writes): the step and, per rank, a
-    hash of each sequence's tokens and path. Streaming deals a global batch out to the ranks
-    round-robin (sample g of a batch goes to rank g % W), so `order` interleaves the ranks' lists
-    back into the global batch's order."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
-
-    def after_dataloader(self, state, logger) -> None:
-        from composer.utils import dist
-
-        ids, paths = state.batch["input_ids"].cpu().numpy(), state.batch["paths"].cpu().numpy()
-        mine = [hashlib.blake2b(ids[i].tobytes() + paths[i].tobytes(), digest_size=8).hexdigest()
-                for i in range(len(ids))]
-        ranks = dist.all_gather_object(mine)
-        if dist.get_global_rank() != 0:
-            return
-        order = [r[j] for j in range(max(map(len, ranks))) for r in ranks if j < len(r)]
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": int(state.timestamp.batch) + 1, "world": len(ranks),
-                                "ranks": ranks, "order": order}) + "\n")
-
-
-class StopAt(Callback):
-    """Ends every rank's process, like a kill, once `step` batches are done and checkpointed
-    (Composer saves at BATCH_CHECKPOINT; the next event of the loop is BEFORE_DATALOADER)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def before_dataloader(self, state, logger) -> None:
-        if int(state.timestamp.batch) >= self.step:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-
-
-REPO = Path(__file__).resolve().parents[1]
 STEPS, STOP = 8, 4  # K global batches; the interrupted run stops after STOP (a checkpoint is saved there)
 # Measured (CPU, gloo, 2026-11-25), max |Δ| against the uninterrupted 1-process run after 8 steps:
 # anchor 1.2e-7 in both directions (and for an uninterrupted 2-process run); bank 1.4e-5 (2 → 1),
@@ -80,20 +33,10 @@ def _args(shards: Path, folder: Path) -> list[str]:
 
 
 def _launch(world: int, shards: Path, folder: Path, *, stop_at: int | None = None) -> list[dict]:
-    """`composer -n world` this file; returns the batch log's records so far."""
-    from streaming.base.util import clean_stale_shared_memory
-
-    clean_stale_shared_memory()  # a stopped run leaves its shared memory behind, as a killed one would
+    """`composer -n world` the training script; returns the batch log's records so far."""
     log = folder.parent / f"{folder.name}.batches.jsonl"
-    stop = ["--stop-at", str(stop_at)] if stop_at else []
-    launcher = Path(sys.executable).with_name("composer")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    r = subprocess.run([str(launcher), "-n", str(world), __file__, "--log", str(log), *stop,
-                        *_args(shards, folder)], env=env, cwd=REPO, capture_output=True, text=True,
-                       timeout=900, check=False)
-    clean_stale_shared_memory()
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    return [json.loads(line) for line in log.read_text().splitlines()]
+    launch(world, _args(shards, folder), log=log, stop_at=stop_at)
+    return read_log(log)
 
 
 def _weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -149,25 +92,3 @@ def test_resume_at_another_world_size_sees_the_same_batches_and_weights(uninterr
     assert worst <= ANCHOR_ATOL, worst
     worst_bank = max(float((bank[lv] - ref_bank[lv]).abs().max()) for lv in bank)
     assert worst_bank <= BANK_ATOL, worst_bank
-
-
-def _main(argv: list[str]) -> int:
-    from training.config import load_train_config
-    from training.train import train
-
-    log, stop, rest = None, None, []
-    it = iter(argv)
-    for a in it:
-        if a == "--log":
-            log = next(it)
-        elif a == "--stop-at":
-            stop = int(next(it))
-        else:
-            rest.append(a)
-    callbacks = [BatchLog(log)] + ([StopAt(stop)] if stop else [])
-    train(load_train_config(None, rest), callbacks=callbacks)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

@@ -82,6 +82,17 @@ class _RowViews(torch.autograd.Function):
         return torch.sparse_coo_tensor(rows[None], values, (n, p), is_coalesced=True), None
 
 
+def _drop_tables(module: nn.Module, state: dict[str, Tensor], prefix: str, local_metadata) -> None:
+    for key in [k for k in state if k.startswith(prefix + "tables.")]:
+        del state[key]
+
+
+def _keep_tables(module: nn.Module, state: dict[str, Tensor], prefix: str, *args) -> None:
+    """A checkpoint without the shard's tables loads into it unchanged (they come from their own files)."""
+    for name, table in module.tables.items():
+        state.setdefault(f"{prefix}tables.{name}", table.detach())
+
+
 class TrainableBank(nn.Module):
     """Per-level memory tables; rows = clusters of the (sub)tree, last row = generic memory."""
 
@@ -96,6 +107,7 @@ class TrainableBank(nn.Module):
         memory: MemoryConfig,
         *,
         subtree: int | None = None,
+        shard: tuple[int, ...] | None = None,
         init: str = "paper",
         seed: int = 0,
         std: float = 0.02,
@@ -107,29 +119,63 @@ class TrainableBank(nn.Module):
         B = memory.branching
         if subtree is not None and not 0 <= subtree < B:
             raise ValueError(f"subtree {subtree} must be in [0, {B})")
-        self.anchor, self.memory, self.subtree = anchor, memory, subtree
+        if shard is not None:
+            if subtree is not None:
+                raise ValueError("a bank is either one subtree's (subtree) or a shard of the whole tree's (shard)")
+            shard = tuple(sorted({int(s) for s in shard}))
+            if not shard or not all(0 <= s < B for s in shard):
+                raise ValueError(f"shard {shard}: needs one or more level-1 subtrees in [0, {B})")
+        self.anchor, self.memory, self.subtree, self.shard = anchor, memory, subtree, shard
         self.levels = [lv for lv, m in enumerate(memory.multipliers, start=1) if m > 0]
         if not self.levels:
             raise ValueError(f"memory config {memory.multipliers} has no non-zero level")
+        # level-1 subtree -> its position among the held subtrees (-1: not held); the rows of the
+        # i-th held subtree at level l are [i * B**(l-1), (i+1) * B**(l-1)), so a whole-tree or
+        # one-subtree bank is the special case of consecutive subtrees
+        held = shard if shard is not None else ((subtree,) if subtree is not None else tuple(range(B)))
+        self.held_subtrees = held
+        self._position = torch.full((B,), -1, dtype=torch.long)
+        self._position[list(held)] = torch.arange(len(held))
         self.first: dict[int, int] = {}
         self.n_blocks: dict[int, int] = {}
         self.tables = nn.ParameterDict()
         for lv in self.levels:
-            n = B ** (lv - 1) if subtree is not None else B**lv
+            n = len(held) * B ** (lv - 1)
             self.n_blocks[lv] = n
-            self.first[lv] = subtree * B ** (lv - 1) if subtree is not None else 0
+            self.first[lv] = held[0] * B ** (lv - 1) if shard is None else -1  # -1: not one range
             layout = tuple(block_layout(anchor, memory, lv))
             params = sum(t.numel for t in layout)
             table = torch.zeros(n + 1, params, dtype=dtype)
             if init == "paper":
+                clusters = self.clusters(lv)
                 for row in range(n + 1):
-                    cluster = GENERIC if row == n else self.first[lv] + row
+                    cluster = GENERIC if row == n else int(clusters[row])
                     table[row] = paper_block(layout, seed=seed, level=lv, cluster=cluster, std=std).to(dtype)
             self.tables[str(lv)] = nn.Parameter(table)
+        if shard is not None:
+            # each rank holds other rows: they are saved per subtree by `training.bank_shards`,
+            # never in the rank-0 Composer checkpoint (which would restore rank 0's rows everywhere)
+            self.register_state_dict_post_hook(_drop_tables)
+            self.register_load_state_dict_pre_hook(_keep_tables)
 
     # -- addressing --------------------------------------------------------------
     def generic_slot(self, level: int) -> int:
         return self.n_blocks[level]
+
+    def clusters(self, level: int) -> Tensor:
+        """(n_blocks[level],) int64: the global cluster id of each row (the generic row excluded)."""
+        span = self.memory.branching ** (level - 1)
+        held = torch.tensor(self.held_subtrees, dtype=torch.long)
+        return (held[:, None] * span + torch.arange(span)[None, :]).reshape(-1)
+
+    def local_rows(self, level: int, clusters: Tensor) -> Tensor:
+        """Global cluster ids (any shape) at `level` → this bank's rows, -1 where not held."""
+        span = self.memory.branching ** (level - 1)
+        clusters = clusters.long()
+        inside = (clusters >= 0) & (clusters < self.memory.branching * span)
+        pos = self._position[(clusters // span).clamp(0, self.memory.branching - 1)]
+        rows = pos * span + clusters % span
+        return torch.where(inside & (pos >= 0), rows, torch.full_like(rows, -1))
 
     def slots(self, paths: torch.Tensor, use_generic: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
         """paths (B, L) global cluster ids → {level: (B,) row indices}; rows where
@@ -138,15 +184,21 @@ class TrainableBank(nn.Module):
             raise ValueError(f"paths must be (B, >= {max(self.levels)}), got {tuple(paths.shape)}")
         out = {}
         for lv in self.levels:
-            local = paths[:, lv - 1].long() - self.first[lv]
-            bad = (local < 0) | (local >= self.n_blocks[lv])
+            local = self.local_rows(lv, paths[:, lv - 1])
+            bad = local < 0
             if use_generic is not None:
                 bad &= ~use_generic
             if bool(bad.any()):
                 ids = paths[:, lv - 1][bad][:5].tolist()
-                where = f"subtree {self.subtree}" if self.subtree is not None else "the tree"
-                raise ValueError(f"level {lv}: cluster ids {ids} are outside {where} "
-                                 f"(rows {self.first[lv]}…{self.first[lv] + self.n_blocks[lv] - 1})")
+                if self.shard is not None:
+                    where = (f"this rank's bank shard (level-1 subtrees {list(self.shard)}; with "
+                             "parallel.bank: sharded a rank reads only its subtrees' data)")
+                elif self.subtree is not None:
+                    where = (f"subtree {self.subtree} (rows {self.first[lv]}…"
+                             f"{self.first[lv] + self.n_blocks[lv] - 1})")
+                else:
+                    where = f"the tree (rows 0…{self.n_blocks[lv] - 1})"
+                raise ValueError(f"level {lv}: cluster ids {ids} are outside {where}")
             if use_generic is not None:
                 local = torch.where(use_generic, torch.full_like(local, self.n_blocks[lv]), local)
             out[lv] = local
@@ -193,6 +245,10 @@ class TrainableBank(nn.Module):
     def export(self, root: str | os.PathLike, *, dtype: str = "bf16", tree_id: str | None = None,
                rank: int | None = None) -> BankInfo:
         """Write the bank in the memstore format (a per-subtree bank if this is one)."""
+
+        if self.shard is not None:
+            raise ValueError("a bank shard holds some subtrees' rows only: export the run's bank with "
+                             "training.bank_shards.export_bank (it streams every shard's rows)")
 
         def blocks(level: int):
             table = self.tables[str(level)].detach().float().cpu()

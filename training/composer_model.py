@@ -50,7 +50,8 @@ class MemtreeLM(ComposerModel):
     def __init__(self, *, anchor: AnchorShape, memory: MemoryConfig | None, max_seq_len: int,
                  generic_prob: float | None = None, seed: int = 0, rope_theta: float = 10000.0,
                  norm_eps: float = 1e-5, init_std: float = 0.02, lora_alpha: float = 1.0,
-                 memory_init_std: float = 0.02, subtree: int | None = None, freeze_anchor: bool = False,
+                 memory_init_std: float = 0.02, subtree: int | None = None, shard: tuple[int, ...] | None = None,
+                 freeze_anchor: bool = False,
                  hf_dir: str | None = None, moc: MoCConfig | None = None, pkm: PKMConfig | None = None,
                  attn_impl: str = "sdpa",
                  memory_read: str = "fused", memory_dropout: float = 0.0) -> None:
@@ -58,7 +59,7 @@ class MemtreeLM(ComposerModel):
         if memory_read not in ("fused", "gather"):
             raise ValueError(f"memory_read {memory_read!r} is not 'fused' or 'gather'")
         self.anchor_shape, self.memory = anchor, memory
-        self.bank = (TrainableBank(anchor, memory, subtree=subtree, seed=seed, std=memory_init_std)
+        self.bank = (TrainableBank(anchor, memory, subtree=subtree, shard=shard, seed=seed, std=memory_init_std)
                      if memory is not None else None)
         self.hf = None
         if hf_dir is not None:

@@ -99,6 +99,24 @@ class OptimSection:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ParallelSection:
+    """How a multi-rank run splits the bank and the data (training/README.md, "Several ranks")."""
+
+    # "replicated": every rank holds the whole bank and its AdamW state; sparse gradients are
+    # all-gathered. "sharded": a rank holds some level-1 subtrees' rows (and their state) only,
+    # reads only their data, and only the generic rows are all-reduced (training/bank_shards.py).
+    bank: Literal["replicated", "sharded"] = "replicated"
+    # "uniform": Streaming's shuffled order over all streams, dealt round-robin to the ranks;
+    # "lanes": per-subtree lanes with a fixed share of every global batch (training/lanes.py);
+    # "auto": lanes with a sharded bank, uniform otherwise
+    data: Literal["auto", "uniform", "lanes"] = "auto"
+    # G memory-parallel groups (each of world / G ranks holding the same rows); None: the largest
+    # divisor of the world size that is at most the number of subtrees with data. Not part of the
+    # fingerprint: it places the same computation on the ranks.
+    bank_shards: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     data: DataSection
     run_name: str = "memtree"
@@ -108,6 +126,7 @@ class TrainConfig:
     model: ModelSection = field(default_factory=ModelSection)
     memory: MemorySection = field(default_factory=MemorySection)
     optim: OptimSection = field(default_factory=OptimSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     max_duration: str = "20ba"
     seed: int = 0
     device: Literal["auto", "cpu", "gpu"] = "auto"
@@ -149,11 +168,34 @@ class TrainConfig:
                 raise ConfigError("model.pkm: not with model.hf_dir or model.moc (one kind of memory per model)")
             if self.fsdp:
                 raise ConfigError("fsdp: the memory layer's sparse value gradients cannot be sharded; use DDP")
+        par = self.parallel
+        if par.bank == "sharded":
+            if not any(self.memory.multipliers):
+                raise ConfigError("parallel.bank: 'sharded' splits the memory bank, and this run has none "
+                                  "(memory.multipliers is empty)")
+            if par.data == "uniform":
+                raise ConfigError("parallel.data: 'uniform' sends any rank any subtree's sequences, whose rows a "
+                                  "sharded bank keeps on other ranks (that exchange is not built); use 'lanes' "
+                                  "or 'auto'")
+            if self.fsdp:
+                raise ConfigError("parallel.bank: 'sharded' with fsdp: true is not supported yet (not run on "
+                                  "GPUs); shard the bank with DDP for the anchor (fsdp: false)")
+            if self.data.subtrees is not None and len(self.data.subtrees) == 1:
+                raise ConfigError("parallel.bank: 'sharded' with a per-subtree job (data.subtrees of one): its "
+                                  "bank is that subtree's rows already")
+        if par.bank_shards is not None and par.bank_shards < 1:
+            raise ConfigError(f"parallel.bank_shards: {par.bank_shards} must be at least 1")
         gp = self.memory.generic_prob
         if gp is not None and not 0 <= gp <= 1:
             raise ConfigError(f"memory.generic_prob: {gp} must be in [0, 1]")
         if not 0 <= self.memory.dropout < 1:
             raise ConfigError(f"memory.dropout: {self.memory.dropout} must be in [0, 1)")
+
+    @property
+    def data_lanes(self) -> bool:
+        """Whether the run reads per-subtree lanes (training/lanes.py) rather than uniform batches."""
+        par = self.parallel
+        return par.data == "lanes" or (par.data == "auto" and par.bank == "sharded")
 
     def anchor_shape(self, vocab_size: int) -> AnchorShape:
         if self.model.hf_dir:
@@ -197,6 +239,9 @@ class TrainConfig:
                   "progress_bar", "save_folder", "run_name", "device", "microbatch_size"):
             d.pop(k, None)
         d["data"].pop("verify_shards", None)  # a check, not a setting: runs from before it keep their fingerprint
+        d["parallel"].pop("bank_shards", None)  # placement only: a run may resume on other ranks
+        if d["parallel"] == {"bank": "replicated", "data": "auto"}:
+            del d["parallel"]  # the defaults: runs from before the section keep their fingerprint
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

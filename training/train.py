@@ -30,6 +30,7 @@ from memstore.format import read_manifest
 from memtree.config import ConfigError, dump_yaml, from_dict, to_dict
 from memtree.io import atomic_path, atomic_write_json, atomic_write_text, naming_path, read_json
 from training.bank import TrainableBank
+from training.bank_shards import BankShardCheckpoints, export_bank
 from training.callbacks import default_callbacks
 from training.composer_model import MemtreeLM, unwrap
 from training.config import TrainConfig, load_train_config
@@ -40,11 +41,14 @@ from training.data import (
     verify_shards,
 )
 from training.optim import MemoryAdamW
+from training.parallel import parallel_layout
 
 log = logging.getLogger(__name__)
 
 
-def build_model(cfg: TrainConfig) -> tuple[MemtreeLM, dict[str, Any]]:
+def build_model(cfg: TrainConfig, *, shard: tuple[int, ...] | None = None) -> tuple[MemtreeLM, dict[str, Any]]:
+    """The model of `cfg`; `shard`: the level-1 subtrees whose bank rows this rank holds
+    (`parallel.bank: sharded`), None for the whole bank."""
     manifest = read_shards_manifest(cfg.data.shards)
     vocab = tokenizer_vocab_size(cfg.data.shards, manifest)
     anchor = cfg.anchor_shape(vocab)
@@ -64,12 +68,16 @@ def build_model(cfg: TrainConfig) -> tuple[MemtreeLM, dict[str, Any]]:
     model = MemtreeLM(anchor=anchor, memory=memory, max_seq_len=cfg.model.max_seq_len or seq_len,
                       generic_prob=cfg.memory.generic_prob, seed=cfg.seed, rope_theta=cfg.model.rope_theta,
                       norm_eps=cfg.model.norm_eps, init_std=cfg.model.init_std, lora_alpha=cfg.model.lora_alpha,
-                      memory_init_std=cfg.memory.init_std, subtree=subtree, freeze_anchor=cfg.mode == "frozen",
+                      memory_init_std=cfg.memory.init_std, subtree=subtree, shard=shard,
+                      freeze_anchor=cfg.mode == "frozen",
                       hf_dir=cfg.model.hf_dir, moc=cfg.model.moc, pkm=cfg.model.pkm, attn_impl=attn_impl(cfg),
                       memory_read=memory_read(cfg), memory_dropout=cfg.memory.dropout)
     if cfg.anchor_checkpoint:
         load_anchor(model, cfg.anchor_checkpoint)
     if cfg.memory.init_bank:
+        if shard is not None:
+            raise ConfigError("memory.init_bank with parallel.bank: sharded is not supported yet: start the "
+                              "sharded run from scratch or an anchor, or train the bank replicated")
         model.bank = load_bank(cfg.memory.init_bank, model, manifest)
         if model.hf is not None:
             model.hf.bank = model.bank
@@ -90,6 +98,18 @@ def load_run(save_folder: str | Path) -> tuple[MemtreeLM, TrainConfig, dict[str,
     tok_path = (Path(cfg.data.shards) / manifest["tokenizer"]).resolve()
     tokenizer = Tokenizer.from_file(str(tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path))
     return model, cfg, manifest, tokenizer
+
+
+def adopt_launcher_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """Composer's distributed settings from a torchrun-style launch, returned as set.
+
+    `composer -n N` sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR and
+    MASTER_PORT; torchrun (and the schedulers that follow it) names the node rank GROUP_RANK and
+    sets no NODE_RANK, which Composer would then take as 0 on every node. Copied over when absent."""
+    env = os.environ if env is None else env
+    if "NODE_RANK" not in env and "GROUP_RANK" in env:
+        env["NODE_RANK"] = env["GROUP_RANK"]
+    return {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK") if k in env}
 
 
 def uses_gpu(cfg: TrainConfig) -> bool:
@@ -214,8 +234,16 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
                  stats["seconds"])
     if cfg.autoresume:
         drop_unfinished_checkpoints(Path(cfg.save_folder) / "checkpoints")
+    gpu = uses_gpu(cfg)
+    # the process group before the loader: a StreamingDataset built first opens one of its own on
+    # MASTER_PORT and closes it, and the Trainer's second rendezvous on that port races the closing
+    # store (a rank that reaches the dying one never joins: "1/2 clients joined" after 300 s); and
+    # before the model, whose bank rows depend on the rank when the bank is sharded
+    adopt_launcher_env()
+    dist.initialize_dist("gpu" if gpu else "cpu")  # idempotent; the Trainer then reuses it
+    layout = parallel_layout(cfg)
     reproducibility.seed_all(cfg.seed)  # the model is built before the Trainer seeds anything
-    model, _ = build_model(cfg)
+    model, _ = build_model(cfg, shard=layout.shard if layout else None)
     groups = []
     anchor_params = [p for p in model.anchor_parameters() if p.requires_grad]
     if cfg.optim.pkm_value_lr is not None and model.model.pkm_layers():
@@ -232,33 +260,68 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
         if params:
             groups.append({"params": params, "lr": cfg.optim.lr if lr is None else lr,
                            "weight_decay": cfg.optim.weight_decay})
-    gpu = uses_gpu(cfg)
     parallelism = fsdp_parallelism(cfg, model, gpu=gpu)
     optimizer = MemoryAdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
                             max_grad_norm=cfg.optim.max_grad_norm, dense_sharded=parallelism is not None)
     precision = cfg.precision if cfg.precision != "auto" else ("amp_bf16" if gpu else "fp32")
-    # the process group before the loader: a StreamingDataset built first opens one of its own on
-    # MASTER_PORT and closes it, and the Trainer's second rendezvous on that port races the closing
-    # store (a rank that reaches the dying one never joins: "1/2 clients joined" after 300 s)
-    dist.initialize_dist("gpu" if gpu else "cpu")  # idempotent; the Trainer then reuses it
-    loader = build_dataloader(cfg.data.shards, batch_size=cfg.data.batch_size, subtrees=cfg.data.subtrees,
-                              shuffle=cfg.data.shuffle, shuffle_seed=cfg.data.shuffle_seed,
-                              num_workers=cfg.data.num_workers, drop_last=cfg.data.drop_last)
+    extra: list[Any] = []
+    if layout is None:
+        loader = build_dataloader(cfg.data.shards, batch_size=cfg.data.batch_size, subtrees=cfg.data.subtrees,
+                                  shuffle=cfg.data.shuffle, shuffle_seed=cfg.data.shuffle_seed,
+                                  num_workers=cfg.data.num_workers, drop_last=cfg.data.drop_last)
+    else:
+        loader = layout.loader(cfg)
+        if layout.shard is not None:
+            extra.append(layout.shard_bank(model.bank, optimizer, cfg))
     # the loss is a mean over target tokens: weighting each microbatch by its share of the global
     # batch's target tokens (not of its samples) keeps the gradient that of the whole global batch,
     # whatever the world size or microbatching (elastic resumption, training/README.md)
-    return Trainer(
+    trainer = Trainer(
         model=model, train_dataloader=DataSpec(loader, get_num_tokens_in_batch=batch_tokens),
         accumulate_train_batch_on_tokens=True, max_duration=cfg.max_duration, optimizers=optimizer,
         schedulers=CosineAnnealingWithWarmupScheduler(t_warmup=cfg.optim.warmup, alpha_f=cfg.optim.alpha_f),
-        callbacks=default_callbacks() + list(callbacks or []), loggers=loggers, run_name=cfg.run_name,
+        # the bank shards' saver first: Composer appends its own checkpoint saver after these
+        callbacks=extra + default_callbacks() + list(callbacks or []), loggers=loggers, run_name=cfg.run_name,
         save_folder=str(Path(cfg.save_folder) / "checkpoints"), save_interval=cfg.save_interval,
         save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep, save_overwrite=not cfg.autoresume,
-        autoresume=cfg.autoresume, device="gpu" if gpu else "cpu", precision=precision, seed=cfg.seed,
-        device_train_microbatch_size=cfg.microbatch_size or "auto" if gpu else cfg.microbatch_size,
+        device="gpu" if gpu else "cpu", precision=precision, seed=cfg.seed, **resume_args(cfg),
+        device_train_microbatch_size=microbatch_size(cfg, layout, gpu=gpu),
         progress_bar=cfg.progress_bar, log_to_console=not cfg.progress_bar, console_log_interval=cfg.log_interval,
         parallelism_config=parallelism, step_schedulers_every_batch=True,
+        # lanes position themselves from the restored timestamp instead of replaying skipped batches
+        spin_dataloaders=layout is None,
     )
+    if layout is not None:
+        loader.batch_sampler.bind(lambda: (int(trainer.state.timestamp.epoch),
+                                           int(trainer.state.timestamp.batch_in_epoch)))
+    return trainer
+
+
+def resume_args(cfg: TrainConfig) -> dict[str, Any]:
+    """How the Trainer resumes: Composer's `autoresume`, except across several nodes.
+
+    Composer's autoresume names a signal file in the save folder after node 0 on every node, and
+    each node's local rank 0 deletes it: nodes sharing the save folder (NFS, Lustre; the usual
+    multi-node setup) race on it, and all but one fail with FileNotFoundError (Composer 0.32,
+    mosaicml/llm-foundry#1736). There the latest checkpoint is resolved here and loaded as
+    `load_path` (which Composer stages in a per-node temporary folder), the same state."""
+    from composer.utils import dist
+
+    if not cfg.autoresume or dist.get_world_size() == dist.get_local_world_size():
+        return {"autoresume": cfg.autoresume}
+    latest = Path(cfg.save_folder) / "checkpoints" / "latest-rank0.pt"
+    return {"autoresume": False, "load_path": str(latest.resolve()) if latest.exists() else None}
+
+
+def microbatch_size(cfg: TrainConfig, layout: Any, *, gpu: bool) -> int | str | None:
+    """`microbatch_size`, or its default: Composer's OOM-driven "auto" on a GPU, one microbatch on
+    the CPU. Lanes give the ranks batches of different sizes, which "auto" cannot start from: their
+    default is one microbatch of the largest share any rank reads in a step."""
+    if cfg.microbatch_size:
+        return cfg.microbatch_size
+    if layout is not None:
+        return layout.max_rank_batch
+    return "auto" if gpu else None
 
 
 def batch_tokens(batch: dict[str, Any]) -> dict[str, int]:
@@ -310,6 +373,14 @@ def export(trainer: Any, cfg: TrainConfig) -> dict[str, str]:
     if model.bank is not None:
         out["bank"] = str(folder / "bank")
     state = anchor_state_dict(model)
+    shards = None
+    if model.bank is not None and model.bank.shard is not None:
+        # every rank writes its rows at the last batch (unless the final checkpoint did), then
+        # rank 0 streams them into the memstore format
+        saver = next(c for c in trainer.state.callbacks if isinstance(c, BankShardCheckpoints))
+        if saver.last_saved != int(trainer.state.timestamp.batch):
+            saver.save(trainer.state)
+        shards = saver.folder / f"ba{saver.last_saved}"
     if dist.get_global_rank() != 0:  # one writer; the others wait for it
         dist.barrier()
         return out
@@ -318,7 +389,11 @@ def export(trainer: Any, cfg: TrainConfig) -> dict[str, str]:
         save_file({k: v.clone() for k, v in state.items()}, str(tmp))
     if model.bank is not None:
         manifest = read_shards_manifest(cfg.data.shards)
-        model.bank.export(folder / "bank", dtype=cfg.memory.export_dtype, tree_id=manifest["tree_id"])
+        if shards is None:
+            model.bank.export(folder / "bank", dtype=cfg.memory.export_dtype, tree_id=manifest["tree_id"])
+        else:
+            export_bank(shards, folder / "bank", anchor=model.bank.anchor, memory=model.bank.memory,
+                        dtype=cfg.memory.export_dtype, tree_id=manifest["tree_id"])
     dist.barrier()
     return out
 
@@ -349,7 +424,9 @@ def train(cfg: TrainConfig, *, callbacks: list[Any] | None = None) -> dict[str, 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
-        print("usage: composer -n N training/train.py CONFIG.yaml [key=value …]", file=sys.stderr)
+        print("usage: composer -n N training/train.py CONFIG.yaml [key=value …]\n"
+              "       torchrun --nnodes M --nproc-per-node N … training/train.py CONFIG.yaml [key=value …]",
+              file=sys.stderr)
         return 2
     config, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
     result = train(load_train_config(config, overrides))

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from training.callbacks.bank_touch import BankTouch
+from training.callbacks.comm_bytes import CommBytes
 from training.callbacks.generic_loss import GenericVsFetchedLoss
 from training.callbacks.level_updates import LevelUpdates
 from training.callbacks.nan_guard import NonFiniteGuard
 from training.callbacks.throughput import TokenThroughput
 
-__all__ = ["BankTouch", "GenericVsFetchedLoss", "LevelUpdates", "NonFiniteGuard", "TokenThroughput",
+__all__ = ["BankTouch", "CommBytes", "GenericVsFetchedLoss", "LevelUpdates", "NonFiniteGuard", "TokenThroughput",
            "default_callbacks"]
 
 
 def default_callbacks() -> list:
-    return [BankTouch(), LevelUpdates(), GenericVsFetchedLoss(), TokenThroughput(), NonFiniteGuard()]
+    return [BankTouch(), LevelUpdates(), GenericVsFetchedLoss(), TokenThroughput(), NonFiniteGuard(), CommBytes()]
