@@ -8,6 +8,7 @@ through `memory_attention_naive`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -170,7 +172,7 @@ def test_kernel_lse_matches_reference(per_token, mode):
     (repeated entries share their block's value), +inf where nothing is normalised."""
     case = Case(3, 4, 2, 21, 32, 6, 20, 3, per_token, mode)
     q, bk, bv, idx, w = make_inputs(case)
-    _, lse = op.memory_attention_fwd(q, bk, bv, idx, w, mode, 0.3, "triton", True)
+    _, lse, _, _ = op.memory_attention_fwd(q, bk, bv, idx, w, mode, 0.3, "triton", True)
     _, lse_ref = memory_attention_naive(q, bk, bv, idx, w, weight_mode=mode, scale=0.3,
                                         return_lse=True)
     assert lse.shape == lse_ref.shape
@@ -382,21 +384,25 @@ def test_opcheck(impl, sparse_grad, per_token, mode):
             w.requires_grad_(), mode, 0.25, impl, sparse_grad)
     torch.library.opcheck(op.memory_attention_fwd, args)
     with torch.no_grad():
-        out, lse = op.memory_attention_fwd(*args)
+        out, lse, table_ints, table_coef = op.memory_attention_fwd(*args)
     grad_lse = None if mode == "mix" else torch.randn_like(lse)
     bwd_args = (torch.randn_like(out), q.detach(), bk.detach(), bv.detach(), idx, w.detach(),
-                out, lse, grad_lse, mode, 0.25, impl, True, True, sparse_grad)
+                out, lse, table_ints, table_coef, grad_lse, mode, 0.25, impl, True, True,
+                sparse_grad)
     torch.library.opcheck(op.memory_attention_bwd, bwd_args)
 
 
-def test_compile_fullgraph_matches_eager():
-    """torch.compile traces the op (CPU: reference dispatch) without graph breaks."""
+@pytest.mark.parametrize("impl", ["auto", pytest.param("triton", marks=interp)])
+def test_compile_fullgraph_matches_eager(impl):
+    """torch.compile traces the op without graph breaks (CPU "auto": the reference; "triton":
+    the kernels, whose fake implementation must give the table buffers' static sizes). The
+    op is opaque to dynamo: host syncs inside it are test_triton_path_has_no_host_sync's."""
     case = Case(2, 4, 2, 6, 16, 5, 4, 3, True, "mix")
     q, bk, bv, idx, w = make_inputs(case)
 
     def fn(q, bk, bv, idx, w):
         out = memory_attention(q * 2, bk, bv, idx, w.softmax(-1), weight_mode="mix",
-                               sparse_grad=False)
+                               sparse_grad=False, impl=impl)
         return out.square().sum()
 
     grad_out = torch.tensor(1.0)
@@ -407,10 +413,106 @@ def test_compile_fullgraph_matches_eager():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+# Ops that make the host wait for the device: a read of a device value (.item(), int(),
+# bool(), .tolist()) or an output whose size depends on the data.
+SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal",
+            "aten::allclose", "aten::nonzero", "aten::argwhere", "aten::masked_select",
+            "aten::masked_scatter", "aten::unique_dim", "aten::_unique", "aten::_unique2",
+            "aten::unique_consecutive", "aten::unique_dim_consecutive", "aten::bincount",
+            "aten::histc"}
+INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
+
+
+def _is_host_sync(name: str, args, kwargs) -> bool:
+    if name in SYNC_OPS:
+        return True
+    if name == "aten::repeat_interleave":  # its output size is data-dependent unless given
+        return kwargs.get("output_size") is None
+    if name in INDEX_OPS:  # boolean-mask indexing: data-dependent size
+        return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    if name == "aten::_to_copy":  # device → host copy
+        dev = kwargs.get("device")
+        return dev is not None and torch.device(dev).type == "cpu" and args[0].device.type != "cpu"
+    if name == "aten::copy_":
+        return args[0].device.type == "cpu" and args[1].device.type != "cpu"
+    return False
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records the host-synchronising ops of what runs under it. The memtree custom ops are
+    opaque to a dispatch mode (it sees the op, not its body), so their bodies run under the
+    mode instead (op.IMPLS_BY_OP); Tensor.tolist/numpy, which dispatch nothing on the CPU,
+    are patched to count as syncs."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.syncs: list[str] = []
+        for meth in ("tolist", "numpy"):
+            orig = getattr(torch.Tensor, meth)
+
+            def spy(t, *a, _meth=meth, _orig=orig, **kw):
+                self.syncs.append(f"Tensor.{_meth}")
+                return _orig(t, *a, **kw)
+            monkeypatch.setattr(torch.Tensor, meth, spy)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        body = op.IMPLS_BY_OP.get(name)
+        if body is not None:
+            with self:
+                return body(*args, **kwargs)
+        if _is_host_sync(name, args, kwargs):
+            self.syncs.append(str(func))
+        return func(*args, **kwargs)
+
+
+@interp
+@pytest.mark.parametrize("case,sparse_grad,lse", [
+    (Case(2, 4, 2, 63, 16, 7, 5, 3, False, "mix"), False, False),
+    (Case(1, 2, 1, 100, 16, 6, 20, 2, True, "bias"), False, True),
+    (Case(3, 2, 2, 1, 16, 5, 5, 3, False, None), False, True),
+    (Case(2, 2, 1, 9, 16, 12, 10, 3, True, "mix"), True, False),
+], ids=["seq-mix-S63", "tok-bias-lse-S100", "seq-none-lse-S1", "tok-mix-sparse"])
+def test_triton_path_has_no_host_sync(monkeypatch, case, sparse_grad, lse):
+    """Forward and backward of the Triton path (table built once in forward, on the device)
+    synchronise nowhere with dense bank gradients; the sparse layout reads its row count U
+    once (which also shows the recorder sees inside the ops). Results as the reference."""
+    q, bk, bv, idx, w = make_inputs(case)
+    mode = case.mode or "bias"
+    g = torch.Generator().manual_seed(2)
+    r_out, r_lse = torch.randn(q.shape, generator=g), torch.randn(q.shape[:3], generator=g)
+
+    def loss_and_grads(impl, record):
+        leaves = [x.detach().requires_grad_() if x is not None else None
+                  for x in (q, bk, bv, w)]
+        with record:
+            res = memory_attention(leaves[0], leaves[1], leaves[2], idx, leaves[3],
+                                   weight_mode=mode, impl=impl, sparse_grad=sparse_grad,
+                                   return_lse=lse)
+            out, lse_v = res if lse else (res, None)
+            loss = (out * r_out).sum()
+            if lse:
+                loss = loss + torch.where(torch.isfinite(lse_v), lse_v, 0.0).mul(r_lse).sum()
+            loss.backward()
+        return out.detach(), [x.grad.to_dense() for x in leaves if x is not None]
+
+    rec = HostSyncs(monkeypatch)
+    out, grads = loss_and_grads("triton", rec)
+    assert len(rec.syncs) == (1 if sparse_grad else 0), rec.syncs
+    monkeypatch.undo()
+    out_ref, grads_ref = loss_and_grads("reference", contextlib.nullcontext())
+    assert rel_err(out, out_ref) < 1e-4
+    for gr, ref_g in zip(grads, grads_ref, strict=True):
+        assert rel_err(gr, ref_g) < 1e-4
+
+
 @interp
 def test_block_out_of_range_is_rejected():
+    """A device-side assertion (no host sync): RuntimeError on the CPU, a device assert on
+    a GPU."""
     q, bk, bv, _, _ = make_inputs(Case(1, 2, 1, 3, 16, 4, 5, 2, False, None))
-    with pytest.raises(ValueError, match="block 4"):
+    with pytest.raises(RuntimeError, match="beyond the bank"):
         memory_attention(q, bk, bv, torch.tensor([[0, 4]]), impl="triton")
 
 

@@ -20,15 +20,21 @@ block id. The index lists are first turned into a *reference table* (seed 004
   gradients) are stored;
 - for dK/dV every unique block U owns one program per (KV head, T tile),
   which walks the (group, slot) pairs referencing it, so the bank gradient is
-  a (U, T, H_kv, D) buffer written without atomics.
+  written without atomics (bank-shaped, or a (U, T, H_kv, D) buffer).
+
+The table is built once per call, in forward, with fixed-shape torch ops and no
+host synchronisation: the slots per group and the unique blocks U are padded to
+static bounds (`Layout`) and the real counts stay on the device, where the
+kernels read them (loop bounds; dK/dV programs past the count exit at once), so
+every grid comes from shapes alone. Forward returns the table as two flat
+buffers and backward takes them instead of rebuilding it.
 
 A tile computes every slot for all its queries (coef = 0 masks the rest), so
 per-token lists cost in proportion to the unique blocks a tile touches: about
 the per-sequence cost when neighbouring tokens share chapters, up to TS times
-more when they share none. Building the table costs two host syncs per call
-(forward and backward each). Tile sizes are fixed heuristics; a sweep on an H100
+more when they share none. Tile sizes are fixed heuristics; a sweep on an H100
 (bench/tune_attention.py, docs/BENCHMARKS.md) moved forward+backward by less than
-the table's host time, so they were left as they are.
+the table's host time then (two syncs per call), so they were left as they are.
 
 Softmax statistics are fp32 and scores are taken in the log2 domain. The
 joint softmax ("bias") adds log2(coef) to the scores; "mix" normalises every
@@ -306,12 +312,13 @@ def _dkv_tile(dk, dv, k, v, Q, dO, Lse, Delta, Coef, Ent, b, grp, sl, s0, s_lo, 
 
 @triton.jit
 def _bwd_dkv_kernel(
-    Q, K, V, dO, Lse, Delta, dKu, dVu, UBlocks, UOrder, PairOff, PairGroup, PairSlot, Coef, Ent,
+    Q, K, V, dO, Lse, Delta, dKu, dVu, NU, UBlocks, UOrder, PairOff, PairGroup, PairSlot, Coef,
+    Ent,
     sq_b, sq_h, sq_s, sq_d, sk_n, sk_t, sk_h, sk_d, sv_n, sv_t, sv_h, sv_d,
     sdo_b, sdo_h, sdo_s, sdo_d, sl_b, sl_h, sl_s, sl_j,
     sc_g, sc_l, sc_t, se_g, se_l, se_t, su_u, su_t, su_h, su_d,
     S, T, D, G, TS, n_s_tiles, scale, scale_log2,
-    PER_TOKEN: tl.constexpr, MIX: tl.constexpr,
+    PER_TOKEN: tl.constexpr, MIX: tl.constexpr, DENSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_T: tl.constexpr, COMPUTE: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -320,9 +327,14 @@ def _bwd_dkv_kernel(
     lists, the sequence's S / TS tiles for per-sequence lists.
 
     Delta is delta (B, H, S) in bias mode and dC (B, H, S, k) in mix mode; the
-    same formula dS = coef·P·(dP − Delta) then covers both.
+    same formula dS = coef·P·(dP − Delta) then covers both. The grid covers the static
+    bound U_max on the unique blocks; programs past the device-side count NU exit at once.
+    DENSE: write row `block id` of bank-shaped dK/dV, else row u of (U_max, T, H_kv, D).
     """
-    u = tl.load(UOrder + tl.program_id(0))  # heaviest blocks first
+    pid = tl.program_id(0)
+    if pid >= tl.load(NU):
+        return
+    u = tl.load(UOrder + pid)  # heaviest blocks first
     hkv = tl.program_id(1)
     blk = tl.load(UBlocks + u).to(tl.int64)
     nn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -352,7 +364,11 @@ def _bwd_dkv_kernel(
                     sq_b, sq_h, sq_s, sq_d, sdo_b, sdo_h, sdo_s, sdo_d, sl_b, sl_h, sl_s, sl_j,
                     sc_g, sc_l, sc_t, se_g, se_l, se_t, G, TS, scale_log2,
                     MIX, BLOCK_M, COMPUTE, PREC)
-    offs = u * su_u + nn[:, None] * su_t + hkv * su_h + dd[None, :] * su_d
+    if DENSE:
+        row = blk
+    else:
+        row = u.to(tl.int64)
+    offs = row * su_u + nn[:, None] * su_t + hkv * su_h + dd[None, :] * su_d
     omask = nmask[:, None] & dmask[None, :]
     tl.store(dKu + offs, (dk * scale).to(dKu.dtype.element_ty), mask=omask)
     tl.store(dVu + offs, dv.to(dVu.dtype.element_ty), mask=omask)
@@ -414,22 +430,85 @@ class Launch:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Table:
-    """Reference table of one call (see the module docstring). G = groups, L = slots."""
+class Layout:
+    """Static shapes of one call's reference table, from the shapes alone (no data): every
+    data-dependent size is replaced by its upper bound and the real counts stay on the
+    device (group_count, n_u), read by the kernels. The table travels from forward to
+    backward as two flat buffers, `ints` (int32) and `coef` (fp32); these are their parts.
+
+    G = groups (sequences, or query tiles for per-token lists), TPG = tokens per group
+    (TS per token, 1 per sequence), L = slots per group <= min(TPG·k, N), U_max = unique
+    blocks <= min(N, G·L).
+    """
 
     per_token: bool
     tokens_per_tile: int  # TS
     n_s_tiles: int  # query tiles per sequence
+    n_groups: int  # G
+    n_slots: int  # L
+    tpg: int  # TPG
+    u_max: int  # U_max
+    first_shape: tuple  # block_idx's shape
+
+    @classmethod
+    def of(cls, block_shape: tuple, s, n_bank, tokens_per_tile: int) -> Layout:
+        # plain arithmetic (no int()): the fake implementation passes symbolic sizes
+        per_token = len(block_shape) == 3
+        b, k = block_shape[0], block_shape[-1]
+        n_s_tiles = (s + tokens_per_tile - 1) // tokens_per_tile
+        n_groups = b * n_s_tiles if per_token else b
+        tpg = tokens_per_tile if per_token else 1
+        n_slots = torch.sym_max(1, torch.sym_min(tpg * k, n_bank))
+        u_max = torch.sym_max(1, torch.sym_min(n_bank, n_groups * n_slots))
+        return cls(per_token=per_token, tokens_per_tile=tokens_per_tile, n_s_tiles=n_s_tiles,
+                   n_groups=n_groups, n_slots=n_slots, tpg=tpg, u_max=u_max,
+                   first_shape=tuple(block_shape))
+
+    def int_parts(self) -> list[tuple[str, tuple]]:
+        g, sl, u = self.n_groups, self.n_slots, self.u_max
+        return [("group_blocks", (g, sl)), ("group_count", (g,)), ("ent", (g, sl, self.tpg)),
+                ("first", self.first_shape), ("ublocks", (u,)), ("u_order", (u,)),
+                ("pair_off", (u + 1,)), ("pair_group", (g * sl,)), ("pair_slot", (g * sl,)),
+                ("n_u", (1,))]
+
+    def numels(self) -> tuple:
+        """(ints, coef) buffer sizes."""
+        n_int = sum(math.prod(shape) for _, shape in self.int_parts())
+        return n_int, self.n_groups * self.n_slots * self.tpg
+
+
+@dataclass(frozen=True, kw_only=True)
+class Table:
+    """Reference table of one call (see the module docstring), views into `ints`/`coef`.
+    G = groups, L = slots (static bounds, see Layout)."""
+
+    layout: Layout
+    ints: Tensor  # (n_int,) int32: every part below but coef
     group_blocks: Tensor  # (G, L) int32 block id per slot, -1 beyond the group's count
     group_count: Tensor  # (G,) int32 slots used
     coef: Tensor  # (G, L, TS) fp32 per sequence (G, L, 1), read with token stride 0
     ent: Tensor  # (G, L, TS) int32 first entry of the token naming the slot, -1 if none
-    first: Tensor  # like block_idx: first entry naming the same block, -1 for padding
-    ublocks: Tensor  # (U,) int64 sorted unique referenced blocks
-    u_order: Tensor  # (U,) int32 unique blocks by descending pair count
-    pair_off: Tensor  # (U + 1,) int32 CSR offsets into pair_group/pair_slot
-    pair_group: Tensor  # (G·L,) int32; the first P = pair_off[-1] are the pairs
+    first: Tensor  # like block_idx, int32: first entry naming the same block, -1 for padding
+    ublocks: Tensor  # (U_max,) int32 sorted unique referenced blocks; the first n_u are real
+    u_order: Tensor  # (U_max,) int32 unique blocks by descending pair count (real ones first)
+    pair_off: Tensor  # (U_max + 1,) int32 CSR offsets into pair_group/pair_slot
+    pair_group: Tensor  # (G·L,) int32; the first P = pair_off[n_u] are the pairs
     pair_slot: Tensor  # (G·L,) int32
+    n_u: Tensor  # (1,) int32 number of unique referenced blocks
+
+    per_token = property(lambda self: self.layout.per_token)
+    tokens_per_tile = property(lambda self: self.layout.tokens_per_tile)
+    n_s_tiles = property(lambda self: self.layout.n_s_tiles)
+
+    @classmethod
+    def unpack(cls, layout: Layout, ints: Tensor, coef: Tensor) -> Table:
+        parts, off = {}, 0
+        for name, shape in layout.int_parts():
+            n = math.prod(shape)
+            parts[name] = ints[off:off + n].view(shape)
+            off += n
+        return cls(layout=layout, ints=ints,
+                   coef=coef.view(layout.n_groups, layout.n_slots, layout.tpg), **parts)
 
     @property
     def coef_token_stride(self) -> int:
@@ -444,37 +523,33 @@ def build_table(block_idx: Tensor, weights: Tensor | None, s: int, n_bank: int,
                 tokens_per_tile: int) -> Table:
     """The reference table for block_idx (B, k) or (B, S, k) and weights of the same shape.
 
-    Two host syncs: the largest slot count and block id (one transfer), and the
-    number of unique blocks. Everything else is fixed-shape torch ops: entries that
-    must not land anywhere (padding, repeats) are routed to a spare last element that is
-    dropped, rather than selected by boolean masks, each of which would be another sync
-    (profiled on an H100: a dozen such syncs made this table cost 2.5 ms per call, four
-    times the forward kernel).
+    No host synchronisation: fixed-shape torch ops only, every data-dependent size padded
+    to its static bound (Layout) with the real counts left on the device. Entries that
+    must not land anywhere (padding, repeats, unused slots) are routed to a spare last
+    element that is dropped, rather than selected by boolean masks, each of which would
+    be a sync (profiled on an H100: a dozen such syncs made this table cost 2.5 ms per
+    call, four times the forward kernel). A block id >= n_bank fails a device-side
+    assertion (RuntimeError on the CPU) instead of a host-side check.
     """
-    per_token = block_idx.ndim == 3
+    lay = Layout.of(tuple(block_idx.shape), s, n_bank, tokens_per_tile)
     b, k = block_idx.shape[0], block_idx.shape[-1]
     dev = block_idx.device
     idx = block_idx.long()
+    torch._assert_async((idx < n_bank).all(), "memory_attention: block_idx holds a block id "
+                        "beyond the bank's blocks")
     w = None if weights is None else weights.float()
-    n_s_tiles = triton.cdiv(s, tokens_per_tile)
-    if per_token:
-        pad = n_s_tiles * tokens_per_tile - s
-        idx = F.pad(idx, (0, 0, 0, pad), value=-1).reshape(b * n_s_tiles, tokens_per_tile * k)
+    if lay.per_token:
+        pad = lay.n_s_tiles * tokens_per_tile - s
+        idx = F.pad(idx, (0, 0, 0, pad), value=-1).reshape(b * lay.n_s_tiles, tokens_per_tile * k)
         if w is not None:
             w = F.pad(w, (0, 0, 0, pad)).reshape(idx.shape)
-        tpg = tokens_per_tile
-    else:
-        tpg = 1
+    tpg, n_slots = lay.tpg, lay.n_slots
     n_groups, n_ent = idx.shape  # (G, tokens per group · k)
     srt, order = idx.sort(dim=1, stable=True)  # padding (-1) first
     new = srt >= 0
     new[:, 1:] &= srt[:, 1:] != srt[:, :-1]
-    slot_sorted = new.cumsum(1) - 1  # the slot of each sorted entry; -1 for padding
-    count = new.sum(1)
-    n_slots, top = (int(v) for v in torch.stack([count.max(), srt[:, -1].max()]).tolist())
-    if top >= n_bank:
-        raise ValueError(f"block_idx holds block {top} but the bank has {n_bank} blocks")
-    n_slots = max(n_slots, 1)
+    slot_sorted = new.cumsum(1) - 1  # the slot of each sorted entry (< count <= L); -1 padding
+    count = new.sum(1)  # (G,)
     # (G, L + 1): first entries of a block write its slot, the rest the spare column
     group_blocks = torch.full((n_groups, n_slots + 1), -1, dtype=torch.long, device=dev)
     group_blocks.scatter_(1, torch.where(new, slot_sorted, n_slots), srt)
@@ -490,34 +565,41 @@ def build_table(block_idx: Tensor, weights: Tensor | None, s: int, n_bank: int,
     vals = w if w is not None else torch.ones(idx.shape, dtype=torch.float32, device=dev)
     coef = torch.zeros(n_cells + 1, dtype=torch.float32, device=dev)
     coef.index_add_(0, flat.flatten(), vals.flatten())
-    ent = torch.full((n_cells + 1,), k, dtype=torch.long, device=dev)
-    ent.scatter_reduce_(0, flat.flatten(), (pos % k).expand(n_groups, n_ent).flatten(),
+    ent = torch.full((n_cells + 1,), k, dtype=torch.int32, device=dev)
+    ent.scatter_reduce_(0, flat.flatten(), (pos % k).int().expand(n_groups, n_ent).flatten(),
                         reduce="amin")
     first = torch.where(valid, ent[flat], -1)
-    ent = torch.where(ent == k, -1, ent)[:n_cells].view(n_groups, n_slots, tpg)
-    coef = coef[:n_cells].view(n_groups, n_slots, tpg)
-    if per_token:
-        first = first.view(b, n_s_tiles * tokens_per_tile, k)[:, :s]
+    ent = torch.where(ent == k, -1, ent)[:n_cells]
+    if lay.per_token:
+        first = first.view(b, lay.n_s_tiles * tokens_per_tile, k)[:, :s]
 
-    # unique referenced blocks from a bitmap over the bank (no sort); nonzero is the sync
-    present = torch.zeros(n_bank + 1, dtype=torch.bool, device=dev)
-    present[torch.where(valid, idx, n_bank).flatten()] = True
-    ublocks = present[:n_bank].nonzero().flatten()  # (U,) sorted
-    n_u = ublocks.numel()
-    rank = present[:n_bank].cumsum(0) - 1  # block id -> its index in ublocks
-    used = group_blocks >= 0
-    uid = torch.where(used, rank[group_blocks.clamp(min=0)], n_u).flatten()  # (G·L,), n_u unused
-    by_u = torch.argsort(uid, stable=True)  # pairs grouped by block; unused ones at the end
-    per_u = torch.bincount(uid, minlength=n_u + 1)[:n_u]
-    pair_off = F.pad(per_u.cumsum(0), (1, 0))
-    return Table(
-        per_token=per_token, tokens_per_tile=tokens_per_tile, n_s_tiles=n_s_tiles,
-        group_blocks=group_blocks.int(), group_count=count.int(), coef=coef, ent=ent.int(),
-        first=first, ublocks=ublocks,
-        u_order=torch.argsort(per_u, descending=True, stable=True).int(),
-        pair_off=pair_off.int(), pair_group=(by_u // n_slots).int(),
-        pair_slot=(by_u % n_slots).int(),
-    )
+    # Unique referenced blocks: sort the (group, slot) pairs by block id (unused slots, key
+    # n_bank, last); a run of equal ids is one unique block, in ascending id order, and the
+    # sort order itself lists each block's pairs contiguously (CSR).
+    u_max = lay.u_max
+    key = torch.where(group_blocks >= 0, group_blocks, n_bank).flatten()  # (G·L,)
+    key_srt, by_u = key.sort(stable=True)
+    head = key_srt < n_bank
+    head[1:] &= key_srt[1:] != key_srt[:-1]  # first pair of each unique block
+    uid = head.cumsum(0) - 1  # (G·L,) unique index of each sorted pair
+    n_u = head.sum().reshape(1)
+    n_pairs = (key < n_bank).sum().reshape(1)
+    ublocks = torch.full((u_max + 1,), n_bank, dtype=torch.long, device=dev)
+    ublocks.scatter_(0, torch.where(head, uid, u_max), key_srt)
+    # pair_off[u] = first sorted pair of block u; n_pairs for padded u >= n_u (empty ranges)
+    pair_off = n_pairs.expand(u_max + 2).clone()
+    pair_off.scatter_(0, torch.where(head, uid, u_max + 1),
+                      torch.arange(key.numel(), device=dev))
+    pair_off = pair_off[:u_max + 1]
+    per_u = pair_off[1:] - pair_off[:-1]  # (U_max,), 0 for padding: sorted after real blocks
+    parts = {
+        "group_blocks": group_blocks, "group_count": count, "ent": ent, "first": first,
+        "ublocks": ublocks[:u_max], "u_order": torch.argsort(per_u, descending=True, stable=True),
+        "pair_off": pair_off, "pair_group": by_u // n_slots, "pair_slot": by_u % n_slots,
+        "n_u": n_u,
+    }
+    ints = torch.cat([parts[name].reshape(-1).to(torch.int32) for name, _ in lay.int_parts()])
+    return Table.unpack(lay, ints, coef[:n_cells])
 
 
 def _strides4(x: Tensor) -> tuple[int, int, int, int]:
@@ -529,27 +611,42 @@ def _lse_strides(lse: Tensor) -> tuple[int, int, int, int]:
     return (*lse.stride()[:3], lse.stride(3) if lse.ndim == 4 else 0)  # type: ignore[return-value]
 
 
+def _launch_and_layout(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor
+                       ) -> tuple[Launch, Layout]:
+    h, s = q.shape[1], q.shape[2]
+    n, t, h_kv, _ = bank_k.shape
+    launch = Launch.choose(q, bank_k, bank_v, t, h // h_kv, block_idx.ndim == 3)
+    ts = max(1, launch.block_m // (h // h_kv))
+    return launch, Layout.of(tuple(block_idx.shape), s, n, ts)
+
+
+def table_numels(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor) -> tuple:
+    """(ints, coef) sizes of the table `forward` returns, from the shapes (fake tensors)."""
+    return _launch_and_layout(q, bank_k, bank_v, block_idx)[1].numels()
+
+
 def plan(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
          weights: Tensor | None) -> tuple[Launch, Table]:
     """Tile sizes and reference table of one call (also used by bench/kernel_ops.py to report
     how many slots a tile touches)."""
-    h, s = q.shape[1], q.shape[2]
-    n, t, h_kv, _ = bank_k.shape
-    launch = Launch.choose(q, bank_k, bank_v, t, h // h_kv, block_idx.ndim == 3)
-    table = build_table(block_idx, weights, s, n, max(1, launch.block_m // (h // h_kv)))
+    launch, lay = _launch_and_layout(q, bank_k, bank_v, block_idx)
+    table = build_table(block_idx, weights, q.shape[2], bank_k.shape[0], lay.tokens_per_tile)
     return launch, table
 
 
 def _expand_first(table: Table, x: Tensor, h: int, s: int) -> Tensor:
     """(B, H, S, k) per-entry values → the same values for every repeated entry."""
-    first = table.first if table.per_token else table.first[:, None, :].expand(-1, s, -1)
+    first = table.first.long()
+    first = first if table.per_token else first[:, None, :].expand(-1, s, -1)
     first = first[:, None].expand(-1, h, -1, -1)  # (B, H, S, k)
     return x.gather(-1, first.clamp(min=0)).masked_fill(first < 0, 0.0), first
 
 
 def forward(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
-            weights: Tensor | None, mix: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """out (B, H, S, D) in q's dtype; lse fp32 (B, H, S), or (B, H, S, k) when mix."""
+            weights: Tensor | None, mix: bool, scale: float
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """out (B, H, S, D) in q's dtype; lse fp32 (B, H, S), or (B, H, S, k) when mix; the
+    reference table's (ints, coef) buffers, which `backward` takes instead of rebuilding."""
     b, h, s, d = q.shape
     t, h_kv = bank_k.shape[1:3]
     launch, table = plan(q, bank_k, bank_v, block_idx, weights)
@@ -569,20 +666,24 @@ def forward(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
     if mix:
         lse, first = _expand_first(table, lse, h, s)
         lse = lse.masked_fill(first < 0, math.inf)
-    return out, lse
+    return out, lse, table.ints, table.coef.view(-1)
 
 
 def backward(grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
-             weights: Tensor | None, out: Tensor, lse: Tensor, mix: bool, scale: float,
-             need_kv: bool, need_dw: bool, *, grad_lse: Tensor | None = None
-             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """dq (B, H, S, D); unique blocks (U,); dK, dV for them (U, T, H_kv, D) in the bank's
-    dtypes; dweights like weights (empty when not asked for). grad_lse (B, H, S), the
-    gradient of the joint lse (not mix), enters through delta."""
+             weights: Tensor | None, out: Tensor, lse: Tensor, table_ints: Tensor,
+             table_coef: Tensor, mix: bool, scale: float, need_kv: bool, need_dw: bool,
+             dense_kv: bool, *, grad_lse: Tensor | None = None
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dq (B, H, S, D); dK, dV in the bank's dtypes, bank-shaped (N, T, H_kv, D) when
+    dense_kv, else (U_max, T, H_kv, D) rows for the padded unique blocks; those blocks
+    (U_max,) int32 and their count n_u (1,) int32 (rows >= n_u are padding); dweights like
+    weights (empty when not asked for). table_*: the buffers `forward` returned. grad_lse
+    (B, H, S), the gradient of the joint lse (not mix), enters through delta."""
     b, h, s, d = q.shape
     t, h_kv = bank_k.shape[1:3]
     k = block_idx.shape[-1]
-    launch, table = plan(q, bank_k, bank_v, block_idx, weights)
+    launch, lay = _launch_and_layout(q, bank_k, bank_v, block_idx)
+    table = Table.unpack(lay, table_ints, table_coef)
     need_dc = mix or need_dw
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dc = torch.zeros((b, h, s, k) if need_dc else (1, 1, 1, 1), dtype=torch.float32,
@@ -608,23 +709,25 @@ def backward(grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_
             *table_strides, *dims, PER_TOKEN=table.per_token, MIX=mix, NEED_DC=need_dc,
             ONE_TILE=one_tile, DC_PASS=dc_pass, **launch.meta(),
         )
-    n_u = table.ublocks.numel()
-    dk = torch.empty((n_u if need_kv else 0, t, h_kv, d), dtype=bank_k.dtype, device=q.device)
-    dv = torch.empty(dk.shape, dtype=bank_v.dtype, device=q.device)
-    if need_kv and n_u:
+    rows = (bank_k.shape[0] if dense_kv else lay.u_max) if need_kv else 0
+    # dense: rows of unreferenced blocks stay zero; sparse: padded rows are never written
+    alloc = torch.zeros if dense_kv else torch.empty
+    dk = alloc((rows, t, h_kv, d), dtype=bank_k.dtype, device=q.device)
+    dv = alloc(dk.shape, dtype=bank_v.dtype, device=q.device)
+    if need_kv:
         stats = dc if mix else delta
-        _bwd_dkv_kernel[(n_u, h_kv, triton.cdiv(t, launch.block_n))](
-            q, bank_k, bank_v, grad_out, lse, stats, dk, dv, table.ublocks, table.u_order,
-            table.pair_off, table.pair_group, table.pair_slot, table.coef, table.ent,
-            *_strides4(q), *_strides4(bank_k), *_strides4(bank_v), *_strides4(grad_out),
-            *_lse_strides(lse), *table_strides, *_strides4(dk), *dims,
-            PER_TOKEN=table.per_token, MIX=mix, **launch.meta(),
+        # grid from the static bound U_max; programs past n_u return at once
+        _bwd_dkv_kernel[(lay.u_max, h_kv, triton.cdiv(t, launch.block_n))](
+            q, bank_k, bank_v, grad_out, lse, stats, dk, dv, table.n_u, table.ublocks,
+            table.u_order, table.pair_off, table.pair_group, table.pair_slot, table.coef,
+            table.ent, *_strides4(q), *_strides4(bank_k), *_strides4(bank_v),
+            *_strides4(grad_out), *_lse_strides(lse), *table_strides, *_strides4(dk), *dims,
+            PER_TOKEN=table.per_token, MIX=mix, DENSE=dense_kv, **launch.meta(),
         )
-    blocks = table.ublocks if need_kv else table.ublocks[:0]
     if need_dw:
         dcs, _ = _expand_first(table, dc, h, s)
         dcs = dcs.sum(1)  # (B, S, k): weights are shared by the heads
         dw = (dcs if table.per_token else dcs.sum(1)).to(weights.dtype)
     else:
         dw = q.new_empty(0)
-    return dq, blocks, dk, dv, dw
+    return dq, dk, dv, table.ublocks, table.n_u, dw

@@ -1,18 +1,22 @@
 """Memory attention read by block index: the public function, its checks and its custom ops.
 
 `memory_attention` checks its arguments and calls `memtree::memory_attention_fwd`,
-which returns (out, lse), the joint softmax's lse differentiable (so reads of
-several banks can be merged exactly); `memtree::memory_attention_bwd` returns
-the gradients with the bank's part restricted to the referenced blocks. Both
-ops dispatch inside: the Triton kernels (`kernel.py`) for CUDA tensors (or when
-`impl="triton"` under TRITON_INTERPRET=1), the pure-torch reference (`naive.py`)
-otherwise, with its explicit gathered backward. The ops are opaque to
-torch.compile (the reference table needs host syncs), which traces them through
-the fake implementations. The bank's gradient is a sparse COO tensor over the
-unique referenced blocks (the backward op's (U, T, H_kv, D) rows) or, with
-sparse_grad=False, those rows scattered into a bank-shaped tensor; only the
-latter has static shapes, which torch.compile needs unless
-torch._dynamo.config.capture_dynamic_output_shape_ops is set.
+which returns (out, lse, table ints, table coef), the joint softmax's lse
+differentiable (so reads of several banks can be merged exactly) and the Triton
+path's reference table (`kernel.build_table`, built once per call on the device;
+empty for the reference), which is saved for `memtree::memory_attention_bwd`.
+That returns the gradients with the bank's part restricted to the referenced
+blocks. Both ops dispatch inside: the Triton kernels (`kernel.py`) for CUDA
+tensors (or when `impl="triton"` under TRITON_INTERPRET=1), the pure-torch
+reference (`naive.py`) otherwise, with its explicit gathered backward. The ops are
+opaque to torch.compile, which traces them through the fake implementations.
+
+The Triton path does no host synchronisation in forward or backward with
+sparse_grad=False (the bank's gradient bank-shaped, every shape static): the
+table's data-dependent sizes are padded to static bounds. The sparse COO gradient
+(sparse_grad=True) has one row per unique referenced block, a data-dependent
+shape, so its backward reads that count once (one sync); torch.compile needs
+the dense form unless torch._dynamo.config.capture_dynamic_output_shape_ops is set.
 """
 
 from __future__ import annotations
@@ -52,37 +56,50 @@ def _is_mix(weights: Tensor | None, weight_mode: str) -> bool:
     return weights is not None and weight_mode == "mix"
 
 
-@torch.library.custom_op("memtree::memory_attention_fwd", mutates_args=())
-def memory_attention_fwd(
+def _fwd_impl(
     q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor, weights: Tensor | None,
     weight_mode: str, scale: float, impl: str, sparse_grad: bool,
-) -> tuple[Tensor, Tensor]:
-    """(out (B, H, S, D), lse fp32 (B, H, S) or (B, H, S, k) in mix mode). sparse_grad
-    only selects the bank gradient's layout in backward."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out (B, H, S, D), lse fp32 (B, H, S) or (B, H, S, k) in mix mode, table ints (n_int,)
+    int32, table coef (n_coef,) fp32); the table buffers are empty for the reference.
+    sparse_grad only selects the bank gradient's layout in backward."""
     mix = _is_mix(weights, weight_mode)
     if _use_triton(q, impl):
         return _triton_kernels().forward(q, bank_k, bank_v, block_idx, weights, mix, scale)
     out, lse = memory_attention_naive(q, bank_k, bank_v, block_idx, weights,
                                       weight_mode="mix" if mix else "bias", scale=scale,
                                       return_lse=True)
-    return out.contiguous(), lse.contiguous()
+    return (out.contiguous(), lse.contiguous(), q.new_empty(0, dtype=torch.int32),
+            q.new_empty(0, dtype=torch.float32))
+
+
+# The bodies stay reachable as plain functions (`IMPLS_BY_OP`): the host-sync test runs them
+# under a dispatch mode, to which the custom ops themselves are opaque.
+memory_attention_fwd = torch.library.custom_op("memtree::memory_attention_fwd",
+                                               mutates_args=())(_fwd_impl)
 
 
 @memory_attention_fwd.register_fake
 def _fwd_fake(q, bank_k, bank_v, block_idx, weights, weight_mode, scale, impl, sparse_grad):
     b, h, s, _ = q.shape
     shape = (b, h, s, block_idx.shape[-1]) if _is_mix(weights, weight_mode) else (b, h, s)
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
-        shape, dtype=torch.float32)
+    n_int, n_coef = 0, 0
+    if _use_triton(q, impl):  # the table's static bounds come from the shapes alone
+        n_int, n_coef = _triton_kernels().table_numels(q, bank_k, bank_v, block_idx)
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty(shape, dtype=torch.float32), q.new_empty(n_int, dtype=torch.int32),
+            q.new_empty(n_coef, dtype=torch.float32))
 
 
-@torch.library.custom_op("memtree::memory_attention_bwd", mutates_args=())
-def memory_attention_bwd(
+def _bwd_impl(
     grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
-    weights: Tensor | None, out: Tensor, lse: Tensor, grad_lse: Tensor | None,
-    weight_mode: str, scale: float, impl: str, need_kv: bool, need_dw: bool, sparse_grad: bool,
+    weights: Tensor | None, out: Tensor, lse: Tensor, table_ints: Tensor, table_coef: Tensor,
+    grad_lse: Tensor | None, weight_mode: str, scale: float, impl: str, need_kv: bool,
+    need_dw: bool, sparse_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq (B, H, S, D), blocks, dK, dV, dweights like weights).
+
+    table_ints, table_coef: the reference table the forward op returned (Triton path).
 
     grad_lse: None, or the gradient (B, H, S) of the joint softmax's log-sum-exp
     (bias mode), which folds into delta: dS = P·(dP − (rowsum(dO·O) − dLSE)).
@@ -94,13 +111,14 @@ def memory_attention_bwd(
     mix = _is_mix(weights, weight_mode)
     need_dw = need_dw and weights is not None
     if _use_triton(q, impl):
-        dq, blocks, dk, dv, dw = _triton_kernels().backward(
-            grad_out, q, bank_k, bank_v, block_idx, weights, out, lse.contiguous(), mix, scale,
-            need_kv, need_dw, grad_lse=grad_lse)
-        if need_kv and not sparse_grad:
-            dk = dk.new_zeros(bank_k.shape).index_copy_(0, blocks, dk)
-            dv = dv.new_zeros(bank_v.shape).index_copy_(0, blocks, dv)
-            blocks = blocks[:0].clone()
+        sparse = need_kv and sparse_grad
+        dq, dk, dv, ublocks, n_u, dw = _triton_kernels().backward(
+            grad_out, q, bank_k, bank_v, block_idx, weights, out, lse.contiguous(), table_ints,
+            table_coef, mix, scale, need_kv, need_dw, not sparse, grad_lse=grad_lse)
+        blocks = block_idx.new_empty(0, dtype=torch.int64)
+        if sparse:  # the one host sync: the sparse gradient's row count U is data-dependent
+            n = int(n_u.item())
+            blocks, dk, dv = ublocks[:n].long(), dk[:n], dv[:n]
         return dq, blocks, dk, dv, dw
     # sparse: gradients for the referenced blocks only, never a bank-sized buffer; no
     # blocks at all without need_kv; dense (blocks=None to the reference) otherwise
@@ -114,9 +132,15 @@ def memory_attention_bwd(
     return dq.contiguous(), blocks, dk, dv, dw if need_dw else q.new_empty(0)
 
 
+memory_attention_bwd = torch.library.custom_op("memtree::memory_attention_bwd",
+                                               mutates_args=())(_bwd_impl)
+IMPLS_BY_OP = {"memtree::memory_attention_fwd": _fwd_impl,
+               "memtree::memory_attention_bwd": _bwd_impl}
+
+
 @memory_attention_bwd.register_fake
-def _bwd_fake(grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, grad_lse, weight_mode,
-              scale, impl, need_kv, need_dw, sparse_grad):
+def _bwd_fake(grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, table_ints, table_coef,
+              grad_lse, weight_mode, scale, impl, need_kv, need_dw, sparse_grad):
     if need_kv and sparse_grad:
         n_u = torch.library.get_ctx().new_dynamic_size()
         k_shape, v_shape = (n_u, *bank_k.shape[1:]), (n_u, *bank_v.shape[1:])
@@ -136,22 +160,25 @@ def _bwd_fake(grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, grad_ls
 
 def _setup_context(ctx, inputs, output):
     q, bank_k, bank_v, block_idx, weights, weight_mode, scale, impl, sparse_grad = inputs
-    out, lse = output
-    ctx.save_for_backward(q, bank_k, bank_v, block_idx, weights, out, lse)
+    out, lse, table_ints, table_coef = output
+    # the table built in forward is handed to backward rather than rebuilt there
+    ctx.save_for_backward(q, bank_k, bank_v, block_idx, weights, out, lse, table_ints,
+                          table_coef)
+    ctx.mark_non_differentiable(table_ints, table_coef)
     if _is_mix(weights, weight_mode):  # per-block statistics; only the joint lse is a result
         ctx.mark_non_differentiable(lse)
     ctx.args = (weight_mode, scale, impl, sparse_grad)
 
 
-def _backward(ctx, grad_out, grad_lse):
-    q, bank_k, bank_v, block_idx, weights, out, lse = ctx.saved_tensors
+def _backward(ctx, grad_out, grad_lse, _grad_ints, _grad_coef):
+    q, bank_k, bank_v, block_idx, weights, out, lse, table_ints, table_coef = ctx.saved_tensors
     weight_mode, scale, impl, sparse_grad = ctx.args
     need_q, need_k, need_v, _, need_w = ctx.needs_input_grad[:5]
     if _is_mix(weights, weight_mode):
         grad_lse = None
     dq, blocks, dk, dv, dw = memory_attention_bwd(
-        grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, grad_lse, weight_mode, scale,
-        impl, need_k or need_v, need_w, sparse_grad)
+        grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, table_ints, table_coef,
+        grad_lse, weight_mode, scale, impl, need_k or need_v, need_w, sparse_grad)
     if sparse_grad:  # like nn.Embedding(sparse=True): indices = the referenced block ids
         dk = torch.sparse_coo_tensor(blocks[None], dk, bank_k.shape, is_coalesced=True)
         dv = torch.sparse_coo_tensor(blocks[None], dv, bank_v.shape, is_coalesced=True)
@@ -234,9 +261,10 @@ def memory_attention(
             tensor. None: sparse when both banks are leaves (parameters), dense for
             computed banks (views and matmuls upstream do not take sparse gradients).
             True on a non-leaf bank is for callers whose upstream op accepts sparse
-            gradients (training.bank's row views). torch.compile needs the dense form
-            unless torch._dynamo.config.capture_dynamic_output_shape_ops is set (the
-            number of unique blocks U is data-dependent).
+            gradients (training.bank's row views). The sparse form's row count (the
+            number of unique blocks U) is data-dependent: its backward reads U on the host
+            once (the dense form has no host sync at all), and torch.compile needs the
+            dense form unless torch._dynamo.config.capture_dynamic_output_shape_ops is set.
         impl: "auto" (Triton on CUDA, the reference on CPU), "triton" (also on CPU under
             TRITON_INTERPRET=1), or "reference" (`memory_attention_naive`, everywhere).
         return_lse: also return the joint softmax's log-sum-exp (not in "mix" mode).
@@ -250,8 +278,10 @@ def memory_attention(
         their tokens: out = Σ_i softmax_i(lse_i) · out_i.
 
     Gradients: dq (B, H, S, D); the bank's gradient is computed only for the U unique
-    referenced blocks (a (U, T, H_kv, D) buffer, never a bank-sized one) and returned in
-    the layout sparse_grad selects; d(weights) like weights.
+    referenced blocks and returned in the layout sparse_grad selects (sparse: a
+    (U, T, H_kv, D) buffer, never a bank-sized one; dense: written straight into the
+    bank-shaped tensor); d(weights) like weights. A block id >= N fails a device-side
+    assertion (RuntimeError on the CPU) on the Triton path.
     """
     _check(q, bank_k, bank_v, block_idx, weights, weight_mode, impl)
     if return_lse and _is_mix(weights, weight_mode):
@@ -260,8 +290,8 @@ def memory_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if sparse_grad is None:
         sparse_grad = bank_k.is_leaf and bank_v.is_leaf
-    out, lse = memory_attention_fwd(q, bank_k, bank_v, block_idx, weights, weight_mode, scale,
-                                    impl, bool(sparse_grad))
+    out, lse, _, _ = memory_attention_fwd(q, bank_k, bank_v, block_idx, weights, weight_mode,
+                                          scale, impl, bool(sparse_grad))
     if not return_lse:
         return out
     # the ops mark "nothing to normalise" with +inf (exp(s − lse) = 0); to callers it is -inf
