@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-all install bench clean
+.PHONY: demo test test-all install bench device-wheels clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/pipeline_stages.py
+
+# What the lent GPU machine cannot fetch, for bench/device_check.py: wheels, demo shards, MiniLM
+# in fp16, into .devcheck/ (git-ignored; the device tool carries it). Needs the demo's shards.
+device-wheels: $(STAMP)
+	PY=$(PY) bash bench/device_wheels.sh
 
 clean:
 	rm -rf runs .pytest_cache

@@ -42,7 +42,10 @@ def record(config: str, overrides: list[str], out: Path) -> int:
     train(cfg, callbacks=[cb])
     res = {"config": config, "overrides": overrides, "seconds": round(time.perf_counter() - t0, 1),
            "device": torch.cuda.get_device_name() if cfg.device != "cpu" and torch.cuda.is_available()
-           else "cpu", "torch": torch.__version__, "losses": cb.losses}
+           else "cpu", "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+           # as the run left them (Composer's DeviceGPU sets both from cfg.allow_tf32)
+           "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32},
+           "losses": cb.losses}
     out.write_text(json.dumps(res, indent=1))
     log(f"{len(cb.losses)} steps in {res['seconds']} s on {res['device']}: first "
         f"{cb.losses[0]:.4f}, last {cb.losses[-1]:.4f} -> {out}")

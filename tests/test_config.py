@@ -55,3 +55,15 @@ def test_tree_restarts_is_validated_and_only_in_the_fingerprint_when_used():
     assert json.dumps(tree.config(default), sort_keys=True) == json.dumps(before, sort_keys=True)
     more = load_config(PipelineConfig, {"out": "x", "tree": {"restarts": 4}})
     assert tree.config(more)["restarts"] == 4
+
+
+def test_allow_tf32_is_a_typed_key_outside_the_fingerprint():
+    from training.config import load_train_config
+
+    base = ["data.shards=x"]
+    on, off = load_train_config(None, base), load_train_config(None, [*base, "allow_tf32=false"])
+    assert on.allow_tf32 is True and off.allow_tf32 is False  # Composer's DeviceGPU default is on
+    # a numerics setting of the device, like `device`: a run may resume with it changed
+    assert on.fingerprint() == off.fingerprint()
+    with pytest.raises(ConfigError, match="allow_tf32"):
+        load_train_config(None, [*base, "allow_tf32=sometimes"])

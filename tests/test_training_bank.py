@@ -163,3 +163,25 @@ def test_sparse_state_survives_a_state_dict_round_trip():
         p.grad = torch.sparse_coo_tensor(torch.tensor([[3, 5]]), torch.ones(2, 4), p.shape)
         o.step()
     assert torch.equal(table, clone)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("read", ["fused", "gather"])
+def test_bank_on_the_gpu_maps_paths_from_either_device(read):
+    """The bank on CUDA: `slots` takes host paths (the model maps paths on the host) and device
+    paths (bench/training_steps.py), and a MemtreeLM forward + backward reads it either way
+    (the first device check found the cluster-to-row table left on the CPU)."""
+    from training.composer_model import MemtreeLM
+
+    shard_bank = TrainableBank(ANCHOR, MEM, shard=(1, 3)).cuda()
+    paths = torch.tensor([[1, 4, 16], [3, 13, 55]])
+    on_host = shard_bank.slots(paths)
+    on_gpu = shard_bank.slots(paths.cuda())
+    assert all(torch.equal(on_host[lv], on_gpu[lv].cpu()) for lv in on_host)
+    model = MemtreeLM(anchor=ANCHOR, memory=MEM, max_seq_len=16, memory_read=read).cuda()
+    ids = torch.randint(0, ANCHOR.vocab_size, (2, 17), device="cuda")
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "paths": paths.cuda()}
+    loss = model.loss(model(batch), batch)
+    loss.backward()
+    assert torch.isfinite(loss) and model.bank.tables["3"].grad is not None

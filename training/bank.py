@@ -134,6 +134,8 @@ class TrainableBank(nn.Module):
         # one-subtree bank is the special case of consecutive subtrees
         held = shard if shard is not None else ((subtree,) if subtree is not None else tuple(range(B)))
         self.held_subtrees = held
+        # a plain tensor on the CPU, not a buffer: the model maps paths to rows on the host
+        # (`MemtreeLM.memories_for`); `local_rows` follows the paths' device when they are elsewhere
         self._position = torch.full((B,), -1, dtype=torch.long)
         self._position[list(held)] = torch.arange(len(held))
         self.first: dict[int, int] = {}
@@ -173,7 +175,8 @@ class TrainableBank(nn.Module):
         span = self.memory.branching ** (level - 1)
         clusters = clusters.long()
         inside = (clusters >= 0) & (clusters < self.memory.branching * span)
-        pos = self._position[(clusters // span).clamp(0, self.memory.branching - 1)]
+        lut = self._position if clusters.device == self._position.device else self._position.to(clusters.device)
+        pos = lut[(clusters // span).clamp(0, self.memory.branching - 1)]
         rows = pos * span + clusters % span
         return torch.where(inside & (pos >= 0), rows, torch.full_like(rows, -1))
 

@@ -4,7 +4,8 @@ Each training sequence fetches the blocks of its cluster path from the bank
 (or, with probability `generic_prob` = 1/branching by default, the generic
 memory — seed 002 §4) and runs the anchor with them: KV and FFN memories are
 read in place by the fused kernels (`memory_read="fused"`, the default here;
-the trainer's `memory.read: auto` picks it on a GPU), LoRA memories — and
+the trainer's `memory.read: auto` takes it on a GPU only where a start-up probe
+finds it faster, `training/read_choice.py`), LoRA memories — and
 everything with `memory_read="gather"` — from per-sequence copies assembled
 per layer.
 The draw for each sequence depends only on (seed, training-forward counter,

@@ -59,8 +59,11 @@ class MemorySection:
     export_dtype: Literal["fp32", "bf16", "fp16", "int8", "int4"] = "bf16"
     init_bank: str | None = None  # start from this memstore bank (e.g. merged per-subtree banks)
     # "fused": KV/FFN memories read in place from the bank by the fused kernels (no per-sequence
-    # copies); "gather": copy each sequence's blocks first; "auto": fused on a GPU, gather on
-    # the CPU (where the fused ops run their slower reference). LoRA memories are always gathered.
+    # copies); "gather": copy each sequence's blocks first; "auto": on a GPU, whichever a short
+    # timed probe of both at start-up finds faster (fused only if <= 0.95x gather's step time;
+    # cached per device / shape / batch / precision in $MEMTREE_CACHE_DIR/read-probe.json, default
+    # ~/.cache/memtree; training/read_choice.py), gather on the CPU (where the fused ops run their
+    # slower reference). LoRA memories are always gathered.
     read: Literal["auto", "fused", "gather"] = "auto"
 
 
@@ -131,6 +134,9 @@ class TrainConfig:
     seed: int = 0
     device: Literal["auto", "cpu", "gpu"] = "auto"
     precision: Literal["auto", "fp32", "amp_bf16", "amp_fp16"] = "auto"
+    # TF32 for fp32 matmuls on a GPU (torch's and the Triton kernels' dots): Composer's DeviceGPU
+    # turns it on by default, so an fp32 GPU run is not IEEE fp32 unless this is false
+    allow_tf32: bool = True
     microbatch_size: int | None = None
     save_interval: str = "1000ba"
     save_num_checkpoints_to_keep: int = 2
@@ -236,7 +242,7 @@ class TrainConfig:
         with a different fingerprint is refused. Duration, saving and logging may change."""
         d = to_dict(self)
         for k in ("max_duration", "save_interval", "save_num_checkpoints_to_keep", "autoresume", "log_interval",
-                  "progress_bar", "save_folder", "run_name", "device", "microbatch_size"):
+                  "progress_bar", "save_folder", "run_name", "device", "microbatch_size", "allow_tf32"):
             d.pop(k, None)
         d["data"].pop("verify_shards", None)  # a check, not a setting: runs from before it keep their fingerprint
         d["parallel"].pop("bank_shards", None)  # placement only: a run may resume on other ranks

