@@ -93,7 +93,7 @@ def run_meta(args: Any, **extra: Any) -> dict:
 
     return {"started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": platform.node(),
             "python": platform.python_version(), "torch": torch.__version__, "loadavg_start": loadavg(),
-            "args": vars(args), **extra}
+            "host": machine_meta(), "args": vars(args), **extra}
 
 
 RESULTS = REPO / "bench" / "results"
@@ -169,3 +169,131 @@ def peak_mib(call: Callable[[], Any], device: str) -> float | None:
         del kept
         return peak / 2**20
     return None
+
+
+# ------------------------------------------------------------------- what a benchmark ran on
+# OpenBLAS reads these at load time; machines that set them (cloud images do) force slower kernels
+BLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+# OpenBLAS kernels with AVX2 or better: any other kernel on a CPU with AVX2 is a fallback (an
+# OpenBLAS too old to know the CPU picks a generic one: FAISS 1.15.1's bundled 0.3.15 runs
+# "Prescott", SSE3, on the Sapphire Rapids VM this project runs on)
+FAST_KERNELS = {"haswell", "zen", "skylakex", "cooperlake", "sapphirerapids", "neoversen1", "neoversen2",
+                "neoversev1", "armv8sve"}
+ENV_PREFIXES = ("OPENBLAS_", "OMP_", "MKL_", "GOTO", "KMP_", "OPENMP_")
+_REEXEC = "MEMTREE_BENCH_BLAS"
+
+
+def cpu_info() -> dict[str, Any]:
+    """CPU model and the SIMD extensions that decide which BLAS kernels can run."""
+    model, flags = platform.processor() or "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith(("flags", "Features")) and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    simd = sorted(f for f in flags if f.startswith(("sse4", "avx", "fma", "amx", "f16c", "asimd", "sve")))
+    return {"model": model, "cores": os.cpu_count(), "simd": simd}
+
+
+def blas_libraries() -> list[dict[str, Any]]:
+    """Every BLAS / OpenMP runtime loaded in this process (threadpoolctl): library, kernel, threads."""
+    from threadpoolctl import threadpool_info
+
+    keep = ("user_api", "internal_api", "prefix", "version", "num_threads", "architecture", "threading_layer",
+            "filepath")
+    return [{k: i.get(k) for k in keep} for i in threadpool_info()]
+
+
+def blas_env() -> dict[str, str]:
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+
+
+def machine_meta() -> dict[str, Any]:
+    """What a results file needs to say about the machine for its ratios to be judged."""
+    try:
+        import faiss  # noqa: F401  (its bundled OpenBLAS is listed only once loaded)
+    except ImportError:
+        pass
+    return {"cpu": cpu_info(), "blas": blas_libraries(), "env": blas_env(),
+            "blas_env_changes": json.loads(os.environ.get(_REEXEC, "{}"))}
+
+
+def _faiss_kernel() -> str | None:
+    import faiss  # noqa: F401  (loads FAISS's bundled OpenBLAS, so threadpoolctl can see it)
+
+    for lib in blas_libraries():
+        if lib["user_api"] == "blas" and "faiss" in (lib["filepath"] or ""):
+            return lib["architecture"]
+    return None
+
+
+def prepare_blas_env(mode: str = "auto") -> dict[str, Any]:
+    """Give the FAISS baselines the BLAS kernels the CPU can run; call first thing in main().
+
+    mode "auto": OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE are unset for this command (re-executing
+    it, as OpenBLAS reads them at load); then if FAISS's OpenBLAS still runs a fallback kernel on a
+    CPU with AVX-512 / AVX2, the command is re-executed once more with OPENBLAS_CORETYPE=SkylakeX /
+    Haswell. mode "as-is": nothing changes (to reproduce a handicapped run). What was changed and
+    why is in the environment of the final process and so in `machine_meta()`."""
+    import sys
+
+    done = json.loads(os.environ.get(_REEXEC, "{}"))
+    if mode == "as-is" or done.get("final"):
+        return done
+    if not done and any(k in os.environ for k in BLAS_VARS):
+        done = {"unset": {k: os.environ[k] for k in BLAS_VARS if k in os.environ}}
+        env = {k: v for k, v in os.environ.items() if k not in BLAS_VARS}
+        env[_REEXEC] = json.dumps(done)
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    kernel = _faiss_kernel()
+    simd = set(cpu_info()["simd"])
+    want = "SkylakeX" if "avx512f" in simd else "Haswell" if "avx2" in simd else None
+    if kernel and want and kernel.lower() not in FAST_KERNELS and "OPENBLAS_CORETYPE" not in os.environ:
+        done |= {"set": {"OPENBLAS_CORETYPE": want},
+                 "why": f"FAISS's OpenBLAS picked the fallback kernel {kernel} on a CPU with {want}-class SIMD",
+                 "final": True}
+        env = dict(os.environ, OPENBLAS_CORETYPE=want, **{_REEXEC: json.dumps(done)})
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    done |= {"final": True, "faiss_kernel": kernel}
+    os.environ[_REEXEC] = json.dumps(done)
+    return done
+
+
+def sgemm_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """The machine's plain float32 matrix product (numpy), GFLOP/s, best of `repeats`."""
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    best = min(_seconds(lambda: a @ a) for _ in range(repeats))
+    return 2 * n**3 / best / 1e9
+
+
+def faiss_l2_gflops(n: int = 20000, k: int = 4096, d: int = 384, repeats: int = 3) -> float:
+    """FAISS's exhaustive L2 search (`IndexFlatL2`, the k-means assignment step and the routing
+    baseline's kernel), GFLOP/s counting 2·n·k·d per search, best of `repeats`."""
+    import faiss
+
+    rng = np.random.default_rng(0)
+    x, c = rng.standard_normal((n, d), dtype=np.float32), rng.standard_normal((k, d), dtype=np.float32)
+    index = faiss.IndexFlatL2(d)
+    index.add(c)
+    best = min(_seconds(lambda: index.search(x, 1)) for _ in range(repeats))
+    return 2 * n * k * d / best / 1e9
+
+
+def _seconds(call: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    call()
+    return time.perf_counter() - t0
+
+
+HEALTHY_FRACTION = 0.5  # a baseline below half the machine's sgemm rate is not a fair opponent
+
+
+def baseline_health(name: str, gflops: float, sgemm: float) -> dict[str, Any]:
+    """A baseline's GFLOP/s against the machine's sgemm in the same run; below HEALTHY_FRACTION it
+    is reported as handicapped and no speed-up is claimed against it."""
+    frac = gflops / sgemm if sgemm > 0 else 0.0
+    return {"baseline": name, "gflops": round(gflops, 1), "sgemm_gflops": round(sgemm, 1),
+            "fraction_of_sgemm": round(frac, 3), "healthy": frac >= HEALTHY_FRACTION}

@@ -24,10 +24,14 @@ import time
 
 import numpy as np
 from _common import (  # bench/ is sys.path[0] when a script runs
+    baseline_health,
+    faiss_l2_gflops,
     finish,
     log,
+    prepare_blas_env,
     results_path,
     run_meta,
+    sgemm_gflops,
 )
 from _pipeline_assign import constructed_tree
 from _pipeline_common import DIM
@@ -77,8 +81,13 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--out", default=None)
+    p.add_argument("--blas", choices=("auto", "as-is"), default="auto",
+                   help="auto: a healthy BLAS environment for the FAISS baseline (bench/README.md)")
     args = p.parse_args()
+    prepare_blas_env(args.blas)  # may re-execute this command
     meta = run_meta(args)  # at the start: when the run began, and the load then
+    health = baseline_health("faiss IndexFlatL2 search", faiss_l2_gflops(), sgemm_gflops())
+    log(f"baseline health: {health}")
     levels, branching, nq = (4, 8, 2_000) if args.quick else (4, 16, 20_000)
     tree = constructed_tree(levels, branching, seed=7, radii=[0.6, 0.35, 0.2])
     rng = np.random.default_rng(8)
@@ -100,7 +109,10 @@ def main() -> int:
              "route_speedup": med[k] / med["route"]} for k in fns]
     import faiss
 
-    results = {"meta": {**meta, "faiss_threads": faiss.omp_get_max_threads()}, "rows": rows,
+    if not health["healthy"]:  # no speed-up is claimed against a handicapped baseline
+        for r in rows:
+            r["route_speedup"] = None
+    results = {"meta": {**meta, "faiss_threads": faiss.omp_get_max_threads()}, "health": health, "rows": rows,
                "runs_seconds": secs,
                "agreement_with_float64_argmin": float((got == ref).all(1).mean()),
                "leaf_agreement_with_exhaustive": float((got[:, -1] == exh).mean())}

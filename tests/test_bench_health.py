@@ -1,0 +1,79 @@
+"""Benchmarks judge their baselines: a baseline far below the machine's sgemm is flagged, and the
+BLAS environment a baseline runs in is made healthy and recorded (issue 37)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_limits
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def common(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    yield importlib.import_module("_common")
+    sys.modules.pop("_common", None)
+
+
+def test_baseline_health_is_judged_against_sgemm(common):
+    assert common.baseline_health("b", 180.0, 200.0)["healthy"]
+    weak = common.baseline_health("b", 35.0, 220.0)
+    assert not weak["healthy"] and weak["fraction_of_sgemm"] == pytest.approx(35 / 220, abs=1e-3)
+
+
+def test_the_health_check_flags_a_deliberately_slowed_baseline(common):
+    """The same product as the sgemm check, once through BLAS and once crippled (one thread,
+    float64, one row at a time): the first is healthy, the second is not."""
+    n = 768
+    sgemm = common.sgemm_gflops(n, repeats=3)
+    a = np.random.default_rng(1).standard_normal((n, n), dtype=np.float32)
+
+    def rate(fn) -> float:
+        best = min(_timed(fn) for _ in range(3))
+        return 2 * n**3 / best / 1e9
+
+    def crippled():
+        a64 = a.astype(np.float64)
+        with threadpool_limits(1):
+            return np.stack([row @ a64 for row in a64])
+
+    assert common.baseline_health("blas", rate(lambda: a @ a), sgemm)["healthy"]
+    assert not common.baseline_health("crippled", rate(crippled), sgemm)["healthy"]
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def test_forced_openblas_kernels_are_unset_for_the_command_and_recorded(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(
+        f"import json, os, sys\nsys.path.insert(0, {str(REPO / 'bench')!r})\n"
+        "from _common import FAST_KERNELS, cpu_info, machine_meta, prepare_blas_env\n"
+        "prepare_blas_env()\n"
+        "meta = machine_meta()\n"
+        "faiss_blas = [b['architecture'] for b in meta['blas'] if 'faiss' in (b['filepath'] or '')]\n"
+        "print(json.dumps({'l2': os.environ.get('OPENBLAS_L2_SIZE'), 'changes': meta['blas_env_changes'],\n"
+        "                  'faiss': faiss_blas, 'simd': cpu_info()['simd'], 'fast': sorted(FAST_KERNELS)}))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMTREE_BENCH")}
+    env |= {"OPENBLAS_CORETYPE": "Prescott", "OPENBLAS_L2_SIZE": "65536"}
+    p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["changes"]["unset"] == {"OPENBLAS_CORETYPE": "Prescott", "OPENBLAS_L2_SIZE": "65536"}
+    assert got["changes"]["final"] and got["l2"] is None
+    if "avx2" in got["simd"]:  # FAISS's OpenBLAS then runs a kernel that uses the CPU's SIMD
+        assert got["faiss"] and got["faiss"][0].lower() in got["fast"], got
