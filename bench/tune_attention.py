@@ -92,7 +92,7 @@ def sweep(scenario: str, runs: int) -> list[dict]:
 def profile(scenario: str, out_dir: Path) -> None:
     """Where one forward+backward spends its time at the current Launch.choose: each CUDA
     kernel's device time against the host time of the whole call (plan() builds the
-    reference table with torch ops and host syncs, once in forward, once in backward)."""
+    reference table with torch ops, once per call in forward, no host syncs)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
     from triton.testing import do_bench

@@ -2,7 +2,7 @@
 
 Nothing is gathered: every program reads K/V rows straight out of the bank by
 block id. The index lists are first turned into a *reference table* (seed 004
-§8.5), built with a few torch ops on the device:
+§8.5), built with a few torch ops on the device (`table.py`):
 
 - queries are cut into tiles of TS tokens × the G query heads sharing one KV
   head (row r of a tile is token r // G, head r % G), so one K/V tile serves
@@ -18,23 +18,57 @@ block id. The index lists are first turned into a *reference table* (seed 004
 - `ent` maps (group, slot, token) to the first entry of that token's list
   naming the block, where per-entry statistics (mix-mode log-sum-exp, weight
   gradients) are stored;
-- for dK/dV every unique block U owns one program per (KV head, T tile),
-  which walks the (group, slot) pairs referencing it, so the bank gradient is
-  written without atomics (bank-shaped, or a (U, T, H_kv, D) buffer).
+- for dK/dV the (group, slot) pairs are listed per unique block, and a block's
+  work (pairs × the query tiles of a pair) is cut into chunks of at most
+  `Launch.dkv_chunk` query tiles, one program per (chunk, KV head, T tile), so a
+  block that every sequence reads (the shared chapter: 8 sequences × 8 tiles at
+  moc) is spread over several programs instead of one long walk. The partial
+  sums meet through fp32 atomic adds (see `_bwd_dkv` for why not a reduced
+  partial buffer): bit-exact reproducibility of dK/dV is not kept.
 
 The table is built once per call, in forward, with fixed-shape torch ops and no
 host synchronisation: the slots per group and the unique blocks U are padded to
 static bounds (`Layout`) and the real counts stay on the device, where the
-kernels read them (loop bounds; dK/dV programs past the count exit at once), so
-every grid comes from shapes alone. Forward returns the table as two flat
-buffers and backward takes them instead of rebuilding it.
+kernels read them (loop bounds; the dK/dV grid strides over the device-side chunk
+count), so every grid comes from shapes alone. Forward returns the table as two
+flat buffers and backward takes them instead of rebuilding it.
 
 A tile computes every slot for all its queries (coef = 0 masks the rest), so
 per-token lists cost in proportion to the unique blocks a tile touches: about
 the per-sequence cost when neighbouring tokens share chapters, up to TS times
 more when they share none. Tile sizes are fixed heuristics; a sweep on an H100
 (bench/tune_attention.py, docs/BENCHMARKS.md) moved forward+backward by less than
-the table's host time then (two syncs per call), so they were left as they are.
+the table's host time then, so they were left as they are.
+
+Per-token *random* lists (bench/kernel_ops.py `token_idx(..., "random")`: B=8,
+H=H_kv=12, S=1024, D=T=64, k=65 = the shared chapter + 64 drawn from 4,096;
+bf16), on paper, forward (backward scales alike, ~2.5×). Useful work: 0.105
+TFLOP. A tile of TS tokens touches U = 1 + 4096·(1 − (1 − 1/4096)^(64·TS))
+blocks and loads each block's K/V (16 KiB per KV head) once for all its rows:
+
+  scheme                          blocks/tile  FLOP (× useful)   K/V bytes
+  slot tiles, TS = 16                    907    1.46 T (14×)      91 GB
+  slot tiles, TS = 32                  1,613    2.60 T (25×)      81 GB
+  slot tiles, TS = 64 (now)            2,590    4.17 T (40×)      65 GB
+  slot tiles, TS = 128                 3,543    5.71 T (55×)      45 GB
+  block-major, 32 tokens/chunk             –    0.117 T (1.1×)    3.7 GB K/V + 0.8 GB Q
+                                                                  + 3.3 GB partials = 7.8 GB
+  sequence-level lists (TS = 128)         65    0.105 T (1×)      0.8 GB
+
+65 GB at ~3.3 TB/s is ~20 ms: the measured 17.5 ms forward is this traffic (some
+of it from L2). No tile size helps both terms (smaller tiles cut FLOPs but load
+more K/V per token; larger ones the reverse), and the launch cannot see whether
+lists are local (where TS = 64 meets the ≤ 2× target) or random without a host
+sync, so TS stays 64. The fix is *block-major* per-token attention: sort the
+(token, first entry) items by block, cut each block's items into chunks of 32
+tokens, one program per (chunk, KV head) loads the block's K/V once, gathers its
+tokens' Q rows and writes each item's own softmax (O_u fp32, lse_u); a merge
+then computes out = Σ_u a_u O_u with a_u = softmax_u(lse_u + log c_u) (bias) or
+c_u (mix) — the kernel's existing lse merge. Backward alike: per chunk dS from
+the joint lse, dQ rows and dK/dV partials added with fp32 atomics (dC = dO·O_u
+needs no extra pass). ~8× fewer bytes and ~35× fewer FLOPs than now, at the
+cost of a (B, S, k, H, D) partial buffer (1.7 GB fp32 here; bf16 halves it).
+Not implemented yet (a new table, two kernels and a merge).
 
 Softmax statistics are fp32 and scores are taken in the log2 domain. The
 joint softmax ("bias") adds log2(coef) to the scores; "mix" normalises every
@@ -51,10 +85,11 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from kernels.memory_attention.table import Layout, Table, build_table, dkv_chunks
 
 _LOG2E = 1.4426950408889634
 
@@ -312,66 +347,73 @@ def _dkv_tile(dk, dv, k, v, Q, dO, Lse, Delta, Coef, Ent, b, grp, sl, s0, s_lo, 
 
 @triton.jit
 def _bwd_dkv_kernel(
-    Q, K, V, dO, Lse, Delta, dKu, dVu, NU, UBlocks, UOrder, PairOff, PairGroup, PairSlot, Coef,
-    Ent,
+    Q, K, V, dO, Lse, Delta, AccK, AccV, NChunk, ChunkU, ChunkOff, UBlocks, PairOff, Pairs,
+    Coef, Ent,
     sq_b, sq_h, sq_s, sq_d, sk_n, sk_t, sk_h, sk_d, sv_n, sv_t, sv_h, sv_d,
     sdo_b, sdo_h, sdo_s, sdo_d, sl_b, sl_h, sl_s, sl_j,
-    sc_g, sc_l, sc_t, se_g, se_l, se_t, su_u, su_t, su_h, su_d,
-    S, T, D, G, TS, n_s_tiles, scale, scale_log2,
-    PER_TOKEN: tl.constexpr, MIX: tl.constexpr, DENSE: tl.constexpr,
+    sc_g, sc_l, sc_t, se_g, se_l, se_t, sa_u, sa_t, sa_h, sa_d,
+    S, T, D, G, TS, n_s_tiles, scale, scale_log2, CHUNK, L,
+    PER_TOKEN: tl.constexpr, MIX: tl.constexpr, ROW_BY_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_T: tl.constexpr, COMPUTE: tl.constexpr, PREC: tl.constexpr,
 ):
-    """dK/dV of one (unique block, KV head, T tile), summed over every query tile of
-    every (group, slot) pair that references the block: one tile per pair for per-token
-    lists, the sequence's S / TS tiles for per-sequence lists.
+    """dK/dV of (chunk, KV head, T tile): a chunk is at most CHUNK consecutive query tiles
+    ("units") of one unique block's work list, so a block read by many sequences (the shared
+    chapter, a hierarchy's upper levels) is split over several programs. A block's units are
+    its (group, slot) pairs × the tiles of a pair: one per pair for per-token lists, the
+    sequence's S / TS tiles for per-sequence lists.
 
-    Delta is delta (B, H, S) in bias mode and dC (B, H, S, k) in mix mode; the
-    same formula dS = coef·P·(dP − Delta) then covers both. The grid covers the static
-    bound U_max on the unique blocks; programs past the device-side count NU exit at once.
-    DENSE: write row `block id` of bank-shaped dK/dV, else row u of (U_max, T, H_kv, D).
+    Delta is delta (B, H, S) in bias mode and dC (B, H, S, k) in mix mode; the same formula
+    dS = coef·P·(dP − Delta) then covers both. Partial sums are added with fp32 atomics into
+    the zeroed AccK/AccV, row `block id` (ROW_BY_BLOCK, bank-shaped) or row u. The grid
+    (from shapes alone) strides over the device-side chunk count NChunk.
     """
-    pid = tl.program_id(0)
-    if pid >= tl.load(NU):
-        return
-    u = tl.load(UOrder + pid)  # heaviest blocks first
     hkv = tl.program_id(1)
-    blk = tl.load(UBlocks + u).to(tl.int64)
     nn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = _keep(nn, T, EVEN_T)
     dd = tl.arange(0, BLOCK_D)
     dmask = _keep(dd, D, EVEN_D)
-    k = _load_block_tile(K, blk, hkv, nn, dd, nmask, dmask, sk_n, sk_t, sk_h, sk_d, COMPUTE)
-    v = _load_block_tile(V, blk, hkv, nn, dd, nmask, dmask, sv_n, sv_t, sv_h, sv_d, COMPUTE)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for pr in range(tl.load(PairOff + u), tl.load(PairOff + u + 1)):
-        grp = tl.load(PairGroup + pr)
-        sl = tl.load(PairSlot + pr)
-        if PER_TOKEN:
-            s_lo = (grp % n_s_tiles) * TS
-            dk, dv = _dkv_tile(
-                dk, dv, k, v, Q, dO, Lse, Delta, Coef, Ent, (grp // n_s_tiles).to(tl.int64),
-                grp, sl, s_lo, s_lo, tl.minimum(s_lo + TS, S), hkv, dd, dmask,
-                sq_b, sq_h, sq_s, sq_d, sdo_b, sdo_h, sdo_s, sdo_d, sl_b, sl_h, sl_s, sl_j,
-                sc_g, sc_l, sc_t, se_g, se_l, se_t, G, TS, scale_log2,
-                MIX, BLOCK_M, COMPUTE, PREC)
-        else:
-            for s0 in range(0, S, TS):
-                dk, dv = _dkv_tile(
-                    dk, dv, k, v, Q, dO, Lse, Delta, Coef, Ent, grp.to(tl.int64), grp, sl, s0,
-                    0, S, hkv, dd, dmask,
-                    sq_b, sq_h, sq_s, sq_d, sdo_b, sdo_h, sdo_s, sdo_d, sl_b, sl_h, sl_s, sl_j,
-                    sc_g, sc_l, sc_t, se_g, se_l, se_t, G, TS, scale_log2,
-                    MIX, BLOCK_M, COMPUTE, PREC)
-    if DENSE:
-        row = blk
-    else:
-        row = u.to(tl.int64)
-    offs = row * su_u + nn[:, None] * su_t + hkv * su_h + dd[None, :] * su_d
     omask = nmask[:, None] & dmask[None, :]
-    tl.store(dKu + offs, (dk * scale).to(dKu.dtype.element_ty), mask=omask)
-    tl.store(dVu + offs, dv.to(dVu.dtype.element_ty), mask=omask)
+    if PER_TOKEN:  # query tiles per pair
+        tpp = 1
+    else:
+        tpp = n_s_tiles
+    for ch in range(tl.program_id(0), tl.load(NChunk), tl.num_programs(0)):
+        u = tl.load(ChunkU + ch)
+        blk = tl.load(UBlocks + u).to(tl.int64)
+        p_lo = tl.load(PairOff + u)
+        w_lo = (ch - tl.load(ChunkOff + u)) * CHUNK
+        w_hi = tl.minimum(w_lo + CHUNK, (tl.load(PairOff + u + 1) - p_lo) * tpp)
+        k = _load_block_tile(K, blk, hkv, nn, dd, nmask, dmask, sk_n, sk_t, sk_h, sk_d, COMPUTE)
+        v = _load_block_tile(V, blk, hkv, nn, dd, nmask, dmask, sv_n, sv_t, sv_h, sv_d, COMPUTE)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        for w in range(w_lo, w_hi):
+            pair = tl.load(Pairs + p_lo + w // tpp)  # group · L + slot
+            grp = pair // L
+            sl = pair - grp * L
+            if PER_TOKEN:
+                b = (grp // n_s_tiles).to(tl.int64)
+                s_lo = (grp % n_s_tiles) * TS
+                s0 = s_lo
+                s_hi = tl.minimum(s_lo + TS, S)
+            else:
+                b = grp.to(tl.int64)
+                s_lo = 0
+                s0 = (w % tpp) * TS
+                s_hi = S
+            dk, dv = _dkv_tile(
+                dk, dv, k, v, Q, dO, Lse, Delta, Coef, Ent, b, grp, sl, s0, s_lo, s_hi, hkv,
+                dd, dmask, sq_b, sq_h, sq_s, sq_d, sdo_b, sdo_h, sdo_s, sdo_d,
+                sl_b, sl_h, sl_s, sl_j, sc_g, sc_l, sc_t, se_g, se_l, se_t, G, TS, scale_log2,
+                MIX, BLOCK_M, COMPUTE, PREC)
+        if ROW_BY_BLOCK:
+            row = blk
+        else:
+            row = u.to(tl.int64)
+        offs = row * sa_u + nn[:, None] * sa_t + hkv * sa_h + dd[None, :] * sa_d
+        tl.atomic_add(AccK + offs, dk * scale, mask=omask, sem="relaxed")
+        tl.atomic_add(AccV + offs, dv, mask=omask, sem="relaxed")
 
 
 def interpreting() -> bool:
@@ -391,6 +433,8 @@ class Launch:
     prec: str
     even_d: bool  # D == block_d: no mask along the head dimension
     even_t: bool  # block_n divides T: no mask along a block's tokens
+    dkv_chunk: int  # query tiles per dK/dV chunk (see _bwd_dkv_kernel)
+    dkv_programs: int  # cap on the dK/dV grid's chunk axis (programs stride over chunks)
 
     @classmethod
     def choose(cls, q: Tensor, bank_k: Tensor, bank_v: Tensor, t: int, g: int,
@@ -417,189 +461,24 @@ class Launch:
             if compute == tl.float32:  # fp32 tiles need twice the shared memory
                 block_m, stages = max(64, triton.next_power_of_2(g)), 2
             warps = 4 if block_d <= 64 and block_m <= 64 else 8
+        # dK/dV chunks: small in the interpreter so the tests split blocks across programs.
+        # Chunks of one block meet in fp32 atomic adds, whose order varies from run to run;
+        # under torch.use_deterministic_algorithms every block is one chunk (one writer per
+        # element: bit-reproducible, the shared blocks' work back on one program).
+        chunk, programs = (2, 8) if interpreting() else (16, 4096)
+        if torch.are_deterministic_algorithms_enabled():
+            chunk = 1 << 30
         return cls(block_m=block_m, block_n=block_n, block_d=block_d, num_warps=warps,
                    num_stages=stages, compute=compute,
                    prec="tf32" if compute != tl.float32 else "ieee",
-                   even_d=d == block_d, even_t=t % block_n == 0)
+                   even_d=d == block_d, even_t=t % block_n == 0, dkv_chunk=chunk,
+                   dkv_programs=programs)
 
     def meta(self) -> dict:
         """Launch keywords shared by the three kernels."""
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_D": self.block_d,
                 "EVEN_D": self.even_d, "EVEN_T": self.even_t, "COMPUTE": self.compute,
                 "PREC": self.prec, "num_warps": self.num_warps, "num_stages": self.num_stages}
-
-
-@dataclass(frozen=True, kw_only=True)
-class Layout:
-    """Static shapes of one call's reference table, from the shapes alone (no data): every
-    data-dependent size is replaced by its upper bound and the real counts stay on the
-    device (group_count, n_u), read by the kernels. The table travels from forward to
-    backward as two flat buffers, `ints` (int32) and `coef` (fp32); these are their parts.
-
-    G = groups (sequences, or query tiles for per-token lists), TPG = tokens per group
-    (TS per token, 1 per sequence), L = slots per group <= min(TPG·k, N), U_max = unique
-    blocks <= min(N, G·L).
-    """
-
-    per_token: bool
-    tokens_per_tile: int  # TS
-    n_s_tiles: int  # query tiles per sequence
-    n_groups: int  # G
-    n_slots: int  # L
-    tpg: int  # TPG
-    u_max: int  # U_max
-    first_shape: tuple  # block_idx's shape
-
-    @classmethod
-    def of(cls, block_shape: tuple, s, n_bank, tokens_per_tile: int) -> Layout:
-        # plain arithmetic (no int()): the fake implementation passes symbolic sizes
-        per_token = len(block_shape) == 3
-        b, k = block_shape[0], block_shape[-1]
-        n_s_tiles = (s + tokens_per_tile - 1) // tokens_per_tile
-        n_groups = b * n_s_tiles if per_token else b
-        tpg = tokens_per_tile if per_token else 1
-        n_slots = torch.sym_max(1, torch.sym_min(tpg * k, n_bank))
-        u_max = torch.sym_max(1, torch.sym_min(n_bank, n_groups * n_slots))
-        return cls(per_token=per_token, tokens_per_tile=tokens_per_tile, n_s_tiles=n_s_tiles,
-                   n_groups=n_groups, n_slots=n_slots, tpg=tpg, u_max=u_max,
-                   first_shape=tuple(block_shape))
-
-    def int_parts(self) -> list[tuple[str, tuple]]:
-        g, sl, u = self.n_groups, self.n_slots, self.u_max
-        return [("group_blocks", (g, sl)), ("group_count", (g,)), ("ent", (g, sl, self.tpg)),
-                ("first", self.first_shape), ("ublocks", (u,)), ("u_order", (u,)),
-                ("pair_off", (u + 1,)), ("pair_group", (g * sl,)), ("pair_slot", (g * sl,)),
-                ("n_u", (1,))]
-
-    def numels(self) -> tuple:
-        """(ints, coef) buffer sizes."""
-        n_int = sum(math.prod(shape) for _, shape in self.int_parts())
-        return n_int, self.n_groups * self.n_slots * self.tpg
-
-
-@dataclass(frozen=True, kw_only=True)
-class Table:
-    """Reference table of one call (see the module docstring), views into `ints`/`coef`.
-    G = groups, L = slots (static bounds, see Layout)."""
-
-    layout: Layout
-    ints: Tensor  # (n_int,) int32: every part below but coef
-    group_blocks: Tensor  # (G, L) int32 block id per slot, -1 beyond the group's count
-    group_count: Tensor  # (G,) int32 slots used
-    coef: Tensor  # (G, L, TS) fp32 per sequence (G, L, 1), read with token stride 0
-    ent: Tensor  # (G, L, TS) int32 first entry of the token naming the slot, -1 if none
-    first: Tensor  # like block_idx, int32: first entry naming the same block, -1 for padding
-    ublocks: Tensor  # (U_max,) int32 sorted unique referenced blocks; the first n_u are real
-    u_order: Tensor  # (U_max,) int32 unique blocks by descending pair count (real ones first)
-    pair_off: Tensor  # (U_max + 1,) int32 CSR offsets into pair_group/pair_slot
-    pair_group: Tensor  # (G·L,) int32; the first P = pair_off[n_u] are the pairs
-    pair_slot: Tensor  # (G·L,) int32
-    n_u: Tensor  # (1,) int32 number of unique referenced blocks
-
-    per_token = property(lambda self: self.layout.per_token)
-    tokens_per_tile = property(lambda self: self.layout.tokens_per_tile)
-    n_s_tiles = property(lambda self: self.layout.n_s_tiles)
-
-    @classmethod
-    def unpack(cls, layout: Layout, ints: Tensor, coef: Tensor) -> Table:
-        parts, off = {}, 0
-        for name, shape in layout.int_parts():
-            n = math.prod(shape)
-            parts[name] = ints[off:off + n].view(shape)
-            off += n
-        return cls(layout=layout, ints=ints,
-                   coef=coef.view(layout.n_groups, layout.n_slots, layout.tpg), **parts)
-
-    @property
-    def coef_token_stride(self) -> int:
-        return self.coef.stride(2) if self.per_token else 0
-
-    @property
-    def ent_token_stride(self) -> int:
-        return self.ent.stride(2) if self.per_token else 0
-
-
-def build_table(block_idx: Tensor, weights: Tensor | None, s: int, n_bank: int,
-                tokens_per_tile: int) -> Table:
-    """The reference table for block_idx (B, k) or (B, S, k) and weights of the same shape.
-
-    No host synchronisation: fixed-shape torch ops only, every data-dependent size padded
-    to its static bound (Layout) with the real counts left on the device. Entries that
-    must not land anywhere (padding, repeats, unused slots) are routed to a spare last
-    element that is dropped, rather than selected by boolean masks, each of which would
-    be a sync (profiled on an H100: a dozen such syncs made this table cost 2.5 ms per
-    call, four times the forward kernel). A block id >= n_bank fails a device-side
-    assertion (RuntimeError on the CPU) instead of a host-side check.
-    """
-    lay = Layout.of(tuple(block_idx.shape), s, n_bank, tokens_per_tile)
-    b, k = block_idx.shape[0], block_idx.shape[-1]
-    dev = block_idx.device
-    idx = block_idx.long()
-    torch._assert_async((idx < n_bank).all(), "memory_attention: block_idx holds a block id "
-                        "beyond the bank's blocks")
-    w = None if weights is None else weights.float()
-    if lay.per_token:
-        pad = lay.n_s_tiles * tokens_per_tile - s
-        idx = F.pad(idx, (0, 0, 0, pad), value=-1).reshape(b * lay.n_s_tiles, tokens_per_tile * k)
-        if w is not None:
-            w = F.pad(w, (0, 0, 0, pad)).reshape(idx.shape)
-    tpg, n_slots = lay.tpg, lay.n_slots
-    n_groups, n_ent = idx.shape  # (G, tokens per group · k)
-    srt, order = idx.sort(dim=1, stable=True)  # padding (-1) first
-    new = srt >= 0
-    new[:, 1:] &= srt[:, 1:] != srt[:, :-1]
-    slot_sorted = new.cumsum(1) - 1  # the slot of each sorted entry (< count <= L); -1 padding
-    count = new.sum(1)  # (G,)
-    # (G, L + 1): first entries of a block write its slot, the rest the spare column
-    group_blocks = torch.full((n_groups, n_slots + 1), -1, dtype=torch.long, device=dev)
-    group_blocks.scatter_(1, torch.where(new, slot_sorted, n_slots), srt)
-    group_blocks = group_blocks[:, :n_slots]
-
-    slot = torch.empty_like(slot_sorted).scatter_(1, order, slot_sorted)  # per original entry
-    valid = idx >= 0
-    pos = torch.arange(n_ent, device=dev)
-    gi = torch.arange(n_groups, device=dev)[:, None]
-    n_cells = n_groups * n_slots * tpg
-    # flat (group, slot, token) cell of every entry; padding goes to the spare cell n_cells
-    flat = torch.where(valid, (gi * n_slots + slot) * tpg + pos // k, n_cells)
-    vals = w if w is not None else torch.ones(idx.shape, dtype=torch.float32, device=dev)
-    coef = torch.zeros(n_cells + 1, dtype=torch.float32, device=dev)
-    coef.index_add_(0, flat.flatten(), vals.flatten())
-    ent = torch.full((n_cells + 1,), k, dtype=torch.int32, device=dev)
-    ent.scatter_reduce_(0, flat.flatten(), (pos % k).int().expand(n_groups, n_ent).flatten(),
-                        reduce="amin")
-    first = torch.where(valid, ent[flat], -1)
-    ent = torch.where(ent == k, -1, ent)[:n_cells]
-    if lay.per_token:
-        first = first.view(b, lay.n_s_tiles * tokens_per_tile, k)[:, :s]
-
-    # Unique referenced blocks: sort the (group, slot) pairs by block id (unused slots, key
-    # n_bank, last); a run of equal ids is one unique block, in ascending id order, and the
-    # sort order itself lists each block's pairs contiguously (CSR).
-    u_max = lay.u_max
-    key = torch.where(group_blocks >= 0, group_blocks, n_bank).flatten()  # (G·L,)
-    key_srt, by_u = key.sort(stable=True)
-    head = key_srt < n_bank
-    head[1:] &= key_srt[1:] != key_srt[:-1]  # first pair of each unique block
-    uid = head.cumsum(0) - 1  # (G·L,) unique index of each sorted pair
-    n_u = head.sum().reshape(1)
-    n_pairs = (key < n_bank).sum().reshape(1)
-    ublocks = torch.full((u_max + 1,), n_bank, dtype=torch.long, device=dev)
-    ublocks.scatter_(0, torch.where(head, uid, u_max), key_srt)
-    # pair_off[u] = first sorted pair of block u; n_pairs for padded u >= n_u (empty ranges)
-    pair_off = n_pairs.expand(u_max + 2).clone()
-    pair_off.scatter_(0, torch.where(head, uid, u_max + 1),
-                      torch.arange(key.numel(), device=dev))
-    pair_off = pair_off[:u_max + 1]
-    per_u = pair_off[1:] - pair_off[:-1]  # (U_max,), 0 for padding: sorted after real blocks
-    parts = {
-        "group_blocks": group_blocks, "group_count": count, "ent": ent, "first": first,
-        "ublocks": ublocks[:u_max], "u_order": torch.argsort(per_u, descending=True, stable=True),
-        "pair_off": pair_off, "pair_group": by_u // n_slots, "pair_slot": by_u % n_slots,
-        "n_u": n_u,
-    }
-    ints = torch.cat([parts[name].reshape(-1).to(torch.int32) for name, _ in lay.int_parts()])
-    return Table.unpack(lay, ints, coef[:n_cells])
 
 
 def _strides4(x: Tensor) -> tuple[int, int, int, int]:
@@ -611,25 +490,26 @@ def _lse_strides(lse: Tensor) -> tuple[int, int, int, int]:
     return (*lse.stride()[:3], lse.stride(3) if lse.ndim == 4 else 0)  # type: ignore[return-value]
 
 
-def _launch_and_layout(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor
-                       ) -> tuple[Launch, Layout]:
+def _launch_and_layout(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
+                       weighted: bool) -> tuple[Launch, Layout]:
     h, s = q.shape[1], q.shape[2]
     n, t, h_kv, _ = bank_k.shape
     launch = Launch.choose(q, bank_k, bank_v, t, h // h_kv, block_idx.ndim == 3)
     ts = max(1, launch.block_m // (h // h_kv))
-    return launch, Layout.of(tuple(block_idx.shape), s, n, ts)
+    return launch, Layout.of(tuple(block_idx.shape), s, n, ts, weighted)
 
 
-def table_numels(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor) -> tuple:
+def table_numels(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
+                 weighted: bool) -> tuple:
     """(ints, coef) sizes of the table `forward` returns, from the shapes (fake tensors)."""
-    return _launch_and_layout(q, bank_k, bank_v, block_idx)[1].numels()
+    return _launch_and_layout(q, bank_k, bank_v, block_idx, weighted)[1].numels()
 
 
 def plan(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
          weights: Tensor | None) -> tuple[Launch, Table]:
     """Tile sizes and reference table of one call (also used by bench/kernel_ops.py to report
     how many slots a tile touches)."""
-    launch, lay = _launch_and_layout(q, bank_k, bank_v, block_idx)
+    launch, lay = _launch_and_layout(q, bank_k, bank_v, block_idx, weights is not None)
     table = build_table(block_idx, weights, q.shape[2], bank_k.shape[0], lay.tokens_per_tile)
     return launch, table
 
@@ -653,7 +533,9 @@ def forward(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
     out = torch.empty((b, h, s, d), dtype=q.dtype, device=q.device)
     k = block_idx.shape[-1]
     lse_shape = (b, h, s, k) if mix else (b, h, s)
-    lse = torch.full(lse_shape, math.inf, dtype=torch.float32, device=q.device)
+    # mix: entries never named keep +inf (nothing normalised); otherwise every row is written
+    lse = (torch.full(lse_shape, math.inf, dtype=torch.float32, device=q.device) if mix
+           else torch.empty(lse_shape, dtype=torch.float32, device=q.device))
     grid = (b * table.n_s_tiles, h_kv)
     _fwd_kernel[grid](
         q, bank_k, bank_v, out, lse, table.group_blocks, table.group_count, table.coef, table.ent,
@@ -666,7 +548,49 @@ def forward(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
     if mix:
         lse, first = _expand_first(table, lse, h, s)
         lse = lse.masked_fill(first < 0, math.inf)
-    return out, lse, table.ints, table.coef.view(-1)
+    return out, lse, table.ints, table.coef_buf
+
+
+def _bwd_dkv(q: Tensor, bank_k: Tensor, bank_v: Tensor, grad_out: Tensor, lse: Tensor,
+             stats: Tensor, table: Table, launch: Launch, mix: bool, dense_kv: bool,
+             table_strides: tuple, dims: tuple) -> tuple[Tensor, Tensor]:
+    """dK, dV: bank-shaped (dense_kv) or (U_max, T, H_kv, D) rows of the padded unique blocks.
+
+    Chunks of one block add their partial sums with fp32 atomics, so dK/dV vary in the last
+    bits from run to run unless torch.use_deterministic_algorithms is on, which makes every
+    block one chunk (`Launch.choose`). (The deterministic split, a
+    partial buffer per chunk reduced afterwards, would hold (chunks, T, H_kv, D) fp32: about
+    U_max + G·L/C rows, gigabytes for per-token lists). fp32 banks accumulate straight into
+    the zeroed gradient; fp16/bf16 ones into an fp32 (U_max, …) buffer, cast (and scattered
+    into the bank's shape) afterwards."""
+    lay = table.layout
+    n, t, h_kv, d = bank_k.shape
+    dev = q.device
+    chunk_off, chunk_u, n_chunk, n_chunk_max = dkv_chunks(table, launch.dkv_chunk, n)
+    direct = bank_k.dtype == torch.float32 and bank_v.dtype == torch.float32
+    rows = n if dense_kv and direct else lay.u_max
+    acc_k = torch.zeros((rows, t, h_kv, d), dtype=torch.float32, device=dev)
+    acc_v = torch.zeros_like(acc_k)
+    grid = (min(n_chunk_max, launch.dkv_programs), h_kv, triton.cdiv(t, launch.block_n))
+    _bwd_dkv_kernel[grid](
+        q, bank_k, bank_v, grad_out, lse, stats, acc_k, acc_v, n_chunk, chunk_u, chunk_off,
+        table.ublocks, table.pair_off, table.pairs, table.coef, table.ent,
+        *_strides4(q), *_strides4(bank_k), *_strides4(bank_v), *_strides4(grad_out),
+        *_lse_strides(lse), *table_strides, *_strides4(acc_k), *dims, launch.dkv_chunk,
+        lay.n_slots,
+        PER_TOKEN=table.per_token, MIX=mix, ROW_BY_BLOCK=dense_kv and direct, **launch.meta(),
+    )
+    if direct:
+        return acc_k, acc_v
+    if not dense_kv:  # padded rows (u >= n_u) stay zero
+        return acc_k.to(bank_k.dtype), acc_v.to(bank_v.dtype)
+    # padded unique ids are n: they land in a spare last row that is dropped
+    rows_of_u = table.ublocks[:-1].long()
+    dk = torch.zeros((n + 1, t, h_kv, d), dtype=bank_k.dtype, device=dev)
+    dv = torch.zeros((n + 1, t, h_kv, d), dtype=bank_v.dtype, device=dev)
+    dk.index_copy_(0, rows_of_u, acc_k.to(bank_k.dtype))
+    dv.index_copy_(0, rows_of_u, acc_v.to(bank_v.dtype))
+    return dk[:n], dv[:n]
 
 
 def backward(grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
@@ -682,7 +606,7 @@ def backward(grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_
     b, h, s, d = q.shape
     t, h_kv = bank_k.shape[1:3]
     k = block_idx.shape[-1]
-    launch, lay = _launch_and_layout(q, bank_k, bank_v, block_idx)
+    launch, lay = _launch_and_layout(q, bank_k, bank_v, block_idx, weights is not None)
     table = Table.unpack(lay, table_ints, table_coef)
     need_dc = mix or need_dw
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -709,25 +633,18 @@ def backward(grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_
             *table_strides, *dims, PER_TOKEN=table.per_token, MIX=mix, NEED_DC=need_dc,
             ONE_TILE=one_tile, DC_PASS=dc_pass, **launch.meta(),
         )
-    rows = (bank_k.shape[0] if dense_kv else lay.u_max) if need_kv else 0
-    # dense: rows of unreferenced blocks stay zero; sparse: padded rows are never written
-    alloc = torch.zeros if dense_kv else torch.empty
-    dk = alloc((rows, t, h_kv, d), dtype=bank_k.dtype, device=q.device)
-    dv = alloc(dk.shape, dtype=bank_v.dtype, device=q.device)
     if need_kv:
-        stats = dc if mix else delta
-        # grid from the static bound U_max; programs past n_u return at once
-        _bwd_dkv_kernel[(lay.u_max, h_kv, triton.cdiv(t, launch.block_n))](
-            q, bank_k, bank_v, grad_out, lse, stats, dk, dv, table.n_u, table.ublocks,
-            table.u_order, table.pair_off, table.pair_group, table.pair_slot, table.coef,
-            table.ent, *_strides4(q), *_strides4(bank_k), *_strides4(bank_v),
-            *_strides4(grad_out), *_lse_strides(lse), *table_strides, *_strides4(dk), *dims,
-            PER_TOKEN=table.per_token, MIX=mix, DENSE=dense_kv, **launch.meta(),
-        )
+        dk, dv = _bwd_dkv(q, bank_k, bank_v, grad_out, lse, dc if mix else delta, table, launch,
+                          mix, dense_kv, table_strides, dims)
+    else:
+        dk = bank_k.new_empty((0, t, h_kv, d))
+        dv = bank_v.new_empty(dk.shape)
     if need_dw:
         dcs, _ = _expand_first(table, dc, h, s)
         dcs = dcs.sum(1)  # (B, S, k): weights are shared by the heads
         dw = (dcs if table.per_token else dcs.sum(1)).to(weights.dtype)
     else:
         dw = q.new_empty(0)
-    return dq, dk, dv, table.ublocks, table.n_u, dw
+    # the sparse layout's row count (read on the host by the caller); unused when dense
+    n_u = dq.new_empty(0, dtype=torch.int32) if dense_kv else (table.ublocks < bank_k.shape[0]).sum()
+    return dq, dk, dv, table.ublocks, n_u, dw

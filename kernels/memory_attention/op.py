@@ -85,7 +85,8 @@ def _fwd_fake(q, bank_k, bank_v, block_idx, weights, weight_mode, scale, impl, s
     shape = (b, h, s, block_idx.shape[-1]) if _is_mix(weights, weight_mode) else (b, h, s)
     n_int, n_coef = 0, 0
     if _use_triton(q, impl):  # the table's static bounds come from the shapes alone
-        n_int, n_coef = _triton_kernels().table_numels(q, bank_k, bank_v, block_idx)
+        n_int, n_coef = _triton_kernels().table_numels(q, bank_k, bank_v, block_idx,
+                                                                weights is not None)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty(shape, dtype=torch.float32), q.new_empty(n_int, dtype=torch.int32),
             q.new_empty(n_coef, dtype=torch.float32))
