@@ -6,6 +6,7 @@ bank), `memtree eval-continual` (learning new facts without forgetting) and the 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 # Each command imports its library modules inside its handler: `memtree --help` loads every stage's
@@ -22,17 +23,24 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "results.json, report.md and PNGs.",
     )
     p.add_argument("run", help="a training run's save_folder (memtree_config.json, anchor.safetensors, bank/)")
-    p.add_argument("--facts", required=True, help="facts JSONL (memtree demo-corpus --facts …)")
-    p.add_argument("--tree", help="clustering tree directory (default: next to the run's shards)")
-    p.add_argument("--held-out", help="JSONL of held-out documents ({'text': …}) for perplexity")
+    p.add_argument("--facts", help="facts JSONL (default: facts.jsonl beside the run's pipeline run, as "
+                                   "`memtree demo` lays it out; memtree demo-corpus writes one)")
+    p.add_argument("--tree", help="clustering tree directory (default: tree/ beside the run's shards)")
+    p.add_argument("--held-out", help="JSONL of held-out documents ({'text': …}) for perplexity (default: "
+                                      "heldout.jsonl beside the run's pipeline run when there, as eval-longctx)")
     p.add_argument("--max-probes", type=int, default=0, help="evaluate at most this many probes (0 = all)")
     p.add_argument("--block-domains", help="comma-separated domains whose probes' best match gets blocked")
     p.add_argument("--rag", nargs="?", const="", metavar="PIPELINE_RUN",
                    help="add the RAG baseline (App. H): the nearest training window of the question's leaf "
                         "cluster in the context; datastore = this pipeline run (default: the run's shards' parent)")
-    p.add_argument("--epochs", type=float, default=1.0,
-                   help="epochs the model trained over the corpus in all (exposures = mentions × epochs)")
-    p.add_argument("--block-level", type=int, default=1, help="tree level of the blocked subtrees (default 1)")
+    p.add_argument("--epochs", type=float,
+                   help="epochs the model trained over the corpus in all (exposures = mentions × epochs; default: "
+                        "counted from the run's max_duration and the anchor_checkpoint runs it continued, "
+                        "e.g. the demo's 2 + 5)")
+    p.add_argument("--block-level", type=int,
+                   help="with --block-domains: tree level of the blocked subtrees, one of the levels the bank "
+                        "holds memory at (default: the shallowest; the demo's bank: 2, a domain); a level-L "
+                        "subtree is 1/branching^L of the tree")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="report directory (default RUN/eval)")
     p.set_defaults(func=_eval)
@@ -48,6 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("overrides", nargs="*", help="sweep key=value overrides (e.g. out=… eval.max_probes=64)")
     s.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
                    help="training override for every run (repeatable), applied last")
+    s.add_argument("--out", help="output folder (the sweep's `out`; same as out=PATH)")
     s.set_defaults(func=_sweep)
 
     r = sub.add_parser(
@@ -59,7 +68,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "OUT/results.json, OUT/report.md and OUT/retention.png.",
     )
     r.add_argument("config", nargs="?", help="retention YAML (eval/yamls/retention.yaml); optional")
-    r.add_argument("overrides", nargs="*", help="key=value overrides (run=… out=… facts=… steps=…)")
+    r.add_argument("overrides", nargs="*", help="key=value overrides (run=… facts=… steps=…)")
+    r.add_argument("--out", help="output folder (the retention config's `out`; same as out=PATH)")
     r.set_defaults(func=_retention)
 
     t = sub.add_parser(
@@ -69,9 +79,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "run has a bank, with generic and fetched memory; report each task and the common- / "
                     "specific-knowledge group averages. Writes OUT/results.json, OUT/report.md, OUT/suite.png.",
     )
-    t.add_argument("suite", help="suite YAML (eval/yamls/suite-example.yaml)")
+    t.add_argument("suite", help="suite YAML (eval/yamls/suite-example.yaml); its task paths are relative to it")
     t.add_argument("run", help="a training run's save_folder")
-    t.add_argument("--tree", help="clustering tree directory (default: next to the run's shards)")
+    t.add_argument("--tree", help="clustering tree directory (default: tree/ beside the run's shards)")
     t.add_argument("--out", help="report directory (default RUN/eval-tasks)")
     t.set_defaults(func=_tasks)
 
@@ -89,9 +99,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     lc.add_argument("--window", type=int, default=128, help="window L in tokens (default 128)")
     lc.add_argument("--docs", help="JSONL of documents ({'text': …}; default: heldout.jsonl beside the run's "
                                    "pipeline run, as `memtree demo` lays it out)")
-    lc.add_argument("--group-by", default="topic",
-                    help="record key whose documents are joined into one long document (default topic; "
-                         "'none': every record alone)")
+    lc.add_argument("--group-by",
+                    help="record key whose documents are joined into one long document; every record must have "
+                         "it ('none': every record alone; default: topic when every record has one, none when "
+                         "no record has one)")
     lc.add_argument("--max-docs", type=int, default=0, help="score at most this many long documents (0 = all)")
     lc.add_argument("--slots", type=int, default=4096, help="memory slots M per layer and KV head (default 4096)")
     lc.add_argument("--threshold", type=float, default=0.93, help="CAMELoT's novelty threshold R (default 0.93)")
@@ -119,6 +130,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                  "(n_entities=… sessions=… capacities=[1,0.5] top_k=…)")
     cb.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
                     help="compressor training override (repeatable), e.g. --train max_duration=1ep")
+    cb.add_argument("--out", help="report folder (default ROOT/context-bank; out=PATH is a deprecated alias)")
     cb.set_defaults(func=_context_bank)
 
     ct = sub.add_parser(
@@ -128,12 +140,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "access counts, then streams new facts (one gradient step per fact's paraphrases) through each "
                     "configuration of the grid and measures learning (new-fact accuracy) and forgetting (old-fact "
                     "accuracy, held-out perplexity). Writes OUT/results.json, OUT/report.md, OUT/pareto.png "
-                    "(default OUT: ROOT/continual). Grid: eval/yamls/continual.yaml.",
+                    "(default OUT: ROOT/continual). Grid: eval/yamls/continual.yaml. The memory-layer run "
+                    "ROOT/train/pkm is reused only when trained from the same pretrain settings and shards.",
     )
     ct.add_argument("root", help="a bios demo run (memtree demo's --root): corpus.json, facts.jsonl, pipeline/shards")
     ct.add_argument("overrides", nargs="*", help="eval.continual.ContinualConfig key=value overrides "
-                                                 "(n_facts=… paraphrases=… run=… out=…)")
+                                                 "(n_facts=… paraphrases=… run=…)")
     ct.add_argument("--config", help="YAML with the grid (default eval/yamls/continual.yaml)")
+    ct.add_argument("--out", help="report folder (default ROOT/continual; out=PATH is a deprecated alias)")
     ct.set_defaults(func=_continual)
 
     ad = sub.add_parser(
@@ -147,8 +161,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     ad.add_argument("root", help="a bios demo run (memtree demo's --root): corpus.json, facts.jsonl, train/anchor")
     ad.add_argument("overrides", nargs="*", help="eval.adapters.AdaptersConfig key=value overrides "
-                                                 "(n_facts=… epochs=… run=… out=…)")
+                                                 "(n_facts=… epochs=… run=…)")
     ad.add_argument("--config", help="YAML with the grid (default eval/yamls/adapters.yaml)")
+    ad.add_argument("--out", help="report folder (default ROOT/adapters; out=PATH is a deprecated alias)")
     ad.set_defaults(func=_adapters)
 
     d = sub.add_parser(
@@ -188,35 +203,129 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _need_file(path: str | Path, what: str) -> Path:
+    """`path` when it exists, else an error naming the flag or key (`what`) that gave it."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{what} {path}: no such file or directory")
+    return Path(path)
+
+
+def _note(cmd: str, msg: str) -> None:
+    print(f"memtree {cmd}: {msg}", file=sys.stderr, flush=True)
+
+
+def _block_level(rm, args: argparse.Namespace) -> int | None:
+    """--block-level checked against the bank before anything slow runs; default: the shallowest
+    level that holds memory."""
+    if not args.block_domains:
+        if args.block_level is not None:
+            raise ValueError("--block-level applies to --block-domains only (nothing is blocked without it)")
+        return None
+    if not rm.has_memory:
+        raise ValueError(f"--block-domains: {args.run} has no memory bank to block")
+    levels = sorted(rm.store.levels)
+    if args.block_level is None:
+        return levels[0]
+    if args.block_level not in levels:
+        raise ValueError(f"--block-level {args.block_level}: the bank {rm.store.root} holds memory at level(s) "
+                         f"{levels} only; pass --block-level {levels[0]}" + (f" (or {', '.join(map(str, levels[1:]))})"
+                                                                            if len(levels) > 1 else ""))
+    return args.block_level
+
+
 def _eval(args: argparse.Namespace) -> int:
     from eval.knowledge import blocking_eval, knowledge_eval, load_eval_inputs, write_report
     from eval.model import RunModel
+    from eval.runinfo import bank_state, demo_root, trained_epochs
 
     rm = RunModel.load(args.run, tree_dir=args.tree)
-    probes, held_out = load_eval_inputs(args.facts, held_out=args.held_out, max_probes=args.max_probes,
-                                        seed=args.seed, epochs=args.epochs)
+    level = _block_level(rm, args)  # fail fast: before the probes are scored
+    root = demo_root(rm.config)
+    if args.facts:
+        facts = _need_file(args.facts, "--facts")
+    elif (root / "facts.jsonl").is_file():
+        facts = root / "facts.jsonl"
+        _note("eval", f"facts: {facts} (beside the run's pipeline run; --facts to choose)")
+    else:
+        raise ValueError(f"--facts: not given, and there is no facts.jsonl beside the run's pipeline run ({root})")
+    held = _need_file(args.held_out, "--held-out") if args.held_out else None
+    if held is None and (root / "heldout.jsonl").is_file():
+        held = root / "heldout.jsonl"
+        _note("eval", f"held-out documents: {held} (beside the run's pipeline run; --held-out to choose)")
+    elif held is None:
+        _note("eval", "no held-out documents (--held-out FILE.jsonl): the perplexity column stays empty")
+    epochs, how = (args.epochs, "--epochs") if args.epochs is not None else trained_epochs(args.run)
+    if epochs is None:
+        _note("eval", f"epochs: 1 (--epochs not given and the run's epochs cannot be counted: {how})")
+        epochs, how = 1.0, "default (not countable from the run)"
+    else:
+        _note("eval", f"epochs: {epochs:g} ({how}; exposures = mentions × epochs)")
+    probes, held_out = load_eval_inputs(facts, held_out=held, max_probes=args.max_probes,
+                                        seed=args.seed, epochs=epochs)
+    targets = args.block_domains.split(",") if args.block_domains else []
+    if targets:  # checked before the slow part: a typo, or no evaluated probe to block for
+        from eval.longtail import load_facts
+
+        domains = sorted({str(f.get("domain")) for f in load_facts(facts)})
+        unknown = sorted(set(targets) - set(domains))
+        if unknown:
+            raise ValueError(f"--block-domains: {unknown} are not domains of {facts} ({domains})")
+        if not any(p.get("domain") in targets for p in probes):
+            raise ValueError(f"--block-domains: none of the {len(probes)} probes evaluated belongs to {targets} "
+                             "(--max-probes keeps an evenly spread subset)")
     rag = None
     if args.rag is not None:
         from eval.rag import RagIndex
 
-        rag = RagIndex.open(args.rag or Path(rm.config.data.shards).parent)
+        rag = RagIndex.open(_need_file(args.rag, "--rag") if args.rag else Path(rm.config.data.shards).parent)
     knowledge = knowledge_eval(rm, probes, held_out, rag=rag)
     blocking = None
-    if args.block_domains:
-        blocking = blocking_eval(rm, probes, target_domains=args.block_domains.split(","), seed=args.seed,
-                                 level=args.block_level, fraction=rm.store.info.memory.branching ** -args.block_level)
+    if targets:
+        blocking = blocking_eval(rm, probes, target_domains=targets, seed=args.seed, level=level,
+                                 fraction=rm.store.info.memory.branching ** -level)
     out = Path(args.out) if args.out else Path(args.run) / "eval"
-    files = write_report(out, knowledge=knowledge, blocking=blocking,
-                         meta={"run": str(Path(args.run).resolve()), "probes": len(probes)})
+    meta = {"run": str(Path(args.run).resolve()), "facts": str(facts), "held_out": str(held) if held else None,
+            "epochs": epochs, "epochs_from": how, "probes": len(probes)}
+    files = write_report(out, knowledge=knowledge, blocking=blocking, meta=meta,
+                         bank=bank_state(rm.store.root) if rm.has_memory else None)
     print(Path(files["markdown"]).read_text())
     print(f"report: {Path(files['markdown']).resolve()}")
     return 0
 
 
+def _out(args: argparse.Namespace, cmd: str, *, deprecated: bool) -> list[str]:
+    """`--out PATH` as the config's `out=` override (applied last). `out=PATH` among the overrides
+    still works; where `out` is no YAML key of the command's own (`deprecated`), it prints a note."""
+    given = [o.split("=", 1)[1] for o in args.overrides if o.split("=", 1)[0] == "out"]
+    if given and args.out is not None and given[-1] != args.out:
+        raise ValueError(f"--out {args.out} and out={given[-1]} disagree; give one")
+    if given and args.out is None and deprecated:
+        _note(cmd, "note: out=PATH is deprecated; use --out PATH")
+    return [f"out={args.out}"] if args.out is not None else []
+
+
+def _config_file(path: str | None, what: str) -> str | None:
+    return str(_need_file(path, what)) if path else None
+
+
+def _demo_root(root: str, cmd: str, files: tuple[str, ...]) -> None:
+    """A bios demo run's ROOT: each file the command reads, named when missing."""
+    missing = [f for f in files if not (Path(root) / f).exists()]
+    if missing:
+        raise FileNotFoundError(f"{cmd} ROOT {root}: no {', '.join(missing)} there (ROOT is a bios demo run: "
+                                "memtree demo's --root)")
+
+
 def _sweep(args: argparse.Namespace) -> int:
     from eval.sweeps import load_sweep_config, run_sweep
 
-    result = run_sweep(load_sweep_config(args.sweep, args.overrides), train_overrides=args.train)
+    cfg = load_sweep_config(_config_file(args.sweep, "SWEEP"), [*args.overrides, *_out(args, "eval-sweep",
+                                                                                          deprecated=False)])
+    for key in ("facts", "held_out", "tree"):
+        value = getattr(cfg.eval, key, None)
+        if value:
+            _need_file(value, f"eval.{key} (in {args.sweep} or its overrides):")
+    result = run_sweep(cfg, train_overrides=args.train)
     print(Path(result["files"]["markdown"]).read_text(encoding="utf-8"))
     print(f"report: {result['files']['markdown']}")
     return 0
@@ -228,7 +337,15 @@ def _retention(args: argparse.Namespace) -> int:
     config, overrides = args.config, list(args.overrides)
     if config and "=" in config:  # no YAML: every argument is an override
         config, overrides = None, [config, *overrides]
-    result = run_retention(load_retention_config(config, overrides))
+    cfg = load_retention_config(_config_file(config, "CONFIG"),
+                                [*overrides, *_out(argparse.Namespace(overrides=overrides, out=args.out),
+                                                   "eval-retention", deprecated=False)])
+    where = f"(in {config} or its overrides)" if config else "(override)"
+    _need_file(Path(cfg.run) / "memtree_config.json", f"run={cfg.run} {where}: a training run needs")
+    for key in ("facts", "held_out", "tree"):
+        if getattr(cfg, key):
+            _need_file(getattr(cfg, key), f"{key} {where}:")
+    result = run_retention(cfg)
     print(Path(result["files"]["markdown"]).read_text(encoding="utf-8"))
     print(f"report: {result['files']['markdown']}")
     return 0
@@ -238,7 +355,7 @@ def _tasks(args: argparse.Namespace) -> int:
     from eval.model import RunModel
     from eval.suite import load_suite_config, run_suite, write_suite_report
 
-    cfg = load_suite_config(args.suite)
+    cfg = load_suite_config(_need_file(args.suite, "SUITE"))  # task paths resolve against the YAML
     result = run_suite(RunModel.load(args.run, tree_dir=args.tree), cfg)
     out = Path(args.out) if args.out else Path(args.run) / "eval-tasks"
     files = write_suite_report(out, result, meta={"run": str(Path(args.run).resolve()), "suite": args.suite})
@@ -248,19 +365,30 @@ def _tasks(args: argparse.Namespace) -> int:
 
 
 def _longctx(args: argparse.Namespace) -> int:
-    from eval.longctx import load_records, long_documents, longctx_eval, write_longctx_report
+    from eval.longctx import (
+        group_key,
+        load_records,
+        long_documents,
+        longctx_eval,
+        write_longctx_report,
+    )
     from eval.model import RunModel
+    from eval.runinfo import demo_root
     from memstore.camelot import CamelotConfig
 
     methods = [m.strip() for m in args.method.split(",") if m.strip()]
-    rm = RunModel.load(args.run)
-    docs_path = Path(args.docs) if args.docs else Path(rm.config.data.shards).resolve().parent.parent / "heldout.jsonl"
-    if not docs_path.exists():
-        raise FileNotFoundError(f"eval-longctx: no documents at {docs_path}; pass --docs FILE.jsonl")
-    group_by = None if args.group_by == "none" else args.group_by
+    rm = RunModel.load(args.run, bank=False)  # the frozen anchor only: no bank, no tree
+    if args.docs:
+        docs_path = _need_file(args.docs, "--docs")
+    else:
+        docs_path = demo_root(rm.config) / "heldout.jsonl"
+        if not docs_path.exists():
+            raise FileNotFoundError(f"eval-longctx: no documents at {docs_path}; pass --docs FILE.jsonl")
+    records = load_records(docs_path)
+    group_by = group_key(records, args.group_by, docs_path)
     layers = tuple(int(x) for x in args.layers.split(",") if x.strip()) if args.layers else None
-    _keys, docs = long_documents(load_records(docs_path), rm.encode, group_by=group_by, separator=rm.eot_id,
-                                max_docs=args.max_docs)
+    _keys, docs = long_documents(records, rm.encode, group_by=group_by, separator=rm.eot_id,
+                                 max_docs=args.max_docs)
     results = longctx_eval(rm, docs, methods=methods, window=args.window,
                            cfg=CamelotConfig(slots=args.slots, threshold=args.threshold, layers=layers),
                            ablations=not args.no_ablations, visibility=args.visibility, log=print)
@@ -275,8 +403,10 @@ def _longctx(args: argparse.Namespace) -> int:
 def _context_bank(args: argparse.Namespace) -> int:
     from eval.context_recall import load_recall_config, run_recall
 
+    _demo_root(args.root, "eval-context-bank", ("corpus.json", "facts.jsonl", "train/anchor"))
     train = ",".join(f'"{t}"' for t in args.train)
-    cfg = load_recall_config(None, [f"root={args.root}", *args.overrides, *([f"train=[{train}]"] if train else [])])
+    cfg = load_recall_config(None, [f"root={args.root}", *args.overrides, *([f"train=[{train}]"] if train else []),
+                                    *_out(args, "eval-context-bank", deprecated=True)])
     print(run_recall(cfg))
     return 0
 
@@ -284,12 +414,18 @@ def _context_bank(args: argparse.Namespace) -> int:
 def _continual(args: argparse.Namespace) -> int:
     from eval.continual import load_continual_config, run_continual
 
-    print(run_continual(load_continual_config(args.config, [f"root={args.root}", *args.overrides])))
+    _demo_root(args.root, "eval-continual", ("corpus.json", "facts.jsonl", "heldout.jsonl"))
+    print(run_continual(load_continual_config(_config_file(args.config, "--config"),
+                                              [f"root={args.root}", *args.overrides,
+                                               *_out(args, "eval-continual", deprecated=True)])))
     return 0
 
 
 def _adapters(args: argparse.Namespace) -> int:
     from eval.adapters import load_adapters_config, run_adapters
 
-    print(run_adapters(load_adapters_config(args.config, [f"root={args.root}", *args.overrides])))
+    _demo_root(args.root, "eval-adapters", ("corpus.json", "facts.jsonl", "heldout.jsonl"))
+    print(run_adapters(load_adapters_config(_config_file(args.config, "--config"),
+                                            [f"root={args.root}", *args.overrides,
+                                             *_out(args, "eval-adapters", deprecated=True)])))
     return 0

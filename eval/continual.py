@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from eval.demo import DEMO_TRAIN_YAML
+from eval.demo import DEMO_TRAIN_YAML, shards_fingerprint, train_once
 from eval.longtail import build_probes, load_facts, wilson
 from eval.model import RunModel
 from eval.plots import new_figure, save_png
@@ -61,7 +61,6 @@ from training.finetune import (
     load_background,
 )
 from training.pkm import BACKGROUND_DIR
-from training.train import train
 
 DEFAULT_YAML = Path(__file__).parent / "yamls" / "continual.yaml"
 CHANCE = 0.25
@@ -221,22 +220,35 @@ def fact_task(root: Path, out: Path, cfg, rm) -> tuple[list, list, list, list, l
     return records, new, old_probes(root, cfg), held, batches
 
 
-def ensure_pretrained(root: Path, cfg: ContinualConfig) -> Path:
-    """The memory-layer run (trained when missing) with its background counts (collected when missing)."""
+def ensure_pretrained(root: Path, cfg: ContinualConfig) -> tuple[Path, str]:
+    """The memory-layer run with its background counts (collected when missing or collected
+    otherwise); returns (run, what was done with it: "reused", "trained", "retrained", "given").
+
+    The default run, ROOT/train/pkm, is reused only when it was trained from the same inputs: the
+    training config (the demo YAML + `pretrain`), its duration and the shards' fingerprint
+    (`eval.demo.train_once`, the demo's rule); otherwise it is retrained. A run given as `run=` that
+    holds a trained model is the user's: used as given, never retrained or removed."""
     run = Path(cfg.run) if cfg.run else root / "train" / "pkm"
-    if not (run / "anchor.safetensors").exists():
-        overrides = [f"data.shards={root / 'pipeline' / 'shards'}", "mode=baseline", "memory.multipliers=[]",
+    if cfg.run and (run / "anchor.safetensors").exists():
+        print(f"memory-layer model: {run} as given (run=; pretrain settings not applied)", flush=True)
+        action = "given"
+    else:
+        shards = root / "pipeline" / "shards"
+        if not (shards / "manifest.json").exists():
+            raise FileNotFoundError(f"{shards}: no shards (manifest.json) to pretrain the memory-layer model on; "
+                                    "run `memtree demo` for ROOT first, or give run=…")
+        overrides = [f"data.shards={shards}", "mode=baseline", "memory.multipliers=[]",
                      f"save_folder={run}", "run_name=continual-pkm", f"seed={cfg.seed}", *cfg.pretrain]
         tcfg = load_train_config(DEMO_TRAIN_YAML, overrides)
         if tcfg.model.pkm is None:
             raise ConfigError("pretrain: the overrides give no model.pkm (e.g. model.pkm.n_keys=128)")
-        print(f"pretraining the memory-layer model → {run}", flush=True)
-        train(tcfg)
+        inputs = {"config": tcfg.fingerprint(), "duration": tcfg.max_duration, "upstream": shards_fingerprint(shards)}
+        _, action = train_once("memory-layer model", tcfg, inputs, log=lambda m: print(m, flush=True))
     if not _background_matches(run, cfg):
         print(f"collecting background counts over {cfg.background_batches} pretraining batches", flush=True)
         collect_run_background(run, batches=cfg.background_batches, batch_size=cfg.background_batch_size,
                                seed=cfg.seed)
-    return run
+    return run, action
 
 
 def _background_matches(run: Path, cfg: ContinualConfig) -> bool:
@@ -253,7 +265,7 @@ def run_continual(cfg: ContinualConfig, *, progress: bool = True) -> Path:
     out = Path(cfg.out) if cfg.out else root / "continual"
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    run = ensure_pretrained(root, cfg)
+    run, action = ensure_pretrained(root, cfg)
     timings = {"pretrain_s": round(time.time() - t0, 1)}
     rm = RunModel.load(run)
     model = rm.model
@@ -288,6 +300,7 @@ def run_continual(cfg: ContinualConfig, *, progress: bool = True) -> Path:
     timings["total_s"] = round(time.time() - t0, 1)
     bg = next(iter(background.values()))  # every layer's counts came from the same batches
     report = {"format": "memtree-continual", "version": 1, "config": to_dict(cfg), "run": str(run),
+              "run_action": action,
               "pretrained": read_json(run / "memtree_config.json")["config"]["model"],
               "background": {"batches": bg.n_batches, "tokens_per_batch": bg.tokens / max(1, bg.n_batches),
                              "source": bg.source},
@@ -399,6 +412,8 @@ def write_continual_report(out: Path, report: dict[str, Any]) -> Path:
               f"{report['held_out_documents']} documents. Background counts: {report['background']['batches']} "
               f"pretraining batches of {report['background']['tokens_per_batch']:.0f} tokens (a finetuning batch: "
               f"{report['tokens_per_finetune_batch']:.0f})."), "",
+             (f"Memory-layer model: {report['run']} ({report.get('run_action', 'given')}: reused only when "
+              "trained from the same pretrain settings and shards)."), "",
              (f"Before finetuning: new facts {b['new_accuracy']:.1%}, old facts {b['old_accuracy']:.1%}, "
              f"held-out perplexity {b['perplexity']:.3f}."), "",
              ("| configuration | new facts | old facts | old drop (pts) | held-out ppl | ppl increase | "

@@ -97,8 +97,9 @@ def _epochs(duration: str, batch_size: int, n_samples: int) -> float:
     raise ValueError(f"demo durations must be in epochs ('2ep') or batches ('150ba'), got {duration!r}")
 
 
-def _train_stage(name: str, cfg: TrainConfig, inputs: dict[str, str]) -> str:
-    """Train one stage unless `save_folder` finished a run from the same `inputs`; returns their key.
+def train_once(name: str, cfg: TrainConfig, inputs: dict[str, str], log=_log) -> tuple[str, str]:
+    """Train `cfg` unless `save_folder` finished a run from the same `inputs` (recorded in its
+    `demo_inputs.json`); returns (their key, "reused" | "trained" | "retrained").
 
     A folder trained (or half-trained) from other inputs, or by a version that did not record them,
     is removed first: Composer would otherwise resume its checkpoints on the new shards."""
@@ -106,19 +107,38 @@ def _train_stage(name: str, cfg: TrainConfig, inputs: dict[str, str]) -> str:
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
     marker = folder / "demo_inputs.json"
     old = read_json(marker) if marker.is_file() else None
+    action = "trained"
     if old is not None and old.get("key") == key:
         if (folder / "metrics.json").exists():
-            _log(f"{name}: already trained from these inputs ({folder}), skipping")
-            return key
+            log(f"{name}: already trained from these inputs ({folder}), skipping")
+            return key, "reused"
     elif folder.exists() and any(folder.iterdir()):
-        changed = sorted(k for k in inputs if (old or {}).get("inputs", {}).get(k) != inputs[k])
-        _log(f"{name}: {folder} was trained from other inputs ({', '.join(changed)} changed), retraining")
+        if old is None:
+            log(f"{name}: {folder} holds a run with no record of what it was trained from, retraining")
+        else:
+            changed = sorted(k for k in inputs if old.get("inputs", {}).get(k) != inputs[k])
+            log(f"{name}: {folder} was trained from other inputs ({', '.join(changed)} changed), retraining")
         shutil.rmtree(folder)
+        action = "retrained"
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_json(marker, {"key": key, "inputs": inputs})
-    _log(f"{name}: training ({cfg.max_duration}, mode {cfg.mode}) → {folder}")
+    log(f"{name}: training ({cfg.max_duration}, mode {cfg.mode}) → {folder}")
     train(cfg)
-    return key
+    return key, action
+
+
+def _train_stage(name: str, cfg: TrainConfig, inputs: dict[str, str]) -> str:
+    """`train_once` for a demo stage; returns the inputs' key (the next stage's upstream)."""
+    return train_once(name, cfg, inputs)[0]
+
+
+def shards_fingerprint(shards: Path) -> str:
+    """What a run trained on the shards depends on: the pipeline's shards-stage fingerprint (it folds
+    in the tree and assignments), else the manifest's digest."""
+    stage = shards / "_stage.json"
+    if stage.is_file():
+        return read_json(stage)["fingerprint"]
+    return hashlib.sha256((shards / "manifest.json").read_bytes()).hexdigest()[:16]
 
 
 def run_main_job(root: str | Path = "runs/demo", *, corpus: dict[str, Any] | None = None,

@@ -154,11 +154,27 @@ def _routing_lines(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _bank_lines(bank: dict[str, Any]) -> list[str]:
+    from eval.runinfo import describe_runs
+
+    lines = ["## Blocked memory in the evaluated bank", ""]
+    if bank["blocked"]:
+        lines.append(f"- blocked: {describe_runs(bank['blocked'])}; fetched memory reads them as "
+                     f"{bank['fallback']} (the bank's policy.json)")
+    if bank["deleted"]:
+        lines.append(f"- deleted: {describe_runs(bank['deleted'])}")
+    for e in bank["audit"]:
+        lines.append(f"- audit: {e['time']} {e['user']} {e['action']} level {e['level']} clusters {e['clusters']}"
+                     + (f" ({e['reason']})" if e.get("reason") else ""))
+    return [*lines, ""]
+
+
 def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None,
                  blocking: dict[str, Any] | None = None, meta: dict[str, Any] | None = None,
-                 design: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
+                 design: Sequence[tuple[str, str]] = (), bank: dict[str, Any] | None = None) -> dict[str, str]:
     """results.json, report.md, and PNGs (accuracy vs exposure; blocking). `design`: (choice, why)
-    pairs printed as the report's first section."""
+    pairs printed as the report's first section; `bank`: the evaluated bank's refused blocks
+    (`eval.runinfo.bank_state`), said before the results they affect."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, str] = {}
@@ -167,6 +183,8 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
         lines += ["## Design: what was chosen and why", ""] + [f"- **{k}**: {v}" for k, v in design] + [""]
     if meta:
         lines += [f"- {k}: {v}" for k, v in meta.items()] + [""]
+    if bank:
+        lines += _bank_lines(bank)
     if knowledge:
         k_choices = knowledge.get("n_choices") or 4
         lines += ["## Long-tail knowledge probes", "",
@@ -232,7 +250,10 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
         ax.legend(fontsize=7)
         save_png(fig, out / "blocking.png")
         files["blocking_png"] = str(out / "blocking.png")
-    atomic_write_json(out / "results.json", {"meta": meta or {}, "knowledge": knowledge, "blocking": blocking})
+    results = {"meta": meta or {}, "knowledge": knowledge, "blocking": blocking}
+    if bank:
+        results["bank"] = bank
+    atomic_write_json(out / "results.json", results)
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
     files["json"], files["markdown"] = str(out / "results.json"), str(out / "report.md")
     return files

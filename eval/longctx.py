@@ -165,6 +165,27 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def group_key(records: Sequence[dict[str, Any]], group_by: str | None, path: str | Path) -> str | None:
+    """The key `eval-longctx --group-by` joins records by, checked against the records: a key some
+    record lacks is refused, naming the record (a record without it would be scored alone while the
+    report says grouped). None (not given): `topic` when every record has one, no grouping when none
+    has; "none": no grouping."""
+    if group_by == "none":
+        return None
+    key = group_by or "topic"
+    lacking = [i for i, r in enumerate(records) if r.get(key) is None]
+    if group_by is None and len(lacking) == len(records):
+        return None
+    if lacking:
+        i = lacking[0]
+        rid = f" (id {records[i]['id']!r})" if "id" in records[i] else ""
+        keys = sorted({k for r in records for k in r} - {"text", "id"})
+        raise ValueError(f"--group-by {key}: record {i + 1}{rid} of {path} has no {key!r} "
+                         f"({len(lacking)} of {len(records)} records lack it; keys the records have: {keys}); "
+                         "pass --group-by KEY that every record has, or --group-by none")
+    return key
+
+
 def long_documents(records: Iterable[dict[str, Any]], encode: Callable[[str], list[int]], *,
                    group_by: str | None = "topic", separator: int | None = None,
                    max_docs: int = 0) -> tuple[list[str], list[list[int]]]:

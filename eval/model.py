@@ -21,12 +21,26 @@ import torch.nn.functional as F
 
 from clustering.route import route_texts
 from clustering.tree import load_tree
+from eval.runinfo import CONFIG_FILE, run_config, stored_config
 from memstore.store import MemoryStore, TierConfig
 from training.config import TrainConfig
 from training.model import AnchorLM, assemble_memories
 from training.train import load_run
 
 MemoryMode = Literal["none", "generic", "fetched"]
+
+
+def _open_tree(tree_dir: str | Path | None, cfg: TrainConfig, folder: Path):
+    """`--tree` when given, else `tree/` beside the run's shards; a missing one names both."""
+    if tree_dir:
+        if not (Path(tree_dir) / "tree.json").exists() and Path(tree_dir).name != "tree.json":
+            raise FileNotFoundError(f"--tree {tree_dir}: no clustering tree there (no tree.json)")
+        return load_tree(tree_dir)
+    default = Path(cfg.data.shards).parent / "tree"
+    if not (default / "tree.json").exists():
+        raise FileNotFoundError(f"{folder}: no clustering tree at {default} (tree/ beside data.shards "
+                                f"{cfg.data.shards!r}, stored in {folder / CONFIG_FILE}); pass --tree DIR")
+    return load_tree(default)
 
 
 @dataclass
@@ -40,18 +54,28 @@ class RunModel:
 
     @classmethod
     def load(cls, save_folder: str | Path, *, tree_dir: str | Path | None = None,
-             tiers: list[TierConfig] | None = None) -> RunModel:
+             tiers: list[TierConfig] | None = None, bank: bool = True) -> RunModel:
+        """The run's model and (`bank`, when the run has one) its bank. Paths stored in the run's
+        config resolve relative to the run when it was moved (`eval.runinfo.resolve_stored`); the tree
+        is `tree_dir`, else `tree/` beside the run's shards."""
         folder = Path(save_folder)
-        composer_model, cfg, manifest, tokenizer = load_run(folder)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder}: no such run folder (a training run's save_folder)")
+        stored_config(folder)  # names a folder that is no run
+        if not (folder / "anchor.safetensors").exists():
+            raise FileNotFoundError(f"{folder}: no anchor.safetensors (not a finished training run: "
+                                    "memtree train writes it at the end)")
+        cfg = run_config(folder)
+        # the stored config with its paths resolved (a run moved from where it trained)
+        composer_model, cfg, manifest, tokenizer = load_run(folder, cfg)
         model = composer_model.model
         store = None
-        if (folder / "bank").exists():
-            tree_dir = Path(tree_dir) if tree_dir else Path(cfg.data.shards).parent / "tree"
-            tree = load_tree(tree_dir)
+        if bank and (folder / "bank").exists():
+            tree = _open_tree(tree_dir, cfg, folder)
             store = MemoryStore(folder / "bank", tree=tree, out_dtype=torch.float32,
                                 tiers=tiers or [TierConfig(name="ram", kind="ram")])
         else:
-            tree = load_tree(tree_dir) if tree_dir else None
+            tree = _open_tree(tree_dir, cfg, folder) if tree_dir else None
         return cls(config=cfg, model=model, store=store, tokenizer=tokenizer, eot_id=int(manifest["eot_id"]),
                    tree=tree)
 

@@ -20,6 +20,7 @@ the atomic-number style of App. B).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ class TaskDataError(ValueError):
 class TaskSpec:
     name: str
     type: TaskType
-    path: str  # JSONL of items (relative paths: from the working directory)
+    path: str  # JSONL of items (relative paths: from the suite YAML's folder)
     group: Literal["common", "specific"]
     num_fewshot: int = 0  # solved examples drawn from the same file, never the item itself
     max_items: int = 0  # score the first max_items items (0 = all)
@@ -92,7 +93,21 @@ class SuiteConfig:
 
 
 def load_suite_config(path: str | Path | None, overrides: Sequence[str] = ()) -> SuiteConfig:
-    return load_config(SuiteConfig, str(path) if path else None, list(overrides))
+    """The suite; a task's relative `path` is relative to the suite YAML (else, as before, to the
+    working directory); a path found in neither is an error naming the task's key and the YAML."""
+    cfg = load_config(SuiteConfig, str(path) if path else None, list(overrides))
+    if not path:
+        return cfg
+    base = Path(path).parent
+    tasks = []
+    for i, t in enumerate(cfg.tasks):
+        p = Path(t.path)
+        found = next((c for c in ((p,) if p.is_absolute() else (base / p, p)) if c.is_file()), None)
+        if found is None:
+            raise ConfigError(f"tasks[{i}].path ({t.name}) in {path}: {t.path} is not a file "
+                              f"(relative paths are relative to the suite YAML, {base})")
+        tasks.append(dataclasses.replace(t, path=str(found)))
+    return dataclasses.replace(cfg, tasks=tasks)
 
 
 def _check_item(item: Any, kind: str) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +107,24 @@ def audit_log(root: str | os.PathLike) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def blocked_as_subtree(entries: Sequence[dict[str, Any]], level: int) -> list[int]:
+    """Level-`level` clusters whose latest block named them as the root of a subtree block.
+
+    An entry records what was asked (`level`, `clusters`, `subtree`); entries written before
+    those fields existed are read from `targets`: the shallowest level is what was asked, and
+    any deeper level means the subtree came with it."""
+    latest: dict[int, bool] = {}
+    for e in entries:
+        if e.get("action") != "block" or not e.get("targets"):
+            continue
+        if "level" in e:
+            root, ids, sub = int(e["level"]), e["clusters"], e.get("subtree") is True
+        else:
+            lvs = sorted(int(k) for k in e["targets"])
+            root, sub = lvs[0], len(lvs) > 1
+            ids = [i for a, b in e["targets"][str(root)] for i in range(a, b)]
+        if root == level:
+            latest.update((int(c), sub) for c in ids)
+    return sorted(c for c, sub in latest.items() if sub)

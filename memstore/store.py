@@ -66,7 +66,7 @@ from memstore.format import (
     read_manifest,
     sums_name,
 )
-from memstore.journal import apply_journals, journal_bytes, recover
+from memstore.journal import apply_journals, audit_log, blocked_as_subtree, journal_bytes, recover
 from memstore.locking import ReadWriteLock, bank_writer, whoami
 from memstore.placement import TierBudget, place_levels
 from memtree.io import atomic_write_bytes, atomic_write_json, read_json
@@ -546,7 +546,8 @@ class MemoryStore:
         self._commit(writes, manifest=manifest)
         for lv in targets:
             self.levels[lv].mask = self._refused_mask(self.levels[lv].info)
-        self._audit("delete", targets, reason)
+        self._audit("delete", targets, reason, level=level, clusters=sorted({int(c) for c in clusters}),
+                    subtree=bool(subtree))
         return {lv: len(ids) for lv, ids in targets.items()}
 
     def _commit(self, writes: list[tuple[int, int, bytes]], manifest: dict | None = None) -> None:
@@ -596,13 +597,27 @@ class MemoryStore:
         policy.json and the audit log are left alone."""
         return self._set_blocked("block", level, clusters, subtree, reason, persist)
 
-    def unblock(self, level: int, clusters: Sequence[int], *, subtree: bool = False, reason: str = "",
+    def unblock(self, level: int, clusters: Sequence[int], *, subtree: bool | None = None, reason: str = "",
                 persist: bool = True) -> dict:
+        """Lift blocks. `subtree=None` (the default) undoes what blocked them: a cluster whose latest
+        block named it with `subtree=True` (`blocking.adversarial_block` / `random_block` block that
+        way) is lifted with its whole subtree, any other alone. True / False force either."""
+        if subtree is None:
+            with self._mutex:
+                entries = audit_log(self.root) if persist else [
+                    {"action": a, "targets": {str(k): _ranges(v) for k, v in t.items()}}
+                    for a, t in self._session if a != "fallback"]
+            roots = set(blocked_as_subtree(entries, level))
+            targets = self._expand(level, [c for c in clusters if int(c) not in roots], False)
+            lifted = [c for c in clusters if int(c) in roots]
+            for lv, ids in (self._expand(level, lifted, True) if lifted else {}).items():
+                targets[lv] = sorted(set(targets.get(lv, [])) | set(ids))
+            return self._set_blocked("unblock", level, clusters, None, reason, persist, targets=targets)
         return self._set_blocked("unblock", level, clusters, subtree, reason, persist)
 
-    def _set_blocked(self, action: str, level: int, clusters: Sequence[int], subtree: bool, reason: str,
-                     persist: bool) -> dict:
-        targets = self._expand(level, clusters, subtree)
+    def _set_blocked(self, action: str, level: int, clusters: Sequence[int], subtree: bool | None, reason: str,
+                     persist: bool, targets: dict[int, list[int]] | None = None) -> dict:
+        targets = targets if targets is not None else self._expand(level, clusters, bool(subtree))
         counts = {lv: len(ids) for lv, ids in targets.items()}
         if not persist:
             with self._mutex:
@@ -612,7 +627,8 @@ class MemoryStore:
         with self._writing(action):
             _apply_blocked(self._disk_policy, action, targets)
             self._save_policy()
-            self._audit(action, targets, reason)
+            self._audit(action, targets, reason, level=level, clusters=sorted({int(c) for c in clusters}),
+                        subtree="as blocked" if subtree is None else bool(subtree))
         return counts
 
     @contextlib.contextmanager
@@ -671,11 +687,13 @@ class MemoryStore:
             self._seen = counter
         self._effective_policy()
 
-    def _audit(self, action: str, targets: Mapping[int, Sequence[int]], reason: str) -> None:
+    def _audit(self, action: str, targets: Mapping[int, Sequence[int]], reason: str, **request: Any) -> None:
+        """One audit line; `request` records what was asked (level, clusters, subtree) beside `targets`,
+        every block it covered, so an unblock can undo exactly what a block did."""
         entry = {
             "time": _utcnow(), "user": self.user, "host": socket.gethostname(), "action": action,
             "targets": {str(lv): _ranges(ids) for lv, ids in targets.items()},
-            "reason": reason, "generation": self.info.generation,
+            "reason": reason, "generation": self.info.generation, **request,
         }
         line = (json.dumps(entry, sort_keys=True) + "\n").encode()
         fd = os.open(self.root / "audit.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -712,6 +730,22 @@ def _apply_blocked(policy: dict[str, Any], action: str, targets: Mapping[int, Se
         cur = {i for a, b in policy["blocked"].get(str(lv), []) for i in range(a, b)}
         cur = cur | set(ids) if action == "block" else cur - set(ids)
         policy["blocked"][str(lv)] = _ranges(cur)
+
+
+def check_path(path: Sequence[int], branching: int) -> None:
+    """Refuse a path that no tree of this branching has: level-l ids lie in [0, B^l) and each is a
+    child of the one before (global ids nest: children of p are p·B … p·B+B−1). GENERIC (-1) passes.
+    `memtree memstore fetch --path` checks with it; `fetch` itself serves any ids the bank holds."""
+    B = branching
+    for i, c in enumerate(path):
+        level = i + 1
+        if c != GENERIC and not 0 <= c < B**level:
+            raise ValueError(f"path {list(path)}: level-{level} id {c} is out of range [0, {B**level}) "
+                             f"for branching {B}")
+        if i and c != GENERIC and path[i - 1] != GENERIC and c // B != path[i - 1]:
+            p = path[i - 1]
+            raise ValueError(f"path {list(path)}: level-{level} id {c} is not a child of level-{level - 1} id {p} "
+                             f"(its children are {p * B}…{p * B + B - 1} with branching {B})")
 
 
 def _identity(root: Path, info: BankInfo) -> tuple:

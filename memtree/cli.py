@@ -30,13 +30,35 @@ def _registrars():
         yield importlib.import_module(mod).register
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser (and, through argparse's `parser_class` default, its own
+    subcommands'): an unknown option is its error, shown with its usage, not the top level's.
+
+    argparse hands a subcommand's leftovers up to the top-level parser, which would print
+    `memtree [-h] [--version] COMMAND ...`. Left-over words without a leading dash are
+    `key=value` overrides given after an option (`memtree pipeline cfg.yaml --until embed
+    tree.levels=3`), which argparse does not match to a positional once options came between:
+    they join the command's `overrides`."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras and isinstance(getattr(ns, "overrides", None), list):
+            words = [a for a in extras if not a.startswith("-")]
+            if words and all("=" in a for a in words):
+                ns.overrides.extend(words)
+                extras = [a for a in extras if a.startswith("-")]
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)} (`{self.prog} --help` lists the options)")
+        return ns, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="memtree",
         description="Pretraining small language models with hierarchical memories.",
     )
     parser.add_argument("--version", action="version", version=f"memtree {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     for register in _registrars():
         register(sub)
     return parser

@@ -10,6 +10,8 @@ types name the key, the expected type and the value received.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -23,6 +25,35 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A configuration value or key is invalid; the message names the key."""
+
+
+TimeString = typing.NewType("TimeString", str)
+"""A Composer time string (`100ba`, `2ep`, `5000sp`, `1e6tok`, `0.1dur`, `1h30m`): the type of
+duration, interval and warmup keys. Checked where the config is loaded, so a typo is an error
+naming the key rather than Composer's "Invalid time string" when the Trainer is built."""
+
+_TIME_UNITS = ("iter", "ep", "ba", "sp", "tok", "dur", "sec")
+_TIME_RE = re.compile(r"^(.+?)(" + "|".join(_TIME_UNITS) + r")$", re.IGNORECASE)
+_WALL_CLOCK_RE = re.compile(r"^(\d+h)?(\d+m)?(\d+s)?$")
+TIME_EXAMPLE = "e.g. 100ba (batches) or 2ep (epochs); units: ba, ep, sp (samples), tok (tokens), dur (fraction)"
+
+
+def check_time_string(value: Any, where: str) -> str:
+    """`value` if Composer's `Time.from_timestring` accepts it (same grammar: a number and a unit,
+    integral except for `dur`, or a wall-clock XhYmZs), else a ConfigError naming `where`."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a time string, got {value!r} ({TIME_EXAMPLE})")
+    v = value.strip()
+    if v and _WALL_CLOCK_RE.match(v):
+        return value
+    m = _TIME_RE.match(v)
+    try:
+        number = float(m.group(1)) if m else None
+    except ValueError:
+        number = None
+    if number is None or not math.isfinite(number) or number < 0 or (m.group(2).lower() != "dur" and number != int(number)):
+        raise ConfigError(f"{where}: {value!r} is not a time string ({TIME_EXAMPLE})")
+    return value
 
 
 def is_int(x: Any) -> bool:
@@ -56,6 +87,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             return None
         raise ConfigError(f"{where}: must not be null (expected {_type_name(inner)})")
     tp = inner
+    if tp is TimeString:
+        return check_time_string(value, where)
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):

@@ -87,6 +87,8 @@ def _run(args: argparse.Namespace) -> int:
         overrides.append("ingest.inputs=[" + ",".join(f'"{i}"' for i in args.inputs) + "]")
     if args.no_progress:
         overrides.append("progress=false")
+    if not args.out and not config and not any(o.startswith("out=") for o in overrides):
+        raise ValueError("no run directory: give --out RUN (or out=RUN, or a YAML config that sets out)")
     cfg = load_config(PipelineConfig, config, overrides)
     markers = run_pipeline(cfg, until=args.until)
     if "report" in markers:
@@ -133,9 +135,14 @@ def _docs(args: argparse.Namespace) -> int:
     suffix = args.suffix if args.suffix is not None else default.get("suffix")
     if prefix is None or suffix is None:
         raise SystemExit(f"docs-corpus: --prefix and --suffix are needed for package {args.package!r}")
+    if args.deb and not Path(args.deb).is_file():
+        raise FileNotFoundError(f"--deb {args.deb}: no such file (`apt-get download {args.package}` writes one; "
+                                "leave --deb out to download it)")
     deb = Path(args.deb) if args.deb else fetch_deb(args.package, Path(args.out).resolve().parent)
     meta = write_docs_corpus(args.out, deb=deb, package=args.package, prefix=prefix, suffix=suffix,
                              test_fraction=args.test_fraction, min_chars=args.min_chars)
-    print(f"{meta['files']} files → {meta['train']} train, {meta['test']} test, {meta['rejected']} rejected "
-          f"→ {args.out}", file=sys.stderr)
+    rejected = (f"{meta['rejected']} rejected (each with its reason in {Path(args.out) / 'rejects.jsonl'})"
+                if meta["rejected"] else "0 rejected")
+    print(f"{meta['files']} files → {meta['train']} train, {meta['test']} test, {rejected} → {args.out}",
+          file=sys.stderr)
     return 0

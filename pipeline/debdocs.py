@@ -104,7 +104,6 @@ def write_docs_corpus(out_dir: str | Path, *, deb: str | Path, package: str = PY
     if min_chars < 0:
         raise ValueError(f"min_chars must be ≥ 0, got {min_chars}")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, list[str]] = {"train": [], "test": [], "rejects": []}
     n_files = 0
     for path, data in iter_deb_files(deb, prefix=prefix, suffix=suffix):
@@ -128,6 +127,7 @@ def write_docs_corpus(out_dir: str | Path, *, deb: str | Path, package: str = PY
             json.dumps(rec, ensure_ascii=False))
     if n_files == 0:
         raise ValueError(f"{deb}: no file under {prefix!r} ending in {suffix!r}")
+    out.mkdir(parents=True, exist_ok=True)  # only once the package is read: a bad one leaves no folder
     for name, lines in rows.items():
         atomic_write_text(out / f"{name}.jsonl", "".join(line + "\n" for line in lines))
     meta = {"format": FORMAT, "version": VERSION, "package": package, "deb": Path(deb).name,

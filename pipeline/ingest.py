@@ -15,8 +15,10 @@ unsupported_file_type, duplicate_content, duplicate_id.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
+import os
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -97,20 +99,58 @@ def _kind(name: str) -> str:
     return "unsupported"
 
 
-def expand_inputs(inputs: list[str]) -> list[InputUnit]:
-    """Resolve files and directories into units of work, in a deterministic order."""
+_GLOB = re.compile(r"[*?\[]")
+
+
+def is_glob(url: str) -> bool:
+    """Whether an input names a pattern (`*`, `?`, `[…]`) rather than one file or directory."""
+    return bool(_GLOB.search(url))
+
+
+def resolve_inputs(inputs: list[str]) -> list[str]:
+    """`ingest.inputs` with glob patterns expanded (each pattern's matches sorted, patterns in the
+    given order, a path named twice kept once); an input that does not exist, or a pattern that
+    matches nothing, is an error naming it. A path that exists as written is taken literally,
+    even with glob characters in its name."""
     if not inputs:
-        raise ValueError("ingest.inputs is empty: give at least one JSONL/Parquet file or directory")
-    units: list[InputUnit] = []
+        raise ValueError("ingest.inputs is empty: give at least one JSONL/Parquet file or directory "
+                         "(--input PATH, or ingest.inputs=[PATH,...]; globs such as data/*.jsonl are expanded)")
+    out: list[str] = []
+    seen: set[str] = set()
     for url in inputs:
         fs, path = fsspec.core.url_to_fs(url)
-        if not fs.exists(path):
-            raise FileNotFoundError(f"ingest input not found: {url}")
+        if fs.exists(path):
+            found = [url]
+        elif is_glob(url):
+            if "://" in url:
+                proto = url.split("://", 1)[0] + "://"
+                found = [proto + f for f in sorted(fs.glob(path))]
+            else:  # a local pattern keeps its form (relative stays relative); ** recurses
+                found = sorted(glob.glob(url, recursive=True))
+            if not found:
+                raise FileNotFoundError(f"ingest.inputs: no file matches the pattern {url}")
+        else:
+            raise FileNotFoundError(f"ingest.inputs: input not found: {url}")
+        for f in found:
+            key = fsspec.core.url_to_fs(f)[1]  # the same file named twice is read once
+            if key not in seen:
+                seen.add(key)
+                out.append(f)
+    return out
+
+
+def expand_inputs(inputs: list[str]) -> list[InputUnit]:
+    """Resolve files, directories and glob patterns into units of work, in a deterministic order."""
+    units: list[InputUnit] = []
+    for url in resolve_inputs(inputs):
+        if "://" not in url:  # the Dask workers' working directory may not be this process's
+            url = os.path.abspath(url)
+        fs, path = fsspec.core.url_to_fs(url)
         proto = url.split("://", 1)[0] + "://" if "://" in url else ""
         if fs.isdir(path):
             files = sorted(fs.find(path))
             if not files:
-                raise ValueError(f"ingest input directory is empty: {url}")
+                raise ValueError(f"ingest.inputs: input directory is empty: {url}")
             full = [proto + f if proto else f for f in files]
             texts = [f for f in full if _kind(f) == "text"]
             for f in full:

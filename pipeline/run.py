@@ -102,8 +102,8 @@ def _ingest(ctx: Ctx, work: Path) -> dict:
         reasons[r] = reasons.get(r, 0) + 1
     if records_in != offset + rej.num_rows:
         raise RuntimeError(f"ingest count mismatch: {records_in} in != {offset} kept + {rej.num_rows} rejected")
-    if offset == 0:
-        raise ValueError(f"ingest: all {records_in} records were rejected ({reasons}); see {ctx.root}/ingest/rejects.parquet")
+    if offset == 0:  # the stage is not published: its rejects are still in the work directory
+        raise ValueError(f"ingest: all {records_in} records were rejected ({reasons}); see {work}/rejects.parquet")
     return {"units": len(units), "records_in": records_in, "kept": offset, "rejected": rej.num_rows,
             "rejects_by_reason": dict(sorted(reasons.items())), "parts": parts}
 
@@ -214,7 +214,8 @@ def _embed(ctx: Ctx, work: Path) -> dict:
     e = ctx.cfg.embed
     wparts = ctx.parts("window")
     (work / "parts").mkdir(exist_ok=True)
-    model, export, export_s = e.model, None, 0.0
+    # absolute: the Dask workers' working directory may not be this process's (--scheduler)
+    model, export, export_s = (os.path.abspath(e.model) if e.model else None), None, 0.0
     backend = resolve_backend(e.backend, e.device)
     if backend == OPENVINO_INT8:
         model = str(work / EXPORT_DIR)
@@ -426,7 +427,10 @@ def _report(ctx: Ctx, work: Path) -> dict:
 
 
 def _ingest_cfg(c: PipelineConfig):
-    return to_dict(c.ingest)
+    d = to_dict(c.ingest)
+    if any(ing.is_glob(i) for i in c.ingest.inputs):  # a file that newly matches a pattern reruns ingest
+        d["inputs_resolved"] = ing.resolve_inputs(c.ingest.inputs)
+    return d
 
 
 STAGES: list[StageDef] = [
@@ -452,38 +456,77 @@ def run_pipeline(
 ) -> dict[str, dict]:
     """Run (or resume) the pipeline up to and including stage `until`; returns the stage markers."""
     if until is not None and until not in STAGE_NAMES:
-        raise ValueError(f"unknown stage {until!r}; stages: {STAGE_NAMES}")
+        raise ValueError(f"unknown stage {until!r} (--until); stages: {STAGE_NAMES}")
     remote = "://" in cfg.out and not cfg.out.startswith("file://")
     if remote:
         # Work happens in a local staging copy (Dask tasks need a shared filesystem and
         # atomic renames); every finished stage is then uploaded through fsspec.
         base = Path(os.environ.get("MEMTREE_STAGING", Path.home() / ".cache" / "memtree" / "staging"))
         root = base / hashlib.sha256(cfg.out.encode()).hexdigest()[:16]
-    else:
-        root = Path(cfg.out.removeprefix("file://"))
+    else:  # absolute: the Dask workers' working directory may not be this process's (--scheduler)
+        root = Path(cfg.out.removeprefix("file://")).absolute()
+    wanted = STAGE_NAMES[: STAGE_NAMES.index(until) + 1] if until else STAGE_NAMES
+    # Fingerprints and inputs are checked before anything is written into the run directory: a
+    # wrong input leaves no config.json or work directory behind.
+    fps: dict[str, str] = {}
+    for st in STAGES:
+        if st.name not in wanted:
+            break
+        fps[st.name] = fingerprint(st, st.config(cfg), [fps[d] for d in st.deps])
+    preflight(cfg, {n for n, fp in fps.items() if (read_marker(root / n) or {}).get("fingerprint") != fp})
     root.mkdir(parents=True, exist_ok=True)
     atomic_write_json(root / "config.json", {"format": "memtree-run", "version": PIPELINE_FORMAT_VERSION,
                                              "config": to_dict(cfg)})
     if remote:
         _upload(root / "config.json", cfg.out.rstrip("/") + "/config.json")
-    wanted = STAGE_NAMES[: STAGE_NAMES.index(until) + 1] if until else STAGE_NAMES
 
     def go(c) -> dict[str, dict]:
         ctx = Ctx(cfg=cfg, root=root, client=c, log=log)
-        fps: dict[str, str] = {}
         for st in STAGES:
             if st.name not in wanted:
                 break
-            fps[st.name] = fingerprint(st, st.config(cfg), [fps[d] for d in st.deps])
             ctx.markers[st.name] = run_stage(root, st, fps[st.name], ctx, log=log)
             if remote:
                 _sync_stage(root / st.name, cfg.out.rstrip("/") + "/" + st.name, log)
+            note = rejects_note(ctx.markers[st.name], cfg.out.rstrip("/") + "/" + st.name)
+            if note:
+                log(f"[{st.name}] {note}")
         return ctx.markers
 
     if client is not None:
         return go(client)
     with dask_client(cfg.dask) as c:
         return go(c)
+
+
+def preflight(cfg: PipelineConfig, stages: set[str]) -> None:
+    """Check the inputs of the stages that will run (`stages`: those not up to date), before the
+    run directory is touched: the ingest inputs (globs expanded), a local tokenizer, a local
+    embedding model. Errors name the key and the path."""
+    if "ingest" in stages:
+        ing.expand_inputs(cfg.ingest.inputs)  # missing inputs, patterns matching nothing, empty directories
+    tok = cfg.window.tokenizer
+    if "tokenizer" in stages and tok and not (Path(tok) / "tokenizer.json").is_file():
+        raise FileNotFoundError(
+            f"window.tokenizer={tok}: no tokenizer.json there (a fast Hugging Face tokenizer directory is "
+            "required; save one with tokenizer.save_pretrained(dir), or leave window.tokenizer unset to "
+            "train a byte-level BPE on the corpus)")
+    model = cfg.embed.model
+    if "embed" in stages and model and "://" not in model and not Path(model).is_dir():
+        raise FileNotFoundError(f"embed.model={model}: no such directory (a local sentence-transformers "
+                                "model directory; leave embed.model unset for the packaged all-MiniLM-L6-v2)")
+
+
+def rejects_note(marker: dict, stage_url: str) -> str:
+    """One line for a stage that rejected records: how many, why, and the file that lists them."""
+    stats = marker.get("stats") or {}
+    n = stats.get("rejected") or 0
+    if not n:
+        return ""
+    why = ", ".join(f"{k} {v}" for k, v in (stats.get("rejects_by_reason") or {}).items())
+    of = f" of {stats['records_in']:,}" if "records_in" in stats else ""
+    return (f"{n:,}{of} records rejected" + (f" ({why})" if why else "")
+            + f"; each is listed with its source, record and reason in {stage_url}/rejects.parquet")
 
 
 def _upload(local: Path, url: str) -> None:

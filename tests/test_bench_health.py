@@ -64,7 +64,8 @@ def test_forced_openblas_kernels_are_unset_for_the_command_and_recorded(tmp_path
         "from _common import FAST_KERNELS, cpu_info, machine_meta, prepare_blas_env\n"
         "prepare_blas_env()\n"
         "meta = machine_meta()\n"
-        "faiss_blas = [b['architecture'] for b in meta['blas'] if 'faiss' in (b['filepath'] or '')]\n"
+        "faiss_blas = [b['architecture'] for b in meta['blas']\n"
+        "              if b['user_api'] == 'blas' and 'faiss' in (b['filepath'] or '')]\n"
         "print(json.dumps({'l2': os.environ.get('OPENBLAS_L2_SIZE'), 'changes': meta['blas_env_changes'],\n"
         "                  'faiss': faiss_blas, 'simd': cpu_info()['simd'], 'fast': sorted(FAST_KERNELS)}))\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMTREE_BENCH")}

@@ -212,7 +212,7 @@ def test_memtree_finetune_end_to_end(pkm_run, pipeline_run, tmp_path, capsys):
     from streaming.base.util import clean_stale_shared_memory
 
     from memtree.cli import main
-    from training.finetune import collect_run_background, finetune_summary
+    from training.finetune import finetune_summary
     from training.pkm import background_dir
     from training.train import load_run
 
@@ -225,9 +225,12 @@ def test_memtree_finetune_end_to_end(pkm_run, pipeline_run, tmp_path, capsys):
     assert main(["finetune", f"run={pkm_run}", f"data={stream}", f"save_folder={out}", "spec.top_t=4"]) == 1
     assert "pkm_background/layer_1: no background counts" in capsys.readouterr().err
     clean_stale_shared_memory()
-    folders = collect_run_background(pkm_run, batches=3, batch_size=2, progress=False)
+    # the user's command, which says what it collected and where (it printed nothing: issue 36)
+    assert main(["finetune-background", str(pkm_run), "--batches", "3", "--batch-size", "2"]) == 0
+    said = capsys.readouterr().out
+    assert "over 3 batches collected for 1 memory layer(s)" in said and str(background_dir(pkm_run, 1)) in said
     clean_stale_shared_memory()
-    assert list(folders) == [1] and folders[1] == background_dir(pkm_run, 1)
+    folders = {1: background_dir(pkm_run, 1)}
     bg = BackgroundCounts.load(folders[1], n_slots=32 * 32)
     assert bg.n_batches == 3 and 0 < int((bg.doc_freq > 0).sum()) < 32 * 32 and int(bg.doc_freq.max()) <= 3
     from training.data import read_shards_manifest

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,6 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    if not args.config and not args.overrides:  # training.train.main would print the launcher's usage
+        raise ValueError("no config: memtree train CONFIG.yaml [key=value …] (examples: training/yamls/*.yaml)")
     from training.train import main
 
     return main(([args.config] if args.config else []) + list(args.overrides))
@@ -46,9 +49,28 @@ def _train_context(args: argparse.Namespace) -> int:
     config, overrides = args.config, list(args.overrides)
     if config and "=" in config:  # overrides only
         config, overrides = None, [config, *overrides]
-    result = train_context_vae(load_context_config(config, overrides))
+    cfg = load_context_config(config, overrides)
+    _check_context_inputs(cfg)
+    result = train_context_vae(cfg)
     print(f"done: {result['folder']} ({result['steps']} steps; last losses {result['last_losses']})")
     return 0
+
+
+def _check_context_inputs(cfg) -> None:
+    """The compressor run's time strings and inputs, named by key before anything is loaded or written."""
+    from pathlib import Path
+
+    from memtree.config import ConfigError, check_time_string
+
+    for key in ("max_duration", "warmup", "save_interval", "log_interval"):
+        check_time_string(getattr(cfg, key), key)
+    missing = [n for n in ("memtree_config.json", "anchor.safetensors") if not (Path(cfg.anchor) / n).is_file()]
+    if missing:
+        raise ConfigError(f"anchor={cfg.anchor}: not a finished training run (no {' or '.join(missing)} there); give "
+                          "the save_folder of a `memtree train` run (`memtree demo` trains runs/demo/train/anchor)")
+    if not Path(cfg.data.pairs).is_file():
+        raise ConfigError(f"data.pairs={cfg.data.pairs}: no such file; give a JSONL of recall pairs "
+                          "(training/README.md; `memtree eval-context-bank ROOT` writes ROOT/context-bank/pairs.jsonl)")
 
 
 def register_finetune(sub: argparse._SubParsersAction) -> None:
@@ -93,7 +115,12 @@ def _finetune(args: argparse.Namespace) -> int:
 def _background(args: argparse.Namespace) -> int:
     from training.finetune import collect_run_background
 
-    for layer, folder in collect_run_background(args.run, batches=args.batches, batch_size=args.batch_size,
-                                                seed=args.seed).items():
-        print(f"layer {layer}: {folder}")
+    folders = collect_run_background(args.run, batches=args.batches, batch_size=args.batch_size, seed=args.seed)
+    if not folders:  # a success that says nothing reads as a no-op (issue 36)
+        print(f"{args.run}: no memory layer to collect background counts for", file=sys.stderr)
+        return 1
+    print(f"background access counts over {args.batches} batches collected for {len(folders)} memory "
+          f"layer(s) of {args.run}:")
+    for layer, folder in folders.items():
+        print(f"  layer {layer}: {folder}")
     return 0

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from memtree.config import ConfigError, load_config, to_dict
+from memtree.config import ConfigError, TimeString, load_config, to_dict
 from memtree.geometry import ANCHOR_PRESETS, AnchorShape, MemoryConfig, get_anchor
 from training.hf import anchor_shape_from_hf
 from training.moc import MoCConfig
@@ -91,7 +91,7 @@ class OptimSection:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.05
-    warmup: str = "10ba"
+    warmup: TimeString = "10ba"
     alpha_f: float = 0.1  # cooldown LR as a fraction of the peak
     max_grad_norm: float | None = 1.0
     moc_bank_lr: float | None = None  # MoC latent bank(s); None: lr
@@ -130,7 +130,7 @@ class TrainConfig:
     memory: MemorySection = field(default_factory=MemorySection)
     optim: OptimSection = field(default_factory=OptimSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
-    max_duration: str = "20ba"
+    max_duration: TimeString = "20ba"
     seed: int = 0
     device: Literal["auto", "cpu", "gpu"] = "auto"
     precision: Literal["auto", "fp32", "amp_bf16", "amp_fp16"] = "auto"
@@ -138,10 +138,10 @@ class TrainConfig:
     # turns it on by default, so an fp32 GPU run is not IEEE fp32 unless this is false
     allow_tf32: bool = True
     microbatch_size: int | None = None
-    save_interval: str = "1000ba"
+    save_interval: TimeString = "1000ba"
     save_num_checkpoints_to_keep: int = 2
     autoresume: bool = False
-    log_interval: str = "1ba"
+    log_interval: TimeString = "1ba"
     progress_bar: bool = False
     fsdp: bool = False
 

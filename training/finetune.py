@@ -380,18 +380,49 @@ def read_stream(path: str | Path, max_records: int = 0) -> list[tuple[str, list[
     return out
 
 
+def check_run_folder(run: str | Path, key: str = "run") -> None:
+    """`run` is a finished training run (its memtree_config.json and anchor.safetensors), else a
+    ConfigError naming `key`, the path and what writes such a folder."""
+    missing = [n for n in ("memtree_config.json", "anchor.safetensors") if not (Path(run) / n).is_file()]
+    if missing:
+        raise ConfigError(f"{key}={run}: not a finished training run (no {' or '.join(missing)} there); give the "
+                          "save_folder of a `memtree train` run (a memory-layer model, model.pkm, for sparse "
+                          "memory finetuning; `memtree eval-continual ROOT` trains one into ROOT/train/pkm)")
+
+
+def check_finetune_inputs(cfg: FinetuneConfig) -> None:
+    """The finetune's inputs exist, before anything is loaded or written: an error names the key, the
+    path and what produces the file."""
+    check_run_folder(cfg.run)
+    if not Path(cfg.data).is_file():
+        raise ConfigError(f"data={cfg.data}: no such file; give a JSONL stream of batches, one "
+                          "{\"id\", \"texts\": [...]} record each (`memtree eval-continual ROOT` writes one to "
+                          "ROOT/continual/stream.jsonl)")
+    tfidf = cfg.spec.method == "sparse_memory" and cfg.spec.ranking == "tfidf"
+    if tfidf and cfg.background and not Path(cfg.background).is_dir():
+        raise ConfigError(f"background={cfg.background}: no such folder; `memtree finetune-background RUN` "
+                          f"collects a run's counts into RUN/{BACKGROUND_DIR} (or set spec.ranking=tf or all, "
+                          "which need none)")
+
+
 def finetune(cfg: FinetuneConfig, *, progress: bool = True) -> dict[str, Any]:
     """Run a finetune from a config (the `memtree finetune` command); returns finetune.json's record."""
     torch.manual_seed(cfg.seed)
     out = Path(cfg.save_folder)
     if (out / "finetune.json").exists():
         raise ValueError(f"{out} already holds a finished finetune (finetune.json); choose another save_folder")
+    check_finetune_inputs(cfg)
     composer_model, _train_cfg, manifest, tokenizer = load_run(cfg.run)
     model = composer_model.model
     bg_dir = Path(cfg.background or Path(cfg.run) / BACKGROUND_DIR)
     background = None
     if cfg.spec.method == "sparse_memory" and cfg.spec.ranking == "tfidf":
-        background = load_background(bg_dir, model)
+        try:
+            background = load_background(bg_dir, model)
+        except ValueError as e:
+            if "no background counts" not in str(e):
+                raise
+            raise ValueError(f"{e} (`memtree finetune-background {cfg.run}` collects them)") from None
     records = read_stream(cfg.data, cfg.max_records)
     pad_id, limit = int(manifest["eot_id"]), model.config.max_seq_len
 
@@ -424,6 +455,7 @@ def collect_run_background(run: str | Path, *, batches: int = 1000, batch_size: 
     store them with the checkpoint (run/pkm_background/layer_{i}, replaced whole); returns the
     folders. Default: 1,000 batches (the seed's count) of one training window each, about as many
     tokens as a finetuning batch of a fact's paraphrases (BackgroundCounts says why that matters)."""
+    check_run_folder(run, key="RUN")
     composer_model, train_cfg, _, _ = load_run(run)
     loader = build_dataloader(train_cfg.data.shards, batch_size=batch_size, shuffle=True, shuffle_seed=seed,
                               drop_last=False)

@@ -85,11 +85,15 @@ def build_model(cfg: TrainConfig, *, shard: tuple[int, ...] | None = None) -> tu
     return model, manifest
 
 
-def load_run(save_folder: str | Path) -> tuple[MemtreeLM, TrainConfig, dict[str, Any], Any]:
+def load_run(save_folder: str | Path, cfg: TrainConfig | None = None) -> tuple[MemtreeLM, TrainConfig,
+                                                                               dict[str, Any], Any]:
     """A finished run, ready to score text: (model in eval mode with the run's anchor weights, its
-    config, its shards manifest, its tokenizer). The bank is not opened here (memstore does that)."""
+    config, its shards manifest, its tokenizer). The bank is not opened here (memstore does that).
+    `cfg`: the run's stored config with its paths resolved elsewhere (a run moved from where it
+    trained, eval/runinfo.py); default: the config as stored."""
     folder = Path(save_folder)
-    cfg = from_dict(TrainConfig, read_json(folder / "memtree_config.json")["config"])
+    if cfg is None:
+        cfg = from_dict(TrainConfig, read_json(folder / "memtree_config.json")["config"])
     # nothing to load at build time: the weights come from the run folder
     bare = dataclasses.replace(cfg, anchor_checkpoint=None, mode="scratch" if cfg.memory.multipliers else "baseline",
                                memory=dataclasses.replace(cfg.memory, init_bank=None))
@@ -200,20 +204,50 @@ def load_anchor(model: MemtreeLM, path: str) -> None:
                           f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
 
 
-def check_save_folder(cfg: TrainConfig) -> None:
-    """Refuse to resume a save folder written by a different config."""
+def check_save_folder(cfg: TrainConfig, *, write: bool = True) -> None:
+    """Refuse to resume a save folder whose checkpoints or exports come from a different config;
+    with `write`, record this config there. A folder that holds only the config files of a start
+    that failed before training (nothing trained yet) is taken over by the new config."""
     folder = Path(cfg.save_folder)
     meta = folder / "memtree_config.json"
     if meta.exists():
         old = read_json(meta)
-        if old["fingerprint"] != cfg.fingerprint():
+        trained = _trained_outputs(folder)
+        if old["fingerprint"] != cfg.fingerprint() and trained:
             new = to_dict(cfg)
             diffs = _diff(old["config"], new)
-            raise ConfigError(f"{folder} holds checkpoints of another config (differs at {diffs[:5]}); "
-                              "use a new save_folder")
+            raise ConfigError(f"save_folder={folder} holds checkpoints of another config ({', '.join(trained)}; "
+                              f"differs at {diffs[:5]}); use a new save_folder")
+    if not write:
+        return
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_json(meta, {"fingerprint": cfg.fingerprint(), "config": to_dict(cfg)})
     atomic_write_text(folder / "memtree_config.yaml", dump_yaml(cfg))
+
+
+def _trained_outputs(folder: Path) -> list[str]:
+    """What in a save folder came from training (checkpoints, exported anchor or bank), by name."""
+    ckpts = folder / "checkpoints"
+    found = [n for n in ("anchor.safetensors", "bank") if (folder / n).exists()]
+    if ckpts.is_dir() and any(f.is_file() for f in ckpts.rglob("*")):
+        found.insert(0, "checkpoints/")
+    return found
+
+
+def check_inputs(cfg: TrainConfig) -> None:
+    """The run's input folders exist, before anything is written: an error names the key, the path
+    and what produces it."""
+    shards = Path(cfg.data.shards)
+    if not (shards / "manifest.json").is_file():
+        raise ConfigError(f"data.shards={shards}: no manifest.json there; give a pipeline run's shards/ "
+                          "directory (`memtree pipeline … --out RUN` writes RUN/shards, `memtree demo-pipeline` "
+                          "runs/demo/pipeline/shards)")
+    if cfg.anchor_checkpoint:
+        p = Path(cfg.anchor_checkpoint)
+        if not (p / "anchor.safetensors" if p.is_dir() or not p.suffix else p).is_file():
+            raise ConfigError(f"anchor_checkpoint={p}: no anchor.safetensors there; give the save_folder of a "
+                              "finished run (a baseline run, e.g. `memtree train training/yamls/tiny-baseline.yaml`, "
+                              "writes it)")
 
 
 def drop_unfinished_checkpoints(folder: Path) -> list[Path]:
@@ -261,7 +295,8 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
     from composer.optim import CosineAnnealingWithWarmupScheduler
     from composer.utils import dist, reproducibility
 
-    check_save_folder(cfg)
+    check_inputs(cfg)
+    check_save_folder(cfg, write=False)  # written once the model is built: a failed start leaves nothing
     if cfg.data.verify_shards:  # a flipped byte is named here, not trained on (or a zstd error mid-run)
         stats = verify_shards(cfg.data.shards, subtrees=cfg.data.subtrees)
         log.info("verified %d shard files (%.1f MB) in %.2f s", stats["files"], stats["bytes"] / 1e6,
@@ -278,6 +313,7 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
     layout = parallel_layout(cfg)
     reproducibility.seed_all(cfg.seed)  # the model is built before the Trainer seeds anything
     model, _ = build_model(cfg, shard=layout.shard if layout else None)
+    check_save_folder(cfg)
     groups = []
     anchor_params = [p for p in model.anchor_parameters() if p.requires_grad]
     if cfg.optim.pkm_value_lr is not None and model.model.pkm_layers():

@@ -1,0 +1,153 @@
+"""What a training run folder records, read for evaluation.
+
+- Stored paths (`data.shards`, `model.hf_dir`, `anchor_checkpoint` in `RUN/memtree_config.json`)
+  were written as given to `memtree train`, usually relative to the directory it ran in. A run
+  copied or moved elsewhere is still evaluated: a stored path is tried as stored, then relative to
+  the run folder and each of its parents (its trailing parts, longest first); when none holds
+  what the key names, the error names the key, its value and the file that stores it.
+- Epochs: the run's `max_duration` plus, along `anchor_checkpoint`, the runs it started from (the
+  demo's co-training run: anchor 2 ep + co-training 5 ep = 7), in epochs over its shards.
+- The demo layout (`memtree demo`): `facts.jsonl` and `heldout.jsonl` beside the pipeline run
+  (ROOT/pipeline/shards → ROOT/facts.jsonl).
+- The bank's policy: blocked blocks (and deleted ones), read through memstore's public API.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from memtree.io import read_json
+
+CONFIG_FILE = "memtree_config.json"
+
+
+def _holds(path: Path, must: str) -> bool:
+    return (path / must).exists() if must else path.exists()
+
+
+def resolve_stored(run: str | Path, key: str, value: str | Path, *, must: str = "") -> Path:
+    """The path stored in RUN/memtree_config.json under `key`: as stored (absolute, or relative to
+    the current directory, as training wrote it), else relative to the run folder or one of its
+    parents, trying the stored path's trailing parts longest first (runs/demo/pipeline/shards under
+    a copied ROOT: ROOT/pipeline/shards). `must`: a file the path must hold (e.g. manifest.json)."""
+    run, stored = Path(run), Path(value)
+    if _holds(stored, must):
+        return stored
+    parts = stored.parts[1:] if stored.is_absolute() else stored.parts
+    parts = tuple(p for p in parts if p not in (".", ".."))
+    for base in [run.resolve(), *run.resolve().parents]:
+        for k in range(len(parts)):
+            cand = base.joinpath(*parts[k:])
+            if _holds(cand, must):
+                return cand
+    what = f"no {must} there" if must else "it does not exist"
+    raise FileNotFoundError(
+        f"{key} = {str(value)!r} (stored in {run / CONFIG_FILE}): {what}, neither from the current directory "
+        f"nor relative to the run folder or its parents (was the run moved without it?); fix {key} in "
+        f"{run / CONFIG_FILE}")
+
+
+def stored_config(run: str | Path) -> dict[str, Any]:
+    path = Path(run) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{run}: no {CONFIG_FILE}; not a training run folder (memtree train's save_folder)")
+    return read_json(path)["config"]
+
+
+def run_config(run: str | Path):
+    """The run's TrainConfig with its stored paths resolved (see `resolve_stored`)."""
+    from memtree.config import from_dict
+    from training.config import TrainConfig
+
+    cfg = from_dict(TrainConfig, stored_config(run))
+    shards = resolve_stored(run, "data.shards", cfg.data.shards, must="manifest.json")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, shards=str(shards)))
+    if cfg.model.hf_dir:
+        hf = resolve_stored(run, "model.hf_dir", cfg.model.hf_dir, must="config.json")
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_dir=str(hf)))
+    return cfg
+
+
+def demo_root(cfg) -> Path:
+    """The folder `memtree demo` lays out around a pipeline run: ROOT/pipeline/shards → ROOT."""
+    return Path(cfg.data.shards).resolve().parent.parent
+
+
+def _n_samples(shards: str | Path) -> int:
+    return sum(int(s["n_samples"]) for s in read_json(Path(shards) / "manifest.json")["streams"])
+
+
+def _duration_epochs(duration: str, cfg) -> float | None:
+    """A Composer duration in epochs over the run's shards; None when it is not countable (wall clock, dur)."""
+    d = str(duration).strip()
+    n = _n_samples(cfg.data.shards)
+    try:
+        if d.endswith("ep"):
+            return float(d[:-2])
+        if d.endswith("ba"):
+            return float(d[:-2]) * cfg.data.batch_size / max(n, 1)
+        if d.endswith("sp"):
+            return float(d[:-2]) / max(n, 1)
+        if d.endswith("tok"):
+            seq = int(read_json(Path(cfg.data.shards) / "manifest.json")["seq_len"])
+            return float(d[:-3]) / max(n * seq, 1)
+    except ValueError:
+        return None
+    return None
+
+
+def trained_epochs(run: str | Path) -> tuple[float | None, str]:
+    """(epochs over the corpus, how they were counted) from the run's config and, along
+    `anchor_checkpoint`, the runs it continued from; (None, why) when the chain cannot be counted."""
+    parts, seen, folder = [], set(), Path(run)
+    while True:
+        try:
+            cfg = run_config(folder)
+        except FileNotFoundError as e:
+            return None, str(e)
+        ep = _duration_epochs(cfg.max_duration, cfg)
+        if ep is None:
+            return None, f"{folder / CONFIG_FILE}: max_duration {cfg.max_duration!r} is not countable in epochs"
+        parts.append((f"{folder.name} {cfg.max_duration}", ep))
+        seen.add(folder.resolve())
+        if not cfg.anchor_checkpoint:
+            break
+        try:
+            folder = resolve_stored(folder, "anchor_checkpoint", cfg.anchor_checkpoint, must=CONFIG_FILE)
+        except FileNotFoundError as e:
+            return None, str(e)
+        if folder.resolve() in seen:
+            break
+    total = sum(ep for _, ep in parts)
+    how = " + ".join(label for label, _ in reversed(parts))
+    return total, f"from the run: {how}"
+
+
+def bank_state(bank: str | Path) -> dict[str, Any] | None:
+    """The bank's blocked and deleted blocks ({level: [[start, stop)…]}), its fallback and the audit
+    log's block / unblock / delete entries; None when nothing is refused."""
+    from memstore.format import read_manifest
+    from memstore.journal import audit_log
+    from memstore.store import read_policy
+
+    bank = Path(bank)
+    policy = read_policy(bank)
+    deleted = read_manifest(bank).manifest.get("deleted", {})
+    blocked = {lv: runs for lv, runs in policy.get("blocked", {}).items() if runs}
+    deleted = {lv: runs for lv, runs in deleted.items() if runs}
+    if not blocked and not deleted:
+        return None
+    audit = [{k: e.get(k) for k in ("time", "user", "action", "level", "clusters", "reason")}
+             for e in audit_log(bank) if e.get("action") in ("block", "unblock", "delete")]
+    return {"blocked": blocked, "deleted": deleted, "fallback": policy["fallback"], "audit": audit[-5:]}
+
+
+def describe_runs(runs: dict[str, list[list[int]]]) -> str:
+    """{"2": [[4, 8]]} → "level 2: 4–7 (4 blocks)"."""
+    out = []
+    for lv in sorted(runs, key=int):
+        ids = ", ".join(str(a) if b - a == 1 else f"{a}–{b - 1}" for a, b in runs[lv])
+        out.append(f"level {lv}: {ids} ({sum(b - a for a, b in runs[lv])} blocks)")
+    return "; ".join(out)

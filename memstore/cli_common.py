@@ -1,0 +1,110 @@
+"""What every `memtree memstore …` / `memtree simulate-fetch` subcommand shares: one way to say one thing.
+
+The conventions (memstore/README.md, "Command-line conventions"): the bank a command works on is
+its first positional argument; a file of queries, one per line, is `--queries FILE`; one query
+text is `--query TEXT`; where a command writes is `--out PATH`; the clustering tree is
+`--tree DIR`; a writer waits for another process's lock with `--wait SECONDS`; output is a
+human-readable summary on stdout, or JSON with `--json`; notes (deprecations, warnings) go to
+stderr, one line each. Old spellings stay as deprecated aliases (`DeprecatedAlias`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def note(message: str) -> None:
+    """One line to stderr (deprecations, warnings): stdout stays the command's summary or JSON."""
+    print(f"memtree: note: {message}", file=sys.stderr)
+
+
+class DeprecatedAlias(argparse.Action):
+    """An old flag spelling: stores into the new flag's dest and prints a one-line note to stderr."""
+
+    def __init__(self, option_strings, dest, *, new: str, **kw) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        note(f"{option_string} is deprecated; use {self.new}")
+        setattr(namespace, self.dest, values)
+
+
+def add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON instead of the text summary")
+
+
+def add_wait(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="if another process is writing the bank, wait this long for it (default: fail at once, "
+                        "naming it)")
+
+
+def emit(args: argparse.Namespace, text: str, data: Any) -> None:
+    """The command's result: `text` by default, `data` as JSON with --json."""
+    print(json.dumps(data, indent=2, default=str) if getattr(args, "json", False) else text)
+
+
+def read_queries(path: str, flag: str = "--queries") -> list[str]:
+    """The non-empty lines of a queries file; errors name the flag and the file."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{flag} {path}: file not found (expected a text file, one query per line)")
+    if p.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory (expected a text file, one query per line)")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    texts = [line.strip() for line in text.splitlines() if line.strip()]
+    if not texts:
+        raise ValueError(f"{flag} {path}: no queries in the file (it is empty; expected one query per line)")
+    return texts
+
+
+def load_tree_arg(path: str, flag: str = "--tree"):
+    """`clustering.tree.load_tree` with errors that name the flag."""
+    from clustering.tree import load_tree
+
+    p = Path(path)
+    if not (p / "tree.json").is_file() and not (p.name == "tree.json" and p.is_file()):
+        what = "not found" if not p.exists() else "not a clustering tree directory (no tree.json)"
+        raise ValueError(f"{flag} {path}: {what}; give the tree directory a pipeline run wrote, e.g. RUN/tree")
+    return load_tree(p)
+
+
+def check_bank(path: str) -> Path:
+    """A bank directory that exists, or an error naming it (before any lock or recovery touches it)."""
+    p = Path(path)
+    if not (p / "manifest.json").is_file():
+        what = "not found" if not p.exists() else "not a memory bank (no manifest.json)"
+        raise ValueError(f"bank {path}: {what}; create one with `memtree memstore init BANK …`")
+    return p
+
+
+def parse_ids(text: str, flag: str) -> list[int]:
+    try:
+        ids = [int(c) for c in text.replace(" ", "").split(",") if c]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected comma-separated integer cluster ids, e.g. 3,7") from None
+    if not ids:
+        raise ValueError(f"{flag} {text!r}: no cluster ids given")
+    return ids
+
+
+def check_level(levels: Sequence[int], level: int, flag: str = "--level") -> int:
+    """A level that holds memory, or an error that names the flag and the levels that do."""
+    if level not in levels:
+        have = sorted(levels)
+        raise ValueError(f"{flag} {level}: level {level} holds no memory in this bank (levels that do: "
+                         f"{', '.join(map(str, have))}); give {' or '.join(f'{flag} {lv}' for lv in have)}")
+    return level
+
+
+def levels_text(counts: dict[int, int]) -> str:
+    return ", ".join(f"level {lv}: {n:,}" for lv, n in sorted(counts.items())) or "nothing"
