@@ -97,6 +97,10 @@ def quiet_loaders() -> None:
 def read_export(path: str | os.PathLike, *, verify: bool = True) -> dict:
     """export.json of an export directory, after checking format, version and file checksums."""
     d = Path(path)
+    if not (d / "export.json").is_file():  # e.g. a tree copied without the pipeline's embed/embedder
+        raise FileNotFoundError(f"{d}: no embedder export here (export.json missing); the tree's queries are "
+                                "embedded with the export its pipeline wrote (RUN/embed/embedder): copy it "
+                                "along with the tree")
     meta = read_json(d / "export.json")
     if meta.get("format") != EXPORT_FORMAT:
         raise ValueError(f"{d}/export.json: not a memtree embedder export (format={meta.get('format')!r})")

@@ -319,12 +319,10 @@ def _demo_root(root: str, cmd: str, files: tuple[str, ...]) -> None:
 def _sweep(args: argparse.Namespace) -> int:
     from eval.sweeps import load_sweep_config, run_sweep
 
+    # eval.* paths resolve against the sweep YAML (missing ones named by key there)
     cfg = load_sweep_config(_config_file(args.sweep, "SWEEP"), [*args.overrides, *_out(args, "eval-sweep",
-                                                                                          deprecated=False)])
-    for key in ("facts", "held_out", "tree"):
-        value = getattr(cfg.eval, key, None)
-        if value:
-            _need_file(value, f"eval.{key} (in {args.sweep} or its overrides):")
+                                                                                          deprecated=False)],
+                            require_paths=True)
     result = run_sweep(cfg, train_overrides=args.train)
     print(Path(result["files"]["markdown"]).read_text(encoding="utf-8"))
     print(f"report: {result['files']['markdown']}")

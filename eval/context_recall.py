@@ -28,6 +28,7 @@ merges, entries read per probe. JSON + markdown + PNG.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -46,7 +47,7 @@ from eval.longtail import build_probes, wilson
 from eval.plots import new_figure, save_png
 from memstore.context_bank import ContextBank, ContextBankConfig
 from memtree.config import from_dict, is_int, load_config, to_dict
-from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json
+from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json, sha256_file
 from pipeline.corpus.bios import BiosSpec, bios_facts, generate_bios, recall_pairs
 from training.context_vae import (
     chunk_ids,
@@ -64,8 +65,9 @@ TRAIN_YAML = Path(__file__).resolve().parents[1] / "training" / "yamls" / "conte
 @dataclass(frozen=True, kw_only=True)
 class ContextRecallConfig:
     """root: a bios demo run (corpus.json, corpus.jsonl, facts.jsonl, train/anchor); out: the
-    report directory (default ROOT/context-bank); vae: a trained compressor (default OUT/vae,
-    trained there first when absent, with training/yamls/context-vae.yaml + `train` overrides);
+    report directory (default ROOT/context-bank); vae: a trained compressor, used as given (default
+    OUT/vae, trained there with training/yamls/context-vae.yaml + `train` overrides and reused only
+    from the same inputs: `ensure_compressor`);
     n_entities: new entities, one document each; sessions: how many sessions write them;
     capacities: bank capacity as a fraction of the entries written (≥ 1: never merges);
     n_clusters / top_k / merge_*: the bank's (memstore.context_bank.ContextBankConfig);
@@ -120,8 +122,10 @@ def training_pairs(root: Path, out: Path, cfg: ContextRecallConfig) -> Path:
     (seeds eval seed + 1000·k, k ≥ 1), so answers can only come from the compressed document, never
     from what the anchor learnt; entities of the run's corpus or of the evaluation world are left out.
     `train_on_corpus` adds the run's own corpus (facts the anchor partly knows)."""
-    path = out / "pairs.jsonl"
-    if path.exists():
+    path, marker = out / "pairs.jsonl", out / "pairs_inputs.json"
+    inputs = {"corpus": read_json(root / "corpus.json")["spec"], "eval_seed": _eval_seed(root, cfg),
+              "train_worlds": cfg.train_worlds, "train_on_corpus": cfg.train_on_corpus}
+    if path.exists() and marker.is_file() and read_json(marker) == json.loads(json.dumps(inputs)):
         return path
     held_out = {r["entity"] for _, r in iter_jsonl(root / "facts.jsonl")}
     held_out |= {f["entity"] for f in bios_facts(_world_spec(root, _eval_seed(root, cfg)))}
@@ -135,7 +139,53 @@ def training_pairs(root: Path, out: Path, cfg: ContextRecallConfig) -> Path:
     if not pairs:
         raise ValueError("no training pairs: set train_worlds >= 1 or train_on_corpus: true")
     atomic_write_text(path, "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs))
+    atomic_write_json(marker, inputs)
     return path
+
+
+def ensure_compressor(root: Path, out: Path, cfg: ContextRecallConfig, *, log=print) -> tuple[Path, str]:
+    """The compressor for the run's anchor; returns (its folder, "given" | "reused" | "trained" | "retrained").
+
+    `vae=` holding a trained compressor is the user's: used as given. Otherwise (default OUT/vae) it is
+    reused only when it was trained from the same inputs (recorded in its `compressor_inputs.json`):
+    the training config (training/yamls/context-vae.yaml + `train`), the training pairs and the
+    anchor's weights; a compressor trained from other inputs, or with no record of them, is retrained."""
+    from training.context_train import load_context_config, train_context_vae
+
+    anchor_dir = root / "train" / "anchor"
+    vae_dir = Path(cfg.vae) if cfg.vae else out / "vae"
+    if cfg.vae and (vae_dir / "context_vae.json").exists():
+        log(f"[context-bank] compressor: {vae_dir} as given (vae=; --train settings not applied)")
+        return vae_dir, "given"
+    pairs = training_pairs(root, out, cfg)
+    tcfg = load_context_config(TRAIN_YAML, [f"anchor={anchor_dir}", f"data.pairs={pairs}",
+                                            f"save_folder={vae_dir}", *cfg.train])
+    config = to_dict(tcfg)
+    for key in ("anchor", "save_folder", "progress_bar", "log_interval"):  # where, not what, it trains
+        config.pop(key, None)
+    config["data"] = {k: v for k, v in config["data"].items() if k != "pairs"}
+    inputs = {"config": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16],
+              "pairs": sha256_file(pairs), "anchor": sha256_file(anchor_dir / "anchor.safetensors")}
+    marker = vae_dir / "compressor_inputs.json"
+    old = read_json(marker) if marker.is_file() else None
+    action = "trained"
+    if old is not None and old.get("inputs") == inputs and (vae_dir / "context_vae.json").exists():
+        log(f"[context-bank] compressor: reused ({vae_dir} was trained from these inputs)")
+        return vae_dir, "reused"
+    if vae_dir.exists() and any(vae_dir.iterdir()) and (old is not None or not cfg.vae):
+        if old is None:
+            why = "it holds a compressor with no record of what it was trained from"
+        else:
+            changed = sorted(k for k in inputs if old.get("inputs", {}).get(k) != inputs[k])
+            why = f"it was trained from other inputs ({', '.join(changed) or 'unfinished'} changed)"
+        log(f"[context-bank] compressor: retraining {vae_dir}: {why}")
+        shutil.rmtree(vae_dir)
+        action = "retrained"
+    vae_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(marker, {"inputs": inputs})
+    log(f"[context-bank] compressor: training ({tcfg.max_duration}) → {vae_dir}")
+    train_context_vae(tcfg)
+    return vae_dir, action
 
 
 def new_entities(root: Path, cfg: ContextRecallConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -258,22 +308,15 @@ def run_recall(cfg: ContextRecallConfig) -> Path:
     """Run the experiment (training the compressor first when needed); returns the report path."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # Imported once the hub is offline: they load composer / transformers, which read it on import.
-    from training.context_train import load_context_config, train_context_vae
     from training.train import load_run
 
     root = Path(cfg.root)
     out = Path(cfg.out) if cfg.out else root / "context-bank"
     out.mkdir(parents=True, exist_ok=True)
     anchor_dir = root / "train" / "anchor"
-    vae_dir = Path(cfg.vae) if cfg.vae else out / "vae"
     timings: dict[str, float] = {}
     t0 = time.time()
-    if not (vae_dir / "context_vae.json").exists():
-        pairs = training_pairs(root, out, cfg)
-        tcfg = load_context_config(TRAIN_YAML, [f"anchor={anchor_dir}", f"data.pairs={pairs}",
-                                                f"save_folder={vae_dir}", *cfg.train])
-        print(f"[context-bank] training the compressor → {vae_dir}", flush=True)
-        train_context_vae(tcfg)
+    vae_dir, compressor_action = ensure_compressor(root, out, cfg, log=lambda m: print(m, flush=True))
     timings["train_s"] = round(time.time() - t0, 1)
     composer_model, _, manifest, tok = load_run(anchor_dir)
     model = composer_model.model
@@ -354,7 +397,8 @@ def run_recall(cfg: ContextRecallConfig) -> Path:
               f"{row['merges']} merges", flush=True)
     timings["total_s"] = round(time.time() - t0, 1)
     report = {"format": "memtree-context-recall", "version": 1, "config": to_dict(cfg),
-              "compressor": read_json(vae_dir / "context_vae.json"), "n_probes": len(probes),
+              "compressor": read_json(vae_dir / "context_vae.json"),
+              "compressor_action": compressor_action, "n_probes": len(probes),
               "n_entities": len(docs), "entries_written": n_written, "chance": 0.25, "settings": results,
               "timings": timings}
     return write_recall_report(out, report)
@@ -381,6 +425,8 @@ def write_recall_report(out: Path, report: dict[str, Any]) -> Path:
     for name, r in s.items():
         lines.append(f"| {name} | " + " | ".join("—" if b["accuracy"] is None else f"{b['accuracy']:.1%}"
                                                  for b in r["by_session"]) + " |")
+    if report.get("compressor_action"):
+        lines += ["", f"Compressor: {report['compressor_action']} (training/yamls/context-vae.yaml + `--train`)."]
     lines += ["", f"Timings: {report['timings']}", ""]
     atomic_write_text(out / "report.md", "\n".join(lines))
     fig = new_figure()

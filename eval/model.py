@@ -30,16 +30,19 @@ from training.train import load_run
 MemoryMode = Literal["none", "generic", "fetched"]
 
 
-def _open_tree(tree_dir: str | Path | None, cfg: TrainConfig, folder: Path):
-    """`--tree` when given, else `tree/` beside the run's shards; a missing one names both."""
+def _open_tree(tree_dir: str | Path | None, cfg: TrainConfig, folder: Path, tree_key: str = "--tree"):
+    """`--tree` when given, else `tree/` beside the run's shards; a missing one names both.
+    `tree_key`: how the caller's user gives the tree (`--tree`, or a config key such as `tree=`)."""
+    given = f"{tree_key}{tree_dir}" if tree_key.endswith("=") else f"{tree_key} {tree_dir}"
     if tree_dir:
         if not (Path(tree_dir) / "tree.json").exists() and Path(tree_dir).name != "tree.json":
-            raise FileNotFoundError(f"--tree {tree_dir}: no clustering tree there (no tree.json)")
+            raise FileNotFoundError(f"{given}: no clustering tree there (no tree.json)")
         return load_tree(tree_dir)
     default = Path(cfg.data.shards).parent / "tree"
     if not (default / "tree.json").exists():
+        fix = f"{tree_key}DIR" if tree_key.endswith("=") else f"{tree_key} DIR"
         raise FileNotFoundError(f"{folder}: no clustering tree at {default} (tree/ beside data.shards "
-                                f"{cfg.data.shards!r}, stored in {folder / CONFIG_FILE}); pass --tree DIR")
+                                f"{cfg.data.shards!r}, stored in {folder / CONFIG_FILE}); pass {fix}")
     return load_tree(default)
 
 
@@ -54,10 +57,11 @@ class RunModel:
 
     @classmethod
     def load(cls, save_folder: str | Path, *, tree_dir: str | Path | None = None,
-             tiers: list[TierConfig] | None = None, bank: bool = True) -> RunModel:
+             tiers: list[TierConfig] | None = None, bank: bool = True, tree_key: str = "--tree") -> RunModel:
         """The run's model and (`bank`, when the run has one) its bank. Paths stored in the run's
         config resolve relative to the run when it was moved (`eval.runinfo.resolve_stored`); the tree
-        is `tree_dir`, else `tree/` beside the run's shards."""
+        is `tree_dir`, else `tree/` beside the run's shards; errors name it as `tree_key` (the caller's
+        flag or config key for it)."""
         folder = Path(save_folder)
         if not folder.is_dir():
             raise FileNotFoundError(f"{folder}: no such run folder (a training run's save_folder)")
@@ -71,11 +75,11 @@ class RunModel:
         model = composer_model.model
         store = None
         if bank and (folder / "bank").exists():
-            tree = _open_tree(tree_dir, cfg, folder)
+            tree = _open_tree(tree_dir, cfg, folder, tree_key)
             store = MemoryStore(folder / "bank", tree=tree, out_dtype=torch.float32,
                                 tiers=tiers or [TierConfig(name="ram", kind="ram")])
         else:
-            tree = _open_tree(tree_dir, cfg, folder) if tree_dir else None
+            tree = _open_tree(tree_dir, cfg, folder, tree_key) if tree_dir else None
         return cls(config=cfg, model=model, store=store, tokenizer=tokenizer, eot_id=int(manifest["eot_id"]),
                    tree=tree)
 

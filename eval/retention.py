@@ -29,8 +29,9 @@ from eval.knowledge import MODE_LABEL, knowledge_eval, load_eval_inputs
 from eval.longtail import BUCKETS, bucket_label
 from eval.model import RunModel
 from eval.plots import new_figure, save_png
+from eval.runinfo import run_config
 from eval.sweeps import check_overrides, ensure_trained
-from memtree.config import ConfigError, from_dict, load_config, to_dict
+from memtree.config import ConfigError, load_config, to_dict
 from memtree.io import atomic_write_json, atomic_write_text, read_json
 from training.config import TrainConfig
 from training.data import read_shards_manifest
@@ -80,7 +81,7 @@ def default_subtrees(shards: str | Path, seed: int) -> list[int]:
 def continued_config(cfg: RetentionConfig) -> TrainConfig:
     """The run's own config, continued on `subtrees` for `steps` batches with the bank frozen."""
     run = Path(cfg.run)
-    base = from_dict(TrainConfig, read_json(run / "memtree_config.json")["config"])
+    base = run_config(run)  # data.shards (and model.hf_dir) resolved for a run moved from where it trained
     if not any(base.memory.multipliers) or not (run / "bank").exists():
         raise ConfigError(f"run: {run} has no memory bank; retention compares memories with the anchor alone")
     subtrees = sorted(set(cfg.subtrees)) if cfg.subtrees else default_subtrees(base.data.shards, cfg.seed)
@@ -113,9 +114,9 @@ def run_retention(cfg: RetentionConfig, *, log: Callable[[str], None] = print) -
     from safetensors.torch import load_file
 
     tc = continued_config(cfg)
+    rm = RunModel.load(cfg.run, tree_dir=cfg.tree, tree_key="tree=")  # before training: a missing tree fails fast
     status = ensure_trained(tc, log)
     probes, held_out = load_eval_inputs(cfg.facts, held_out=cfg.held_out, max_probes=cfg.max_probes, seed=cfg.seed)
-    rm = RunModel.load(cfg.run, tree_dir=cfg.tree)
     before = knowledge_eval(rm, probes, held_out)
     rm.model.load_state_dict(load_file(str(Path(tc.save_folder) / "anchor.safetensors")))  # same bank, new anchor
     after = knowledge_eval(rm, probes, held_out)

@@ -18,6 +18,7 @@ reuse — and its evaluation is reused when the probes are the same.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -93,8 +94,32 @@ class SweepConfig:
             raise ConfigError("metric: 'perplexity' needs eval.held_out")
 
 
-def load_sweep_config(path: str | Path | None, overrides: Sequence[str] = ()) -> SweepConfig:
-    return load_config(SweepConfig, str(path) if path else None, list(overrides))
+def load_sweep_config(path: str | Path | None, overrides: Sequence[str] = (), *,
+                      require_paths: bool = False) -> SweepConfig:
+    """The sweep; a relative `eval.facts` / `eval.held_out` / `eval.tree` from the YAML is relative to
+    the sweep YAML (else, as before, to the working directory); one given as an override is relative
+    to the working directory. With `require_paths` (`memtree eval-sweep`), a path found nowhere is an
+    error naming the key and where it was given; without, it is kept as given."""
+    cfg = load_config(SweepConfig, str(path) if path else None, list(overrides))
+    overridden = {o.split("=", 1)[0].strip() for o in overrides}
+    resolved = {}
+    for key in ("facts", "held_out", "tree"):
+        value = getattr(cfg.eval, key)
+        if not value:
+            continue
+        p = Path(value)
+        from_yaml = bool(path) and f"eval.{key}" not in overridden and "eval" not in overridden
+        where = f"in {path}" if from_yaml else "(override)"
+        tries = (p,) if p.is_absolute() else ((Path(path).parent / p, p) if from_yaml else (p,))
+        found = next((c for c in tries if c.exists()), None)
+        if found is None and not require_paths:
+            continue
+        if found is None:
+            rel = (f" (relative paths are relative to the sweep YAML, {Path(path).parent}, or the current folder)"
+                   if from_yaml and not p.is_absolute() else "")
+            raise ConfigError(f"eval.{key} {where}: {value}: no such file or directory{rel}")
+        resolved[key] = str(found)
+    return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, **resolved)) if resolved else cfg
 
 
 @dataclass(frozen=True)
@@ -159,7 +184,7 @@ def _evaluate(run: SweepRun, status: str, ev: EvalInputs, probes: list[dict], he
         data = read_json(cached)
         if data["meta"].get("eval_key") == key:
             return data["knowledge"]
-    knowledge = knowledge_eval(RunModel.load(folder, tree_dir=ev.tree), probes, held_out)
+    knowledge = knowledge_eval(RunModel.load(folder, tree_dir=ev.tree, tree_key="eval.tree="), probes, held_out)
     write_report(folder / "eval", knowledge=knowledge, meta={"run": str(folder.resolve()), "eval_key": key})
     return knowledge
 

@@ -212,3 +212,88 @@ def test_eval_continual_reuses_the_pretrained_model_only_from_the_same_inputs(de
     assert main(["eval-continual", str(tmp_path / "nowhere")]) == 1
     err = capsys.readouterr().err
     assert "corpus.json" in err and "Errno" not in err
+
+
+def test_eval_context_bank_reuses_the_compressor_only_from_the_same_inputs(tmp_path, capsys):
+    """Paper cut: `--train` settings changed, or the anchor retrained, used to reuse OUT/vae anyway."""
+    from tests.test_context_vae import _tiny_bios_run
+
+    root = _tiny_bios_run(tmp_path / "demo")
+    out = tmp_path / "cb"
+    small = ["n_entities=4", "sessions=1", "capacities=[1.0]", "n_clusters=2", "train_worlds=1"]
+    train = ["--train", "data.batch_size=4", "--train", "vae.chunk_tokens=64", "--train", "vae.hidden=16",
+             "--train", "vae.reader_heads=2"]
+
+    def run(steps: int) -> tuple[str, dict]:
+        assert main(["eval-context-bank", str(root), *small, "--train", f"max_duration={steps}ba", *train,
+                     "--out", str(out)]) == 0
+        return capsys.readouterr().out, json.loads((out / "vae" / "context_vae.json").read_text())
+
+    text, vae = run(1)
+    assert "compressor: training (1ba)" in text and vae["metrics"]["steps"] == 1
+    assert json.loads((out / "results.json").read_text())["compressor_action"] == "trained"
+    text, vae = run(2)  # --train changed: retrained
+    assert "retraining" in text and "config changed" in text and vae["metrics"]["steps"] == 2
+    assert json.loads((out / "results.json").read_text())["compressor_action"] == "retrained"
+    weights = (out / "vae" / "context_vae.safetensors").stat().st_mtime_ns
+    text, _ = run(2)  # the same inputs: reused
+    assert "compressor: reused" in text and (out / "vae" / "context_vae.safetensors").stat().st_mtime_ns == weights
+    assert "Compressor: reused" in (out / "report.md").read_text()
+    # the anchor retrained (other weights): the compressor is retrained for it, not refused or reused
+    from safetensors.torch import load_file, save_file
+
+    anchor = root / "train" / "anchor" / "anchor.safetensors"
+    save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in load_file(str(anchor)).items()}, str(anchor))
+    text, _ = run(2)
+    assert "retraining" in text and "anchor changed" in text
+    assert json.loads((out / "results.json").read_text())["compressor_action"] == "retrained"
+
+
+def test_eval_retention_resolves_a_moved_runs_shards_and_names_the_tree_key(demo, tmp_path, capsys):
+    """Paper cut: `eval-retention` read `data.shards` as stored (relative to where training ran), and
+    its missing-tree error said `--tree` where the command's key is `tree=`."""
+    _, root = demo
+    copy = tmp_path / "elsewhere" / "demo"
+    shutil.copytree(root, copy)
+    shutil.rmtree(copy / "pipeline" / "tree")
+    run = copy / "train" / "cotrain"
+    args = ["eval-retention", f"run={run}", f"facts={copy / 'facts.jsonl'}", "steps=1", "max_probes=4",
+            "--out", str(tmp_path / "ret")]
+    assert main(args) == 1  # the shards resolve under the copy; the tree is what is missing
+    err = capsys.readouterr().err
+    assert "pass tree=DIR" in err and "--tree" not in err and "Errno" not in err
+    assert not (tmp_path / "ret" / "continued").exists()  # refused before training
+    assert main([*args, f"tree={root / 'pipeline' / 'tree'}"]) == 0
+    res = json.loads((tmp_path / "ret" / "results.json").read_text())
+    assert res["continued"]["status"] == "trained" and res["n_probes"] == 4
+    stored = json.loads((tmp_path / "ret" / "continued" / "memtree_config.json").read_text())["config"]
+    assert Path(stored["data"]["shards"]) == copy / "pipeline" / "shards"
+
+
+def test_eval_sweep_resolves_eval_paths_against_the_yaml(demo, tmp_path, monkeypatch, capsys):
+    """Paper cut: a sweep YAML's `eval.facts` / `eval.held_out` / `eval.tree` resolved against the current
+    folder only; now against the YAML first, and a missing one is named by key and YAML."""
+    _, root = demo
+    folder = tmp_path / "sweeps"
+    folder.mkdir()
+    shutil.copy(root / "facts.jsonl", folder / "facts.jsonl")
+    shutil.copytree(root / "pipeline" / "tree", folder / "tree")
+    shutil.copytree(root / "pipeline" / "embed" / "embedder", folder / "embed" / "embedder")  # the tree's embedder
+    tiny = ["mode=scratch", "memory.multipliers=[0,8]", f"data.batch_size={BATCH}", "max_duration=1ba",
+            "optim.warmup=1ba", "memory.export_dtype=fp32", SHAPE, f"data.shards={root / 'pipeline' / 'shards'}"]
+    body = ("name: t\nsettings: [{name: one}]\ntrain: " + json.dumps(tiny) + "\n"
+            "eval: {facts: facts.jsonl, tree: tree, max_probes: 4%s}\n")
+    good, bad = folder / "sweep.yaml", folder / "bad.yaml"
+    good.write_text(body % "")
+    bad.write_text(body % ", held_out: missing.jsonl")
+    monkeypatch.chdir(tmp_path)  # not the YAML's folder
+    assert main(["eval-sweep", str(bad), "--out", str(tmp_path / "s")]) == 1
+    err = capsys.readouterr().err
+    assert f"eval.held_out in {bad}: missing.jsonl" in err and "relative to the sweep YAML" in err
+    assert "Errno" not in err and not (tmp_path / "s").exists()
+    assert main(["eval-sweep", "sweeps/sweep.yaml", "--out", str(tmp_path / "s")]) == 0
+    data = json.loads((tmp_path / "s" / "results.json").read_text())
+    assert [r["status"] for r in data["runs"]] == ["trained"]
+    # an override is the user's own path: relative to the current folder, named as an override
+    assert main(["eval-sweep", str(good), "eval.facts=facts.jsonl", "--out", str(tmp_path / "s")]) == 1
+    assert "eval.facts (override): facts.jsonl: no such file" in capsys.readouterr().err

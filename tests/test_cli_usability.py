@@ -248,3 +248,19 @@ def test_pipeline_without_a_run_directory_says_which_flag(tmp_path, capsys):
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "one document"}])
     assert main(["pipeline", "--input", str(corpus)]) == 1
     assert "give --out RUN" in _err(capsys)
+
+
+def test_context_vae_time_strings_checked_from_python(tmp_path):
+    # issue 36: the compressor's duration / interval / warmup keys are TimeStrings, so a config built
+    # in Python (not through `memtree train-context-vae`) names the key too, before a Trainer is built
+    from memtree.config import ConfigError
+    from training.context_train import ContextDataSection, ContextTrainConfig, load_context_config
+
+    yaml = str(REPO / "training" / "yamls" / "context-vae.yaml")
+    for key in ("max_duration", "warmup", "save_interval", "log_interval"):
+        with pytest.raises(ConfigError, match=f"{key}: '3 epochs' is not a time string"):
+            load_context_config(yaml, [f"{key}=3 epochs"])
+    with pytest.raises(ConfigError, match="warmup: '20' is not a time string"):
+        ContextTrainConfig(anchor=str(tmp_path), data=ContextDataSection(pairs="p.jsonl"),
+                           save_folder=str(tmp_path / "vae"), warmup="20")
+    assert load_context_config(yaml, ["max_duration=3ba"]).max_duration == "3ba"

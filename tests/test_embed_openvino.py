@@ -137,3 +137,9 @@ def test_pipeline_with_int8_backend_routes_queries_through_the_export(
     w = pq.read_table(moved / "window" / "part-00000.parquet", columns=["text"])["text"].to_pylist()[:30]
     a = pq.read_table(moved / "assign" / "part-00000.parquet", columns=["path"])["path"].to_pylist()[:30]
     assert route_texts(tree, w).tolist() == a
+
+
+def test_a_missing_export_is_named_not_a_raw_errno(tmp_path):
+    """A tree copied without its pipeline's embed/embedder (issue 36's kind of cut)."""
+    with pytest.raises(FileNotFoundError, match="no embedder export here.*RUN/embed/embedder"):
+        read_export(tmp_path / "embedder")

@@ -26,7 +26,14 @@ from composer.models import ComposerModel
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from memtree.config import ConfigError, dump_yaml, is_int, load_config
+from memtree.config import (
+    ConfigError,
+    TimeString,
+    check_time_string,
+    dump_yaml,
+    is_int,
+    load_config,
+)
 from memtree.io import atomic_write_text, iter_jsonl
 from training.context_vae import (
     ContextVAE,
@@ -66,18 +73,20 @@ class ContextTrainConfig:
     data: ContextDataSection
     save_folder: str
     vae: ContextVAEConfig = field(default_factory=ContextVAEConfig)
-    max_duration: str = "2ep"
+    max_duration: TimeString = "2ep"
     lr: float = 2e-3
     weight_decay: float = 0.0
-    warmup: str = "20ba"
+    warmup: TimeString = "20ba"
     alpha_f: float = 0.1
     seed: int = 0
-    save_interval: str = "1ep"
+    save_interval: TimeString = "1ep"
     autoresume: bool = False
     progress_bar: bool = False
-    log_interval: str = "50ba"
+    log_interval: TimeString = "50ba"
 
     def __post_init__(self) -> None:
+        for key in ("max_duration", "warmup", "save_interval", "log_interval"):  # also when built in Python
+            check_time_string(getattr(self, key), key)
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr!r}")
 
