@@ -96,6 +96,27 @@ def gmm_sphere(
     return x, labels.astype(np.int64)
 
 
+def gmm_hierarchy(n: int, seed: int, *, dim: int = DIM, levels: int = 3, branching: int = 16,
+                  spreads: tuple[float, ...] = (1.0, 0.8, 0.6), point_spread: float = 0.6
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """A hierarchical Gaussian mixture on the unit sphere, `levels` × `branching` deep (issue #37's
+    3 × 16 = 4,096 leaf components): level-1 centres uniform on the sphere; a child centre is its
+    parent plus Gaussian noise of norm ~spreads[l], renormalised; a point is a uniformly drawn
+    leaf centre plus noise of norm ~point_spread, renormalised. Returns (x (n, dim) float32,
+    leaf labels (n,) int64)."""
+    rng = np.random.default_rng(seed)
+    c = rng.standard_normal((branching, dim)).astype(np.float32)
+    c /= np.linalg.norm(c, axis=1, keepdims=True)
+    for s in spreads[1:levels]:
+        c = np.repeat(c, branching, axis=0) + s / math.sqrt(dim) * rng.standard_normal(
+            (len(c) * branching, dim)).astype(np.float32)
+        c /= np.linalg.norm(c, axis=1, keepdims=True)
+    labels = rng.integers(0, len(c), size=n)
+    x = c[labels] + point_spread / math.sqrt(dim) * rng.standard_normal((n, dim), dtype=np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    return x.astype(np.float32), labels.astype(np.int64)
+
+
 def corpus_docs(n: int, seed: int = 0) -> list[dict]:
     return list(generate_corpus(CorpusSpec(n_docs=n, seed=seed)))
 

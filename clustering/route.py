@@ -32,7 +32,8 @@ def route(tree: Tree, x: np.ndarray, *, batch_size: int = 262144) -> np.ndarray:
         xb = x[s : s + batch_size]
         parent = np.zeros(len(xb), dtype=np.int64)
         for lvl in range(1, tree.levels + 1):
-            parent = route_step(tree.centroids[lvl - 1], tree.valid[lvl - 1], xb, parent, tree.branching)
+            parent = route_step(tree.centroids[lvl - 1], tree.valid[lvl - 1], xb, parent, tree.branching,
+                                sq_norms=tree.sq_norms(lvl))
             paths[s : s + len(xb), lvl - 1] = parent
     return paths
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from clustering.kmeans import EQUALIZE_SAMPLE, fit_nodes_batched, single_threaded
-from clustering.route_core import route_step
+from clustering.route_core import route_step, squared_norms
 from memtree.io import atomic_dir, atomic_save_npy, atomic_write_json, read_json, sha256_file
 
 TREE_FORMAT = "memtree-tree"
@@ -49,10 +49,18 @@ class Tree:
     sizes: list[np.ndarray] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None  # the directory it was loaded from (relative paths in meta resolve here)
+    _norms: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def tree_id(self) -> str:
         return self.meta.get("tree_id") or compute_tree_id(self)
+
+    def sq_norms(self, level: int) -> np.ndarray:
+        """(B^level,) float32 ||c||² of the level's centroids, computed once per Tree: routing
+        scores every point with them, and at 65,536 leaves recomputing costs ~10 ms a call."""
+        if level not in self._norms:
+            self._norms[level] = squared_norms(self.centroids[level - 1])
+        return self._norms[level]
 
     def n_clusters(self, level: int) -> int:
         return self.branching**level
@@ -90,9 +98,12 @@ def fit_level(
     restarts: int = 1,
     seed: int,
     level: int,
+    cell_size: float | None = None,
 ) -> list[tuple[np.ndarray, int, int]]:
     """`fit_node` for the nodes (node_id, row indices into x) of one level, fitted together
     (`fit_nodes_batched`); fallbacks[i] is node i's own centroid. Call inside `single_threaded()`.
+    cell_size: the level's mean cell in points (`level_cell_size`), which equalisation caps
+    every cell against; None caps each node against its own mean.
 
     Each node's RNG is keyed by (seed, level, node) and its arithmetic reads only
     its own rows, so a node's result does not depend on which nodes are fitted
@@ -123,7 +134,7 @@ def fit_level(
         return fit_nodes_batched(
             x, members, ks, [np.random.default_rng([seed, level, int(nodes[i][0]), *key]) for i in todo],
             batch_size=batch_size, steps=steps, balance_factor=balance_factor,
-            equalize_steps=equalize_steps,
+            equalize_steps=equalize_steps, cell_size=cell_size,
         )
 
     fits = fit(0)
@@ -167,6 +178,7 @@ def fit_node(
     level: int,
     node: int,
     fallback: np.ndarray,
+    cell_size: float | None = None,
 ) -> tuple[np.ndarray, int, int]:
     """Centroids of one node's children → ((branching, dim) rows, n valid children, splits).
 
@@ -177,8 +189,15 @@ def fit_node(
         x, [(node, np.arange(x.shape[0]))], np.asarray(fallback)[None], branching=branching,
         min_points_per_child=min_points_per_child, batch_size=batch_size, steps=steps,
         balance_factor=balance_factor, equalize_steps=equalize_steps, restarts=restarts, seed=seed,
-        level=level,
+        level=level, cell_size=cell_size,
     )[0]
+
+
+def level_cell_size(n_points: int, branching: int, level: int) -> float:
+    """Mean points per cluster at `level` of a full tree over n_points: the size equalisation
+    caps every cell against (× balance_factor), the same for every node of the level, so a
+    node that inherits a large parent cell does not pass its excess on to its children."""
+    return n_points / branching**level
 
 
 def level_chunks(sizes: Sequence[int], batch_size: int, n_chunks: int) -> list[range]:
@@ -228,7 +247,8 @@ def build_tree(
 
         def one(chunk: range):
             part = [nodes[i] for i in chunk]
-            return fit_level(x, part, parent_c[[p for p, _ in part]], level=level, **params)
+            return fit_level(x, part, parent_c[[p for p, _ in part]], level=level,
+                             cell_size=level_cell_size(n, branching, level), **params)
 
         with single_threaded(), ThreadPoolExecutor(max_workers=workers) as ex:
             return [fit for part in ex.map(one, chunks) for fit in part]

@@ -107,8 +107,10 @@ class TreeConfig:
     """A cluster holding more than balance_factor × (batch / k) points in an assignment step
     has its points split evenly at random with the smallest cluster (Jegou et al., 2010)."""
     equalize_steps: int = 40
-    """After k-means, steps of centroid-norm rescaling that equalise the nearest-centroid cells
-    routing uses (clustering.kmeans.equalize_cells); 0 keeps the paper's rule alone."""
+    """After k-means, at most this many rounds of centroid-norm rescaling that cap every
+    nearest-centroid cell routing uses at balance_factor × the level's mean cell
+    (clustering.kmeans.equalize_cells; it stops early once no cell is over); 0 keeps the
+    paper's rule alone."""
     min_points_per_child: int = 2
     """A node with n points gets min(branching, n // min_points_per_child) children (at least 1)."""
     restarts: int = 1

@@ -36,7 +36,7 @@ from clustering.embed import (
 from clustering.embed_export import OPENVINO_INT8, export_openvino_int8
 from clustering.kmeans import single_threaded
 from clustering.route import route
-from clustering.tree import build_tree, fit_level, load_tree, save_tree
+from clustering.tree import build_tree, fit_level, level_cell_size, load_tree, save_tree
 from memtree.config import to_dict
 from memtree.io import atomic_path, atomic_save_npy, atomic_write_json
 from pipeline import ingest as ing
@@ -261,7 +261,8 @@ def fit_nodes_task(emb_path: str, nodes: list[tuple[int, np.ndarray]], level: in
     x = np.load(emb_path, mmap_mode="r")
     with single_threaded():  # sorted rows: sequential reads from the memmap
         return fit_level(x, [(int(p), np.sort(idx)) for p, idx in nodes], np.asarray(fallbacks),
-                         level=level, **params)
+                         level=level, cell_size=level_cell_size(x.shape[0], params["branching"], level),
+                         **params)
 
 
 def effective_levels(n: int, levels: int, branching: int, auto_reduce: bool) -> int:

@@ -210,7 +210,7 @@ def test_level_fit_equals_fitting_each_node_alone():
 
 def test_build_tree_is_independent_of_threads_and_fitter():
     """The same tree for any n_jobs, and through a fit_nodes hook that fits node by node."""
-    from clustering.tree import fit_node
+    from clustering.tree import fit_node, level_cell_size
 
     x, _ = _mixture(6000, 16, 10, seed=22)
     kw = {"levels": 3, "branching": 4, "batch_size": 700, "steps": 6, "seed": 5}
@@ -219,8 +219,9 @@ def test_build_tree_is_independent_of_threads_and_fitter():
     params = {k: kw[k] for k in ("branching", "batch_size", "steps", "seed")}
 
     def per_node(level, nodes, parent_c):
+        cell = level_cell_size(len(x), kw["branching"], level)  # what build_tree's own fitter caps against
         return [fit_node(x[idx], level=level, node=p, fallback=parent_c[p], min_points_per_child=2,
-                         balance_factor=1.1, equalize_steps=40, **params) for p, idx in nodes]
+                         balance_factor=1.1, equalize_steps=40, cell_size=cell, **params) for p, idx in nodes]
 
     hooked, _ = build_tree(x, fit_nodes=per_node, **kw)
     assert one.tree_id == three.tree_id == hooked.tree_id
@@ -267,7 +268,8 @@ def test_a_centroid_left_with_an_empty_cell_is_moved_into_the_largest_cell():
 
 def test_a_region_with_too_few_centroids_takes_one_from_a_region_with_too_many():
     """Two equal blobs, three centroids in one and one in the other (the 5-vs-3 split of topics
-    measured on the synthetic tree): rescaling norms cannot fix it, moving a centroid does."""
+    measured on the synthetic tree): rescaling norms balances the counts only across the blobs,
+    moving a centroid balances them within."""
     from clustering.kmeans import equalize_cells, relocate_cells
 
     rng = np.random.default_rng(5)
@@ -276,10 +278,23 @@ def test_a_region_with_too_few_centroids_takes_one_from_a_region_with_too_many()
     x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
     in_a = x[:1000][rng.choice(1000, 3, replace=False)]
     c = np.vstack([in_a, x[1000:1500].mean(0)[None]]).astype(np.float32)
-    eq = _cell_sizes(x, equalize_cells(x, c, steps=40))
-    assert eq.max() > 1.5 * len(x) / 4, eq  # rescaling norms alone leaves a cell over 1.5x the mean
-    s = _cell_sizes(x, relocate_cells(x, c, rng, steps=40))
+    blob = np.repeat([0, 1], 1000)
+    scaled = equalize_cells(x, c, steps=40)
+    # Rescaling norms alone meets the cap only by serving blob b from a centroid of blob a.
+    assert _cell_sizes(x, scaled).max() <= 1.1 * len(x) / 4
+    assert _straddling(x, scaled, blob) > 0
+    moved = relocate_cells(x, c, rng, steps=40)
+    s = _cell_sizes(x, moved)
     assert s.max() <= 1.2 * len(x) / 4, s
+    assert _straddling(x, moved, blob) == 0  # two centroids per blob, each cell inside one blob
+
+
+def _straddling(x, c, blob):
+    """Points whose cell holds a majority from the other blob."""
+    cell = np.argmin((c * c).sum(1)[None] - 2.0 * x @ c.T, axis=1)
+    major = np.array([np.bincount(blob[cell == j], minlength=2).argmax() if (cell == j).any() else 0
+                      for j in range(len(c))])
+    return int((major[cell] != blob).sum())
 
 
 def _cell_sizes(x, c):
@@ -386,3 +401,44 @@ def test_restarts_lower_tree_distortion_and_recover_the_mixture_better():
             nmi[r].append(_nmi(lab, paths[:, 1]))
     assert np.mean(d[8]) < np.mean(d[1]), d
     assert np.mean(nmi[8]) > np.mean(nmi[1]) + 0.01, nmi  # measured: 0.894 → 0.929
+
+
+def test_route_step_backends_agree_with_each_other_and_the_float64_argmin():
+    """FAISS's per-pair dots (few points per parent) and the per-parent GEMMs (many) give the
+    same ids, which are the float64 argmin among each parent's valid children."""
+    pytest.importorskip("faiss")
+    from clustering.route_core import route_step
+
+    rng = np.random.default_rng(40)
+    B, d = 8, 24
+    c = rng.normal(size=(B * B, d)).astype(np.float32)
+    valid = rng.random(B * B) > 0.2
+    valid[::B] = True  # every parent keeps a child
+    x = rng.normal(size=(301, d)).astype(np.float32)
+    parent = rng.integers(0, B, 301)
+    got = {b: route_step(c, valid, x, parent, B, backend=b) for b in ("faiss", "numpy", "auto")}
+    ref = np.empty(301, dtype=np.int64)
+    for i, p in enumerate(parent):
+        cc = c[p * B : p * B + B].astype(np.float64)
+        sc = (cc * cc).sum(1) - 2.0 * cc @ x[i].astype(np.float64)
+        sc[~valid[p * B : p * B + B]] = np.inf
+        ref[i] = p * B + int(np.argmin(sc))
+    for b, ids in got.items():
+        np.testing.assert_array_equal(ids, ref, err_msg=b)
+
+
+def test_leaf_cells_are_capped_against_the_level_mean_at_every_level():
+    """Equalisation caps each cell at balance_factor × the level's mean (a node may reach
+    NODE_SLACK × its own mean), so balance does not compound down the levels; without it the
+    leaves of this mixture come out far less balanced."""
+    from clustering.kmeans import NODE_SLACK
+
+    x, _ = _mixture(12000, 32, 64, seed=41, spread=0.6)
+    eq, paths = build_tree(x, levels=2, branching=8, seed=0)
+    plain, _ = build_tree(x, levels=2, branching=8, seed=0, equalize_steps=0)
+    r_eq = [s["balance_ratio"] for s in level_stats(eq)]
+    r_plain = [s["balance_ratio"] for s in level_stats(plain)]
+    bound = 1.1 * NODE_SLACK + 0.02  # + rounding of ~190-point cells
+    assert max(r_eq) <= bound, (r_eq, r_plain)
+    assert r_plain[1] > bound, r_plain  # the data needs it
+    np.testing.assert_array_equal(route(eq, x), paths)

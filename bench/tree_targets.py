@@ -1,0 +1,122 @@
+"""Issue #37's tree targets in one run, against healthy FAISS baselines.
+
+    .venv/bin/python bench/tree_targets.py                 # 100,000 points, 3 × 16 = 4,096 leaves
+    .venv/bin/python bench/tree_targets.py --seed 9 --quick
+
+On a hierarchical Gaussian mixture (`gmm_hierarchy`, 3 × 16 components, a seed not used to tune),
+with the public APIs and default arguments: `clustering.tree.build_tree(x, levels=3,
+branching=16)` against flat `faiss.Kmeans(384, 4096, niter=20)` on all points and against
+`faiss.contrib.clustering.two_level_clustering(x, 64, 4096)` (each then assigns every point to its
+nearest centroid, as build_tree returns every point's leaf). Reports wall seconds (median of
+interleaved repeats), NMI against the leaf labels, leaf balance (max / mean cluster size) at every
+level, and the share of the build spent equalising cells (build with equalize_steps=0 beside it).
+The FAISS baselines' health (their GEMM against a plain sgemm) is measured in the same run; no
+speed-up is claimed against a handicapped one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import statistics
+import time
+import warnings
+
+import numpy as np
+from _common import (  # bench/ is sys.path[0] when a script runs
+    baseline_health,
+    faiss_l2_gflops,
+    finish,
+    log,
+    prepare_blas_env,
+    results_path,
+    run_meta,
+    sgemm_gflops,
+)
+from _pipeline_common import gmm_hierarchy
+from _pipeline_tree import nmi
+
+from clustering.tree import build_tree
+
+COLUMNS = ["method", "seconds", "speedup_vs_flat", "nmi", "balance_l1", "balance_l2", "balance_l3", "empty"]
+
+
+def _balance(labels: np.ndarray, k: int) -> tuple[float, int]:
+    c = np.bincount(labels, minlength=k)
+    return float(c.max() / c.mean()), int((c == 0).sum())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=100_000)
+    p.add_argument("--seed", type=int, default=37)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="20,000 points, 2 × 16 leaves")
+    p.add_argument("--out", default=None)
+    p.add_argument("--blas", choices=("auto", "as-is"), default="auto")
+    args = p.parse_args()
+    prepare_blas_env(args.blas)  # may re-execute this command
+    import faiss
+    from faiss.contrib.clustering import two_level_clustering
+
+    meta = run_meta(args)
+    health = baseline_health("faiss IndexFlatL2 search", faiss_l2_gflops(), sgemm_gflops())
+    log(f"baseline health: {health}")
+    levels, n = (2, 20_000) if args.quick else (3, args.n)
+    B = 16
+    k = B**levels
+    x, lab = gmm_hierarchy(n, args.seed, levels=levels, branching=B)
+    d = x.shape[1]
+
+    def memtree(eq: int | None = None):
+        kw = {} if eq is None else {"equalize_steps": eq}
+        tree, paths = build_tree(x, levels=levels, branching=B, **kw)
+        return paths[:, -1], [s.max() / s.mean() for s in tree.sizes]
+
+    def assign(c):
+        index = faiss.IndexFlatL2(d)
+        index.add(np.ascontiguousarray(c, dtype=np.float32))
+        return index.search(x, 1)[1][:, 0].astype(np.int64)
+
+    def flat():
+        km = faiss.Kmeans(d, k, niter=20, seed=1, max_points_per_centroid=-(-n // k), min_points_per_centroid=1)
+        km.train(x)
+        return assign(km.centroids), None
+
+    def two_level():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            c, _ = two_level_clustering(x, 64 if levels == 3 else 8, k)
+        return assign(c), None
+
+    fns = {"build_tree (defaults)": memtree, "build_tree, equalize_steps=0": lambda: memtree(0),
+           "faiss.Kmeans flat": flat, "two_level_clustering": two_level}
+    secs: dict[str, list[float]] = {m: [] for m in fns}
+    outs: dict[str, tuple] = {}
+    for r in range(args.repeats):  # interleaved, order alternating
+        for m in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            t = time.perf_counter()
+            outs[m] = fns[m]()
+            secs[m].append(time.perf_counter() - t)
+        log(f"round {r + 1}: " + ", ".join(f"{m} {v[-1]:.2f} s" for m, v in secs.items()))
+    med = {m: statistics.median(v) for m, v in secs.items()}
+    rows = []
+    for m, (leaf, tree_bal) in outs.items():
+        bal, empty = _balance(leaf, k)
+        row = {"method": m, "seconds": med[m], "speedup_vs_flat": med["faiss.Kmeans flat"] / med[m] if health["healthy"] else None,
+               "nmi": float(nmi(lab, leaf)), "empty": empty}
+        for lv in range(1, levels + 1):
+            row[f"balance_l{lv}"] = float(tree_bal[lv - 1]) if tree_bal else (bal if lv == levels else None)
+        rows.append(row)
+    eq_share = 1.0 - med["build_tree, equalize_steps=0"] / med["build_tree (defaults)"]
+    log(f"equalisation's share of the default build: {eq_share:.1%}")
+    results = {"meta": {**meta, "n": n, "levels": levels, "branching": B, "data_seed": args.seed,
+                        "faiss_threads": faiss.omp_get_max_threads()},
+               "health": health, "rows": rows, "runs_seconds": secs, "equalize_share": eq_share}
+    day = _dt.date.today().isoformat()
+    out = results_path(args.out, f"tree-targets-{day}{'-quick' if args.quick else ''}.json")
+    return finish(results, out, COLUMNS)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
