@@ -1,7 +1,8 @@
 """`memtree eval RUN …` (long-tail probes, perplexity, RAG baseline, blocking), `memtree eval-sweep`,
 `memtree eval-retention`, `memtree eval-tasks` (your own task suite), `memtree eval-longctx` (CAMELoT's
 long-context perplexity on a frozen anchor), `memtree eval-context-bank` (recall through the context
-bank), `memtree eval-continual` (learning new facts without forgetting) and the main job `memtree demo`."""
+bank), `memtree eval-continual` (learning new facts without forgetting), `memtree eval-memories` (every memory
+family beside dense models on the demo's probes) and the main job `memtree demo`."""
 
 from __future__ import annotations
 
@@ -165,6 +166,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     ad.add_argument("--config", help="YAML with the grid (default eval/yamls/adapters.yaml)")
     ad.add_argument("--out", help="report folder (default ROOT/adapters; out=PATH is a deprecated alias)")
     ad.set_defaults(func=_adapters)
+
+    _add_memories(sub)
 
     d = sub.add_parser(
         "demo",
@@ -426,4 +429,39 @@ def _adapters(args: argparse.Namespace) -> int:
     print(run_adapters(load_adapters_config(_config_file(args.config, "--config"),
                                             [f"root={args.root}", *args.overrides,
                                              *_out(args, "eval-adapters", deprecated=True)])))
+    return 0
+
+
+def _add_memories(sub: argparse._SubParsersAction) -> None:
+    m = sub.add_parser(
+        "eval-memories",
+        help="every memory family beside dense models on the demo's knowledge probes (issue 38)",
+        description="On a `memtree demo` root: reuses the demo's runs (anchor only, + generic, + fetched "
+                    "hierarchical memory, RAG, RAG + fetched) and trains, on the same shards, seed and budget, "
+                    "dense models (the anchor's shape; >= 2x its parameters; anchor + fetched memory's runtime "
+                    "parameters), "
+                    "Mixture of Chapters and a product-key memory at the fetched memory's active parameters; "
+                    "scores every row on the same probes with paired 95 % intervals against the fetched row. "
+                    "Writes OUT/results.json, OUT/report.md, OUT/accuracy_vs_exposure.png (default OUT: "
+                    "ROOT/memories). Grid: eval/yamls/memories.yaml.",
+    )
+    m.add_argument("root", help="a `memtree demo` root: facts.jsonl, heldout.jsonl, pipeline/, train/cotrain")
+    m.add_argument("overrides", nargs="*", help="eval.memories.MemoriesConfig key=value overrides "
+                                                "(max_probes=… 'train=[max_duration=10ba]')")
+    m.add_argument("--rows", help="comma-separated row names to run (default: every row of the grid; the "
+                                  "reference row is always scored)")
+    m.add_argument("--config", help="YAML with the grid (default eval/yamls/memories.yaml)")
+    m.add_argument("--out", help="report folder (default ROOT/memories)")
+    m.set_defaults(func=_memories)
+
+
+def _memories(args: argparse.Namespace) -> int:
+    from eval.memories import load_memories_config, run_memories
+
+    _demo_root(args.root, "eval-memories", ("facts.jsonl", "pipeline/shards", "train/cotrain"))
+    rows = [r.strip() for r in (args.rows or "").split(",") if r.strip()]
+    cfg = load_memories_config(_config_file(args.config, "--config"),
+                               [f"root={args.root}", *args.overrides, *([f"select=[{','.join(rows)}]"] if rows else []),
+                                *_out(args, "eval-memories", deprecated=False)])
+    print(Path(run_memories(cfg)).read_text(encoding="utf-8"))
     return 0

@@ -79,7 +79,7 @@ def _n_samples(shards: str | Path) -> int:
     return sum(int(s["n_samples"]) for s in read_json(Path(shards) / "manifest.json")["streams"])
 
 
-def _duration_epochs(duration: str, cfg) -> float | None:
+def duration_epochs(duration: str, cfg) -> float | None:
     """A Composer duration in epochs over the run's shards; None when it is not countable (wall clock, dur)."""
     d = str(duration).strip()
     n = _n_samples(cfg.data.shards)
@@ -107,7 +107,7 @@ def trained_epochs(run: str | Path) -> tuple[float | None, str]:
             cfg = run_config(folder)
         except FileNotFoundError as e:
             return None, str(e)
-        ep = _duration_epochs(cfg.max_duration, cfg)
+        ep = duration_epochs(cfg.max_duration, cfg)
         if ep is None:
             return None, f"{folder / CONFIG_FILE}: max_duration {cfg.max_duration!r} is not countable in epochs"
         parts.append((f"{folder.name} {cfg.max_duration}", ep))

@@ -187,6 +187,14 @@ def pkm_block(anchor: AnchorShape, pkm: PKMConfig, *, seq_len: int, batch: int =
     return out
 
 
+def ffn_memory(anchor: AnchorShape, widths: dict[int, int], *, tokens: int) -> int:
+    """Forward FLOPs that hierarchical FFN memories add over `tokens` tokens: per layer, `widths[layer]`
+    hidden units (all fetched blocks together) appended to the SwiGLU, so the same up, gate, down and
+    activation counts as widening the FFN by that much (`_ffn`)."""
+    d = anchor.d_model
+    return sum(2 * linear(tokens, d, w) + linear(tokens, w, d) + tokens * w * SWIGLU for w in widths.values())
+
+
 def pkm_params(anchor: AnchorShape, pkm: PKMConfig) -> int:
     """Parameters of the anchor with its chosen FFNs replaced by memory layers."""
     ffn = 3 * anchor.d_model * anchor.ffn_dim
