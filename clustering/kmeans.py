@@ -55,7 +55,6 @@ RELOCATE_SLACK = 1.2
 MAX_NORM_SCALE = 4.0
 # Batch rows fitted together (`_cache_groups`): 6 MiB of float32 at dim 384, about a core's L2.
 CACHE_ROWS = 4096
-EJECT_MARGIN = 1
 # Rows gathered per GEMM when equalising on rows of x not already in the batch (bounds the copy).
 GATHER_ROWS = 8192
 
@@ -547,7 +546,7 @@ def _equalize(seg: _Segments, rows_of, c: np.ndarray, k: np.ndarray, *, steps: i
         # points its neighbours give up, and full neighbours then trade single points for
         # hundreds of rounds (measured: 7 of 80 level-3 nodes still over after 40 rounds,
         # none with the margin).
-        excess = np.minimum(sizes.ravel()[cells] - cap_g[cells] + EJECT_MARGIN, sizes.ravel()[cells] - 1)
+        excess = np.minimum(sizes.ravel()[cells] - cap_g[cells] + 1, sizes.ravel()[cells] - 1)
         new = 0.5 * (cr[first + excess - 1] + cr[first + excess])
         flat_norms, flat_limit = norms.reshape(-1), limit.reshape(-1)
         ok = new <= flat_limit[cells]

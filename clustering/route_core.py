@@ -15,12 +15,9 @@ and every near tie is settled in float64, so both return the float64 argmin.
 
 from __future__ import annotations
 
-import numpy as np
+import functools
 
-try:  # an optional dependency (the cpu/gpu extras); the numpy path gives the same result
-    import faiss
-except ImportError:  # pragma: no cover - exercised where FAISS is absent
-    faiss = None
+import numpy as np
 
 # A float32 score gap below this (scores ||c||² − 2·x·c of unit-scale vectors, d ≤ a few
 # thousand: float32 rounding stays under 1e-5) is settled again in float64.
@@ -29,6 +26,17 @@ TIE_GAP = 1e-4
 # FAISS's per-pair dots (measured at d = 384: 20,000 points under one parent, GEMM ~2× faster;
 # ~5 per parent, FAISS 2–3× faster).
 GEMM_ROWS = 48
+
+
+@functools.cache
+def _faiss():
+    """FAISS, imported on first use (not at start-up of every command that imports routing),
+    or None: an optional dependency (the cpu/gpu extras); the numpy path gives the same result."""
+    try:
+        import faiss
+    except ImportError:  # pragma: no cover - exercised where FAISS is absent
+        return None
+    return faiss
 
 
 def squared_norms(centroids: np.ndarray) -> np.ndarray:
@@ -74,7 +82,7 @@ def route_step(
     norms = squared_norms(c32) if sq_norms is None else sq_norms
     # Large groups (upper levels) are faster as GEMMs; small ones (~5 points per parent at the
     # last level of a 65,536-leaf tree) as FAISS's per-pair dots.
-    use_faiss = backend == "faiss" or (backend == "auto" and faiss is not None and n < GEMM_ROWS * len(used))
+    use_faiss = backend == "faiss" or (backend == "auto" and n < GEMM_ROWS * len(used) and _faiss() is not None)
     scores = _dots_faiss(c32, x32, parent, B) if use_faiss else _dots_grouped(c32, x32, parent, B)
     scores *= -2.0
     scores += norms.reshape(-1, B)[parent]  # (n, B)
@@ -96,6 +104,7 @@ def _dots_faiss(c32: np.ndarray, x32: np.ndarray, parent: np.ndarray, B: int) ->
     n, d = x32.shape
     ids = np.ascontiguousarray(parent[:, None] * B + np.arange(B)[None, :])  # (n, B) int64
     out = np.empty((n, B), dtype=np.float32)
+    faiss = _faiss()
     faiss.fvec_inner_products_by_idx(faiss.swig_ptr(out), faiss.swig_ptr(x32), faiss.swig_ptr(c32),
                                      faiss.swig_ptr(ids), d, n, B)
     return out
