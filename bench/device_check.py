@@ -19,6 +19,8 @@ costs only itself, and every part's figures land in --out as JSON (at most 8 fil
   losses       bench/train_losses.py on the carried demo shards: GPU fp32 with TF32 off (seeds 0
                and 1) and on (seed 0), CPU fp32 (seeds 0 and 1) run beside the GPU loss runs on a
                few cores; windowed means and gaps -> losses.json
+  profile      bench/profile_reads.py: host against device time per call of the fused reads and
+               their gathered baselines (enqueue, wall, profiler tables) -> profile.json, profile.txt
   embed        MiniLM (carried in fp16) encoding bios texts on CUDA, fp32 and fp16, texts/s
   device_check.json holds the summary: each part's status, seconds and its headline figures.
 """
@@ -38,11 +40,11 @@ from typing import Any
 
 from _common import REPO, log  # bench/ is sys.path[0] when a script runs
 
-PARTS = ("env", "gpu_tests", "kernels", "training", "losses", "embed")
+PARTS = ("env", "gpu_tests", "kernels", "training", "profile", "losses", "embed")
 D768 = {"name": "d768-l12", "n_layers": 12, "d_model": 768, "n_heads": 12, "head_dim": 64,
         "ffn_dim": 3072, "vocab_size": 32768}
 # share of the remaining time each part may take at most (the rest stays for those after it)
-SHARE = {"gpu_tests": 0.25, "kernels": 0.4, "training": 0.6, "losses": 0.8, "embed": 1.0}
+SHARE = {"gpu_tests": 0.25, "kernels": 0.4, "training": 0.6, "profile": 0.5, "losses": 0.8, "embed": 1.0}
 
 
 class Check:
@@ -172,6 +174,19 @@ def part_training(c: Check) -> dict:
         if out.exists():
             r["rows"] = [x for x in json.loads(out.read_text()).get("rows", []) if x.get("bench") == "read"]
         res[name] = r
+    return res
+
+
+def part_profile(c: Check) -> dict:
+    cmd = [*_py(), "bench/profile_reads.py", "--device", c.args.device, "--out", str(c.out)]
+    if c.args.quick:
+        cmd.append("--quick")
+    res = c.run("profile", cmd, share=c.share("profile"))
+    path = c.out / "profile.json"
+    if path.exists():
+        cases = json.loads(path.read_text())["cases"]
+        res["headline"] = {k: {m: v.get(m) for m in ("enqueue_ms", "wall_ms", "device_ms", "aten_ops",
+                                                       "launches", "host_syncs")} for k, v in cases.items()}
     return res
 
 
@@ -308,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     c.summary["parts"]["env"] = part_env(c)
     c.save()
     for name, fn in (("gpu_tests", part_gpu_tests), ("kernels", part_kernels), ("training", part_training),
-                     ("losses", part_losses), ("embed", part_embed)):
+                     ("profile", part_profile), ("losses", part_losses), ("embed", part_embed)):
         c.part(name, lambda fn=fn: fn(c))
     c.summary["finished"] = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
     c.summary["seconds"] = round(args.budget - c.left(), 1)

@@ -25,7 +25,7 @@ def test_device_check_runs_every_part_on_the_cpu(pipeline_run, tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = json.loads((out / "device_check.json").read_text())
     parts = summary["parts"]
-    assert set(parts) == {"env", "gpu_tests", "kernels", "training", "losses", "embed"}
+    assert set(parts) == {"env", "gpu_tests", "kernels", "training", "profile", "losses", "embed"}
     assert not [n for n, r in parts.items() if "error" in r], parts
 
     # pytest -m gpu collects (on the CPU nothing runs): every GPU test file still imports
@@ -40,6 +40,12 @@ def test_device_check_runs_every_part_on_the_cpu(pipeline_run, tmp_path):
     assert parts["training"]["small"]["rc"] == 0 and read
     timed = {r["metric"].split(":")[0] for r in read if r["metric"].endswith("fused vs gathered") and r["value"] > 0}
     assert timed == {"ffn", "kv"}, read  # both memory kinds, fused against gathered
+
+    prof = parts["profile"]["headline"]  # host against device time of fused and gathered reads
+    assert parts["profile"]["rc"] == 0 and {"attention_moc_fused_fwd_bwd", "ffn_gather_bmm_fwd_bwd",
+                                            "train_kv_fused", "train_kv_gather"} <= set(prof), prof
+    assert all(v["wall_ms"] > 0 and v["aten_ops"] > 0 for v in prof.values()), prof
+    assert "==== attention moc fused_fwd_bwd" in (out / "profile.txt").read_text()
 
     run = parts["losses"]["runs"]["cpu-fp32-s0"]
     assert "missing" not in run, run["missing"]

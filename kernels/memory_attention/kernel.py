@@ -36,9 +36,10 @@ flat buffers and backward takes them instead of rebuilding it.
 A tile computes every slot for all its queries (coef = 0 masks the rest), so
 per-token lists cost in proportion to the unique blocks a tile touches: about
 the per-sequence cost when neighbouring tokens share chapters, up to TS times
-more when they share none. Tile sizes are fixed heuristics; a sweep on an H100
-(bench/tune_attention.py, docs/BENCHMARKS.md) moved forward+backward by less than
-the table's host time then, so they were left as they are.
+more when they share none. Tile sizes are fixed heuristics (`Launch.choose`), set
+where the compiled kernels stop spilling registers: bench/tune_backward.py reads each
+kernel's device time and the dK/dV kernel's spills per configuration on a GPU, which
+timing the whole op (whose host work exceeds the kernels' time) cannot show.
 
 Per-token *random* lists (bench/kernel_ops.py `token_idx(..., "random")`: B=8,
 H=H_kv=12, S=1024, D=T=64, k=65 = the shared chapter + 64 drawn from 4,096;
@@ -458,9 +459,14 @@ class Launch:
             block_m = max(block_m, triton.next_power_of_2(g))
             block_n = min(64 if block_d <= 64 else 32, max(16, triton.next_power_of_2(t)))
             stages = 3 if block_d <= 64 else 2
-            if compute == tl.float32:  # fp32 tiles need twice the shared memory
-                block_m, stages = max(64, triton.next_power_of_2(g)), 2
-            warps = 4 if block_d <= 64 and block_m <= 64 else 8
+            # Register spills set these (bench/tune_backward.py on an H100, 2026-11-27): at
+            # moc's bf16 shape the dK/dV kernel spilled with 8 warps and ran 1.58 ms against
+            # 0.72 with 4 (the forward 0.61 against 0.41); fp32 tiles of 64 x 64 made it spill
+            # 1,312 registers and run 10-15x slower than 32 x 32 tiles at a training step's
+            # shapes (1.57 ms against 0.105 for blocks of 99 slots).
+            if compute == tl.float32:
+                block_m, block_n, stages = max(32, triton.next_power_of_2(g)), min(block_n, 32), 2
+            warps = 4 if block_d <= 64 else 8
         # dK/dV chunks: small in the interpreter so the tests split blocks across programs.
         # Chunks of one block meet in fp32 atomic adds, whose order varies from run to run;
         # under torch.use_deterministic_algorithms every block is one chunk (one writer per

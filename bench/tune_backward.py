@@ -1,0 +1,152 @@
+"""Per-kernel device time of memory attention's forward, dQ and dK/dV kernels across launch
+configurations, at the training step's fp32 shapes and at moc's bf16 one (GPU only).
+
+    python bench/tune_backward.py --out DIR        # on the lent GPU, ~3 min
+    python bench/tune_backward.py --out DIR --quick --device cpu   # the interpreter: runs only
+
+bench/profile_reads.py found the dK/dV kernel at 0.75 ms per call in a training step of the
+small anchor (fp32, hierarchical KV memory, one block per level per sequence) while the dQ
+kernel of the same calls took 21 µs and the gathered path's whole attention backward 77 µs.
+Timing the whole op cannot separate the kernels (its host work exceeds their device time),
+so each configuration here runs forward+backward under torch.profiler and reads each
+kernel's own device time; the dK/dV kernel's registers and spills are read from its compiled
+form. Every configuration's gradients are checked against the current Launch.choose's.
+Writes tune-backward.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from _common import log  # bench/ is sys.path[0] when a script runs
+
+# (block_m, block_n, num_warps, num_stages, dkv_chunk); None = Launch.choose as it is
+FP32 = [None, (64, 64, 4, 2, 4), (64, 32, 4, 2, 16), (32, 64, 4, 2, 16), (32, 32, 4, 2, 16),
+        (64, 64, 8, 2, 16), (64, 64, 4, 1, 16), (32, 32, 2, 1, 4), (64, 32, 4, 1, 4)]
+BF16 = [None, (128, 64, 8, 3, 4), (64, 64, 4, 3, 16), (128, 32, 8, 3, 16), (64, 64, 4, 2, 4),
+        (128, 64, 4, 3, 16)]
+KERNELS = ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkv_kernel")
+
+
+def problems(device: str, quick: bool) -> list[dict]:
+    """The training step's levels (small anchor, fp32: B 8, S 256, 8 heads of 32, one block
+    per level per sequence; blocks of 99 / 24 slots at 4 / 64 blocks) and moc (bf16)."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    shapes = [("train-l1", 8, 8, 256, 32, 99, 4, 1, torch.float32, FP32),
+              ("train-l3", 8, 8, 256, 32, 24, 64, 1, torch.float32, FP32),
+              ("moc", 8, 12, 1024, 64, 64, 4097, 65, torch.bfloat16, BF16)]
+    if quick:
+        shapes = [(n, 2, 2, 40, 16, 20, 6, k if k == 1 else 3, torch.float32, c[:2])
+                  for n, *_, k, _, c in shapes[::2]]
+    for name, b, h, s, d, t, n, k, dtype, cfgs in shapes:
+        if k == 1:
+            idx = torch.randint(0, n, (b, 1), generator=g)
+        else:
+            idx = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long),
+                                          torch.randperm(n - 1, generator=g)[:k - 1] + 1]) for _ in range(b)])
+        q, k_, v, dy = (torch.randn(*sh, generator=g).to(device, dtype)
+                        for sh in ((b, h, s, d), (n, t, h, d), (n, t, h, d), (b, h, s, d)))
+        out.append({"name": name, "q": q, "k": k_, "v": v, "dy": dy, "idx": idx.to(device),
+                    "configs": cfgs})
+    return out
+
+
+def run(p: dict, cfg, n: int, device: str) -> dict:
+    from kernels.memory_attention import kernel as K
+    from kernels.memory_attention import memory_attention
+
+    original, run_dkv = K.Launch.choose, K._bwd_dkv_kernel.run
+    compiled = {}
+
+    def choose(*a, **kw):
+        base = original(*a, **kw)
+        if cfg is None:
+            return base
+        bm, bn, w, st, ch = cfg
+        t = p["k"].shape[1]
+        return dataclasses.replace(base, block_m=bm, block_n=bn, num_warps=w, num_stages=st,
+                                   dkv_chunk=ch, even_t=t % bn == 0)
+
+    def spy(*a, **kw):
+        compiled["dkv"] = run_dkv(*a, **kw)
+        return compiled["dkv"]
+
+    leaves = [p[x].detach().requires_grad_() for x in ("q", "k", "v")]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        memory_attention(*leaves, p["idx"], sparse_grad=False, impl="triton").backward(p["dy"])
+
+    K.Launch.choose, K._bwd_dkv_kernel.run = choose, spy
+    try:
+        step()
+        grads = [t.grad.float().clone() for t in leaves]
+        if device == "cuda":
+            torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(n):
+                step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+    finally:
+        K.Launch.choose, K._bwd_dkv_kernel.run = original, run_dkv
+    res = {"config": cfg or "current", "grads": grads}
+    for e in prof.key_averages():
+        if e.key in KERNELS:
+            dev = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+            res[e.key + "_us"] = dev / n
+    kern = compiled.get("dkv")
+    for attr in ("n_regs", "n_spills"):
+        try:
+            res["dkv_" + attr] = int(getattr(kern, attr))
+        except Exception:  # noqa: BLE001 (the interpreter compiles nothing)
+            res["dkv_" + attr] = None
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--n", type=int, default=5, help="forward+backward calls profiled per configuration")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for p in problems(args.device, args.quick):
+        ref = None
+        for cfg in p["configs"]:
+            try:
+                r = run(p, cfg, args.n, args.device)
+                grads = r.pop("grads")
+                ref = ref or grads
+                r["max_rel_err"] = max(float((a - b).norm() / b.norm().clamp(min=1e-30))
+                                       for a, b in zip(grads, ref, strict=True))
+            except Exception as e:  # noqa: BLE001 (out of shared memory or registers: recorded)
+                r = {"config": cfg or "current", "error": f"{type(e).__name__}: {str(e)[:200]}"}
+            r["shape"] = p["name"]
+            rows.append(r)
+            log({k: (float(f"{v:.3g}") if isinstance(v, float) else v) for k, v in r.items()})
+            tmp = out / "tune-backward.json.tmp"
+            tmp.write_text(json.dumps({"device": args.device, "torch": torch.__version__,
+                                       "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+                                       "rows": rows}, indent=1))
+            tmp.replace(out / "tune-backward.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
