@@ -172,7 +172,7 @@ def test_kernel_lse_matches_reference(per_token, mode):
     (repeated entries share their block's value), +inf where nothing is normalised."""
     case = Case(3, 4, 2, 21, 32, 6, 20, 3, per_token, mode)
     q, bk, bv, idx, w = make_inputs(case)
-    _, lse, _, _ = op.memory_attention_fwd(q, bk, bv, idx, w, mode, 0.3, "triton", True)
+    _, lse, _, _ = op.memory_attention_fwd(q, bk, bv, idx, w, None, None, mode, 0.3, "triton", True)
     _, lse_ref = memory_attention_naive(q, bk, bv, idx, w, weight_mode=mode, scale=0.3,
                                         return_lse=True)
     assert lse.shape == lse_ref.shape
@@ -381,7 +381,7 @@ def test_opcheck(impl, sparse_grad, per_token, mode):
     case = Case(2, 2, 1, 3, 16, 4, 5, 2, per_token, mode)
     q, bk, bv, idx, w = make_inputs(case)
     args = (q.requires_grad_(), bk.requires_grad_(), bv.requires_grad_(), idx,
-            w.requires_grad_(), mode, 0.25, impl, sparse_grad)
+            w.requires_grad_(), None, None, mode, 0.25, impl, sparse_grad)
     torch.library.opcheck(op.memory_attention_fwd, args)
     with torch.no_grad():
         out, lse, table_ints, table_coef = op.memory_attention_fwd(*args)
@@ -594,6 +594,65 @@ def test_table_build_stays_few_ops(per_token, weighted, bound):
         K.plan(q, bk, bv, idx, w)
     real = [o for o in counter.ops if o not in VIEW_OPS]
     assert len(real) <= bound, sorted(real)
+
+
+@interp
+@pytest.mark.parametrize("case", [Case(2, 4, 2, 63, 16, 7, 20, 3, False, None),
+                                  Case(1, 4, 2, 37, 16, 6, 9, 3, True, "mix")], ids=str)
+def test_table_built_once_serves_every_call(case):
+    """A table built by memory_attention_table and passed to several calls (a model's layers
+    reading one level's lists) gives each call the outputs and gradients of a call that builds
+    its own."""
+    from kernels.memory_attention import memory_attention_table
+
+    q, bk, bv, idx, w = make_inputs(case)
+    mode = case.mode or "bias"
+    table = memory_attention_table(q, bk, bv, idx, w, impl="triton")
+    assert table is not None and table.ints.dtype == torch.int32
+    g = torch.Generator().manual_seed(3)
+    grad_out = torch.randn(q.shape, generator=g)
+    for layer in range(2):  # the same table, two layers' reads (different queries and banks)
+        ql, bkl, bvl = (x * (1 + layer) for x in (q, bk, bv))
+
+        def read(q, bk, bv, idx, w, tbl=None):
+            return memory_attention(q, bk, bv, idx, w, weight_mode=mode, impl="triton",
+                                    sparse_grad=False, table=tbl)
+        own, g_own = grads_of(read, (ql, bkl, bvl, idx, w), grad_out)
+        shared, g_shared = grads_of(lambda *a: read(*a, tbl=table), (ql, bkl, bvl, idx, w),
+                                    grad_out)
+        torch.testing.assert_close(shared, own)
+        for a, b in zip(g_shared, g_own, strict=True):
+            torch.testing.assert_close(a, b)
+    # a table built elsewhere is refused by shape; the reference path takes none
+    with pytest.raises(ValueError, match="table was built for"):
+        read(q, bk[:-1], bv[:-1], idx, w, tbl=table)  # a bank of one block fewer
+    assert memory_attention_table(q, bk, bv, idx, w, impl="reference") is None
+
+
+@interp
+def test_prebuilt_table_skips_the_build_inside_the_op():
+    """With a table given, the forward op's body dispatches none of the build's ops and still
+    saves the table for backward (the op returns empty table buffers, which must not be what
+    backward reads)."""
+    from kernels.memory_attention import memory_attention_table
+
+    case = Case(2, 4, 2, 20, 16, 7, 9, 3, False, "bias")
+    q, bk, bv, idx, w = make_inputs(case)
+    table = memory_attention_table(q, bk, bv, idx, w, impl="triton")
+    counter = OpCount()
+    with counter:
+        out, lse, ints, coef = op.IMPLS_BY_OP["memtree::memory_attention_fwd"](
+            q, bk, bv, idx, w, table.ints, table.coef, "bias", 0.25, "triton", False)
+    assert ints.numel() == 0 and coef.numel() == 0
+    assert not {"aten.sort", "aten.cumsum", "aten.scatter_reduce_"} & set(counter.ops), counter.ops
+    own_out, own_lse, own_ints, _ = op.IMPLS_BY_OP["memtree::memory_attention_fwd"](
+        q, bk, bv, idx, w, None, None, "bias", 0.25, "triton", False)
+    assert torch.equal(own_ints, table.ints)  # the same table, built inside the op this time
+    torch.testing.assert_close(out, own_out)
+    torch.testing.assert_close(lse, own_lse)
+    args = (q.requires_grad_(), bk.requires_grad_(), bv.requires_grad_(), idx,
+            w.requires_grad_(), table.ints, table.coef, "bias", 0.25, "triton", False)
+    torch.library.opcheck(op.memory_attention_fwd, args)
 
 
 @interp

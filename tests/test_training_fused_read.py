@@ -162,6 +162,50 @@ def test_triton_kernels_read_views_with_sparse_table_gradients():
     torch.testing.assert_close(grads[0].to_dense(), grads[1], rtol=1e-4, atol=1e-5)
 
 
+@interp
+@pytest.mark.parametrize("kind", ["kv", "ffn"])
+def test_triton_fused_read_shares_one_table_per_level_across_layers(kind):
+    """The model's fused read through the Triton kernels (interpreted here): KV builds one
+    reference table per level for all layers and still equals the gathered read, logits and
+    every gradient; FFN reads build none."""
+    import dataclasses
+
+    from training.model import AnchorLM, ModelConfig
+
+    torch.manual_seed(0)
+    mem = _memory(kind)
+    model = AnchorLM(ModelConfig(anchor=ANCHOR, max_seq_len=17, memory=mem))
+    bank = TrainableBank(ANCHOR, mem)
+    with torch.no_grad():
+        for table in bank.tables.values():
+            table.normal_(0.0, 0.3)
+    ids = torch.randint(0, ANCHOR.vocab_size, (PATHS.shape[0], 17),
+                        generator=torch.Generator().manual_seed(1))
+    results = {}
+    for read in ("fused", "gather"):
+        model.zero_grad(set_to_none=True)
+        bank.zero_grad(set_to_none=True)
+        slots = bank.slots(PATHS)
+        if read == "fused":
+            mems = {layer: dataclasses.replace(br, impl="triton") for layer, br in bank.read(slots).items()}
+            tables = next(iter(mems.values())).tables
+            assert all(br.tables is tables for br in mems.values())  # one cache for the step
+        else:
+            mems = assemble_memories(bank(slots), ANCHOR, mem)
+        logits = model(ids, memories=mems)
+        logits.square().mean().backward()
+        grads = {n: p.grad.to_dense() for n, p in [*model.named_parameters(), *bank.named_parameters()]
+                 if p.grad is not None}
+        results[read] = (logits.detach(), grads)
+    assert len(mems) >= 2  # several memory layers read every level
+    assert len(tables) == (len(bank.levels) if kind == "kv" else 0)
+    (fused, g_fused), (gathered, g_gather) = results["fused"], results["gather"]
+    torch.testing.assert_close(fused, gathered, rtol=1e-4, atol=1e-5)
+    assert g_fused.keys() == g_gather.keys()
+    for name in g_fused:
+        torch.testing.assert_close(g_fused[name], g_gather[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_memory_read_config_resolves_by_device():
     from memtree.config import ConfigError
     from training.config import load_train_config

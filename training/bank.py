@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from memstore.format import GENERIC, BankInfo, paper_block, write_bank
 from memstore.store import MemoryStore, TierConfig
 from memtree.geometry import AnchorShape, MemoryConfig, block_layout
-from training.model import BankRead, Memories
+from training.model import BankRead, Memories, ReadTables
 
 _ALL_RAM = TierConfig(name="ram", kind="ram")
 
@@ -239,7 +239,9 @@ class TrainableBank(nn.Module):
                 by_layer.setdefault(layer, {})[name] = view
             for layer, tensors in by_layer.items():
                 per_layer.setdefault(layer, []).append((tensors, rows))
-        return {layer: BankRead(levels=tuple(levels)) for layer, levels in sorted(per_layer.items())}
+        tables = ReadTables()  # one KV table per level, built by the first layer that reads it
+        return {layer: BankRead(levels=tuple(levels), tables=tables)
+                for layer, levels in sorted(per_layer.items())}
 
     def bank_parameters(self) -> Iterator[nn.Parameter]:
         yield from self.tables.values()

@@ -52,7 +52,7 @@ Decisions where the paper is silent or its numbers were lost:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -60,10 +60,36 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels.ffn_memory import ffn_memory
-from kernels.memory_attention import memory_attention
+from kernels.memory_attention import MemoryTable, memory_attention, memory_attention_table
 from memtree.geometry import AnchorShape, MemoryConfig, block_layout, memory_layers, split_block
 from training.moc import LatentBank, MoCConfig, MoCLayer, bank_for, build_banks, mean_aux_loss
 from training.pkm import PKMConfig, ProductKeyMemory
+
+
+class ReadTables:
+    """The KV kernels' reference tables for one step, shared by every layer's `BankRead`.
+
+    Every layer reads a level's rows with the same lists at the same shapes, so one table
+    per level (and query shape) serves them all: built by the first layer's read, reused by
+    the rest. On a GPU a table costs ~170 dispatched ops of host time per build (docs/
+    BENCHMARKS.md, issue #35), more than the kernels' own device time at small shapes.
+    Entries are matched by the rows tensor's identity, which the BankReads hold alive."""
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[Tensor, tuple, MemoryTable | None]] = []
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, rows: Tensor, q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor,
+            impl: str) -> MemoryTable | None:
+        key = (tuple(q.shape), q.dtype, tuple(k.shape), k.dtype, q.device, impl)
+        for r, kk, table in self._entries:
+            if r is rows and kk == key:
+                return table
+        table = memory_attention_table(q, k, v, block_idx, impl=impl)
+        self._entries.append((rows, key, table))
+        return table
 
 
 @dataclass(frozen=True)
@@ -73,9 +99,13 @@ class BankRead:
     levels: per memory level, ({name: view}, rows): the layer's tensors for every
     bank row as views into that level's table — KV "k"/"v" (N_l, m_l, H_kv, D),
     FFN "w1"/"w2"/"w3" (N_l, W_l, d) — and rows (B,) int64, each sequence's row.
+    tables: the step's shared KV tables (one `ReadTables` for all layers), or None to
+    build one per call. impl: the kernels' dispatch ("auto": Triton on CUDA).
     """
 
     levels: tuple[tuple[dict[str, Tensor], Tensor], ...]
+    tables: ReadTables | None = field(default=None, compare=False, repr=False)
+    impl: str = "auto"
 
 
 # Per layer index: named memory tensors, each with a leading batch dim B, or a BankRead.
@@ -307,12 +337,17 @@ class Attention(nn.Module):
     def _read_kv_bank(q: Tensor, mem: BankRead) -> Tensor:
         """q (B, H, S, D) → (B, H, S, D): the same softmax over every level's slots as
         `_read_kv_memory` on the concatenated levels, read by block index from the bank."""
+        def read(views: dict[str, Tensor], rows: Tensor, return_lse: bool):
+            idx = rows[:, None]  # (B, 1): one block per sequence and level
+            table = None if mem.tables is None else mem.tables.get(
+                rows, q, views["k"], views["v"], idx, mem.impl)
+            return memory_attention(q, views["k"], views["v"], idx, sparse_grad=True,
+                                    impl=mem.impl, return_lse=return_lse, table=table)
+
         if len(mem.levels) == 1:
             (views, rows), = mem.levels
-            return memory_attention(q, views["k"], views["v"], rows[:, None], sparse_grad=True)
-        outs, lses = zip(*(memory_attention(q, views["k"], views["v"], rows[:, None],
-                                            sparse_grad=True, return_lse=True)
-                           for views, rows in mem.levels))
+            return read(views, rows, False)
+        outs, lses = zip(*(read(views, rows, True) for views, rows in mem.levels))
         # levels differ in slot count, so one call per level; their lses weight the
         # partial reads into the joint softmax exactly (every sequence reads every level)
         share = torch.softmax(torch.stack(lses), dim=0)[..., None]  # (L, B, H, S, 1) fp32
@@ -347,7 +382,8 @@ class FeedForward(nn.Module):
         y = self.w3(F.silu(self.w1(x)) * self.w2(x))
         if isinstance(mem, BankRead):  # (only KV/FFN memories are read in place)
             for views, rows in mem.levels:  # levels' blocks add up along the widened dim
-                y = y + ffn_memory(x, views["w1"], views["w2"], views["w3"], rows[:, None])
+                y = y + ffn_memory(x, views["w1"], views["w2"], views["w3"], rows[:, None],
+                                   impl=mem.impl)
             return y
         w1, w2, w3 = (mem[n].to(x.dtype) for n in ("w1", "w2", "w3"))  # (B, W, d) each
         h_mem = F.silu(x @ w1.mT) * (x @ w2.mT)  # (B, S, W)

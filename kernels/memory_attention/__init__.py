@@ -5,7 +5,10 @@ read by block id out of the bank without gathering copies:
 
     memory_attention(q, bank_k, bank_v, block_idx, weights=None, *,
                      weight_mode="bias", scale=None, sparse_grad=None,
-                     impl="auto", return_lse=False) -> out | (out, lse)
+                     impl="auto", return_lse=False, table=None) -> out | (out, lse)
+    memory_attention_table(q, bank_k, bank_v, block_idx, weights=None, *, impl="auto")
+        -> MemoryTable | None   # built once, passed as table= to every call reading
+                                 # the same lists (a model's layers)
 
 Files: `op.py` the public function (every tensor shape in its docstring), its input
 checks and the `memtree::memory_attention_fwd` / `_bwd` torch custom ops that dispatch;
@@ -32,6 +35,7 @@ Which weight mode is exact for what:
 """
 
 from kernels.memory_attention.naive import memory_attention_naive, memory_attention_naive_backward
-from kernels.memory_attention.op import memory_attention
+from kernels.memory_attention.op import MemoryTable, memory_attention, memory_attention_table
 
-__all__ = ["memory_attention", "memory_attention_naive", "memory_attention_naive_backward"]
+__all__ = ["MemoryTable", "memory_attention", "memory_attention_naive",
+           "memory_attention_naive_backward", "memory_attention_table"]

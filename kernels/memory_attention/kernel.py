@@ -26,8 +26,8 @@ block id. The index lists are first turned into a *reference table* (seed 004
   sums meet through fp32 atomic adds (see `_bwd_dkv` for why not a reduced
   partial buffer): bit-exact reproducibility of dK/dV is not kept.
 
-The table is built once per call, in forward, with fixed-shape torch ops and no
-host synchronisation: the slots per group and the unique blocks U are padded to
+The table is built once per call in forward (or once for several calls by
+`op.memory_attention_table`), with fixed-shape torch ops and no host synchronisation: the slots per group and the unique blocks U are padded to
 static bounds (`Layout`) and the real counts stay on the device, where the
 kernels read them (loop bounds; the dK/dV grid strides over the device-side chunk
 count), so every grid comes from shapes alone. Forward returns the table as two
@@ -528,14 +528,29 @@ def _expand_first(table: Table, x: Tensor, h: int, s: int) -> Tensor:
     return x.gather(-1, first.clamp(min=0)).masked_fill(first < 0, 0.0), first
 
 
+def build(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
+          weights: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The reference table's (ints, coef) buffers for `forward(..., table=)`."""
+    table = plan(q, bank_k, bank_v, block_idx, weights)[1]
+    return table.ints, table.coef_buf
+
+
 def forward(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
-            weights: Tensor | None, mix: bool, scale: float
-            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            weights: Tensor | None, mix: bool, scale: float,
+            table: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """out (B, H, S, D) in q's dtype; lse fp32 (B, H, S), or (B, H, S, k) when mix; the
-    reference table's (ints, coef) buffers, which `backward` takes instead of rebuilding."""
+    reference table's (ints, coef) buffers, which `backward` takes instead of rebuilding.
+    table: (ints, coef) from `build` for the same lists and shapes, or None to build here."""
     b, h, s, d = q.shape
     t, h_kv = bank_k.shape[1:3]
-    launch, table = plan(q, bank_k, bank_v, block_idx, weights)
+    if table is None:
+        launch, table = plan(q, bank_k, bank_v, block_idx, weights)
+    else:
+        launch, lay = _launch_and_layout(q, bank_k, bank_v, block_idx, weights is not None)
+        if (table[0].numel(), table[1].numel()) != lay.numels():
+            raise ValueError(f"table buffers of {table[0].numel()} / {table[1].numel()} "
+                             f"elements; these shapes need {lay.numels()}")
+        table = Table.unpack(lay, *table)
     out = torch.empty((b, h, s, d), dtype=q.dtype, device=q.device)
     k = block_idx.shape[-1]
     lse_shape = (b, h, s, k) if mix else (b, h, s)

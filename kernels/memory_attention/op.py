@@ -3,8 +3,11 @@
 `memory_attention` checks its arguments and calls `memtree::memory_attention_fwd`,
 which returns (out, lse, table ints, table coef), the joint softmax's lse
 differentiable (so reads of several banks can be merged exactly) and the Triton
-path's reference table (`kernel.build_table`, built once per call on the device;
-empty for the reference), which is saved for `memtree::memory_attention_bwd`.
+path's reference table (`table.build_table`, built on the device; empty for the
+reference), which is saved for `memtree::memory_attention_bwd`. Calls that read the
+same lists at the same shapes (a model's layers) can share one table built beforehand
+by `memory_attention_table` (`table=`): the op then skips the build and saves the
+given table for backward.
 That returns the gradients with the bank's part restricted to the referenced
 blocks. Both ops dispatch inside: the Triton kernels (`kernel.py`) for CUDA
 tensors (or when `impl="triton"` under TRITON_INTERPRET=1), the pure-torch
@@ -22,6 +25,7 @@ the dense form unless torch._dynamo.config.capture_dynamic_output_shape_ops is s
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -58,14 +62,22 @@ def _is_mix(weights: Tensor | None, weight_mode: str) -> bool:
 
 def _fwd_impl(
     q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor, weights: Tensor | None,
-    weight_mode: str, scale: float, impl: str, sparse_grad: bool,
+    table_ints: Tensor | None, table_coef: Tensor | None, weight_mode: str, scale: float,
+    impl: str, sparse_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out (B, H, S, D), lse fp32 (B, H, S) or (B, H, S, k) in mix mode, table ints (n_int,)
-    int32, table coef (n_coef,) fp32); the table buffers are empty for the reference.
+    int32, table coef (n_coef,) fp32). table_ints/table_coef: a table built beforehand
+    (`memory_attention_table`), or None to build it here; the returned table buffers are
+    empty when one was given (an output may not alias an input) and for the reference.
     sparse_grad only selects the bank gradient's layout in backward."""
     mix = _is_mix(weights, weight_mode)
     if _use_triton(q, impl):
-        return _triton_kernels().forward(q, bank_k, bank_v, block_idx, weights, mix, scale)
+        given = None if table_ints is None else (table_ints, table_coef)
+        out, lse, ints, coef = _triton_kernels().forward(q, bank_k, bank_v, block_idx, weights,
+                                                         mix, scale, table=given)
+        if given is not None:
+            ints, coef = ints[:0].clone(), coef[:0].clone()
+        return out, lse, ints, coef
     out, lse = memory_attention_naive(q, bank_k, bank_v, block_idx, weights,
                                       weight_mode="mix" if mix else "bias", scale=scale,
                                       return_lse=True)
@@ -80,11 +92,12 @@ memory_attention_fwd = torch.library.custom_op("memtree::memory_attention_fwd",
 
 
 @memory_attention_fwd.register_fake
-def _fwd_fake(q, bank_k, bank_v, block_idx, weights, weight_mode, scale, impl, sparse_grad):
+def _fwd_fake(q, bank_k, bank_v, block_idx, weights, table_ints, table_coef, weight_mode, scale,
+              impl, sparse_grad):
     b, h, s, _ = q.shape
     shape = (b, h, s, block_idx.shape[-1]) if _is_mix(weights, weight_mode) else (b, h, s)
     n_int, n_coef = 0, 0
-    if _use_triton(q, impl):  # the table's static bounds come from the shapes alone
+    if _use_triton(q, impl) and table_ints is None:  # static bounds from the shapes alone
         n_int, n_coef = _triton_kernels().table_numels(q, bank_k, bank_v, block_idx,
                                                                 weights is not None)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -160,12 +173,15 @@ def _bwd_fake(grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, table_i
 
 
 def _setup_context(ctx, inputs, output):
-    q, bank_k, bank_v, block_idx, weights, weight_mode, scale, impl, sparse_grad = inputs
+    (q, bank_k, bank_v, block_idx, weights, given_ints, given_coef, weight_mode, scale, impl,
+     sparse_grad) = inputs
     out, lse, table_ints, table_coef = output
+    if given_ints is not None:  # built once for several calls (memory_attention_table)
+        table_ints, table_coef = given_ints, given_coef
     # the table built in forward is handed to backward rather than rebuilt there
     ctx.save_for_backward(q, bank_k, bank_v, block_idx, weights, out, lse, table_ints,
                           table_coef)
-    ctx.mark_non_differentiable(table_ints, table_coef)
+    ctx.mark_non_differentiable(output[2], output[3])
     if _is_mix(weights, weight_mode):  # per-block statistics; only the joint lse is a result
         ctx.mark_non_differentiable(lse)
     ctx.args = (weight_mode, scale, impl, sparse_grad)
@@ -189,7 +205,7 @@ def _backward(ctx, grad_out, grad_lse, _grad_ints, _grad_coef):
         dv if need_v else None,
         None,
         dw if need_w else None,
-        None, None, None, None,
+        None, None, None, None, None, None,
     )
 
 
@@ -226,6 +242,42 @@ def _check(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
         raise ValueError("q, bank_k, bank_v and block_idx must be on one device")
 
 
+@dataclass(frozen=True)
+class MemoryTable:
+    """The Triton path's reference table for one set of block lists, built once by
+    `memory_attention_table` and passed to every `memory_attention` call that reads the same
+    lists at the same shapes (a model's layers, one table per memory level and step).
+
+    ints (n_int,) int32, coef (n_coef,) fp32: the table's buffers (kernel.py's docstring);
+    key: what it was built for (shapes, dtypes, device, weighted), checked on every use."""
+
+    ints: Tensor
+    coef: Tensor
+    key: tuple
+
+
+def _table_key(q: Tensor, bank_k: Tensor, block_idx: Tensor, weights: Tensor | None) -> tuple:
+    return (tuple(q.shape), q.dtype, tuple(bank_k.shape), bank_k.dtype, tuple(block_idx.shape),
+            weights is not None, q.device)
+
+
+def memory_attention_table(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
+                           weights: Tensor | None = None, *, impl: str = "auto"
+                           ) -> MemoryTable | None:
+    """The reference table `memory_attention(q, bank_k, bank_v, block_idx, weights, impl=impl)`
+    would build, built now so that several calls share it (`table=`). Only shapes, dtypes
+    and devices are read from q and the banks; block_idx (B, k) or (B, S, k) and weights
+    (same shape) are read in full, so a table is valid only for these lists and weights.
+    None where the call would run the reference, which needs no table. The build is a few
+    dozen small device ops and no host sync (each op costs host time: on an H100 the
+    table's ~170 dispatched ops took 1.2 ms of host time against 0.09 ms on the device)."""
+    _check(q, bank_k, bank_v, block_idx, weights, "bias", impl)
+    if not _use_triton(q, impl):
+        return None
+    ints, coef = _triton_kernels().build(q, bank_k, bank_v, block_idx, weights)
+    return MemoryTable(ints=ints, coef=coef, key=_table_key(q, bank_k, block_idx, weights))
+
+
 def memory_attention(
     q: Tensor,
     bank_k: Tensor,
@@ -238,6 +290,7 @@ def memory_attention(
     sparse_grad: bool | None = None,
     impl: str = "auto",
     return_lse: bool = False,
+    table: MemoryTable | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of the queries over the memory blocks each sequence (or token) names.
 
@@ -269,6 +322,10 @@ def memory_attention(
         impl: "auto" (Triton on CUDA, the reference on CPU), "triton" (also on CPU under
             TRITON_INTERPRET=1), or "reference" (`memory_attention_naive`, everywhere).
         return_lse: also return the joint softmax's log-sum-exp (not in "mix" mode).
+        table: the reference table from `memory_attention_table` for these same block_idx,
+            weights and shapes, shared by several calls instead of built by each; None
+            builds it here. A table built for other shapes is refused (ValueError); one
+            built from other lists or weights of the same shapes is not detected.
 
     Returns:
         out: (B, H, S, D) in q's dtype; no causal mask over memory; a query whose blocks
@@ -291,8 +348,15 @@ def memory_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if sparse_grad is None:
         sparse_grad = bank_k.is_leaf and bank_v.is_leaf
-    out, lse, _, _ = memory_attention_fwd(q, bank_k, bank_v, block_idx, weights, weight_mode,
-                                          scale, impl, bool(sparse_grad))
+    ints = coef = None
+    if table is not None and _use_triton(q, impl):  # the reference reads no table
+        if table.key != _table_key(q, bank_k, block_idx, weights):
+            raise ValueError(f"table was built for {table.key}, this call is "
+                             f"{_table_key(q, bank_k, block_idx, weights)} (shapes q, bank_k, "
+                             "block_idx, weighted, device)")
+        ints, coef = table.ints, table.coef
+    out, lse, _, _ = memory_attention_fwd(q, bank_k, bank_v, block_idx, weights, ints, coef,
+                                          weight_mode, scale, impl, bool(sparse_grad))
     if not return_lse:
         return out
     # the ops mark "nothing to normalise" with +inf (exp(s − lse) = 0); to callers it is -inf
