@@ -22,6 +22,10 @@ bank_k, bank_v and, when weighted, the weights):
          chapters for others from the sequence's top-128 (p = 0, 1/8, 1/2), or draws all
          64 at random from the bank ("random", the worst case). Records the mean number of
          unique blocks a query tile touches. Target: within 2x of the sequence-level time.
+         Both per-token layouts are timed at every locality: the slot tiles
+         (kernel_token_p=..., what per_token_layout="auto" runs) and the block-major items
+         (kernel_token_blocks_p=..., per_token_layout="blocks"), whose chunk counts are
+         recorded; at "random" the blocks layout's errors against the tiles' (fp32).
          Also the naive per-token formulation (seed 004 §8.3: per-token gathered copies,
          naive.py) against the kernel at B=1 and S=`naive_s`: time and peak memory.
 
@@ -152,6 +156,13 @@ def _attn_kernel():
     from kernels.memory_attention import kernel
 
     return kernel
+
+
+def _attn_blocks():
+    """kernels/memory_attention/blocks.py (the item table), imported like `_attn_kernel`."""
+    from kernels.memory_attention import blocks
+
+    return blocks
 
 
 def _kernel(mode: str | None, **kw) -> Callable:
@@ -286,9 +297,10 @@ def _moc(args, sz: dict, p: dict, result: dict) -> list[dict]:
 
 
 def _token(args, sz: dict, p: dict, result: dict) -> list[dict]:
-    """Per-token lists at the same k, per locality: the unique blocks a tile touches, and (on a
-    GPU) the time against the sequence-level lists."""
-    attn_kernel = _attn_kernel()
+    """Per-token lists at the same k, per locality: the unique blocks a tile touches, the
+    block-major layout's chunks, and (on a GPU) both layouts' time against the sequence-level
+    lists."""
+    attn_kernel, attn_blocks = _attn_kernel(), _attn_blocks()
     m, device, cuda = sz["moc"], args.device, args.device == "cuda"
     fl = attn_flops(m["B"], m["H"], m["S"], m["k"] * m["T"], m["D"])
     rows: list[dict] = []
@@ -297,20 +309,30 @@ def _token(args, sz: dict, p: dict, result: dict) -> list[dict]:
         tidx = token_idx(p, m["S"], loc)
         _, table = attn_kernel.plan(p["q"], p["bank_k"], p["bank_v"], tidx, None)
         slots = table.group_count.float().mean().item()
-        name = f"kernel_token_p={loc}"
+        _, items = attn_blocks.plan(p["q"], p["bank_k"], p["bank_v"], tidx, None)
+        n_chunks = int(items.n_chunk.item())
+        n_items = int((items.item_key < p["n"]).sum().item())
+        name, bname = f"kernel_token_p={loc}", f"kernel_token_blocks_p={loc}"
         if cuda:
-            variants = {"kernel": (_kernel(None), p["idx"], False), name: (_kernel(None), tidx,
-                                                                            False)}
+            variants = {"kernel": (_kernel(None), p["idx"], False),
+                        name: (_kernel(None), tidx, False),
+                        bname: (_kernel(None, per_token_layout="blocks"), tidx, False)}
             res = time_variants(variants, p, args.runs, sz["warmup"], device)
             trow = rows_of("token", res, fl, "kernel")
             for r in trow:
-                if r["variant"] == name:
+                if r["variant"] in (name, bname):
                     ratio = r["ms"] / res["kernel"][r["pass"]] if r["ms"] else None
                     r.update(slots_per_tile=slots, target="<= 2x sequence-level time",
                              met=ratio is not None and ratio <= 2)
-            rows += [r for r in trow if r["variant"] == name]
+            rows += [r for r in trow if r["variant"] in (name, bname)]
+            if loc == "random":
+                tok_res["blocks_errors_vs_tiles_fp32"] = errors(
+                    _kernel(None, per_token_layout="blocks"), _kernel(None), p, tidx, False)
         tok_res[str(loc)] = {"mean_slots_per_tile": slots, "k": m["k"],
-                             "tokens_per_tile": table.tokens_per_tile}
+                             "tokens_per_tile": table.tokens_per_tile,
+                             "blocks_items": n_items, "blocks_chunks": n_chunks,
+                             "blocks_tokens_per_chunk": items.layout.chunk,
+                             "blocks_items_per_chunk": n_items / max(n_chunks, 1)}
     result["token"] = tok_res
     return rows
 
@@ -376,15 +398,17 @@ def cpu_correctness(p: dict, ph: dict, tidx) -> dict:
     if not attn_kernel.interpreting():
         return out
     for mode in (None, "bias", "mix"):
-        for kind, idx, prob in (("seq", p["idx"], p), ("token", tidx, p), ("hkv", ph["idx"], ph)):
-            if kind == "token":
+        for kind, idx, prob in (("seq", p["idx"], p), ("token", tidx, p),
+                                ("token_blocks", tidx, p), ("hkv", ph["idx"], ph)):
+            if kind.startswith("token"):
                 prob = {n: (v[:1, :, :idx.shape[1]] if n in ("q", "dy") else
                             v[:1] if n in ("idx", "w", "pool") else v) for n, v in p.items()}
                 if mode:
                     prob["w"] = prob["w"][:, None].expand(idx.shape).contiguous()
-            out[f"triton_{kind}_{mode}"] = errors(_kernel(mode, impl="triton"),
-                                                  _kernel(mode, impl="reference"), prob, idx,
-                                                  mode is not None)
+            layout = "blocks" if kind == "token_blocks" else "auto"
+            out[f"triton_{kind}_{mode}"] = errors(
+                _kernel(mode, impl="triton", per_token_layout=layout),
+                _kernel(mode, impl="reference"), prob, idx, mode is not None)
     return out
 
 

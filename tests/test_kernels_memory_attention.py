@@ -172,7 +172,8 @@ def test_kernel_lse_matches_reference(per_token, mode):
     (repeated entries share their block's value), +inf where nothing is normalised."""
     case = Case(3, 4, 2, 21, 32, 6, 20, 3, per_token, mode)
     q, bk, bv, idx, w = make_inputs(case)
-    _, lse, _, _ = op.memory_attention_fwd(q, bk, bv, idx, w, None, None, mode, 0.3, "triton", True)
+    _, lse, _, _ = op.memory_attention_fwd(q, bk, bv, idx, w, None, None, mode, 0.3, "triton", True,
+                                           "tiles")
     _, lse_ref = memory_attention_naive(q, bk, bv, idx, w, weight_mode=mode, scale=0.3,
                                         return_lse=True)
     assert lse.shape == lse_ref.shape
@@ -381,14 +382,14 @@ def test_opcheck(impl, sparse_grad, per_token, mode):
     case = Case(2, 2, 1, 3, 16, 4, 5, 2, per_token, mode)
     q, bk, bv, idx, w = make_inputs(case)
     args = (q.requires_grad_(), bk.requires_grad_(), bv.requires_grad_(), idx,
-            w.requires_grad_(), None, None, mode, 0.25, impl, sparse_grad)
+            w.requires_grad_(), None, None, mode, 0.25, impl, sparse_grad, "tiles")
     torch.library.opcheck(op.memory_attention_fwd, args)
     with torch.no_grad():
         out, lse, table_ints, table_coef = op.memory_attention_fwd(*args)
     grad_lse = None if mode == "mix" else torch.randn_like(lse)
     bwd_args = (torch.randn_like(out), q.detach(), bk.detach(), bv.detach(), idx, w.detach(),
                 out, lse, table_ints, table_coef, grad_lse, mode, 0.25, impl, True, True,
-                sparse_grad)
+                sparse_grad, "tiles")
     torch.library.opcheck(op.memory_attention_bwd, bwd_args)
 
 
@@ -642,16 +643,16 @@ def test_prebuilt_table_skips_the_build_inside_the_op():
     counter = OpCount()
     with counter:
         out, lse, ints, coef = op.IMPLS_BY_OP["memtree::memory_attention_fwd"](
-            q, bk, bv, idx, w, table.ints, table.coef, "bias", 0.25, "triton", False)
+            q, bk, bv, idx, w, table.ints, table.coef, "bias", 0.25, "triton", False, "tiles")
     assert ints.numel() == 0 and coef.numel() == 0
     assert not {"aten.sort", "aten.cumsum", "aten.scatter_reduce_"} & set(counter.ops), counter.ops
     own_out, own_lse, own_ints, _ = op.IMPLS_BY_OP["memtree::memory_attention_fwd"](
-        q, bk, bv, idx, w, None, None, "bias", 0.25, "triton", False)
+        q, bk, bv, idx, w, None, None, "bias", 0.25, "triton", False, "tiles")
     assert torch.equal(own_ints, table.ints)  # the same table, built inside the op this time
     torch.testing.assert_close(out, own_out)
     torch.testing.assert_close(lse, own_lse)
     args = (q.requires_grad_(), bk.requires_grad_(), bv.requires_grad_(), idx,
-            w.requires_grad_(), table.ints, table.coef, "bias", 0.25, "triton", False)
+            w.requires_grad_(), table.ints, table.coef, "bias", 0.25, "triton", False, "tiles")
     torch.library.opcheck(op.memory_attention_fwd, args)
 
 

@@ -5,14 +5,18 @@ read by block id out of the bank without gathering copies:
 
     memory_attention(q, bank_k, bank_v, block_idx, weights=None, *,
                      weight_mode="bias", scale=None, sparse_grad=None,
-                     impl="auto", return_lse=False, table=None) -> out | (out, lse)
-    memory_attention_table(q, bank_k, bank_v, block_idx, weights=None, *, impl="auto")
+                     impl="auto", return_lse=False, table=None,
+                     per_token_layout="auto") -> out | (out, lse)
+    memory_attention_table(q, bank_k, bank_v, block_idx, weights=None, *, impl="auto",
+                           per_token_layout="auto")
         -> MemoryTable | None   # built once, passed as table= to every call reading
                                  # the same lists (a model's layers)
 
 Files: `op.py` the public function (every tensor shape in its docstring), its input
 checks and the `memtree::memory_attention_fwd` / `_bwd` torch custom ops that dispatch;
-`kernel.py` the Triton kernels; `naive.py` the pure-torch reference (gathered copies),
+`kernel.py` the Triton kernels over slot tiles; `table.py` their reference table;
+`blocks.py` the block-major kernels for per-token lists (per_token_layout="blocks": each
+(token, block) pair computed once, for lists that neighbouring tokens do not share); `naive.py` the pure-torch reference (gathered copies),
 which defines the semantics and is the CPU implementation. impl: "auto" | "triton" |
 "reference".
 

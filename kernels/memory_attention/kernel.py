@@ -69,7 +69,11 @@ c_u (mix) — the kernel's existing lse merge. Backward alike: per chunk dS from
 the joint lse, dQ rows and dK/dV partials added with fp32 atomics (dC = dO·O_u
 needs no extra pass). ~8× fewer bytes and ~35× fewer FLOPs than now, at the
 cost of a (B, S, k, H, D) partial buffer (1.7 GB fp32 here; bf16 halves it).
-Not implemented yet (a new table, two kernels and a merge).
+It exists as `blocks.py` (per_token_layout="blocks" of `op.memory_attention`: an item
+table, a forward kernel, a torch merge over k of a (B, H, S, k, D) buffer, and one
+backward kernel; chunks of 64 / G tokens on a GPU; its cost is not measured yet).
+"auto" still runs the slot tiles here until a GPU has timed both layouts
+(bench/kernel_ops.py times both at every locality).
 
 Softmax statistics are fp32 and scores are taken in the log2 domain. The
 joint softmax ("bias") adds log2(coef) to the scores; "mix" normalises every
@@ -92,11 +96,11 @@ from torch import Tensor
 
 from kernels.memory_attention.table import Layout, Table, build_table, dkv_chunks
 
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _keep(idx, n, EVEN: tl.constexpr):
+def keep_mask(idx, n, EVEN: tl.constexpr):
     """Mask idx < n. When the launch knows n fills the tile (EVEN), an all-true constant
     instead: a mask over a run-time bound has constancy 1 along the head dimension, which
     cuts every K/V/Q load to 2-byte accesses; a constant one keeps them 16 bytes wide."""
@@ -142,7 +146,7 @@ def _slot_tile(it, n_tt, grp, tok, rmask, GroupBlocks, Coef, Ent, sg_g, sg_l, sc
     c = tl.load(Coef + grp * sc_g + sl * sc_l + tok * sc_t, mask=rmask, other=0.0)
     j = tl.load(Ent + grp * se_g + sl * se_l + tok * se_t, mask=rmask, other=-1)
     nn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-    return blk, nt, nn, _keep(nn, T, EVEN_T), c, j
+    return blk, nt, nn, keep_mask(nn, T, EVEN_T), c, j
 
 
 @triton.jit
@@ -172,7 +176,7 @@ def _fwd_kernel(
         grp = b
     tok, s, h, rmask = _row_setup((pid % n_s_tiles) * TS, hkv, G, TS, S, BLOCK_M)
     dd = tl.arange(0, BLOCK_D)
-    dmask = _keep(dd, D, EVEN_D)
+    dmask = keep_mask(dd, D, EVEN_D)
     q = _load_rows(Q, b, h, s, dd, rmask, dmask, sq_b, sq_h, sq_s, sq_d, COMPUTE)
     lse_row = b * sl_b + h * sl_h + s * sl_s  # (BLOCK_M,)
 
@@ -266,7 +270,7 @@ def _bwd_dq_kernel(
         grp = b
     tok, s, h, rmask = _row_setup((pid % n_s_tiles) * TS, hkv, G, TS, S, BLOCK_M)
     dd = tl.arange(0, BLOCK_D)
-    dmask = _keep(dd, D, EVEN_D)
+    dmask = keep_mask(dd, D, EVEN_D)
     q = _load_rows(Q, b, h, s, dd, rmask, dmask, sq_b, sq_h, sq_s, sq_d, COMPUTE)
     do = _load_rows(dO, b, h, s, dd, rmask, dmask, sdo_b, sdo_h, sdo_s, sdo_d, COMPUTE)
     row = b * sl_b + h * sl_h + s * sl_s  # (BLOCK_M,)
@@ -371,9 +375,9 @@ def _bwd_dkv_kernel(
     """
     hkv = tl.program_id(1)
     nn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = _keep(nn, T, EVEN_T)
+    nmask = keep_mask(nn, T, EVEN_T)
     dd = tl.arange(0, BLOCK_D)
-    dmask = _keep(dd, D, EVEN_D)
+    dmask = keep_mask(dd, D, EVEN_D)
     omask = nmask[:, None] & dmask[None, :]
     if PER_TOKEN:  # query tiles per pair
         tpp = 1
@@ -487,11 +491,11 @@ class Launch:
                 "PREC": self.prec, "num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
-def _strides4(x: Tensor) -> tuple[int, int, int, int]:
+def strides4(x: Tensor) -> tuple[int, int, int, int]:
     return tuple(x.stride())  # type: ignore[return-value]
 
 
-def _lse_strides(lse: Tensor) -> tuple[int, int, int, int]:
+def lse_strides(lse: Tensor) -> tuple[int, int, int, int]:
     """(b, h, s, j) strides of a (B, H, S) or (B, H, S, k) statistic."""
     return (*lse.stride()[:3], lse.stride(3) if lse.ndim == 4 else 0)  # type: ignore[return-value]
 
@@ -560,10 +564,10 @@ def forward(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
     grid = (b * table.n_s_tiles, h_kv)
     _fwd_kernel[grid](
         q, bank_k, bank_v, out, lse, table.group_blocks, table.group_count, table.coef, table.ent,
-        *_strides4(q), *_strides4(bank_k), *_strides4(bank_v), *_strides4(out), *_lse_strides(lse),
+        *strides4(q), *strides4(bank_k), *strides4(bank_v), *strides4(out), *lse_strides(lse),
         *table.group_blocks.stride(), table.coef.stride(0), table.coef.stride(1),
         table.coef_token_stride, table.ent.stride(0), table.ent.stride(1), table.ent_token_stride,
-        s, t, d, h // h_kv, table.tokens_per_tile, table.n_s_tiles, scale * _LOG2E,
+        s, t, d, h // h_kv, table.tokens_per_tile, table.n_s_tiles, scale * LOG2E,
         PER_TOKEN=table.per_token, MIX=mix, ONE_TILE=t <= launch.block_n, **launch.meta(),
     )
     if mix:
@@ -596,8 +600,8 @@ def _bwd_dkv(q: Tensor, bank_k: Tensor, bank_v: Tensor, grad_out: Tensor, lse: T
     _bwd_dkv_kernel[grid](
         q, bank_k, bank_v, grad_out, lse, stats, acc_k, acc_v, n_chunk, chunk_u, chunk_off,
         table.ublocks, table.pair_off, table.pairs, table.coef, table.ent,
-        *_strides4(q), *_strides4(bank_k), *_strides4(bank_v), *_strides4(grad_out),
-        *_lse_strides(lse), *table_strides, *_strides4(acc_k), *dims, launch.dkv_chunk,
+        *strides4(q), *strides4(bank_k), *strides4(bank_v), *strides4(grad_out),
+        *lse_strides(lse), *table_strides, *strides4(acc_k), *dims, launch.dkv_chunk,
         lay.n_slots,
         PER_TOKEN=table.per_token, MIX=mix, ROW_BY_BLOCK=dense_kv and direct, **launch.meta(),
     )
@@ -641,7 +645,7 @@ def backward(grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_
             delta = delta - grad_lse.float()
     table_strides = (table.coef.stride(0), table.coef.stride(1), table.coef_token_stride,
                      table.ent.stride(0), table.ent.stride(1), table.ent_token_stride)
-    dims = (s, t, d, h // h_kv, table.tokens_per_tile, table.n_s_tiles, scale, scale * _LOG2E)
+    dims = (s, t, d, h // h_kv, table.tokens_per_tile, table.n_s_tiles, scale, scale * LOG2E)
     one_tile = t <= launch.block_n
     # mix with blocks of several T tiles: dC must be complete before dS, so a first
     # launch only accumulates it.
@@ -649,8 +653,8 @@ def backward(grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_
         _bwd_dq_kernel[(b * table.n_s_tiles, h_kv)](
             q, bank_k, bank_v, grad_out, lse, delta, dq, dc, table.group_blocks,
             table.group_count, table.coef, table.ent,
-            *_strides4(q), *_strides4(bank_k), *_strides4(bank_v), *_strides4(grad_out),
-            *_strides4(dq), *_lse_strides(lse), *_lse_strides(dc), *table.group_blocks.stride(),
+            *strides4(q), *strides4(bank_k), *strides4(bank_v), *strides4(grad_out),
+            *strides4(dq), *lse_strides(lse), *lse_strides(dc), *table.group_blocks.stride(),
             *table_strides, *dims, PER_TOKEN=table.per_token, MIX=mix, NEED_DC=need_dc,
             ONE_TILE=one_tile, DC_PASS=dc_pass, **launch.meta(),
         )

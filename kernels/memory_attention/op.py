@@ -9,7 +9,8 @@ same lists at the same shapes (a model's layers) can share one table built befor
 by `memory_attention_table` (`table=`): the op then skips the build and saves the
 given table for backward.
 That returns the gradients with the bank's part restricted to the referenced
-blocks. Both ops dispatch inside: the Triton kernels (`kernel.py`) for CUDA
+blocks. Both ops dispatch inside: the Triton kernels (`kernel.py`'s slot tiles, or
+`blocks.py`'s block-major items for per-token lists with per_token_layout="blocks") for CUDA
 tensors (or when `impl="triton"` under TRITON_INTERPRET=1), the pure-torch
 reference (`naive.py`) otherwise, with its explicit gathered backward. The ops are
 opaque to torch.compile, which traces them through the fake implementations.
@@ -36,6 +37,7 @@ from kernels.memory_attention.naive import (
 )
 
 IMPLS = ("auto", "triton", "reference")
+PER_TOKEN_LAYOUTS = ("auto", "tiles", "blocks")
 
 
 def _triton_kernels():
@@ -45,6 +47,17 @@ def _triton_kernels():
     from kernels.memory_attention import kernel
 
     return kernel
+
+
+def _kernels_for(block_idx: Tensor, per_token_layout: str):
+    """The Triton module that computes these lists: `blocks.py` (block-major items) for
+    per-token lists with per_token_layout="blocks", `kernel.py` (slot tiles) otherwise.
+    "auto" keeps the tiles until a GPU has timed both layouts."""
+    if per_token_layout == "blocks" and block_idx.ndim == 3:
+        from kernels.memory_attention import blocks
+
+        return blocks
+    return _triton_kernels()
 
 
 def _use_triton(q: Tensor, impl: str) -> bool:
@@ -63,18 +76,19 @@ def _is_mix(weights: Tensor | None, weight_mode: str) -> bool:
 def _fwd_impl(
     q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor, weights: Tensor | None,
     table_ints: Tensor | None, table_coef: Tensor | None, weight_mode: str, scale: float,
-    impl: str, sparse_grad: bool,
+    impl: str, sparse_grad: bool, per_token_layout: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out (B, H, S, D), lse fp32 (B, H, S) or (B, H, S, k) in mix mode, table ints (n_int,)
     int32, table coef (n_coef,) fp32). table_ints/table_coef: a table built beforehand
     (`memory_attention_table`), or None to build it here; the returned table buffers are
     empty when one was given (an output may not alias an input) and for the reference.
-    sparse_grad only selects the bank gradient's layout in backward."""
+    sparse_grad only selects the bank gradient's layout in backward; per_token_layout the
+    Triton kernels of per-token lists (`_kernels_for`; the table is that layout's)."""
     mix = _is_mix(weights, weight_mode)
     if _use_triton(q, impl):
         given = None if table_ints is None else (table_ints, table_coef)
-        out, lse, ints, coef = _triton_kernels().forward(q, bank_k, bank_v, block_idx, weights,
-                                                         mix, scale, table=given)
+        out, lse, ints, coef = _kernels_for(block_idx, per_token_layout).forward(
+            q, bank_k, bank_v, block_idx, weights, mix, scale, table=given)
         if given is not None:
             ints, coef = ints[:0].clone(), coef[:0].clone()
         return out, lse, ints, coef
@@ -93,13 +107,13 @@ memory_attention_fwd = torch.library.custom_op("memtree::memory_attention_fwd",
 
 @memory_attention_fwd.register_fake
 def _fwd_fake(q, bank_k, bank_v, block_idx, weights, table_ints, table_coef, weight_mode, scale,
-              impl, sparse_grad):
+              impl, sparse_grad, per_token_layout):
     b, h, s, _ = q.shape
     shape = (b, h, s, block_idx.shape[-1]) if _is_mix(weights, weight_mode) else (b, h, s)
     n_int, n_coef = 0, 0
     if _use_triton(q, impl) and table_ints is None:  # static bounds from the shapes alone
-        n_int, n_coef = _triton_kernels().table_numels(q, bank_k, bank_v, block_idx,
-                                                                weights is not None)
+        n_int, n_coef = _kernels_for(block_idx, per_token_layout).table_numels(
+            q, bank_k, bank_v, block_idx, weights is not None)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty(shape, dtype=torch.float32), q.new_empty(n_int, dtype=torch.int32),
             q.new_empty(n_coef, dtype=torch.float32))
@@ -109,11 +123,12 @@ def _bwd_impl(
     grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
     weights: Tensor | None, out: Tensor, lse: Tensor, table_ints: Tensor, table_coef: Tensor,
     grad_lse: Tensor | None, weight_mode: str, scale: float, impl: str, need_kv: bool,
-    need_dw: bool, sparse_grad: bool,
+    need_dw: bool, sparse_grad: bool, per_token_layout: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq (B, H, S, D), blocks, dK, dV, dweights like weights).
 
-    table_ints, table_coef: the reference table the forward op returned (Triton path).
+    table_ints, table_coef: the reference table the forward op returned (Triton path), of
+    the per_token_layout forward used.
 
     grad_lse: None, or the gradient (B, H, S) of the joint softmax's log-sum-exp
     (bias mode), which folds into delta: dS = P·(dP − (rowsum(dO·O) − dLSE)).
@@ -126,7 +141,7 @@ def _bwd_impl(
     need_dw = need_dw and weights is not None
     if _use_triton(q, impl):
         sparse = need_kv and sparse_grad
-        dq, dk, dv, ublocks, n_u, dw = _triton_kernels().backward(
+        dq, dk, dv, ublocks, n_u, dw = _kernels_for(block_idx, per_token_layout).backward(
             grad_out, q, bank_k, bank_v, block_idx, weights, out, lse.contiguous(), table_ints,
             table_coef, mix, scale, need_kv, need_dw, not sparse, grad_lse=grad_lse)
         blocks = block_idx.new_empty(0, dtype=torch.int64)
@@ -154,7 +169,8 @@ IMPLS_BY_OP = {"memtree::memory_attention_fwd": _fwd_impl,
 
 @memory_attention_bwd.register_fake
 def _bwd_fake(grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, table_ints, table_coef,
-              grad_lse, weight_mode, scale, impl, need_kv, need_dw, sparse_grad):
+              grad_lse, weight_mode, scale, impl, need_kv, need_dw, sparse_grad,
+              per_token_layout):
     if need_kv and sparse_grad:
         n_u = torch.library.get_ctx().new_dynamic_size()
         k_shape, v_shape = (n_u, *bank_k.shape[1:]), (n_u, *bank_v.shape[1:])
@@ -174,7 +190,7 @@ def _bwd_fake(grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, table_i
 
 def _setup_context(ctx, inputs, output):
     (q, bank_k, bank_v, block_idx, weights, given_ints, given_coef, weight_mode, scale, impl,
-     sparse_grad) = inputs
+     sparse_grad, per_token_layout) = inputs
     out, lse, table_ints, table_coef = output
     if given_ints is not None:  # built once for several calls (memory_attention_table)
         table_ints, table_coef = given_ints, given_coef
@@ -184,18 +200,19 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[2], output[3])
     if _is_mix(weights, weight_mode):  # per-block statistics; only the joint lse is a result
         ctx.mark_non_differentiable(lse)
-    ctx.args = (weight_mode, scale, impl, sparse_grad)
+    ctx.args = (weight_mode, scale, impl, sparse_grad, per_token_layout)
 
 
 def _backward(ctx, grad_out, grad_lse, _grad_ints, _grad_coef):
     q, bank_k, bank_v, block_idx, weights, out, lse, table_ints, table_coef = ctx.saved_tensors
-    weight_mode, scale, impl, sparse_grad = ctx.args
+    weight_mode, scale, impl, sparse_grad, per_token_layout = ctx.args
     need_q, need_k, need_v, _, need_w = ctx.needs_input_grad[:5]
     if _is_mix(weights, weight_mode):
         grad_lse = None
     dq, blocks, dk, dv, dw = memory_attention_bwd(
         grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, table_ints, table_coef,
-        grad_lse, weight_mode, scale, impl, need_k or need_v, need_w, sparse_grad)
+        grad_lse, weight_mode, scale, impl, need_k or need_v, need_w, sparse_grad,
+        per_token_layout)
     if sparse_grad:  # like nn.Embedding(sparse=True): indices = the referenced block ids
         dk = torch.sparse_coo_tensor(blocks[None], dk, bank_k.shape, is_coalesced=True)
         dv = torch.sparse_coo_tensor(blocks[None], dv, bank_v.shape, is_coalesced=True)
@@ -205,7 +222,7 @@ def _backward(ctx, grad_out, grad_lse, _grad_ints, _grad_coef):
         dv if need_v else None,
         None,
         dw if need_w else None,
-        None, None, None, None, None, None,
+        None, None, None, None, None, None, None,
     )
 
 
@@ -213,11 +230,15 @@ memory_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _check(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
-           weights: Tensor | None, weight_mode: str, impl: str) -> None:
+           weights: Tensor | None, weight_mode: str, impl: str,
+           per_token_layout: str = "auto") -> None:
     if weight_mode not in ("bias", "mix"):
         raise ValueError(f"weight_mode must be 'bias' or 'mix', got {weight_mode!r}")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if per_token_layout not in PER_TOKEN_LAYOUTS:
+        raise ValueError(f"per_token_layout must be one of {PER_TOKEN_LAYOUTS}, got "
+                         f"{per_token_layout!r}")
     if q.ndim != 4:
         raise ValueError(f"q must be (B, H, S, D), got shape {tuple(q.shape)}")
     if bank_k.ndim != 4 or bank_k.shape != bank_v.shape:
@@ -249,33 +270,39 @@ class MemoryTable:
     lists at the same shapes (a model's layers, one table per memory level and step).
 
     ints (n_int,) int32, coef (n_coef,) fp32: the table's buffers (kernel.py's docstring);
-    key: what it was built for (shapes, dtypes, device, weighted), checked on every use."""
+    key: what it was built for (shapes, dtypes, device, weighted, the per-token layout),
+    checked on every use."""
 
     ints: Tensor
     coef: Tensor
     key: tuple
 
 
-def _table_key(q: Tensor, bank_k: Tensor, block_idx: Tensor, weights: Tensor | None) -> tuple:
+def _table_key(q: Tensor, bank_k: Tensor, block_idx: Tensor, weights: Tensor | None,
+               per_token_layout: str) -> tuple:
+    blocks = per_token_layout == "blocks" and block_idx.ndim == 3  # the table's kind
     return (tuple(q.shape), q.dtype, tuple(bank_k.shape), bank_k.dtype, tuple(block_idx.shape),
-            weights is not None, q.device)
+            weights is not None, q.device, "blocks" if blocks else "tiles")
 
 
 def memory_attention_table(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
-                           weights: Tensor | None = None, *, impl: str = "auto"
-                           ) -> MemoryTable | None:
-    """The reference table `memory_attention(q, bank_k, bank_v, block_idx, weights, impl=impl)`
-    would build, built now so that several calls share it (`table=`). Only shapes, dtypes
+                           weights: Tensor | None = None, *, impl: str = "auto",
+                           per_token_layout: str = "auto") -> MemoryTable | None:
+    """The reference table `memory_attention(q, bank_k, bank_v, block_idx, weights, impl=impl,
+    per_token_layout=per_token_layout)` would build, built now so that several calls share it
+    (`table=`; only calls with the same per-token layout). Only shapes, dtypes
     and devices are read from q and the banks; block_idx (B, k) or (B, S, k) and weights
     (same shape) are read in full, so a table is valid only for these lists and weights.
     None where the call would run the reference, which needs no table. The build is a few
     dozen small device ops and no host sync (each op costs host time: on an H100 the
     table's ~170 dispatched ops took 1.2 ms of host time against 0.09 ms on the device)."""
-    _check(q, bank_k, bank_v, block_idx, weights, "bias", impl)
+    _check(q, bank_k, bank_v, block_idx, weights, "bias", impl, per_token_layout)
     if not _use_triton(q, impl):
         return None
-    ints, coef = _triton_kernels().build(q, bank_k, bank_v, block_idx, weights)
-    return MemoryTable(ints=ints, coef=coef, key=_table_key(q, bank_k, block_idx, weights))
+    ints, coef = _kernels_for(block_idx, per_token_layout).build(q, bank_k, bank_v, block_idx,
+                                                                 weights)
+    return MemoryTable(ints=ints, coef=coef,
+                       key=_table_key(q, bank_k, block_idx, weights, per_token_layout))
 
 
 def memory_attention(
@@ -291,6 +318,7 @@ def memory_attention(
     impl: str = "auto",
     return_lse: bool = False,
     table: MemoryTable | None = None,
+    per_token_layout: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of the queries over the memory blocks each sequence (or token) names.
 
@@ -326,6 +354,17 @@ def memory_attention(
             weights and shapes, shared by several calls instead of built by each; None
             builds it here. A table built for other shapes is refused (ValueError); one
             built from other lists or weights of the same shapes is not detected.
+        per_token_layout: how the Triton path computes per-token lists (B, S, k); ignored
+            for per-sequence lists and by the reference. "tiles": slot tiles (`kernel.py`),
+            a tile of tokens computes every block any of its tokens names, cheap when
+            neighbouring tokens share blocks, up to ~40x the useful work when lists are
+            random. "blocks": block-major (`blocks.py`), one (token, block) item per distinct
+            block in a token's list, each block's items computed together and merged per
+            token; its cost follows the useful work whatever the locality, plus an fp32
+            (B, H, S, k, D) buffer of per-block reads, and its backward adds dq and the bank
+            gradient with fp32 atomics (not bit-reproducible; refused under
+            torch.use_deterministic_algorithms). "auto": "tiles" for now, until a GPU has
+            timed both. A table (`table=`) must come from the same layout.
 
     Returns:
         out: (B, H, S, D) in q's dtype; no causal mask over memory; a query whose blocks
@@ -341,7 +380,7 @@ def memory_attention(
     bank-shaped tensor); d(weights) like weights. A block id >= N fails a device-side
     assertion (RuntimeError on the CPU) on the Triton path.
     """
-    _check(q, bank_k, bank_v, block_idx, weights, weight_mode, impl)
+    _check(q, bank_k, bank_v, block_idx, weights, weight_mode, impl, per_token_layout)
     if return_lse and _is_mix(weights, weight_mode):
         raise ValueError("return_lse: mix mode normalises each block on its own; there is no "
                          "joint log-sum-exp to return")
@@ -350,13 +389,14 @@ def memory_attention(
         sparse_grad = bank_k.is_leaf and bank_v.is_leaf
     ints = coef = None
     if table is not None and _use_triton(q, impl):  # the reference reads no table
-        if table.key != _table_key(q, bank_k, block_idx, weights):
-            raise ValueError(f"table was built for {table.key}, this call is "
-                             f"{_table_key(q, bank_k, block_idx, weights)} (shapes q, bank_k, "
-                             "block_idx, weighted, device)")
+        key = _table_key(q, bank_k, block_idx, weights, per_token_layout)
+        if table.key != key:
+            raise ValueError(f"table was built for {table.key}, this call is {key} (shapes q, "
+                             "bank_k, block_idx, weighted, device, per-token layout)")
         ints, coef = table.ints, table.coef
     out, lse, _, _ = memory_attention_fwd(q, bank_k, bank_v, block_idx, weights, ints, coef,
-                                          weight_mode, scale, impl, bool(sparse_grad))
+                                          weight_mode, scale, impl, bool(sparse_grad),
+                                          per_token_layout)
     if not return_lse:
         return out
     # the ops mark "nothing to normalise" with +inf (exp(s − lse) = 0); to callers it is -inf
