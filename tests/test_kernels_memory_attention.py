@@ -120,13 +120,15 @@ def grads_of(fn, inputs, grad_out):
     return out, [g.to_dense() if g.layout != torch.strided else g for g in grads]
 
 
-def check_case(case: Case, device: str, tol: dict) -> None:
+def check_case(case: Case, device: str, tol: dict, **kw) -> None:
+    """Outputs and gradients of the Triton path (kw: more memory_attention keywords) against
+    autograd through the gathered reference, in the inputs' dtypes."""
     q, bk, bv, idx, w = make_inputs(case, device)
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
     mode = case.mode or "bias"
 
     def kernel(q, bk, bv, idx, w):
-        return memory_attention(q, bk, bv, idx, w, weight_mode=mode, impl="triton")
+        return memory_attention(q, bk, bv, idx, w, weight_mode=mode, impl="triton", **kw)
 
     def ref(q, bk, bv, idx, w):
         return memory_attention_naive(q, bk, bv, idx, w, weight_mode=mode)
@@ -228,7 +230,12 @@ def test_cpu_dispatch_gradients_match_autograd(per_token, mode):
 def test_lse_is_differentiable(impl, per_token, mode):
     """return_lse: the joint log-sum-exp and its gradient (folded into delta) against
     autograd through the gathered reference; -inf for queries that read nothing."""
-    case = Case(3, 4, 2, 11, 16, 6, 5, 3, per_token, mode)
+    check_lse_gradient(Case(3, 4, 2, 11, 16, 6, 5, 3, per_token, mode), impl)
+
+
+def check_lse_gradient(case: Case, impl: str, **kw) -> None:
+    """The lse and every gradient of a loss on out and lse (kw: more memory_attention
+    keywords) against autograd through the reference."""
     q, bk, bv, idx, w = make_inputs(case)
     g = torch.Generator().manual_seed(3)
     r_out, r_lse = torch.randn(q.shape, generator=g), torch.randn(q.shape[:3], generator=g)
@@ -245,7 +252,7 @@ def test_lse_is_differentiable(impl, per_token, mode):
         return out, lse.masked_fill(torch.isposinf(lse), -math.inf)
 
     def kern(q, bk, bv, idx, w):
-        return memory_attention(q, bk, bv, idx, w, impl=impl, return_lse=True)
+        return memory_attention(q, bk, bv, idx, w, impl=impl, return_lse=True, **kw)
 
     inputs = (q, bk, bv, idx, w)
     results = []
@@ -479,6 +486,13 @@ def test_triton_path_has_no_host_sync(monkeypatch, case, sparse_grad, lse):
     """Forward and backward of the Triton path (table built once in forward, on the device)
     synchronise nowhere with dense bank gradients; the sparse layout reads its row count U
     once (which also shows the recorder sees inside the ops). Results as the reference."""
+    check_host_syncs(monkeypatch, case, sparse_grad, lse)
+
+
+def check_host_syncs(monkeypatch, case: Case, sparse_grad: bool, lse: bool, **kw) -> None:
+    """Records the host syncs of one Triton forward + backward (kw: more memory_attention
+    keywords) under HostSyncs: none with dense bank gradients, one (the sparse gradient's
+    row count) with sparse ones; output and gradients as the reference's."""
     q, bk, bv, idx, w = make_inputs(case)
     mode = case.mode or "bias"
     g = torch.Generator().manual_seed(2)
@@ -490,7 +504,7 @@ def test_triton_path_has_no_host_sync(monkeypatch, case, sparse_grad, lse):
         with record:
             res = memory_attention(leaves[0], leaves[1], leaves[2], idx, leaves[3],
                                    weight_mode=mode, impl=impl, sparse_grad=sparse_grad,
-                                   return_lse=lse)
+                                   return_lse=lse, **kw)
             out, lse_v = res if lse else (res, None)
             loss = (out * r_out).sum()
             if lse:

@@ -9,9 +9,6 @@ without memory) and the host-sync recorder come from test_kernels_memory_attenti
 
 from __future__ import annotations
 
-import contextlib
-import math
-
 import pytest
 import torch
 from test_kernels_memory_attention import (
@@ -20,8 +17,10 @@ from test_kernels_memory_attention import (
     TOL_GPU,
     VIEW_OPS,
     Case,
-    HostSyncs,
     OpCount,
+    check_case,
+    check_host_syncs,
+    check_lse_gradient,
     grads_of,
     interp,
     make_inputs,
@@ -50,21 +49,10 @@ def _blocks(mode: str, **kw):
 
 
 def check_blocks(case: Case, sparse: bool, device: str, tol: dict) -> None:
+    check_case(case, device, tol, per_token_layout="blocks", sparse_grad=sparse)
     q, bk, bv, idx, w = make_inputs(case, device)
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
     mode = case.mode or "bias"
-    inputs = (q, bk, bv, idx, w)
-    out, grads = grads_of(_blocks(mode, sparse_grad=sparse), inputs, grad_out)
-    out_ref, grads_ref = grads_of(
-        lambda *a: memory_attention_naive(*a, weight_mode=mode), inputs, grad_out)
-    assert out.dtype == q.dtype and out.shape == q.shape
-    names = ["dq", "dbank_k", "dbank_v", "dweights"]
-    errors = {"out": rel_err(out, out_ref)}
-    errors.update({n: rel_err(g, r) for n, g, r in zip(names, grads, grads_ref)})
-    assert max(errors.values()) < tol[case.dtype], errors
-    assert len(grads) == (4 if w is not None else 3)
-    for g, x in zip(grads, [q, bk, bv, w]):
-        assert g.dtype == x.dtype and g.shape == x.shape
     # the layout asked for (grads_of densifies): rerun the bank gradient alone
     k = bk.detach().requires_grad_()
     _blocks(mode, sparse_grad=sparse)(q, k, bv, idx, w).backward(grad_out)
@@ -123,34 +111,8 @@ def test_blocks_equal_tiles(mode):
 def test_blocks_lse_is_differentiable(mode):
     """return_lse with a gradient on the lse (it folds into Delta): lse and every gradient
     against autograd through the reference; -inf for tokens that read nothing."""
-    case = Case(2, 4, 2, 23, 16, 6, 20, 3, True, mode)
-    q, bk, bv, idx, w = make_inputs(case)
-    g = torch.Generator().manual_seed(3)
-    r_out, r_lse = torch.randn(q.shape, generator=g), torch.randn(q.shape[:3], generator=g)
-
-    def ref(q, bk, bv, idx, w):
-        out, lse = memory_attention_naive(q, bk, bv, idx, w, return_lse=True)
-        return out, lse.masked_fill(torch.isposinf(lse), -math.inf)
-
-    def kern(q, bk, bv, idx, w):
-        return memory_attention(q, bk, bv, idx, w, impl="triton", return_lse=True,
-                                per_token_layout="blocks")
-
-    results = []
-    for fn in (kern, ref):
-        leaves = [x.detach().requires_grad_() if x is not None and x.is_floating_point() else x
-                  for x in (q, bk, bv, idx, w)]
-        out, lse = fn(*leaves)
-        total = (out * r_out).sum() + torch.where(torch.isfinite(lse), lse, 0.0).mul(r_lse).sum()
-        grads = torch.autograd.grad(total, [x for x in leaves if x is not None
-                                            and x.requires_grad])
-        results.append((lse.detach(), [gr.to_dense() for gr in grads]))
-    (lse, grads), (lse_ref, grads_ref) = results
-    empty = torch.isneginf(lse_ref)
-    assert empty.any() and torch.equal(torch.isneginf(lse), empty)
-    torch.testing.assert_close(lse[~empty], lse_ref[~empty], rtol=1e-5, atol=1e-5)
-    for gr, ref_g in zip(grads, grads_ref, strict=True):
-        assert rel_err(gr, ref_g) < 1e-4
+    check_lse_gradient(Case(2, 4, 2, 23, 16, 6, 20, 3, True, mode), "triton",
+                       per_token_layout="blocks")
 
 
 @interp
@@ -163,33 +125,7 @@ def test_blocks_lse_is_differentiable(mode):
 def test_blocks_have_no_host_sync(monkeypatch, case, sparse_grad, lse):
     """Forward (item table, kernel, merge) and backward synchronise nowhere with dense bank
     gradients; the sparse layout reads its row count once. Results as the reference."""
-    q, bk, bv, idx, w = make_inputs(case)
-    mode = case.mode or "bias"
-    g = torch.Generator().manual_seed(2)
-    r_out, r_lse = torch.randn(q.shape, generator=g), torch.randn(q.shape[:3], generator=g)
-
-    def loss_and_grads(impl, record):
-        leaves = [x.detach().requires_grad_() if x is not None else None
-                  for x in (q, bk, bv, w)]
-        with record:
-            res = memory_attention(leaves[0], leaves[1], leaves[2], idx, leaves[3],
-                                   weight_mode=mode, impl=impl, sparse_grad=sparse_grad,
-                                   return_lse=lse, per_token_layout="blocks")
-            out, lse_v = res if lse else (res, None)
-            loss = (out * r_out).sum()
-            if lse:
-                loss = loss + torch.where(torch.isfinite(lse_v), lse_v, 0.0).mul(r_lse).sum()
-            loss.backward()
-        return out.detach(), [x.grad.to_dense() for x in leaves if x is not None]
-
-    rec = HostSyncs(monkeypatch)
-    out, grads = loss_and_grads("triton", rec)
-    assert len(rec.syncs) == (1 if sparse_grad else 0), rec.syncs
-    monkeypatch.undo()
-    out_ref, grads_ref = loss_and_grads("reference", contextlib.nullcontext())
-    assert rel_err(out, out_ref) < 1e-4
-    for gr, ref_g in zip(grads, grads_ref, strict=True):
-        assert rel_err(gr, ref_g) < 1e-4
+    check_host_syncs(monkeypatch, case, sparse_grad, lse, per_token_layout="blocks")
 
 
 @interp

@@ -55,8 +55,10 @@ from kernels.memory_attention.kernel import (
     interpreting,
     keep_mask,
     lse_strides,
+    online_softmax_step,
     strides4,
 )
+from kernels.memory_attention.table import split_parts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,11 +109,7 @@ class ItemTable:
 
     @classmethod
     def unpack(cls, layout: ItemLayout, ints: Tensor, coef: Tensor) -> ItemTable:
-        parts, off = {}, 0
-        for name, shape in layout.int_parts():
-            n = math.prod(shape)
-            parts[name] = ints[off:off + n].view(shape)
-            off += n
+        parts = split_parts(layout.int_parts(), ints)
         for name in ("chunk_start", "chunk_u", "ublocks"):  # skip the spare element 0
             parts[name] = parts[name][1:]
         return cls(layout=layout, ints=ints, coef_buf=coef, **parts)
@@ -234,12 +232,7 @@ def _fwd_kernel(
             v = _kv_tile(V, blk, hkv, nn, dd, nmask, dmask, sv_n, sv_t, sv_h, sv_d, COMPUTE)
             s2 = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
             s2 = tl.where(nmask[None, :], s2, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s2, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s2 - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            acc = tl.dot(p.to(COMPUTE), v, acc * alpha[:, None], input_precision=PREC)
-            m = m_new
+            m, l, acc = online_softmax_step(m, l, acc, s2, v, COMPUTE, PREC)
         # every row has token 0 of its block, so l > 0
         acc = acc / l[:, None]
         offs = b * so_b + h * so_h + s * so_s + j * so_j  # (BLOCK_M,)
@@ -247,6 +240,22 @@ def _fwd_kernel(
                  mask=rmask[:, None] & dmask[None, :])
         tl.store(LseU + b * sl_b + h * sl_h + s * sl_s + j * sl_j,
                  (m + tl.log2(l)) * 0.6931471805599453, mask=rmask)
+
+
+@triton.jit
+def _p_dp(K, V, blk, hkv, nt, dd, dmask, q, do, lse2, sk_n, sk_t, sk_h, sk_d,
+          sv_n, sv_t, sv_h, sv_d, T, scale_log2, BLOCK_N: tl.constexpr, EVEN_T: tl.constexpr,
+          COMPUTE: tl.constexpr, PREC: tl.constexpr):
+    """T tile nt of the block: its token range nn and mask, K and V tiles (BLOCK_N,
+    BLOCK_D), probabilities P = exp2(s2 − lse2) and dP = dO·Vᵀ (BLOCK_M, BLOCK_N)."""
+    nn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = keep_mask(nn, T, EVEN_T)
+    k = _kv_tile(K, blk, hkv, nn, dd, nmask, dmask, sk_n, sk_t, sk_h, sk_d, COMPUTE)
+    v = _kv_tile(V, blk, hkv, nn, dd, nmask, dmask, sv_n, sv_t, sv_h, sv_d, COMPUTE)
+    s2 = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    p = tl.where(nmask[None, :], tl.exp2(s2 - lse2[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    return nn, nmask, k, v, p, dp
 
 
 @triton.jit
@@ -283,15 +292,9 @@ def _bwd_kernel(
             delta = dc
             if not ONE_TILE:  # dC_u must be complete before any dS
                 for nt in range(n_tt):
-                    nn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-                    nmask = keep_mask(nn, T, EVEN_T)
-                    k = _kv_tile(K, blk, hkv, nn, dd, nmask, dmask, sk_n, sk_t, sk_h, sk_d,
-                                 COMPUTE)
-                    v = _kv_tile(V, blk, hkv, nn, dd, nmask, dmask, sv_n, sv_t, sv_h, sv_d,
-                                 COMPUTE)
-                    s2 = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-                    p = tl.where(nmask[None, :], tl.exp2(s2 - lse2[:, None]), 0.0)
-                    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+                    _, _, _, _, p, dp = _p_dp(K, V, blk, hkv, nt, dd, dmask, q, do, lse2,
+                                              sk_n, sk_t, sk_h, sk_d, sv_n, sv_t, sv_h, sv_d,
+                                              T, scale_log2, BLOCK_N, EVEN_T, COMPUTE, PREC)
                     dc += tl.sum(p * dp, 1)
         else:
             delta = tl.load(Delta + b * sdl_b + h * sdl_h + s * sdl_s, mask=rmask, other=0.0)
@@ -301,13 +304,9 @@ def _bwd_kernel(
             arow = tl.load(ChunkU + ch).to(tl.int64)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for nt in range(n_tt):
-            nn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-            nmask = keep_mask(nn, T, EVEN_T)
-            k = _kv_tile(K, blk, hkv, nn, dd, nmask, dmask, sk_n, sk_t, sk_h, sk_d, COMPUTE)
-            v = _kv_tile(V, blk, hkv, nn, dd, nmask, dmask, sv_n, sv_t, sv_h, sv_d, COMPUTE)
-            s2 = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-            p = tl.where(nmask[None, :], tl.exp2(s2 - lse2[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            nn, nmask, k, _, p, dp = _p_dp(K, V, blk, hkv, nt, dd, dmask, q, do, lse2,
+                                           sk_n, sk_t, sk_h, sk_d, sv_n, sv_t, sv_h, sv_d,
+                                           T, scale_log2, BLOCK_N, EVEN_T, COMPUTE, PREC)
             if MIX:
                 if ONE_TILE:
                     dc = tl.sum(p * dp, 1)

@@ -150,6 +150,19 @@ def _slot_tile(it, n_tt, grp, tok, rmask, GroupBlocks, Coef, Ent, sg_g, sg_l, sc
 
 
 @triton.jit
+def online_softmax_step(m, l, acc, s2, v, COMPUTE: tl.constexpr, PREC: tl.constexpr):
+    """One T tile of an online softmax in the log2 domain: the running row max m and sum l
+    (BLOCK_M,) and output acc (BLOCK_M, BLOCK_D) fp32, updated with the tile's scores s2
+    (BLOCK_M, BLOCK_N) and values v (BLOCK_N, BLOCK_D)."""
+    m_new = tl.maximum(m, tl.max(s2, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s2 - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(COMPUTE), v, acc * alpha[:, None], input_precision=PREC)
+    return m_new, l, acc
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, Out, Lse, GroupBlocks, GroupCount, Coef, Ent,
     sq_b, sq_h, sq_s, sq_d, sk_n, sk_t, sk_h, sk_d, sv_n, sv_t, sv_h, sv_d,
@@ -209,12 +222,7 @@ def _fwd_kernel(
                 m = tl.where(first, -1.0e30, m)
                 l = tl.where(first, 0.0, l)
                 acc_u = tl.where(first, 0.0, acc_u)
-                m_new = tl.maximum(m, tl.max(s2, 1))
-                alpha = tl.exp2(m - m_new)
-                p = tl.exp2(s2 - m_new[:, None])
-                l = l * alpha + tl.sum(p, 1)
-                acc_u = tl.dot(p.to(COMPUTE), v, acc_u * alpha[:, None], input_precision=PREC)
-                m = m_new
+                m, l, acc_u = online_softmax_step(m, l, acc_u, s2, v, COMPUTE, PREC)
                 last = nt == n_tt - 1
                 acc += tl.where(last, acc_u * (c / l)[:, None], 0.0)
                 tl.store(Lse + lse_row + j * sl_j, (m + tl.log2(l)) * 0.6931471805599453,
@@ -222,12 +230,7 @@ def _fwd_kernel(
         else:
             bias2 = tl.where(c > 0, tl.log2(tl.maximum(c, 1.0e-30)), float("-inf"))
             s2 = tl.where(nmask[None, :], s2 + bias2[:, None], float("-inf"))
-            m_new = tl.maximum(m, tl.max(s2, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s2 - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            acc = tl.dot(p.to(COMPUTE), v, acc * alpha[:, None], input_precision=PREC)
-            m = m_new
+            m, l, acc = online_softmax_step(m, l, acc, s2, v, COMPUTE, PREC)
     if not MIX:
         # l == 0: the query references no valid block; it reads zeros and its
         # +inf log-sum-exp makes every backward probability exp(s - lse) zero.

@@ -85,6 +85,16 @@ class Layout:
         return n_int, self.n_groups * (self.n_slots + 1) * self.tpg
 
 
+def split_parts(int_parts: list[tuple[str, tuple]], ints: Tensor) -> dict[str, Tensor]:
+    """{name: view of its shape} for the parts packed one after another into ints."""
+    parts, off = {}, 0
+    for name, shape in int_parts:
+        n = math.prod(shape)
+        parts[name] = ints[off:off + n].view(shape)
+        off += n
+    return parts
+
+
 @dataclass(frozen=True, kw_only=True)
 class Table:
     """Reference table of one call (see kernel.py's docstring), views into `ints`/`coef_buf`.
@@ -109,11 +119,7 @@ class Table:
 
     @classmethod
     def unpack(cls, layout: Layout, ints: Tensor, coef: Tensor) -> Table:
-        parts, off = {}, 0
-        for name, shape in layout.int_parts():
-            n = math.prod(shape)
-            parts[name] = ints[off:off + n].view(shape)
-            off += n
+        parts = split_parts(layout.int_parts(), ints)
         for name in ("group_blocks", "ent"):  # skip the spare slot 0
             parts[name] = parts[name][:, 1:]
         for name in ("ublocks", "pair_off"):  # skip the spare element 0
