@@ -29,8 +29,10 @@ row (the fetched memory) use each probe's correctness difference d_i = c_i(row) 
 d and a normal-approximation 95 % interval mean ± 1.96 · sd(d) / √n (sd with n - 1), overall and
 per exposure bucket (`paired_interval`). Accounting per row: total and runtime parameters, memory
 active parameters, training FLOPs (`training.flops`, forward × 3 per trained sequence) and wall
-time, inference FLOPs per token, bytes fetched per query and whether blocking is possible. The
-report (JSON, markdown, PNG) is written by `eval.memories_report`.
+time, inference FLOPs per token, bytes fetched per query and whether blocking is possible; the
+fetched row carries the demo's subtree-blocking figures and MoC rows run the chapters' analogue
+(`eval.chapter_blocking`) on the same target domain and share. The report (JSON, markdown, PNG) is
+written by `eval.memories_report`.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from eval.chapter_blocking import chapter_blocking_eval
 from eval.demo import shards_fingerprint, train_once
 from eval.knowledge import knowledge_eval, load_eval_inputs
 from eval.longtail import BUCKETS, bucket_label, exposure
@@ -54,6 +57,7 @@ from eval.rag import RagIndex
 from eval.runinfo import duration_epochs, resolve_stored, run_config
 from memtree.config import ConfigError, from_dict, is_int, load_config, to_dict
 from memtree.geometry import AnchorShape, MemoryConfig, Plan, layer_widths, plan
+from memtree.io import read_json
 from training.config import TrainConfig
 from training.data import read_shards_manifest, tokenizer_vocab_size
 from training.flops import ffn_memory, moc_params, model_flops, pkm_params
@@ -136,6 +140,9 @@ class MemoriesConfig:
     max_probes: int = 0
     train: list[str] = field(default_factory=list)
     out: str = ""
+    # blocking experiments of the rows that have one (fetched: the demo's own; moc: the chapters'
+    # analogue, eval.chapter_blocking) on the demo's blocking target and share (ROOT/report)
+    blocking: bool = True
 
     def __post_init__(self) -> None:
         names = [r.name for r in self.rows]
@@ -524,6 +531,7 @@ def run_memories(cfg: MemoriesConfig, *, log: Callable[[str], None] = print) -> 
     log(f"[eval-memories] {len(rows)} rows × {len(probes)} probes, {len(held)} held-out documents; "
         f"trained rows: {demo.duration()} from scratch (the demo's anchor + co-training)")
     results: dict[str, dict[str, Any]] = {}
+    demo_blocking = read_demo_blocking(demo)
     demo_rows = [r for r in rows if r.kind == "demo"]
     rag_tokens = None
     if demo_rows:
@@ -532,6 +540,8 @@ def run_memories(cfg: MemoriesConfig, *, log: Callable[[str], None] = print) -> 
         for r in demo_rows:
             results[r.name] = {**scored[r.name], "train": {"folder": str(demo.cotrain), "action": "reused",
                                                            "train_s": wall, "duration": "demo (anchor + co-training)"}}
+            if r.setting == "fetched" and cfg.blocking and demo_blocking:
+                results[r.name]["blocking_result"] = {"kind": "subtree", **demo_blocking}
     models = {}
     for r in rows:
         if r.kind == "demo":
@@ -540,6 +550,12 @@ def run_memories(cfg: MemoriesConfig, *, log: Callable[[str], None] = print) -> 
         train = train_row(demo, r, models[r.name], cfg.train, log=lambda m: log(f"[eval-memories] {m}"))
         log(f"[eval-memories] {r.name}: scoring")
         results[r.name] = {**score_trained(train["folder"], probes, held), "train": train}
+        if r.kind == "moc" and cfg.blocking and demo_blocking:
+            log(f"[eval-memories] {r.name}: blocking the chapters the {demo_blocking['target_domains']} probes "
+                "pick most, and as many random ones")
+            results[r.name]["blocking_result"] = {"kind": "chapters", **chapter_blocking_eval(
+                RunModel.load(train["folder"], bank=False), probes, target_domains=demo_blocking["target_domains"],
+                fraction=demo_blocking["fraction"], seed=demo.cfg.seed)}
     ref = correct(probes, results[cfg.reference]["predictions"])
     for r in rows:
         res = results[r.name]
@@ -553,6 +569,15 @@ def run_memories(cfg: MemoriesConfig, *, log: Callable[[str], None] = print) -> 
               "chance": 1 / len(probes[0]["choices"]) if probes else None, "demo": _demo_meta(demo),
               "rows": [results[r.name] for r in rows], "seconds": round(time.time() - t0, 1)}
     return write_memories_report(out, report)
+
+
+def read_demo_blocking(demo: DemoRuns) -> dict[str, Any] | None:
+    """The demo's subtree-blocking experiment (ROOT/report/results.json's `blocking`), or None when
+    the demo's report has none."""
+    path = demo.root / "report" / "results.json"
+    if not path.is_file():
+        return None
+    return read_json(path).get("blocking")
 
 
 def _describe(demo: DemoRuns, model: RowModel | None) -> dict[str, Any]:

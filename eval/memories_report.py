@@ -89,6 +89,26 @@ def plot_accuracy(report: dict[str, Any], path: Path) -> None:
     save_png(fig, path)
 
 
+def _blocking_lines(report: dict[str, Any]) -> list[str]:
+    """Target and other domains' accuracy before → after each blocking experiment, with its random
+    control: the demo's subtree blocking (fetched) and the chapters' analogue (MoC)."""
+    rows = [r for r in report["rows"] if r.get("blocking_result")]
+    if not rows:
+        return []
+    lines = ["", "Blocking (the demo's target domain; random: as much of the memory, chosen at random):", "",
+             "| row | blocked | setting | target before → after | other before → after |",
+             "|---|---|---|---:|---:|"]
+    for r in rows:
+        b = r["blocking_result"]
+        what = (f"{b['fraction']:.2%} of the bank (level-{b['level']} subtree)" if b["kind"] == "subtree" else
+                f"{b['chapters_blocked_per_layer']} of {b['n_routed']} routed chapters per layer")
+        for name, st in b["settings"].items():
+            t, o = st["accuracy_target"], st["accuracy_other"]
+            lines.append(f"| {r['name']} | {what} | {name} | {_pct(t['before'])} → {_pct(t['after'])} | "
+                         f"{_pct(o['before'])} → {_pct(o['after'])} |")
+    return lines
+
+
 def write_memories_report(out: str | Path, report: dict[str, Any]) -> Path:
     """Write results.json, report.md and accuracy_vs_exposure.png under `out`; returns report.md's path."""
     out = Path(out)
@@ -117,6 +137,7 @@ def write_memories_report(out: str | Path, report: dict[str, Any]) -> Path:
                      f"value_dim {pk['value_dim'] or m['shape']['d_model']}")
         lines.append(f"- **{r['name']}** ({r['train']['action']}, {r['train']['duration']}): {what}; "
                      f"fetched: {r['fetch']['note']}; blocking: {r['blocking']}")
+    lines += _blocking_lines(report)
     lines += ["", f"Wall time of the command: {report['seconds']:.0f} s."]
     plot_accuracy(report, out / "accuracy_vs_exposure.png")
     atomic_write_json(out / "results.json", report)

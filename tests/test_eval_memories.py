@@ -71,6 +71,13 @@ def test_every_row_trains_and_scores_with_the_budgets_it_claims(root, tmp_path, 
     grid = tmp_path / "grid.yaml"
     grid.write_text(GRID)
     out = tmp_path / "out"
+    # the demo's blocking experiment as `memtree demo` reports it: its target domains and share are
+    # what the MoC row's chapter-blocking analogue runs on
+    targets = ["astronomy", "aviation", "chemistry", "computer_networking", "cooking", "fashion"]
+    demo_blocking = {"target_domains": targets, "fraction": 0.125, "level": 1, "n_target": 1, "n_other": 1,
+                     "fallback": "generic", "settings": {}}
+    (root / "report").mkdir(exist_ok=True)
+    (root / "report" / "results.json").write_text(json.dumps({"blocking": demo_blocking}))
     assert main(["eval-memories", str(root), "max_probes=40", "--config", str(grid), "--out", str(out)]) == 0
     assert "| dense-runtime | dense |" in capsys.readouterr().out
     res = json.loads((out / "results.json").read_text())
@@ -112,12 +119,26 @@ def test_every_row_trains_and_scores_with_the_budgets_it_claims(root, tmp_path, 
     assert rows["fetched"]["total_params"] == anchor + demo.plan.bank_params + fetch
     assert rows["fetched"]["fetch"]["bytes"] == 4 * fetch and rows["rag"]["fetch"]["bytes"] > 0
     assert rows["rag"]["perplexity"] is None and rows["fetched"]["blocking"].startswith("yes")
+    # blocking: the demo's own figures on the fetched row; the chapters' analogue run on the MoC row
+    assert rows["fetched"]["blocking_result"] == {"kind": "subtree", **demo_blocking}
+    cb = rows["moc"]["blocking_result"]
+    assert cb["kind"] == "chapters" and cb["target_domains"] == targets and cb["n_target"] > 0
+    assert cb["n_routed"] == 8 and cb["chapters_blocked_per_layer"] == 1 and cb["fraction"] == 0.125
+    adv, rnd = cb["settings"]["adversarial"], cb["settings"]["random"]
+    for st in (adv, rnd):  # one layer ([0]), one routed chapter (ids 1..8) blocked in it
+        assert len(st["chapters"]) == 1 and len(st["chapters"][0]) == 1 and 1 <= st["chapters"][0][0] <= 8
+        assert st["accuracy_target"]["before"] == adv["accuracy_target"]["before"]
+    assert adv["chapters"] != rnd["chapters"]
+    # the adversarial chapter is the one the target's sequences picked most: no random one beats it
+    assert adv["target_picks_on_blocked"][0] >= rnd["target_picks_on_blocked"][0] and adv["target_picks_on_blocked"][0] > 0
+    assert "| moc | 1 of 8 routed chapters per layer | adversarial |" in (out / "report.md").read_text()
 
     # --rows: a subset; the trained row is reused (same inputs) and the reference is still scored
     assert main(["eval-memories", str(root), "max_probes=40", "--config", str(grid), "--rows", "dense-runtime",
                  "--out", str(tmp_path / "subset")]) == 0
     sub = json.loads((tmp_path / "subset" / "results.json").read_text())
     assert [r["name"] for r in sub["rows"]] == ["fetched", "dense-runtime"]
+    (root / "report" / "results.json").unlink()  # the module's other tests see the root as it was
     again = sub["rows"][1]
     assert again["train"]["action"] == "reused" and again["train"]["train_s"] == rows["dense-runtime"]["train"]["train_s"]
     assert again["predictions"] == rows["dense-runtime"]["predictions"]

@@ -92,6 +92,32 @@ def test_layer_records_router_losses_and_weights_them():
     assert layer.last_routing.chapters.tolist() == [[0, 4, 3]] * 2
 
 
+def test_blocked_chapters_are_never_routed_and_are_refused_in_training():
+    """Blocking (eval.chapter_blocking's experiment) takes the router's best chapters away: the
+    next best are picked instead, the shared chapter stays; shared or too many blocked chapters,
+    or blocking while training, are errors."""
+    moc = MoCConfig(n_chapters=5, tokens_per_chapter=3, top_k=2, layers=(0,))
+    layer = MoCLayer(moc, d_model=16, n_layers=1, anchor_heads=2).eval()
+    bank = LatentBank(moc, 16)
+    with torch.no_grad():  # routed p ∝ 1 2 3 4 for every sequence: top-2 = {4, 3}
+        layer.router.weight.zero_()
+        layer.router.bias.copy_(torch.tensor([LN(4), LN(1), LN(2), LN(3), LN(4)]))
+    x = torch.randn(2, 7, 16)
+    layer(x, bank)
+    assert layer.last_routing.chapters.tolist() == [[0, 4, 3]] * 2
+    layer.blocked = torch.tensor([4])
+    layer(x, bank)
+    assert layer.last_routing.chapters.tolist() == [[0, 3, 2]] * 2
+    assert layer.last_routing.probs[:, 3].eq(0).all()  # no weight left on the blocked chapter
+    for bad in ([0], [2, 3, 4]):  # the shared chapter; more than n_routed - top_k
+        layer.blocked = torch.tensor(bad)
+        with pytest.raises(ValueError, match="can be blocked"):
+            layer(x, bank)
+    layer.blocked = torch.tensor([4])
+    with pytest.raises(RuntimeError, match="inference-time"):
+        layer.train()(x, bank)
+
+
 def test_model_aux_loss_is_the_mean_over_memory_layers():
     model = _model()
     model(_ids())

@@ -312,6 +312,9 @@ class MoCLayer(nn.Module):
         self.o = nn.Linear(g.q_dim, d_model, bias=False)
         self.last_routing: Routing | None = None
         self.last_aux: dict[str, Tensor] = {}
+        # Global ids of routed chapters the router may not pick (inference-time blocking, the
+        # chapters' analogue of blocking a subtree); None: all. Not state: not saved.
+        self.blocked: Tensor | None = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -329,6 +332,15 @@ class MoCLayer(nn.Module):
         c = self.cfg
         with torch.autocast(x.device.type, enabled=False):
             logits = self.router(x.float().mean(dim=1))  # (B, C)
+        if self.blocked is not None:
+            if self.training:
+                raise RuntimeError("MoCLayer.blocked is an inference-time experiment; unset it to train")
+            ids = self.blocked.tolist()
+            if any(i < c.n_shared or i >= c.n_chapters for i in ids) or len(set(ids)) > c.n_routed - c.top_k:
+                raise ValueError(f"blocked chapters {ids}: only routed chapters (ids {c.n_shared}.."
+                                 f"{c.n_chapters - 1}) can be blocked, and at most n_routed - top_k = "
+                                 f"{c.n_routed - c.top_k} of them")
+            logits = logits.index_fill(1, self.blocked.to(logits.device), float("-inf"))
         r = route(logits, n_shared=c.n_shared, top_k=c.top_k, routed_scaling=c.routed_scaling)
         self.last_aux = {"load_balance": load_balance_loss(r.probs, r.routed), "z": z_loss(logits)}
         self.last_routing = Routing(*(t.detach() for t in r))
