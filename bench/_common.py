@@ -200,7 +200,10 @@ def cpu_info() -> dict[str, Any]:
 
 def blas_libraries() -> list[dict[str, Any]]:
     """Every BLAS / OpenMP runtime loaded in this process (threadpoolctl): library, kernel, threads."""
-    from threadpoolctl import threadpool_info
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:  # the lent GPU machine's image may lack it: say so rather than fail the run
+        return [{"error": "threadpoolctl is not installed: the BLAS / OpenMP runtimes were not listed"}]
 
     keep = ("user_api", "internal_api", "prefix", "version", "num_threads", "architecture", "threading_layer",
             "filepath")

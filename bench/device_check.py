@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import REPO, log  # bench/ is sys.path[0] when a script runs
+from _common import REPO, log, machine_meta  # bench/ is sys.path[0] when a script runs
 
 PARTS = ("env", "gpu_tests", "kernels", "training", "profile", "tune", "losses", "embed")
 DEFAULT_PARTS = [p for p in PARTS if p != "losses"]
@@ -132,7 +132,7 @@ def part_env(c: Check) -> dict:
     smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False).stdout if cuda else ""
     return {"python": platform.python_version(), "torch": torch.__version__, "triton": tv,
             "device": torch.cuda.get_device_name() if cuda else "cpu", "nvidia_smi": smi.strip(),
-            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "host": machine_meta(),
             "tf32_defaults": {"matmul": torch.backends.cuda.matmul.allow_tf32,
                               "cudnn": torch.backends.cudnn.allow_tf32,
                               "float32_matmul_precision": torch.get_float32_matmul_precision()}}

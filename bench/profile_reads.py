@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import log  # bench/ is sys.path[0] when a script runs
+from _common import log, run_meta  # bench/ is sys.path[0] when a script runs
 
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
             "aten::item", "aten::_local_scalar_dense", "aten::nonzero")
@@ -200,9 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"format": "memtree-profile-reads", "version": 1, "device": args.device,
-                           "torch": torch.__version__, "n": args.n, "steps": args.steps,
                            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-                           "cases": {}}
+                           "meta": run_meta(args), "cases": {}}
     text: list[str] = []
     for name, fn in (("attention", attention_cases), ("ffn", ffn_cases), ("training", training_cases)):
         if args.only and name not in args.only:

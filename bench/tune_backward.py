@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import torch
-from _common import log  # bench/ is sys.path[0] when a script runs
+from _common import log, run_meta  # bench/ is sys.path[0] when a script runs
 
 # (block_m, block_n, num_warps, num_stages, dkv_chunk); None = Launch.choose as it is
 FP32 = [None, (64, 64, 4, 2, 4), (64, 32, 4, 2, 16), (32, 64, 4, 2, 16), (32, 32, 4, 2, 16),
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, meta = [], run_meta(args)
     for p in problems(args.device, args.quick):
         ref = None
         for cfg in p["configs"]:
@@ -141,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(r)
             log({k: (float(f"{v:.3g}") if isinstance(v, float) else v) for k, v in r.items()})
             tmp = out / "tune-backward.json.tmp"
-            tmp.write_text(json.dumps({"device": args.device, "torch": torch.__version__,
+            tmp.write_text(json.dumps({"device": args.device, "meta": meta,
                                        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-                                       "rows": rows}, indent=1))
+                                       "rows": rows}, indent=1, default=str))
             tmp.replace(out / "tune-backward.json")
     return 0
 
