@@ -3,6 +3,7 @@
     python bench/bank_parallel.py                 # both parts (about 25 min on 2 CPU cores)
     python bench/bank_parallel.py --parts comm    # bytes per step at 2 and 4 ranks (demo shards)
     python bench/bank_parallel.py --parts scale   # step time and peak RSS per rank, bank 1× → 70×
+    python bench/bank_parallel.py --parts scale --branchings 4 17 --scale-banks sharded --repeats 3
 
 Each configuration is a `composer -n W` launch of this file in worker mode (`--worker SPEC`): it
 builds the run with `training.train.build_trainer` (gloo on the CPU), attaches `CommBytes`
@@ -16,8 +17,11 @@ trains `--steps` steps without saving, and writes one JSON per rank.
   gradient all-reduce plus the replicated (generic) rows, nothing that grows with the bank.
 - scale: synthetic MDS shards (random tokens, uniform leaves) of trees with branching 4, 8, 12, 17
   (3 levels), so the bank is 1×, 7.6×, 25× and 70× the demo's with the same fetched blocks and
-  the same steps; 4 ranks, replicated vs sharded: median step time and peak RSS per rank. Target:
-  sharded step time flat (≤ 1.1× from 1× to 70×), RSS per rank growing as bank / 4.
+  the same steps; 4 ranks, replicated vs sharded: median step time and peak RSS per rank, page
+  faults, kernel seconds and distinct bank rows updated per step. `--allocators system retain`
+  runs the sharded bank under both `host_allocator` settings (the replicated baseline under the
+  last); `--repeats R` interleaves R rounds. Target: sharded step time flat (≤ 1.1× from 1× to
+  70×), RSS per rank growing as bank / 4.
 
 Baselines run in the same invocation, interleaved by size. Results: bench/results/bank-parallel-<date>.json
 and .png.
@@ -61,14 +65,21 @@ def _worker(spec_path: str) -> int:
 
     class Report(Callback):
         def __init__(self) -> None:
-            self.t0, self.steps, self.bytes = 0.0, [], []
+            self.t0, self.steps, self.bytes, self.faults, self.sys, self.rows = 0.0, [], [], [], [], []
 
         def batch_start(self, state, logger) -> None:
-            self.t0 = time.perf_counter()
+            self.t0, self.ru = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
 
         def batch_end(self, state, logger) -> None:
             self.steps.append(time.perf_counter() - self.t0)
+            ru = resource.getrusage(resource.RUSAGE_SELF)
+            # first-touch page faults and kernel time: what a step spends re-mapping freed memory
+            self.faults.append(ru.ru_minflt - self.ru.ru_minflt)
+            self.sys.append(ru.ru_stime - self.ru.ru_stime)
             self.bytes.append(dict(comm.last))
+            # distinct bank rows this rank's optimizer updated: the sparse step's work, which
+            # grows with how many rows a batch spreads over, not with the table
+            self.rows.append(sum(state.optimizers[0].last_rows.values()))
 
         def fit_end(self, state, logger) -> None:
             bank, opt = unwrap(state.model).bank, state.optimizers[0]
@@ -78,6 +89,9 @@ def _worker(spec_path: str) -> int:
             kinds = sorted({k for b in self.bytes for k in b})
             rep = {"rank": dist.get_global_rank(), "world": dist.get_world_size(),
                    "step_s": self.steps, "median_step_s": statistics.median(self.steps[skip:]),
+                   "minor_faults_per_step": statistics.median(self.faults[skip:]),
+                   "sys_s_per_step": statistics.median(self.sys[skip:]),
+                   "rows_updated_per_step": statistics.mean(self.rows[skip:]),
                    "bytes_per_step": {k: statistics.mean(b.get(k, 0) for b in self.bytes[skip:]) for k in kinds},
                    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                    "bank_rows": sum(int(t.shape[0]) for t in tables),
@@ -117,8 +131,10 @@ def _launch(world: int, overrides: list[str], *, steps: int, warmup: int, tmp: P
     clean_stale_shared_memory()
     if r.returncode != 0:
         # a configuration that does not fit the machine is a result, not a crash of the benchmark
-        tail = (r.stdout + r.stderr)[-3000:]
-        killed = "-9" in tail or "Killed" in tail or "SIGKILL" in tail
+        text = r.stdout + r.stderr
+        tail = text[-3000:]
+        # the launcher SIGTERMs the other ranks when one is killed: look at all of the output
+        killed = "code -9" in text or "Killed" in text or "SIGKILL" in text
         log(f"{name}: failed (rc {r.returncode}{', a rank was killed: out of memory?' if killed else ''})")
         shutil.rmtree(out / "run", ignore_errors=True)
         return [{"failed": True, "killed": killed, "rc": r.returncode, "log_tail": tail[-1500:]}]
@@ -210,36 +226,59 @@ def part_comm(args, tmp: Path, shards: Path) -> list[dict]:
 
 
 def part_scale(args, tmp: Path, demo: Path) -> list[dict]:
+    """Every configuration at every bank size, `--repeats` rounds interleaved (all sizes and
+    configurations once per round, so a slow spell of a shared host hits every size alike);
+    a row's step time is the median over rounds of the slowest rank's median step."""
     from memtree.geometry import AnchorShape, MemoryConfig, plan
 
     anchor = AnchorShape(name="demo", n_layers=4, d_model=128, n_heads=4, head_dim=32, ffn_dim=512, vocab_size=1)
     base = plan(anchor, MemoryConfig(multipliers=(0, 64, 128), branching=4)).bank_params
+    configs = [(k, a) for a in args.allocators for k in args.scale_banks
+               if k == "sharded" or a == args.allocators[-1]]  # the replicated baseline once
+    shards = {b: synthetic_shards(demo, tmp / f"shards-b{b}", branching=b, per_subtree=args.per_subtree)
+              for b in args.branchings}
+    runs: dict[tuple, list[dict]] = {}
+    for rnd in range(args.repeats):
+        for b in args.branchings:
+            for bank, alloc in configs:
+                if any(r.get("failed") for r in runs.get((b, bank, alloc), [])):
+                    continue  # out of memory once is out of memory
+                reps = _launch(args.scale_world, [f"data.shards={shards[b]}", f"data.batch_size={args.scale_batch}",
+                                                  "parallel.data=lanes", f"parallel.bank={bank}",
+                                                  f"host_allocator={alloc}", *DEMO_TRAIN],
+                               steps=args.steps, warmup=args.warmup, tmp=tmp,
+                               name=f"scale-{bank}-{alloc}-b{b}-r{rnd}")
+                if reps[0].get("failed"):
+                    runs.setdefault((b, bank, alloc), []).append(reps[0])
+                    continue
+                runs.setdefault((b, bank, alloc), []).append(
+                    {"median_step_s": max(r["median_step_s"] for r in reps),
+                     "peak_rss_gib": max(r["peak_rss_bytes"] for r in reps) / 2**30,
+                     "table_gib_per_rank": max(r["table_bytes"] for r in reps) / 2**30,
+                     "bytes_total": max(sum(r["bytes_per_step"].values()) for r in reps),
+                     "minor_faults_per_step": max(r["minor_faults_per_step"] for r in reps),
+                     "sys_s_per_step": max(r["sys_s_per_step"] for r in reps),
+                     "rows_updated_per_step": max(r["rows_updated_per_step"] for r in reps)})
     rows = []
     for b in args.branchings:
-        shards = synthetic_shards(demo, tmp / f"shards-b{b}", branching=b, per_subtree=args.per_subtree)
         bank_params = plan(anchor, MemoryConfig(multipliers=(0, 64, 128), branching=b)).bank_params
-        for bank in ("replicated", "sharded"):
-            reps = _launch(args.scale_world, [f"data.shards={shards}", f"data.batch_size={args.scale_batch}",
-                                              "parallel.data=lanes", f"parallel.bank={bank}", *DEMO_TRAIN],
-                           steps=args.steps, warmup=args.warmup, tmp=tmp, name=f"scale-{bank}-b{b}")
-            if reps[0].get("failed"):
-                rows.append({"part": "scale", "branching": b, "bank": bank, "bank_params": bank_params,
-                             "bank_factor": bank_params / base, **reps[0]})
+        for bank, alloc in configs:
+            row = {"part": "scale", "branching": b, "bank": bank, "host_allocator": alloc,
+                   "bank_params": bank_params, "bank_factor": bank_params / base}
+            got = runs[(b, bank, alloc)]
+            if any(r.get("failed") for r in got):
+                rows.append({**row, **next(r for r in got if r.get("failed"))})
                 continue
-            rows.append({"part": "scale", "branching": b, "bank": bank, "bank_params": bank_params,
-                         "bank_factor": bank_params / base,
-                         "median_step_s": max(r["median_step_s"] for r in reps),
-                         "peak_rss_gib": max(r["peak_rss_bytes"] for r in reps) / 2**30,
-                         "table_gib_per_rank": max(r["table_bytes"] for r in reps) / 2**30,
-                         "bytes_total": max(sum(r["bytes_per_step"].values()) for r in reps)})
+            rows.append({**row, **{k: statistics.median(r[k] for r in got) for k in got[0]},
+                         "median_step_s_per_round": [r["median_step_s"] for r in got]})
         shutil.rmtree(tmp / f"shards-b{b}", ignore_errors=True)
-    for bank in ("replicated", "sharded"):
-        mine = [r for r in rows if r["part"] == "scale" and r["bank"] == bank and not r.get("failed")]
+    for bank, alloc in configs:
+        mine = [r for r in rows if r["bank"] == bank and r["host_allocator"] == alloc and not r.get("failed")]
         for r in mine:
             r["step_ratio_vs_1x"] = r["median_step_s"] / mine[0]["median_step_s"]
             r["rss_growth_gib"] = r["peak_rss_gib"] - mine[0]["peak_rss_gib"]
     for r in rows:
-        if r["part"] == "scale" and r["bank"] == "sharded":
+        if r["bank"] == "sharded":
             r["meets_target"] = (not r.get("failed")) and r["step_ratio_vs_1x"] <= 1.1
     return rows
 
@@ -258,15 +297,25 @@ def _print(rows: list[dict]) -> None:
     scale = [r for r in rows if r["part"] == "scale"]
     if scale:
         print("\nbank size at 4 ranks:")
-        print("branching | bank | bank × demo | step s | step / 1× | peak RSS GiB | tables GiB/rank | target")
+        print("branching | bank | host allocator | bank × demo | step s | step / 1× | page faults / step | "
+              "sys s / step | rows updated / step | peak RSS GiB | tables GiB/rank | target")
         for r in scale:
             if r.get("failed"):
                 why = "a rank was killed (out of memory)" if r["killed"] else f"failed, rc {r['rc']}"
-                print(f"{r['branching']} | {r['bank']} | {fmt(r['bank_factor'])} | {why}")
+                print(f"{r['branching']} | {r['bank']} | {r['host_allocator']} | {fmt(r['bank_factor'])} | {why}")
                 continue
-            print(" | ".join(fmt(x) for x in [r["branching"], r["bank"], r["bank_factor"], r["median_step_s"],
-                                               r["step_ratio_vs_1x"], r["peak_rss_gib"], r["table_gib_per_rank"],
+            print(" | ".join(fmt(x) for x in [r["branching"], r["bank"], r["host_allocator"], r["bank_factor"],
+                                               r["median_step_s"], r["step_ratio_vs_1x"], r["minor_faults_per_step"],
+                                               r["sys_s_per_step"], r.get("rows_updated_per_step"), r["peak_rss_gib"],
+                                               r["table_gib_per_rank"],
                                                r.get("meets_target")]))
+
+
+def _scale_series(rows: list[dict]) -> list[tuple[tuple[str, str], str]]:
+    keys = sorted({(r["bank"], r["host_allocator"]) for r in rows if r["part"] == "scale" and not r.get("failed")})
+    styles = {("replicated", "retain"): "--", ("replicated", "system"): "-.", ("sharded", "retain"): "-",
+              ("sharded", "system"): ":"}
+    return [(k, styles[k]) for k in keys]
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -289,20 +338,20 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_title("Collectives per step, demo shapes")
     ax.legend(fontsize=7)
     ax2 = fig.add_subplot(1, 2, 2)
-    for bank, style in (("replicated", "--"), ("sharded", "-")):
-        pts = [r for r in rows if r["part"] == "scale" and r["bank"] == bank and not r.get("failed")]
-        if pts:
-            ax2.plot([r["bank_factor"] for r in pts], [r["median_step_s"] for r in pts], style, marker="o",
-                     label=f"{bank}: step s")
+    for (bank, alloc), style in _scale_series(rows):
+        pts = [r for r in rows if r["part"] == "scale" and r["bank"] == bank and r["host_allocator"] == alloc
+               and not r.get("failed")]
+        ax2.plot([r["bank_factor"] for r in pts], [r["median_step_s"] for r in pts], style, marker="o",
+                 label=f"{bank}, {alloc} malloc: step s")
     ax2.set_xscale("log")
     ax2.set_xlabel("bank size (× the demo's)")
     ax2.set_ylabel("median step (s)")
     ax3 = ax2.twinx()
-    for bank, style in (("replicated", "--"), ("sharded", "-")):
-        pts = [r for r in rows if r["part"] == "scale" and r["bank"] == bank and not r.get("failed")]
-        if pts:
-            ax3.plot([r["bank_factor"] for r in pts], [r["peak_rss_gib"] for r in pts], style, marker="s",
-                     color="tab:red", alpha=0.6, label=f"{bank}: peak RSS")
+    for (bank, alloc), style in _scale_series(rows):
+        pts = [r for r in rows if r["part"] == "scale" and r["bank"] == bank and r["host_allocator"] == alloc
+               and not r.get("failed")]
+        ax3.plot([r["bank_factor"] for r in pts], [r["peak_rss_gib"] for r in pts], style, marker="s",
+                 color="tab:red", alpha=0.6, label=f"{bank}, {alloc}: peak RSS")
     ax3.set_ylabel("peak RSS per rank (GiB)")
     ax2.set_title("4 ranks: step time and memory vs bank size")
     if any(r["part"] == "scale" for r in rows):
@@ -323,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale-world", type=int, default=4)
     p.add_argument("--scale-batch", type=int, default=32)
     p.add_argument("--per-subtree", type=int, default=48, help="synthetic samples per level-1 subtree")
+    p.add_argument("--repeats", type=int, default=1, help="scale part: interleaved rounds (median over them)")
+    p.add_argument("--scale-banks", nargs="+", choices=["replicated", "sharded"], default=["replicated", "sharded"])
+    p.add_argument("--allocators", nargs="+", choices=["system", "retain"], default=["system", "retain"],
+                   help="scale part: the ranks' host_allocator settings (sharded runs each; the replicated "
+                        "baseline with the last)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

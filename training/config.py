@@ -144,6 +144,9 @@ class TrainConfig:
     log_interval: TimeString = "1ba"
     progress_bar: bool = False
     fsdp: bool = False
+    # "retain": glibc malloc keeps freed tensor memory for reuse (no per-step mmap / page faults,
+    # training/host_alloc.py); "system": malloc's defaults; "auto": retain when training on the CPU
+    host_allocator: Literal["auto", "retain", "system"] = "auto"
 
     def __post_init__(self) -> None:
         if self.mode == "baseline" and self.memory.multipliers:
@@ -242,7 +245,8 @@ class TrainConfig:
         with a different fingerprint is refused. Duration, saving and logging may change."""
         d = to_dict(self)
         for k in ("max_duration", "save_interval", "save_num_checkpoints_to_keep", "autoresume", "log_interval",
-                  "progress_bar", "save_folder", "run_name", "device", "microbatch_size", "allow_tf32"):
+                  "progress_bar", "save_folder", "run_name", "device", "microbatch_size", "allow_tf32",
+                  "host_allocator"):
             d.pop(k, None)
         d["data"].pop("verify_shards", None)  # a check, not a setting: runs from before it keep their fingerprint
         d["parallel"].pop("bank_shards", None)  # placement only: a run may resume on other ranks

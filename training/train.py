@@ -40,6 +40,7 @@ from training.data import (
     tokenizer_vocab_size,
     verify_shards,
 )
+from training.host_alloc import retain_freed_host_memory
 from training.optim import MemoryAdamW
 from training.parallel import parallel_layout
 from training.read_choice import can_read_in_place, peek_batch, resolve_read
@@ -304,6 +305,8 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
     if cfg.autoresume:
         drop_unfinished_checkpoints(Path(cfg.save_folder) / "checkpoints")
     gpu = uses_gpu(cfg)
+    if cfg.host_allocator == "retain" or (cfg.host_allocator == "auto" and not gpu):
+        retain_freed_host_memory()  # before the model and the first batch allocate
     # the process group before the loader: a StreamingDataset built first opens one of its own on
     # MASTER_PORT and closes it, and the Trainer's second rendezvous on that port races the closing
     # store (a rank that reaches the dying one never joins: "1/2 clients joined" after 300 s); and
