@@ -12,11 +12,12 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.ffn_memory import ffn_memory, ffn_memory_naive
+from kernels.ffn_memory import ffn_memory, ffn_memory_naive, ffn_memory_table
 from kernels.ffn_memory import kernel as ffn_kernel
 
 interpreter = pytest.mark.skipif(not ffn_kernel.interpreting(),
@@ -178,7 +179,14 @@ def test_opcheck(impl):
                           (x.requires_grad_(), *(b.requires_grad_() for b in banks), idx),
                           {"sparse_grad": False, "impl": impl})
     torch.library.opcheck(torch.ops.memtree.ffn_memory_backward.default,
-                          (dy, x.detach(), *(b.detach() for b in banks), idx, 6, impl))
+                          (dy, x.detach(), *(b.detach() for b in banks), idx, None, 6, impl))
+    # with a shared table (ffn_memory_table's packed pairs)
+    table = ffn_memory_table(idx, banks[0].shape[0])
+    torch.library.opcheck(torch.ops.memtree.ffn_memory.default,
+                          (x, *banks, idx, table.packed),
+                          {"sparse_grad": True, "num_slots": table.num_slots(), "impl": impl})
+    torch.library.opcheck(torch.ops.memtree.ffn_memory_backward.default,
+                          (dy, x.detach(), *(b.detach() for b in banks), idx, table.packed, 3, impl))
 
 
 def _compile_matches_eager(device: str, dtype: torch.dtype) -> None:
@@ -217,6 +225,54 @@ def test_argument_errors_name_the_argument():
         ffn_memory(x, banks[0], banks[1].transpose(1, 2).contiguous().transpose(1, 2), banks[2], idx)
     with pytest.raises(ValueError, match="x must be"):
         ffn_memory(x[0], *banks, idx)
+    with pytest.raises(ValueError, match="table was built for"):  # another N
+        ffn_memory(x, *banks, idx, table=ffn_memory_table(idx, banks[0].shape[0] + 1))
+    with pytest.raises(ValueError, match="block_idx must be int64"):
+        ffn_memory_table(idx.int(), 7)
+
+
+class UniqueCount(TorchDispatchMode):
+    """Counts the distinct-block counts (aten unique + the host read of its size) that run under
+    it: each is a host sync on a GPU. The custom ops are opaque to the mode; the count lives in
+    the autograd formula or the table, both outside them."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "unique" in func._schema.name:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@interpreter
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("sparse_grad", [True, False])
+def test_table_built_once_serves_every_call(impl, sparse_grad):
+    """One ffn_memory_table passed to several calls on the same block lists (a model's layers
+    reading a level) gives each call the output and gradients of a call that sorts its own
+    pairs, and with sparse gradients counts the distinct blocks once for all of them."""
+    x, banks, idx, dy = make_inputs(3, 63, 32, 24, IDX_B3, n=9)
+    table = ffn_memory_table(idx, 9)
+    assert table.packed.shape == (6, idx.numel()) and table.packed.dtype == torch.int64
+
+    def three_layers(tbl):
+        layers = [([b * (1 + i) for b in banks], x * (1 - 0.3 * i)) for i in range(3)]
+        counter = UniqueCount()
+        outs = []
+        with counter:
+            for bl, xl in layers:
+                outs.append(run_op(xl, bl, idx, dy, impl=impl, sparse_grad=sparse_grad, table=tbl))
+        return outs, counter.n
+
+    own, syncs_own = three_layers(None)
+    shared, syncs_shared = three_layers(table)
+    for (y_o, g_o), (y_s, g_s) in zip(own, shared, strict=True):
+        torch.testing.assert_close(y_s, y_o)
+        for a, b in zip(g_s, g_o, strict=True):
+            torch.testing.assert_close(a, b)
+    assert (syncs_own, syncs_shared) == ((3, 1) if sparse_grad else (0, 0))
 
 
 # ---------------------------------------------------------------------- CUDA (compiled kernels)

@@ -239,7 +239,7 @@ class TrainableBank(nn.Module):
                 by_layer.setdefault(layer, {})[name] = view
             for layer, tensors in by_layer.items():
                 per_layer.setdefault(layer, []).append((tensors, rows))
-        tables = ReadTables()  # one KV table per level, built by the first layer that reads it
+        tables = ReadTables()  # one KV or FFN table per level, built by the first layer that reads it
         return {layer: BankRead(levels=tuple(levels), tables=tables)
                 for layer, levels in sorted(per_layer.items())}
 

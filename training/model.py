@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.ffn_memory import ffn_memory
+from kernels.ffn_memory import FFNTable, ffn_memory, ffn_memory_table
 from kernels.memory_attention import MemoryTable, memory_attention, memory_attention_table
 from memtree.geometry import AnchorShape, MemoryConfig, block_layout, memory_layers, split_block
 from training.moc import LatentBank, MoCConfig, MoCLayer, bank_for, build_banks, mean_aux_loss
@@ -67,16 +67,29 @@ from training.pkm import PKMConfig, ProductKeyMemory
 
 
 class ReadTables:
-    """The KV kernels' reference tables for one step, shared by every layer's `BankRead`.
+    """The kernels' tables for one step, shared by every layer's `BankRead`: KV reference
+    tables (`memory_attention_table`) and FFN pair sorts (`ffn_memory_table`).
 
     Every layer reads a level's rows with the same lists at the same shapes, so one table
     per level (and query shape) serves them all: built by the first layer's read, reused by
-    the rest. On a GPU a table costs ~170 dispatched ops of host time per build (docs/
-    BENCHMARKS.md, issue #35), more than the kernels' own device time at small shapes.
+    the rest. On a GPU a KV table costs ~170 dispatched ops of host time per build (docs/
+    BENCHMARKS.md, issue #35), more than the kernels' own device time at small shapes; an
+    FFN table is sorted twice per call without one, and with sparse gradients counts its
+    distinct blocks (a host sync) once instead of once per layer.
     Entries are matched by the rows tensor's identity, which the BankReads hold alive."""
 
     def __init__(self) -> None:
-        self._entries: list[tuple[Tensor, tuple, MemoryTable | None]] = []
+        self._entries: list[tuple[Tensor, tuple, MemoryTable | FFNTable | None]] = []
+
+    def ffn(self, rows: Tensor, block_idx: Tensor, n_blocks: int) -> FFNTable:
+        """The FFN table of block_idx (B, k) (built from rows (B,)) for banks of n_blocks."""
+        key = ("ffn", tuple(block_idx.shape), n_blocks, block_idx.device)
+        for r, kk, table in self._entries:
+            if r is rows and kk == key:
+                return table
+        table = ffn_memory_table(block_idx, n_blocks)
+        self._entries.append((rows, key, table))
+        return table
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -99,7 +112,7 @@ class BankRead:
     levels: per memory level, ({name: view}, rows): the layer's tensors for every
     bank row as views into that level's table — KV "k"/"v" (N_l, m_l, H_kv, D),
     FFN "w1"/"w2"/"w3" (N_l, W_l, d) — and rows (B,) int64, each sequence's row.
-    tables: the step's shared KV tables (one `ReadTables` for all layers), or None to
+    tables: the step's shared KV / FFN tables (one `ReadTables` for all layers), or None to
     build one per call. impl: the kernels' dispatch ("auto": Triton on CUDA).
     """
 
@@ -382,8 +395,10 @@ class FeedForward(nn.Module):
         y = self.w3(F.silu(self.w1(x)) * self.w2(x))
         if isinstance(mem, BankRead):  # (only KV/FFN memories are read in place)
             for views, rows in mem.levels:  # levels' blocks add up along the widened dim
-                y = y + ffn_memory(x, views["w1"], views["w2"], views["w3"], rows[:, None],
-                                   impl=mem.impl)
+                idx = rows[:, None]  # (B, 1): one block per sequence and level
+                table = None if mem.tables is None else mem.tables.ffn(rows, idx, views["w1"].shape[0])
+                y = y + ffn_memory(x, views["w1"], views["w2"], views["w3"], idx, impl=mem.impl,
+                                   table=table)
             return y
         w1, w2, w3 = (mem[n].to(x.dtype) for n in ("w1", "w2", "w3"))  # (B, W, d) each
         h_mem = F.silu(x @ w1.mT) * (x @ w2.mT)  # (B, S, W)

@@ -63,6 +63,18 @@ def group_pairs(block_idx: Tensor, n_blocks: int) -> PairGroups:
     return PairGroups(order, key, seg_start, seg_end, slot, is_leader)
 
 
+def pack_groups(groups: PairGroups) -> Tensor:
+    """The groups as one (6, P) int64 tensor (what a shared table passes through the custom
+    ops, whose schema takes tensors): order, key, seg_start, seg_end, slot, is_leader."""
+    return torch.stack([*groups[:5], groups.is_leader.long()])
+
+
+def unpack_groups(packed: Tensor) -> PairGroups:
+    """Inverse of `pack_groups`: views of packed (6, P), is_leader as bool."""
+    order, key, seg_start, seg_end, slot, leader = packed.unbind(0)
+    return PairGroups(order, key, seg_start, seg_end, slot, leader.bool())
+
+
 def slot_ids(groups: PairGroups, num_slots: int) -> Tensor:
     """Block id held by each gradient slot (num_slots,) int64; -1 for slots past the referenced blocks."""
     ids = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=groups.key.device)
@@ -340,8 +352,10 @@ def _bank_strides(*banks: Tensor) -> tuple[int, ...]:
 
 
 def ffn_memory_forward(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor,
-                       block_idx: Tensor) -> Tensor:
-    """Triton forward: x (B, S, d), bank_w* (N, W, d), block_idx (B, k) -> y (B, S, d) in x's dtype."""
+                       block_idx: Tensor, groups: PairGroups | None = None) -> Tensor:
+    """Triton forward: x (B, S, d), bank_w* (N, W, d), block_idx (B, k) -> y (B, S, d) in x's
+    dtype. groups: `group_pairs(block_idx, N)` built beforehand (shared by several calls), or
+    None to build them here."""
     bsz, s, d = x.shape
     n, w, _ = bank_w1.shape
     k = block_idx.shape[1]
@@ -351,7 +365,7 @@ def ffn_memory_forward(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Ten
         return y.to(x.dtype)
     x = x.contiguous()
     t, dot = _launch_params(x)
-    groups = group_pairs(block_idx, n)
+    groups = group_pairs(block_idx, n) if groups is None else groups
     common = _common_args(groups, s, k, d, w, n)
     h = torch.empty(p * s, w, device=x.device, dtype=x.dtype)  # segment-ordered rows
     up, down = t["up"], t["down"]
@@ -363,20 +377,21 @@ def ffn_memory_forward(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Ten
 
 
 def ffn_memory_backward(dy: Tensor, x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor,
-                        block_idx: Tensor, num_slots: int
+                        block_idx: Tensor, num_slots: int, groups: PairGroups | None = None
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Triton backward for the upstream gradient dy (B, S, d).
 
     Returns dx (B, S, d) in x's dtype; dw1, dw2, dw3 (num_slots, W, d) in the bank's dtype,
     slot u holding the gradient of the u-th smallest referenced block id (zeros past the
     last referenced block); and the slots' block ids (num_slots,) int64, -1 when unused.
-    num_slots must be at least the number of distinct referenced blocks.
+    num_slots must be at least the number of distinct referenced blocks. groups: as in
+    `ffn_memory_forward`.
     """
     bsz, s, d = x.shape
     n, w, _ = bank_w1.shape
     k = block_idx.shape[1]
     p = bsz * k
-    groups = group_pairs(block_idx, n)
+    groups = group_pairs(block_idx, n) if groups is None else groups
     ids = slot_ids(groups, num_slots)
     dx = torch.zeros(bsz, s, d, device=x.device, dtype=torch.float32)
     gs = [torch.zeros(num_slots, w, d, device=x.device, dtype=b.dtype)

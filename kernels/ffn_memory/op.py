@@ -11,6 +11,8 @@ gradient slots into a sparse COO bank gradient or a dense one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor
 
@@ -29,23 +31,29 @@ def _use_triton(x: Tensor, impl: str) -> bool:
     return True
 
 
+def _groups(table: Tensor | None) -> kernel.PairGroups | None:
+    return None if table is None else kernel.unpack_groups(table)
+
+
 @torch.library.custom_op("memtree::ffn_memory", mutates_args=())
 def _ffn_memory_op(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor,
-                   block_idx: Tensor, *, sparse_grad: bool, impl: str) -> Tensor:
+                   block_idx: Tensor, table: Tensor | None = None, *, sparse_grad: bool,
+                   num_slots: int = -1, impl: str) -> Tensor:
     if _use_triton(x, impl):
-        return kernel.ffn_memory_forward(x, bank_w1, bank_w2, bank_w3, block_idx)
+        return kernel.ffn_memory_forward(x, bank_w1, bank_w2, bank_w3, block_idx, _groups(table))
     return ffn_memory_naive(x, bank_w1, bank_w2, bank_w3, block_idx).contiguous()
 
 
 @_ffn_memory_op.register_fake
-def _(x, bank_w1, bank_w2, bank_w3, block_idx, *, sparse_grad, impl):
+def _(x, bank_w1, bank_w2, bank_w3, block_idx, table=None, *, sparse_grad, num_slots=-1, impl):
     return x.new_empty(x.shape)
 
 
-def _reference_backward(dy, x, bank_w1, bank_w2, bank_w3, block_idx, num_slots):
+def _reference_backward(dy, x, bank_w1, bank_w2, bank_w3, block_idx, num_slots, groups=None):
     """The backward op's contract computed from the naive per-pair gradients."""
     dx, *pair_grads = ffn_memory_naive_backward(dy, x, bank_w1, bank_w2, bank_w3, block_idx)
-    groups = kernel.group_pairs(block_idx, bank_w1.shape[0])
+    if groups is None:
+        groups = kernel.group_pairs(block_idx, bank_w1.shape[0])
     pair_slot = torch.empty_like(groups.slot).scatter_(0, groups.order, groups.slot)  # (P,)
     valid = block_idx.reshape(-1) >= 0
     grads = []
@@ -58,16 +66,16 @@ def _reference_backward(dy, x, bank_w1, bank_w2, bank_w3, block_idx, num_slots):
 
 @torch.library.custom_op("memtree::ffn_memory_backward", mutates_args=())
 def _ffn_memory_backward_op(dy: Tensor, x: Tensor, bank_w1: Tensor, bank_w2: Tensor,
-                            bank_w3: Tensor, block_idx: Tensor, num_slots: int, impl: str
-                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    args = (dy, x, bank_w1, bank_w2, bank_w3, block_idx, num_slots)
+                            bank_w3: Tensor, block_idx: Tensor, table: Tensor | None, num_slots: int,
+                            impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    args = (dy, x, bank_w1, bank_w2, bank_w3, block_idx, num_slots, _groups(table))
     if _use_triton(x, impl):
         return kernel.ffn_memory_backward(*args)
     return _reference_backward(*args)
 
 
 @_ffn_memory_backward_op.register_fake
-def _(dy, x, bank_w1, bank_w2, bank_w3, block_idx, num_slots, impl):
+def _(dy, x, bank_w1, bank_w2, bank_w3, block_idx, table, num_slots, impl):
     grads = [b.new_empty(num_slots, *b.shape[1:]) for b in (bank_w1, bank_w2, bank_w3)]
     return x.new_empty(x.shape), *grads, block_idx.new_empty(num_slots)
 
@@ -75,6 +83,7 @@ def _(dy, x, bank_w1, bank_w2, bank_w3, block_idx, num_slots, impl):
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.save_for_backward(*inputs)
     ctx.sparse_grad = keyword_only_inputs["sparse_grad"]
+    ctx.num_slots = keyword_only_inputs["num_slots"]
     ctx.impl = keyword_only_inputs["impl"]
 
 
@@ -87,19 +96,66 @@ def _bank_grad(slots: Tensor, ids: Tensor, bank: Tensor, sparse: bool) -> Tensor
 
 
 def _backward(ctx, dy):
-    x, bank_w1, bank_w2, bank_w3, block_idx = ctx.saved_tensors
-    if ctx.sparse_grad:  # exact slot count: one host sync, like any data-dependent nnz
-        num_slots = int(torch.unique(block_idx[block_idx >= 0]).numel())
-    else:  # static upper bound, so the graph has no data-dependent shape
+    x, bank_w1, bank_w2, bank_w3, block_idx, table = ctx.saved_tensors
+    if not ctx.sparse_grad:  # static upper bound, so the graph has no data-dependent shape
         num_slots = block_idx.numel()
+    elif ctx.num_slots >= 0:  # counted once for a shared table (FFNTable.num_slots)
+        num_slots = ctx.num_slots
+    else:  # exact slot count: one host sync, like any data-dependent nnz
+        num_slots = _count_blocks(block_idx)
     dx, g1, g2, g3, ids = torch.ops.memtree.ffn_memory_backward(
-        dy, x, bank_w1, bank_w2, bank_w3, block_idx, num_slots, ctx.impl)
+        dy, x, bank_w1, bank_w2, bank_w3, block_idx, table, num_slots, ctx.impl)
     banks = (bank_w1, bank_w2, bank_w3)
     bank_grads = [_bank_grad(g, ids, b, ctx.sparse_grad) for g, b in zip((g1, g2, g3), banks)]
-    return dx, *bank_grads, None
+    return dx, *bank_grads, None, None
+
+
+def _count_blocks(block_idx: Tensor) -> int:
+    """Distinct referenced blocks of block_idx (a host sync)."""
+    return int(torch.unique(block_idx[block_idx >= 0]).numel())
 
 
 _ffn_memory_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@dataclass(eq=False)
+class FFNTable:
+    """The (sequence, block) pairs of one block list sorted by block id, built once by
+    `ffn_memory_table` and passed to every `ffn_memory` call that reads the same list (a
+    model's layers, one table per memory level and step): each call then skips the sort
+    (forward and backward), and with sparse gradients the distinct blocks are counted once
+    (one host sync per table instead of one per call's backward).
+
+    packed (6, P) int64, P = B·k: the sorted pairs (`kernel.pack_groups`); key: what it was
+    built for (block_idx's shape, N, device), checked on every use."""
+
+    packed: Tensor
+    key: tuple
+    block_idx: Tensor = field(repr=False)
+    _num_slots: int | None = field(default=None, repr=False)
+
+    def num_slots(self) -> int:
+        """The distinct referenced blocks: counted on the first call (a host sync), cached."""
+        if self._num_slots is None:
+            self._num_slots = _count_blocks(self.block_idx)
+        return self._num_slots
+
+
+def _table_key(block_idx: Tensor, n_blocks: int) -> tuple:
+    return (tuple(block_idx.shape), int(n_blocks), block_idx.device)
+
+
+def ffn_memory_table(block_idx: Tensor, n_blocks: int) -> FFNTable:
+    """The sorted pairs `ffn_memory(x, …, block_idx)` with banks of `n_blocks` blocks builds in
+    forward and again in backward, built now so that several calls share them (`table=`).
+
+    block_idx: int64 (B, k) as for `ffn_memory`, read in full: the table is valid only for
+    these lists. A handful of device ops (sort, two searchsorted, cumsum, stack) and no host
+    sync."""
+    if block_idx.dtype != torch.int64 or block_idx.ndim != 2:
+        raise ValueError(f"block_idx must be int64 (B, k), got {block_idx.dtype} {tuple(block_idx.shape)}")
+    packed = kernel.pack_groups(kernel.group_pairs(block_idx, n_blocks))
+    return FFNTable(packed=packed, key=_table_key(block_idx, n_blocks), block_idx=block_idx)
 
 
 def _check(x: Tensor, banks: tuple[Tensor, Tensor, Tensor], block_idx: Tensor, impl: str) -> None:
@@ -127,7 +183,7 @@ def _check(x: Tensor, banks: tuple[Tensor, Tensor, Tensor], block_idx: Tensor, i
 
 
 def ffn_memory(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor, block_idx: Tensor,
-               *, sparse_grad: bool = True, impl: str = "auto") -> Tensor:
+               *, sparse_grad: bool = True, impl: str = "auto", table: FFNTable | None = None) -> Tensor:
     """FFN-memory read: y = Σ_j [silu(x W1[idx_j]ᵀ) ⊙ (x W2[idx_j]ᵀ)] W3[idx_j].
 
     Args:
@@ -145,6 +201,9 @@ def ffn_memory(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor, blo
             table that requires grad: slicing's backward has no sparse kernel).
         impl: "auto" (Triton on CUDA, the reference elsewhere), "triton" (also on CPU
             under TRITON_INTERPRET=1), or "reference" (`ffn_memory_naive`).
+        table: `ffn_memory_table(block_idx, N)` shared by several calls on the same block
+            lists (a ValueError if built for another shape, N or device), or None to sort
+            the pairs in this call.
 
     Returns:
         y: (B, S, d) in x's dtype, accumulated in fp32. Gradients flow to x (in x's dtype)
@@ -157,5 +216,14 @@ def ffn_memory(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor, blo
     do not.
     """
     _check(x, (bank_w1, bank_w2, bank_w3), block_idx, impl)
-    return _ffn_memory_op(x, bank_w1, bank_w2, bank_w3, block_idx, sparse_grad=sparse_grad,
-                          impl=impl)
+    packed, num_slots = None, -1
+    if table is not None:
+        key = _table_key(block_idx, bank_w1.shape[0])
+        if table.key != key:
+            raise ValueError(f"table was built for (block_idx shape, N, device) {table.key}, this call "
+                             f"has {key}")
+        packed = table.packed
+        if sparse_grad and torch.is_grad_enabled() and any(b.requires_grad for b in (bank_w1, bank_w2, bank_w3)):
+            num_slots = table.num_slots()
+    return _ffn_memory_op(x, bank_w1, bank_w2, bank_w3, block_idx, packed, sparse_grad=sparse_grad,
+                          num_slots=num_slots, impl=impl)
