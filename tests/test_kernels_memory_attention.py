@@ -706,3 +706,46 @@ def test_default_scale_is_inverse_sqrt_d():
     q, bk, bv, idx, _ = make_inputs(Case(1, 2, 1, 3, 16, 4, 5, 2, False, None))
     torch.testing.assert_close(memory_attention(q, bk, bv, idx),
                                memory_attention(q, bk, bv, idx, scale=1 / math.sqrt(16)))
+
+
+@interp
+@pytest.mark.parametrize("case", [Case(2, 4, 2, 63, 16, 7, 20, 3, False, None),
+                                  Case(1, 4, 2, 37, 16, 6, 9, 3, True, "mix")], ids=str)
+def test_shared_table_reads_the_sparse_row_count_once(monkeypatch, case):
+    """With sparse bank gradients each call's backward reads the unique-block count U on the
+    host; calls sharing a table read it once between them (MemoryTable.n_unique), and their
+    sparse gradients are those of calls that build their own tables."""
+    from kernels.memory_attention import memory_attention_table
+
+    q, bk, bv, idx, w = make_inputs(case)
+    mode = case.mode or "bias"
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+
+    def layers(tbl):
+        rec, grads = HostSyncs(monkeypatch), []
+        with rec:
+            for layer in range(3):
+                leaves = [x.detach().mul(1 + layer).requires_grad_() for x in (q, bk, bv)]
+                out = memory_attention(*leaves, idx, w, weight_mode=mode, impl="triton",
+                                       sparse_grad=True, table=tbl)
+                out.backward(grad_out)
+                assert leaves[1].grad.is_sparse
+                grads.append([x.grad.to_dense() for x in leaves])
+        monkeypatch.undo()
+        return grads, rec.syncs
+
+    own, syncs_own = layers(None)
+    table = memory_attention_table(q, bk, bv, idx, w, impl="triton")
+    assert table.n_unique() == int(torch.unique(idx[idx >= 0]).numel())
+    fresh = memory_attention_table(q, bk, bv, idx, w, impl="triton")
+    rec = HostSyncs(monkeypatch)
+    with rec:
+        fresh.n_unique()
+        fresh.n_unique()  # cached: no second read
+    monkeypatch.undo()
+    shared, syncs_shared = layers(memory_attention_table(q, bk, bv, idx, w, impl="triton"))
+    assert len(syncs_own) == 3, syncs_own  # one U read per backward
+    assert syncs_shared == rec.syncs and len(rec.syncs) <= 2, (syncs_shared, rec.syncs)
+    for g_s, g_o in zip(shared, own, strict=True):
+        for a, b in zip(g_s, g_o, strict=True):
+            torch.testing.assert_close(a, b)

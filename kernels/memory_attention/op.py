@@ -26,7 +26,7 @@ the dense form unless torch._dynamo.config.capture_dynamic_output_shape_ops is s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -76,14 +76,16 @@ def _is_mix(weights: Tensor | None, weight_mode: str) -> bool:
 def _fwd_impl(
     q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor, weights: Tensor | None,
     table_ints: Tensor | None, table_coef: Tensor | None, weight_mode: str, scale: float,
-    impl: str, sparse_grad: bool, per_token_layout: str,
+    impl: str, sparse_grad: bool, per_token_layout: str, n_unique: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out (B, H, S, D), lse fp32 (B, H, S) or (B, H, S, k) in mix mode, table ints (n_int,)
     int32, table coef (n_coef,) fp32). table_ints/table_coef: a table built beforehand
     (`memory_attention_table`), or None to build it here; the returned table buffers are
     empty when one was given (an output may not alias an input) and for the reference.
     sparse_grad only selects the bank gradient's layout in backward; per_token_layout the
-    Triton kernels of per-token lists (`_kernels_for`; the table is that layout's)."""
+    Triton kernels of per-token lists (`_kernels_for`; the table is that layout's); n_unique
+    the given table's unique-block count when already read (`MemoryTable.n_unique`), handed to
+    backward, else -1."""
     mix = _is_mix(weights, weight_mode)
     if _use_triton(q, impl):
         given = None if table_ints is None else (table_ints, table_coef)
@@ -107,7 +109,7 @@ memory_attention_fwd = torch.library.custom_op("memtree::memory_attention_fwd",
 
 @memory_attention_fwd.register_fake
 def _fwd_fake(q, bank_k, bank_v, block_idx, weights, table_ints, table_coef, weight_mode, scale,
-              impl, sparse_grad, per_token_layout):
+              impl, sparse_grad, per_token_layout, n_unique=-1):
     b, h, s, _ = q.shape
     shape = (b, h, s, block_idx.shape[-1]) if _is_mix(weights, weight_mode) else (b, h, s)
     n_int, n_coef = 0, 0
@@ -123,7 +125,7 @@ def _bwd_impl(
     grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
     weights: Tensor | None, out: Tensor, lse: Tensor, table_ints: Tensor, table_coef: Tensor,
     grad_lse: Tensor | None, weight_mode: str, scale: float, impl: str, need_kv: bool,
-    need_dw: bool, sparse_grad: bool, per_token_layout: str,
+    need_dw: bool, sparse_grad: bool, per_token_layout: str, n_unique: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq (B, H, S, D), blocks, dK, dV, dweights like weights).
 
@@ -145,8 +147,8 @@ def _bwd_impl(
             grad_out, q, bank_k, bank_v, block_idx, weights, out, lse.contiguous(), table_ints,
             table_coef, mix, scale, need_kv, need_dw, not sparse, grad_lse=grad_lse)
         blocks = block_idx.new_empty(0, dtype=torch.int64)
-        if sparse:  # the one host sync: the sparse gradient's row count U is data-dependent
-            n = int(n_u.item())
+        if sparse:  # the one host sync (unless the shared table's count was read already):
+            n = n_unique if n_unique >= 0 else int(n_u.item())  # U is data-dependent
             blocks, dk, dv = ublocks[:n].long(), dk[:n], dv[:n]
         return dq, blocks, dk, dv, dw
     # sparse: gradients for the referenced blocks only, never a bank-sized buffer; no
@@ -170,7 +172,7 @@ IMPLS_BY_OP = {"memtree::memory_attention_fwd": _fwd_impl,
 @memory_attention_bwd.register_fake
 def _bwd_fake(grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, table_ints, table_coef,
               grad_lse, weight_mode, scale, impl, need_kv, need_dw, sparse_grad,
-              per_token_layout):
+              per_token_layout, n_unique=-1):
     if need_kv and sparse_grad:
         n_u = torch.library.get_ctx().new_dynamic_size()
         k_shape, v_shape = (n_u, *bank_k.shape[1:]), (n_u, *bank_v.shape[1:])
@@ -190,7 +192,7 @@ def _bwd_fake(grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, table_i
 
 def _setup_context(ctx, inputs, output):
     (q, bank_k, bank_v, block_idx, weights, given_ints, given_coef, weight_mode, scale, impl,
-     sparse_grad, per_token_layout) = inputs
+     sparse_grad, per_token_layout, n_unique) = inputs
     out, lse, table_ints, table_coef = output
     if given_ints is not None:  # built once for several calls (memory_attention_table)
         table_ints, table_coef = given_ints, given_coef
@@ -200,19 +202,19 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[2], output[3])
     if _is_mix(weights, weight_mode):  # per-block statistics; only the joint lse is a result
         ctx.mark_non_differentiable(lse)
-    ctx.args = (weight_mode, scale, impl, sparse_grad, per_token_layout)
+    ctx.args = (weight_mode, scale, impl, sparse_grad, per_token_layout, n_unique)
 
 
 def _backward(ctx, grad_out, grad_lse, _grad_ints, _grad_coef):
     q, bank_k, bank_v, block_idx, weights, out, lse, table_ints, table_coef = ctx.saved_tensors
-    weight_mode, scale, impl, sparse_grad, per_token_layout = ctx.args
+    weight_mode, scale, impl, sparse_grad, per_token_layout, n_unique = ctx.args
     need_q, need_k, need_v, _, need_w = ctx.needs_input_grad[:5]
     if _is_mix(weights, weight_mode):
         grad_lse = None
     dq, blocks, dk, dv, dw = memory_attention_bwd(
         grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, table_ints, table_coef,
         grad_lse, weight_mode, scale, impl, need_k or need_v, need_w, sparse_grad,
-        per_token_layout)
+        per_token_layout, n_unique)
     if sparse_grad:  # like nn.Embedding(sparse=True): indices = the referenced block ids
         dk = torch.sparse_coo_tensor(blocks[None], dk, bank_k.shape, is_coalesced=True)
         dv = torch.sparse_coo_tensor(blocks[None], dv, bank_v.shape, is_coalesced=True)
@@ -222,7 +224,7 @@ def _backward(ctx, grad_out, grad_lse, _grad_ints, _grad_coef):
         dv if need_v else None,
         None,
         dw if need_w else None,
-        None, None, None, None, None, None, None,
+        None, None, None, None, None, None, None, None,
     )
 
 
@@ -263,7 +265,7 @@ def _check(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
         raise ValueError("q, bank_k, bank_v and block_idx must be on one device")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class MemoryTable:
     """The Triton path's reference table for one set of block lists, built once by
     `memory_attention_table` and passed to every `memory_attention` call that reads the same
@@ -276,6 +278,17 @@ class MemoryTable:
     ints: Tensor
     coef: Tensor
     key: tuple
+    block_idx: Tensor | None = field(default=None, repr=False)
+    _count: list = field(default_factory=list, repr=False)  # the unique-block count, once read
+
+    def n_unique(self) -> int:
+        """Distinct block ids the lists reference (the sparse bank gradient's row count U):
+        read on the first call (a host sync) and cached, so the calls sharing this table sync
+        once between them instead of once each in backward."""
+        if not self._count:
+            u = torch.unique(self.block_idx)  # sorted: padding (-1) first; the host waits here
+            self._count.append(u.numel() - (int(u[0]) < 0 if u.numel() else 0))
+        return self._count[0]
 
 
 def _table_key(q: Tensor, bank_k: Tensor, block_idx: Tensor, weights: Tensor | None,
@@ -301,7 +314,7 @@ def memory_attention_table(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx:
         return None
     ints, coef = _kernels_for(block_idx, per_token_layout).build(q, bank_k, bank_v, block_idx,
                                                                  weights)
-    return MemoryTable(ints=ints, coef=coef,
+    return MemoryTable(ints=ints, coef=coef, block_idx=block_idx,
                        key=_table_key(q, bank_k, block_idx, weights, per_token_layout))
 
 
@@ -353,7 +366,9 @@ def memory_attention(
         table: the reference table from `memory_attention_table` for these same block_idx,
             weights and shapes, shared by several calls instead of built by each; None
             builds it here. A table built for other shapes is refused (ValueError); one
-            built from other lists or weights of the same shapes is not detected.
+            built from other lists or weights of the same shapes is not detected. With
+            sparse bank gradients the calls sharing a table read U once between them
+            (`MemoryTable.n_unique`, at the first call) instead of once per backward.
         per_token_layout: how the Triton path computes per-token lists (B, S, k); ignored
             for per-sequence lists and by the reference. "tiles": slot tiles (`kernel.py`),
             a tile of tokens computes every block any of its tokens names, cheap when
@@ -388,15 +403,18 @@ def memory_attention(
     if sparse_grad is None:
         sparse_grad = bank_k.is_leaf and bank_v.is_leaf
     ints = coef = None
+    n_unique = -1
     if table is not None and _use_triton(q, impl):  # the reference reads no table
         key = _table_key(q, bank_k, block_idx, weights, per_token_layout)
         if table.key != key:
             raise ValueError(f"table was built for {table.key}, this call is {key} (shapes q, "
                              "bank_k, block_idx, weighted, device, per-token layout)")
         ints, coef = table.ints, table.coef
+        if sparse_grad and torch.is_grad_enabled() and (bank_k.requires_grad or bank_v.requires_grad):
+            n_unique = table.n_unique()
     out, lse, _, _ = memory_attention_fwd(q, bank_k, bank_v, block_idx, weights, ints, coef,
                                           weight_mode, scale, impl, bool(sparse_grad),
-                                          per_token_layout)
+                                          per_token_layout, n_unique)
     if not return_lse:
         return out
     # the ops mark "nothing to normalise" with +inf (exp(s − lse) = 0); to callers it is -inf
