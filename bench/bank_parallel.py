@@ -4,6 +4,8 @@
     python bench/bank_parallel.py --parts comm    # bytes per step at 2 and 4 ranks (demo shards)
     python bench/bank_parallel.py --parts scale   # step time and peak RSS per rank, bank 1× → 70×
     python bench/bank_parallel.py --parts scale --branchings 4 17 --scale-banks sharded --repeats 3
+    python bench/bank_parallel.py --parts scale --branchings 4 17 --scale-banks sharded --repeats 3 \
+        --allocators retain --fixed-rows          # only the bank grows: the flatness target
 
 Each configuration is a `composer -n W` launch of this file in worker mode (`--worker SPEC`): it
 builds the run with `training.train.build_trainer` (gloo on the CPU), attaches `CommBytes`
@@ -156,9 +158,13 @@ def demo_shards(root: Path) -> Path:
     return shards
 
 
-def synthetic_shards(demo: Path, out: Path, *, branching: int, per_subtree: int, seed: int = 0) -> Path:
+def synthetic_shards(demo: Path, out: Path, *, branching: int, per_subtree: int, seed: int = 0,
+                     data_subtrees: int | None = None, fanout: int | None = None) -> Path:
     """memtree-shards v1 for a 3-level tree of `branching`: `per_subtree` samples of random tokens
-    per level-1 subtree, each at a uniform leaf of its subtree; the demo's tokenizer and seq_len."""
+    per level-1 subtree, each at a uniform leaf of its subtree; the demo's tokenizer and seq_len.
+    data_subtrees / fanout (fixed rows): only the first `data_subtrees` subtrees have data, and
+    their samples sit under the first `fanout` children at levels 2 and 3, so every tree gets the
+    same samples over the same number of distinct rows and only the bank grows."""
     from streaming import MDSWriter
 
     from pipeline.shards import MDS_COLUMNS, stream_name
@@ -174,12 +180,13 @@ def synthetic_shards(demo: Path, out: Path, *, branching: int, per_subtree: int,
     vocab = tokenizer_vocab_size(demo, base)
     rng = np.random.default_rng(seed)
     seq, eot, b = int(base["seq_len"]), int(base["eot_id"]), branching
+    f = b if fanout is None else fanout
     streams = []
-    for s in range(b):
+    for s in range(b if data_subtrees is None else data_subtrees):
         with MDSWriter(out=str(out / stream_name(s)), columns=MDS_COLUMNS, compression="zstd",
                        hashes=["xxh64"], progress_bar=False) as w:
             for i in range(per_subtree):
-                leaf = (s * b + int(rng.integers(b))) * b + int(rng.integers(b))
+                leaf = (s * b + int(rng.integers(f))) * b + int(rng.integers(f))
                 tokens = rng.integers(0, vocab - 1, size=seq - 1)
                 tokens = (tokens + (tokens >= eot)).astype(np.int32)  # any token but the EOT
                 w.write({"tokens": np.append(tokens, eot).astype(np.int32),
@@ -235,7 +242,8 @@ def part_scale(args, tmp: Path, demo: Path) -> list[dict]:
     base = plan(anchor, MemoryConfig(multipliers=(0, 64, 128), branching=4)).bank_params
     configs = [(k, a) for a in args.allocators for k in args.scale_banks
                if k == "sharded" or a == args.allocators[-1]]  # the replicated baseline once
-    shards = {b: synthetic_shards(demo, tmp / f"shards-b{b}", branching=b, per_subtree=args.per_subtree)
+    fixed = {"data_subtrees": 4, "fanout": 4} if args.fixed_rows else {}
+    shards = {b: synthetic_shards(demo, tmp / f"shards-b{b}", branching=b, per_subtree=args.per_subtree, **fixed)
               for b in args.branchings}
     runs: dict[tuple, list[dict]] = {}
     for rnd in range(args.repeats):
@@ -263,7 +271,7 @@ def part_scale(args, tmp: Path, demo: Path) -> list[dict]:
     for b in args.branchings:
         bank_params = plan(anchor, MemoryConfig(multipliers=(0, 64, 128), branching=b)).bank_params
         for bank, alloc in configs:
-            row = {"part": "scale", "branching": b, "bank": bank, "host_allocator": alloc,
+            row = {"part": "scale", "branching": b, "bank": bank, "host_allocator": alloc, "fixed_rows": args.fixed_rows,
                    "bank_params": bank_params, "bank_factor": bank_params / base}
             got = runs[(b, bank, alloc)]
             if any(r.get("failed") for r in got):
@@ -372,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale-world", type=int, default=4)
     p.add_argument("--scale-batch", type=int, default=32)
     p.add_argument("--per-subtree", type=int, default=48, help="synthetic samples per level-1 subtree")
+    p.add_argument("--fixed-rows", action="store_true",
+                   help="scale part: data in 4 subtrees under 4 children per level whatever the branching, so "
+                        "batches touch the same number of distinct rows and only the bank grows")
     p.add_argument("--repeats", type=int, default=1, help="scale part: interleaved rounds (median over them)")
     p.add_argument("--scale-banks", nargs="+", choices=["replicated", "sharded"], default=["replicated", "sharded"])
     p.add_argument("--allocators", nargs="+", choices=["system", "retain"], default=["system", "retain"],
