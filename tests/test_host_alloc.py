@@ -21,7 +21,7 @@ from training.host_alloc import retain_freed_host_memory
 applied = retain_freed_host_memory() if sys.argv[1] == "retain" else False
 n = 64 * 2**20 // 4  # a 64 MiB fp32 tensor: above glibc's largest mmap threshold (32 MiB)
 faults = []
-for _ in range(12):
+for _ in range(32):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t = torch.empty(n)
     t.fill_(1.0)  # touch every page
@@ -44,7 +44,8 @@ def test_retain_reuses_freed_tensor_memory_without_page_faults():
     # malloc's default: every allocation is a fresh mmap whose pages fault in when first written
     assert all(f >= pages // 2 for f in system["faults"][1:]), system
     # retained: the first allocations grow the heap (posix_memalign asks for a little more than a
-    # freed, trimmed chunk holds until freed neighbours coalesce); from then on it is reused
+    # freed, trimmed chunk holds, until freed neighbours coalesce: 3-9 allocations in the runs
+    # seen); from then on it is reused
     assert retain["faults"][0] >= pages // 2, retain
     assert all(f < pages // 20 for f in retain["faults"][-4:]), retain
 
