@@ -81,15 +81,18 @@ class ReadTables:
     def __init__(self) -> None:
         self._entries: list[tuple[Tensor, tuple, MemoryTable | FFNTable | None]] = []
 
-    def ffn(self, rows: Tensor, block_idx: Tensor, n_blocks: int) -> FFNTable:
-        """The FFN table of block_idx (B, k) (built from rows (B,)) for banks of n_blocks."""
-        key = ("ffn", tuple(block_idx.shape), n_blocks, block_idx.device)
+    def _cached(self, rows: Tensor, key: tuple, build):
         for r, kk, table in self._entries:
             if r is rows and kk == key:
                 return table
-        table = ffn_memory_table(block_idx, n_blocks)
+        table = build()
         self._entries.append((rows, key, table))
         return table
+
+    def ffn(self, rows: Tensor, block_idx: Tensor, n_blocks: int) -> FFNTable:
+        """The FFN table of block_idx (B, k) (built from rows (B,)) for banks of n_blocks."""
+        key = ("ffn", tuple(block_idx.shape), n_blocks, block_idx.device)
+        return self._cached(rows, key, lambda: ffn_memory_table(block_idx, n_blocks))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -97,12 +100,7 @@ class ReadTables:
     def get(self, rows: Tensor, q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor,
             impl: str) -> MemoryTable | None:
         key = (tuple(q.shape), q.dtype, tuple(k.shape), k.dtype, q.device, impl)
-        for r, kk, table in self._entries:
-            if r is rows and kk == key:
-                return table
-        table = memory_attention_table(q, k, v, block_idx, impl=impl)
-        self._entries.append((rows, key, table))
-        return table
+        return self._cached(rows, key, lambda: memory_attention_table(q, k, v, block_idx, impl=impl))
 
 
 @dataclass(frozen=True)

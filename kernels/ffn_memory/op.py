@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kernels.block_lists import count_blocks, needs_bank_grad
 from kernels.ffn_memory import kernel
 from kernels.ffn_memory.naive import ffn_memory_naive, ffn_memory_naive_backward
 
@@ -102,17 +103,12 @@ def _backward(ctx, dy):
     elif ctx.num_slots >= 0:  # counted once for a shared table (FFNTable.num_slots)
         num_slots = ctx.num_slots
     else:  # exact slot count: one host sync, like any data-dependent nnz
-        num_slots = _count_blocks(block_idx)
+        num_slots = count_blocks(block_idx)
     dx, g1, g2, g3, ids = torch.ops.memtree.ffn_memory_backward(
         dy, x, bank_w1, bank_w2, bank_w3, block_idx, table, num_slots, ctx.impl)
     banks = (bank_w1, bank_w2, bank_w3)
     bank_grads = [_bank_grad(g, ids, b, ctx.sparse_grad) for g, b in zip((g1, g2, g3), banks)]
     return dx, *bank_grads, None, None
-
-
-def _count_blocks(block_idx: Tensor) -> int:
-    """Distinct referenced blocks of block_idx (a host sync)."""
-    return int(torch.unique(block_idx[block_idx >= 0]).numel())
 
 
 _ffn_memory_op.register_autograd(_backward, setup_context=_setup_context)
@@ -137,7 +133,7 @@ class FFNTable:
     def num_slots(self) -> int:
         """The distinct referenced blocks: counted on the first call (a host sync), cached."""
         if self._num_slots is None:
-            self._num_slots = _count_blocks(self.block_idx)
+            self._num_slots = count_blocks(self.block_idx)
         return self._num_slots
 
 
@@ -223,7 +219,7 @@ def ffn_memory(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor, blo
             raise ValueError(f"table was built for (block_idx shape, N, device) {table.key}, this call "
                              f"has {key}")
         packed = table.packed
-        if sparse_grad and torch.is_grad_enabled() and any(b.requires_grad for b in (bank_w1, bank_w2, bank_w3)):
+        if needs_bank_grad(sparse_grad, bank_w1, bank_w2, bank_w3):
             num_slots = table.num_slots()
     return _ffn_memory_op(x, bank_w1, bank_w2, bank_w3, block_idx, packed, sparse_grad=sparse_grad,
                           num_slots=num_slots, impl=impl)

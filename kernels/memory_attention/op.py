@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kernels.block_lists import count_blocks, needs_bank_grad
 from kernels.memory_attention.naive import (
     memory_attention_naive,
     memory_attention_naive_backward,
@@ -286,8 +287,7 @@ class MemoryTable:
         read on the first call (a host sync) and cached, so the calls sharing this table sync
         once between them instead of once each in backward."""
         if not self._count:
-            u = torch.unique(self.block_idx)  # sorted: padding (-1) first; the host waits here
-            self._count.append(u.numel() - (int(u[0]) < 0 if u.numel() else 0))
+            self._count.append(count_blocks(self.block_idx))
         return self._count[0]
 
 
@@ -410,7 +410,7 @@ def memory_attention(
             raise ValueError(f"table was built for {table.key}, this call is {key} (shapes q, "
                              "bank_k, block_idx, weighted, device, per-token layout)")
         ints, coef = table.ints, table.coef
-        if sparse_grad and torch.is_grad_enabled() and (bank_k.requires_grad or bank_v.requires_grad):
+        if needs_bank_grad(bool(sparse_grad), bank_k, bank_v):
             n_unique = table.n_unique()
     out, lse, _, _ = memory_attention_fwd(q, bank_k, bank_v, block_idx, weights, ints, coef,
                                           weight_mode, scale, impl, bool(sparse_grad),
