@@ -76,12 +76,21 @@ def _ffn_memory():
     return kernels.ffn_memory
 
 
-def _variants(impl: str) -> dict:
-    ffn_memory = _ffn_memory().ffn_memory
+def _variants(impl: str, p: dict | None = None) -> dict:
+    """The timed candidates; with the problem p also the fused op with its pair table built
+    once beforehand, as a model's layers share one per level and step (training.model)."""
+    ffn = _ffn_memory()
+    ffn_memory = ffn.ffn_memory
+    shared = {}
+    if p is not None:
+        table = ffn.ffn_memory_table(p["idx"], p["n_blocks"])
+        shared = {"fused_shared_table": lambda x, a, b, c, i: ffn_memory(x, a, b, c, i, impl=impl,
+                                                                         table=table)}
     return {
         "gather_bmm": gather_bmm,
         "fused_sparse": lambda x, a, b, c, i: ffn_memory(x, a, b, c, i, impl=impl),
         "fused_dense": lambda x, a, b, c, i: ffn_memory(x, a, b, c, i, sparse_grad=False, impl=impl),
+        **shared,
     }
 
 
@@ -126,7 +135,7 @@ def run_ffn(args: argparse.Namespace) -> dict[str, Any]:
     b, s, d, w, k = sz["B"], sz["S"], sz["d"], sz["W"], sz["levels"]
     fwd_flops = 6.0 * b * s * k * w * d
     passes = {"forward": (False, fwd_flops), "forward_backward": (True, 3 * fwd_flops)}
-    variants = _variants("auto")
+    variants = _variants("auto", p)
     log(f"ffn_memory on {device}: B={b} S={s} d={d} W={w} k={k} N={p['n_blocks']} "
         f"({p['unique_blocks']} distinct blocks referenced) {sz['dtype']}")
 

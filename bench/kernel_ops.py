@@ -66,7 +66,11 @@ from _common import (  # bench/ is sys.path[0] when a script runs
 )
 from _kernels_ffn import run_ffn
 
-from kernels.memory_attention import memory_attention, memory_attention_naive
+from kernels.memory_attention import (
+    memory_attention,
+    memory_attention_naive,
+    memory_attention_table,
+)
 
 BENCHES = ("attention", "ffn")
 CUDA_SIZES = {
@@ -172,6 +176,17 @@ def _kernel(mode: str | None, **kw) -> Callable:
     return fn
 
 
+def _kernel_shared(p: dict, idx, **kw) -> Callable:
+    """The kernel with its table built once beforehand, outside the timing, as a model's
+    layers share one table per memory level and step (training.model.ReadTables): the
+    per-call cost a training step pays, the build amortised over the layers."""
+    table = memory_attention_table(p["q"], p["bank_k"], p["bank_v"], idx)
+
+    def fn(q, bank_k, bank_v, idx, w=None):
+        return memory_attention(q, bank_k, bank_v, idx, table=table, **kw)
+    return fn
+
+
 def _naive(q, bank_k, bank_v, idx, w=None):
     return memory_attention_naive(q, bank_k, bank_v, idx)
 
@@ -270,6 +285,9 @@ def _moc(args, sz: dict, p: dict, result: dict) -> list[dict]:
             "sdpa_gather": (gather_sdpa, p["idx"], False),
             "kernel": (_kernel(None), p["idx"], False),
             "kernel_dense_grad": (_kernel(None, sparse_grad=False), p["idx"], False),
+            "kernel_shared_table": (_kernel_shared(p, p["idx"]), p["idx"], False),
+            "kernel_shared_table_dense_grad": (
+                _kernel_shared(p, p["idx"], sparse_grad=False), p["idx"], False),
             "sdpa_gather_bias": (gather_sdpa, p["idx"], True),
             "kernel_bias": (_kernel("bias"), p["idx"], True),
             "kernel_mix": (_kernel("mix"), p["idx"], True),
@@ -361,7 +379,8 @@ def _hkv(args, sz: dict, ph: dict) -> list[dict]:
     log(f"hkv: {hk}, {ph['n']} blocks")
     if cuda:
         variants = {"sdpa_gather": (gather_sdpa, ph["idx"], False),
-                    "kernel": (_kernel(None), ph["idx"], False)}
+                    "kernel": (_kernel(None), ph["idx"], False),
+                    "kernel_shared_table": (_kernel_shared(ph, ph["idx"]), ph["idx"], False)}
     else:
         variants = {"reference": (_kernel(None, impl="reference"), ph["idx"], False)}
     res = time_variants(variants, ph, args.runs, sz["warmup"], device)

@@ -300,6 +300,12 @@ def test_cuda_matches_naive(b, s, d, w, dtype):
     _, dense = run_op(x, banks, idx, dy, sparse_grad=False)
     for a, c in zip(sparse, dense):
         torch.testing.assert_close(a, c)
+    # the pair table shared by a model's layers (ffn_memory_table) gives the per-call results
+    y_own, own = run_op(x, banks, idx, dy)
+    y_shared, shared = run_op(x, banks, idx, dy, table=ffn_memory_table(idx, n))
+    torch.testing.assert_close(y_shared, y_own)
+    for a, c in zip(shared, own):
+        torch.testing.assert_close(a, c)
 
 
 @pytest.mark.gpu

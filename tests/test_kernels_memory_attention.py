@@ -21,7 +21,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.memory_attention import memory_attention, memory_attention_naive, op
+from kernels.memory_attention import (
+    memory_attention,
+    memory_attention_naive,
+    memory_attention_table,
+    op,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.skipif(not INTERPRET, reason="CPU Triton tests need TRITON_INTERPRET=1")
@@ -618,30 +623,44 @@ def test_table_built_once_serves_every_call(case):
     """A table built by memory_attention_table and passed to several calls (a model's layers
     reading one level's lists) gives each call the outputs and gradients of a call that builds
     its own."""
-    from kernels.memory_attention import memory_attention_table
+    q, bk, bv, idx, w = _check_shared_table(case, "cpu", sparse_grad=False)
+    # a table built elsewhere is refused by shape; the reference path takes none
+    with pytest.raises(ValueError, match="table was built for"):
+        memory_attention(q, bk[:-1], bv[:-1], idx, w, weight_mode=case.mode or "bias",
+                         impl="triton", table=memory_attention_table(q, bk, bv, idx, w,
+                                                                     impl="triton"))
+    assert memory_attention_table(q, bk, bv, idx, w, impl="reference") is None
 
-    q, bk, bv, idx, w = make_inputs(case)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("case", GPU_CASES[:2] + GPU_CASES[3:5], ids=str)
+def test_gpu_shared_table_matches_own(case, sparse):
+    _check_shared_table(case, "cuda", sparse_grad=sparse)
+
+
+def _check_shared_table(case: Case, device: str, *, sparse_grad: bool):
+    """Two layers' reads through one shared table give what per-call tables give; returns
+    the inputs."""
+    q, bk, bv, idx, w = make_inputs(case, device)
     mode = case.mode or "bias"
     table = memory_attention_table(q, bk, bv, idx, w, impl="triton")
     assert table is not None and table.ints.dtype == torch.int32
     g = torch.Generator().manual_seed(3)
-    grad_out = torch.randn(q.shape, generator=g)
+    grad_out = torch.randn(q.shape, generator=g).to(q.device, q.dtype)
     for layer in range(2):  # the same table, two layers' reads (different queries and banks)
         ql, bkl, bvl = (x * (1 + layer) for x in (q, bk, bv))
 
         def read(q, bk, bv, idx, w, tbl=None):
             return memory_attention(q, bk, bv, idx, w, weight_mode=mode, impl="triton",
-                                    sparse_grad=False, table=tbl)
+                                    sparse_grad=sparse_grad, table=tbl)
         own, g_own = grads_of(read, (ql, bkl, bvl, idx, w), grad_out)
         shared, g_shared = grads_of(lambda *a: read(*a, tbl=table), (ql, bkl, bvl, idx, w),
                                     grad_out)
         torch.testing.assert_close(shared, own)
         for a, b in zip(g_shared, g_own, strict=True):
             torch.testing.assert_close(a, b)
-    # a table built elsewhere is refused by shape; the reference path takes none
-    with pytest.raises(ValueError, match="table was built for"):
-        read(q, bk[:-1], bv[:-1], idx, w, tbl=table)  # a bank of one block fewer
-    assert memory_attention_table(q, bk, bv, idx, w, impl="reference") is None
+    return q, bk, bv, idx, w
 
 
 @interp
@@ -649,8 +668,6 @@ def test_prebuilt_table_skips_the_build_inside_the_op():
     """With a table given, the forward op's body dispatches none of the build's ops and still
     saves the table for backward (the op returns empty table buffers, which must not be what
     backward reads)."""
-    from kernels.memory_attention import memory_attention_table
-
     case = Case(2, 4, 2, 20, 16, 7, 9, 3, False, "bias")
     q, bk, bv, idx, w = make_inputs(case)
     table = memory_attention_table(q, bk, bv, idx, w, impl="triton")
@@ -715,8 +732,6 @@ def test_shared_table_reads_the_sparse_row_count_once(monkeypatch, case):
     """With sparse bank gradients each call's backward reads the unique-block count U on the
     host; calls sharing a table read it once between them (MemoryTable.n_unique), and their
     sparse gradients are those of calls that build their own tables."""
-    from kernels.memory_attention import memory_attention_table
-
     q, bk, bv, idx, w = make_inputs(case)
     mode = case.mode or "bias"
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
