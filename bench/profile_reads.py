@@ -83,7 +83,8 @@ def measure(name: str, fn: Callable[[], Any], *, n: int, device: str, text: list
         return [{"op": e.key, "calls": e.count / n, "self_host_us": e.self_cpu_time_total / n,
                  "self_device_us": _dev_us(e) / n} for e in sorted(ev, key=key, reverse=True)[:k]]
 
-    res = {"enqueue_ms": (t1 - t0) / n * 1e3, "wall_ms": (t2 - t0) / n * 1e3,
+    python_top = _python_top(fn, n, device) if PYPROFILE else []
+    res = {"python_top": python_top, "enqueue_ms": (t1 - t0) / n * 1e3, "wall_ms": (t2 - t0) / n * 1e3,
            "device_ms": dev_total / n / 1e3, "aten_ops": sum(e.count for e in aten) / n,
            "launches": launches / n, "host_syncs": syncs,
            "top_host": top(lambda e: e.self_cpu_time_total),
@@ -95,6 +96,31 @@ def measure(name: str, fn: Callable[[], Any], *, n: int, device: str, text: list
     for s in dict.fromkeys(("self_cpu_time_total", sort)):
         text += [f"==== {name} (per {n} calls), by {s}", ev.table(sort_by=s, row_limit=20), ""]
     return res
+
+
+PYPROFILE = False  # --pyprofile: also where the host's Python time goes (cProfile)
+
+
+def _python_top(fn: Callable[[], Any], n: int, device: str, k: int = 30) -> list[dict]:
+    """cProfile over n calls: the k functions with the most own (tottime) host time per call,
+    and their cumulative time. The torch profiler sees aten ops and launches, not the Python
+    around them (argument checks, table views, Triton's launcher), which is what a host-bound
+    fused read spends most of its time in."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    _sync(device)
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, func), (_cc, nc, tt, ct, _) in st.stats.items():
+        where = f"{Path(file).name}:{line}({func})" if line else func
+        rows.append({"fn": where, "calls": nc / n, "tottime_us": tt / n * 1e6, "cumtime_us": ct / n * 1e6})
+    return sorted(rows, key=lambda r: r["tottime_us"], reverse=True)[:k]
 
 
 def _fresh(leaves: list) -> list:
@@ -109,7 +135,7 @@ def _fresh(leaves: list) -> list:
 def attention_cases(args, out: dict, text: list[str]) -> None:
     from kernel_ops import CPU_SIZES, CUDA_SIZES, gather_sdpa, hkv_problem, moc_problem
 
-    from kernels.memory_attention import memory_attention
+    from kernels.memory_attention import memory_attention, memory_attention_table
     from kernels.memory_attention.table import build_table
 
     sz = CUDA_SIZES if args.device == "cuda" else CPU_SIZES
@@ -122,6 +148,11 @@ def attention_cases(args, out: dict, text: list[str]) -> None:
         def fused(p=p, leaves=leaves):
             memory_attention(*_fresh(leaves), p["idx"], impl=impl).backward(p["dy"])
 
+        shared = memory_attention_table(p["q"], p["bank_k"], p["bank_v"], p["idx"], impl=impl)
+
+        def fused_shared(p=p, leaves=leaves, shared=shared):  # the table built once per step
+            memory_attention(*_fresh(leaves), p["idx"], impl=impl, table=shared).backward(p["dy"])
+
         def fused_fwd(p=p):
             memory_attention(p["q"], p["bank_k"], p["bank_v"], p["idx"], impl=impl)
 
@@ -131,7 +162,8 @@ def attention_cases(args, out: dict, text: list[str]) -> None:
         def table(p=p):
             build_table(p["idx"], None, p["q"].shape[2], p["n"], 64)
 
-        for name, fn in (("fused_fwd_bwd", fused), ("fused_fwd", fused_fwd),
+        for name, fn in (("fused_fwd_bwd", fused), ("fused_shared_table_fwd_bwd", fused_shared),
+                         ("fused_fwd", fused_fwd),
                          ("sdpa_gather_fwd_bwd", sdpa), ("table_build", table)):
             out[f"attention_{shape}_{name}"] = measure(f"attention {shape} {name}", fn, n=args.n,
                                                        device=args.device, text=text)
@@ -192,7 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tables", action="store_true",
                     help="also write profile.txt, the profiler's tables (large; the device check "
                          "leaves it out: at most 8 files come back from the device)")
+    ap.add_argument("--pyprofile", action="store_true",
+                    help="also the top Python functions by own host time per call (cProfile)")
     args = ap.parse_args(argv)
+    global PYPROFILE
+    PYPROFILE = args.pyprofile
     if args.quick:
         args.n, args.steps = min(args.n, 2), min(args.steps, 2)
     if args.device == "cuda" and not torch.cuda.is_available():

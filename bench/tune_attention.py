@@ -68,6 +68,7 @@ def sweep(scenario: str, runs: int) -> list[dict]:
                 base = original(*a, **kw)
                 return dataclasses.replace(base, **_cfg, even_t=t % _cfg["block_n"] == 0)
             K.Launch.choose = choose
+            K.clear_caches()  # the per-shape launch cache would keep the last configuration's tiles
             row = {"scenario": scenario, "variant": "kernel", **cfg}
             try:
                 out = memory_attention(q, bk, bv, idx)
@@ -82,6 +83,7 @@ def sweep(scenario: str, runs: int) -> list[dict]:
             log(row)
     finally:
         K.Launch.choose = original
+        K.clear_caches()
     for r in rows:
         if "forward_ms" in r:
             r["forward_tflops"] = flops / r["forward_ms"] / 1e9

@@ -86,6 +86,7 @@ def run(p: dict, cfg, n: int, device: str) -> dict:
         memory_attention(*leaves, p["idx"], sparse_grad=False, impl="triton").backward(p["dy"])
 
     K.Launch.choose, K._bwd_dkv_kernel.run = choose, spy
+    K.clear_caches()  # the per-shape launch cache would keep the last configuration's tiles
     try:
         step()
         grads = [t.grad.float().clone() for t in leaves]
@@ -100,6 +101,7 @@ def run(p: dict, cfg, n: int, device: str) -> dict:
                 torch.cuda.synchronize()
     finally:
         K.Launch.choose, K._bwd_dkv_kernel.run = original, run_dkv
+        K.clear_caches()
     res = {"config": cfg or "current", "grads": grads}
     for e in prof.key_averages():
         if e.key in KERNELS:

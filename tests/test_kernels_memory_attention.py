@@ -27,6 +27,7 @@ from kernels.memory_attention import (
     memory_attention_table,
     op,
 )
+from kernels.memory_attention.table import dkv_chunks
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.skipif(not INTERPRET, reason="CPU Triton tests need TRITON_INTERPRET=1")
@@ -540,7 +541,7 @@ def test_shared_block_gradient_is_split_across_programs(per_token, dtype):
     q, bk, bv, idx, w = make_inputs(case)
     idx[..., -1] = 0  # the shared chapter, in every list
     launch, table = K.plan(q, bk, bv, idx, w)
-    _, _, n_chunk, _ = K.dkv_chunks(table, launch.dkv_chunk, case.n)
+    _, _, n_chunk, _ = dkv_chunks(table, launch.dkv_chunk, case.n)
     n_u = int((table.ublocks < case.n).sum())
     assert int(n_chunk) > n_u + 2  # the shared block alone spans several chunks
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
@@ -569,7 +570,7 @@ def test_deterministic_mode_keeps_each_block_in_one_chunk():
     torch.use_deterministic_algorithms(True)
     try:
         launch, table = K.plan(q, bk, bv, idx, w)
-        _, _, n_chunk, _ = K.dkv_chunks(table, launch.dkv_chunk, case.n)
+        _, _, n_chunk, _ = dkv_chunks(table, launch.dkv_chunk, case.n)
         assert int(n_chunk) == int((table.ublocks < case.n).sum())  # one chunk per unique block
         grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(4))
 

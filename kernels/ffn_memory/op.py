@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from kernels.block_lists import count_blocks, needs_bank_grad
+from kernels.eager import plain
 from kernels.ffn_memory import kernel
 from kernels.ffn_memory.naive import ffn_memory_naive, ffn_memory_naive_backward
 
@@ -36,13 +37,15 @@ def _groups(table: Tensor | None) -> kernel.PairGroups | None:
     return None if table is None else kernel.unpack_groups(table)
 
 
-@torch.library.custom_op("memtree::ffn_memory", mutates_args=())
-def _ffn_memory_op(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor,
-                   block_idx: Tensor, table: Tensor | None = None, *, sparse_grad: bool,
-                   num_slots: int = -1, impl: str) -> Tensor:
+def _forward_impl(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor,
+                  block_idx: Tensor, table: Tensor | None = None, *, sparse_grad: bool,
+                  num_slots: int = -1, impl: str) -> Tensor:
     if _use_triton(x, impl):
         return kernel.ffn_memory_forward(x, bank_w1, bank_w2, bank_w3, block_idx, _groups(table))
     return ffn_memory_naive(x, bank_w1, bank_w2, bank_w3, block_idx).contiguous()
+
+
+_ffn_memory_op = torch.library.custom_op("memtree::ffn_memory", mutates_args=())(_forward_impl)
 
 
 @_ffn_memory_op.register_fake
@@ -65,14 +68,17 @@ def _reference_backward(dy, x, bank_w1, bank_w2, bank_w3, block_idx, num_slots, 
     return dx.contiguous(), *grads, kernel.slot_ids(groups, num_slots)
 
 
-@torch.library.custom_op("memtree::ffn_memory_backward", mutates_args=())
-def _ffn_memory_backward_op(dy: Tensor, x: Tensor, bank_w1: Tensor, bank_w2: Tensor,
-                            bank_w3: Tensor, block_idx: Tensor, table: Tensor | None, num_slots: int,
-                            impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _backward_impl(dy: Tensor, x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor,
+                   block_idx: Tensor, table: Tensor | None, num_slots: int,
+                   impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     args = (dy, x, bank_w1, bank_w2, bank_w3, block_idx, num_slots, _groups(table))
     if _use_triton(x, impl):
         return kernel.ffn_memory_backward(*args)
     return _reference_backward(*args)
+
+
+_ffn_memory_backward_op = torch.library.custom_op("memtree::ffn_memory_backward",
+                                                  mutates_args=())(_backward_impl)
 
 
 @_ffn_memory_backward_op.register_fake
@@ -104,14 +110,37 @@ def _backward(ctx, dy):
         num_slots = ctx.num_slots
     else:  # exact slot count: one host sync, like any data-dependent nnz
         num_slots = count_blocks(block_idx)
-    dx, g1, g2, g3, ids = torch.ops.memtree.ffn_memory_backward(
-        dy, x, bank_w1, bank_w2, bank_w3, block_idx, table, num_slots, ctx.impl)
+    bwd = _backward_impl if getattr(ctx, "eager", False) else torch.ops.memtree.ffn_memory_backward
+    dx, g1, g2, g3, ids = bwd(dy, x, bank_w1, bank_w2, bank_w3, block_idx, table, num_slots,
+                              ctx.impl)
     banks = (bank_w1, bank_w2, bank_w3)
     bank_grads = [_bank_grad(g, ids, b, ctx.sparse_grad) for g, b in zip((g1, g2, g3), banks)]
     return dx, *bank_grads, None, None
 
 
 _ffn_memory_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerFFN(torch.autograd.Function):
+    """The op's autograd for eager calls (`kernels.eager`): the registration's forward,
+    context and backward without the custom op's per-call host work."""
+
+    @staticmethod
+    def forward(x, bank_w1, bank_w2, bank_w3, block_idx, table, sparse_grad, num_slots, impl):
+        return _forward_impl(x, bank_w1, bank_w2, bank_w3, block_idx, table,
+                             sparse_grad=sparse_grad, num_slots=num_slots, impl=impl)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        *tensors, sparse_grad, num_slots, impl = inputs
+        _setup_context(ctx, tuple(tensors), {"sparse_grad": sparse_grad, "num_slots": num_slots,
+                                             "impl": impl}, output)
+        ctx.eager = True
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (*_backward(ctx, dy), None, None, None)
+
 
 
 @dataclass(eq=False)
@@ -221,5 +250,8 @@ def ffn_memory(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor, blo
         packed = table.packed
         if needs_bank_grad(sparse_grad, bank_w1, bank_w2, bank_w3):
             num_slots = table.num_slots()
+    if plain(x, bank_w1, bank_w2, bank_w3):
+        return _EagerFFN.apply(x, bank_w1, bank_w2, bank_w3, block_idx, packed, sparse_grad,
+                               num_slots, impl)
     return _ffn_memory_op(x, bank_w1, bank_w2, bank_w3, block_idx, packed, sparse_grad=sparse_grad,
                           num_slots=num_slots, impl=impl)

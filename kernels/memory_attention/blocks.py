@@ -340,7 +340,7 @@ def _launch_and_layout(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Ten
     g = h // h_kv
     # The slot tiles' rows (64 for bf16/fp16 on a GPU, 32 for fp32 tiles, where the kernels
     # stop spilling): chunks of 64 / G tokens, a guess until a GPU times this kernel.
-    launch = Launch.choose(q, bank_k, bank_v, t, g, True)
+    launch = Launch.choose(q.shape[-1], q.dtype, t, g, True)
     if interpreting():  # small chunks: the tests' blocks then span several
         launch = dataclasses.replace(launch, block_m=max(16, triton.next_power_of_2(g)))
     return launch, ItemLayout.of(tuple(block_idx.shape), n, max(1, launch.block_m // g))

@@ -85,6 +85,7 @@ accumulation, and fp32 inputs use IEEE (not TF32) dots.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -94,7 +95,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.memory_attention.table import Layout, Table, build_table, dkv_chunks
+from kernels.memory_attention.table import Layout, Table, UnpackedTables, build_table
 
 LOG2E = 1.4426950408889634
 
@@ -445,17 +446,16 @@ class Launch:
     dkv_programs: int  # cap on the dK/dV grid's chunk axis (programs stride over chunks)
 
     @classmethod
-    def choose(cls, q: Tensor, bank_k: Tensor, bank_v: Tensor, t: int, g: int,
-               per_token: bool) -> Launch:
-        d = q.shape[-1]
+    def choose(cls, d: int, dtype: torch.dtype, t: int, g: int, per_token: bool) -> Launch:
+        """Tiles for head dim d, queries of dtype, blocks of t slots, g query heads per KV head."""
         block_d = max(16, triton.next_power_of_2(d))
         # Tiles are computed in the queries' precision: an fp32 bank read by bf16 queries
         # (a trainable bank under autocast) is cast tile by tile after loading, as the
         # gathered path casts its copy; accumulation is fp32 either way.
-        if interpreting() or q.dtype == torch.float32:
+        if interpreting() or dtype == torch.float32:
             compute = tl.float32
         else:
-            compute = tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16
+            compute = tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
         if interpreting():
             # Small tiles keep the interpreter fast and make tests cross tile edges.
             block_m, block_n, warps, stages = max(32, triton.next_power_of_2(g)), 16, 1, 1
@@ -503,13 +503,37 @@ def lse_strides(lse: Tensor) -> tuple[int, int, int, int]:
     return (*lse.stride()[:3], lse.stride(3) if lse.ndim == 4 else 0)  # type: ignore[return-value]
 
 
+# Tables this process built or read lately, unpacked once (see UnpackedTables): a shared
+# table's views and dK/dV split are made once, not by every layer's forward and backward.
+TABLES = UnpackedTables()
+
+
 def _launch_and_layout(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
                        weighted: bool) -> tuple[Launch, Layout]:
-    h, s = q.shape[1], q.shape[2]
-    n, t, h_kv, _ = bank_k.shape
-    launch = Launch.choose(q, bank_k, bank_v, t, h // h_kv, block_idx.ndim == 3)
+    key = (tuple(q.shape), q.dtype, tuple(bank_k.shape), tuple(block_idx.shape), weighted,
+           interpreting(), torch.are_deterministic_algorithms_enabled())
+    if all(type(x) is int for x in (*key[0], *key[2], *key[3])):  # no symbolic sizes
+        return _launch_and_layout_of(key)
+    return _launch_and_layout_of.__wrapped__(key)
+
+
+def clear_caches() -> None:
+    """Forget the per-shape launches and the unpacked tables: for benchmarks that replace
+    `Launch.choose` (bench/tune_*.py), whose cached choices would otherwise outlive them."""
+    _launch_and_layout_of.cache_clear()
+    TABLES.clear()
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_and_layout_of(key: tuple) -> tuple[Launch, Layout]:
+    """From the shapes alone, so cached per shape: each call of a training step's read
+    otherwise redoes this arithmetic twice (forward and backward)."""
+    q_shape, dtype, bank_shape, idx_shape, weighted = key[:5]
+    h, s, d = q_shape[1], q_shape[2], q_shape[3]
+    n, t, h_kv, _ = bank_shape
+    launch = Launch.choose(d, dtype, t, h // h_kv, len(idx_shape) == 3)
     ts = max(1, launch.block_m // (h // h_kv))
-    return launch, Layout.of(tuple(block_idx.shape), s, n, ts, weighted)
+    return launch, Layout.of(idx_shape, s, n, ts, weighted)
 
 
 def table_numels(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
@@ -524,7 +548,7 @@ def plan(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
     how many slots a tile touches)."""
     launch, lay = _launch_and_layout(q, bank_k, bank_v, block_idx, weights is not None)
     table = build_table(block_idx, weights, q.shape[2], bank_k.shape[0], lay.tokens_per_tile)
-    return launch, table
+    return launch, TABLES.put(table)
 
 
 def _expand_first(table: Table, x: Tensor, h: int, s: int) -> Tensor:
@@ -557,7 +581,7 @@ def forward(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
         if (table[0].numel(), table[1].numel()) != lay.numels():
             raise ValueError(f"table buffers of {table[0].numel()} / {table[1].numel()} "
                              f"elements; these shapes need {lay.numels()}")
-        table = Table.unpack(lay, *table)
+        table = TABLES.unpack(lay, *table)
     out = torch.empty((b, h, s, d), dtype=q.dtype, device=q.device)
     k = block_idx.shape[-1]
     lse_shape = (b, h, s, k) if mix else (b, h, s)
@@ -594,7 +618,7 @@ def _bwd_dkv(q: Tensor, bank_k: Tensor, bank_v: Tensor, grad_out: Tensor, lse: T
     lay = table.layout
     n, t, h_kv, d = bank_k.shape
     dev = q.device
-    chunk_off, chunk_u, n_chunk, n_chunk_max = dkv_chunks(table, launch.dkv_chunk, n)
+    chunk_off, chunk_u, n_chunk, n_chunk_max = TABLES.chunks(table, launch.dkv_chunk, n)
     direct = bank_k.dtype == torch.float32 and bank_v.dtype == torch.float32
     rows = n if dense_kv and direct else lay.u_max
     acc_k = torch.zeros((rows, t, h_kv, d), dtype=torch.float32, device=dev)
@@ -635,7 +659,7 @@ def backward(grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_
     t, h_kv = bank_k.shape[1:3]
     k = block_idx.shape[-1]
     launch, lay = _launch_and_layout(q, bank_k, bank_v, block_idx, weights is not None)
-    table = Table.unpack(lay, table_ints, table_coef)
+    table = TABLES.unpack(lay, table_ints, table_coef)
     need_dc = mix or need_dw
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dc = torch.zeros((b, h, s, k) if need_dc else (1, 1, 1, 1), dtype=torch.float32,

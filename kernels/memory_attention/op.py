@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from kernels.block_lists import count_blocks, needs_bank_grad
+from kernels.eager import plain
 from kernels.memory_attention.naive import (
     memory_attention_naive,
     memory_attention_naive_backward,
@@ -212,7 +213,8 @@ def _backward(ctx, grad_out, grad_lse, _grad_ints, _grad_coef):
     need_q, need_k, need_v, _, need_w = ctx.needs_input_grad[:5]
     if _is_mix(weights, weight_mode):
         grad_lse = None
-    dq, blocks, dk, dv, dw = memory_attention_bwd(
+    bwd = _bwd_impl if getattr(ctx, "eager", False) else memory_attention_bwd
+    dq, blocks, dk, dv, dw = bwd(
         grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, table_ints, table_coef,
         grad_lse, weight_mode, scale, impl, need_k or need_v, need_w, sparse_grad,
         per_token_layout, n_unique)
@@ -230,6 +232,24 @@ def _backward(ctx, grad_out, grad_lse, _grad_ints, _grad_coef):
 
 
 memory_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerRead(torch.autograd.Function):
+    """memory_attention_fwd's autograd for eager calls (`kernels.eager`): the registration's
+    forward, context and backward without the custom op's per-call host work."""
+
+    @staticmethod
+    def forward(*inputs):
+        return _fwd_impl(*inputs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+        ctx.eager = True
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _backward(ctx, *grads)
 
 
 def _check(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
@@ -412,9 +432,9 @@ def memory_attention(
         ints, coef = table.ints, table.coef
         if needs_bank_grad(bool(sparse_grad), bank_k, bank_v):
             n_unique = table.n_unique()
-    out, lse, _, _ = memory_attention_fwd(q, bank_k, bank_v, block_idx, weights, ints, coef,
-                                          weight_mode, scale, impl, bool(sparse_grad),
-                                          per_token_layout, n_unique)
+    fwd = _EagerRead.apply if plain(q, bank_k, bank_v) else memory_attention_fwd
+    out, lse, _, _ = fwd(q, bank_k, bank_v, block_idx, weights, ints, coef, weight_mode, scale,
+                         impl, bool(sparse_grad), per_token_layout, n_unique)
     if not return_lse:
         return out
     # the ops mark "nothing to normalise" with +inf (exp(s − lse) = 0); to callers it is -inf
