@@ -23,7 +23,7 @@ bank_k, bank_v and, when weighted, the weights):
          64 at random from the bank ("random", the worst case). Records the mean number of
          unique blocks a query tile touches. Target: within 2x of the sequence-level time.
          Both per-token layouts are timed at every locality: the slot tiles
-         (kernel_token_p=..., what per_token_layout="auto" runs) and the block-major items
+         (kernel_token_p=..., per_token_layout="tiles") and the block-major items
          (kernel_token_blocks_p=..., per_token_layout="blocks"), whose chunk counts are
          recorded; at "random" the blocks layout's errors against the tiles' (fp32).
          Also the naive per-token formulation (seed 004 §8.3: per-token gathered copies,
@@ -333,7 +333,7 @@ def _token(args, sz: dict, p: dict, result: dict) -> list[dict]:
         name, bname = f"kernel_token_p={loc}", f"kernel_token_blocks_p={loc}"
         if cuda:
             variants = {"kernel": (_kernel(None), p["idx"], False),
-                        name: (_kernel(None), tidx, False),
+                        name: (_kernel(None, per_token_layout="tiles"), tidx, False),
                         bname: (_kernel(None, per_token_layout="blocks"), tidx, False)}
             res = time_variants(variants, p, args.runs, sz["warmup"], device)
             trow = rows_of("token", res, fl, "kernel")
@@ -345,7 +345,8 @@ def _token(args, sz: dict, p: dict, result: dict) -> list[dict]:
             rows += [r for r in trow if r["variant"] in (name, bname)]
             if loc == "random":
                 tok_res["blocks_errors_vs_tiles_fp32"] = errors(
-                    _kernel(None, per_token_layout="blocks"), _kernel(None), p, tidx, False)
+                    _kernel(None, per_token_layout="blocks"), _kernel(None, per_token_layout="tiles"),
+                    p, tidx, False)
         tok_res[str(loc)] = {"mean_slots_per_tile": slots, "k": m["k"],
                              "tokens_per_tile": table.tokens_per_tile,
                              "blocks_items": n_items, "blocks_chunks": n_chunks,

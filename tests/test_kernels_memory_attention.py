@@ -32,6 +32,14 @@ from kernels.memory_attention.table import dkv_chunks
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.skipif(not INTERPRET, reason="CPU Triton tests need TRITON_INTERPRET=1")
 
+
+@pytest.fixture(autouse=True)
+def _auto_layout_is_tiles(monkeypatch):
+    """This module tests the slot tiles: per-token calls left at per_token_layout="auto" must
+    run them, though these small random lists would resolve to the block-major items
+    (test_kernels_memory_attention_blocks.py tests those and the auto rule)."""
+    monkeypatch.setattr(op, "AUTO_BLOCKS_SLOTS_PER_K", math.inf)
+
 # Max error relative to the reference's largest magnitude. Under the interpreter
 # tiles are fp32 after loading, so fp16/bf16 differ from the reference only by
 # rounding of inputs/outputs; on a GPU P and dS are rounded to fp16/bf16 for the dots.

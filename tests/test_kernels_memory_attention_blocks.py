@@ -315,3 +315,37 @@ def test_blocks_query_gradient_alone(mode):
         fn(ql, bk, bv, idx, w).backward(grad_out)
         dqs.append(ql.grad)
     assert rel_err(dqs[0], dqs[1]) < 1e-4
+
+
+@interp
+def test_auto_layout_follows_the_lists_locality():
+    """per_token_layout="auto": the slot tiles for lists neighbouring tokens share, the
+    block-major items where a tile names more than AUTO_BLOCKS_SLOTS_PER_K · k distinct
+    blocks; explicit layouts, torch.use_deterministic_algorithms and per-sequence lists are
+    left alone. The mean it reads equals the tile table's own slot count."""
+    from kernels.memory_attention import kernel as K
+
+    g = torch.Generator().manual_seed(0)
+    n, k, s = 400, 3, 64
+    q, bk, bv, _, _ = make_inputs(Case(1, 2, 2, s, 16, n, 4, k, True, None))
+    local = torch.randint(0, n, (1, 1, k), generator=g).expand(1, s, k).contiguous()
+    scattered = torch.randint(0, n, (1, s, k), generator=g)
+    scattered[0, :5, 1] = -1  # padding is not a block
+    for idx, want in ((local, "tiles"), (scattered, "blocks")):
+        mean = float(op.slots_per_tile(q, bk, idx))
+        assert mean == pytest.approx(K.plan(q, bk, bv, idx, None)[1].group_count.float().mean().item())
+        assert (mean / k > op.AUTO_BLOCKS_SLOTS_PER_K) == (want == "blocks")
+        assert op.resolve_layout(q, bk, idx, "auto") == want
+        table = op.memory_attention_table(q, bk, bv, idx, impl="triton")
+        assert table.key[-1] == want
+        # a call given that table under "auto" takes its layout; results match the explicit one
+        shared = memory_attention(q, bk, bv, idx, impl="triton", table=table)
+        explicit = memory_attention(q, bk, bv, idx, impl="triton", per_token_layout=want)
+        torch.testing.assert_close(shared, explicit)
+    assert op.resolve_layout(q, bk, scattered, "tiles") == "tiles"
+    assert op.resolve_layout(q, bk, scattered[:, 0], "auto") == "tiles"  # per sequence
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert op.resolve_layout(q, bk, scattered, "auto") == "tiles"
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -53,8 +53,8 @@ def _triton_kernels():
 
 def _kernels_for(block_idx: Tensor, per_token_layout: str):
     """The Triton module that computes these lists: `blocks.py` (block-major items) for
-    per-token lists with per_token_layout="blocks", `kernel.py` (slot tiles) otherwise.
-    "auto" keeps the tiles until a GPU has timed both layouts."""
+    per-token lists with per_token_layout="blocks", `kernel.py` (slot tiles) otherwise
+    ("auto" is resolved before, `resolve_layout`)."""
     if per_token_layout == "blocks" and block_idx.ndim == 3:
         from kernels.memory_attention import blocks
 
@@ -311,6 +311,45 @@ class MemoryTable:
         return self._count[0]
 
 
+# per_token_layout="auto" takes the block-major items where a tile's distinct blocks exceed
+# this many times k. On an H100 at moc's shape (k = 65, 64-token tiles, bf16; BENCHMARKS,
+# 2026-11-27 14:40) the tiles took 6.5-7.7 ms forward+backward at 65-129 slots per tile and
+# 63.8 at 2,588, the items 12.9-15.3 whatever the lists: the tiles' cost, linear in the slots,
+# crosses the items' near 430 slots, 6.6 k.
+AUTO_BLOCKS_SLOTS_PER_K = 6.0
+
+
+def slots_per_tile(q: Tensor, bank_k: Tensor, block_idx: Tensor) -> Tensor:
+    """Mean distinct blocks a query tile of the slot-tile layout names, () fp32 on the device:
+    what the tiles' cost follows (`kernel.py`); per-token lists (B, S, k) only."""
+    from kernels.memory_attention.kernel import tokens_per_tile
+
+    ts = tokens_per_tile(q, bank_k, block_idx)
+    s, k = block_idx.shape[1:]
+    pad = -s % ts
+    tiles = torch.nn.functional.pad(block_idx, (0, 0, 0, pad), value=-1).reshape(-1, ts * k)
+    srt = tiles.sort(dim=1).values
+    heads = (srt >= 0) & (srt != torch.nn.functional.pad(srt[:, :-1], (1, 0), value=-1))
+    return heads.sum(1, dtype=torch.float32).mean()
+
+
+def resolve_layout(q: Tensor, bank_k: Tensor, block_idx: Tensor, per_token_layout: str) -> str:
+    """The per-token layout a call runs: "auto" becomes "blocks" for per-token lists whose
+    tiles name more than AUTO_BLOCKS_SLOTS_PER_K · k distinct blocks (one host read of that
+    mean, skipped where the tile size or the bank bounds it below), "tiles" otherwise, under torch.compile (no data-dependent choice in a graph) and
+    under torch.use_deterministic_algorithms (the items' atomics are not reproducible)."""
+    if (per_token_layout != "auto" or block_idx.ndim != 3 or torch.compiler.is_compiling()
+            or torch.are_deterministic_algorithms_enabled()):
+        return "tiles" if per_token_layout == "auto" else per_token_layout
+    from kernels.memory_attention.kernel import tokens_per_tile
+
+    k = block_idx.shape[-1]
+    if min(tokens_per_tile(q, bank_k, block_idx) * k, bank_k.shape[0]) <= AUTO_BLOCKS_SLOTS_PER_K * k:
+        return "tiles"  # no tile can name enough blocks: nothing to read
+    ratio = float(slots_per_tile(q, bank_k, block_idx)) / k
+    return "blocks" if ratio > AUTO_BLOCKS_SLOTS_PER_K else "tiles"
+
+
 def _table_key(q: Tensor, bank_k: Tensor, block_idx: Tensor, weights: Tensor | None,
                per_token_layout: str) -> tuple:
     blocks = per_token_layout == "blocks" and block_idx.ndim == 3  # the table's kind
@@ -332,6 +371,7 @@ def memory_attention_table(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx:
     _check(q, bank_k, bank_v, block_idx, weights, "bias", impl, per_token_layout)
     if not _use_triton(q, impl):
         return None
+    per_token_layout = resolve_layout(q, bank_k, block_idx, per_token_layout)
     ints, coef = _kernels_for(block_idx, per_token_layout).build(q, bank_k, bank_v, block_idx,
                                                                  weights)
     return MemoryTable(ints=ints, coef=coef, block_idx=block_idx,
@@ -398,8 +438,11 @@ def memory_attention(
             token; its cost follows the useful work whatever the locality, plus an fp32
             (B, H, S, k, D) buffer of per-block reads, and its backward adds dq and the bank
             gradient with fp32 atomics (not bit-reproducible; refused under
-            torch.use_deterministic_algorithms). "auto": "tiles" for now, until a GPU has
-            timed both. A table (`table=`) must come from the same layout.
+            torch.use_deterministic_algorithms). "auto": "blocks" where a tile's lists
+            name more than AUTO_BLOCKS_SLOTS_PER_K (6) · k distinct blocks (`resolve_layout`,
+            one host read of that mean per call, or per table), "tiles" otherwise (and
+            under torch.compile or deterministic algorithms). A table (`table=`) must come
+            from the same layout; with "auto" the call takes the table's.
 
     Returns:
         out: (B, H, S, D) in q's dtype; no causal mask over memory; a query whose blocks
@@ -425,6 +468,8 @@ def memory_attention(
     ints = coef = None
     n_unique = -1
     if table is not None and _use_triton(q, impl):  # the reference reads no table
+        if per_token_layout == "auto":  # the layout the table was built for
+            per_token_layout = table.key[-1]
         key = _table_key(q, bank_k, block_idx, weights, per_token_layout)
         if table.key != key:
             raise ValueError(f"table was built for {table.key}, this call is {key} (shapes q, "
@@ -432,6 +477,8 @@ def memory_attention(
         ints, coef = table.ints, table.coef
         if needs_bank_grad(bool(sparse_grad), bank_k, bank_v):
             n_unique = table.n_unique()
+    elif _use_triton(q, impl):
+        per_token_layout = resolve_layout(q, bank_k, block_idx, per_token_layout)
     fwd = _EagerRead.apply if plain(q, bank_k, bank_v) else memory_attention_fwd
     out, lse, _, _ = fwd(q, bank_k, bank_v, block_idx, weights, ints, coef, weight_mode, scale,
                          impl, bool(sparse_grad), per_token_layout, n_unique)
