@@ -21,14 +21,17 @@ costs only itself, and every part's figures land in --out as JSON (at most 8 fil
                few cores; windowed means and gaps -> losses.json
   profile      bench/profile_reads.py: host against device time per call of the fused reads and
                their gathered baselines (enqueue, wall, ops, launches, syncs) -> profile.json
+  tune_ffn     bench/tune_ffn.py: each fused FFN kernel's device time per launch configuration,
+               one kernel varied at a time -> tune-ffn.json
   tune         bench/tune_backward.py: each memory-attention kernel's device time and the dK/dV
                kernel's register spills per launch configuration -> tune-backward.json
   embed        MiniLM (carried in fp16) encoding bios texts on CUDA, fp32 and fp16, texts/s
   device_check.json holds the summary: each part's status, seconds and its headline figures.
 
-By default every part but `losses` runs: its question (the CPU/GPU loss gap) was answered on an
-H100 on 2026-11-27 (TF32; docs/BENCHMARKS.md), and its five training runs cost ~2 of the 8
-minutes. `--parts ... losses` runs it again.
+By default every part but `losses` and `tune` runs. The loss pairs' question (the CPU/GPU loss
+gap) was answered on an H100 on 2026-11-27 (TF32; docs/BENCHMARKS.md), and their five training
+runs cost ~2 of the 8 minutes; the attention backward's sweep gave the same figures twice that
+day and its choice is in `Launch.choose`. `--parts ... losses tune` runs them again.
 """
 
 from __future__ import annotations
@@ -46,13 +49,13 @@ from typing import Any
 
 from _common import REPO, log, machine_meta  # bench/ is sys.path[0] when a script runs
 
-PARTS = ("env", "gpu_tests", "kernels", "training", "profile", "tune", "losses", "embed")
-DEFAULT_PARTS = [p for p in PARTS if p != "losses"]
+PARTS = ("env", "gpu_tests", "kernels", "training", "profile", "tune_ffn", "tune", "losses", "embed")
+DEFAULT_PARTS = [p for p in PARTS if p not in ("losses", "tune")]
 D768 = {"name": "d768-l12", "n_layers": 12, "d_model": 768, "n_heads": 12, "head_dim": 64,
         "ffn_dim": 3072, "vocab_size": 32768}
 # share of the remaining time each part may take at most (the rest stays for those after it)
-SHARE = {"gpu_tests": 0.25, "kernels": 0.4, "training": 0.6, "profile": 0.35, "tune": 0.7, "losses": 0.8,
-         "embed": 1.0}
+SHARE = {"gpu_tests": 0.25, "kernels": 0.4, "training": 0.6, "profile": 0.35, "tune_ffn": 0.7, "tune": 0.7,
+         "losses": 0.8, "embed": 1.0}
 
 
 class Check:
@@ -210,6 +213,17 @@ def part_tune(c: Check) -> dict:
     return res
 
 
+def part_tune_ffn(c: Check) -> dict:
+    cmd = [*_py(), "bench/tune_ffn.py", "--device", c.args.device, "--out", str(c.out)]
+    if c.args.quick:
+        cmd += ["--quick", "--n", "1"]
+    res = c.run("tune_ffn", cmd, share=c.share("tune_ffn"))
+    path = c.out / "tune-ffn.json"
+    if path.exists():
+        res["rows"] = json.loads(path.read_text())["rows"]
+    return res
+
+
 def _loss_runs(c: Check) -> list[tuple[str, str, int, bool]]:
     """(name, device, seed, tf32) of each loss run."""
     if c.args.quick:
@@ -343,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     c.summary["parts"]["env"] = part_env(c)
     c.save()
     for name, fn in (("gpu_tests", part_gpu_tests), ("kernels", part_kernels), ("training", part_training),
-                     ("profile", part_profile), ("tune", part_tune), ("losses", part_losses), ("embed", part_embed)):
+                     ("profile", part_profile), ("tune_ffn", part_tune_ffn), ("tune", part_tune),
+                     ("losses", part_losses), ("embed", part_embed)):
         c.part(name, lambda fn=fn: fn(c))
     c.summary["finished"] = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
     c.summary["seconds"] = round(args.budget - c.left(), 1)

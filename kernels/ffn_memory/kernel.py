@@ -343,6 +343,12 @@ def _launch_params(x: Tensor) -> tuple[dict[str, dict], dict]:
     return _CUDA, {"DOT": _TL_DTYPE[x.dtype], "PREC": prec}
 
 
+def launch_configs(x: Tensor) -> dict[str, dict]:
+    """The per-kernel tiles the launches read for x's device ({"up", "down", "bwd_h", "dx",
+    "dw"} -> keywords): the live table, which bench/tune_ffn.py changes and restores."""
+    return _launch_params(x)[0]
+
+
 def _common_args(groups: PairGroups, s: int, k: int, d: int, w: int, n: int) -> tuple:
     return (groups.key, groups.seg_start, groups.seg_end, groups.order, s, k, d, w, n)
 
