@@ -29,12 +29,25 @@ def route(tree: Tree, x: np.ndarray, *, batch_size: int = 262144) -> np.ndarray:
     n = x.shape[0]
     paths = np.empty((n, tree.levels), dtype=np.int64)
     for s in range(0, n, batch_size):
+        # The points travel sorted by their current cluster (xs = xb[perm]): each level then
+        # reads one parent's children for a run of consecutive points, in cache, and the
+        # grouped GEMMs take views instead of gathered copies. Measured at 65,536 leaves and
+        # 20,000 points: FAISS's per-pair dots 28 vs 60 ms at the leaves, the 16 GEMMs of
+        # level 2 14 vs 92 ms, for one 30 MB row gather per level (~8 ms). A point's path
+        # does not depend on the order (route_step settles near ties alone, in float64).
         xb = x[s : s + batch_size]
+        xs, perm = xb, np.arange(len(xb))
         parent = np.zeros(len(xb), dtype=np.int64)
         for lvl in range(1, tree.levels + 1):
-            parent = route_step(tree.centroids[lvl - 1], tree.valid[lvl - 1], xb, parent, tree.branching,
-                                sq_norms=tree.sq_norms(lvl))
-            paths[s : s + len(xb), lvl - 1] = parent
+            ids = route_step(tree.centroids[lvl - 1], tree.valid[lvl - 1], xs, parent, tree.branching,
+                             sq_norms=tree.sq_norms(lvl))
+            paths[s + perm, lvl - 1] = ids
+            if lvl < tree.levels:
+                if (ids[1:] >= ids[:-1]).all():
+                    parent = ids
+                    continue
+                order = np.argsort(ids, kind="stable")
+                xs, perm, parent = xs[order], perm[order], ids[order]
     return paths
 
 

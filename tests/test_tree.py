@@ -46,9 +46,13 @@ def test_greedy_traversal_equals_level_by_level_argmin():
     for i in range(len(q)):
         naive, _ = _naive_path(tree, q[i])
         assert list(qp[i]) == naive
-    # Routing a point alone gives the same path as routing it within a batch.
+    # Routing a point alone gives the same path as routing it within a batch, in any order of
+    # the batch (the points travel sorted by cluster inside route) and across batch splits.
     for i in (0, 17, 499):
         assert (route(tree, q[i : i + 1])[0] == qp[i]).all()
+    shuffle = np.random.default_rng(3).permutation(len(q))
+    np.testing.assert_array_equal(route(tree, q[shuffle]), qp[shuffle])
+    np.testing.assert_array_equal(route(tree, q, batch_size=77), qp)
     # Paths are nested: the level-l id's parent is the level-(l-1) id.
     assert (paths[:, 1] // 4 == paths[:, 0]).all() and (paths[:, 2] // 4 == paths[:, 1]).all()
 

@@ -425,7 +425,7 @@ def _refuse_if_deterministic() -> None:
 def backward(grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
              weights: Tensor | None, out: Tensor, lse: Tensor, table_ints: Tensor,
              table_coef: Tensor, mix: bool, scale: float, need_kv: bool, need_dw: bool,
-             dense_kv: bool, *, grad_lse: Tensor | None = None
+             dense_kv: bool, *, grad_lse: Tensor | None = None, count_unique: bool = True
              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """As `kernel.backward`: dq (B, H, S, D); dK, dV bank-shaped (dense_kv) or (U_max, T,
     H_kv, D) rows of the unique blocks; those blocks (U_max,) int32 (N past the real ones)
@@ -476,6 +476,6 @@ def backward(grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_
         dw = dw.to(weights.dtype)  # (B, S, k)
     else:
         dw = q.new_empty(0)
-    n_u = (dq.new_empty(0, dtype=torch.int32) if dense_kv
+    n_u = (dq.new_empty(0, dtype=torch.int32) if dense_kv or not count_unique
            else (tab.ublocks < n).sum())
     return dq.to(q.dtype), dk, dv, tab.ublocks, n_u, dw

@@ -654,13 +654,14 @@ def _bwd_dkv(q: Tensor, bank_k: Tensor, bank_v: Tensor, grad_out: Tensor, lse: T
 def backward(grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
              weights: Tensor | None, out: Tensor, lse: Tensor, table_ints: Tensor,
              table_coef: Tensor, mix: bool, scale: float, need_kv: bool, need_dw: bool,
-             dense_kv: bool, *, grad_lse: Tensor | None = None
+             dense_kv: bool, *, grad_lse: Tensor | None = None, count_unique: bool = True
              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq (B, H, S, D); dK, dV in the bank's dtypes, bank-shaped (N, T, H_kv, D) when
     dense_kv, else (U_max, T, H_kv, D) rows for the padded unique blocks; those blocks
-    (U_max,) int32 and their count n_u (1,) int32 (rows >= n_u are padding); dweights like
-    weights (empty when not asked for). table_*: the buffers `forward` returned. grad_lse
-    (B, H, S), the gradient of the joint lse (not mix), enters through delta."""
+    (U_max,) int32 and their count n_u (1,) int32 (rows >= n_u are padding; empty when dense
+    or not count_unique); dweights like weights (empty when not asked for). table_*: the
+    buffers `forward` returned. grad_lse (B, H, S), the gradient of the joint lse (not mix),
+    enters through delta."""
     b, h, s, d = q.shape
     t, h_kv = bank_k.shape[1:3]
     k = block_idx.shape[-1]
@@ -703,6 +704,8 @@ def backward(grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_
         dw = (dcs if table.per_token else dcs.sum(1)).to(weights.dtype)
     else:
         dw = q.new_empty(0)
-    # the sparse layout's row count (read on the host by the caller); unused when dense
-    n_u = dq.new_empty(0, dtype=torch.int32) if dense_kv else (table.ublocks < bank_k.shape[0]).sum()
+    # the sparse layout's row count, read on the host by the caller; not made when dense or
+    # when the caller has it already (a shared table's n_unique)
+    n_u = (dq.new_empty(0, dtype=torch.int32) if dense_kv or not count_unique
+           else (table.ublocks < bank_k.shape[0]).sum())
     return dq, dk, dv, table.ublocks, n_u, dw

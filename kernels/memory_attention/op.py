@@ -147,7 +147,8 @@ def _bwd_impl(
         sparse = need_kv and sparse_grad
         dq, dk, dv, ublocks, n_u, dw = _kernels_for(block_idx, per_token_layout).backward(
             grad_out, q, bank_k, bank_v, block_idx, weights, out, lse.contiguous(), table_ints,
-            table_coef, mix, scale, need_kv, need_dw, not sparse, grad_lse=grad_lse)
+            table_coef, mix, scale, need_kv, need_dw, not sparse, grad_lse=grad_lse,
+            count_unique=n_unique < 0)
         blocks = block_idx.new_empty(0, dtype=torch.int64)
         if sparse:  # the one host sync (unless the shared table's count was read already):
             n = n_unique if n_unique >= 0 else int(n_u.item())  # U is data-dependent
