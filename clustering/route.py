@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from clustering.embed import embed_texts, embedder_from_meta
-from clustering.route_core import route_step
+from clustering.route_core import CACHE_BYTES, route_step
 from clustering.tree import Tree
 
 
@@ -28,26 +28,25 @@ def route(tree: Tree, x: np.ndarray, *, batch_size: int = 262144) -> np.ndarray:
         raise ValueError(f"route: expected embeddings of shape (n, {tree.dim}), got {x.shape}")
     n = x.shape[0]
     paths = np.empty((n, tree.levels), dtype=np.int64)
+    B, row_bytes = tree.branching, 4 * tree.dim
     for s in range(0, n, batch_size):
-        # The points travel sorted by their current cluster (xs = xb[perm]): each level then
-        # reads one parent's children for a run of consecutive points, in cache, and the
-        # grouped GEMMs take views instead of gathered copies. Measured at 65,536 leaves and
-        # 20,000 points: FAISS's per-pair dots 28 vs 60 ms at the leaves, the 16 GEMMs of
-        # level 2 14 vs 92 ms, for one 30 MB row gather per level (~8 ms). A point's path
-        # does not depend on the order (route_step settles near ties alone, in float64).
         xb = x[s : s + batch_size]
-        xs, perm = xb, np.arange(len(xb))
+        # xs = xb[perm], sorted by its level-`by` cluster. A level reads, for the points of one
+        # such cluster, the B^(level - by) centroids below it: when they outgrow the cache the
+        # points are sorted again, by parent, so that runs of consecutive points read the same
+        # few centroids (and the grouped GEMMs take views). At 65,536 leaves and 20,000 points
+        # that is one sort, before level 3: FAISS's per-pair dots at the leaves 7 ms sorted
+        # against 20 unsorted, for one 30 MB row gather (~6 ms). A point's path does not
+        # depend on the order: route_step settles near ties alone, in float64.
+        xs, perm, by = xb, np.arange(len(xb)), 0
         parent = np.zeros(len(xb), dtype=np.int64)
         for lvl in range(1, tree.levels + 1):
-            ids = route_step(tree.centroids[lvl - 1], tree.valid[lvl - 1], xs, parent, tree.branching,
-                             sq_norms=tree.sq_norms(lvl))
-            paths[s + perm, lvl - 1] = ids
-            if lvl < tree.levels:
-                if (ids[1:] >= ids[:-1]).all():
-                    parent = ids
-                    continue
-                order = np.argsort(ids, kind="stable")
-                xs, perm, parent = xs[order], perm[order], ids[order]
+            if by < lvl - 1 and B ** (lvl - by) * row_bytes > CACHE_BYTES:
+                order = np.argsort(parent, kind="stable")
+                xs, perm, parent, by = xs[order], perm[order], parent[order], lvl - 1
+            parent = route_step(tree.centroids[lvl - 1], tree.valid[lvl - 1], xs, parent, B,
+                                sq_norms=tree.sq_norms(lvl))
+            paths[s + perm, lvl - 1] = parent
     return paths
 
 

@@ -23,9 +23,15 @@ import numpy as np
 # thousand: float32 rounding stays under 1e-5) is settled again in float64.
 TIE_GAP = 1e-4
 # Mean points per parent from which `backend="auto"` scores a group with one GEMM rather than
-# FAISS's per-pair dots (measured at d = 384: 20,000 points under one parent, GEMM ~2× faster;
-# ~5 per parent, FAISS 2–3× faster).
+# FAISS's per-pair dots, when the points are sorted by parent (the GEMMs then take views) or
+# the children outgrow CACHE_BYTES. Measured at d = 384, 20,000 points (ms; FAISS / GEMMs):
+# sorted, 5.4 / 3.8 at 1,250 per parent; unsorted, 6.1 / 9.1 at 1,250 per parent, whose
+# children (384 KB) stay in cache, but 22 / 15 at 78 per parent over 4,096 children (6 MB).
+# In a whole route at 65,536 leaves, 48 (GEMMs at 78 sorted points per parent) beat 256.
 GEMM_ROWS = 48
+# Centroid bytes that stay in cache while points read them in any order (about a core's L2:
+# 2 MiB on this project's Sapphire Rapids host); beyond it unsorted points are grouped.
+CACHE_BYTES = 1 << 20
 
 
 @functools.cache
@@ -80,9 +86,13 @@ def route_step(
         raise ValueError(f"routing reached cluster {int(used[np.flatnonzero(dead)[0]])} with no valid children "
                          "(corrupt tree?)")
     norms = squared_norms(c32) if sq_norms is None else sq_norms
-    # Large groups (upper levels) are faster as GEMMs; small ones (~5 points per parent at the
-    # last level of a 65,536-leaf tree) as FAISS's per-pair dots.
-    use_faiss = backend == "faiss" or (backend == "auto" and n < GEMM_ROWS * len(used) and _faiss() is not None)
+    # Large groups of points sorted by parent are faster as GEMMs on views; small groups (~5
+    # points per parent at the last level of a 65,536-leaf tree) and unsorted points as FAISS's
+    # per-pair dots.
+    big = n >= GEMM_ROWS * len(used)
+    in_cache = len(used) * B * c32.shape[1] * 4 <= CACHE_BYTES
+    grouped = big and (not in_cache or bool((parent[1:] >= parent[:-1]).all()))
+    use_faiss = backend == "faiss" or (backend == "auto" and not grouped and _faiss() is not None)
     scores = _dots_faiss(c32, x32, parent, B) if use_faiss else _dots_grouped(c32, x32, parent, B)
     scores *= -2.0
     scores += norms.reshape(-1, B)[parent]  # (n, B)
