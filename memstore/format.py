@@ -62,7 +62,7 @@ ALIGN = 4096
 DIGEST_BYTES = 16
 GENERIC = -1  # cluster id that names the generic memory's slot
 
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class BankError(ValueError):
@@ -114,7 +114,7 @@ class RecordCodec:
             return n + 4 * math.ceil(n / QUANT_GROUP)
         if self.dtype == "int4":
             return math.ceil(n / 2) + 4 * math.ceil(n / QUANT_GROUP)
-        return n * _TORCH_DTYPES[self.dtype].itemsize
+        return n * TORCH_DTYPES[self.dtype].itemsize
 
     @property
     def stride(self) -> int:
@@ -152,8 +152,8 @@ class RecordCodec:
         if not torch.isfinite(flat).all():
             raise BankError("block contains NaN or inf values; refusing to store it")
         vals = self._factorise(flat) if self.rank else flat.float()
-        if self.dtype in _TORCH_DTYPES:
-            cast = vals.to(_TORCH_DTYPES[self.dtype])
+        if self.dtype in TORCH_DTYPES:
+            cast = vals.to(TORCH_DTYPES[self.dtype])
             if not torch.isfinite(cast).all():
                 raise BankError(f"block values overflow {self.dtype} (max |x| = {float(vals.abs().max()):.4g})")
             return cast.contiguous().view(torch.uint8).numpy().tobytes()
@@ -181,8 +181,8 @@ class RecordCodec:
         if len(record) < self.record_bytes:
             raise BankError(f"record has {len(record)} bytes, expected {self.record_bytes}")
         n = self.stored_values
-        if self.dtype in _TORCH_DTYPES:
-            tdt = _TORCH_DTYPES[self.dtype]
+        if self.dtype in TORCH_DTYPES:
+            tdt = TORCH_DTYPES[self.dtype]
             buf = np.frombuffer(record, dtype=np.uint8, count=n * tdt.itemsize)
             vals = torch.from_numpy(buf.copy() if not buf.flags.writeable else buf).view(tdt)
         else:
@@ -200,7 +200,7 @@ class RecordCodec:
             vals = (pad.view(groups, QUANT_GROUP) * scale[:, None]).reshape(-1)[:n]
         if self.rank:
             vals = self._expand(vals.float())
-        want = out_dtype or (vals.dtype if self.dtype in _TORCH_DTYPES and not self.rank else torch.float32)
+        want = out_dtype or (vals.dtype if self.dtype in TORCH_DTYPES and not self.rank else torch.float32)
         return vals.to(want)
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:

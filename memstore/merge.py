@@ -36,7 +36,7 @@ from memstore.format import (
 )
 from memstore.journal import recover
 from memstore.locking import bank_writer, exclusive_change
-from memstore.store import _ranges
+from memstore.store import id_runs
 from memtree.config import from_dict
 from memtree.geometry import AnchorShape, MemoryConfig
 from memtree.io import atomic_dir, atomic_write_json, read_json
@@ -97,7 +97,7 @@ def split_bank(root: str | os.PathLike, subtree: int, out: str | os.PathLike) ->
                 ids = [i for a, b in _deleted_only_in(src).get(str(level), []) for i in range(a, b)
                        if lv.first_cluster <= i < hi]
                 if ids:
-                    deleted[str(level)] = _ranges(ids)
+                    deleted[str(level)] = id_runs(ids)
             if deleted:
                 manifest["deleted"] = deleted
             atomic_write_json(tmp / "manifest.json", manifest)
@@ -163,7 +163,7 @@ def merge_banks(parts: Sequence[str | os.PathLike], out: str | os.PathLike, *,
                         sums[lv.n_blocks * DIGEST_BYTES : (lv.n_blocks + 1) * DIGEST_BYTES] = digest(rec)
                 (tmp / sums_name(lv)).write_bytes(bytes(sums))
             if deleted:
-                manifest["deleted"] = {k: _ranges(v) for k, v in deleted.items()}
+                manifest["deleted"] = {k: id_runs(v) for k, v in deleted.items()}
             atomic_write_json(tmp / "manifest.json", manifest)
             _merge_policies([by_subtree[s].root for s in range(B)], tmp)
         return read_manifest(out)
@@ -214,7 +214,7 @@ def _merge_policies(parts: list[Path], dst: Path) -> None:
     if blocked or fallback:
         atomic_write_json(dst / "policy.json", {"format": "memtree-bank-policy", "version": 1,
                                                 "fallback": fallback or "zeros",
-                                                "blocked": {k: _ranges(v) for k, v in blocked.items()}})
+                                                "blocked": {k: id_runs(v) for k, v in blocked.items()}})
     if audit:
         (dst / "audit.jsonl").write_bytes(audit)
 

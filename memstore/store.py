@@ -50,10 +50,10 @@ import torch
 
 from memstore.cache import ByteLRU
 from memstore.format import (
-    _TORCH_DTYPES,
     ALIGN,
     DIGEST_BYTES,
     GENERIC,
+    TORCH_DTYPES,
     BankError,
     BankInfo,
     LevelInfo,
@@ -208,7 +208,7 @@ def _utcnow() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds")
 
 
-def _ranges(ids: Iterable[int]) -> list[list[int]]:
+def id_runs(ids: Iterable[int]) -> list[list[int]]:
     """Sorted ids → [[start, stop), …] runs, for compact policy files and audit entries."""
     out: list[list[int]] = []
     for i in sorted({int(x) for x in ids}):
@@ -444,7 +444,7 @@ class MemoryStore:
     def _zero_dtype(self) -> torch.dtype:
         if self.out_dtype is not None:
             return self.out_dtype
-        return _TORCH_DTYPES.get(self.info.dtype, torch.float32) if not self.info.rank else torch.float32
+        return TORCH_DTYPES.get(self.info.dtype, torch.float32) if not self.info.rank else torch.float32
 
     def fetch(self, path: Sequence[int], *, flat: bool = False) -> dict[int, Any]:
         """Blocks of every memory level on a path of global cluster ids (one per tree level).
@@ -542,7 +542,7 @@ class MemoryStore:
             zero = bytes(L.info.record_bytes)
             writes += [(lv, L.info.slot(c), zero) for c in ids]
             merged = [i for a, b in deleted.get(str(lv), []) for i in range(a, b)]
-            deleted[str(lv)] = _ranges(merged + list(ids))
+            deleted[str(lv)] = id_runs(merged + list(ids))
         self._commit(writes, manifest=manifest)
         for lv in targets:
             self.levels[lv].mask = self._refused_mask(self.levels[lv].info)
@@ -605,7 +605,7 @@ class MemoryStore:
         if subtree is None:
             with self._mutex:
                 entries = audit_log(self.root) if persist else [
-                    {"action": a, "targets": {str(k): _ranges(v) for k, v in t.items()}}
+                    {"action": a, "targets": {str(k): id_runs(v) for k, v in t.items()}}
                     for a, t in self._session if a != "fallback"]
             roots = set(blocked_as_subtree(entries, level))
             targets = self._expand(level, [c for c in clusters if int(c) not in roots], False)
@@ -692,7 +692,7 @@ class MemoryStore:
         every block it covered, so an unblock can undo exactly what a block did."""
         entry = {
             "time": _utcnow(), "user": self.user, "host": socket.gethostname(), "action": action,
-            "targets": {str(lv): _ranges(ids) for lv, ids in targets.items()},
+            "targets": {str(lv): id_runs(ids) for lv, ids in targets.items()},
             "reason": reason, "generation": self.info.generation, **request,
         }
         line = (json.dumps(entry, sort_keys=True) + "\n").encode()
@@ -729,7 +729,7 @@ def _apply_blocked(policy: dict[str, Any], action: str, targets: Mapping[int, Se
     for lv, ids in targets.items():
         cur = {i for a, b in policy["blocked"].get(str(lv), []) for i in range(a, b)}
         cur = cur | set(ids) if action == "block" else cur - set(ids)
-        policy["blocked"][str(lv)] = _ranges(cur)
+        policy["blocked"][str(lv)] = id_runs(cur)
 
 
 def check_path(path: Sequence[int], branching: int) -> None:

@@ -88,3 +88,58 @@ def test_bench_scripts_cannot_shadow_a_package():
     """`python bench/X.py` puts bench/ first on sys.path: a bench/pipeline.py would hide the package."""
     shadowing = sorted(p.name for p in (REPO / "bench").glob("*.py") if p.stem in TABLE)
     assert not shadowing, f"bench scripts named like project packages: {shadowing}"
+
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_uses(source: str, me: str, project: set[str]) -> list[tuple[int, str]]:
+    """(line, module.name) of every `_name` (not dunder) of another project module that the
+    source of module `me` imports by name or reaches as an attribute of an imported module."""
+    tree = ast.parse(source)
+    bound: dict[str, str] = {}  # local name -> the project module or object it stands for
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] in project:
+            for a in node.names:
+                if _private(a.name) and node.module != me:
+                    out.append((node.lineno, f"{node.module}.{a.name}"))
+                bound[a.asname or a.name] = f"{node.module}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in project:
+                    bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name) \
+                and bound.get(node.value.id, me) != me:
+            out.append((node.lineno, f"{bound[node.value.id]}.{node.attr}"))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("package", sorted(TABLE))
+def test_no_module_uses_another_modules_private_names(package):
+    """A `_name` is its module's own: a helper another module needs is made public where it
+    lives (issue #39 found such back-doors, which the import table cannot see)."""
+    found = [f"{path.relative_to(REPO)}:{line} uses {name}"
+             for path in sorted((REPO / package).rglob("*.py"))
+             for line, name in _private_uses(path.read_text(), _module(path), set(TABLE))]
+    assert not found, "\n".join(found)
+
+
+def test_the_private_name_check_sees_both_forms():
+    """The check above fails on the two forms it looks for, and passes a module's own names."""
+    source = ("from training.hf import _secret, load_hf_causal_lm\n"
+              "import memstore.store as st\n"
+              "from training import model\n"
+              "st._ranges([1]); model._gain_norm; model.__name__\n")
+    assert _private_uses(source, "training.x", set(TABLE)) == [
+        (1, "training.hf._secret"), (4, "memstore.store._ranges"), (4, "training.model._gain_norm")]
+    assert _private_uses("from training.hf import _secret\n", "training.hf", set(TABLE)) == []

@@ -76,7 +76,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memstore.camelot import CamelotConfig, CamelotMemory, Prefix
-from training.hf import _decoder_layers, _text_config, anchor_shape_from_hf
+from training.hf import anchor_shape_from_hf, decoder_config, decoder_layers
 from training.model import AnchorLM
 
 Method = Literal["base", "xl", "memorizing", "camelot"]
@@ -300,13 +300,13 @@ class _HFBackend:
         AttentionInterface.register(_HF_ATTN, _hf_attention)
         self.model = hf
         a = anchor_shape_from_hf(hf.config)
-        text = _text_config(hf.config)
+        text = decoder_config(hf.config)
         if getattr(text, "attn_logit_softcapping", None) is not None:
             raise NotImplementedError(f"{type(hf).__name__}: attention logit soft-capping is not "
                                       "supported by the CAMELoT hookup")
         self.n_layers, self.kv_heads, self.head_dim = a.n_layers, a.kv_heads, a.head_dim
         self.max_positions = int(text.max_position_embeddings)
-        self.layers = _decoder_layers(hf)
+        self.layers = decoder_layers(hf)
         if len(self.layers) != self.n_layers:
             raise ValueError(f"config says n_layers={self.n_layers}, "
                              f"the model has {len(self.layers)}")

@@ -68,7 +68,7 @@ _FOUR_NORMS = {"gemma2", "gemma3", "gemma3_text"}
 _ALWAYS_QKV_BIAS = {"qwen2", "qwen2_moe"}  # Qwen2 hard-codes bias=True on q/k/v
 
 
-def _text_config(config: Any) -> Any:
+def decoder_config(config: Any) -> Any:
     """The decoder's config (Gemma 3's multimodal config nests it in `text_config`)."""
     get = getattr(config, "get_text_config", None)
     return get() if callable(get) else config
@@ -84,7 +84,7 @@ def anchor_shape_from_hf(config: Any, *, name: str | None = None) -> AnchorShape
     (Llama's `attention_bias`), MoE or other norm variants. Report `hf_param_count(model)` for
     the real count.
     """
-    cfg = _text_config(config)
+    cfg = decoder_config(config)
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size", "vocab_size") if getattr(cfg, k, None) is None]
     if missing:
@@ -146,7 +146,7 @@ def load_hf_causal_lm(local_dir: str | os.PathLike, *, dtype: torch.dtype = torc
         return AutoModelForCausalLM.from_pretrained(str(path), **kw)
 
 
-def _decoder_layers(hf: nn.Module) -> nn.ModuleList:
+def decoder_layers(hf: nn.Module) -> nn.ModuleList:
     for get in (lambda m: m.get_decoder().layers, lambda m: m.model.layers):
         try:
             layers = get(hf)
@@ -158,7 +158,7 @@ def _decoder_layers(hf: nn.Module) -> nn.ModuleList:
                      "(expected model.layers, as in Llama/Qwen/Gemma)")
 
 
-def _first_tensor(args: tuple, kwargs: dict) -> Tensor:
+def first_tensor(args: tuple, kwargs: dict) -> Tensor:
     if args:
         return args[0]
     for key in ("hidden_states", "x", "input"):
@@ -203,7 +203,7 @@ class _FFNHook(_Hook):
         self.act = act
 
     def __call__(self, module, args, kwargs, out):
-        x = _first_tensor(args, kwargs)
+        x = first_tensor(args, kwargs)
         lm = self.owner._layer_mem(self.layer, x)
         if lm is None:
             return None
@@ -220,7 +220,7 @@ class _LoRAHook(_Hook):
         self.a, self.b = a, b
 
     def __call__(self, module, args, kwargs, out):
-        x = _first_tensor(args, kwargs)
+        x = first_tensor(args, kwargs)
         lm = self.owner._layer_mem(self.layer, x)
         if lm is None:
             return None
@@ -237,7 +237,7 @@ class _QueryHook(_Hook):
         self.full_norm = weight is not None and weight.numel() == owner.anchor.q_dim
 
     def __call__(self, module, args, kwargs, out):
-        x = _first_tensor(args, kwargs)
+        x = first_tensor(args, kwargs)
         if self.owner._layer_mem(self.layer, x) is None:
             return
         a, q = self.owner.anchor, out
@@ -259,7 +259,7 @@ class _KVReadHook(_Hook):
         return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
     def __call__(self, module, args, kwargs):
-        x = _first_tensor(args, kwargs)
+        x = first_tensor(args, kwargs)
         lm = self.owner._layer_mem(self.layer, x)
         if lm is None:
             return None
@@ -334,7 +334,7 @@ class HFMemoryModel(nn.Module):
     @property
     def layers(self) -> nn.ModuleList:
         """The HF decoder layers (not registered again here: the state dict stays `hf.*`)."""
-        return _decoder_layers(self.hf)
+        return decoder_layers(self.hf)
 
     def _check_modules(self) -> None:
         a = self.anchor

@@ -56,10 +56,10 @@ import torch
 from torch import Tensor, nn
 
 from training.hf import (
-    _decoder_layers,
-    _first_tensor,
-    _text_config,
     anchor_shape_from_hf,
+    decoder_config,
+    decoder_layers,
+    first_tensor,
     load_hf_causal_lm,
 )
 from training.mem_adapter import AdapterSpec
@@ -100,7 +100,7 @@ class _CaptureInput(_Hook):
     """Decoder-layer pre-hook: keep x, the residual stream entering the layer."""
 
     def __call__(self, module, args, kwargs):
-        self.owner._captured.inputs[self.layer] = _first_tensor(args, kwargs)  # (B, S, d)
+        self.owner._captured.inputs[self.layer] = first_tensor(args, kwargs)  # (B, S, d)
 
 
 class _AttnDeltaHook(_Hook):
@@ -163,14 +163,14 @@ class HFMemAdapter(nn.Module):
         a = self.shape
         # before anything is touched: a spec the model cannot hold leaves the model as it was
         self.moc = spec.moc_config(n_layers=a.n_layers, d_model=a.d_model, n_heads=a.n_heads)
-        layers = _decoder_layers(model)
+        layers = decoder_layers(model)
         if len(layers) != a.n_layers:
             raise ValueError(f"config says {a.n_layers} layers, the model has {len(layers)}")
         self._check_layers(layers)
         ref = next(model.parameters())
         if adapter_dtype is None:
             adapter_dtype = torch.float32 if ref.dtype in (torch.float16, torch.bfloat16) else ref.dtype
-        eps = float(getattr(_text_config(model.config), "rms_norm_eps", None) or 1e-6)
+        eps = float(getattr(decoder_config(model.config), "rms_norm_eps", None) or 1e-6)
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

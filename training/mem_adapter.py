@@ -35,7 +35,7 @@ from torch import nn
 
 from memtree.config import ConfigError, is_int
 from training.moc import BANK_DTYPES, MoCConfig, MoCLayer, bank_bytes, build_banks
-from training.model import FeedForward, _gain_norm
+from training.model import FeedForward, gain_norm
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,7 +161,7 @@ def attach_to_anchor(model: nn.Module, spec: AdapterSpec, *, seed: int = 0) -> M
                                  norm_eps=cfg.norm_eps).to(ref.device, ref.dtype)
             block.moc_variation = moc.variation
             if moc.variation == 2:
-                block.moc_ffn_norm = _gain_norm(a.d_model, cfg.norm_eps).to(ref.device, ref.dtype)
+                block.moc_ffn_norm = gain_norm(a.d_model, cfg.norm_eps).to(ref.device, ref.dtype)
                 block.moc_ffn = FeedForward(new_cfg).to(ref.device, ref.dtype)
                 for lin in (block.moc_ffn.w1, block.moc_ffn.w2):
                     nn.init.trunc_normal_(lin.weight, std=spec.init_std, a=-2 * spec.init_std, b=2 * spec.init_std)

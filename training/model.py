@@ -211,7 +211,7 @@ def _cat_width(name: str, parts: list[Tensor]) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2 if name.endswith("_b") else 1)
 
 
-def _gain_norm(dim: int, eps: float) -> nn.LayerNorm:
+def gain_norm(dim: int, eps: float) -> nn.LayerNorm:
     return nn.LayerNorm(dim, eps=eps, elementwise_affine=True, bias=False)
 
 
@@ -280,8 +280,8 @@ class Attention(nn.Module):
         if a.qk_norm != "none":
             q_norm_dim = a.q_dim if a.qk_norm == "full" else a.head_dim
             k_norm_dim = a.kv_dim if a.qk_norm == "full" else a.head_dim
-            self.q_norm = _gain_norm(q_norm_dim, cfg.norm_eps)
-            self.k_norm = _gain_norm(k_norm_dim, cfg.norm_eps)
+            self.q_norm = gain_norm(q_norm_dim, cfg.norm_eps)
+            self.k_norm = gain_norm(k_norm_dim, cfg.norm_eps)
         self.lora_alpha = cfg.lora_alpha
         self.mem_type = cfg.memory.type if cfg.memory is not None else None
         # External attention core, default off: fn(q, k, v) with q (B, S, H, D) and k, v
@@ -410,9 +410,9 @@ class Block(nn.Module):
         super().__init__()
         a, eps = cfg.anchor, cfg.norm_eps
         d = a.d_model
-        self.attn_norm = _gain_norm(d, eps)
+        self.attn_norm = gain_norm(d, eps)
         self.attn = Attention(cfg)
-        self.ffn_norm = _gain_norm(d, eps)
+        self.ffn_norm = gain_norm(d, eps)
         # a product-key memory layer takes this block's FFN's place (seed 003 §3)
         pkm = cfg.pkm is not None and layer in cfg.pkm.resolved_layers(a.n_layers)
         self.pkm = ProductKeyMemory(cfg.pkm, d) if pkm else None
@@ -420,15 +420,15 @@ class Block(nn.Module):
         # Gemma-style sandwich norms on the sublayer outputs when the shape has 4 norms.
         self.post_norms = cfg.anchor.norms_per_block == 4
         if self.post_norms:
-            self.attn_post_norm = _gain_norm(d, eps)
-            self.ffn_post_norm = _gain_norm(d, eps)
+            self.attn_post_norm = gain_norm(d, eps)
+            self.ffn_post_norm = gain_norm(d, eps)
         moc = cfg.moc if cfg.moc is not None and layer in cfg.moc.layers else None
         # the memory sublayer brings its own pre-norm (RMSNorm, seed 000 eq. 1) and no post-norm
         self.moc = (MoCLayer(moc, d_model=d, n_layers=a.n_layers, anchor_heads=a.n_heads, norm_eps=eps)
                     if moc is not None else None)
         self.moc_variation = moc.variation if moc is not None else None
         if self.moc_variation == 2:
-            self.moc_ffn_norm = _gain_norm(d, eps)
+            self.moc_ffn_norm = gain_norm(d, eps)
             self.moc_ffn = FeedForward(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
@@ -455,7 +455,7 @@ class AnchorLM(nn.Module):
         self.embed = nn.Embedding(a.vocab_size, a.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(a.n_layers))
         self.moc_banks = build_banks(cfg.moc, a.d_model) if cfg.moc is not None else None
-        self.norm = _gain_norm(a.d_model, cfg.norm_eps)
+        self.norm = gain_norm(a.d_model, cfg.norm_eps)
         self.lm_head = None if a.tied_embeddings else nn.Linear(a.d_model, a.vocab_size, bias=False)
         self.reset_parameters()
 
