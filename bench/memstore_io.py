@@ -46,7 +46,7 @@ from _common import (  # bench/ is sys.path[0] when a script runs
     write_results,
 )
 
-from memstore.format import level_path, write_bank
+from memstore.format import level_path
 from memstore.sim.calibrate import (
     _drop_cache,
     _random_init,
@@ -59,6 +59,7 @@ from memstore.sim.calibrate import (
 from memstore.sim.latency import simulate_session, zipf_trace
 from memstore.sim.profiles import HardwareProfile, TierProfile
 from memstore.store import MemoryStore, TierConfig
+from memstore.writer import write_bank
 from memtree.geometry import MemoryConfig, get_anchor, plan, stored_bytes
 
 BENCHES = ("throughput", "flat", "calibrate", "session")

@@ -282,8 +282,9 @@ def _check_replace(bank: str, force: bool) -> bool:
 
 
 def _init(args: argparse.Namespace) -> int:
-    from memstore.format import paper_init, write_bank, zeros_init
+    from memstore.format import paper_init, zeros_init
     from memstore.locking import bank_writer
+    from memstore.writer import write_bank
 
     tree_id, branching = None, None
     if args.tree:

@@ -31,17 +31,10 @@ import numpy as np
 import pytest
 import torch
 
-from memstore.format import (
-    GENERIC,
-    BankError,
-    RecordCodec,
-    paper_init,
-    read_manifest,
-    verify_bank,
-    write_bank,
-)
+from memstore.format import GENERIC, BankError, RecordCodec, paper_init, read_manifest, verify_bank
 from memstore.locking import lock_paths
 from memstore.store import MemoryStore, TierConfig
+from memstore.writer import write_bank
 from memtree.geometry import QUANT_GROUP, AnchorShape, MemoryConfig, block_layout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -557,7 +550,7 @@ CHILD_PRELUDE = f"""
 import os, signal, sys, time
 sys.path.insert(0, {str(REPO)!r})
 import torch
-from memstore.format import write_bank
+from memstore.writer import write_bank
 from memtree.geometry import AnchorShape, MemoryConfig
 TINY = AnchorShape(name="tiny", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=100)
 MEM = MemoryConfig(multipliers=(8, 4, 2), branching=4)

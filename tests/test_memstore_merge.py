@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from memstore.blocking import adversarial_block, random_block, rank_clusters, subtree_share
-from memstore.format import GENERIC, BankError, read_manifest, verify_bank, write_bank
+from memstore.format import GENERIC, BankError, read_manifest, verify_bank
 from memstore.journal import audit_log
 from memstore.merge import merge_banks, relocate_level, split_bank
 from memstore.store import MemoryStore, TierConfig
+from memstore.writer import write_bank
 from memtree.cli import main
 from memtree.geometry import AnchorShape, MemoryConfig
 

@@ -28,9 +28,10 @@ import numpy as np
 import pytest
 import torch
 
-from memstore.format import GENERIC, BankError, read_manifest, verify_bank, write_bank
+from memstore.format import GENERIC, BankError, read_manifest, verify_bank
 from memstore.journal import audit_log
 from memstore.store import MemoryStore, TierConfig
+from memstore.writer import write_bank
 from memtree.geometry import AnchorShape, MemoryConfig, block_layout
 
 REPO = Path(__file__).resolve().parents[1]

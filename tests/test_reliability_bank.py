@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from memstore.format import GENERIC, BankError, read_manifest, verify_bank, write_bank
+from memstore.format import GENERIC, BankError, read_manifest, verify_bank
 from memstore.locking import BankBusy, bank_writer, holder, lock_paths
 from memstore.store import MemoryStore, TierConfig, read_policy
+from memstore.writer import write_bank
 from memtree.geometry import AnchorShape, MemoryConfig
 
 REPO = Path(__file__).resolve().parents[1]

@@ -84,7 +84,8 @@ def run_on_tmpfs(tmp_path: Path, code: str, *args: str, size: str = "64m", timeo
 BANK_AND_TREE = """
 import numpy as np, torch
 from clustering.tree import Tree, load_tree, save_tree
-from memstore.format import GENERIC, read_manifest, verify_bank, write_bank
+from memstore.format import GENERIC, read_manifest, verify_bank
+from memstore.writer import write_bank
 from memtree.geometry import AnchorShape, MemoryConfig
 from memstore.store import MemoryStore, TierConfig
 

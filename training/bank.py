@@ -32,8 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memstore.format import GENERIC, BankInfo, paper_block, write_bank
+from memstore.format import GENERIC, BankInfo, paper_block
 from memstore.store import MemoryStore, TierConfig
+from memstore.writer import write_bank
 from memtree.geometry import AnchorShape, MemoryConfig, block_layout
 from training.model import BankRead, Memories, ReadTables
 

@@ -42,7 +42,8 @@ from composer.loggers import Logger
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from memstore.format import GENERIC, BankInfo, write_bank
+from memstore.format import GENERIC, BankInfo
+from memstore.writer import write_bank
 from memtree.geometry import AnchorShape, MemoryConfig
 from memtree.io import atomic_path, atomic_write_json, read_json, replace_dir, sha256_file
 from training.bank import TrainableBank

@@ -9,7 +9,7 @@ machine, through the code users run*, and writes a profile in the same format;
 compares the measured latency with `simulate_fetch` on the calibrated profile.
 
 How the tiers are measured
-- One single-level calibration bank per target size (`memstore.format.write_bank`,
+- One single-level calibration bank per target size (`memstore.writer.write_bank`,
   bf16, random values): a 1-layer anchor with `kv` memory, head_dim 256 and
   w = size / 1024 learned keys and values, so one block's record is exactly the
   target size (a multiple of 4096, so record = stride and an O_DIRECT read moves
@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from memstore.format import RecordCodec, is_url, level_path, read_manifest, write_bank
+from memstore.format import RecordCodec, is_url, level_path, read_manifest
 from memstore.locking import remove_bank
 from memstore.merge import relocate_level
 from memstore.sim.latency import Policy, level_placement, memory_levels, simulate_fetch
@@ -71,6 +71,7 @@ from memstore.sim.profiles import (
     load_profile,
 )
 from memstore.store import MemoryStore, TierConfig
+from memstore.writer import write_bank
 from memtree.config import to_dict
 from memtree.geometry import (
     AnchorShape,
