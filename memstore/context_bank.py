@@ -68,7 +68,6 @@ is detected by `open`, which loads the newest good version and warns (and record
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
 import shutil
@@ -86,7 +85,14 @@ from torch import Tensor
 
 from clustering.kmeans import kmeans_pp
 from memtree.config import from_dict, is_int, is_number, to_dict
-from memtree.io import atomic_dir, atomic_write_json, iter_jsonl, read_json, sha256_file
+from memtree.io import (
+    atomic_dir,
+    atomic_write_json,
+    iter_jsonl,
+    read_json,
+    sha256_file,
+    utc_timestamp,
+)
 
 FORMAT = "memtree-context-bank"
 VERSION = 1
@@ -96,10 +102,6 @@ _KEEP_VERSIONS = 2  # the current version and its fallback
 # Test hook: seconds to sleep after a new version is fully written under its temp name and
 # before it is renamed into place (lets a test kill a save at its most delicate instant).
 SAVE_PAUSE_ENV = "MEMTREE_CONTEXT_BANK_SAVE_PAUSE"
-
-
-def _utcnow() -> str:
-    return _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,7 +258,7 @@ class ContextBank:
         self.next_id += 1
         self.tokens[eid] = x
         self.meta[eid] = EntryMeta(id=eid, session=session, created_step=self.step,
-                                   created_time=_utcnow(), merged_from=merged_from,
+                                   created_time=utc_timestamp(), merged_from=merged_from,
                                    attn_sum=attn_sum, attn_count=attn_count)
         self._join_cluster(eid)
         return eid
@@ -504,7 +506,7 @@ class ContextBank:
 
     # -- audit ------------------------------------------------------------------------------
     def _audit(self, action: str, *, durable: bool = False, **fields: Any) -> None:
-        self.log.append({"time": _utcnow(), "host": socket.gethostname(), "action": action,
+        self.log.append({"time": utc_timestamp(), "host": socket.gethostname(), "action": action,
                          "step": self.step, **fields})
         self._pending += 1
         if durable and self.root is not None:

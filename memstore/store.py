@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import datetime as _dt
 import json
 import os
 import socket
@@ -69,7 +68,7 @@ from memstore.format import (
 from memstore.journal import apply_journals, audit_log, blocked_as_subtree, journal_bytes, recover
 from memstore.locking import ReadWriteLock, bank_writer, whoami
 from memstore.placement import TierBudget, place_levels
-from memtree.io import atomic_write_bytes, atomic_write_json, read_json
+from memtree.io import atomic_write_bytes, atomic_write_json, read_json, utc_timestamp
 
 POLICY_FORMAT = "memtree-bank-policy"
 Fallback = Literal["zeros", "generic"]
@@ -202,10 +201,6 @@ def _open_any(path: str, **kw):
 
 
 # --------------------------------------------------------------------------- the store
-
-
-def _utcnow() -> str:
-    return _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds")
 
 
 def id_runs(ids: Iterable[int]) -> list[list[int]]:
@@ -691,7 +686,7 @@ class MemoryStore:
         """One audit line; `request` records what was asked (level, clusters, subtree) beside `targets`,
         every block it covered, so an unblock can undo exactly what a block did."""
         entry = {
-            "time": _utcnow(), "user": self.user, "host": socket.gethostname(), "action": action,
+            "time": utc_timestamp(), "user": self.user, "host": socket.gethostname(), "action": action,
             "targets": {str(lv): id_runs(ids) for lv, ids in targets.items()},
             "reason": reason, "generation": self.info.generation, **request,
         }

@@ -10,6 +10,7 @@ it into place only once complete.
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
 import errno
 import hashlib
 import io
@@ -28,6 +29,11 @@ DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, err
 
 class WriteFailed(OSError):
     """A write that the storage refused; the message names the path and what was kept."""
+
+
+def utc_timestamp() -> str:
+    """Now, UTC, ISO 8601 to the millisecond: the time stamp journals and manifests record."""
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds")
 
 
 def write_error(path: str | os.PathLike, e: BaseException, kept: str = "", *, outer: bool = False) -> BaseException:

@@ -77,7 +77,7 @@ from torch import Tensor, nn
 
 from memstore.camelot import CamelotConfig, CamelotMemory, Prefix
 from training.hf import anchor_shape_from_hf, decoder_config, decoder_layers
-from training.model import AnchorLM
+from training.model import AnchorLM, rotate_half
 
 Method = Literal["base", "xl", "memorizing", "camelot"]
 METHODS: tuple[str, ...] = ("base", "xl", "memorizing", "camelot")
@@ -87,23 +87,18 @@ _HF_ATTN = "memtree_camelot"
 _CORE_ATTR = "_memtree_camelot_core"
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x (…, S, D) rotated by the tables cos / sin (S, D) (the rotate-half layout of AnchorLM
     and HF Llama / Qwen2 / Gemma)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
+    return x * cos + rotate_half(x) * sin
 
 
 def unapply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Inverse of `apply_rope` (rotation by −θ), exact also for scaled tables (YaRN-style
     attention scaling multiplies cos and sin by the same factor)."""
     x, cos, sin = x.float(), cos.float(), sin.float()
-    return (x * cos - _rotate_half(x) * sin) / (cos * cos + sin * sin)
+    return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
 
 
 def prefix_attention(q: Tensor, k: Tensor, v: Tensor, pk: Tensor, pv: Tensor, first_query: Tensor,

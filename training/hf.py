@@ -59,7 +59,7 @@ from torch import Tensor, nn
 
 from memtree.geometry import AnchorShape, MemoryConfig, memory_layers
 from training.bank import TrainableBank
-from training.model import Memories, assemble_memories
+from training.model import Memories, assemble_memories, lora_delta
 
 # model_type → (qk_norm, norms_per_block) for the families whose norms differ from Llama's.
 _QK_NORM = {"gemma3": "head", "gemma3_text": "head", "qwen3": "head", "qwen3_moe": "head",
@@ -167,12 +167,6 @@ def first_tensor(args: tuple, kwargs: dict) -> Tensor:
     raise RuntimeError("memory hook: cannot find the module's input tensor")
 
 
-def _lora(x: Tensor, a: Tensor, b: Tensor, alpha: float) -> Tensor:
-    """scale·(x·Aᵀ)·Bᵀ per sequence; x (B, S, in), a (B, r, in), b (B, out, r) → (B, S, out)."""
-    a, b = a.to(x.dtype), b.to(x.dtype)
-    return (alpha / a.shape[1]) * ((x @ a.mT) @ b.mT)
-
-
 class _CallState(threading.local):
     """Memories of the forward in progress, per thread. Copies/pickles start empty."""
 
@@ -187,15 +181,16 @@ class _CallState(threading.local):
         return (_CallState, ())
 
 
-class _Hook:
-    """A memory hook of one layer. Objects rather than closures so that `copy.deepcopy` /
-    pickling of the wrapper re-points them at the copy (a closure would keep the original)."""
+class LayerHook:
+    """A hook of one decoder layer on behalf of its owner (the wrapping model): objects rather
+    than closures so that `copy.deepcopy` / pickling of the owner re-points them at the copy (a
+    closure would keep the original). Memory hooks here and memory adapters' (`hf_adapter`)."""
 
-    def __init__(self, owner: HFMemoryModel, layer: int) -> None:
+    def __init__(self, owner: nn.Module, layer: int) -> None:
         self.owner, self.layer = owner, layer
 
 
-class _FFNHook(_Hook):
+class _FFNHook(LayerHook):
     """mlp(x) += (act(x·w1ᵀ) ⊙ (x·w2ᵀ))·w3, i.e. the MLP widened by the memory rows."""
 
     def __init__(self, owner: HFMemoryModel, layer: int, act) -> None:
@@ -212,7 +207,7 @@ class _FFNHook(_Hook):
         return out + h_mem @ w3
 
 
-class _LoRAHook(_Hook):
+class _LoRAHook(LayerHook):
     """linear(x) += scale·(x·Aᵀ)·Bᵀ."""
 
     def __init__(self, owner: HFMemoryModel, layer: int, a: str, b: str) -> None:
@@ -224,10 +219,10 @@ class _LoRAHook(_Hook):
         lm = self.owner._layer_mem(self.layer, x)
         if lm is None:
             return None
-        return out + _lora(x, lm[self.a], lm[self.b], self.owner.lora_alpha)
+        return out + lora_delta(x, lm[self.a], lm[self.b], self.owner.lora_alpha)
 
 
-class _QueryHook(_Hook):
+class _QueryHook(LayerHook):
     """KV memory: keep the layer's query (after the model's q-norm, before RoPE) for the read."""
 
     def __init__(self, owner: HFMemoryModel, layer: int, q_norm: nn.Module | None) -> None:
@@ -249,7 +244,7 @@ class _QueryHook(_Hook):
         self.owner._state.queries[self.layer] = q.transpose(1, 2)  # (B, H, S, D)
 
 
-class _KVReadHook(_Hook):
+class _KVReadHook(LayerHook):
     """KV memory (o_proj pre-hook): attention output += softmax(q·Kᵀ/√D)·V over the m slots."""
 
     def _heads(self, t: Tensor, dtype: torch.dtype) -> Tensor:  # (B, m, kv_dim) → (B, H, m, D)

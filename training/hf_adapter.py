@@ -56,6 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from training.hf import (
+    LayerHook,
     anchor_shape_from_hf,
     decoder_config,
     decoder_layers,
@@ -91,19 +92,14 @@ class _Captured(threading.local):
         return (_Captured, ())
 
 
-class _Hook:
-    def __init__(self, owner: HFMemAdapter, layer: int) -> None:
-        self.owner, self.layer = owner, layer
-
-
-class _CaptureInput(_Hook):
+class _CaptureInput(LayerHook):
     """Decoder-layer pre-hook: keep x, the residual stream entering the layer."""
 
     def __call__(self, module, args, kwargs):
         self.owner._captured.inputs[self.layer] = first_tensor(args, kwargs)  # (B, S, d)
 
 
-class _AttnDeltaHook(_Hook):
+class _AttnDeltaHook(LayerHook):
     """On the attention's residual delta: delta + moc(x + delta), so the layer's own residual add
     yields x' + moc(x'). The layer computes x + delta itself, in the same order, so x' here is
     bitwise the stream the layer would continue with."""
@@ -118,7 +114,7 @@ class _AttnDeltaHook(_Hook):
         return (delta, *out[1:]) if isinstance(out, tuple) else delta
 
 
-class _LayerOutputHook(_Hook):
+class _LayerOutputHook(LayerHook):
     """Variation 2, on the decoder layer's output (a tensor, or a tuple led by it)."""
 
     def __call__(self, module, args, out):

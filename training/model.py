@@ -215,7 +215,7 @@ def gain_norm(dim: int, eps: float) -> nn.LayerNorm:
     return nn.LayerNorm(dim, eps=eps, elementwise_affine=True, bias=False)
 
 
-def _lora(x: Tensor, a: Tensor, b: Tensor, alpha: float) -> Tensor:
+def lora_delta(x: Tensor, a: Tensor, b: Tensor, alpha: float) -> Tensor:
     """scale·(x·Aᵀ)·Bᵀ per sequence, scale = alpha / r.
 
     x (B, S, in), a (B, r, in), b (B, out, r) → (B, S, out).
@@ -224,7 +224,8 @@ def _lora(x: Tensor, a: Tensor, b: Tensor, alpha: float) -> Tensor:
     return (alpha / a.shape[1]) * ((x @ a.mT) @ b.mT)
 
 
-def _rotate_half(x: Tensor) -> Tensor:
+def rotate_half(x: Tensor) -> Tensor:
+    """(…, D) → (−x₂, x₁) of its halves: RoPE's rotation by 90°, shared with `camelot`."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -232,7 +233,7 @@ def _rotate_half(x: Tensor) -> Tensor:
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x (B, S, H, D); cos/sin (S, D), or (B, S, D) for per-row positions."""
     cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)  # (…, S, 1, D)
-    return x * cos + _rotate_half(x) * sin
+    return x * cos + rotate_half(x) * sin
 
 
 _COMPILED_FLEX: dict[str, Any] = {}
@@ -302,10 +303,10 @@ class Attention(nn.Module):
                 mem: LayerMemories | None) -> Tensor:
         q, k, v = self.q(x), self.k(x), self.v(x)  # (B, S, q_dim), (B, S, kv_dim) ×2
         if mem is not None and self.mem_type == "lora-qk":
-            q = q + _lora(x, mem["q_a"], mem["q_b"], self.lora_alpha)
-            k = k + _lora(x, mem["k_a"], mem["k_b"], self.lora_alpha)
+            q = q + lora_delta(x, mem["q_a"], mem["q_b"], self.lora_alpha)
+            k = k + lora_delta(x, mem["k_a"], mem["k_b"], self.lora_alpha)
         if mem is not None and self.mem_type == "lora-ov":
-            v = v + _lora(x, mem["v_a"], mem["v_b"], self.lora_alpha)
+            v = v + lora_delta(x, mem["v_a"], mem["v_b"], self.lora_alpha)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = self._heads(q, self.n_heads)  # (B, S, H, D)
@@ -323,7 +324,7 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).flatten(2)  # (B, S, q_dim)
         y = self.o(out)
         if mem is not None and self.mem_type == "lora-ov":
-            y = y + _lora(out, mem["o_a"], mem["o_b"], self.lora_alpha)
+            y = y + lora_delta(out, mem["o_a"], mem["o_b"], self.lora_alpha)
         return y
 
     def _self_attention(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
@@ -385,10 +386,10 @@ class FeedForward(nn.Module):
         if mem is None or self.mem_type not in ("ffn", "lora-ffn"):
             return self.w3(F.silu(self.w1(x)) * self.w2(x))
         if self.mem_type == "lora-ffn":
-            g = self.w1(x) + _lora(x, mem["w1_a"], mem["w1_b"], self.lora_alpha)  # (B, S, ffn)
-            u = self.w2(x) + _lora(x, mem["w2_a"], mem["w2_b"], self.lora_alpha)
+            g = self.w1(x) + lora_delta(x, mem["w1_a"], mem["w1_b"], self.lora_alpha)  # (B, S, ffn)
+            u = self.w2(x) + lora_delta(x, mem["w2_a"], mem["w2_b"], self.lora_alpha)
             h = F.silu(g) * u
-            return self.w3(h) + _lora(h, mem["w3_a"], mem["w3_b"], self.lora_alpha)
+            return self.w3(h) + lora_delta(h, mem["w3_a"], mem["w3_b"], self.lora_alpha)
         # FFN memory widens the inner dim by W; the widened w3 sums the two halves' outputs.
         y = self.w3(F.silu(self.w1(x)) * self.w2(x))
         if isinstance(mem, BankRead):  # (only KV/FFN memories are read in place)
