@@ -155,7 +155,7 @@ def run_adapters(cfg: AdaptersConfig, *, progress: bool = True) -> Path:
         adapter = None
         if model.config.moc is not None:
             adapter = {**adapter_summary(model.config.moc, model.config.anchor.d_model),
-                       "routing_agreement": routing_agreement(rm, batches, new)}
+                       "chapter_overlap": chapter_overlap(rm, batches, new)}
         rows.append({"label": spec.label, "method": spec.method, "spec": to_dict(spec), "after": after,
                      "forgetting": forgetting(before, after), "seconds": res["seconds"],
                      "step_ms": 1000 * res["seconds"] / max(1, res["steps"]), "accounting": acct,
@@ -176,7 +176,7 @@ def run_adapters(cfg: AdaptersConfig, *, progress: bool = True) -> Path:
     return write_adapters_report(out, report)
 
 
-def routing_agreement(rm, batches: Sequence[tuple], probes: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+def chapter_overlap(rm, batches: Sequence[tuple], probes: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """Whether a fact's question reads the chapters its statements were written into: per memory
     layer, the share of (fact, statement) pairs whose routed chapters (top-k, shared ones
     excluded) overlap the question's, against the same share for random top-k draws (1 −
@@ -253,8 +253,8 @@ def write_adapters_report(out: Path, report: dict[str, Any]) -> Path:
                      f"{f['old_drop']:+.1f} | {f['ppl_increase_pct']:+.1f} % | {acc['trainable_params']:,} | "
                      f"{acc['bank_bytes']:,} | {acc['train_flops_per_token'] / 1e6:.2f} / "
                      f"{acc['inference_flops_per_token'] / 1e6:.2f} | {r['step_ms']:.0f} |")
-    agree = [(r["label"], r["adapter"]["routing_agreement"]) for r in report["runs"]
-             if r.get("adapter") and r["adapter"].get("routing_agreement")]
+    agree = [(r["label"], r["adapter"]["chapter_overlap"]) for r in report["runs"]
+             if r.get("adapter") and r["adapter"].get("chapter_overlap")]
     if agree:
         lines += ["", "## Does a question read the chapters its fact was written into?", "",
                   ("Per adapter layer, the share of (fact, training statement) pairs whose routed chapters overlap "

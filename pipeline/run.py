@@ -555,7 +555,3 @@ def _sync_stage(local: Path, url: str, log: Callable[[str], None]) -> None:
     # The marker goes last: a remote stage with a marker is complete.
     fs.put_file(str(local / "_stage.json"), marker)
     log(f"[{local.name}] uploaded to {url}")
-
-
-def stage_status(root: str | Path) -> dict[str, dict | None]:
-    return {name: read_marker(Path(root) / name) for name in STAGE_NAMES}

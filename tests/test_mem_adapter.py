@@ -344,7 +344,7 @@ def test_eval_adapters_writes_its_report(anchor_run, tmp_path):
     assert full["accounting"]["trainable_params"] > target
     assert mem["changed"]["elements"] == 0 and mem["changed"]["added_elements"] == target
     assert mem["accounting"]["bank_bytes"] == 4 * 4 * 2 * 32 and lora["accounting"]["bank_bytes"] == 0
-    agree = mem["adapter"]["routing_agreement"]
+    agree = mem["adapter"]["chapter_overlap"]
     assert set(agree["per_layer"]) == {"0", "1"} and all(0 <= v <= 1 for v in agree["per_layer"].values())
     assert agree["chance"] == pytest.approx(1 - math.comb(1, 2) / math.comb(3, 2))  # 3 routable, top-2
     assert full["adapter"] is None and both["adapter"]["layers"] == [1]
