@@ -15,6 +15,13 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    """The eval stage's subcommands, in --help order."""
+    for add in (_add_eval, _add_sweep, _add_retention, _add_tasks, _add_longctx, _add_context_bank,
+                _add_continual, _add_adapters, _add_memories, _add_demo):
+        add(sub)
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "eval",
         help="evaluate a training run: anchor-only vs generic vs fetched memory, and memory blocking",
@@ -46,6 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="report directory (default RUN/eval)")
     p.set_defaults(func=_eval)
 
+
+def _add_sweep(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser(
         "eval-sweep",
         help="train and evaluate every setting of a sweep YAML (memory location / size, App. F, Fig. 3)",
@@ -60,6 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--out", help="output folder (the sweep's `out`; same as out=PATH)")
     s.set_defaults(func=_sweep)
 
+
+def _add_retention(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser(
         "eval-retention",
         help="continue a memory run's anchor on other subtrees with the bank frozen; measure forgetting",
@@ -73,6 +84,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--out", help="output folder (the retention config's `out`; same as out=PATH)")
     r.set_defaults(func=_retention)
 
+
+def _add_tasks(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser(
         "eval-tasks",
         help="score a run on a suite of LLM-Foundry-style JSONL tasks (Table 1's layout)",
@@ -86,6 +99,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--out", help="report directory (default RUN/eval-tasks)")
     t.set_defaults(func=_tasks)
 
+
+def _add_longctx(sub: argparse._SubParsersAction) -> None:
     lc = sub.add_parser(
         "eval-longctx",
         help="long-context perplexity of a run's frozen anchor: base / XL / Memorizing / CAMELoT (seed 001)",
@@ -117,6 +132,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     lc.add_argument("--out", help="report directory (default RUN/eval-longctx)")
     lc.set_defaults(func=_longctx)
 
+
+def _add_context_bank(sub: argparse._SubParsersAction) -> None:
     cb = sub.add_parser(
         "eval-context-bank",
         help="cross-session recall through the context bank (seed 004 §9) on a bios demo run's frozen anchor",
@@ -134,6 +151,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     cb.add_argument("--out", help="report folder (default ROOT/context-bank; out=PATH is a deprecated alias)")
     cb.set_defaults(func=_context_bank)
 
+
+def _add_continual(sub: argparse._SubParsersAction) -> None:
     ct = sub.add_parser(
         "eval-continual",
         help="learning new facts in sequence without forgetting: sparse memory finetuning vs full vs LoRA (seed 003)",
@@ -151,6 +170,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     ct.add_argument("--out", help="report folder (default ROOT/continual; out=PATH is a deprecated alias)")
     ct.set_defaults(func=_continual)
 
+
+def _add_adapters(sub: argparse._SubParsersAction) -> None:
     ad = sub.add_parser(
         "eval-adapters",
         help="memory adapters vs full fine-tuning vs LoRA on new facts (seed 004 §7.3)",
@@ -167,8 +188,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     ad.add_argument("--out", help="report folder (default ROOT/adapters; out=PATH is a deprecated alias)")
     ad.set_defaults(func=_adapters)
 
-    _add_memories(sub)
 
+def _add_demo(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser(
         "demo",
         help="the main job (what `make demo` runs): pipeline → anchor → memory co-training → evaluation",
