@@ -214,6 +214,61 @@ def blas_env() -> dict[str, str]:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
 
 
+def machine_basics(**extra: Any) -> dict[str, Any]:
+    """The versions and size of the machine a results file was measured on (python, torch,
+    numpy, FAISS when installed, cores, memory, CPU model, platform), plus `extra`."""
+    import numpy as np
+    import torch
+
+    try:
+        import faiss
+        faiss_version = faiss.__version__
+    except ImportError:
+        faiss_version = None
+    return {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
+            "faiss": faiss_version, "cores": os.cpu_count(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1),
+            "cpu": cpu_info()["model"], "cuda_available": bool(torch.cuda.is_available()),
+            "platform": platform.platform(), **extra}
+
+
+def print_aligned(header: Sequence[str], cells: Sequence[Sequence[str]], *, last_width: int | None = None,
+                  rule: bool = True) -> None:
+    """Left-aligned columns under a header (and a rule); the last column at most last_width."""
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(header)]
+    if last_width is not None:
+        widths[-1] = min(widths[-1], last_width)
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))
+    print(line)
+    if rule:
+        print("-" * len(line))
+    for c in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)))
+
+
+TARGET_COLUMNS = [("bench", "bench"), ("metric", "metric"), ("value", "measured"), ("baseline", "baseline"),
+                  ("ratio", "ratio"), ("target", "target"), ("met", "met"), ("data", "data")]
+
+
+def print_targets(rows: list[dict], *, data_width: int = 60, unit_on_baseline: bool = False) -> None:
+    """Rows of {bench, metric, value, unit, baseline, ratio[, ratio_range, runs], target, met
+    ("yes" / "no" / "-"), data}: the measured value against its baseline and target."""
+    cells = []
+    for r in rows:
+        row = []
+        for k, _ in TARGET_COLUMNS:
+            cell = fmt(r[k])
+            if r["unit"] and r[k] is not None and (k == "value" or (k == "baseline" and unit_on_baseline)):
+                cell += f" {r['unit']}"
+            if k == "ratio" and r.get("ratio_range") and r.get("runs", 1) > 1:
+                cell += f" ({fmt(r['ratio_range'][0])}-{fmt(r['ratio_range'][1])})"
+            if k == "met":
+                cell = {"yes": "MET", "no": "NOT MET", "-": "-"}[cell]
+            row.append(cell)
+        cells.append(row)
+    print_aligned([h for _, h in TARGET_COLUMNS], cells, last_width=data_width)
+
+
 def machine_meta() -> dict[str, Any]:
     """What a results file needs to say about the machine for its ratios to be judged."""
     try:

@@ -49,6 +49,7 @@ from _common import (  # bench/: sys.path[0]
     loadavg,
     log,
     pressure,
+    print_aligned,
     results_path,
     write_results,
 )
@@ -188,13 +189,7 @@ def print_table(rows: list[dict]) -> None:
     cols = [("part", "part"), ("shape", "shape"), ("method", "method"), ("search", "search"), ("slots", "M"),
             ("ms_per_window_layer", "ms/window/layer"), ("us_per_token", "us/token"),
             ("base_us_per_token", "base us/token"), ("ratio", "ratio")]
-    cells = [[fmt(r.get(k)) for k, _ in cols] for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, (_, h) in enumerate(cols)]
-    line = "  ".join(h.ljust(w) for (_, h), w in zip(cols, widths, strict=True))
-    print(line)
-    print("-" * len(line))
-    for c in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)))
+    print_aligned([h for _, h in cols], [[fmt(r.get(k)) for k, _ in cols] for r in rows])
     print("\nratio: e2e = method / base time per token (adjacent runs); memory = the memory alone, "
           "read + write on every layer, per token / base forward per token")
 

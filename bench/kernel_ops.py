@@ -61,6 +61,7 @@ from _common import (  # bench/ is sys.path[0] when a script runs
     loadavg,
     log,
     peak_mib,
+    print_aligned,
     results_path,
     write_results,
 )
@@ -444,12 +445,7 @@ def bench_ffn(args, _sz: dict) -> tuple[dict, list[dict]]:
 def print_table(rows: list[dict]) -> None:
     cols = ("bench", "scenario", "variant", "pass", "ms", "tflops", "peak_mib", "vs_baseline",
             "target", "met")
-    cells = [[fmt(r.get(c)) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(x[i]) for x in cells)) if cells else len(c)
-              for i, c in enumerate(cols)]
-    print("  ".join(c.ljust(wd) for c, wd in zip(cols, widths)))
-    for x in cells:
-        print("  ".join(v.ljust(wd) for v, wd in zip(x, widths)))
+    print_aligned(cols, [[fmt(r.get(c)) for c in cols] for r in rows], rule=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,6 @@ import datetime as _dt
 import json
 import mmap
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -37,10 +36,11 @@ from typing import Any
 
 import numpy as np
 from _common import (  # bench/ is sys.path[0] when a script runs
-    fmt,
     loadavg,
     log,
+    machine_basics,
     pressure,
+    print_targets,
     results_path,
     wait_quiet,
     write_results,
@@ -161,21 +161,7 @@ def median_rows(runs: list[list[dict]]) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = [("bench", "bench"), ("metric", "metric"), ("value", "measured"), ("baseline", "baseline"),
-            ("ratio", "ratio"), ("target", "target"), ("met", "met"), ("data", "data")]
-    cells = [[fmt(r[k]) + (f" {r['unit']}" if k in ("value", "baseline") and r["unit"] and r[k] is not None else "")
-              + (f" ({fmt(r['ratio_range'][0])}-{fmt(r['ratio_range'][1])})"
-                 if k == "ratio" and r.get("ratio_range") and r.get("runs", 1) > 1 else "")
-              for k, _ in cols] for r in rows]
-    for c in cells:
-        c[6] = {"yes": "MET", "no": "NOT MET", "-": "-"}[c[6]]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, (_, h) in enumerate(cols)]
-    widths[-1] = min(widths[-1], 60)
-    line = "  ".join(h.ljust(w) for (_, h), w in zip(cols, widths, strict=True))
-    print(line)
-    print("-" * len(line))
-    for c in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)))
+    print_targets(rows, unit_on_baseline=True)
 
 
 def write_bank_for(root: Path, anchor: str, multipliers: list[int], branching: int, seed: int):
@@ -453,18 +439,13 @@ def session_latency_rows(sim_pl: float, sim_copy: float, measured: float, measur
 # ------------------------------------------------------------------------------------- main
 def machine(work: Path) -> dict:
     import psutil
-    import torch
 
     dev = os.stat(work).st_dev
     fs = next((p for p in psutil.disk_partitions(all=True)
                if os.path.exists(p.mountpoint) and os.stat(p.mountpoint).st_dev == dev), None)
-    return {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
-            "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 1024**3, 1),
-            "platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
-            "workdir": str(work), "filesystem": None if fs is None else {"device": fs.device,
-                                                                         "mountpoint": fs.mountpoint,
-                                                                         "fstype": fs.fstype},
-            "disk_free_gb": round(shutil.disk_usage(work).free / 1e9, 1)}
+    return machine_basics(workdir=str(work), disk_free_gb=round(shutil.disk_usage(work).free / 1e9, 1),
+                          filesystem=None if fs is None else {"device": fs.device, "mountpoint": fs.mountpoint,
+                                                              "fstype": fs.fstype})
 
 
 def main(argv: list[str] | None = None) -> int:

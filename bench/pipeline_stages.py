@@ -31,7 +31,6 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -42,17 +41,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import numpy as np
-import psutil
 from _common import (  # bench/ is sys.path[0] when a script runs
     baseline_health,
     faiss_l2_gflops,
     finish,
-    fmt,
     loadavg,
     log,
+    machine_basics,
     machine_meta,
     prepare_blas_env,
+    print_targets,
     results_path,
     sgemm_gflops,
     wait_quiet,
@@ -129,49 +127,11 @@ def sizes(quick: bool) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------- main
 def print_table(rows: list[dict]) -> None:
-    cols = [
-        ("bench", "bench"),
-        ("metric", "metric"),
-        ("value", "measured"),
-        ("baseline", "baseline"),
-        ("ratio", "ratio"),
-        ("target", "target"),
-        ("met", "met"),
-        ("data", "data"),
-    ]
-    cells = [
-        [fmt(r[k]) + (f" {r['unit']}" if k == "value" and r["unit"] else "") for k, _ in cols]
-        for r in rows
-    ]
-    for c in cells:
-        c[6] = {"yes": "MET", "no": "NOT MET", "-": "-"}[c[6]]
-    widths = [
-        max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
-        for i, (_, h) in enumerate(cols)
-    ]
-    widths[-1] = min(widths[-1], 60)
-    line = "  ".join(h.ljust(w) for (_, h), w in zip(cols, widths))
-    print(line)
-    print("-" * len(line))
-    for c in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(c, widths)))
+    print_targets(rows, data_width=60)
 
 
 def machine() -> dict:
-    import faiss
-    import torch
-
-    mem = round(psutil.virtual_memory().total / 1024**3, 1)
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "faiss": faiss.__version__,
-        "numpy": np.__version__,
-        "cores": n_cores(),
-        "memory_gib": mem,
-        "cuda_available": bool(torch.cuda.is_available()),
-        "platform": platform.platform(),
-    }
+    return machine_basics(cores=n_cores())
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, Any]]:

@@ -35,8 +35,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
-import platform
 import resource
 import statistics
 import sys
@@ -48,10 +46,11 @@ import torch
 import torch.nn.functional as F
 from _common import (  # bench/ is on sys.path when run as a script
     finish,
-    fmt,
     loadavg,
     log,
+    machine_basics,
     pressure,
+    print_targets,
     results_path,
     wait_quiet,
     write_results,
@@ -134,21 +133,7 @@ def row(bench: str, metric: str, value: Any, *, data: str, baseline: Any = None,
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = [("bench", "bench"), ("metric", "metric"), ("value", "measured"),
-            ("baseline", "baseline"), ("ratio", "ratio"), ("target", "target"), ("met", "met"),
-            ("data", "data")]
-    cells = [[fmt(r[k]) + (f" {r['unit']}" if k == "value" and r["unit"] else "")
-              for k, _ in cols] for r in rows]
-    for c in cells:
-        c[6] = {"yes": "MET", "no": "NOT MET", "-": "-"}[c[6]]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
-              for i, (_, h) in enumerate(cols)]
-    widths[-1] = min(widths[-1], 40)
-    line = "  ".join(h.ljust(w) for (_, h), w in zip(cols, widths, strict=True))
-    print(line)
-    print("-" * len(line))
-    for c in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)))
+    print_targets(rows, data_width=40)
 
 
 def median(xs: list[float]) -> float:
@@ -636,21 +621,8 @@ def resolve_auto(S: dict, a: AnchorShape, mem: MemoryConfig, batch: dict, seq_le
 
 # ------------------------------------------------------------------------------------- main
 def machine() -> dict:
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "cores": os.cpu_count(),
-            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB, 1),
-            "cpu": _cpu_model(), "cuda_available": bool(torch.cuda.is_available()),
-            "platform": platform.platform()}
+    return machine_basics(torch_threads=torch.get_num_threads())
 
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main(argv: list[str] | None = None) -> int:
