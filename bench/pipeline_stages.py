@@ -141,7 +141,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, An
     ap.add_argument(
         "--only", choices=BENCHES, action="append", help="run only this benchmark (repeatable)"
     )
-    ap.add_argument("--out", default=None, help="JSON (default bench/results/pipeline.json)")
+    ap.add_argument("--out", default=None, help="JSON (default bench/results/pipeline-DATE.json)")
     ap.add_argument(
         "--cache-dir",
         default=os.path.join(tempfile.gettempdir(), "memtree-bench-cache"),
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     # balance runs before assign (assign reuses its tree); results are printed in BENCHES order.
     order = [b for b in ("embed", "tree", "balance", "assign", "e2e") if b in selected]
     all_rows: dict[str, list[dict]] = {}
-    out = results_path(args.out, "pipeline.json")
+    out = results_path(args.out, f"pipeline-{_dt.date.today().isoformat()}.json")
     for name in order:
         waited = wait_quiet(args.wait_quiet)
         t0 = time.perf_counter()

@@ -40,3 +40,10 @@ def test_no_bench_script_builds_a_results_path_of_its_own():
     offenders = [p.name for p in (REPO / "bench").glob("*.py")
                  if p.name != "_common.py" and re.search(r"""["']results["']""", p.read_text())]
     assert not offenders, f"bench scripts writing under bench/results without results_path: {offenders}"
+
+
+def test_every_committed_result_is_dated():
+    """A record says when it was measured in its name (files and run folders alike)."""
+    undated = [p.name for p in (REPO / "bench" / "results").iterdir()
+               if not re.search(r"\d{4}-\d{2}-\d{2}", p.name)]
+    assert not undated, undated
