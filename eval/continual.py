@@ -338,7 +338,7 @@ def run_blocks(root: Path, out: Path, cfg: ContinualConfig, records: Sequence[tu
             background = None
         if background is None or abs(background.unit_frac - frac) > 1e-12:
             print(f"collecting block background counts over {run}'s pretraining windows", flush=True)
-            background = collect_unit_background(rm, rm.config.data.shards, unit_frac=frac, progress=progress)
+            background = collect_unit_background(rm.model, rm.store, rm.config.data.shards, unit_frac=frac, progress=progress)
             background.save(bg_dir)
     model = rm.model
     pretrained = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -364,7 +364,7 @@ def run_blocks(root: Path, out: Path, cfg: ContinualConfig, records: Sequence[tu
         model.load_state_dict(pretrained)
         rm.store = MemoryStore(work, tree=rm.tree, out_dtype=torch.float32, tiers=[TierConfig(name="ram", kind="ram")])
         torch.manual_seed(cfg.seed)
-        ft = BlockFinetuner(rm, spec, background=background)
+        ft = BlockFinetuner(rm.model, rm.store, spec, background=background)
         t = time.time()
         log = [ft.step(ids, real, p, where=f"fact {rid}")
                for rid, ids, real, p in tqdm(batches, desc=f"finetune {spec.label}", disable=not progress)]

@@ -43,7 +43,8 @@ def background(mem_run, pipeline_run):
     from eval.model import RunModel
 
     clean_stale_shared_memory()
-    bg = collect_unit_background(RunModel.load(mem_run), pipeline_run[0] / "shards", unit_frac=0.25,
+    rm = RunModel.load(mem_run)
+    bg = collect_unit_background(rm.model, rm.store, pipeline_run[0] / "shards", unit_frac=0.25,
                                  max_windows=24, progress=False)
     clean_stale_shared_memory()
     return bg
@@ -94,7 +95,7 @@ def test_background_counts_round_trip(background, tmp_path):
 def test_tfidf_step_moves_exactly_the_chosen_units(mem_run, background, tmp_path):
     rm = _fresh(mem_run, tmp_path)
     anchor = {k: v.clone() for k, v in rm.model.state_dict().items()}
-    ft = BlockFinetuner(rm, BlockFinetuneSpec(method="tfidf", top_t=5, lr=5.0, unit_frac=0.25), background=background)
+    ft = BlockFinetuner(rm.model, rm.store, BlockFinetuneSpec(method="tfidf", top_t=5, lr=5.0, unit_frac=0.25), background=background)
     ids, real, paths = _batch(rm)
     rec = ft.step(ids, real, paths, where="fact 0")
     ft.finish()
@@ -124,7 +125,7 @@ def test_tfidf_step_moves_exactly_the_chosen_units(mem_run, background, tmp_path
 def test_all_fetched_and_anchor_methods(mem_run, tmp_path):
     rm = _fresh(mem_run, tmp_path / "a")
     ids, real, paths = _batch(rm)
-    ft = BlockFinetuner(rm, BlockFinetuneSpec(method="all_fetched", lr=1.0))
+    ft = BlockFinetuner(rm.model, rm.store, BlockFinetuneSpec(method="all_fetched", lr=1.0))
     ft.step(ids, real, paths)
     ft.finish()
     fetched = {(lv, int(c)) for lv in rm.store.levels for c in paths[:, lv - 1]}
@@ -134,7 +135,7 @@ def test_all_fetched_and_anchor_methods(mem_run, tmp_path):
 
     rm = _fresh(mem_run, tmp_path / "b")
     before = {k: v.clone() for k, v in rm.model.state_dict().items()}
-    ft = BlockFinetuner(rm, BlockFinetuneSpec(method="anchor", lr=1e-3))
+    ft = BlockFinetuner(rm.model, rm.store, BlockFinetuneSpec(method="anchor", lr=1e-3))
     ft.step(ids, real, paths)
     ft.finish()
     assert not ft.touched and write_edits(rm.store, ft.blocks, ft.touched)["records"] == 0
@@ -146,10 +147,10 @@ def test_bad_input_names_the_value(mem_run, background, tmp_path):
     rm = _fresh(mem_run, tmp_path)
     ids, real, paths = _batch(rm)
     with pytest.raises(ValueError, match="needs the run's block background counts"):
-        BlockFinetuner(rm, BlockFinetuneSpec(method="tfidf"))
+        BlockFinetuner(rm.model, rm.store, BlockFinetuneSpec(method="tfidf"))
     with pytest.raises(ValueError, match="unit_frac=0.25, the spec unit_frac=0.5"):
-        BlockFinetuner(rm, BlockFinetuneSpec(method="tfidf", unit_frac=0.5), background=background)
-    ft = BlockFinetuner(rm, BlockFinetuneSpec(method="tfidf", top_t=100_000, unit_frac=0.25), background=background)
+        BlockFinetuner(rm.model, rm.store, BlockFinetuneSpec(method="tfidf", unit_frac=0.5), background=background)
+    ft = BlockFinetuner(rm.model, rm.store, BlockFinetuneSpec(method="tfidf", top_t=100_000, unit_frac=0.25), background=background)
     with pytest.raises(ValueError, match=r"fact 3: top_t=100000 exceeds the \d+ units this batch used"):
         ft.step(ids, real, paths, where="fact 3")
     from memtree.config import ConfigError

@@ -34,11 +34,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from memstore.store import MemoryStore
 from memtree.config import ConfigError, is_int
 from memtree.geometry import TensorSpec, block_layout, join_block, layer_widths
 from memtree.io import read_checked_tensors, write_checked_tensors
 from training.data import build_dataloader, real_positions
-from training.model import assemble_memories
+from training.model import AnchorLM, assemble_memories
 from training.optim import MemoryAdamW
 
 BACKGROUND_FORMAT = "memtree-block-background"
@@ -152,11 +153,11 @@ def _level_widths(layout: dict[int, list[tuple[int, int, int]]]) -> dict[int, in
 
 
 @torch.no_grad()
-def collect_unit_background(rm, shards: str | Path, *, unit_frac: float = 0.125, max_windows: int = 0,
-                            progress: bool = True) -> UnitBackground:
+def collect_unit_background(model: AnchorLM, store: MemoryStore, shards: str | Path, *, unit_frac: float = 0.125,
+                            max_windows: int = 0, progress: bool = True) -> UnitBackground:
     """Count, over the run's pretraining windows (each with the path pretraining fetched its
-    blocks by), which units of each fetched block were used. rm: an `eval.model.RunModel` with a bank."""
-    model, store = rm.model, rm.store
+    blocks by), which units of each fetched block were used. model: the run's anchor with FFN
+    memory; store: its bank."""
     layout = unit_layout(model, store)
     lidx = _layer_index(layout)
     width = _level_widths(layout)
@@ -189,8 +190,9 @@ class BlockFinetuner:
     """One method on a hierarchical-memory run: `step(ids, real, paths)` per batch. Blocks are read
     from `store` the first time a batch fetches them and kept (edited) in `self.blocks` after."""
 
-    def __init__(self, rm, spec: BlockFinetuneSpec, *, background: UnitBackground | None = None) -> None:
-        self.rm, self.model, self.store, self.spec = rm, rm.model, rm.store, spec
+    def __init__(self, model: AnchorLM, store: MemoryStore, spec: BlockFinetuneSpec, *,
+                 background: UnitBackground | None = None) -> None:
+        self.model, self.store, self.spec = model, store, spec
         self.layout = unit_layout(self.model, self.store)
         self.lidx = _layer_index(self.layout)
         self.widths = _level_widths(self.layout)
