@@ -304,6 +304,67 @@ def _origins(bank_root: Path) -> dict[int, set[int]]:
 
 # -- the experiment ----------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class _Written:
+    """The new entities' documents, compressed once: what every bank setting writes and asks."""
+
+    docs: list[dict[str, Any]]
+    probes: list[dict[str, Any]]
+    doc_index: dict[str, int]  # document id → its index in docs
+    lat: torch.Tensor  # (n_chunks, n_latent, e) every document's chunks
+    owner: list[int]  # chunk → the index of its document
+    queries: torch.Tensor  # (n_probes, e) each probe's question vector
+
+
+def _bank_setting(cfg: ContextRecallConfig, out: Path, model, vae, tok, w: _Written, frac: float,
+                  writer: str) -> tuple[str, dict[str, Any]]:
+    """One capacity: fill a bank over cfg.sessions sessions (saved and reopened between them),
+    then answer every probe from what the bank retrieves for its question alone."""
+    n_written = len(w.owner)
+    capacity = max(2, min(n_written, round(frac * n_written))) if frac < 1 else n_written
+    name = "never_merges" if capacity >= n_written else f"capacity_{frac:g}"
+    bank_root = out / "banks" / name
+    if bank_root.exists():
+        shutil.rmtree(bank_root)
+    bcfg = ContextBankConfig(dim=vae.latent_dim, n_latent=vae.cfg.n_latent, capacity=capacity,
+                             n_clusters=min(cfg.n_clusters, capacity), top_k=min(cfg.top_k, cfg.n_clusters, capacity),
+                             merge_rule=cfg.merge_rule, merge_scope=cfg.merge_scope,
+                             merge_importance_weight=cfg.merge_importance_weight,
+                             merge_age_weight=cfg.merge_age_weight, seed=cfg.seed, writer=writer)
+    t = time.time()
+    written: dict[int, int] = {}  # written entry id → chunk index
+    for s in range(cfg.sessions):
+        bank = ContextBank(bcfg) if s == 0 else ContextBank.open(bank_root, config=bcfg)
+        for j in range(n_written):
+            if w.docs[w.owner[j]]["session"] == s:
+                written[bank.append(w.lat[j], session=f"session-{s}")] = j
+        bank.recluster()  # end of session: a full k-means over what the bank holds
+        bank.save(bank_root)
+    bank = ContextBank.open(bank_root, config=bcfg)  # the recall session
+    origins = _origins(bank_root)
+    mems, hits, reads, read_ids = [], [], [], []
+    for i, p in enumerate(w.probes):
+        r = bank.retrieve(w.queries[i])
+        mems.append(r.tokens)
+        read_ids.append(r.ids)
+        held = set()
+        for eid in r.ids.tolist():
+            held |= origins.get(eid, {eid})
+        hits.append(any(w.owner[written[e]] == w.doc_index[p["doc"]] for e in held if e in written))
+        reads.append(len(r.ids))
+    preds, weights = score(model, vae, tok, w.probes, mems, batch_size=cfg.batch_size)
+    for ids, wi in zip(read_ids, weights, strict=True):  # importance (§9.5): what each entry's tokens received
+        if len(ids):
+            bank.record_attention(ids, wi.view(len(ids), -1).sum(1))
+    bank.save(bank_root)
+    row = _acc(w.probes, preds, cfg.sessions)
+    row.update({"capacity": capacity, "entries_written": n_written, "fill_ratio": n_written / capacity,
+                "entries_held": len(bank), "merges": int(bank.stats["merges"]),
+                "retrieval_hit_rate": float(np.mean(hits)), "entries_read_mean": float(np.mean(reads)),
+                "seconds": round(time.time() - t, 1)})
+    return name, row
+
+
 def run_recall(cfg: ContextRecallConfig) -> Path:
     """Run the experiment (training the compressor first when needed); returns the report path."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -349,49 +410,10 @@ def run_recall(cfg: ContextRecallConfig) -> Path:
     results["own_entry"] = _acc(probes, preds, cfg.sessions)
     timings["baselines_s"] = round(time.time() - t, 1)
 
+    written = _Written(docs=docs, probes=probes, doc_index=doc_index, lat=lat, owner=owner, queries=queries)
     writer = writer_id(vae_dir)
     for frac in cfg.capacities:
-        capacity = max(2, min(n_written, round(frac * n_written))) if frac < 1 else n_written
-        name = "never_merges" if capacity >= n_written else f"capacity_{frac:g}"
-        bank_root = out / "banks" / name
-        if bank_root.exists():
-            shutil.rmtree(bank_root)
-        bcfg = ContextBankConfig(dim=vae.latent_dim, n_latent=vae.cfg.n_latent, capacity=capacity,
-                                 n_clusters=min(cfg.n_clusters, capacity), top_k=min(cfg.top_k, cfg.n_clusters, capacity),
-                                 merge_rule=cfg.merge_rule, merge_scope=cfg.merge_scope,
-                                 merge_importance_weight=cfg.merge_importance_weight,
-                                 merge_age_weight=cfg.merge_age_weight, seed=cfg.seed, writer=writer)
-        t = time.time()
-        written: dict[int, int] = {}  # written entry id → chunk index
-        for s in range(cfg.sessions):
-            bank = ContextBank(bcfg) if s == 0 else ContextBank.open(bank_root, config=bcfg)
-            for j in range(n_written):
-                if docs[owner[j]]["session"] == s:
-                    written[bank.append(lat[j], session=f"session-{s}")] = j
-            bank.recluster()  # end of session: a full k-means over what the bank holds
-            bank.save(bank_root)
-        bank = ContextBank.open(bank_root, config=bcfg)  # the recall session
-        origins = _origins(bank_root)
-        mems, hits, reads, read_ids = [], [], [], []
-        for i, p in enumerate(probes):
-            r = bank.retrieve(queries[i])
-            mems.append(r.tokens)
-            read_ids.append(r.ids)
-            held = set()
-            for eid in r.ids.tolist():
-                held |= origins.get(eid, {eid})
-            hits.append(any(owner[written[w]] == doc_index[p["doc"]] for w in held if w in written))
-            reads.append(len(r.ids))
-        preds, w = score(model, vae, tok, probes, mems, batch_size=cfg.batch_size)
-        for ids, wi in zip(read_ids, w, strict=True):  # importance (§9.5): what each entry's tokens received
-            if len(ids):
-                bank.record_attention(ids, wi.view(len(ids), -1).sum(1))
-        bank.save(bank_root)
-        row = _acc(probes, preds, cfg.sessions)
-        row.update({"capacity": capacity, "entries_written": n_written, "fill_ratio": n_written / capacity,
-                    "entries_held": len(bank), "merges": int(bank.stats["merges"]),
-                    "retrieval_hit_rate": float(np.mean(hits)), "entries_read_mean": float(np.mean(reads)),
-                    "seconds": round(time.time() - t, 1)})
+        name, row = _bank_setting(cfg, out, model, vae, tok, written, frac, writer)
         results[name] = row
         print(f"[context-bank] {name}: accuracy {row['accuracy']:.1%}, hit rate {row['retrieval_hit_rate']:.1%}, "
               f"{row['merges']} merges", flush=True)

@@ -312,6 +312,63 @@ def measure_tensor_us(repeats: int = 200) -> float:
     return float(np.median(times)) / len(layout) * 1e6
 
 
+def _measure_plan(tiers: Sequence[str], sizes: Sequence[int], disk_dir, repeats: int) -> tuple[list[str], list[int]]:
+    """The tiers (fastest first, disk added with disk_dir) and sorted sizes `measure` times;
+    ValueError for what cannot be measured or fitted."""
+    tiers = list(dict.fromkeys(tiers))
+    if disk_dir is not None and "disk" not in tiers:
+        tiers.append("disk")
+    tiers.sort(key=lambda t: ("ram", "flash", "disk").index(tier_kind(t)))  # a profile lists tiers fastest first
+    if "disk" in tiers and disk_dir is None:
+        raise ValueError("the disk tier needs disk_dir (where to put the level file it reads)")
+    if not tiers:
+        raise ValueError("calibrate: no tiers to measure")
+    sizes = sorted({int(s) for s in sizes})
+    if len(sizes) < 2:
+        raise ValueError(f"calibrate: need two or more sizes to fit latency and bandwidth, got {sizes}")
+    for s in sizes:
+        calibration_anchor(s)
+    if repeats < 1:
+        raise ValueError(f"calibrate: repeats must be >= 1, got {repeats}")
+    return tiers, sizes
+
+
+def _time_cold_fetches(stores: Mapping[tuple[str, int], tuple[MemoryStore, _Cold, int]], rng: np.random.Generator,
+                       warmup: int, repeats: int) -> dict[tuple[str, int], list[float]]:
+    """Seconds of `repeats` uncached fetches of a random block per (tier, size), the pairs
+    interleaved in a fresh random order every round, after `warmup` untimed rounds."""
+    samples: dict[tuple[str, int], list[float]] = {k: [] for k in stores}
+    keys = list(stores)
+    for rep in range(warmup + repeats):
+        for i in rng.permutation(len(keys)):
+            store, cold, n = stores[keys[i]]
+            cluster = int(rng.integers(n))
+            cold()
+            t0 = time.perf_counter()
+            store.fetch_flat(1, cluster)
+            dt = time.perf_counter() - t0
+            if rep >= warmup:
+                samples[keys[i]].append(dt)
+    return samples
+
+
+def _tier_profiles(fits: Sequence[TierFit], source: str, capacity_gb: Mapping[str, float | None] | None,
+                   workdir: Path, disk_dir) -> list[TierProfile]:
+    """Each fitted tier as a profile tier; capacity as given, else from the filesystem it was
+    measured on. source: the provenance text, with {method}, {error} and {capacity} to fill."""
+    out = []
+    for f in fits:
+        if capacity_gb is not None and f.name in capacity_gb:
+            cap, cap_note = capacity_gb[f.name], "capacity: given"
+        else:
+            where = Path(disk_dir) if f.name == "disk" and not is_url(str(disk_dir)) else workdir
+            cap, cap_note = _default_capacity_gb(f.name, where, last=f is fits[-1])
+        out.append(TierProfile(name=f.name, bandwidth_gbps=_sig(f.bandwidth_bps / 1e9),
+                               latency_us=_sig(f.latency_s * 1e6), capacity_gb=cap,
+                               source=source.format(method=f.method, error=f.max_rel_error, capacity=cap_note)))
+    return out
+
+
 def measure(
     workdir: str | os.PathLike,
     *,
@@ -332,21 +389,7 @@ def measure(
 ) -> Calibration:
     """Measure the tiers and fit a profile; see the module docstring. `progress(msg)` gets log lines."""
     say = progress or (lambda _msg: None)
-    tiers = list(dict.fromkeys(tiers))
-    if disk_dir is not None and "disk" not in tiers:
-        tiers.append("disk")
-    tiers.sort(key=lambda t: ("ram", "flash", "disk").index(tier_kind(t)))  # a profile lists tiers fastest first
-    if "disk" in tiers and disk_dir is None:
-        raise ValueError("the disk tier needs disk_dir (where to put the level file it reads)")
-    if not tiers:
-        raise ValueError("calibrate: no tiers to measure")
-    sizes = sorted({int(s) for s in sizes})
-    if len(sizes) < 2:
-        raise ValueError(f"calibrate: need two or more sizes to fit latency and bandwidth, got {sizes}")
-    for s in sizes:
-        calibration_anchor(s)
-    if repeats < 1:
-        raise ValueError(f"calibrate: repeats must be >= 1, got {repeats}")
+    tiers, sizes = _measure_plan(tiers, sizes, disk_dir, repeats)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -371,20 +414,8 @@ def measure(
                 bank = droot if t == "disk" else root
                 store = MemoryStore(bank, tiers=_store_tiers([t], direct), placement={1: t}, verify=verify)
                 stores[(t, s)] = (store, _Cold(store, direct), store.info.level(1).n_blocks)
-        samples: dict[tuple[str, int], list[float]] = {k: [] for k in stores}
-        keys = list(stores)
-        say(f"timing {len(keys)} (tier, size) pairs × {warmup}+{repeats} random fetches, interleaved")
-        for rep in range(warmup + repeats):
-            for i in rng.permutation(len(keys)):
-                key = keys[i]
-                store, cold, n = stores[key]
-                cluster = int(rng.integers(n))
-                cold()
-                t0 = time.perf_counter()
-                store.fetch_flat(1, cluster)
-                dt = time.perf_counter() - t0
-                if rep >= warmup:
-                    samples[key].append(dt)
+        say(f"timing {len(stores)} (tier, size) pairs × {warmup}+{repeats} random fetches, interleaved")
+        samples = _time_cold_fetches(stores, rng, warmup, repeats)
         methods = {t: stores[(t, sizes[0])][1].methods[1] for t in tiers}
     finally:
         for store, _, _ in stores.values():
@@ -394,21 +425,12 @@ def measure(
                 remove_bank(b)
     fits = tuple(fit_tier(t, {s: samples[(t, s)] for s in sizes}, method=methods[t]) for t in tiers)
     host = socket.gethostname()
-    now = _dt.datetime.now(_dt.UTC)
-    date = now.strftime("%Y-%m-%d %H:%M UTC")
-    tier_profiles = []
-    for f in fits:
-        if capacity_gb is not None and f.name in capacity_gb:
-            cap, cap_note = capacity_gb[f.name], "capacity: given"
-        else:
-            where = Path(disk_dir) if f.name == "disk" and not is_url(str(disk_dir)) else workdir
-            cap, cap_note = _default_capacity_gb(f.name, where, last=f is fits[-1])
-        src = (f"measured by memtree memstore calibrate on {host} {date}: MemoryStore.fetch_flat of random "
-               f"uncached blocks ({f.method}; verify={verify}; cache 0), {len(sizes)} sizes "
-               f"{human_bytes(sizes[0])}-{human_bytes(sizes[-1])} x {repeats} fetches, medians fitted by "
-               f"relative least squares (max fit error {f.max_rel_error:.0%}). {cap_note}.")
-        tier_profiles.append(TierProfile(name=f.name, bandwidth_gbps=_sig(f.bandwidth_bps / 1e9),
-                                         latency_us=_sig(f.latency_s * 1e6), capacity_gb=cap, source=src))
+    date = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    source = (f"measured by memtree memstore calibrate on {host} {date}: MemoryStore.fetch_flat of random "
+              f"uncached blocks ({{method}}; verify={verify}; cache 0), {len(sizes)} sizes "
+              f"{human_bytes(sizes[0])}-{human_bytes(sizes[-1])} x {repeats} fetches, medians fitted by "
+              f"relative least squares (max fit error {{error:.0%}}). {{capacity}}.")
+    tier_profiles = _tier_profiles(fits, source, capacity_gb, workdir, disk_dir)
     profile = HardwareProfile(name=name, description=f"{host}: measured by memtree memstore calibrate, {date}",
                               tiers=tuple(tier_profiles), cache_gb=cache_gb, tensor_us=_sig(measure_tensor_us()))
     settings = {"tiers": tiers, "sizes": sizes, "repeats": repeats, "warmup": warmup, "direct": direct,
@@ -544,6 +566,42 @@ def _fast_levels_profile(profile: HardwareProfile, level_bytes: Sequence[int], f
     return replace(profile, tiers=(t0, *profile.tiers[1:]))
 
 
+def _time_path_fetches(store: MemoryStore, cold: _Cold, levels: Sequence[int], branching: int, n_levels: int,
+                       rng: np.random.Generator, warmup: int, n_fetches: int
+                       ) -> tuple[list[float], dict[int, list[float]], dict[int, list[float]]]:
+    """Seconds of n_fetches cold `fetch(path)` calls of random root-to-leaf paths (after warmup
+    untimed ones) and, on other random paths, of each level's `fetch_flat` (freeing included)
+    and its `unflatten` apart: (whole, {level: fetch_flat}, {level: unflatten}). levels: the
+    levels holding memory, of a tree n_levels deep."""
+    B, L = branching, n_levels
+    whole: list[float] = []
+    per_level: dict[int, list[float]] = {lv: [] for lv in levels}
+    unflat: dict[int, list[float]] = {lv: [] for lv in levels}
+    for i in range(warmup + n_fetches):
+        leaf = int(rng.integers(B**L))
+        path = [leaf // B ** (L - k) for k in range(1, L + 1)]
+        cold()
+        t0 = time.perf_counter()
+        store.fetch(path)
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            whole.append(dt)
+        leaf = int(rng.integers(B**L))
+        for lv in levels:
+            cold()
+            t0 = time.perf_counter()
+            flat = store.fetch_flat(lv, leaf // B ** (L - lv))
+            t1 = time.perf_counter()
+            store.codec(lv).unflatten(flat)  # what fetch(path) adds per level
+            t2 = time.perf_counter()
+            del flat  # freeing the block belongs to its fetch, as in `measure`
+            t3 = time.perf_counter()
+            if i >= warmup:
+                per_level[lv].append((t1 - t0) + (t3 - t2))
+                unflat[lv].append(t2 - t1)
+    return whole, per_level, unflat
+
+
 def validate(
     profile: HardwareProfile | str | os.PathLike,
     workdir: str | os.PathLike,
@@ -604,32 +662,8 @@ def validate(
         used = [t.name for t in prof.tiers if t.name in set(mapping.values())]
         with MemoryStore(root, tiers=_store_tiers(used, direct), placement=mapping, verify=verify) as store:
             cold = _Cold(store, direct)
-            B, L = branching, p.memory.n_levels
-            whole: list[float] = []
-            per_level: dict[int, list[float]] = {lv.level: [] for lv in levels}
-            unflat: dict[int, list[float]] = {lv.level: [] for lv in levels}
-            for i in range(warmup + n_fetches):
-                leaf = int(rng.integers(B**L))
-                path = [leaf // B ** (L - k) for k in range(1, L + 1)]
-                cold()
-                t0 = time.perf_counter()
-                store.fetch(path)
-                dt = time.perf_counter() - t0
-                if i >= warmup:
-                    whole.append(dt)
-                leaf = int(rng.integers(B**L))
-                for lv in levels:
-                    cold()
-                    t0 = time.perf_counter()
-                    flat = store.fetch_flat(lv.level, leaf // B ** (L - lv.level))
-                    t1 = time.perf_counter()
-                    store.codec(lv.level).unflatten(flat)  # what fetch(path) adds per level
-                    t2 = time.perf_counter()
-                    del flat  # freeing the block belongs to its fetch, as in `measure`
-                    t3 = time.perf_counter()
-                    if i >= warmup:
-                        per_level[lv.level].append((t1 - t0) + (t3 - t2))
-                        unflat[lv.level].append(t2 - t1)
+            whole, per_level, unflat = _time_path_fetches(store, cold, [lv.level for lv in levels], branching,
+                                                          p.memory.n_levels, rng, warmup, n_fetches)
             methods = dict(cold.methods)
             p_codecs = {lv.level: store.codec(lv.level) for lv in levels}
     finally:
