@@ -202,26 +202,24 @@ def part_profile(c: Check) -> dict:
     return res
 
 
-def part_tune(c: Check) -> dict:
-    cmd = [*_py(), "bench/tune_backward.py", "--device", c.args.device, "--out", str(c.out)]
+def _sweep_part(c: Check, part: str, script: str, results: str) -> dict:
+    """A launch-configuration sweep (bench/tune_*.py) and its rows."""
+    cmd = [*_py(), script, "--device", c.args.device, "--out", str(c.out)]
     if c.args.quick:
         cmd += ["--quick", "--n", "1"]
-    res = c.run("tune", cmd, share=c.share("tune"))
-    path = c.out / "tune-backward.json"
+    res = c.run(part, cmd, share=c.share(part))
+    path = c.out / results
     if path.exists():
         res["rows"] = json.loads(path.read_text())["rows"]
     return res
+
+
+def part_tune(c: Check) -> dict:
+    return _sweep_part(c, "tune", "bench/tune_backward.py", "tune-backward.json")
 
 
 def part_tune_ffn(c: Check) -> dict:
-    cmd = [*_py(), "bench/tune_ffn.py", "--device", c.args.device, "--out", str(c.out)]
-    if c.args.quick:
-        cmd += ["--quick", "--n", "1"]
-    res = c.run("tune_ffn", cmd, share=c.share("tune_ffn"))
-    path = c.out / "tune-ffn.json"
-    if path.exists():
-        res["rows"] = json.loads(path.read_text())["rows"]
-    return res
+    return _sweep_part(c, "tune_ffn", "bench/tune_ffn.py", "tune-ffn.json")
 
 
 def _loss_runs(c: Check) -> list[tuple[str, str, int, bool]]:

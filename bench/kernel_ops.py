@@ -60,6 +60,7 @@ from _common import (  # bench/ is sys.path[0] when a script runs
     fmt,
     loadavg,
     log,
+    machine_meta,
     peak_mib,
     print_aligned,
     results_path,
@@ -471,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
                  "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
                  "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                  "torch": torch.__version__, "triton": triton.__version__,
-                 "peak_tflops": args.peak_tflops, "loadavg_start": loadavg()},
+                 "peak_tflops": args.peak_tflops, "loadavg_start": loadavg(), "host": machine_meta()},
         "benchmarks": {}, "rows": []}
     fns = {"attention": bench_attention, "ffn": bench_ffn}
     selected = [b for b in BENCHES if b in (args.only or BENCHES)]

@@ -49,6 +49,7 @@ from _common import (  # bench/ is on sys.path when run as a script
     loadavg,
     log,
     machine_basics,
+    machine_meta,
     pressure,
     print_targets,
     results_path,
@@ -657,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "meta": {"command": " ".join([Path(sys.executable).name, *sys.argv]),
                  "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-                 "quick": args.quick, "machine": machine(), "sizes": S,
+                 "quick": args.quick, "machine": machine(), "host": machine_meta(), "sizes": S,
                  "loadavg_start": loadavg()},
         "benchmarks": {}, "rows": []}
     fns = {"overhead": bench_overhead, "banksize": bench_banksize, "state": bench_state,
