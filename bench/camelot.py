@@ -12,7 +12,7 @@ Two parts, both against a baseline measured in the same run:
           probed), plus the Memorizing baseline's FIFO kNN cache (exact). Reported also as µs
           per token for all of the shape's layers and as a ratio to the base forward's time
           per token of that shape (measured in this run): the memory's share of the overhead.
-  e2e     `training.camelot.longdoc_token_nll` over a document of --windows windows of L
+  e2e     `training.camelot.longdoc.longdoc_token_nll` over a document of --windows windows of L
           tokens on memtree's AnchorLM (random weights, frozen): methods base / xl /
           memorizing / camelot, memory on every layer. Each method's time is measured
           interleaved with base's (base, method, method, base, ...) and the ratio taken to that
@@ -56,7 +56,7 @@ from _common import (  # bench/: sys.path[0]
 
 from memstore.camelot import AssociativeMemory, CamelotConfig, FifoKNNCache
 from memtree.geometry import AnchorShape, get_anchor
-from training.camelot import longdoc_token_nll, new_memory
+from training.camelot.longdoc import longdoc_token_nll, new_memory
 from training.model import AnchorLM, ModelConfig
 
 # Anchor shapes (training/model.py's AnchorLM): "tiny" is the demo's anchor (4 layers × d 128,

@@ -48,11 +48,11 @@ from _common import (  # bench/ is sys.path[0] when a script runs
 
 from memstore.format import level_path
 from memstore.sim.calibrate import (
-    _drop_cache,
-    _random_init,
+    drop_cache,
     format_calibration,
     format_validation,
     measure,
+    random_init,
     validate,
     write_profile,
 )
@@ -168,9 +168,9 @@ def write_bank_for(root: Path, anchor: str, multipliers: list[int], branching: i
     """A bf16 FFN bank with random values (the calibration's init), page cache dropped afterwards."""
     t0 = time.perf_counter()
     info = write_bank(root, anchor=get_anchor(anchor), memory=MemoryConfig(multipliers=tuple(multipliers),
-                      branching=branching), dtype="bf16", init=_random_init(seed))
+                      branching=branching), dtype="bf16", init=random_init(seed))
     for lv in info.levels.values():
-        _drop_cache(level_path(info.root, lv))
+        drop_cache(level_path(info.root, lv))
     size = sum(lv.file_bytes for lv in info.levels.values())
     log(f"wrote {root.name}: {size / 1e9:.3f} GB in {time.perf_counter() - t0:.1f} s")
     return info

@@ -1,4 +1,4 @@
-"""Lookup cost of the product-key memory layer (training/pkm.py) against scoring every slot.
+"""Lookup cost of the product-key memory layer (training/layers/pkm.py) against scoring every slot.
 
     .venv/bin/python bench/pkm.py --quick       # N = 64², 128² (seconds)
     .venv/bin/python bench/pkm.py               # N = 64² … 512² (262,144 slots)
@@ -21,7 +21,7 @@ import time
 import torch
 from _common import finish, log, results_path, run_meta  # bench/ on sys.path
 
-from training.pkm import PKMConfig, ProductKeyMemory
+from training.layers.pkm import PKMConfig, ProductKeyMemory
 
 # The columns of the printed table.
 COLUMNS = ["slots", "tokens", "product_key_ms", "exhaustive_ms", "speedup", "same_slots", "rows_in_other_order"]

@@ -18,20 +18,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import sys
-from pathlib import Path
 
 import torch
-from _common import log, run_meta  # bench/ is sys.path[0] when a script runs
+from _common import run_meta  # bench/ is sys.path[0] when a script runs
+from _tuning import kernel_device_us, setup, sweep
 
 # (block_m, block_n, num_warps, num_stages, dkv_chunk); None = Launch.choose as it is
 FP32 = [None, (64, 64, 4, 2, 4), (64, 32, 4, 2, 16), (32, 64, 4, 2, 16), (32, 32, 4, 2, 16),
         (64, 64, 8, 2, 16), (64, 64, 4, 1, 16), (32, 32, 2, 1, 4), (64, 32, 4, 1, 4)]
 BF16 = [None, (128, 64, 8, 3, 4), (64, 64, 4, 3, 16), (128, 32, 8, 3, 16), (64, 64, 4, 2, 4),
         (128, 64, 4, 3, 16)]
-KERNELS = ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkv_kernel")
+KERNELS = ("fwd_kernel", "bwd_dq_kernel", "bwd_dkv_kernel")
 
 
 def problems(device: str, quick: bool) -> list[dict]:
@@ -62,7 +60,7 @@ def run(p: dict, cfg, n: int, device: str) -> dict:
     from kernels.memory_attention import kernel as K
     from kernels.memory_attention import memory_attention
 
-    original, run_dkv = K.Launch.choose, K._bwd_dkv_kernel.run
+    original, run_dkv = K.Launch.choose, K.bwd_dkv_kernel.run
     compiled = {}
 
     def choose(*a, **kw):
@@ -85,28 +83,16 @@ def run(p: dict, cfg, n: int, device: str) -> dict:
             t.grad = None
         memory_attention(*leaves, p["idx"], sparse_grad=False, impl="triton").backward(p["dy"])
 
-    K.Launch.choose, K._bwd_dkv_kernel.run = choose, spy
+    K.Launch.choose, K.bwd_dkv_kernel.run = choose, spy
     K.clear_caches()  # the per-shape launch cache would keep the last configuration's tiles
     try:
         step()
         grads = [t.grad.float().clone() for t in leaves]
-        if device == "cuda":
-            torch.cuda.synchronize()
-        acts = [torch.profiler.ProfilerActivity.CPU] + (
-            [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
-        with torch.profiler.profile(activities=acts) as prof:
-            for _ in range(n):
-                step()
-            if device == "cuda":
-                torch.cuda.synchronize()
+        res = kernel_device_us(step, n, device, KERNELS)
     finally:
-        K.Launch.choose, K._bwd_dkv_kernel.run = original, run_dkv
+        K.Launch.choose, K.bwd_dkv_kernel.run = original, run_dkv
         K.clear_caches()
-    res = {"config": cfg or "current", "grads": grads}
-    for e in prof.key_averages():
-        if e.key in KERNELS:
-            dev = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
-            res[e.key + "_us"] = dev / n
+    res = {**res, "out": grads}
     kern = compiled.get("dkv")
     for attr in ("n_regs", "n_spills"):
         try:
@@ -123,30 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=5, help="forward+backward calls profiled per configuration")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    if args.device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rows, meta = [], run_meta(args)
-    for p in problems(args.device, args.quick):
-        ref = None
-        for cfg in p["configs"]:
-            try:
-                r = run(p, cfg, args.n, args.device)
-                grads = r.pop("grads")
-                ref = ref or grads
-                r["max_rel_err"] = max(float((a - b).norm() / b.norm().clamp(min=1e-30))
-                                       for a, b in zip(grads, ref, strict=True))
-            except Exception as e:  # noqa: BLE001 (out of shared memory or registers: recorded)
-                r = {"config": cfg or "current", "error": f"{type(e).__name__}: {str(e)[:200]}"}
-            r["shape"] = p["name"]
-            rows.append(r)
-            log({k: (float(f"{v:.3g}") if isinstance(v, float) else v) for k, v in r.items()})
-            tmp = out / "tune-backward.json.tmp"
-            tmp.write_text(json.dumps({"device": args.device, "meta": meta,
-                                       "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-                                       "rows": rows}, indent=1, default=str))
-            tmp.replace(out / "tune-backward.json")
+    out = setup(args.device, args.out)
+    header = {"device": args.device, "meta": run_meta(args),
+              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None}
+    sweep((({"shape": p["name"], "config": cfg or "current"}, p["name"],
+            lambda p=p, cfg=cfg: run(p, cfg, args.n, args.device))
+           for p in problems(args.device, args.quick) for cfg in p["configs"]),
+          out / "tune-backward.json", header)
     return 0
 
 

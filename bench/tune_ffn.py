@@ -19,13 +19,11 @@ the largest relative error.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-from pathlib import Path
 
 import torch
-from _common import log, run_meta  # bench/ is sys.path[0] when a script runs
+from _common import run_meta  # bench/ is sys.path[0] when a script runs
+from _tuning import kernel_device_us, setup, sweep
 
 KERNELS = ("_up", "_down", "_bwd_h", "_dx", "_dw")
 # Candidates per kernel on a GPU: bigger output tiles and reduction steps than the current
@@ -93,24 +91,12 @@ def run(p: dict, name: str | None, cfg: dict | None, n: int, device: str) -> dic
     try:
         y = step()
         got = [y.detach().float().clone(), *(t.grad.float().clone() for t in leaves)]
-        if device == "cuda":
-            torch.cuda.synchronize()
-        acts = [torch.profiler.ProfilerActivity.CPU] + (
-            [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
-        with torch.profiler.profile(activities=acts) as prof:
-            for _ in range(n):
-                step()
-            if device == "cuda":
-                torch.cuda.synchronize()
+        res = kernel_device_us(step, n, device, KERNELS)
     finally:
         table.clear()
         table.update(saved)
-    res: dict = {"kernel": name or "current", "config": cfg, "out": got}
-    for e in prof.key_averages():
-        if e.key in KERNELS:
-            res[e.key + "_us"] = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) / n
     res["sum_us"] = sum(res.get(k + "_us", 0.0) for k in KERNELS)
-    return res
+    return {**res, "out": got}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,34 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=5, help="forward+backward calls profiled per configuration")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    if args.device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = setup(args.device, args.out)
     p = problem(args.device, args.quick)
-    rows, meta = [], run_meta(args)
-    ref = None
     todo = [(None, None)] + [(name, cfg) for name, cfgs in candidates(p, args.device, args.quick).items()
                              for cfg in cfgs]
-    for name, cfg in todo:
-        try:
-            r = run(p, name, cfg, args.n, args.device)
-            got = r.pop("out")
-            ref = ref or got
-            r["max_rel_err"] = max(float((a - b).norm() / b.norm().clamp(min=1e-30))
-                                   for a, b in zip(got, ref, strict=True))
-        except Exception as e:  # noqa: BLE001 (out of shared memory or registers: recorded)
-            r = {"kernel": name or "current", "config": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"}
-        rows.append(r)
-        log({k: (float(f"{v:.3g}") if isinstance(v, float) else v) for k, v in r.items()})
-        tmp = out / "tune-ffn.json.tmp"
-        tmp.write_text(json.dumps({"device": args.device, "meta": meta, "sizes": {
-            k: v for k, v in p.items() if isinstance(v, int)},
-            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-            "rows": rows}, indent=1, default=str))
-        tmp.replace(out / "tune-ffn.json")
+    header = {"device": args.device, "meta": run_meta(args),
+              "sizes": {k: v for k, v in p.items() if isinstance(v, int)},
+              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None}
+    sweep((({"kernel": name or "current", "config": cfg}, "all",
+            lambda name=name, cfg=cfg: run(p, name, cfg, args.n, args.device)) for name, cfg in todo),
+          out / "tune-ffn.json", header)
     return 0
 
 

@@ -4,7 +4,7 @@
 The experiment a user with an existing model runs first. A pretrained anchor (a bios demo run's
 `train/anchor`, no memory) is fine-tuned on facts about entities its corpus never mentions, under
 the four conditions of §7.3: full fine-tuning, LoRA, memory cross-attention adapters
-(training/mem_adapter.py: MoC layers added to chosen blocks, base frozen) and adapters + LoRA.
+(training/finetune/adapters.py: MoC layers added to chosen blocks, base frozen) and adapters + LoRA.
 The data and the measures are eval-continual's (eval/continual.py), so the two experiments read
 side by side: the same new-fact stream (each fact a batch of `paraphrases` statements in
 different frames), here repeated for `epochs` passes in a fresh order each pass; learning =
@@ -37,9 +37,9 @@ from eval.continual import fact_task, forgetting, measure, plot_pareto
 from eval.model import RunModel
 from memtree.config import ConfigError, is_int, load_config, to_dict
 from memtree.io import atomic_write_json, atomic_write_text
-from training.finetune import FinetuneSpec, finetune_stream
+from training.finetune.adapters import adapter_summary, detach_from_anchor
+from training.finetune.continual import FinetuneSpec, finetune_stream
 from training.flops import finetune_accounting, lora_params
-from training.mem_adapter import adapter_summary, detach_from_anchor
 
 DEFAULT_YAML = Path(__file__).parent / "yamls" / "adapters.yaml"
 CHANCE = 0.25
@@ -52,7 +52,7 @@ class AdaptersConfig:
     """root: a bios demo run; run: the pretrained model (default ROOT/train/anchor); n_facts,
     paraphrases, world_seed: the new facts (as eval-continual); epochs: passes over them;
     old_probes, old_min_mentions, held_out_docs: the forgetting measures; runs: the
-    configurations (`training.finetune.FinetuneSpec`, methods full | lora | mem_adapter |
+    configurations (`training.finetune.continual.FinetuneSpec`, methods full | lora | mem_adapter |
     mem_adapter+lora); match_lora: LoRA ranks matched to the first adapter's trainable
     parameters; out: report folder (default ROOT/adapters)."""
 

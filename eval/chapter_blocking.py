@@ -27,7 +27,8 @@ import torch
 
 from eval.model import RunModel
 from eval.tasks import multiple_choice
-from training.moc import MoCLayer
+from training.hooks import attached
+from training.layers.moc import MoCLayer
 
 
 def moc_layers(rm: RunModel) -> list[MoCLayer]:
@@ -63,12 +64,8 @@ def routed_counts(rm: RunModel, probes: Sequence[dict[str, Any]], layers: Sequen
             counts[i] += np.bincount(routed, minlength=n)
         return record
 
-    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
-    try:
+    with attached([(layer, hook(i)) for i, layer in enumerate(layers)]):
         multiple_choice(rm, probes, mode="none")
-    finally:
-        for h in handles:
-            h.remove()
     return counts
 
 

@@ -128,7 +128,7 @@ def _add_longctx(sub: argparse._SubParsersAction) -> None:
                     help="which retrieved entries a query sees: causal (entries of tokens up to its own; "
                          "default) or full (all L, as the seed's prefix reads — leaks the next token through "
                          "the key it was retrieved with, so its perplexity is not a fair score; "
-                         "training/camelot.py)")
+                         "training/camelot/longdoc.py)")
     lc.add_argument("--out", help="report directory (default RUN/eval-longctx)")
     lc.set_defaults(func=_longctx)
 

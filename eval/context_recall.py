@@ -3,7 +3,7 @@
 The experiment. A frozen anchor (a bios demo run's `train/anchor`) gets, in `sessions` separate
 sessions, one document each about `n_entities` entities it has never seen (a bios world drawn
 with another seed: new names and new values; names that also occur in the training corpus are
-skipped). Each prompt is compressed (training/context_vae.py) into entries of the context bank
+skipped). Each prompt is compressed (training/context/vae.py) into entries of the context bank
 (memstore/context_bank.py), which is saved at the end of each session and opened again from disk
 at the start of the next: nothing else carries over. In a final session the model answers
 4-way probes about every fact those documents stated, "The {label} of {reference} is",
@@ -49,7 +49,7 @@ from memstore.context_bank import ContextBank, ContextBankConfig
 from memtree.config import from_dict, is_int, load_config, to_dict
 from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json, sha256_file
 from pipeline.corpus.bios import BiosSpec, bios_facts, generate_bios, recall_pairs
-from training.context_vae import (
+from training.context.vae import (
     chunk_ids,
     compress,
     load_vae,
@@ -150,7 +150,7 @@ def ensure_compressor(root: Path, out: Path, cfg: ContextRecallConfig, *, log=pr
     reused only when it was trained from the same inputs (recorded in its `compressor_inputs.json`):
     the training config (training/yamls/context-vae.yaml + `train`), the training pairs and the
     anchor's weights; a compressor trained from other inputs, or with no record of them, is retrained."""
-    from training.context_train import load_context_config, train_context_vae
+    from training.context.train import load_context_config, train_context_vae
 
     anchor_dir = root / "train" / "anchor"
     vae_dir = Path(cfg.vae) if cfg.vae else out / "vae"

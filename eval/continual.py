@@ -45,22 +45,22 @@ from memstore.store import MemoryStore, TierConfig
 from memtree.config import ConfigError, from_dict, is_int, load_config, to_dict
 from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json
 from pipeline.corpus.bios import BiosSpec, bios_facts, fact_statements
-from training.block_finetune import (
+from training.config import load_train_config
+from training.finetune.blocks import (
     BlockFinetuner,
     BlockFinetuneSpec,
     UnitBackground,
     collect_unit_background,
     write_edits,
 )
-from training.config import load_train_config
-from training.finetune import (
+from training.finetune.continual import (
     FinetuneSpec,
     batch_tensors,
     collect_run_background,
     finetune_stream,
     load_background,
 )
-from training.pkm import BACKGROUND_DIR
+from training.finetune.slots import BACKGROUND_DIR
 
 DEFAULT_YAML = Path(__file__).parent / "yamls" / "continual.yaml"
 CHANCE = 0.25
@@ -76,7 +76,7 @@ class ContinualConfig:
     old_min_mentions: the old-fact probes (facts stated in at least that many documents);
     held_out_docs; runs: the configurations; blocks_run: a hierarchical-memory run (default
     ROOT/train/cotrain) whose bank blocks `block_runs` update on the same stream (TF-IDF units,
-    every fetched block, or the anchor: training/block_finetune.py; empty: skipped); out: report
+    every fetched block, or the anchor: training/finetune/blocks.py; empty: skipped); out: report
     folder (default ROOT/continual)."""
 
     root: str = "runs/demo"

@@ -1,7 +1,7 @@
 """Long-context perplexity of a frozen LM with CAMELoT and its baselines (seed 001, Table 2 / Fig. 3).
 
 `longctx_eval(model, docs, methods=[...], window=L)` runs every long document through the frozen
-model window by window (`training.camelot.longdoc_token_nll`) once per method:
+model window by window (`training.camelot.longdoc.longdoc_token_nll`) once per method:
 - "base": each window of L tokens alone;
 - "xl": plus the previous window's keys / values (Transformer-XL's cache);
 - "memorizing": plus each token's nearest key among the last M tokens (FIFO kNN cache);
@@ -50,7 +50,7 @@ from eval.plots import new_figure, save_png
 from memstore.camelot import CamelotConfig
 from memtree.config import to_dict
 from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl
-from training.camelot import METHODS, check_window, context_limit, longdoc_token_nll
+from training.camelot.longdoc import METHODS, check_window, context_limit, longdoc_token_nll
 
 # CamelotConfig switch → ablation name (App. A.2.1); each turns one switch off.
 ABLATIONS: dict[str, str] = {"consolidation": "camelot-no-consolidation", "novelty": "camelot-no-novelty",

@@ -16,8 +16,8 @@ epochs), into ROOT/train/memories/<row>, reused only when trained from the same 
   `training.flops.iso_flop_depth`), `size: runtime` widens every FFN by the hierarchical memory's
   fetched width per layer, which gives exactly the parameters (and forward FLOPs) of anchor +
   fetched FFN memory, since an FFN memory block is extra SwiGLU hidden units;
-- `moc`: the anchor with Mixture-of-Chapters memory layers (`training/moc.py`);
-- `pkm`: the anchor with a product-key memory layer in place of its middle FFN (`training/pkm.py`).
+- `moc`: the anchor with Mixture-of-Chapters memory layers (`training/layers/moc.py`);
+- `pkm`: the anchor with a product-key memory layer in place of its middle FFN (`training/layers/pkm.py`).
   Both are sized to the fetched memory's active parameters per token (what a token reads besides
   the anchor: the fetched blocks; MoC's memory layers plus its selected chapters; PKM's query,
   sub-keys, k values per head and in/out projections), solving one knob when the grid leaves it
@@ -61,8 +61,8 @@ from memtree.io import read_json
 from training.config import TrainConfig
 from training.data import read_shards_manifest, tokenizer_vocab_size
 from training.flops import ffn_memory, moc_params, model_flops, pkm_params
-from training.moc import MoCConfig
-from training.pkm import PKMConfig
+from training.layers.moc import MoCConfig
+from training.layers.pkm import PKMConfig
 
 DEFAULT_YAML = Path(__file__).parent / "yamls" / "memories.yaml"
 KINDS = ("demo", "dense", "moc", "pkm")
@@ -92,8 +92,8 @@ BLOCKING = {
 class MemoryRow:
     """One row of the grid. name: its label (a folder name under ROOT/train/memories for trained
     rows); kind: demo | dense | moc | pkm; setting (demo): none | generic | fetched | rag |
-    rag+fetched; size (dense): 1x | 2x | runtime; moc / pkm: `training.moc.MoCConfig` /
-    `training.pkm.PKMConfig` fields, `tokens_per_chapter` / `k` left out to size the memory to the
+    rag+fetched; size (dense): 1x | 2x | runtime; moc / pkm: `training.layers.moc.MoCConfig` /
+    `training.layers.pkm.PKMConfig` fields, `tokens_per_chapter` / `k` left out to size the memory to the
     fetched memory's active parameters; train: training overrides for this row, after the grid's."""
 
     name: str

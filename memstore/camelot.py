@@ -1,6 +1,6 @@
 """CAMELoT's associative memory (seed 001 §2.1, §2.3, App. A.2) and the caches of its baselines.
 
-A training-free memory for a frozen LM, one per memory-augmented layer. `training/camelot.py`
+A training-free memory for a frozen LM, one per memory-augmented layer. `training/camelot/longdoc.py`
 runs the model window by window and hands each layer's keys and values of the window to that
 layer's memory; this module owns what the memory holds, how it is searched and how it changes.
 It sees keys as given (the hookup passes position-free keys, taken before RoPE) and knows

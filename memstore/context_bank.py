@@ -114,7 +114,7 @@ class ContextBankConfig:
     §10.2: O(N²/k) per merge, distances cached per cluster, for large banks);
     recluster_every: full k-means every that many writes (0: only on request);
     kmeans_iters: Lloyd iterations of a full re-cluster; seed: its k-means++ init;
-    writer: what writes the entries (e.g. a compressor's id, `training.context_vae.writer_id`):
+    writer: what writes the entries (e.g. a compressor's id, `training.context.vae.writer_id`):
     a bank is only opened by the writer that made it."""
 
     dim: int

@@ -17,7 +17,8 @@ from importlib.metadata import entry_points
 from memtree import __version__
 
 # Used when memtree runs from a source tree that was never pip-installed.
-_FALLBACK = ("pipeline.cli", "memstore.cli", "training.cli", "eval.cli")
+_FALLBACK = ("eval.cli", "memstore.cli", "pipeline.cli", "training.cli", "training.context.cli",
+             "training.finetune.cli")
 
 
 def _registrars():

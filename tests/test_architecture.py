@@ -124,10 +124,11 @@ def _private_uses(source: str, me: str, project: set[str]) -> list[tuple[int, st
     return sorted(out)
 
 
-@pytest.mark.parametrize("package", sorted(TABLE))
+@pytest.mark.parametrize("package", sorted(TABLE) + ["bench"])
 def test_no_module_uses_another_modules_private_names(package):
     """A `_name` is its module's own: a helper another module needs is made public where it
-    lives (issue #39 found such back-doors, which the import table cannot see)."""
+    lives (issue #39 found such back-doors, which the import table cannot see). The benchmark
+    scripts are held to it too; their own `_common`-style helper modules are bench's."""
     found = [f"{path.relative_to(REPO)}:{line} uses {name}"
              for path in sorted((REPO / package).rglob("*.py"))
              for line, name in _private_uses(path.read_text(), _module(path), set(TABLE))]
@@ -211,3 +212,52 @@ def test_no_import_cycles():
     (memstore.format and memstore.locking did, until write_bank moved to memstore.writer)."""
     assert _cycles(_import_graph(set(TABLE))) == []
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+TRAINING = REPO / "training"
+SYSTEMS = sorted(p.parent.name for p in TRAINING.glob("*/__init__.py")
+                 if p.parent.name not in {"callbacks", "layers"})
+
+
+def _training_imports(source: str) -> list[tuple[int, str]]:
+    """(line, training.X) of every import of a training sub-module or sub-package in the source."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] if node.module != "training" else [f"training.{a.name}" for a in node.names]
+            out += [(node.lineno, n) for n in names if n.startswith("training.")]
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.startswith("training.")]
+    return out
+
+
+def _system_of(module: str) -> str | None:
+    part = module.split(".")[1]
+    return part if part in SYSTEMS else None
+
+
+def test_training_core_never_imports_a_system():
+    """training/'s core (its top-level modules, callbacks/, layers/) imports no system folder,
+    and no system folder imports another (issue #39): a system can be read or removed without
+    touching the trainer. The folders are read off the disk, so a new one is covered at once."""
+    assert {"finetune", "context", "camelot"} <= set(SYSTEMS), SYSTEMS
+    bad = []
+    for path in sorted(TRAINING.rglob("*.py")):
+        rel = path.relative_to(TRAINING).parts
+        mine = rel[0] if len(rel) > 1 and rel[0] in SYSTEMS else None
+        for line, mod in _training_imports(path.read_text()):
+            other = _system_of(mod)
+            if other is not None and other != mine:
+                who = f"system {mine}/" if mine else "the core"
+                bad.append(f"training/{'/'.join(rel)}:{line} ({who}) imports {mod}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_system_check_sees_an_import():
+    """The check above finds both import forms of a system module."""
+    tree = "from training.finetune.lora import add_lora\nimport training.context.vae\nfrom training import camelot\n"
+    found = [m for _, m in _training_imports(tree)]
+    assert found == ["training.finetune.lora", "training.context.vae", "training.camelot"]
+    assert [_system_of(m) for m in found] == ["finetune", "context", "camelot"]
+    assert _system_of("training.layers.moc") is None and _system_of("training.model") is None
+

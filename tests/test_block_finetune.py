@@ -1,4 +1,4 @@
-"""training/block_finetune.py: TF-IDF updates of hierarchical memory blocks change exactly the
+"""training/finetune/blocks.py: TF-IDF updates of hierarchical memory blocks change exactly the
 chosen hidden units' rows of the fetched blocks (every other block, row and anchor weight bit for
 bit), every-fetched-block and anchor finetuning change what they should, edits go through the
 store's edit path and read back, background counts round-trip, and bad input names the value."""
@@ -13,7 +13,7 @@ import torch
 
 from memtree.geometry import split_block
 from tests.conftest import train_tiny_run
-from training.block_finetune import (
+from training.finetune.blocks import (
     BlockFinetuner,
     BlockFinetuneSpec,
     UnitBackground,
@@ -21,7 +21,7 @@ from training.block_finetune import (
     unit_layout,
     write_edits,
 )
-from training.finetune import batch_tensors
+from training.finetune.continual import batch_tensors
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -19,7 +19,7 @@ from memstore.camelot import (
     PrevWindowCache,
 )
 from tests.conftest import TINY_GQA_ANCHOR
-from training.camelot import (
+from training.camelot.longdoc import (
     corpus_nll,
     longdoc_nll,
     longdoc_token_nll,

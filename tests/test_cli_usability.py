@@ -254,7 +254,7 @@ def test_context_vae_time_strings_checked_from_python(tmp_path):
     # issue 36: the compressor's duration / interval / warmup keys are TimeStrings, so a config built
     # in Python (not through `memtree train-context-vae`) names the key too, before a Trainer is built
     from memtree.config import ConfigError
-    from training.context_train import ContextDataSection, ContextTrainConfig, load_context_config
+    from training.context.train import ContextDataSection, ContextTrainConfig, load_context_config
 
     yaml = str(REPO / "training" / "yamls" / "context-vae.yaml")
     for key in ("max_duration", "warmup", "save_interval", "log_interval"):

@@ -1,4 +1,4 @@
-"""The context bank's model side (training/context_vae.py, training/context_train.py) and its recall
+"""The context bank's model side (training/context/vae.py, training/context/train.py) and its recall
 experiment (eval/context_recall.py): segment assignment by hand, padding invariance of the
 compressor, the reader's exact no-op at init, gradients only into the compressor and reader, a real
 Composer fit writing a loadable artefact, mismatch errors naming the field, recall pairs counted
@@ -14,7 +14,7 @@ import torch
 
 from memtree.config import ConfigError
 from tests.conftest import TINY_GQA_ANCHOR
-from training.context_vae import (
+from training.context.vae import (
     ContextVAE,
     ContextVAEConfig,
     chunk_ids,
@@ -156,7 +156,7 @@ def test_reader_reads_after_chosen_blocks_or_after_the_final_norm(model):
 
 
 def test_losses_reach_only_the_compressor_and_reader(model):
-    from training.context_train import ContextVAEModel, collate
+    from training.context.train import ContextVAEModel, collate
 
     vae = _vae(model, ContextVAEConfig(chunk_tokens=12, ratio=4, hidden=16, reader_heads=2, retrieval_weight=0.5))
     for layer in vae.reader.layers.values():  # past init, so W_Q/W_K/W_V get gradient too
@@ -245,7 +245,7 @@ def _tiny_bios_run(root: Path) -> Path:
 def test_eval_context_bank_end_to_end_on_a_tiny_bios_run(tmp_path, capsys):
     from memstore.context_bank import ContextBank, ContextBankConfig
     from memtree.cli import main
-    from training.context_vae import load_vae, writer_id
+    from training.context.vae import load_vae, writer_id
     from training.train import load_run
 
     root = _tiny_bios_run(tmp_path / "demo")

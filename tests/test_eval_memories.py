@@ -65,8 +65,8 @@ def root(pipeline_run, tmp_path_factory) -> Path:
 def test_every_row_trains_and_scores_with_the_budgets_it_claims(root, tmp_path, capsys):
     from eval.memories import moc_active_params, open_demo
     from training.flops import moc_params, model_flops, pkm_params
-    from training.moc import MoCConfig
-    from training.pkm import PKMConfig
+    from training.layers.moc import MoCConfig
+    from training.layers.pkm import PKMConfig
 
     grid = tmp_path / "grid.yaml"
     grid.write_text(GRID)

@@ -1,4 +1,4 @@
-"""training/finetune.py, training/lora.py and eval/continual.py: each finetuning method changes
+"""training/finetune/continual.py, training/finetune/lora.py and eval/continual.py: each finetuning method changes
 what it should and nothing else (sparse memory finetuning: exactly the top-t value rows, bit for
 bit; LoRA: only the adapted projections once merged; full: everything), background counts are
 collected from real MDS shards and stored with the checkpoint, `memtree finetune` runs a JSONL
@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from memtree.geometry import AnchorShape
-from training.finetune import Finetuner, FinetuneSpec, batch_tensors, changes, snapshot
-from training.lora import LoRALinear, add_lora, merge_lora
+from training.finetune.continual import Finetuner, FinetuneSpec, batch_tensors, changes, snapshot
+from training.finetune.lora import LoRALinear, add_lora, merge_lora
+from training.finetune.slots import BackgroundCounts, access_counts, recording
+from training.layers.pkm import PKMConfig
 from training.model import AnchorLM, ModelConfig
-from training.pkm import BackgroundCounts, PKMConfig, access_counts, recording
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -62,7 +63,7 @@ def test_sparse_memory_step_moves_exactly_the_top_t_rows_and_nothing_else():
     moved = (model.blocks[1].pkm.values.weight != before["blocks.1.pkm.values.weight"]).any(1)
     assert int(moved.sum()) == 7 and bool((counts[moved] > 0).all())  # accessed rows only
     # the same rows the TF-IDF ranking picks from this batch's counts (padding not counted)
-    from training.pkm import trainable_rows
+    from training.finetune.slots import trainable_rows
 
     assert torch.equal(moved, trainable_rows(counts, bg[1].doc_freq, bg[1].n_batches, 7))
 
@@ -212,8 +213,8 @@ def test_memtree_finetune_end_to_end(pkm_run, pipeline_run, tmp_path, capsys):
     from streaming.base.util import clean_stale_shared_memory
 
     from memtree.cli import main
-    from training.finetune import finetune_summary
-    from training.pkm import background_dir
+    from training.finetune.continual import finetune_summary
+    from training.finetune.slots import background_dir
     from training.train import load_run
 
     pkm_run = shutil.copytree(pkm_run, tmp_path / "run")  # a run of its own: no background counts yet

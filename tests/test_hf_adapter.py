@@ -16,9 +16,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 from memtree.config import ConfigError
-from training.hf_adapter import HFMemAdapter
-from training.mem_adapter import AdapterSpec
-from training.moc import bank_for
+from training.finetune.adapters import AdapterSpec
+from training.finetune.hf_adapters import HFMemAdapter
+from training.layers.moc import bank_for
 
 VOCAB = 100
 FAMILIES = ("llama", "qwen3", "gemma3", "olmo2")

@@ -1,4 +1,4 @@
-"""Memory adapters on memtree's own anchor (training/mem_adapter.py, seed 004 §6.1, §7.3–7.4): exact
+"""Memory adapters on memtree's own anchor (training/finetune/adapters.py, seed 004 §6.1, §7.3–7.4): exact
 no-op at attachment, the §7.4 projection options against their formulas, which parameters each
 fine-tuning condition trains, the frozen-bank protection, the accounting, the experiment."""
 
@@ -12,9 +12,9 @@ import torch
 
 from memtree.config import ConfigError
 from memtree.geometry import AnchorShape
-from training.finetune import Finetuner, FinetuneSpec, batch_tensors, changes, snapshot
-from training.mem_adapter import AdapterSpec, attach_to_anchor, detach_from_anchor
-from training.moc import LatentBank, MoCConfig, MoCLayer, quantise
+from training.finetune.adapters import AdapterSpec, attach_to_anchor, detach_from_anchor
+from training.finetune.continual import Finetuner, FinetuneSpec, batch_tensors, changes, snapshot
+from training.layers.moc import LatentBank, MoCConfig, MoCLayer, quantise
 from training.model import AnchorLM, ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -233,7 +233,7 @@ def test_accounting_counts_what_the_finetuner_trains():
             assert acct["train_flops_per_token"] > acct["inference_flops_per_token"] == acct["base_flops_per_token"]
     # bytes of the stored bank: fp32 4 per value; int8 1 per value + a 4-byte scale per group
     from memstore.format import QUANT_GROUP
-    from training.moc import bank_bytes
+    from training.layers.moc import bank_bytes
 
     m32 = ADAPTER.moc_config(n_layers=3, d_model=16, n_heads=2)
     assert bank_bytes(m32, 16) == 4 * 4 * 3 * 16
@@ -299,7 +299,7 @@ def test_memtree_finetune_with_adapters_saves_a_run_that_reopens_with_them(ancho
     from safetensors.torch import load_file
 
     from memtree.cli import main
-    from training.finetune import finetune_summary
+    from training.finetune.continual import finetune_summary
     from training.train import load_run
 
     stream = tmp_path / "stream.jsonl"
@@ -360,7 +360,7 @@ def test_shipped_adapter_yamls_load():
     assert {s.method for s in cfg.runs} == {"full", "lora", "mem_adapter", "mem_adapter+lora"}
     from pathlib import Path
 
-    from training.finetune import load_finetune_config
+    from training.finetune.continual import load_finetune_config
 
     ft = load_finetune_config(Path(__file__).parents[1] / "training" / "yamls" / "finetune-adapter.yaml")
     assert ft.spec.method == "mem_adapter" and ft.spec.adapter.n_chapters == 16

@@ -1,4 +1,4 @@
-"""training/pkm.py: product-key lookup equals the exhaustive top-k, gradients reach exactly the
+"""training/layers/pkm.py: product-key lookup equals the exhaustive top-k, gradients reach exactly the
 top-t slots under sparse memory finetuning (nothing else moves), TF-IDF against a hand-worked
 example, and background counts round-trip with clear errors."""
 
@@ -9,14 +9,8 @@ import math
 import pytest
 import torch
 
-from training.pkm import (
-    BackgroundCounts,
-    PKMConfig,
-    ProductKeyMemory,
-    access_counts,
-    tfidf,
-    trainable_rows,
-)
+from training.finetune.slots import BackgroundCounts, access_counts, tfidf, trainable_rows
+from training.layers.pkm import PKMConfig, ProductKeyMemory
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -169,14 +169,14 @@ def test_save_folder_of_another_config_is_refused(pipeline_run, tmp_path):
 
 
 def test_shipped_yamls_validate():
-    from training.context_train import load_context_config
-    from training.finetune import load_finetune_config
+    from training.context.train import load_context_config
+    from training.finetune.continual import load_finetune_config
 
     for path in sorted((Path(__file__).resolve().parents[1] / "training" / "yamls").glob("*.yaml")):
-        if path.name.startswith("context-"):  # the context bank's compressor (training/context_train.py)
+        if path.name.startswith("context-"):  # the context bank's compressor (training/context/train.py)
             assert load_context_config(path).vae.ratio > 0, path
             continue
-        if path.name.startswith("finetune-"):  # `memtree finetune` (training/finetune.py)
+        if path.name.startswith("finetune-"):  # `memtree finetune` (training/finetune/continual.py)
             want = {"finetune-sparse.yaml": "sparse_memory", "finetune-adapter.yaml": "mem_adapter"}[path.name]
             assert load_finetune_config(path).spec.method == want, path
             continue

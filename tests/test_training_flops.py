@@ -10,7 +10,7 @@ import pytest
 from memtree.geometry import AnchorShape
 from training import flops
 from training.config import load_train_config
-from training.moc import MoCConfig
+from training.layers.moc import MoCConfig
 
 PAPER_YAML = Path(__file__).resolve().parents[1] / "training" / "yamls" / "paper-moc.yaml"
 L = 1024  # App. A.2: one sequence (B = 1) of 1,024 tokens

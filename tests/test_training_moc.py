@@ -16,7 +16,7 @@ from memtree.config import ConfigError
 from memtree.geometry import AnchorShape, MemoryConfig
 from training.composer_model import MemtreeLM
 from training.config import load_train_config
-from training.moc import LatentBank, MoCConfig, MoCLayer, load_balance_loss, route, z_loss
+from training.layers.moc import LatentBank, MoCConfig, MoCLayer, load_balance_loss, route, z_loss
 from training.model import AnchorLM, ModelConfig
 from training.optim import MemoryAdamW
 

@@ -334,7 +334,7 @@ def test_positions_mask_and_hidden_states_are_checked():
         model(ids, positions=pos[:, :5], attn_mask=causal)
     with pytest.raises(ValueError, match="exceeds max_seq_len 64"):
         model(_tokens(1, 80), positions=torch.arange(80)[None], attn_mask=torch.ones(1, 80, 80, dtype=torch.bool))
-    from training.moc import MoCConfig
+    from training.layers.moc import MoCConfig
 
     moc = AnchorLM(ModelConfig(anchor=TINY, moc=MoCConfig(n_chapters=4, tokens_per_chapter=2, top_k=1, layers=(1,))))
     assert model.packable and not moc.packable  # a MoC layer routes the whole row

@@ -17,7 +17,7 @@ from (seed, counter) only, so every rank of a data-parallel step draws alike.
 
 At evaluation `memory_mode` selects "fetched", "generic" or "none" (anchor only).
 
-With a Mixture-of-Chapters model (`moc`, training/moc.py) the memory is inside
+With a Mixture-of-Chapters model (`moc`, training/layers/moc.py) the memory is inside
 the anchor; the training loss adds the router's auxiliary losses
 (`AnchorLM.moc_aux_loss`, already weighted by their coefficients).
 """
@@ -35,9 +35,9 @@ from composer.models import ComposerModel
 from memtree.geometry import AnchorShape, MemoryConfig
 from training.bank import READ_IN_PLACE, TrainableBank
 from training.hf import HFMemoryModel
-from training.moc import MoCConfig
+from training.layers.moc import MoCConfig
+from training.layers.pkm import PKMConfig
 from training.model import AnchorLM, ModelConfig, assemble_memories
-from training.pkm import PKMConfig
 
 MemoryMode = Literal["fetched", "generic", "none"]
 

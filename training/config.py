@@ -17,8 +17,8 @@ from typing import Any, Literal
 from memtree.config import ConfigError, TimeString, load_config, to_dict
 from memtree.geometry import ANCHOR_PRESETS, AnchorShape, MemoryConfig, get_anchor
 from training.hf import anchor_shape_from_hf
-from training.moc import MoCConfig
-from training.pkm import PKMConfig
+from training.layers.moc import MoCConfig
+from training.layers.pkm import PKMConfig
 
 Mode = Literal["baseline", "frozen", "cotrain", "scratch"]
 
@@ -34,8 +34,8 @@ class ModelSection:
     init_std: float = 0.02
     lora_alpha: float = 1.0
     hf_dir: str | None = None  # post-hoc memories on this local HF causal LM (it is the anchor)
-    moc: MoCConfig | None = None  # Mixture-of-Chapters memory layers (training/moc.py), mode 'baseline'
-    pkm: PKMConfig | None = None  # product-key memory layers replacing FFNs (training/pkm.py), mode 'baseline'
+    moc: MoCConfig | None = None  # Mixture-of-Chapters memory layers (training/layers/moc.py), mode 'baseline'
+    pkm: PKMConfig | None = None  # product-key memory layers replacing FFNs (training/layers/pkm.py), mode 'baseline'
     # document-masked attention: "sdpa" (dense mask), "flex" (block-sparse FlexAttention),
     # "auto" = flex on a GPU, sdpa on the CPU
     attn_impl: Literal["auto", "sdpa", "flex"] = "auto"

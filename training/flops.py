@@ -13,7 +13,7 @@ RMSNorm and an extra residual; variation 2 also a second FFN with its norm and
 residual. The backward pass is 2× the forward.
 
 What the counts describe: the seed's per-sequence accounting, which projects
-each sequence's N_sel memory tokens. `training/moc.py` projects the batch's
+each sequence's N_sel memory tokens. `training/layers/moc.py` projects the batch's
 unique chapters once, so with B > 1 it does at most this much memory work.
 Backbone norms are counted as RMSNorm and q/k norms not at all, as in the seed
 (AnchorLM's gain-only LayerNorms and OpenLM q/k norms cost slightly more).
@@ -41,8 +41,8 @@ import math
 from dataclasses import dataclass, replace
 
 from memtree.geometry import AnchorShape
-from training.moc import MoCConfig, bank_bytes
-from training.pkm import PKMConfig
+from training.layers.moc import MoCConfig, bank_bytes
+from training.layers.pkm import PKMConfig
 
 SOFTMAX = 5  # FLOPs per softmax score (exp, sum, divide, max, subtract)
 MASK_SCALE = 2  # masking and scaling per attention score
@@ -258,7 +258,7 @@ def lora_flops_per_token(anchor: AnchorShape, rank: int, targets: str = "all") -
 def moc_params(anchor: AnchorShape, moc: MoCConfig) -> dict[str, int]:
     """Parameters of MoC memory layers by the groups seed 004 §6.1 treats apart: "bank" (latent
     tables, a factorised bank's up-projection), "kv" (W_K, W_V) and "layers" (router, W_Q, W_O,
-    the pre-norm gain, variation 2's MLP and its norm), as `training/moc.py` builds them."""
+    the pre-norm gain, variation 2's MLP and its norm), as `training/layers/moc.py` builds them."""
     g = moc.geometry(d_model=anchor.d_model, n_layers=anchor.n_layers, anchor_heads=anchor.n_heads)
     d, n = anchor.d_model, len(moc.layers)
     per_bank = moc.n_chapters * moc.tokens_per_chapter * g.stored_dim
@@ -274,7 +274,7 @@ def finetune_accounting(anchor: AnchorShape, method: str, *, seq_len: int, lora_
                         train_bank: bool = True, train_kv: bool = True) -> dict[str, int]:
     """What a fine-tuning condition trains and costs: trainable parameters, bytes of the memory
     bank as stored, forward FLOPs per token while training (unmerged LoRA) and at inference
-    (LoRA merged). method: full | lora | mem_adapter | mem_adapter+lora (`training/finetune.py`)."""
+    (LoRA merged). method: full | lora | mem_adapter | mem_adapter+lora (`training/finetune/continual.py`)."""
     base = model_flops(anchor, seq_len=seq_len).forward
     out = {"trainable_params": 0, "bank_bytes": 0, "base_flops_per_token": base // seq_len}
     train_fwd = infer_fwd = base

@@ -59,6 +59,7 @@ from torch import Tensor, nn
 
 from memtree.geometry import AnchorShape, MemoryConfig, memory_layers
 from training.bank import TrainableBank
+from training.hooks import LayerHook, first_tensor
 from training.model import Memories, assemble_memories, lora_delta
 
 # model_type → (qk_norm, norms_per_block) for the families whose norms differ from Llama's.
@@ -158,15 +159,6 @@ def decoder_layers(hf: nn.Module) -> nn.ModuleList:
                      "(expected model.layers, as in Llama/Qwen/Gemma)")
 
 
-def first_tensor(args: tuple, kwargs: dict) -> Tensor:
-    if args:
-        return args[0]
-    for key in ("hidden_states", "x", "input"):
-        if key in kwargs:
-            return kwargs[key]
-    raise RuntimeError("memory hook: cannot find the module's input tensor")
-
-
 class _CallState(threading.local):
     """Memories of the forward in progress, per thread. Copies/pickles start empty."""
 
@@ -179,15 +171,6 @@ class _CallState(threading.local):
 
     def __reduce__(self):
         return (_CallState, ())
-
-
-class LayerHook:
-    """A hook of one decoder layer on behalf of its owner (the wrapping model): objects rather
-    than closures so that `copy.deepcopy` / pickling of the owner re-points them at the copy (a
-    closure would keep the original). Memory hooks here and memory adapters' (`hf_adapter`)."""
-
-    def __init__(self, owner: nn.Module, layer: int) -> None:
-        self.owner, self.layer = owner, layer
 
 
 class _FFNHook(LayerHook):

@@ -24,7 +24,7 @@ A layer's memory arrives in one of two forms:
   `kernels.ffn_memory`, summed over levels. No (B, …) copy of the blocks is
   made and the bank's gradient stays sparse over the rows read.
 
-Mixture of Chapters (`ModelConfig.moc`, `training/moc.py`, seed 000): a latent
+Mixture of Chapters (`ModelConfig.moc`, `training/layers/moc.py`, seed 000): a latent
 memory bank read by routed cross-attention at chosen blocks, either between
 attention and FFN (variation 1) or after the FFN and followed by a second FFN
 (variation 2, seed 004 §2.3); the bank(s) live in `AnchorLM.moc_banks` and
@@ -62,8 +62,15 @@ from torch import Tensor, nn
 from kernels.ffn_memory import FFNTable, ffn_memory, ffn_memory_table
 from kernels.memory_attention import MemoryTable, memory_attention, memory_attention_table
 from memtree.geometry import AnchorShape, MemoryConfig, block_layout, memory_layers, split_block
-from training.moc import LatentBank, MoCConfig, MoCLayer, bank_for, build_banks, mean_aux_loss
-from training.pkm import PKMConfig, ProductKeyMemory
+from training.layers.moc import (
+    LatentBank,
+    MoCConfig,
+    MoCLayer,
+    bank_for,
+    build_banks,
+    mean_aux_loss,
+)
+from training.layers.pkm import PKMConfig, ProductKeyMemory
 
 
 class ReadTables:
@@ -133,7 +140,7 @@ class ModelConfig:
     init_std: float = 0.02
     memory: MemoryConfig | None = None
     moc: MoCConfig | None = None
-    pkm: PKMConfig | None = None  # product-key memory layers replacing FFNs (training/pkm.py, seed 003)
+    pkm: PKMConfig | None = None  # product-key memory layers replacing FFNs (training/layers/pkm.py, seed 003)
     lora_alpha: float = 1.0
     # "sdpa": a dense (B, 1, S, S) document mask (CPU, short sequences); "flex": FlexAttention
     # with a block-sparse document mask, compiled on CUDA (skips the blocks across documents).
@@ -287,7 +294,7 @@ class Attention(nn.Module):
         self.mem_type = cfg.memory.type if cfg.memory is not None else None
         # External attention core, default off: fn(q, k, v) with q (B, S, H, D) and k, v
         # (B, S, H_kv, D) taken before RoPE → (B, H, S, D). It then owns positions and masking;
-        # training/camelot.py sets it for a run to attend over extra prefix K/V. A plain
+        # training/camelot/longdoc.py sets it for a run to attend over extra prefix K/V. A plain
         # attribute, not a submodule: state dicts and parameters are unaffected.
         self.attn_core: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
 
@@ -379,7 +386,7 @@ class FeedForward(nn.Module):
         self.mem_type = cfg.memory.type if cfg.memory is not None else None
         # When a list, each forward with gathered FFN memories appends the memory's hidden
         # activations (B, S, W): how block finetuning counts the units a batch uses
-        # (training/block_finetune.py). A plain attribute, not state.
+        # (training/finetune/blocks.py). A plain attribute, not state.
         self.recorder: list[Tensor] | None = None
 
     def forward(self, x: Tensor, mem: LayerMemories | None) -> Tensor:

@@ -165,7 +165,7 @@ def online_softmax_step(m, l, acc, s2, v, COMPUTE: tl.constexpr, PREC: tl.conste
 
 
 @triton.jit
-def _fwd_kernel(
+def fwd_kernel(
     Q, K, V, Out, Lse, GroupBlocks, GroupCount, Coef, Ent,
     sq_b, sq_h, sq_s, sq_d, sk_n, sk_t, sk_h, sk_d, sv_n, sv_t, sv_h, sv_d,
     so_b, so_h, so_s, so_d, sl_b, sl_h, sl_s, sl_j,
@@ -245,7 +245,7 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _bwd_dq_kernel(
+def bwd_dq_kernel(
     Q, K, V, dO, Lse, Delta, dQ, dC, GroupBlocks, GroupCount, Coef, Ent,
     sq_b, sq_h, sq_s, sq_d, sk_n, sk_t, sk_h, sk_d, sv_n, sv_t, sv_h, sv_d,
     sdo_b, sdo_h, sdo_s, sdo_d, sdq_b, sdq_h, sdq_s, sdq_d, sl_b, sl_h, sl_s, sl_j,
@@ -356,7 +356,7 @@ def _dkv_tile(dk, dv, k, v, Q, dO, Lse, Delta, Coef, Ent, b, grp, sl, s0, s_lo, 
 
 
 @triton.jit
-def _bwd_dkv_kernel(
+def bwd_dkv_kernel(
     Q, K, V, dO, Lse, Delta, AccK, AccV, NChunk, ChunkU, ChunkOff, UBlocks, PairOff, Pairs,
     Coef, Ent,
     sq_b, sq_h, sq_s, sq_d, sk_n, sk_t, sk_h, sk_d, sv_n, sv_t, sv_h, sv_d,
@@ -443,7 +443,7 @@ class Launch:
     prec: str
     even_d: bool  # D == block_d: no mask along the head dimension
     even_t: bool  # block_n divides T: no mask along a block's tokens
-    dkv_chunk: int  # query tiles per dK/dV chunk (see _bwd_dkv_kernel)
+    dkv_chunk: int  # query tiles per dK/dV chunk (see bwd_dkv_kernel)
     dkv_programs: int  # cap on the dK/dV grid's chunk axis (programs stride over chunks)
 
     @classmethod
@@ -595,7 +595,7 @@ def forward(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
     lse = (torch.full(lse_shape, math.inf, dtype=torch.float32, device=q.device) if mix
            else torch.empty(lse_shape, dtype=torch.float32, device=q.device))
     grid = (b * table.n_s_tiles, h_kv)
-    _fwd_kernel[grid](
+    fwd_kernel[grid](
         q, bank_k, bank_v, out, lse, table.group_blocks, table.group_count, table.coef, table.ent,
         *strides4(q), *strides4(bank_k), *strides4(bank_v), *strides4(out), *lse_strides(lse),
         *table.group_blocks.stride(), table.coef.stride(0), table.coef.stride(1),
@@ -630,7 +630,7 @@ def _bwd_dkv(q: Tensor, bank_k: Tensor, bank_v: Tensor, grad_out: Tensor, lse: T
     acc_k = torch.zeros((rows, t, h_kv, d), dtype=torch.float32, device=dev)
     acc_v = torch.zeros_like(acc_k)
     grid = (min(n_chunk_max, launch.dkv_programs), h_kv, triton.cdiv(t, launch.block_n))
-    _bwd_dkv_kernel[grid](
+    bwd_dkv_kernel[grid](
         q, bank_k, bank_v, grad_out, lse, stats, acc_k, acc_v, n_chunk, chunk_u, chunk_off,
         table.ublocks, table.pair_off, table.pairs, table.coef, table.ent,
         *strides4(q), *strides4(bank_k), *strides4(bank_v), *strides4(grad_out),
@@ -684,7 +684,7 @@ def backward(grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_
     # mix with blocks of several T tiles: dC must be complete before dS, so a first
     # launch only accumulates it.
     for dc_pass in [True, False] if mix and not one_tile else [False]:
-        _bwd_dq_kernel[(b * table.n_s_tiles, h_kv)](
+        bwd_dq_kernel[(b * table.n_s_tiles, h_kv)](
             q, bank_k, bank_v, grad_out, lse, delta, dq, dc, table.group_blocks,
             table.group_count, table.coef, table.ent,
             *strides4(q), *strides4(bank_k), *strides4(bank_v), *strides4(grad_out),

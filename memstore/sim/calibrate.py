@@ -185,7 +185,7 @@ def fit_tier(name: str, samples: Mapping[int, Sequence[float]], *, kind: str | N
 # --------------------------------------------------------------------------- banks
 
 
-def _random_init(seed: int):
+def random_init(seed: int):
     g = torch.Generator().manual_seed(seed)
 
     def init(level: int, cluster: int, codec) -> torch.Tensor:
@@ -208,14 +208,14 @@ def write_calibration_bank(root: str | os.PathLike, nbytes: int, n_blocks: int, 
     """A one-level bf16 bank of n_blocks blocks of exactly nbytes each (no generic slot)."""
     anchor, w = calibration_anchor(nbytes)
     mem = MemoryConfig(multipliers=(w,), type="kv", branching=max(2, int(n_blocks)))
-    info = write_bank(root, anchor=anchor, memory=mem, dtype="bf16", generic=False, init=_random_init(seed),
+    info = write_bank(root, anchor=anchor, memory=mem, dtype="bf16", generic=False, init=random_init(seed),
                       extra={"purpose": "memtree memstore calibrate"})
     assert info.level(1).record_bytes == nbytes == info.level(1).stride
-    _drop_cache(level_path(info.root, info.level(1)))
+    drop_cache(level_path(info.root, info.level(1)))
     return info
 
 
-def _drop_cache(path: str) -> None:
+def drop_cache(path: str) -> None:
     """Ask the kernel to forget a file's cached pages (they are clean after write_bank's fsync)."""
     if is_url(path) or not hasattr(os, "posix_fadvise"):
         return
@@ -409,7 +409,7 @@ def measure(
                 shutil.copytree(root, droot, dirs_exist_ok=False)
                 relocate_level(droot, 1, str(Path(disk_dir) / f"calibrate-{s}") if not is_url(str(disk_dir))
                                else str(disk_dir).rstrip("/") + f"/calibrate-{s}")
-                _drop_cache(level_path(droot, read_manifest(droot).level(1)))
+                drop_cache(level_path(droot, read_manifest(droot).level(1)))
             for t in tiers:
                 bank = droot if t == "disk" else root
                 store = MemoryStore(bank, tiers=_store_tiers([t], direct), placement={1: t}, verify=verify)
@@ -651,14 +651,14 @@ def validate(
     root = workdir / "validate-bank"
     rng = np.random.default_rng(seed)
     try:
-        write_bank(root, anchor=p.anchor, memory=p.memory, dtype=dtype, init=_random_init(seed),
+        write_bank(root, anchor=p.anchor, memory=p.memory, dtype=dtype, init=random_init(seed),
                    extra={"purpose": "memtree memstore calibrate --validate"})
         for lv, t in mapping.items():
             if tier_kind(t) == "disk":
                 relocate_level(root, lv, str(disk_dir))
         info = read_manifest(root)
         for lv in info.levels.values():
-            _drop_cache(level_path(root, lv))
+            drop_cache(level_path(root, lv))
         used = [t.name for t in prof.tiers if t.name in set(mapping.values())]
         with MemoryStore(root, tiers=_store_tiers(used, direct), placement=mapping, verify=verify) as store:
             cold = _Cold(store, direct)

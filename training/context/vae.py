@@ -64,6 +64,7 @@ from torch import Tensor, nn
 
 from memtree.config import ConfigError, from_dict, is_int, is_number, to_dict
 from memtree.io import atomic_path, atomic_write_json, read_json, sha256_file
+from training.hooks import attached
 from training.model import AnchorLM
 
 FORMAT = "memtree-context-vae"
@@ -316,14 +317,9 @@ def hidden_pair(model: nn.Module, ids: Tensor, first: str = "embedding") -> Tens
         raise ValueError(f"first must be 'embedding' or 'block', got {first!r}")
     got: dict[str, Tensor] = {}
     src = model.embed if first == "embedding" else model.blocks[0]
-    hooks = [src.register_forward_hook(lambda m, a, o: got.__setitem__("first", o)),
-             model.norm.register_forward_hook(lambda m, a, o: got.__setitem__("last", o))]
-    try:
-        with torch.no_grad():
-            model(ids)
-    finally:
-        for h in hooks:
-            h.remove()
+    with attached([(src, lambda m, a, o: got.__setitem__("first", o)),
+                   (model.norm, lambda m, a, o: got.__setitem__("last", o))]), torch.no_grad():
+        model(ids)
     d = got["first"].shape[-1]
     return torch.cat([F.layer_norm(got["first"].float(), (d,)), F.layer_norm(got["last"].float(), (d,))], -1)
 
@@ -352,13 +348,9 @@ def reading(model: nn.Module, vae: ContextVAE, mem: Tensor, mask: Tensor) -> Ite
         return fn
 
     n = len(model.blocks)
-    handles = [(model.norm if i == n else model.blocks[i]).register_forward_hook(hook(vae.reader.layers[str(i)]))
-               for i in vae.reader.layer_ids]
-    try:
+    with attached([(model.norm if i == n else model.blocks[i], hook(vae.reader.layers[str(i)]))
+                   for i in vae.reader.layer_ids]):
         yield state
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def chunk_ids(ids: Sequence[int], chunk_tokens: int) -> list[list[int]]:

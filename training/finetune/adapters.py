@@ -1,7 +1,7 @@
 """Memory adapters: Mixture-of-Chapters memory cross-attention added to a pretrained model
 (seed 004 §6.1, §7.3–7.4).
 
-An adapter is the MoC memory layer of `training/moc.py` (router, top-k chapters of a latent
+An adapter is the MoC memory layer of `training/layers/moc.py` (router, top-k chapters of a latent
 bank, cross-attention from the hidden states) inserted into chosen blocks of a model that was
 trained without it, for fine-tuning on knowledge the model lacks. Its output projection W_O
 starts at zero (and, with variation 2, so does the second MLP's down projection), so at
@@ -20,7 +20,7 @@ attachment the adapted model computes exactly the base model's logits; only trai
 
 Two hosts: memtree's own `AnchorLM` (`attach_to_anchor`, in place; its blocks already run MoC
 layers, so the adapter is exactly a MoC layer there) and Hugging Face causal LMs
-(`training/hf_adapter.py`, by forward hooks). Both resolve the spec against the model with
+(`training/finetune/hf_adapters.py`, by forward hooks). Both resolve the spec against the model with
 `AdapterSpec.moc_config`, whose errors name the field and the model's value.
 """
 
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from memtree.config import ConfigError, is_int
-from training.moc import BANK_DTYPES, MoCConfig, MoCLayer, bank_bytes, build_banks
+from training.layers.moc import BANK_DTYPES, MoCConfig, MoCLayer, bank_bytes, build_banks
 from training.model import FeedForward, gain_norm
 
 

@@ -137,7 +137,7 @@ class UnitBackground:
     def load(cls, folder: str | Path) -> UnitBackground:
         t, man = read_checked_tensors(folder, "unit_background", fmt=BACKGROUND_FORMAT, version=BACKGROUND_VERSION,
                                       missing="no block background counts (unit_background.json); collect them "
-                                              "with training.block_finetune.collect_unit_background first")
+                                              "with training.finetune.blocks.collect_unit_background first")
         levels = [int(k) for k in man["levels"]]
         return cls(df={lv: t[f"df.{lv}"] for lv in levels}, windows={lv: t[f"windows.{lv}"] for lv in levels},
                    unit_frac=float(man["unit_frac"]), source=man.get("source", ""))

@@ -9,13 +9,13 @@ longest; padding is neither trained on nor counted as a memory access.
 
 Methods (`method`):
   sparse_memory  only the values of memory-layer slots: per batch, the slots the forward read are
-                 counted, ranked by TF-IDF against the run's background counts (training/pkm.py)
+                 counted, ranked by TF-IDF against the run's background counts (training/layers/pkm.py)
                  and only the top_t per layer keep their gradient (`ranking: tf` ranks by counts
                  alone, `all` keeps every accessed slot: the seed's ablations). SGD by default.
   full           every parameter (AdamW, weight decay 0.1 by default: the seed's baseline).
-  lora           LoRA adapters on every attention and FFN matrix (training/lora.py), merged into
+  lora           LoRA adapters on every attention and FFN matrix (training/finetune/lora.py), merged into
                  the weights when the stream ends. AdamW by default.
-  mem_adapter    memory cross-attention adapters (training/mem_adapter.py, seed 004 §7.3): MoC
+  mem_adapter    memory cross-attention adapters (training/finetune/adapters.py, seed 004 §7.3): MoC
                  layers added to the chosen blocks (`adapter`), the base model frozen; the bank at
                  lr × adapter.bank_lr_factor (0: frozen, §6.1). A model that already has MoC
                  layers has its own memory trained this way instead (its pretrained bank). AdamW.
@@ -48,10 +48,9 @@ from tqdm import tqdm
 from memtree.config import ConfigError, is_int, load_config, to_dict
 from memtree.io import atomic_dir, atomic_path, atomic_write_json, iter_jsonl, read_json
 from training.data import build_dataloader
-from training.lora import add_lora, merge_lora
-from training.mem_adapter import AdapterSpec, adapter_groups, attach_to_anchor
-from training.optim import MemoryAdamW
-from training.pkm import (
+from training.finetune.adapters import AdapterSpec, adapter_groups, attach_to_anchor
+from training.finetune.lora import add_lora, merge_lora
+from training.finetune.slots import (
     BACKGROUND_DIR,
     BackgroundCounts,
     access_counts,
@@ -61,6 +60,7 @@ from training.pkm import (
     recording,
     trainable_rows,
 )
+from training.optim import MemoryAdamW
 from training.train import load_run
 
 FINETUNE_FORMAT = "memtree-finetune"
@@ -77,7 +77,7 @@ class FinetuneSpec:
     full and lora as in the seed, 0 for sparse_memory); top_t: slots trained per batch and memory
     layer; ranking: tfidf | tf | all; lora_rank, lora_alpha (0: 2 × rank), lora_targets: all |
     attention; steps_per_batch: gradient steps per record; adapter: the memory adapters of
-    mem_adapter and mem_adapter+lora (`training.mem_adapter.AdapterSpec`)."""
+    mem_adapter and mem_adapter+lora (`training.finetune.adapters.AdapterSpec`)."""
 
     method: str = "sparse_memory"
     optimizer: str = "auto"

@@ -1,9 +1,9 @@
 """Memory adapters on a pretrained Hugging Face causal LM (seed 004 §7.3–7.4).
 
-The Mixture-of-Chapters memory cross-attention of `training/moc.py` (router, top-k chapters of a
+The Mixture-of-Chapters memory cross-attention of `training/layers/moc.py` (router, top-k chapters of a
 latent bank, cross-attention from the hidden states), added as adapters to chosen decoder layers
 of an HF model that was trained without it — the HF counterpart of
-`training.mem_adapter.attach_to_anchor`. `AdapterSpec` configures it; `AdapterSpec.moc_config`
+`training.finetune.adapters.attach_to_anchor`. `AdapterSpec` configures it; `AdapterSpec.moc_config`
 resolves it against the model's shape and its errors (`ConfigError`) name the field and the
 model's value.
 
@@ -55,16 +55,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from training.hf import (
-    LayerHook,
-    anchor_shape_from_hf,
-    decoder_config,
-    decoder_layers,
-    first_tensor,
-    load_hf_causal_lm,
-)
-from training.mem_adapter import AdapterSpec
-from training.moc import MoCLayer, bank_for, build_banks, mean_aux_loss
+from training.finetune.adapters import AdapterSpec
+from training.hf import anchor_shape_from_hf, decoder_config, decoder_layers, load_hf_causal_lm
+from training.hooks import LayerHook, first_tensor
+from training.layers.moc import MoCLayer, bank_for, build_banks, mean_aux_loss
 
 
 class _GatedMLP(nn.Module):

@@ -5,7 +5,7 @@ record per (document, fact it states): {"doc", "prompt", "question", "answer", â
 `memtree eval-context-bank` writes them from a bios corpus with `pipeline.corpus.bios.recall_pairs`).
 Each example is the chunk of the prompt that holds the answer (what one bank entry would hold),
 the question with its answer (the recall loss is on the answer's tokens) and the question alone
-(the retrieval query). Losses: training/context_vae.py.
+(the retrieval query). Losses: training/context/vae.py.
 
 The anchor's weights are frozen and never written. What the run leaves in `save_folder`:
   context_vae.safetensors / context_vae.json   the compressor + reader (format memtree-context-vae v1)
@@ -35,7 +35,7 @@ from memtree.config import (
     load_config,
 )
 from memtree.io import atomic_write_text, iter_jsonl
-from training.context_vae import (
+from training.context.vae import (
     ContextVAE,
     ContextVAEConfig,
     anchor_dims,
