@@ -55,6 +55,10 @@ RELOCATE_SLACK = 1.2
 MAX_NORM_SCALE = 4.0
 # Batch rows fitted together (`_cache_groups`): 6 MiB of float32 at dim 384, about a core's L2.
 CACHE_ROWS = 4096
+# A whole-node fit (tol > 0) stops after this many steps without its distortion falling by tol.
+SETTLE_STEPS = 2
+# The tree build's default tol (`converge_tol`): see `_BatchedFit.fit` and docs/BENCHMARKS.md, issue #37.
+CONVERGE_TOL = 3e-3
 # Rows gathered per GEMM when equalising on rows of x not already in the batch (bounds the copy).
 GATHER_ROWS = 8192
 
@@ -65,6 +69,7 @@ class NodeFit:
     k: int
     n_points: int
     balance_splits: int  # splits performed across all steps
+    steps: int = 0  # EM steps run (fewer than asked once the node converged)
 
 
 def kmeans_pp(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -235,6 +240,7 @@ def fit_nodes_batched(
     balance_factor: float = 1.1,
     equalize_steps: int = 0,
     cell_size: float | None = None,
+    converge_tol: float = 0.0,
 ) -> list[NodeFit]:
     """Balanced k-means of many nodes at once: node i is the rows `members[i]` of x
     (n, d) (rows assumed L2-normalised), split into ks[i] clusters with RNG rngs[i].
@@ -263,11 +269,11 @@ def fit_nodes_batched(
         k_arr = np.array([work[p][1] for p in part])
         km = _BatchedFit(x, [np.asarray(members[i]) for i in idx], k_arr, [rngs[i] for i in idx],
                          batch_size)
-        c, splits = km.fit(steps, balance_factor)
+        c, splits, ran = km.fit(steps, balance_factor, converge_tol)
         if equalize_steps > 0:
             c = km.equalize(c, equalize_steps, balance_factor, cell_size)
         for j, i in enumerate(idx):
-            fits[i] = NodeFit(c[j, : k_arr[j]].copy(), int(k_arr[j]), len(members[i]), int(splits[j]))
+            fits[i] = NodeFit(c[j, : k_arr[j]].copy(), int(k_arr[j]), len(members[i]), int(splits[j]), int(ran[j]))
     return fits  # type: ignore[return-value]
 
 
@@ -303,8 +309,10 @@ class _Segments:
         return np.bincount(flat, minlength=len(self.sizes) * kmax).reshape(-1, kmax)
 
 
-def _nearest(seg: _Segments, xs: Sequence[np.ndarray], c: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """Per row, its node's nearest centroid: argmin over c[node, :k[node]] of ||c||² − 2·x·c.
+def _nearest(seg: _Segments, xs: Sequence[np.ndarray], c: np.ndarray,
+             k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, its node's nearest centroid: argmin over c[node, :k[node]] of ||c||² − 2·x·c,
+    and that minimum (float32: the row's squared distance to it, less ||x||²).
 
     xs[j] holds node j's rows (views into one array are fine); one GEMM per
     node, shaped by that node alone, then a single argmin over all rows. Rows
@@ -330,7 +338,7 @@ def _nearest(seg: _Segments, xs: Sequence[np.ndarray], c: np.ndarray, k: np.ndar
         cc = c[j, : k[j]].astype(np.float64)
         x = xs[j][r - seg.off[j]].astype(np.float64)
         best[r] = np.argmin((cc * cc).sum(1)[None, :] - 2.0 * (x @ cc.T), axis=1)
-    return best
+    return best, two[:, 0]
 
 
 class _BatchedFit:
@@ -396,8 +404,9 @@ class _BatchedFit:
                 d2 = new if i == 0 else np.minimum(d2, new)  # rows of finished nodes: unused
         return c
 
-    def fit(self, steps: int, balance_factor: float) -> tuple[np.ndarray, np.ndarray]:
-        """The EM steps → (centroids (nodes, kmax, d), balance splits per node).
+    def fit(self, steps: int, balance_factor: float,
+            tol: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The EM steps → (centroids (nodes, kmax, d), balance splits per node, steps run per node).
 
         A node whose batch is the whole node stops once a step reassigned no
         point and split nothing: its means are then those of the step before,
@@ -405,22 +414,39 @@ class _BatchedFit:
         draw) and the result is the one all `steps` give. Measured on the 100k
         benchmark: level-3 nodes (~390 points) stop after 3–9 of 20 steps;
         level-2 nodes (~6,250 points) keep splitting and run (nearly) all 20.
+
+        The App. C split rule can keep a whole-node node from ever settling exactly: on issue
+        #37's mixture, where natural clusters straddle the split limit, nearly every level-3
+        node split at every step and ran all 20. With tol > 0 such a node also stops once
+        SETTLE_STEPS steps in a row lowered its squared distances (before the splits) by less
+        than tol of their best: later steps only move points back and forth across the limit.
         """
         k, kmax = self.k, self.kmax
         self.next_batch()
         c = self.seed()
         splits = np.zeros(len(k), dtype=np.int64)
+        ran = np.zeros(len(k), dtype=np.int64)
         b = self.seg.sizes.tolist()
         limit = np.array([max(1, math.ceil(balance_factor * bj / kj)) for bj, kj in zip(b, k.tolist())])
         static = self.n <= self.batch_size
         live, seg, prev = np.arange(len(k)), self.seg, None  # prev: last step's assignment of live rows
+        # Settling (tol > 0): a whole-node node's squared distances before balancing, and the
+        # steps since they last fell by more than tol of their best.
+        xsq = np.bincount(seg.node_of_row, weights=np.einsum("nd,nd->n", self.xb, self.xb), minlength=len(k))
+        best_d, stall = np.full(len(k), np.inf), np.zeros(len(k), dtype=np.int64)
         for _ in range(steps):
             if not len(live):
                 break
             self.next_batch()
             views = [self.views[j] for j in live.tolist()]
             cl, kl = c[live], k[live]
-            assign = _nearest(seg, views, cl, kl)
+            ran[live] += 1
+            assign, low = _nearest(seg, views, cl, kl)
+            if tol > 0:
+                d = np.bincount(seg.node_of_row, weights=low, minlength=len(live)) + xsq[live]
+                fell = d < best_d[live] * (1.0 - tol)
+                best_d[live] = np.minimum(best_d[live], d)
+                stall[live] = np.where(fell, 0, stall[live] + 1)
             counts = seg.counts(assign, kmax)
             hi = counts.max(1)
             lo = np.where(np.arange(kmax)[None, :] < kl[:, None], counts, np.iinfo(np.int64).max).min(1)
@@ -444,12 +470,12 @@ class _BatchedFit:
             c[live] = cl
             if prev is not None and self.stop_converged:
                 moved = np.bincount(seg.node_of_row[assign != prev], minlength=len(live))
-                done = (moved == 0) & ~split & static[live]
+                done = ((moved == 0) & ~split | (stall[live] >= SETTLE_STEPS)) & static[live]
                 if done.any():
                     assign = assign[~done[seg.node_of_row]]
                     live, seg = live[~done], _Segments(seg.sizes[~done])
             prev = assign
-        return c, splits
+        return c, splits, ran
 
     def equalize(self, c: np.ndarray, steps: int, slack: float, cell_size: float | None) -> np.ndarray:
         """`equalize_cells` for every node, on its whole node or an EQUALIZE_SAMPLE-row sample

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from clustering.kmeans import EQUALIZE_SAMPLE, fit_nodes_batched, single_threaded
+from clustering.kmeans import CONVERGE_TOL, EQUALIZE_SAMPLE, fit_nodes_batched, single_threaded
 from clustering.route_core import route_step, squared_norms
 from memtree.io import atomic_dir, atomic_save_npy, atomic_write_json, read_json, sha256_file
 
@@ -99,6 +99,7 @@ def fit_level(
     seed: int,
     level: int,
     cell_size: float | None = None,
+    converge_tol: float = CONVERGE_TOL,
 ) -> list[tuple[np.ndarray, int, int]]:
     """`fit_node` for the nodes (node_id, row indices into x) of one level, fitted together
     (`fit_nodes_batched`); fallbacks[i] is node i's own centroid. Call inside `single_threaded()`.
@@ -134,7 +135,7 @@ def fit_level(
         return fit_nodes_batched(
             x, members, ks, [np.random.default_rng([seed, level, int(nodes[i][0]), *key]) for i in todo],
             batch_size=batch_size, steps=steps, balance_factor=balance_factor,
-            equalize_steps=equalize_steps, cell_size=cell_size,
+            equalize_steps=equalize_steps, cell_size=cell_size, converge_tol=converge_tol,
         )
 
     fits = fit(0)
@@ -179,6 +180,7 @@ def fit_node(
     node: int,
     fallback: np.ndarray,
     cell_size: float | None = None,
+    converge_tol: float = CONVERGE_TOL,
 ) -> tuple[np.ndarray, int, int]:
     """Centroids of one node's children → ((branching, dim) rows, n valid children, splits).
 
@@ -189,7 +191,7 @@ def fit_node(
         x, [(node, np.arange(x.shape[0]))], np.asarray(fallback)[None], branching=branching,
         min_points_per_child=min_points_per_child, batch_size=batch_size, steps=steps,
         balance_factor=balance_factor, equalize_steps=equalize_steps, restarts=restarts, seed=seed,
-        level=level, cell_size=cell_size,
+        level=level, cell_size=cell_size, converge_tol=converge_tol,
     )[0]
 
 
@@ -223,6 +225,7 @@ def build_tree(
     min_points_per_child: int = 2,
     equalize_steps: int = 40,
     restarts: int = 1,
+    converge_tol: float = CONVERGE_TOL,
     seed: int = 0,
     fit_nodes: Callable[..., Sequence[tuple[np.ndarray, int, int]]] | None = None,
     n_jobs: int | None = None,
@@ -239,7 +242,7 @@ def build_tree(
     n, dim = x.shape
     params = {"branching": branching, "min_points_per_child": min_points_per_child,
               "batch_size": batch_size, "steps": steps, "balance_factor": balance_factor,
-              "equalize_steps": equalize_steps, "restarts": restarts, "seed": seed}
+              "equalize_steps": equalize_steps, "restarts": restarts, "converge_tol": converge_tol, "seed": seed}
     workers = n_jobs or os.cpu_count() or 1
 
     def threaded(level: int, nodes: list[tuple[int, np.ndarray]], parent_c: np.ndarray):

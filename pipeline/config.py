@@ -111,6 +111,13 @@ class TreeConfig:
     nearest-centroid cell routing uses at balance_factor × the level's mean cell
     (clustering.kmeans.equalize_cells; it stops early once no cell is over); 0 keeps the
     paper's rule alone."""
+    converge_tol: float = 3e-3
+    """A node whose batch is the whole node (every node of a level with ≤ batch_size points per
+    node) stops its EM once two steps in a row lower its squared distances by less than this
+    fraction of their best (clustering.kmeans.CONVERGE_TOL); 0 runs every step. The App. C split
+    rule reshuffles such nodes at every step, so they never settle exactly: on issue #37's
+    100k-point mixture the level-3 nodes otherwise ran all 20 steps for no gain (NMI 0.973 with
+    every step, 0.976 with this stop; the same balance at every level)."""
     min_points_per_child: int = 2
     """A node with n points gets min(branching, n // min_points_per_child) children (at least 1)."""
     restarts: int = 1
@@ -123,6 +130,8 @@ class TreeConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "levels", "branching", "batch_size", "steps", "min_points_per_child", "restarts")
+        if not 0.0 <= self.converge_tol < 1.0:
+            raise ValueError(f"TreeConfig.converge_tol must be in [0, 1), got {self.converge_tol!r}")
         if self.equalize_steps < 0:
             raise ValueError("TreeConfig.equalize_steps must be >= 0")
         if self.branching < 2:

@@ -300,7 +300,8 @@ def _tree(ctx: Ctx, work: Path) -> dict:
         ctx.log(f"[tree] {x.shape[0]} windows: levels reduced {t.levels} -> {levels} (tree.auto_reduce)")
     params = {"branching": t.branching, "min_points_per_child": t.min_points_per_child,
               "batch_size": t.batch_size, "steps": t.steps, "balance_factor": t.balance_factor,
-              "equalize_steps": t.equalize_steps, "restarts": t.restarts, "seed": ctx.cfg.seed}
+              "equalize_steps": t.equalize_steps, "restarts": t.restarts, "converge_tol": t.converge_tol,
+              "seed": ctx.cfg.seed}
     n_workers = max(1, len(ctx.client.scheduler_info()["workers"]))
 
     def fit_nodes(level, nodes, parent_c):

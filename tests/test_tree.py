@@ -363,6 +363,34 @@ def test_stopping_converged_nodes_early_changes_nothing(monkeypatch):
         assert a.balance_splits == b.balance_splits
 
 
+def test_converge_tol_stops_nodes_the_split_rule_keeps_moving():
+    """Blobs just over the split limit: with converge_tol=0 every whole-node node splits and runs
+    all its steps; with the build's default tol each stops early, and the nodes' summed routing
+    distortion stays within 5 % of the full run's (issue #37: the steps after settling only move
+    points back and forth across the limit)."""
+    from clustering.kmeans import CONVERGE_TOL, fit_nodes_batched
+    from clustering.tree import distortion
+
+    # 12 blobs of uneven size into 8 clusters, balance limit 1.1 × the mean: some cluster is over
+    # the limit at every step.
+    x, _ = _mixture(6000, 16, 12, seed=41, spread=0.35)
+    members = [np.arange(a, a + 400) for a in range(0, 6000, 400)]
+
+    def fit(tol):
+        return fit_nodes_batched(x, members, [8] * len(members),
+                                 [np.random.default_rng([5, i]) for i in range(len(members))],
+                                 batch_size=1000, steps=20, balance_factor=1.1, converge_tol=tol)
+
+    full, early = fit(0.0), fit(CONVERGE_TOL)
+    assert all(f.steps == 20 and f.balance_splits >= 20 for f in full), [(f.steps, f.balance_splits) for f in full]
+    assert all(f.steps < 20 for f in early), [f.steps for f in early]
+    assert sum(f.steps for f in early) <= 0.6 * sum(f.steps for f in full)
+    # A node's distortion after 20 such steps is itself a draw of the random splits (measured here:
+    # early / full 0.79–1.16 per node): the claim is about the sum.
+    total = [sum(distortion(x, m, f.centroids) for m, f in zip(members, fits)) for fits in (full, early)]
+    assert total[1] <= 1.05 * total[0], total
+
+
 def test_restarts_keep_each_nodes_lowest_distortion_fit():
     """restarts=R fits every node R times (restart r > 0 keyed by (seed, level, node, r)) and keeps,
     per node, the fit whose routing distortion is lowest; restarts=1 is the single fit unchanged."""
