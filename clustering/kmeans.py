@@ -432,7 +432,8 @@ class _BatchedFit:
         live, seg, prev = np.arange(len(k)), self.seg, None  # prev: last step's assignment of live rows
         # Settling (tol > 0): a whole-node node's squared distances before balancing, and the
         # steps since they last fell by more than tol of their best.
-        xsq = np.bincount(seg.node_of_row, weights=np.einsum("nd,nd->n", self.xb, self.xb), minlength=len(k))
+        xsq = (np.bincount(seg.node_of_row, weights=np.einsum("nd,nd->n", self.xb, self.xb), minlength=len(k))
+               if tol > 0 else None)
         best_d, stall = np.full(len(k), np.inf), np.zeros(len(k), dtype=np.int64)
         for _ in range(steps):
             if not len(live):

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from clustering.kmeans import CONVERGE_TOL
+
 
 def _positive(obj, *names: str) -> None:
     for n in names:
@@ -111,7 +113,7 @@ class TreeConfig:
     nearest-centroid cell routing uses at balance_factor × the level's mean cell
     (clustering.kmeans.equalize_cells; it stops early once no cell is over); 0 keeps the
     paper's rule alone."""
-    converge_tol: float = 3e-3
+    converge_tol: float = CONVERGE_TOL
     """A node whose batch is the whole node (every node of a level with ≤ batch_size points per
     node) stops its EM once two steps in a row lower its squared distances by less than this
     fraction of their best (clustering.kmeans.CONVERGE_TOL); 0 runs every step. The App. C split
