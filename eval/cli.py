@@ -2,7 +2,8 @@
 `memtree eval-retention`, `memtree eval-tasks` (your own task suite), `memtree eval-longctx` (CAMELoT's
 long-context perplexity on a frozen anchor), `memtree eval-context-bank` (recall through the context
 bank), `memtree eval-continual` (learning new facts without forgetting), `memtree eval-memories` (every memory
-family beside dense models on the demo's probes) and the main job `memtree demo`."""
+family beside dense models on the demo's probes), `memtree eval-realtext` (held-out perplexity of the memory
+rows on real text) and the main job `memtree demo`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 def register(sub: argparse._SubParsersAction) -> None:
     """The eval stage's subcommands, in --help order."""
     for add in (_add_eval, _add_sweep, _add_retention, _add_tasks, _add_longctx, _add_context_bank,
-                _add_continual, _add_adapters, _add_memories, _add_demo):
+                _add_continual, _add_adapters, _add_memories, _add_realtext, _add_demo):
         add(sub)
 
 
@@ -485,4 +486,38 @@ def _memories(args: argparse.Namespace) -> int:
                                [f"root={args.root}", *args.overrides, *([f"select=[{','.join(rows)}]"] if rows else []),
                                 *_out(args, "eval-memories", deprecated=False)])
     print(Path(run_memories(cfg)).read_text(encoding="utf-8"))
+    return 0
+
+
+def _add_realtext(sub: argparse._SubParsersAction) -> None:
+    m = sub.add_parser(
+        "eval-realtext",
+        help="held-out perplexity of anchor / generic / fetched memory and dense-1x on real text (issue 38)",
+        description="On a real-text pipeline run (default ROOT runs/pydocs-short: `memtree docs-corpus "
+                    "runs/pydocs-short/corpus --max-chars 4000` then `memtree pipeline "
+                    "pipeline/yamls/pydocs-short.yaml`): trains the demo's anchor, one co-training run per recipe "
+                    "and dense-1x (the anchor's shape for both stages' duration), then scores ROOT/corpus/test.jsonl "
+                    "cut into windows, each routed by its own text, with no memory, generic and fetched blocks. "
+                    "Writes OUT/results.json, OUT/report.md, OUT/perplexity.png (default OUT: ROOT/realtext). "
+                    "Recipes: eval/yamls/realtext.yaml.",
+    )
+    m.add_argument("root", nargs="?", default="runs/pydocs-short",
+                   help="holds pipeline/ (shards, tree) and corpus/test.jsonl (default runs/pydocs-short)")
+    m.add_argument("overrides", nargs="*", help="eval.realtext.RealTextConfig key=value overrides "
+                                                "(cotrain_duration=3ep held_out=… 'train=[…]')")
+    m.add_argument("--recipes", help="comma-separated recipe names to run (default: every recipe of the config)")
+    m.add_argument("--config", help="YAML with the recipes (default eval/yamls/realtext.yaml)")
+    m.add_argument("--out", help="report folder (default ROOT/realtext)")
+    m.set_defaults(func=_realtext)
+
+
+def _realtext(args: argparse.Namespace) -> int:
+    from eval.realtext import load_realtext_config, run_realtext
+
+    picked = [r.strip() for r in (args.recipes or "").split(",") if r.strip()]
+    cfg = load_realtext_config(_config_file(args.config, "--config"),
+                               [f"root={args.root}", *args.overrides,
+                                *([f"select=[{','.join(picked)}]"] if picked else []),
+                                *_out(args, "eval-realtext", deprecated=False)])
+    print(Path(run_realtext(cfg)).read_text(encoding="utf-8"))
     return 0

@@ -60,7 +60,9 @@ DESIGN = (
                   "corpus plan; every sample is seen once per epoch (drop_last off)")),
     ("tree", ("3 levels × 4 = fields / domains / subtopics; a domain is one level-2 subtree = 1/16 of the bank, "
              "the paper's blocking share; 20 k-means restarts per node, the lowest distortion kept: one "
-             "k-means++ seed can merge two subtopics, and the questions' leaf routing follows the objective")),
+             "k-means++ seed can merge two subtopics, and the questions' leaf routing follows the objective; "
+             "MiniLM in float, not int8: int8 numerics follow the CPU, and on an AMD EPYC they took the "
+             "fetched-generic gap from 16.0 to 6.8 points (docs/BENCHMARKS.md)")),
     ("memory", ("FFN memories at levels 2 and 3 only (level 1 spans four domains, so blocking a domain "
                "removes all of its memory); leaf blocks ≥ level-2 blocks because the tail is most specific")),
     ("generic", ("drawn with probability 1/16 as in the paper (seed 002 §4): as many updates as one "
@@ -77,7 +79,9 @@ DESIGN = (
                "one document are seen 7 times, two documents 14 times")),
     ("memory LR", ("3e-2 for the bank (10x the anchor's 3e-3), cosine to 10 %: a block is updated only by "
                   "its own subtopic's sequences; a constant 5e-2 (with 1 + 5 epochs) measured a "
-                  "smaller fetched-generic gap")),
+                  "smaller fetched-generic gap; on real text this LR starves the anchor (held-out perplexity "
+                  "35 % above the anchor's shape trained alone; `memtree eval-realtext`), where 1e-3 generalises "
+                  "but moves the tail into the anchor")),
     ("retrieval", ("questions are routed by the same greedy traversal as the training documents, from the "
                   "question text only (no oracle path)")),
 )

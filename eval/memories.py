@@ -55,7 +55,7 @@ from eval.longtail import BUCKETS, bucket_label, exposure
 from eval.model import RunModel
 from eval.rag import RagIndex
 from eval.runinfo import duration_epochs, resolve_stored, run_config
-from memtree.config import ConfigError, from_dict, is_int, load_config, to_dict
+from memtree.config import ConfigError, check_selection, from_dict, is_int, load_config, to_dict
 from memtree.geometry import AnchorShape, MemoryConfig, Plan, layer_widths, plan
 from memtree.io import read_json
 from training.config import TrainConfig
@@ -68,6 +68,7 @@ DEFAULT_YAML = Path(__file__).parent / "yamls" / "memories.yaml"
 KINDS = ("demo", "dense", "moc", "pkm")
 DEMO_SETTINGS = ("none", "generic", "fetched", "rag", "rag+fetched")
 DENSE_SIZES = ("1x", "2x", "runtime")
+BUDGETS = ("steps", "flops")
 _OWNER = {"demo": "setting", "dense": "size", "moc": "moc", "pkm": "pkm"}  # the key each kind takes
 Z95 = 1.96
 # Bytes per token id a RAG window adds to the model's input (int32 ids).
@@ -94,7 +95,9 @@ class MemoryRow:
     rows); kind: demo | dense | moc | pkm; setting (demo): none | generic | fetched | rag |
     rag+fetched; size (dense): 1x | 2x | runtime; moc / pkm: `training.layers.moc.MoCConfig` /
     `training.layers.pkm.PKMConfig` fields, `tokens_per_chapter` / `k` left out to size the memory to the
-    fetched memory's active parameters; train: training overrides for this row, after the grid's."""
+    fetched memory's active parameters; train: training overrides for this row, after the grid's;
+    budget (trained rows): `steps`, the demo's duration (the same tokens and steps as the fetched row), or
+    `flops`, as many batches as give the fetched row's training FLOPs (`training.flops`)."""
 
     name: str
     kind: str
@@ -103,6 +106,7 @@ class MemoryRow:
     moc: dict[str, Any] = field(default_factory=dict)
     pkm: dict[str, Any] = field(default_factory=dict)
     train: list[str] = field(default_factory=list)
+    budget: str = "steps"
 
     def __post_init__(self) -> None:
         where = f"rows.{self.name}"
@@ -119,6 +123,12 @@ class MemoryRow:
             raise ConfigError(f"{where}.size: {self.size!r} is not one of {list(DENSE_SIZES)}")
         if self.kind == "demo" and self.train:
             raise ConfigError(f"{where}.train: a demo row reuses the demo's runs and trains nothing")
+        if self.budget not in BUDGETS:
+            raise ConfigError(f"{where}.budget: {self.budget!r} is not one of {list(BUDGETS)}")
+        if self.budget != "steps" and self.kind == "demo":
+            raise ConfigError(f"{where}.budget: a demo row reuses the demo's runs and trains nothing")
+        if self.budget == "flops" and any(o.split("=", 1)[0].strip() == "max_duration" for o in self.train):
+            raise ConfigError(f"{where}: budget flops sets max_duration; drop max_duration from train")
         if self.kind == "moc":
             from_dict(MoCConfig, {"tokens_per_chapter": 1, **self.moc}, where=f"{where}.moc")
         if self.kind == "pkm":
@@ -146,14 +156,8 @@ class MemoriesConfig:
 
     def __post_init__(self) -> None:
         names = [r.name for r in self.rows]
-        if not names:
-            raise ConfigError("rows: no row to run (eval/yamls/memories.yaml lists them)")
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ConfigError(f"rows: name(s) {dup} used twice")
-        unknown = [n for n in self.select if n not in names]
-        if unknown:
-            raise ConfigError(f"select (--rows): unknown row(s) {unknown}; the grid's rows: {names}")
+        check_selection(names, self.select, key="rows", flag="--rows", noun="row",
+                        empty="no row to run (eval/yamls/memories.yaml lists them)")
         ref = next((r for r in self.rows if r.name == self.reference), None)
         if ref is None or ref.kind != "demo" or ref.setting not in ("generic", "fetched", "none"):
             raise ConfigError(f"reference: {self.reference!r} must name a demo row scored without RAG "
@@ -410,13 +414,22 @@ def row_train_config(demo: DemoRuns, row: MemoryRow, model: RowModel, overrides:
     """The co-training run's config as a memoryless from-scratch run of `model`, for the demo's whole
     duration; then the grid's and the row's overrides."""
     d = to_dict(demo.cfg)
+    duration = demo.duration() if row.budget == "steps" else equal_flops_duration(demo, model)
     d.update(mode="baseline", anchor_checkpoint=None, save_folder=str(row_folder(demo, row)),
-             run_name=f"memories-{row.name}", max_duration=demo.duration(), autoresume=False)
+             run_name=f"memories-{row.name}", max_duration=duration, autoresume=False)
     d["memory"] = {**d["memory"], "multipliers": []}
     shape = {k: v for k, v in dataclasses.asdict(model.shape).items() if k != "vocab_size" and v is not None}
     d["model"] = {**d["model"], "anchor": "custom", "shape": shape,
                   "moc": to_dict(model.moc) if model.moc else None, "pkm": to_dict(model.pkm) if model.pkm else None}
     return load_config(TrainConfig, d, [*overrides, *row.train])
+
+
+def equal_flops_duration(demo: DemoRuns, model: RowModel) -> str:
+    """The batches at which `model` has spent the fetched row's training FLOPs (forward × 3 per
+    sequence, `training.flops`), as a Composer duration."""
+    target = _demo_accounting("fetched", demo, None)["train_flops"]
+    fwd = model_flops(model.shape, model.moc, seq_len=demo.seq_len, pkm=model.pkm).forward
+    return f"{max(1, round(target / (3 * fwd) / demo.cfg.data.batch_size))}ba"
 
 
 def train_row(demo: DemoRuns, row: MemoryRow, model: RowModel, overrides: Sequence[str] = (),

@@ -18,7 +18,8 @@ NOTES = (
     "normal-approximation 95 % interval on the paired difference (mean ± 1.96·sd/√n)."),
     ("runtime params: what one query runs with (anchor + fetched blocks; MoC / PKM: the memory parameters a "
     "token reads); memory active: that memory part alone. Training FLOPs: forward × 3 per trained sequence "
-    "(training/flops.py), every sample once per epoch. Equal-training-FLOPs dense rows are not in this grid."),
+    "(training/flops.py), every sample once per epoch. A row with budget `flops` trains as many batches as give "
+    "the fetched row's training FLOPs; the others train the demo's steps."),
 )
 
 

@@ -221,3 +221,17 @@ def load_config(
 
 def dump_yaml(obj: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(to_dict(obj)))
+
+
+def check_selection(names: Sequence[str], select: Sequence[str], *, key: str, flag: str, noun: str,
+                    empty: str) -> None:
+    """A grid's named entries (`key`) and the subset `select` (given as `flag` on the command line):
+    at least one entry, no name twice, every selected name known; errors name the key."""
+    if not names:
+        raise ConfigError(f"{key}: {empty}")
+    dup = sorted({n for n in names if list(names).count(n) > 1})
+    if dup:
+        raise ConfigError(f"{key}: name(s) {dup} used twice")
+    unknown = [n for n in select if n not in names]
+    if unknown:
+        raise ConfigError(f"select ({flag}): unknown {noun}(s) {unknown}; the config's {key}: {list(names)}")

@@ -64,6 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--suffix", default=None, help="file name ending of the files to keep")
     t.add_argument("--test-fraction", type=float, default=0.1)
     t.add_argument("--min-chars", type=int, default=2000, help="shorter files are rejected (too_short)")
+    t.add_argument("--max-chars", type=int, default=None,
+                   help="keep each page's opening, up to this many characters, cut at a paragraph break "
+                        "(a corpus of short documents; default: whole pages)")
     t.set_defaults(func=_docs)
 
 
@@ -140,7 +143,8 @@ def _docs(args: argparse.Namespace) -> int:
                                 "leave --deb out to download it)")
     deb = Path(args.deb) if args.deb else fetch_deb(args.package, Path(args.out).resolve().parent)
     meta = write_docs_corpus(args.out, deb=deb, package=args.package, prefix=prefix, suffix=suffix,
-                             test_fraction=args.test_fraction, min_chars=args.min_chars)
+                             test_fraction=args.test_fraction, min_chars=args.min_chars,
+                             max_chars=args.max_chars)
     rejected = (f"{meta['rejected']} rejected (each with its reason in {Path(args.out) / 'rejects.jsonl'})"
                 if meta["rejected"] else "0 rejected")
     print(f"{meta['files']} files → {meta['train']} train, {meta['test']} test, {rejected} → {args.out}",

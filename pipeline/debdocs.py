@@ -16,7 +16,7 @@ a page never moves between splits), and writes, atomically:
 |---|---|
 | `train.jsonl`, `test.jsonl` | `{"id": path in the package, "text", "section": first directory, "source": package}` |
 | `rejects.jsonl` | `{"id", "reason", "detail"}`: `too_short` (< `min_chars`), `invalid_utf8`, `empty` |
-| `corpus.json` | `format` "memtree-debdocs", `version` 1, `package`, `deb` (file name), `deb_sha256`, `prefix`, `suffix`, `test_fraction`, `min_chars`, counts: `files` = `train` + `test` + `rejected` |
+| `corpus.json` | `format` "memtree-debdocs", `version` 1, `package`, `deb` (file name), `deb_sha256`, `prefix`, `suffix`, `test_fraction`, `min_chars`, `max_chars` (null: whole pages), counts: `files` = `train` + `test` + `rejected` |
 
 `fetch_deb(package, cache_dir)` runs `apt-get download` (no root) when no `.deb` of the package
 is in `cache_dir` yet; `memtree docs-corpus OUT` does both.
@@ -95,14 +95,33 @@ def in_test_split(doc_id: str, test_fraction: float) -> bool:
     return h / 2**64 < test_fraction
 
 
+def opening(text: str, max_chars: int) -> str:
+    """text's first max_chars characters at most, cut at a paragraph break (else a line break, else
+    hard) so that a document ends on a whole paragraph."""
+    if len(text) <= max_chars:
+        return text
+    head = text[:max_chars]
+    for sep in ("\n\n", "\n"):
+        cut = head.rfind(sep)
+        if cut >= max_chars // 2:
+            return head[:cut].rstrip()
+    return head.rstrip()
+
+
 def write_docs_corpus(out_dir: str | Path, *, deb: str | Path, package: str = PYTHON_DOC["package"],
                       prefix: str = PYTHON_DOC["prefix"], suffix: str = PYTHON_DOC["suffix"],
-                      test_fraction: float = 0.1, min_chars: int = 2000) -> dict:
-    """Write train/test/rejects JSONL and corpus.json (module docstring) from a `.deb`; returns corpus.json."""
+                      test_fraction: float = 0.1, min_chars: int = 2000, max_chars: int | None = None) -> dict:
+    """Write train/test/rejects JSONL and corpus.json (module docstring) from a `.deb`; returns corpus.json.
+
+    max_chars: keep each page's opening only, cut at its last paragraph break (else line break) at or
+    before max_chars: a corpus of short documents (issue #38's real-text runs), where a page's
+    introduction names its topic. None keeps whole pages."""
     if not 0 < test_fraction < 1:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     if min_chars < 0:
         raise ValueError(f"min_chars must be ≥ 0, got {min_chars}")
+    if max_chars is not None and max_chars < max(min_chars, 1):
+        raise ValueError(f"max_chars must be ≥ min_chars ({min_chars}) and ≥ 1, got {max_chars}")
     out = Path(out_dir)
     rows: dict[str, list[str]] = {"train": [], "test": [], "rejects": []}
     n_files = 0
@@ -121,6 +140,8 @@ def write_docs_corpus(out_dir: str | Path, *, deb: str | Path, package: str = PY
             rows["rejects"].append(json.dumps({"id": doc_id, "reason": "too_short",
                                                "detail": f"{len(text)} < {min_chars} characters"}))
             continue
+        if max_chars is not None:
+            text = opening(text, max_chars)
         rec = {"id": doc_id, "text": text, "section": doc_id.split("/")[0] if "/" in doc_id else "",
                "source": package}
         rows["test" if in_test_split(doc_id, test_fraction) else "train"].append(
@@ -132,7 +153,8 @@ def write_docs_corpus(out_dir: str | Path, *, deb: str | Path, package: str = PY
         atomic_write_text(out / f"{name}.jsonl", "".join(line + "\n" for line in lines))
     meta = {"format": FORMAT, "version": VERSION, "package": package, "deb": Path(deb).name,
             "deb_sha256": sha256_file(deb), "prefix": prefix, "suffix": suffix, "test_fraction": test_fraction,
-            "min_chars": min_chars, "files": n_files, "train": len(rows["train"]), "test": len(rows["test"]),
+            "min_chars": min_chars, "max_chars": max_chars, "files": n_files, "train": len(rows["train"]),
+            "test": len(rows["test"]),
             "rejected": len(rows["rejects"])}
     assert meta["files"] == meta["train"] + meta["test"] + meta["rejected"]
     atomic_write_json(out / "corpus.json", meta)

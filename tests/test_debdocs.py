@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.debdocs import in_test_split, iter_deb_files, write_docs_corpus
+from pipeline.debdocs import in_test_split, iter_deb_files, opening, write_docs_corpus
 
 PREFIX = "usr/share/doc/pkg/_sources/"
 
@@ -87,3 +87,22 @@ def test_bad_packages_are_named(tmp_path):
     deb = make_deb(tmp_path / "pkg_1.0_all.deb", {"usr/share/doc/other/a.txt": b"text"})
     with pytest.raises(ValueError, match="no file under"):
         write_docs_corpus(tmp_path / "out", deb=deb, prefix=PREFIX, suffix=".rst.txt")
+
+
+def test_max_chars_keeps_each_pages_opening_on_a_paragraph_break(tmp_path):
+    paras = [f"Paragraph {i}: " + "words " * 60 for i in range(20)]  # ~375 characters each
+    text = "\n\n".join(paras)
+    cut = opening(text, 1000)
+    assert len(cut) <= 1000 and text.startswith(cut) and cut.endswith(paras[1].rstrip())
+    assert opening("short", 1000) == "short"
+    assert opening("x" * 3000, 1000) == "x" * 1000  # no break at all: a hard cut
+    files = {PREFIX + f"library/m{i:03d}.rst.txt": text.encode() for i in range(8)}
+    deb = make_deb(tmp_path / "pkg_1.0_all.deb", files)
+    meta = write_docs_corpus(tmp_path / "out", deb=deb, package="pkg", prefix=PREFIX, suffix=".rst.txt",
+                             test_fraction=0.25, min_chars=1000, max_chars=1000)
+    assert meta["max_chars"] == 1000 and meta["train"] + meta["test"] == 8
+    docs = [json.loads(x) for s in ("train", "test") for x in (tmp_path / f"out/{s}.jsonl").read_text().splitlines()]
+    assert all(d["text"] == cut for d in docs)
+    with pytest.raises(ValueError, match="max_chars must be"):
+        write_docs_corpus(tmp_path / "o2", deb=deb, package="pkg", prefix=PREFIX, suffix=".rst.txt",
+                          min_chars=1000, max_chars=500)

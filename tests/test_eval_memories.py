@@ -31,6 +31,7 @@ rows:
   - {name: fetched, kind: demo, setting: fetched}
   - {name: dense-1x, kind: dense, size: 1x}
   - {name: dense-2x, kind: dense, size: 2x}
+  - {name: dense-2x-flops, kind: dense, size: 2x, budget: flops}
   - {name: dense-runtime, kind: dense, size: runtime}
   - {name: moc, kind: moc, moc: {n_chapters: 9, n_shared: 1, top_k: 2, layers: [0]}}
   - {name: pkm, kind: pkm, pkm: {n_keys: 32, heads: 4, key_dim: 8, value_dim: 32},
@@ -82,8 +83,8 @@ def test_every_row_trains_and_scores_with_the_budgets_it_claims(root, tmp_path, 
     assert "| dense-runtime | dense |" in capsys.readouterr().out
     res = json.loads((out / "results.json").read_text())
     rows = {r["name"]: r for r in res["rows"]}
-    assert list(rows) == ["anchor", "generic", "fetched", "dense-1x", "dense-2x", "dense-runtime", "moc", "pkm",
-                          "rag", "rag+fetched"]
+    assert list(rows) == ["anchor", "generic", "fetched", "dense-1x", "dense-2x", "dense-2x-flops", "dense-runtime",
+                          "moc", "pkm", "rag", "rag+fetched"]
     assert (out / "accuracy_vs_exposure.png").stat().st_size > 0 and "Paired Δ" in (out / "report.md").read_text()
     demo = open_demo(root)
     anchor, fetch = demo.shape.params(), demo.plan.fetch_params
@@ -92,7 +93,8 @@ def test_every_row_trains_and_scores_with_the_budgets_it_claims(root, tmp_path, 
         assert len(r["predictions"]) == res["n_probes"] == 40 and r["paired"]["overall"]["n"] == 40
         assert sum(b["n"] for b in r["by_bucket"]) == 40
         if r["kind"] != "demo":  # trained here for the demo's whole duration, through Composer
-            assert r["train"]["action"] == "trained" and r["train"]["duration"] == "6ba"
+            budget = "6ba" if r["spec"]["budget"] == "steps" else r["train"]["duration"]
+            assert r["train"]["action"] == "trained" and r["train"]["duration"] == budget
             assert r["measured_params"] == r["total_params"]
             assert r["perplexity"] is not None and r["train"]["train_s"] > 0
         else:  # the demo's anchor + co-training wall time, from their Composer checkpoints
@@ -103,6 +105,12 @@ def test_every_row_trains_and_scores_with_the_budgets_it_claims(root, tmp_path, 
     assert rows["dense-2x"]["total_params"] >= 2 * anchor
     assert rows["dense-2x"]["model"]["shape"]["n_layers"] > 1
     assert rows["dense-runtime"]["total_params"] == anchor + fetch == rows["fetched"]["runtime_params"]
+    # budget flops: the deeper model trains fewer batches, to the fetched row's training FLOPs (to a batch)
+    eq, steps = rows["dense-2x-flops"], rows["dense-2x"]
+    batches = int(eq["train"]["duration"].removesuffix("ba"))
+    assert eq["total_params"] == steps["total_params"] and 1 <= batches < 6
+    per_batch = steps["train_flops"] / 6  # dense-2x trained 6 batches
+    assert abs(eq["train_flops"] - rows["fetched"]["train_flops"]) <= per_batch / 2 + 1
     assert rows["dense-runtime"]["inference_flops_per_token"] == rows["fetched"]["inference_flops_per_token"]
     # MoC: its parameters as training/flops.py counts them; tokens_per_chapter solved to the fetched size
     moc = MoCConfig(**{**rows["moc"]["model"]["moc"], "layers": tuple(rows["moc"]["model"]["moc"]["layers"])})
@@ -197,6 +205,11 @@ def test_grid_errors_name_the_key(tmp_path):
         load("rows: [{name: fetched, kind: demo, setting: fetched, bogus: 1}]\n")
     with pytest.raises(ConfigError, match=r"select \(--rows\): unknown row\(s\) \['nope'\]"):
         load(ok, "select=[nope]")
+    with pytest.raises(ConfigError, match=r"rows.d.budget: 'time' is not one of"):
+        load("rows: [{name: fetched, kind: demo, setting: fetched}, {name: d, kind: dense, size: 2x, budget: time}]\n")
+    with pytest.raises(ConfigError, match="budget flops sets max_duration"):
+        load("rows: [{name: fetched, kind: demo, setting: fetched}, "
+             "{name: d, kind: dense, size: 2x, budget: flops, train: [max_duration=3ep]}]\n")
     with pytest.raises(ConfigError, match="rows.d.size: only for kind dense"):
         load("rows: [{name: fetched, kind: demo, setting: fetched}, {name: d, kind: moc, size: 2x}]\n")
     with pytest.raises(ConfigError, match="rows.m.moc"):

@@ -1,0 +1,299 @@
+"""`memtree eval-realtext ROOT`: held-out perplexity of the memory rows on real text (issue 38).
+
+The bios demo measures knowledge; a memory that only memorised its documents still wins there. On
+real text the question is whether a fetched block carries what its cluster's documents share, so
+that a page the model never saw reads better with the block its text routes to. This module runs
+the demo's two stages on a real-text pipeline run (default: `pipeline/yamls/pydocs-short.yaml`, the
+openings of the Python documentation's pages) and scores held-out pages:
+
+1. anchor: `training/yamls/demo.yaml`, mode baseline, `anchor_duration` (the demo's anchor stage);
+2. one co-training run per recipe (`recipes`: training overrides on top of the demo's YAML, the
+   first usually none, i.e. the default), from that anchor, for `cotrain_duration`;
+3. dense-1x: the anchor's shape trained alone for both stages' duration (the same tokens and steps);
+4. held-out: every page of `held_out` (default ROOT/corpus/test.jsonl) cut into windows of
+   `window_tokens` tokens; each window is routed by its own text (as the pipeline routed the
+   training windows) and scored with no memory, the generic blocks and the fetched blocks.
+
+Rows: the pretrained anchor; dense-1x; per recipe the co-trained anchor alone / + generic / +
+fetched. Per row: held-out perplexity (token-weighted), and paired 95 % intervals of the
+per-page Δ nll/token against the recipe's own anchor and generic rows (pages are the independent
+unit: windows of one page share their topic). Written to OUT (default ROOT/realtext): results.json,
+report.md and perplexity.png. Training runs resume like the demo's (`eval.demo.train_once`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eval.demo import DEMO_TRAIN_YAML, shards_fingerprint, train_once
+from eval.model import RunModel
+from eval.plots import new_figure, save_png
+from memtree.config import ConfigError, check_selection, load_config
+from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl
+from training.config import load_train_config
+
+DEFAULT_YAML = Path(__file__).resolve().parent / "yamls" / "realtext.yaml"
+Z95 = 1.959963984540054
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """A co-training recipe: `train` overrides on top of training/yamls/demo.yaml (none: the default)."""
+
+    name: str
+    train: list[str] = field(default_factory=list)
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.+-]+", self.name):
+            raise ConfigError(f"recipes.{self.name}: name must be letters, digits and _ . + - (it names a folder)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RealTextConfig:
+    """root: holds pipeline/ (shards and tree) and corpus/test.jsonl; held_out: JSONL of held-out
+    documents ({"text"}; default ROOT/corpus/test.jsonl); window_tokens: held-out window length;
+    train: overrides for every stage; select: the recipes to run (empty: all); out: report folder
+    (default ROOT/realtext)."""
+
+    root: str = "runs/pydocs-short"
+    held_out: str = ""
+    window_tokens: int = 240
+    anchor_duration: str = "2ep"
+    cotrain_duration: str = "5ep"
+    seed: int = 0
+    train: list[str] = field(default_factory=list)
+    recipes: list[Recipe] = field(default_factory=lambda: [Recipe(name="default")])
+    select: list[str] = field(default_factory=list)
+    dense: bool = True
+    out: str = ""
+
+    def __post_init__(self) -> None:
+        check_selection([r.name for r in self.recipes], self.select, key="recipes", flag="--recipes",
+                        noun="recipe", empty="none to run")
+        if self.window_tokens < 2:
+            raise ConfigError(f"window_tokens must be >= 2, got {self.window_tokens}")
+        units = {_split(getattr(self, k), k)[1] for k in ("anchor_duration", "cotrain_duration")}
+        if len(units) > 1:
+            raise ConfigError(f"anchor_duration {self.anchor_duration!r} and cotrain_duration {self.cotrain_duration!r} "
+                              "must share a unit (dense-1x trains for their sum)")
+
+    def selected(self) -> list[Recipe]:
+        return [r for r in self.recipes if not self.select or r.name in self.select]
+
+
+def load_realtext_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RealTextConfig:
+    return load_config(RealTextConfig, str(path or DEFAULT_YAML), list(overrides))
+
+
+def _split(duration: str, key: str) -> tuple[int, str]:
+    """A duration of whole epochs or batches: ("2ep") → (2, "ep")."""
+    m = re.fullmatch(r"\s*(\d+)(ep|ba)\s*", str(duration))
+    if not m or int(m.group(1)) < 1:
+        raise ConfigError(f"{key}: give whole epochs or batches ('2ep', '150ba'), got {duration!r}")
+    return int(m.group(1)), m.group(2)
+
+
+def total_duration(cfg: RealTextConfig) -> str:
+    """Both stages' duration as one: what dense-1x trains for."""
+    (a, unit), (c, _) = _split(cfg.anchor_duration, "anchor_duration"), _split(cfg.cotrain_duration, "cotrain_duration")
+    return f"{a + c}{unit}"
+
+
+# -- training ----------------------------------------------------------------------------------------
+
+def train_stages(cfg: RealTextConfig, *, log: Callable[[str], None] = print) -> dict[str, Path]:
+    """Train (or reuse) the anchor, one co-training run per selected recipe and dense-1x; returns
+    {run name: save folder}: "anchor", "dense-1x", "cotrain/<recipe>"."""
+    from streaming.base.util import clean_stale_shared_memory
+
+    root = Path(cfg.root)
+    shards = root / "pipeline" / "shards"
+    if not (shards / "manifest.json").is_file():
+        raise FileNotFoundError(f"{shards}: no shards (run `memtree pipeline` for ROOT first, e.g. "
+                                "pipeline/yamls/pydocs-short.yaml)")
+    upstream = shards_fingerprint(shards)
+    common = [f"data.shards={shards}", f"seed={cfg.seed}", f"data.shuffle_seed={cfg.seed}", *cfg.train]
+    runs: dict[str, Path] = {}
+
+    def stage(name: str, folder: Path, extra: list[str], up: str) -> str:
+        tcfg = load_train_config(DEMO_TRAIN_YAML, [*common, f"save_folder={folder}",
+                                                   f"run_name=realtext-{name.replace('/', '-')}", *extra])
+        key, _ = train_once(name, tcfg, {"config": tcfg.fingerprint(), "duration": tcfg.max_duration,
+                                         "upstream": up}, log=log)
+        clean_stale_shared_memory()  # the next stage opens the shards again in this process
+        runs[name] = folder
+        return key
+
+    anchor = root / "train" / "anchor"
+    anchor_key = stage("anchor", anchor, ["mode=baseline", "memory.multipliers=[]",
+                                           f"max_duration={cfg.anchor_duration}"], upstream)
+    if cfg.dense:
+        stage("dense-1x", root / "train" / "dense-1x", ["mode=baseline", "memory.multipliers=[]",
+                                                        f"max_duration={total_duration(cfg)}"], upstream)
+    for r in cfg.selected():
+        stage(f"cotrain/{r.name}", root / "train" / f"cotrain-{r.name}",
+              ["mode=cotrain", f"anchor_checkpoint={anchor}", f"max_duration={cfg.cotrain_duration}", *r.train],
+              anchor_key)
+    return runs
+
+
+# -- scoring -----------------------------------------------------------------------------------------
+
+def heldout_windows(rm: RunModel, docs: Sequence[dict[str, Any]], window_tokens: int) -> list[dict[str, Any]]:
+    """Each document's tokens cut into windows of ≤ window_tokens: {"doc": index, "ids", "text"}.
+    Windows shorter than 2 tokens score nothing and are left out (counted by `score_run`'s caller)."""
+    limit = min(window_tokens, rm.model.config.max_seq_len)
+    out = []
+    for i, d in enumerate(docs):
+        if "text" not in d:
+            raise ValueError(f"held-out document {i}: no 'text' field")
+        ids = rm.encode(d["text"])
+        for s in range(0, len(ids), limit):
+            piece = ids[s : s + limit]
+            if len(piece) >= 2:
+                out.append({"doc": i, "ids": piece, "text": rm.decode(piece)})
+    return out
+
+
+def window_nll(rm: RunModel, windows: Sequence[dict[str, Any]], *, mode: str, paths: np.ndarray | None,
+               batch_size: int = 16) -> np.ndarray:
+    """Σ −log p over each window's tokens after the first: (n_windows,) float64."""
+    out = np.zeros(len(windows))
+    for s in range(0, len(windows), batch_size):
+        chunk = windows[s : s + batch_size]
+        rows = None if paths is None else paths[s : s + batch_size]
+        for j, lp in enumerate(rm.logprobs([w["ids"] for w in chunk], paths=rows, mode=mode)):
+            out[s + j] = -float(lp.double().sum())
+    return out
+
+
+def per_doc(windows: Sequence[dict[str, Any]], nll: np.ndarray, n_docs: int) -> tuple[np.ndarray, np.ndarray]:
+    """(Σ nll, tokens scored) per document."""
+    doc = np.array([w["doc"] for w in windows])
+    tok = np.array([len(w["ids"]) - 1 for w in windows], dtype=np.float64)
+    return np.bincount(doc, nll, minlength=n_docs), np.bincount(doc, tok, minlength=n_docs)
+
+
+def paired_doc_interval(a: np.ndarray, b: np.ndarray, tokens: np.ndarray) -> dict[str, Any]:
+    """Δ nll/token (a − b) per document, its mean and a normal-approximation 95 % interval on the
+    mean over documents (documents with no scored token left out)."""
+    keep = tokens > 0
+    d = (a[keep] - b[keep]) / tokens[keep]
+    n = int(d.size)
+    mean = float(d.mean()) if n else None
+    if n < 2:
+        return {"n_docs": n, "mean": mean, "ci95": None}
+    half = Z95 * float(d.std(ddof=1)) / math.sqrt(n)
+    return {"n_docs": n, "mean": mean, "ci95": [mean - half, mean + half], "worse_docs": int((d > 0).sum())}
+
+
+def score_runs(runs: dict[str, Path], docs: Sequence[dict[str, Any]], tree_dir: Path, window_tokens: int,
+               *, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every run's held-out rows: {"rows": [{name, run, mode, nll, perplexity, tokens}], "paired": …}."""
+    rows, per = [], {}
+    windows = paths = None
+    for name, folder in runs.items():
+        rm = RunModel.load(folder, tree_dir=tree_dir)
+        if windows is None:  # every run shares the tokenizer (the shards') and the tree
+            windows = heldout_windows(rm, docs, window_tokens)
+            paths = rm.route([w["text"] for w in windows])
+            log(f"[eval-realtext] {len(docs)} held-out documents → {len(windows)} windows")
+        for mode in (("none", "generic", "fetched") if rm.has_memory else ("none",)):
+            t = time.time()
+            nll = window_nll(rm, windows, mode=mode, paths=paths)
+            s, tok = per_doc(windows, nll, len(docs))
+            row = "anchor alone" if mode == "none" else f"+ {mode}"
+            label = name if not rm.has_memory else f"{name.split('/', 1)[1]}: {row}"
+            per[(name, mode)] = (s, tok)
+            mean = float(s.sum() / tok.sum())
+            rows.append({"name": label, "run": name, "folder": str(folder), "mode": mode, "nll": mean,
+                         "perplexity": math.exp(mean), "tokens": int(tok.sum()), "score_s": round(time.time() - t, 1)})
+            log(f"[eval-realtext] {label}: perplexity {math.exp(mean):.2f}")
+    paired = {}
+    for (name, mode), (s, tok) in per.items():
+        if mode != "fetched":
+            continue
+        paired[name] = {f"fetched − {other}": paired_doc_interval(s, per[(name, other)][0], tok)
+                        for other in ("none", "generic")}
+        for ref in ("anchor", "dense-1x"):
+            if (ref, "none") in per:
+                paired[name][f"fetched − {ref}"] = paired_doc_interval(s, per[(ref, "none")][0], tok)
+    return {"rows": rows, "paired": paired, "windows": len(windows or []),
+            "tokens": int(sum(len(w["ids"]) - 1 for w in windows or []))}
+
+
+def run_realtext(cfg: RealTextConfig, *, log: Callable[[str], None] = print) -> Path:
+    """Train what is missing, score the held-out pages, write the report; returns report.md's path."""
+    root = Path(cfg.root)
+    held = Path(cfg.held_out) if cfg.held_out else root / "corpus" / "test.jsonl"
+    if not held.is_file():
+        raise FileNotFoundError(f"{held}: no held-out documents (held_out=, default ROOT/corpus/test.jsonl)")
+    docs = [rec for _, rec in iter_jsonl(held)]
+    t0 = time.time()
+    runs = train_stages(cfg, log=log)
+    train_s = time.time() - t0
+    scored = score_runs(runs, docs, root / "pipeline" / "tree", cfg.window_tokens, log=log)
+    out = Path(cfg.out) if cfg.out else root / "realtext"
+    recipes = {r.name: {"train": r.train, "note": r.note} for r in cfg.selected()}
+    report = {"format": "memtree-realtext", "version": 1, "root": str(root), "held_out": str(held),
+              "held_out_documents": len(docs), "window_tokens": cfg.window_tokens,
+              "anchor_duration": cfg.anchor_duration, "cotrain_duration": cfg.cotrain_duration, "seed": cfg.seed,
+              "train": cfg.train, "recipes": recipes, "train_s": round(train_s, 1),
+              "score_s": round(time.time() - t0 - train_s, 1), **scored}
+    return write_realtext_report(out, report)
+
+
+# -- report ------------------------------------------------------------------------------------------
+
+def _ci(p: dict[str, Any]) -> str:
+    if p["mean"] is None:
+        return "—"
+    if p["ci95"] is None:
+        return f"{p['mean']:+.4f}"
+    return f"{p['mean']:+.4f} [{p['ci95'][0]:+.4f}, {p['ci95'][1]:+.4f}]"
+
+
+def write_realtext_report(out: str | Path, report: dict[str, Any]) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "results.json", report)
+    lines = [f"# Held-out perplexity on real text ({report['root']})", "",
+             (f"{report['held_out_documents']} held-out documents ({report['held_out']}) in {report['windows']} "
+             f"windows of ≤ {report['window_tokens']} tokens, {report['tokens']:,} tokens scored; each window "
+             f"routed by its own text. Anchor {report['anchor_duration']}, co-training "
+             f"{report['cotrain_duration']}, seed {report['seed']}."), "",
+             "| row | held-out ppl | nll/token |", "|---|---:|---:|"]
+    lines += [f"| {r['name']} | {r['perplexity']:.2f} | {r['nll']:.4f} |" for r in report["rows"]]
+    lines += ["", ("Paired per held-out document: Δ nll/token of the fetched row against each other row "
+              "(mean, 95 % interval over documents; negative = fetched memory reads the page better)."), "",
+              "| recipe | comparison | Δ nll/token [95 % CI] | documents worse |", "|---|---|---:|---:|"]
+    for run, comps in report["paired"].items():
+        for comp, p in comps.items():
+            lines.append(f"| {run.split('/', 1)[1]} | {comp} | {_ci(p)} | {p.get('worse_docs', '—')} / {p['n_docs']} |")
+    lines += ["", "## Recipes", "", "Every stage reads training/yamls/demo.yaml, then "
+              + (f"`{' '.join(report['train'])}`" if report["train"] else "no common overrides")
+              + ", then its recipe's overrides.", ""]
+    lines += [f"- **{name}**: " + (f"`{' '.join(r['train'])}`" if r["train"] else "no overrides of its own")
+              + (f": {r['note']}" if r["note"] else "") for name, r in report["recipes"].items()]
+    atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+    fig = new_figure(7.0, 0.35 * len(report["rows"]) + 1.2)
+    ax = fig.add_subplot(1, 1, 1)
+    names = [r["name"] for r in report["rows"]][::-1]
+    ppl = [r["perplexity"] for r in report["rows"]][::-1]
+    colors = ["tab:green" if r["mode"] == "fetched" else "tab:orange" if r["mode"] == "generic" else "tab:gray"
+              for r in report["rows"]][::-1]
+    ax.barh(names, ppl, color=colors)
+    ax.set_xlim(min(ppl) * 0.95, max(ppl) * 1.02)
+    ax.set_xlabel("held-out perplexity (lower is better)")
+    ax.set_title("Real text: held-out pages, each window routed by its own text")
+    save_png(fig, out / "perplexity.png")
+    return out / "report.md"

@@ -1,0 +1,127 @@
+"""Issue 38, real text: `memtree eval-realtext` trains the demo's stages on a real-text pipeline run and
+scores held-out pages, window by window, with no memory, the generic and the fetched blocks.
+
+The end-to-end test runs the command through `memtree.cli.main` on the shared tiny pipeline run:
+three real Composer fits (anchor, dense-1x, one co-training recipe), then checks the perplexities
+against a direct forward of each model, the windows against the documents' tokens, and reuse."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from memtree.cli import main
+from memtree.config import ConfigError
+
+SHAPE = "model.shape={n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}"
+TRAIN = f"train=[data.batch_size=4,'{SHAPE}','memory.multipliers=[0,64]',optim.warmup=1ba,memory.export_dtype=fp32]"
+
+
+@pytest.fixture(scope="module")
+def root(pipeline_run, corpus_records, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("realtext") / "rt"
+    shutil.copytree(pipeline_run[0], root / "pipeline")
+    held = [{"text": r["text"]} for r in corpus_records[:5]] + [{"text": "x"}]  # the last scores no token
+    (root / "corpus").mkdir()
+    (root / "corpus" / "test.jsonl").write_text("".join(json.dumps(d) + "\n" for d in held))
+    return root
+
+
+def _direct_nll(rm, docs, window: int, mode: str) -> float:
+    """Σ −log p / tokens over every window of every document, from the model's logits."""
+    nll = n = 0.0
+    for d in docs:
+        ids = rm.encode(d["text"])
+        for s in range(0, len(ids), window):
+            piece = ids[s : s + window]
+            if len(piece) < 2:
+                continue
+            x = torch.tensor([piece])
+            paths = rm.route([rm.decode(piece)]) if mode == "fetched" else None
+            mem = rm.memories(paths, 1, mode)
+            with torch.no_grad():
+                logits = rm.model(x, memories=mem).float()
+            nll += float(F.cross_entropy(logits[0, :-1], x[0, 1:], reduction="sum"))
+            n += len(piece) - 1
+    return nll / n
+
+
+def test_rows_train_score_and_match_a_direct_forward(root, tmp_path, capsys):
+    from eval.model import RunModel
+
+    out = tmp_path / "out"
+    args = ["eval-realtext", str(root), "anchor_duration=2ba", "cotrain_duration=3ba", "window_tokens=100", TRAIN,
+            "recipes=[{name: default}]", "--out", str(out)]
+    assert main(args) == 0
+    assert "| default: + fetched |" in capsys.readouterr().out
+    res = json.loads((out / "results.json").read_text())
+    assert (out / "perplexity.png").stat().st_size > 0
+    rows = {r["name"]: r for r in res["rows"]}
+    assert list(rows) == ["anchor", "dense-1x", "default: anchor alone", "default: + generic", "default: + fetched"]
+    docs = [json.loads(x) for x in (root / "corpus" / "test.jsonl").read_text().splitlines()]
+    # every token of every document in exactly one window; the one-token document scores nothing
+    rm = RunModel.load(rows["default: + fetched"]["folder"], tree_dir=root / "pipeline" / "tree")
+    lengths = [len(rm.encode(d["text"])) for d in docs]
+    assert res["tokens"] == sum(n - math.ceil(n / 100) for n in lengths if n >= 2) and lengths[-1] == 1
+    assert res["windows"] == sum(math.ceil(n / 100) for n in lengths[:-1])
+    # perplexities: a direct forward of each model over the same windows
+    dense = RunModel.load(rows["dense-1x"]["folder"])
+    assert rows["dense-1x"]["nll"] == pytest.approx(_direct_nll(dense, docs, 100, "none"), rel=1e-5)
+    for mode, name in (("none", "anchor alone"), ("generic", "+ generic"), ("fetched", "+ fetched")):
+        r = rows[f"default: {name}"]
+        assert r["nll"] == pytest.approx(_direct_nll(rm, docs, 100, mode), rel=1e-5)
+        assert r["perplexity"] == pytest.approx(math.exp(r["nll"]))
+    assert rows["default: + fetched"]["nll"] != rows["default: anchor alone"]["nll"]
+    paired = res["paired"]["cotrain/default"]
+    assert set(paired) == {"fetched − none", "fetched − generic", "fetched − anchor", "fetched − dense-1x"}
+    assert all(p["n_docs"] == 5 for p in paired.values())  # the one-token document has no token to compare
+    # the stages' durations: dense-1x trains for both stages' batches
+    for name, dur in (("anchor", "2ba"), ("dense-1x", "5ba"), ("cotrain-default", "3ba")):
+        cfg = json.loads((root / "train" / name / "memtree_config.json").read_text())["config"]
+        assert cfg["max_duration"] == dur
+    # a second run reuses every stage (same inputs) and scores the same
+    assert main(args[:-1] + [str(tmp_path / "again")]) == 0
+    assert "already trained" in capsys.readouterr().out
+    again = json.loads((tmp_path / "again" / "results.json").read_text())
+    assert [r["nll"] for r in again["rows"]] == [r["nll"] for r in res["rows"]]
+
+
+def test_paired_doc_interval_equals_a_direct_computation():
+    from eval.realtext import Z95, paired_doc_interval
+
+    a = np.array([10.0, 4.0, 9.0, 0.0])
+    b = np.array([8.0, 6.0, 9.0, 0.0])
+    tokens = np.array([4.0, 2.0, 3.0, 0.0])  # the last document scored no token: left out
+    d = np.array([0.5, -1.0, 0.0])
+    got = paired_doc_interval(a, b, tokens)
+    half = Z95 * d.std(ddof=1) / math.sqrt(3)
+    assert got["n_docs"] == 3 and got["worse_docs"] == 1 and got["mean"] == pytest.approx(d.mean())
+    assert got["ci95"] == pytest.approx([d.mean() - half, d.mean() + half])
+    assert paired_doc_interval(a[:1], b[:1], tokens[:1]) == {"n_docs": 1, "mean": 0.5, "ci95": None}
+
+
+def test_config_errors_name_the_key(tmp_path):
+    from eval.realtext import load_realtext_config, total_duration
+
+    assert total_duration(load_realtext_config()) == "7ep"
+    assert [r.name for r in load_realtext_config(None, ["select=[mlr1e-3,demo]"]).selected()] == ["demo", "mlr1e-3"]
+    with pytest.raises(ConfigError, match=r"unknown config key recipes\[0\]\.bogus"):
+        load_realtext_config(None, ["recipes=[{name: a, bogus: 1}]"])
+    with pytest.raises(ConfigError, match=r"select \(--recipes\): unknown recipe\(s\) \['nope'\]"):
+        load_realtext_config(None, ["select=[nope]"])
+    with pytest.raises(ConfigError, match="must share a unit"):
+        load_realtext_config(None, ["anchor_duration=2ep", "cotrain_duration=30ba"])
+    with pytest.raises(ConfigError, match="cotrain_duration: give whole epochs or batches"):
+        load_realtext_config(None, ["cotrain_duration=1.5ep"])
+    with pytest.raises(ConfigError, match="used twice"):
+        load_realtext_config(None, ["recipes=[{name: a}, {name: a}]"])
+    with pytest.raises(FileNotFoundError, match="no held-out documents"):
+        from eval.realtext import run_realtext
+        run_realtext(load_realtext_config(None, [f"root={tmp_path}"]))
