@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from eval.demo import DEMO_TRAIN_YAML, shards_fingerprint, train_once
+from eval.memories import paired_interval
 from eval.model import RunModel
 from eval.plots import new_figure, save_png
 from memtree.config import ConfigError, check_selection, load_config
@@ -185,15 +186,13 @@ def per_doc(windows: Sequence[dict[str, Any]], nll: np.ndarray, n_docs: int) -> 
 
 def paired_doc_interval(a: np.ndarray, b: np.ndarray, tokens: np.ndarray) -> dict[str, Any]:
     """Δ nll/token (a − b) per document, its mean and a normal-approximation 95 % interval on the
-    mean over documents (documents with no scored token left out)."""
+    mean over documents (`eval.memories.paired_interval`; documents with no scored token left out)."""
     keep = tokens > 0
-    d = (a[keep] - b[keep]) / tokens[keep]
-    n = int(d.size)
-    mean = float(d.mean()) if n else None
-    if n < 2:
-        return {"n_docs": n, "mean": mean, "ci95": None}
-    half = Z95 * float(d.std(ddof=1)) / math.sqrt(n)
-    return {"n_docs": n, "mean": mean, "ci95": [mean - half, mean + half], "worse_docs": int((d > 0).sum())}
+    p = paired_interval(a[keep] / tokens[keep], b[keep] / tokens[keep], z=Z95)
+    out = {"n_docs": p["n"], "mean": p["diff"], "ci95": p["ci95"]}
+    if p["ci95"] is not None:
+        out["worse_docs"] = int((a[keep] / tokens[keep] > b[keep] / tokens[keep]).sum())
+    return out
 
 
 def score_runs(runs: dict[str, Path], docs: Sequence[dict[str, Any]], tree_dir: Path, window_tokens: int,
