@@ -327,6 +327,16 @@ def sgemm_gflops(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / best / 1e9
 
 
+def torch_sgemm_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """torch's float32 CPU matmul (the GEMMs of a raw `SentenceTransformer.encode`), GFLOP/s, best
+    of `repeats`, on torch's current thread count."""
+    import torch
+
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0))
+    best = min(_seconds(lambda: a @ a) for _ in range(repeats))
+    return 2 * n**3 / best / 1e9
+
+
 def faiss_l2_gflops(n: int = 20000, k: int = 4096, d: int = 384, repeats: int = 3) -> float:
     """FAISS's exhaustive L2 search (`IndexFlatL2`, the k-means assignment step and the routing
     baseline's kernel), GFLOP/s counting 2·n·k·d per search, best of `repeats`."""

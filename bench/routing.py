@@ -3,8 +3,8 @@
     .venv/bin/python bench/routing.py --quick     # 4 × 8 tree (4,096 leaves), 2,000 queries
     .venv/bin/python bench/routing.py             # 4 × 16 tree (65,536 leaves), 20,000 queries
 
-Candidate: `clustering.route.route` (points sorted by parent, one float32 GEMM per parent
-group, float64 re-scoring of near ties). Baselines in the same run, interleaved: exhaustive
+Candidate: `clustering.route.route` (FAISS's float32 per-pair dots against each point's
+parent's children, points visiting the leaves sorted by cluster, float64 re-scoring of near ties). Baselines in the same run, interleaved: exhaustive
 search over every leaf (`faiss.IndexFlatL2`, index build included, as in
 bench/pipeline_stages.py) and the previous routing step kept here (`float64_route_step`: the
 same groups scored in float64, the centroids and points cast per group). Agreement: the
@@ -76,6 +76,42 @@ def exhaustive(tree, x):
     return index.search(np.ascontiguousarray(x), 1)[1][:, 0]
 
 
+def query_points(tree, nq: int, seed: int = 8) -> np.ndarray:
+    """(nq, DIM) unit queries: a random leaf centroid plus noise."""
+    rng = np.random.default_rng(seed)
+    leaf = rng.integers(0, len(tree.centroids[-1]), size=nq)
+    xq = tree.centroids[-1][leaf] + 0.1 / math.sqrt(DIM) * rng.standard_normal((nq, DIM)).astype(np.float32)
+    return (xq / np.linalg.norm(xq, axis=1, keepdims=True)).astype(np.float32)
+
+
+def measure(*, levels: int, branching: int, nq: int, repeats: int, healthy: bool) -> dict:
+    """`route` against the float64 level-by-level reference and exhaustive search, interleaved
+    rounds: {rows, runs_seconds, agreement_with_float64_argmin, leaf_agreement_with_exhaustive}.
+    No speed-up is given (route_speedup None) unless the FAISS baseline is `healthy`."""
+    tree = constructed_tree(levels, branching, seed=7, radii=[0.6, 0.35, 0.2])
+    xq = query_points(tree, nq)
+    fns = {"route": lambda: route(tree, xq), "float64_route": lambda: float64_route(tree, xq),
+           "exhaustive": lambda: exhaustive(tree, xq)}
+    route(tree, xq)  # warm-up: first-touch of the tree's pages and the thread pools
+    secs: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(repeats):  # interleaved, order alternating
+        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            t = time.perf_counter()
+            fns[name]()
+            secs[name].append(time.perf_counter() - t)
+        log(f"routing round {r + 1}: " + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in secs.items()))
+    got, ref, exh = route(tree, xq), float64_route(tree, xq), exhaustive(tree, xq)
+    med = {k: statistics.median(v) for k, v in secs.items()}
+    rows = [{"leaves": branching**levels, "queries": nq, "method": k, "seconds": med[k], "points_per_s": nq / med[k],
+             "route_speedup": med[k] / med["route"] if healthy else None} for k in fns]
+    out = {"rows": rows, "runs_seconds": secs,
+           "agreement_with_float64_argmin": float((got == ref).all(1).mean()),
+           "leaf_agreement_with_exhaustive": float((got[:, -1] == exh).mean())}
+    log(f"agreement with the float64 level-by-level argmin: {out['agreement_with_float64_argmin']:.4f}; "
+        f"leaf = exhaustive nearest leaf: {out['leaf_agreement_with_exhaustive']:.4f}")
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
@@ -89,39 +125,14 @@ def main() -> int:
     health = baseline_health("faiss IndexFlatL2 search", faiss_l2_gflops(), sgemm_gflops())
     log(f"baseline health: {health}")
     levels, branching, nq = (4, 8, 2_000) if args.quick else (4, 16, 20_000)
-    tree = constructed_tree(levels, branching, seed=7, radii=[0.6, 0.35, 0.2])
-    rng = np.random.default_rng(8)
-    leaf = rng.integers(0, branching**levels, size=nq)
-    xq = tree.centroids[-1][leaf] + 0.1 / math.sqrt(DIM) * rng.standard_normal((nq, DIM)).astype(np.float32)
-    xq = (xq / np.linalg.norm(xq, axis=1, keepdims=True)).astype(np.float32)
-    fns = {"route": lambda: route(tree, xq), "float64_route": lambda: float64_route(tree, xq),
-           "exhaustive": lambda: exhaustive(tree, xq)}
-    secs: dict[str, list[float]] = {k: [] for k in fns}
-    for r in range(args.repeats):  # interleaved, order alternating
-        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-            t = time.perf_counter()
-            fns[name]()
-            secs[name].append(time.perf_counter() - t)
-        log(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in secs.items()))
-    got, ref, exh = route(tree, xq), float64_route(tree, xq), exhaustive(tree, xq)
-    med = {k: statistics.median(v) for k, v in secs.items()}
-    rows = [{"leaves": branching**levels, "queries": nq, "method": k, "seconds": med[k], "points_per_s": nq / med[k],
-             "route_speedup": med[k] / med["route"]} for k in fns]
     import faiss
 
-    if not health["healthy"]:  # no speed-up is claimed against a handicapped baseline
-        for r in rows:
-            r["route_speedup"] = None
-    results = {"meta": {**meta, "faiss_threads": faiss.omp_get_max_threads()}, "health": health, "rows": rows,
-               "runs_seconds": secs,
-               "agreement_with_float64_argmin": float((got == ref).all(1).mean()),
-               "leaf_agreement_with_exhaustive": float((got[:, -1] == exh).mean())}
-    log(f"agreement with the float64 level-by-level argmin: {results['agreement_with_float64_argmin']:.4f}; "
-        f"leaf = exhaustive nearest leaf: {results['leaf_agreement_with_exhaustive']:.4f}")
+    results = {"meta": {**meta, "faiss_threads": faiss.omp_get_max_threads()}, "health": health,
+               **measure(levels=levels, branching=branching, nq=nq, repeats=args.repeats,
+                         healthy=health["healthy"])}
     day = _dt.date.today().isoformat()
     out = results_path(args.out, f"routing-{day}{'-quick' if args.quick else ''}.json")
     return finish(results, out, COLUMNS)
-
 
 
 if __name__ == "__main__":

@@ -46,26 +46,16 @@ def _balance(labels: np.ndarray, k: int) -> tuple[float, int]:
     return float(c.max() / c.mean()), int((c == 0).sum())
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, default=100_000)
-    p.add_argument("--seed", type=int, default=37)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="20,000 points, 2 × 16 leaves")
-    p.add_argument("--out", default=None)
-    p.add_argument("--blas", choices=("auto", "as-is"), default="auto")
-    args = p.parse_args()
-    prepare_blas_env(args.blas)  # may re-execute this command
+def measure(*, n: int, seed: int, levels: int, repeats: int, healthy: bool, branching: int = 16) -> dict:
+    """build_tree (defaults, and equalize_steps=0) against flat faiss.Kmeans and two_level_clustering
+    on `gmm_hierarchy(n, seed)`, interleaved rounds: {rows, runs_seconds, equalize_share}. No
+    speed-up is given (speedup_vs_flat None) unless the FAISS baselines are `healthy`."""
     import faiss
     from faiss.contrib.clustering import two_level_clustering
 
-    meta = run_meta(args)
-    health = baseline_health("faiss IndexFlatL2 search", faiss_l2_gflops(), sgemm_gflops())
-    log(f"baseline health: {health}")
-    levels, n = (2, 20_000) if args.quick else (3, args.n)
-    B = 16
+    B = branching
     k = B**levels
-    x, lab = gmm_hierarchy(n, args.seed, levels=levels, branching=B)
+    x, lab = gmm_hierarchy(n, seed, levels=levels, branching=B)
     d = x.shape[1]
 
     def memtree(eq: int | None = None):
@@ -93,26 +83,46 @@ def main() -> int:
            "faiss.Kmeans flat": flat, "two_level_clustering": two_level}
     secs: dict[str, list[float]] = {m: [] for m in fns}
     outs: dict[str, tuple] = {}
-    for r in range(args.repeats):  # interleaved, order alternating
+    for r in range(repeats):  # interleaved, order alternating
         for m in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
             t = time.perf_counter()
             outs[m] = fns[m]()
             secs[m].append(time.perf_counter() - t)
-        log(f"round {r + 1}: " + ", ".join(f"{m} {v[-1]:.2f} s" for m, v in secs.items()))
+        log(f"tree round {r + 1}: " + ", ".join(f"{m} {v[-1]:.2f} s" for m, v in secs.items()))
     med = {m: statistics.median(v) for m, v in secs.items()}
     rows = []
     for m, (leaf, tree_bal) in outs.items():
         bal, empty = _balance(leaf, k)
-        row = {"method": m, "seconds": med[m], "speedup_vs_flat": med["faiss.Kmeans flat"] / med[m] if health["healthy"] else None,
+        row = {"method": m, "seconds": med[m], "speedup_vs_flat": med["faiss.Kmeans flat"] / med[m] if healthy else None,
                "nmi": float(nmi(lab, leaf)), "empty": empty}
         for lv in range(1, levels + 1):
             row[f"balance_l{lv}"] = float(tree_bal[lv - 1]) if tree_bal else (bal if lv == levels else None)
         rows.append(row)
     eq_share = 1.0 - med["build_tree, equalize_steps=0"] / med["build_tree (defaults)"]
     log(f"equalisation's share of the default build: {eq_share:.1%}")
-    results = {"meta": {**meta, "n": n, "levels": levels, "branching": B, "data_seed": args.seed,
+    return {"rows": rows, "runs_seconds": secs, "equalize_share": eq_share}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=100_000)
+    p.add_argument("--seed", type=int, default=37)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="20,000 points, 2 × 16 leaves")
+    p.add_argument("--out", default=None)
+    p.add_argument("--blas", choices=("auto", "as-is"), default="auto")
+    args = p.parse_args()
+    prepare_blas_env(args.blas)  # may re-execute this command
+    import faiss
+
+    meta = run_meta(args)
+    health = baseline_health("faiss IndexFlatL2 search", faiss_l2_gflops(), sgemm_gflops())
+    log(f"baseline health: {health}")
+    levels, n = (2, 20_000) if args.quick else (3, args.n)
+    results = {"meta": {**meta, "n": n, "levels": levels, "branching": 16, "data_seed": args.seed,
                         "faiss_threads": faiss.omp_get_max_threads()},
-               "health": health, "rows": rows, "runs_seconds": secs, "equalize_share": eq_share}
+               "health": health, **measure(n=n, seed=args.seed, levels=levels, repeats=args.repeats,
+                                           healthy=health["healthy"])}
     day = _dt.date.today().isoformat()
     out = results_path(args.out, f"tree-targets-{day}{'-quick' if args.quick else ''}.json")
     return finish(results, out, COLUMNS)

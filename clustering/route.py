@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from clustering.embed import embed_texts, embedder_from_meta
-from clustering.route_core import CACHE_BYTES, route_step
+from clustering.route_core import CACHE_BYTES, faiss_installed, route_step
 from clustering.tree import Tree
 
 
@@ -29,23 +29,29 @@ def route(tree: Tree, x: np.ndarray, *, batch_size: int = 262144) -> np.ndarray:
     n = x.shape[0]
     paths = np.empty((n, tree.levels), dtype=np.int64)
     B, row_bytes = tree.branching, 4 * tree.dim
+    # FAISS's per-pair dots at every level, never numpy GEMMs in between (route_core.GEMM_ROWS:
+    # their BLAS threads would spin against FAISS's OpenMP threads): 38 ms against 62.
+    backend = "faiss" if faiss_installed() else "numpy"
     for s in range(0, n, batch_size):
-        xb = x[s : s + batch_size]
-        # xs = xb[perm], sorted by its level-`by` cluster. A level reads, for the points of one
-        # such cluster, the B^(level - by) centroids below it: when they outgrow the cache the
-        # points are sorted again, by parent, so that runs of consecutive points read the same
-        # few centroids (and the grouped GEMMs take views). At 65,536 leaves and 20,000 points
-        # that is one sort, before level 3: FAISS's per-pair dots at the leaves 7 ms sorted
-        # against 20 unsorted, for one 30 MB row gather (~6 ms). A point's path does not
-        # depend on the order: route_step settles near ties alone, in float64.
-        xs, perm, by = xb, np.arange(len(xb)), 0
+        xb = np.ascontiguousarray(x[s : s + batch_size])
+        # Points are visited in the order perm, sorted by their level-`by` cluster. A level
+        # reads, for the points of one such cluster, the B^(level - by) centroids below it: when
+        # they outgrow the cache the points are sorted again, by parent, so that runs of
+        # consecutive points read the same few centroids. At 65,536 leaves and 20,000 points that
+        # is one sort, before level 3: FAISS's per-pair dots at the leaves take 9.7 ms in that
+        # order against 16.7 unsorted (AMD EPYC, 2 cores). FAISS reads the rows in place
+        # (route_step's `rows`); the numpy backend's grouped GEMMs want them copied in order. A
+        # point's path does not depend on the order: route_step settles near ties alone, in float64.
+        perm, xs, by = np.arange(len(xb)), xb, 0
         parent = np.zeros(len(xb), dtype=np.int64)
         for lvl in range(1, tree.levels + 1):
             if by < lvl - 1 and B ** (lvl - by) * row_bytes > CACHE_BYTES:
                 order = np.argsort(parent, kind="stable")
-                xs, perm, parent, by = xs[order], perm[order], parent[order], lvl - 1
+                perm, parent, by = perm[order], parent[order], lvl - 1
+                xs = xb if backend == "faiss" else xb[perm]
+            rows = perm if by and backend == "faiss" else None
             parent = route_step(tree.centroids[lvl - 1], tree.valid[lvl - 1], xs, parent, B,
-                                sq_norms=tree.sq_norms(lvl))
+                                sq_norms=tree.sq_norms(lvl), backend=backend, rows=rows)
             paths[s + perm, lvl - 1] = parent
     return paths
 

@@ -8,9 +8,11 @@ cluster at build time, at training time and at query time.
 Each point is scored against its parent's B children only. With FAISS
 installed, the dot products come from `faiss.fvec_inner_products_by_idx` (one
 SIMD dot per (point, child) pair, over OpenMP threads, reading the centroids in
-place); without it, points are sorted by parent and each group is one small
-GEMM. The two differ only in float32 rounding (~1e-7 here), far below TIE_GAP,
-and every near tie is settled in float64, so both return the float64 argmin.
+place; `pairwise_indexed_inner_product` when the caller passes the points'
+order as row indices); otherwise, or for large groups of points in a tree build,
+points are sorted by parent and each group is one small GEMM. The two differ
+only in float32 rounding (~1e-7 here), far below TIE_GAP, and every near tie is
+settled in float64, so both return the float64 argmin.
 """
 
 from __future__ import annotations
@@ -27,11 +29,19 @@ TIE_GAP = 1e-4
 # the children outgrow CACHE_BYTES. Measured at d = 384, 20,000 points (ms; FAISS / GEMMs):
 # sorted, 5.4 / 3.8 at 1,250 per parent; unsorted, 6.1 / 9.1 at 1,250 per parent, whose
 # children (384 KB) stay in cache, but 22 / 15 at 78 per parent over 4,096 children (6 MB).
-# In a whole route at 65,536 leaves, 48 (GEMMs at 78 sorted points per parent) beat 256.
+# This serves one-off steps (tree builds); `clustering.route.route` runs FAISS at every level
+# instead: numpy's OpenBLAS workers spin after each multithreaded GEMM and take the core that
+# FAISS's OpenMP threads need next (a whole route at 65,536 leaves, 20,000 points, 2 cores:
+# 62 ms mixed, 38 ms FAISS only, 39 ms mixed with numpy's BLAS on one thread).
 GEMM_ROWS = 48
 # Centroid bytes that stay in cache while points read them in any order (about a core's L2:
 # 2 MiB on this project's Sapphire Rapids host); beyond it unsorted points are grouped.
 CACHE_BYTES = 1 << 20
+
+
+def faiss_installed() -> bool:
+    """Whether `backend="faiss"` can run here (FAISS is an optional extra)."""
+    return _faiss() is not None
 
 
 @functools.cache
@@ -60,25 +70,28 @@ def route_step(
     *,
     sq_norms: np.ndarray | None = None,
     backend: str = "auto",
+    rows: np.ndarray | None = None,
 ) -> np.ndarray:
     """Nearest valid child (L2) of each point's parent.
 
-    centroids: (B^l, d) level-l centroids; valid: (B^l,) bool; x: (n, d);
-    parent: (n,) level-(l-1) ids; sq_norms: (B^l,) `squared_norms(centroids)` when the
-    caller keeps them (a Tree does: at 65,536 leaves they cost ~10 ms per call to recompute).
+    centroids: (B^l, d) level-l centroids; valid: (B^l,) bool; x: (N, d); rows: (n,) int64
+    indices into x of the points to route, in this order (None: all N, n = N), so that a caller
+    can visit points sorted by parent without copying their rows; parent: (n,) level-(l-1) ids
+    of those points; sq_norms: (B^l,) `squared_norms(centroids)` when the caller keeps them (a
+    Tree does: at 65,536 leaves they cost ~10 ms per call to recompute).
     backend: "auto" (FAISS when installed), "faiss" or "numpy". Returns (n,) level-l ids.
 
     Every point whose best and second-best float32 scores lie within TIE_GAP is scored again
     in float64, alone: the result is the float64 argmin of ||c||² − 2·x·c, and it depends
     neither on what else is in the batch nor on the backend.
     """
-    n = x.shape[0]
+    parent = np.asarray(parent, dtype=np.int64)
+    n = len(parent)
     if n == 0:
         return np.empty(0, dtype=np.int64)
     B = branching
     c32 = np.ascontiguousarray(centroids, dtype=np.float32)
     x32 = np.ascontiguousarray(x, dtype=np.float32)
-    parent = np.asarray(parent, dtype=np.int64)
     ok = valid.reshape(-1, B)
     used = np.flatnonzero(np.bincount(parent, minlength=len(ok)))
     dead = ~ok[used].any(1)
@@ -93,28 +106,56 @@ def route_step(
     in_cache = len(used) * B * c32.shape[1] * 4 <= CACHE_BYTES
     grouped = big and (not in_cache or bool((parent[1:] >= parent[:-1]).all()))
     use_faiss = backend == "faiss" or (backend == "auto" and not grouped and _faiss() is not None)
-    scores = _dots_faiss(c32, x32, parent, B) if use_faiss else _dots_grouped(c32, x32, parent, B)
+    if use_faiss:
+        scores = _dots_faiss(c32, x32, parent, B, rows)
+    else:
+        scores = _dots_grouped(c32, x32 if rows is None else x32[rows], parent, B)
     scores *= -2.0
     scores += norms.reshape(-1, B)[parent]  # (n, B)
     if not ok.all():
         scores[~ok[parent]] = np.inf
-    best = np.argmin(scores, axis=1)
+    best, first, second = _best_two(scores)
     if B > 1:
-        two = np.partition(scores, 1, axis=1)[:, :2]
-        close = np.flatnonzero(two[:, 1] - two[:, 0] < TIE_GAP)
+        close = np.flatnonzero(second - first < TIE_GAP)
         if len(close):
             close = close[np.argsort(parent[close], kind="stable")]
-            best[close] = _exact(centroids, valid, x[close], parent[close], B)
+            best[close] = _exact(centroids, valid, x[close if rows is None else rows[close]], parent[close], B)
     return parent * B + best
 
 
-def _dots_faiss(c32: np.ndarray, x32: np.ndarray, parent: np.ndarray, B: int) -> np.ndarray:
-    """(n, B) float32 x_i · c[parent_i·B + j]. Measured at 65,536 leaves, 20,000 points: 13 ms
-    against 31 ms for the grouped GEMMs, whose ~4,096 groups of ~5 rows cost a Python call each."""
-    n, d = x32.shape
+def _best_two(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(n, B) → (n,) argmin (the first on equality, as np.argmin), the min, and the least of the
+    other B − 1 scores (inf when B = 1). Column by column on the (B, n) transpose: numpy's
+    reductions along a short last axis are slow (at (20,000, 16): 1.1 ms against 1.8 for
+    argmin + masking the best + min, and 2.0 for argmin + np.partition)."""
+    st = np.ascontiguousarray(scores.T)  # (B, n)
+    first, second = st[0].copy(), np.full(st.shape[1], np.inf, dtype=st.dtype)
+    best = np.zeros(st.shape[1], dtype=np.int64)
+    hi, lower = np.empty_like(first), np.empty(st.shape[1], dtype=bool)
+    for j in range(1, len(st)):
+        np.maximum(first, st[j], out=hi)
+        np.minimum(second, hi, out=second)
+        np.less(st[j], first, out=lower)
+        np.copyto(best, j, where=lower)
+        np.minimum(first, st[j], out=first)
+    return best, first, second
+
+
+def _dots_faiss(c32: np.ndarray, x32: np.ndarray, parent: np.ndarray, B: int,
+                rows: np.ndarray | None = None) -> np.ndarray:
+    """(n, B) float32 x[rows_i] · c[parent_i·B + j] (rows None: x_i). Measured at 65,536 leaves,
+    20,000 points: 13 ms against 31 ms for the grouped GEMMs, whose ~4,096 groups of ~5 rows cost
+    a Python call each. With rows, the pairs are visited in rows' order without copying x: at the
+    leaves, points sorted by parent, 9.7 ms against 14.7 ms to gather their 30 MB first (AMD EPYC)."""
+    n, d = len(parent), x32.shape[1]
     ids = np.ascontiguousarray(parent[:, None] * B + np.arange(B)[None, :])  # (n, B) int64
     out = np.empty((n, B), dtype=np.float32)
     faiss = _faiss()
+    if rows is not None:
+        ix = np.repeat(np.asarray(rows, dtype=np.int64), B)  # (n·B,) the row of each pair
+        faiss.pairwise_indexed_inner_product(d, n * B, faiss.swig_ptr(x32), faiss.swig_ptr(ix), faiss.swig_ptr(c32),
+                                             faiss.swig_ptr(ids), faiss.swig_ptr(out))
+        return out
     faiss.fvec_inner_products_by_idx(faiss.swig_ptr(out), faiss.swig_ptr(x32), faiss.swig_ptr(c32),
                                      faiss.swig_ptr(ids), d, n, B)
     return out

@@ -78,3 +78,39 @@ def test_forced_openblas_kernels_are_unset_for_the_command_and_recorded(tmp_path
     assert got["changes"]["final"] and got["l2"] is None
     if "avx2" in got["simd"]:  # FAISS's OpenBLAS then runs a kernel that uses the CPU's SIMD
         assert got["faiss"] and got["faiss"][0].lower() in got["fast"], got
+
+
+def test_the_targets_table_claims_no_speedup_against_a_handicapped_baseline(monkeypatch):
+    """bench/pipeline_targets.py's table: with healthy baselines each ratio is judged against its
+    target; with a handicapped FAISS the tree and routing speed-ups are left empty and unjudged,
+    while the quality rows (NMI, balance, agreement) are still judged."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    targets = importlib.import_module("pipeline_targets")
+    tree = {"equalize_share": 0.07, "rows": [
+        {"method": "build_tree (defaults)", "seconds": 2.0, "nmi": 0.98, "balance_l1": 1.02, "balance_l2": 1.1,
+         "balance_l3": 1.19},
+        {"method": "faiss.Kmeans flat", "seconds": 16.0, "nmi": 0.97, "balance_l3": 7.0},
+        {"method": "two_level_clustering", "seconds": 1.5, "nmi": 0.97, "balance_l3": 5.9}]}
+    route = {"agreement_with_float64_argmin": 1.0,
+             "rows": [{"method": "route", "seconds": 0.03}, {"method": "exhaustive", "seconds": 4.5}]}
+    embed = {"cosine": {"min": 0.997},
+             "rows": [{"setting": "msl 256, 1 thread", "torch_docs_per_s": 20.0, "int8_docs_per_s": 30.0,
+                       "speedup": 1.5}]}
+    data = {"tree": "t", "route": "r", "embed": "e"}
+    ok = {"healthy": True}
+    rows = {r["metric"]: r for r in targets.target_rows(tree, route, embed, {"faiss": ok, "torch": ok}, data)}
+    assert rows["build_tree vs flat faiss.Kmeans"]["ratio"] == pytest.approx(8.0)
+    assert rows["build_tree vs flat faiss.Kmeans"]["met"] == "yes"
+    assert rows["build_tree vs two_level_clustering"]["met"] == "no"  # 0.75x
+    assert rows["route vs IndexFlatL2 exhaustive"]["met"] == "yes"  # 150x
+    assert rows["int8 vs encode, msl 256, 1 thread"]["met"] == "no"  # 1.5x
+    assert rows["leaf NMI vs two-level"]["met"] == "yes"
+    assert rows["leaf balance, worst of 3 levels"]["value"] == pytest.approx(1.19)
+    weak = {"faiss": {"healthy": False}, "torch": ok}
+    rows = {r["metric"]: r for r in targets.target_rows(tree, route, embed, weak, data)}
+    for m in ("build_tree vs flat faiss.Kmeans", "build_tree vs two_level_clustering", "route vs IndexFlatL2 exhaustive"):
+        assert rows[m]["ratio"] is None and rows[m]["met"] == "-"
+    assert rows["leaf NMI vs flat"]["met"] == "yes" and rows["paths = float64 argmin"]["met"] == "yes"
+    assert rows["int8 vs encode, msl 256, 1 thread"]["ratio"] == pytest.approx(1.5)
+    for m in ("pipeline_targets", "routing", "tree_targets", "embed_backends", "_common"):
+        sys.modules.pop(m, None)

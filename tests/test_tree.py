@@ -457,6 +457,42 @@ def test_route_step_backends_agree_with_each_other_and_the_float64_argmin():
         ref[i] = p * B + int(np.argmin(sc))
     for b, ids in got.items():
         np.testing.assert_array_equal(ids, ref, err_msg=b)
+    # rows: the same points visited through indices into a larger x, in another order
+    big = np.concatenate([rng.normal(size=(50, d)).astype(np.float32), x])
+    order = np.argsort(parent, kind="stable")
+    for b in ("faiss", "numpy", "auto"):
+        ids = route_step(c, valid, big, parent[order], B, backend=b, rows=50 + order)
+        np.testing.assert_array_equal(ids, ref[order], err_msg=f"{b} with rows")
+
+
+def test_route_sorts_points_past_the_cache_and_returns_the_same_paths(monkeypatch):
+    """route() visits points sorted by parent once a level's centroids outgrow the cache
+    (FAISS reading rows in place, numpy copying them); with either backend, forcing that at every
+    level, forbidding it, batching, and routing one point at a time all give the float64 level-by-level argmin."""
+    import importlib
+
+    rc = importlib.import_module("clustering.route")
+    x, _ = _mixture(3000, 16, 27, seed=43, spread=0.5)
+    tree, _ = build_tree(x, levels=3, branching=4, seed=0)
+    q = (x[:700] + 0.3 * np.random.default_rng(44).normal(size=(700, 16))).astype(np.float32)
+    ref = np.zeros((len(q), 3), dtype=np.int64)
+    parent = np.zeros(len(q), dtype=np.int64)
+    for lvl in range(3):
+        c = tree.centroids[lvl].astype(np.float64)
+        sc = (c * c).sum(1)[None, :] - 2.0 * q.astype(np.float64) @ c.T  # (n, 4^(lvl+1))
+        own = np.arange(len(c))[None, :] // 4 == parent[:, None]
+        sc[~(own & tree.valid[lvl][None, :])] = np.inf
+        parent = np.argmin(sc, axis=1)
+        ref[:, lvl] = parent
+    for has_faiss in (True, False):
+        monkeypatch.setattr(rc, "faiss_installed", lambda has=has_faiss: has)
+        for cache in (0, 1 << 40):
+            monkeypatch.setattr(rc, "CACHE_BYTES", cache)
+            why = f"FAISS {has_faiss}, CACHE_BYTES={cache}"
+            np.testing.assert_array_equal(rc.route(tree, q), ref, err_msg=why)
+            np.testing.assert_array_equal(rc.route(tree, q, batch_size=97), ref, err_msg=why)
+    one = np.concatenate([rc.route(tree, q[i : i + 1]) for i in range(0, len(q), 50)])
+    np.testing.assert_array_equal(one, ref[::50])
 
 
 def test_leaf_cells_are_capped_against_the_level_mean_at_every_level():
