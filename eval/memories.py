@@ -69,6 +69,7 @@ KINDS = ("demo", "dense", "moc", "pkm")
 DEMO_SETTINGS = ("none", "generic", "fetched", "rag", "rag+fetched")
 DENSE_SIZES = ("1x", "2x", "runtime")
 BUDGETS = ("steps", "flops")
+BANKS = ("active", "total")
 _OWNER = {"demo": "setting", "dense": "size", "moc": "moc", "pkm": "pkm"}  # the key each kind takes
 Z95 = 1.96
 # Bytes per token id a RAG window adds to the model's input (int32 ids).
@@ -97,7 +98,10 @@ class MemoryRow:
     `training.layers.pkm.PKMConfig` fields, `tokens_per_chapter` / `k` left out to size the memory to the
     fetched memory's active parameters; train: training overrides for this row, after the grid's;
     budget (trained rows): `steps`, the demo's duration (the same tokens and steps as the fetched row), or
-    `flops`, as many batches as give the fetched row's training FLOPs (`training.flops`)."""
+    `flops`, as many batches as give the fetched row's training FLOPs (`training.flops`); bank (moc / pkm):
+    `active`, only the active parameters matched to the fetched memory's, or `total`, also the model's total
+    parameters matched to anchor + the fetched row's whole bank (n_chapters / n_keys solved at the
+    active-matched tokens_per_chapter / k; the active parameters then come out above the fetched memory's)."""
 
     name: str
     kind: str
@@ -107,6 +111,7 @@ class MemoryRow:
     pkm: dict[str, Any] = field(default_factory=dict)
     train: list[str] = field(default_factory=list)
     budget: str = "steps"
+    bank: str = "active"
 
     def __post_init__(self) -> None:
         where = f"rows.{self.name}"
@@ -123,6 +128,10 @@ class MemoryRow:
             raise ConfigError(f"{where}.size: {self.size!r} is not one of {list(DENSE_SIZES)}")
         if self.kind == "demo" and self.train:
             raise ConfigError(f"{where}.train: a demo row reuses the demo's runs and trains nothing")
+        if self.bank not in BANKS:
+            raise ConfigError(f"{where}.bank: {self.bank!r} is not one of {list(BANKS)}")
+        if self.bank == "total" and self.kind not in ("moc", "pkm"):
+            raise ConfigError(f"{where}.bank: total is for moc and pkm rows (this row is kind {self.kind})")
         if self.budget not in BUDGETS:
             raise ConfigError(f"{where}.budget: {self.budget!r} is not one of {list(BUDGETS)}")
         if self.budget != "steps" and self.kind == "demo":
@@ -288,22 +297,46 @@ def _solve(active: Callable[[int], int], target: int, hi: int) -> int:
     return min(max(x, 1), hi)
 
 
-def size_moc(anchor: AnchorShape, fields: dict[str, Any], target: int) -> MoCConfig:
-    """The row's MoCConfig; without tokens_per_chapter, the T whose active parameters are closest to target."""
+def _closest(f: Callable[[int], int], target: int, lo: int, hi: int) -> int:
+    """The integer x in [lo, hi] whose (increasing, not necessarily linear) f(x) is closest to target."""
+    a, b = lo, hi
+    while b - a > 1:  # f(a) < target <= f(b), or the bounds
+        m = (a + b) // 2
+        a, b = (m, b) if f(m) < target else (a, m)
+    return min((a, b), key=lambda x: (abs(f(x) - target), x))
+
+
+def size_moc(anchor: AnchorShape, fields: dict[str, Any], target: int, total: int | None = None) -> MoCConfig:
+    """The row's MoCConfig; without tokens_per_chapter, the T whose active parameters are closest to target.
+    With total (bank: total), then n_chapters (≥ the chapters a token reads) such that the model's total
+    parameters (anchor + every MoC parameter) come closest to it, at that T. The active parameters then
+    exceed target: the router's weights grow with the chapters and every token runs them (on the demo's
+    anchor and plan, re-solving T against them ends at T = 1 and 37,182 chapters, 9.7M active)."""
     if "tokens_per_chapter" in fields:
         return from_dict(MoCConfig, fields, where="moc")
     t = _solve(lambda x: moc_active_params(anchor, from_dict(MoCConfig, {**fields, "tokens_per_chapter": x})),
                target, hi=1 << 20)
-    return from_dict(MoCConfig, {**fields, "tokens_per_chapter": t}, where="moc")
+    m = from_dict(MoCConfig, {**fields, "tokens_per_chapter": t}, where="moc")
+    if total is not None:
+        size = lambda n: anchor.params() + sum(moc_params(anchor, dataclasses.replace(m, n_chapters=n)).values())
+        m = dataclasses.replace(m, n_chapters=_closest(size, total, m.n_selected, 1 << 16))
+    return m
 
 
-def size_pkm(anchor: AnchorShape, fields: dict[str, Any], target: int) -> PKMConfig:
-    """The row's PKMConfig; without k, the slots per head (≤ n_keys) whose active parameters are closest."""
+def size_pkm(anchor: AnchorShape, fields: dict[str, Any], target: int, total: int | None = None) -> PKMConfig:
+    """The row's PKMConfig; without k, the slots per head (≤ n_keys) whose active parameters are closest.
+    With total (bank: total), then n_keys such that the model's total parameters (`pkm_params`) come
+    closest to it, at that k. The active parameters then exceed target: every token scores all
+    2·n_keys sub-keys per head (on the demo's 12 heads, even k = 1 stays above target at the total)."""
     if "k" in fields:
         return from_dict(PKMConfig, fields, where="pkm")
     n_keys = int(fields.get("n_keys", PKMConfig().n_keys))
     k = _solve(lambda x: pkm_active_params(anchor, from_dict(PKMConfig, {**fields, "k": x})), target, hi=n_keys)
-    return from_dict(PKMConfig, {**fields, "k": k}, where="pkm")
+    pk = from_dict(PKMConfig, {**fields, "k": k}, where="pkm")
+    if total is not None:
+        size = lambda n: pkm_params(anchor, dataclasses.replace(pk, n_keys=n))
+        pk = dataclasses.replace(pk, n_keys=_closest(size, total, pk.k, 1 << 14))
+    return pk
 
 
 @dataclass(frozen=True)
@@ -318,12 +351,14 @@ class RowModel:
 def row_model(row: MemoryRow, demo: DemoRuns) -> RowModel | None:
     """What a row trains (None for demo rows, which reuse the demo's runs)."""
     target = demo.plan.fetch_params
+    # bank: total, the fetched row's total parameters: the anchor, every block and the generic ones
+    total = demo.shape.params() + demo.plan.bank_params + target if row.bank == "total" else None
     if row.kind == "dense":
         return RowModel(shape=dense_shape(demo.shape, demo.plan, row.size))
     if row.kind == "moc":
-        return RowModel(shape=demo.shape, moc=size_moc(demo.shape, row.moc, target))
+        return RowModel(shape=demo.shape, moc=size_moc(demo.shape, row.moc, target, total))
     if row.kind == "pkm":
-        return RowModel(shape=demo.shape, pkm=size_pkm(demo.shape, row.pkm, target))
+        return RowModel(shape=demo.shape, pkm=size_pkm(demo.shape, row.pkm, target, total))
     return None
 
 

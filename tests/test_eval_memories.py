@@ -190,6 +190,35 @@ def test_dense_sizes_match_the_fetched_memory_they_claim():
             == model_flops(anchor, seq_len=256).forward + ffn_memory(anchor, fetched_widths(p), tokens=256))
 
 
+def test_total_bank_rows_match_the_fetched_rows_total_parameters():
+    """bank: total sizes MoC's chapter count and PKM's key count so the model's total parameters come
+    within one step of anchor + the fetched row's whole bank, at the active-matched tokens_per_chapter
+    / k; the active parameters then exceed the fetched blocks' only by the router / sub-keys grown."""
+    from dataclasses import replace
+
+    from eval.memories import moc_active_params, pkm_active_params, size_moc, size_pkm
+    from training.flops import moc_params, pkm_params
+
+    anchor = AnchorShape(n_layers=4, d_model=128, n_heads=4, head_dim=32, ffn_dim=512, vocab_size=8192)
+    p = plan(anchor, MemoryConfig(multipliers=(0, 64, 128), branching=4))
+    fetch, total = p.fetch_params, anchor.params() + p.bank_params + p.fetch_params
+    fields = {"n_chapters": 17, "n_shared": 1, "top_k": 4, "layers": [1, 3], "n_kv_heads": 2}
+    active_only, m = size_moc(anchor, fields, fetch), size_moc(anchor, fields, fetch, total)
+    size = lambda c: anchor.params() + sum(moc_params(anchor, c).values())
+    step = size(replace(m, n_chapters=m.n_chapters + 1)) - size(m)  # one more chapter
+    assert m.tokens_per_chapter == active_only.tokens_per_chapter and m.n_chapters > active_only.n_chapters == 17
+    assert abs(size(m) - total) <= step / 2 and size(active_only) < total / 2
+    router = 2 * (anchor.d_model + 1) * (m.n_chapters - 17)  # a router row + bias per chapter, in 2 layers
+    assert moc_active_params(anchor, m) - moc_active_params(anchor, active_only) == router
+    pk_fields = {"n_keys": 16, "heads": 2, "key_dim": 32}
+    small, pk = size_pkm(anchor, pk_fields, fetch), size_pkm(anchor, pk_fields, fetch, total)
+    assert pk.k == small.k and pk.n_keys > small.n_keys == 16
+    below, above = (pkm_params(anchor, replace(pk, n_keys=n)) for n in (pk.n_keys - 1, pk.n_keys + 1))
+    assert below < total < above and abs(pkm_params(anchor, pk) - total) <= max(above - total, total - below)
+    sub_keys = pk.heads * (pk.n_keys - 16) * pk.key_dim  # every token scores all 2·n_keys half-keys
+    assert pkm_active_params(anchor, pk) - pkm_active_params(anchor, small) == sub_keys
+
+
 def test_grid_errors_name_the_key(tmp_path):
     from eval.memories import load_memories_config
 
@@ -207,6 +236,10 @@ def test_grid_errors_name_the_key(tmp_path):
         load(ok, "select=[nope]")
     with pytest.raises(ConfigError, match=r"rows.d.budget: 'time' is not one of"):
         load("rows: [{name: fetched, kind: demo, setting: fetched}, {name: d, kind: dense, size: 2x, budget: time}]\n")
+    with pytest.raises(ConfigError, match=r"rows.d.bank: total is for moc and pkm rows"):
+        load("rows: [{name: fetched, kind: demo, setting: fetched}, {name: d, kind: dense, size: 2x, bank: total}]\n")
+    with pytest.raises(ConfigError, match=r"rows.m.bank: 'all' is not one of"):
+        load("rows: [{name: fetched, kind: demo, setting: fetched}, {name: m, kind: moc, bank: all}]\n")
     with pytest.raises(ConfigError, match="budget flops sets max_duration"):
         load("rows: [{name: fetched, kind: demo, setting: fetched}, "
              "{name: d, kind: dense, size: 2x, budget: flops, train: [max_duration=3ep]}]\n")
