@@ -38,6 +38,12 @@ from _pipeline_common import DIM
 
 from clustering.route import route
 
+# Idle time before each timed call, so that no method inherits the previous one's spinning thread
+# pools: numpy's OpenBLAS workers (pthreads) spin ~2^28 cycles after a GEMM and FAISS's OpenMP
+# threads then share a core with them. Measured on a 2-core AMD EPYC (2026-11-29): route took
+# 40-41 ms right after float64_route's numpy GEMMs, 25-33 ms after exhaustive search.
+IDLE_S = 0.3
+
 # The columns of the printed table.
 COLUMNS = ["leaves", "queries", "method", "seconds", "points_per_s", "route_speedup"]
 
@@ -96,6 +102,7 @@ def measure(*, levels: int, branching: int, nq: int, repeats: int, healthy: bool
     secs: dict[str, list[float]] = {k: [] for k in fns}
     for r in range(repeats):  # interleaved, order alternating
         for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            time.sleep(IDLE_S)
             t = time.perf_counter()
             fns[name]()
             secs[name].append(time.perf_counter() - t)

@@ -54,6 +54,10 @@ class MemorySection:
     # on entities it was not built for (issue #12's top bucket; docs/BENCHMARKS.md). 0: the paper.
     dropout: float = 0.0
     lr: float = 1e-3
+    # One bank learning rate per tree level (as long as multipliers; a level without memory takes
+    # any value), in place of `lr`: e.g. a low level-2 LR, so that the blocks many documents share
+    # generalise, and a high leaf LR for the tail (issue 38's real-text recipe). Empty: `lr` for all.
+    lr_by_level: list[float] = field(default_factory=list)
     weight_decay: float = 0.0
     init_std: float = 0.02
     export_dtype: Literal["fp32", "bf16", "fp16", "int8", "int4"] = "bf16"
@@ -199,6 +203,12 @@ class TrainConfig:
             raise ConfigError(f"memory.generic_prob: {gp} must be in [0, 1]")
         if not 0 <= self.memory.dropout < 1:
             raise ConfigError(f"memory.dropout: {self.memory.dropout} must be in [0, 1)")
+        by_level = self.memory.lr_by_level
+        if by_level and len(by_level) != len(self.memory.multipliers):
+            raise ConfigError(f"memory.lr_by_level: {len(by_level)} learning rates for "
+                              f"{len(self.memory.multipliers)} levels (memory.multipliers); give one per level")
+        if any(not lr > 0 for lr in by_level):
+            raise ConfigError(f"memory.lr_by_level: {list(by_level)}: every learning rate must be > 0")
 
     @property
     def data_lanes(self) -> bool:

@@ -33,7 +33,7 @@ from training.bank import TrainableBank
 from training.bank_shards import BankShardCheckpoints, export_bank
 from training.callbacks import default_callbacks
 from training.composer_model import MemtreeLM, unwrap
-from training.config import TrainConfig, load_train_config
+from training.config import MemorySection, TrainConfig, load_train_config
 from training.data import (
     build_dataloader,
     read_shards_manifest,
@@ -285,6 +285,15 @@ def _diff(a: Any, b: Any, where: str = "") -> list[str]:
     return [] if a == b else [where]
 
 
+def bank_param_groups(bank: TrainableBank, memory: MemorySection) -> list[dict[str, Any]]:
+    """The bank's optimizer groups: one at memory.lr, or one per level with memory.lr_by_level
+    (level l's table at lr_by_level[l - 1])."""
+    if not memory.lr_by_level:
+        return [{"params": list(bank.bank_parameters()), "lr": memory.lr, "weight_decay": memory.weight_decay}]
+    return [{"params": [table], "lr": memory.lr_by_level[int(lv) - 1], "weight_decay": memory.weight_decay}
+            for lv, table in bank.tables.items()]
+
+
 def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, loggers: list[Any] | None = None):
     """The Composer Trainer for `cfg`. Before anything is built, with `data.verify_shards` (the
     default) every shard file the run reads is checked against its MDS index's size and hash
@@ -326,8 +335,7 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
     if anchor_params:
         groups.append({"params": anchor_params, "lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay})
     if model.bank is not None:
-        groups.append({"params": list(model.bank.bank_parameters()), "lr": cfg.memory.lr,
-                       "weight_decay": cfg.memory.weight_decay})
+        groups += bank_param_groups(model.bank, cfg.memory)
     moc_bank, moc_layers = model.moc_parameters()  # Table 6: their own learning rates
     for params, lr in ((moc_bank, cfg.optim.moc_bank_lr), (moc_layers, cfg.optim.moc_layer_lr)):
         if params:
