@@ -295,6 +295,7 @@ def test_bank_lr_by_level_moves_each_level_at_its_own_rate(pipeline_run, tmp_pat
     shards = pipeline_run[0] / "shards"
     with pytest.raises(ConfigError, match="memory.lr_by_level"):
         _cfg(shards, tmp_path / "bad", "mode=scratch", "memory.multipliers=[4,2]", "memory.lr_by_level=[1e-2]")
+    _cfg(shards, tmp_path / "anchor", "memory.lr_by_level=[1e-2]")  # no bank: nothing to check it against
     cfg = _cfg(shards, tmp_path / "lv", "mode=scratch", "memory.multipliers=[4,2]", "max_duration=1ba",
                "optim.warmup=0ba", "memory.lr_by_level=[1.0e-2,1.0e-4]", "memory.generic_prob=0.0")
     trainer = build_trainer(cfg)

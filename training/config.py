@@ -204,7 +204,8 @@ class TrainConfig:
         if not 0 <= self.memory.dropout < 1:
             raise ConfigError(f"memory.dropout: {self.memory.dropout} must be in [0, 1)")
         by_level = self.memory.lr_by_level
-        if by_level and len(by_level) != len(self.memory.multipliers):
+        # without multipliers there is no bank (an anchor stage that shares its memory section)
+        if by_level and self.memory.multipliers and len(by_level) != len(self.memory.multipliers):
             raise ConfigError(f"memory.lr_by_level: {len(by_level)} learning rates for "
                               f"{len(self.memory.multipliers)} levels (memory.multipliers); give one per level")
         if any(not lr > 0 for lr in by_level):
