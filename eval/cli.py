@@ -204,6 +204,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                    help="pipeline.corpus.bios.BiosSpec field (repeatable), e.g. --corpus entities_per_subtopic=4")
     d.add_argument("--anchor-duration", default="2ep", help="anchor pretraining (Composer time, default 2ep)")
     d.add_argument("--cotrain-duration", default="5ep", help="co-training (Composer time, default 5ep)")
+    d.add_argument("--memory-mode", choices=("cotrain", "frozen"), default="cotrain",
+                   help="the memory stage: co-train the anchor with the memories (default), or train the "
+                        "memories alone on the frozen anchor (seed 002's row A3; with --anchor-duration 7ep, "
+                        "a converged anchor)")
     d.add_argument("--max-probes", type=int, default=0, help="probes to evaluate, evenly spread (0 = all)")
     d.add_argument("--target-domain", help="blocking target (default: the first domain in sorted order)")
     d.add_argument("--no-rag", action="store_true", help="skip the RAG rows")
@@ -222,7 +226,8 @@ def _demo(args: argparse.Namespace) -> int:
     report = run_main_job(args.root, corpus=corpus, pipeline_overrides=args.overrides,
                           train_overrides=args.train, anchor_duration=args.anchor_duration,
                           cotrain_duration=args.cotrain_duration, max_probes=args.max_probes,
-                          target_domain=args.target_domain, rag=not args.no_rag, seed=args.seed)
+                          target_domain=args.target_domain, rag=not args.no_rag, seed=args.seed,
+                          memory_mode=args.memory_mode)
     print(Path(report).read_text())
     print(f"Demo finished. Report: {Path(report).resolve()}")
     return 0

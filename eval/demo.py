@@ -14,7 +14,8 @@ shards and the run before it are unchanged, recorded in its folder's `demo_input
 3. anchor (`training.train.train`, config `training/yamls/demo.yaml`, `mode=baseline`): the
    anchor-only run for `anchor_duration`;
 4. co-training (`training.train.train`, same YAML, `mode=cotrain`): anchor + hierarchical FFN
-   memories for `cotrain_duration`;
+   memories for `cotrain_duration` (`memory_mode="frozen"`: the memories alone on the frozen
+   anchor, seed 002's row A3);
 5. knowledge and blocking eval (`eval.knowledge`): probes from the facts (`eval.longtail`) scored
    through the trained run (`eval.model.RunModel`) with anchor only / + generic / + fetched memory
    and the RAG rows (`eval.rag`), routing agreement per level (`eval.rag.routing_agreement`), and
@@ -148,12 +149,16 @@ def shards_fingerprint(shards: Path) -> str:
 def run_main_job(root: str | Path = "runs/demo", *, corpus: dict[str, Any] | None = None,
                  pipeline_overrides: list[str] = (), train_overrides: list[str] = (),
                  anchor_duration: str = "2ep", cotrain_duration: str = "5ep", max_probes: int = 0,
-                 target_domain: str | None = None, rag: bool = True, seed: int = 0) -> Path:
+                 target_domain: str | None = None, rag: bool = True, seed: int = 0,
+                 memory_mode: str = "cotrain") -> Path:
     """Run (or resume) the whole demo under `root`; returns the evaluation report path.
 
     corpus: `pipeline.corpus.bios.BiosSpec` fields (e.g. {"entities_per_subtopic": 4}); `max_probes`
     keeps that many probes, evenly spread (0 = all); `target_domain`: the blocking target
-    (default: the first domain in sorted order)."""
+    (default: the first domain in sorted order); `memory_mode`: the memory stage's training mode,
+    "cotrain" (anchor and memories) or "frozen" (memories alone on the anchor stage's weights)."""
+    if memory_mode not in ("cotrain", "frozen"):
+        raise ValueError(f"memory_mode: 'cotrain' or 'frozen', got {memory_mode!r}")
     root = Path(root)
     t0 = time.time()
     timings: dict[str, float] = {}
@@ -167,7 +172,7 @@ def run_main_job(root: str | Path = "runs/demo", *, corpus: dict[str, Any] | Non
     common = [f"data.shards={shards}", f"seed={seed}", f"data.shuffle_seed={seed}", *train_overrides]
     stages = (("anchor", ["mode=baseline", f"save_folder={root / 'train' / 'anchor'}", "run_name=demo-anchor",
                           "memory.multipliers=[]", f"max_duration={anchor_duration}"]),
-              ("cotrain", ["mode=cotrain", f"save_folder={root / 'train' / 'cotrain'}", "run_name=demo-cotrain",
+              ("cotrain", [f"mode={memory_mode}", f"save_folder={root / 'train' / 'cotrain'}", "run_name=demo-cotrain",
                            f"anchor_checkpoint={root / 'train' / 'anchor'}", f"max_duration={cotrain_duration}"]))
     epochs = 0.0
     # What a stage was trained from: its config, the shards' contents (the pipeline's shards-stage

@@ -47,15 +47,22 @@ Z95 = 1.959963984540054
 
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
-    """A co-training recipe: `train` overrides on top of training/yamls/demo.yaml (none: the default)."""
+    """A memory-training recipe: `train` overrides on top of training/yamls/demo.yaml (none: the
+    default); `start`: the run whose weights the memory stage starts from: "anchor" (the demo's
+    anchor stage, `anchor_duration`) or "dense-1x" (the anchor's shape trained alone for both
+    stages' duration: a converged anchor, as seed 002's rows A2 / A3 start from a pretrained model;
+    with `mode=frozen` in `train` the stage trains the bank alone, on top of dense-1x)."""
 
     name: str
     train: list[str] = field(default_factory=list)
+    start: str = "anchor"
     note: str = ""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.+-]+", self.name):
             raise ConfigError(f"recipes.{self.name}: name must be letters, digits and _ . + - (it names a folder)")
+        if self.start not in ("anchor", "dense-1x"):
+            raise ConfigError(f"recipes.{self.name}.start: 'anchor' or 'dense-1x', got {self.start!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +93,9 @@ class RealTextConfig:
         if len(units) > 1:
             raise ConfigError(f"anchor_duration {self.anchor_duration!r} and cotrain_duration {self.cotrain_duration!r} "
                               "must share a unit (dense-1x trains for their sum)")
+        late = [r.name for r in self.selected() if r.start == "dense-1x"]
+        if late and not self.dense:
+            raise ConfigError(f"recipes {late} start from dense-1x, which dense=false does not train")
 
     def selected(self) -> list[Recipe]:
         return [r for r in self.recipes if not self.select or r.name in self.select]
@@ -137,13 +147,15 @@ def train_stages(cfg: RealTextConfig, *, log: Callable[[str], None] = print) -> 
     anchor = root / "train" / "anchor"
     anchor_key = stage("anchor", anchor, ["mode=baseline", "memory.multipliers=[]",
                                            f"max_duration={cfg.anchor_duration}"], upstream)
+    starts = {"anchor": (anchor, anchor_key)}
     if cfg.dense:
-        stage("dense-1x", root / "train" / "dense-1x", ["mode=baseline", "memory.multipliers=[]",
-                                                        f"max_duration={total_duration(cfg)}"], upstream)
+        dense = root / "train" / "dense-1x"
+        starts["dense-1x"] = (dense, stage("dense-1x", dense, ["mode=baseline", "memory.multipliers=[]",
+                                                               f"max_duration={total_duration(cfg)}"], upstream))
     for r in cfg.selected():
+        folder, key = starts[r.start]
         stage(f"cotrain/{r.name}", root / "train" / f"cotrain-{r.name}",
-              ["mode=cotrain", f"anchor_checkpoint={anchor}", f"max_duration={cfg.cotrain_duration}", *r.train],
-              anchor_key)
+              ["mode=cotrain", f"anchor_checkpoint={folder}", f"max_duration={cfg.cotrain_duration}", *r.train], key)
     return runs
 
 
@@ -242,7 +254,7 @@ def run_realtext(cfg: RealTextConfig, *, log: Callable[[str], None] = print) -> 
     train_s = time.time() - t0
     scored = score_runs(runs, docs, root / "pipeline" / "tree", cfg.window_tokens, log=log)
     out = Path(cfg.out) if cfg.out else root / "realtext"
-    recipes = {r.name: {"train": r.train, "note": r.note} for r in cfg.selected()}
+    recipes = {r.name: {"train": r.train, "start": r.start, "note": r.note} for r in cfg.selected()}
     report = {"format": "memtree-realtext", "version": 1, "root": str(root), "held_out": str(held),
               "held_out_documents": len(docs), "window_tokens": cfg.window_tokens,
               "anchor_duration": cfg.anchor_duration, "cotrain_duration": cfg.cotrain_duration, "seed": cfg.seed,
@@ -281,7 +293,8 @@ def write_realtext_report(out: str | Path, report: dict[str, Any]) -> Path:
     lines += ["", "## Recipes", "", "Every stage reads training/yamls/demo.yaml, then "
               + (f"`{' '.join(report['train'])}`" if report["train"] else "no common overrides")
               + ", then its recipe's overrides.", ""]
-    lines += [f"- **{name}**: " + (f"`{' '.join(r['train'])}`" if r["train"] else "no overrides of its own")
+    lines += [f"- **{name}**" + (" (from dense-1x)" if r.get("start") == "dense-1x" else "") + ": "
+              + (f"`{' '.join(r['train'])}`" if r["train"] else "no overrides of its own")
               + (f": {r['note']}" if r["note"] else "") for name, r in report["recipes"].items()]
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
     fig = new_figure(7.0, 0.35 * len(report["rows"]) + 1.2)

@@ -263,6 +263,21 @@ def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path, capsys):
     assert capsys.readouterr().out.count("(upstream changed), retraining") == 2
     inputs = json.loads((root / "train" / "anchor" / "demo_inputs.json").read_text())["inputs"]
     assert inputs["upstream"] == json.loads((root / "pipeline" / "shards" / "_stage.json").read_text())["fingerprint"]
+    # the memory stage on the frozen anchor (seed 002's row A3): the anchor run is reused, the memory
+    # stage retrains in mode frozen (with the demo's memory.dropout, which a frozen anchor turns off)
+    # and leaves the anchor's weights exactly as the anchor stage wrote them
+    from safetensors.torch import load_file
+
+    assert main([*argv, "tree.restarts=2", "--memory-mode", "frozen"]) == 0
+    out = capsys.readouterr().out
+    assert "anchor: already trained" in out and "cotrain: " in out and "(config changed), retraining" in out
+    cfg = json.loads((root / "train" / "cotrain" / "memtree_config.json").read_text())["config"]
+    assert cfg["mode"] == "frozen" and cfg["memory"]["dropout"] == pytest.approx(0.1)
+    before, after = (load_file(root / "train" / s / "anchor.safetensors") for s in ("anchor", "cotrain"))
+    assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(ValueError, match="memory_mode: 'cotrain' or 'frozen', got 'both'"):
+        from eval.demo import run_main_job
+        run_main_job(root, memory_mode="both")
     # a different corpus under the same root is refused
     assert main([*argv[:3], "--corpus", "entities_per_subtopic=3", *argv[5:]]) == 1
     assert "holds a corpus" in capsys.readouterr().err

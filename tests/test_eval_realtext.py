@@ -58,13 +58,14 @@ def test_rows_train_score_and_match_a_direct_forward(root, tmp_path, capsys):
 
     out = tmp_path / "out"
     args = ["eval-realtext", str(root), "anchor_duration=2ba", "cotrain_duration=3ba", "window_tokens=100", TRAIN,
-            "recipes=[{name: default}]", "--out", str(out)]
+            "recipes=[{name: default}, {name: late, start: dense-1x, train: [mode=frozen]}]", "--out", str(out)]
     assert main(args) == 0
     assert "| default: + fetched |" in capsys.readouterr().out
     res = json.loads((out / "results.json").read_text())
     assert (out / "perplexity.png").stat().st_size > 0
     rows = {r["name"]: r for r in res["rows"]}
-    assert list(rows) == ["anchor", "dense-1x", "default: anchor alone", "default: + generic", "default: + fetched"]
+    assert list(rows) == ["anchor", "dense-1x", "default: anchor alone", "default: + generic", "default: + fetched",
+                          "late: anchor alone", "late: + generic", "late: + fetched"]
     docs = [json.loads(x) for x in (root / "corpus" / "test.jsonl").read_text().splitlines()]
     # every token of every document in exactly one window; the one-token document scores nothing
     rm = RunModel.load(rows["default: + fetched"]["folder"], tree_dir=root / "pipeline" / "tree")
@@ -83,9 +84,16 @@ def test_rows_train_score_and_match_a_direct_forward(root, tmp_path, capsys):
     assert set(paired) == {"fetched − none", "fetched − generic", "fetched − anchor", "fetched − dense-1x"}
     assert all(p["n_docs"] == 5 for p in paired.values())  # the one-token document has no token to compare
     # the stages' durations: dense-1x trains for both stages' batches
-    for name, dur in (("anchor", "2ba"), ("dense-1x", "5ba"), ("cotrain-default", "3ba")):
+    for name, dur in (("anchor", "2ba"), ("dense-1x", "5ba"), ("cotrain-default", "3ba"), ("cotrain-late", "3ba")):
         cfg = json.loads((root / "train" / name / "memtree_config.json").read_text())["config"]
         assert cfg["max_duration"] == dur
+    # a recipe that starts from dense-1x with the anchor frozen: its anchor is dense-1x's, weight for
+    # weight, so its anchor-alone row scores exactly dense-1x's and only the bank moved
+    late = json.loads((root / "train" / "cotrain-late" / "memtree_config.json").read_text())["config"]
+    assert (late["mode"], Path(late["anchor_checkpoint"])) == ("frozen", root / "train" / "dense-1x")
+    assert rows["late: anchor alone"]["nll"] == pytest.approx(rows["dense-1x"]["nll"], rel=1e-6)
+    assert rows["late: + fetched"]["nll"] != rows["late: anchor alone"]["nll"]
+    assert res["recipes"]["late"]["start"] == "dense-1x"
     # a second run reuses every stage (same inputs) and scores the same
     assert main(args[:-1] + [str(tmp_path / "again")]) == 0
     assert "already trained" in capsys.readouterr().out
@@ -120,6 +128,10 @@ def test_config_errors_name_the_key(tmp_path):
         load_realtext_config(None, ["anchor_duration=2ep", "cotrain_duration=30ba"])
     with pytest.raises(ConfigError, match="cotrain_duration: give whole epochs or batches"):
         load_realtext_config(None, ["cotrain_duration=1.5ep"])
+    with pytest.raises(ConfigError, match=r"recipes\.a\.start: 'anchor' or 'dense-1x', got 'dense-2x'"):
+        load_realtext_config(None, ["recipes=[{name: a, start: dense-2x}]"])
+    with pytest.raises(ConfigError, match=r"recipes \['a'\] start from dense-1x, which dense=false does not train"):
+        load_realtext_config(None, ["recipes=[{name: a, start: dense-1x}]", "dense=false"])
     with pytest.raises(ConfigError, match="used twice"):
         load_realtext_config(None, ["recipes=[{name: a}, {name: a}]"])
     with pytest.raises(FileNotFoundError, match="no held-out documents"):

@@ -13,7 +13,8 @@ the sequence's tokens), and the counter is a buffer saved in checkpoints, so a
 resumed run makes the same draws, also at another world size.
 
 With `memory_dropout` p, a training forward runs the anchor alone with probability p, drawn
-from (seed, counter) only, so every rank of a data-parallel step draws alike.
+from (seed, counter) only, so every rank of a data-parallel step draws alike. A frozen anchor
+(`freeze_anchor`) turns it off: such a forward would train nothing.
 
 At evaluation `memory_mode` selects "fetched", "generic" or "none" (anchor only).
 
@@ -81,7 +82,9 @@ class MemtreeLM(ComposerModel):
         self.read_in_place = (memory_read == "fused" and memory is not None and self.hf is None
                               and memory.type in READ_IN_PLACE)
         self.generic_prob = (1.0 / memory.branching if generic_prob is None else generic_prob) if memory else 0.0
-        self.memory_dropout = memory_dropout if memory else 0.0
+        # Dropout lets the anchor keep learning what a fetched block would take over; a frozen
+        # anchor learns nothing, and its anchor-only forward has no gradient to step on.
+        self.memory_dropout = memory_dropout if memory and not freeze_anchor else 0.0
         self.seed = seed
         self.memory_mode: MemoryMode = "fetched"
         self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
