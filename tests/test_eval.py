@@ -268,6 +268,8 @@ def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path, capsys):
     # and leaves the anchor's weights exactly as the anchor stage wrote them
     from safetensors.torch import load_file
 
+    from eval.demo import run_main_job
+
     assert main([*argv, "tree.restarts=2", "--memory-mode", "frozen"]) == 0
     out = capsys.readouterr().out
     assert "anchor: already trained" in out and "cotrain: " in out and "(config changed), retraining" in out
@@ -276,7 +278,6 @@ def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path, capsys):
     before, after = (load_file(root / "train" / s / "anchor.safetensors") for s in ("anchor", "cotrain"))
     assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before)
     with pytest.raises(ValueError, match="memory_mode: 'cotrain' or 'frozen', got 'both'"):
-        from eval.demo import run_main_job
         run_main_job(root, memory_mode="both")
     # a different corpus under the same root is refused
     assert main([*argv[:3], "--corpus", "entities_per_subtopic=3", *argv[5:]]) == 1
