@@ -58,6 +58,7 @@ from eval.runinfo import duration_epochs, resolve_stored, run_config
 from memtree.config import ConfigError, check_selection, from_dict, is_int, load_config, to_dict
 from memtree.geometry import AnchorShape, MemoryConfig, Plan, layer_widths, plan
 from memtree.io import read_json
+from pipeline.corpus.bios import BiosSpec
 from training.config import TrainConfig
 from training.data import read_shards_manifest, tokenizer_vocab_size
 from training.flops import ffn_memory, moc_params, model_flops, pkm_params
@@ -635,8 +636,22 @@ def _describe(demo: DemoRuns, model: RowModel | None) -> dict[str, Any]:
             "pkm": to_dict(model.pkm) if model.pkm else None}
 
 
+def corpus_meta(root: Path) -> dict[str, Any] | None:
+    """The demo corpus's size and the generator fields that differ from the default corpus (what makes
+    e.g. `--corpus entities_per_subtopic=48` the headline's benchmark rather than the demo's); None
+    when ROOT has no corpus.json."""
+    path = root / "corpus.json"
+    if not path.is_file():
+        return None
+    rec = read_json(path)
+    default = BiosSpec().record()
+    spec = rec.get("spec", {})
+    return {"documents": rec.get("documents"), "facts": rec.get("facts"),
+            "spec_changes": {k: v for k, v in spec.items() if k in default and v != default[k]}}
+
+
 def _demo_meta(demo: DemoRuns) -> dict[str, Any]:
     return {"cotrain": str(demo.cotrain), "anchor_params": demo.shape.params(), "plan": demo.plan.to_dict(),
             "epochs": demo.epochs, "anchor_epochs": demo.anchor_epochs, "cotrain_epochs": demo.cotrain_epochs,
             "duration": demo.duration(), "seq_len": demo.seq_len, "samples": demo.n_samples,
-            "batch_size": demo.cfg.data.batch_size, "seed": demo.cfg.seed}
+            "batch_size": demo.cfg.data.batch_size, "seed": demo.cfg.seed, "corpus": corpus_meta(demo.root)}

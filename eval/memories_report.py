@@ -110,10 +110,8 @@ def _blocking_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def write_memories_report(out: str | Path, report: dict[str, Any]) -> Path:
-    """Write results.json, report.md and accuracy_vs_exposure.png under `out`; returns report.md's path."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+def header_lines(report: dict[str, Any]) -> list[str]:
+    """The report's title and what it ran on: the demo root's training, memory and corpus."""
     demo = report["demo"]
     lines = ["# Memory families on one knowledge benchmark (memtree eval-memories)", "",
              (f"Demo root {report['root']}: {report['n_probes']} probes (chance {_pct(report['chance'])}), "
@@ -122,6 +120,19 @@ def write_memories_report(out: str | Path, report: dict[str, Any]) -> Path:
               f"{demo['duration']}; anchor {human(demo['anchor_params'])} parameters, hierarchical memory "
               f"{human(demo['plan']['fetch_params'])} fetched from a {human(demo['plan']['bank_params'])} bank; "
               f"reference row: {report['reference']}."), ""]
+    corpus = demo.get("corpus")
+    if corpus:
+        changes = ", ".join(f"{k}={v}" for k, v in corpus["spec_changes"].items()) or "none: the demo's corpus"
+        lines += [(f"Corpus: {corpus['documents']:,} documents, {corpus['facts']:,} facts; generator fields "
+                   f"changed from the default: {changes}."), ""]
+    return lines
+
+
+def write_memories_report(out: str | Path, report: dict[str, Any]) -> Path:
+    """Write results.json, report.md and accuracy_vs_exposure.png under `out`; returns report.md's path."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = header_lines(report)
     lines += [f"- {n}" for n in NOTES] + [""]
     lines += _main_table(report) + [""] + _bucket_tables(report) + ["", "Row details:", ""]
     for r in report["rows"]:

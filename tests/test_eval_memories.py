@@ -82,6 +82,7 @@ def test_every_row_trains_and_scores_with_the_budgets_it_claims(root, tmp_path, 
     assert main(["eval-memories", str(root), "max_probes=40", "--config", str(grid), "--out", str(out)]) == 0
     assert "| dense-runtime | dense |" in capsys.readouterr().out
     res = json.loads((out / "results.json").read_text())
+    assert res["demo"]["corpus"] is None  # the tests' topical corpus: no bios corpus.json in ROOT
     rows = {r["name"]: r for r in res["rows"]}
     assert list(rows) == ["anchor", "generic", "fetched", "dense-1x", "dense-2x", "dense-2x-flops", "dense-runtime",
                           "moc", "pkm", "rag", "rag+fetched"]
@@ -170,6 +171,27 @@ def test_paired_interval_equals_a_direct_computation():
     d = np.array([0, 1, 0, 0], dtype=float)
     assert by["4-7"]["ci95"][1] == pytest.approx(0.25 + 1.96 * d.std(ddof=1) / 2)
     assert by["1"]["n"] == 0 and by["1"]["diff"] is None
+
+
+def test_the_report_names_the_corpus_a_demo_root_was_generated_from(tmp_path):
+    """A grid on `memtree demo --corpus entities_per_subtopic=48` is the headline's benchmark, not the
+    demo's: its report must say so, read from the corpus.json the generator wrote."""
+    from eval.memories import corpus_meta
+    from eval.memories_report import header_lines
+    from pipeline.corpus.bios import BiosSpec, write_bios
+
+    assert corpus_meta(tmp_path) is None  # a root without a bios corpus (the tests' topical one)
+    wrote = write_bios(tmp_path, BiosSpec(entities_per_subtopic=3, head_docs=4), heldout_docs=2)
+    meta = corpus_meta(tmp_path)
+    assert meta == {"documents": wrote["documents"], "facts": wrote["n_facts"],
+                    "spec_changes": {"entities_per_subtopic": 3, "head_docs": 4}}
+    demo = {"epochs": 7, "anchor_epochs": 2, "cotrain_epochs": 5, "duration": "7ep", "anchor_params": 10,
+            "plan": {"fetch_params": 2, "bank_params": 20}, "corpus": meta}
+    report = {"root": str(tmp_path), "n_probes": 0, "chance": 0.25, "held_out_documents": 0, "reference": "fetched",
+              "demo": demo}
+    text = "\n".join(header_lines(report))
+    assert (f"Corpus: {wrote['documents']:,} documents, {wrote['n_facts']:,} facts; generator fields changed from "
+            "the default: entities_per_subtopic=3, head_docs=4.") in text
 
 
 def test_dense_sizes_match_the_fetched_memory_they_claim():
