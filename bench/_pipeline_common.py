@@ -117,6 +117,22 @@ def gmm_hierarchy(n: int, seed: int, *, dim: int = DIM, levels: int = 3, branchi
     return x.astype(np.float32), labels.astype(np.int64)
 
 
+def zipf_mixture(n: int, seed: int, *, dim: int = DIM, points_per_component: int = 27,
+                 spread: float = 0.7) -> tuple[np.ndarray, np.ndarray]:
+    """Gaussian blobs whose weights fall as 1 / rank (n // points_per_component of them, centres
+    standard normal, each point its centre plus noise of `spread` per coordinate, renormalised):
+    a few topics hold most points, as in real corpora, unlike `gmm_hierarchy`'s uniform leaves.
+    Returns (x (n, dim) float32 unit rows, component labels (n,) int64)."""
+    rng = np.random.default_rng(seed)
+    comps = max(1, n // points_per_component)
+    w = 1.0 / np.arange(1, comps + 1)
+    labels = rng.choice(comps, n, p=w / w.sum())
+    x = rng.standard_normal((comps, dim)).astype(np.float32)[labels]
+    x += spread * rng.standard_normal((n, dim), dtype=np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    return x, labels.astype(np.int64)
+
+
 def corpus_docs(n: int, seed: int = 0) -> list[dict]:
     return list(generate_corpus(CorpusSpec(n_docs=n, seed=seed)))
 

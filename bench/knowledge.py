@@ -8,6 +8,7 @@ fetched memory's gain is the paper's claim; blocking is compared with its random
     .venv/bin/python bench/knowledge.py --seeds 0 1 2
     .venv/bin/python bench/knowledge.py --seeds 1 2 --existing 0=runs/demo   # reuse `make demo`
     .venv/bin/python bench/knowledge.py --seeds 0 --root /tmp/kn --train data.batch_size=4
+    .venv/bin/python bench/knowledge.py --seeds 0 1 2 --pipeline tree.strict_balance=true
 """
 
 from __future__ import annotations
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", default=str(REPO / "runs" / "knowledge"))
     ap.add_argument("--out", default=None, help="JSON (default bench/results/knowledge-DATE.json)")
     ap.add_argument("--train", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--pipeline", action="append", default=[], metavar="KEY=VALUE",
+                    help="a pipeline config override, e.g. tree.strict_balance=true (repeatable)")
     ap.add_argument("--existing", action="append", default=[], metavar="SEED=ROOT",
                     help="a finished demo of that seed with the same settings (e.g. 0=runs/demo): its "
                          "report is summarised, not rerun (repeatable)")
@@ -139,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{data['meta']['corpus']['spec']['seed']}, not {seed}")
         else:
             log(f"seed {seed}: memtree demo under {args.root}/seed-{seed}")
-            report = run_main_job(Path(args.root) / f"seed-{seed}", seed=seed, train_overrides=args.train)
+            report = run_main_job(Path(args.root) / f"seed-{seed}", seed=seed, train_overrides=args.train,
+                                  pipeline_overrides=args.pipeline)
             data = read_json(Path(report).with_name("results.json"))
         results["seeds"][seed] = summarise(data)
         results["seeds"][seed]["bench_seconds"] = time.time() - t

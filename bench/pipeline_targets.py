@@ -11,7 +11,8 @@ One process measures, in this order:
 - tree (bench/tree_targets.py's `measure`): `build_tree(x, levels=3, branching=16)` on
   `gmm_hierarchy(100000, seed)` against flat `faiss.Kmeans` with as many centroids and against
   `two_level_clustering` (64 → 4,096), each then assigning every point; NMI, balance per level,
-  equalisation's share of the build.
+  equalisation's share of the build; and the balance target again on skewed data
+  (`skewed_balance`: Zipf-weighted blobs, 3 × 8 and 4 × 8 trees with small leaves).
 - routing (bench/routing.py's `measure`): `route` at 65,536 leaves, 20,000 queries, against
   `IndexFlatL2` exhaustive search; agreement with the float64 level-by-level argmin.
 - embedding (bench/embed_backends.py's `measure`): the int8 OpenVINO backend against raw
@@ -82,6 +83,10 @@ def target_rows(tree: dict, route: dict, embed: dict, health: dict, data: dict) 
         mt["nmi"] > two["nmi"], data["tree"])
     add("tree", f"leaf balance, worst of {levels} levels", worst_balance, "", two[f"balance_l{levels}"], None,
         f"<= {BALANCE:g}", worst_balance <= BALANCE, "baseline: two-level's leaves")
+    for sk in tree.get("skewed", []):
+        add("tree", f"leaf balance, worst level, skewed data ({sk['points_per_leaf']:.1f} points per leaf), "
+            f"{sk.get('mode', 'default')}", max(sk["balance"]), "", None, None, f"<= {BALANCE:g}",
+            max(sk["balance"]) <= BALANCE, sk["data"])
     add("tree", "equalisation's share of the build", tree["equalize_share"], "", None, None, "bounded", None,
         data["tree"])
     vs_exh = speed(r["exhaustive"]["seconds"], r["route"]["seconds"])
@@ -126,6 +131,8 @@ def main() -> int:
         tree_size, route_size, embed_size = (100_000, 3), (4, 16, 20_000), (1_000, 512)
     tree = tree_targets.measure(n=tree_size[0], seed=args.seed, levels=tree_size[1], repeats=args.tree_repeats,
                                 healthy=health["faiss"]["healthy"])
+    tree["skewed"] = tree_targets.skewed_balance(
+        seed=args.seed, sizes=((4_000, 2),) if args.quick else tree_targets.SKEWED)
     route = routing.measure(levels=route_size[0], branching=route_size[1], nq=route_size[2],
                             repeats=args.route_repeats, healthy=health["faiss"]["healthy"])
     embed = embed_backends.measure(n_docs=embed_size[0], timed=embed_size[1], settings=[(256, 1), (256, 2)],

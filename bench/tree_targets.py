@@ -33,7 +33,7 @@ from _common import (  # bench/ is sys.path[0] when a script runs
     run_meta,
     sgemm_gflops,
 )
-from _pipeline_common import gmm_hierarchy
+from _pipeline_common import gmm_hierarchy, zipf_mixture
 from _pipeline_tree import nmi
 
 from clustering.tree import build_tree
@@ -101,6 +101,31 @@ def measure(*, n: int, seed: int, levels: int, repeats: int, healthy: bool, bran
     eq_share = 1.0 - med["build_tree, equalize_steps=0"] / med["build_tree (defaults)"]
     log(f"equalisation's share of the default build: {eq_share:.1%}")
     return {"rows": rows, "runs_seconds": secs, "equalize_share": eq_share}
+
+
+# Skewed data for the balance target (issue #37: "expect it to be checked on other data"):
+# (points, levels), branching 8; leaves of 27.5 and 14.6 points, as the pipeline's 3 × 8 tree of
+# 14,081 real windows and a deeper tree of a small corpus.
+SKEWED = ((14_081, 3), (60_000, 4))
+
+
+def skewed_balance(*, seed: int, sizes=SKEWED, branching: int = 8) -> list[dict]:
+    """Leaf balance of `build_tree` on `zipf_mixture(n, seed)` per (n, levels), with the defaults
+    and with strict_balance: [{data, mode, points_per_leaf, balance (per level), nmi, seconds}]."""
+    out = []
+    for n, levels in sizes:
+        x, lab = zipf_mixture(n, seed)
+        for mode in ("default", "strict_balance"):
+            t = time.perf_counter()
+            tree, paths = build_tree(x, levels=levels, branching=branching, strict_balance=mode != "default")
+            secs = time.perf_counter() - t
+            bal = [float(s.max() / s.mean()) for s in tree.sizes]
+            out.append({"data": f"zipf_mixture({n:,}, seed={seed}), {levels} x {branching}", "mode": mode,
+                        "points_per_leaf": n / branching**levels, "balance": bal,
+                        "nmi": float(nmi(lab, paths[:, -1])), "seconds": secs})
+            log(f"skewed {n:,} points {levels} x {branching}, {mode}: balance "
+                f"{' / '.join(f'{b:.3f}' for b in bal)}, {secs:.2f} s")
+    return out
 
 
 def main() -> int:

@@ -37,6 +37,9 @@ TREE_VERSION = 1
 # Batch rows one batched level fit may hold (float32: 192 MiB at dim 384); more nodes go to
 # more chunks.
 CHUNK_ROWS = 1 << 17
+# Strict trees cap inner levels at 1 + this × (balance_factor − 1) of the level's mean
+# (`level_cell_slack`), leaving the rest of the headroom to the levels below.
+INNER_HEADROOM = 0.5
 
 
 @dataclass
@@ -99,12 +102,15 @@ def fit_level(
     seed: int,
     level: int,
     cell_size: float | None = None,
+    cell_slack: float | None = None,
     converge_tol: float = CONVERGE_TOL,
+    strict_balance: bool = False,
 ) -> list[tuple[np.ndarray, int, int]]:
     """`fit_node` for the nodes (node_id, row indices into x) of one level, fitted together
     (`fit_nodes_batched`); fallbacks[i] is node i's own centroid. Call inside `single_threaded()`.
     cell_size: the level's mean cell in points (`level_cell_size`), which equalisation caps
-    every cell against; None caps each node against its own mean.
+    every cell against (× cell_slack, `level_cell_slack`; default balance_factor); None caps
+    each node against its own mean.
 
     Each node's RNG is keyed by (seed, level, node) and its arithmetic reads only
     its own rows, so a node's result does not depend on which nodes are fitted
@@ -135,7 +141,8 @@ def fit_level(
         return fit_nodes_batched(
             x, members, ks, [np.random.default_rng([seed, level, int(nodes[i][0]), *key]) for i in todo],
             batch_size=batch_size, steps=steps, balance_factor=balance_factor,
-            equalize_steps=equalize_steps, cell_size=cell_size, converge_tol=converge_tol,
+            equalize_steps=equalize_steps, cell_size=cell_size, cell_slack=cell_slack,
+            converge_tol=converge_tol, strict=strict_balance,
         )
 
     fits = fit(0)
@@ -180,7 +187,9 @@ def fit_node(
     node: int,
     fallback: np.ndarray,
     cell_size: float | None = None,
+    cell_slack: float | None = None,
     converge_tol: float = CONVERGE_TOL,
+    strict_balance: bool = False,
 ) -> tuple[np.ndarray, int, int]:
     """Centroids of one node's children → ((branching, dim) rows, n valid children, splits).
 
@@ -191,7 +200,8 @@ def fit_node(
         x, [(node, np.arange(x.shape[0]))], np.asarray(fallback)[None], branching=branching,
         min_points_per_child=min_points_per_child, batch_size=batch_size, steps=steps,
         balance_factor=balance_factor, equalize_steps=equalize_steps, restarts=restarts, seed=seed,
-        level=level, cell_size=cell_size, converge_tol=converge_tol,
+        level=level, cell_size=cell_size, cell_slack=cell_slack, converge_tol=converge_tol,
+        strict_balance=strict_balance,
     )[0]
 
 
@@ -200,6 +210,23 @@ def level_cell_size(n_points: int, branching: int, level: int) -> float:
     caps every cell against (× balance_factor), the same for every node of the level, so a
     node that inherits a large parent cell does not pass its excess on to its children."""
     return n_points / branching**level
+
+
+def level_cell_slack(balance_factor: float, level: int, levels: int, strict: bool = False) -> float:
+    """Equalisation's cap at `level` of a `levels`-deep tree, as a multiple of the level's mean
+    cell (`level_cell_size`): balance_factor at every level, or, for a strict tree, at the
+    leaves only and 1 + INNER_HEADROOM × (balance_factor − 1) above them (1.05 for 1.1).
+
+    A node's children share its points, so a parent cell at its cap leaves its children that
+    far over their level's mean on average, and a strict node may always reach ⌈n / k⌉ + 1
+    points (`kmeans.cell_cap`): with every level capped at balance_factor, the leaves of skewed
+    4 × 8 trees (60,000 points, 14.6 per leaf) reached 1.23 × their mean; with inner levels at
+    1.05, ≤ 1.16. Three quarters of the headroom (1.075) kept 0.002 more NMI on issue #37's
+    mixture but left one of two such trees at 1.23 (docs/BENCHMARKS.md, issue #37). Inner cells
+    are hundreds of points or more, where the auction reaches a tight cap in a few rounds."""
+    if not strict or level >= levels:
+        return balance_factor
+    return 1.0 + INNER_HEADROOM * (balance_factor - 1.0)
 
 
 def level_chunks(sizes: Sequence[int], batch_size: int, n_chunks: int) -> list[range]:
@@ -224,6 +251,7 @@ def build_tree(
     balance_factor: float = 1.1,
     min_points_per_child: int = 2,
     equalize_steps: int = 40,
+    strict_balance: bool = False,
     restarts: int = 1,
     converge_tol: float = CONVERGE_TOL,
     seed: int = 0,
@@ -237,12 +265,17 @@ def build_tree(
     and returns fit_node results in order; the default fits each level's nodes
     in batches (`fit_level`), one chunk of nodes per thread on `n_jobs` threads
     (default: all cores); the pipeline passes a Dask-backed one. The tree is
-    the same for every n_jobs and every fit_nodes that returns fit_node results.
+    the same for every n_jobs and every fit_nodes that returns fit_node results
+    (capped as the default caps them: `level_cell_size`, `level_cell_slack`).
+    strict_balance: inner levels capped tighter, and the strict equalisation of
+    `kmeans.fit_nodes_batched` (leaves ≤ 1.2 × their mean on skewed data with ~15-point
+    leaves, where the default reaches 1.24–1.37; docs/BENCHMARKS.md, issue #37).
     """
     n, dim = x.shape
     params = {"branching": branching, "min_points_per_child": min_points_per_child,
               "batch_size": batch_size, "steps": steps, "balance_factor": balance_factor,
-              "equalize_steps": equalize_steps, "restarts": restarts, "converge_tol": converge_tol, "seed": seed}
+              "equalize_steps": equalize_steps, "restarts": restarts, "converge_tol": converge_tol, "seed": seed,
+              "strict_balance": strict_balance}
     workers = n_jobs or os.cpu_count() or 1
 
     def threaded(level: int, nodes: list[tuple[int, np.ndarray]], parent_c: np.ndarray):
@@ -251,7 +284,9 @@ def build_tree(
         def one(chunk: range):
             part = [nodes[i] for i in chunk]
             return fit_level(x, part, parent_c[[p for p, _ in part]], level=level,
-                             cell_size=level_cell_size(n, branching, level), **params)
+                             cell_size=level_cell_size(n, branching, level),
+                             cell_slack=level_cell_slack(balance_factor, level, levels, strict_balance),
+                             **params)
 
         with single_threaded(), ThreadPoolExecutor(max_workers=workers) as ex:
             return [fit for part in ex.map(one, chunks) for fit in part]

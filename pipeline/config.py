@@ -113,6 +113,13 @@ class TreeConfig:
     nearest-centroid cell routing uses at balance_factor × the level's mean cell
     (clustering.kmeans.equalize_cells; it stops early once no cell is over); 0 keeps the
     paper's rule alone."""
+    strict_balance: bool = False
+    """Keep every level's cells within about 1.2 × its mean even at ~15 points per leaf on
+    skewed data (issue #37's target): inner levels capped at half balance_factor's headroom, a
+    node's floor ⌈n / k⌉ + 1 points, and a longer, room-seeking auction
+    (clustering.tree.level_cell_slack, clustering.kmeans.cell_cap). Off by default: it changes
+    every tree, and on the demo corpus it took the fetched-generic gap from 15.3 ± 2.1 to
+    8.8 ± 2.9 points over 3 seeds (docs/BENCHMARKS.md, issue #37)."""
     converge_tol: float = CONVERGE_TOL
     """A node whose batch is the whole node (every node of a level with ≤ batch_size points per
     node) stops its EM once two steps in a row lower its squared distances by less than this

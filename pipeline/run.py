@@ -36,7 +36,14 @@ from clustering.embed import (
 from clustering.embed_export import OPENVINO_INT8, export_openvino_int8
 from clustering.kmeans import single_threaded
 from clustering.route import route
-from clustering.tree import build_tree, fit_level, level_cell_size, load_tree, save_tree
+from clustering.tree import (
+    build_tree,
+    fit_level,
+    level_cell_size,
+    level_cell_slack,
+    load_tree,
+    save_tree,
+)
 from memtree.config import to_dict
 from memtree.io import atomic_path, atomic_save_npy, atomic_write_json
 from pipeline import ingest as ing
@@ -255,14 +262,15 @@ def _embed(ctx: Ctx, work: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------- tree
-def fit_nodes_task(emb_path: str, nodes: list[tuple[int, np.ndarray]], level: int, params: dict,
-                   fallbacks: np.ndarray) -> list[tuple[np.ndarray, int, int]]:
-    """Dask task: fit a group of sibling-independent nodes of one level."""
+def fit_nodes_task(emb_path: str, nodes: list[tuple[int, np.ndarray]], level: int, cell_slack: float,
+                   params: dict, fallbacks: np.ndarray) -> list[tuple[np.ndarray, int, int]]:
+    """Dask task: fit a group of sibling-independent nodes of one level, their cells capped at
+    cell_slack × the level's mean cell, as `build_tree`'s own fitter caps them."""
     x = np.load(emb_path, mmap_mode="r")
     with single_threaded():  # sorted rows: sequential reads from the memmap
         return fit_level(x, [(int(p), np.sort(idx)) for p, idx in nodes], np.asarray(fallbacks),
                          level=level, cell_size=level_cell_size(x.shape[0], params["branching"], level),
-                         **params)
+                         cell_slack=cell_slack, **params)
 
 
 def effective_levels(n: int, levels: int, branching: int, auto_reduce: bool) -> int:
@@ -301,6 +309,7 @@ def _tree(ctx: Ctx, work: Path) -> dict:
     params = {"branching": t.branching, "min_points_per_child": t.min_points_per_child,
               "batch_size": t.batch_size, "steps": t.steps, "balance_factor": t.balance_factor,
               "equalize_steps": t.equalize_steps, "restarts": t.restarts, "converge_tol": t.converge_tol,
+              "strict_balance": t.strict_balance,
               "seed": ctx.cfg.seed}
     n_workers = max(1, len(ctx.client.scheduler_info()["workers"]))
 
@@ -313,7 +322,8 @@ def _tree(ctx: Ctx, work: Path) -> dict:
             groups[g].append(i)
             loads[g] += len(nodes[i][1]) + 1
         args = [
-            (str(emb_path), [nodes[i] for i in g], level, params,
+            (str(emb_path), [nodes[i] for i in g], level,
+             level_cell_slack(t.balance_factor, level, levels, t.strict_balance), params,
              np.stack([parent_c[nodes[i][0]] for i in g]))
             for g in groups if g
         ]

@@ -90,7 +90,10 @@ def test_the_targets_table_claims_no_speedup_against_a_handicapped_baseline(monk
         {"method": "build_tree (defaults)", "seconds": 2.0, "nmi": 0.98, "balance_l1": 1.02, "balance_l2": 1.1,
          "balance_l3": 1.19},
         {"method": "faiss.Kmeans flat", "seconds": 16.0, "nmi": 0.97, "balance_l3": 7.0},
-        {"method": "two_level_clustering", "seconds": 1.5, "nmi": 0.97, "balance_l3": 5.9}]}
+        {"method": "two_level_clustering", "seconds": 1.5, "nmi": 0.97, "balance_l3": 5.9}],
+        "skewed": [{"data": "z", "mode": "default", "points_per_leaf": 14.6, "balance": [1.1, 1.15, 1.2, 1.3]},
+                   {"data": "z", "mode": "strict_balance", "points_per_leaf": 14.6,
+                    "balance": [1.05, 1.07, 1.1, 1.16]}]}
     route = {"agreement_with_float64_argmin": 1.0,
              "rows": [{"method": "route", "seconds": 0.03}, {"method": "exhaustive", "seconds": 4.5}]}
     embed = {"cosine": {"min": 0.997},
@@ -106,6 +109,9 @@ def test_the_targets_table_claims_no_speedup_against_a_handicapped_baseline(monk
     assert rows["int8 vs encode, msl 256, 1 thread"]["met"] == "no"  # 1.5x
     assert rows["leaf NMI vs two-level"]["met"] == "yes"
     assert rows["leaf balance, worst of 3 levels"]["value"] == pytest.approx(1.19)
+    skewed = rows["leaf balance, worst level, skewed data (14.6 points per leaf), default"]
+    assert skewed["value"] == pytest.approx(1.3) and skewed["met"] == "no"
+    assert rows["leaf balance, worst level, skewed data (14.6 points per leaf), strict_balance"]["met"] == "yes"
     weak = {"faiss": {"healthy": False}, "torch": ok}
     rows = {r["metric"]: r for r in targets.target_rows(tree, route, embed, weak, data)}
     for m in ("build_tree vs flat faiss.Kmeans", "build_tree vs two_level_clustering", "route vs IndexFlatL2 exhaustive"):

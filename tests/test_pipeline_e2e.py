@@ -141,8 +141,9 @@ def test_rerun_skips_finished_stages(run_a, corpus, dask_client):
 
 
 def test_tree_restarts_run_through_the_dask_fitter(run_a, corpus, dask_client):
-    """tree.restarts reaches the Dask node fits: the pipeline's tree is the one build_tree gives with
-    the same restarts on the run's embeddings, and only the tree and what depends on it rerun."""
+    """tree.restarts and tree.strict_balance reach the Dask node fits: the pipeline's tree is the one
+    build_tree gives with the same settings on the run's embeddings, and only the tree and what
+    depends on it rerun."""
     import numpy as np
 
     from clustering.tree import build_tree, load_tree
@@ -150,17 +151,17 @@ def test_tree_restarts_run_through_the_dask_fitter(run_a, corpus, dask_client):
     out, _, _ = run_a
     logs: list[str] = []
     cfg = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
-                      [*OVERRIDES, "tree.restarts=3"])
+                      [*OVERRIDES, "tree.restarts=3", "tree.strict_balance=true"])
     run_pipeline(cfg, client=dask_client, log=logs.append)
     assert [line.split("]")[0][1:] for line in logs if "running" in line] == ["tree", "assign", "shards", "report"]
     t, x = cfg.tree, np.load(out / "embed" / "embeddings.npy")
     kw = {"levels": t.levels, "branching": t.branching, "batch_size": t.batch_size, "steps": t.steps,
           "balance_factor": t.balance_factor, "equalize_steps": t.equalize_steps,
           "min_points_per_child": t.min_points_per_child, "seed": cfg.seed}
-    ref, single = build_tree(x, restarts=3, **kw)[0], build_tree(x, **kw)[0]
+    ref, single = build_tree(x, restarts=3, strict_balance=True, **kw)[0], build_tree(x, **kw)[0]
     got = load_tree(out / "tree")
     assert got.tree_id == ref.tree_id != single.tree_id
-    assert got.meta["config"]["restarts"] == 3
+    assert got.meta["config"]["restarts"] == 3 and got.meta["config"]["strict_balance"] is True
     base = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}}, OVERRIDES)
     run_pipeline(base, client=dask_client, log=lambda m: None)  # restore for the other tests
 
