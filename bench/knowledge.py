@@ -25,9 +25,9 @@ from typing import Any
 from _common import (  # bench/ is sys.path[0] when a script runs
     REPO,
     finish,
-    loadavg,
     log,
     results_path,
+    run_meta,
 )
 
 from eval.demo import run_main_job
@@ -130,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         if not seed.isdigit() or not (Path(root) / "report" / "results.json").exists():
             ap.error(f"--existing {item!r}: expected SEED=ROOT with ROOT/report/results.json")
         existing[int(seed)] = Path(root) / "report" / "results.json"
-    results: dict[str, Any] = {"seeds": {}, "meta": {"argv": sys.argv[1:], "loadavg_start": loadavg(),
-                                                      "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}}
+    # run_meta records the BLAS / OpenMP kernels and OPENBLAS_* variables the run had; the demo's
+    # numerics follow them, so they are recorded but not changed (no prepare_blas_env here).
+    results: dict[str, Any] = {"seeds": {}, "meta": run_meta(args, argv=sys.argv[1:])}
     for seed in sorted(set(args.seeds) | set(existing)):
         t = time.time()
         if seed in existing:
