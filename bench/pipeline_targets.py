@@ -85,7 +85,7 @@ def target_rows(tree: dict, route: dict, embed: dict, health: dict, data: dict) 
         f"<= {BALANCE:g}", worst_balance <= BALANCE, "baseline: two-level's leaves")
     for sk in tree.get("skewed", []):
         add("tree", f"leaf balance, worst level, skewed data ({sk['points_per_leaf']:.1f} points per leaf), "
-            f"{sk.get('mode', 'default')}", max(sk["balance"]), "", None, None, f"<= {BALANCE:g}",
+            f"{sk['mode']}", max(sk["balance"]), "", None, None, f"<= {BALANCE:g}",
             max(sk["balance"]) <= BALANCE, sk["data"])
     add("tree", "equalisation's share of the build", tree["equalize_share"], "", None, None, "bounded", None,
         data["tree"])

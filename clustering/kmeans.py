@@ -201,12 +201,11 @@ def relocate_cells(x: np.ndarray, c: np.ndarray, rng: np.random.Generator, *, st
     """
     k = c.shape[0]
     raw, cur = c, c
-    best, best_key = (equalized, _cells_key(x, equalized)) if equalized is not None else (c, None)
+    best, best_key = (equalized, _key(_cells(x, equalized)[1])) if equalized is not None else (c, None)
     moves = k if tries is None else tries  # default: up to one move per centroid
     for move in range(moves + 1):  # the last pass only scores the last move
-        cell = np.argmin((cur * cur).sum(1)[None, :] - 2.0 * (x @ cur.T), axis=1)
-        sizes = np.bincount(cell, minlength=k)
-        key = (int((sizes == 0).sum()), int(sizes.max()))
+        cell, sizes = _cells(x, cur)
+        key = _key(sizes)
         if best_key is None or key < best_key:
             best, best_key = cur, key
         if move == moves or key[0] == 0 and key[1] <= cell_cap(len(x), k, slack, cell_size, strict=strict):
@@ -224,9 +223,15 @@ def relocate_cells(x: np.ndarray, c: np.ndarray, rng: np.random.Generator, *, st
     return np.asarray(best, dtype=np.float32)
 
 
-def _cells_key(x: np.ndarray, c: np.ndarray) -> tuple[int, int]:
-    """(empty cells, largest cell) of the rows x (n, d) under centroids c (k, d)."""
-    sizes = np.bincount(np.argmin((c * c).sum(1)[None, :] - 2.0 * (x @ c.T), axis=1), minlength=c.shape[0])
+def _cells(x: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row of x (n, d)'s nearest centroid of c (k, d) under the routing score, (n,), and the
+    cells' sizes, (k,)."""
+    cell = np.argmin((c * c).sum(1)[None, :] - 2.0 * (x @ c.T), axis=1)
+    return cell, np.bincount(cell, minlength=c.shape[0])
+
+
+def _key(sizes: np.ndarray) -> tuple[int, int]:
+    """(empty cells, largest cell): the order in which configurations of cells are compared."""
     return int((sizes == 0).sum()), int(sizes.max())
 
 
