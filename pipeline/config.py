@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from clustering.kmeans import CONVERGE_TOL
+from clustering.tree import BALANCE_TARGET
 
 
 def _positive(obj, *names: str) -> None:
@@ -119,7 +120,13 @@ class TreeConfig:
     node's floor ⌈n / k⌉ + 1 points, and a longer, room-seeking auction
     (clustering.tree.level_cell_slack, clustering.kmeans.cell_cap). Off by default: it changes
     every tree, and on the demo corpus it took the fetched-generic gap from 15.3 ± 2.1 to
-    8.8 ± 2.9 points over 3 seeds (docs/BENCHMARKS.md, issue #37)."""
+    8.8 ± 2.9 points over 3 seeds (docs/BENCHMARKS.md, issue #37). balance_target applies it
+    to the nodes that need it."""
+    balance_target: float | None = BALANCE_TARGET
+    """No cluster at any level over this × its level's mean (issue #37's 1.2): after each level,
+    the nodes whose largest child would break it (clustering.tree.repair_limit) are fitted again
+    with strict balance, keeping the refit where it is better. Trees where no node is over are
+    the paper's rule exactly (the demo's, issue #37's mixture). null: never refit."""
     converge_tol: float = CONVERGE_TOL
     """A node whose batch is the whole node (every node of a level with ≤ batch_size points per
     node) stops its EM once two steps in a row lower its squared distances by less than this
@@ -147,6 +154,8 @@ class TreeConfig:
             raise ValueError("TreeConfig.branching must be >= 2")
         if self.balance_factor < 1.0:
             raise ValueError("TreeConfig.balance_factor must be >= 1.0")
+        if self.balance_target is not None and self.balance_target < 1.0:
+            raise ValueError(f"TreeConfig.balance_target must be >= 1.0 or null, got {self.balance_target!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -309,11 +309,12 @@ def _tree(ctx: Ctx, work: Path) -> dict:
     params = {"branching": t.branching, "min_points_per_child": t.min_points_per_child,
               "batch_size": t.batch_size, "steps": t.steps, "balance_factor": t.balance_factor,
               "equalize_steps": t.equalize_steps, "restarts": t.restarts, "converge_tol": t.converge_tol,
-              "strict_balance": t.strict_balance,
+              "strict_balance": t.strict_balance, "balance_target": t.balance_target,
               "seed": ctx.cfg.seed}
+    node_params = {k: v for k, v in params.items() if k not in ("strict_balance", "balance_target")}
     n_workers = max(1, len(ctx.client.scheduler_info()["workers"]))
 
-    def fit_nodes(level, nodes, parent_c):
+    def fit_nodes(level, nodes, parent_c, *, strict):
         # Group nodes into ~4 tasks per worker, balanced by point count.
         groups: list[list[int]] = [[] for _ in range(min(len(nodes), 4 * n_workers))]
         loads = [0] * len(groups)
@@ -323,7 +324,7 @@ def _tree(ctx: Ctx, work: Path) -> dict:
             loads[g] += len(nodes[i][1]) + 1
         args = [
             (str(emb_path), [nodes[i] for i in g], level,
-             level_cell_slack(t.balance_factor, level, levels, t.strict_balance), params,
+             level_cell_slack(t.balance_factor, level, levels, strict), {**node_params, "strict_balance": strict},
              np.stack([parent_c[nodes[i][0]] for i in g]))
             for g in groups if g
         ]
@@ -337,6 +338,10 @@ def _tree(ctx: Ctx, work: Path) -> dict:
 
     tree, _ = build_tree(x, levels=levels, fit_nodes=fit_nodes,
                          on_level=lambda lv: ctx.log(f"[tree] level {lv} built"), **params)
+    for lv, (refit, kept) in enumerate(tree.meta["balance_repairs"], start=1):
+        if refit:
+            ctx.log(f"[tree] level {lv}: {refit} node(s) over tree.balance_target refitted with strict balance, "
+                    f"{kept} kept")
     em = ctx.markers["embed"]["stats"]
     meta = save_tree(
         tree, work,

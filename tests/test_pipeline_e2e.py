@@ -140,10 +140,11 @@ def test_rerun_skips_finished_stages(run_a, corpus, dask_client):
 
 
 
-def test_tree_restarts_run_through_the_dask_fitter(run_a, corpus, dask_client):
-    """tree.restarts and tree.strict_balance reach the Dask node fits: the pipeline's tree is the one
-    build_tree gives with the same settings on the run's embeddings, and only the tree and what
-    depends on it rerun."""
+@pytest.mark.parametrize("balance", ["tree.strict_balance=true", "tree.balance_target=1.0"])
+def test_tree_restarts_run_through_the_dask_fitter(run_a, corpus, dask_client, balance):
+    """tree.restarts, tree.strict_balance and the strict refits of tree.balance_target (1.0 puts
+    nodes over it) reach the Dask node fits: the pipeline's tree is the one build_tree gives with
+    the same settings on the run's embeddings, and only the tree and what depends on it rerun."""
     import numpy as np
 
     from clustering.tree import build_tree, load_tree
@@ -151,19 +152,27 @@ def test_tree_restarts_run_through_the_dask_fitter(run_a, corpus, dask_client):
     out, _, _ = run_a
     logs: list[str] = []
     cfg = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
-                      [*OVERRIDES, "tree.restarts=3", "tree.strict_balance=true"])
+                      [*OVERRIDES, "tree.restarts=3", balance])
     run_pipeline(cfg, client=dask_client, log=logs.append)
     assert [line.split("]")[0][1:] for line in logs if "running" in line] == ["tree", "assign", "shards", "report"]
     t, x = cfg.tree, np.load(out / "embed" / "embeddings.npy")
     kw = {"levels": t.levels, "branching": t.branching, "batch_size": t.batch_size, "steps": t.steps,
           "balance_factor": t.balance_factor, "equalize_steps": t.equalize_steps,
           "min_points_per_child": t.min_points_per_child, "seed": cfg.seed}
-    ref, single = build_tree(x, restarts=3, strict_balance=True, **kw)[0], build_tree(x, **kw)[0]
+    ref = build_tree(x, restarts=3, strict_balance=t.strict_balance, balance_target=t.balance_target, **kw)[0]
+    single = build_tree(x, **kw)[0]
     got = load_tree(out / "tree")
     assert got.tree_id == ref.tree_id != single.tree_id
-    assert got.meta["config"]["restarts"] == 3 and got.meta["config"]["strict_balance"] is True
+    assert got.meta["config"]["restarts"] == 3
+    if t.strict_balance:
+        assert got.meta["config"]["strict_balance"] is True
+    else:
+        refits = [r for r, _ in got.meta["balance_repairs_per_level"]]
+        assert sum(refits) > 0 and got.meta["balance_repairs_per_level"] == ref.meta["balance_repairs"]
+        assert any("refitted with strict balance" in line for line in logs)
     base = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}}, OVERRIDES)
     run_pipeline(base, client=dask_client, log=lambda m: None)  # restore for the other tests
+
 
 def _files(root: Path, sub: str) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted((root / sub).rglob("*"))

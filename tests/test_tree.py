@@ -212,18 +212,22 @@ def test_level_fit_equals_fitting_each_node_alone():
     assert sum(s for _, _, s in together) > 0  # the balance rule did act
 
 
-@pytest.mark.parametrize("strict", [False, True])
-def test_build_tree_is_independent_of_threads_and_fitter(strict):
-    """The same tree for any n_jobs, and through a fit_nodes hook that fits node by node."""
+@pytest.mark.parametrize("mode", ["paper", "strict", "repaired"])
+def test_build_tree_is_independent_of_threads_and_fitter(mode):
+    """The same tree for any n_jobs, and through a fit_nodes hook that fits node by node; also
+    when nodes are refitted for balance_target (a target of 1.0 puts most nodes over)."""
     from clustering.tree import fit_node, level_cell_size, level_cell_slack
 
     x, _ = _mixture(6000, 16, 10, seed=22)
-    kw = {"levels": 3, "branching": 4, "batch_size": 700, "steps": 6, "seed": 5, "strict_balance": strict}
+    kw = {"levels": 3, "branching": 4, "batch_size": 700, "steps": 6, "seed": 5, "strict_balance": mode == "strict",
+          "balance_target": 1.0 if mode == "repaired" else None}
     one, paths = build_tree(x, n_jobs=1, **kw)
     three, _ = build_tree(x, n_jobs=3, **kw)
     params = {k: kw[k] for k in ("branching", "batch_size", "steps", "seed")}
+    calls = []
 
-    def per_node(level, nodes, parent_c):
+    def per_node(level, nodes, parent_c, *, strict):
+        calls.append(strict)
         cell = level_cell_size(len(x), kw["branching"], level)  # what build_tree's own fitter caps against
         slack = level_cell_slack(1.1, level, kw["levels"], strict)
         return [fit_node(x[idx], level=level, node=p, fallback=parent_c[p], min_points_per_child=2,
@@ -234,6 +238,10 @@ def test_build_tree_is_independent_of_threads_and_fitter(strict):
     hooked, _ = build_tree(x, fit_nodes=per_node, **kw)
     assert one.tree_id == three.tree_id == hooked.tree_id
     np.testing.assert_array_equal(route(one, x), paths)
+    refits = sum(r for r, _ in one.meta["balance_repairs"])
+    repaired_levels = sum(r > 0 for r, _ in one.meta["balance_repairs"])
+    assert (refits > 0) == (mode == "repaired")
+    assert calls.count(True) == (kw["levels"] if mode == "strict" else repaired_levels)
 
 
 def test_equalize_cells_keeps_directions_and_never_worsens_cells():
@@ -551,21 +559,50 @@ def _zipf_mixture(n, d, comps, seed, spread=0.7):
 
 @pytest.mark.parametrize("n,levels,seed,dim", [(14081, 3, 1, 64), (60000, 4, 7, 64), (14081, 3, 2, 384),
                                                 (60000, 4, 2, 384), (60000, 4, 3, 384)])
-def test_strict_trees_keep_every_level_within_the_balance_target_on_skewed_data(n, levels, seed, dim):
+def test_default_and_strict_trees_keep_every_level_within_the_balance_target_on_skewed_data(n, levels, seed, dim):
     """Issue #37's target, leaf balance ≤ 1.2 at every level, on skewed data with small leaves
-    (27.5 and 14.6 points), with strict_balance. Each case failed under one of strict mode's
-    parts left out: every level capped at 1.1 × its mean with a node floor of 1.05 × its own
-    mean (the default; the 64-d cases: 1.236, 1.297, the floor letting each level add its
-    excess to its parent's), 40 auction rounds (14k and first 60k at 384-d: 1.236, 1.344),
+    (27.5 and 14.6 points): with strict_balance, and with the defaults, which refit with strict
+    balance only the nodes over `repair_limit`. Each strict case failed under one of strict
+    mode's parts left out: every level capped at 1.1 × its mean with a node floor of 1.05 × its
+    own mean (the paper's rule; the 64-d cases: 1.236, 1.297, the floor letting each level add
+    its excess to its parent's), 40 auction rounds (14k and first 60k at 384-d: 1.236, 1.344),
     norms bounded at 4 × their k-means norm (last: 1.33)."""
     x = _zipf_mixture(n, dim, n // 27, seed)
-    tree, _ = build_tree(x, levels=levels, branching=8, seed=0, strict_balance=True)
-    ratios = [s["balance_ratio"] for s in level_stats(tree)]
-    assert max(ratios) <= 1.2, ratios
-    assert all(s["n_empty"] == 0 for s in level_stats(tree))
-    if dim == 64:  # the default tree on the same data: what strict mode is for
-        default, _ = build_tree(x, levels=levels, branching=8, seed=0)
-        assert max(s["balance_ratio"] for s in level_stats(default)) > 1.2
+    for kw in ({"strict_balance": True}, {}):
+        tree, _ = build_tree(x, levels=levels, branching=8, seed=0, **kw)
+        ratios = [s["balance_ratio"] for s in level_stats(tree)]
+        assert max(ratios) <= 1.2, (kw, ratios)
+        assert all(s["n_empty"] == 0 for s in level_stats(tree))
+    assert sum(kept for _, kept in tree.meta["balance_repairs"]) > 0  # the defaults did refit
+    if dim == 64:  # the paper's rule alone on the same data: what the refits are for
+        paper, _ = build_tree(x, levels=levels, branching=8, seed=0, balance_target=None)
+        assert max(s["balance_ratio"] for s in level_stats(paper)) > 1.2
+        assert all(r == [0, 0] for r in paper.meta["balance_repairs"])
+
+
+def test_balance_repairs_leave_trees_under_the_target_untouched_and_only_keep_better_fits():
+    """Where no node is over `repair_limit` the default tree is the paper's rule bit for bit; a
+    refit replaces a node only where its largest child is smaller, so no level gets worse."""
+    from clustering.tree import level_cell_size, level_cell_slack, repair_limit
+
+    x, _ = _mixture(6000, 16, 10, seed=22)
+    kw = {"levels": 3, "branching": 4, "batch_size": 700, "steps": 6, "seed": 5}
+    paper, _ = build_tree(x, balance_target=None, **kw)
+    worst = [s["balance_ratio"] for s in level_stats(paper)]
+    loose, _ = build_tree(x, balance_target=max(worst) + 0.2, **kw)
+    assert loose.tree_id == paper.tree_id and all(r == [0, 0] for r in loose.meta["balance_repairs"])
+    tight, tight_paths = build_tree(x, balance_target=1.0, **kw)
+    assert tight.tree_id != paper.tree_id
+    for level, (refit, kept) in enumerate(tight.meta["balance_repairs"], start=1):
+        assert 0 < refit and kept <= refit
+        limit = repair_limit(1.0, 1.1, len(x), 4, level, 3) * level_cell_size(len(x), 4, level)
+        floor = level_cell_slack(1.1, level, 3, strict=True)  # 1.05 above the leaves, 1.1 at them
+        assert limit == pytest.approx(floor * len(x) / 4**level)  # what a strict refit caps at
+    # level 1 is fitted from the same root: its worst cell can only improve
+    assert level_stats(tight)[0]["max_size"] <= level_stats(paper)[0]["max_size"]
+    np.testing.assert_array_equal(route(tight, x), tight_paths)
+    with pytest.raises(ValueError, match="balance_target"):
+        build_tree(x, balance_target=0.9, **kw)
 
 
 def test_two_over_full_cells_in_one_dense_region_shed_their_excess_to_cells_with_room():
