@@ -385,9 +385,10 @@ def _level_rows(nodes: Sequence[tuple[int, np.ndarray]], results: Sequence[tuple
 def _repair_level(x, nodes, results, child, parent, parent_c, level, limit_points, fit_nodes, branching, dim):
     """Refit with strict balance the nodes whose largest child holds more than limit_points
     points; keep a refit where its largest child is smaller. Routing scores a point against its
-    own parent's children only, so the refitted nodes' points take the refit's assignment and
-    every other point keeps its own. Returns (results, child (n,), [refitted, kept])."""
-    per_node = np.bincount(child, minlength=len(parent_c) * branching).reshape(-1, branching)  # (P, B)
+    own parent's children only, so only the refitted nodes' points are routed again, and they
+    take the kept refits' assignment. Returns (results, child (n,), [refitted, kept])."""
+    n_cells = len(parent_c) * branching
+    per_node = np.bincount(child, minlength=n_cells).reshape(-1, branching)  # (P, B)
     over = [i for i, (p, _) in enumerate(nodes) if per_node[p].max() > limit_points]
     if not over:
         return results, child, [0, 0]
@@ -395,17 +396,18 @@ def _repair_level(x, nodes, results, child, parent, parent_c, level, limit_point
     trial = list(results)
     for i, r in zip(over, redo):
         trial[i] = r
-    c, v = _level_rows(nodes, trial, len(parent_c) * branching, dim)
-    alt = route_step(c, v, x, parent, branching)
-    alt_node = np.bincount(alt, minlength=len(parent_c) * branching).reshape(-1, branching)
+    c, v = _level_rows(nodes, trial, n_cells, dim)
+    rows = np.concatenate([nodes[i][1] for i in over])  # (m,) the refitted nodes' points
+    alt = route_step(c, v, x, parent[rows], branching, rows=rows)  # (m,)
+    alt_node = np.bincount(alt, minlength=n_cells).reshape(-1, branching)
     kept = [i for i in over if alt_node[nodes[i][0]].max() < per_node[nodes[i][0]].max()]
     out = list(results)
     for i in kept:
         out[i] = trial[i]
-    take = np.isin(parent, [nodes[i][0] for i in kept])
-    child = np.where(take, alt, child)
+    take = np.isin(parent[rows], [nodes[i][0] for i in kept])
+    child = child.copy()
+    child[rows[take]] = alt[take]
     return out, child, [len(over), len(kept)]
-
 
 def level_stats(tree: Tree) -> list[dict[str, Any]]:
     out = []

@@ -306,12 +306,10 @@ def _tree(ctx: Ctx, work: Path) -> dict:
     levels = effective_levels(x.shape[0], t.levels, t.branching, t.auto_reduce)
     if levels != t.levels:
         ctx.log(f"[tree] {x.shape[0]} windows: levels reduced {t.levels} -> {levels} (tree.auto_reduce)")
-    params = {"branching": t.branching, "min_points_per_child": t.min_points_per_child,
-              "batch_size": t.batch_size, "steps": t.steps, "balance_factor": t.balance_factor,
-              "equalize_steps": t.equalize_steps, "restarts": t.restarts, "converge_tol": t.converge_tol,
-              "strict_balance": t.strict_balance, "balance_target": t.balance_target,
-              "seed": ctx.cfg.seed}
-    node_params = {k: v for k, v in params.items() if k not in ("strict_balance", "balance_target")}
+    node_params = {"branching": t.branching, "min_points_per_child": t.min_points_per_child,
+                   "batch_size": t.batch_size, "steps": t.steps, "balance_factor": t.balance_factor,
+                   "equalize_steps": t.equalize_steps, "restarts": t.restarts, "converge_tol": t.converge_tol,
+                   "seed": ctx.cfg.seed}
     n_workers = max(1, len(ctx.client.scheduler_info()["workers"]))
 
     def fit_nodes(level, nodes, parent_c, *, strict):
@@ -337,7 +335,8 @@ def _tree(ctx: Ctx, work: Path) -> dict:
         return out
 
     tree, _ = build_tree(x, levels=levels, fit_nodes=fit_nodes,
-                         on_level=lambda lv: ctx.log(f"[tree] level {lv} built"), **params)
+                         on_level=lambda lv: ctx.log(f"[tree] level {lv} built"),
+                         strict_balance=t.strict_balance, balance_target=t.balance_target, **node_params)
     for lv, (refit, kept) in enumerate(tree.meta["balance_repairs"], start=1):
         if refit:
             ctx.log(f"[tree] level {lv}: {refit} node(s) over tree.balance_target refitted with strict balance, "
