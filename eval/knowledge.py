@@ -30,6 +30,7 @@ from eval.rag import RagIndex, rag_items
 from eval.tasks import multiple_choice, perplexity
 from memstore.blocking import adversarial_block, random_block
 from memtree.io import atomic_write_json, atomic_write_text
+from memtree.tpp import format_tpp_markdown
 
 MODES = ("none", "generic", "fetched")
 # RAG settings (App. H): the retrieved window in the context, with this memory mode.
@@ -171,10 +172,12 @@ def _bank_lines(bank: dict[str, Any]) -> list[str]:
 
 def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None,
                  blocking: dict[str, Any] | None = None, meta: dict[str, Any] | None = None,
-                 design: Sequence[tuple[str, str]] = (), bank: dict[str, Any] | None = None) -> dict[str, str]:
+                 design: Sequence[tuple[str, str]] = (), bank: dict[str, Any] | None = None,
+                 tpp: dict[str, Any] | None = None, tpp_note: str = "") -> dict[str, str]:
     """results.json, report.md, and PNGs (accuracy vs exposure; blocking). `design`: (choice, why)
     pairs printed as the report's first section; `bank`: the evaluated bank's refused blocks
-    (`eval.runinfo.bank_state`), said before the results they affect."""
+    (`eval.runinfo.bank_state`), said before the results they affect; `tpp`: the memory run's
+    tokens-per-parameter table (its tpp.json), with `tpp_note` saying what its regime means here."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, str] = {}
@@ -185,6 +188,9 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
         lines += [f"- {k}: {v}" for k, v in meta.items()] + [""]
     if bank:
         lines += _bank_lines(bank)
+    if tpp and tpp.get("levels"):
+        lines += ["## Memory size: tokens per parameter", "", *format_tpp_markdown(tpp), ""]
+        lines += [tpp_note, ""] if tpp_note else []
     if knowledge:
         k_choices = knowledge.get("n_choices") or 4
         lines += ["## Long-tail knowledge probes", "",
@@ -251,6 +257,8 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
         save_png(fig, out / "blocking.png")
         files["blocking_png"] = str(out / "blocking.png")
     results = {"meta": meta or {}, "knowledge": knowledge, "blocking": blocking}
+    if tpp:
+        results["tpp"] = {**tpp, "note": tpp_note}
     if bank:
         results["bank"] = bank
     atomic_write_json(out / "results.json", results)

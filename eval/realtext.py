@@ -23,6 +23,8 @@ report.md and perplexity.png. Training runs resume like the demo's (`eval.demo.t
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 import time
@@ -38,11 +40,13 @@ from eval.memories import paired_interval
 from eval.model import RunModel
 from eval.plots import new_figure, save_png
 from memtree.config import ConfigError, check_selection, load_config
-from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl
+from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json, sha256_file
+from memtree.tpp import format_tpp_markdown
 from training.config import load_train_config
 
 DEFAULT_YAML = Path(__file__).resolve().parent / "yamls" / "realtext.yaml"
 Z95 = 1.959963984540054
+SCORES_FILE = "realtext_scores.json"  # a run's per-document held-out sums, reused while its key holds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +61,7 @@ class Recipe:
     train: list[str] = field(default_factory=list)
     start: str = "anchor"
     note: str = ""
+    group: str = ""  # the line this recipe belongs to in the TPP plot (e.g. "bank LR 1e-3"); "" = no line
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.+-]+", self.name):
@@ -69,10 +74,12 @@ class Recipe:
 class RealTextConfig:
     """root: holds pipeline/ (shards and tree) and corpus/test.jsonl; held_out: JSONL of held-out
     documents ({"text"}; default ROOT/corpus/test.jsonl); window_tokens: held-out window length;
+    train_yaml: the training YAML every stage starts from (default training/yamls/demo.yaml);
     train: overrides for every stage; select: the recipes to run (empty: all); out: report folder
     (default ROOT/realtext)."""
 
     root: str = "runs/pydocs-short"
+    train_yaml: str = ""
     held_out: str = ""
     window_tokens: int = 240
     anchor_duration: str = "2ep"
@@ -136,7 +143,7 @@ def train_stages(cfg: RealTextConfig, *, log: Callable[[str], None] = print) -> 
     runs: dict[str, Path] = {}
 
     def stage(name: str, folder: Path, extra: list[str], up: str) -> str:
-        tcfg = load_train_config(DEMO_TRAIN_YAML, [*common, f"save_folder={folder}",
+        tcfg = load_train_config(cfg.train_yaml or DEMO_TRAIN_YAML, [*common, f"save_folder={folder}",
                                                    f"run_name=realtext-{name.replace('/', '-')}", *extra])
         key, _ = train_once(name, tcfg, {"config": tcfg.fingerprint(), "duration": tcfg.max_duration,
                                          "upstream": up}, log=log)
@@ -207,27 +214,60 @@ def paired_doc_interval(a: np.ndarray, b: np.ndarray, tokens: np.ndarray) -> dic
     return out
 
 
+def _cached_scores(folder: Path, key: str) -> dict[str, Any] | None:
+    f = folder / SCORES_FILE
+    if not key or not f.is_file():
+        return None
+    got = read_json(f)
+    return got if got.get("key") == key else None
+
+
 def score_runs(runs: dict[str, Path], docs: Sequence[dict[str, Any]], tree_dir: Path, window_tokens: int,
-               *, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every run's held-out rows: {"rows": [{name, run, mode, nll, perplexity, tokens}], "paired": …}."""
+               *, held_key: str = "", log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every run's held-out rows: {"rows": [{name, run, mode, nll, perplexity, tokens}], "paired": …}.
+
+    held_key: names the held-out documents (e.g. their file's digest); with it each run's per-document
+    sums are kept in its folder (SCORES_FILE) and reused while the run, the documents, the window
+    length and the tree stay the same, so a sweep done in pieces scores each run once."""
     rows, per = [], {}
     windows = paths = None
+    n_windows = n_tokens = None
     for name, folder in runs.items():
-        rm = RunModel.load(folder, tree_dir=tree_dir)
-        if windows is None:  # every run shares the tokenizer (the shards') and the tree
-            windows = heldout_windows(rm, docs, window_tokens)
-            paths = rm.route([w["text"] for w in windows])
-            log(f"[eval-realtext] {len(docs)} held-out documents → {len(windows)} windows")
-        for mode in (("none", "generic", "fetched") if rm.has_memory else ("none",)):
-            t = time.time()
-            nll = window_nll(rm, windows, mode=mode, paths=paths)
-            s, tok = per_doc(windows, nll, len(docs))
+        folder = Path(folder)
+        inputs = folder / "demo_inputs.json"
+        key = ""
+        if held_key and inputs.is_file():
+            key = hashlib.sha256(json.dumps([read_json(inputs).get("key"), held_key, window_tokens,
+                                             str(Path(tree_dir).resolve())]).encode()).hexdigest()[:16]
+        cached = _cached_scores(folder, key)
+        if cached is None:
+            rm = RunModel.load(folder, tree_dir=tree_dir)
+            if windows is None:  # every run shares the tokenizer (the shards') and the tree
+                windows = heldout_windows(rm, docs, window_tokens)
+                paths = rm.route([w["text"] for w in windows])
+                log(f"[eval-realtext] {len(docs)} held-out documents → {len(windows)} windows")
+            modes = {}
+            for mode in (("none", "generic", "fetched") if rm.has_memory else ("none",)):
+                t = time.time()
+                s, tok = per_doc(windows, window_nll(rm, windows, mode=mode, paths=paths), len(docs))
+                modes[mode] = {"nll": s.tolist(), "tokens": tok.tolist(), "score_s": round(time.time() - t, 1)}
+            cached = {"key": key, "windows": len(windows), "tokens": int(sum(len(w["ids"]) - 1 for w in windows)),
+                      "modes": modes}
+            if key:
+                atomic_write_json(folder / SCORES_FILE, cached)
+        else:
+            log(f"[eval-realtext] {name}: scores reused ({folder / SCORES_FILE})")
+        n_windows, n_tokens = cached["windows"], cached["tokens"]
+        memory = len(cached["modes"]) > 1
+        for mode in (m for m in ("none", "generic", "fetched") if m in cached["modes"]):  # JSON sorts the keys
+            m = cached["modes"][mode]
+            s, tok = np.asarray(m["nll"], dtype=np.float64), np.asarray(m["tokens"], dtype=np.float64)
             row = "anchor alone" if mode == "none" else f"+ {mode}"
-            label = name if not rm.has_memory else f"{name.split('/', 1)[1]}: {row}"
+            label = name.split("/", 1)[-1] if not memory else f"{name.split('/', 1)[1]}: {row}"
             per[(name, mode)] = (s, tok)
             mean = float(s.sum() / tok.sum())
             rows.append({"name": label, "run": name, "folder": str(folder), "mode": mode, "nll": mean,
-                         "perplexity": math.exp(mean), "tokens": int(tok.sum()), "score_s": round(time.time() - t, 1)})
+                         "perplexity": math.exp(mean), "tokens": int(tok.sum()), "score_s": m["score_s"]})
             log(f"[eval-realtext] {label}: perplexity {math.exp(mean):.2f}")
     paired = {}
     for (name, mode), (s, tok) in per.items():
@@ -235,11 +275,25 @@ def score_runs(runs: dict[str, Path], docs: Sequence[dict[str, Any]], tree_dir: 
             continue
         paired[name] = {f"fetched − {other}": paired_doc_interval(s, per[(name, other)][0], tok)
                         for other in ("none", "generic")}
-        for ref in ("anchor", "dense-1x"):
+        # dense controls: the anchor stage, dense-1x, and any recipe without memory (e.g. the anchor stage
+        # continued on the co-training schedule: what the restarted LR schedule alone is worth)
+        controls = ["anchor", "dense-1x", *(r for r, m in per if m == "none" and r.startswith("cotrain/")
+                                            and (r, "fetched") not in per)]
+        for ref in controls:
             if (ref, "none") in per:
-                paired[name][f"fetched − {ref}"] = paired_doc_interval(s, per[(ref, "none")][0], tok)
-    return {"rows": rows, "paired": paired, "windows": len(windows or []),
-            "tokens": int(sum(len(w["ids"]) - 1 for w in windows or []))}
+                paired[name][f"fetched − {ref.split('/', 1)[-1]}"] = paired_doc_interval(s, per[(ref, "none")][0], tok)
+    return {"rows": rows, "paired": paired, "windows": n_windows or 0, "tokens": n_tokens or 0}
+
+
+def run_tpp(folder: Path) -> dict[str, Any] | None:
+    """A co-training run's tokens-per-parameter table (tpp.json, written by `memtree train`), with
+    `x`: its smallest level TPP over the run (the level most likely to memorise), or None."""
+    f = Path(folder) / "tpp.json"
+    if not f.is_file():
+        return None
+    t = read_json(f)
+    levels = t.get("levels") or []
+    return {**t, "x": min(lv["tpp_run"] for lv in levels) if levels else None}
 
 
 def run_realtext(cfg: RealTextConfig, *, log: Callable[[str], None] = print) -> Path:
@@ -252,12 +306,14 @@ def run_realtext(cfg: RealTextConfig, *, log: Callable[[str], None] = print) -> 
     t0 = time.time()
     runs = train_stages(cfg, log=log)
     train_s = time.time() - t0
-    scored = score_runs(runs, docs, root / "pipeline" / "tree", cfg.window_tokens, log=log)
+    scored = score_runs(runs, docs, root / "pipeline" / "tree", cfg.window_tokens, held_key=sha256_file(held), log=log)
     out = Path(cfg.out) if cfg.out else root / "realtext"
-    recipes = {r.name: {"train": r.train, "start": r.start, "note": r.note} for r in cfg.selected()}
+    recipes = {r.name: {"train": r.train, "start": r.start, "note": r.note, "group": r.group,
+                        "tpp": run_tpp(runs[f"cotrain/{r.name}"])} for r in cfg.selected()}
     report = {"format": "memtree-realtext", "version": 1, "root": str(root), "held_out": str(held),
               "held_out_documents": len(docs), "window_tokens": cfg.window_tokens,
               "anchor_duration": cfg.anchor_duration, "cotrain_duration": cfg.cotrain_duration, "seed": cfg.seed,
+              "train_yaml": str(cfg.train_yaml or DEMO_TRAIN_YAML),
               "train": cfg.train, "recipes": recipes, "train_s": round(train_s, 1),
               "score_s": round(time.time() - t0 - train_s, 1), **scored}
     return write_realtext_report(out, report)
@@ -290,13 +346,16 @@ def write_realtext_report(out: str | Path, report: dict[str, Any]) -> Path:
     for run, comps in report["paired"].items():
         for comp, p in comps.items():
             lines.append(f"| {run.split('/', 1)[1]} | {comp} | {_ci(p)} | {p.get('worse_docs', '—')} / {p['n_docs']} |")
-    lines += ["", "## Recipes", "", "Every stage reads training/yamls/demo.yaml, then "
+    lines += ["", "## Recipes", "", f"Every stage reads {report.get('train_yaml') or 'training/yamls/demo.yaml'}, then "
               + (f"`{' '.join(report['train'])}`" if report["train"] else "no common overrides")
               + ", then its recipe's overrides.", ""]
     lines += [f"- **{name}**" + (" (from dense-1x)" if r.get("start") == "dense-1x" else "") + ": "
               + (f"`{' '.join(r['train'])}`" if r["train"] else "no overrides of its own")
               + (f": {r['note']}" if r["note"] else "") for name, r in report["recipes"].items()]
+    lines += tpp_section(report)
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+    if any(r.get("tpp") and r["tpp"].get("x") for r in report["recipes"].values()):
+        plot_tpp(report, out / "tpp.png")
     fig = new_figure(7.0, 0.35 * len(report["rows"]) + 1.2)
     ax = fig.add_subplot(1, 1, 1)
     names = [r["name"] for r in report["rows"]][::-1]
@@ -309,3 +368,74 @@ def write_realtext_report(out: str | Path, report: dict[str, Any]) -> Path:
     ax.set_title("Real text: held-out pages, each window routed by its own text")
     save_png(fig, out / "perplexity.png")
     return out / "report.md"
+
+
+def _ppl(report: dict[str, Any], run: str, mode: str) -> float | None:
+    return next((r["perplexity"] for r in report["rows"] if r["run"] == run and r["mode"] == mode), None)
+
+
+def _levels_tpp(t: dict[str, Any]) -> str:
+    return ", ".join(f"L{lv['level']} m={lv['multiplier']}: {lv['tpp_run']:.3g}" for lv in t["levels"])
+
+
+def tpp_section(report: dict[str, Any]) -> list[str]:
+    """The report's tokens-per-parameter part: each recipe's bank TPP beside its held-out rows
+    (seed 002 Fig. 7 at this scale), then each recipe's full table."""
+    have = {n: r for n, r in report["recipes"].items() if r.get("tpp") and r["tpp"].get("levels")}
+    if not have:
+        return []
+    dense = _ppl(report, "dense-1x", "none")
+    extra = sorted({c for comps in report["paired"].values() for c in comps}
+                   - {"fetched − none", "fetched − generic", "fetched − anchor", "fetched − dense-1x"})
+    lines = ["", "## Tokens per parameter", "",
+             ("TPP over the co-training run, per level with memory (memtree/tpp.py: the tokens each block trains on "
+              "divided by its parameters; `memtree memstore plan --shards` prints the same). "
+              + (f"dense-1x reads {dense:.2f}." if dense else "")), "",
+             ("| recipe | group | TPP per level | anchor alone / + generic / + fetched ppl | fetched − dense-1x "
+              "[95 % CI] | fetched − generic [95 % CI] | pages worse than dense-1x |"
+              + "".join(f" {c} [95 % CI] |" for c in extra)), "|---|---|---|---:|---:|---:|---:|" + "---:|" * len(extra)]
+    for name, r in have.items():
+        run = f"cotrain/{name}"
+        ppl = [_ppl(report, run, m) for m in ("none", "generic", "fetched")]
+        pr = report["paired"].get(run, {})
+        vs_dense, vs_gen = pr.get("fetched − dense-1x"), pr.get("fetched − generic")
+        lines.append(f"| {name} | {r.get('group', '')} | {_levels_tpp(r['tpp'])} | "
+                     + " / ".join("—" if v is None else f"{v:.2f}" for v in ppl) + " | "
+                     + (_ci(vs_dense) if vs_dense else "—") + " | " + (_ci(vs_gen) if vs_gen else "—") + " | "
+                     + (f"{vs_dense.get('worse_docs', '—')} / {vs_dense['n_docs']}" if vs_dense else "—") + " |"
+                     + "".join(f" {_ci(pr[c]) if c in pr else '—'} |" for c in extra))
+    for name, r in have.items():
+        lines += ["", f"### {name}", "", *format_tpp_markdown(r["tpp"])]
+    return lines
+
+
+def plot_tpp(report: dict[str, Any], path: Path) -> None:
+    """Seed 002 Fig. 7 at this scale: held-out perplexity against the bank's TPP over the run, one
+    line per row (anchor alone, + generic, + fetched) and recipe group, dense-1x as a level line."""
+    groups: dict[str, list[tuple[float, str]]] = {}
+    for name, r in report["recipes"].items():
+        if r.get("tpp") and r["tpp"].get("x"):
+            groups.setdefault(r.get("group") or "recipes", []).append((r["tpp"]["x"], name))
+    fig = new_figure(7.5, 4.8)
+    ax = fig.add_subplot(1, 1, 1)
+    styles = {"fetched": ("-", "o"), "generic": ("--", "s"), "none": (":", "^")}
+    label = {"fetched": "+ fetched", "generic": "+ generic", "none": "anchor alone"}
+    colors = ["tab:green", "tab:blue", "tab:purple", "tab:red", "tab:brown", "tab:olive"]
+    for (group, pts), color in zip(sorted(groups.items()), colors * 4):
+        pts.sort()
+        for mode, (ls, mk) in styles.items():
+            ys = [_ppl(report, f"cotrain/{n}", mode) for _, n in pts]
+            ax.plot([x for x, _ in pts], ys, ls=ls, marker=mk, color=color, label=f"{group}: {label[mode]}")
+    dense = _ppl(report, "dense-1x", "none")
+    if dense:
+        ax.axhline(dense, color="black", lw=1.2, label=f"dense-1x ({dense:.1f})")
+    for name, r in report["recipes"].items():  # recipes without memory: dense controls
+        ctl = None if r.get("tpp") else _ppl(report, f"cotrain/{name}", "none")
+        if ctl and _ppl(report, f"cotrain/{name}", "fetched") is None:
+            ax.axhline(ctl, color="grey", lw=1.0, ls="-.", label=f"{name} ({ctl:.1f})")
+    ax.set_xscale("log")
+    ax.set_xlabel("bank tokens per parameter over the run (the level with the fewest)")
+    ax.set_ylabel("held-out perplexity (lower is better)")
+    ax.set_title("Held-out real text against the bank's tokens per parameter")
+    ax.legend(fontsize=7, ncol=2)
+    save_png(fig, path)

@@ -203,11 +203,69 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, metavar="FRACTION",
                    help=f"fraction of device memory kept for activations and workspace "
                         f"(default {DEFAULT_HEADROOM})")
+    d = p.add_argument_group(
+        "tokens per parameter (memtree/tpp.py)",
+        "With --shards or --tokens, also print per level the training tokens each block sees (min / median / "
+        "max) and the tokens per parameter (TPP) per epoch and over --duration, with a warning where a level's "
+        "blocks are in the regime where they memorise their windows instead of learning what their cluster shares.")
+    src = d.add_mutually_exclusive_group()
+    src.add_argument("--shards", metavar="DIR", help="a pipeline run's shards/ folder (or the run folder): per-block "
+                                                     "counts from the shards' own per-leaf token counts")
+    src.add_argument("--tokens", metavar="N", help="training tokens per epoch (e.g. 3.5M), spread evenly over the "
+                                                   "blocks of each level (an estimate for a balanced tree)")
+    d.add_argument("--duration", default="1ep", metavar="DUR",
+                   help="how long the run trains: epochs, tokens, samples or batches ('5ep', '10Mtok', '1200sp', "
+                        "'400ba'; default 1ep)")
+    d.add_argument("--batch-size", type=int, metavar="SEQS", help="sequences per batch, for a --duration in batches")
+    d.add_argument("--generic-prob", type=float, metavar="P",
+                   help="share of training forwards that read the generic memory (default 1 / branching)")
+    d.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                   help="share of training forwards that run the anchor alone (memory.dropout; default 0)")
     p.set_defaults(func=_plan)
 
 
+def _tpp(args: argparse.Namespace, p, counts):
+    """The TPP table of `plan` for --shards (`counts`, read) / --tokens, or None without either."""
+    from memtree.tpp import (
+        TppError,
+        even_leaf_tokens,
+        parse_duration_epochs,
+        parse_tokens,
+        tpp_table,
+    )
+
+    if args.shards is None and args.tokens is None:
+        for flag, value, default in (("--duration", args.duration, "1ep"), ("--generic-prob", args.generic_prob, None),
+                                     ("--dropout", args.dropout, 0.0), ("--batch-size", args.batch_size, None)):
+            if value != default:
+                raise ValueError(f"{flag} sizes the tokens per parameter: give --shards DIR or --tokens N with it")
+        return None
+    if counts is not None:
+        if counts.levels < p.memory.n_levels:
+            raise TppError(f"--memory has {p.memory.n_levels} levels, the shards' tree ({counts.manifest}) "
+                           f"{counts.levels}")
+        leaf, levels, samples, source = counts.leaf_tokens, counts.levels, counts.n_samples, str(counts.manifest)
+    else:
+        total = parse_tokens(args.tokens, "--tokens")
+        leaf, levels, samples, source = even_leaf_tokens(total, p), None, None, "--tokens, spread evenly"
+    epochs = parse_duration_epochs(args.duration, epoch_tokens=sum(leaf.values()), epoch_samples=samples,
+                                   batch_size=args.batch_size)
+    return tpp_table(p, leaf, epochs=epochs, generic_prob=args.generic_prob, dropout=args.dropout, source=source,
+                     tree_levels=levels)
+
+
 def _plan(args: argparse.Namespace) -> int:
+    counts = None
+    if args.shards is not None:
+        from memtree.tpp import TppError, read_shards_counts
+
+        counts = read_shards_counts(args.shards)
+        if args.branching is not None and args.branching != counts.branching:
+            raise TppError(f"--branching {args.branching}: the shards' tree ({counts.manifest}) branches "
+                           f"{counts.branching}")
+        args.branching = counts.branching
     p = plan(parse_anchor(args.anchor), _memory_config(args))
+    tpp = _tpp(args, p, counts)
     report = None
     if args.ranks is not None:
         if args.device_memory is None:
@@ -221,9 +279,16 @@ def _plan(args: argparse.Namespace) -> int:
         out = p.to_dict()
         if report is not None:
             out["training_memory"] = report.to_dict()
+        if tpp is not None:
+            out["tokens_per_parameter"] = tpp.to_dict()
         print(json.dumps(out, indent=2))
         return 0
     print(format_plan(p))
+    if tpp is not None:
+        from memtree.tpp import format_tpp
+
+        print()
+        print(format_tpp(tpp))
     if report is not None:
         print()
         print(format_training_report(report, args.device_memory))

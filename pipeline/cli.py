@@ -52,16 +52,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--facts", help="--topical only: also write every fact with its mention count (JSONL)")
     d.set_defaults(func=_corpus)
 
-    t = sub.add_parser("docs-corpus", help="real long text: a Debian package's documentation → train/test JSONL",
-                       description="Download (apt-get download, no root) or read a documentation package and "
-                                   "write OUT/train.jsonl, test.jsonl (split by a hash of each page's path), "
-                                   "rejects.jsonl and corpus.json (pipeline/debdocs.py). Default: the Python 3.11 "
-                                   "documentation sources (python3.11-doc), for `memtree eval-longctx`.")
+    t = sub.add_parser("docs-corpus", help="real text: Debian documentation packages → train/test JSONL",
+                       description="Download (apt-get download, no root) or read documentation packages and "
+                                   "write OUT/train.jsonl, test.jsonl (split by a hash of each page's id), "
+                                   "rejects.jsonl, corpus.json and README.md (pipeline/debdocs.py). Default: the "
+                                   "Python 3.11 documentation sources (python3.11-doc), for `memtree eval-longctx`; "
+                                   "the real-text corpus of `memtree eval-realtext` reads python3.11-doc and "
+                                   "linux-doc-6.1 (pipeline/yamls/realdocs.yaml says how).")
     t.add_argument("out", help="output directory")
-    t.add_argument("--deb", help="a .deb already on disk (default: OUT/../<package>_*.deb, downloaded if absent)")
-    t.add_argument("--package", default="python3.11-doc")
-    t.add_argument("--prefix", default=None, help="path prefix of the files to keep inside the package")
-    t.add_argument("--suffix", default=None, help="file name ending of the files to keep")
+    t.add_argument("--package", action="append", default=[],
+                   help="a documentation package (repeatable; default python3.11-doc; known: python3.11-doc, "
+                        "linux-doc-6.1)")
+    t.add_argument("--deb", action="append", default=[],
+                   help="a .deb already on disk (repeatable; matched to --package by its control file; default: "
+                        "CACHE/<package>_*.deb, downloaded if absent)")
+    t.add_argument("--cache-dir", help="where packages are looked for and downloaded (default: OUT's parent)")
+    t.add_argument("--prefix", default=None, help="path prefix of the files to keep inside the package "
+                                                  "(one package only; known packages have their own)")
+    t.add_argument("--suffix", default=None, help="file name ending of the files to keep (one package only)")
     t.add_argument("--test-fraction", type=float, default=0.1)
     t.add_argument("--min-chars", type=int, default=2000, help="shorter files are rejected (too_short)")
     t.add_argument("--max-chars", type=int, default=None,
@@ -130,21 +138,44 @@ def _corpus(args: argparse.Namespace) -> int:
     return 0
 
 
-def _docs(args: argparse.Namespace) -> int:
-    from pipeline.debdocs import PYTHON_DOC, fetch_deb, write_docs_corpus
+def _docs_command(args: argparse.Namespace) -> str:
+    """The command line that builds this corpus again (for its README): the flags as given."""
+    import shlex
 
-    default = PYTHON_DOC if args.package == PYTHON_DOC["package"] else {}
-    prefix = args.prefix if args.prefix is not None else default.get("prefix")
-    suffix = args.suffix if args.suffix is not None else default.get("suffix")
-    if prefix is None or suffix is None:
-        raise SystemExit(f"docs-corpus: --prefix and --suffix are needed for package {args.package!r}")
-    if args.deb and not Path(args.deb).is_file():
-        raise FileNotFoundError(f"--deb {args.deb}: no such file (`apt-get download {args.package}` writes one; "
-                                "leave --deb out to download it)")
-    deb = Path(args.deb) if args.deb else fetch_deb(args.package, Path(args.out).resolve().parent)
-    meta = write_docs_corpus(args.out, deb=deb, package=args.package, prefix=prefix, suffix=suffix,
-                             test_fraction=args.test_fraction, min_chars=args.min_chars,
-                             max_chars=args.max_chars)
+    words = ["memtree", "docs-corpus", str(args.out)]
+    for p in args.package:
+        words += ["--package", p]
+    for flag, value, default in (("--prefix", args.prefix, None), ("--suffix", args.suffix, None),
+                                 ("--test-fraction", args.test_fraction, 0.1), ("--min-chars", args.min_chars, 2000),
+                                 ("--max-chars", args.max_chars, None)):
+        if value != default:
+            words += [flag, str(value)]
+    return shlex.join(words)
+
+
+def _docs(args: argparse.Namespace) -> int:
+    from pipeline.debdocs import deb_control, fetch_deb, known_source, write_docs_corpus
+
+    for d in args.deb:
+        if not Path(d).is_file():
+            raise FileNotFoundError(f"--deb {d}: no such file (`apt-get download PACKAGE` writes one; leave --deb "
+                                    "out to download it)")
+    given = {deb_control(d).get("Package", ""): Path(d) for d in args.deb}
+    packages = args.package or list(given) or ["python3.11-doc"]
+    stray = sorted(set(given) - set(packages))
+    if stray:
+        raise ValueError(f"--deb holds package(s) {stray}, which no --package names ({packages})")
+    if len(packages) > 1 and (args.prefix is not None or args.suffix is not None):
+        raise ValueError("--prefix / --suffix apply to one package; known packages have their own")
+    try:
+        srcs = [known_source(p, prefix=args.prefix, suffix=args.suffix) for p in packages]
+    except ValueError as e:
+        raise SystemExit(f"docs-corpus: {e} (--prefix, --suffix)") from None
+    cache = Path(args.cache_dir) if args.cache_dir else Path(args.out).resolve().parent
+    sources = [(s, given.get(s.package) or fetch_deb(s.package, cache)) for s in srcs]
+    meta = write_docs_corpus(args.out, sources=sources, test_fraction=args.test_fraction, min_chars=args.min_chars,
+                             max_chars=args.max_chars,
+                             command=_docs_command(args))
     rejected = (f"{meta['rejected']} rejected (each with its reason in {Path(args.out) / 'rejects.jsonl'})"
                 if meta["rejected"] else "0 rejected")
     print(f"{meta['files']} files → {meta['train']} train, {meta['test']} test, {rejected} → {args.out}",

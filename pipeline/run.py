@@ -457,7 +457,7 @@ STAGES: list[StageDef] = [
     StageDef("embed", 1, ("window",), lambda c: _embed_fingerprint(c.embed), _embed),
     StageDef("tree", 1, ("embed",), lambda c: _tree_fingerprint(c), _tree),
     StageDef("assign", 1, ("tree", "embed", "window"), lambda c: None, _assign),
-    StageDef("shards", 1, ("assign", "window", "tokenizer", "tree"), lambda c: to_dict(c.pack), _shards),
+    StageDef("shards", 2, ("assign", "window", "tokenizer", "tree"), lambda c: to_dict(c.pack), _shards),
     StageDef("report", 1, ("ingest", "window", "embed", "tree", "assign", "shards"), lambda c: None, _report),
 ]
 STAGE_NAMES = [s.name for s in STAGES]

@@ -111,6 +111,7 @@ def write_stream(split_dir: str, out_dir: str, subtree: int, seq_len: int, eot_i
     flat = tokens.combine_chunks().values.to_numpy()
     offs = tokens.combine_chunks().offsets.to_numpy()
     sample_leaf: list[int] = []
+    sample_tokens: list[int] = []
     n_tokens = 0
     with naming_path(out, kept="the partial stream is rewritten whole on the rerun"), \
             MDSWriter(out=str(out), columns=MDS_COLUMNS, compression=compression,
@@ -135,6 +136,7 @@ def write_stream(split_dir: str, out_dir: str, subtree: int, seq_len: int, eot_i
                 "window_ids": wids[rows].astype(np.int64),
             })
             sample_leaf.append(int(leaf[rows[0]]))
+            sample_tokens.append(len(tok))
     index = read_json(out / "index.json")
     shards, start = [], 0
     for sh in index["shards"]:
@@ -143,9 +145,17 @@ def write_stream(split_dir: str, out_dir: str, subtree: int, seq_len: int, eot_i
         stored = (sh.get("zip_data") or sh["raw_data"])["basename"]
         shards.append({"file": stored, "samples": n, "leaves": leaves})
         start += n
+    leaves = sorted(set(leaf.tolist()))
+    at = {lf: i for i, lf in enumerate(leaves)}
+    leaf_samples, leaf_tokens = [0] * len(leaves), [0] * len(leaves)
+    for lf, n in zip(sample_leaf, sample_tokens, strict=True):
+        leaf_samples[at[lf]] += 1
+        leaf_tokens[at[lf]] += n
+    # per-leaf counts (aligned with `leaves`): what each memory block trains on per epoch
+    # (memtree.tpp; `memtree memstore plan --shards`)
     meta = {"name": stream_name(subtree), "subtree": subtree, "n_samples": len(samples),
-            "n_windows": int(t.num_rows), "n_tokens": n_tokens,
-            "leaves": sorted(set(leaf.tolist())), "shards": shards}
+            "n_windows": int(t.num_rows), "n_tokens": n_tokens, "leaves": leaves,
+            "leaf_samples": leaf_samples, "leaf_tokens": leaf_tokens, "shards": shards}
     atomic_write_json(done, meta)
     return meta
 

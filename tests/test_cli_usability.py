@@ -130,6 +130,14 @@ def test_docs_corpus_names_its_rejects_file_and_a_missing_deb(tmp_path, capsys):
     assert main(["docs-corpus", str(tmp_path / "docs2"), "--package", "pkg", "--prefix", PREFIX, "--suffix",
                  ".rst.txt", "--deb", str(empty)]) == 1
     assert not (tmp_path / "docs2").exists()
+    # several packages: a .deb no --package names, and --prefix with more than one package, are refused
+    assert main(["docs-corpus", str(tmp_path / "docs3"), "--package", "python3.11-doc", "--deb", str(deb)]) == 1
+    assert "--deb holds package(s) ['pkg'], which no --package names" in _err(capsys)
+    assert main(["docs-corpus", str(tmp_path / "docs3"), "--package", "python3.11-doc", "--package", "linux-doc-6.1",
+                 "--prefix", PREFIX]) == 1
+    assert "--prefix / --suffix apply to one package" in _err(capsys)
+    # the README records the command that rebuilds the corpus
+    assert f"memtree docs-corpus {out} --package pkg --prefix {PREFIX} --suffix .rst.txt" in (out / "README.md").read_text()
 
 
 # ------------------------------------------------------------------ item 13: keys named, no raw errno

@@ -3,6 +3,7 @@ read without dpkg, every file is kept or rejected with a reason, and the split i
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import tarfile
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.debdocs import in_test_split, iter_deb_files, opening, write_docs_corpus
+from pipeline.debdocs import DocSource, deb_control, in_test_split, iter_deb_files, opening, write_docs_corpus
 
 PREFIX = "usr/share/doc/pkg/_sources/"
 
@@ -21,7 +22,8 @@ def _ar_member(name: str, data: bytes) -> bytes:
     return head + data + (b"\n" if len(data) % 2 else b"")
 
 
-def make_deb(path: Path, files: dict[str, bytes], compression: str = "xz") -> Path:
+def make_deb(path: Path, files: dict[str, bytes], compression: str = "xz", package: str = "pkg",
+             version: str = "1.0") -> Path:
     """A Debian package as dpkg writes one: an ar archive of debian-binary, control and data tarballs."""
     def tarball(members: dict[str, bytes]) -> bytes:
         buf = io.BytesIO()
@@ -36,7 +38,8 @@ def make_deb(path: Path, files: dict[str, bytes], compression: str = "xz") -> Pa
         return buf.getvalue()
 
     body = (b"!<arch>\n" + _ar_member("debian-binary", b"2.0\n")
-            + _ar_member(f"control.tar.{compression}", tarball({"control": b"Package: pkg\n"}))
+            + _ar_member(f"control.tar.{compression}", tarball({"control": f"Package: {package}\nVersion: {version}\n"
+                                                                            "Description: docs\n more text\n".encode()}))
             + _ar_member(f"data.tar.{compression}", tarball(files)))
     path.write_bytes(body)
     return path
@@ -86,7 +89,10 @@ def test_bad_packages_are_named(tmp_path):
         list(iter_deb_files(tmp_path / "x.deb"))
     deb = make_deb(tmp_path / "pkg_1.0_all.deb", {"usr/share/doc/other/a.txt": b"text"})
     with pytest.raises(ValueError, match="no file under"):
+        write_docs_corpus(tmp_path / "out", deb=deb, package="pkg", prefix=PREFIX, suffix=".rst.txt")
+    with pytest.raises(ValueError, match="pkg_1.0_all.deb: is package 'pkg', not 'python3.11-doc'"):
         write_docs_corpus(tmp_path / "out", deb=deb, prefix=PREFIX, suffix=".rst.txt")
+    assert not (tmp_path / "out").exists()
 
 
 def test_max_chars_keeps_each_pages_opening_on_a_paragraph_break(tmp_path):
@@ -106,3 +112,48 @@ def test_max_chars_keeps_each_pages_opening_on_a_paragraph_break(tmp_path):
     with pytest.raises(ValueError, match="max_chars must be"):
         write_docs_corpus(tmp_path / "o2", deb=deb, package="pkg", prefix=PREFIX, suffix=".rst.txt",
                           min_chars=1000, max_chars=500)
+
+
+def test_several_packages_one_corpus_stable_split_and_named_rejects(tmp_path):
+    pa, pb = "usr/share/doc/a/_sources/", "usr/share/doc/b/html/"
+    deb_a = make_deb(tmp_path / "a-doc_2.1_all.deb", {
+        **{pa + f"guide/p{i:02d}.rst.txt": _page(i) for i in range(40)},
+        **{pa + f"translations/it/p{i:02d}.rst.txt": _page(i) for i in range(5)},
+        pa + "index.rst.txt": b"tiny"}, package="a-doc", version="2.1-3")
+    deb_b = make_deb(tmp_path / "b-doc_7_all.deb", {pb + f"api/q{i:02d}.rst.txt": _page(100 + i) for i in range(30)},
+                     package="b-doc", version="7")
+    assert deb_control(deb_a)["Version"] == "2.1-3" and deb_control(deb_b)["Package"] == "b-doc"
+    sources = [(DocSource(package="a-doc", prefix=pa, suffix=".rst.txt", exclude=("translations/",)), deb_a),
+               (DocSource(package="b-doc", prefix=pb, suffix=".rst.txt"), deb_b)]
+    meta = write_docs_corpus(tmp_path / "c1", sources=sources, test_fraction=0.3, min_chars=1000, command="make it")
+    assert meta["version"] == 2 and meta["files"] == 76 == meta["train"] + meta["test"] + meta["rejected"]
+    a, b = meta["packages"]
+    assert (a["package"], a["version"], a["files"], a["rejected"], b["version"], b["rejected"]) == (
+        "a-doc", "2.1-3", 46, 6, "7", 0)
+    assert a["deb_sha256"] == hashlib.sha256(deb_a.read_bytes()).hexdigest()
+    rejects = {r["id"]: (r["reason"], r["detail"]) for r in map(json.loads, (tmp_path / "c1/rejects.jsonl")
+                                                              .read_text().splitlines())}
+    assert rejects["a-doc/index.rst.txt"][0] == "too_short"
+    assert {k for k, v in rejects.items() if v[0] == "excluded"} == {f"a-doc/translations/it/p{i:02d}.rst.txt"
+                                                                      for i in range(5)}
+    docs = {s: [json.loads(x) for x in (tmp_path / f"c1/{s}.jsonl").read_text().splitlines()] for s in ("train", "test")}
+    ids = [d["id"] for s in docs.values() for d in s]
+    assert len(ids) == len(set(ids)) == 70 and all(i.split("/")[0] in ("a-doc", "b-doc") for i in ids)
+    assert {d["id"] for d in docs["test"]} == {i for i in ids if in_test_split(i, 0.3)}
+    assert {d["source"] for d in docs["train"]} == {"a-doc", "b-doc"} and docs["train"][0]["section"] == "guide"
+    assert meta["train_chars"] == sum(len(d["text"]) for d in docs["train"])
+    readme = (tmp_path / "c1/README.md").read_text()
+    assert "make it" in readme and a["deb_sha256"] in readme and "| a-doc | 2.1-3 |" in readme
+    assert "excluded 5, too_short 1" in readme
+    # the same packages again: byte-identical files; the package order does not move a page
+    write_docs_corpus(tmp_path / "c2", sources=sources[::-1], test_fraction=0.3, min_chars=1000, command="make it")
+    for f in ("train", "test", "rejects"):
+        lines = lambda d: sorted((d / f"{f}.jsonl").read_text().splitlines())  # noqa: E731
+        assert lines(tmp_path / "c1") == lines(tmp_path / "c2")
+    write_docs_corpus(tmp_path / "c3", sources=sources, test_fraction=0.3, min_chars=1000, command="make it")
+    for f in ("train.jsonl", "test.jsonl", "rejects.jsonl", "corpus.json", "README.md"):
+        assert (tmp_path / "c1" / f).read_bytes() == (tmp_path / "c3" / f).read_bytes()
+    # a .deb that holds another package than its source says is named
+    with pytest.raises(ValueError, match="b-doc_7_all.deb: is package 'b-doc', not 'a-doc'"):
+        write_docs_corpus(tmp_path / "c4", sources=[(sources[0][0], deb_b)])
+    assert not (tmp_path / "c4").exists()

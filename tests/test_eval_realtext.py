@@ -58,14 +58,15 @@ def test_rows_train_score_and_match_a_direct_forward(root, tmp_path, capsys):
 
     out = tmp_path / "out"
     args = ["eval-realtext", str(root), "anchor_duration=2ba", "cotrain_duration=3ba", "window_tokens=100", TRAIN,
-            "recipes=[{name: default}, {name: late, start: dense-1x, train: [mode=frozen]}]", "--out", str(out)]
+            "recipes=[{name: default}, {name: late, start: dense-1x, train: [mode=frozen]}, "
+            "{name: cont, train: [mode=baseline, 'memory.multipliers=[]']}]", "--out", str(out)]
     assert main(args) == 0
     assert "| default: + fetched |" in capsys.readouterr().out
     res = json.loads((out / "results.json").read_text())
     assert (out / "perplexity.png").stat().st_size > 0
     rows = {r["name"]: r for r in res["rows"]}
     assert list(rows) == ["anchor", "dense-1x", "default: anchor alone", "default: + generic", "default: + fetched",
-                          "late: anchor alone", "late: + generic", "late: + fetched"]
+                          "late: anchor alone", "late: + generic", "late: + fetched", "cont"]
     docs = [json.loads(x) for x in (root / "corpus" / "test.jsonl").read_text().splitlines()]
     # every token of every document in exactly one window; the one-token document scores nothing
     rm = RunModel.load(rows["default: + fetched"]["folder"], tree_dir=root / "pipeline" / "tree")
@@ -81,7 +82,12 @@ def test_rows_train_score_and_match_a_direct_forward(root, tmp_path, capsys):
         assert r["perplexity"] == pytest.approx(math.exp(r["nll"]))
     assert rows["default: + fetched"]["nll"] != rows["default: anchor alone"]["nll"]
     paired = res["paired"]["cotrain/default"]
-    assert set(paired) == {"fetched − none", "fetched − generic", "fetched − anchor", "fetched − dense-1x"}
+    assert set(paired) == {"fetched − none", "fetched − generic", "fetched − anchor", "fetched − dense-1x",
+                           "fetched − cont"}
+    # the recipe without memory is a dense control: the anchor stage continued on the co-training schedule
+    cont = json.loads((root / "train" / "cotrain-cont" / "memtree_config.json").read_text())["config"]
+    assert (cont["mode"], cont["memory"]["multipliers"], cont["max_duration"]) == ("baseline", [], "3ba")
+    assert not (root / "train" / "cotrain-cont" / "tpp.json").exists() and res["recipes"]["cont"]["tpp"] is None
     assert all(p["n_docs"] == 5 for p in paired.values())  # the one-token document has no token to compare
     # the stages' durations: dense-1x trains for both stages' batches
     for name, dur in (("anchor", "2ba"), ("dense-1x", "5ba"), ("cotrain-default", "3ba"), ("cotrain-late", "3ba")):
@@ -94,9 +100,15 @@ def test_rows_train_score_and_match_a_direct_forward(root, tmp_path, capsys):
     assert rows["late: anchor alone"]["nll"] == pytest.approx(rows["dense-1x"]["nll"], rel=1e-6)
     assert rows["late: + fetched"]["nll"] != rows["late: anchor alone"]["nll"]
     assert res["recipes"]["late"]["start"] == "dense-1x"
-    # a second run reuses every stage (same inputs) and scores the same
+    # each co-training run's tokens-per-parameter table, as `memtree train` stored it, and the TPP plot
+    stored = json.loads((root / "train" / "cotrain-default" / "tpp.json").read_text())
+    assert res["recipes"]["default"]["tpp"]["levels"] == stored["levels"] and len(stored["levels"]) == 1
+    assert res["recipes"]["default"]["tpp"]["x"] == stored["levels"][0]["tpp_run"]
+    assert "## Tokens per parameter" in (out / "report.md").read_text() and (out / "tpp.png").stat().st_size > 0
+    # a second run reuses every stage (same inputs) and their scores, and scores the same
     assert main(args[:-1] + [str(tmp_path / "again")]) == 0
-    assert "already trained" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "already trained" in printed and printed.count("scores reused") == 5
     again = json.loads((tmp_path / "again" / "results.json").read_text())
     assert [r["nll"] for r in again["rows"]] == [r["nll"] for r in res["rows"]]
 

@@ -10,6 +10,7 @@ What a run leaves in `save_folder`:
   anchor.safetensors                           the anchor's weights (input to frozen / cotrain runs)
   bank/                                        the memory bank in the memstore format (memtree-bank v1)
   metrics.json                                 final training metrics
+  tpp.json                                     tokens per parameter of each memory level (memtree/tpp.py)
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from tokenizers import Tokenizer
 
 from memstore.format import read_manifest
 from memtree.config import ConfigError, dump_yaml, from_dict, to_dict
+from memtree.geometry import plan
 from memtree.io import atomic_path, atomic_write_json, atomic_write_text, naming_path, read_json
+from memtree.tpp import format_tpp, leaf_tokens_from_manifest, parse_duration_epochs, tpp_table
 from training.bank import TrainableBank
 from training.bank_shards import BankShardCheckpoints, export_bank
 from training.callbacks import default_callbacks
@@ -285,6 +288,45 @@ def _diff(a: Any, b: Any, where: str = "") -> list[str]:
     return [] if a == b else [where]
 
 
+def run_tpp(cfg: TrainConfig, model: MemtreeLM, manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The run's tokens-per-parameter table (memtree/tpp.py) from the shards' per-leaf counts (only
+    the streams of `data.subtrees` where set) and `max_duration`; None without a hierarchical bank.
+    Shards without per-leaf counts give a table-less note instead of an error: training does not need them."""
+    if model.bank is None or model.memory is None:
+        return None
+    streams = [s for s in manifest["streams"] if cfg.data.subtrees is None or s["subtree"] in cfg.data.subtrees]
+    where = Path(cfg.data.shards) / "manifest.json"
+    try:
+        leaf = leaf_tokens_from_manifest({"streams": streams}, where)
+    except ValueError as e:
+        return {"error": str(e)}
+    epochs = parse_duration_epochs(cfg.max_duration, epoch_tokens=sum(leaf.values()),
+                                   epoch_samples=sum(int(s["n_samples"]) for s in streams),
+                                   batch_size=cfg.data.batch_size, flag="max_duration")
+    dropout = 0.0 if cfg.mode == "frozen" else cfg.memory.dropout  # a frozen anchor runs no anchor-only forwards
+    table = tpp_table(plan(model.anchor_shape, model.memory), leaf, epochs=epochs, generic_prob=model.generic_prob,
+                      dropout=dropout, source=str(where), tree_levels=int(manifest["levels"]))
+    return {"table": table, **table.to_dict()}
+
+
+def record_tpp(cfg: TrainConfig, model: MemtreeLM, manifest: dict[str, Any]) -> None:
+    """Log the run's TPP table at start and store it as SAVE_FOLDER/tpp.json (rank 0)."""
+    from composer.utils import dist
+
+    t = run_tpp(cfg, model, manifest)
+    if t is None:
+        return
+    if "error" in t:
+        log.warning("tokens per parameter not computed: %s", t["error"])
+    else:
+        text = format_tpp(t.pop("table"))
+        log.info("%s", text)
+        if dist.get_global_rank() == 0:
+            print(text, flush=True)  # the console shows it whatever the logging level
+    if dist.get_global_rank() == 0:
+        atomic_write_json(Path(cfg.save_folder) / "tpp.json", t)
+
+
 def bank_param_groups(bank: TrainableBank, memory: MemorySection) -> list[dict[str, Any]]:
     """The bank's optimizer groups: one at memory.lr, or one per level with memory.lr_by_level
     (level l's table at lr_by_level[l - 1])."""
@@ -324,8 +366,9 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
     dist.initialize_dist("gpu" if gpu else "cpu")  # idempotent; the Trainer then reuses it
     layout = parallel_layout(cfg)
     reproducibility.seed_all(cfg.seed)  # the model is built before the Trainer seeds anything
-    model, _ = build_model(cfg, shard=layout.shard if layout else None)
+    model, manifest = build_model(cfg, shard=layout.shard if layout else None)
     check_save_folder(cfg)
+    record_tpp(cfg, model, manifest)
     groups = []
     anchor_params = [p for p in model.anchor_parameters() if p.requires_grad]
     if cfg.optim.pkm_value_lr is not None and model.model.pkm_layers():

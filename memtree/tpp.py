@@ -1,0 +1,284 @@
+"""Tokens per parameter (TPP) of a memory bank: how much training data each block sees.
+
+Seed 002 App. D trains 4,096 level-3 blocks of 860k parameters with up to 1.1T tokens (TPP up to
+312) and finds that specific knowledge and perplexity improve steadily with TPP. A block that sees
+fewer tokens than it has parameters can store its few windows verbatim: nothing makes it carry what
+its cluster's documents share, and held-out text reads worse with it than without. This module
+counts, per level, the tokens routed to every block and divides them by the block's parameters.
+
+Inputs: a `memtree.geometry.Plan` (block sizes) and the tokens of one epoch per leaf, from a shards
+manifest (`leaf_tokens` per stream, written by the shards stage since its version 2) or from a total
+(`--tokens N`: every block of a level gets an equal share, a balanced tree's estimate). A level-l
+block trains on the tokens of every leaf below it, on the forwards that fetch (not those that read
+the generic row, probability `generic_prob`, nor those that run the anchor alone, `dropout`); the
+generic row of a level trains on the others' complement. "Over the run" multiplies by the epochs.
+
+Pure Python (no torch): `memtree memstore plan` prints it and `memtree train` logs and stores it
+(`tpp.json` in the run folder); the demo and `memtree eval-realtext` reports show it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memtree.geometry import Plan, human
+
+FORMAT = "memtree-tpp"
+VERSION = 1
+
+# Below this many tokens per parameter over the run a level's blocks memorise their windows rather
+# than learn what the cluster shares: held-out pages read worse with the fetched block than with the
+# generic one (docs/BENCHMARKS.md, "Tokens per parameter on real text").
+MEMORISE_TPP = 1.0
+
+
+class TppError(ValueError):
+    """Bad input to the TPP table, naming the flag or file."""
+
+
+def leaf_tokens_from_manifest(manifest: Mapping[str, Any], where: str | Path = "shards manifest") -> dict[int, int]:
+    """{leaf id: tokens of one epoch} from a shards manifest's streams (`leaves`, `leaf_tokens`).
+    Shards written before the counts existed lack `leaf_tokens`: an error naming the file."""
+    out: dict[int, int] = {}
+    for s in manifest.get("streams", []):
+        if "leaf_tokens" not in s:
+            raise TppError(f"{where}: stream {s.get('name', '?')} has no per-leaf token counts (leaf_tokens; "
+                           "shards written before the shards stage's version 2): run `memtree pipeline` on the "
+                           "run again, which rewrites only the shards, or give --tokens N")
+        leaves, tokens = s["leaves"], s["leaf_tokens"]
+        if len(leaves) != len(tokens):
+            raise TppError(f"{where}: stream {s.get('name', '?')} lists {len(leaves)} leaves but "
+                           f"{len(tokens)} leaf_tokens")
+        for leaf, n in zip(leaves, tokens, strict=True):
+            out[int(leaf)] = out.get(int(leaf), 0) + int(n)
+    if not out:
+        raise TppError(f"{where}: no streams")
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardCounts:
+    """What a shards folder says about its data: tokens per leaf (one epoch) and the tree's shape."""
+
+    manifest: Path
+    leaf_tokens: dict[int, int]
+    n_samples: int
+    levels: int
+    branching: int
+    tree_id: str
+
+
+def read_shards_counts(path: str | Path, flag: str = "--shards") -> ShardCounts:
+    """The counts of a shards folder (RUN/shards) or a pipeline run folder holding one."""
+    from memtree.io import read_json
+
+    p = Path(path)
+    manifest = p / "manifest.json" if (p / "manifest.json").is_file() else p / "shards" / "manifest.json"
+    if not manifest.is_file():
+        raise TppError(f"{flag} {path}: no manifest.json there or in {p / 'shards'}; give a pipeline run's shards/ "
+                       "folder (`memtree pipeline … --out RUN` writes RUN/shards)")
+    m = read_json(manifest)
+    if m.get("format") != "memtree-shards":
+        raise TppError(f"{manifest}: format {m.get('format')!r} is not 'memtree-shards'")
+    return ShardCounts(manifest=manifest, leaf_tokens=leaf_tokens_from_manifest(m, manifest),
+                       n_samples=sum(int(s["n_samples"]) for s in m["streams"]), levels=int(m["levels"]),
+                       branching=int(m["branching"]), tree_id=str(m.get("tree_id", "")))
+
+
+def parse_tokens(text: str | float, flag: str = "--tokens") -> int:
+    """'3.5M', '2_000_000', '1e6' → a positive token count; anything else names `flag`."""
+    s = str(text).strip().replace("_", "").replace(",", "")
+    mult = 1
+    if s[-1:].upper() in ("K", "M", "B", "T"):
+        mult = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}[s[-1].upper()]
+        s = s[:-1]
+    try:
+        value = float(s) * mult
+    except ValueError:
+        raise TppError(f"{flag} {text!r}: not a number of tokens (e.g. 3500000, 3.5M)") from None
+    if not math.isfinite(value) or value < 1:
+        raise TppError(f"{flag} {text!r}: must be a positive number of tokens")
+    return round(value)
+
+
+def even_leaf_tokens(total: int, plan: Plan, tree_levels: int | None = None) -> dict[int, int]:
+    """A total spread evenly over the leaves of the plan's tree (the estimate without shards)."""
+    n = plan.memory.branching ** (tree_levels or plan.memory.n_levels)
+    base, extra = divmod(int(total), n)
+    return {leaf: base + (1 if leaf < extra else 0) for leaf in range(n)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LevelTpp:
+    level: int
+    multiplier: int
+    n_blocks: int
+    block_params: int
+    trained_blocks: int  # blocks that any training token reaches
+    tokens_min: int  # per block, one epoch, among trained blocks
+    tokens_median: float
+    tokens_max: int
+    tpp_epoch: float  # the level's fetched tokens of one epoch / its bank parameters
+    tpp_run: float
+    tpp_run_min: float  # per block, over the run
+    tpp_run_median: float
+    tpp_run_max: float
+    generic_tpp_run: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TppTable:
+    epochs: float
+    epoch_tokens: int
+    generic_prob: float
+    dropout: float
+    source: str  # where the token counts came from
+    levels: tuple[LevelTpp, ...]
+    threshold: float = MEMORISE_TPP
+
+    def memorising(self) -> list[LevelTpp]:
+        return [lv for lv in self.levels if lv.tpp_run < self.threshold]
+
+    def warnings(self) -> list[str]:
+        """One sentence per level in the memorising regime, in words a user understands."""
+        out = []
+        for lv in self.memorising():
+            out.append(
+                f"level {lv.level}: each block sees {lv.tpp_run:.2g} training tokens per parameter over the run "
+                f"(a median block {human(lv.tokens_median * self.epochs * self._fetch_share)} tokens for "
+                f"{human(lv.block_params)} parameters), under {self.threshold:g}: it can store its windows "
+                "verbatim instead of learning what its cluster shares, and held-out text then reads worse with "
+                "it than without. Fewer or smaller blocks at this level (a lower multiplier, or memory one level "
+                "up), or more data, raise it.")
+        return out
+
+    @property
+    def _fetch_share(self) -> float:
+        return (1.0 - self.generic_prob) * (1.0 - self.dropout)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, "epochs": self.epochs, "epoch_tokens": self.epoch_tokens,
+                "generic_prob": self.generic_prob, "dropout": self.dropout, "source": self.source,
+                "threshold": self.threshold, "levels": [lv.to_dict() for lv in self.levels],
+                "warnings": self.warnings()}
+
+
+def tpp_table(plan: Plan, leaf_tokens: Mapping[int, int], *, epochs: float = 1.0, generic_prob: float | None = None,
+              dropout: float = 0.0, source: str = "", threshold: float = MEMORISE_TPP,
+              tree_levels: int | None = None) -> TppTable:
+    """Per level with memory: blocks, parameters per block, tokens per block of one epoch
+    (min / median / max over the blocks any token reaches) and TPP per epoch and over `epochs`.
+
+    leaf_tokens: {leaf id: tokens of one epoch}; generic_prob: the share of forwards that read the
+    generic row (None: 1 / branching, the trainer's default); dropout: the share that runs the anchor
+    alone; tree_levels: the tree's depth when the memory covers fewer levels (default: as many)."""
+    if not epochs > 0:
+        raise TppError(f"duration: must be positive, got {epochs} epochs")
+    mem = plan.memory
+    gp = 1.0 / mem.branching if generic_prob is None else float(generic_prob)
+    if not 0.0 <= gp <= 1.0 or not 0.0 <= dropout < 1.0:
+        raise TppError(f"generic_prob {gp} must be in [0, 1] and dropout {dropout} in [0, 1)")
+    depth = tree_levels or mem.n_levels
+    if depth < mem.n_levels:
+        raise TppError(f"memory has {mem.n_levels} levels but the tree only {depth}")
+    n_leaves = mem.branching ** depth
+    bad = [leaf for leaf in leaf_tokens if not 0 <= leaf < n_leaves]
+    if bad:
+        raise TppError(f"{source or 'leaf tokens'}: leaf ids {sorted(bad)[:5]} outside [0, {n_leaves}) of a "
+                       f"{depth}-level × {mem.branching} tree: the counts come from another tree")
+    total = int(sum(leaf_tokens.values()))
+    fetch, generic = (1.0 - gp) * (1.0 - dropout), gp * (1.0 - dropout)
+    levels = []
+    for lv in plan.levels:
+        if lv.multiplier == 0 or lv.block_params == 0:
+            continue
+        per_block: dict[int, int] = {}
+        shift = mem.branching ** (depth - lv.level)
+        for leaf, n in leaf_tokens.items():
+            per_block[leaf // shift] = per_block.get(leaf // shift, 0) + int(n)
+        counts = sorted(n for n in per_block.values() if n > 0) or [0]
+        run = [n * fetch * epochs / lv.block_params for n in counts]
+        levels.append(LevelTpp(
+            level=lv.level, multiplier=lv.multiplier, n_blocks=lv.n_blocks, block_params=lv.block_params,
+            trained_blocks=sum(1 for n in per_block.values() if n > 0), tokens_min=counts[0],
+            tokens_median=float(statistics.median(counts)), tokens_max=counts[-1],
+            tpp_epoch=total * fetch / lv.bank_params, tpp_run=total * fetch * epochs / lv.bank_params,
+            tpp_run_min=run[0], tpp_run_median=float(statistics.median(run)), tpp_run_max=run[-1],
+            generic_tpp_run=total * generic * epochs / lv.block_params))
+    return TppTable(epochs=float(epochs), epoch_tokens=total, generic_prob=gp, dropout=float(dropout),
+                    source=source, levels=tuple(levels), threshold=threshold)
+
+
+def parse_duration_epochs(duration: str, *, epoch_tokens: int, epoch_samples: int | None = None,
+                          batch_size: int | None = None, flag: str = "--duration") -> float:
+    """A Composer-style duration as epochs: '5ep', '3.5Mtok' (or '3500000tok'), '1200sp' (samples),
+    '400ba' (batches, with batch_size); the units that need the data's size take it from the counts."""
+    s = str(duration).strip()
+    for unit in ("ep", "tok", "sp", "ba"):
+        if s.endswith(unit):
+            num = s[: -len(unit)]
+            break
+    else:
+        raise TppError(f"{flag} {duration!r}: give epochs, tokens, samples or batches ('5ep', '3.5Mtok', "
+                       "'1200sp', '400ba')")
+    try:
+        value = float(num) if unit == "ep" else float(parse_tokens(num, flag))
+    except (TppError, ValueError):
+        raise TppError(f"{flag} {duration!r}: {num!r} is not a number") from None
+    if not value > 0:
+        raise TppError(f"{flag} {duration!r}: must be positive")
+    if unit == "ep":
+        return value
+    if unit == "tok":
+        return value / epoch_tokens
+    if epoch_samples is None:
+        raise TppError(f"{flag} {duration!r}: samples and batches need the shards' sample count (give --shards)")
+    if unit == "sp":
+        return value / epoch_samples
+    if not batch_size:
+        raise TppError(f"{flag} {duration!r}: batches need the batch size (--batch-size)")
+    return value * batch_size / epoch_samples
+
+
+def format_tpp(t: TppTable) -> str:
+    """The table `memtree memstore plan` prints and `memtree train` logs."""
+    lines = [(f"tokens per parameter ({t.source or 'given counts'}): {t.epoch_tokens:,} tokens per epoch, "
+              f"{t.epochs:g} epochs; fetched on {(1 - t.generic_prob) * (1 - t.dropout):.1%} of the forwards "
+              f"(generic {t.generic_prob:.3g}, anchor alone {t.dropout:.3g})"),
+             (f"{'level':>5} {'m':>5} {'blocks':>7} {'params/block':>13} {'tokens/block/epoch min / median / max':>38} "
+              f"{'TPP/epoch':>10} {'TPP run':>9} {'block TPP run min / med / max':>30}")]
+    for lv in t.levels:
+        tok = f"{human(lv.tokens_min)} / {human(lv.tokens_median)} / {human(lv.tokens_max)}"
+        blk = f"{lv.tpp_run_min:.3g} / {lv.tpp_run_median:.3g} / {lv.tpp_run_max:.3g}"
+        lines.append(f"{lv.level:>5} {lv.multiplier:>5} {lv.n_blocks:>7,} {lv.block_params:>13,} {tok:>38} "
+                     f"{lv.tpp_epoch:>10.3g} {lv.tpp_run:>9.3g} {blk:>30}"
+                     + ("" if lv.trained_blocks == lv.n_blocks else f"  ({lv.n_blocks - lv.trained_blocks} "
+                        "blocks get no data)"))
+    if not t.levels:
+        lines.append("  (no level holds memory)")
+    for w in t.warnings():
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)
+
+
+def format_tpp_markdown(t: Mapping[str, Any]) -> list[str]:
+    """A stored table (`TppTable.to_dict()`, e.g. a run's tpp.json) as markdown lines for reports."""
+    lines = [(f"Tokens per parameter: {t['epoch_tokens']:,} tokens per epoch, {t['epochs']:g} epochs "
+              f"({t['source']}); a level under {t['threshold']:g} over the run memorises its windows."), "",
+             ("| level | m | blocks | params / block | tokens / block / epoch (min / median / max) | TPP / epoch | "
+              "TPP over the run |"), "|---:|---:|---:|---:|---|---:|---:|"]
+    for lv in t["levels"]:
+        lines.append(f"| {lv['level']} | {lv['multiplier']} | {lv['n_blocks']:,} | {lv['block_params']:,} | "
+                     f"{human(lv['tokens_min'])} / {human(lv['tokens_median'])} / {human(lv['tokens_max'])} | "
+                     f"{lv['tpp_epoch']:.3g} | {lv['tpp_run']:.3g} |")
+    lines += [f"- warning: {w}" for w in t.get("warnings", [])]
+    return lines
+
