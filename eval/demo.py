@@ -149,10 +149,11 @@ def shards_fingerprint(shards: Path) -> str:
 # What the TPP table (memtree/tpp.py) says about the demo, and why the demo stays there.
 TPP_NOTE = ("The demo's bank is deliberately in the memorising regime: most of its facts are stated in one or "
             "two documents, and the question it answers is whether a fetched block holds such a fact and blocking "
-            "its subtree removes it, which is memorisation by design. Held-out text is not its measure; on real "
-            "text the same recipe reads held-out pages worse than the anchor's shape trained alone. For real "
-            "text, size the bank so that every level sees more tokens than parameters (`memtree memstore plan "
-            "--shards`) and start from training/yamls/realtext.yaml (`memtree eval-realtext`, docs/BENCHMARKS.md).")
+            "its subtree removes it, which is memorisation by design; its bank learns at 10× the anchor's rate "
+            "over 5 epochs for that. Held-out text is not its measure: on real text the same recipe reads held-out "
+            "pages worse than the anchor's shape trained alone. For real text, keep the bank's learning rate at or "
+            "below the anchor's and check the sizes with `memtree memstore plan --shards` (training/yamls/"
+            "realtext.yaml, `memtree eval-realtext`; docs/BENCHMARKS.md, \"Tokens per parameter on real text\").")
 
 
 def run_main_job(root: str | Path = "runs/demo", *, corpus: dict[str, Any] | None = None,

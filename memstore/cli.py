@@ -221,6 +221,9 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
                    help="share of training forwards that read the generic memory (default 1 / branching)")
     d.add_argument("--dropout", type=float, default=0.0, metavar="P",
                    help="share of training forwards that run the anchor alone (memory.dropout; default 0)")
+    d.add_argument("--bank-lr", type=float, metavar="LR", help="the bank's learning rate (memory.lr), with "
+                                                             "--anchor-lr: warns when it outpaces the anchor's")
+    d.add_argument("--anchor-lr", type=float, metavar="LR", help="the anchor's learning rate (optim.lr)")
     p.set_defaults(func=_plan)
 
 
@@ -236,7 +239,8 @@ def _tpp(args: argparse.Namespace, p, counts):
 
     if args.shards is None and args.tokens is None:
         for flag, value, default in (("--duration", args.duration, "1ep"), ("--generic-prob", args.generic_prob, None),
-                                     ("--dropout", args.dropout, 0.0), ("--batch-size", args.batch_size, None)):
+                                     ("--dropout", args.dropout, 0.0), ("--batch-size", args.batch_size, None),
+                                     ("--bank-lr", args.bank_lr, None), ("--anchor-lr", args.anchor_lr, None)):
             if value != default:
                 raise ValueError(f"{flag} sizes the tokens per parameter: give --shards DIR or --tokens N with it")
         return None
@@ -250,8 +254,14 @@ def _tpp(args: argparse.Namespace, p, counts):
         leaf, levels, samples, source = even_leaf_tokens(total, p), None, None, "--tokens, spread evenly"
     epochs = parse_duration_epochs(args.duration, epoch_tokens=sum(leaf.values()), epoch_samples=samples,
                                    batch_size=args.batch_size)
+    if (args.bank_lr is None) != (args.anchor_lr is None):
+        raise TppError("--bank-lr and --anchor-lr go together (their ratio decides the warning)")
+    for flag, lr in (("--bank-lr", args.bank_lr), ("--anchor-lr", args.anchor_lr)):
+        if lr is not None and not lr > 0:
+            raise TppError(f"{flag} {lr}: must be positive")
+    ratio = None if args.bank_lr is None else args.bank_lr / args.anchor_lr
     return tpp_table(p, leaf, epochs=epochs, generic_prob=args.generic_prob, dropout=args.dropout, source=source,
-                     tree_levels=levels)
+                     tree_levels=levels, lr_ratio=ratio)
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -2,9 +2,9 @@
 
 Seed 002 App. D trains 4,096 level-3 blocks of 860k parameters with up to 1.1T tokens (TPP up to
 312) and finds that specific knowledge and perplexity improve steadily with TPP. A block that sees
-fewer tokens than it has parameters can store its few windows verbatim: nothing makes it carry what
-its cluster's documents share, and held-out text reads worse with it than without. This module
-counts, per level, the tokens routed to every block and divides them by the block's parameters.
+few tokens for its parameters can store its windows verbatim instead of learning what its
+cluster's documents share. This module counts, per level, the tokens routed to every block and
+divides them by the block's parameters.
 
 Inputs: a `memtree.geometry.Plan` (block sizes) and the tokens of one epoch per leaf, from a shards
 manifest (`leaf_tokens` per stream, written by the shards stage since its version 2) or from a total
@@ -13,6 +13,9 @@ block trains on the tokens of every leaf below it, on the forwards that fetch (n
 the generic row, probability `generic_prob`, nor those that run the anchor alone, `dropout`); the
 generic row of a level trains on the others' complement. "Over the run" multiplies by the epochs.
 
+Two measured regimes set the warnings (docs/BENCHMARKS.md, "Tokens per parameter on real text"):
+a level under `GENERALISES_DOWN_TO` sits below the fewest tokens per parameter at which a bank was
+measured to generalise, and a bank LR above the anchor's (`SAFE_LR_RATIO`) starves the anchor.
 Pure Python (no torch): `memtree memstore plan` prints it and `memtree train` logs and stores it
 (`tpp.json` in the run folder); the demo and `memtree eval-realtext` reports show it.
 """
@@ -22,19 +25,25 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from memtree.geometry import Plan, human
+from memtree.geometry import plan as plan_sizes
 
 FORMAT = "memtree-tpp"
 VERSION = 1
 
-# Below this many tokens per parameter over the run a level's blocks memorise their windows rather
-# than learn what the cluster shares: held-out pages read worse with the fetched block than with the
-# generic one (docs/BENCHMARKS.md, "Tokens per parameter on real text").
-MEMORISE_TPP = 1.0
+# The smallest tokens per parameter over the run at which a bank was measured to carry what its
+# cluster shares to held-out real text (fetched memory better than the generic one and than every
+# dense control at equal tokens, with the bank at or below the anchor's LR): below it a block may
+# store its windows verbatim instead, untested (docs/BENCHMARKS.md, "Tokens per parameter on real text").
+GENERALISES_DOWN_TO = 0.139
+# Above this bank / anchor LR ratio the bank was measured to take the anchor's share of the gradient:
+# the co-trained anchor and fetched memory read held-out pages worse than the anchor's shape trained
+# alone, the more the smaller the bank's TPP (same section).
+SAFE_LR_RATIO = 1.0
 
 
 class TppError(ValueError):
@@ -142,22 +151,35 @@ class TppTable:
     dropout: float
     source: str  # where the token counts came from
     levels: tuple[LevelTpp, ...]
-    threshold: float = MEMORISE_TPP
+    threshold: float = GENERALISES_DOWN_TO
+    lr_ratio: float | None = None  # the bank's LR / the anchor's (None: not given)
+    # the sizing rule: per tree level (level, the largest multiplier that keeps the level's TPP over
+    # the run at or above `threshold`; 0: not even a multiplier of 1 does)
+    max_multipliers: tuple[tuple[int, int], ...] = ()
 
     def memorising(self) -> list[LevelTpp]:
         return [lv for lv in self.levels if lv.tpp_run < self.threshold]
 
     def warnings(self) -> list[str]:
-        """One sentence per level in the memorising regime, in words a user understands."""
+        """One sentence per level under the measured floor, and one for a bank LR above the anchor's,
+        in words a user understands."""
         out = []
         for lv in self.memorising():
             out.append(
                 f"level {lv.level}: each block sees {lv.tpp_run:.2g} training tokens per parameter over the run "
                 f"(a median block {human(lv.tokens_median * self.epochs * self._fetch_share)} tokens for "
-                f"{human(lv.block_params)} parameters), under {self.threshold:g}: it can store its windows "
-                "verbatim instead of learning what its cluster shares, and held-out text then reads worse with "
-                "it than without. Fewer or smaller blocks at this level (a lower multiplier, or memory one level "
+                f"{human(lv.block_params)} parameters), under {self.threshold:g}, the fewest at which a bank was "
+                "measured to carry what its cluster shares to held-out text: its blocks may store their windows "
+                "verbatim instead. Fewer or smaller blocks at this level (a lower multiplier, or memory one level "
                 "up), or more data, raise it.")
+        if self.lr_ratio is not None and self.lr_ratio > SAFE_LR_RATIO and self.levels:
+            low = min(lv.tpp_run for lv in self.levels)
+            out.append(
+                f"the bank learns at {self.lr_ratio:.3g}× the anchor's learning rate: measured on real text, a bank "
+                "above the anchor's rate takes the anchor's share of the gradient, and anchor + fetched memory then "
+                "reads held-out text worse than the anchor's shape trained alone, the more the fewer tokens per "
+                f"parameter (here {low:.2g} at the lowest level). Set memory.lr at or below optim.lr for text the "
+                "model has not seen, unless the run is meant to memorise its documents (the bios demo).")
         return out
 
     @property
@@ -167,19 +189,20 @@ class TppTable:
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "epochs": self.epochs, "epoch_tokens": self.epoch_tokens,
                 "generic_prob": self.generic_prob, "dropout": self.dropout, "source": self.source,
-                "threshold": self.threshold, "levels": [lv.to_dict() for lv in self.levels],
-                "warnings": self.warnings()}
+                "threshold": self.threshold, "lr_ratio": self.lr_ratio, "levels": [lv.to_dict() for lv in self.levels],
+                "max_multipliers": {str(lv): m for lv, m in self.max_multipliers}, "warnings": self.warnings()}
 
 
 def tpp_table(plan: Plan, leaf_tokens: Mapping[int, int], *, epochs: float = 1.0, generic_prob: float | None = None,
-              dropout: float = 0.0, source: str = "", threshold: float = MEMORISE_TPP,
-              tree_levels: int | None = None) -> TppTable:
+              dropout: float = 0.0, source: str = "", threshold: float = GENERALISES_DOWN_TO,
+              tree_levels: int | None = None, lr_ratio: float | None = None) -> TppTable:
     """Per level with memory: blocks, parameters per block, tokens per block of one epoch
     (min / median / max over the blocks any token reaches) and TPP per epoch and over `epochs`.
 
     leaf_tokens: {leaf id: tokens of one epoch}; generic_prob: the share of forwards that read the
     generic row (None: 1 / branching, the trainer's default); dropout: the share that runs the anchor
-    alone; tree_levels: the tree's depth when the memory covers fewer levels (default: as many)."""
+    alone; tree_levels: the tree's depth when the memory covers fewer levels (default: as many);
+    lr_ratio: the bank's learning rate over the anchor's, for the warning on a bank that outpaces it."""
     if not epochs > 0:
         raise TppError(f"duration: must be positive, got {epochs} epochs")
     mem = plan.memory
@@ -213,8 +236,15 @@ def tpp_table(plan: Plan, leaf_tokens: Mapping[int, int], *, epochs: float = 1.0
             tpp_epoch=total * fetch / lv.bank_params, tpp_run=total * fetch * epochs / lv.bank_params,
             tpp_run_min=run[0], tpp_run_median=float(statistics.median(run)), tpp_run_max=run[-1],
             generic_tpp_run=total * generic * epochs / lv.block_params))
+    sizing = []
+    for level in range(1, mem.n_levels + 1):  # per unit of multiplier: block parameters are linear in it
+        unit = plan_sizes(plan.anchor, replace(mem, multipliers=tuple(int(i == level) for i in
+                                                                       range(1, mem.n_levels + 1))))
+        per_m = unit.levels[level - 1].bank_params
+        sizing.append((level, int(total * fetch * epochs / (per_m * threshold)) if per_m else 0))
     return TppTable(epochs=float(epochs), epoch_tokens=total, generic_prob=gp, dropout=float(dropout),
-                    source=source, levels=tuple(levels), threshold=threshold)
+                    source=source, levels=tuple(levels), threshold=threshold, max_multipliers=tuple(sizing),
+                    lr_ratio=lr_ratio)
 
 
 def parse_duration_epochs(duration: str, *, epoch_tokens: int, epoch_samples: int | None = None,
@@ -264,6 +294,9 @@ def format_tpp(t: TppTable) -> str:
                         "blocks get no data)"))
     if not t.levels:
         lines.append("  (no level holds memory)")
+    if t.max_multipliers:
+        lines.append(f"sizing rule (every level at TPP ≥ {t.threshold:g} over the run): multiplier at most "
+                     + ", ".join(f"{m} at level {lv}" for lv, m in t.max_multipliers))
     for w in t.warnings():
         lines.append(f"warning: {w}")
     return "\n".join(lines)
@@ -272,13 +305,17 @@ def format_tpp(t: TppTable) -> str:
 def format_tpp_markdown(t: Mapping[str, Any]) -> list[str]:
     """A stored table (`TppTable.to_dict()`, e.g. a run's tpp.json) as markdown lines for reports."""
     lines = [(f"Tokens per parameter: {t['epoch_tokens']:,} tokens per epoch, {t['epochs']:g} epochs "
-              f"({t['source']}); a level under {t['threshold']:g} over the run memorises its windows."), "",
+              f"({t['source']}); {t['threshold']:g} over the run is the fewest measured to generalise"
+              + (f"; the bank learns at {t['lr_ratio']:.3g}× the anchor's LR" if t.get("lr_ratio") else "") + "."), "",
              ("| level | m | blocks | params / block | tokens / block / epoch (min / median / max) | TPP / epoch | "
               "TPP over the run |"), "|---:|---:|---:|---:|---|---:|---:|"]
     for lv in t["levels"]:
         lines.append(f"| {lv['level']} | {lv['multiplier']} | {lv['n_blocks']:,} | {lv['block_params']:,} | "
                      f"{human(lv['tokens_min'])} / {human(lv['tokens_median'])} / {human(lv['tokens_max'])} | "
                      f"{lv['tpp_epoch']:.3g} | {lv['tpp_run']:.3g} |")
+    if t.get("max_multipliers"):
+        lines += ["", f"Sizing rule (every level at TPP ≥ {t['threshold']:g} over the run): multiplier at most "
+                  + ", ".join(f"{m} at level {lv}" for lv, m in t["max_multipliers"].items()) + "."]
     lines += [f"- warning: {w}" for w in t.get("warnings", [])]
     return lines
 

@@ -13,7 +13,14 @@ import pytest
 
 from memtree.cli import main
 from memtree.geometry import AnchorShape, plan
-from memtree.tpp import TppError, even_leaf_tokens, parse_duration_epochs, parse_tokens, tpp_table
+from memtree.tpp import (
+    GENERALISES_DOWN_TO,
+    TppError,
+    even_leaf_tokens,
+    parse_duration_epochs,
+    parse_tokens,
+    tpp_table,
+)
 from tests.conftest import train_tiny_run
 
 ANCHOR = "n_layers=2,d_model=64,n_heads=2,head_dim=32,ffn_dim=128,vocab_size=2000"
@@ -68,10 +75,19 @@ def test_the_warning_fires_on_a_big_bank_and_not_on_a_sized_one(pipeline_run, ca
     text = capsys.readouterr().out
     assert "warning: level 2: each block sees" in text and "verbatim" in text
     big = _plan_json(capsys, "--memory", "0,256", "--shards", shards)["tokens_per_parameter"]
-    assert big["levels"][0]["tpp_run"] < 1 and len(big["warnings"]) == 1
+    assert big["levels"][0]["tpp_run"] < GENERALISES_DOWN_TO and len(big["warnings"]) == 1
     assert main(["memstore", "plan", "--anchor", ANCHOR, "--memory", "1,0", "--shards", shards, "--duration", "2ep"]) == 0
     text = capsys.readouterr().out
     assert "tokens per parameter" in text and "warning" not in text
+    # a bank that learns faster than the anchor: the second measured regime, whatever the TPP
+    sized = ["memstore", "plan", "--anchor", ANCHOR, "--memory", "1,0", "--shards", shards]
+    assert main([*sized, "--bank-lr", "3e-2", "--anchor-lr", "3e-3"]) == 0
+    text = capsys.readouterr().out
+    assert "warning: the bank learns at 10× the anchor's learning rate" in text and "level 1:" not in text
+    assert main([*sized, "--bank-lr", "1e-3", "--anchor-lr", "3e-3"]) == 0
+    assert "warning" not in capsys.readouterr().out
+    assert main([*sized, "--bank-lr", "1e-3"]) == 1
+    assert "--bank-lr and --anchor-lr go together" in capsys.readouterr().err
 
 
 def test_bad_tokens_and_counts_are_named(pipeline_run, tmp_path, capsys):
@@ -106,6 +122,14 @@ def test_even_split_and_durations():
     (lv,) = t.levels
     assert lv.block_params == 3 * 64 * 16 * 2 and lv.tokens_min == lv.tokens_max == 100_000
     assert lv.tpp_run == pytest.approx(2 * 6_400_000 / (64 * lv.block_params))
+    # the sizing rule: the largest multiplier per level that keeps its TPP at the threshold
+    per_m = {1: 4 * 3 * 64 * 2, 2: 16 * 3 * 64 * 2, 3: 64 * 3 * 64 * 2}  # blocks × 3·d·L per unit of m
+    assert t.threshold == GENERALISES_DOWN_TO
+    assert dict(t.max_multipliers) == {lv: int(2 * 6_400_000 / (per_m[lv] * t.threshold)) for lv in (1, 2, 3)}
+    m3 = dict(t.max_multipliers)[3]
+    for m, warns in ((m3, False), (m3 + 1, True)):
+        at = tpp_table(plan(a, (0, 0, m), branching=4), even_leaf_tokens(6_400_000, p), epochs=2.0, generic_prob=0.0)
+        assert (at.levels[0].tpp_run < t.threshold) == warns and bool(at.warnings()) == warns
     assert parse_tokens("3.5M") == 3_500_000 and parse_tokens("2_000") == 2000
     assert parse_duration_epochs("7Mtok", epoch_tokens=3_500_000) == 2.0
     assert parse_duration_epochs("400ba", epoch_tokens=1, epoch_samples=1600, batch_size=8) == 2.0
@@ -123,6 +147,8 @@ def test_train_stores_the_table_it_logs(pipeline_run, tmp_path, capsys):
                             "data.batch_size=8")
     stored = json.loads((folder / "tpp.json").read_text())
     assert stored["format"] == "memtree-tpp" and stored["epochs"] == 2.0 and stored["dropout"] == 0.25
+    cfg = json.loads((folder / "memtree_config.json").read_text())["config"]
+    assert stored["lr_ratio"] == pytest.approx(cfg["memory"]["lr"] / cfg["optim"]["lr"])
     assert "tokens per parameter" in capsys.readouterr().out
     want = _plan_json(capsys, "--memory", "4,8", "--shards", str(run / "shards"), "--duration", "2ep",
                       "--dropout", "0.25")["tokens_per_parameter"]

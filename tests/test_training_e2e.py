@@ -183,7 +183,8 @@ def test_shipped_yamls_validate():
             want = {"finetune-sparse.yaml": "sparse_memory", "finetune-adapter.yaml": "mem_adapter"}[path.name]
             assert load_finetune_config(path).spec.method == want, path
             continue
-        if path.name == "demo.yaml":  # `memtree demo` sets the mode per stage (eval/demo.py)
+        # `memtree demo` and `memtree eval-realtext` set the mode per stage (eval/demo.py, eval/realtext.py)
+        if path.name in ("demo.yaml", "realtext.yaml"):
             for stage in (["mode=baseline", "memory.multipliers=[]"], ["mode=cotrain", "anchor_checkpoint=a"]):
                 assert load_train_config(path, stage).run_name, path
             continue

@@ -304,8 +304,11 @@ def run_tpp(cfg: TrainConfig, model: MemtreeLM, manifest: dict[str, Any]) -> dic
                                    epoch_samples=sum(int(s["n_samples"]) for s in streams),
                                    batch_size=cfg.data.batch_size, flag="max_duration")
     dropout = 0.0 if cfg.mode == "frozen" else cfg.memory.dropout  # a frozen anchor runs no anchor-only forwards
+    bank_lr = max((lr for lr, m in zip(cfg.memory.lr_by_level, model.memory.multipliers, strict=False) if m),
+                  default=cfg.memory.lr) if cfg.memory.lr_by_level else cfg.memory.lr
     table = tpp_table(plan(model.anchor_shape, model.memory), leaf, epochs=epochs, generic_prob=model.generic_prob,
-                      dropout=dropout, source=str(where), tree_levels=int(manifest["levels"]))
+                      dropout=dropout, source=str(where), tree_levels=int(manifest["levels"]),
+                      lr_ratio=bank_lr / cfg.optim.lr if cfg.optim.lr > 0 else None)
     return {"table": table, **table.to_dict()}
 
 
