@@ -41,7 +41,7 @@ from eval.model import RunModel
 from eval.plots import new_figure, save_png
 from memtree.config import ConfigError, check_selection, load_config
 from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json, sha256_file
-from memtree.tpp import format_tpp_markdown
+from memtree.tpp import GENERALISES_DOWN_TO, format_tpp_markdown, table_from_dict
 from training.config import load_train_config
 
 DEFAULT_YAML = Path(__file__).resolve().parent / "yamls" / "realtext.yaml"
@@ -292,8 +292,17 @@ def run_tpp(folder: Path) -> dict[str, Any] | None:
     if not f.is_file():
         return None
     t = read_json(f)
-    levels = t.get("levels") or []
-    return {**t, "x": min(lv["tpp_run"] for lv in levels) if levels else None}
+    ratio = None
+    if t.get("lr_ratio") is None and (folder / "memtree_config.json").is_file():  # runs from before lr_ratio
+        c = read_json(folder / "memtree_config.json")["config"]
+        mem = c["memory"]  # the fastest level's rate, as `memtree train` computes it (training/train.py)
+        bank = max((lr for lr, m in zip(mem.get("lr_by_level") or [], mem["multipliers"], strict=False) if m),
+                   default=mem["lr"])
+        ratio = bank / c["optim"]["lr"] if c["optim"]["lr"] > 0 else None
+    # the warnings under today's measured rule, not the one the run was trained under
+    table = table_from_dict(t, threshold=GENERALISES_DOWN_TO, lr_ratio=ratio).to_dict()
+    levels = table["levels"]
+    return {**table, "x": min(lv["tpp_run"] for lv in levels) if levels else None}
 
 
 def run_realtext(cfg: RealTextConfig, *, log: Callable[[str], None] = print) -> Path:

@@ -193,6 +193,24 @@ class TppTable:
                 "max_multipliers": {str(lv): m for lv, m in self.max_multipliers}, "warnings": self.warnings()}
 
 
+def table_from_dict(t: Mapping[str, Any], *, threshold: float | None = None,
+                    lr_ratio: float | None = None) -> TppTable:
+    """A stored table (`TppTable.to_dict()`, e.g. a run's tpp.json) back as a TppTable, so that its
+    warnings follow `threshold` (default: the stored one) and `lr_ratio` (default: the stored one).
+    A run trained before a threshold changed is read under the current rule; its sizing rule is kept
+    only when the threshold is the one it was computed for (it scales with 1 / threshold)."""
+    if t.get("format") != FORMAT:
+        raise TppError(f"format {t.get('format')!r} is not {FORMAT!r}")
+    stored = float(t["threshold"])
+    threshold = stored if threshold is None else float(threshold)
+    sizing = tuple((int(lv), int(m)) for lv, m in (t.get("max_multipliers") or {}).items())
+    return TppTable(epochs=float(t["epochs"]), epoch_tokens=int(t["epoch_tokens"]),
+                    generic_prob=float(t["generic_prob"]), dropout=float(t["dropout"]), source=str(t["source"]),
+                    levels=tuple(LevelTpp(**lv) for lv in t["levels"]), threshold=threshold,
+                    lr_ratio=t.get("lr_ratio") if lr_ratio is None else float(lr_ratio),
+                    max_multipliers=sizing if threshold == stored else ())
+
+
 def tpp_table(plan: Plan, leaf_tokens: Mapping[int, int], *, epochs: float = 1.0, generic_prob: float | None = None,
               dropout: float = 0.0, source: str = "", threshold: float = GENERALISES_DOWN_TO,
               tree_levels: int | None = None, lr_ratio: float | None = None) -> TppTable:

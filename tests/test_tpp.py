@@ -19,6 +19,7 @@ from memtree.tpp import (
     even_leaf_tokens,
     parse_duration_epochs,
     parse_tokens,
+    table_from_dict,
     tpp_table,
 )
 from tests.conftest import train_tiny_run
@@ -130,6 +131,13 @@ def test_even_split_and_durations():
     for m, warns in ((m3, False), (m3 + 1, True)):
         at = tpp_table(plan(a, (0, 0, m), branching=4), even_leaf_tokens(6_400_000, p), epochs=2.0, generic_prob=0.0)
         assert (at.levels[0].tpp_run < t.threshold) == warns and bool(at.warnings()) == warns
+    # a stored table reads back as it was, and under another rule warns by that rule
+    stored = json.loads(json.dumps(at.to_dict()))
+    assert table_from_dict(stored).to_dict() == stored
+    strict = table_from_dict(stored, threshold=at.levels[0].tpp_run * 2, lr_ratio=3.0)
+    assert strict.max_multipliers == () and len(strict.warnings()) == 2 and "3× the anchor" in strict.warnings()[1]
+    with pytest.raises(TppError, match="format"):
+        table_from_dict({**stored, "format": "other"})
     assert parse_tokens("3.5M") == 3_500_000 and parse_tokens("2_000") == 2000
     assert parse_duration_epochs("7Mtok", epoch_tokens=3_500_000) == 2.0
     assert parse_duration_epochs("400ba", epoch_tokens=1, epoch_samples=1600, batch_size=8) == 2.0
