@@ -334,6 +334,7 @@ def format_tpp_markdown(t: Mapping[str, Any]) -> list[str]:
     if t.get("max_multipliers"):
         lines += ["", f"Sizing rule (every level at TPP ≥ {t['threshold']:g} over the run): multiplier at most "
                   + ", ".join(f"{m} at level {lv}" for lv, m in t["max_multipliers"].items()) + "."]
-    lines += [f"- warning: {w}" for w in t.get("warnings", [])]
+    if t.get("warnings"):
+        lines += ["", *(f"- warning: {w}" for w in t["warnings"])]
     return lines
 

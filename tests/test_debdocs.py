@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.debdocs import DocSource, deb_control, in_test_split, iter_deb_files, opening, write_docs_corpus
+from pipeline.debdocs import (
+    DocSource,
+    deb_control,
+    in_test_split,
+    iter_deb_files,
+    opening,
+    write_docs_corpus,
+)
 
 PREFIX = "usr/share/doc/pkg/_sources/"
 
@@ -148,8 +155,8 @@ def test_several_packages_one_corpus_stable_split_and_named_rejects(tmp_path):
     # the same packages again: byte-identical files; the package order does not move a page
     write_docs_corpus(tmp_path / "c2", sources=sources[::-1], test_fraction=0.3, min_chars=1000, command="make it")
     for f in ("train", "test", "rejects"):
-        lines = lambda d: sorted((d / f"{f}.jsonl").read_text().splitlines())  # noqa: E731
-        assert lines(tmp_path / "c1") == lines(tmp_path / "c2")
+        assert (sorted((tmp_path / "c1" / f"{f}.jsonl").read_text().splitlines())
+                == sorted((tmp_path / "c2" / f"{f}.jsonl").read_text().splitlines()))
     write_docs_corpus(tmp_path / "c3", sources=sources, test_fraction=0.3, min_chars=1000, command="make it")
     for f in ("train.jsonl", "test.jsonl", "rejects.jsonl", "corpus.json", "README.md"):
         assert (tmp_path / "c1" / f).read_bytes() == (tmp_path / "c3" / f).read_bytes()

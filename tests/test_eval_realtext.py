@@ -58,8 +58,8 @@ def test_rows_train_score_and_match_a_direct_forward(root, tmp_path, capsys):
 
     out = tmp_path / "out"
     args = ["eval-realtext", str(root), "anchor_duration=2ba", "cotrain_duration=3ba", "window_tokens=100", TRAIN,
-            "recipes=[{name: default}, {name: late, start: dense-1x, train: [mode=frozen]}, "
-            "{name: cont, train: [mode=baseline, 'memory.multipliers=[]']}]", "--out", str(out)]
+            ("recipes=[{name: default}, {name: late, start: dense-1x, train: [mode=frozen]}, "
+            "{name: cont, train: [mode=baseline, 'memory.multipliers=[]']}]"), "--out", str(out)]
     assert main(args) == 0
     assert "| default: + fetched |" in capsys.readouterr().out
     res = json.loads((out / "results.json").read_text())
