@@ -266,8 +266,7 @@ def _block_level(rm, args: argparse.Namespace) -> int | None:
 def _eval(args: argparse.Namespace) -> int:
     from eval.knowledge import blocking_eval, knowledge_eval, load_eval_inputs, write_report
     from eval.model import RunModel
-    from eval.runinfo import bank_state, demo_root, trained_epochs
-    from memtree.io import read_json
+    from eval.runinfo import bank_state, demo_root, run_tpp_table, trained_epochs
 
     rm = RunModel.load(args.run, tree_dir=args.tree)
     level = _block_level(rm, args)  # fail fast: before the probes are scored
@@ -317,10 +316,9 @@ def _eval(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(args.run) / "eval"
     meta = {"run": str(Path(args.run).resolve()), "facts": str(facts), "held_out": str(held) if held else None,
             "epochs": epochs, "epochs_from": how, "probes": len(probes)}
-    tpp = Path(args.run) / "tpp.json"  # written by `memtree train` (memtree/tpp.py)
     files = write_report(out, knowledge=knowledge, blocking=blocking, meta=meta,
                          bank=bank_state(rm.store.root) if rm.has_memory else None,
-                         tpp=read_json(tpp) if tpp.is_file() else None)
+                         tpp=run_tpp_table(args.run))
     print(Path(files["markdown"]).read_text())
     print(f"report: {Path(files['markdown']).resolve()}")
     return 0

@@ -42,6 +42,7 @@ from eval.knowledge import blocking_eval, knowledge_eval, write_report
 from eval.longtail import build_probes, load_facts
 from eval.model import RunModel
 from eval.rag import RagIndex, routing_agreement
+from eval.runinfo import run_tpp_table
 from memtree.config import from_dict
 from memtree.io import atomic_write_json, iter_jsonl, read_json
 from pipeline.corpus.bios import BiosSpec
@@ -219,9 +220,8 @@ def run_main_job(root: str | Path = "runs/demo", *, corpus: dict[str, Any] | Non
     timings["eval_s"] = time.time() - t
     timings["total_s"] = time.time() - t0
     metrics = {name: read_json(root / "train" / name / "metrics.json")["train"] for name, _ in stages}
-    tpp_file = root / "train" / "cotrain" / "tpp.json"
     files = write_report(root / "report", knowledge=knowledge, blocking=blocking, design=DESIGN,
-                         tpp=read_json(tpp_file) if tpp_file.is_file() else None, tpp_note=TPP_NOTE,
+                         tpp=run_tpp_table(root / "train" / "cotrain"), tpp_note=TPP_NOTE,
                          meta={"corpus": read_json(root / "corpus.json"), "epochs": epochs,
                                "probes": len(probes), "held_out_documents": len(held_out),
                                "train_metrics": metrics, **{k: round(v, 1) for k, v in timings.items()}})

@@ -39,9 +39,10 @@ from eval.demo import DEMO_TRAIN_YAML, shards_fingerprint, train_once
 from eval.memories import paired_interval
 from eval.model import RunModel
 from eval.plots import new_figure, save_png
+from eval.runinfo import run_tpp_table
 from memtree.config import ConfigError, check_selection, load_config
 from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json, sha256_file
-from memtree.tpp import GENERALISES_DOWN_TO, format_tpp_markdown, table_from_dict
+from memtree.tpp import format_tpp_markdown
 from training.config import load_train_config
 
 DEFAULT_YAML = Path(__file__).resolve().parent / "yamls" / "realtext.yaml"
@@ -286,21 +287,11 @@ def score_runs(runs: dict[str, Path], docs: Sequence[dict[str, Any]], tree_dir: 
 
 
 def run_tpp(folder: Path) -> dict[str, Any] | None:
-    """A co-training run's tokens-per-parameter table (tpp.json, written by `memtree train`), with
-    `x`: its smallest level TPP over the run (the level most likely to memorise), or None."""
-    f = Path(folder) / "tpp.json"
-    if not f.is_file():
+    """A co-training run's tokens-per-parameter table (`eval.runinfo.run_tpp_table`), with `x`: its
+    smallest level TPP over the run (the level most likely to memorise), or None."""
+    table = run_tpp_table(folder)
+    if table is None:
         return None
-    t = read_json(f)
-    ratio = None
-    if t.get("lr_ratio") is None and (folder / "memtree_config.json").is_file():  # runs from before lr_ratio
-        c = read_json(folder / "memtree_config.json")["config"]
-        mem = c["memory"]  # the fastest level's rate, as `memtree train` computes it (training/train.py)
-        bank = max((lr for lr, m in zip(mem.get("lr_by_level") or [], mem["multipliers"], strict=False) if m),
-                   default=mem["lr"])
-        ratio = bank / c["optim"]["lr"] if c["optim"]["lr"] > 0 else None
-    # the warnings under today's measured rule, not the one the run was trained under
-    table = table_from_dict(t, threshold=GENERALISES_DOWN_TO, lr_ratio=ratio).to_dict()
     levels = table["levels"]
     return {**table, "x": min(lv["tpp_run"] for lv in levels) if levels else None}
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from memtree.io import read_json
+from memtree.tpp import GENERALISES_DOWN_TO, table_from_dict
 
 CONFIG_FILE = "memtree_config.json"
 
@@ -151,3 +152,23 @@ def describe_runs(runs: dict[str, list[list[int]]]) -> str:
         ids = ", ".join(str(a) if b - a == 1 else f"{a}–{b - 1}" for a, b in runs[lv])
         out.append(f"level {lv}: {ids} ({sum(b - a for a, b in runs[lv])} blocks)")
     return "; ".join(out)
+
+
+def run_tpp_table(run: str | Path) -> dict[str, Any] | None:
+    """A run's tokens-per-parameter table (tpp.json, written by `memtree train`) re-read under
+    today's measured rule (memtree/tpp.py), so that a run trained before the rule changed warns as a
+    new one would; the bank / anchor LR ratio comes from the run's config when the table predates it.
+    None when the run has no table."""
+    folder = Path(run)
+    f = folder / "tpp.json"
+    if not f.is_file():
+        return None
+    t = read_json(f)
+    ratio = None
+    if t.get("lr_ratio") is None and (folder / CONFIG_FILE).is_file():
+        c = stored_config(folder)
+        mem = c["memory"]  # the fastest level's rate, as `memtree train` computes it (training/train.py)
+        bank = max((lr for lr, m in zip(mem.get("lr_by_level") or [], mem["multipliers"], strict=False) if m),
+                   default=mem["lr"])
+        ratio = bank / c["optim"]["lr"] if c["optim"]["lr"] > 0 else None
+    return table_from_dict(t, threshold=GENERALISES_DOWN_TO, lr_ratio=ratio).to_dict()

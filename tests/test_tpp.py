@@ -11,6 +11,7 @@ import statistics
 import numpy as np
 import pytest
 
+from eval.runinfo import run_tpp_table
 from memtree.cli import main
 from memtree.geometry import AnchorShape, plan
 from memtree.tpp import (
@@ -161,3 +162,9 @@ def test_train_stores_the_table_it_logs(pipeline_run, tmp_path, capsys):
     want = _plan_json(capsys, "--memory", "4,8", "--shards", str(run / "shards"), "--duration", "2ep",
                       "--dropout", "0.25")["tokens_per_parameter"]
     assert stored["levels"] == want["levels"]
+    # a table written under an older rule (no LR ratio, another floor) is read under today's
+    (folder / "tpp.json").write_text(json.dumps({**{k: v for k, v in stored.items() if k != "lr_ratio"},
+                                                 "threshold": 1e9, "warnings": []}))
+    again = run_tpp_table(folder)
+    assert again["threshold"] == GENERALISES_DOWN_TO and again["levels"] == stored["levels"]
+    assert again["lr_ratio"] == pytest.approx(stored["lr_ratio"]) and again["warnings"] == stored["warnings"]
