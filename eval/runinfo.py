@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from memtree.io import read_json
-from memtree.tpp import GENERALISES_DOWN_TO, table_from_dict
+from memtree.tpp import GENERALISES_DOWN_TO, bank_lr_ratio, table_from_dict
 
 CONFIG_FILE = "memtree_config.json"
 
@@ -167,8 +167,6 @@ def run_tpp_table(run: str | Path) -> dict[str, Any] | None:
     ratio = None
     if t.get("lr_ratio") is None and (folder / CONFIG_FILE).is_file():
         c = stored_config(folder)
-        mem = c["memory"]  # the fastest level's rate, as `memtree train` computes it (training/train.py)
-        bank = max((lr for lr, m in zip(mem.get("lr_by_level") or [], mem["multipliers"], strict=False) if m),
-                   default=mem["lr"])
-        ratio = bank / c["optim"]["lr"] if c["optim"]["lr"] > 0 else None
+        ratio = bank_lr_ratio(bank_lr=c["memory"]["lr"], lr_by_level=c["memory"].get("lr_by_level") or [],
+                              multipliers=c["memory"]["multipliers"], anchor_lr=c["optim"]["lr"])
     return table_from_dict(t, threshold=GENERALISES_DOWN_TO, lr_ratio=ratio).to_dict()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -191,6 +191,15 @@ class TppTable:
                 "generic_prob": self.generic_prob, "dropout": self.dropout, "source": self.source,
                 "threshold": self.threshold, "lr_ratio": self.lr_ratio, "levels": [lv.to_dict() for lv in self.levels],
                 "max_multipliers": {str(lv): m for lv, m in self.max_multipliers}, "warnings": self.warnings()}
+
+
+def bank_lr_ratio(*, bank_lr: float, lr_by_level: Sequence[float], multipliers: Sequence[int],
+                  anchor_lr: float) -> float | None:
+    """The fastest memory level's learning rate over the anchor's (None when the anchor's is 0):
+    `lr_by_level` (memory.lr_by_level, one per level) overrides `bank_lr` (memory.lr) where given,
+    and only levels with memory (multiplier > 0) count."""
+    fastest = max((lr for lr, m in zip(lr_by_level, multipliers, strict=False) if m), default=bank_lr)
+    return fastest / anchor_lr if anchor_lr > 0 else None
 
 
 def table_from_dict(t: Mapping[str, Any], *, threshold: float | None = None,

@@ -31,7 +31,13 @@ from memstore.format import read_manifest
 from memtree.config import ConfigError, dump_yaml, from_dict, to_dict
 from memtree.geometry import plan
 from memtree.io import atomic_path, atomic_write_json, atomic_write_text, naming_path, read_json
-from memtree.tpp import format_tpp, leaf_tokens_from_manifest, parse_duration_epochs, tpp_table
+from memtree.tpp import (
+    bank_lr_ratio,
+    format_tpp,
+    leaf_tokens_from_manifest,
+    parse_duration_epochs,
+    tpp_table,
+)
 from training.bank import TrainableBank
 from training.bank_shards import BankShardCheckpoints, export_bank
 from training.callbacks import default_callbacks
@@ -304,11 +310,11 @@ def run_tpp(cfg: TrainConfig, model: MemtreeLM, manifest: dict[str, Any]) -> dic
                                    epoch_samples=sum(int(s["n_samples"]) for s in streams),
                                    batch_size=cfg.data.batch_size, flag="max_duration")
     dropout = 0.0 if cfg.mode == "frozen" else cfg.memory.dropout  # a frozen anchor runs no anchor-only forwards
-    bank_lr = max((lr for lr, m in zip(cfg.memory.lr_by_level, model.memory.multipliers, strict=False) if m),
-                  default=cfg.memory.lr) if cfg.memory.lr_by_level else cfg.memory.lr
+    ratio = bank_lr_ratio(bank_lr=cfg.memory.lr, lr_by_level=cfg.memory.lr_by_level,
+                          multipliers=model.memory.multipliers, anchor_lr=cfg.optim.lr)
     table = tpp_table(plan(model.anchor_shape, model.memory), leaf, epochs=epochs, generic_prob=model.generic_prob,
                       dropout=dropout, source=str(where), tree_levels=int(manifest["levels"]),
-                      lr_ratio=bank_lr / cfg.optim.lr if cfg.optim.lr > 0 else None)
+                      lr_ratio=ratio)
     return {"table": table, **table.to_dict()}
 
 
