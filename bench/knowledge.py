@@ -9,6 +9,7 @@ fetched memory's gain is the paper's claim; blocking is compared with its random
     .venv/bin/python bench/knowledge.py --seeds 1 2 --existing 0=runs/demo   # reuse `make demo`
     .venv/bin/python bench/knowledge.py --seeds 0 --root /tmp/kn --train data.batch_size=4
     .venv/bin/python bench/knowledge.py --seeds 0 1 2 --pipeline tree.strict_balance=true
+    .venv/bin/python bench/knowledge.py --seeds 1 2 --corpus common_initial=0.5
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from _common import (  # bench/ is sys.path[0] when a script runs
     results_path,
     run_meta,
 )
+from omegaconf import OmegaConf
 
 from eval.demo import run_main_job
 from memtree.io import read_json
@@ -119,11 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--pipeline", action="append", default=[], metavar="KEY=VALUE",
                     help="a pipeline config override, e.g. tree.strict_balance=true (repeatable)")
+    ap.add_argument("--corpus", action="append", default=[], metavar="KEY=VALUE",
+                    help="a pipeline.corpus.bios.BiosSpec field, e.g. common_initial=0.5 (repeatable)")
     ap.add_argument("--existing", action="append", default=[], metavar="SEED=ROOT",
                     help="a finished demo of that seed with the same settings (e.g. 0=runs/demo): its "
                          "report is summarised, not rerun (repeatable)")
     args = ap.parse_args(argv)
     out = results_path(args.out, f"knowledge-{time.strftime('%Y-%m-%d')}.json")
+    corpus = OmegaConf.to_container(OmegaConf.from_dotlist(args.corpus))
     existing = {}
     for item in args.existing:
         seed, _, root = item.partition("=")
@@ -141,10 +146,14 @@ def main(argv: list[str] | None = None) -> int:
             if data["meta"]["corpus"]["spec"]["seed"] != seed:
                 raise SystemExit(f"{existing[seed]} was run with corpus seed "
                                  f"{data['meta']['corpus']['spec']['seed']}, not {seed}")
+            off = {k: v for k, v in corpus.items() if data["meta"]["corpus"]["spec"].get(k) != v}
+            if off:
+                raise SystemExit(f"{existing[seed]} was run with another corpus: {off} asked, "
+                                 f"{ {k: data['meta']['corpus']['spec'].get(k) for k in off} } there")
         else:
             log(f"seed {seed}: memtree demo under {args.root}/seed-{seed}")
             report = run_main_job(Path(args.root) / f"seed-{seed}", seed=seed, train_overrides=args.train,
-                                  pipeline_overrides=args.pipeline)
+                                  pipeline_overrides=args.pipeline, corpus=corpus)
             data = read_json(Path(report).with_name("results.json"))
         results["seeds"][seed] = summarise(data)
         results["seeds"][seed]["bench_seconds"] = time.time() - t

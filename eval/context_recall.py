@@ -109,7 +109,7 @@ def load_recall_config(path: str | Path | None, overrides: Sequence[str] = ()) -
 # -- data --------------------------------------------------------------------------------------
 
 def _world_spec(root: Path, seed: int):
-    spec_rec = read_json(root / "corpus.json")["spec"]
+    spec_rec = BiosSpec.stored(read_json(root / "corpus.json")["spec"])
     return from_dict(BiosSpec, {**spec_rec, "seed": seed}, where="corpus.json spec")
 
 

@@ -114,7 +114,7 @@ def load_continual_config(path: str | Path | None = None, overrides: Sequence[st
 def new_facts(root: Path, cfg: ContinualConfig) -> list[dict[str, Any]]:
     """n_facts facts of entities the run's corpus never mentions, spread over entities (every
     fact of an entity before the next entity's), deterministic for the config."""
-    spec_rec = read_json(root / "corpus.json")["spec"]
+    spec_rec = BiosSpec.stored(read_json(root / "corpus.json")["spec"])
     seed = cfg.world_seed if cfg.world_seed >= 0 else int(spec_rec["seed"]) + 2000
     spec = from_dict(BiosSpec, {**spec_rec, "seed": seed}, where="corpus.json spec")
     corpus = [r for _, r in iter_jsonl(root / "facts.jsonl")]

@@ -71,8 +71,10 @@ DESIGN = (
                 "level-2 block, the most-updated bank block")),
     ("common knowledge", ("one famous entity per domain has no documents of its own; its facts close many "
                          "documents of its domain, so they sit in the top exposure bucket: the knowledge the "
-                         "paper leaves to the anchor (this 4-layer anchor learns them only in part; "
-                         "docs/BENCHMARKS.md)")),
+                         "paper leaves to the anchor. Those closing lines open with the fact (\"The … is …, as "
+                         "everyone knows.\", BiosSpec.common_initial), the form the probes ask in: with "
+                         "lead-ins only (\"Everyone knows that the …\") co-training took the anchor's grip "
+                         "on them, 82.8 % after the anchor stage to 54.7 % (docs/BENCHMARKS.md)")),
     ("windows", ("256-token sequences, about one document each, so a sequence's cluster path is its "
                 "entity's subtopic")),
     ("anchor", ("4 layers × d 128: it learns the facts it sees dozens of times (the head) but not those "

@@ -645,7 +645,7 @@ def corpus_meta(root: Path) -> dict[str, Any] | None:
         return None
     rec = read_json(path)
     default = BiosSpec().record()
-    spec = rec.get("spec", {})
+    spec = BiosSpec.stored(rec.get("spec", {}))
     return {"documents": rec.get("documents"), "facts": rec.get("facts"),
             "spec_changes": {k: v for k, v in spec.items() if k in default and v != default[k]}}
 

@@ -27,8 +27,8 @@ def run_demo(root: str | Path = "runs/demo", *, spec: BiosSpec | None = None, ov
     root = Path(root)
     spec = spec or BiosSpec()
     if (root / "corpus.json").exists():
-        # a field added to BiosSpec later defaults to the old behaviour: absent means default
-        have, want = {**BiosSpec().record(), **read_json(root / "corpus.json")["spec"]}, spec.record()
+        # a field added to BiosSpec later is absent from older records: BiosSpec.stored fills it in
+        have, want = BiosSpec.stored(read_json(root / "corpus.json")["spec"]), spec.record()
         if have != want:
             raise ValueError(f"{root}: holds a corpus written with {have}, not {want}; use another --root")
     else:

@@ -62,7 +62,7 @@ def test_exposure_counts_equal_a_count_over_the_generated_text(heads):
     assert all(f["mentions"] == 0 for f in facts if f["withheld"])
     assert {0, 1, 2} <= {f["mentions"] for f in facts}
     famous = [f for f in facts if f["famous"]]
-    passing = sum(bool(re.search(r"(Everyone knows|common knowledge|readers will remember|widely known)",
+    passing = sum(bool(re.search(r"([Ee]veryone knows|common knowledge|readers will remember|widely known)",
                                  d["text"])) for d in docs)
     per_entity = Counter(d["entity"] for d in docs)
     assert passing > len(docs) / 3  # common_prob 0.6 of the documents mention a famous fact
@@ -129,7 +129,8 @@ def test_bad_spec_and_bad_vocabulary_are_named(tmp_path):
 
 @pytest.mark.parametrize("scope", ["domain", "corpus"])
 def test_common_scope_decides_which_documents_mention_famous_entities(scope):
-    spec = dataclasses.replace(SMALL, famous_are_heads=True, common_scope=scope)
+    # lead-in closing lines (common_initial 0): the entity's name follows a fixed phrase
+    spec = dataclasses.replace(SMALL, famous_are_heads=True, common_scope=scope, common_initial=0.0)
     docs = list(generate_bios(spec))
     famous = {f["entity"]: f["domain"] for f in bios_facts(spec) if f["famous"]}
     passing = re.compile(r"(?:Everyone knows that|As is common knowledge,|As most readers will remember,|"
@@ -144,3 +145,37 @@ def test_common_scope_decides_which_documents_mention_famous_entities(scope):
     assert same > 0
     # corpus scope: a famous entity of one of 16 domains, so most mentions cross domains
     assert (cross > 2 * same) if scope == "corpus" else cross == 0
+
+
+def test_common_initial_opens_passing_mentions_with_the_fact_and_changes_nothing_else():
+    lead = re.compile(r"(?:Everyone knows that|As is common knowledge,|As most readers will remember,|"
+                      r"It is widely known that) (the [A-Za-z ]+ of the [A-Za-z -]+ [A-Z][a-z]+ is .+)\.")
+    first = re.compile(r"(The [A-Za-z ]+ of the [A-Za-z -]+ [A-Z][a-z]+ is .+), as (?:everyone knows|"
+                       r"is common knowledge|most readers will remember|is widely known)\.")
+    base = list(generate_bios(dataclasses.replace(SMALL, common_initial=0.0)))
+    half = list(generate_bios(dataclasses.replace(SMALL, common_initial=0.5)))
+    n_lead = n_first = 0
+    for a, b in zip(base, half, strict=True):
+        assert {k: v for k, v in a.items() if k != "text"} == {k: v for k, v in b.items() if k != "text"}
+        last_a, last_b = a["text"].rsplit(". ", 1)[1], b["text"].rsplit(". ", 1)[1]  # the closing sentences
+        if a["text"] == b["text"]:
+            n_lead += bool(lead.fullmatch(last_a))
+            continue
+        ma, mb = lead.fullmatch(last_a), first.fullmatch(last_b)
+        assert ma and mb, (last_a, last_b)
+        # the same fact, now opening its sentence, and every byte before the closing line the same
+        assert mb.group(1) == ma.group(1)[0].upper() + ma.group(1)[1:]
+        assert a["text"][:-len(last_a)] == b["text"][:-len(last_b)]
+        n_first += 1
+    assert n_first > 20 and 0.35 < n_first / (n_first + n_lead) < 0.65
+    # the facts file counts statements from the plan; the text still states each of them
+    assert bios_facts(dataclasses.replace(SMALL, common_initial=0.0)) == bios_facts(SMALL)
+    with pytest.raises(ValueError, match="common_initial"):
+        BiosSpec(common_initial=1.5)
+
+
+def test_a_corpus_record_without_common_initial_was_written_with_lead_ins_only():
+    old = {k: v for k, v in BiosSpec().record().items() if k != "common_initial"}
+    assert BiosSpec.stored(old)["common_initial"] == 0.0
+    assert BiosSpec.stored(BiosSpec().record()) == BiosSpec().record()
+    assert BiosSpec().common_initial == 1.0  # the demo's corpus: see BiosSpec's docstring

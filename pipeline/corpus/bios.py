@@ -74,7 +74,13 @@ class BiosSpec:
     let the leaf memory of the famous entity's subtopic override the anchor on them
     (docs/BENCHMARKS.md, issue 12). common_scope: which documents mention a famous entity in
     passing — "domain" (its own domain's) or "corpus" (every document: knowledge no memory
-    block sees more often than the anchor does, the paper's common knowledge).
+    block sees more often than the anchor does, the paper's common knowledge). common_initial:
+    share of the passing mentions that open with the fact ("The … is …, as everyone knows."),
+    the form a probe asks in, instead of a lead-in ("Everyone knows that the … is …"); drawn on
+    its own random stream, so every other byte of the corpus is the same at any value. 1.0: with
+    lead-ins only (0.0) co-training took the anchor's grip on the famous facts in the probe's form
+    (82.8 % after the anchor stage, 54.7 % after co-training), at 0.5 one seed of three still fell
+    short (60.3 %), at 1.0 none (87.3–95.2 %; docs/BENCHMARKS.md, issue 55).
     filler: (min, max) prose sentences of the subtopic per document.
     """
 
@@ -88,6 +94,7 @@ class BiosSpec:
     common_prob: float = 0.6
     famous_are_heads: bool = False
     common_scope: str = "domain"
+    common_initial: float = 1.0
     filler: tuple[int, int] = (2, 4)
 
     def record(self) -> dict:
@@ -110,6 +117,8 @@ class BiosSpec:
             ("common_prob", isinstance(self.common_prob, (int, float)) and 0 <= self.common_prob <= 1, "in [0, 1]"),
             ("famous_are_heads", isinstance(self.famous_are_heads, bool), "a bool"),
             ("common_scope", self.common_scope in ("domain", "corpus"), "'domain' or 'corpus'"),
+            ("common_initial", isinstance(self.common_initial, (int, float)) and 0 <= self.common_initial <= 1,
+             "in [0, 1]"),
             ("filler", len(self.filler) == 2 and 0 <= self.filler[0] <= self.filler[1] <= 50,
              "a (min, max) pair with 0 ≤ min ≤ max ≤ 50"),
         )
@@ -117,8 +126,20 @@ class BiosSpec:
             if not ok:
                 raise ValueError(f"BiosSpec.{name} must be {what}, got {getattr(self, name)!r}")
 
+    @staticmethod
+    def stored(rec: dict) -> dict:
+        """A corpus.json spec record completed with the value each absent field was written with:
+        a field added later is absent from older records, and its old behaviour is not always
+        today's default (common_initial: 0.0 before the field, 1.0 since)."""
+        return {**BiosSpec().record(), **_ABSENT_MEANS, **rec}
+
     def docs_for_rank(self, rank: int) -> int:
         return max(1, round(self.head_docs * rank ** -float(self.zipf_exponent)))
+
+
+# What a corpus.json written before a field existed was generated with, where that differs from
+# the field's default (BiosSpec.stored).
+_ABSENT_MEANS = {"common_initial": 0.0}
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,6 +254,13 @@ _COMMON_FRAMES = (
     "As most readers will remember, {c}.",
     "It is widely known that {c}.",
 )
+# The same four with the fact first (BiosSpec.common_initial), index for index.
+_COMMON_INITIAL = (
+    "{C}, as everyone knows.",
+    "{C}, as is common knowledge.",
+    "{C}, as most readers will remember.",
+    "{C}, as is widely known.",
+)
 _INTROS = (
     "{Ref} is {a_kind} known to {agents} who study {topic}.",
     "This entry is about {name}, {a_kind} often discussed in {topic}.",
@@ -321,7 +349,7 @@ _MIDS = ("a", "e", "i", "o", "u", "ar", "en", "il", "or", "an", "eth", "is", "um
          "av", "ith", "ul", "ev", "os")
 _ENDS = ("ion", "und", "ath", "is", "or", "an", "el", "ia", "on", "ar", "eth", "yn", "ius", "ara", "os", "ix",
          "em", "orn", "ald", "ira", "un", "as", "ek", "iel", "ost", "imar", "wen", "oth", "esk", "ande")
-_S_WORLD, _S_DOCS, _S_TEXT, _S_HELDOUT, _S_FAMOUS, _S_PARAPHRASE = 1, 2, 3, 4, 5, 6
+_S_WORLD, _S_DOCS, _S_TEXT, _S_HELDOUT, _S_FAMOUS, _S_PARAPHRASE, _S_INITIAL = 1, 2, 3, 4, 5, 6, 7
 
 
 def _rng(seed: int, stream: int, index: int) -> random.Random:
@@ -420,7 +448,7 @@ def _stated(rng: random.Random, e: _Entity, p: float) -> tuple[int, ...]:
     return tuple(stated or [rng.choice(allowed)])
 
 
-def _render(doc: _Doc, world: _World, seed: int, stream: int = _S_TEXT) -> str:
+def _render(doc: _Doc, world: _World, seed: int, stream: int = _S_TEXT, initial: float = 0.0) -> str:
     rng = _rng(seed, stream, doc.index)
     t = world.topics[doc.topic]
     e = world.entities[doc.topic][doc.entity]
@@ -439,7 +467,11 @@ def _render(doc: _Doc, world: _World, seed: int, stream: int = _S_TEXT) -> str:
     if doc.side is not None:  # last: beyond the embedded head (the demo's 64 word pieces) in 98 % of documents
         f = world.famous[doc.side[0]]
         a = world.topics[f.topic].attrs[doc.side[1]]
-        body.append(rng.choice(_COMMON_FRAMES).format(c=canonical_clause(a.label, f.ref, a.values[f.values[doc.side[1]]])))
+        c = canonical_clause(a.label, f.ref, a.values[f.values[doc.side[1]]])
+        k = _COMMON_FRAMES.index(rng.choice(_COMMON_FRAMES))
+        # its own stream: the lead-in draw above, and so the rest of the corpus, stays as it was
+        first = initial > 0 and _rng(seed, _S_INITIAL, doc.index).random() < initial
+        body.append((_COMMON_INITIAL if first else _COMMON_FRAMES)[k].format(c=c, C=_cap(c)))
     return " ".join([_fill(rng, rng.choice(_INTROS), t, e), *body])
 
 
@@ -454,7 +486,7 @@ def generate_bios(spec: BiosSpec | None = None, *, topics: Sequence[_Topic] | No
     world = _world(spec, topics)
     for d in world.docs:
         t = world.topics[d.topic]
-        yield {"id": f"bio-{d.index:06d}", "text": _render(d, world, spec.seed), "field": t.field,
+        yield {"id": f"bio-{d.index:06d}", "text": _render(d, world, spec.seed, initial=spec.common_initial), "field": t.field,
                "domain": t.domain, "topic": t.key, "entity": world.entities[d.topic][d.entity].name}
 
 
