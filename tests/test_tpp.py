@@ -152,15 +152,17 @@ def test_train_stores_the_table_it_logs(pipeline_run, tmp_path, capsys):
     run = pipeline_run[0]
     folder = train_tiny_run(run / "shards", tmp_path / "r", "model.anchor=custom",
                             "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 128}",
-                            "memory.multipliers=[4,8]", "max_duration=2ep", "memory.dropout=0.25",
-                            "data.batch_size=8")
+                            "memory.multipliers=[4,8]", "max_duration=6ba", "memory.dropout=0.25",
+                            "data.batch_size=8")  # 6 batches, not epochs: the table is what is tested
     stored = json.loads((folder / "tpp.json").read_text())
-    assert stored["format"] == "memtree-tpp" and stored["epochs"] == 2.0 and stored["dropout"] == 0.25
+    n_samples = len(_samples(run / "shards"))
+    assert stored["format"] == "memtree-tpp" and stored["dropout"] == 0.25
+    assert stored["epochs"] == pytest.approx(6 * 8 / n_samples)
     cfg = json.loads((folder / "memtree_config.json").read_text())["config"]
     assert stored["lr_ratio"] == pytest.approx(cfg["memory"]["lr"] / cfg["optim"]["lr"])
     assert "tokens per parameter" in capsys.readouterr().out
-    want = _plan_json(capsys, "--memory", "4,8", "--shards", str(run / "shards"), "--duration", "2ep",
-                      "--dropout", "0.25")["tokens_per_parameter"]
+    want = _plan_json(capsys, "--memory", "4,8", "--shards", str(run / "shards"), "--duration", "6ba",
+                      "--batch-size", "8", "--dropout", "0.25")["tokens_per_parameter"]
     assert stored["levels"] == want["levels"]
     # a table written under an older rule (no LR ratio, another floor) is read under today's
     (folder / "tpp.json").write_text(json.dumps({**{k: v for k, v in stored.items() if k != "lr_ratio"},
