@@ -378,7 +378,8 @@ def format_training_report(r: TrainingReport, device_label: str | None = None) -
             continue
         notes.append(textwrap.fill(f"({len(notes) + 1}) {k[0]}+{k[1].upper()}: {why}",
                                    width=100, subsequent_indent="    "))
-        cells.append(f"never ({len(notes)})" if mr.ranks is None else f"{mr.ranks} ({len(notes)})")
+        # a bare number under "fits from" would read as "and on more": say which count does not
+        cells.append(f"never ({len(notes)})" if mr.ranks is None else f"{mr.ranks}, not {r.ranks} ({len(notes)})")
     lines.append(row("fits from", cells))
     if notes:
         lines += ["", *notes]

@@ -310,5 +310,5 @@ def test_cli_explains_a_fit_on_fewer_ranks_only(capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     fits_from = next(line for line in out.splitlines() if line.startswith("fits from"))
-    assert fits_from.split()[2:4] == ["1", "(1)"]
+    assert fits_from.split()[2:6] == ["1,", "not", "8", "(1)"]
     assert "(1) replicated+DDP: fits on 1 but not on 8 ranks" in out
