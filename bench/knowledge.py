@@ -33,7 +33,9 @@ from _common import (  # bench/ is sys.path[0] when a script runs
 from omegaconf import OmegaConf
 
 from eval.demo import run_main_job
+from memtree.config import from_dict
 from memtree.io import read_json
+from pipeline.corpus.bios import BiosSpec
 
 MODES = ("none", "generic", "fetched", "rag")
 
@@ -146,10 +148,12 @@ def main(argv: list[str] | None = None) -> int:
             if data["meta"]["corpus"]["spec"]["seed"] != seed:
                 raise SystemExit(f"{existing[seed]} was run with corpus seed "
                                  f"{data['meta']['corpus']['spec']['seed']}, not {seed}")
-            off = {k: v for k, v in corpus.items() if data["meta"]["corpus"]["spec"].get(k) != v}
+            # the whole spec, as `memtree demo` refuses a root of another corpus (pipeline/demo.py)
+            have = BiosSpec.stored(data["meta"]["corpus"]["spec"])
+            want = from_dict(BiosSpec, {**corpus, "seed": seed}, where="--corpus").record()
+            off = {k: (want.get(k), have.get(k)) for k in want.keys() | have.keys() if want.get(k) != have.get(k)}
             if off:
-                raise SystemExit(f"{existing[seed]} was run with another corpus: {off} asked, "
-                                 f"{ {k: data['meta']['corpus']['spec'].get(k) for k in off} } there")
+                raise SystemExit(f"{existing[seed]} was run with another corpus (asked, there): {off}")
         else:
             log(f"seed {seed}: memtree demo under {args.root}/seed-{seed}")
             report = run_main_job(Path(args.root) / f"seed-{seed}", seed=seed, train_overrides=args.train,
