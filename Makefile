@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-all install bench device-wheels clean
+.PHONY: demo test test-ranks test-all install bench device-wheels clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# the slow multi-rank tests (and the BLAS fix's pipeline) that `make test` deselects; .ci/run runs them
+RANK_TESTS := tests/test_training_sharded.py tests/test_reliability_elastic.py tests/test_training_replicas.py \
+	tests/test_blas_check.py
+test-ranks: $(STAMP)
+	$(PY) -m pytest -q -m slow $(RANK_TESTS)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "slow or not slow"

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from clustering import blas as blas_check
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -174,28 +176,18 @@ def peak_mib(call: Callable[[], Any], device: str) -> float | None:
 # ------------------------------------------------------------------- what a benchmark ran on
 # OpenBLAS reads these at load time; machines that set them (cloud images do) force slower kernels
 BLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
-# OpenBLAS kernels with AVX2 or better: any other kernel on a CPU with AVX2 is a fallback (an
-# OpenBLAS too old to know the CPU picks a generic one: FAISS 1.15.1's bundled 0.3.15 runs
-# "Prescott", SSE3, on the Sapphire Rapids VM this project runs on)
-FAST_KERNELS = {"haswell", "zen", "skylakex", "cooperlake", "sapphirerapids", "neoversen1", "neoversen2",
-                "neoversev1", "armv8sve"}
+# OpenBLAS kernels with AVX2 or better (the pipeline's check shares the list): any other kernel on
+# a CPU with AVX2 is a fallback
+FAST_KERNELS = blas_check.FAST_KERNELS
 ENV_PREFIXES = ("OPENBLAS_", "OMP_", "MKL_", "GOTO", "KMP_", "OPENMP_")
 _REEXEC = "MEMTREE_BENCH_BLAS"
 
 
 def cpu_info() -> dict[str, Any]:
     """CPU model and the SIMD extensions that decide which BLAS kernels can run."""
-    model, flags = platform.processor() or "", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not model:
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith(("flags", "Features")) and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    model, flags = blas_check.cpu_flags()
     simd = sorted(f for f in flags if f.startswith(("sse4", "avx", "fma", "amx", "f16c", "asimd", "sve")))
-    return {"model": model, "cores": os.cpu_count(), "simd": simd}
+    return {"model": model or platform.processor() or "", "cores": os.cpu_count(), "simd": simd}
 
 
 def blas_libraries() -> list[dict[str, Any]]:
@@ -318,6 +310,40 @@ def prepare_blas_env(mode: str = "auto") -> dict[str, Any]:
     done |= {"final": True, "faiss_kernel": kernel}
     os.environ[_REEXEC] = json.dumps(done)
     return done
+
+
+_EMULATE = "MEMTREE_BENCH_EMULATE_BLAS"
+EMULATIONS = ("faiss-fallback", "slow-numpy-blas")
+
+
+def emulate_blas(kind: str) -> dict[str, Any]:
+    """Another host's BLAS on this one, by changing OPENBLAS_CORETYPE between the two OpenBLAS
+    loads (OpenBLAS reads it once, at load; numpy's loads when this module imports numpy, FAISS's
+    at `import faiss`). "faiss-fallback": numpy's OpenBLAS picks its own kernel, FAISS's runs
+    Prescott (SSE3), as on the Intel Xeon of issue #56; "slow-numpy-blas": numpy's runs Prescott,
+    FAISS's the kernel the CPU runs (a host whose numpy BLAS is the slower one). The command is
+    re-executed once with the variable numpy's load must see. torch's BLAS (MKL in the x86 wheels)
+    reads neither. Call first thing in main(), before anything imports FAISS; returns what was done."""
+    import sys
+
+    from clustering.blas import cpu_flags, safe_coretype
+
+    if kind not in EMULATIONS:
+        raise ValueError(f"unknown BLAS emulation {kind!r}; one of {EMULATIONS}")
+    fast = safe_coretype(cpu_flags()[1])
+    if fast is None:
+        raise SystemExit("a BLAS emulation needs a CPU with AVX2 (a fast kernel to compare with)")
+    numpy_kernel, faiss_kernel = ("Prescott", fast) if kind == "slow-numpy-blas" else (None, "Prescott")
+    if os.environ.get(_EMULATE) != kind:
+        env = {k: v for k, v in os.environ.items() if k not in BLAS_VARS} | {_EMULATE: kind}
+        if numpy_kernel:
+            env["OPENBLAS_CORETYPE"] = numpy_kernel
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    if "faiss" in sys.modules:
+        raise RuntimeError("emulate_blas: FAISS was loaded before the variable could change")
+    os.environ["OPENBLAS_CORETYPE"] = faiss_kernel
+    return {"kind": kind, "numpy_openblas": numpy_kernel or "its own pick (no OPENBLAS_CORETYPE at its load)",
+            "faiss_openblas": faiss_kernel}
 
 
 def sgemm_gflops(n: int = 2048, repeats: int = 5) -> float:

@@ -6,6 +6,7 @@
     python bench/bank_parallel.py --parts scale --branchings 4 17 --scale-banks sharded --repeats 3
     python bench/bank_parallel.py --parts scale --branchings 4 17 --scale-banks sharded --repeats 3 \
         --allocators retain --fixed-rows          # only the bank grows: the flatness target
+    python bench/bank_parallel.py --parts threads --steps 8 --warmup 2   # cpu_threads auto vs torch's default
 
 Each configuration is a `composer -n W` launch of this file in worker mode (`--worker SPEC`): it
 builds the run with `training.train.build_trainer` (gloo on the CPU), attaches `CommBytes`
@@ -24,6 +25,12 @@ trains `--steps` steps without saving, and writes one JSON per rank.
   runs the sharded bank under both `host_allocator` settings (the replicated baseline under the
   last); `--repeats R` interleaves R rounds. Target: sharded step time flat (≤ 1.1× from 1× to
   70×), RSS per rank growing as bank / 4.
+- threads: 2 ranks, sharded bank, the demo's shapes (`--threads-batch` sequences per step): the
+  new default (`cpu_threads: auto`, OMP_NUM_THREADS unset: usable cores / local ranks threads per
+  rank) against the old one (torch's default, every core in every rank: `cpu_threads` set to the
+  count torch picks here without OMP_NUM_THREADS), `--repeats` interleaved rounds: tokens per
+  second of the whole run (every rank's input tokens / the slowest rank's median step) and the
+  ratio. The comm and scale parts run their ranks with OMP_NUM_THREADS=1, as they always have.
 
 Baselines run in the same invocation, interleaved by size. Results: bench/results/bank-parallel-<date>.json
 and .png.
@@ -55,6 +62,7 @@ DEMO_TRAIN = ["model.anchor=custom", "model.shape={n_layers: 4, d_model: 128, n_
 
 def _worker(spec_path: str) -> int:
     """One rank of one configuration: train, then write rank{r}.json into spec["out"]."""
+    import torch
     from composer.core import Callback
     from composer.utils import dist
 
@@ -68,6 +76,7 @@ def _worker(spec_path: str) -> int:
     class Report(Callback):
         def __init__(self) -> None:
             self.t0, self.steps, self.bytes, self.faults, self.sys, self.rows = 0.0, [], [], [], [], []
+            self.tokens = []
 
         def batch_start(self, state, logger) -> None:
             self.t0, self.ru = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
@@ -82,6 +91,7 @@ def _worker(spec_path: str) -> int:
             # distinct bank rows this rank's optimizer updated: the sparse step's work, which
             # grows with how many rows a batch spreads over, not with the table
             self.rows.append(sum(state.optimizers[0].last_rows.values()))
+            self.tokens.append(int(state.batch["input_ids"].numel()))
 
         def fit_end(self, state, logger) -> None:
             bank, opt = unwrap(state.model).bank, state.optimizers[0]
@@ -104,7 +114,9 @@ def _worker(spec_path: str) -> int:
                                             if p.requires_grad),
                    # the generic rows' all-reduce: each table's row plus one "was read" flag
                    "generic_row_bytes": sum((t.shape[1] + 1) * t.element_size() for t in tables),
-                   "shard": list(bank.shard) if bank.shard is not None else None}
+                   "shard": list(bank.shard) if bank.shard is not None else None,
+                   "threads": torch.get_num_threads(),
+                   "tokens_per_step": statistics.mean(self.tokens[skip:])}
             Path(spec["out"], f"rank{rep['rank']}.json").write_text(json.dumps(rep))
 
     comm = CommBytes(hook_ddp=True)
@@ -116,7 +128,9 @@ def _worker(spec_path: str) -> int:
     return 0
 
 
-def _launch(world: int, overrides: list[str], *, steps: int, warmup: int, tmp: Path, name: str) -> list[dict]:
+def _launch(world: int, overrides: list[str], *, steps: int, warmup: int, tmp: Path, name: str,
+            omp_threads: str | None = "1") -> list[dict]:
+    """`omp_threads`: the ranks' OMP_NUM_THREADS (None: unset, so `cpu_threads` decides)."""
     from streaming.base.util import clean_stale_shared_memory
 
     out = tmp / name
@@ -126,7 +140,9 @@ def _launch(world: int, overrides: list[str], *, steps: int, warmup: int, tmp: P
     spec.write_text(json.dumps({"out": str(out), "warmup": warmup, "overrides": [
         *overrides, f"max_duration={steps}ba", f"save_folder={out / 'run'}"]}))
     clean_stale_shared_memory()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"PYTHONPATH": str(REPO)}
+    if omp_threads is not None:
+        env["OMP_NUM_THREADS"] = omp_threads
     t0 = time.time()
     r = subprocess.run([str(Path(sys.executable).with_name("composer")), "-n", str(world), __file__, "--worker",
                         str(spec)], env=env, cwd=REPO, capture_output=True, text=True, check=False)
@@ -291,6 +307,49 @@ def part_scale(args, tmp: Path, demo: Path) -> list[dict]:
     return rows
 
 
+def torch_default_threads() -> int:
+    """The intra-op threads torch picks in a fresh process without OMP_NUM_THREADS: what every
+    rank ran with before `cpu_threads: auto`."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    r = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=env,
+                       capture_output=True, text=True, check=True)
+    return int(r.stdout.strip())
+
+
+def part_threads(args, tmp: Path, shards: Path) -> list[dict]:
+    """The new thread default against the old one, `--repeats` rounds interleaved; a row's figure
+    is the median over rounds."""
+    old = torch_default_threads()
+    configs = [("auto (new default)", []), (f"torch default, {old} per rank (old)", [f"cpu_threads={old}"])]
+    got: dict[str, list[dict]] = {}
+    for rnd in range(args.repeats):
+        for label, extra in configs:
+            reps = _launch(2, [f"data.shards={shards}", f"data.batch_size={args.threads_batch}", "parallel.data=lanes",
+                               "parallel.bank=sharded", *DEMO_TRAIN, *extra],
+                           steps=args.steps, warmup=args.warmup, tmp=tmp, name=f"threads-{len(extra)}-r{rnd}",
+                           omp_threads=None)
+            if reps[0].get("failed"):
+                got.setdefault(label, []).append(reps[0])
+                continue
+            step = max(r["median_step_s"] for r in reps)
+            got.setdefault(label, []).append({"median_step_s": step, "threads": [r["threads"] for r in reps],
+                                              "tokens_per_s": sum(r["tokens_per_step"] for r in reps) / step})
+    rows = []
+    for label, _ in configs:
+        runs = [r for r in got[label] if not r.get("failed")]
+        if not runs:
+            rows.append({"part": "threads", "config": label, **got[label][0]})
+            continue
+        rows.append({"part": "threads", "config": label, "world": 2, "threads_per_rank": runs[0]["threads"],
+                     "median_step_s": statistics.median(r["median_step_s"] for r in runs),
+                     "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+                     "tokens_per_s_per_round": [r["tokens_per_s"] for r in runs]})
+    new, old_row = rows
+    if "tokens_per_s" in new and "tokens_per_s" in old_row:
+        new["ratio_vs_old"] = new["tokens_per_s"] / old_row["tokens_per_s"]
+    return rows
+
+
 def _print(rows: list[dict]) -> None:
     comm = [r for r in rows if r["part"] == "comm"]
     if comm:
@@ -302,6 +361,16 @@ def _print(rows: list[dict]) -> None:
             print(" | ".join(fmt(x) for x in [r["world"], r["bank"], *[r.get(k, 0) for k in kinds], r["bytes_total"],
                                                r["allowed_bytes"], r.get("bytes_ratio_vs_replicated"),
                                                r["meets_target"]]))
+    threads = [r for r in rows if r["part"] == "threads"]
+    if threads:
+        print("\nthreads per rank, 2 ranks, sharded bank (demo shapes):")
+        print("config | threads per rank | step s | tokens/s | new / old")
+        for r in threads:
+            if r.get("failed"):
+                print(f"{r['config']} | failed, rc {r['rc']}")
+                continue
+            print(" | ".join(fmt(x) for x in [r["config"], "/".join(map(str, r["threads_per_rank"])),
+                                               r["median_step_s"], r["tokens_per_s"], r.get("ratio_vs_old")]))
     scale = [r for r in rows if r["part"] == "scale"]
     if scale:
         print("\nbank size at 4 ranks:")
@@ -344,7 +413,8 @@ def plot(rows: list[dict], path: Path) -> None:
         bottom += vals
     ax.set_ylabel("MiB sent per rank per step (ring)")
     ax.set_title("Collectives per step, demo shapes")
-    ax.legend(fontsize=7)
+    if comm:
+        ax.legend(fontsize=7)
     ax2 = fig.add_subplot(1, 2, 2)
     for (bank, alloc), style in _scale_series(rows):
         pts = [r for r in rows if r["part"] == "scale" and r["bank"] == bank and r["host_allocator"] == alloc
@@ -370,7 +440,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", nargs="+", choices=["comm", "scale"], default=["comm", "scale"])
+    p.add_argument("--parts", nargs="+", choices=["comm", "scale", "threads"], default=["comm", "scale"])
     p.add_argument("--demo-root", default=str(REPO / "runs" / "demo"), help="a demo run (its pipeline is built if absent)")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--batch", type=int, default=16, help="global batch of the comm part")
@@ -388,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allocators", nargs="+", choices=["system", "retain"], default=["system", "retain"],
                    help="scale part: the ranks' host_allocator settings (sharded runs each; the replicated "
                         "baseline with the last)")
+    p.add_argument("--threads-batch", type=int, default=8, help="global batch of the threads part")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -399,13 +470,16 @@ def main(argv: list[str] | None = None) -> int:
     results = {"meta": run_meta(args, cpus=os.cpu_count(), threadpools=threadpool_info(),
                                 env={k: v for k, v in os.environ.items()
                                      if k.startswith(("OPENBLAS_", "OMP_", "MKL_"))},
-                                worker_env={"OMP_NUM_THREADS": "1"}), "rows": []}
+                                worker_env={"OMP_NUM_THREADS": "1 (comm, scale); unset (threads)"},
+                                usable_cores=len(os.sched_getaffinity(0))), "rows": []}
     demo = demo_shards(Path(args.demo_root))
     with tempfile.TemporaryDirectory(prefix="memtree-bank-parallel-") as tmp:
         if "comm" in args.parts:
             results["rows"] += part_comm(args, Path(tmp), demo)
         if "scale" in args.parts:
             results["rows"] += part_scale(args, Path(tmp), demo)
+        if "threads" in args.parts:
+            results["rows"] += part_threads(args, Path(tmp), demo)
     plot(results["rows"], out.with_suffix(".png"))
     return finish(results, out, _print)
 

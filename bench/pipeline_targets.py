@@ -35,7 +35,9 @@ import embed_backends
 import routing
 import tree_targets
 from _common import (  # bench/ is sys.path[0] when a script runs
+    EMULATIONS,
     baseline_health,
+    emulate_blas,
     faiss_l2_gflops,
     finish,
     log,
@@ -47,6 +49,8 @@ from _common import (  # bench/ is sys.path[0] when a script runs
     torch_sgemm_gflops,
 )
 
+from clustering import gemm
+
 TREE_SPEEDUP, TWO_LEVEL_SPEEDUP, NMI_VS_FLAT, BALANCE = 5.0, 1.0, 0.95, 1.2
 ROUTE_SPEEDUP, EMBED_SPEEDUP, EMBED_COSINE = 100.0, 2.0, 0.996
 
@@ -55,7 +59,7 @@ def _met(ok: bool | None) -> str:
     return "-" if ok is None else "yes" if ok else "no"
 
 
-def target_rows(tree: dict, route: dict, embed: dict, health: dict, data: dict) -> list[dict]:
+def target_rows(tree: dict, route: dict, embed: dict | None, health: dict, data: dict) -> list[dict]:
     """The issue's targets as `print_targets` rows: {bench, metric, value, unit, baseline, ratio,
     target, met, data}. A ratio against a handicapped baseline is None and its target unjudged."""
     faiss_ok, torch_ok = health["faiss"]["healthy"], health["torch"]["healthy"]
@@ -77,6 +81,10 @@ def target_rows(tree: dict, route: dict, embed: dict, health: dict, data: dict) 
         f">= {TREE_SPEEDUP:g}x", None if vs_flat is None else vs_flat >= TREE_SPEEDUP, data["tree"])
     add("tree", "build_tree vs two_level_clustering", mt["seconds"], "s", two["seconds"], vs_two,
         f">= {TWO_LEVEL_SPEEDUP:g}x", None if vs_two is None else vs_two >= TWO_LEVEL_SPEEDUP, data["tree"])
+    if tree_targets.NUMPY_GEMM in t:  # the same build on numpy's GEMM: what the GEMM choice is worth
+        on_np = t[tree_targets.NUMPY_GEMM]
+        add("tree", "build_tree on numpy's GEMM vs flat faiss.Kmeans", on_np["seconds"], "s", flat["seconds"],
+            speed(flat["seconds"], on_np["seconds"]), "- (before the GEMM choice)", None, data["tree"])
     add("tree", "leaf NMI vs flat", mt["nmi"], "", flat["nmi"], mt["nmi"] / flat["nmi"], f">= {NMI_VS_FLAT:g}x",
         mt["nmi"] >= NMI_VS_FLAT * flat["nmi"], data["tree"])
     add("tree", "leaf NMI vs two-level", mt["nmi"], "", two["nmi"], mt["nmi"] / two["nmi"], "> 1x",
@@ -94,6 +102,8 @@ def target_rows(tree: dict, route: dict, embed: dict, health: dict, data: dict) 
         f">= {ROUTE_SPEEDUP:g}x", None if vs_exh is None else vs_exh >= ROUTE_SPEEDUP, data["route"])
     agree = route["agreement_with_float64_argmin"]
     add("route", "paths = float64 argmin", agree, "", None, None, "1.000", agree == 1.0, data["route"])
+    if embed is None:  # --no-embed
+        return rows
     cos = embed["cosine"]["min"]
     for row in embed["rows"]:
         ratio = row["speedup"] if torch_ok else None
@@ -116,12 +126,27 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--blas", choices=("auto", "as-is"), default="auto",
                    help="auto: a healthy BLAS environment for the FAISS baselines (bench/README.md)")
+    p.add_argument("--gemm", choices=("auto", *gemm.BACKENDS), default="auto",
+                   help="the node fits' GEMM (clustering.gemm); auto: the fastest, measured once, as the pipeline does")
+    p.add_argument("--no-embed", action="store_true", help="leave out the embedding targets (tree and routing only)")
+    p.add_argument("--emulate", choices=EMULATIONS, default=None,
+                   help="another host's BLAS on this one (bench/_common.emulate_blas): faiss-fallback, FAISS's "
+                        "OpenBLAS on Prescott (the Intel Xeon of issue #56); slow-numpy-blas, numpy's on "
+                        "Prescott; either also times the tree on numpy's GEMM")
     args = p.parse_args()
-    prepare_blas_env(args.blas)  # may re-execute this command
+    emulation = emulate_blas(args.emulate) if args.emulate else None
+    if emulation is None:
+        prepare_blas_env(args.blas)  # may re-execute this command
     import faiss
 
-    meta = run_meta(args)  # at the start: when the run began, and the load then
+    meta = run_meta(args, emulation=emulation)  # at the start: when the run began, and the load then
     sgemm = sgemm_gflops()
+    if emulation is not None and args.emulate == "slow-numpy-blas":
+        # numpy's sgemm is the handicapped one here: judge the baselines against torch's
+        emulation["numpy_sgemm_gflops"], sgemm = round(sgemm, 1), torch_sgemm_gflops()
+        emulation["reference_sgemm"] = f"torch's, {sgemm:.1f} GFLOP/s"
+    if emulation is not None:
+        log(f"emulation: {emulation}")
     health = {"faiss": baseline_health("faiss IndexFlatL2 search", faiss_l2_gflops(), sgemm),
               "torch": baseline_health("torch float32 matmul (encode's GEMMs)", torch_sgemm_gflops(), sgemm)}
     log(f"baseline health: {health}")
@@ -130,15 +155,19 @@ def main() -> int:
     else:
         tree_size, route_size, embed_size = (100_000, 3), (4, 16, 20_000), (1_000, 512)
     tree = tree_targets.measure(n=tree_size[0], seed=args.seed, levels=tree_size[1], repeats=args.tree_repeats,
-                                healthy=health["faiss"]["healthy"])
+                                healthy=health["faiss"]["healthy"], gemm_backend=args.gemm,
+                                numpy_row=emulation is not None)
+    log(f"node fits' GEMM: {tree['gemm']}")
     tree["skewed"] = tree_targets.skewed_balance(
         seed=args.seed, sizes=((4_000, 2),) if args.quick else tree_targets.SKEWED)
     route = routing.measure(levels=route_size[0], branching=route_size[1], nq=route_size[2],
                             repeats=args.route_repeats, healthy=health["faiss"]["healthy"])
-    embed = embed_backends.measure(n_docs=embed_size[0], timed=embed_size[1], settings=[(256, 1), (256, 2)],
-                                   rounds=args.embed_rounds, quality=False)
+    embed = None if args.no_embed else embed_backends.measure(
+        n_docs=embed_size[0], timed=embed_size[1], settings=[(256, 1), (256, 2)], rounds=args.embed_rounds,
+        quality=False)
     data = {"tree": f"gmm_hierarchy({tree_size[0]:,}, seed={args.seed}), {tree_size[1]} x 16, "
-                    f"median of {args.tree_repeats}",
+                    f"median of {args.tree_repeats}, GEMM {tree['gemm']}"
+                    + (f", EMULATED {args.emulate}" if emulation else ""),
             "route": f"{route_size[1]}^{route_size[0]} leaves, {route_size[2]:,} queries, "
                      f"median of {args.route_repeats}",
             "embed": f"{embed_size[1]} synthetic docs timed, cosine over {embed_size[0]}"}

@@ -48,24 +48,33 @@ def _balance(labels: np.ndarray, k: int) -> tuple[float, int]:
 
 # The paper's rule alone: no cell equalisation and no strict refits for the balance target.
 NO_BALANCING = "build_tree, equalize_steps=0, balance_target=None"
+NUMPY_GEMM = "build_tree (defaults) on numpy's GEMM"
 
 
-def measure(*, n: int, seed: int, levels: int, repeats: int, healthy: bool, branching: int = 16) -> dict:
+def measure(*, n: int, seed: int, levels: int, repeats: int, healthy: bool, branching: int = 16,
+            gemm_backend: str = "numpy", numpy_row: bool = False) -> dict:
     """build_tree (defaults, and without balancing: NO_BALANCING) against flat faiss.Kmeans and two_level_clustering
-    on `gmm_hierarchy(n, seed)`, interleaved rounds: {rows, runs_seconds, equalize_share}. No
-    speed-up is given (speedup_vs_flat None) unless the FAISS baselines are `healthy`."""
+    on `gmm_hierarchy(n, seed)`, interleaved rounds: {rows, runs_seconds, equalize_share, gemm}. No
+    speed-up is given (speedup_vs_flat None) unless the FAISS baselines are `healthy`.
+    gemm_backend: the node fits' GEMM (`clustering.gemm`; "auto": the fastest, measured once);
+    numpy_row: where that is not numpy, also time the default build on numpy's GEMM (NUMPY_GEMM)."""
     import faiss
     from faiss.contrib.clustering import two_level_clustering
+
 
     B = branching
     k = B**levels
     x, lab = gmm_hierarchy(n, seed, levels=levels, branching=B)
     d = x.shape[1]
 
-    def memtree(eq: int | None = None):
+    from clustering.blas import best_gemm
+
+    backend = best_gemm() if gemm_backend == "auto" else gemm_backend
+
+    def memtree(eq: int | None = None, on: str = backend):
         # equalize_steps=0 is the paper's rule alone: no refits for the balance target either
         kw = {} if eq is None else {"equalize_steps": eq, "balance_target": None}
-        tree, paths = build_tree(x, levels=levels, branching=B, **kw)
+        tree, paths = build_tree(x, levels=levels, branching=B, gemm_backend=on, **kw)
         return paths[:, -1], [s.max() / s.mean() for s in tree.sizes]
 
     def assign(c):
@@ -86,6 +95,8 @@ def measure(*, n: int, seed: int, levels: int, repeats: int, healthy: bool, bran
 
     fns = {"build_tree (defaults)": memtree, NO_BALANCING: lambda: memtree(0),
            "faiss.Kmeans flat": flat, "two_level_clustering": two_level}
+    if numpy_row and backend != "numpy":
+        fns[NUMPY_GEMM] = lambda: memtree(on="numpy")
     secs: dict[str, list[float]] = {m: [] for m in fns}
     outs: dict[str, tuple] = {}
     for r in range(repeats):  # interleaved, order alternating
@@ -105,7 +116,7 @@ def measure(*, n: int, seed: int, levels: int, repeats: int, healthy: bool, bran
         rows.append(row)
     eq_share = 1.0 - med[NO_BALANCING] / med["build_tree (defaults)"]
     log(f"balancing's share of the default build (equalisation and refits): {eq_share:.1%}")
-    return {"rows": rows, "runs_seconds": secs, "equalize_share": eq_share}
+    return {"rows": rows, "runs_seconds": secs, "equalize_share": eq_share, "gemm": backend}
 
 
 # Skewed data for the balance target (issue #37: "expect it to be checked on other data"):

@@ -41,8 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
+from clustering import gemm
 from clustering.route_core import TIE_GAP
 
 EQUALIZE_SAMPLE = 65536
@@ -262,9 +262,10 @@ def single_threaded():
     saves and spin-waits badly when other processes share the cores
     (measured with the former FAISS search, 6,400 × 16 × 384: 1.7 ms on one
     thread, 13.7 ms on two under load). Parallelism comes from fitting groups of nodes at once
-    (threads or Dask tasks) instead.
+    (threads or Dask tasks) instead. torch's intra-op pool too, for `clustering.gemm`'s torch
+    backend.
     """
-    return threadpool_limits(limits=1)
+    return gemm.one_thread()
 
 
 def fit_nodes_batched(
@@ -366,7 +367,7 @@ def _nearest(seg: _Segments, xs: Sequence[np.ndarray], c: np.ndarray,
     kmax = c.shape[1]
     dots = np.zeros((int(seg.off[-1]), kmax), dtype=np.float32)  # unused columns: 0, scored inf
     for j, (s, e) in enumerate(seg.bounds):
-        np.matmul(xs[j], c[j, : k[j]].T, out=dots[s:e, : k[j]])
+        gemm.matmul(xs[j], c[j, : k[j]].T, dots[s:e, : k[j]])
     cn = (c * c).sum(-1)
     cn[np.arange(kmax)[None, :] >= k[:, None]] = np.inf  # a node's unused columns never win
     dots *= -2.0
@@ -507,7 +508,7 @@ class _BatchedFit:
             sums_t = np.zeros((len(live), self.xb.shape[1], kmax), dtype=np.float32)
             for i, (s, e) in enumerate(seg.bounds):
                 # per-cluster sums as one small GEMM; xᵀ·onehot measured 1.4× faster than onehotᵀ·x
-                np.matmul(views[i].T, onehot[s:e, : kl[i]], out=sums_t[i, :, : kl[i]])
+                gemm.matmul(views[i].T, onehot[s:e, : kl[i]], sums_t[i, :, : kl[i]])
             nz = counts > 0
             cl[nz] = (sums_t.transpose(0, 2, 1)[nz] / counts[nz][:, None]).astype(np.float32)
             c[live] = cl
@@ -585,7 +586,7 @@ def _equalize(seg: _Segments, rows_of, c: np.ndarray, k: np.ndarray, *, steps: i
         d = dirs[j, : k[j]].T.astype(np.float32)
         for a in range(0, e - s, GATHER_ROWS):  # a gathered node's rows pass in slices
             b = min(a + GATHER_ROWS, e - s)
-            np.matmul(rows_of(j, a, b), d, out=dots[s + a : s + b, : k[j]])
+            gemm.matmul(rows_of(j, a, b), d, dots[s + a : s + b, : k[j]])
     row = seg.node_of_row
     n_rows = int(seg.off[-1])
     limit = norms * (STRICT_MAX_NORM_SCALE if strict else MAX_NORM_SCALE)

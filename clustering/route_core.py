@@ -21,6 +21,8 @@ import functools
 
 import numpy as np
 
+from clustering import gemm
+
 # A float32 score gap below this (scores ||c||² − 2·x·c of unit-scale vectors, d ≤ a few
 # thousand: float32 rounding stays under 1e-5) is settled again in float64.
 TIE_GAP = 1e-4
@@ -175,7 +177,7 @@ def _dots_grouped(c32: np.ndarray, x32: np.ndarray, parent: np.ndarray, B: int) 
     dots = np.empty((n, B), dtype=np.float32)
     for s, e, p in zip(starts.tolist(), ends.tolist(), sp[starts].tolist()):
         rows = x32[s:e] if order is None else x32[order[s:e]]
-        np.matmul(rows, c32[p * B : p * B + B].T, out=dots[s:e])
+        gemm.matmul(rows, c32[p * B : p * B + B].T, dots[s:e])
     if order is None:
         return dots
     out = np.empty_like(dots)

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from clustering import gemm
 from clustering.kmeans import (
     CONVERGE_TOL,
     EQUALIZE_SAMPLE,
@@ -268,6 +269,7 @@ def build_tree(
     fit_nodes: Callable[..., Sequence[tuple[np.ndarray, int, int]]] | None = None,
     n_jobs: int | None = None,
     on_level: Callable[[int], None] | None = None,
+    gemm_backend: str = "numpy",
 ) -> tuple[Tree, np.ndarray]:
     """Build the tree root-to-leaves on x (n, dim) float32; returns (tree, paths (n, levels)).
 
@@ -288,8 +290,16 @@ def build_tree(
     demo's fetched-generic gap from 15.3 to 8.8 points for reasons not found, so only the
     nodes that break the target pay for it. The count of refitted and kept nodes per level
     is in tree.meta["balance_repairs"].
+    gemm_backend: the BLAS the default fitter's GEMMs run on (`clustering.gemm`: "numpy",
+    "torch", "faiss", or "auto": the fastest on a sample of node fits, `clustering.blas.best_gemm`,
+    measured once per process); the paths do not depend on it, the centroids only by float32
+    rounding (~1e-7). A `fit_nodes` of the caller's chooses its own.
     """
     n, dim = x.shape
+    if gemm_backend == "auto":
+        from clustering.blas import best_gemm
+
+        gemm_backend = best_gemm(n_jobs)
     if balance_target is not None and balance_target < 1.0:
         raise ValueError(f"balance_target must be >= 1.0 or None, got {balance_target!r}")
     params = {"branching": branching, "min_points_per_child": min_points_per_child,
@@ -307,7 +317,7 @@ def build_tree(
                              cell_slack=level_cell_slack(balance_factor, level, levels, strict),
                              strict_balance=strict, **params)
 
-        with single_threaded(), ThreadPoolExecutor(max_workers=workers) as ex:
+        with gemm.using(gemm_backend), single_threaded(), ThreadPoolExecutor(max_workers=workers) as ex:
             return [fit for part in ex.map(one, chunks) for fit in part]
 
     fit_nodes = fit_nodes or threaded

@@ -6,9 +6,10 @@ handler that calls the library and prints; the library does the work. Helper
 modules beside it: `cli_common` (the shared conventions: `--queries FILE`,
 `--query TEXT`, `--out PATH`, `--json`, deprecated aliases, errors that name the
 flag; memstore/README.md "Command-line conventions"), `cli_blocking` (block /
-unblock / delete) and `cli_sim` (the flags of the fetch-latency simulator,
-`memstore.sim`: `memtree simulate-fetch` and `memtree memstore calibrate`,
-re-exported here).
+unblock / delete), `cli_shards` (`info` / `verify` of a sharded training run's
+bank checkpoint, `memtree-bank-shards`, and `export` of it into a bank) and
+`cli_sim` (the flags of the fetch-latency simulator, `memstore.sim`:
+`memtree simulate-fetch` and `memtree memstore calibrate`, re-exported here).
 
 Handlers import the memstore library (and clustering) when they run, not at
 module top: `memtree` builds every stage's parser on each call, and the library
@@ -32,17 +33,21 @@ from pathlib import Path
 
 from memstore.cli_blocking import add_block_commands
 from memstore.cli_common import (
+    INIT_MARK,
     DeprecatedAlias,
     add_json,
     add_wait,
     check_bank,
     check_level,
+    check_replace,
+    describe_bank,
     emit,
     load_tree_arg,
     note,
     parse_ids,
     read_queries,
 )
+from memstore.cli_shards import add_export, is_checkpoint, shards_info, shards_verify
 from memstore.cli_sim import (  # noqa: F401  (re-exported: the simulator's flags and handlers)
     CALIBRATE_OUT,
     CALIBRATE_WORKDIR,
@@ -68,7 +73,6 @@ from memtree.geometry import (
     MemoryConfig,
     format_plan,
     get_anchor,
-    human,
     human_bytes,
     parse_multipliers,
     plan,
@@ -82,8 +86,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Plan, build and inspect hierarchical memory banks (seed 002 §2, App. A, App. I).",
     )
     subparsers = p.add_subparsers(dest="memstore_command", metavar="SUBCOMMAND")
-    for add in (_add_plan, _add_init, _add_info, _add_verify, _add_fetch, add_block_commands, _add_split, _add_merge,
-                _add_relocate, add_calibrate):
+    for add in (_add_plan, _add_init, _add_info, _add_verify, add_export, _add_fetch, add_block_commands, _add_split,
+                _add_merge, _add_relocate, add_calibrate):
         add(subparsers)
     p.set_defaults(func=lambda args: _help(p))
     add_simulate(sub)
@@ -307,9 +311,6 @@ def _plan(args: argparse.Namespace) -> int:
 
 # --- init ---------------------------------------------------------------------------------------
 
-INIT_MARK = "memtree memstore init"
-
-
 def _add_init(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "init", help="create a bank on disk, initialised as App. I (memories have no effect at step 0)",
@@ -334,28 +335,6 @@ def _add_init(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_init)
 
 
-def _check_replace(bank: str, force: bool) -> bool:
-    """May `init` write BANK? True when it replaces a bank. A fresh, untouched `init` bank is
-    replaced freely; trained or edited weights or an audit log need --force; anything else that
-    is not an empty directory is never replaced."""
-    from memtree.io import read_json
-
-    p = Path(bank)
-    if not p.exists() or (p.is_dir() and not any(p.iterdir())):
-        return False
-    if not (p / "manifest.json").is_file():
-        raise ValueError(f"{bank} exists and is not a memory bank; refusing to replace it (choose another BANK)")
-    manifest = read_json(p / "manifest.json")
-    held = []
-    if (manifest.get("extra") or {}).get("written_by") != INIT_MARK or int(manifest.get("generation", 0)):
-        held.append("trained or edited weights")
-    if (p / "audit.jsonl").exists():
-        held.append("an audit log of blocks / deletions")
-    if held and not force:
-        raise ValueError(f"{bank} already holds a bank with {' and '.join(held)}; add --force to replace it")
-    return True
-
-
 def _init(args: argparse.Namespace) -> int:
     from memstore.format import paper_init, zeros_init
     from memstore.locking import bank_writer
@@ -373,36 +352,23 @@ def _init(args: argparse.Namespace) -> int:
         if len(args.memory.split(",")) > tree.levels:
             raise ValueError(f"--memory {args.memory}: the tree has only {tree.levels} levels")
     with bank_writer(args.bank, operation="write", wait=args.wait):
-        replaced = _check_replace(args.bank, args.force)
+        replaced = check_replace(args.bank, args.force)
         info = write_bank(args.bank, anchor=parse_anchor(args.anchor), memory=_memory_config(args, branching),
                           dtype=args.dtype, rank=args.rank, tree_id=tree_id, subtree=args.subtree,
                           generic=args.generic, extra={"written_by": INIT_MARK, "init": args.init, "seed": args.seed},
                           init=paper_init(args.seed, args.std) if args.init == "paper" else zeros_init,
                           progress=not args.json)
-    emit(args, _describe(info) + ("\n  (replaced the bank that was there)" if replaced else ""),
+    emit(args, describe_bank(info) + ("\n  (replaced the bank that was there)" if replaced else ""),
          {"manifest": info.manifest, "replaced": replaced})
     return 0
-
-
-def _describe(info) -> str:
-    lines = [f"bank {info.root}  (memtree-bank v{info.manifest['version']}, generation {info.generation})",
-             (f"  tree {info.tree_id or '(unbound)'}  subtree {info.subtree if info.subtree is not None else 'all'}"
-             f"  dtype {info.dtype}{f' rank {info.rank}' if info.rank else ''}  type {info.memory.type}")]
-    total = 0
-    for lv in info.levels.values():
-        total += lv.file_bytes
-        lines.append(f"  level {lv.level}: m={lv.multiplier} {lv.n_blocks:,} blocks × {human(lv.params)} params, "
-                     f"record {lv.record_bytes:,} B, stride {lv.stride:,} B, file {lv.file} "
-                     f"({human_bytes(lv.file_bytes)})")
-    lines.append(f"  total {human_bytes(total)}")
-    return "\n".join(lines)
 
 
 # --- info / verify ------------------------------------------------------------------------------
 
 def _add_info(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("info", help="describe a bank: levels, sizes, blocked and deleted blocks")
-    p.add_argument("bank", help="bank directory")
+    p = subparsers.add_parser("info", help="describe a bank (levels, sizes, blocked and deleted blocks) or a "
+                                           "sharded run's bank checkpoint")
+    p.add_argument("bank", help="bank directory, or a bank checkpoint (SAVE/checkpoints/bank/ba{N})")
     add_json(p)
     p.set_defaults(func=_info)
 
@@ -412,10 +378,12 @@ def _info(args: argparse.Namespace) -> int:
     from memstore.journal import recover
     from memstore.store import read_policy
 
+    if is_checkpoint(args.bank):
+        return shards_info(args)
     recover(check_bank(args.bank))
     info = read_manifest(args.bank)
     policy = read_policy(info.root)
-    emit(args, _describe(info) + f"\n  fallback {policy['fallback']}; blocked {_count(policy['blocked'])}; "
+    emit(args, describe_bank(info) + f"\n  fallback {policy['fallback']}; blocked {_count(policy['blocked'])}; "
                                  f"deleted {_count(info.manifest.get('deleted', {}))}",
          {"manifest": info.manifest, "policy": policy})
     return 0
@@ -427,9 +395,10 @@ def _count(runs: dict) -> str:
 
 
 def _add_verify(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("verify", help="check every block against its checksum")
-    p.add_argument("bank", help="bank directory")
-    p.add_argument("--tree", help="also check the bank belongs to this tree")
+    p = subparsers.add_parser("verify", help="check every block against its checksum (or every file of a bank "
+                                             "checkpoint against its sha256)")
+    p.add_argument("bank", help="bank directory, or a bank checkpoint (SAVE/checkpoints/bank/ba{N})")
+    p.add_argument("--tree", help="also check the bank (or checkpoint) belongs to this tree")
     add_json(p)
     p.set_defaults(func=_verify)
 
@@ -438,6 +407,8 @@ def _verify(args: argparse.Namespace) -> int:
     from memstore.format import check_tree, read_manifest, verify_bank
     from memstore.journal import recover
 
+    if is_checkpoint(args.bank):
+        return shards_verify(args)
     recover(check_bank(args.bank))
     if args.tree:
         check_tree(read_manifest(args.bank), load_tree_arg(args.tree))
@@ -587,7 +558,7 @@ def _merge(args: argparse.Namespace) -> int:
         check_bank(part)
     with bank_writer(out, operation="merge", wait=args.wait):
         info = merge_banks(parts, out, generic=args.generic)
-    emit(args, f"merged {len(parts)} per-subtree banks into\n{_describe(info)}", {"manifest": info.manifest})
+    emit(args, f"merged {len(parts)} per-subtree banks into\n{describe_bank(info)}", {"manifest": info.manifest})
     return 0
 
 

@@ -17,6 +17,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from memtree.geometry import human, human_bytes
+from memtree.io import read_json
+
+# what `memtree memstore init` records in the banks it writes: such a bank holds no training yet
+INIT_MARK = "memtree memstore init"
+
 
 def note(message: str) -> None:
     """One line to stderr (deprecations, warnings): stdout stays the command's summary or JSON."""
@@ -95,6 +101,44 @@ def parse_ids(text: str, flag: str) -> list[int]:
     if not ids:
         raise ValueError(f"{flag} {text!r}: no cluster ids given")
     return ids
+
+
+def check_replace(bank: str, force: bool) -> bool:
+    """May `init` (or `export --out`) write BANK? True when it replaces a bank. A fresh, untouched
+    `init` bank is replaced freely; trained or edited weights or an audit log need --force; anything
+    else that is not an empty directory (a training checkpoint included) is never replaced."""
+    p = Path(bank)
+    if not p.exists() or (p.is_dir() and not any(p.iterdir())):
+        return False
+    if not (p / "manifest.json").is_file():
+        raise ValueError(f"{bank} exists and is not a memory bank; refusing to replace it (choose another BANK)")
+    manifest = read_json(p / "manifest.json")
+    if manifest.get("format") != "memtree-bank":
+        raise ValueError(f"{bank} holds a {manifest.get('format')!r}, not a memory bank; refusing to replace it "
+                         "(choose another BANK)")
+    held = []
+    if (manifest.get("extra") or {}).get("written_by") != INIT_MARK or int(manifest.get("generation", 0)):
+        held.append("trained or edited weights")
+    if (p / "audit.jsonl").exists():
+        held.append("an audit log of blocks / deletions")
+    if held and not force:
+        raise ValueError(f"{bank} already holds a bank with {' and '.join(held)}; add --force to replace it")
+    return True
+
+
+def describe_bank(info) -> str:
+    """The summary `init`, `info`, `merge` and `export` print of a bank (`memstore.format.BankInfo`)."""
+    lines = [f"bank {info.root}  (memtree-bank v{info.manifest['version']}, generation {info.generation})",
+             (f"  tree {info.tree_id or '(unbound)'}  subtree {info.subtree if info.subtree is not None else 'all'}"
+             f"  dtype {info.dtype}{f' rank {info.rank}' if info.rank else ''}  type {info.memory.type}")]
+    total = 0
+    for lv in info.levels.values():
+        total += lv.file_bytes
+        lines.append(f"  level {lv.level}: m={lv.multiplier} {lv.n_blocks:,} blocks × {human(lv.params)} params, "
+                     f"record {lv.record_bytes:,} B, stride {lv.stride:,} B, file {lv.file} "
+                     f"({human_bytes(lv.file_bytes)})")
+    lines.append(f"  total {human_bytes(total)}")
+    return "\n".join(lines)
 
 
 def check_level(levels: Sequence[int], level: int, flag: str = "--level") -> int:

@@ -179,9 +179,18 @@ class DaskConfig:
     """LocalCluster workers; None = number of cores."""
     threads_per_worker: int = 1
     memory_limit: str = "auto"
+    blas: Literal["fix", "force", "warn", "off"] = "fix"
+    """The BLAS check before the tree stage (`clustering.blas.check_host`): which kernel FAISS's
+    OpenBLAS runs and how fast against a plain sgemm, and the GEMM the node fits run on. fix: where
+    FAISS's kernel is a fallback the CPU outruns (the faiss-cpu wheel's OpenBLAS 0.3.15 picks SSE3
+    Prescott on recent Intel Xeons), set OPENBLAS_CORETYPE for the LocalCluster's workers unless the
+    environment sets it; force: replace the environment's value too; warn: only say so; off: no
+    check (node fits on numpy's GEMM)."""
 
     def __post_init__(self) -> None:
         _positive(self, "n_workers", "threads_per_worker")
+        if self.blas not in ("fix", "force", "warn", "off"):
+            raise ValueError(f"dask.blas={self.blas!r}: one of fix, force, warn, off")
 
 
 @dataclass(frozen=True, kw_only=True)

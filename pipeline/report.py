@@ -58,6 +58,7 @@ def write_report(root: Path, markers: dict[str, dict], out: Path) -> dict:
         "levels": levels,
         "timing": timing,
         "embed": {k: emb[k] for k in ("model_resolved", "strategy", "max_seq_length", "windows_per_second")},
+        "host": tree.get("host"),  # the BLAS check before the tree stage (clustering.blas)
     }
     atomic_write_json(out / "report.json", report)
     _plot(sizes_all, out / "cluster_sizes.png")
@@ -105,5 +106,24 @@ def _markdown(r: dict) -> str:
           f"{lv['balance_ratio']} |" for lv in r["levels"]], "",
         "## Time per stage", "", "| stage | seconds | items/s |", "|---|---|---|",
         *[f"| {k} | {v['seconds']} | {v.get('items_per_second')} |" for k, v in r["timing"].items()], "",
+        *_host_lines(r.get("host")),
     ]
     return "\n".join(lines)
+
+
+def _host_lines(h: dict | None) -> list[str]:
+    """The BLAS check's section: FAISS's kernel and speed, what memtree changed, the node fits' GEMM."""
+    if not h or h.get("action") == "off":
+        return ["## BLAS", "", ("Not checked (dask.blas=off, or a tree built before the check existed); node fits "
+                "on numpy's GEMM."), ""]
+    lines = ["## BLAS", "", h["message"], "",
+             "| | kernel | GFLOP/s |", "|---|---|---|",
+             f"| FAISS's OpenBLAS (flat search) | {h['faiss_kernel']} | {h['faiss_gflops']} |",
+             f"| numpy's OpenBLAS (sgemm) | {h['numpy_kernel']} | {h['sgemm_gflops']} |"]
+    if h.get("before"):
+        b = h["before"]
+        lines.append(f"| FAISS before memtree's fix | {b['faiss_kernel']} | {b['faiss_search_gflops']} |")
+    lines += ["", (f"Node fits' GEMM: **{h['gemm']}** (a sample of node fits took, in seconds, "
+                   f"{h['gemm_fit_seconds']}; the GEMMs ran at {h['gemm_gflops']} GFLOP/s; {h['gemm_threads']} "
+                   "caller(s) at one BLAS thread each)."), ""]
+    return lines

@@ -26,6 +26,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from clustering import gemm
+from clustering.blas import check_host
 from clustering.embed import (
     SEQ_BUCKET,
     default_model_path,
@@ -64,6 +66,7 @@ class Ctx:
     client: Any
     log: Callable[[str], None]
     markers: dict[str, dict] = field(default_factory=dict)
+    host: dict | None = None  # `clustering.blas.check_host`'s result, when the tree stage runs
 
     def stage_dir(self, name: str) -> Path:
         return self.root / name
@@ -263,11 +266,12 @@ def _embed(ctx: Ctx, work: Path) -> dict:
 
 # ------------------------------------------------------------------------------- tree
 def fit_nodes_task(emb_path: str, nodes: list[tuple[int, np.ndarray]], level: int, cell_slack: float,
-                   params: dict, fallbacks: np.ndarray) -> list[tuple[np.ndarray, int, int]]:
+                   params: dict, fallbacks: np.ndarray, gemm_backend: str = "numpy") -> list[tuple[np.ndarray, int, int]]:
     """Dask task: fit a group of sibling-independent nodes of one level, their cells capped at
-    cell_slack × the level's mean cell, as `build_tree`'s own fitter caps them."""
+    cell_slack × the level's mean cell, as `build_tree`'s own fitter caps them, with the GEMMs on
+    `gemm_backend` (`clustering.gemm`, the host check's choice)."""
     x = np.load(emb_path, mmap_mode="r")
-    with single_threaded():  # sorted rows: sequential reads from the memmap
+    with gemm.using(gemm_backend), single_threaded():  # sorted rows: sequential reads from the memmap
         return fit_level(x, [(int(p), np.sort(idx)) for p, idx in nodes], np.asarray(fallbacks),
                          level=level, cell_size=level_cell_size(x.shape[0], params["branching"], level),
                          cell_slack=cell_slack, **params)
@@ -311,6 +315,8 @@ def _tree(ctx: Ctx, work: Path) -> dict:
                    "equalize_steps": t.equalize_steps, "restarts": t.restarts, "converge_tol": t.converge_tol,
                    "seed": ctx.cfg.seed}
     n_workers = max(1, len(ctx.client.scheduler_info()["workers"]))
+    host = ctx.host or {"gemm": "numpy", "action": "off"}
+    gemm_backend = host["gemm"]
 
     def fit_nodes(level, nodes, parent_c, *, strict):
         # Group nodes into ~4 tasks per worker, balanced by point count.
@@ -323,7 +329,7 @@ def _tree(ctx: Ctx, work: Path) -> dict:
         args = [
             (str(emb_path), [nodes[i] for i in g], level,
              level_cell_slack(t.balance_factor, level, levels, strict), {**node_params, "strict_balance": strict},
-             np.stack([parent_c[nodes[i][0]] for i in g]))
+             np.stack([parent_c[nodes[i][0]] for i in g]), gemm_backend)
             for g in groups if g
         ]
         res = map_tasks(ctx.client, fit_nodes_task, args, desc=f"tree:l{level}",
@@ -350,7 +356,10 @@ def _tree(ctx: Ctx, work: Path) -> dict:
                   **_export_ref(ctx, em)},
     )
     return {"tree_id": meta["tree_id"], "levels": levels, "branching": t.branching,
-            "n_points": int(x.shape[0]), "level_stats": meta["level_stats"]}
+            "n_points": int(x.shape[0]), "level_stats": meta["level_stats"],
+            "host": {k: v for k, v in host.items() if k != "before"}
+            | ({"before": {k: host["before"].get(k) for k in ("faiss_kernel", "faiss_search_gflops", "sgemm_gflops")}}
+               if host.get("before") else {})}
 
 
 def _export_ref(ctx: Ctx, em: dict) -> dict:
@@ -489,7 +498,10 @@ def run_pipeline(
         if st.name not in wanted:
             break
         fps[st.name] = fingerprint(st, st.config(cfg), [fps[d] for d in st.deps])
-    preflight(cfg, {n for n, fp in fps.items() if (read_marker(root / n) or {}).get("fingerprint") != fp})
+    todo = {n for n, fp in fps.items() if (read_marker(root / n) or {}).get("fingerprint") != fp}
+    preflight(cfg, todo)
+    # before the LocalCluster starts: a fix of OPENBLAS_CORETYPE reaches only processes started after it
+    host = host_check(cfg, can_fix=client is None and not cfg.dask.scheduler, log=log) if "tree" in todo else None
     root.mkdir(parents=True, exist_ok=True)
     atomic_write_json(root / "config.json", {"format": "memtree-run", "version": PIPELINE_FORMAT_VERSION,
                                              "config": to_dict(cfg)})
@@ -497,7 +509,7 @@ def run_pipeline(
         _upload(root / "config.json", cfg.out.rstrip("/") + "/config.json")
 
     def go(c) -> dict[str, dict]:
-        ctx = Ctx(cfg=cfg, root=root, client=c, log=log)
+        ctx = Ctx(cfg=cfg, root=root, client=c, log=log, host=host)
         for st in STAGES:
             if st.name not in wanted:
                 break
@@ -513,6 +525,15 @@ def run_pipeline(
         return go(client)
     with dask_client(cfg.dask) as c:
         return go(c)
+
+
+def host_check(cfg: PipelineConfig, *, can_fix: bool, log: Callable[[str], None]) -> dict:
+    """The BLAS check of `dask.blas` (`clustering.blas.check_host`), logged; {"gemm": "numpy"} when off."""
+    if cfg.dask.blas == "off":
+        return {"gemm": "numpy", "action": "off"}
+    res = check_host(mode=cfg.dask.blas, can_fix=can_fix, threads=cfg.dask.threads_per_worker)
+    log(f"[tree] {res['message']}")
+    return res
 
 
 def preflight(cfg: PipelineConfig, stages: set[str]) -> None:

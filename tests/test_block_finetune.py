@@ -25,6 +25,7 @@ from training.finetune.continual import batch_tensors
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+STEPS_PER_FACT = 4
 TEXTS = ["the colour of the lantern Orvel is deep green", "Orvel the lantern is deep green in colour",
          "records show the lantern Orvel is deep green", "the lantern Orvel glows a deep green"]
 
@@ -141,6 +142,36 @@ def test_all_fetched_and_anchor_methods(mem_run, tmp_path):
     assert not ft.touched and write_edits(rm.store, ft.blocks, ft.touched)["records"] == 0
     changed = [k for k, v in rm.model.state_dict().items() if not torch.equal(v, before[k])]
     assert len(changed) == len(before)  # AdamW with decay moves every anchor tensor
+
+
+def test_edited_blocks_lower_the_facts_loss_when_fetched_from_the_store(mem_run, background, tmp_path):
+    """The direction block finetuning exists for: after TF-IDF updates on a fact's statements,
+    written through the store's edit path, the fact's loss with its blocks fetched from the store
+    is below the loss before and below the anchor alone (untouched), so the edits are in the blocks
+    its route reads: 7.614 -> 7.416 (2026-11-29). top_t is eval continual's (64); the SGD rate is
+    10, not its 1, as this 3-batch run's blocks are still near their no-effect init (the fetched
+    loss equals the anchor's). Blocks that were not the ones fetched, or edits that did not reach
+    the store, leave the fetched loss where it was."""
+    from eval.tasks import perplexity
+    from training.finetune.blocks import write_edits
+
+    rm = _fresh(mem_run, tmp_path)
+    ids, real, paths = _batch(rm)
+    docs = [{"text": t} for t in TEXTS]
+
+    def nll(mode: str) -> float:
+        return perplexity(rm, docs, mode=mode, paths=paths)["nll"]
+
+    anchor, before = nll("none"), nll("fetched")
+    ft = BlockFinetuner(rm.model, rm.store, BlockFinetuneSpec(method="tfidf", top_t=64, lr=10.0, unit_frac=0.25),
+                        background=background)
+    for _ in range(STEPS_PER_FACT):
+        ft.step(ids, real, paths)
+    ft.finish()
+    write_edits(rm.store, ft.blocks, ft.touched)
+    after = nll("fetched")
+    assert nll("none") == anchor  # the anchor is untouched
+    assert after < before - 0.05 and after < anchor - 0.05, (anchor, before, after)
 
 
 def test_bad_input_names_the_value(mem_run, background, tmp_path):

@@ -186,6 +186,32 @@ def test_memory_settings_and_report(run, probes, tmp_path):
     assert not (run.store.root / "policy.json").exists()
 
 
+@pytest.fixture(scope="module")
+def learned(pipeline_run, tmp_path_factory):
+    """A run whose memories have learned something: 40 batches, the bank at a high LR (~5 s)."""
+    return RunModel.load(train_tiny_run(pipeline_run[0] / "shards", tmp_path_factory.mktemp("evalrun") / "learned",
+                                        "data.batch_size=4", "max_duration=40ba", "memory.multipliers=[16,8]",
+                                        "optim.lr=1e-2", "memory.lr=3e-1",
+                                        "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, "
+                                        "ffn_dim: 256}"))
+
+
+def test_fetched_blocks_beat_the_generic_block_and_the_anchor_alone_on_the_facts(learned):
+    """The direction the memory settings exist for, on the corpus's facts stated in ≥ 4 training
+    documents: the fetched blocks' NLL is below the generic block's and the anchor alone's, and
+    below the same blocks fetched for another fact's route (shuffled paths), so it is the routed
+    blocks that help, not any block. Measured (seeds 0 / 1 / 2): fetched 6.431 / 6.504 / 6.449,
+    generic 6.534 / 6.537 / 6.500, anchor 6.726 / 6.649 / 6.595, shuffled 6.498 / 6.549 / 6.484."""
+    seen = [p for p in build_probes(entity_facts(SPEC), seed=0) if p["mentions"] >= 4][:200]
+    docs = [{"text": f"{p['context']} {p['choices'][p['gold']]}."} for p in seen]
+    paths = learned.route([d["text"] for d in docs])
+    nll = {m: perplexity(learned, docs, mode=m, paths=paths)["nll"] for m in ("none", "generic", "fetched")}
+    shuffled = paths[np.random.default_rng(0).permutation(len(paths))]
+    nll["shuffled"] = perplexity(learned, docs, mode="fetched", paths=shuffled)["nll"]
+    assert nll["fetched"] < nll["generic"] < nll["none"] - 0.05, nll
+    assert nll["fetched"] < nll["shuffled"] - 0.02, nll
+
+
 def test_blocking_changes_scores_only_under_the_blocked_subtree(run, probes):
     paths = run.route([p["context"] for p in probes])
     seqs = [run.encode(p["context"] + " " + p["choices"][0]) for p in probes]

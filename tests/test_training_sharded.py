@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_launcher import launch, read_log
+from train_launcher import lane_run_args, launch, read_log, run_weights, worst_diff
 
 from memstore.format import verify_bank
 from memtree.config import ConfigError
@@ -260,23 +260,10 @@ ANCHOR_ATOL, BANK_ATOL = 1e-5, 1e-4
 
 
 def _args(shards: Path, folder: Path, *extra: str) -> list[str]:
-    return [f"data.shards={shards}", "data.batch_size=8", f"max_duration={STEPS}ba", f"save_interval={STOP}ba",
-            "autoresume=true", "run_name=sharded", "mode=scratch", "memory.multipliers=[8,4]",
-            "memory.lr=1e-2", "memory.export_dtype=fp32", "optim.warmup=2ba", "save_num_checkpoints_to_keep=-1",
-            "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}",
-            f"save_folder={folder}", "parallel.data=lanes", *extra]
+    return lane_run_args(shards, folder, *extra, run_name="sharded", steps=STEPS, save_every=STOP)
 
 
-def _weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
-    bank = TrainableBank.from_bank(folder / "bank")
-    return load_file(folder / "anchor.safetensors"), {lv: t.detach() for lv, t in bank.tables.items()}
-
-
-def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
+_weights, _worst = run_weights, worst_diff
 
 
 @pytest.fixture(scope="module")

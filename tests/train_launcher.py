@@ -18,6 +18,31 @@ from composer.core import Callback
 REPO = Path(__file__).resolve().parents[1]
 
 
+def lane_run_args(shards: Path, folder: Path, *extra: str, run_name: str, steps: int, save_every: int) -> list[str]:
+    """The overrides of the sharded / replica tests' runs: a tiny anchor with an [8, 4] bank on
+    lanes, checkpointed every `save_every` batches, autoresumed."""
+    return [f"data.shards={shards}", "data.batch_size=8", f"max_duration={steps}ba", f"save_interval={save_every}ba",
+            "autoresume=true", f"run_name={run_name}", "mode=scratch", "memory.multipliers=[8,4]",
+            "memory.lr=1e-2", "memory.export_dtype=fp32", "optim.warmup=2ba", "save_num_checkpoints_to_keep=-1",
+            "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}",
+            f"save_folder={folder}", "parallel.data=lanes", *extra]
+
+
+def run_weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A finished run's exported anchor weights and bank tables."""
+    from safetensors.torch import load_file
+
+    from training.bank import TrainableBank
+
+    bank = TrainableBank.from_bank(folder / "bank")
+    return load_file(folder / "anchor.safetensors"), {lv: t.detach() for lv, t in bank.tables.items()}
+
+
+def worst_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
 class BatchLog(Callback):
     """Appends one JSON line per global batch to `path` (rank 0 writes): the step and, per rank, a
     hash of each sequence's tokens and path. Streaming deals a global batch out to the ranks
@@ -91,6 +116,9 @@ class RankReport(Callback):
             "rank": dist.get_global_rank(), "world": dist.get_world_size(),
             "shard": list(bank.shard) if bank.shard is not None else None,
             "rows": {lv: int(t.shape[0]) for lv, t in tables.items()},
+            # replicas of a shard must end with the same rows, bit for bit
+            "table_sha": {lv: hashlib.sha256(t.detach().cpu().numpy().tobytes()).hexdigest()
+                          for lv, t in tables.items()},
             "table_bytes": sum(t.numel() * t.element_size() for t in tables.values()),
             "row_bytes": {lv: t.shape[1] * t.element_size() for lv, t in tables.items()},
             "state_bytes": sum(v.numel() * v.element_size() for st in state_of.values() for v in st.values()

@@ -5,73 +5,64 @@ With `parallel.bank: sharded` each rank holds some level-1 subtrees' rows of eve
 checkpoint keeps rank 0's state only, so the bank is left out of it and saved here, beside it,
 at the same batches (`BankShardCheckpoints`, a callback that runs before Composer's saver).
 
-Format `memtree-bank-shards` v1, `save_folder/checkpoints/bank/ba{N}/` (N = batches done):
-  manifest.json                format, version, batch, anchor, memory, branching, levels
-                               ({level: {rows_per_subtree, params}}), files ({name: {sha256,
-                               bytes}}), saved_by ({world, groups, replicas}); written last, so a
-                               folder without it is not a checkpoint
-  subtree-{s:03d}.safetensors  for every level l with memory: w.{l} (B^(l-1), P_l) the subtree's
-                               rows (the table's dtype), and its rows' AdamW state: rows.{l} (U,)
-                               the rows ever updated (within the subtree), exp_avg.{l},
-                               exp_avg_sq.{l} (U, P_l) float32, steps.{l} (U,) int64
-  generic.safetensors          the same for the generic row (w.{l} (1, P_l))
+The format, `memtree-bank-shards` v1 in `save_folder/checkpoints/bank/ba{N}/`, is memstore's
+(memstore/bank_shards.py, memstore/README.md): reading, verifying, exporting and pruning live
+there, so `memtree memstore info / verify / export` read a checkpoint without the trainer; they
+are re-exported here. This module writes a checkpoint from the ranks and loads it back into them.
 A rank with replica index 0 writes its group's subtrees, global rank 0 the generic row and the
 manifest; the folder is assembled under `.ba{N}.partial` and published by one rename. Every file
 a rank reads back is checked against the manifest's sha256 first.
 
-`export_bank` streams the files into the `memtree-bank` format (memstore/README.md) block by
-block, in the same order and encoding as `TrainableBank.export`: byte-identical to a replicated
-run's export of the same weights.
+Retention: a bank checkpoint lives as long as the Composer checkpoint of its batch. Composer's
+saver runs after this callback at the same event and deletes the checkpoints it rotates out
+there, so the bank checkpoints are pruned at the next event (`BankShardCheckpoints.run_event`),
+keeping those whose `ep*-ba{N}-rank0.pt` is still on disk and the latest (the run's final export
+reads it).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import os
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from composer.core import Callback, Event, State
 from composer.loggers import Logger
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from memstore.format import GENERIC, BankInfo
-from memstore.writer import write_bank
-from memtree.geometry import AnchorShape, MemoryConfig
-from memtree.io import atomic_path, atomic_write_json, read_json, replace_dir, sha256_file
+from memstore.bank_shards import (  # noqa: F401  (re-exported: the format's readers live in memstore)
+    FORMAT,
+    GENERIC_FILE,
+    VERSION,
+    BankShardError,
+    checkpoint_batches,
+    export_bank,
+    identity,
+    open_checked,
+    prune,
+    read_manifest,
+    subtree_file,
+    verify_shards,
+)
+from memtree.io import atomic_path, atomic_write_json, replace_dir, sha256_file
 from training.bank import TrainableBank
 from training.composer_model import unwrap
 from training.optim import MemoryAdamW
 
 log = logging.getLogger(__name__)
 
-FORMAT = "memtree-bank-shards"
-VERSION = 1
-_DIR = re.compile(r"^ba(\d+)$")
-
-
-class BankShardError(ValueError):
-    """A bank-shards checkpoint that is missing, of another bank, or whose files fail their sha256."""
-
-
-def subtree_file(s: int) -> str:
-    return f"subtree-{s:03d}.safetensors"
-
-
-def _memory_dict(memory: MemoryConfig) -> dict[str, Any]:
-    d = dataclasses.asdict(memory)
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+# Composer's default checkpoint name, `ep{epoch}-ba{batch}-rank{rank}.pt`; rank 0's file exists
+# for every checkpoint Composer keeps
+_COMPOSER_CKPT = re.compile(r"^ep\d+-ba(\d+)-rank0\.pt$")
+_CHECKPOINT_EVENTS = (Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, Event.ITERATION_CHECKPOINT)
 
 
 def _identity(bank: TrainableBank) -> dict[str, Any]:
-    return {"anchor": dataclasses.asdict(bank.anchor) | {"name": None}, "memory": _memory_dict(bank.memory)}
+    return identity(bank.anchor, bank.memory)
 
 
 def _rows_of(bank: TrainableBank, level: int, subtree: int) -> slice:
@@ -103,8 +94,10 @@ def _write(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def save_shards(folder: str | os.PathLike, batch: int, bank: TrainableBank, opt: MemoryAdamW, *,
-                replica: int, world_meta: dict[str, int]) -> Path | None:
-    """Every rank calls this at the same batch; returns the published folder on global rank 0."""
+                replica: int, world_meta: dict[str, int], export: dict[str, Any] | None = None) -> Path | None:
+    """Every rank calls this at the same batch; returns the published folder on global rank 0.
+    `export` ({dtype, tree_id}): how the run exports its bank, recorded in the manifest (with the
+    anchor's name) so `memtree memstore export` writes the same bank from the checkpoint."""
     from composer.utils import dist
 
     root = Path(folder)
@@ -121,7 +114,7 @@ def save_shards(folder: str | os.PathLike, batch: int, bank: TrainableBank, opt:
             files[subtree_file(s)] = _write(staging / subtree_file(s), tensors)
     if rank == 0:
         generic = {lv: [bank.generic_slot(lv)] for lv in bank.levels}
-        files["generic.safetensors"] = _write(staging / "generic.safetensors", _part(bank, opt, generic))
+        files[GENERIC_FILE] = _write(staging / GENERIC_FILE, _part(bank, opt, generic))
     every = dist.all_gather_object(files)
     if rank == 0:
         merged = {k: v for part in every for k, v in part.items()}
@@ -133,46 +126,13 @@ def save_shards(folder: str | os.PathLike, batch: int, bank: TrainableBank, opt:
                     "levels": {str(lv): {"rows_per_subtree": B ** (lv - 1), "params": bank.tables[str(lv)].shape[1]}
                                for lv in bank.levels},
                     "files": dict(sorted(merged.items())), "saved_by": world_meta}
+        if export is not None:
+            manifest["export"] = {"dtype": export["dtype"], "tree_id": export["tree_id"],
+                                  "anchor_name": bank.anchor.name}
         atomic_write_json(staging / "manifest.json", manifest)
         replace_dir(staging, final)
     dist.barrier()
     return final if rank == 0 else None
-
-
-def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
-    path = Path(folder) / "manifest.json"
-    if not path.exists():
-        raise BankShardError(f"{folder}: no manifest.json, so not a finished bank-shards checkpoint")
-    man = read_json(path)
-    if man.get("format") != FORMAT or man.get("version") != VERSION:
-        raise BankShardError(f"{path}: format {man.get('format')!r} v{man.get('version')!r} is not {FORMAT} v{VERSION}")
-    return man
-
-
-def _open_checked(folder: Path, man: dict[str, Any], name: str):
-    entry = man["files"].get(name)
-    if entry is None:
-        raise BankShardError(f"{folder}: the manifest lists no {name}")
-    path = folder / name
-    if not path.is_file():
-        raise BankShardError(f"{path}: missing (listed in {folder / 'manifest.json'})")
-    got = sha256_file(path)
-    if got != entry["sha256"]:
-        raise BankShardError(f"{path}: sha256 {got} does not match the manifest's {entry['sha256']}; "
-                             "the file is corrupt: resume from an earlier checkpoint")
-    return safe_open(str(path), framework="pt")
-
-
-def verify_shards(folder: str | os.PathLike) -> dict[str, Any]:
-    """Check every file of a checkpoint against its manifest's sha256 (BankShardError naming the
-    first bad one); returns {"batch", "files", "bytes"}."""
-    folder = Path(folder)
-    man = read_manifest(folder)
-    for name in man["files"]:
-        with _open_checked(folder, man, name):
-            pass
-    return {"batch": man["batch"], "files": len(man["files"]),
-            "bytes": sum(int(e["bytes"]) for e in man["files"].values())}
 
 
 def load_shards(folder: str | os.PathLike, bank: TrainableBank, opt: MemoryAdamW) -> dict[str, Any]:
@@ -185,9 +145,9 @@ def load_shards(folder: str | os.PathLike, bank: TrainableBank, opt: MemoryAdamW
             raise BankShardError(f"{folder}: a bank of {key} {man[key]}, this run's is {want[key]}")
     with torch.no_grad():
         for name, rows_of in [(subtree_file(s), {lv: _rows_of(bank, lv, s) for lv in bank.levels})
-                              for s in bank.shard] + [("generic.safetensors",
+                              for s in bank.shard] + [(GENERIC_FILE,
                                                        {lv: [bank.generic_slot(lv)] for lv in bank.levels})]:
-            with _open_checked(folder, man, name) as f:
+            with open_checked(folder, man, name) as f:
                 for lv in bank.levels:
                     table = bank.tables[str(lv)]
                     local = torch.arange(table.shape[0])[rows_of[lv]]
@@ -199,77 +159,61 @@ def load_shards(folder: str | os.PathLike, bank: TrainableBank, opt: MemoryAdamW
     return man
 
 
-def checkpoint_batches(folder: str | os.PathLike) -> list[int]:
-    """The batches of the finished bank-shards checkpoints under `folder`, ascending."""
+def composer_checkpoint_batches(folder: str | os.PathLike) -> set[int]:
+    """The batches of the Composer checkpoints (rank 0's files) in `folder`."""
     root = Path(folder)
     if not root.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in root.iterdir()
-                  if (m := _DIR.match(p.name)) and (p / "manifest.json").is_file())
-
-
-def prune(folder: str | os.PathLike, keep: set[int]) -> list[int]:
-    """Remove the checkpoints (and unfinished `.partial` folders) whose batch is not in `keep`."""
-    root = Path(folder)
-    removed = []
-    if not root.is_dir():
-        return removed
-    for p in root.iterdir():
-        m = _DIR.match(p.name) or re.match(r"^\.ba(\d+)\.partial$", p.name)
-        if m and int(m.group(1)) not in keep:
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(int(m.group(1)))
-    return sorted(removed)
-
-
-def export_bank(folder: str | os.PathLike, root: str | os.PathLike, *, anchor: AnchorShape, memory: MemoryConfig,
-                dtype: str = "bf16", tree_id: str | None = None, chunk_rows: int = 256) -> BankInfo:
-    """The whole bank in the memstore format from a bank-shards checkpoint, streamed (at most
-    `chunk_rows` rows in memory per file), in `TrainableBank.export`'s order and encoding."""
-    folder = Path(folder)
-    man = read_manifest(folder)
-    B = int(man["branching"])
-    with contextlib.ExitStack() as stack:
-        handles = {name: stack.enter_context(_open_checked(folder, man, name)) for name in man["files"]}
-        return _export(handles, B, root, anchor=anchor, memory=memory, dtype=dtype, tree_id=tree_id,
-                       chunk_rows=chunk_rows)
-
-
-def _export(handles: dict[str, Any], B: int, root: str | os.PathLike, *, anchor: AnchorShape,
-            memory: MemoryConfig, dtype: str, tree_id: str | None, chunk_rows: int) -> BankInfo:
-
-    def blocks(level: int) -> Iterator[tuple[int, torch.Tensor]]:
-        span = B ** (level - 1)
-        for s in range(B):
-            rows = handles[subtree_file(s)].get_slice(f"w.{level}")
-            for a in range(0, span, chunk_rows):
-                part = rows[a : min(a + chunk_rows, span)].float()
-                for i in range(part.shape[0]):
-                    yield s * span + a + i, part[i]
-        yield GENERIC, handles["generic.safetensors"].get_tensor(f"w.{level}")[0].float()
-
-    return write_bank(root, anchor=anchor, memory=memory, dtype=dtype, tree_id=tree_id, generic=True,
-                      blocks=blocks)
+        return set()
+    return {int(m.group(1)) for p in root.iterdir() if (m := _COMPOSER_CKPT.match(p.name))}
 
 
 class BankShardCheckpoints(Callback):
     """Saves the sharded bank at Composer's checkpoint batches (before Composer's own saver, which
-    the Trainer appends after the user's callbacks) and loads it back when a run resumes."""
+    the Trainer appends after the user's callbacks), loads it back when a run resumes, and removes
+    the bank checkpoints whose Composer checkpoint Composer removed (`save_num_checkpoints_to_keep`).
+
+    `export` ({dtype, tree_id}): recorded in each manifest (`save_shards`)."""
 
     def __init__(self, folder: str | os.PathLike, save_interval: str, *, replica: int,
-                 world_meta: dict[str, int]) -> None:
+                 world_meta: dict[str, int], export: dict[str, Any] | None = None) -> None:
         from composer.utils.misc import create_interval_scheduler
 
         self.folder = Path(folder)
         self.due = create_interval_scheduler(save_interval)
-        self.replica, self.world_meta = replica, world_meta
+        self.replica, self.world_meta, self.export = replica, world_meta, export
         self.last_saved: int | None = None
         self.loaded: dict[str, Any] | None = None
+        self.prune_due = False
 
     def _parts(self, state: State) -> tuple[TrainableBank, MemoryAdamW]:
         bank = unwrap(state.model).bank
         opt = state.optimizers[0]
         return bank, opt
+
+    def run_event(self, event: Event, state: State, logger: Logger) -> None:
+        # Composer rotates its checkpoints inside the same checkpoint event, after this callback:
+        # the first other event after a save sees what it kept
+        if self.prune_due and event not in _CHECKPOINT_EVENTS:
+            self.prune()
+        super().run_event(event, state, logger)
+
+    def prune(self) -> list[int]:
+        """Remove (on global rank 0) the bank checkpoints whose Composer checkpoint is gone, except the
+        latest; returns their batches. Composer keeps all with save_num_checkpoints_to_keep: -1, and
+        never rotates out the checkpoints of a run it resumed from (it lists only its own saves), so
+        neither does this."""
+        from composer.utils import dist
+
+        self.prune_due = False
+        if dist.get_global_rank() != 0:
+            return []
+        keep = composer_checkpoint_batches(self.folder.parent)
+        if self.last_saved is not None:
+            keep.add(self.last_saved)
+        removed = prune(self.folder, keep)
+        if removed:
+            log.info("bank shards: removed the checkpoints of batches %s (Composer's were rotated out)", removed)
+        return removed
 
     def fit_start(self, state: State, logger: Logger) -> None:
         batch = int(state.timestamp.batch)
@@ -282,19 +226,17 @@ class BankShardCheckpoints(Callback):
         bank, opt = self._parts(state)
         self.loaded = load_shards(path, bank, opt)
         self.last_saved = batch
+        self.prune_due = True  # a run killed between the two savers left a bank checkpoint behind
         log.info("bank shards: resumed subtrees %s from %s (saved by %s)", list(bank.shard), path,
                  self.loaded["saved_by"])
 
     def save(self, state: State) -> Path | None:
         bank, opt = self._parts(state)
         batch = int(state.timestamp.batch)
-        out = save_shards(self.folder, batch, bank, opt, replica=self.replica, world_meta=self.world_meta)
+        out = save_shards(self.folder, batch, bank, opt, replica=self.replica, world_meta=self.world_meta,
+                          export=self.export)
         self.last_saved = batch
-        if out is not None:
-            ckpts = self.folder.parent
-            kept = {int(m.group(1)) for p in ckpts.glob("ep*-ba*-rank0.pt")
-                    if (m := re.search(r"-ba(\d+)-", p.name))}
-            prune(self.folder, kept | {batch})
+        self.prune_due = True
         return out
 
     def _maybe_save(self, state: State, event: Event) -> None:

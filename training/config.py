@@ -151,6 +151,15 @@ class TrainConfig:
     # "retain": glibc malloc keeps freed tensor memory for reuse (no per-step mmap / page faults,
     # training/host_alloc.py); "system": malloc's defaults; "auto": retain when training on the CPU
     host_allocator: Literal["auto", "retain", "system"] = "auto"
+    # torch's intra-op threads per rank on the CPU: "auto" = the usable cores (the process's
+    # affinity) / the node's ranks, at least 1, when the node runs several ranks and
+    # OMP_NUM_THREADS is unset (otherwise torch's count stands); N: N threads. torch's own
+    # default gives every rank every core, which N ranks on a node oversubscribe N times. GPU
+    # runs are left as they are (training/ranks.py)
+    cpu_threads: int | Literal["auto"] = "auto"
+    # count the anchor's DDP gradient all-reduce in comm/bytes/* through a DDP comm hook (the
+    # default all-reduce, wrapped); false: the step's sum is logged as step_total_excl_anchor
+    comm_ddp_hook: bool = True
 
     def __post_init__(self) -> None:
         if self.mode == "baseline" and self.memory.multipliers:
@@ -198,6 +207,9 @@ class TrainConfig:
                                   "bank is that subtree's rows already")
         if par.bank_shards is not None and par.bank_shards < 1:
             raise ConfigError(f"parallel.bank_shards: {par.bank_shards} must be at least 1")
+        t = self.cpu_threads
+        if t != "auto" and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
+            raise ConfigError(f"cpu_threads: {t!r} must be 'auto' or a whole number of threads >= 1")
         gp = self.memory.generic_prob
         if gp is not None and not 0 <= gp <= 1:
             raise ConfigError(f"memory.generic_prob: {gp} must be in [0, 1]")
@@ -257,7 +269,7 @@ class TrainConfig:
         d = to_dict(self)
         for k in ("max_duration", "save_interval", "save_num_checkpoints_to_keep", "autoresume", "log_interval",
                   "progress_bar", "save_folder", "run_name", "device", "microbatch_size", "allow_tf32",
-                  "host_allocator"):
+                  "host_allocator", "cpu_threads", "comm_ddp_hook"):
             d.pop(k, None)
         d["data"].pop("verify_shards", None)  # a check, not a setting: runs from before it keep their fingerprint
         d["parallel"].pop("bank_shards", None)  # placement only: a run may resume on other ranks

@@ -62,7 +62,9 @@ class ParallelLayout:
                                  RowShard(generic_row=bank.generic_slot(lv), group=pg, replicas=pl.replicas))
         return BankShardCheckpoints(Path(cfg.save_folder) / "checkpoints" / "bank", cfg.save_interval,
                                     replica=pl.replica_of(self.rank),
-                                    world_meta={"world": pl.world, "groups": pl.groups, "replicas": pl.replicas})
+                                    world_meta={"world": pl.world, "groups": pl.groups, "replicas": pl.replicas},
+                                    # recorded so `memtree memstore export` writes the bank `training.train.export` does
+                                    export={"dtype": cfg.memory.export_dtype, "tree_id": self.manifest.get("tree_id")})
 
 
 def parallel_layout(cfg: TrainConfig) -> ParallelLayout | None:

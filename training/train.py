@@ -52,6 +52,13 @@ from training.data import (
 from training.host_alloc import retain_freed_host_memory
 from training.optim import MemoryAdamW
 from training.parallel import parallel_layout
+from training.ranks import (
+    Placement,
+    exit_after_lost_rank,
+    last_complete_checkpoint,
+    lost_rank,
+    set_cpu_threads,
+)
 from training.read_choice import can_read_in_place, peek_batch, resolve_read
 
 log = logging.getLogger(__name__)
@@ -373,6 +380,8 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
     # before the model, whose bank rows depend on the rank when the bank is sharded
     adopt_launcher_env()
     dist.initialize_dist("gpu" if gpu else "cpu")  # idempotent; the Trainer then reuses it
+    # before the model and the loader allocate their thread pools' work
+    threads = set_cpu_threads(cfg, gpu=gpu, local_ranks=dist.get_local_world_size())
     layout = parallel_layout(cfg)
     reproducibility.seed_all(cfg.seed)  # the model is built before the Trainer seeds anything
     model, manifest = build_model(cfg, shard=layout.shard if layout else None)
@@ -416,7 +425,8 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
         accumulate_train_batch_on_tokens=True, max_duration=cfg.max_duration, optimizers=optimizer,
         schedulers=CosineAnnealingWithWarmupScheduler(t_warmup=cfg.optim.warmup, alpha_f=cfg.optim.alpha_f),
         # the bank shards' saver first: Composer appends its own checkpoint saver after these
-        callbacks=extra + default_callbacks() + list(callbacks or []), loggers=loggers, run_name=cfg.run_name,
+        callbacks=[*extra, Placement(cfg, layout, threads), *default_callbacks(comm_ddp_hook=cfg.comm_ddp_hook),
+                   *(callbacks or [])], loggers=loggers, run_name=cfg.run_name,
         save_folder=str(Path(cfg.save_folder) / "checkpoints"), save_interval=cfg.save_interval,
         save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep, save_overwrite=not cfg.autoresume,
         device=DeviceGPU(allow_tf32=cfg.allow_tf32) if gpu else "cpu", precision=precision, seed=cfg.seed, **resume_args(cfg),
@@ -534,16 +544,22 @@ def export(trainer: Any, cfg: TrainConfig) -> dict[str, str]:
 
 
 def _checkpoints_kept(folder: Path, autoresume: bool) -> str:
-    latest = folder / "latest-rank0.pt"
-    if not latest.is_symlink():
+    latest = last_complete_checkpoint(folder)
+    if latest is None:
         return "no checkpoint was complete yet"
     how = ("the rerun resumes from it and drops the unfinished one" if autoresume
            else "set autoresume: true to resume from it")
-    return f"the last complete checkpoint, {Path(os.readlink(latest)).name}, is intact; {how}"
+    return f"the last complete checkpoint, {latest.name}, is intact; {how}"
 
 
 def train(cfg: TrainConfig, *, callbacks: list[Any] | None = None) -> dict[str, Any]:
+    """Build and fit; export the anchor and bank. On several ranks, a lost rank (or the launcher's
+    SIGTERM once one failed) ends the process with what is intact and the command that resumes
+    (`training.ranks.exit_after_lost_rank`, exit code 75) instead of each survivor's traceback."""
+    from composer.utils import dist
+
     trainer = build_trainer(cfg, callbacks=callbacks)
+    lost: BaseException | None = None
     try:
         ckpts = Path(cfg.save_folder) / "checkpoints"
         with naming_path(ckpts, kept=lambda: _checkpoints_kept(ckpts, cfg.autoresume)):
@@ -552,8 +568,14 @@ def train(cfg: TrainConfig, *, callbacks: list[Any] | None = None) -> dict[str, 
         metrics = {k: float(v) for k, v in trainer.state.train_metric_values.items()}
         atomic_write_json(Path(cfg.save_folder) / "metrics.json", {"train": metrics, **paths})
         return {"metrics": metrics, **paths, "trainer": trainer}
+    except BaseException as e:
+        if not lost_rank(e, dist.get_world_size()):
+            raise
+        lost = e
     finally:
-        trainer.close()
+        if lost is None:  # after a lost rank its barrier would wait for the rank or raise again
+            trainer.close()
+    exit_after_lost_rank(cfg, trainer, lost)  # ends the process
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,5 +13,6 @@ __all__ = ["BankTouch", "CommBytes", "GenericVsFetchedLoss", "LevelUpdates", "No
            "default_callbacks"]
 
 
-def default_callbacks() -> list:
-    return [BankTouch(), LevelUpdates(), GenericVsFetchedLoss(), TokenThroughput(), NonFiniteGuard(), CommBytes()]
+def default_callbacks(*, comm_ddp_hook: bool = True) -> list:
+    return [BankTouch(), LevelUpdates(), GenericVsFetchedLoss(), TokenThroughput(), NonFiniteGuard(),
+            CommBytes(hook_ddp=comm_ddp_hook)]

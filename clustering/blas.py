@@ -1,0 +1,245 @@
+"""The host check the pipeline runs before its tree stage: which kernel each BLAS in the process
+runs, how fast against a plain sgemm, and which GEMM the node fits use (`clustering.gemm`).
+
+Why: the OpenBLAS 0.3.15 bundled in the faiss-cpu 1.15.1 wheel predates recent CPUs. On an Intel
+Xeon with AVX-512 and AMX it picks its SSE3 `Prescott` kernel (threadpoolctl reports it): a
+20,000 × 4,096 × 384 flat search ran at 13 GFLOP/s, and at 57 with `OPENBLAS_CORETYPE=SkylakeX`
+set before the process started, while numpy's OpenBLAS 0.3.27 picks SkylakeX by itself
+(issue #56). OpenBLAS reads the variable once, when it loads, so the check runs in a fresh
+interpreter (`python -m clustering.blas` prints its JSON) and a fix can only reach processes
+started afterwards: the pipeline's Dask workers, which inherit the environment.
+
+`check_host` probes; where FAISS's kernel is a fallback (not one of FAST_KERNELS on a CPU with
+AVX2 or better) and nobody set OPENBLAS_CORETYPE, it probes again with the kernel the CPU's flags
+are known to run (`safe_coretype`: SkylakeX needs AVX-512 F/CD/BW/DQ/VL, Haswell AVX2 and FMA),
+and keeps it only where FAISS then runs that kernel and runs faster. A variable the user set is
+never overridden: it is reported, with the figure.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# OpenBLAS kernels with AVX2 or better: any other kernel on a CPU with AVX2 is a fallback
+FAST_KERNELS = frozenset({"haswell", "zen", "skylakex", "cooperlake", "sapphirerapids", "neoversen1",
+                          "neoversen2", "neoversev1", "armv8sve"})
+_SKYLAKEX = {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
+_HASWELL = {"avx2", "fma"}
+HEALTHY_FRACTION = 0.5  # FAISS's search below half the plain sgemm: a handicapped BLAS
+
+
+def cpu_flags() -> tuple[str, set[str]]:
+    """The CPU model and its flags (/proc/cpuinfo; empty where there is none)."""
+    model, flags = "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith(("flags", "Features")) and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def safe_coretype(flags: set[str]) -> str | None:
+    """The OpenBLAS kernel a CPU with these flags is known to run, or None (no AVX2)."""
+    if _SKYLAKEX <= flags:
+        return "SkylakeX"
+    if _HASWELL <= flags:
+        return "Haswell"
+    return None
+
+
+def _rate(call, flops: float, repeats: int) -> float:
+    call()  # warm-up: thread pools, page faults
+    best = np.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - t0)
+    return round(flops / best / 1e9, 1)
+
+
+def probe(*, repeats: int = 3, threads: int = 1) -> dict[str, Any]:
+    """This process's BLAS libraries (threadpoolctl), numpy's plain sgemm and FAISS's flat search
+    in GFLOP/s on all threads, and `clustering.gemm.measure(threads=threads)` (the node fits' GEMMs,
+    one BLAS thread per call, `threads` callers: a Dask worker's threads)."""
+    from threadpoolctl import threadpool_info
+
+    from clustering import gemm
+
+    try:
+        import faiss
+    except ImportError:
+        faiss = None
+    libs = [{k: i.get(k) for k in ("internal_api", "version", "architecture", "num_threads")}
+            | {"library": Path(i.get("filepath") or "").name, "owner": _owner(i.get("filepath") or "")}
+            for i in threadpool_info() if i.get("user_api") == "blas"]
+    rng = np.random.default_rng(0)
+    n = 1024
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    out: dict[str, Any] = {"libraries": libs, "sgemm_gflops": _rate(lambda: a @ a, 2.0 * n**3, repeats),
+                           "env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+                                   if k in os.environ}}
+    kernel = next((lib["architecture"] for lib in libs if lib["owner"] == "faiss"), None)
+    out["faiss_kernel"] = kernel
+    out["numpy_kernel"] = next((lib["architecture"] for lib in libs if lib["owner"] == "numpy"), None)
+    if faiss is not None:
+        q, k, d = 4096, 1024, 384
+        x, c = rng.standard_normal((q, d), dtype=np.float32), rng.standard_normal((k, d), dtype=np.float32)
+        index = faiss.IndexFlatL2(d)
+        index.add(c)
+        out["faiss_search_gflops"] = _rate(lambda: index.search(x, 1), 2.0 * q * k * d, repeats)
+    out["gemm"] = gemm.measure(seconds=0.05, threads=threads) | {"fits": measure_fits(threads=threads)}
+    out["gemm"]["choice"] = out["gemm"]["fits"]["choice"]
+    return out
+
+
+def measure_fits(backends: list[str] | None = None, *, threads: int = 1, repeats: int = 2) -> dict[str, Any]:
+    """Seconds of the same node fits (`kmeans.fit_nodes_batched`: 24 nodes of 320 rows and 2 of
+    2,400, d = 384, k = 16, 4 EM steps and 4 equalisation rounds, the sizes of a tree's lower and
+    upper levels) on each GEMM backend, `threads` callers at once, best of `repeats`; and the choice
+    (`gemm.choose` on 1 / seconds). Every GEMM a build makes is in it, with its per-call costs,
+    and so is the work around them, which the choice does not change."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from clustering import gemm
+    from clustering.kmeans import fit_nodes_batched, single_threaded
+
+    names = backends or gemm.available()
+    rng = np.random.default_rng(0)
+    sizes = [320] * 24 + [2400] * 2
+    x = rng.standard_normal((sum(sizes), 384), dtype=np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    bounds = np.cumsum([0, *sizes])
+    members = [np.arange(a, b) for a, b in itertools.pairwise(bounds)]
+
+    def fit(_: int) -> None:
+        fit_nodes_batched(x, members, [16] * len(members), [np.random.default_rng(i) for i in range(len(members))],
+                          batch_size=6400, steps=4, equalize_steps=4)
+
+    secs: dict[str, float] = {}
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for name in names:
+            with gemm.using(name), single_threaded():
+                fit(0)  # warm-up
+                best = np.inf
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    list(pool.map(fit, range(threads)))
+                    best = min(best, time.perf_counter() - t0)
+            secs[name] = round(best, 4)
+    return {"seconds": secs, "threads": threads, "choice": gemm.choose({k: 1.0 / v for k, v in secs.items()})}
+
+
+_BEST: dict[int, str] = {}
+
+
+def best_gemm(threads: int | None = None) -> str:
+    """`measure_fits(threads=...)["choice"]` (default: one caller per core), measured once per process."""
+    n = threads or os.cpu_count() or 1
+    if n not in _BEST:
+        _BEST[n] = measure_fits(threads=n)["choice"]
+    return _BEST[n]
+
+
+def _owner(path: str) -> str:
+    for name in ("faiss", "numpy", "scipy", "torch"):
+        if f"/{name}" in path:
+            return name
+    return "other"
+
+
+def probe_subprocess(env: dict[str, str] | None = None, *, threads: int = 1, timeout: float = 120.0) -> dict[str, Any]:
+    """`probe(threads=threads)` in a fresh interpreter with environment `env` (default: this one's)."""
+    proc = subprocess.run([sys.executable, "-m", "clustering.blas", str(threads)], check=False, capture_output=True, text=True,
+                          env=dict(os.environ if env is None else env), timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the BLAS probe (python -m clustering.blas) failed: {proc.stderr.strip()[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def is_fallback(kernel: str | None, flags: set[str]) -> bool:
+    return bool(kernel) and safe_coretype(flags) is not None and kernel.lower() not in FAST_KERNELS
+
+
+MODES = ("fix", "force", "warn")
+
+
+def check_host(*, mode: str = "fix", can_fix: bool = True, threads: int = 1) -> dict[str, Any]:
+    """Probe the BLAS the pipeline's workers will load. mode "fix" (and `can_fix`: the workers
+    are started after this, with this process's environment): set OPENBLAS_CORETYPE where FAISS's
+    kernel is a fallback, nobody set the variable and the CPU is known to run a fast kernel;
+    "force": also where the environment's OPENBLAS_CORETYPE itself names a fallback (images that
+    pin one); "warn": never set it. Returns {cpu, faiss_kernel, faiss_gflops,
+    sgemm_gflops, fraction_of_sgemm, fallback, action, before (a probe of the fallback, when fixed),
+    gemm (the node fits' backend and its figures), message}."""
+    model, flags = cpu_flags()
+    first = probe_subprocess(threads=threads)
+    res: dict[str, Any] = {"cpu": model, "before": None, "action": "none"}
+    final = first
+    want = safe_coretype(flags)
+    user_set = "OPENBLAS_CORETYPE" in os.environ
+    fallback = is_fallback(first["faiss_kernel"], flags)
+    if mode not in MODES:
+        raise ValueError(f"BLAS check mode {mode!r}: one of {MODES}")
+    fix = mode != "warn"
+    if fallback and fix and can_fix and (not user_set or mode == "force"):
+        second = probe_subprocess(dict(os.environ, OPENBLAS_CORETYPE=want), threads=threads)
+        if (not is_fallback(second["faiss_kernel"], flags)
+                and second.get("faiss_search_gflops", 0) > first.get("faiss_search_gflops", 0)):
+            res |= {"before": first, "action": f"set OPENBLAS_CORETYPE={want}",
+                    "replaced": os.environ.get("OPENBLAS_CORETYPE") if user_set else None}
+            os.environ["OPENBLAS_CORETYPE"] = want
+            final = second
+    fs, sg = final.get("faiss_search_gflops"), final["sgemm_gflops"]
+    res |= {"faiss_kernel": final["faiss_kernel"], "numpy_kernel": final["numpy_kernel"], "faiss_gflops": fs,
+            "sgemm_gflops": sg, "fraction_of_sgemm": round(fs / sg, 3) if fs and sg else None,
+            "fallback": is_fallback(final["faiss_kernel"], flags), "env": final["env"],
+            "gemm": final["gemm"]["choice"], "gemm_gflops": final["gemm"]["gflops"],
+            "gemm_fit_seconds": final["gemm"]["fits"]["seconds"], "gemm_threads": threads}
+    res["message"] = _message(res, want, user_set=user_set, can_fix=can_fix, mode=mode)
+    return res
+
+
+def _message(res: dict[str, Any], want: str | None, *, user_set: bool, can_fix: bool, mode: str) -> str:
+    fig = (f"FAISS's OpenBLAS runs kernel {res['faiss_kernel']}: flat search {res['faiss_gflops']} GFLOP/s, "
+           f"{res['fraction_of_sgemm']} of numpy's sgemm ({res['sgemm_gflops']} GFLOP/s, kernel "
+           f"{res['numpy_kernel']})")
+    gemm = (f"node fits' GEMM: {res['gemm']} (a node-fit sample took {res['gemm_fit_seconds']} s; GEMMs at "
+            f"{res['gemm_gflops']} GFLOP/s; {res['gemm_threads']} caller(s) at one BLAS thread each)")
+    if res["action"] != "none":
+        b = res["before"]
+        was = f", replacing the environment's {res['replaced']}" if res.get("replaced") else ""
+        return (f"BLAS: FAISS's OpenBLAS picked the fallback kernel {b['faiss_kernel']} "
+                f"({b.get('faiss_search_gflops')} GFLOP/s) on a CPU that runs {want}; memtree set "
+                f"OPENBLAS_CORETYPE={want} for the pipeline's workers{was} (dask.blas={mode}): {fig}; {gemm}")
+    if not res["fallback"]:
+        return f"BLAS: {fig}; {gemm}"
+    why = ("dask.blas=warn" if mode == "warn"
+           else "OPENBLAS_CORETYPE is set in the environment, so memtree leaves it (dask.blas=force replaces it)"
+           if user_set and mode != "force"
+           else "the workers of an existing Dask cluster keep their own environment" if not can_fix
+           else f"OPENBLAS_CORETYPE={want} did not make it faster here")
+    return (f"WARNING BLAS: {fig}. That is a fallback kernel on a CPU with {want}-class SIMD ({why}); the "
+            f"tree's routing baselines and FAISS's searches run several times slower. Fix: start the "
+            f"command (and any Dask workers) with OPENBLAS_CORETYPE={want} in the environment; {gemm}")
+
+
+def main() -> int:
+    print(json.dumps(probe(threads=int(sys.argv[1]) if len(sys.argv) > 1 else 1)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
