@@ -143,9 +143,18 @@ class TreeConfig:
     (docs/BENCHMARKS.md, issue #12)."""
     auto_reduce: bool = False
     """If the corpus has fewer windows than leaves, drop levels instead of failing."""
+    gemm: Literal["numpy", "torch", "faiss", "auto"] = "numpy"
+    """The BLAS the node fits' GEMMs run on (`clustering.gemm`): numpy's, torch's or FAISS's
+    OpenBLAS; auto, the fastest on sample node fits, timed by the BLAS check before the tree stage
+    (`dask.blas`; recorded in the stage's stats). Paths are the same on every backend, centroids
+    agree to float32 rounding, so the tree's bytes and `tree_id` follow the backend: numpy is the
+    default because a timed choice can differ between two fresh runs on a loaded host, and two
+    runs of one config should build the same tree. The check names the fastest backend either way."""
 
     def __post_init__(self) -> None:
         _positive(self, "levels", "branching", "batch_size", "steps", "min_points_per_child", "restarts")
+        if self.gemm not in ("numpy", "torch", "faiss", "auto"):
+            raise ValueError(f"TreeConfig.gemm={self.gemm!r}: one of numpy, torch, faiss, auto")
         if not 0.0 <= self.converge_tol < 1.0:
             raise ValueError(f"TreeConfig.converge_tol must be in [0, 1), got {self.converge_tol!r}")
         if self.equalize_steps < 0:
@@ -185,7 +194,7 @@ class DaskConfig:
     FAISS's kernel is a fallback the CPU outruns (the faiss-cpu wheel's OpenBLAS 0.3.15 picks SSE3
     Prescott on recent Intel Xeons), set OPENBLAS_CORETYPE for the LocalCluster's workers unless the
     environment sets it; force: replace the environment's value too; warn: only say so; off: no
-    check (node fits on numpy's GEMM)."""
+    check (`tree.gemm: auto` then times the GEMMs in this process).""" 
 
     def __post_init__(self) -> None:
         _positive(self, "n_workers", "threads_per_worker")

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from clustering import gemm
-from clustering.blas import check_host
+from clustering.blas import best_gemm, check_host
 from clustering.embed import (
     SEQ_BUCKET,
     default_model_path,
@@ -295,11 +295,13 @@ def effective_levels(n: int, levels: int, branching: int, auto_reduce: bool) -> 
 
 
 def _tree_fingerprint(c) -> dict:
-    """The tree config and seed; `restarts` only when it is not 1, so trees built before the
-    field existed keep their fingerprint (the same fit)."""
+    """The tree config and seed; `restarts` only when it is not 1 and `gemm` only when it is not
+    numpy, so trees built before those fields existed keep their fingerprint (the same fit)."""
     fp = {**to_dict(c.tree), "seed": c.seed}
     if fp.get("restarts") == 1:
         del fp["restarts"]
+    if fp.get("gemm") == "numpy":
+        del fp["gemm"]
     return fp
 
 
@@ -315,8 +317,14 @@ def _tree(ctx: Ctx, work: Path) -> dict:
                    "equalize_steps": t.equalize_steps, "restarts": t.restarts, "converge_tol": t.converge_tol,
                    "seed": ctx.cfg.seed}
     n_workers = max(1, len(ctx.client.scheduler_info()["workers"]))
-    host = ctx.host or {"gemm": "numpy", "action": "off"}
-    gemm_backend = host["gemm"]
+    host = dict(ctx.host or {"action": "off"})
+    if t.gemm != "auto":
+        gemm_backend = t.gemm
+    elif "gemm" in host:  # the check's timed choice
+        gemm_backend = host["gemm"]
+    else:  # dask.blas: off
+        gemm_backend = best_gemm(ctx.cfg.dask.threads_per_worker)
+    host["gemm_used"] = gemm_backend
 
     def fit_nodes(level, nodes, parent_c, *, strict):
         # Group nodes into ~4 tasks per worker, balanced by point count.
@@ -527,12 +535,15 @@ def run_pipeline(
         return go(c)
 
 
-def host_check(cfg: PipelineConfig, *, can_fix: bool, log: Callable[[str], None]) -> dict:
-    """The BLAS check of `dask.blas` (`clustering.blas.check_host`), logged; {"gemm": "numpy"} when off."""
+def host_check(cfg: PipelineConfig, *, can_fix: bool, log: Callable[[str], None]) -> dict | None:
+    """The BLAS check of `dask.blas` (`clustering.blas.check_host`), logged; None when off."""
     if cfg.dask.blas == "off":
-        return {"gemm": "numpy", "action": "off"}
+        return None
     res = check_host(mode=cfg.dask.blas, can_fix=can_fix, threads=cfg.dask.threads_per_worker)
     log(f"[tree] {res['message']}")
+    if cfg.tree.gemm not in ("auto", res["gemm"]):
+        log(f"[tree] the node fits run on {cfg.tree.gemm}'s GEMM (tree.gemm); the fastest here was "
+            f"{res['gemm']}'s: tree.gemm=auto would use it")
     return res
 
 

@@ -115,7 +115,11 @@ def test_the_pipeline_records_the_check_in_its_tree_stage_and_report(pipeline_ru
     # the session's cluster was started by the test, not the pipeline: it can only warn
     assert host["action"] == "none"
     report = (out / "report" / "report.md").read_text()
-    assert "## BLAS" in report and host["message"] in report and f"**{host['gemm']}**" in report
+    # tree.gemm defaults to numpy (a timed choice could differ between two fresh runs); the report
+    # names the fastest backend too
+    assert host["gemm_used"] == "numpy"
+    assert "## BLAS" in report and host["message"] in report and "**numpy** (`tree.gemm`)" in report
+    assert f"the fastest here: {host['gemm']}" in report
     assert json.loads((out / "report" / "report.json").read_text())["host"]["gemm"] == host["gemm"]
 
 
@@ -131,10 +135,11 @@ def test_force_fixes_the_kernel_for_the_pipelines_own_workers(tmp_path, monkeypa
     corpus = write_jsonl(tmp_path / "c.jsonl", list(generate_corpus(CorpusSpec(n_docs=160, seed=5))))
     monkeypatch.setenv("OPENBLAS_CORETYPE", "Prescott")  # an image that pins the fallback
     cfg = load_config(PipelineConfig, {"out": str(tmp_path / "run"), "ingest": {"inputs": [str(corpus)]}},
-                      [*PIPELINE_OVERRIDES, "dask.blas=force", "dask.n_workers=1"])
+                      [*PIPELINE_OVERRIDES, "dask.blas=force", "dask.n_workers=1", "tree.gemm=auto"])
     logs: list[str] = []
     markers = run_pipeline(cfg, until="tree", log=logs.append)
     host = markers["tree"]["stats"]["host"]
     assert host["action"] == f"set OPENBLAS_CORETYPE={WANT}" and os.environ["OPENBLAS_CORETYPE"] == WANT
     assert host["before"]["faiss_kernel"] == "Prescott" and not host["fallback"]
+    assert host["gemm_used"] == host["gemm"] in gemm.BACKENDS  # tree.gemm=auto: the check's timed choice
     assert any(m.startswith("[tree] BLAS: FAISS's OpenBLAS picked the fallback kernel Prescott") for m in logs)

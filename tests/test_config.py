@@ -51,10 +51,12 @@ def test_tree_restarts_is_validated_and_only_in_the_fingerprint_when_used():
     tree = next(s for s in STAGES if s.name == "tree")
     default = load_config(PipelineConfig, {"out": "x"})
     before = {**to_dict(default.tree), "seed": default.seed}
-    del before["restarts"]
+    del before["restarts"], before["gemm"]  # defaults left out: older trees keep their fingerprint
     assert json.dumps(tree.config(default), sort_keys=True) == json.dumps(before, sort_keys=True)
-    more = load_config(PipelineConfig, {"out": "x", "tree": {"restarts": 4}})
-    assert tree.config(more)["restarts"] == 4
+    more = load_config(PipelineConfig, {"out": "x", "tree": {"restarts": 4, "gemm": "auto"}})
+    assert tree.config(more)["restarts"] == 4 and tree.config(more)["gemm"] == "auto"
+    with pytest.raises(ConfigError, match="gemm"):
+        load_config(PipelineConfig, {"out": "x", "tree": {"gemm": "blis"}})
 
 
 def test_allow_tf32_is_a_typed_key_outside_the_fingerprint():
