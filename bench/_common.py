@@ -299,9 +299,9 @@ def prepare_blas_env(mode: str = "auto") -> dict[str, Any]:
         env[_REEXEC] = json.dumps(done)
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
     kernel = _faiss_kernel()
-    simd = set(cpu_info()["simd"])
-    want = "SkylakeX" if "avx512f" in simd else "Haswell" if "avx2" in simd else None
-    if kernel and want and kernel.lower() not in FAST_KERNELS and "OPENBLAS_CORETYPE" not in os.environ:
+    flags = blas_check.cpu_flags()[1]
+    want = blas_check.safe_coretype(flags)  # the pipeline's check and the benchmarks agree on the fix
+    if blas_check.is_fallback(kernel, flags) and "OPENBLAS_CORETYPE" not in os.environ:
         done |= {"set": {"OPENBLAS_CORETYPE": want},
                  "why": f"FAISS's OpenBLAS picked the fallback kernel {kernel} on a CPU with {want}-class SIMD",
                  "final": True}
