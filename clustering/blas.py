@@ -14,16 +14,24 @@ AVX2 or better) and nobody set OPENBLAS_CORETYPE, it probes again with the kerne
 are known to run (`safe_coretype`: SkylakeX needs AVX-512 F/CD/BW/DQ/VL, Haswell AVX2 and FMA),
 and keeps it only where FAISS then runs that kernel and runs faster. A variable the user set is
 never overridden: it is reported, with the figure.
+
+The GEMM choice is timed once per host and kept (`remember_choice`, a `memtree-gemm-choice` file in
+the user's cache directory, keyed by the CPU, the thread count, the BLAS kernels and the library
+versions): centroids follow the backend by float32 rounding, so a choice re-timed on every run
+could flip on a loaded host and two fresh runs of one config would build different trees.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -142,15 +150,89 @@ def measure_fits(backends: list[str] | None = None, *, threads: int = 1, repeats
     return {"seconds": secs, "threads": threads, "choice": gemm.choose({k: 1.0 / v for k, v in secs.items()})}
 
 
-_BEST: dict[int, str] = {}
-
-
 def best_gemm(threads: int | None = None) -> str:
-    """`measure_fits(threads=...)["choice"]` (default: one caller per core), measured once per process."""
+    """The node fits' GEMM on this host for `threads` callers (default: one per core): the stored
+    choice (`remember_choice`), timed here (`measure_fits`) the first time."""
+    from threadpoolctl import threadpool_info
+
+    from clustering import gemm
+
+    gemm.available()  # loads FAISS's OpenBLAS where there is one, so its kernel is in the key
+    libs = {_owner(i.get("filepath") or ""): i.get("architecture") for i in threadpool_info() if i.get("user_api") == "blas"}
     n = threads or os.cpu_count() or 1
-    if n not in _BEST:
-        _BEST[n] = measure_fits(threads=n)["choice"]
-    return _BEST[n]
+    key = host_key(n, {"faiss": libs.get("faiss"), "numpy": libs.get("numpy")})
+    entry = stored_choice(key)
+    return (entry or remember_choice(key, measure_fits(threads=n)))["choice"]
+
+
+CHOICE_FORMAT, CHOICE_VERSION = "memtree-gemm-choice", 1
+
+
+def choice_path() -> Path:
+    """Where the timed GEMM choices live: $MEMTREE_CACHE_DIR, else $XDG_CACHE_HOME/memtree, else
+    ~/.cache/memtree; the file is gemm-choice.json."""
+    d = os.environ.get("MEMTREE_CACHE_DIR")
+    base = Path(d) if d else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memtree"
+    return base / "gemm-choice.json"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def host_key(threads: int, kernels: dict[str, str | None] | None = None) -> str:
+    """What the GEMM choice depends on, hashed: the CPU (model, flags, cores), the callers, the
+    BLAS kernels where known, OPENBLAS_CORETYPE and the numpy / torch / FAISS versions."""
+    model, flags = cpu_flags()
+    what = {"cpu": model, "flags": sorted(flags), "cores": os.cpu_count(), "threads": threads,
+            "kernels": kernels or {}, "coretype": os.environ.get("OPENBLAS_CORETYPE"),
+            "versions": {d: _version(d) for d in ("numpy", "torch", "faiss-cpu", "faiss-gpu")}}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _read_choices(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        doc = json.loads(path.read_text())
+        ok = doc.get("format") == CHOICE_FORMAT and isinstance(doc.get("entries"), dict)
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path}: not a readable {CHOICE_FORMAT} file ({e}); delete it to time the GEMMs again") from e
+    if not ok:
+        raise ValueError(f"{path}: not a {CHOICE_FORMAT} file; delete it to time the GEMMs again")
+    if doc.get("version") != CHOICE_VERSION:
+        raise ValueError(f"{path}: {CHOICE_FORMAT} version {doc.get('version')!r}, this memtree reads "
+                         f"{CHOICE_VERSION}; delete it to time the GEMMs again")
+    return doc["entries"]
+
+
+def stored_choice(key: str) -> dict[str, Any] | None:
+    """The stored entry for `key` ({choice, seconds, threads, measured_at, path}), or None."""
+    path = choice_path()
+    entry = _read_choices(path).get(key)
+    return None if entry is None else entry | {"path": str(path), "stored": True}
+
+
+def remember_choice(key: str, fits: dict[str, Any]) -> dict[str, Any]:
+    """The stored choice for `key`; where there is none, `fits` (a `measure_fits` result) becomes it
+    (written atomically). Returns {choice, seconds, threads, measured_at, path, stored}: `stored`
+    says the choice was timed by an earlier run."""
+    found = stored_choice(key)
+    if found is not None:
+        return found
+    path = choice_path()
+    entries = _read_choices(path)
+    entry = {"choice": fits["choice"], "seconds": fits["seconds"], "threads": fits["threads"],
+             "measured_at": datetime.now(UTC).isoformat(timespec="seconds")}
+    doc = {"format": CHOICE_FORMAT, "version": CHOICE_VERSION, "entries": {**entries, key: entry}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return entry | {"path": str(path), "stored": False}
 
 
 def _owner(path: str) -> str:
@@ -206,8 +288,11 @@ def check_host(*, mode: str = "fix", can_fix: bool = True, threads: int = 1) -> 
     res |= {"faiss_kernel": final["faiss_kernel"], "numpy_kernel": final["numpy_kernel"], "faiss_gflops": fs,
             "sgemm_gflops": sg, "fraction_of_sgemm": round(fs / sg, 3) if fs and sg else None,
             "fallback": is_fallback(final["faiss_kernel"], flags), "env": final["env"],
-            "gemm": final["gemm"]["choice"], "gemm_gflops": final["gemm"]["gflops"],
-            "gemm_fit_seconds": final["gemm"]["fits"]["seconds"], "gemm_threads": threads}
+            "gemm_gflops": final["gemm"]["gflops"], "gemm_fit_seconds": final["gemm"]["fits"]["seconds"],
+            "gemm_threads": threads}
+    kept = remember_choice(host_key(threads, {"faiss": final["faiss_kernel"], "numpy": final["numpy_kernel"]}),
+                           final["gemm"]["fits"])
+    res |= {"gemm": kept["choice"], "gemm_choice": kept}
     res["message"] = _message(res, want, user_set=user_set, can_fix=can_fix, mode=mode)
     return res
 
@@ -216,8 +301,11 @@ def _message(res: dict[str, Any], want: str | None, *, user_set: bool, can_fix: 
     fig = (f"FAISS's OpenBLAS runs kernel {res['faiss_kernel']}: flat search {res['faiss_gflops']} GFLOP/s, "
            f"{res['fraction_of_sgemm']} of numpy's sgemm ({res['sgemm_gflops']} GFLOP/s, kernel "
            f"{res['numpy_kernel']})")
-    gemm = (f"node fits' GEMM: {res['gemm']} (a node-fit sample took {res['gemm_fit_seconds']} s; GEMMs at "
-            f"{res['gemm_gflops']} GFLOP/s; {res['gemm_threads']} caller(s) at one BLAS thread each)")
+    c = res["gemm_choice"]
+    when = (f"timed on this host on {c['measured_at']}, kept in {c['path']} (delete it to time again)"
+            if c["stored"] else f"timed now, kept in {c['path']}")
+    gemm = (f"node fits' GEMM: {res['gemm']} ({when}; a node-fit sample took {res['gemm_fit_seconds']} s; "
+            f"GEMMs at {res['gemm_gflops']} GFLOP/s; {res['gemm_threads']} caller(s) at one BLAS thread each)")
     if res["action"] != "none":
         b = res["before"]
         was = f", replacing the environment's {res['replaced']}" if res.get("replaced") else ""

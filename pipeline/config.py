@@ -143,13 +143,13 @@ class TreeConfig:
     (docs/BENCHMARKS.md, issue #12)."""
     auto_reduce: bool = False
     """If the corpus has fewer windows than leaves, drop levels instead of failing."""
-    gemm: Literal["numpy", "torch", "faiss", "auto"] = "numpy"
+    gemm: Literal["numpy", "torch", "faiss", "auto"] = "auto"
     """The BLAS the node fits' GEMMs run on (`clustering.gemm`): numpy's, torch's or FAISS's
-    OpenBLAS; auto, the fastest on sample node fits, timed by the BLAS check before the tree stage
-    (`dask.blas`; recorded in the stage's stats). Paths are the same on every backend, centroids
-    agree to float32 rounding, so the tree's bytes and `tree_id` follow the backend: numpy is the
-    default because a timed choice can differ between two fresh runs on a loaded host, and two
-    runs of one config should build the same tree. The check names the fastest backend either way."""
+    OpenBLAS; auto (default): the fastest on sample node fits, timed by the BLAS check before the
+    tree stage (`dask.blas`) the first time on a host and kept in the user's cache
+    (`clustering.blas.remember_choice`), so that every run on the host fits on the same one;
+    recorded in the stage's stats. Paths are the same on every backend and centroids agree to
+    float32 rounding (~1e-7): a speed setting, left out of the stage's fingerprint."""
 
     def __post_init__(self) -> None:
         _positive(self, "levels", "branching", "batch_size", "steps", "min_points_per_child", "restarts")

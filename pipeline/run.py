@@ -295,13 +295,13 @@ def effective_levels(n: int, levels: int, branching: int, auto_reduce: bool) -> 
 
 
 def _tree_fingerprint(c) -> dict:
-    """The tree config and seed; `restarts` only when it is not 1 and `gemm` only when it is not
-    numpy, so trees built before those fields existed keep their fingerprint (the same fit)."""
+    """The tree config and seed; `restarts` only when it is not 1, so trees built before that field
+    existed keep their fingerprint (the same fit). `gemm` is a speed setting (the same paths, centroids
+    to float32 rounding): changing it rebuilds nothing."""
     fp = {**to_dict(c.tree), "seed": c.seed}
     if fp.get("restarts") == 1:
         del fp["restarts"]
-    if fp.get("gemm") == "numpy":
-        del fp["gemm"]
+    fp.pop("gemm", None)
     return fp
 
 

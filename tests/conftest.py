@@ -18,6 +18,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # torch.compile's on-disk caches outlive a change to a custom op's schema and then replay
 # stale graphs; each test session compiles afresh in its own directory.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="memtree-inductor-"))
+# the timed GEMM choice (clustering.blas.remember_choice) is kept per test session, not in the
+# user's cache: every pipeline of the session fits on the one choice, as runs on one host do
+os.environ["MEMTREE_CACHE_DIR"] = tempfile.mkdtemp(prefix="memtree-cache-")
 
 
 def _interpret_triton_without_a_gpu() -> None:

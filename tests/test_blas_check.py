@@ -115,11 +115,10 @@ def test_the_pipeline_records_the_check_in_its_tree_stage_and_report(pipeline_ru
     # the session's cluster was started by the test, not the pipeline: it can only warn
     assert host["action"] == "none"
     report = (out / "report" / "report.md").read_text()
-    # tree.gemm defaults to numpy (a timed choice could differ between two fresh runs); the report
-    # names the fastest backend too
-    assert host["gemm_used"] == "numpy"
-    assert "## BLAS" in report and host["message"] in report and "**numpy** (`tree.gemm`)" in report
-    assert f"the fastest here: {host['gemm']}" in report
+    # tree.gemm defaults to auto: the fits ran on the choice kept for this host (this session's cache)
+    assert host["gemm_used"] == host["gemm"] == host["gemm_choice"]["choice"]
+    assert host["gemm_choice"]["path"] == str(blas.choice_path())
+    assert "## BLAS" in report and host["message"] in report and f"**{host['gemm']}** (`tree.gemm`)" in report
     assert json.loads((out / "report" / "report.json").read_text())["host"]["gemm"] == host["gemm"]
 
 
@@ -143,3 +142,49 @@ def test_force_fixes_the_kernel_for_the_pipelines_own_workers(tmp_path, monkeypa
     assert host["before"]["faiss_kernel"] == "Prescott" and not host["fallback"]
     assert host["gemm_used"] == host["gemm"] in gemm.BACKENDS  # tree.gemm=auto: the check's timed choice
     assert any(m.startswith("[tree] BLAS: FAISS's OpenBLAS picked the fallback kernel Prescott") for m in logs)
+
+
+def _fits(choice: str) -> dict:
+    return {"choice": choice, "seconds": {"numpy": 1.0, choice: 0.5}, "threads": 1}
+
+
+def test_the_gemm_choice_is_timed_once_per_host_and_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMTREE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "cache" / "gemm-choice.json"
+    assert blas.choice_path() == path
+    key = blas.host_key(1, {"faiss": "Zen", "numpy": "Zen"})
+    first = blas.remember_choice(key, _fits("torch"))
+    assert first["choice"] == "torch" and not first["stored"] and first["path"] == str(path)
+    doc = json.loads(path.read_text())
+    assert doc["format"] == "memtree-gemm-choice" and doc["version"] == 1 and doc["entries"][key]["choice"] == "torch"
+    # a later run on the host keeps the first timing, whatever it measures now
+    again = blas.remember_choice(key, _fits("faiss"))
+    assert again["choice"] == "torch" and again["stored"] and again["measured_at"] == first["measured_at"]
+    # another caller count, another kernel or another OPENBLAS_CORETYPE is another host for the choice
+    assert blas.host_key(2, {"faiss": "Zen", "numpy": "Zen"}) != key
+    assert blas.host_key(1, {"faiss": "Prescott", "numpy": "Zen"}) != key
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
+    assert blas.host_key(1, {"faiss": "Zen", "numpy": "Zen"}) != key
+    monkeypatch.delenv("OPENBLAS_CORETYPE")
+    assert blas.stored_choice(key)["choice"] == "torch"
+    # a damaged file is named, with what to do
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match=r"gemm-choice\.json: not a readable memtree-gemm-choice file.*delete it"):
+        blas.stored_choice(key)
+    path.write_text(json.dumps({"format": "memtree-gemm-choice", "version": 9, "entries": {}}))
+    with pytest.raises(ValueError, match="version 9, this memtree reads 1"):
+        blas.stored_choice(key)
+
+
+def test_best_gemm_reads_the_kept_choice(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMTREE_CACHE_DIR", str(tmp_path))
+    chosen = blas.best_gemm(1)  # timed (nothing kept yet) and kept
+    assert chosen in gemm.BACKENDS
+    doc = json.loads(blas.choice_path().read_text())
+    (key, entry), = doc["entries"].items()
+    assert entry["choice"] == chosen and set(entry["seconds"]) == set(gemm.available())
+    # what is kept is what is used: two different kept choices, each returned (a timing could give only one)
+    for other in ("faiss", "torch"):
+        doc["entries"][key]["choice"] = other
+        blas.choice_path().write_text(json.dumps(doc))
+        assert blas.best_gemm(1) == other
