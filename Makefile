@@ -32,9 +32,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 # the slow multi-rank tests (and the BLAS fix's pipeline) that `make test` deselects; .ci/run runs them.
-# tests/test_reliability_elastic.py is left out until its 2 -> 1 case is fixed: its bank ends 2.4e-4
-# from the uninterrupted run against a 1e-4 bound (issue #56's closing note)
-RANK_TESTS := tests/test_training_sharded.py tests/test_training_replicas.py tests/test_blas_check.py
+RANK_TESTS := tests/test_training_sharded.py tests/test_training_replicas.py tests/test_blas_check.py \
+	tests/test_reliability_elastic.py
 test-ranks: $(STAMP)
 	$(PY) -m pytest -q -m slow $(RANK_TESTS)
 

@@ -25,7 +25,7 @@ from training.finetune.continual import batch_tensors
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-STEPS_PER_FACT = 4
+STEPS_PER_FACT = 8
 TEXTS = ["the colour of the lantern Orvel is deep green", "Orvel the lantern is deep green in colour",
          "records show the lantern Orvel is deep green", "the lantern Orvel glows a deep green"]
 
@@ -148,10 +148,13 @@ def test_edited_blocks_lower_the_facts_loss_when_fetched_from_the_store(mem_run,
     """The direction block finetuning exists for: after TF-IDF updates on a fact's statements,
     written through the store's edit path, the fact's loss with its blocks fetched from the store
     is below the loss before and below the anchor alone (untouched), so the edits are in the blocks
-    its route reads: 7.614 -> 7.416 (2026-11-29). top_t is eval continual's (64); the SGD rate is
-    10, not its 1, as this 3-batch run's blocks are still near their no-effect init (the fetched
-    loss equals the anchor's). Blocks that were not the ones fetched, or edits that did not reach
-    the store, leave the fetched loss where it was."""
+    its route reads. top_t is eval continual's (64); the SGD rate is 2, not its 1, as this 3-batch
+    run's blocks are still near their no-effect init (the fetched loss equals the anchor's), where
+    the first steps move the loss little. Measured on an Intel Xeon host (2026-12-03), 8 steps:
+    lr 1: 7.612 -> 7.490, lr 2: -> 7.297 (the loss falling at every step), lr 3: -> 7.257; lr 10
+    (this test's rate until then, 4 steps: 7.614 -> 7.416 on an AMD EPYC host) overshot there
+    (-> 7.613) and left units dead. Blocks that were not the ones fetched, or edits that did not
+    reach the store, leave the fetched loss where it was."""
     from eval.tasks import perplexity
     from training.finetune.blocks import write_edits
 
@@ -163,7 +166,7 @@ def test_edited_blocks_lower_the_facts_loss_when_fetched_from_the_store(mem_run,
         return perplexity(rm, docs, mode=mode, paths=paths)["nll"]
 
     anchor, before = nll("none"), nll("fetched")
-    ft = BlockFinetuner(rm.model, rm.store, BlockFinetuneSpec(method="tfidf", top_t=64, lr=10.0, unit_frac=0.25),
+    ft = BlockFinetuner(rm.model, rm.store, BlockFinetuneSpec(method="tfidf", top_t=64, lr=2.0, unit_frac=0.25),
                         background=background)
     for _ in range(STEPS_PER_FACT):
         ft.step(ids, real, paths)

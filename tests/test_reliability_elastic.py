@@ -12,16 +12,23 @@ import torch
 from train_launcher import launch, read_log
 
 STEPS, STOP = 8, 4  # K global batches; the interrupted run stops after STOP (a checkpoint is saved there)
-# Measured (CPU, gloo, 2026-11-25), max |Δ| against the uninterrupted 1-process run after 8 steps:
-# anchor 1.2e-7 in both directions (and for an uninterrupted 2-process run); bank 1.4e-5 (2 → 1),
-# 1.8e-6 (1 → 2), 1.8e-5 (uninterrupted 2-process). Not bit-identical because the float sums run
+# Measured (CPU, gloo), max |Δ| against the uninterrupted 1-process run after 8 steps: anchor
+# 1.2e-7 on every host and in every direction. Bank: 2026-11-25 1.4e-5 (2 → 1), 1.8e-6 (1 → 2),
+# 1.8e-5 (uninterrupted 2-process); 2026-12-02 2.4e-4 (2 → 1, bd58b0c's run on another host);
+# 2026-12-03 on an Intel Xeon (AVX-512) 3.5e-6 (2 → 1) and 3.5e-6 (uninterrupted 2-process), with
+# MKL and oneDNN held to AVX2 9.3e-6 and 1.3e-5. Not bit-identical because the float sums run
 # in another order: DDP's gloo all-reduce adds the ranks' anchor gradients (each a sum over 2
 # sequences) where one process sums 4 in its matmuls; MemoryAdamW adds the ranks' sparse bank
 # gradients after gathering them; each rank's loss is scaled by its share of the batch's target
 # tokens. Adam divides by sqrt(v), so where a gradient coordinate is tiny (a sum that nearly
-# cancels) its rounding moves the update by up to ~lr: the bounds are 1 % of one Adam step at
-# memory.lr 1e-2 (bank) and 0.3 % of one at optim.lr 3e-3 (anchor), 5× and 80× the measured.
-ANCHOR_ATOL, BANK_ATOL = 1e-5, 1e-4
+# cancels) its rounding moves the update by up to ~lr: the bank's worst coordinate had its first
+# nonzero gradient after step 4, once one below Adam's eps (4.6e-9, 1 % apart between the runs),
+# and it is as far off in the uninterrupted 2-process run, so the host's kernels set the figure,
+# not the resume. The bounds are 10 % of one Adam step at memory.lr 1e-2 (bank, 4× the worst
+# measured) and 0.3 % of one at optim.lr 3e-3 (anchor, 80×); a resume that drops the bank's Adam
+# state ends 3.1e-2 off, one that drops its rows' step counts 1.5e-2 (the step-4 checkpoint
+# edited so, 2026-12-03).
+ANCHOR_ATOL, BANK_ATOL = 1e-5, 1e-3
 
 
 def _args(shards: Path, folder: Path) -> list[str]:
@@ -54,7 +61,8 @@ def uninterrupted(pipeline_run, tmp_path_factory):
     folder = tmp_path_factory.mktemp("elastic") / "straight"
     batches = _launch(1, shards, folder)
     anchor, bank = _weights(folder)
-    # what training moved the weights by, far above the tolerances (so the comparison is not vacuous)
+    # what training moved the weights by, far above the tolerances (so the comparison is not vacuous):
+    # the bank at most ~lr per step, 2.7e-2 in the 8 steps (measured 2026-12-03), hence 10× its bound
     from composer.utils import reproducibility
 
     from training.config import load_train_config
@@ -65,7 +73,7 @@ def uninterrupted(pipeline_run, tmp_path_factory):
     start = {k: v.detach() for k, v in init.model.state_dict().items()}
     moved = (max(float((anchor[k] - start[k]).abs().max()) for k in anchor),
              max(float((bank[lv] - init.bank.tables[lv].detach()).abs().max()) for lv in bank))
-    assert moved[0] > 100 * ANCHOR_ATOL and moved[1] > 100 * BANK_ATOL, moved
+    assert moved[0] > 100 * ANCHOR_ATOL and moved[1] > 10 * BANK_ATOL, moved
     return shards, batches, (anchor, bank)
 
 
