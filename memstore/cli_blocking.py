@@ -4,13 +4,15 @@ The level is never assumed: with `--queries` / `--random` it follows from `--fra
 bank (`memstore.blocking.default_level`), with `--clusters` it is the shallowest level that holds
 memory, and `--level` names another. Undo mirrors do: `unblock` of a cluster that a block
 command blocked with its subtree (`--subtree`, `--queries`, `--random`) lifts that subtree
-(the audit log records what each block asked for). Every command prints one text summary, or
-JSON with `--json`.
+(the audit log records what each block asked for). `--documents IDS --run RUN` acts instead on the
+blocks a data owner's documents trained, at every level holding memory (`memstore.ownership`), and
+prints what that cost per level. Every command prints one text summary, or JSON with `--json`.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from memstore.cli_common import (
@@ -23,6 +25,7 @@ from memstore.cli_common import (
     load_tree_arg,
     note,
     parse_ids,
+    read_document_ids,
     read_queries,
 )
 
@@ -46,6 +49,19 @@ def add_block_commands(subparsers: argparse._SubParsersAction) -> None:
                                 "they were blocked: a cluster blocked with its subtree is lifted with it")
         else:
             p.add_argument("--subtree", action="store_true", help="include every descendant at deeper levels")
+        p.add_argument("--documents", metavar="IDS_FILE",
+                       help="a data owner's documents: a text file, one document id (the ingest's doc_id) per "
+                            "line; acts on the blocks they trained, at every level holding memory (needs --run)"
+                            + ("; lifts exactly what their blocks set" if name == "unblock" else ""))
+        p.add_argument("--run", metavar="PIPELINE_RUN",
+                       help="with --documents: the pipeline run the bank trains on (its ingest, window and assign "
+                            "stages say which documents' tokens trained each block)")
+        if name != "unblock":
+            p.add_argument("--min-share", type=float, metavar="S",
+                           help="with --documents: only blocks whose training tokens are at least this share the "
+                                "owner's, in [0, 1] (default 0: every block the documents trained at all)")
+        p.add_argument("--allow-missing", action="store_true",
+                       help="with --documents: go on when some ids are not in the run (they are named on stderr)")
         p.add_argument("--reason", default="", help="recorded in the audit log")
         add_wait(p)
         add_json(p)
@@ -62,10 +78,33 @@ def add_block_commands(subparsers: argparse._SubParsersAction) -> None:
         p.set_defaults(func=run_block, action=name)
 
 
+def _documents_mode(args: argparse.Namespace) -> str:
+    if not args.documents:
+        flag = next(f for f, on in (("--run", args.run), ("--min-share", getattr(args, "min_share", None) is not None),
+                                    ("--allow-missing", args.allow_missing)) if on)
+        raise ValueError(f"{flag} is used with --documents IDS_FILE")
+    if not args.run:
+        raise ValueError("--documents needs --run PIPELINE_RUN (the pipeline run whose assignments say which blocks "
+                         "the documents trained)")
+    subtree = args.subtree is not None if args.action == "unblock" else args.subtree
+    given = [f for f, on in (("--clusters", args.clusters), ("--queries", getattr(args, "queries", None)),
+                             ("--random", getattr(args, "random", False)), ("--level", args.level is not None),
+                             ("--subtree", subtree), ("--tree", getattr(args, "tree", None)),
+                             ("--fraction", getattr(args, "fraction", None) is not None),
+                             ("--seed", getattr(args, "seed", None) is not None)) if on]
+    if given:
+        raise ValueError(f"--documents chooses the blocks by the documents' training data at every level holding "
+                         f"memory; it is not used with {' or '.join(given)}")
+    return "documents"
+
+
 def _mode(args: argparse.Namespace) -> str:
+    if args.documents or args.run or getattr(args, "min_share", None) is not None or args.allow_missing:
+        return _documents_mode(args)
     if args.action != "block":
         if not args.clusters:
-            raise ValueError(f"{args.action}: give --clusters IDS (global cluster ids at --level)")
+            raise ValueError(f"{args.action}: give --clusters IDS (global cluster ids at --level), or --documents "
+                             "IDS_FILE with --run PIPELINE_RUN")
         return "clusters"
     given = [f for f, on in (("--queries", args.queries), ("--random", args.random), ("--clusters", args.clusters))
              if on]
@@ -78,7 +117,8 @@ def _mode(args: argparse.Namespace) -> str:
     if not given:
         if args.fallback:
             return "fallback"
-        raise ValueError("block: give --clusters IDS, --queries FILE (with --tree) or --random")
+        raise ValueError("block: give --clusters IDS, --queries FILE (with --tree), --random, or --documents "
+                         "IDS_FILE with --run PIPELINE_RUN")
     if args.clusters:
         for flag, value in (("--fraction", args.fraction), ("--seed", args.seed)):
             if value is not None:
@@ -110,6 +150,8 @@ def run_block(args: argparse.Namespace) -> int:
 
     check_bank(args.bank)
     mode = _mode(args)
+    if mode == "documents":
+        return _run_documents(args)
     clusters = parse_ids(args.clusters, "--clusters") if args.clusters else []
     texts, tree = (read_queries(args.queries), load_tree_arg(args.tree)) if mode == "queries" else (None, None)
     state = {"block": "blocked", "unblock": "not blocked", "delete": "deleted"}[args.action]
@@ -185,3 +227,91 @@ def _summary(action: str, mode: str, out: dict, counts: dict[int, int], changed:
     if n_changed < n_total:
         text += f" ({n_total - n_changed:,} of them already {state})"
     return f"{text}; {refused}"
+
+
+def _run_documents(args: argparse.Namespace) -> int:
+    """block / unblock / delete --documents: the blocks a data owner's documents trained (memstore.ownership)."""
+    from memstore.journal import audit_log
+    from memstore.ownership import (
+        check_min_share,
+        lift_targets,
+        owner_hash,
+        owner_report,
+        owner_shares,
+        owner_targets,
+        run_tree_id,
+    )
+    from memstore.store import MemoryStore, id_runs
+
+    share = None if args.action == "unblock" else check_min_share(args.min_share or 0.0)
+    ids = read_document_ids(args.documents)
+    tree_id = run_tree_id(args.run)
+    sha = owner_hash(ids)
+    with MemoryStore(args.bank, lock_wait=args.wait) as store:
+        if store.info.tree_id != tree_id:
+            raise ValueError(f"--run {args.run}: its tree is {tree_id}, but bank {args.bank} was built for tree "
+                             f"{store.info.tree_id or '(none: the bank is not bound to a tree)'}; give the run whose "
+                             "tree the bank was trained on")
+        shares = owner_shares(args.run, ids, sorted(store.levels), store.info.memory.branching)
+        _check_missing(args, ids, shares)
+        request: dict[str, Any] = {"by": "documents", "owner_sha256": sha, "documents": len(ids),
+                                   "documents_found": len(shares.found), "run": str(Path(args.run).resolve()),
+                                   "tree_id": tree_id}
+        if args.action == "unblock":
+            targets, undone = lift_targets(audit_log(store.root), sha)
+            if not undone:
+                raise ValueError(f"unblock --documents {args.documents}: the audit log of {args.bank} holds no block "
+                                 f"by these documents (owner sha256 {sha}) since their last unblock; nothing to lift")
+            request["undoes"] = [e["time"] for e in undone]
+        else:
+            held = {lv: (L.info.first_cluster, L.info.n_blocks) for lv, L in store.levels.items()}
+            targets = owner_targets(shares, held, share)
+            request["min_share"] = share
+        out: dict[str, Any] = {"action": args.action, "bank": str(store.root), **request}
+        if args.action == "block" and args.fallback:
+            store.set_fallback(args.fallback)
+            out["fallback"] = args.fallback
+        changed = (store.apply_targets(args.action, targets, reason=args.reason, **request)
+                   if any(targets.values()) else {})
+        out.update(owner_report(shares, targets, store.info),
+                   targets={str(lv): id_runs(v) for lv, v in sorted(targets.items())},
+                   changed={str(lv): len(v) for lv, v in sorted(changed.items())},
+                   bank_fraction_refused=store.blocked_fraction())
+    emit(args, _documents_summary(out, targets, changed), out)
+    return 0
+
+
+def _check_missing(args: argparse.Namespace, ids: list[str], shares) -> None:
+    if not shares.missing:
+        return
+    named = ", ".join(map(repr, shares.missing[:5])) + (", …" if len(shares.missing) > 5 else "")
+    text = (f"--documents {args.documents}: {len(shares.missing):,} of {len(ids):,} document ids are not in the "
+            f"pipeline run {args.run} ({named})")
+    if not shares.found:
+        raise ValueError(f"{text}; none of them is, so nothing can be chosen (is it the run the bank trains on? ids "
+                         "are the ingest's doc_id)")
+    if not args.allow_missing:
+        raise ValueError(f"{text}; check them (ids are the ingest's doc_id) or add --allow-missing to go on without")
+    note(f"{text}; going on without them (--allow-missing)")
+
+
+def _documents_summary(out: dict[str, Any], targets: dict[int, list[int]], changed: dict[int, list[int]]) -> str:
+    from memstore.ownership import owner_table
+
+    action = out["action"]
+    run_share = out["owner_tokens"] / out["run_tokens"] if out["run_tokens"] else 0.0
+    how = "lifting what their blocks set" if action == "unblock" else (
+        "every block they trained" if not out["min_share"] else f"blocks they trained with a share >= {out['min_share']:g}")
+    head = (f"{action}: {out['documents_found']:,} documents (owner sha256 {out['owner_sha256'][:16]}…), "
+            f"{out['owner_tokens']:,} training tokens ({run_share:.2%} of the run's); {how}")
+    state = {"block": "blocked", "unblock": "not blocked", "delete": "deleted"}[action]
+    n_changed, n_total = sum(map(len, changed.values())), sum(map(len, targets.values()))
+    if not n_changed:
+        tail = f"nothing changed: {'no block to act on' if not n_total else f'every block already {state}'}"
+    else:
+        verb = {"block": "blocked", "unblock": "lifted", "delete": "erased"}[action]
+        tail = f"{verb} {levels_text({lv: len(v) for lv, v in changed.items()})}"
+        if n_changed < n_total:
+            tail += f" ({n_total - n_changed:,} of the {n_total:,} already {state})"
+    fallback = f"fallback set to {out['fallback']}; " if "fallback" in out else ""
+    return (f"{head}\n{owner_table(out)}\n{fallback}{tail}; {out['bank_fraction_refused']:.4%} of the bank refused")

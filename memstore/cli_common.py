@@ -56,21 +56,32 @@ def emit(args: argparse.Namespace, text: str, data: Any) -> None:
     print(json.dumps(data, indent=2, default=str) if getattr(args, "json", False) else text)
 
 
-def read_queries(path: str, flag: str = "--queries") -> list[str]:
-    """The non-empty lines of a queries file; errors name the flag and the file."""
+def read_lines(path: str, flag: str, what: str, whats: str) -> list[str]:
+    """The non-empty lines of a text file holding one `what` per line (surrounding whitespace
+    dropped); errors name the flag and the file."""
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"{flag} {path}: file not found (expected a text file, one query per line)")
+        raise ValueError(f"{flag} {path}: file not found (expected a text file, one {what} per line)")
     if p.is_dir():
-        raise ValueError(f"{flag} {path}: is a directory (expected a text file, one query per line)")
+        raise ValueError(f"{flag} {path}: is a directory (expected a text file, one {what} per line)")
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"{flag} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
-    texts = [line.strip() for line in text.splitlines() if line.strip()]
-    if not texts:
-        raise ValueError(f"{flag} {path}: no queries in the file (it is empty; expected one query per line)")
-    return texts
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"{flag} {path}: no {whats} in the file (it is empty; expected one {what} per line)")
+    return lines
+
+
+def read_queries(path: str, flag: str = "--queries") -> list[str]:
+    """The non-empty lines of a queries file; errors name the flag and the file."""
+    return read_lines(path, flag, "query", "queries")
+
+
+def read_document_ids(path: str, flag: str = "--documents") -> list[str]:
+    """The document ids of a file (the ingest's doc_id, one per line), unique, in file order."""
+    return list(dict.fromkeys(read_lines(path, flag, "document id", "document ids")))
 
 
 def load_tree_arg(path: str, flag: str = "--tree"):

@@ -114,10 +114,11 @@ def blocked_as_subtree(entries: Sequence[dict[str, Any]], level: int) -> list[in
 
     An entry records what was asked (`level`, `clusters`, `subtree`); entries written before
     those fields existed are read from `targets`: the shallowest level is what was asked, and
-    any deeper level means the subtree came with it."""
+    any deeper level means the subtree came with it. Blocks asked for another way (`by`, e.g. an owner's
+    documents) name no cluster and are skipped."""
     latest: dict[int, bool] = {}
     for e in entries:
-        if e.get("action") != "block" or not e.get("targets"):
+        if e.get("action") != "block" or not e.get("targets") or e.get("by"):
             continue
         if "level" in e:
             root, ids, sub = int(e["level"]), e["clusters"], e.get("subtree") is True

@@ -529,6 +529,12 @@ class MemoryStore:
 
     def _delete(self, level: int, clusters: Sequence[int], subtree: bool, reason: str) -> dict:
         targets = self._expand(level, clusters, subtree)
+        self._erase(targets)
+        self._audit("delete", targets, reason, level=level, clusters=sorted({int(c) for c in clusters}),
+                    subtree=bool(subtree))
+        return {lv: len(ids) for lv, ids in targets.items()}
+
+    def _erase(self, targets: Mapping[int, Sequence[int]]) -> None:
         manifest = copy.deepcopy(self.info.manifest)  # untouched if the commit fails
         deleted = manifest.setdefault("deleted", {})
         writes = []
@@ -541,9 +547,6 @@ class MemoryStore:
         self._commit(writes, manifest=manifest)
         for lv in targets:
             self.levels[lv].mask = self._refused_mask(self.levels[lv].info)
-        self._audit("delete", targets, reason, level=level, clusters=sorted({int(c) for c in clusters}),
-                    subtree=bool(subtree))
-        return {lv: len(ids) for lv, ids in targets.items()}
 
     def _commit(self, writes: list[tuple[int, int, bytes]], manifest: dict | None = None) -> None:
         manifest = dict(manifest or self.info.manifest)
@@ -625,6 +628,29 @@ class MemoryStore:
             self._audit(action, targets, reason, level=level, clusters=sorted({int(c) for c in clusters}),
                         subtree="as blocked" if subtree is None else bool(subtree))
         return counts
+
+    def apply_targets(self, action: Literal["block", "unblock", "delete"], targets: Mapping[int, Sequence[int]], *,
+                      reason: str = "", **request: Any) -> dict[int, list[int]]:
+        """Block, unblock or delete an explicit {level: [global cluster ids]} map as one operation with ONE
+        audit entry: `targets` (all it covered), `changed` (the blocks newly blocked, lifted or erased, so
+        an undo can lift exactly what a block set) and `request` (what asked for it, e.g. an owner's hash).
+        Returns `changed`."""
+        if action not in ("block", "unblock", "delete"):
+            raise ValueError(f"apply_targets: action {action!r} is not 'block', 'unblock' or 'delete'")
+        with self._writing(action):
+            targets = {int(lv): self._expand(int(lv), ids, False)[int(lv)] for lv, ids in targets.items() if ids}
+            source = self.info.manifest.get("deleted", {}) if action == "delete" else self._disk_policy["blocked"]
+            was = {lv: {i for a, b in source.get(str(lv), []) for i in range(a, b)} for lv in targets}
+            changed = {lv: sorted(set(ids) - was[lv] if action != "unblock" else set(ids) & was[lv])
+                       for lv, ids in targets.items()}
+            if action == "delete":
+                self._erase(targets)
+            else:
+                _apply_blocked(self._disk_policy, action, targets)
+                self._save_policy()
+            self._audit(action, targets, reason, changed={str(lv): id_runs(v) for lv, v in changed.items()},
+                        **request)
+        return changed
 
     @contextlib.contextmanager
     def experiment(self, *, fallback: Fallback | None = None):

@@ -152,3 +152,24 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def cli_on_bank_copy(bank: Path, tmp_path: Path, capsys, names: dict[str, str]):
+    """A fresh copy of `bank` at tmp_path/bank; the returned call(*argv) runs `memtree` with
+    {bank} and `names` filled into argv and returns (rc, stdout, stderr)."""
+    import shutil
+
+    from memtree.cli import main
+
+    shutil.copytree(bank, tmp_path / "bank")
+    names = {"bank": str(tmp_path / "bank"), **names}
+    capsys.readouterr()
+
+    def call(*argv: str) -> tuple[int, str, str]:
+        rc = main([a.format(**names) for a in argv])
+        out = capsys.readouterr()
+        return rc, out.out, out.err
+
+    call.bank = tmp_path / "bank"
+    call.names = names
+    return call

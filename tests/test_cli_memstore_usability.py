@@ -5,7 +5,6 @@ on a real tree (3 levels × branching 4, as `make demo`'s) and a real bank holdi
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ import pytest
 from memstore.journal import audit_log
 from memstore.store import MemoryStore, read_policy
 from memtree.cli import main
+from tests.conftest import cli_on_bank_copy
 
 PROBES = ["What is the atomic number of gold?", "A recipe for sourdough bread", "The history of the Roman empire"]
 
@@ -38,19 +38,9 @@ def made(tmp_path_factory):
 def run(made, tmp_path, capsys):
     """A fresh copy of the bank in tmp_path; run(*argv) → (rc, stdout, stderr) with {bank}, {tree}, {probes}
     and {tmp} filled in."""
-    shutil.copytree(made / "bank", tmp_path / "bank")
-    names = {"bank": str(tmp_path / "bank"), "tree": str(made / "tree"), "probes": str(made / "probes.txt"),
-             "empty": str(made / "empty.txt"), "tmp": str(tmp_path)}
-    capsys.readouterr()
-
-    def call(*argv: str) -> tuple[int, str, str]:
-        rc = main([a.format(**names) for a in argv])
-        out = capsys.readouterr()
-        return rc, out.out, out.err
-
-    call.bank = tmp_path / "bank"
-    call.names = names
-    return call
+    return cli_on_bank_copy(made / "bank", tmp_path, capsys,
+                            {"tree": str(made / "tree"), "probes": str(made / "probes.txt"),
+                             "empty": str(made / "empty.txt"), "tmp": str(tmp_path)})
 
 
 def blocked(bank: Path) -> dict:
