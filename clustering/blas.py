@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from memtree.io import atomic_write_json
+
 # OpenBLAS kernels with AVX2 or better: any other kernel on a CPU with AVX2 is a fallback
 FAST_KERNELS = frozenset({"haswell", "zen", "skylakex", "cooperlake", "sapphirerapids", "neoversen1",
                           "neoversen2", "neoversev1", "armv8sve"})
@@ -82,26 +84,20 @@ def probe(*, repeats: int = 3, threads: int = 1) -> dict[str, Any]:
     """This process's BLAS libraries (threadpoolctl), numpy's plain sgemm and FAISS's flat search
     in GFLOP/s on all threads, and `clustering.gemm.measure(threads=threads)` (the node fits' GEMMs,
     one BLAS thread per call, `threads` callers: a Dask worker's threads)."""
-    from threadpoolctl import threadpool_info
-
     from clustering import gemm
 
     try:
         import faiss
     except ImportError:
         faiss = None
-    libs = [{k: i.get(k) for k in ("internal_api", "version", "architecture", "num_threads")}
-            | {"library": Path(i.get("filepath") or "").name, "owner": _owner(i.get("filepath") or "")}
-            for i in threadpool_info() if i.get("user_api") == "blas"]
+    libs = _blas_libs()
     rng = np.random.default_rng(0)
     n = 1024
     a = rng.standard_normal((n, n), dtype=np.float32)
     out: dict[str, Any] = {"libraries": libs, "sgemm_gflops": _rate(lambda: a @ a, 2.0 * n**3, repeats),
                            "env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
                                    if k in os.environ}}
-    kernel = next((lib["architecture"] for lib in libs if lib["owner"] == "faiss"), None)
-    out["faiss_kernel"] = kernel
-    out["numpy_kernel"] = next((lib["architecture"] for lib in libs if lib["owner"] == "numpy"), None)
+    out["faiss_kernel"], out["numpy_kernel"] = _kernels(libs)
     if faiss is not None:
         q, k, d = 4096, 1024, 384
         x, c = rng.standard_normal((q, d), dtype=np.float32), rng.standard_normal((k, d), dtype=np.float32)
@@ -153,15 +149,13 @@ def measure_fits(backends: list[str] | None = None, *, threads: int = 1, repeats
 def best_gemm(threads: int | None = None) -> str:
     """The node fits' GEMM on this host for `threads` callers (default: one per core): the stored
     choice (`remember_choice`), timed here (`measure_fits`) the first time."""
-    from threadpoolctl import threadpool_info
-
     from clustering import gemm
 
     gemm.available()  # loads FAISS's OpenBLAS where there is one, so its kernel is in the key
-    libs = {_owner(i.get("filepath") or ""): i.get("architecture") for i in threadpool_info() if i.get("user_api") == "blas"}
+    faiss_kernel, numpy_kernel = _kernels(_blas_libs())
     n = threads or os.cpu_count() or 1
-    key = host_key(n, {"faiss": libs.get("faiss"), "numpy": libs.get("numpy")})
-    entry = stored_choice(key)
+    key = host_key(n, {"faiss": faiss_kernel, "numpy": numpy_kernel})
+    entry = stored_choice(key)  # before timing: measuring is what the kept choice saves
     return (entry or remember_choice(key, measure_fits(threads=n)))["choice"]
 
 
@@ -220,19 +214,30 @@ def remember_choice(key: str, fits: dict[str, Any]) -> dict[str, Any]:
     """The stored choice for `key`; where there is none, `fits` (a `measure_fits` result) becomes it
     (written atomically). Returns {choice, seconds, threads, measured_at, path, stored}: `stored`
     says the choice was timed by an earlier run."""
-    found = stored_choice(key)
-    if found is not None:
-        return found
     path = choice_path()
     entries = _read_choices(path)
+    if key in entries:
+        return entries[key] | {"path": str(path), "stored": True}
     entry = {"choice": fits["choice"], "seconds": fits["seconds"], "threads": fits["threads"],
              "measured_at": datetime.now(UTC).isoformat(timespec="seconds")}
-    doc = {"format": CHOICE_FORMAT, "version": CHOICE_VERSION, "entries": {**entries, key: entry}}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    atomic_write_json(path, {"format": CHOICE_FORMAT, "version": CHOICE_VERSION, "entries": {**entries, key: entry}})
     return entry | {"path": str(path), "stored": False}
+
+
+def _blas_libs() -> list[dict[str, Any]]:
+    """The BLAS libraries this process has loaded (threadpoolctl), each with the package that owns it."""
+    from threadpoolctl import threadpool_info
+
+    return [{k: i.get(k) for k in ("internal_api", "version", "architecture", "num_threads")}
+            | {"library": Path(i.get("filepath") or "").name, "owner": _owner(i.get("filepath") or "")}
+            for i in threadpool_info() if i.get("user_api") == "blas"]
+
+
+def _kernels(libs: list[dict[str, Any]]) -> tuple[str | None, str | None]:
+    """(FAISS's OpenBLAS kernel, numpy's) of `_blas_libs()`."""
+    kernel = {lib["owner"]: lib["architecture"] for lib in reversed(libs)}  # the first one of each owner
+    return kernel.get("faiss"), kernel.get("numpy")
 
 
 def _owner(path: str) -> str:

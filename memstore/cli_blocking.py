@@ -29,6 +29,7 @@ from memstore.cli_common import (
     read_queries,
 )
 
+STATE = {"block": "blocked", "unblock": "not blocked", "delete": "deleted"}  # what each action leaves
 LEVEL_HELP = ("tree level of --clusters (1 = the root's children). Default: with --queries / --random, the "
               "shallowest level holding memory whose one subtree is at most --fraction of the bank (else the "
               "deepest); with --clusters, the shallowest level holding memory (`memtree memstore info` lists "
@@ -154,7 +155,7 @@ def run_block(args: argparse.Namespace) -> int:
         return _run_documents(args)
     clusters = parse_ids(args.clusters, "--clusters") if args.clusters else []
     texts, tree = (read_queries(args.queries), load_tree_arg(args.tree)) if mode == "queries" else (None, None)
-    state = {"block": "blocked", "unblock": "not blocked", "delete": "deleted"}[args.action]
+    state = STATE[args.action]
     with MemoryStore(args.bank, lock_wait=args.wait) as store:
         if mode == "queries":
             from memstore.format import check_tree
@@ -304,7 +305,7 @@ def _documents_summary(out: dict[str, Any], targets: dict[int, list[int]], chang
         "every block they trained" if not out["min_share"] else f"blocks they trained with a share >= {out['min_share']:g}")
     head = (f"{action}: {out['documents_found']:,} documents (owner sha256 {out['owner_sha256'][:16]}…), "
             f"{out['owner_tokens']:,} training tokens ({run_share:.2%} of the run's); {how}")
-    state = {"block": "blocked", "unblock": "not blocked", "delete": "deleted"}[action]
+    state = STATE[action]
     n_changed, n_total = sum(map(len, changed.values())), sum(map(len, targets.values()))
     if not n_changed:
         tail = f"nothing changed: {'no block to act on' if not n_total else f'every block already {state}'}"
