@@ -50,6 +50,26 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                    help="with --block-domains: tree level of the blocked subtrees, one of the levels the bank "
                         "holds memory at (default: the shallowest; the demo's bank: 2, a domain); a level-L "
                         "subtree is 1/branching^L of the tree")
+    p.add_argument("--block-documents", metavar="IDS_FILE",
+                   help="forget a data owner: a text file of document ids (the ingest's doc_id), one per line; "
+                        "every block they trained is blocked (as `memtree memstore block --documents`, on the open "
+                        "store only) and the facts stated only in them are scored against all others, and their "
+                        "held-out pages (--owner-field) against everyone else's, before / after / a random "
+                        "control of the same bank fraction")
+    p.add_argument("--pipeline-run", metavar="PIPELINE_RUN",
+                   help="with --block-documents: the pipeline run the bank trained on (default: the run's shards' "
+                        "parent)")
+    p.add_argument("--min-share", type=float,
+                   help="with --block-documents: only blocks whose training tokens are at least this share the "
+                        "owner's, in [0, 1] (default 0: every block the documents trained)")
+    p.add_argument("--allow-missing", action="store_true",
+                   help="with --block-documents: go on when some ids are not in the pipeline run")
+    p.add_argument("--owner-field", metavar="FIELD",
+                   help="with --block-documents: the held-out records' field naming whose page it is (e.g. source, "
+                        "entity): the owner's pages take a value the owner's documents have (ingest.keep_fields)")
+    p.add_argument("--fallback", choices=("zeros", "generic"),
+                   help="with --block-domains / --block-documents: what a blocked block reads as in these "
+                        "experiments (zeros: no memory; generic: the generic memory; default: the bank's policy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="report directory (default RUN/eval)")
     p.set_defaults(func=_eval)
@@ -263,6 +283,22 @@ def _block_level(rm, args: argparse.Namespace) -> int | None:
     return args.block_level
 
 
+def _owner_args(args: argparse.Namespace) -> list[str] | None:
+    """--block-documents' ids, read and checked before anything slow runs (None: not asked)."""
+    if not args.block_documents:
+        for flag, val in (("--pipeline-run", args.pipeline_run), ("--min-share", args.min_share),
+                          ("--owner-field", args.owner_field), ("--allow-missing", args.allow_missing or None)):
+            if val is not None:
+                raise ValueError(f"{flag} applies to --block-documents only")
+        return None
+    from memstore.cli_common import read_document_ids
+    from memstore.ownership import check_min_share
+
+    if args.min_share is not None:
+        check_min_share(args.min_share)
+    return read_document_ids(args.block_documents, flag="--block-documents")
+
+
 def _eval(args: argparse.Namespace) -> int:
     from eval.knowledge import blocking_eval, knowledge_eval, load_eval_inputs, write_report
     from eval.model import RunModel
@@ -270,12 +306,20 @@ def _eval(args: argparse.Namespace) -> int:
 
     rm = RunModel.load(args.run, tree_dir=args.tree)
     level = _block_level(rm, args)  # fail fast: before the probes are scored
+    owner_ids = _owner_args(args)
+    if args.fallback and not (args.block_domains or owner_ids is not None):
+        raise ValueError("--fallback applies to --block-domains or --block-documents (nothing is blocked without one)")
+    if owner_ids is not None and not rm.has_memory:
+        raise ValueError(f"--block-documents: {args.run} has no memory bank to block")
     root = demo_root(rm.config)
     if args.facts:
         facts = _need_file(args.facts, "--facts")
     elif (root / "facts.jsonl").is_file():
         facts = root / "facts.jsonl"
         _note("eval", f"facts: {facts} (beside the run's pipeline run; --facts to choose)")
+    elif owner_ids is not None and args.held_out and not args.block_domains:
+        facts = None  # real text: the owner's held-out pages against the others' only
+        _note("eval", "no facts (--facts): scoring held-out pages only")
     else:
         raise ValueError(f"--facts: not given, and there is no facts.jsonl beside the run's pipeline run ({root})")
     held = _need_file(args.held_out, "--held-out") if args.held_out else None
@@ -284,14 +328,31 @@ def _eval(args: argparse.Namespace) -> int:
         _note("eval", f"held-out documents: {held} (beside the run's pipeline run; --held-out to choose)")
     elif held is None:
         _note("eval", "no held-out documents (--held-out FILE.jsonl): the perplexity column stays empty")
+    if owner_ids is not None and held is not None and not args.owner_field:
+        _note("eval", "--owner-field not given: the owner's held-out pages are not told apart (facts only)")
     epochs, how = (args.epochs, "--epochs") if args.epochs is not None else trained_epochs(args.run)
     if epochs is None:
         _note("eval", f"epochs: 1 (--epochs not given and the run's epochs cannot be counted: {how})")
         epochs, how = 1.0, "default (not countable from the run)"
     else:
         _note("eval", f"epochs: {epochs:g} ({how}; exposures = mentions × epochs)")
-    probes, held_out = load_eval_inputs(facts, held_out=held, max_probes=args.max_probes,
-                                        seed=args.seed, epochs=epochs)
+    probes, held_out = ([], []) if facts is None else load_eval_inputs(
+        facts, held_out=held, max_probes=args.max_probes, seed=args.seed, epochs=epochs)
+    if facts is None:
+        from memtree.io import iter_jsonl
+
+        held_out = [rec for _, rec in iter_jsonl(held)]
+    plan = None
+    if owner_ids is not None:  # every refusal before the slow part
+        from eval.forgetting import plan_forgetting
+
+        if args.owner_field and not held_out:
+            raise ValueError("--owner-field: there are no held-out pages to tell apart (--held-out FILE.jsonl)")
+        run = _need_file(args.pipeline_run, "--pipeline-run") if args.pipeline_run else Path(rm.config.data.shards).parent
+        plan = plan_forgetting(rm, run=run, ids=owner_ids, documents=args.block_documents,
+                               name=Path(args.block_documents).name, min_share=args.min_share or 0.0, seed=args.seed,
+                               allow_missing=args.allow_missing, owner_field=args.owner_field,
+                               log=lambda m: _note("eval", m))
     targets = args.block_domains.split(",") if args.block_domains else []
     if targets:  # checked before the slow part: a typo, or no evaluated probe to block for
         from eval.longtail import load_facts
@@ -308,17 +369,26 @@ def _eval(args: argparse.Namespace) -> int:
         from eval.rag import RagIndex
 
         rag = RagIndex.open(_need_file(args.rag, "--rag") if args.rag else Path(rm.config.data.shards).parent)
-    knowledge = knowledge_eval(rm, probes, held_out, rag=rag)
+    knowledge = knowledge_eval(rm, probes, held_out, rag=rag) if probes else None
     blocking = None
     if targets:
         blocking = blocking_eval(rm, probes, target_domains=targets, seed=args.seed, level=level,
-                                 fraction=rm.store.info.memory.branching ** -level)
+                                 fraction=rm.store.info.memory.branching ** -level, fallback=args.fallback)
+    forgetting = []
+    if plan is not None:
+        from eval.forgetting import forgetting_eval
+        from eval.longtail import load_facts
+
+        given = {m: knowledge["modes"][m]["predictions"] for m in ("fetched", "generic")} if knowledge else None
+        forgetting.append(forgetting_eval(rm, plan, probes=probes, facts=load_facts(facts) if facts else (),
+                                          held_out=held_out if args.owner_field else (), predictions=given,
+                                          fallback=args.fallback, log=lambda m: _note("eval", m)))
     out = Path(args.out) if args.out else Path(args.run) / "eval"
-    meta = {"run": str(Path(args.run).resolve()), "facts": str(facts), "held_out": str(held) if held else None,
-            "epochs": epochs, "epochs_from": how, "probes": len(probes)}
+    meta = {"run": str(Path(args.run).resolve()), "facts": str(facts) if facts else None,
+            "held_out": str(held) if held else None, "epochs": epochs, "epochs_from": how, "probes": len(probes)}
     files = write_report(out, knowledge=knowledge, blocking=blocking, meta=meta,
                          bank=bank_state(rm.store.root) if rm.has_memory else None,
-                         tpp=run_tpp_table(args.run))
+                         tpp=run_tpp_table(args.run), forgetting=forgetting)
     print(Path(files["markdown"]).read_text())
     print(f"report: {Path(files['markdown']).resolve()}")
     return 0

@@ -38,13 +38,14 @@ from typing import Any
 
 import numpy as np
 
+from eval.forgetting import demo_owners, forgetting_eval, plan_forgetting
 from eval.knowledge import blocking_eval, knowledge_eval, write_report
 from eval.longtail import build_probes, load_facts
 from eval.model import RunModel
 from eval.rag import RagIndex, routing_agreement
 from eval.runinfo import run_tpp_table
 from memtree.config import from_dict
-from memtree.io import atomic_write_json, iter_jsonl, read_json
+from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json
 from pipeline.corpus.bios import BiosSpec
 from pipeline.demo import run_demo
 from training.config import TrainConfig, load_train_config
@@ -159,6 +160,26 @@ TPP_NOTE = ("The demo's bank is deliberately in the memorising regime: most of i
             "realtext.yaml, `memtree eval-realtext`; docs/BENCHMARKS.md, \"Tokens per parameter on real text\").")
 
 
+def demo_forgetting(rm: RunModel, root: Path, probes: list[dict[str, Any]], knowledge: dict[str, Any],
+                    held_out: list[dict[str, Any]], domain: str, seed: int) -> list[dict[str, Any]]:
+    """Forget one long-tail entity's documents, then one subtopic's (`eval.forgetting.demo_owners`):
+    every block they trained blocked, read as the generic memory. Each owner's id list is written to
+    ROOT/report/forget-<key>.txt, so `memtree eval --block-documents` can repeat it."""
+    corpus = [rec for _, rec in iter_jsonl(root / "corpus.jsonl")]
+    facts = load_facts(root / "facts.jsonl")
+    given = {m: knowledge["modes"][m]["predictions"] for m in ("fetched", "generic")}
+    out = []
+    for owner in demo_owners(corpus, domain):
+        ids_file = root / "report" / f"forget-{owner['key']}.txt"
+        atomic_write_text(ids_file, "".join(f"{i}\n" for i in owner["ids"]))
+        _log(f"forgetting {owner['name']}: blocking every block its documents trained")
+        plan = plan_forgetting(rm, run=root / "pipeline", ids=owner["ids"], documents=ids_file, name=owner["name"],
+                               seed=seed, owner_field=owner["owner_field"], log=_log)
+        out.append(forgetting_eval(rm, plan, probes=probes, facts=facts, held_out=held_out, fallback="generic",
+                                   predictions=given, log=_log))
+    return out
+
+
 def run_main_job(root: str | Path = "runs/demo", *, corpus: dict[str, Any] | None = None,
                  pipeline_overrides: list[str] = (), train_overrides: list[str] = (),
                  anchor_duration: str = "2ep", cotrain_duration: str = "5ep", max_probes: int = 0,
@@ -220,10 +241,13 @@ def run_main_job(root: str | Path = "runs/demo", *, corpus: dict[str, Any] | Non
     blocking = blocking_eval(rm, probes, target_domains=[target], level=2, fraction=1 / 16, seed=seed,
                              fallback="generic", paths=paths)
     timings["eval_s"] = time.time() - t
+    t = time.time()
+    forgetting = demo_forgetting(rm, root, probes, knowledge, held_out, target, seed)
+    timings["forgetting_s"] = time.time() - t
     timings["total_s"] = time.time() - t0
     metrics = {name: read_json(root / "train" / name / "metrics.json")["train"] for name, _ in stages}
     files = write_report(root / "report", knowledge=knowledge, blocking=blocking, design=DESIGN,
-                         tpp=run_tpp_table(root / "train" / "cotrain"), tpp_note=TPP_NOTE,
+                         tpp=run_tpp_table(root / "train" / "cotrain"), tpp_note=TPP_NOTE, forgetting=forgetting,
                          meta={"corpus": read_json(root / "corpus.json"), "epochs": epochs,
                                "probes": len(probes), "held_out_documents": len(held_out),
                                "train_metrics": metrics, **{k: round(v, 1) for k, v in timings.items()}})

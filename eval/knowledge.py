@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from eval.forgetting import forgetting_lines, plot_forgetting
 from eval.longtail import accuracy_by_bucket, build_probes, load_facts
 from eval.model import RunModel
 from eval.plots import new_figure, save_png
@@ -173,8 +174,10 @@ def _bank_lines(bank: dict[str, Any]) -> list[str]:
 def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None,
                  blocking: dict[str, Any] | None = None, meta: dict[str, Any] | None = None,
                  design: Sequence[tuple[str, str]] = (), bank: dict[str, Any] | None = None,
-                 tpp: dict[str, Any] | None = None, tpp_note: str = "") -> dict[str, str]:
-    """results.json, report.md, and PNGs (accuracy vs exposure; blocking). `design`: (choice, why)
+                 tpp: dict[str, Any] | None = None, tpp_note: str = "",
+                 forgetting: Sequence[dict[str, Any]] = ()) -> dict[str, str]:
+    """results.json, report.md, and PNGs (accuracy vs exposure; blocking; forgetting by data owner,
+    `eval.forgetting.forgetting_eval`'s results). `design`: (choice, why)
     pairs printed as the report's first section; `bank`: the evaluated bank's refused blocks
     (`eval.runinfo.bank_state`), said before the results they affect; `tpp`: the memory run's
     tokens-per-parameter table (its tpp.json), with `tpp_note` saying what its regime means here."""
@@ -256,7 +259,13 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
         ax.legend(fontsize=7)
         save_png(fig, out / "blocking.png")
         files["blocking_png"] = str(out / "blocking.png")
+    if forgetting:
+        lines += ["", *forgetting_lines(forgetting)]
+        if plot_forgetting(forgetting, out / "forgetting.png"):
+            files["forgetting_png"] = str(out / "forgetting.png")
     results = {"meta": meta or {}, "knowledge": knowledge, "blocking": blocking}
+    if forgetting:
+        results["forgetting"] = list(forgetting)
     if tpp:
         results["tpp"] = {**tpp, "note": tpp_note}
     if bank:

@@ -283,17 +283,11 @@ def _run_documents(args: argparse.Namespace) -> int:
 
 
 def _check_missing(args: argparse.Namespace, ids: list[str], shares) -> None:
-    if not shares.missing:
-        return
-    named = ", ".join(map(repr, shares.missing[:5])) + (", …" if len(shares.missing) > 5 else "")
-    text = (f"--documents {args.documents}: {len(shares.missing):,} of {len(ids):,} document ids are not in the "
-            f"pipeline run {args.run} ({named})")
-    if not shares.found:
-        raise ValueError(f"{text}; none of them is, so nothing can be chosen (is it the run the bank trains on? ids "
-                         "are the ingest's doc_id)")
-    if not args.allow_missing:
-        raise ValueError(f"{text}; check them (ids are the ingest's doc_id) or add --allow-missing to go on without")
-    note(f"{text}; going on without them (--allow-missing)")
+    from memstore.ownership import check_found
+
+    text = check_found(shares, ids, documents=args.documents, run=args.run, allow_missing=args.allow_missing)
+    if text:
+        note(text)
 
 
 def _documents_summary(out: dict[str, Any], targets: dict[int, list[int]], changed: dict[int, list[int]]) -> str:

@@ -16,7 +16,7 @@ ids, one per line (`LC_ALL=C sort -u IDS | sha256sum` for a file without surroun
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,12 +43,22 @@ def check_min_share(share: float, flag: str = "--min-share") -> float:
     return float(share)
 
 
-def _stage(run: Path, stage: str) -> dict[str, Any]:
+def stage_stats(run: str | Path, stage: str) -> dict[str, Any]:
+    """A pipeline run's `stage`/_stage.json `stats` (its parts and counts), or an error naming --run."""
+    run = Path(run)
     marker = run / stage / "_stage.json"
     if not marker.is_file():
         raise ValueError(f"{RUN_FLAG} {run}: no {stage} stage ({marker} missing); give the directory a "
                          "`memtree pipeline` run wrote, with its ingest, window and assign stages")
-    return read_json(marker)
+    return read_json(marker)["stats"]
+
+
+def ingest_tables(run: str | Path, columns: Sequence[str]) -> Iterator[pa.Table]:
+    """The run's ingested documents, one ingest part at a time (`doc_ordinal`, `doc_id`, `text`,
+    `source`, `meta`: the columns asked for)."""
+    run = Path(run)
+    for part in stage_stats(run, "ingest")["parts"]:
+        yield pq.read_table(run / "ingest" / part["file"], columns=list(columns))
 
 
 def run_tree_id(run: str | Path) -> str:
@@ -86,12 +96,11 @@ def owner_shares(run: str | Path, ids: Sequence[str], levels: Sequence[int], bra
     """Count, for every cluster at each of `levels`, the tokens its windows hold and the part of them
     that comes from the documents `ids` (the ingest's `doc_id`)."""
     run = Path(run)
-    ingest, window, assign = (_stage(run, s)["stats"] for s in ("ingest", "window", "assign"))
+    ingest, window, assign = (stage_stats(run, s) for s in ("ingest", "window", "assign"))
     wanted = pa.array(list(ids), pa.string())
     owned = np.zeros(int(ingest["kept"]), dtype=bool)
     found: set[str] = set()
-    for part in ingest["parts"]:
-        t = pq.read_table(run / "ingest" / part["file"], columns=["doc_ordinal", "doc_id"])
+    for t in ingest_tables(run, ["doc_ordinal", "doc_id"]):
         hit = pc.is_in(t["doc_id"], value_set=wanted)
         mine = t.filter(hit)
         owned[mine["doc_ordinal"].to_numpy()] = True
@@ -122,6 +131,23 @@ def owner_shares(run: str | Path, ids: Sequence[str], levels: Sequence[int], bra
             owner[lv] += np.rint(np.bincount(c[mine], weights=w[mine], minlength=branching**lv)).astype(np.int64)
     return OwnerShares(found=[i for i in ids if i in found], missing=[i for i in ids if i not in found],
                        tokens=tokens, owner=owner, owner_tokens=owner_total, run_tokens=int(n_tokens.sum()))
+
+
+def check_found(shares: OwnerShares, ids: Sequence[str], *, documents: str | Path, run: str | Path,
+                allow_missing: bool, flag: str = "--documents") -> str | None:
+    """None when the run holds every id; else the note to print when `allow_missing` (some are found),
+    or an error naming how many are missing and the first few."""
+    if not shares.missing:
+        return None
+    named = ", ".join(map(repr, shares.missing[:5])) + (", …" if len(shares.missing) > 5 else "")
+    text = (f"{flag} {documents}: {len(shares.missing):,} of {len(ids):,} document ids are not in the "
+            f"pipeline run {run} ({named})")
+    if not shares.found:
+        raise ValueError(f"{text}; none of them is, so nothing can be chosen (is it the run the bank trains on? ids "
+                         "are the ingest's doc_id)")
+    if not allow_missing:
+        raise ValueError(f"{text}; check them (ids are the ingest's doc_id) or add --allow-missing to go on without")
+    return f"{text}; going on without them (--allow-missing)"
 
 
 def _paths(column: pa.ChunkedArray, where: Path, need: int) -> np.ndarray:

@@ -272,7 +272,17 @@ def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path, capsys):
     assert b["settings"]["adversarial"]["bank_fraction_blocked"] == pytest.approx(1 / 16)
     assert b["settings"]["random"]["clusters"] != b["settings"]["adversarial"]["clusters"]
     assert "perplexity" in data["knowledge"]["modes"]["none"]
+    # forgetting by data owner: one long-tail entity's documents, then its whole subtopic's
+    owners = data["forgetting"]
+    assert [r["name"].split()[0] for r in owners] == ["entity", "subtopic"]
+    corpus = [json.loads(line) for line in (root / "corpus.jsonl").read_text().splitlines()]
+    for r, field in zip(owners, ("entity", "topic"), strict=True):
+        ids = (root / "report" / f"forget-{field.replace('topic', 'subtopic')}-{r['owner_values'][0]}.txt")
+        assert set(ids.read_text().split()) == {c["id"] for c in corpus if c[field] == r["owner_values"][0]}
+        assert r["fallback"] == "generic" and r["bank_fraction"] > 0 and r["held_out"]["owner"]["pages"] >= 0
+        assert r["random"]["bank_fraction"] == pytest.approx(r["bank_fraction"])
     report = (root / "report" / "report.md").read_text()
+    assert "## Forgetting by data owner" in report and (root / "report" / "forgetting.png").exists()
     assert "Routing: share of probes" in report and "## Design" in report
     assert (root / "report" / "accuracy_vs_frequency.png").exists()
     assert (root / "train" / "cotrain" / "bank" / "manifest.json").exists()

@@ -264,3 +264,22 @@ def test_share_1_blocks_only_blocks_the_documents_trained_alone(made, cli):
     assert out["min_share"] == 1.0 and all(b["share"] == 1.0 for r in out["levels"].values() for b in r["per_block"])
     assert {lv: blocked_ids(cli.bank).get(lv, set()) for lv in LEVELS} == \
         {lv: set(w.index[(w["owner"] > 0) & (w["owner"] == w["tokens"])]) for lv, w in want.items()}
+
+
+def test_a_per_subtree_bank_blocks_only_the_owners_blocks_it_holds(made, tmp_path, capsys):
+    """A per-subtree bank (`memstore split`) holds one level-1 subtree's blocks: the documents' blocks
+    outside it are not its to block, and those inside are chosen as from the whole bank."""
+    frame = made["frame"].loc[made["frame"]["doc_id"].isin(made["owners"]["topic"])]
+    subtree = int(frame["c1"].mode()[0])  # a subtree the owner trained
+    assert main(["memstore", "split", str(made["root"] / "bank"), "--out", str(tmp_path / "split"),
+                 "--subtrees", str(subtree), "--json"]) == 0
+    bank = tmp_path / "split" / f"subtree-{subtree:03d}"
+    capsys.readouterr()
+    assert main(["memstore", "block", str(bank), "--documents", str(made["root"] / "topic.txt"), "--run",
+                 str(made["run"]), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    inside = {1: {subtree}, 2: set(range(subtree * B, (subtree + 1) * B))}
+    want = {lv: set(frame[f"c{lv}"]) & inside[lv] for lv in LEVELS}
+    assert want[2] and set(frame["c2"]) - want[2]  # the owner trained blocks inside and outside this bank
+    assert blocked_ids(bank) == {lv: v for lv, v in want.items() if v}
+    assert {lv: out["levels"][str(lv)]["blocks"] for lv in LEVELS} == {lv: len(v) for lv, v in want.items()}
