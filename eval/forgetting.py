@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from eval.heldout import heldout_windows, paired_doc_interval, per_doc, window_nll
 from eval.longtail import wilson
 from eval.model import RunModel
 from eval.plots import new_figure, save_png
@@ -257,8 +258,6 @@ def _facts_part(rm: RunModel, probes, facts, run, ids, targets, control, given) 
 
 
 def _held_out_part(rm: RunModel, docs, values: set[str], field, targets, control, window_tokens) -> dict[str, Any]:
-    from eval.realtext import heldout_windows, paired_doc_interval, per_doc, window_nll
-
     lacking = [i for i, d in enumerate(docs) if field not in d]
     if lacking:
         raise ValueError(f"--owner-field {field}: {len(lacking)} of {len(docs)} held-out records have no {field!r} "

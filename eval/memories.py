@@ -38,7 +38,6 @@ written by `eval.memories_report`.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -50,6 +49,7 @@ import numpy as np
 
 from eval.chapter_blocking import chapter_blocking_eval
 from eval.demo import shards_fingerprint, train_once
+from eval.heldout import paired_interval
 from eval.knowledge import knowledge_eval, load_eval_inputs
 from eval.longtail import BUCKETS, bucket_label, exposure
 from eval.model import RunModel
@@ -72,7 +72,6 @@ DENSE_SIZES = ("1x", "2x", "runtime")
 BUDGETS = ("steps", "flops")
 BANKS = ("active", "total")
 _OWNER = {"demo": "setting", "dense": "size", "moc": "moc", "pkm": "pkm"}  # the key each kind takes
-Z95 = 1.96
 # Bytes per token id a RAG window adds to the model's input (int32 ids).
 TOKEN_ID_BYTES = 4
 
@@ -506,20 +505,6 @@ def demo_train_seconds(demo: DemoRuns) -> float | None:
 
 
 # -- scoring -----------------------------------------------------------------------------------------
-
-def paired_interval(a: Sequence[bool], b: Sequence[bool], z: float = Z95) -> dict[str, Any]:
-    """Paired difference of two rows' per-probe correctness on the same probes: mean of d = a - b and
-    its normal-approximation interval mean ± z · sd(d) / √n (sample sd, n - 1); None when n < 2."""
-    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
-    n = len(d)
-    if n == 0:
-        return {"n": 0, "diff": None, "ci95": None}
-    mean = float(d.mean())
-    if n < 2:
-        return {"n": n, "diff": mean, "ci95": None}
-    half = z * float(d.std(ddof=1)) / math.sqrt(n)
-    return {"n": n, "diff": mean, "ci95": [mean - half, mean + half]}
-
 
 def paired_by_bucket(probes: Sequence[dict[str, Any]], a: Sequence[bool], b: Sequence[bool]) -> list[dict[str, Any]]:
     """`paired_interval` per exposure bucket (the demo's buckets, `eval.longtail.BUCKETS`)."""

@@ -114,7 +114,7 @@ def test_rows_train_score_and_match_a_direct_forward(root, tmp_path, capsys):
 
 
 def test_paired_doc_interval_equals_a_direct_computation():
-    from eval.realtext import Z95, paired_doc_interval
+    from eval.heldout import Z95, paired_doc_interval
 
     a = np.array([10.0, 4.0, 9.0, 0.0])
     b = np.array([8.0, 6.0, 9.0, 0.0])
