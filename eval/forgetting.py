@@ -356,8 +356,9 @@ def plot_forgetting(results: Sequence[Mapping[str, Any]], path: str | Path) -> b
         ax.bar(x + (k - 1.5) * 0.2, vals, 0.18, label={"generic": "generic memory", "before": "fetched",
                                                     "after": "owner's blocks blocked",
                                                     "random": "random blocks (same fraction)"}[s])
-    ax.set_xticks(x, [f"{r['name']}\n{'owner' if g == 'owner' else 'others'}" for r in rows
-                      for g in ("owner", "others")], fontsize=7)
+    short = [r["name"].split(" (")[0].replace(" ", "\n", 1) for r in rows]  # "entity\nName": fits under 2 bars
+    ax.set_xticks(x, [f"{n}\n{'owner' if g == 'owner' else 'others'}" for n in short for g in ("owner", "others")],
+                  fontsize=6)
     ax.set_ylabel("probe accuracy")
     ax.set_title("Forgetting a data owner's documents")
     ax.legend(fontsize=7)
