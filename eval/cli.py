@@ -382,6 +382,7 @@ def _eval(args: argparse.Namespace) -> int:
         given = {m: knowledge["modes"][m]["predictions"] for m in ("fetched", "generic")} if knowledge else None
         forgetting.append(forgetting_eval(rm, plan, probes=probes, facts=load_facts(facts) if facts else (),
                                           held_out=held_out if args.owner_field else (), predictions=given,
+                                          paths=knowledge.get("paths") if knowledge else None,
                                           fallback=args.fallback, log=lambda m: _note("eval", m)))
     out = Path(args.out) if args.out else Path(args.run) / "eval"
     meta = {"run": str(Path(args.run).resolve()), "facts": str(facts) if facts else None,

@@ -176,7 +176,7 @@ def demo_forgetting(rm: RunModel, root: Path, probes: list[dict[str, Any]], know
         plan = plan_forgetting(rm, run=root / "pipeline", ids=owner["ids"], documents=ids_file, name=owner["name"],
                                seed=seed, owner_field=owner["owner_field"], log=_log)
         out.append(forgetting_eval(rm, plan, probes=probes, facts=facts, held_out=held_out, fallback="generic",
-                                   predictions=given, log=_log))
+                                   predictions=given, paths=knowledge["paths"], log=_log))
     return out
 
 

@@ -37,13 +37,13 @@ from eval.tasks import multiple_choice
 from memstore.ownership import (
     check_found,
     check_min_share,
+    check_run_tree,
     ingest_tables,
     owner_hash,
     owner_report,
     owner_shares,
     owner_table,
     owner_targets,
-    run_tree_id,
 )
 
 GROUPS = ("owner", "shared", "others_only", "unstated")  # by who states the fact; "others" = all but owner
@@ -146,10 +146,7 @@ def plan_forgetting(rm: RunModel, *, run: str | Path, ids: Sequence[str], docume
     if not rm.has_memory:
         raise ValueError("--block-documents: the run has no memory bank to block")
     store = rm.store
-    tree_id = run_tree_id(run)
-    if store.info.tree_id != tree_id:
-        raise ValueError(f"--pipeline-run {run}: its tree is {tree_id}, but bank {store.root} was built for tree "
-                         f"{store.info.tree_id or '(none)'}; give the pipeline run the bank was trained on")
+    tree_id = check_run_tree(run, store.info.tree_id, store.root, flag="--pipeline-run")
     min_share = check_min_share(min_share)
     if not ids:
         raise ValueError(f"--block-documents {documents}: no document ids")
@@ -182,25 +179,26 @@ def plan_forgetting(rm: RunModel, *, run: str | Path, ids: Sequence[str], docume
 def forgetting_eval(rm: RunModel, plan: Mapping[str, Any], *, probes: Sequence[dict[str, Any]] = (),
                     facts: Sequence[Mapping[str, Any]] = (), held_out: Sequence[dict[str, Any]] = (),
                     fallback: str | None = None, predictions: Mapping[str, Sequence[int]] | None = None,
-                    window_tokens: int | None = None, log=None) -> dict[str, Any]:
+                    paths: np.ndarray | None = None, window_tokens: int | None = None, log=None) -> dict[str, Any]:
     """Score `plan_forgetting`'s plan: the owner's facts against the others (`probes`, built from
     `facts` by eval.longtail.build_probes), and the owner's held-out pages against the others'
     (needs the plan's `owner_field`), before / after / random control, beside the generic memory.
     `predictions` may hold the probes' "fetched" and "generic" predictions already made
-    (knowledge_eval's, on the same bank policy), so they are not scored again."""
+    (knowledge_eval's, on the same bank policy) and `paths` the probes' routed paths (its "paths"), so
+    they are not scored or routed again."""
     store = rm.store
     say = log or (lambda _msg: None)
     out = {k: v for k, v in plan.items() if not k.startswith("_")}
     ids, run = plan["_ids"], plan["_run"]
     targets = {int(lv): v for lv, v in plan["targets"].items()}
-    control = {int(lv): v for lv, v in (plan["random"]["targets"] or {}).items()} if plan["random"]["targets"] else None
+    control = plan["random"]["targets"] and {int(lv): v for lv, v in plan["random"]["targets"].items()}
     if held_out and not plan["owner_field"]:
         raise ValueError("held-out pages need --owner-field FIELD to tell the owner's pages from the others'")
     with store.experiment(fallback=fallback):
         out["fallback"] = store.policy["fallback"]
         if probes:
             say(f"{out['name']}: scoring {len(probes)} probes with the owner's blocks and the control blocked")
-            out["facts"] = _facts_part(rm, probes, facts, run, ids, targets, control, predictions or {})
+            out["facts"] = _facts_part(rm, probes, facts, run, ids, targets, control, predictions or {}, paths)
         if held_out:
             say(f"{out['name']}: scoring {len(held_out)} held-out pages the same ways")
             out["held_out"] = _held_out_part(rm, held_out, set(plan["owner_values"]), plan["owner_field"], targets,
@@ -208,7 +206,7 @@ def forgetting_eval(rm: RunModel, plan: Mapping[str, Any], *, probes: Sequence[d
     return out
 
 
-def _facts_part(rm: RunModel, probes, facts, run, ids, targets, control, given) -> dict[str, Any]:
+def _facts_part(rm: RunModel, probes, facts, run, ids, targets, control, given, paths) -> dict[str, Any]:
     mine, theirs = fact_statements(facts, run, ids)
     key = {(_fold(f"The {f['label']} of {f['reference']} is"), _fold(str(f["value"]))): i for i, f in enumerate(facts)}
     idx = []
@@ -224,7 +222,7 @@ def _facts_part(rm: RunModel, probes, facts, run, ids, targets, control, given) 
              "unstated": (m == 0) & (o == 0)}
     group["others"] = ~group["owner"]
     gold = np.asarray([p["gold"] for p in probes])
-    paths = rm.route([p["context"] for p in probes])
+    paths = rm.route([p["context"] for p in probes]) if paths is None else np.asarray(paths)
 
     def score(mode: str) -> np.ndarray:
         return np.asarray(multiple_choice(rm, probes, mode=mode, paths=paths)["predictions"])

@@ -235,6 +235,7 @@ def _run_documents(args: argparse.Namespace) -> int:
     from memstore.journal import audit_log
     from memstore.ownership import (
         check_min_share,
+        check_run_tree,
         lift_targets,
         owner_hash,
         owner_report,
@@ -246,13 +247,10 @@ def _run_documents(args: argparse.Namespace) -> int:
 
     share = None if args.action == "unblock" else check_min_share(args.min_share or 0.0)
     ids = read_document_ids(args.documents)
-    tree_id = run_tree_id(args.run)
+    run_tree_id(args.run)  # a bad --run is named before the bank is opened and locked
     sha = owner_hash(ids)
     with MemoryStore(args.bank, lock_wait=args.wait) as store:
-        if store.info.tree_id != tree_id:
-            raise ValueError(f"--run {args.run}: its tree is {tree_id}, but bank {args.bank} was built for tree "
-                             f"{store.info.tree_id or '(none: the bank is not bound to a tree)'}; give the run whose "
-                             "tree the bank was trained on")
+        tree_id = check_run_tree(args.run, store.info.tree_id, args.bank)
         shares = owner_shares(args.run, ids, sorted(store.levels), store.info.memory.branching)
         _check_missing(args, ids, shares)
         request: dict[str, Any] = {"by": "documents", "owner_sha256": sha, "documents": len(ids),

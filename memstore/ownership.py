@@ -76,6 +76,16 @@ def run_tree_id(run: str | Path) -> str:
     return str(tid)
 
 
+def check_run_tree(run: str | Path, bank_tree_id: str | None, bank: str | Path, flag: str = RUN_FLAG) -> str:
+    """The pipeline run's `tree_id` when it is the bank's, else an error naming both."""
+    tid = run_tree_id(run)
+    if bank_tree_id != tid:
+        raise ValueError(f"{flag} {run}: its tree is {tid}, but bank {bank} was built for tree "
+                         f"{bank_tree_id or '(none: the bank is not bound to a tree)'}; give the run whose "
+                         "tree the bank was trained on")
+    return tid
+
+
 @dataclass(frozen=True)
 class OwnerShares:
     """Training tokens per block of every level asked for, all documents' and the owner's."""
