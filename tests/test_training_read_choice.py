@@ -181,7 +181,7 @@ def test_probe_restores_the_model_when_a_step_raises():
 
 
 def test_probe_refuses_models_without_an_in_place_read():
-    with pytest.raises(ValueError, match="no in-place read"):
+    with pytest.raises(ValueError, match="no read to compare"):
         probe_read(_model("lora-ffn"), _batch())
 
 

@@ -36,7 +36,7 @@ from composer.models import ComposerModel
 from memtree.geometry import AnchorShape, MemoryConfig
 from training.bank import READ_IN_PLACE, TrainableBank
 from training.hf import HFMemoryModel
-from training.layers.moc import MoCConfig
+from training.layers.moc import READS, MoCConfig, read_modes
 from training.layers.pkm import PKMConfig
 from training.model import AnchorLM, ModelConfig, assemble_memories
 
@@ -58,8 +58,8 @@ class MemtreeLM(ComposerModel):
                  attn_impl: str = "sdpa",
                  memory_read: str = "fused", memory_dropout: float = 0.0) -> None:
         super().__init__()
-        if memory_read not in ("fused", "gather"):
-            raise ValueError(f"memory_read {memory_read!r} is not 'fused' or 'gather'")
+        if memory_read not in READS:
+            raise ValueError(f"memory_read {memory_read!r} is not one of {READS}")
         self.anchor_shape, self.memory = anchor, memory
         self.bank = (TrainableBank(anchor, memory, subtree=subtree, shard=shard, seed=seed, std=memory_init_std)
                      if memory is not None else None)
@@ -78,9 +78,11 @@ class MemtreeLM(ComposerModel):
                                               norm_eps=norm_eps, init_std=init_std, memory=memory,
                                               lora_alpha=lora_alpha, moc=moc, pkm=pkm, attn_impl=attn_impl))
         # KV/FFN memories of our own anchor are read in place by the fused kernels; LoRA
-        # memories and HF anchors (whose hooks take per-sequence tensors) are gathered
-        self.read_in_place = (memory_read == "fused" and memory is not None and self.hf is None
-                              and memory.type in READ_IN_PLACE)
+        # memories and HF anchors (whose hooks take per-sequence tensors) are gathered;
+        # Mixture-of-Chapters layers take any of their reads (`read_modes`)
+        self._read = "gather"
+        if self.read_modes():
+            self.read = memory_read
         self.generic_prob = (1.0 / memory.branching if generic_prob is None else generic_prob) if memory else 0.0
         # Dropout lets the anchor keep learning what a fetched block would take over; a frozen
         # anchor learns nothing, and its anchor-only forward has no gradient to step on.
@@ -106,6 +108,45 @@ class MemtreeLM(ComposerModel):
         self.last_slots: dict[int, torch.Tensor] = {}
         self.last_use_generic: torch.Tensor | None = None
         self.last_seq_loss: torch.Tensor | None = None
+
+    def read_modes(self) -> tuple[str, ...]:
+        """The memory reads this model can switch between (`read`), empty when it has one way
+        only: KV / FFN banks on our own anchor ("fused", "gather"), Mixture-of-Chapters layers
+        (their `read_modes`: also "flex" in "bias" mode); LoRA memories, HF anchors and models
+        without memory gather."""
+        if self.hf is not None:
+            return ()
+        if self.bank is not None and self.memory.type in READ_IN_PLACE:
+            return ("fused", "gather")
+        moc = self.model.config.moc
+        return read_modes(moc.weight_mode) if moc is not None else ()
+
+    @property
+    def read(self) -> str:
+        """How every memory read of a forward runs: "fused" (the kernels, in place), "gather"
+        (standard ops on gathered copies) or "flex" (FlexAttention, Mixture of Chapters only).
+        Setting it switches the bank's read and every MoC layer's at once (the read probe does,
+        training/read_choice.py)."""
+        return self._read
+
+    @read.setter
+    def read(self, mode: str) -> None:
+        modes = self.read_modes()
+        if mode not in (modes or ("gather",)):
+            raise ValueError(f"memory read {mode!r}: this model reads with {modes or ('gather',)}")
+        self._read = mode
+        if self.hf is None:
+            for layer in self.model.moc_layers():
+                layer.read = mode
+
+    @property
+    def read_in_place(self) -> bool:
+        """Whether the bank's KV / FFN memories (or the MoC layers) are read by the fused kernels."""
+        return self._read == "fused"
+
+    @read_in_place.setter
+    def read_in_place(self, fused: bool) -> None:
+        self.read = "fused" if fused else "gather"
 
     def _draw_dropout(self) -> bool:
         """True when this training forward runs without memory (probability `memory_dropout`),

@@ -67,8 +67,10 @@ class MemorySection:
     # timed probe of both at start-up finds faster (fused only if <= 0.95x gather's step time;
     # cached per device / shape / batch / precision in $MEMTREE_CACHE_DIR/read-probe.json, default
     # ~/.cache/memtree; training/read_choice.py), gather on the CPU (where the fused ops run their
-    # slower reference). LoRA memories are always gathered.
-    read: Literal["auto", "fused", "gather"] = "auto"
+    # slower reference). LoRA memories are always gathered. Mixture-of-Chapters layers take the same
+    # choice ("gather": SDPA on gathered chapters, the log-weights in a widened head) and, in "bias"
+    # mode, "flex" (FlexAttention through a block mask from the block table; MoC only).
+    read: Literal["auto", "fused", "gather", "flex"] = "auto"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +184,12 @@ class TrainConfig:
             if self.fsdp:
                 raise ConfigError("fsdp: the MoC latent bank's sparse gradients cannot be sharded; "
                                   "multi-GPU MoC runs use DDP (leave fsdp false)")
+            if self.memory.read == "flex" and self.model.moc.weight_mode == "mix":
+                raise ConfigError("memory.read: 'flex' has one joint softmax; model.moc.weight_mode 'mix' "
+                                  "(a softmax per chapter) reads with 'fused', 'gather' or 'auto'")
+        elif self.memory.read == "flex":
+            raise ConfigError("memory.read: 'flex' reads Mixture-of-Chapters layers only (model.moc); KV / FFN "
+                              "memories read with 'auto', 'fused' or 'gather'")
         if self.model.pkm is not None:
             if self.mode != "baseline":
                 raise ConfigError(f"model.pkm: a memory-layer model trains without hierarchical memories; "

@@ -9,7 +9,8 @@ speed; issue 35), so "fused on any GPU" put every GPU run on the slower path. `a
 both on the run's own model and batch and takes fused only when it is clearly faster:
 
 - `choose_read(timings)`: "fused" only if its step time is <= `margin` (0.95) x gather's; ties,
-  a missing or failed fused time → "gather" (the path without custom kernels).
+  a missing or failed fused time → "gather" (the path of standard ops; for KV / FFN memories
+  the one without custom kernels).
 - `probe_read(model, batch)`: forward + loss + backward of the real model on a real batch in
   both modes, alternating (fused gather, gather fused, ...) so drift hits both, median seconds
   per step. No optimizer step: weights, grads, the forward counter and the mode are as found.
@@ -18,12 +19,17 @@ both on the run's own model and batch and takes fused only when it is clearly fa
   versioned JSON file, `$MEMTREE_CACHE_DIR/read-probe.json` (default
   `~/.cache/memtree/read-probe.json`), written atomically (temp file + os.replace). A corrupt or
   foreign file is named in a warning with the reason and treated as empty (then overwritten).
-- `resolve_read(read, model, batch)`: "fused" / "gather" are returned unchanged; "auto" on the CPU
+- `resolve_read(read, model, batch)`: "fused" / "gather" / "flex" are returned unchanged; "auto" on the CPU
   is "gather" without probing (the fused ops run their pure-torch reference there, measured not
   faster: bench/training_steps.py --only read); "auto" on a GPU is the cached choice or a fresh
   probe's, logged in one line. A probe that raises (a Triton compile error, say) gives "gather",
-  with the error in that line; models with no in-place read (no memory, LoRA memories, HF
+  with the error in that line; models with no read to choose (no memory, LoRA memories, HF
   anchors) get "gather" without probing.
+- Mixture-of-Chapters layers (training/layers/moc.py) are probed the same way, over their three
+  reads: "fused" (the memory-attention kernel), "gather" (SDPA on gathered chapters, a widened
+  head carrying the router's log-weights) and, in "bias" mode, "flex" (FlexAttention through a
+  block mask from the block table); the fastest non-gather read is taken only if <= `margin` x
+  gather's step time, and a read whose warm-up step fails is left out.
 
 What the probe does not match of a Composer step (the same in both modes, so they shift both
 times alike, except where noted): the optimizer step (`MemoryAdamW`'s sparse update: the fused
@@ -58,35 +64,45 @@ from typing import Any
 import torch
 
 from memtree.io import atomic_write_json
-from training.bank import READ_IN_PLACE
 
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT = "memtree-read-probe"
 CACHE_VERSION = 1
 CACHE_FILE = "read-probe.json"
-MODES = ("fused", "gather")
+MODES = ("fused", "gather")  # every model with a choice has these two; MoC layers also "flex"
+READS = ("fused", "gather", "flex")
 
 
 # ------------------------------------------------------------------------------ the choice
 def choose_read(timings: Mapping[str, float], *, margin: float = 0.95) -> str:
-    """"fused" only if timings["fused"] <= margin * timings["gather"] (both finite and positive);
-    otherwise, ties and a missing or failed fused time included, "gather"."""
-    f, g = timings.get("fused"), timings.get("gather")
-    if not (_good(f) and _good(g)):
+    """The fastest of the non-gather reads ("fused", "flex") if its time <= margin *
+    timings["gather"] (both finite and positive); otherwise, ties and missing or failed times
+    included, "gather" (the path of standard ops)."""
+    g = timings.get("gather")
+    if not _good(g):
         return "gather"
-    return "fused" if f <= margin * g else "gather"
+    others = [m for m in READS if m != "gather" and _good(timings.get(m))]
+    best = min(others, key=lambda m: timings[m], default=None)
+    return best if best is not None and timings[best] <= margin * g else "gather"
 
 
 def _good(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
+def read_modes(model: Any) -> tuple[str, ...]:
+    """The reads `model` (a `MemtreeLM`) can switch between (`MemtreeLM.read_modes`): ("fused",
+    "gather") for a bank of KV or FFN memories on our own anchor, ("fused", "gather", "flex")
+    for Mixture-of-Chapters layers in "bias" mode; () when there is nothing to choose (LoRA
+    memories and HF anchors are always gathered)."""
+    modes = getattr(model, "read_modes", None)
+    return tuple(modes()) if callable(modes) else ()
+
+
 def can_read_in_place(model: Any) -> bool:
-    """Whether `model` (a `MemtreeLM`) could read its memories in place at all: a bank of KV or
-    FFN memories on our own anchor (LoRA memories and HF anchors are always gathered)."""
-    return (getattr(model, "bank", None) is not None and getattr(model, "hf", None) is None
-            and getattr(model, "memory", None) is not None and model.memory.type in READ_IN_PLACE)
+    """Whether `model` has a read to choose at all (`read_modes`): a fused read beside gather."""
+    return "fused" in read_modes(model)
 
 
 # ------------------------------------------------------------------------------- the cache
@@ -111,11 +127,17 @@ def probe_key(model: Any, batch: Mapping[str, Any], *, device_name: str, precisi
     ids = batch["input_ids"]
     anchor = getattr(model, "model", None)
     shape = {k: v for k, v in dataclasses.asdict(model.anchor_shape).items() if k != "name"}
-    return {"device": device_name, "torch": torch.__version__, "triton": triton_version,
-            "anchor": shape, "memory": dataclasses.asdict(model.memory),
-            "attn_impl": getattr(getattr(anchor, "config", None), "attn_impl", None),
-            "batch": int(ids.shape[0]), "seq_len": int(ids.shape[1]), "precision": precision,
-            "allow_tf32": allow_tf32}
+    memory = getattr(model, "memory", None)
+    fields = {"device": device_name, "torch": torch.__version__, "triton": triton_version,
+              "anchor": shape, "memory": dataclasses.asdict(memory) if memory is not None else None,
+              "attn_impl": getattr(getattr(anchor, "config", None), "attn_impl", None),
+              "batch": int(ids.shape[0]), "seq_len": int(ids.shape[1]), "precision": precision,
+              "allow_tf32": allow_tf32}
+    moc = getattr(getattr(anchor, "config", None), "moc", None)
+    if moc is not None:  # only then: the keys of KV / FFN models' cached probes stay as they were
+        fields["moc"] = dataclasses.asdict(moc)
+        fields["modes"] = list(read_modes(model))
+    return fields
 
 
 def key_id(fields: Mapping[str, Any]) -> str:
@@ -198,8 +220,8 @@ def probe_read(model: Any, batch: Mapping[str, Any], *, steps: int = 3, warmup: 
                precision: str = "fp32", allow_tf32: bool | None = None,
                timer: Callable[[], float] = time.perf_counter,
                sync: Callable[[], None] | None = None) -> dict[str, float]:
-    """Median seconds per training step of `model` (a `MemtreeLM` with an in-place-capable bank) on
-    `batch` with the fused and the gathered read: {"fused": s, "gather": s}.
+    """Median seconds per training step of `model` (a `MemtreeLM` with a read to choose,
+    `read_modes`) on `batch` with each of its reads: {"fused": s, "gather": s[, "flex": s]}.
 
     A step is what Composer's microbatch step does: the model's forward and loss under the
     precision's autocast, then backward (grads set to None first, as after `zero_grad`), with
@@ -207,15 +229,19 @@ def probe_read(model: Any, batch: Mapping[str, Any], *, steps: int = 3, warmup: 
     them when the Trainer is built, after the probe, so the trainer passes its setting). Order:
     `warmup` untimed steps of each mode (Triton and FlexAttention compile here), then `steps`
     rounds of one timed step per mode, alternating fused, gather / gather, fused / ... `sync`
-    (default: `torch.cuda.synchronize` on CUDA) runs before each reading of `timer`.
+    (default: `torch.cuda.synchronize` on CUDA) runs before each reading of `timer`. A read other
+    than "gather" whose warm-up step raises (a compile error, an unsupported shape), other than
+    running out of memory, is left out and timed nan, with a warning naming the error.
 
-    The model is left as found: mode (`read_in_place`), train/eval flag, forward counter,
-    `memory_dropout`, `memory_mode`, the last-forward records, the RNG states and every
-    parameter's `.grad`, the TF32 flags; there is no optimizer step, so no weight changes.
-    Raises what a step raises (after restoring)."""
-    if not can_read_in_place(model):
-        raise ValueError("probe_read: the model has no in-place read to compare (no KV/FFN bank on its "
-                         "own anchor)")
+    The model is left as found: mode (`read`), train/eval flag, forward counter,
+    `memory_dropout`, `memory_mode`, the last-forward records (MoC layers' routing and
+    auxiliary losses too), the RNG states and every parameter's `.grad`, the TF32 flags; there
+    is no optimizer step, so no weight changes. Raises what a gather step raises (after
+    restoring)."""
+    modes = read_modes(model)
+    if "fused" not in modes:
+        raise ValueError("probe_read: the model has no read to compare (no KV/FFN bank on its own anchor, "
+                         "no Mixture-of-Chapters layers)")
     if steps < 1 or warmup < 0:
         raise ValueError(f"probe_read: steps {steps} must be >= 1 and warmup {warmup} >= 0")
     device = next(model.parameters()).device
@@ -223,13 +249,14 @@ def probe_read(model: Any, batch: Mapping[str, Any], *, steps: int = 3, warmup: 
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     params = list(model.parameters())
     saved = {
-        "grads": [p.grad for p in params], "training": model.training, "read_in_place": model.read_in_place,
+        "grads": [p.grad for p in params], "training": model.training, "read": model.read,
         "forwards": model.forwards.detach().clone(), "memory_dropout": model.memory_dropout,
         "memory_mode": model.memory_mode, "last_slots": model.last_slots,
         "last_use_generic": model.last_use_generic, "last_seq_loss": model.last_seq_loss,
         "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         "tf32": (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32),
+        "moc": [(m, m.last_routing, m.last_aux) for m in _moc_layers(model)],
     }
 
     def step() -> None:
@@ -241,20 +268,31 @@ def probe_read(model: Any, batch: Mapping[str, Any], *, steps: int = 3, warmup: 
             loss = model.loss(model(batch), batch)
         loss.backward()
 
-    times: dict[str, list[float]] = {m: [] for m in MODES}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    failed: dict[str, str] = {}
     try:
         if allow_tf32 is not None:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = allow_tf32
         model.train()
         model.memory_dropout = 0.0  # a dropped step would read no memory in either mode
         model.memory_mode = "fetched"
-        for mode in MODES:
-            model.read_in_place = mode == "fused"
-            for _ in range(warmup):
-                step()
+        for mode in modes:
+            model.read = mode
+            try:
+                for _ in range(warmup):
+                    step()
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except Exception as e:  # a read that fails is out; the others still compete
+                if mode == "gather":
+                    raise
+                failed[mode] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                warnings.warn(f"memory.read probe: the {mode!r} read failed ({failed[mode]}); left out",
+                              RuntimeWarning, stacklevel=2)
+        alive = [m for m in modes if m not in failed]
         for i in range(steps):
-            for mode in (MODES if i % 2 == 0 else MODES[::-1]):
-                model.read_in_place = mode == "fused"  # the switch: read by every forward
+            for mode in (alive if i % 2 == 0 else alive[::-1]):
+                model.read = mode  # the switch: read by every forward
                 sync()
                 t0 = timer()
                 step()
@@ -266,14 +304,22 @@ def probe_read(model: Any, batch: Mapping[str, Any], *, steps: int = 3, warmup: 
         with torch.no_grad():
             model.forwards.copy_(saved["forwards"])
         model.train(saved["training"])
-        for name in ("read_in_place", "memory_dropout", "memory_mode", "last_slots", "last_use_generic",
+        for name in ("read", "memory_dropout", "memory_mode", "last_slots", "last_use_generic",
                      "last_seq_loss"):
             setattr(model, name, saved[name])
+        for layer, routing, aux in saved["moc"]:
+            layer.last_routing, layer.last_aux = routing, aux
         torch.set_rng_state(saved["rng"])
         if saved["cuda_rng"] is not None:
             torch.cuda.set_rng_state(saved["cuda_rng"], device)
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved["tf32"]
-    return {m: float(statistics.median(ts)) for m, ts in times.items()}
+    return {m: float(statistics.median(ts)) if ts else math.nan for m, ts in times.items()}
+
+
+def _moc_layers(model: Any) -> list[Any]:
+    anchor = getattr(model, "model", None)
+    layers = getattr(anchor, "moc_layers", None)
+    return list(layers()) if callable(layers) and getattr(model, "hf", None) is None else []
 
 
 def _batch_size(batch: Mapping[str, Any]) -> int:
@@ -307,21 +353,21 @@ def resolve_read(read: str, model: Any = None, batch: Mapping[str, Any] | None =
                  cache: ReadProbeCache | str | os.PathLike | None = None, steps: int = 3, warmup: int = 1,
                  margin: float = 0.95,
                  probe: Callable[[Any, Mapping[str, Any]], Mapping[str, float]] | None = None) -> str:
-    """`memory.read` resolved to "fused" or "gather" (module docstring).
+    """`memory.read` resolved to one of the model's reads (`read_modes`; module docstring).
 
     `on_gpu` (default: whether the model's parameters are on CUDA) and `device_name` (default:
     `torch.cuda.get_device_name` there, "cpu" otherwise) say where the run trains; `cache` is a
     `ReadProbeCache` or its file (default `default_cache_path()`); `probe(model, batch)` returns
-    {"fused": s, "gather": s} (default `probe_read` with `steps`, `warmup`, `precision`,
+    {"fused": s, "gather": s[, "flex": s]} (default `probe_read` with `steps`, `warmup`, `precision`,
     `allow_tf32`, on a halved batch after running out of memory). `precision`: the trainer's,
     resolved (fp32, amp_bf16, amp_fp16). Logs one line saying what was measured and chosen."""
-    if read not in ("auto", *MODES):
-        raise ValueError(f"memory.read {read!r} is not 'auto', 'fused' or 'gather'")
+    if read not in ("auto", *READS):
+        raise ValueError(f"memory.read {read!r} is not 'auto', 'fused', 'gather' or 'flex'")
     if read != "auto":
         return read
     if model is None or not can_read_in_place(model):
-        log.info("memory.read auto: gather (this model has no in-place read: no KV/FFN bank on its "
-                 "own anchor)")
+        log.info("memory.read auto: gather (this model has no read to choose: no KV/FFN bank on its "
+                 "own anchor, no Mixture-of-Chapters layers)")
         return "gather"
     device = next(model.parameters()).device
     if on_gpu is None:
@@ -349,7 +395,7 @@ def resolve_read(read: str, model: Any = None, batch: Mapping[str, Any] | None =
             return _probe_fitting(m, b, steps=steps, warmup=warmup, precision=precision,
                                   allow_tf32=allow_tf32, probed=probed)
     try:
-        timings = {m: float(t) for m, t in probe(model, batch).items() if m in MODES}
+        timings = {m: float(t) for m, t in probe(model, batch).items() if m in READS}
     except Exception as e:  # noqa: BLE001 — a compile error, an unsupported shape, …: no kernels then
         log.warning("memory.read auto: probe failed (%s: %s) (%s) -> gather", type(e).__name__,
                     str(e).splitlines()[0] if str(e) else "", where)
@@ -369,8 +415,9 @@ def resolve_read(read: str, model: Any = None, batch: Mapping[str, Any] | None =
 
 
 def _times(t: Mapping[str, Any]) -> str:
-    ms = {m: f"{t[m] * 1e3:.1f} ms" if _good(t.get(m)) else "n/a" for m in MODES}
-    return f"fused {ms['fused']} vs gather {ms['gather']} per step"
+    ms = [f"{m} {t[m] * 1e3:.1f} ms" if _good(t.get(m)) else f"{m} n/a" for m in READS
+          if m in t or m in MODES]
+    return " vs ".join(ms) + " per step"
 
 
 # -------------------------------------------------------------------------- the probe batch

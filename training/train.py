@@ -164,7 +164,7 @@ def settle_memory_read(cfg: TrainConfig, model: MemtreeLM, loader: Any, *, devic
     it. Rank 0 probes (its model moved to `device` first; an FSDP anchor goes back to its
     device after) and every rank takes its choice, so all ranks read alike."""
     if cfg.memory.read != "auto" or device is None or not can_read_in_place(model):
-        return "fused" if model.read_in_place else "gather"
+        return model.read
     from composer.utils import dist
 
     choice = ["gather"]
@@ -183,7 +183,7 @@ def settle_memory_read(cfg: TrainConfig, model: MemtreeLM, loader: Any, *, devic
             torch.cuda.empty_cache()
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(choice, src=0)
-    model.read_in_place = choice[0] == "fused"
+    model.read = choice[0]
     return choice[0]
 
 

@@ -36,10 +36,28 @@ Which weight mode is exact for what:
   exact for attention over the concatenated chapters with the router as a
   log-prior on each chapter's tokens; constant weights give the unweighted
   read. Weights must be > 0.
+
+Three exact paths for per-sequence lists (B, k) (per-token lists: `memory_attention` only):
+- `memory_attention` (`op.py`): the Triton kernel on CUDA reads K/V in place by block id, no
+  gathered copy, row-sparse bank gradients without a bank-sized buffer; every mode, per-token
+  lists, return_lse, shared tables; the reference on the CPU.
+- `memory_attention_sdpa` (`sdpa.py`): gathers each sequence's blocks (B, H_kv, k·T, D) and
+  calls torch's SDPA, so flash / cuDNN run it. Exact for every mode: unweighted as is, "bias"
+  by the widened head (q' = [q, 1], k' = [k, log(w)/scale], head dim round_up(D + 1, 8)),
+  "mix" as SDPA batched over the (B·k) entries. sparse_grad=True gives the sparse COO bank
+  gradient training pays; no return_lse.
+- `memory_attention_flex` (`flex.py`): FlexAttention over the bank viewed in place as one KV
+  sequence, a BlockMask with KV block T listing each sequence's blocks, log-weights by
+  score_mod. Exact for the joint-softmax modes (unweighted, "bias"; not "mix") when each
+  list names distinct blocks; return_lse. Compiled on CUDA (D >= 16, T a multiple of the
+  kernel's tiles), torch's dense eager reference on the CPU.
 """
 
+from kernels.memory_attention.flex import flex_available, memory_attention_flex
 from kernels.memory_attention.naive import memory_attention_naive, memory_attention_naive_backward
 from kernels.memory_attention.op import MemoryTable, memory_attention, memory_attention_table
+from kernels.memory_attention.sdpa import memory_attention_sdpa
 
-__all__ = ["MemoryTable", "memory_attention", "memory_attention_naive",
-           "memory_attention_naive_backward", "memory_attention_table"]
+__all__ = ["MemoryTable", "flex_available", "memory_attention", "memory_attention_flex",
+           "memory_attention_naive", "memory_attention_naive_backward", "memory_attention_sdpa",
+           "memory_attention_table"]

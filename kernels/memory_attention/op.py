@@ -253,9 +253,11 @@ class _EagerRead(torch.autograd.Function):
         return _backward(ctx, *grads)
 
 
-def _check(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
-           weights: Tensor | None, weight_mode: str, impl: str,
-           per_token_layout: str = "auto") -> None:
+def check_arguments(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
+                    weights: Tensor | None, weight_mode: str, impl: str = "auto",
+                    per_token_layout: str = "auto") -> None:
+    """ValueError for arguments `memory_attention` cannot take (its docstring's shapes), shared
+    by the other paths of the same function (`sdpa.py`, `flex.py`)."""
     if weight_mode not in ("bias", "mix"):
         raise ValueError(f"weight_mode must be 'bias' or 'mix', got {weight_mode!r}")
     if impl not in IMPLS:
@@ -369,7 +371,7 @@ def memory_attention_table(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx:
     None where the call would run the reference, which needs no table. The build is a few
     dozen small device ops and no host sync (each op costs host time: on an H100 the
     table's ~170 dispatched ops took 1.2 ms of host time against 0.09 ms on the device)."""
-    _check(q, bank_k, bank_v, block_idx, weights, "bias", impl, per_token_layout)
+    check_arguments(q, bank_k, bank_v, block_idx, weights, "bias", impl, per_token_layout)
     if not _use_triton(q, impl):
         return None
     per_token_layout = resolve_layout(q, bank_k, block_idx, per_token_layout)
@@ -459,7 +461,7 @@ def memory_attention(
     bank-shaped tensor); d(weights) like weights. A block id >= N fails a device-side
     assertion (RuntimeError on the CPU) on the Triton path.
     """
-    _check(q, bank_k, bank_v, block_idx, weights, weight_mode, impl, per_token_layout)
+    check_arguments(q, bank_k, bank_v, block_idx, weights, weight_mode, impl, per_token_layout)
     if return_lse and _is_mix(weights, weight_mode):
         raise ValueError("return_lse: mix mode normalises each block on its own; there is no "
                          "joint log-sum-exp to return")

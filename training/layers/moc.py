@@ -19,8 +19,13 @@ the anchor. Per memory layer and per sequence:
    RMSNorm": shared and routed tokens enter at the same scale, so neither
    dominates by raw magnitude) and projected through W_K, W_V into a
    (U, T, H_kv, D) per-step bank; the per-sequence chapter lists are
-   remapped into it and the fused memory-attention op reads it with
-   q = W_Q RMSNorm(H). weight_mode "bias" (default): one softmax over every
+   remapped into it and read with q = W_Q RMSNorm(H) by one of three exact paths
+   (`MoCLayer.read`, set for the whole model by `memory.read`, whose "auto" is settled by
+   the same timed start-up probe as KV / FFN memories, training/read_choice.py): "fused",
+   the memory-attention kernel reading the per-step bank by block index; "gather", SDPA on
+   each sequence's gathered chapters (the log-weights carried by a widened head, so flash /
+   cuDNN kernels apply); "flex", FlexAttention through a block mask made from the block
+   table (not "mix"). weight_mode "bias" (default): one softmax over every
    selected token with log(weight) added to its chapter's logits, so with
    equal weights the read is exactly Algorithm 1's softmax over the
    concatenated chapters and a chapter's weight multiplies the attention mass
@@ -69,7 +74,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.memory_attention import memory_attention
+from kernels.memory_attention import memory_attention, memory_attention_flex, memory_attention_sdpa
 from memstore.format import QUANT_GROUP
 
 
@@ -209,14 +214,33 @@ def z_loss(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits, dim=-1).square().mean()
 
 
+# How a memory layer reads its chapters (`MoCLayer.read`); every path computes the same function.
+READS = ("fused", "gather", "flex")
+
+
+def read_modes(weight_mode: str) -> tuple[str, ...]:
+    """The reads that are exact for `weight_mode`: FlexAttention has one joint softmax, so no
+    "mix" (a softmax per chapter)."""
+    return READS if weight_mode == "bias" else ("fused", "gather")
+
+
 def _memory_read(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor, weights: Tensor,
-                 weight_mode: str) -> Tensor:
+                 weight_mode: str, read: str) -> Tensor:
     """q (B, H, S, D); bank_k/bank_v (U, T, H_kv, D); block_idx, weights (B, n) → (B, H, S, D).
 
-    The one call site of the fused memory-attention op (kernels/memory_attention). The per-step
-    bank is computed from the latent chapters, so its gradient is dense and small; the latent
-    bank's own gradient is sparse through `LatentBank`'s gather."""
-    return memory_attention(q, bank_k, bank_v, block_idx, weights, weight_mode=weight_mode, sparse_grad=False)
+    The one place a memory layer calls a memory-attention path (kernels/memory_attention), chosen
+    by `read`, so a run's `memory.read` (and its probe) reaches Mixture-of-Chapters reads as it
+    reaches KV / FFN memories. The per-step bank is computed from the latent chapters, so its
+    gradient is dense and small; the latent bank's own gradient is sparse through `LatentBank`'s
+    gather."""
+    if read == "fused":
+        return memory_attention(q, bank_k, bank_v, block_idx, weights, weight_mode=weight_mode,
+                                sparse_grad=False)
+    if read == "gather":
+        return memory_attention_sdpa(q, bank_k, bank_v, block_idx, weights, weight_mode=weight_mode)
+    if read == "flex":
+        return memory_attention_flex(q, bank_k, bank_v, block_idx, weights, weight_mode=weight_mode)
+    raise ValueError(f"MoC read {read!r} is not one of {READS}")
 
 
 # Bytes per stored bank value; int8 / int4 add one fp32 absmax scale per QUANT_GROUP values, as
@@ -315,7 +339,20 @@ class MoCLayer(nn.Module):
         # Global ids of routed chapters the router may not pick (inference-time blocking, the
         # chapters' analogue of blocking a subtree); None: all. Not state: not saved.
         self.blocked: Tensor | None = None
+        # The read path (`READS`); the model sets it for every layer (`MemtreeLM.read`). Not state.
+        self._read = "fused"
         self.reset_parameters()
+
+    @property
+    def read(self) -> str:
+        return self._read
+
+    @read.setter
+    def read(self, mode: str) -> None:
+        if mode not in read_modes(self.cfg.weight_mode):
+            raise ValueError(f"MoC read {mode!r} is not one of {read_modes(self.cfg.weight_mode)} "
+                             f"(weight_mode {self.cfg.weight_mode!r})")
+        self._read = mode
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -357,7 +394,7 @@ class MoCLayer(nn.Module):
         bank_k = self.k(mem).unflatten(-1, (g.n_kv_heads, g.head_dim))  # (U, T, H_kv, D)
         bank_v = self.v(mem).unflatten(-1, (g.n_kv_heads, g.head_dim))
         q = self.q(self.norm(x)).unflatten(-1, (g.n_heads, g.head_dim)).transpose(1, 2)  # (B, H, S, D)
-        out = _memory_read(q, bank_k, bank_v, local, r.weights, self.cfg.weight_mode)  # (B, H, S, D)
+        out = _memory_read(q, bank_k, bank_v, local, r.weights, self.cfg.weight_mode, self.read)  # (B, H, S, D)
         return self.o(out.transpose(1, 2).flatten(2))
 
     def aux_loss(self) -> Tensor:
