@@ -34,7 +34,6 @@ from torch import Tensor
 
 from kernels.memory_attention.op import check_arguments
 
-
 # The widened column's value for padding tokens (before the scale): far enough below any
 # real logit that exp() underflows to exactly 0 in fp32, yet finite so an all-padding row
 # stays a uniform (zero) read instead of NaN. Capped for fp16, whose range is 65504.
