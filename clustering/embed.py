@@ -13,7 +13,7 @@ Embeddings are L2-normalised float32 (the tree clusters normalised vectors).
 
 Two backends (config `embed.backend`): `torch` (sentence-transformers on the CPU or CUDA) and
 `openvino-int8`, the same model quantised to int8 and run by OpenVINO on the CPU, from an export
-made locally by `clustering.embed_export` (figures: docs/BENCHMARKS.md, issue #16).
+made locally by `clustering.embed_export` (figures: docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def _bucket_lengths(m, multiple: int) -> None:
     OpenVINO keeps memory for every input shape it has run: padded to the longest text, a corpus
     brings ever new shapes, and an embed worker's memory grew with the corpus (one process,
     30 parts of 700 texts: +0.30 GiB; +0.005 GiB with lengths in multiples of 32,
-    docs/BENCHMARKS.md, issue #16). Parts of varying sizes also end in batches of every size, so
+    docs/BENCHMARKS.md). Parts of varying sizes also end in batches of every size, so
     `embed_texts` fills such a model's last batch with empty texts (FULL_BATCHES). The attention
     mask keeps the vectors those of the unpadded batch to int8 rounding; the padding costs under
     `multiple` tokens per text, and nothing once texts reach max_seq_length, as windows do."""

@@ -37,7 +37,7 @@ EXPORT_VERSION = 1
 OPENVINO_INT8 = "openvino-int8"
 OV_INT8_FILE = "openvino/openvino_model_qint8_quantized.xml"
 _PACKAGES = ("openvino", "nncf", "optimum-intel", "sentence-transformers")
-# Measured on 3,000 corpus documents against torch (docs/BENCHMARKS.md, issue #16): the default
+# Measured on 3,000 corpus documents against torch (docs/BENCHMARKS.md): the default
 # NNCF settings leave 0.2 % of embeddings below cosine 0.99 (min 0.9875); smooth-quant alpha 0.8
 # and layer 0's FFN down-projection kept in float (BERT's first FFN output carries the largest
 # activation outliers) give min 0.9962 at 94 % of the all-int8 speed. The pattern matches

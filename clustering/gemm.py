@@ -4,7 +4,7 @@ fastest on this host.
 A Python process here holds up to three BLAS builds: numpy's OpenBLAS, torch's (MKL on x86 wheels)
 and the OpenBLAS bundled in the faiss-cpu wheel (0.3.15). Which is fastest depends on the host:
 on an Intel Xeon with AVX-512 and AMX, FAISS's OpenBLAS with `OPENBLAS_CORETYPE=SkylakeX` ran a
-flat search at 1.24–1.38× numpy's own sgemm (issue #56), on a Zen 5 host at 0.94×. The node fits'
+flat search at 1.24–1.38× numpy's own sgemm, on a Zen 5 host at 0.94×. The node fits'
 GEMMs are small and single-threaded (`clustering.kmeans.single_threaded`), so what matters is each
 library's one-core kernel on those shapes, and its per-call cost on the small ones: `measure` times
 the GEMMs, `clustering.blas.measure_fits` times node fits on each backend (what the choice rests on),

@@ -56,19 +56,19 @@ RELOCATE_SLACK = 1.2
 # trimmed further by a centroid serving a far region gets relocated instead. Strict mode allows
 # more: at 4, four of six skewed 4 × 8 trees (384-d, 60,000 points) kept inner nodes whose cells
 # sit in one dense region at the bound, their leaves at 1.21–1.37 × the mean; at 8, none
-# (docs/BENCHMARKS.md, issue #37).
+# (docs/BENCHMARKS.md).
 MAX_NORM_SCALE = 4.0
 STRICT_MAX_NORM_SCALE = 8.0
 # Strict mode runs up to this × equalize_steps auction rounds. Most nodes settle in 3–12 rounds
 # and stop; a node whose dense region must pass points through a chain of full cells needs more:
 # at 40, 3 of 12 skewed 3 × 8 and 4 × 8 trees (384-d) kept such a node, their leaves at
-# 1.22–1.34 × the mean; at 200, every level ≤ 1.161 (docs/BENCHMARKS.md, issue #37).
+# 1.22–1.34 × the mean; at 200, every level ≤ 1.161 (docs/BENCHMARKS.md).
 STRICT_ROUND_FACTOR = 5
 # Batch rows fitted together (`_cache_groups`): 6 MiB of float32 at dim 384, about a core's L2.
 CACHE_ROWS = 4096
 # A whole-node fit (tol > 0) stops after this many steps without its distortion falling by tol.
 SETTLE_STEPS = 2
-# The tree build's default tol (`converge_tol`): see `_BatchedFit.fit` and docs/BENCHMARKS.md, issue #37.
+# The tree build's default tol (`converge_tol`): see `_BatchedFit.fit` and docs/BENCHMARKS.md.
 CONVERGE_TOL = 3e-3
 # Rows gathered per GEMM when equalising on rows of x not already in the batch (bounds the copy).
 GATHER_ROWS = 8192
@@ -168,8 +168,8 @@ def cell_cap(n: int, k: int, slack: float, cell_size: float | None = None, *, st
     strict: never below ⌈n / k⌉ + STRICT_SLACK_POINTS instead. With 1.05 × its mean, a node
     whose parent cell sat 1.10 × over the level's mean may reach 1.10 × 1.05, and that
     compounds down the levels (measured on 14,081 real windows, 3 × 8: leaves at 1.236 × the
-    mean against issue #37's 1.2; 1.164 with the point floor alone; docs/BENCHMARKS.md). One
-    point is still 7 % of a 14-point leaf: strict trees also cap inner levels tighter
+    mean against the balance target 1.2; 1.164 with the point floor alone; docs/BENCHMARKS.md).
+    One point is still 7 % of a 14-point leaf: strict trees also cap inner levels tighter
     (`clustering.tree.level_cell_slack`)."""
     size = n / k if cell_size is None else cell_size
     floor = math.ceil(n / k) + STRICT_SLACK_POINTS if strict else math.ceil(NODE_SLACK * n / k)
@@ -458,8 +458,8 @@ class _BatchedFit:
         benchmark: level-3 nodes (~390 points) stop after 3–9 of 20 steps;
         level-2 nodes (~6,250 points) keep splitting and run (nearly) all 20.
 
-        The App. C split rule can keep a whole-node node from ever settling exactly: on issue
-        #37's mixture, where natural clusters straddle the split limit, nearly every level-3
+        The App. C split rule can keep a whole-node node from ever settling exactly: on the 100k
+        benchmark mixture, where natural clusters straddle the split limit, nearly every level-3
         node split at every step and ran all 20. With tol > 0 such a node also stops once
         SETTLE_STEPS steps in a row lowered its squared distances (before the splits) by less
         than tol of their best: later steps only move points back and forth across the limit.

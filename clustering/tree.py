@@ -47,7 +47,7 @@ CHUNK_ROWS = 1 << 17
 # Strict trees cap inner levels at 1 + this × (balance_factor − 1) of the level's mean
 # (`level_cell_slack`), leaving the rest of the headroom to the levels below.
 INNER_HEADROOM = 0.5
-# Issue #37's balance target: no cluster at any level over this × its level's mean. The
+# The balance target: no cluster at any level over this × its level's mean. The
 # default build refits with strict balance only the nodes that would break it (`repair_limit`).
 BALANCE_TARGET = 1.2
 
@@ -129,7 +129,7 @@ def fit_level(
     `restarts` > 1 fits each node that many times (restart r > 0 keyed by (seed, level, node, r))
     and keeps the fit with the lowest routing distortion (`distortion`), as FAISS's `nredo` does:
     k-means++ from one seed can leave two true clusters under one centroid, and on small trees
-    the routing quality of the whole tree follows the objective (docs/BENCHMARKS.md, issue #12).
+    the routing quality of the whole tree follows the objective (docs/BENCHMARKS.md).
     """
     out: list[tuple[np.ndarray, int, int] | None] = [None] * len(nodes)
     todo = []
@@ -231,8 +231,8 @@ def level_cell_slack(balance_factor: float, level: int, levels: int, strict: boo
     far over their level's mean on average, and a strict node may always reach ⌈n / k⌉ + 1
     points (`kmeans.cell_cap`): with every level capped at balance_factor, the leaves of skewed
     4 × 8 trees (60,000 points, 14.6 per leaf) reached 1.23 × their mean; with inner levels at
-    1.05, ≤ 1.16. Three quarters of the headroom (1.075) kept 0.002 more NMI on issue #37's
-    mixture but left one of two such trees at 1.23 (docs/BENCHMARKS.md, issue #37). Inner cells
+    1.05, ≤ 1.16. Three quarters of the headroom (1.075) kept 0.002 more NMI on the 100k-point
+    benchmark mixture but left one of two such trees at 1.23 (docs/BENCHMARKS.md). Inner cells
     are hundreds of points or more, where the auction reaches a tight cap in a few rounds."""
     if not strict or level >= levels:
         return balance_factor
@@ -281,14 +281,13 @@ def build_tree(
     as the default caps them: `level_cell_size`, `level_cell_slack`).
     strict_balance: every node fitted with inner levels capped tighter and the strict
     equalisation of `kmeans.fit_nodes_batched` (leaves ≤ 1.2 × their mean on skewed data
-    with ~15-point leaves, where the paper's rule alone reaches 1.24–1.37; docs/BENCHMARKS.md,
-    issue #37).
+    with ~15-point leaves, where the paper's rule alone reaches 1.24–1.37; docs/BENCHMARKS.md).
     balance_target: after each level, the nodes whose largest child exceeds `repair_limit`
     × the level's mean cell are fitted again with strict balance, and each keeps whichever
     fit has the smaller largest child; None never refits. Where no node is over, the tree is
-    exactly the paper's rule (the demo's trees, issue #37's mixture): strict trees took the
-    demo's fetched-generic gap from 15.3 to 8.8 points for reasons not found, so only the
-    nodes that break the target pay for it. The count of refitted and kept nodes per level
+    exactly the paper's rule (the demo's trees, the 100k-point benchmark mixture): strict trees
+    took the demo's fetched-generic gap from 15.3 to 8.8 points for reasons not found, so only
+    the nodes that break the target pay for it. The count of refitted and kept nodes per level
     is in tree.meta["balance_repairs"].
     gemm_backend: the BLAS the default fitter's GEMMs run on (`clustering.gemm`: "numpy",
     "torch", "faiss", or "auto": the fastest on a sample of node fits, `clustering.blas.best_gemm`,

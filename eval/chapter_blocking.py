@@ -1,4 +1,4 @@
-"""Blocking for Mixture of Chapters: the chapters' analogue of blocking a subtree (issue 38).
+"""Blocking for Mixture of Chapters: the chapters' analogue of blocking a subtree.
 
 A hierarchical memory is blocked by cluster: a subtree's blocks were trained on its documents
 only, so blocking the subtree a domain's questions route to removes that domain's knowledge and

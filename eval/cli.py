@@ -534,7 +534,7 @@ def _adapters(args: argparse.Namespace) -> int:
 def _add_memories(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser(
         "eval-memories",
-        help="every memory family beside dense models on the demo's knowledge probes (issue 38)",
+        help="every memory family beside dense models on the demo's knowledge probes",
         description="On a `memtree demo` root: reuses the demo's runs (anchor only, + generic, + fetched "
                     "hierarchical memory, RAG, RAG + fetched) and trains, on the same shards, seed and budget, "
                     "dense models (the anchor's shape; >= 2x its parameters; anchor + fetched memory's runtime "
@@ -569,7 +569,7 @@ def _memories(args: argparse.Namespace) -> int:
 def _add_realtext(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser(
         "eval-realtext",
-        help="held-out perplexity of anchor / generic / fetched memory and dense-1x on real text (issue 38)",
+        help="held-out perplexity of anchor / generic / fetched memory and dense-1x on real text",
         description="On a real-text pipeline run (default ROOT runs/pydocs-short: `memtree docs-corpus "
                     "runs/pydocs-short/corpus --max-chars 4000` then `memtree pipeline "
                     "pipeline/yamls/pydocs-short.yaml`): trains the demo's anchor, one co-training run per recipe "

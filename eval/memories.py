@@ -1,5 +1,5 @@
 """`memtree eval-memories ROOT`: every memory family on the demo's knowledge benchmark, beside dense
-models of matched size (issue 38; seed 002's headline, Table 1 and Fig. 1, at micro scale).
+models of matched size (seed 002's headline, Table 1 and Fig. 1, at micro scale).
 
 ROOT is a `memtree demo` root. Its anchor-only and co-training runs are reused as they are (the
 rows of kind `demo`: anchor only, + generic, + fetched hierarchical memory, RAG, RAG + fetched, all

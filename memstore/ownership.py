@@ -1,4 +1,4 @@
-"""Blocks by training data: what a set of documents trained in every block of a bank (issue 57).
+"""Blocks by training data: what a set of documents trained in every block of a bank.
 
 Seed 002 links ownership of training tokens to ownership of the memories they trained. A pipeline
 run (pipeline/README.md) records it: `ingest/docs` maps a document id to its `doc_ordinal`,

@@ -1,4 +1,4 @@
-"""Per-rank training memory for an anchor + memory bank (issue 34): does a run fit its GPUs?
+"""Per-rank training memory for an anchor + memory bank: does a run fit its GPUs?
 
 `memtree memstore plan … --ranks N --device-memory 80GiB` prints this. Before a multi-GPU run
 it answers, for each way of laying the run out over W data-parallel ranks, how many bytes one

@@ -75,15 +75,16 @@ class EmbedConfig:
     backend: Literal["auto", "torch", "openvino-int8"] = "auto"
     """torch: sentence-transformers in PyTorch (CPU or CUDA). openvino-int8: the model exported
     to OpenVINO and quantised to int8, CPU only, calibrated on the corpus's first
-    `calibration_samples` windows: 2.2-2.5x torch's encode on the CPU at cosine >= 0.996 and the
-    same leaf NMI (docs/BENCHMARKS.md, issue #16). auto: torch on CUDA, openvino-int8 otherwise."""
+    `calibration_samples` windows: faster than torch's encode on the CPU, with nearly the same
+    vectors and the same leaf NMI (docs/BENCHMARKS.md, "Pipeline and clustering"). auto: torch on
+    CUDA, openvino-int8 otherwise."""
     calibration_samples: int = 300
     mmap_threshold_mib: int = 4
     """Fixed glibc mmap threshold (MiB) in the embed workers; 0 keeps glibc's dynamic threshold.
     glibc raises that threshold each time a large block is freed, so the encoder's activations of
-    varying sizes then come from the heap, which fragments: worker memory grew with the corpus
-    (+0.40 GiB from 10k to 50k documents). Fixed, memory stays flat at the price of mapping each
-    large block anew (docs/BENCHMARKS.md, issue #16). Does not change the embeddings."""
+    varying sizes then come from the heap, which fragments: worker memory grew with the corpus.
+    Fixed, memory stays flat at the price of mapping each large block anew (docs/BENCHMARKS.md).
+    Does not change the embeddings."""
 
     def __post_init__(self) -> None:
         _positive(self, "max_seq_length", "batch_size", "calibration_samples")
@@ -115,32 +116,32 @@ class TreeConfig:
     (clustering.kmeans.equalize_cells; it stops early once no cell is over); 0 keeps the
     paper's rule alone."""
     strict_balance: bool = False
-    """Keep every level's cells within about 1.2 × its mean even at ~15 points per leaf on
-    skewed data (issue #37's target): inner levels capped at half balance_factor's headroom, a
+    """Keep every level's cells within about 1.2 × its mean (the balance target) even at ~15
+    points per leaf on skewed data: inner levels capped at half balance_factor's headroom, a
     node's floor ⌈n / k⌉ + 1 points, and a longer, room-seeking auction
     (clustering.tree.level_cell_slack, clustering.kmeans.cell_cap). Off by default: it changes
-    every tree, and on the demo corpus it took the fetched-generic gap from 15.3 ± 2.1 to
-    8.8 ± 2.9 points over 3 seeds (docs/BENCHMARKS.md, issue #37). balance_target applies it
-    to the nodes that need it."""
+    every tree, and on the demo corpus it narrowed the fetched-generic gap (docs/BENCHMARKS.md).
+    balance_target applies it to the nodes that need it."""
     balance_target: float | None = BALANCE_TARGET
-    """No cluster at any level over this × its level's mean (issue #37's 1.2): after each level,
-    the nodes whose largest child would break it (clustering.tree.repair_limit) are fitted again
-    with strict balance, keeping the refit where it is better. Trees where no node is over are
-    the paper's rule exactly (the demo's, issue #37's mixture). null: never refit."""
+    """No cluster at any level over this × its level's mean (the balance target, 1.2): after each
+    level, the nodes whose largest child would break it (clustering.tree.repair_limit) are fitted
+    again with strict balance, keeping the refit where it is better. Trees where no node is over
+    are the paper's rule exactly (the demo's, the 100k-point benchmark mixture's). null: never
+    refit."""
     converge_tol: float = CONVERGE_TOL
     """A node whose batch is the whole node (every node of a level with ≤ batch_size points per
     node) stops its EM once two steps in a row lower its squared distances by less than this
     fraction of their best (clustering.kmeans.CONVERGE_TOL); 0 runs every step. The App. C split
-    rule reshuffles such nodes at every step, so they never settle exactly: on issue #37's
-    100k-point mixture the level-3 nodes otherwise ran all 20 steps for no gain (NMI 0.973 with
-    every step, 0.976 with this stop; the same balance at every level)."""
+    rule reshuffles such nodes at every step, so they never settle exactly: on the 100k-point
+    benchmark mixture the level-3 nodes otherwise ran all 20 steps for no gain in NMI or balance
+    (docs/BENCHMARKS.md)."""
     min_points_per_child: int = 2
     """A node with n points gets min(branching, n // min_points_per_child) children (at least 1)."""
     restarts: int = 1
     """k-means runs per node from different seeds; the one with the lowest distortion is kept
     (FAISS's nredo). Costs restarts × the node fits. 1 is the paper's rule; on the demo corpus 20
-    raised the probes' leaf routing agreement from 0.84–0.97 to 0.97–0.98 over 8 tree seeds
-    (docs/BENCHMARKS.md, issue #12)."""
+    raised the probes' leaf routing agreement (docs/BENCHMARKS.md, "The knowledge demo on the
+    entity-centric bios corpus")."""
     auto_reduce: bool = False
     """If the corpus has fewer windows than leaves, drop levels instead of failing."""
     gemm: Literal["numpy", "torch", "faiss", "auto"] = "auto"

@@ -192,7 +192,7 @@ def _trim_heap() -> None:
     """Hand the worker's freed heap back to the OS after a part (glibc only). The encoders'
     activations differ in size from batch to batch, and glibc keeps the freed pages: measured in
     one process over 30 parts of 700 windows, RSS grew 0.31 GiB untrimmed and 0.14 GiB trimmed
-    (docs/BENCHMARKS.md, issue #16)."""
+    (docs/BENCHMARKS.md)."""
     _glibc("malloc_trim", 0)
 
 

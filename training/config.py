@@ -51,12 +51,14 @@ class MemorySection:
     generic_prob: float | None = None  # None: 1 / branching (seed 002 §4)
     # Probability that a training forward runs the anchor alone (no fetched or generic memory), so
     # the anchor keeps learning what every sequence shares and a fetched block does not override it
-    # on entities it was not built for (issue #12's top bucket; docs/BENCHMARKS.md). 0: the paper.
+    # on entities it was not built for (the probes' most frequent facts; docs/BENCHMARKS.md).
+    # 0: the paper.
     dropout: float = 0.0
     lr: float = 1e-3
     # One bank learning rate per tree level (as long as multipliers; a level without memory takes
     # any value), in place of `lr`: e.g. a low level-2 LR, so that the blocks many documents share
-    # generalise, and a high leaf LR for the tail (issue 38's real-text recipe). Empty: `lr` for all.
+    # generalise, and a high leaf LR for the tail (docs/BENCHMARKS.md, "A bank learning rate per
+    # level on real text"). Empty: `lr` for all.
     lr_by_level: list[float] = field(default_factory=list)
     weight_decay: float = 0.0
     init_std: float = 0.02

@@ -79,8 +79,8 @@ class ReadTables:
 
     Every layer reads a level's rows with the same lists at the same shapes, so one table
     per level (and query shape) serves them all: built by the first layer's read, reused by
-    the rest. On a GPU a KV table costs ~170 dispatched ops of host time per build (docs/
-    BENCHMARKS.md, issue #35), more than the kernels' own device time at small shapes; an
+    the rest. On a GPU a KV table costs ~170 dispatched ops of host time per build
+    (docs/BENCHMARKS.md), more than the kernels' own device time at small shapes; an
     FFN table is sorted twice per call without one, and with sparse gradients counts its
     distinct blocks (a host sync) once instead of once per layer.
     Entries are matched by the rows tensor's identity, which the BankReads hold alive."""

@@ -5,8 +5,9 @@ Why this exists: KV and FFN memories can be read in place by the fused kernels (
 `assemble_memories`); both compute the same function. Which is faster depends on the GPU, the
 kernels' build, the model's shape, the batch and the precision: on an H100 the fused read was
 measured slower than gather in a training step (FFN 0.50x / 0.68x, KV 0.28x / 0.25x the step
-speed; issue 35), so "fused on any GPU" put every GPU run on the slower path. `auto` now times
-both on the run's own model and batch and takes fused only when it is clearly faster:
+speed; docs/BENCHMARKS.md, "Kernels and GPU paths on an H100"), so "fused on any GPU" put every
+GPU run on the slower path. `auto` now times both on the run's own model and batch and takes fused
+only when it is clearly faster:
 
 - `choose_read(timings)`: "fused" only if its step time is <= `margin` (0.95) x gather's; ties,
   a missing or failed fused time → "gather" (the path of standard ops; for KV / FFN memories

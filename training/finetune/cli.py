@@ -50,7 +50,7 @@ def _background(args: argparse.Namespace) -> int:
     from training.finetune.continual import collect_run_background
 
     folders = collect_run_background(args.run, batches=args.batches, batch_size=args.batch_size, seed=args.seed)
-    if not folders:  # a success that says nothing reads as a no-op (issue 36)
+    if not folders:  # a success that says nothing reads as a no-op
         print(f"{args.run}: no memory layer to collect background counts for", file=sys.stderr)
         return 1
     print(f"background access counts over {args.batches} batches collected for {len(folders)} memory "
