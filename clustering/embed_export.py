@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from memtree.io import atomic_dir, atomic_write_json, read_json, sha256_file
+from memtree.io import atomic_dir, atomic_write_json, check_format, read_json, sha256_file
 
 EXPORT_FORMAT = "memtree-embedder-export"
 EXPORT_VERSION = 1
@@ -102,11 +102,7 @@ def read_export(path: str | os.PathLike, *, verify: bool = True) -> dict:
                                 "embedded with the export its pipeline wrote (RUN/embed/embedder): copy it "
                                 "along with the tree")
     meta = read_json(d / "export.json")
-    if meta.get("format") != EXPORT_FORMAT:
-        raise ValueError(f"{d}/export.json: not a memtree embedder export (format={meta.get('format')!r})")
-    if meta.get("version") != EXPORT_VERSION:
-        raise ValueError(f"{d}/export.json: export format version {meta.get('version')} is not supported "
-                         f"(this memtree reads version {EXPORT_VERSION})")
+    check_format(meta, EXPORT_FORMAT, EXPORT_VERSION, f"{d}/export.json", what="memtree embedder export")
     if verify:
         for name, sha in meta["files"].items():
             f = d / name

@@ -37,7 +37,14 @@ from clustering.kmeans import (
     single_threaded,
 )
 from clustering.route_core import route_step, squared_norms
-from memtree.io import atomic_dir, atomic_save_npy, atomic_write_json, read_json, sha256_file
+from memtree.io import (
+    atomic_dir,
+    atomic_save_npy,
+    atomic_write_json,
+    check_format,
+    read_json,
+    sha256_file,
+)
 
 TREE_FORMAT = "memtree-tree"
 TREE_VERSION = 1
@@ -486,13 +493,7 @@ def load_tree(path: str | Path, *, verify: bool = True) -> Tree:
     p = Path(path)
     d = p.parent if p.name == "tree.json" else p
     meta = read_json(d / "tree.json")
-    if meta.get("format") != TREE_FORMAT:
-        raise ValueError(f"{d}/tree.json: not a memtree tree (format={meta.get('format')!r})")
-    if meta.get("version") != TREE_VERSION:
-        raise ValueError(
-            f"{d}/tree.json: tree format version {meta.get('version')} is not supported "
-            f"(this memtree reads version {TREE_VERSION})"
-        )
+    check_format(meta, TREE_FORMAT, TREE_VERSION, f"{d}/tree.json", what="memtree tree")
     cents, valid, sizes = [], [], []
     for lvl in range(1, meta["levels"] + 1):
         for stem, acc in (("centroids", cents), ("valid", valid), ("sizes", sizes)):

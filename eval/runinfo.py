@@ -169,4 +169,4 @@ def run_tpp_table(run: str | Path) -> dict[str, Any] | None:
         c = stored_config(folder)
         ratio = bank_lr_ratio(bank_lr=c["memory"]["lr"], lr_by_level=c["memory"].get("lr_by_level") or [],
                               multipliers=c["memory"]["multipliers"], anchor_lr=c["optim"]["lr"])
-    return table_from_dict(t, threshold=GENERALISES_DOWN_TO, lr_ratio=ratio).to_dict()
+    return table_from_dict(t, threshold=GENERALISES_DOWN_TO, lr_ratio=ratio, where=f).to_dict()

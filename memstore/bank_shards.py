@@ -41,7 +41,7 @@ from memstore.format import GENERIC, BankInfo
 from memstore.writer import write_bank
 from memtree.config import from_dict, to_dict
 from memtree.geometry import DTYPES, AnchorShape, MemoryConfig
-from memtree.io import read_json, sha256_file
+from memtree.io import check_format, read_json, sha256_file
 
 FORMAT = "memtree-bank-shards"
 VERSION = 1
@@ -85,8 +85,7 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
                                  f"({', '.join(f'ba{b}' for b in done)}), not one; give one, e.g. {folder / f'ba{done[-1]}'}")
         raise BankShardError(f"{folder}: no manifest.json, so not a finished bank-shards checkpoint")
     man = read_json(path)
-    if man.get("format") != FORMAT or man.get("version") != VERSION:
-        raise BankShardError(f"{path}: format {man.get('format')!r} v{man.get('version')!r} is not {FORMAT} v{VERSION}")
+    check_format(man, FORMAT, VERSION, path, error=BankShardError)
     return man
 
 

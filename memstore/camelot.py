@@ -64,7 +64,14 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from memtree.config import from_dict, is_int, to_dict
-from memtree.io import atomic_dir, atomic_write_json, read_json, restore_replaced_dir, sha256_file
+from memtree.io import (
+    atomic_dir,
+    atomic_write_json,
+    check_format,
+    read_json,
+    restore_replaced_dir,
+    sha256_file,
+)
 
 FORMAT = "memtree-camelot"
 VERSION = 1
@@ -610,11 +617,7 @@ class CamelotMemory:
         if not (path / "manifest.json").is_file():
             raise FileNotFoundError(f"{path}: no manifest.json (not a {FORMAT} directory)")
         man = read_json(path / "manifest.json")
-        if man.get("format") != FORMAT:
-            raise ValueError(f"{path}: format {man.get('format')!r} is not {FORMAT!r}")
-        if man.get("version") != VERSION:
-            raise ValueError(f"{path}: {FORMAT} version {man.get('version')!r} is not supported "
-                             f"(this code reads version {VERSION})")
+        check_format(man, FORMAT, VERSION, path)
         cfg = from_dict(CamelotConfig, man["config"], where="config")
         mem = cls(cfg, kind=man["kind"], n_layers=man["n_layers"], kv_heads=man["kv_heads"],
                   head_dim=man["head_dim"], device=device)

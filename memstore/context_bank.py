@@ -88,6 +88,7 @@ from memtree.config import from_dict, is_int, is_number, to_dict
 from memtree.io import (
     atomic_dir,
     atomic_write_json,
+    check_format,
     iter_jsonl,
     read_json,
     sha256_file,
@@ -618,11 +619,7 @@ class ContextBank:
             raise _Corrupt(f"manifest unreadable ({e})") from None
         if not isinstance(man, dict):
             raise _Corrupt("manifest is not a JSON object")
-        if man.get("format") != FORMAT:
-            raise ValueError(f"{path}: format {man.get('format')!r} is not {FORMAT!r}")
-        if man.get("version") != VERSION:
-            raise ValueError(f"{path}: version {man.get('version')!r} is not supported "
-                             f"(this code reads {FORMAT} version {VERSION})")
+        check_format(man, FORMAT, VERSION, path)
         try:
             tfile = path / man["tensors"]["file"]
             ok = sha256_file(tfile) == man["tensors"]["sha256"]

@@ -53,7 +53,7 @@ from memtree.geometry import (
     plan,
     split_block,
 )
-from memtree.io import read_json, restore_replaced_dir
+from memtree.io import check_format, read_json, restore_replaced_dir
 
 FORMAT = "memtree-bank"
 VERSION = 1
@@ -333,10 +333,7 @@ def read_manifest(root: str | os.PathLike) -> BankInfo:
     if not path.exists():
         raise FileNotFoundError(f"{root}: not a memory bank (no manifest.json)")
     m = read_json(path)
-    if m.get("format") != FORMAT:
-        raise BankError(f"{path}: format {m.get('format')!r} is not {FORMAT!r}")
-    if m.get("version") != VERSION:
-        raise BankError(f"{path}: bank format version {m.get('version')} is not supported (this memtree reads {VERSION})")
+    check_format(m, FORMAT, VERSION, path, error=BankError)
     anchor = from_dict(AnchorShape, m["anchor"], where="manifest.anchor")
     memory = from_dict(MemoryConfig, m["memory"], where="manifest.memory")
     levels = {int(k): LevelInfo(**v) for k, v in m["levels"].items()}

@@ -68,7 +68,7 @@ from memstore.format import (
 from memstore.journal import apply_journals, audit_log, blocked_as_subtree, journal_bytes, recover
 from memstore.locking import ReadWriteLock, bank_writer, whoami
 from memstore.placement import TierBudget, place_levels
-from memtree.io import atomic_write_bytes, atomic_write_json, read_json, utc_timestamp
+from memtree.io import atomic_write_bytes, atomic_write_json, check_format, read_json, utc_timestamp
 
 POLICY_FORMAT = "memtree-bank-policy"
 Fallback = Literal["zeros", "generic"]
@@ -781,8 +781,7 @@ def read_policy(root: Path) -> dict[str, Any]:
     if not path.exists():
         return {"format": POLICY_FORMAT, "version": 1, "fallback": "zeros", "blocked": {}}
     p = read_json(path)
-    if p.get("format") != POLICY_FORMAT or p.get("version") != 1:
-        raise BankError(f"{path}: not a {POLICY_FORMAT} v1 file")
+    check_format(p, POLICY_FORMAT, 1, path, error=BankError)
     if p.get("fallback") not in ("zeros", "generic"):
         raise BankError(f"{path}: fallback {p.get('fallback')!r} is not 'zeros' or 'generic'")
     return p

@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +135,26 @@ def read_json(path: str | os.PathLike) -> Any:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
+def check_format(meta: Any, fmt: str, version: int | tuple[int, ...] | frozenset[int] | set[int] | None,
+                 where: str | os.PathLike, *, what: str | None = None,
+                 error: type[Exception] = ValueError) -> None:
+    """Raise `error` naming `where` (the file) unless `meta` (its parsed JSON) names format `fmt`
+    and an accepted `version` (one int, a tuple / set of them, or None for a reader that takes
+    every version). One wording for every on-disk manifest, so that a foreign file and a file of
+    another version read the same whichever stage opens them; `what` names the kind of file in
+    the first case when `fmt` alone would not say it."""
+    got = meta.get("format") if isinstance(meta, Mapping) else type(meta).__name__
+    if got != fmt:
+        raise error(f"{where}: not a {what or fmt} file (format {got!r}, expected {fmt!r})")
+    if version is None:
+        return
+    accepted = (version,) if isinstance(version, int) else tuple(sorted(version))
+    v = meta.get("version")
+    if v not in accepted:
+        reads = " or ".join(str(a) for a in accepted)
+        raise error(f"{where}: {fmt} version {v!r} is not supported (this memtree reads version {reads})")
+
+
 def read_format_json(path: str | os.PathLike, fmt: str, version: int, what: str) -> dict:
     """A JSON file that names its `format` and `version`; anything else is an error naming the
     file, the `what` it should have been, and what it holds."""
@@ -142,9 +162,7 @@ def read_format_json(path: str | os.PathLike, fmt: str, version: int, what: str)
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: cannot read the {what}: {e}") from e
-    if data.get("format") != fmt or data.get("version") != version:
-        raise ValueError(f"{path}: not a {fmt} v{version} file (format={data.get('format')!r}, "
-                         f"version={data.get('version')!r})")
+    check_format(data, fmt, version, path, what=what)
     return data
 
 
@@ -259,9 +277,7 @@ def read_checked_tensors(folder: str | os.PathLike, name: str, *, fmt: str, vers
     if not man_path.exists():
         raise FileNotFoundError(f"{folder}: {missing}")
     man = read_json(man_path)
-    if man.get("format") != fmt or man.get("version") != version:
-        raise ValueError(f"{man_path}: format {man.get('format')!r} version {man.get('version')!r} is not "
-                         f"{fmt!r} v{version}")
+    check_format(man, fmt, version, man_path)
     if sha256_file(folder / f"{name}.safetensors") != man["sha256"]:
         raise ValueError(f"{folder}: {name}.safetensors does not match its sha256")
     return load_file(str(folder / f"{name}.safetensors")), man

@@ -84,7 +84,7 @@ class ShardCounts:
 
 def read_shards_counts(path: str | Path, flag: str = "--shards") -> ShardCounts:
     """The counts of a shards folder (RUN/shards) or a pipeline run folder holding one."""
-    from memtree.io import read_json
+    from memtree.io import check_format, read_json
 
     p = Path(path)
     manifest = p / "manifest.json" if (p / "manifest.json").is_file() else p / "shards" / "manifest.json"
@@ -92,8 +92,9 @@ def read_shards_counts(path: str | Path, flag: str = "--shards") -> ShardCounts:
         raise TppError(f"{flag} {path}: no manifest.json there or in {p / 'shards'}; give a pipeline run's shards/ "
                        "folder (`memtree pipeline … --out RUN` writes RUN/shards)")
     m = read_json(manifest)
-    if m.get("format") != "memtree-shards":
-        raise TppError(f"{manifest}: format {m.get('format')!r} is not 'memtree-shards'")
+    # format only, as before: just the stream counts and tree shape are read here; the trainer's
+    # reader (training/data.py) is the one that refuses a shards version it cannot read
+    check_format(m, "memtree-shards", None, manifest, what="memtree shards", error=TppError)
     return ShardCounts(manifest=manifest, leaf_tokens=leaf_tokens_from_manifest(m, manifest),
                        n_samples=sum(int(s["n_samples"]) for s in m["streams"]), levels=int(m["levels"]),
                        branching=int(m["branching"]), tree_id=str(m.get("tree_id", "")))
@@ -203,13 +204,16 @@ def bank_lr_ratio(*, bank_lr: float, lr_by_level: Sequence[float], multipliers: 
 
 
 def table_from_dict(t: Mapping[str, Any], *, threshold: float | None = None,
-                    lr_ratio: float | None = None) -> TppTable:
+                    lr_ratio: float | None = None, where: str | Path = "tpp table") -> TppTable:
     """A stored table (`TppTable.to_dict()`, e.g. a run's tpp.json) back as a TppTable, so that its
     warnings follow `threshold` (default: the stored one) and `lr_ratio` (default: the stored one).
     A run trained before a threshold changed is read under the current rule; its sizing rule is kept
-    only when the threshold is the one it was computed for (it scales with 1 / threshold)."""
-    if t.get("format") != FORMAT:
-        raise TppError(f"format {t.get('format')!r} is not {FORMAT!r}")
+    only when the threshold is the one it was computed for (it scales with 1 / threshold).
+    `where` (the file it was read from) names it in the error for a table of another format."""
+    from memtree.io import check_format
+
+    # no version check: this reader has never refused a table for its version
+    check_format(t, FORMAT, None, where, error=TppError)
     stored = float(t["threshold"])
     threshold = stored if threshold is None else float(threshold)
     sizing = tuple((int(lv), int(m)) for lv, m in (t.get("max_multipliers") or {}).items())

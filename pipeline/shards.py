@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from memtree.io import atomic_path, atomic_write_json, naming_path, read_json
+from memtree.io import atomic_path, atomic_write_json, check_format, naming_path, read_json
 
 SHARDS_FORMAT = "memtree-shards"
 SHARDS_VERSION = 1
@@ -182,8 +182,5 @@ def open_streams(shards_dir: str | Path, subtrees: list[int] | None = None, **st
 def load_manifest(shards_dir: str | Path) -> dict:
     p = Path(shards_dir) / "manifest.json"
     m = read_json(p)
-    if m.get("format") != SHARDS_FORMAT:
-        raise ValueError(f"{p}: not a memtree shards manifest")
-    if m.get("version") != SHARDS_VERSION:
-        raise ValueError(f"{p}: shards format version {m.get('version')} unsupported (reads {SHARDS_VERSION})")
+    check_format(m, SHARDS_FORMAT, SHARDS_VERSION, p, what="memtree shards")
     return m

@@ -116,7 +116,7 @@ def test_bad_spec_and_bad_vocabulary_are_named(tmp_path):
         BiosSpec(entities_per_subtopic=0)
     bad = tmp_path / "v.json"
     bad.write_text(json.dumps({"format": "other", "version": 1}))
-    with pytest.raises(ValueError, match="not a memtree-bios-vocab v1 file"):
+    with pytest.raises(ValueError, match=r"v\.json: not a bios vocabulary file \(format 'other', expected 'memtree-bios-vocab'\)"):
         load_vocabulary(bad)
     data = json.loads(VOCAB_PATH.read_text())
     data["fields"][0]["domains"][0]["attributes"][0]["values"] = ["a", "a", "b", "c"]

@@ -28,6 +28,8 @@ import torch
 import xxhash
 from tokenizers import Tokenizer
 
+from memtree.io import check_format
+
 SHARDS_FORMAT = "memtree-shards"
 SHARDS_VERSION = 1
 
@@ -37,9 +39,7 @@ def read_shards_manifest(shards: str | Path) -> dict[str, Any]:
     if not path.exists():
         raise FileNotFoundError(f"{shards}: no manifest.json; expected a pipeline run's shards/ directory")
     m = json.loads(path.read_text())
-    if m.get("format") != SHARDS_FORMAT or m.get("version") != SHARDS_VERSION:
-        raise ValueError(f"{path}: not a {SHARDS_FORMAT} v{SHARDS_VERSION} manifest "
-                         f"(format {m.get('format')!r}, version {m.get('version')!r})")
+    check_format(m, SHARDS_FORMAT, SHARDS_VERSION, path, what="memtree shards")
     return m
 
 

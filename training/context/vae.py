@@ -63,7 +63,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from memtree.config import ConfigError, from_dict, is_int, is_number, to_dict
-from memtree.io import atomic_path, atomic_write_json, read_json, sha256_file
+from memtree.io import atomic_path, atomic_write_json, check_format, read_json, sha256_file
 from training.hooks import attached
 from training.model import AnchorLM
 
@@ -424,10 +424,7 @@ def load_vae(folder: str | Path, model: nn.Module, *, anchor_folder: str | Path 
     ValueError naming the field."""
     folder = Path(folder)
     man = read_json(folder / MANIFEST_FILE)
-    if man.get("format") != FORMAT:
-        raise ValueError(f"{folder}: format {man.get('format')!r} is not {FORMAT!r}")
-    if man.get("version") != VERSION:
-        raise ValueError(f"{folder}: version {man.get('version')!r} is not supported (this code reads {VERSION})")
+    check_format(man, FORMAT, VERSION, folder)
     d, n_layers, max_len = anchor_dims(model)
     shape = man["anchor"].get("shape") or {}
     for name, have in (("d_model", d), ("n_layers", n_layers), ("vocab_size", model.config.anchor.vocab_size)):

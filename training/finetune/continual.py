@@ -46,7 +46,14 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from memtree.config import ConfigError, is_int, load_config, to_dict
-from memtree.io import atomic_dir, atomic_path, atomic_write_json, iter_jsonl, read_json
+from memtree.io import (
+    atomic_dir,
+    atomic_path,
+    atomic_write_json,
+    check_format,
+    iter_jsonl,
+    read_json,
+)
 from training.data import build_dataloader
 from training.finetune.adapters import AdapterSpec, adapter_groups, attach_to_anchor
 from training.finetune.lora import add_lora, merge_lora
@@ -470,6 +477,5 @@ def collect_run_background(run: str | Path, *, batches: int = 1000, batch_size: 
 def finetune_summary(path: str | Path) -> dict[str, Any]:
     """finetune.json read back, with a check of its format."""
     rec = read_json(path)
-    if rec.get("format") != FINETUNE_FORMAT or rec.get("version") != FINETUNE_VERSION:
-        raise ValueError(f"{path}: not a {FINETUNE_FORMAT} v{FINETUNE_VERSION} record")
+    check_format(rec, FINETUNE_FORMAT, FINETUNE_VERSION, path)
     return rec
