@@ -43,8 +43,8 @@ Candidates (attention):
 Candidates (ffn): kernel (ffn_memory, sparse_grad=True), kernel_shared_table (ffn_memory_table
 outside the timing), gather_bmm (FAIR: unique-row sparse gather, then training/model.py's
 FeedForward formula on the gathered (B, k·W, d) memories), gather_bmm_dense (_kernels_ffn's
-baseline, dense bank gradient). sdpa_wide and flex are imported when first used: one that fails to
-import or raises is recorded with its reason, as is one skipped when --budget-s runs out.
+baseline, dense bank gradient). A candidate that raises is recorded with its reason, as is one
+skipped when --budget-s runs out.
 
 Timing, per candidate and pass (forward without autograd; forward+backward with gradients to q /
 x, the banks and the weights), --runs interleaved repetitions (A B, B A, ...), medians:
@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import importlib
 import statistics
 import sys
 import time
@@ -109,7 +108,9 @@ from torch import Tensor
 
 from kernels.memory_attention import (
     memory_attention,
+    memory_attention_flex,
     memory_attention_naive,
+    memory_attention_sdpa,
     memory_attention_table,
 )
 
@@ -183,14 +184,6 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"[:600]
 
 
-def _landing(name: str) -> tuple[Callable | None, str | None]:
-    """A read path another change adds to kernels.memory_attention, or why it is not there."""
-    try:
-        return getattr(importlib.import_module("kernels.memory_attention"), name), None
-    except Exception as e:  # noqa: BLE001 (a missing or broken path is a result, not a crash)
-        return None, _why(e)
-
-
 def attention_cands(p: dict, mode: str | None, cuda: bool) -> dict[str, Cand]:
     impl = {} if cuda else {"impl": "reference"}
     wm = mode or "bias"
@@ -208,13 +201,11 @@ def attention_cands(p: dict, mode: str | None, cuda: bool) -> dict[str, Cand]:
     cands["gather_sdpa"] = Cand(fair_gather_sdpa(mode, tuple(p["bank_k"].shape[1:])), flat_bank=True)
     cands["gather_sdpa_dense"] = (Cand(None, reason="n/a: kernel_ops.gather_sdpa has no mix mode")
                                   if mode == "mix" else Cand(gather_sdpa))
-    sdpa, why = _landing("memory_attention_sdpa")
-    cands["sdpa_wide"] = Cand(None, reason=why) if sdpa is None else Cand(
-        lambda q, bk, bv, i, w=None: sdpa(q, bk, bv, i, w, weight_mode=wm, sparse_grad=True))
-    flex, why = _landing("memory_attention_flex")
+    cands["sdpa_wide"] = Cand(lambda q, bk, bv, i, w=None: memory_attention_sdpa(
+        q, bk, bv, i, w, weight_mode=wm, sparse_grad=True))
     compile_ = None if cuda else False  # eager on the CPU, the path's own default on CUDA
-    cands["flex"] = Cand(None, reason=why) if flex is None else Cand(
-        lambda q, bk, bv, i, w=None: flex(q, bk, bv, i, w, weight_mode=wm, compile=compile_))
+    cands["flex"] = Cand(lambda q, bk, bv, i, w=None: memory_attention_flex(
+        q, bk, bv, i, w, weight_mode=wm, compile=compile_))
     return cands
 
 

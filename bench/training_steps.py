@@ -595,7 +595,7 @@ def bench_read_moc(S: dict, a: AnchorShape, batches: list[dict], *, warm: int, r
     from one seed, stepped (forward, loss with the router losses, backward, MemoryAdamW) on the
     same batches, interleaved by round; then `memory.read: auto` as the trainer resolves it."""
     from training.composer_model import MemtreeLM  # here: the other benchmarks need no Composer
-    from training.layers.moc import MoCConfig
+    from training.layers.moc import MoCConfig, read_modes
 
     T = S["seq_len"]
     moc = MoCConfig(n_chapters=S.get("moc_chapters", 65), tokens_per_chapter=S.get("moc_tokens", 32),
@@ -621,7 +621,7 @@ def bench_read_moc(S: dict, a: AnchorShape, batches: list[dict], *, warm: int, r
             torch.cuda.synchronize(device)
         return time.perf_counter() - t0, float(loss)
 
-    modes = build("fused")[0].read_modes()
+    modes = read_modes(moc.weight_mode)
     runs, times, losses, failed = {}, {m: [] for m in modes}, {m: [] for m in modes}, {}
     for m in modes:
         try:

@@ -135,9 +135,12 @@ class MemtreeLM(ComposerModel):
         if mode not in (modes or ("gather",)):
             raise ValueError(f"memory read {mode!r}: this model reads with {modes or ('gather',)}")
         self._read = mode
-        if self.hf is None:
-            for layer in self.model.moc_layers():
-                layer.read = mode
+        for layer in self.moc_layers():
+            layer.read = mode
+
+    def moc_layers(self) -> list:
+        """The anchor's Mixture-of-Chapters layers (none on an HF anchor)."""
+        return [] if self.hf is not None else self.model.moc_layers()
 
     @property
     def read_in_place(self) -> bool:

@@ -257,7 +257,7 @@ def probe_read(model: Any, batch: Mapping[str, Any], *, steps: int = 3, warmup: 
         "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         "tf32": (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32),
-        "moc": [(m, m.last_routing, m.last_aux) for m in _moc_layers(model)],
+        "moc": [(m, m.last_routing, m.last_aux) for m in model.moc_layers()],
     }
 
     def step() -> None:
@@ -315,12 +315,6 @@ def probe_read(model: Any, batch: Mapping[str, Any], *, steps: int = 3, warmup: 
             torch.cuda.set_rng_state(saved["cuda_rng"], device)
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved["tf32"]
     return {m: float(statistics.median(ts)) if ts else math.nan for m, ts in times.items()}
-
-
-def _moc_layers(model: Any) -> list[Any]:
-    anchor = getattr(model, "model", None)
-    layers = getattr(anchor, "moc_layers", None)
-    return list(layers()) if callable(layers) and getattr(model, "hf", None) is None else []
 
 
 def _batch_size(batch: Mapping[str, Any]) -> int:
