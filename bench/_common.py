@@ -2,7 +2,8 @@
 
 The scripts run as `python bench/<name>.py`, so bench/ is sys.path[0] and they import this
 module (and the `_`-prefixed helper modules) by name; the project's packages come from the
-installed (editable) memtree. No script is named like a project package, which it would shadow.
+installed (editable) memtree, all under `memtree.`. No script is named `memtree.py`, which would
+shadow it.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from clustering import blas as blas_check
+from memtree.clustering import blas as blas_check
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -326,7 +326,7 @@ def emulate_blas(kind: str) -> dict[str, Any]:
     reads neither. Call first thing in main(), before anything imports FAISS; returns what was done."""
     import sys
 
-    from clustering.blas import cpu_flags, safe_coretype
+    from memtree.clustering.blas import cpu_flags, safe_coretype
 
     if kind not in EMULATIONS:
         raise ValueError(f"unknown BLAS emulation {kind!r}; one of {EMULATIONS}")

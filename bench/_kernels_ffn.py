@@ -71,9 +71,9 @@ def gather_bmm(x, w1, w2, w3, idx):
 def _ffn_memory():
     """kernels.ffn_memory, imported when first needed: it imports triton and defines its
     kernels, which must come after main() settles TRITON_INTERPRET."""
-    import kernels.ffn_memory
+    from memtree.kernels import ffn_memory
 
-    return kernels.ffn_memory
+    return ffn_memory
 
 
 def _variants(impl: str, p: dict | None = None) -> dict:

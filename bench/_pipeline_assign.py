@@ -12,9 +12,8 @@ import numpy as np
 from _common import loadavg, log  # bench/ is sys.path[0] when a script runs
 from _pipeline_common import DIM, gmm_sphere, row
 from _pipeline_tree import balance_tree
-
-from clustering.route import route
-from clustering.tree import Tree
+from memtree.clustering.route import route
+from memtree.clustering.tree import Tree
 
 
 def constructed_tree(levels: int, branching: int, seed: int, radii: list[float]) -> Tree:

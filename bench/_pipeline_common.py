@@ -17,8 +17,7 @@ from typing import Any
 import numpy as np
 import psutil
 import pyarrow.parquet as pq
-
-from pipeline.config import (
+from memtree.pipeline.config import (
     DaskConfig,
     EmbedConfig,
     IngestConfig,
@@ -27,7 +26,7 @@ from pipeline.config import (
     TreeConfig,
     WindowConfig,
 )
-from pipeline.corpus.topical import CorpusSpec, generate_corpus
+from memtree.pipeline.corpus.topical import CorpusSpec, generate_corpus
 
 DIM = 384  # all-MiniLM-L6-v2
 

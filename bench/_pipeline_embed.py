@@ -20,11 +20,11 @@ from _pipeline_common import (
     window_texts,
     write_jsonl,
 )
+from memtree.clustering.embed import embed_texts, load_embedder
+from memtree.pipeline.dask_utils import dask_client
+from memtree.pipeline.run import run_pipeline
 
-from clustering.embed import embed_texts, load_embedder
 from memtree.config import to_dict
-from pipeline.dask_utils import dask_client
-from pipeline.run import run_pipeline
 
 
 class _EmbedTimer:

@@ -65,11 +65,10 @@ def _worker(spec_path: str) -> int:
     import torch
     from composer.core import Callback
     from composer.utils import dist
-
-    from training.callbacks import CommBytes
-    from training.composer_model import unwrap
-    from training.config import load_train_config
-    from training.train import build_trainer
+    from memtree.training.callbacks import CommBytes
+    from memtree.training.composer_model import unwrap
+    from memtree.training.config import load_train_config
+    from memtree.training.train import build_trainer
 
     spec = json.loads(Path(spec_path).read_text())
 
@@ -165,7 +164,7 @@ def _launch(world: int, overrides: list[str], *, steps: int, warmup: int, tmp: P
 # --- data -----------------------------------------------------------------------------------------
 
 def demo_shards(root: Path) -> Path:
-    from pipeline.demo import run_demo
+    from memtree.pipeline.demo import run_demo
 
     shards = root / "pipeline" / "shards"
     if not (shards / "manifest.json").exists():
@@ -181,9 +180,8 @@ def synthetic_shards(demo: Path, out: Path, *, branching: int, per_subtree: int,
     data_subtrees / fanout (fixed rows): only the first `data_subtrees` subtrees have data, and
     their samples sit under the first `fanout` children at levels 2 and 3, so every tree gets the
     same samples over the same number of distinct rows and only the bank grows."""
+    from memtree.pipeline.shards import MDS_COLUMNS, stream_name
     from streaming import MDSWriter
-
-    from pipeline.shards import MDS_COLUMNS, stream_name
 
     base = json.loads((demo / "manifest.json").read_text())
     vocab_dir = (demo / base["tokenizer"]).resolve()
@@ -191,7 +189,7 @@ def synthetic_shards(demo: Path, out: Path, *, branching: int, per_subtree: int,
         shutil.rmtree(out)
     out.mkdir(parents=True)
     shutil.copytree(vocab_dir, out / "tokenizer") if vocab_dir.is_dir() else shutil.copy(vocab_dir, out / "tokenizer.json")
-    from training.data import tokenizer_vocab_size
+    from memtree.training.data import tokenizer_vocab_size
 
     vocab = tokenizer_vocab_size(demo, base)
     rng = np.random.default_rng(seed)
@@ -398,7 +396,7 @@ def _scale_series(rows: list[dict]) -> list[tuple[tuple[str, str], str]]:
 def plot(rows: list[dict], path: Path) -> None:
     """Left: bytes a rank sends per step, by collective; right: step time and peak RSS per rank
     against the bank's size (4 ranks)."""
-    from eval.plots import new_figure, save_png
+    from memtree.eval.plots import new_figure, save_png
 
     fig = new_figure(11, 4)
     ax = fig.add_subplot(1, 2, 1)

@@ -26,10 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from _common import REPO, finish, log, results_path, run_meta
-
-from eval.longtail import build_probes, load_facts
-from eval.model import RunModel
-from eval.rag import RagIndex, rag_items
+from memtree.eval.longtail import build_probes, load_facts
+from memtree.eval.model import RunModel
+from memtree.eval.rag import RagIndex, rag_items
 
 
 def score(rm: RunModel, items: list[dict], paths: np.ndarray | None, mode: str, pack: bool,

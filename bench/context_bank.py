@@ -27,8 +27,7 @@ import time
 
 import torch
 from _common import finish, log, results_path, run_meta  # bench/ on sys.path
-
-from memstore.context_bank import ContextBank, ContextBankConfig
+from memtree.memstore.context_bank import ContextBank, ContextBankConfig
 
 # The columns of the printed table.
 COLUMNS = ["n", "clusters", "all_ms", "cluster_ms", "speedup", "exact_pair_found", "distance_vs_exact_median"]

@@ -31,11 +31,10 @@ from _common import (  # bench/ is sys.path[0] when a script runs
     results_path,
     run_meta,
 )
-
-from clustering.embed import default_model_path, embed_texts, load_embedder
-from clustering.embed_export import export_openvino_int8
-from clustering.tree import build_tree
-from pipeline.corpus.topical import CorpusSpec, generate_corpus
+from memtree.clustering.embed import default_model_path, embed_texts, load_embedder
+from memtree.clustering.embed_export import export_openvino_int8
+from memtree.clustering.tree import build_tree
+from memtree.pipeline.corpus.topical import CorpusSpec, generate_corpus
 
 COLUMNS = ["setting", "torch_docs_per_s", "int8_docs_per_s", "speedup"]
 CALIBRATION = 300

@@ -72,8 +72,7 @@ from _common import (  # bench/ is sys.path[0] when a script runs
     write_results,
 )
 from _kernels_ffn import run_ffn
-
-from kernels.memory_attention import (
+from memtree.kernels.memory_attention import (
     memory_attention,
     memory_attention_naive,
     memory_attention_table,
@@ -164,14 +163,14 @@ def gather_sdpa(q, bank_k, bank_v, idx, w=None):
 def _attn_kernel():
     """kernels/memory_attention/kernel.py (reference table, interpreter check), imported when
     first needed: it imports triton, which must come after main() settles TRITON_INTERPRET."""
-    from kernels.memory_attention import kernel
+    from memtree.kernels.memory_attention import kernel
 
     return kernel
 
 
 def _attn_blocks():
     """kernels/memory_attention/blocks.py (the item table), imported like `_attn_kernel`."""
-    from kernels.memory_attention import blocks
+    from memtree.kernels.memory_attention import blocks
 
     return blocks
 

@@ -45,9 +45,8 @@ from _common import (  # bench/ is sys.path[0] when a script runs
     wait_quiet,
     write_results,
 )
-
-from memstore.format import level_path
-from memstore.sim.calibrate import (
+from memtree.memstore.format import level_path
+from memtree.memstore.sim.calibrate import (
     drop_cache,
     format_calibration,
     format_validation,
@@ -56,10 +55,11 @@ from memstore.sim.calibrate import (
     validate,
     write_profile,
 )
-from memstore.sim.latency import simulate_session, zipf_trace
-from memstore.sim.profiles import HardwareProfile, TierProfile
-from memstore.store import MemoryStore, TierConfig
-from memstore.writer import write_bank
+from memtree.memstore.sim.latency import simulate_session, zipf_trace
+from memtree.memstore.sim.profiles import HardwareProfile, TierProfile
+from memtree.memstore.store import MemoryStore, TierConfig
+from memtree.memstore.writer import write_bank
+
 from memtree.geometry import MemoryConfig, get_anchor, plan, stored_bytes
 
 BENCHES = ("throughput", "flat", "calibrate", "session")

@@ -20,8 +20,7 @@ import time
 
 import torch
 from _common import finish, log, results_path, run_meta  # bench/ on sys.path
-
-from training.layers.pkm import PKMConfig, ProductKeyMemory
+from memtree.training.layers.pkm import PKMConfig, ProductKeyMemory
 
 # The columns of the printed table.
 COLUMNS = ["slots", "tokens", "product_key_ms", "exhaustive_ms", "speedup", "same_slots", "rows_in_other_order"]

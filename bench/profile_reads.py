@@ -134,9 +134,8 @@ def _fresh(leaves: list) -> list:
 
 def attention_cases(args, out: dict, text: list[str]) -> None:
     from kernel_ops import CPU_SIZES, CUDA_SIZES, gather_sdpa, hkv_problem, moc_problem
-
-    from kernels.memory_attention import memory_attention, memory_attention_table
-    from kernels.memory_attention.table import build_table
+    from memtree.kernels.memory_attention import memory_attention, memory_attention_table
+    from memtree.kernels.memory_attention.table import build_table
 
     sz = CUDA_SIZES if args.device == "cuda" else CPU_SIZES
     dtype = getattr(torch, sz["dtype"]) if args.device == "cuda" else torch.float32
@@ -171,8 +170,7 @@ def attention_cases(args, out: dict, text: list[str]) -> None:
 
 def ffn_cases(args, out: dict, text: list[str]) -> None:
     from _kernels_ffn import CPU_SIZES, CUDA_SIZES, gather_bmm, make_problem
-
-    from kernels.ffn_memory import ffn_memory
+    from memtree.kernels.ffn_memory import ffn_memory
 
     p = make_problem(CUDA_SIZES if args.device == "cuda" else CPU_SIZES, args.device)
     impl = "auto" if args.device == "cuda" else "reference"

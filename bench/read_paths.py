@@ -104,15 +104,14 @@ from _kernels_ffn import CUDA_SIZES as FFN_CUDA_SIZES
 from _kernels_ffn import gather_bmm
 from _kernels_ffn import make_problem as ffn_problem
 from kernel_ops import CPU_SIZES, CUDA_SIZES, attn_flops, gather_sdpa, hkv_problem, moc_problem
-from torch import Tensor
-
-from kernels.memory_attention import (
+from memtree.kernels.memory_attention import (
     memory_attention,
     memory_attention_flex,
     memory_attention_naive,
     memory_attention_sdpa,
     memory_attention_table,
 )
+from torch import Tensor
 
 # scenario -> (bench, problem, weight mode); the three moc scenarios share one problem
 SCENARIOS = {"moc": ("attention", "moc", None), "moc_bias": ("attention", "moc", "bias"),
@@ -211,7 +210,7 @@ def attention_cands(p: dict, mode: str | None, cuda: bool) -> dict[str, Cand]:
 
 def ffn_cands(p: dict, cuda: bool) -> dict[str, Cand]:
     # imported here: kernels.ffn_memory imports triton, which only its candidates need
-    from kernels.ffn_memory import ffn_memory, ffn_memory_table
+    from memtree.kernels.ffn_memory import ffn_memory, ffn_memory_table
 
     impl = {} if cuda else {"impl": "reference"}
     table = ffn_memory_table(p["idx"], p["w1"].shape[0])
@@ -304,7 +303,7 @@ def check_errors(case: Case, c: Cand) -> tuple[dict[str, float], str | None]:
         q, bk, bv, *w = ref
         yr = memory_attention_naive(q, bk, bv, local, *w, weight_mode=case.mode or "bias")
     else:
-        from kernels.ffn_memory import ffn_memory_naive
+        from memtree.kernels.ffn_memory import ffn_memory_naive
 
         yr = ffn_memory_naive(*ref, local)
     yr.backward(dy[sl].float())

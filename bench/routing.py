@@ -35,8 +35,7 @@ from _common import (  # bench/ is sys.path[0] when a script runs
 )
 from _pipeline_assign import constructed_tree
 from _pipeline_common import DIM
-
-from clustering.route import route
+from memtree.clustering.route import route
 
 # Idle time before each timed call, so that no method inherits the previous one's spinning thread
 # pools: numpy's OpenBLAS workers (pthreads) spin ~2^28 cycles after a GEMM and FAISS's OpenMP

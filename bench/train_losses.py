@@ -25,9 +25,8 @@ def record(config: str, overrides: list[str], out: Path) -> int:
     # Composer and the trainer (which imports it) are heavy; --compare needs neither.
     import torch
     from composer.core import Callback
-
-    from training.config import load_train_config
-    from training.train import train
+    from memtree.training.config import load_train_config
+    from memtree.training.train import train
 
     class Losses(Callback):
         def __init__(self) -> None:

@@ -61,11 +61,11 @@ from _common import (  # bench/ is on sys.path when run as a script
     wait_quiet,
     write_results,
 )
+from memtree.training.bank import TrainableBank
+from memtree.training.model import AnchorLM, ModelConfig, assemble_memories
+from memtree.training.optim import MemoryAdamW
 
 from memtree.geometry import AnchorShape, MemoryConfig, plan
-from training.bank import TrainableBank
-from training.model import AnchorLM, ModelConfig, assemble_memories
-from training.optim import MemoryAdamW
 
 BENCHES = ("overhead", "banksize", "state", "read")
 GiB = 1 << 30
@@ -594,8 +594,10 @@ def bench_read_moc(S: dict, a: AnchorShape, batches: list[dict], *, warm: int, r
     """Mixture-of-Chapters reads: one `MemtreeLM` per read of the layer (`MoCLayer.read`), built
     from one seed, stepped (forward, loss with the router losses, backward, MemoryAdamW) on the
     same batches, interleaved by round; then `memory.read: auto` as the trainer resolves it."""
-    from training.composer_model import MemtreeLM  # here: the other benchmarks need no Composer
-    from training.layers.moc import MoCConfig, read_modes
+    from memtree.training.composer_model import (
+        MemtreeLM,  # here: the other benchmarks need no Composer
+    )
+    from memtree.training.layers.moc import MoCConfig, read_modes
 
     T = S["seq_len"]
     moc = MoCConfig(n_chapters=S.get("moc_chapters", 65), tokens_per_chapter=S.get("moc_tokens", 32),
@@ -654,7 +656,7 @@ def bench_read_moc(S: dict, a: AnchorShape, batches: list[dict], *, warm: int, r
                     target="<= 1e-4", met=diff <= 1e-4, data=data))
     import tempfile
 
-    from training.read_choice import ReadProbeCache, resolve_read
+    from memtree.training.read_choice import ReadProbeCache, resolve_read
 
     model = runs["gather"][0]
     ids = batches[0]["ids"].to(device)
@@ -680,8 +682,10 @@ def resolve_auto(S: dict, a: AnchorShape, mem: MemoryConfig, batch: dict, seq_le
     import logging
     import tempfile
 
-    from training.composer_model import MemtreeLM  # here: the other benchmarks need no Composer
-    from training.read_choice import ReadProbeCache, resolve_read
+    from memtree.training.composer_model import (
+        MemtreeLM,  # here: the other benchmarks need no Composer
+    )
+    from memtree.training.read_choice import ReadProbeCache, resolve_read
 
     torch.manual_seed(S["seed"])
     device = torch.device(S.get("device", "cpu"))
@@ -692,7 +696,7 @@ def resolve_auto(S: dict, a: AnchorShape, mem: MemoryConfig, batch: dict, seq_le
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("training.read_choice")
+    logger = logging.getLogger("memtree.training.read_choice")
     logger.addHandler(handler)
     old_level = logger.level
     logger.setLevel(logging.INFO)

@@ -36,8 +36,7 @@ from _common import (  # bench/ is sys.path[0] when a script runs
 )
 from _pipeline_common import gmm_hierarchy, zipf_mixture
 from _pipeline_tree import nmi
-
-from clustering.tree import build_tree
+from memtree.clustering.tree import build_tree
 
 COLUMNS = ["method", "seconds", "speedup_vs_flat", "nmi", "balance_l1", "balance_l2", "balance_l3", "empty"]
 
@@ -67,7 +66,7 @@ def measure(*, n: int, seed: int, levels: int, repeats: int, healthy: bool, bran
     x, lab = gmm_hierarchy(n, seed, levels=levels, branching=B)
     d = x.shape[1]
 
-    from clustering.blas import best_gemm
+    from memtree.clustering.blas import best_gemm
 
     backend = best_gemm() if gemm_backend == "auto" else gemm_backend
 

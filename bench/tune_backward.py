@@ -57,8 +57,8 @@ def problems(device: str, quick: bool) -> list[dict]:
 
 
 def run(p: dict, cfg, n: int, device: str) -> dict:
-    from kernels.memory_attention import kernel as K
-    from kernels.memory_attention import memory_attention
+    from memtree.kernels.memory_attention import kernel as K
+    from memtree.kernels.memory_attention import memory_attention
 
     original, run_dkv = K.Launch.choose, K.bwd_dkv_kernel.run
     compiled = {}

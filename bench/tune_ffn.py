@@ -63,7 +63,7 @@ def candidates(p: dict, device: str, quick: bool) -> dict[str, list[dict]]:
     kernel, so the interpreter runs in the device check's CPU test."""
     if device == "cuda" and not quick:
         return GPU_CANDIDATES
-    from kernels.ffn_memory.kernel import launch_configs
+    from memtree.kernels.ffn_memory.kernel import launch_configs
 
     return {name: [{k: 16 if k.startswith("B") else v for k, v in cfg.items()}]
             for name, cfg in launch_configs(p["x"]).items() if name in ("up", "dw")}
@@ -72,8 +72,8 @@ def candidates(p: dict, device: str, quick: bool) -> dict[str, list[dict]]:
 def run(p: dict, name: str | None, cfg: dict | None, n: int, device: str) -> dict:
     """Forward+backward with kernel `name` at `cfg` (None: all current): µs per kernel, and
     the output and gradients for the error check."""
-    from kernels.ffn_memory import ffn_memory
-    from kernels.ffn_memory.kernel import launch_configs
+    from memtree.kernels.ffn_memory import ffn_memory
+    from memtree.kernels.ffn_memory.kernel import launch_configs
 
     table = launch_configs(p["x"])  # the dict the launches read, patched in place
     saved = dict(table)

@@ -12,7 +12,7 @@ and at query time (a question's text is embedded and routed the same way).
 - `clustering.route`: batched greedy root-to-leaf traversal.
 """
 
-from clustering.route import route, route_texts
-from clustering.tree import Tree, load_tree
+from memtree.clustering.route import route, route_texts
+from memtree.clustering.tree import Tree, load_tree
 
 __all__ = ["Tree", "load_tree", "route", "route_texts"]

@@ -6,7 +6,7 @@ Xeon with AVX-512 and AMX it picks its SSE3 `Prescott` kernel (threadpoolctl rep
 20,000 × 4,096 × 384 flat search ran at 13 GFLOP/s, and at 57 with `OPENBLAS_CORETYPE=SkylakeX`
 set before the process started, while numpy's OpenBLAS 0.3.27 picks SkylakeX by itself
 (docs/BENCHMARKS.md, "Baseline health"). OpenBLAS reads the variable once, when it loads, so the
-check runs in a fresh interpreter (`python -m clustering.blas` prints its JSON) and a fix can only
+check runs in a fresh interpreter (`python -m memtree.clustering.blas` prints its JSON) and a fix can only
 reach processes started afterwards: the pipeline's Dask workers, which inherit the environment.
 
 `check_host` probes; where FAISS's kernel is a fallback (not one of FAST_KERNELS on a CPU with
@@ -84,7 +84,7 @@ def probe(*, repeats: int = 3, threads: int = 1) -> dict[str, Any]:
     """This process's BLAS libraries (threadpoolctl), numpy's plain sgemm and FAISS's flat search
     in GFLOP/s on all threads, and `clustering.gemm.measure(threads=threads)` (the node fits' GEMMs,
     one BLAS thread per call, `threads` callers: a Dask worker's threads)."""
-    from clustering import gemm
+    from memtree.clustering import gemm
 
     try:
         import faiss
@@ -117,8 +117,8 @@ def measure_fits(backends: list[str] | None = None, *, threads: int = 1, repeats
     and so is the work around them, which the choice does not change."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from clustering import gemm
-    from clustering.kmeans import fit_nodes_batched, single_threaded
+    from memtree.clustering import gemm
+    from memtree.clustering.kmeans import fit_nodes_batched, single_threaded
 
     names = backends or gemm.available()
     rng = np.random.default_rng(0)
@@ -149,7 +149,7 @@ def measure_fits(backends: list[str] | None = None, *, threads: int = 1, repeats
 def best_gemm(threads: int | None = None) -> str:
     """The node fits' GEMM on this host for `threads` callers (default: one per core): the stored
     choice (`remember_choice`), timed here (`measure_fits`) the first time."""
-    from clustering import gemm
+    from memtree.clustering import gemm
 
     gemm.available()  # loads FAISS's OpenBLAS where there is one, so its kernel is in the key
     faiss_kernel, numpy_kernel = _kernels(_blas_libs())
@@ -249,10 +249,10 @@ def _owner(path: str) -> str:
 
 def probe_subprocess(env: dict[str, str] | None = None, *, threads: int = 1, timeout: float = 120.0) -> dict[str, Any]:
     """`probe(threads=threads)` in a fresh interpreter with environment `env` (default: this one's)."""
-    proc = subprocess.run([sys.executable, "-m", "clustering.blas", str(threads)], check=False, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "memtree.clustering.blas", str(threads)], check=False, capture_output=True, text=True,
                           env=dict(os.environ if env is None else env), timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"the BLAS probe (python -m clustering.blas) failed: {proc.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"the BLAS probe (python -m memtree.clustering.blas) failed: {proc.stderr.strip()[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -22,8 +22,7 @@ import os
 from typing import Literal
 
 import numpy as np
-
-from clustering.embed_export import OPENVINO_INT8, quiet_loaders, read_export
+from memtree.clustering.embed_export import OPENVINO_INT8, quiet_loaders, read_export
 
 BACKENDS = ("torch", OPENVINO_INT8)
 SEQ_BUCKET = 32

@@ -41,9 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-from clustering import gemm
-from clustering.route_core import TIE_GAP
+from memtree.clustering import gemm
+from memtree.clustering.route_core import TIE_GAP
 
 EQUALIZE_SAMPLE = 65536
 # A node's cells may always exceed its own mean by this factor (`cell_cap`); in strict mode,

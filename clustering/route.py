@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-
-from clustering.embed import embed_texts, embedder_from_meta
-from clustering.route_core import CACHE_BYTES, faiss_installed, route_step
-from clustering.tree import Tree
+from memtree.clustering.embed import embed_texts, embedder_from_meta
+from memtree.clustering.route_core import CACHE_BYTES, faiss_installed, route_step
+from memtree.clustering.tree import Tree
 
 
 def route(tree: Tree, x: np.ndarray, *, batch_size: int = 262144) -> np.ndarray:

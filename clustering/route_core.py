@@ -20,8 +20,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-
-from clustering import gemm
+from memtree.clustering import gemm
 
 # A float32 score gap below this (scores ||c||² − 2·x·c of unit-scale vectors, d ≤ a few
 # thousand: float32 rounding stays under 1e-5) is settled again in float64.

@@ -27,16 +27,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from clustering import gemm
-from clustering.kmeans import (
+from memtree.clustering import gemm
+from memtree.clustering.kmeans import (
     CONVERGE_TOL,
     EQUALIZE_SAMPLE,
     STRICT_SLACK_POINTS,
     fit_nodes_batched,
     single_threaded,
 )
-from clustering.route_core import route_step, squared_norms
+from memtree.clustering.route_core import route_step, squared_norms
+
 from memtree.io import (
     atomic_dir,
     atomic_save_npy,
@@ -303,7 +303,7 @@ def build_tree(
     """
     n, dim = x.shape
     if gemm_backend == "auto":
-        from clustering.blas import best_gemm
+        from memtree.clustering.blas import best_gemm
 
         gemm_backend = best_gemm(n_jobs)
     if balance_target is not None and balance_target < 1.0:

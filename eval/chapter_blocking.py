@@ -24,11 +24,10 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from eval.model import RunModel
-from eval.tasks import multiple_choice
-from training.hooks import attached
-from training.layers.moc import MoCLayer
+from memtree.eval.model import RunModel
+from memtree.eval.tasks import multiple_choice
+from memtree.training.hooks import attached
+from memtree.training.layers.moc import MoCLayer
 
 
 def moc_layers(rm: RunModel) -> list[MoCLayer]:

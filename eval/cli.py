@@ -238,9 +238,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from memtree.eval.demo import run_main_job
     from omegaconf import OmegaConf
-
-    from eval.demo import run_main_job
 
     corpus = OmegaConf.to_container(OmegaConf.from_dotlist(args.corpus))
     report = run_main_job(args.root, corpus=corpus, pipeline_overrides=args.overrides,
@@ -291,8 +290,8 @@ def _owner_args(args: argparse.Namespace) -> list[str] | None:
             if val is not None:
                 raise ValueError(f"{flag} applies to --block-documents only")
         return None
-    from memstore.cli_common import read_document_ids
-    from memstore.ownership import check_min_share
+    from memtree.memstore.cli_common import read_document_ids
+    from memtree.memstore.ownership import check_min_share
 
     if args.min_share is not None:
         check_min_share(args.min_share)
@@ -300,9 +299,9 @@ def _owner_args(args: argparse.Namespace) -> list[str] | None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from eval.knowledge import blocking_eval, knowledge_eval, load_eval_inputs, write_report
-    from eval.model import RunModel
-    from eval.runinfo import bank_state, demo_root, run_tpp_table, trained_epochs
+    from memtree.eval.knowledge import blocking_eval, knowledge_eval, load_eval_inputs, write_report
+    from memtree.eval.model import RunModel
+    from memtree.eval.runinfo import bank_state, demo_root, run_tpp_table, trained_epochs
 
     rm = RunModel.load(args.run, tree_dir=args.tree)
     level = _block_level(rm, args)  # fail fast: before the probes are scored
@@ -344,7 +343,7 @@ def _eval(args: argparse.Namespace) -> int:
         held_out = [rec for _, rec in iter_jsonl(held)]
     plan = None
     if owner_ids is not None:  # every refusal before the slow part
-        from eval.forgetting import plan_forgetting
+        from memtree.eval.forgetting import plan_forgetting
 
         if args.owner_field and not held_out:
             raise ValueError("--owner-field: there are no held-out pages to tell apart (--held-out FILE.jsonl)")
@@ -355,7 +354,7 @@ def _eval(args: argparse.Namespace) -> int:
                                log=lambda m: _note("eval", m))
     targets = args.block_domains.split(",") if args.block_domains else []
     if targets:  # checked before the slow part: a typo, or no evaluated probe to block for
-        from eval.longtail import load_facts
+        from memtree.eval.longtail import load_facts
 
         domains = sorted({str(f.get("domain")) for f in load_facts(facts)})
         unknown = sorted(set(targets) - set(domains))
@@ -366,7 +365,7 @@ def _eval(args: argparse.Namespace) -> int:
                              "(--max-probes keeps an evenly spread subset)")
     rag = None
     if args.rag is not None:
-        from eval.rag import RagIndex
+        from memtree.eval.rag import RagIndex
 
         rag = RagIndex.open(_need_file(args.rag, "--rag") if args.rag else Path(rm.config.data.shards).parent)
     knowledge = knowledge_eval(rm, probes, held_out, rag=rag) if probes else None
@@ -376,8 +375,8 @@ def _eval(args: argparse.Namespace) -> int:
                                  fraction=rm.store.info.memory.branching ** -level, fallback=args.fallback)
     forgetting = []
     if plan is not None:
-        from eval.forgetting import forgetting_eval
-        from eval.longtail import load_facts
+        from memtree.eval.forgetting import forgetting_eval
+        from memtree.eval.longtail import load_facts
 
         given = {m: knowledge["modes"][m]["predictions"] for m in ("fetched", "generic")} if knowledge else None
         forgetting.append(forgetting_eval(rm, plan, probes=probes, facts=load_facts(facts) if facts else (),
@@ -419,7 +418,7 @@ def _demo_root(root: str, cmd: str, files: tuple[str, ...]) -> None:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from eval.sweeps import load_sweep_config, run_sweep
+    from memtree.eval.sweeps import load_sweep_config, run_sweep
 
     # eval.* paths resolve against the sweep YAML (missing ones named by key there)
     cfg = load_sweep_config(_config_file(args.sweep, "SWEEP"), [*args.overrides, *_out(args, "eval-sweep",
@@ -432,7 +431,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _retention(args: argparse.Namespace) -> int:
-    from eval.retention import load_retention_config, run_retention
+    from memtree.eval.retention import load_retention_config, run_retention
 
     config, overrides = args.config, list(args.overrides)
     if config and "=" in config:  # no YAML: every argument is an override
@@ -452,8 +451,8 @@ def _retention(args: argparse.Namespace) -> int:
 
 
 def _tasks(args: argparse.Namespace) -> int:
-    from eval.model import RunModel
-    from eval.suite import load_suite_config, run_suite, write_suite_report
+    from memtree.eval.model import RunModel
+    from memtree.eval.suite import load_suite_config, run_suite, write_suite_report
 
     cfg = load_suite_config(_need_file(args.suite, "SUITE"))  # task paths resolve against the YAML
     result = run_suite(RunModel.load(args.run, tree_dir=args.tree), cfg)
@@ -465,16 +464,16 @@ def _tasks(args: argparse.Namespace) -> int:
 
 
 def _longctx(args: argparse.Namespace) -> int:
-    from eval.longctx import (
+    from memtree.eval.longctx import (
         group_key,
         load_records,
         long_documents,
         longctx_eval,
         write_longctx_report,
     )
-    from eval.model import RunModel
-    from eval.runinfo import demo_root
-    from memstore.camelot import CamelotConfig
+    from memtree.eval.model import RunModel
+    from memtree.eval.runinfo import demo_root
+    from memtree.memstore.camelot import CamelotConfig
 
     methods = [m.strip() for m in args.method.split(",") if m.strip()]
     rm = RunModel.load(args.run, bank=False)  # the frozen anchor only: no bank, no tree
@@ -501,7 +500,7 @@ def _longctx(args: argparse.Namespace) -> int:
 
 
 def _context_bank(args: argparse.Namespace) -> int:
-    from eval.context_recall import load_recall_config, run_recall
+    from memtree.eval.context_recall import load_recall_config, run_recall
 
     _demo_root(args.root, "eval-context-bank", ("corpus.json", "facts.jsonl", "train/anchor"))
     train = ",".join(f'"{t}"' for t in args.train)
@@ -512,7 +511,7 @@ def _context_bank(args: argparse.Namespace) -> int:
 
 
 def _continual(args: argparse.Namespace) -> int:
-    from eval.continual import load_continual_config, run_continual
+    from memtree.eval.continual import load_continual_config, run_continual
 
     _demo_root(args.root, "eval-continual", ("corpus.json", "facts.jsonl", "heldout.jsonl"))
     print(run_continual(load_continual_config(_config_file(args.config, "--config"),
@@ -522,7 +521,7 @@ def _continual(args: argparse.Namespace) -> int:
 
 
 def _adapters(args: argparse.Namespace) -> int:
-    from eval.adapters import load_adapters_config, run_adapters
+    from memtree.eval.adapters import load_adapters_config, run_adapters
 
     _demo_root(args.root, "eval-adapters", ("corpus.json", "facts.jsonl", "heldout.jsonl"))
     print(run_adapters(load_adapters_config(_config_file(args.config, "--config"),
@@ -555,7 +554,7 @@ def _add_memories(sub: argparse._SubParsersAction) -> None:
 
 
 def _memories(args: argparse.Namespace) -> int:
-    from eval.memories import load_memories_config, run_memories
+    from memtree.eval.memories import load_memories_config, run_memories
 
     _demo_root(args.root, "eval-memories", ("facts.jsonl", "pipeline/shards", "train/cotrain"))
     rows = [r.strip() for r in (args.rows or "").split(",") if r.strip()]
@@ -589,7 +588,7 @@ def _add_realtext(sub: argparse._SubParsersAction) -> None:
 
 
 def _realtext(args: argparse.Namespace) -> int:
-    from eval.realtext import load_realtext_config, run_realtext
+    from memtree.eval.realtext import load_realtext_config, run_realtext
 
     picked = [r.strip() for r in (args.recipes or "").split(",") if r.strip()]
     cfg = load_realtext_config(_config_file(args.config, "--config"),

@@ -42,14 +42,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-from eval.longtail import build_probes, wilson
-from eval.plots import new_figure, save_png
-from memstore.context_bank import ContextBank, ContextBankConfig
-from memtree.config import from_dict, is_int, load_config, to_dict
-from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json, sha256_file
-from pipeline.corpus.bios import BiosSpec, bios_facts, generate_bios, recall_pairs
-from training.context.vae import (
+from memtree.eval.longtail import build_probes, wilson
+from memtree.eval.plots import new_figure, save_png
+from memtree.memstore.context_bank import ContextBank, ContextBankConfig
+from memtree.pipeline.corpus.bios import BiosSpec, bios_facts, generate_bios, recall_pairs
+from memtree.training.context.vae import (
     chunk_ids,
     compress,
     load_vae,
@@ -58,6 +55,9 @@ from training.context.vae import (
     reading,
     writer_id,
 )
+
+from memtree.config import from_dict, is_int, load_config, to_dict
+from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json, sha256_file
 
 TRAIN_YAML = Path(__file__).resolve().parents[1] / "training" / "yamls" / "context-vae.yaml"
 
@@ -150,7 +150,7 @@ def ensure_compressor(root: Path, out: Path, cfg: ContextRecallConfig, *, log=pr
     reused only when it was trained from the same inputs (recorded in its `compressor_inputs.json`):
     the training config (training/yamls/context-vae.yaml + `train`), the training pairs and the
     anchor's weights; a compressor trained from other inputs, or with no record of them, is retrained."""
-    from training.context.train import load_context_config, train_context_vae
+    from memtree.training.context.train import load_context_config, train_context_vae
 
     anchor_dir = root / "train" / "anchor"
     vae_dir = Path(cfg.vae) if cfg.vae else out / "vae"
@@ -369,7 +369,7 @@ def run_recall(cfg: ContextRecallConfig) -> Path:
     """Run the experiment (training the compressor first when needed); returns the report path."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # Imported once the hub is offline: they load composer / transformers, which read it on import.
-    from training.train import load_run
+    from memtree.training.train import load_run
 
     root = Path(cfg.root)
     out = Path(cfg.out) if cfg.out else root / "context-bank"

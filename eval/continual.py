@@ -34,33 +34,33 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
-
-from eval.demo import DEMO_TRAIN_YAML, shards_fingerprint, train_once
-from eval.longtail import build_probes, load_facts, wilson
-from eval.model import RunModel
-from eval.plots import new_figure, save_png
-from eval.tasks import multiple_choice, perplexity
-from memstore.store import MemoryStore, TierConfig
-from memtree.config import ConfigError, from_dict, is_int, load_config, to_dict
-from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json
-from pipeline.corpus.bios import BiosSpec, bios_facts, fact_statements
-from training.config import load_train_config
-from training.finetune.blocks import (
+from memtree.eval.demo import DEMO_TRAIN_YAML, shards_fingerprint, train_once
+from memtree.eval.longtail import build_probes, load_facts, wilson
+from memtree.eval.model import RunModel
+from memtree.eval.plots import new_figure, save_png
+from memtree.eval.tasks import multiple_choice, perplexity
+from memtree.memstore.store import MemoryStore, TierConfig
+from memtree.pipeline.corpus.bios import BiosSpec, bios_facts, fact_statements
+from memtree.training.config import load_train_config
+from memtree.training.finetune.blocks import (
     BlockFinetuner,
     BlockFinetuneSpec,
     UnitBackground,
     collect_unit_background,
     write_edits,
 )
-from training.finetune.continual import (
+from memtree.training.finetune.continual import (
     FinetuneSpec,
     batch_tensors,
     collect_run_background,
     finetune_stream,
     load_background,
 )
-from training.finetune.slots import BACKGROUND_DIR
+from memtree.training.finetune.slots import BACKGROUND_DIR
+from tqdm import tqdm
+
+from memtree.config import ConfigError, from_dict, is_int, load_config, to_dict
+from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json
 
 DEFAULT_YAML = Path(__file__).parent / "yamls" / "continual.yaml"
 CHANCE = 0.25

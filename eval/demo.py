@@ -37,19 +37,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from memtree.eval.forgetting import demo_owners, forgetting_eval, plan_forgetting
+from memtree.eval.knowledge import blocking_eval, knowledge_eval, write_report
+from memtree.eval.longtail import build_probes, load_facts
+from memtree.eval.model import RunModel
+from memtree.eval.rag import RagIndex, routing_agreement
+from memtree.eval.runinfo import run_tpp_table
+from memtree.pipeline.corpus.bios import BiosSpec
+from memtree.pipeline.demo import run_demo
+from memtree.training.config import TrainConfig, load_train_config
+from memtree.training.train import train
 
-from eval.forgetting import demo_owners, forgetting_eval, plan_forgetting
-from eval.knowledge import blocking_eval, knowledge_eval, write_report
-from eval.longtail import build_probes, load_facts
-from eval.model import RunModel
-from eval.rag import RagIndex, routing_agreement
-from eval.runinfo import run_tpp_table
 from memtree.config import from_dict
 from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json
-from pipeline.corpus.bios import BiosSpec
-from pipeline.demo import run_demo
-from training.config import TrainConfig, load_train_config
-from training.train import train
 
 DEMO_TRAIN_YAML = Path(__file__).resolve().parents[1] / "training" / "yamls" / "demo.yaml"
 

@@ -28,13 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from eval.heldout import heldout_windows, paired_doc_interval, per_doc, window_nll
-from eval.longtail import wilson
-from eval.model import RunModel
-from eval.plots import new_figure, save_png
-from eval.tasks import multiple_choice
-from memstore.ownership import (
+from memtree.eval.heldout import heldout_windows, paired_doc_interval, per_doc, window_nll
+from memtree.eval.longtail import wilson
+from memtree.eval.model import RunModel
+from memtree.eval.plots import new_figure, save_png
+from memtree.eval.tasks import multiple_choice
+from memtree.memstore.ownership import (
     check_found,
     check_min_share,
     check_run_tree,

@@ -9,8 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-
-from eval.model import RunModel
+from memtree.eval.model import RunModel
 
 Z95 = 1.959963984540054
 

@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from memtree.eval.forgetting import forgetting_lines, plot_forgetting
+from memtree.eval.longtail import accuracy_by_bucket, build_probes, load_facts
+from memtree.eval.model import RunModel
+from memtree.eval.plots import new_figure, save_png
+from memtree.eval.rag import RagIndex, rag_items
+from memtree.eval.tasks import multiple_choice, perplexity
+from memtree.memstore.blocking import adversarial_block, random_block
 
-from eval.forgetting import forgetting_lines, plot_forgetting
-from eval.longtail import accuracy_by_bucket, build_probes, load_facts
-from eval.model import RunModel
-from eval.plots import new_figure, save_png
-from eval.rag import RagIndex, rag_items
-from eval.tasks import multiple_choice, perplexity
-from memstore.blocking import adversarial_block, random_block
 from memtree.io import atomic_write_json, atomic_write_text
 from memtree.tpp import format_tpp_markdown
 
@@ -157,7 +157,7 @@ def _routing_lines(r: dict[str, Any]) -> list[str]:
 
 
 def _bank_lines(bank: dict[str, Any]) -> list[str]:
-    from eval.runinfo import describe_runs
+    from memtree.eval.runinfo import describe_runs
 
     lines = ["## Blocked memory in the evaluated bank", ""]
     if bank["blocked"]:

@@ -46,24 +46,24 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from memtree.eval.chapter_blocking import chapter_blocking_eval
+from memtree.eval.demo import shards_fingerprint, train_once
+from memtree.eval.heldout import paired_interval
+from memtree.eval.knowledge import knowledge_eval, load_eval_inputs
+from memtree.eval.longtail import BUCKETS, bucket_label, exposure
+from memtree.eval.model import RunModel
+from memtree.eval.rag import RagIndex
+from memtree.eval.runinfo import duration_epochs, resolve_stored, run_config
+from memtree.pipeline.corpus.bios import BiosSpec
+from memtree.training.config import TrainConfig
+from memtree.training.data import read_shards_manifest, tokenizer_vocab_size
+from memtree.training.flops import ffn_memory, moc_params, model_flops, pkm_params
+from memtree.training.layers.moc import MoCConfig
+from memtree.training.layers.pkm import PKMConfig
 
-from eval.chapter_blocking import chapter_blocking_eval
-from eval.demo import shards_fingerprint, train_once
-from eval.heldout import paired_interval
-from eval.knowledge import knowledge_eval, load_eval_inputs
-from eval.longtail import BUCKETS, bucket_label, exposure
-from eval.model import RunModel
-from eval.rag import RagIndex
-from eval.runinfo import duration_epochs, resolve_stored, run_config
 from memtree.config import ConfigError, check_selection, from_dict, is_int, load_config, to_dict
 from memtree.geometry import AnchorShape, MemoryConfig, Plan, layer_widths, plan
 from memtree.io import read_json
-from pipeline.corpus.bios import BiosSpec
-from training.config import TrainConfig
-from training.data import read_shards_manifest, tokenizer_vocab_size
-from training.flops import ffn_memory, moc_params, model_flops, pkm_params
-from training.layers.moc import MoCConfig
-from training.layers.pkm import PKMConfig
 
 DEFAULT_YAML = Path(__file__).parent / "yamls" / "memories.yaml"
 KINDS = ("demo", "dense", "moc", "pkm")
@@ -553,7 +553,7 @@ def score_trained(folder: str | Path, probes: list[dict[str, Any]], held: list[d
 
 def run_memories(cfg: MemoriesConfig, *, log: Callable[[str], None] = print) -> Path:
     """The whole grid; returns the markdown report's path."""
-    from eval.memories_report import write_memories_report
+    from memtree.eval.memories_report import write_memories_report
 
     t0 = time.time()
     demo = open_demo(cfg.root)

@@ -18,14 +18,13 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-from clustering.route import route_texts
-from clustering.tree import load_tree
-from eval.runinfo import CONFIG_FILE, run_config, stored_config
-from memstore.store import MemoryStore, TierConfig
-from training.config import TrainConfig
-from training.model import AnchorLM, assemble_memories
-from training.train import load_run
+from memtree.clustering.route import route_texts
+from memtree.clustering.tree import load_tree
+from memtree.eval.runinfo import CONFIG_FILE, run_config, stored_config
+from memtree.memstore.store import MemoryStore, TierConfig
+from memtree.training.config import TrainConfig
+from memtree.training.model import AnchorLM, assemble_memories
+from memtree.training.train import load_run
 
 MemoryMode = Literal["none", "generic", "fetched"]
 

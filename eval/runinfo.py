@@ -59,8 +59,9 @@ def stored_config(run: str | Path) -> dict[str, Any]:
 
 def run_config(run: str | Path):
     """The run's TrainConfig with its stored paths resolved (see `resolve_stored`)."""
+    from memtree.training.config import TrainConfig
+
     from memtree.config import from_dict
-    from training.config import TrainConfig
 
     cfg = from_dict(TrainConfig, stored_config(run))
     shards = resolve_stored(run, "data.shards", cfg.data.shards, must="manifest.json")
@@ -129,9 +130,9 @@ def trained_epochs(run: str | Path) -> tuple[float | None, str]:
 def bank_state(bank: str | Path) -> dict[str, Any] | None:
     """The bank's blocked and deleted blocks ({level: [[start, stop)…]}), its fallback and the audit
     log's block / unblock / delete entries; None when nothing is refused."""
-    from memstore.format import read_manifest
-    from memstore.journal import audit_log
-    from memstore.store import read_policy
+    from memtree.memstore.format import read_manifest
+    from memtree.memstore.journal import audit_log
+    from memtree.memstore.store import read_policy
 
     bank = Path(bank)
     policy = read_policy(bank)

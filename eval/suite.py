@@ -28,11 +28,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+from memtree.eval.knowledge import MODES
+from memtree.eval.model import RunModel
+from memtree.eval.plots import new_figure, save_png
+from memtree.eval.tasks import (
+    few_shot,
+    generation,
+    multiple_choice,
+    perplexity,
+    retrieval_query,
+    schema,
+)
 
-from eval.knowledge import MODES
-from eval.model import RunModel
-from eval.plots import new_figure, save_png
-from eval.tasks import few_shot, generation, multiple_choice, perplexity, retrieval_query, schema
 from memtree.config import ConfigError, load_config
 from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl
 

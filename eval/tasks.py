@@ -25,8 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-
-from eval.model import MemoryMode, RunModel
+from memtree.eval.model import MemoryMode, RunModel
 
 
 def retrieval_query(item: dict[str, Any]) -> str:

@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from memtree.memstore.format import GENERIC, BankInfo
+from memtree.memstore.writer import write_bank
 from safetensors import safe_open
 
-from memstore.format import GENERIC, BankInfo
-from memstore.writer import write_bank
 from memtree.config import from_dict, to_dict
 from memtree.geometry import DTYPES, AnchorShape, MemoryConfig
 from memtree.io import check_format, read_json, sha256_file

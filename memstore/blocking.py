@@ -15,9 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-
-from clustering.route import route_texts
-from memstore.store import MemoryStore
+from memtree.clustering.route import route_texts
+from memtree.memstore.store import MemoryStore
 
 
 def subtree_share(store: MemoryStore, level: int) -> float:

@@ -31,8 +31,8 @@ import json
 import re
 from pathlib import Path
 
-from memstore.cli_blocking import add_block_commands
-from memstore.cli_common import (
+from memtree.memstore.cli_blocking import add_block_commands
+from memtree.memstore.cli_common import (
     INIT_MARK,
     DeprecatedAlias,
     add_json,
@@ -47,8 +47,8 @@ from memstore.cli_common import (
     parse_ids,
     read_queries,
 )
-from memstore.cli_shards import add_export, is_checkpoint, shards_info, shards_verify
-from memstore.cli_sim import (  # noqa: F401  (re-exported: the simulator's flags and handlers)
+from memtree.memstore.cli_shards import add_export, is_checkpoint, shards_info, shards_verify
+from memtree.memstore.cli_sim import (  # noqa: F401  (re-exported: the simulator's flags and handlers)
     CALIBRATE_OUT,
     CALIBRATE_WORKDIR,
     add_calibrate,
@@ -59,6 +59,7 @@ from memstore.cli_sim import (  # noqa: F401  (re-exported: the simulator's flag
     run_calibrate,
     run_simulate,
 )
+
 from memtree.budget import (
     DEFAULT_GLOBAL_BATCH,
     DEFAULT_HEADROOM,
@@ -336,13 +337,13 @@ def _add_init(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _init(args: argparse.Namespace) -> int:
-    from memstore.format import paper_init, zeros_init
-    from memstore.locking import bank_writer
-    from memstore.writer import write_bank
+    from memtree.memstore.format import paper_init, zeros_init
+    from memtree.memstore.locking import bank_writer
+    from memtree.memstore.writer import write_bank
 
     tree_id, branching = None, None
     if args.tree:
-        from clustering.tree import compute_tree_id
+        from memtree.clustering.tree import compute_tree_id
 
         tree = load_tree_arg(args.tree)
         tree_id, branching = compute_tree_id(tree), tree.branching
@@ -374,9 +375,9 @@ def _add_info(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from memstore.format import read_manifest
-    from memstore.journal import recover
-    from memstore.store import read_policy
+    from memtree.memstore.format import read_manifest
+    from memtree.memstore.journal import recover
+    from memtree.memstore.store import read_policy
 
     if is_checkpoint(args.bank):
         return shards_info(args)
@@ -404,8 +405,8 @@ def _add_verify(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from memstore.format import check_tree, read_manifest, verify_bank
-    from memstore.journal import recover
+    from memtree.memstore.format import check_tree, read_manifest, verify_bank
+    from memtree.memstore.journal import recover
 
     if is_checkpoint(args.bank):
         return shards_verify(args)
@@ -433,7 +434,7 @@ def _add_fetch(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _fetch_paths(args: argparse.Namespace, tree, info) -> list[tuple[str | None, list[int]]]:
-    from memstore.store import check_path
+    from memtree.memstore.store import check_path
 
     given = [f for f, v in (("--path", args.path), ("--query", args.query), ("--queries", args.queries)) if v]
     if len(given) != 1:
@@ -453,14 +454,14 @@ def _fetch_paths(args: argparse.Namespace, tree, info) -> list[tuple[str | None,
     texts = [args.query] if args.query else read_queries(args.queries)
     if tree is None:
         raise ValueError(f"{given[0]} needs --tree to route the quer{'y' if args.query else 'ies'}")
-    from clustering.route import route_texts
+    from memtree.clustering.route import route_texts
 
     return [(t, [int(c) for c in row]) for t, row in zip(texts, route_texts(tree, texts), strict=True)]
 
 
 def _fetch(args: argparse.Namespace) -> int:
-    from memstore.format import read_manifest
-    from memstore.store import MemoryStore
+    from memtree.memstore.format import read_manifest
+    from memtree.memstore.store import MemoryStore
 
     check_bank(args.bank)
     tree = load_tree_arg(args.tree) if args.tree else None
@@ -502,8 +503,8 @@ def _add_split(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _split(args: argparse.Namespace) -> int:
-    from memstore.format import read_manifest
-    from memstore.merge import split_bank
+    from memtree.memstore.format import read_manifest
+    from memtree.memstore.merge import split_bank
 
     out = args.out
     if args.old_out is not None:
@@ -541,8 +542,9 @@ def _add_merge(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from memstore.locking import bank_writer
-    from memstore.merge import merge_banks
+    from memtree.memstore.locking import bank_writer
+    from memtree.memstore.merge import merge_banks
+
     from memtree.io import read_json
 
     parts, out = list(args.parts), args.out
@@ -574,9 +576,9 @@ def _add_relocate(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _relocate(args: argparse.Namespace) -> int:
-    from memstore.format import level_path, read_manifest
-    from memstore.locking import bank_writer
-    from memstore.merge import relocate_level
+    from memtree.memstore.format import level_path, read_manifest
+    from memtree.memstore.locking import bank_writer
+    from memtree.memstore.merge import relocate_level
 
     info = read_manifest(check_bank(args.bank))
     check_level(info.levels, args.level)

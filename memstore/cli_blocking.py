@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from memstore.cli_common import (
+from memtree.memstore.cli_common import (
     add_json,
     add_wait,
     check_bank,
@@ -147,7 +147,7 @@ def _changed(action: str, before: dict, after: dict) -> dict[int, int]:
 
 
 def run_block(args: argparse.Namespace) -> int:
-    from memstore.store import MemoryStore
+    from memtree.memstore.store import MemoryStore
 
     check_bank(args.bank)
     mode = _mode(args)
@@ -158,7 +158,7 @@ def run_block(args: argparse.Namespace) -> int:
     state = STATE[args.action]
     with MemoryStore(args.bank, lock_wait=args.wait) as store:
         if mode == "queries":
-            from memstore.format import check_tree
+            from memtree.memstore.format import check_tree
 
             check_tree(store.info, tree)
         out: dict[str, Any] = {"action": args.action, "bank": str(store.root)}
@@ -186,7 +186,7 @@ def run_block(args: argparse.Namespace) -> int:
 
 
 def _block_subtrees(store, args, mode: str, texts, tree) -> dict[str, Any]:
-    from memstore.blocking import adversarial_block, random_block
+    from memtree.memstore.blocking import adversarial_block, random_block
 
     fraction = 1 / 16 if args.fraction is None else args.fraction
     level = None if args.level is None else check_level(store.levels, args.level)
@@ -232,8 +232,8 @@ def _summary(action: str, mode: str, out: dict, counts: dict[int, int], changed:
 
 def _run_documents(args: argparse.Namespace) -> int:
     """block / unblock / delete --documents: the blocks a data owner's documents trained (memstore.ownership)."""
-    from memstore.journal import audit_log
-    from memstore.ownership import (
+    from memtree.memstore.journal import audit_log
+    from memtree.memstore.ownership import (
         check_min_share,
         check_run_tree,
         lift_targets,
@@ -243,7 +243,7 @@ def _run_documents(args: argparse.Namespace) -> int:
         owner_targets,
         run_tree_id,
     )
-    from memstore.store import MemoryStore, id_runs
+    from memtree.memstore.store import MemoryStore, id_runs
 
     share = None if args.action == "unblock" else check_min_share(args.min_share or 0.0)
     ids = read_document_ids(args.documents)
@@ -281,7 +281,7 @@ def _run_documents(args: argparse.Namespace) -> int:
 
 
 def _check_missing(args: argparse.Namespace, ids: list[str], shares) -> None:
-    from memstore.ownership import check_found
+    from memtree.memstore.ownership import check_found
 
     text = check_found(shares, ids, documents=args.documents, run=args.run, allow_missing=args.allow_missing)
     if text:
@@ -289,7 +289,7 @@ def _check_missing(args: argparse.Namespace, ids: list[str], shares) -> None:
 
 
 def _documents_summary(out: dict[str, Any], targets: dict[int, list[int]], changed: dict[int, list[int]]) -> str:
-    from memstore.ownership import owner_table
+    from memtree.memstore.ownership import owner_table
 
     action = out["action"]
     run_share = out["owner_tokens"] / out["run_tokens"] if out["run_tokens"] else 0.0

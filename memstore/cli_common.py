@@ -86,7 +86,7 @@ def read_document_ids(path: str, flag: str = "--documents") -> list[str]:
 
 def load_tree_arg(path: str, flag: str = "--tree"):
     """`clustering.tree.load_tree` with errors that name the flag."""
-    from clustering.tree import load_tree
+    from memtree.clustering.tree import load_tree
 
     p = Path(path)
     if not (p / "tree.json").is_file() and not (p.name == "tree.json" and p.is_file()):

@@ -14,7 +14,7 @@ import argparse
 import re
 from pathlib import Path
 
-from memstore.cli_common import (
+from memtree.memstore.cli_common import (
     add_json,
     add_wait,
     check_replace,
@@ -22,6 +22,7 @@ from memstore.cli_common import (
     emit,
     load_tree_arg,
 )
+
 from memtree.geometry import DTYPES, human, human_bytes
 from memtree.io import read_json
 
@@ -40,7 +41,7 @@ def is_checkpoint(path: str) -> bool:
 
 
 def shards_info(args: argparse.Namespace) -> int:
-    from memstore.bank_shards import summary
+    from memtree.memstore.bank_shards import summary
 
     s = summary(args.bank)
     a, m, by = s["anchor"], s["memory"], s["saved_by"]
@@ -67,11 +68,11 @@ def shards_info(args: argparse.Namespace) -> int:
 
 
 def shards_verify(args: argparse.Namespace) -> int:
-    from memstore.bank_shards import read_manifest, verify_shards
+    from memtree.memstore.bank_shards import read_manifest, verify_shards
 
     bound = None
     if args.tree:
-        from clustering.tree import compute_tree_id
+        from memtree.clustering.tree import compute_tree_id
 
         man = read_manifest(args.bank)
         tree = load_tree_arg(args.tree)
@@ -113,8 +114,8 @@ def add_export(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from memstore.bank_shards import export_bank, export_settings, read_manifest
-    from memstore.locking import bank_writer
+    from memtree.memstore.bank_shards import export_bank, export_settings, read_manifest
+    from memtree.memstore.locking import bank_writer
 
     ckpt, out = Path(args.checkpoint), Path(args.out)
     if (ckpt / "manifest.json").is_file() and not is_checkpoint(args.checkpoint):

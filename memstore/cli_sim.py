@@ -12,7 +12,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memstore.cli_common import DeprecatedAlias, add_json, emit, load_tree_arg, read_queries
+from memtree.memstore.cli_common import DeprecatedAlias, add_json, emit, load_tree_arg, read_queries
+
 from memtree.geometry import DTYPES, MEMORY_TYPES, parse_multipliers, plan
 
 if TYPE_CHECKING:
@@ -84,8 +85,8 @@ def _tree_geometry(args: argparse.Namespace) -> tuple[Any, str, int]:
 
 
 def _cli_trace(args: argparse.Namespace, tree: Any, branching: int, levels: int) -> tuple[np.ndarray, str]:
-    from clustering.route import route_texts
-    from memstore.sim.latency import load_trace, zipf_trace
+    from memtree.clustering.route import route_texts
+    from memtree.memstore.sim.latency import load_trace, zipf_trace
 
     if args.queries:
         texts = read_queries(args.queries)
@@ -96,9 +97,9 @@ def _cli_trace(args: argparse.Namespace, tree: Any, branching: int, levels: int)
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from memstore.sim.latency import Policy, pinned, simulate_fetch, simulate_session, sweep
-    from memstore.sim.profiles import load_profile
-    from memstore.sim.report import ProfileResults, format_table, write_report
+    from memtree.memstore.sim.latency import Policy, pinned, simulate_fetch, simulate_session, sweep
+    from memtree.memstore.sim.profiles import load_profile
+    from memtree.memstore.sim.report import ProfileResults, format_table, write_report
 
     tree, memory, branching = _tree_geometry(args)
     profiles = [load_profile(name) for name in (args.profiles or ["phone", "laptop"])]
@@ -189,7 +190,7 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from memstore.sim.calibrate import (
+    from memtree.memstore.sim.calibrate import (
         DEFAULT_SIZES,
         format_calibration,
         format_validation,

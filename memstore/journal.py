@@ -15,8 +15,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from memstore.format import DIGEST_BYTES, BankError, LevelInfo, digest, level_path, sums_name
-from memstore.locking import BankBusy, bank_writer, exclusive_change
+from memtree.memstore.format import (
+    DIGEST_BYTES,
+    BankError,
+    LevelInfo,
+    digest,
+    level_path,
+    sums_name,
+)
+from memtree.memstore.locking import BankBusy, bank_writer, exclusive_change
+
 from memtree.io import atomic_write_json, dumps_json, restore_replaced_dir
 
 JOURNAL_FORMAT = "memtree-bank-journal"

@@ -38,7 +38,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from memstore.format import BankError, is_url, level_path, read_manifest
+from memtree.memstore.format import BankError, is_url, level_path, read_manifest
+
 from memtree.io import naming_path
 
 _COUNTER = 8  # bytes of the change counter at the start of the rwlock file

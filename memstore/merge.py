@@ -19,8 +19,7 @@ from typing import Literal
 
 import fsspec
 import torch
-
-from memstore.format import (
+from memtree.memstore.format import (
     DIGEST_BYTES,
     GENERIC,
     BankError,
@@ -34,9 +33,10 @@ from memstore.format import (
     read_manifest,
     sums_name,
 )
-from memstore.journal import recover
-from memstore.locking import bank_writer, exclusive_change
-from memstore.store import id_runs
+from memtree.memstore.journal import recover
+from memtree.memstore.locking import bank_writer, exclusive_change
+from memtree.memstore.store import id_runs
+
 from memtree.config import from_dict
 from memtree.geometry import AnchorShape, MemoryConfig
 from memtree.io import atomic_dir, atomic_write_json, read_json

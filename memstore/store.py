@@ -46,9 +46,8 @@ from typing import Any, Literal, Self
 import fsspec
 import numpy as np
 import torch
-
-from memstore.cache import ByteLRU
-from memstore.format import (
+from memtree.memstore.cache import ByteLRU
+from memtree.memstore.format import (
     ALIGN,
     DIGEST_BYTES,
     GENERIC,
@@ -65,9 +64,16 @@ from memstore.format import (
     read_manifest,
     sums_name,
 )
-from memstore.journal import apply_journals, audit_log, blocked_as_subtree, journal_bytes, recover
-from memstore.locking import ReadWriteLock, bank_writer, whoami
-from memstore.placement import TierBudget, place_levels
+from memtree.memstore.journal import (
+    apply_journals,
+    audit_log,
+    blocked_as_subtree,
+    journal_bytes,
+    recover,
+)
+from memtree.memstore.locking import ReadWriteLock, bank_writer, whoami
+from memtree.memstore.placement import TierBudget, place_levels
+
 from memtree.io import atomic_write_bytes, atomic_write_json, check_format, read_json, utc_timestamp
 
 POLICY_FORMAT = "memtree-bank-policy"

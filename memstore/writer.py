@@ -13,9 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
-
-from memstore.format import (
+from memtree.memstore.format import (
     DIGEST_BYTES,
     GENERIC,
     BankError,
@@ -28,7 +26,9 @@ from memstore.format import (
     read_manifest,
     sums_name,
 )
-from memstore.locking import bank_writer, exclusive_change
+from memtree.memstore.locking import bank_writer, exclusive_change
+from tqdm.auto import tqdm
+
 from memtree.geometry import AnchorShape, MemoryConfig
 from memtree.io import atomic_dir, atomic_write_json
 

@@ -79,9 +79,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from memtree.pipeline.config import PipelineConfig
+    from memtree.pipeline.run import run_pipeline
+
     from memtree.config import load_config
-    from pipeline.config import PipelineConfig
-    from pipeline.run import run_pipeline
 
     config = args.config
     overrides = list(args.overrides)
@@ -108,8 +109,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from pipeline.corpus.bios import BiosSpec
-    from pipeline.demo import run_demo
+    from memtree.pipeline.corpus.bios import BiosSpec
+    from memtree.pipeline.demo import run_demo
 
     report = run_demo(args.root, spec=BiosSpec(seed=args.seed), overrides=args.overrides)
     print(f"\nDemo finished. Report: {report.resolve()}")
@@ -118,7 +119,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _corpus(args: argparse.Namespace) -> int:
     if args.topical:
-        from pipeline.corpus.topical import CorpusSpec, write_corpus_jsonl, write_facts_jsonl
+        from memtree.pipeline.corpus.topical import (
+            CorpusSpec,
+            write_corpus_jsonl,
+            write_facts_jsonl,
+        )
 
         spec = CorpusSpec(n_docs=args.n_docs, seed=args.seed)
         n = write_corpus_jsonl(args.out, spec)
@@ -127,10 +132,10 @@ def _corpus(args: argparse.Namespace) -> int:
             k = write_facts_jsonl(args.facts, spec)
             print(f"wrote {k} facts to {args.facts}", file=sys.stderr)
         return 0
+    from memtree.pipeline.corpus.bios import BiosSpec, write_bios
     from omegaconf import OmegaConf
 
     from memtree.config import from_dict
-    from pipeline.corpus.bios import BiosSpec, write_bios
 
     fields = {**OmegaConf.to_container(OmegaConf.from_dotlist(args.set)), "seed": args.seed}
     info = write_bios(args.out, from_dict(BiosSpec, fields, where="corpus"))
@@ -154,7 +159,7 @@ def _docs_command(args: argparse.Namespace) -> str:
 
 
 def _docs(args: argparse.Namespace) -> int:
-    from pipeline.debdocs import deb_control, fetch_deb, known_source, write_docs_corpus
+    from memtree.pipeline.debdocs import deb_control, fetch_deb, known_source, write_docs_corpus
 
     for d in args.deb:
         if not Path(d).is_file():

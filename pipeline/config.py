@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from clustering.kmeans import CONVERGE_TOL
-from clustering.tree import BALANCE_TARGET
+from memtree.clustering.kmeans import CONVERGE_TOL
+from memtree.clustering.tree import BALANCE_TARGET
 
 
 def _positive(obj, *names: str) -> None:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from memtree.pipeline.config import PipelineConfig
+from memtree.pipeline.corpus.bios import BiosSpec, write_bios
+from memtree.pipeline.run import run_pipeline
+
 from memtree.config import load_config
 from memtree.io import read_json
-from pipeline.config import PipelineConfig
-from pipeline.corpus.bios import BiosSpec, write_bios
-from pipeline.run import run_pipeline
 
 DEMO_YAML = Path(__file__).with_name("yamls") / "demo.yaml"
 

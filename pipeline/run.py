@@ -25,20 +25,19 @@ import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-from clustering import gemm
-from clustering.blas import best_gemm, check_host
-from clustering.embed import (
+from memtree.clustering import gemm
+from memtree.clustering.blas import best_gemm, check_host
+from memtree.clustering.embed import (
     SEQ_BUCKET,
     default_model_path,
     embed_texts,
     load_embedder,
     resolve_backend,
 )
-from clustering.embed_export import OPENVINO_INT8, export_openvino_int8
-from clustering.kmeans import single_threaded
-from clustering.route import route
-from clustering.tree import (
+from memtree.clustering.embed_export import OPENVINO_INT8, export_openvino_int8
+from memtree.clustering.kmeans import single_threaded
+from memtree.clustering.route import route
+from memtree.clustering.tree import (
     build_tree,
     fit_level,
     level_cell_size,
@@ -46,15 +45,22 @@ from clustering.tree import (
     load_tree,
     save_tree,
 )
+from memtree.pipeline import ingest as ing
+from memtree.pipeline.config import PipelineConfig
+from memtree.pipeline.dask_utils import dask_client, map_tasks
+from memtree.pipeline.report import write_report
+from memtree.pipeline.shards import (
+    SHARDS_FORMAT,
+    SHARDS_VERSION,
+    split_part,
+    stream_name,
+    write_stream,
+)
+from memtree.pipeline.stages import StageDef, fingerprint, read_marker, run_stage
+from memtree.pipeline.window import build_tokenizer, tokenizer_eot_id, window_part
+
 from memtree.config import to_dict
 from memtree.io import atomic_path, atomic_save_npy, atomic_write_json
-from pipeline import ingest as ing
-from pipeline.config import PipelineConfig
-from pipeline.dask_utils import dask_client, map_tasks
-from pipeline.report import write_report
-from pipeline.shards import SHARDS_FORMAT, SHARDS_VERSION, split_part, stream_name, write_stream
-from pipeline.stages import StageDef, fingerprint, read_marker, run_stage
-from pipeline.window import build_tokenizer, tokenizer_eot_id, window_part
 
 PIPELINE_FORMAT_VERSION = 1
 

@@ -57,8 +57,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def dask_client():
     """One real 2-worker process cluster for the whole session (workers keep models loaded)."""
-    from pipeline.config import DaskConfig
-    from pipeline.dask_utils import dask_client as make
+    from memtree.pipeline.config import DaskConfig
+    from memtree.pipeline.dask_utils import dask_client as make
 
     with make(DaskConfig(n_workers=2, threads_per_worker=1)) as client:
         yield client
@@ -72,7 +72,7 @@ def write_jsonl(path: Path, records: list) -> Path:
 
 @pytest.fixture(scope="session")
 def corpus_records():
-    from pipeline.corpus.topical import CorpusSpec, generate_corpus
+    from memtree.pipeline.corpus.topical import CorpusSpec, generate_corpus
 
     return list(generate_corpus(CorpusSpec(n_docs=1200, seed=3, long_doc_fraction=0.01)))
 
@@ -90,9 +90,10 @@ PIPELINE_OVERRIDES = [
 def pipeline_run(tmp_path_factory, corpus_records, dask_client):
     """One real pipeline run on the 1,200-document corpus: (run dir, stage markers, seconds, corpus path)."""
 
+    from memtree.pipeline.config import PipelineConfig
+    from memtree.pipeline.run import run_pipeline
+
     from memtree.config import load_config
-    from pipeline.config import PipelineConfig
-    from pipeline.run import run_pipeline
 
     corpus = write_jsonl(tmp_path_factory.mktemp("corpus") / "c.jsonl", corpus_records)
     out = tmp_path_factory.mktemp("runs") / "a"
@@ -106,10 +107,9 @@ def train_tiny_run(shards: Path, folder: Path, *overrides: str) -> Path:
     """Train a small memory run on `shards` into `folder` (scratch mode, fp32 bank); returns `folder`.
 
     Streaming's shared memory is cleaned before and after, as tests open several datasets."""
+    from memtree.training.config import load_train_config
+    from memtree.training.train import train
     from streaming.base.util import clean_stale_shared_memory
-
-    from training.config import load_train_config
-    from training.train import train
 
     clean_stale_shared_memory()
     train(load_train_config(None, [f"data.shards={shards}", f"save_folder={folder}", "mode=scratch",

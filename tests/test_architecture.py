@@ -15,6 +15,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = REPO / "docs" / "ARCHITECTURE.md"
+# the stage folders, installed as memtree.<stage> (pyproject.toml's package-dir)
+STAGES = ("pipeline", "clustering", "memstore", "training", "kernels", "eval")
 
 
 def _table() -> dict[str, set[str]]:
@@ -33,14 +35,27 @@ def _table() -> dict[str, set[str]]:
     return allowed
 
 
+def _local(name: str) -> str:
+    """A module's name inside the repository: `memtree.training.hf` is `training.hf` (the
+    folder it lives in); the bottom layer's modules keep theirs (`memtree.io`)."""
+    head, _, rest = name.partition(".")
+    if head == "memtree" and rest and rest.split(".")[0] in STAGES:
+        return rest
+    return name
+
+
 def _imports(path: Path) -> list[tuple[int, str]]:
-    """(line, top-level module) of every absolute import in the file, at any depth."""
+    """(line, package) of every absolute import in the file, at any depth: the stage folder a
+    `memtree.<stage>` import reaches, else the top-level module (`memtree`, `torch`)."""
     out = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name.split(".")[0]) for a in node.names]
+            out += [(node.lineno, _local(a.name).split(".")[0]) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.append((node.lineno, node.module.split(".")[0]))
+            if node.module == "memtree":
+                out += [(node.lineno, a.name if a.name in STAGES else "memtree") for a in node.names]
+            else:
+                out.append((node.lineno, _local(node.module).split(".")[0]))
     return out
 
 
@@ -85,9 +100,34 @@ def test_table_is_acyclic():
 
 
 def test_bench_scripts_cannot_shadow_a_package():
-    """`python bench/X.py` puts bench/ first on sys.path: a bench/pipeline.py would hide the package."""
-    shadowing = sorted(p.name for p in (REPO / "bench").glob("*.py") if p.stem in TABLE)
-    assert not shadowing, f"bench scripts named like project packages: {shadowing}"
+    """`python bench/X.py` puts bench/ first on sys.path: a bench/memtree.py would hide the one
+    import name the project installs (its stages are memtree.<stage>, which no script can hide)."""
+    shadowing = sorted(p.name for p in (REPO / "bench").glob("*.py") if p.stem == "memtree")
+    assert not shadowing, f"bench scripts named like the project's import name: {shadowing}"
+
+
+def _bare_stage_imports(source: str, filename: str = "<source>") -> list[tuple[int, str]]:
+    """(line, name) of every absolute import of a stage by its folder's name (`import training`,
+    `from eval.x import y`) rather than through the namespace (`memtree.training`)."""
+    out = []
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+        out += [(node.lineno, n) for n in names if n.split(".")[0] in STAGES]
+    return out
+
+
+def test_every_stage_is_imported_through_the_memtree_namespace():
+    """The stages install as memtree.<stage> only. Run from the repository's root, a bare
+    `import training` would still resolve (the folder is on sys.path there) and load a second copy
+    of the module, so nothing here would fail, while the installed wheel has no such name."""
+    files = [p for top in (*STAGES, "memtree", "tests", "bench") for p in sorted((REPO / top).rglob("*.py"))]
+    assert len(files) > 200
+    bad = [f"{p.relative_to(REPO)}:{line} imports {name}"
+           for p in files for line, name in _bare_stage_imports(p.read_text(), str(p))]
+    assert not bad, "import these as memtree.<stage>:\n" + "\n".join(bad)
+    assert _bare_stage_imports("import eval.cli\nfrom kernels import x\nfrom memtree.eval import y\n"
+                               "import memtree.training\n") == [(1, "eval.cli"), (2, "kernels")]
 
 
 
@@ -108,15 +148,18 @@ def _private_uses(source: str, me: str, project: set[str]) -> list[tuple[int, st
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
-                and node.module.split(".")[0] in project:
+                and _local(node.module).split(".")[0] in project:
+            module = _local(node.module)
             for a in node.names:
-                if _private(a.name) and node.module != me:
-                    out.append((node.lineno, f"{node.module}.{a.name}"))
-                bound[a.asname or a.name] = f"{node.module}.{a.name}"
+                if _private(a.name) and module != me:
+                    out.append((node.lineno, f"{module}.{a.name}"))
+                bound[a.asname or a.name] = _local(f"{node.module}.{a.name}")
         elif isinstance(node, ast.Import):
             for a in node.names:
-                if a.name.split(".")[0] in project:
-                    bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+                if _local(a.name).split(".")[0] in project:
+                    # `import memtree.training.hf as hf` binds hf; without `as`, the name bound is
+                    # memtree, whose attributes are stages, not a module's private names
+                    bound[a.asname or a.name.split(".")[0]] = _local(a.name) if a.asname else a.name.split(".")[0]
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name) \
                 and bound.get(node.value.id, me) != me:
@@ -137,13 +180,13 @@ def test_no_module_uses_another_modules_private_names(package):
 
 def test_the_private_name_check_sees_both_forms():
     """The check above fails on the two forms it looks for, and passes a module's own names."""
-    source = ("from training.hf import _secret, load_hf_causal_lm\n"
-              "import memstore.store as st\n"
-              "from training import model\n"
+    source = ("from memtree.training.hf import _secret, load_hf_causal_lm\n"
+              "import memtree.memstore.store as st\n"
+              "from memtree.training import model\n"
               "st._ranges([1]); model._gain_norm; model.__name__\n")
     assert _private_uses(source, "training.x", set(TABLE)) == [
         (1, "training.hf._secret"), (4, "memstore.store._ranges"), (4, "training.model._gain_norm")]
-    assert _private_uses("from training.hf import _secret\n", "training.hf", set(TABLE)) == []
+    assert _private_uses("from memtree.training.hf import _secret\n", "training.hf", set(TABLE)) == []
 
 
 def _import_graph(project: set[str]) -> dict[str, set[str]]:
@@ -155,12 +198,13 @@ def _import_graph(project: set[str]) -> dict[str, set[str]]:
         deps: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                subs = {f"{node.module}.{a.name}" for a in node.names} & mods.keys()
+                module = _local(node.module)
+                subs = {_local(f"{node.module}.{a.name}") for a in node.names} & mods.keys()
                 deps |= subs
-                if node.module in mods and len(subs) < len(node.names):
-                    deps.add(node.module)
+                if module in mods and len(subs) < len(node.names):
+                    deps.add(module)
             elif isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names} & mods.keys()
+                deps |= {_local(a.name) for a in node.names} & mods.keys()
         graph[name] = deps - {name}
     return graph
 
@@ -224,10 +268,11 @@ def _training_imports(source: str) -> list[tuple[int, str]]:
     out = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module] if node.module != "training" else [f"training.{a.name}" for a in node.names]
+            module = _local(node.module)
+            names = [module] if module != "training" else [f"training.{a.name}" for a in node.names]
             out += [(node.lineno, n) for n in names if n.startswith("training.")]
         elif isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names if a.name.startswith("training.")]
+            out += [(node.lineno, _local(a.name)) for a in node.names if _local(a.name).startswith("training.")]
     return out
 
 
@@ -255,7 +300,8 @@ def test_training_core_never_imports_a_system():
 
 def test_the_system_check_sees_an_import():
     """The check above finds both import forms of a system module."""
-    tree = "from training.finetune.lora import add_lora\nimport training.context.vae\nfrom training import camelot\n"
+    tree = ("from memtree.training.finetune.lora import add_lora\nimport memtree.training.context.vae\n"
+            "from memtree.training import camelot\n")
     found = [m for _, m in _training_imports(tree)]
     assert found == ["training.finetune.lora", "training.context.vae", "training.camelot"]
     assert [_system_of(m) for m in found] == ["finetune", "context", "camelot"]

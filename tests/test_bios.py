@@ -8,8 +8,7 @@ import re
 from collections import Counter
 
 import pytest
-
-from pipeline.corpus.bios import (
+from memtree.pipeline.corpus.bios import (
     VOCAB_PATH,
     BiosSpec,
     bios_facts,

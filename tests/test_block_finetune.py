@@ -10,10 +10,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
-from memtree.geometry import split_block
-from tests.conftest import train_tiny_run
-from training.finetune.blocks import (
+from memtree.training.finetune.blocks import (
     BlockFinetuner,
     BlockFinetuneSpec,
     UnitBackground,
@@ -21,7 +18,10 @@ from training.finetune.blocks import (
     unit_layout,
     write_edits,
 )
-from training.finetune.continual import batch_tensors
+from memtree.training.finetune.continual import batch_tensors
+
+from memtree.geometry import split_block
+from tests.conftest import train_tiny_run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -39,9 +39,8 @@ def mem_run(pipeline_run, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def background(mem_run, pipeline_run):
+    from memtree.eval.model import RunModel
     from streaming.base.util import clean_stale_shared_memory
-
-    from eval.model import RunModel
 
     clean_stale_shared_memory()
     rm = RunModel.load(mem_run)
@@ -53,8 +52,8 @@ def background(mem_run, pipeline_run):
 
 def _fresh(mem_run, tmp_path):
     """The run with its own copy of the bank (edits must not reach the shared fixture)."""
-    from eval.model import RunModel
-    from memstore.store import MemoryStore, TierConfig
+    from memtree.eval.model import RunModel
+    from memtree.memstore.store import MemoryStore, TierConfig
 
     rm = RunModel.load(mem_run)
     shutil.copytree(mem_run / "bank", tmp_path / "bank")
@@ -155,8 +154,8 @@ def test_edited_blocks_lower_the_facts_loss_when_fetched_from_the_store(mem_run,
     (this test's rate until then, 4 steps: 7.614 -> 7.416 on an AMD EPYC host) overshot there
     (-> 7.613) and left units dead. Blocks that were not the ones fetched, or edits that did not
     reach the store, leave the fetched loss where it was."""
-    from eval.tasks import perplexity
-    from training.finetune.blocks import write_edits
+    from memtree.eval.tasks import perplexity
+    from memtree.training.finetune.blocks import write_edits
 
     rm = _fresh(mem_run, tmp_path)
     ids, real, paths = _batch(rm)

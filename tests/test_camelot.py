@@ -10,23 +10,23 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-
-from memstore.camelot import (
+from memtree.memstore.camelot import (
     AssociativeMemory,
     CamelotConfig,
     CamelotMemory,
     FifoKNNCache,
     PrevWindowCache,
 )
-from tests.conftest import TINY_GQA_ANCHOR
-from training.camelot.longdoc import (
+from memtree.training.camelot.longdoc import (
     corpus_nll,
     longdoc_nll,
     longdoc_token_nll,
     new_memory,
     prefix_attention,
 )
-from training.model import AnchorLM, ModelConfig
+from memtree.training.model import AnchorLM, ModelConfig
+
+from tests.conftest import TINY_GQA_ANCHOR
 
 ANCHOR = TINY_GQA_ANCHOR
 VOCAB = 128
@@ -344,7 +344,7 @@ def test_frozen_anchor_is_bit_identical_after_runs():
 
 
 def test_hf_model_loaded_by_memtree_is_untouched(tmp_path):
-    from training.hf import load_hf_causal_lm
+    from memtree.training.hf import load_hf_causal_lm
 
     _hf("llama").save_pretrained(tmp_path)
     model = load_hf_causal_lm(tmp_path)
@@ -365,8 +365,9 @@ def test_hf_model_loaded_by_memtree_is_untouched(tmp_path):
 
 
 def test_wrapped_models_are_unwrapped():
+    from memtree.training.hf import HFMemoryModel
+
     from memtree.geometry import MemoryConfig
-    from training.hf import HFMemoryModel
 
     model, ids = _hf("qwen"), torch.randint(0, VOCAB, (20,))
     wrapped = HFMemoryModel(model, MemoryConfig(multipliers=(4,), type="ffn", branching=2))

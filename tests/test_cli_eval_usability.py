@@ -35,7 +35,7 @@ def copy_pipeline(src: Path, dst: Path) -> None:
 @pytest.fixture(scope="module")
 def demo(pipeline_run, tmp_path_factory):
     """(base dir, ROOT): a demo-shaped root whose runs store paths relative to base."""
-    from pipeline.corpus.topical import CorpusSpec, entity_facts
+    from memtree.pipeline.corpus.topical import CorpusSpec, entity_facts
 
     base = tmp_path_factory.mktemp("usability")
     root = base / "demo"
@@ -100,7 +100,7 @@ def test_eval_refuses_a_block_level_without_memory_before_scoring(demo, capsys):
 def test_a_copied_run_is_evaluated_with_tree_flag_and_its_blocked_blocks_are_reported(demo, tmp_path, capsys):
     """Items 12 and 2: the whole demo root copied elsewhere, its tree missing (given by --tree), a
     block of its bank blocked on disk (memstore's policy and audit log)."""
-    from memstore.store import MemoryStore
+    from memtree.memstore.store import MemoryStore
 
     _, root = demo
     copy = tmp_path / "elsewhere" / "demo"
@@ -180,7 +180,7 @@ block_runs: []
 def test_eval_continual_reuses_the_pretrained_model_only_from_the_same_inputs(demo, tmp_path, capsys):
     """Item 7 and 14: changed `pretrain:` settings retrain ROOT/train/pkm; the same ones reuse it;
     --out is the report folder, out= a deprecated alias."""
-    from pipeline.corpus.bios import BiosSpec, write_bios
+    from memtree.pipeline.corpus.bios import BiosSpec, write_bios
 
     _, demo_root = demo
     root = tmp_path / "bios"

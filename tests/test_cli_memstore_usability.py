@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from memtree.memstore.journal import audit_log
+from memtree.memstore.store import MemoryStore, read_policy
 
-from memstore.journal import audit_log
-from memstore.store import MemoryStore, read_policy
 from memtree.cli import main
 from tests.conftest import cli_on_bank_copy
 
@@ -20,7 +20,7 @@ PROBES = ["What is the atomic number of gold?", "A recipe for sourdough bread", 
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    from clustering.tree import build_tree, save_tree
+    from memtree.clustering.tree import build_tree, save_tree
 
     root = tmp_path_factory.mktemp("usability")
     x = np.random.default_rng(0).normal(size=(400, 384)).astype(np.float32)

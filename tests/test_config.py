@@ -1,7 +1,7 @@
 import pytest
+from memtree.pipeline.config import PipelineConfig
 
 from memtree.config import ConfigError, load_config, to_dict
-from pipeline.config import PipelineConfig
 
 
 def test_defaults_and_overrides():
@@ -44,7 +44,7 @@ def test_tree_restarts_is_validated_and_only_in_the_fingerprint_when_used():
     existed, so finished runs are not rebuilt; any other value is a different tree."""
     import json
 
-    from pipeline.run import STAGES
+    from memtree.pipeline.run import STAGES
 
     with pytest.raises(ConfigError, match="restarts"):
         load_config(PipelineConfig, {"out": "x", "tree": {"restarts": 0}})
@@ -61,7 +61,7 @@ def test_tree_restarts_is_validated_and_only_in_the_fingerprint_when_used():
 
 
 def test_allow_tf32_is_a_typed_key_outside_the_fingerprint():
-    from training.config import load_train_config
+    from memtree.training.config import load_train_config
 
     base = ["data.shards=x"]
     on, off = load_train_config(None, base), load_train_config(None, [*base, "allow_tf32=false"])

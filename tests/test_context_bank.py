@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from memstore.context_bank import (
+from memtree.memstore.context_bank import (
     FORMAT,
     SAVE_PAUSE_ENV,
     ContextBank,

@@ -12,10 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from memtree.config import ConfigError
-from tests.conftest import TINY_GQA_ANCHOR
-from training.context.vae import (
+from memtree.training.context.vae import (
     ContextVAE,
     ContextVAEConfig,
     chunk_ids,
@@ -26,7 +23,10 @@ from training.context.vae import (
     reading,
     segments,
 )
-from training.model import AnchorLM, ModelConfig
+from memtree.training.model import AnchorLM, ModelConfig
+
+from memtree.config import ConfigError
+from tests.conftest import TINY_GQA_ANCHOR
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -157,7 +157,7 @@ def test_reader_reads_after_chosen_blocks_or_after_the_final_norm(model):
 
 
 def test_losses_reach_only_the_compressor_and_reader(model):
-    from training.context.train import ContextVAEModel, collate
+    from memtree.training.context.train import ContextVAEModel, collate
 
     vae = _vae(model, ContextVAEConfig(chunk_tokens=12, ratio=4, hidden=16, reader_heads=2, retrieval_weight=0.5))
     for layer in vae.reader.layers.values():  # past init, so W_Q/W_K/W_V get gradient too
@@ -188,7 +188,7 @@ def test_losses_reach_only_the_compressor_and_reader(model):
 # -- recall pairs and the end-to-end experiment -------------------------------------------------
 
 def test_recall_pairs_find_every_statement_the_corpus_plan_makes():
-    from pipeline.corpus.bios import (
+    from memtree.pipeline.corpus.bios import (
         BiosSpec,
         bios_facts,
         canonical_clause,
@@ -238,14 +238,14 @@ def _tiny_bios_run(root: Path, *, entities: int = 2, vocab_size: int = 400, pret
       values share their first token with a distractor (at 2,000: 20 %).
     `entities` per subtopic sets the size of every bios world, the evaluation's too (2: 76 new
     entities, 3: 98)."""
+    from memtree.pipeline.corpus.bios import BiosSpec, write_bios
+    from memtree.training.config import load_train_config
+    from memtree.training.train import build_model
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from memtree.config import to_dict
     from memtree.io import atomic_write_json
-    from pipeline.corpus.bios import BiosSpec, write_bios
-    from training.config import load_train_config
-    from training.train import build_model
 
     write_bios(root, BiosSpec(seed=2, entities_per_subtopic=entities, head_docs=3), heldout_docs=4)
     shards = root / "pipeline" / "shards"
@@ -275,10 +275,11 @@ def _tiny_bios_run(root: Path, *, entities: int = 2, vocab_size: int = 400, pret
 
 
 def test_eval_context_bank_end_to_end_on_a_tiny_bios_run(tmp_path, capsys):
-    from memstore.context_bank import ContextBank, ContextBankConfig
+    from memtree.memstore.context_bank import ContextBank, ContextBankConfig
+    from memtree.training.context.vae import load_vae, writer_id
+    from memtree.training.train import load_run
+
     from memtree.cli import main
-    from training.context.vae import load_vae, writer_id
-    from training.train import load_run
 
     root = _tiny_bios_run(tmp_path / "demo", entities=3, vocab_size=2000, pretrain_steps=100)
     out = tmp_path / "cb"

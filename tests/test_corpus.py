@@ -14,9 +14,8 @@ import re
 from collections import Counter, defaultdict
 
 import pytest
-
-from pipeline.corpus import topical as corpus
-from pipeline.corpus.topical import (
+from memtree.pipeline.corpus import topical as corpus
+from memtree.pipeline.corpus.topical import (
     DOMAINS,
     TOPICS,
     CorpusSpec,

@@ -10,8 +10,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-
-from pipeline.debdocs import (
+from memtree.pipeline.debdocs import (
     DocSource,
     deb_control,
     in_test_split,

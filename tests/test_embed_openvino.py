@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from memtree.clustering.embed import SEQ_BUCKET, embed_texts, load_embedder
+from memtree.clustering.embed_export import OV_INT8_FILE, export_openvino_int8, read_export
+from memtree.pipeline.config import PipelineConfig
+from memtree.pipeline.run import run_pipeline
 
-from clustering.embed import SEQ_BUCKET, embed_texts, load_embedder
-from clustering.embed_export import OV_INT8_FILE, export_openvino_int8, read_export
 from memtree.config import load_config
-from pipeline.config import PipelineConfig
-from pipeline.run import run_pipeline
 from tests.conftest import PIPELINE_OVERRIDES, write_jsonl
 
 MSL = 64
@@ -26,7 +26,7 @@ def texts(corpus_records):
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory, texts):
-    from clustering.embed import default_model_path
+    from memtree.clustering.embed import default_model_path
 
     out = tmp_path_factory.mktemp("ov") / "export"
     meta = export_openvino_int8(default_model_path(), out, texts[:48], max_seq_length=MSL)
@@ -34,7 +34,7 @@ def export(tmp_path_factory, texts):
 
 
 def test_export_is_recorded_and_reused(export, texts):
-    from clustering.embed import default_model_path
+    from memtree.clustering.embed import default_model_path
 
     out, meta = export
     assert read_export(out)["files"] == meta["files"]
@@ -102,7 +102,7 @@ def test_damaged_export_is_named(export, tmp_path):
 
 
 def test_auto_backend_is_int8_on_the_cpu_and_torch_on_cuda():
-    from clustering.embed import resolve_backend
+    from memtree.clustering.embed import resolve_backend
 
     assert resolve_backend("auto", "cpu") == "openvino-int8"
     assert resolve_backend("auto", "cuda:0") == "torch"
@@ -122,8 +122,8 @@ def test_backend_config_errors():
 
 def test_pipeline_with_int8_backend_routes_queries_through_the_export(
         tmp_path, corpus_records, dask_client):
-    from clustering.route import route_texts
-    from clustering.tree import load_tree
+    from memtree.clustering.route import route_texts
+    from memtree.clustering.tree import load_tree
 
     corpus = write_jsonl(tmp_path / "c.jsonl", corpus_records[:400])
     out = tmp_path / "run"

@@ -9,12 +9,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
+from memtree.eval.knowledge import blocking_eval, knowledge_eval, write_report
+from memtree.eval.longtail import BUCKETS, accuracy_by_bucket, build_probes
+from memtree.eval.model import RunModel
+from memtree.eval.tasks import extract_integer, few_shot, multiple_choice, perplexity
+from memtree.pipeline.corpus.topical import CorpusSpec, entity_facts
 
-from eval.knowledge import blocking_eval, knowledge_eval, write_report
-from eval.longtail import BUCKETS, accuracy_by_bucket, build_probes
-from eval.model import RunModel
-from eval.tasks import extract_integer, few_shot, multiple_choice, perplexity
-from pipeline.corpus.topical import CorpusSpec, entity_facts
 from tests.conftest import train_tiny_run
 
 SPEC = CorpusSpec(n_docs=1200, seed=3, long_doc_fraction=0.01)  # the corpus of tests/conftest.py
@@ -48,7 +48,7 @@ def test_probes_are_deterministic_and_well_formed():
 
 
 def test_bios_probes_draw_distractors_from_the_value_set_and_count_exposures():
-    from pipeline.corpus.bios import BiosSpec, bios_facts
+    from memtree.pipeline.corpus.bios import BiosSpec, bios_facts
 
     facts = bios_facts(BiosSpec(seed=2, entities_per_subtopic=3, head_docs=4))
     probes = build_probes(facts, seed=0, epochs=3)
@@ -67,8 +67,8 @@ def test_scorer_is_at_chance_without_knowledge(run):
     """No knowledge of the facts (random weights, and a model never trained on them): chance."""
     import dataclasses
 
-    from pipeline.corpus.bios import BiosSpec, bios_facts
-    from training.train import build_model
+    from memtree.pipeline.corpus.bios import BiosSpec, bios_facts
+    from memtree.training.train import build_model
 
     probes = build_probes(bios_facts(BiosSpec(seed=4)), seed=0)[::2]  # 1,536 probes
     torch.manual_seed(0)
@@ -81,7 +81,7 @@ def test_scorer_is_at_chance_without_knowledge(run):
 
 
 def test_fetched_retrieval_is_the_traversal_of_the_question_text(run, probes):
-    from clustering.route import route_texts
+    from memtree.clustering.route import route_texts
 
     k = knowledge_eval(run, probes[:12], modes=("fetched",))
     assert k["paths"] == route_texts(run.tree, [p["context"] for p in probes[:12]]).tolist()
@@ -232,8 +232,9 @@ def test_blocking_changes_scores_only_under_the_blocked_subtree(run, probes):
 
 
 def test_eval_cli_writes_the_report(run, tmp_path):
+    from memtree.pipeline.corpus.topical import write_facts_jsonl
+
     from memtree.cli import main
-    from pipeline.corpus.topical import write_facts_jsonl
 
     facts = tmp_path / "facts.jsonl"
     assert write_facts_jsonl(facts, SPEC) == len(entity_facts(SPEC))
@@ -302,9 +303,8 @@ def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path, capsys):
     # the memory stage on the frozen anchor (seed 002's row A3): the anchor run is reused, the memory
     # stage retrains in mode frozen (with the demo's memory.dropout, which a frozen anchor turns off)
     # and leaves the anchor's weights exactly as the anchor stage wrote them
+    from memtree.eval.demo import run_main_job
     from safetensors.torch import load_file
-
-    from eval.demo import run_main_job
 
     assert main([*argv, "tree.restarts=2", "--memory-mode", "frozen"]) == 0
     out = capsys.readouterr().out

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
-from eval.longctx import (
+from memtree.eval.longctx import (
     ABLATIONS,
     load_records,
     long_documents,
@@ -20,9 +19,10 @@ from eval.longctx import (
     position_buckets,
     write_longctx_report,
 )
-from memstore.camelot import CamelotConfig
+from memtree.memstore.camelot import CamelotConfig
+from memtree.training.model import AnchorLM, ModelConfig
+
 from tests.conftest import TINY_GQA_ANCHOR
-from training.model import AnchorLM, ModelConfig
 
 ANCHOR = TINY_GQA_ANCHOR
 L = 8
@@ -148,13 +148,13 @@ WORDS = ["the", "red", "star", "is", "bright", "and", "old", "a", "cold", "moon"
 
 
 def _tiny_run(tmp: Path, model_seq_len: int = 32) -> Path:
+    from memtree.training.config import load_train_config
+    from memtree.training.train import build_model
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from memtree.config import to_dict
     from memtree.io import atomic_write_json
-    from training.config import load_train_config
-    from training.train import build_model
 
     shards = tmp / "pipe" / "shards"
     shards.mkdir(parents=True)

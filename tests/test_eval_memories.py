@@ -45,7 +45,7 @@ rows:
 def root(pipeline_run, tmp_path_factory) -> Path:
     """A demo-shaped root: the pipeline run, facts with mention counts, held-out documents, and
     ROOT/train/{anchor, cotrain} (a level-2 FFN memory of width 64, co-trained from the anchor)."""
-    from pipeline.corpus.topical import CorpusSpec, entity_facts
+    from memtree.pipeline.corpus.topical import CorpusSpec, entity_facts
 
     root = tmp_path_factory.mktemp("memories") / "demo"
     shutil.copytree(pipeline_run[0], root / "pipeline")
@@ -64,10 +64,10 @@ def root(pipeline_run, tmp_path_factory) -> Path:
 
 
 def test_every_row_trains_and_scores_with_the_budgets_it_claims(root, tmp_path, capsys):
-    from eval.memories import moc_active_params, open_demo
-    from training.flops import moc_params, model_flops, pkm_params
-    from training.layers.moc import MoCConfig
-    from training.layers.pkm import PKMConfig
+    from memtree.eval.memories import moc_active_params, open_demo
+    from memtree.training.flops import moc_params, model_flops, pkm_params
+    from memtree.training.layers.moc import MoCConfig
+    from memtree.training.layers.pkm import PKMConfig
 
     grid = tmp_path / "grid.yaml"
     grid.write_text(GRID)
@@ -154,7 +154,7 @@ def test_every_row_trains_and_scores_with_the_budgets_it_claims(root, tmp_path, 
 
 
 def test_paired_interval_equals_a_direct_computation():
-    from eval.memories import paired_by_bucket, paired_interval
+    from memtree.eval.memories import paired_by_bucket, paired_interval
 
     a = [True, True, False, True, False, True]
     b = [False, True, False, False, False, True]
@@ -176,9 +176,9 @@ def test_paired_interval_equals_a_direct_computation():
 def test_the_report_names_the_corpus_a_demo_root_was_generated_from(tmp_path):
     """A grid on `memtree demo --corpus entities_per_subtopic=48` is the headline's benchmark, not the
     demo's: its report must say so, read from the corpus.json the generator wrote."""
-    from eval.memories import corpus_meta
-    from eval.memories_report import header_lines
-    from pipeline.corpus.bios import BiosSpec, write_bios
+    from memtree.eval.memories import corpus_meta
+    from memtree.eval.memories_report import header_lines
+    from memtree.pipeline.corpus.bios import BiosSpec, write_bios
 
     assert corpus_meta(tmp_path) is None  # a root without a bios corpus (the tests' topical one)
     wrote = write_bios(tmp_path, BiosSpec(entities_per_subtopic=3, head_docs=4), heldout_docs=2)
@@ -197,8 +197,8 @@ def test_the_report_names_the_corpus_a_demo_root_was_generated_from(tmp_path):
 def test_dense_sizes_match_the_fetched_memory_they_claim():
     from dataclasses import replace
 
-    from eval.memories import dense_shape, fetched_widths
-    from training.flops import ffn_memory, model_flops
+    from memtree.eval.memories import dense_shape, fetched_widths
+    from memtree.training.flops import ffn_memory, model_flops
 
     anchor = AnchorShape(n_layers=4, d_model=128, n_heads=4, head_dim=32, ffn_dim=512, vocab_size=8192)
     p = plan(anchor, MemoryConfig(multipliers=(0, 64, 128), branching=4))
@@ -218,8 +218,8 @@ def test_total_bank_rows_match_the_fetched_rows_total_parameters():
     / k; the active parameters then exceed the fetched blocks' only by the router / sub-keys grown."""
     from dataclasses import replace
 
-    from eval.memories import moc_active_params, pkm_active_params, size_moc, size_pkm
-    from training.flops import moc_params, pkm_params
+    from memtree.eval.memories import moc_active_params, pkm_active_params, size_moc, size_pkm
+    from memtree.training.flops import moc_params, pkm_params
 
     anchor = AnchorShape(n_layers=4, d_model=128, n_heads=4, head_dim=32, ffn_dim=512, vocab_size=8192)
     p = plan(anchor, MemoryConfig(multipliers=(0, 64, 128), branching=4))
@@ -242,7 +242,7 @@ def test_total_bank_rows_match_the_fetched_rows_total_parameters():
 
 
 def test_grid_errors_name_the_key(tmp_path):
-    from eval.memories import load_memories_config
+    from memtree.eval.memories import load_memories_config
 
     def load(text: str, *overrides: str):
         path = tmp_path / "g.yaml"

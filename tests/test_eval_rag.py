@@ -8,13 +8,13 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from memtree.eval.knowledge import knowledge_eval
+from memtree.eval.longtail import build_probes
+from memtree.eval.model import RunModel
+from memtree.eval.rag import SEPARATOR, RagIndex, nearest_in_cluster, rag_items
+from memtree.eval.tasks import multiple_choice
+from memtree.pipeline.corpus.topical import CorpusSpec, entity_facts
 
-from eval.knowledge import knowledge_eval
-from eval.longtail import build_probes
-from eval.model import RunModel
-from eval.rag import SEPARATOR, RagIndex, nearest_in_cluster, rag_items
-from eval.tasks import multiple_choice
-from pipeline.corpus.topical import CorpusSpec, entity_facts
 from tests.conftest import train_tiny_run
 
 SPEC = CorpusSpec(n_docs=1200, seed=3, long_doc_fraction=0.01)  # the corpus of tests/conftest.py
@@ -54,7 +54,7 @@ def test_nearest_stays_inside_the_query_cluster():
 
 
 def test_retrieval_matches_a_brute_force_search_of_the_query_leaf(run, index, pipeline_run, probes):
-    from clustering.embed import embed_texts, embedder_from_meta
+    from memtree.clustering.embed import embed_texts, embedder_from_meta
 
     out = pipeline_run[0]
     windows = pq.read_table(out / "window" / "part-00003.parquet", columns=["text"])["text"].to_pylist()[:5]
@@ -112,8 +112,9 @@ def test_prepended_window_reaches_the_scorer_within_max_seq_len(run, index, prob
 
 
 def test_knowledge_eval_and_cli_report_the_rag_columns(run, index, probes, tmp_path):
+    from memtree.pipeline.corpus.topical import write_facts_jsonl
+
     from memtree.cli import main
-    from pipeline.corpus.topical import write_facts_jsonl
 
     k = knowledge_eval(run, probes[:8], rag=index)
     assert list(k["modes"]) == ["none", "generic", "fetched", "rag", "rag+fetched"]
@@ -130,7 +131,7 @@ def test_knowledge_eval_and_cli_report_the_rag_columns(run, index, probes, tmp_p
 
 
 def test_routing_agreement_on_a_hand_made_case():
-    from eval.rag import routing_agreement
+    from memtree.eval.rag import routing_agreement
 
     texts = ["Pelos wrote 41 symphonies.", "Pelos lived in Rome.", "Feniror was born in 1683.", "nothing"]
     window_paths = np.array([[0, 0], [0, 1], [1, 2], [1, 3]])

@@ -54,7 +54,7 @@ def _direct_nll(rm, docs, window: int, mode: str) -> float:
 
 
 def test_rows_train_score_and_match_a_direct_forward(root, tmp_path, capsys):
-    from eval.model import RunModel
+    from memtree.eval.model import RunModel
 
     out = tmp_path / "out"
     args = ["eval-realtext", str(root), "anchor_duration=2ba", "cotrain_duration=3ba", "window_tokens=100", TRAIN,
@@ -114,7 +114,7 @@ def test_rows_train_score_and_match_a_direct_forward(root, tmp_path, capsys):
 
 
 def test_paired_doc_interval_equals_a_direct_computation():
-    from eval.heldout import Z95, paired_doc_interval
+    from memtree.eval.heldout import Z95, paired_doc_interval
 
     a = np.array([10.0, 4.0, 9.0, 0.0])
     b = np.array([8.0, 6.0, 9.0, 0.0])
@@ -128,7 +128,7 @@ def test_paired_doc_interval_equals_a_direct_computation():
 
 
 def test_config_errors_name_the_key(tmp_path):
-    from eval.realtext import load_realtext_config, total_duration
+    from memtree.eval.realtext import load_realtext_config, total_duration
 
     assert total_duration(load_realtext_config()) == "7ep"
     assert [r.name for r in load_realtext_config(None, ["select=[mlr1e-3,demo]"]).selected()] == ["demo", "mlr1e-3"]
@@ -147,5 +147,5 @@ def test_config_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match="used twice"):
         load_realtext_config(None, ["recipes=[{name: a}, {name: a}]"])
     with pytest.raises(FileNotFoundError, match="no held-out documents"):
-        from eval.realtext import run_realtext
+        from memtree.eval.realtext import run_realtext
         run_realtext(load_realtext_config(None, [f"root={tmp_path}"]))

@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from memtree.eval.knowledge import knowledge_eval, load_eval_inputs
+from memtree.eval.model import RunModel
+from memtree.eval.retention import RetentionConfig, default_subtrees, run_retention
+from memtree.memstore.format import GENERIC
+from memtree.memstore.store import MemoryStore
 from safetensors.torch import load_file
 
-from eval.knowledge import knowledge_eval, load_eval_inputs
-from eval.model import RunModel
-from eval.retention import RetentionConfig, default_subtrees, run_retention
-from memstore.format import GENERIC
-from memstore.store import MemoryStore
 from memtree.cli import main
 from memtree.config import ConfigError, from_dict, to_dict
 from tests.conftest import train_tiny_run
@@ -29,7 +29,7 @@ def run(pipeline_run, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    from pipeline.corpus.topical import CorpusSpec, write_facts_jsonl
+    from memtree.pipeline.corpus.topical import CorpusSpec, write_facts_jsonl
 
     d = tmp_path_factory.mktemp("retinputs")
     write_facts_jsonl(d / "facts.jsonl", CorpusSpec(n_docs=1200, seed=3, long_doc_fraction=0.01))

@@ -11,13 +11,19 @@ import json
 
 import pytest
 import torch
+from memtree.training.finetune.continual import (
+    Finetuner,
+    FinetuneSpec,
+    batch_tensors,
+    changes,
+    snapshot,
+)
+from memtree.training.finetune.lora import LoRALinear, add_lora, merge_lora
+from memtree.training.finetune.slots import BackgroundCounts, access_counts, recording
+from memtree.training.layers.pkm import PKMConfig
+from memtree.training.model import AnchorLM, ModelConfig
 
 from memtree.geometry import AnchorShape
-from training.finetune.continual import Finetuner, FinetuneSpec, batch_tensors, changes, snapshot
-from training.finetune.lora import LoRALinear, add_lora, merge_lora
-from training.finetune.slots import BackgroundCounts, access_counts, recording
-from training.layers.pkm import PKMConfig
-from training.model import AnchorLM, ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -63,7 +69,7 @@ def test_sparse_memory_step_moves_exactly_the_top_t_rows_and_nothing_else():
     moved = (model.blocks[1].pkm.values.weight != before["blocks.1.pkm.values.weight"]).any(1)
     assert int(moved.sum()) == 7 and bool((counts[moved] > 0).all())  # accessed rows only
     # the same rows the TF-IDF ranking picks from this batch's counts (padding not counted)
-    from training.finetune.slots import trainable_rows
+    from memtree.training.finetune.slots import trainable_rows
 
     assert torch.equal(moved, trainable_rows(counts, bg[1].doc_freq, bg[1].n_batches, 7))
 
@@ -162,7 +168,7 @@ def test_bad_input_names_the_value():
 
 
 def test_fact_statements_are_deterministic_distinct_and_state_the_fact():
-    from pipeline.corpus.bios import BiosSpec, bios_facts, canonical_clause, fact_statements
+    from memtree.pipeline.corpus.bios import BiosSpec, bios_facts, canonical_clause, fact_statements
 
     f = bios_facts(BiosSpec())[3]
     a, b = fact_statements(f, 8, seed=1), fact_statements(f, 8, seed=1)
@@ -174,7 +180,7 @@ def test_fact_statements_are_deterministic_distinct_and_state_the_fact():
 
 
 def test_equal_learning_target_check():
-    from eval.continual import equal_learning
+    from memtree.eval.continual import equal_learning
 
     def row(m, new, drop, ranking="tfidf"):
         return {"method": m, "label": f"{m}-{new}", "after": {"new_accuracy": new}, "forgetting": {"old_drop": drop},
@@ -209,13 +215,13 @@ def pkm_run(pipeline_run, tmp_path_factory):
 def test_memtree_finetune_end_to_end(pkm_run, pipeline_run, tmp_path, capsys):
     import shutil
 
+    from memtree.training.finetune.continual import finetune_summary
+    from memtree.training.finetune.slots import background_dir
+    from memtree.training.train import load_run
     from safetensors.torch import load_file
     from streaming.base.util import clean_stale_shared_memory
 
     from memtree.cli import main
-    from training.finetune.continual import finetune_summary
-    from training.finetune.slots import background_dir
-    from training.train import load_run
 
     pkm_run = shutil.copytree(pkm_run, tmp_path / "run")  # a run of its own: no background counts yet
     stream = tmp_path / "stream.jsonl"
@@ -234,7 +240,7 @@ def test_memtree_finetune_end_to_end(pkm_run, pipeline_run, tmp_path, capsys):
     folders = {1: background_dir(pkm_run, 1)}
     bg = BackgroundCounts.load(folders[1], n_slots=32 * 32)
     assert bg.n_batches == 3 and 0 < int((bg.doc_freq > 0).sum()) < 32 * 32 and int(bg.doc_freq.max()) <= 3
-    from training.data import read_shards_manifest
+    from memtree.training.data import read_shards_manifest
 
     seq_len = read_shards_manifest(pipeline_run[0] / "shards")["seq_len"]
     assert 0 < bg.tokens <= 3 * 2 * seq_len and "2 sequence(s) per batch" in bg.source
@@ -262,8 +268,8 @@ def test_memtree_finetune_end_to_end(pkm_run, pipeline_run, tmp_path, capsys):
 
 
 def _stream_nll(run, texts: list[str]) -> float:
-    from training.finetune.continual import lm_loss
-    from training.train import load_run
+    from memtree.training.finetune.continual import lm_loss
+    from memtree.training.train import load_run
 
     model, _, manifest, tok = load_run(run)
     ids, real = batch_tensors(texts, lambda t: tok.encode(t).ids, pad_id=int(manifest["eot_id"]), max_len=64)
@@ -298,7 +304,7 @@ def test_sparse_memory_finetuning_lowers_the_loss_of_the_facts_it_learns(pkm_run
     texts = [t for r in records for t in r["texts"]]
     before, after = _stream_nll(run, texts), _stream_nll(out, texts)
     assert after < before - 0.02, (before, after)
-    from training.finetune.continual import finetune_summary
+    from memtree.training.finetune.continual import finetune_summary
 
     assert set(finetune_summary(out / "finetune.json")["changed"]["tensors"]) == {"blocks.1.pkm.values.weight"}
 
@@ -307,13 +313,13 @@ def test_eval_continual_writes_its_report(pkm_run, pipeline_run, tmp_path):
     """The experiment on a bios world, run against the tiny memory-layer run (its own background
     counts collected first) and, for the hierarchical part, a tiny co-trained bank run: results.json,
     report.md and both Pareto PNGs, each configuration from the same pretrained weights and bank."""
+    from memtree.eval.continual import load_continual_config, run_continual
+    from memtree.pipeline.corpus.bios import BiosSpec, write_bios
+    from memtree.training.train import load_run
     from streaming.base.util import clean_stale_shared_memory
 
-    from eval.continual import load_continual_config, run_continual
     from memtree.io import read_json
-    from pipeline.corpus.bios import BiosSpec, write_bios
     from tests.conftest import train_tiny_run
-    from training.train import load_run
 
     root = tmp_path / "bios"
     write_bios(root, BiosSpec(entities_per_subtopic=2), heldout_docs=8)
@@ -355,7 +361,7 @@ def test_eval_continual_writes_its_report(pkm_run, pipeline_run, tmp_path):
 
 
 def test_shipped_continual_grid_loads():
-    from eval.continual import load_continual_config
+    from memtree.eval.continual import load_continual_config
 
     cfg = load_continual_config()
     assert {s.method for s in cfg.runs} == {"sparse_memory", "full", "lora"}

@@ -31,11 +31,12 @@ def _parts(folder: Path, columns: list[str]) -> pd.DataFrame:
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory, dask_client):
+    from memtree.pipeline.config import PipelineConfig
+    from memtree.pipeline.corpus.bios import BiosSpec, write_bios
+    from memtree.pipeline.demo import DEMO_YAML
+    from memtree.pipeline.run import run_pipeline
+
     from memtree.config import load_config
-    from pipeline.config import PipelineConfig
-    from pipeline.corpus.bios import BiosSpec, write_bios
-    from pipeline.demo import DEMO_YAML
-    from pipeline.run import run_pipeline
 
     root = tmp_path_factory.mktemp("forget")
     write_bios(root / "corpus", BiosSpec(**SPEC), heldout_docs=64)
@@ -66,7 +67,7 @@ def _expected_facts(made, entities: set[str]) -> set[tuple[str, str]]:
 
 
 def test_the_owners_facts_are_exactly_those_stated_in_its_documents(made):
-    from eval.forgetting import fact_statements
+    from memtree.eval.forgetting import fact_statements
 
     facts = made["facts"]
     topic = made["corpus"][0]["topic"]
@@ -86,8 +87,8 @@ def test_the_owners_facts_are_exactly_those_stated_in_its_documents(made):
 
 
 def test_eval_block_documents_forgets_the_owner_and_leaves_the_others(made, tmp_path, capsys):
-    from eval.model import RunModel
-    from memstore.store import MemoryStore
+    from memtree.eval.model import RunModel
+    from memtree.memstore.store import MemoryStore
 
     topic = made["corpus"][0]["topic"]
     ids = _owner(made, "topic", topic)
@@ -196,8 +197,8 @@ def test_eval_block_documents_refuses_bad_input_before_scoring(made, pipeline_ru
 def test_an_owner_of_most_of_a_level_gets_no_random_control(made):
     """Blocking what every document trained leaves no block to draw a disjoint control of that size
     from: the plan says so (and the scoring skips the control) instead of drawing overlapping blocks."""
-    from eval.forgetting import plan_forgetting
-    from eval.model import RunModel
+    from memtree.eval.forgetting import plan_forgetting
+    from memtree.eval.model import RunModel
 
     rm = RunModel.load(made["run"])
     plan = plan_forgetting(rm, run=made["root"] / "pipeline", ids=[r["id"] for r in made["corpus"]])

@@ -15,10 +15,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 transformers = pytest.importorskip("transformers")
 
+from memtree.training.finetune.adapters import AdapterSpec
+from memtree.training.finetune.hf_adapters import HFMemAdapter
+from memtree.training.layers.moc import bank_for
+
 from memtree.config import ConfigError
-from training.finetune.adapters import AdapterSpec
-from training.finetune.hf_adapters import HFMemAdapter
-from training.layers.moc import bank_for
 
 VOCAB = 100
 FAMILIES = ("llama", "qwen3", "gemma3", "olmo2")

@@ -9,15 +9,15 @@ import subprocess
 import sys
 
 import pytest
+from memtree.training.config import load_train_config
 
 from memtree.config import ConfigError
-from training.config import load_train_config
 
 # one process per setting: mallopt changes the whole process's allocator
 PROBE = r"""
 import json, resource, sys
 import torch
-from training.host_alloc import retain_freed_host_memory
+from memtree.training.host_alloc import retain_freed_host_memory
 applied = retain_freed_host_memory() if sys.argv[1] == "retain" else False
 n = 64 * 2**20 // 4  # a 64 MiB fp32 tensor: above glibc's largest mmap threshold (32 MiB)
 faults = []

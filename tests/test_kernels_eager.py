@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.ffn_memory import ffn_memory, ffn_memory_table
-from kernels.memory_attention import memory_attention, memory_attention_table
+from memtree.kernels.ffn_memory import ffn_memory, ffn_memory_table
+from memtree.kernels.memory_attention import memory_attention, memory_attention_table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 interp_or_gpu = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
@@ -95,7 +95,7 @@ def test_shared_table_is_unpacked_and_split_once():
     """Three layers' reads of one shared table, forward and backward: one unpacked table and
     one dK/dV split between them; a second table of the same shapes (other lists) gets its
     own, and interleaving the two gives each call its own table's results."""
-    from kernels.memory_attention import kernel as K
+    from memtree.kernels.memory_attention import kernel as K
 
     q, bk, bv, idx, dy = _attention_inputs()
     idx2 = idx.flip(0)  # same shape, other lists
@@ -119,7 +119,7 @@ def test_shared_table_is_unpacked_and_split_once():
 
 
 def test_unpacked_tables_stay_bounded():
-    from kernels.memory_attention.table import UnpackedTables, build_table
+    from memtree.kernels.memory_attention.table import UnpackedTables, build_table
 
     cache = UnpackedTables(size=3)
     g = torch.Generator().manual_seed(0)

@@ -17,8 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.ffn_memory import ffn_memory, ffn_memory_naive, ffn_memory_table
-from kernels.ffn_memory import kernel as ffn_kernel
+from memtree.kernels.ffn_memory import ffn_memory, ffn_memory_naive, ffn_memory_table
+from memtree.kernels.ffn_memory import kernel as ffn_kernel
 
 interpreter = pytest.mark.skipif(not ffn_kernel.interpreting(),
                                  reason="needs TRITON_INTERPRET=1 to run Triton on CPU")
@@ -152,8 +152,9 @@ def test_padding_only_rows_and_bank_views():
 @interpreter
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_matches_model_feedforward_memory_branch(impl):
+    from memtree.training.model import FeedForward, ModelConfig
+
     from memtree.geometry import AnchorShape, MemoryConfig
-    from training.model import FeedForward, ModelConfig
 
     b, s, d, w = 3, 63, 64, 40
     idx = [[0, 4, 9], [0, 3, 9], [0, 4, 7]]  # one block per level, shared higher up

@@ -21,13 +21,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.memory_attention import (
+from memtree.kernels.memory_attention import (
     memory_attention,
     memory_attention_naive,
     memory_attention_table,
     op,
 )
-from kernels.memory_attention.table import dkv_chunks
+from memtree.kernels.memory_attention.table import dkv_chunks
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.skipif(not INTERPRET, reason="CPU Triton tests need TRITON_INTERPRET=1")
@@ -543,7 +543,7 @@ def test_shared_block_gradient_is_split_across_programs(per_token, dtype):
     """A block every sequence reads (MoC's shared chapter) is cut into several dK/dV chunks
     whose partial sums meet in fp32 (atomics); dense bank gradients of every dtype (fp16/bf16
     through the fp32 buffer and the scatter into the bank's shape, fp32 straight into it)."""
-    from kernels.memory_attention import kernel as K
+    from memtree.kernels.memory_attention import kernel as K
 
     case = Case(4, 4, 2, 21, 16, 9, 12, 3, per_token, "bias", dtype)
     q, bk, bv, idx, w = make_inputs(case)
@@ -569,7 +569,7 @@ def test_deterministic_mode_keeps_each_block_in_one_chunk():
     """Chunks meet in atomic adds, whose order varies on a GPU; under
     torch.use_deterministic_algorithms every block is one chunk (one writer per element), and
     the gradients still match the reference."""
-    from kernels.memory_attention import kernel as K
+    from memtree.kernels.memory_attention import kernel as K
 
     case = Case(4, 4, 2, 21, 16, 9, 12, 3, False, "bias", torch.float32)
     q, bk, bv, idx, w = make_inputs(case)
@@ -613,7 +613,7 @@ def test_table_build_stays_few_ops(per_token, weighted, bound):
     """Each op of the table build costs ~30 µs of host time on a GPU host (more than the
     kernels at moc's shape): a regression guard on the count of non-view ops (28 / 38 now,
     77 / 78 before the build was reworked)."""
-    from kernels.memory_attention import kernel as K
+    from memtree.kernels.memory_attention import kernel as K
 
     case = Case(2, 4, 2, 37, 16, 50, 8, 5, per_token, "bias" if weighted else None)
     q, bk, bv, idx, w = make_inputs(case)

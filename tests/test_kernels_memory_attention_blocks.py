@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from memtree.kernels.memory_attention import memory_attention, memory_attention_naive, op
 from test_kernels_memory_attention import (
     GPU_CASES,
     TOL_CPU,
@@ -26,8 +27,6 @@ from test_kernels_memory_attention import (
     make_inputs,
     rel_err,
 )
-
-from kernels.memory_attention import memory_attention, memory_attention_naive, op
 
 BLOCKS_CASES = [  # (case, sparse bank gradient)
     (Case(1, 6, 2, 63, 32, 9, 20, 4, True, "bias"), True),  # GQA 3, two T tiles
@@ -173,7 +172,7 @@ def test_item_table_matches_a_loop():
     its first entry, coef = the summed weights of its entries; chunks are runs of one block
     of at most CT items covering every item once; unique blocks; counts within the static
     bounds."""
-    from kernels.memory_attention.blocks import build_items
+    from memtree.kernels.memory_attention.blocks import build_items
 
     g = torch.Generator().manual_seed(7)
     b, s, k, n, ct = 2, 9, 5, 6, 3
@@ -226,7 +225,7 @@ def test_item_table_matches_a_loop():
 def test_item_table_build_stays_few_ops(weighted):
     """Each op of the build costs ~30 µs of host time on a GPU host: a regression guard on
     the count of non-view ops (48 now, weighted or not)."""
-    from kernels.memory_attention import blocks
+    from memtree.kernels.memory_attention import blocks
 
     case = Case(2, 4, 2, 37, 16, 50, 8, 5, True, "bias" if weighted else None)
     q, bk, bv, idx, w = make_inputs(case)
@@ -242,7 +241,7 @@ def test_per_token_layout_is_validated():
     q, bk, bv, idx, _ = make_inputs(Case(1, 2, 2, 3, 16, 4, 5, 2, True, None))
     with pytest.raises(ValueError, match="per_token_layout"):
         memory_attention(q, bk, bv, idx, per_token_layout="block")
-    from kernels.memory_attention import memory_attention_table
+    from memtree.kernels.memory_attention import memory_attention_table
 
     with pytest.raises(ValueError, match="per_token_layout"):
         memory_attention_table(q, bk, bv, idx, per_token_layout="slots")
@@ -262,7 +261,7 @@ def test_blocks_layout_leaves_sequence_lists_to_tiles():
 def test_blocks_prebuilt_table():
     """A table built for the blocks layout serves blocks calls like a table built inside the
     op; calls of the other layout refuse it."""
-    from kernels.memory_attention import memory_attention_table
+    from memtree.kernels.memory_attention import memory_attention_table
 
     case = Case(1, 4, 2, 20, 16, 6, 9, 3, True, "mix")
     q, bk, bv, idx, w = make_inputs(case)
@@ -323,7 +322,7 @@ def test_auto_layout_follows_the_lists_locality():
     block-major items where a tile names more than AUTO_BLOCKS_SLOTS_PER_K · k distinct
     blocks; explicit layouts, torch.use_deterministic_algorithms and per-sequence lists are
     left alone. The mean it reads equals the tile table's own slot count."""
-    from kernels.memory_attention import kernel as K
+    from memtree.kernels.memory_attention import kernel as K
 
     g = torch.Generator().manual_seed(0)
     n, k, s = 400, 3, 64

@@ -14,14 +14,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
-from kernels.memory_attention import (
+from memtree.kernels.memory_attention import (
     flex_available,
     memory_attention_flex,
     memory_attention_naive,
     memory_attention_sdpa,
 )
-from kernels.memory_attention.flex import _as_sequence
+from memtree.kernels.memory_attention.flex import _as_sequence
 
 needs_flex = pytest.mark.skipif(not flex_available(), reason="this torch has no FlexAttention")
 

@@ -9,13 +9,19 @@ import math
 
 import pytest
 import torch
+from memtree.training.finetune.adapters import AdapterSpec, attach_to_anchor, detach_from_anchor
+from memtree.training.finetune.continual import (
+    Finetuner,
+    FinetuneSpec,
+    batch_tensors,
+    changes,
+    snapshot,
+)
+from memtree.training.layers.moc import LatentBank, MoCConfig, MoCLayer, quantise
+from memtree.training.model import AnchorLM, ModelConfig
 
 from memtree.config import ConfigError
 from memtree.geometry import AnchorShape
-from training.finetune.adapters import AdapterSpec, attach_to_anchor, detach_from_anchor
-from training.finetune.continual import Finetuner, FinetuneSpec, batch_tensors, changes, snapshot
-from training.layers.moc import LatentBank, MoCConfig, MoCLayer, quantise
-from training.model import AnchorLM, ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -115,7 +121,7 @@ def test_projection_options_equal_their_explicit_formulas(low_rank):
 
 
 def test_quantised_bank_reads_stored_values_with_a_straight_through_gradient():
-    from memstore.format import QUANT_GROUP
+    from memtree.memstore.format import QUANT_GROUP
 
     rows = torch.randn(3, QUANT_GROUP + 5, requires_grad=True)
     for dtype, levels in (("int8", 255), ("int4", 15)):
@@ -211,7 +217,7 @@ def test_a_pretrained_moc_model_trains_its_own_memory_with_its_bank_frozen():
 
 
 def test_accounting_counts_what_the_finetuner_trains():
-    from training.flops import finetune_accounting, model_flops
+    from memtree.training.flops import finetune_accounting, model_flops
 
     cases = [("full", ADAPTER), ("lora", ADAPTER), ("mem_adapter", ADAPTER), ("mem_adapter+lora", ADAPTER),
              ("mem_adapter", SPECS["v2-per-layer"]), ("mem_adapter", SPECS["factorized-int8"]),
@@ -232,8 +238,8 @@ def test_accounting_counts_what_the_finetuner_trains():
         if method == "lora":
             assert acct["train_flops_per_token"] > acct["inference_flops_per_token"] == acct["base_flops_per_token"]
     # bytes of the stored bank: fp32 4 per value; int8 1 per value + a 4-byte scale per group
-    from memstore.format import QUANT_GROUP
-    from training.layers.moc import bank_bytes
+    from memtree.memstore.format import QUANT_GROUP
+    from memtree.training.layers.moc import bank_bytes
 
     m32 = ADAPTER.moc_config(n_layers=3, d_model=16, n_heads=2)
     assert bank_bytes(m32, 16) == 4 * 4 * 3 * 16
@@ -296,11 +302,11 @@ def anchor_run(pipeline_run, tmp_path_factory):
 
 
 def test_memtree_finetune_with_adapters_saves_a_run_that_reopens_with_them(anchor_run, tmp_path):
+    from memtree.training.finetune.continual import finetune_summary
+    from memtree.training.train import load_run
     from safetensors.torch import load_file
 
     from memtree.cli import main
-    from training.finetune.continual import finetune_summary
-    from training.train import load_run
 
     stream = tmp_path / "stream.jsonl"
     stream.write_text("".join(json.dumps({"id": f"f{i}", "texts": [f"the colour of item {i} is blue"]}) + "\n"
@@ -319,9 +325,10 @@ def test_memtree_finetune_with_adapters_saves_a_run_that_reopens_with_them(ancho
 
 
 def test_eval_adapters_writes_its_report(anchor_run, tmp_path):
-    from eval.adapters import load_adapters_config, run_adapters
+    from memtree.eval.adapters import load_adapters_config, run_adapters
+    from memtree.pipeline.corpus.bios import BiosSpec, write_bios
+
     from memtree.io import read_json
-    from pipeline.corpus.bios import BiosSpec, write_bios
 
     root = tmp_path / "bios"
     write_bios(root, BiosSpec(entities_per_subtopic=2), heldout_docs=4)
@@ -354,13 +361,13 @@ def test_eval_adapters_writes_its_report(anchor_run, tmp_path):
 
 
 def test_shipped_adapter_yamls_load():
-    from eval.adapters import load_adapters_config
+    from memtree.eval.adapters import load_adapters_config
 
     cfg = load_adapters_config()
     assert {s.method for s in cfg.runs} == {"full", "lora", "mem_adapter", "mem_adapter+lora"}
     from pathlib import Path
 
-    from training.finetune.continual import load_finetune_config
+    from memtree.training.finetune.continual import load_finetune_config
 
     ft = load_finetune_config(Path(__file__).parents[1] / "training" / "yamls" / "finetune-adapter.yaml")
     assert ft.spec.method == "mem_adapter" and ft.spec.adapter.n_chapters == 16

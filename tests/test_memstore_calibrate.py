@@ -7,10 +7,9 @@ import math
 from pathlib import Path
 
 import pytest
-
-from memstore.cli import add_calibrate_arguments, parse_size, run_calibrate
-from memstore.format import read_manifest
-from memstore.sim.calibrate import (
+from memtree.memstore.cli import add_calibrate_arguments, parse_size, run_calibrate
+from memtree.memstore.format import read_manifest
+from memtree.memstore.sim.calibrate import (
     calibrate,
     fit_latency_bandwidth,
     fit_tier,
@@ -18,9 +17,10 @@ from memstore.sim.calibrate import (
     validate,
     write_calibration_bank,
 )
-from memstore.sim.latency import simulate_fetch
-from memstore.sim.profiles import load_profile
-from memstore.store import MemoryStore, TierConfig
+from memtree.memstore.sim.latency import simulate_fetch
+from memtree.memstore.sim.profiles import load_profile
+from memtree.memstore.store import MemoryStore, TierConfig
+
 from memtree.geometry import AnchorShape, plan
 
 KiB = 1024

@@ -30,11 +30,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from memtree.memstore.format import (
+    GENERIC,
+    BankError,
+    RecordCodec,
+    paper_init,
+    read_manifest,
+    verify_bank,
+)
+from memtree.memstore.locking import lock_paths
+from memtree.memstore.store import MemoryStore, TierConfig
+from memtree.memstore.writer import write_bank
 
-from memstore.format import GENERIC, BankError, RecordCodec, paper_init, read_manifest, verify_bank
-from memstore.locking import lock_paths
-from memstore.store import MemoryStore, TierConfig
-from memstore.writer import write_bank
 from memtree.geometry import QUANT_GROUP, AnchorShape, MemoryConfig, block_layout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -431,7 +438,7 @@ def test_missing_sums_file(tmp_path):
 
 
 def _tree(data_seed: int, build_seed: int):
-    from clustering.tree import build_tree
+    from memtree.clustering.tree import build_tree
 
     rng = np.random.default_rng(data_seed)
     x = rng.standard_normal((1200, 16)).astype(np.float32)
@@ -442,7 +449,7 @@ def _tree(data_seed: int, build_seed: int):
 
 
 def test_tree_binding(tmp_path):
-    from clustering.tree import compute_tree_id
+    from memtree.clustering.tree import compute_tree_id
 
     tree, other = _tree(0, 0), _tree(1, 1)
     tid, other_id = compute_tree_id(tree), compute_tree_id(other)
@@ -550,7 +557,7 @@ CHILD_PRELUDE = f"""
 import os, signal, sys, time
 sys.path.insert(0, {str(REPO)!r})
 import torch
-from memstore.writer import write_bank
+from memtree.memstore.writer import write_bank
 from memtree.geometry import AnchorShape, MemoryConfig
 TINY = AnchorShape(name="tiny", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=100)
 MEM = MemoryConfig(multipliers=(8, 4, 2), branching=4)

@@ -8,13 +8,13 @@ import json
 import numpy as np
 import pytest
 import torch
+from memtree.memstore.blocking import adversarial_block, random_block, rank_clusters, subtree_share
+from memtree.memstore.format import GENERIC, BankError, read_manifest, verify_bank
+from memtree.memstore.journal import audit_log
+from memtree.memstore.merge import merge_banks, relocate_level, split_bank
+from memtree.memstore.store import MemoryStore, TierConfig
+from memtree.memstore.writer import write_bank
 
-from memstore.blocking import adversarial_block, random_block, rank_clusters, subtree_share
-from memstore.format import GENERIC, BankError, read_manifest, verify_bank
-from memstore.journal import audit_log
-from memstore.merge import merge_banks, relocate_level, split_bank
-from memstore.store import MemoryStore, TierConfig
-from memstore.writer import write_bank
 from memtree.cli import main
 from memtree.geometry import AnchorShape, MemoryConfig
 

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from memstore.cli import add_simulate_arguments, run_simulate
-from memstore.sim.latency import (
+from memtree.memstore.cli import add_simulate_arguments, run_simulate
+from memtree.memstore.sim.latency import (
     load_trace,
     pinned,
     simulate_fetch,
@@ -19,7 +18,8 @@ from memstore.sim.latency import (
     validate_trace,
     zipf_trace,
 )
-from memstore.sim.profiles import HardwareProfile, TierProfile, load_profile
+from memtree.memstore.sim.profiles import HardwareProfile, TierProfile, load_profile
+
 from memtree.config import ConfigError
 from memtree.geometry import AnchorShape, plan, stored_bytes
 
@@ -285,7 +285,7 @@ def test_run_simulate_with_a_trace_file_and_pinned_tier(tmp_path):
 
 
 def _tiny_tree(tmp_path: Path):
-    from clustering.tree import build_tree, load_tree, save_tree
+    from memtree.clustering.tree import build_tree, load_tree, save_tree
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(400, 384)).astype(np.float32)
@@ -296,7 +296,7 @@ def _tiny_tree(tmp_path: Path):
 
 
 def test_routed_paths_replay_as_a_session(tmp_path):
-    from clustering.route import route
+    from memtree.clustering.route import route
 
     tree = _tiny_tree(tmp_path)
     q = np.random.default_rng(1).normal(size=(30, 384)).astype(np.float32)
@@ -310,7 +310,7 @@ def test_routed_paths_replay_as_a_session(tmp_path):
 
 @pytest.mark.slow
 def test_trace_from_texts_routes_real_queries(tmp_path):
-    from memstore.sim.latency import trace_from_texts
+    from memtree.memstore.sim.latency import trace_from_texts
 
     _tiny_tree(tmp_path)
     texts = ["the atomic number of carbon", "the atomic number of carbon", "a recipe for bread"]

@@ -27,11 +27,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from memtree.memstore.format import GENERIC, BankError, read_manifest, verify_bank
+from memtree.memstore.journal import audit_log
+from memtree.memstore.store import MemoryStore, TierConfig
+from memtree.memstore.writer import write_bank
 
-from memstore.format import GENERIC, BankError, read_manifest, verify_bank
-from memstore.journal import audit_log
-from memstore.store import MemoryStore, TierConfig
-from memstore.writer import write_bank
 from memtree.geometry import AnchorShape, MemoryConfig, block_layout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -615,7 +615,7 @@ SCATTER_LOOP = f"""
 import sys, pathlib
 sys.path.insert(0, {str(REPO)!r})
 import torch
-from memstore.store import MemoryStore, TierConfig
+from memtree.memstore.store import MemoryStore, TierConfig
 root, marker = sys.argv[1], sys.argv[2]
 st = MemoryStore(root, tiers=[TierConfig(name="flash", kind="flash")])
 k = st.info.generation

@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from memtree.memstore.format import GENERIC, level_path, read_manifest
+from memtree.memstore.journal import audit_log
+from memtree.memstore.ownership import owner_shares
+from memtree.memstore.store import MemoryStore, read_policy
 
-from memstore.format import GENERIC, level_path, read_manifest
-from memstore.journal import audit_log
-from memstore.ownership import owner_shares
-from memstore.store import MemoryStore, read_policy
 from memtree.cli import main
 from tests.conftest import cli_on_bank_copy
 
@@ -33,7 +33,7 @@ def _parts(folder: Path, columns: list[str]) -> pd.DataFrame:
 
 @pytest.fixture(scope="module")
 def made(pipeline_run, tmp_path_factory):
-    from clustering.tree import build_tree, save_tree
+    from memtree.clustering.tree import build_tree, save_tree
 
     run = pipeline_run[0]
     root = tmp_path_factory.mktemp("owner")

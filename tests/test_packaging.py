@@ -1,5 +1,7 @@
 """memtree installs cleanly beside its dependencies and exposes one CLI."""
 
+import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -7,17 +9,19 @@ from pathlib import Path
 
 import numpy as np
 
+from memtree import STAGES
+
+REPO = Path(__file__).resolve().parents[1]
+
 
 def test_top_level_kernels_package_does_not_confuse_transformers():
     # transformers probes for an unrelated hub package named `kernels`; ours must not be taken for it.
+    import memtree.kernels  # noqa: F401  (ours, importable)
     from transformers.utils import import_utils
 
-    import kernels  # noqa: F401  (ours, importable)
-
     assert not import_utils.is_kernels_available()
+    from memtree.clustering.embed import default_model_path, embed_texts, load_embedder
     from transformers import AutoModel
-
-    from clustering.embed import default_model_path, embed_texts, load_embedder
 
     AutoModel.from_pretrained(default_model_path(), local_files_only=True)
     m = load_embedder(None, device="cpu", max_seq_length=64)
@@ -27,7 +31,7 @@ def test_top_level_kernels_package_does_not_confuse_transformers():
 
 
 def test_mean_strategy_covers_the_whole_window():
-    from clustering.embed import embed_texts, load_embedder
+    from memtree.clustering.embed import embed_texts, load_embedder
 
     m = load_embedder(None, device="cpu", max_seq_length=32)
     head = "The telescope observed a distant nebula. " * 6
@@ -51,14 +55,114 @@ def test_cli_lists_subcommands_and_names_bad_input(tmp_path):
     assert r.returncode == 1 and "tree.levelz" in r.stderr
 
 
+def _setuptools() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
 def test_package_data_ships_every_stage_config():
     # Each stage keeps its YAMLs in <stage>/yamls/, a data folder rather than a package: a wheel
     # carries them only if pyproject.toml's package-data patterns name them.
-    repo = Path(__file__).resolve().parents[1]
-    table = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    table = _setuptools()["package-data"]
     missing = []
-    for folder in sorted(repo.glob("*/yamls")):
+    for folder in sorted(REPO.glob("*/yamls")):
         pkg = folder.parent
-        shipped = {f for pat in [*table.get("*", []), *table.get(pkg.name, [])] for f in pkg.glob(pat)}
-        missing += [str(f.relative_to(repo)) for f in folder.rglob("*") if f.is_file() and f not in shipped]
+        pats = [*table.get("*", []), *table.get(f"memtree.{pkg.name}", [])]
+        shipped = {f for pat in pats for f in pkg.glob(pat)}
+        missing += [str(f.relative_to(REPO)) for f in folder.rglob("*") if f.is_file() and f not in shipped]
     assert not missing, f"not in pyproject.toml's package-data: {missing}"
+
+
+def _folders_to_ship() -> set[str]:
+    """memtree.<dotted> of every folder of memtree/ and the stages that holds a module or data."""
+    out = set()
+    for top in ("memtree", *STAGES):
+        for d in [REPO / top, *(p for p in (REPO / top).rglob("*") if p.is_dir())]:
+            if d.name == "__pycache__" or not any(f.is_file() and f.suffix in (".py", ".yaml", ".json", ".jsonl")
+                                                   for f in d.iterdir()):
+                continue
+            rel = d.relative_to(REPO).parts
+            out.add(".".join(rel) if top == "memtree" else ".".join(("memtree", *rel)))
+    return out
+
+
+def test_pyproject_lists_every_package_under_the_one_namespace():
+    """pyproject.toml names each package (the stages map under memtree, which find cannot do):
+    a folder added on disk and not listed would be missing from the wheel."""
+    cfg = _setuptools()
+    assert set(cfg["packages"]) == _folders_to_ship()
+    assert cfg["package-dir"] == {f"memtree.{s}": s for s in sorted(STAGES)}
+
+
+def _site_packages(venv: Path) -> Path:
+    return next(venv.glob("lib/python*/site-packages"))
+
+
+def test_the_wheel_installs_one_import_name(tmp_path):
+    """A wheel built from this tree, installed into a fresh venv, adds `memtree` and nothing else
+    that can be imported; every stage imports from it and `memtree --help` runs, even from a folder
+    holding a user's own eval.py, training/ and kernels.py."""
+    # built from a copy of what the wheel is made of: setuptools' build/ folder in the checkout
+    # would carry files of an earlier build (a module since moved) into this one
+    src = tmp_path / "src"
+    for name in ("pyproject.toml", "README.md"):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, src / name)
+    for top in ("memtree", *STAGES):
+        shutil.copytree(REPO / top, src / top, ignore=shutil.ignore_patterns("__pycache__"))
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                        "-q", "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("memtree-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    before = {p.name for p in _site_packages(venv).iterdir()}
+    r = subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    site = _site_packages(venv)
+    added = {p.name for p in site.iterdir()} - before
+    assert {n for n in added if not n.endswith(".dist-info") and n != "__pycache__"} == {"memtree"}, added
+    assert (next(site.glob("memtree-*.dist-info")) / "top_level.txt").read_text().split() == ["memtree"]
+    # the dependencies come from this environment (a path line: its own .pth files, among them the
+    # editable install of this checkout, are not read), so nothing is downloaded
+    deps = [p for p in map(Path, sys.path) if p.name == "site-packages" and p.is_dir()]
+    (site / "zz-memtree-test-deps.pth").write_text("\n".join(map(str, deps)) + "\n")
+
+    user = tmp_path / "user"
+    (user / "training").mkdir(parents=True)
+    (user / "training" / "__init__.py").write_text("raise ImportError('the user training/ was imported')\n")
+    (user / "eval.py").write_text("raise ImportError('the user eval.py was imported')\n")
+    (user / "kernels.py").write_text("raise ImportError('the user kernels.py was imported')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = ("import importlib, sys\n"
+            f"stages = {[f'memtree.{s}' for s in STAGES]!r}\n"
+            "mods = [importlib.import_module(m) for m in stages + ['memtree.training.model', 'memtree.eval.cli',"
+            " 'memtree.kernels.memory_attention', 'memtree.pipeline.corpus', 'memtree.memstore.cli']]\n"
+            "print('\\n'.join(m.__file__ for m in mods))\n")
+    r = subprocess.run([venv / "bin" / "python", "-c", code], cwd=user, env=env, capture_output=True, text=True,
+                       check=False, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    files = r.stdout.split()
+    assert len(files) == len(STAGES) + 5 and all(f.startswith(str(site / "memtree")) for f in files), files
+    assert (site / "memtree" / "eval" / "yamls" / "tasks").is_dir()
+    r = subprocess.run([venv / "bin" / "memtree", "--help"], cwd=user, env=env, capture_output=True, text=True,
+                       check=False, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "pipeline" in r.stdout and "demo" in r.stdout and "memstore" in r.stdout
+
+
+def test_a_source_checkout_imports_its_stages_without_an_install(tmp_path):
+    """`PYTHONPATH=<checkout>` with no install (how bench/device_check.py runs on a machine with no
+    package index) finds memtree.<stage> in the folders beside memtree/. `-S` keeps site's .pth
+    files, among them this checkout's editable install, out; the dependencies come as plain paths."""
+    deps = [str(p) for p in map(Path, sys.path) if p.name == "site-packages" and p.is_dir()]
+    env = dict({k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+               PYTHONPATH=os.pathsep.join([str(REPO), *deps]))
+    code = ("import sys, memtree.training.model as m, memtree.eval.cli as c, memtree.kernels.ffn_memory as k\n"
+            "assert not any('editable' in type(f).__module__ for f in sys.meta_path), sys.meta_path\n"
+            "print(m.__file__, c.__file__, k.__file__)\n")
+    r = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       check=False, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == [str(REPO / "training" / "model.py"), str(REPO / "eval" / "cli.py"),
+                                str(REPO / "kernels" / "ffn_memory" / "__init__.py")]

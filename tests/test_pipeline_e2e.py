@@ -11,10 +11,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from memtree.pipeline.config import PipelineConfig
+from memtree.pipeline.run import run_pipeline
 
 from memtree.config import load_config
-from pipeline.config import PipelineConfig
-from pipeline.run import run_pipeline
 from tests.conftest import PIPELINE_OVERRIDES, kill_when_ready
 
 OVERRIDES = PIPELINE_OVERRIDES
@@ -31,10 +31,9 @@ def run_a(pipeline_run):
 
 
 def _read_all(out: Path):
+    from memtree.pipeline.shards import open_streams
     from streaming import StreamingDataset
     from streaming.base.util import clean_stale_shared_memory
-
-    from pipeline.shards import open_streams
 
     clean_stale_shared_memory()
     ds = StreamingDataset(streams=open_streams(out / "shards"), shuffle=False, batch_size=1)
@@ -52,7 +51,7 @@ def test_end_to_end_counts(run_a, corpus_records):
 
 
 def test_every_window_in_exactly_one_sample_with_valid_paths(run_a):
-    from clustering.tree import load_tree
+    from memtree.clustering.tree import load_tree
 
     out, markers, _ = run_a
     tree = load_tree(out / "tree")
@@ -85,8 +84,8 @@ def test_every_window_in_exactly_one_sample_with_valid_paths(run_a):
 
 
 def test_query_time_routing_matches_training_assignment(run_a):
-    from clustering.route import route_texts
-    from clustering.tree import load_tree
+    from memtree.clustering.route import route_texts
+    from memtree.clustering.tree import load_tree
 
     out, _, _ = run_a
     tree = load_tree(out / "tree")
@@ -113,7 +112,7 @@ def test_topics_cluster_together(run_a):
 
 
 def test_routing_cells_balanced_on_real_embeddings(run_a):
-    from clustering.tree import build_tree, level_stats
+    from memtree.clustering.tree import build_tree, level_stats
 
     out, _, _ = run_a
     x = np.load(out / "embed" / "embeddings.npy")
@@ -146,8 +145,7 @@ def test_tree_restarts_run_through_the_dask_fitter(run_a, corpus, dask_client, b
     nodes over it) reach the Dask node fits: the pipeline's tree is the one build_tree gives with
     the same settings on the run's embeddings, and only the tree and what depends on it rerun."""
     import numpy as np
-
-    from clustering.tree import build_tree, load_tree
+    from memtree.clustering.tree import build_tree, load_tree
 
     out, _, _ = run_a
     logs: list[str] = []
@@ -200,7 +198,7 @@ def test_killed_run_resumes_to_identical_outputs(run_a, corpus, tmp_path):
 def test_local_cluster_workers_keep_the_trim_and_a_fixed_mmap_threshold(dask_client):
     """Dask's nanny sets MALLOC_TRIM_THRESHOLD_; the pipeline's LocalCluster also fixes glibc's
     mmap threshold, so large tensor buffers are not mmap'ed per allocation (11 % of encode)."""
-    from pipeline.dask_utils import MMAP_THRESHOLD
+    from memtree.pipeline.dask_utils import MMAP_THRESHOLD
 
     env = dask_client.run(lambda: (os.environ.get("MALLOC_TRIM_THRESHOLD_"), os.environ.get("MALLOC_MMAP_THRESHOLD_"),
                                    os.environ.get("OMP_NUM_THREADS")))

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from memtree.memstore.format import GENERIC, BankError, read_manifest, verify_bank
+from memtree.memstore.locking import BankBusy, bank_writer, holder, lock_paths
+from memtree.memstore.store import MemoryStore, TierConfig, read_policy
+from memtree.memstore.writer import write_bank
 
-from memstore.format import GENERIC, BankError, read_manifest, verify_bank
-from memstore.locking import BankBusy, bank_writer, holder, lock_paths
-from memstore.store import MemoryStore, TierConfig, read_policy
-from memstore.writer import write_bank
 from memtree.geometry import AnchorShape, MemoryConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,8 +36,8 @@ PRELUDE = f"""
 import json, os, sys, time
 sys.path.insert(0, {str(REPO)!r})
 import torch
-from memstore.format import GENERIC
-from memstore.store import MemoryStore, TierConfig
+from memtree.memstore.format import GENERIC
+from memtree.memstore.store import MemoryStore, TierConfig
 """
 
 
@@ -81,7 +81,7 @@ def memstore_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 HOLD = """
-from memstore.locking import bank_writer
+from memtree.memstore.locking import bank_writer
 root, ready, release = sys.argv[1:4]
 with bank_writer(root, operation="hold for the test"):
     open(ready, "w").close()
@@ -270,7 +270,7 @@ def test_recovery_on_open_leaves_a_live_writers_files_alone(tmp_path):
     with bank_writer(root, operation="edit in progress"):
         debris.write_text("{}")
         code = f"""
-from memstore.store import MemoryStore
+from memtree.memstore.store import MemoryStore
 MemoryStore({str(root)!r}).close()
 """
         subprocess.run([sys.executable, "-c", PRELUDE + code], cwd=REPO, check=True, timeout=60)

@@ -11,8 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from training.data import ShardError, verify_shards
+from memtree.training.data import ShardError, verify_shards
 
 
 @pytest.fixture(autouse=True)
@@ -28,10 +27,11 @@ def _clean_streaming_shm():
 def small_run(tmp_path_factory, dask_client) -> Path:
     """A real pipeline run up to the shards on 160 documents (2 × 4 tree, 256-token samples, several
     shards per stream); the torch embedder, which needs no int8 export (the slow part here)."""
+    from memtree.pipeline.config import PipelineConfig
+    from memtree.pipeline.corpus.topical import CorpusSpec, generate_corpus
+    from memtree.pipeline.run import run_pipeline
+
     from memtree.config import load_config
-    from pipeline.config import PipelineConfig
-    from pipeline.corpus.topical import CorpusSpec, generate_corpus
-    from pipeline.run import run_pipeline
     from tests.conftest import PIPELINE_OVERRIDES, write_jsonl
 
     records = list(generate_corpus(CorpusSpec(n_docs=160, seed=3, long_doc_fraction=0.01)))
@@ -76,7 +76,7 @@ def decompress_first_run(stream: Path) -> list[Path]:
 
 
 def _cfg(shards: Path, folder: Path, *extra: str):
-    from training.config import load_train_config
+    from memtree.training.config import load_train_config
 
     shape = "model.shape={n_layers: 1, d_model: 32, n_heads: 2, head_dim: 16, ffn_dim: 64}"
     return load_train_config(None, [f"data.shards={shards}", f"save_folder={folder}", "data.batch_size=4",
@@ -157,8 +157,7 @@ def test_flipped_byte_in_decompressed_shard_is_named(run_copy):
 
 def test_training_refuses_before_any_step(run_copy, tmp_path):
     from composer.core import Callback
-
-    from training.train import build_trainer, train
+    from memtree.training.train import build_trainer, train
 
     class Steps(Callback):
         n = 0
@@ -183,7 +182,7 @@ def test_training_refuses_before_any_step(run_copy, tmp_path):
 
 
 def test_flipped_byte_in_tree_array_is_named(run_copy):
-    from clustering.tree import load_tree
+    from memtree.clustering.tree import load_tree
 
     tree = load_tree(run_copy / "tree")
     f = run_copy / "tree" / "centroids-l1.npy"
@@ -197,8 +196,8 @@ def test_flipped_byte_in_tree_array_is_named(run_copy):
 
 def test_flipped_byte_in_starting_bank_is_named_before_any_step(run_copy, tmp_path):
     """memory.init_bank is read whole through memstore, which checks each block's digest."""
-    from memstore.format import BankError, level_path, read_manifest
-    from training.train import build_model, build_trainer
+    from memtree.memstore.format import BankError, level_path, read_manifest
+    from memtree.training.train import build_model, build_trainer
 
     shards = run_copy / "shards"
     extra = ("mode=scratch", "memory.multipliers=[4,2]", "memory.read=gather")

@@ -83,11 +83,11 @@ def run_on_tmpfs(tmp_path: Path, code: str, *args: str, size: str = "64m", timeo
 
 BANK_AND_TREE = """
 import numpy as np, torch
-from clustering.tree import Tree, load_tree, save_tree
-from memstore.format import GENERIC, read_manifest, verify_bank
-from memstore.writer import write_bank
+from memtree.clustering.tree import Tree, load_tree, save_tree
+from memtree.memstore.format import GENERIC, read_manifest, verify_bank
+from memtree.memstore.writer import write_bank
 from memtree.geometry import AnchorShape, MemoryConfig
-from memstore.store import MemoryStore, TierConfig
+from memtree.memstore.store import MemoryStore, TierConfig
 
 anchor = AnchorShape(name="t", n_layers=2, d_model=64, n_heads=2, head_dim=32, ffn_dim=128, vocab_size=100)
 mem = MemoryConfig(multipliers=(64, 32), branching=4)
@@ -153,8 +153,8 @@ def test_full_disk_during_bank_and_tree_writes(tmp_path):
 
 PIPELINE = """
 from memtree.config import load_config
-from pipeline.config import PipelineConfig
-from pipeline.run import run_pipeline
+from memtree.pipeline.config import PipelineConfig
+from memtree.pipeline.run import run_pipeline
 src, corpus, overrides = sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 run = os.path.join(MNT, "run")
 shutil.copytree(src, run)
@@ -201,8 +201,8 @@ import torch
 from composer.core import Callback
 from safetensors.torch import load_file
 from streaming.base.util import clean_stale_shared_memory
-from training.config import load_train_config
-from training.train import train
+from memtree.training.config import load_train_config
+from memtree.training.train import train
 shards, ref = sys.argv[2], sys.argv[3]
 
 class FillAt(Callback):

@@ -47,9 +47,8 @@ def _launch(world: int, shards: Path, folder: Path, *, stop_at: int | None = Non
 
 
 def _weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    from memtree.training.bank import TrainableBank
     from safetensors.torch import load_file
-
-    from training.bank import TrainableBank
 
     bank = TrainableBank.from_bank(folder / "bank")
     return load_file(folder / "anchor.safetensors"), {lv: t.detach() for lv, t in bank.tables.items()}
@@ -64,9 +63,8 @@ def uninterrupted(pipeline_run, tmp_path_factory):
     # what training moved the weights by, far above the tolerances (so the comparison is not vacuous):
     # the bank at most ~lr per step, 2.7e-2 in the 8 steps (measured 2026-12-03), hence 10× its bound
     from composer.utils import reproducibility
-
-    from training.config import load_train_config
-    from training.train import build_model
+    from memtree.training.config import load_train_config
+    from memtree.training.train import build_model
 
     reproducibility.seed_all(0)  # as build_trainer does before building the model
     init, _ = build_model(load_train_config(None, _args(shards, folder)))

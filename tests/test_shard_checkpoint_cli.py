@@ -13,20 +13,20 @@ import sys
 from pathlib import Path
 
 import pytest
-from train_launcher import launch
-
-from memstore.format import read_manifest as read_bank_manifest
-from memtree.geometry import AnchorShape, MemoryConfig
-from training.bank import TrainableBank
-from training.bank_shards import (
+from memtree.memstore.format import read_manifest as read_bank_manifest
+from memtree.training.bank import TrainableBank
+from memtree.training.bank_shards import (
     BankShardCheckpoints,
     checkpoint_batches,
     composer_checkpoint_batches,
     read_manifest,
     save_shards,
 )
-from training.data import read_shards_manifest
-from training.optim import MemoryAdamW
+from memtree.training.data import read_shards_manifest
+from memtree.training.optim import MemoryAdamW
+from train_launcher import launch
+
+from memtree.geometry import AnchorShape, MemoryConfig
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, EVERY, KEEP = 6, 2, 2

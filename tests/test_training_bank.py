@@ -6,13 +6,13 @@ import hashlib
 
 import pytest
 import torch
+from memtree.memstore.format import GENERIC, read_manifest
+from memtree.memstore.merge import merge_banks
+from memtree.memstore.store import MemoryStore
+from memtree.training.bank import TrainableBank
+from memtree.training.optim import MemoryAdamW
 
-from memstore.format import GENERIC, read_manifest
-from memstore.merge import merge_banks
-from memstore.store import MemoryStore
 from memtree.geometry import AnchorShape, MemoryConfig, block_layout
-from training.bank import TrainableBank
-from training.optim import MemoryAdamW
 
 ANCHOR = AnchorShape(name="tiny", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=100)
 MEM = MemoryConfig(multipliers=(8, 4, 2), branching=4)
@@ -172,7 +172,7 @@ def test_bank_on_the_gpu_maps_paths_from_either_device(read):
     """The bank on CUDA: `slots` takes host paths (the model maps paths on the host) and device
     paths (bench/training_steps.py), and a MemtreeLM forward + backward reads it either way
     (the first device check found the cluster-to-row table left on the CPU)."""
-    from training.composer_model import MemtreeLM
+    from memtree.training.composer_model import MemtreeLM
 
     shard_bank = TrainableBank(ANCHOR, MEM, shard=(1, 3)).cuda()
     paths = torch.tensor([[1, 4, 16], [3, 13, 55]])

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from composer.core import Callback
+from memtree.memstore.format import verify_bank
+from memtree.training.config import load_train_config
+from memtree.training.train import build_model, train
 
-from memstore.format import verify_bank
 from memtree.config import ConfigError
 from tests.conftest import kill_when_ready
-from training.config import load_train_config
-from training.train import build_model, train
 
 
 class LossLog(Callback):
@@ -78,11 +78,11 @@ def test_baseline_then_frozen_memories(pipeline_run, tmp_path):
     # both runs start on the same batch, and the trained anchor is well below the initial one on it
     assert torch.equal(log.first["input_ids"], log2.first["input_ids"])
     assert log2.losses[0] < log.losses[0] - 0.5, (log.losses[0], log2.losses[0])
-    from clustering.tree import compute_tree_id, load_tree
+    from memtree.clustering.tree import compute_tree_id, load_tree
 
     info = verify_bank(frozen["bank"])
     assert info["levels"] == [1, 2]
-    from memstore.format import read_manifest
+    from memtree.memstore.format import read_manifest
 
     assert read_manifest(frozen["bank"]).tree_id == compute_tree_id(load_tree(pipeline_run[0] / "tree"))
 
@@ -91,7 +91,7 @@ def test_memories_start_with_no_effect_and_generic_rate(pipeline_run, tmp_path):
     shards = pipeline_run[0] / "shards"
     cfg = _cfg(shards, tmp_path / "x", "mode=scratch", "memory.multipliers=[4,2]")
     model, manifest = build_model(cfg)
-    from training.data import build_dataloader
+    from memtree.training.data import build_dataloader
 
     batch = next(iter(build_dataloader(shards, batch_size=4, shuffle=False)))
     model.eval()
@@ -153,7 +153,7 @@ def test_resume_after_kill_matches_an_uninterrupted_run(pipeline_run, tmp_path):
             "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}",
             "save_num_checkpoints_to_keep=-1"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    cmd = [sys.executable, "-m", "training.train"]
+    cmd = [sys.executable, "-m", "memtree.training.train"]
     killed_dir = tmp_path / "killed"
     ckpt = killed_dir / "checkpoints" / "ep0-ba3-rank0.pt"
     why = kill_when_ready([*cmd, *args, f"save_folder={killed_dir}"], ckpt.exists, env=env,
@@ -170,7 +170,7 @@ def test_resume_after_kill_matches_an_uninterrupted_run(pipeline_run, tmp_path):
 
     a, b = load_file(killed_dir / "anchor.safetensors"), load_file(tmp_path / "straight" / "anchor.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    from memstore.store import MemoryStore
+    from memtree.memstore.store import MemoryStore
 
     with MemoryStore(killed_dir / "bank") as s1, MemoryStore(tmp_path / "straight" / "bank") as s2:
         for lv in (1, 2):
@@ -182,14 +182,14 @@ def test_save_folder_of_another_config_is_refused(pipeline_run, tmp_path):
     shards = pipeline_run[0] / "shards"
     train(_cfg(shards, tmp_path / "s", "max_duration=1ba"))
     with pytest.raises(ConfigError, match="another config.*optim.lr"):
-        from training.train import check_save_folder
+        from memtree.training.train import check_save_folder
 
         check_save_folder(_cfg(shards, tmp_path / "s", "max_duration=1ba", "optim.lr=0.5"))
 
 
 def test_shipped_yamls_validate():
-    from training.context.train import load_context_config
-    from training.finetune.continual import load_finetune_config
+    from memtree.training.context.train import load_context_config
+    from memtree.training.finetune.continual import load_finetune_config
 
     for path in sorted((Path(__file__).resolve().parents[1] / "training" / "yamls").glob("*.yaml")):
         if path.name.startswith("context-"):  # the context bank's compressor (training/context/train.py)
@@ -284,7 +284,7 @@ def test_kv_memories_read_in_place_train_like_gathered_ones(pipeline_run, tmp_pa
         runs[read] = (log.losses, out)
     (fused_losses, fused), (gather_losses, gathered) = runs["fused"], runs["gather"]
     assert fused_losses == pytest.approx(gather_losses, rel=1e-4)
-    from training.bank import TrainableBank
+    from memtree.training.bank import TrainableBank
 
     initial, _ = build_model(_cfg(shards, tmp_path / "init", "mode=scratch", "memory.type=kv",
                                   "memory.multipliers=[4,2]"))
@@ -292,7 +292,7 @@ def test_kv_memories_read_in_place_train_like_gathered_ones(pipeline_run, tmp_pa
     for lv in ("1", "2"):  # training moved the rows it read
         moved = (trained.tables[lv] - initial.bank.tables[lv].detach()).abs().amax(1) > 1e-4
         assert 0 < int(moved.sum()), lv
-    from memstore.store import MemoryStore
+    from memtree.memstore.store import MemoryStore
 
     with MemoryStore(fused["bank"]) as a, MemoryStore(gathered["bank"]) as b:
         for level in (1, 2):
@@ -309,8 +309,8 @@ def test_bank_lr_by_level_moves_each_level_at_its_own_rate(pipeline_run, tmp_pat
     """memory.lr_by_level gives each level's table its own learning rate: after one real Adam step
     (whose first update is about lr per touched element) the level-1 rows moved ~100× farther than
     the level-2 rows; a list of the wrong length is an error that names the key."""
-    from training.composer_model import unwrap
-    from training.train import build_trainer
+    from memtree.training.composer_model import unwrap
+    from memtree.training.train import build_trainer
 
     shards = pipeline_run[0] / "shards"
     with pytest.raises(ConfigError, match="memory.lr_by_level"):

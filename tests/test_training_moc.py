@@ -11,14 +11,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 from composer.core import Callback
+from memtree.training.composer_model import MemtreeLM
+from memtree.training.config import load_train_config
+from memtree.training.layers.moc import (
+    LatentBank,
+    MoCConfig,
+    MoCLayer,
+    load_balance_loss,
+    route,
+    z_loss,
+)
+from memtree.training.model import AnchorLM, ModelConfig
+from memtree.training.optim import MemoryAdamW
 
 from memtree.config import ConfigError
 from memtree.geometry import AnchorShape, MemoryConfig
-from training.composer_model import MemtreeLM
-from training.config import load_train_config
-from training.layers.moc import LatentBank, MoCConfig, MoCLayer, load_balance_loss, route, z_loss
-from training.model import AnchorLM, ModelConfig
-from training.optim import MemoryAdamW
 
 YAMLS = Path(__file__).resolve().parents[1] / "training" / "yamls"
 TINY = AnchorShape(name="tiny-gqa", n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48,
@@ -353,10 +360,9 @@ class MoCLog(Callback):
 
 
 def test_trainer_fit_tiny_moc(pipeline_run, tmp_path):
+    from memtree.training.train import build_model, train
     from safetensors.torch import load_file
     from streaming.base.util import clean_stale_shared_memory
-
-    from training.train import build_model, train
 
     clean_stale_shared_memory()  # left by an earlier streaming loader in this session
     shards = pipeline_run[0] / "shards"
@@ -377,7 +383,7 @@ def test_trainer_fit_tiny_moc(pipeline_run, tmp_path):
     assert (changed | ~read_late).all() and int(read_ever.sum()) < len(read_ever)
     assert "moc_banks.shared.weight" in load_file(out["anchor"])
     # eval loads the run with its chapters inside the model (there is no memstore bank)
-    from eval.model import RunModel
+    from memtree.eval.model import RunModel
 
     run = RunModel.load(tmp_path / "moc")
     assert run.model.moc_layers() and not run.has_memory

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from memtree.training.model import AnchorLM, ModelConfig, assemble_memories, segment_ids_from_eot
 
 from memtree.geometry import ANCHOR_PRESETS, AnchorShape, MemoryConfig, block_layout
-from training.model import AnchorLM, ModelConfig, assemble_memories, segment_ids_from_eot
 
 TINY = AnchorShape(name="tiny", n_layers=4, d_model=32, n_heads=4, head_dim=8, ffn_dim=48,
                    vocab_size=61)
@@ -279,7 +279,7 @@ def test_kv_memory_is_a_separate_position_free_softmax_with_gqa():
 
 
 def test_rope_depends_on_relative_position_only():
-    from training.model import _rope
+    from memtree.training.model import _rope
 
     model = _model()
     cos, sin = model._rope_tables(16, torch.device("cpu"))
@@ -334,7 +334,7 @@ def test_positions_mask_and_hidden_states_are_checked():
         model(ids, positions=pos[:, :5], attn_mask=causal)
     with pytest.raises(ValueError, match="exceeds max_seq_len 64"):
         model(_tokens(1, 80), positions=torch.arange(80)[None], attn_mask=torch.ones(1, 80, 80, dtype=torch.bool))
-    from training.layers.moc import MoCConfig
+    from memtree.training.layers.moc import MoCConfig
 
     moc = AnchorLM(ModelConfig(anchor=TINY, moc=MoCConfig(n_chapters=4, tokens_per_chapter=2, top_k=1, layers=(1,))))
     assert model.packable and not moc.packable  # a MoC layer routes the whole row

@@ -13,23 +13,23 @@ import sys
 from pathlib import Path
 
 import pytest
-from train_launcher import REPO, launch
-
-from memtree.config import ConfigError
-from memtree.geometry import plan
-from training.bank import TrainableBank
-from training.bank_shards import verify_shards
-from training.config import load_train_config
-from training.data import read_shards_manifest, selected_streams, tokenizer_vocab_size
-from training.lanes import place, plan_lanes
-from training.parallel import ParallelLayout
-from training.ranks import (
+from memtree.training.bank import TrainableBank
+from memtree.training.bank_shards import verify_shards
+from memtree.training.config import load_train_config
+from memtree.training.data import read_shards_manifest, selected_streams, tokenizer_vocab_size
+from memtree.training.lanes import place, plan_lanes
+from memtree.training.parallel import ParallelLayout
+from memtree.training.ranks import (
     cpu_thread_count,
     lost_rank,
     placement_line,
     rank_placement,
     resume_command,
 )
+from train_launcher import REPO, launch
+
+from memtree.config import ConfigError
+from memtree.geometry import plan
 
 STEPS, SAVE, DIE = 5, 2, 3  # rank 1 dies in batch 3: the checkpoint of batch 2 is the last complete one
 BATCH = 8
@@ -231,9 +231,8 @@ def test_a_replicated_bank_with_lanes_is_placed_as_whole_bank_and_its_groups_lan
 
 def test_a_single_rank_run_prints_one_short_placement_line(pipeline_run, tmp_path, capfd):
     import torch
+    from memtree.training.train import train
     from streaming.base.util import clean_stale_shared_memory
-
-    from training.train import train
 
     shards = pipeline_run[0] / "shards"
     before = torch.get_num_threads()

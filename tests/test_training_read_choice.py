@@ -9,11 +9,8 @@ import logging
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
-
-from memtree.geometry import AnchorShape, MemoryConfig
-from training.composer_model import MemtreeLM
-from training.read_choice import (
+from memtree.training.composer_model import MemtreeLM
+from memtree.training.read_choice import (
     CACHE_FORMAT,
     CACHE_VERSION,
     ReadProbeCache,
@@ -25,6 +22,9 @@ from training.read_choice import (
     probe_read,
     resolve_read,
 )
+from torch.utils.data import DataLoader
+
+from memtree.geometry import AnchorShape, MemoryConfig
 
 ANCHOR = AnchorShape(name="t", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
                      ffn_dim=48, vocab_size=64)
@@ -198,7 +198,7 @@ def test_explicit_values_are_returned_unchanged(tmp_path):
 
 
 def test_auto_on_the_cpu_gathers_without_probing(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="training.read_choice")
+    caplog.set_level(logging.INFO, logger="memtree.training.read_choice")
     assert resolve_read("auto", _model(), _batch(), probe=_never, cache=tmp_path / "c.json") == "gather"
     assert resolve_read("auto", _model(), _batch(), on_gpu=False, probe=_never,
                         cache=tmp_path / "c.json") == "gather"
@@ -216,7 +216,7 @@ def test_auto_without_an_in_place_read_gathers_without_probing(tmp_path):
                                            ({"fused": 0.020, "gather": 0.010}, "gather"),
                                            ({"fused": 0.0099, "gather": 0.010}, "gather")])
 def test_auto_on_a_gpu_picks_the_faster_and_caches_it(tmp_path, caplog, timings, want):
-    caplog.set_level(logging.INFO, logger="training.read_choice")
+    caplog.set_level(logging.INFO, logger="memtree.training.read_choice")
     cache = ReadProbeCache(tmp_path / "read-probe.json")
     model, batch = _model(), _batch()
     calls = []
@@ -244,7 +244,7 @@ def test_auto_on_a_gpu_picks_the_faster_and_caches_it(tmp_path, caplog, timings,
 
 
 def test_a_failed_probe_gathers_and_is_not_cached(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="training.read_choice")
+    caplog.set_level(logging.INFO, logger="memtree.training.read_choice")
     cache = ReadProbeCache(tmp_path / "read-probe.json")
 
     def broken(m, b):

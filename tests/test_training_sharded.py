@@ -10,13 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_launcher import lane_run_args, launch, read_log, run_weights, worst_diff
-
-from memstore.format import verify_bank
-from memtree.config import ConfigError
-from memtree.geometry import AnchorShape, MemoryConfig
-from training.bank import TrainableBank
-from training.bank_shards import (
+from memtree.memstore.format import verify_bank
+from memtree.training.bank import TrainableBank
+from memtree.training.bank_shards import (
     BankShardError,
     export_bank,
     load_shards,
@@ -24,10 +20,21 @@ from training.bank_shards import (
     save_shards,
     verify_shards,
 )
-from training.config import load_train_config
-from training.data import read_shards_manifest
-from training.lanes import LaneBatches, apportion, default_groups, place, plan_lanes, world_batches
-from training.optim import MemoryAdamW, RowShard
+from memtree.training.config import load_train_config
+from memtree.training.data import read_shards_manifest
+from memtree.training.lanes import (
+    LaneBatches,
+    apportion,
+    default_groups,
+    place,
+    plan_lanes,
+    world_batches,
+)
+from memtree.training.optim import MemoryAdamW, RowShard
+from train_launcher import lane_run_args, launch, read_log, run_weights, worst_diff
+
+from memtree.config import ConfigError
+from memtree.geometry import AnchorShape, MemoryConfig
 
 ANCHOR = AnchorShape(name="t", n_layers=2, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=50)
 MEM = MemoryConfig(multipliers=(4, 2), branching=4)
@@ -270,10 +277,9 @@ _weights, _worst = run_weights, worst_diff
 @pytest.fixture(scope="module")
 def one_process(pipeline_run, tmp_path_factory):
     """The reference: one process, whole bank, reading the lanes (the batches every world size reads)."""
+    from memtree.training.train import train
     from streaming.base.util import clean_stale_shared_memory
     from train_launcher import BatchLog
-
-    from training.train import train
 
     shards = pipeline_run[0] / "shards"
     folder = tmp_path_factory.mktemp("sharded") / "one"
@@ -429,7 +435,7 @@ def test_two_nodes_launched_by_torchrun_stop_resume_and_train_like_one_process(o
 
 
 def test_torchrun_names_the_node_rank_group_rank():
-    from training.train import adopt_launcher_env
+    from memtree.training.train import adopt_launcher_env
 
     env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
     assert adopt_launcher_env(env)["NODE_RANK"] == "1"

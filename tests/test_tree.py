@@ -4,10 +4,9 @@ import itertools
 
 import numpy as np
 import pytest
-
-from clustering.kmeans import balance, balanced_kmeans
-from clustering.route import route
-from clustering.tree import build_tree, level_stats, load_tree, save_tree
+from memtree.clustering.kmeans import balance, balanced_kmeans
+from memtree.clustering.route import route
+from memtree.clustering.tree import build_tree, level_stats, load_tree, save_tree
 
 
 def _sphere(n, d=32, seed=0, skew=False):
@@ -118,7 +117,7 @@ def test_save_load_roundtrip_and_corruption(tmp_path):
 
 
 def test_too_few_windows_error_and_auto_reduce():
-    from pipeline.run import effective_levels
+    from memtree.pipeline.run import effective_levels
 
     with pytest.raises(ValueError, match="at least 4096 windows"):
         effective_levels(1000, 3, 16, False)
@@ -145,7 +144,7 @@ def test_equalize_cells_balances_routing_cells_below_level_1():
 def test_route_step_settles_float32_near_ties_in_float64():
     """Points all but equidistant from two children (gaps far below float32's resolution) get the
     float64 argmin, as does every other point; invalid children are never chosen."""
-    from clustering.route_core import route_step
+    from memtree.clustering.route_core import route_step
 
     rng = np.random.default_rng(5)
     B, d, n = 8, 64, 3000
@@ -183,8 +182,8 @@ def _mixture(n, d, comps, seed, spread=0.5):
 def test_level_fit_equals_fitting_each_node_alone():
     """fit_level fits a level's nodes together; each node comes out bit for bit as fit_node gives
     it alone (the per-node path the Dask fitter uses), in any grouping of the nodes."""
-    from clustering.kmeans import EQUALIZE_SAMPLE
-    from clustering.tree import fit_level, fit_node
+    from memtree.clustering.kmeans import EQUALIZE_SAMPLE
+    from memtree.clustering.tree import fit_level, fit_node
 
     x, _ = _mixture(EQUALIZE_SAMPLE + 9000, 8, 12, seed=20)
     rng = np.random.default_rng(21)
@@ -216,7 +215,7 @@ def test_level_fit_equals_fitting_each_node_alone():
 def test_build_tree_is_independent_of_threads_and_fitter(mode):
     """The same tree for any n_jobs, and through a fit_nodes hook that fits node by node; also
     when nodes are refitted for balance_target (a target of 1.0 puts most nodes over)."""
-    from clustering.tree import fit_node, level_cell_size, level_cell_slack
+    from memtree.clustering.tree import fit_node, level_cell_size, level_cell_slack
 
     x, _ = _mixture(6000, 16, 10, seed=22)
     kw = {"levels": 3, "branching": 4, "batch_size": 700, "steps": 6, "seed": 5, "strict_balance": mode == "strict",
@@ -245,7 +244,7 @@ def test_build_tree_is_independent_of_threads_and_fitter(mode):
 
 
 def test_equalize_cells_keeps_directions_and_never_worsens_cells():
-    from clustering.kmeans import equalize_cells
+    from memtree.clustering.kmeans import equalize_cells
 
     x, _ = _mixture(3000, 24, 6, seed=23, spread=0.8)
     rng = np.random.default_rng(24)
@@ -265,7 +264,7 @@ def test_equalize_cells_keeps_directions_and_never_worsens_cells():
 
 
 def test_a_centroid_left_with_an_empty_cell_is_moved_into_the_largest_cell():
-    from clustering.kmeans import relocate_cells
+    from memtree.clustering.kmeans import relocate_cells
 
     x, lab = _mixture(3000, 16, 4, seed=31, spread=0.6)
     away = -x.mean(0) / np.linalg.norm(x.mean(0))
@@ -286,7 +285,7 @@ def test_a_region_with_too_few_centroids_takes_one_from_a_region_with_too_many()
     """Two equal blobs, three centroids in one and one in the other (the 5-vs-3 split of topics
     measured on the synthetic tree): rescaling norms balances the counts only across the blobs,
     moving a centroid balances them within."""
-    from clustering.kmeans import equalize_cells, relocate_cells
+    from memtree.clustering.kmeans import equalize_cells, relocate_cells
 
     rng = np.random.default_rng(5)
     a, b = np.eye(32)[0], np.eye(32)[1]
@@ -309,7 +308,7 @@ def test_relocation_moves_the_k_means_centroids_and_keeps_the_better_candidate()
     """Relocation works from the k-means centroids (equalising from norms a failed auction
     already inflated repeats its stalemate) and never returns a configuration worse than the
     equalised one its caller passes, nor than its input."""
-    from clustering.kmeans import equalize_cells, relocate_cells
+    from memtree.clustering.kmeans import equalize_cells, relocate_cells
 
     x, _ = _mixture(3000, 24, 6, seed=23, spread=0.8)
     rng = np.random.default_rng(3)
@@ -374,8 +373,8 @@ def test_tree_quality_matches_flat_kmeans_on_a_mixture():
 def test_stopping_converged_nodes_early_changes_nothing(monkeypatch):
     """Nodes whose batch is the whole node stop stepping once an EM step moved no point and split
     nothing; running all the steps instead gives the same centroids and split counts."""
-    from clustering import kmeans
-    from clustering.kmeans import fit_nodes_batched
+    from memtree.clustering import kmeans
+    from memtree.clustering.kmeans import fit_nodes_batched
 
     x, _ = _mixture(9000, 16, 30, seed=26, spread=0.3)
     rng = np.random.default_rng(27)
@@ -404,8 +403,8 @@ def test_converge_tol_stops_nodes_the_split_rule_keeps_moving():
     all its steps; with the build's default tol each stops early, and the nodes' summed routing
     distortion stays within 5 % of the full run's (issue #37: the steps after settling only move
     points back and forth across the limit)."""
-    from clustering.kmeans import CONVERGE_TOL, fit_nodes_batched
-    from clustering.tree import distortion
+    from memtree.clustering.kmeans import CONVERGE_TOL, fit_nodes_batched
+    from memtree.clustering.tree import distortion
 
     # 12 blobs of uneven size into 8 clusters, balance limit 1.1 × the mean: some cluster is over
     # the limit at every step.
@@ -430,8 +429,8 @@ def test_converge_tol_stops_nodes_the_split_rule_keeps_moving():
 def test_restarts_keep_each_nodes_lowest_distortion_fit():
     """restarts=R fits every node R times (restart r > 0 keyed by (seed, level, node, r)) and keeps,
     per node, the fit whose routing distortion is lowest; restarts=1 is the single fit unchanged."""
-    from clustering.kmeans import fit_nodes_batched, single_threaded
-    from clustering.tree import distortion, fit_level
+    from memtree.clustering.kmeans import fit_nodes_batched, single_threaded
+    from memtree.clustering.tree import distortion, fit_level
 
     x, _ = _mixture(5000, 16, 24, seed=30, spread=0.45)
     perm = np.random.default_rng(31).permutation(len(x))
@@ -475,7 +474,7 @@ def test_route_step_backends_agree_with_each_other_and_the_float64_argmin():
     """FAISS's per-pair dots (few points per parent) and the per-parent GEMMs (many) give the
     same ids, which are the float64 argmin among each parent's valid children."""
     pytest.importorskip("faiss")
-    from clustering.route_core import route_step
+    from memtree.clustering.route_core import route_step
 
     rng = np.random.default_rng(40)
     B, d = 8, 24
@@ -507,7 +506,7 @@ def test_route_sorts_points_past_the_cache_and_returns_the_same_paths(monkeypatc
     level, forbidding it, batching, and routing one point at a time all give the float64 level-by-level argmin."""
     import importlib
 
-    rc = importlib.import_module("clustering.route")
+    rc = importlib.import_module("memtree.clustering.route")
     x, _ = _mixture(3000, 16, 27, seed=43, spread=0.5)
     tree, _ = build_tree(x, levels=3, branching=4, seed=0)
     q = (x[:700] + 0.3 * np.random.default_rng(44).normal(size=(700, 16))).astype(np.float32)
@@ -535,7 +534,7 @@ def test_leaf_cells_are_capped_against_the_level_mean_at_every_level():
     """Equalisation caps each cell at balance_factor × the level's mean (a node may reach
     NODE_SLACK × its own mean), so balance does not compound down the levels; without it the
     leaves of this mixture come out far less balanced."""
-    from clustering.kmeans import NODE_SLACK
+    from memtree.clustering.kmeans import NODE_SLACK
 
     x, _ = _mixture(12000, 32, 64, seed=41, spread=0.6)
     eq, paths = build_tree(x, levels=2, branching=8, seed=0)
@@ -583,7 +582,7 @@ def test_default_and_strict_trees_keep_every_level_within_the_balance_target_on_
 def test_balance_repairs_leave_trees_under_the_target_untouched_and_only_keep_better_fits():
     """Where no node is over `repair_limit` the default tree is the paper's rule bit for bit; a
     refit replaces a node only where its largest child is smaller, so no level gets worse."""
-    from clustering.tree import level_cell_size, level_cell_slack, repair_limit
+    from memtree.clustering.tree import level_cell_size, level_cell_slack, repair_limit
 
     x, _ = _mixture(6000, 16, 10, seed=22)
     kw = {"levels": 3, "branching": 4, "batch_size": 700, "steps": 6, "seed": 5}
@@ -610,7 +609,7 @@ def test_two_over_full_cells_in_one_dense_region_shed_their_excess_to_cells_with
     gives up goes to the best cell with room, not to its twin: bidding against the twin only passed the same
     points back and forth while both norms crept up (a level-3 node of a skewed 60k tree took
     210 rounds that way, against the 40 a build allows)."""
-    from clustering.kmeans import cell_cap, equalize_cells
+    from memtree.clustering.kmeans import cell_cap, equalize_cells
 
     worst = []
     for seed in range(6):

@@ -30,9 +30,8 @@ def lane_run_args(shards: Path, folder: Path, *extra: str, run_name: str, steps:
 
 def run_weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """A finished run's exported anchor weights and bank tables."""
+    from memtree.training.bank import TrainableBank
     from safetensors.torch import load_file
-
-    from training.bank import TrainableBank
 
     bank = TrainableBank.from_bank(folder / "bank")
     return load_file(folder / "anchor.safetensors"), {lv: t.detach() for lv, t in bank.tables.items()}
@@ -106,8 +105,7 @@ class RankReport(Callback):
 
     def fit_end(self, state, logger) -> None:
         from composer.utils import dist
-
-        from training.composer_model import unwrap
+        from memtree.training.composer_model import unwrap
 
         bank, opt = unwrap(state.model).bank, state.optimizers[0]
         tables = {lv: t for lv, t in bank.tables.items()}
@@ -157,8 +155,8 @@ def read_log(path: Path) -> list[dict]:
 
 
 def _main(argv: list[str]) -> int:
-    from training.config import load_train_config
-    from training.train import train
+    from memtree.training.config import load_train_config
+    from memtree.training.train import train
 
     callbacks: list[Callback] = []
     rest = []
@@ -172,7 +170,7 @@ def _main(argv: list[str]) -> int:
             rank, step = next(it).split(":")
             callbacks.append(DieAt(int(rank), int(step)))
         elif a == "--report":
-            from training.callbacks import CommBytes
+            from memtree.training.callbacks import CommBytes
 
             comm = CommBytes(hook_ddp=True)
             callbacks += [comm, RankReport(next(it), comm)]

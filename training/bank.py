@@ -30,13 +30,13 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from memtree.memstore.format import GENERIC, BankInfo, paper_block
+from memtree.memstore.store import MemoryStore, TierConfig
+from memtree.memstore.writer import write_bank
+from memtree.training.model import BankRead, Memories, ReadTables
 from torch import Tensor, nn
 
-from memstore.format import GENERIC, BankInfo, paper_block
-from memstore.store import MemoryStore, TierConfig
-from memstore.writer import write_bank
 from memtree.geometry import AnchorShape, MemoryConfig, block_layout
-from training.model import BankRead, Memories, ReadTables
 
 _ALL_RAM = TierConfig(name="ram", kind="ram")
 

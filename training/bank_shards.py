@@ -32,9 +32,7 @@ from typing import Any
 import torch
 from composer.core import Callback, Event, State
 from composer.loggers import Logger
-from safetensors.torch import save_file
-
-from memstore.bank_shards import (  # noqa: F401  (re-exported: the format's readers live in memstore)
+from memtree.memstore.bank_shards import (  # noqa: F401  (re-exported: the format's readers live in memstore)
     FORMAT,
     GENERIC_FILE,
     VERSION,
@@ -48,10 +46,12 @@ from memstore.bank_shards import (  # noqa: F401  (re-exported: the format's rea
     subtree_file,
     verify_shards,
 )
+from memtree.training.bank import TrainableBank
+from memtree.training.composer_model import unwrap
+from memtree.training.optim import MemoryAdamW
+from safetensors.torch import save_file
+
 from memtree.io import atomic_path, atomic_write_json, replace_dir, sha256_file
-from training.bank import TrainableBank
-from training.composer_model import unwrap
-from training.optim import MemoryAdamW
 
 log = logging.getLogger(__name__)
 

@@ -24,6 +24,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _train(args: argparse.Namespace) -> int:
     if not args.config and not args.overrides:  # training.train.main would print the launcher's usage
         raise ValueError("no config: memtree train CONFIG.yaml [key=value …] (examples: training/yamls/*.yaml)")
-    from training.train import main
+    from memtree.training.train import main
 
     return main(([args.config] if args.config else []) + list(args.overrides))

@@ -40,9 +40,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from memtree.training.layers.moc import MoCConfig, bank_bytes
+from memtree.training.layers.pkm import PKMConfig
+
 from memtree.geometry import AnchorShape
-from training.layers.moc import MoCConfig, bank_bytes
-from training.layers.pkm import PKMConfig
 
 SOFTMAX = 5  # FLOPs per softmax score (exp, sum, divide, max, subtract)
 MASK_SCALE = 2  # masking and scaling per attention score

@@ -57,12 +57,9 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
-from kernels.ffn_memory import FFNTable, ffn_memory, ffn_memory_table
-from kernels.memory_attention import MemoryTable, memory_attention, memory_attention_table
-from memtree.geometry import AnchorShape, MemoryConfig, block_layout, memory_layers, split_block
-from training.layers.moc import (
+from memtree.kernels.ffn_memory import FFNTable, ffn_memory, ffn_memory_table
+from memtree.kernels.memory_attention import MemoryTable, memory_attention, memory_attention_table
+from memtree.training.layers.moc import (
     LatentBank,
     MoCConfig,
     MoCLayer,
@@ -70,7 +67,10 @@ from training.layers.moc import (
     build_banks,
     mean_aux_loss,
 )
-from training.layers.pkm import PKMConfig, ProductKeyMemory
+from memtree.training.layers.pkm import PKMConfig, ProductKeyMemory
+from torch import Tensor, nn
+
+from memtree.geometry import AnchorShape, MemoryConfig, block_layout, memory_layers, split_block
 
 
 class ReadTables:

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from training.bank import TrainableBank
-from training.bank_shards import BankShardCheckpoints
-from training.config import TrainConfig
-from training.data import Collate, read_shards_manifest, selected_streams
-from training.lanes import LanePlan, Placement, build_lane_loader, place, plan_lanes
-from training.optim import MemoryAdamW, RowShard
+from memtree.training.bank import TrainableBank
+from memtree.training.bank_shards import BankShardCheckpoints
+from memtree.training.config import TrainConfig
+from memtree.training.data import Collate, read_shards_manifest, selected_streams
+from memtree.training.lanes import LanePlan, Placement, build_lane_loader, place, plan_lanes
+from memtree.training.optim import MemoryAdamW, RowShard
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,10 +35,14 @@ import torch
 import torch.distributed as tdist
 from composer.core import Callback, State
 from composer.loggers import Logger
-
-from training.bank_shards import BankShardError, checkpoint_batches, read_manifest, verify_shards
-from training.composer_model import unwrap
-from training.config import TrainConfig
+from memtree.training.bank_shards import (
+    BankShardError,
+    checkpoint_batches,
+    read_manifest,
+    verify_shards,
+)
+from memtree.training.composer_model import unwrap
+from memtree.training.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +100,7 @@ def _bytes(n: int) -> str:
 def rank_placement(*, rank: int, world: int, bank: Any, layout: Any, cfg: TrainConfig, threads: str) -> dict[str, Any]:
     """This rank's placement as plain values (gathered to rank 0): bank rows per level, table
     bytes, the AdamW state's bound, the streams read and the samples per step."""
-    from training.data import read_shards_manifest, selected_streams
+    from memtree.training.data import read_shards_manifest, selected_streams
 
     d: dict[str, Any] = {"rank": rank, "world": world, "host": socket.gethostname(), "pid": os.getpid(),
                          "threads": torch.get_num_threads(), "threads_note": threads}

@@ -24,10 +24,32 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from memtree.memstore.format import read_manifest
+from memtree.training.bank import TrainableBank
+from memtree.training.bank_shards import BankShardCheckpoints, export_bank
+from memtree.training.callbacks import default_callbacks
+from memtree.training.composer_model import MemtreeLM, unwrap
+from memtree.training.config import MemorySection, TrainConfig, load_train_config
+from memtree.training.data import (
+    build_dataloader,
+    read_shards_manifest,
+    tokenizer_vocab_size,
+    verify_shards,
+)
+from memtree.training.host_alloc import retain_freed_host_memory
+from memtree.training.optim import MemoryAdamW
+from memtree.training.parallel import parallel_layout
+from memtree.training.ranks import (
+    Placement,
+    exit_after_lost_rank,
+    last_complete_checkpoint,
+    lost_rank,
+    set_cpu_threads,
+)
+from memtree.training.read_choice import can_read_in_place, peek_batch, resolve_read
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from memstore.format import read_manifest
 from memtree.config import ConfigError, dump_yaml, from_dict, to_dict
 from memtree.geometry import plan
 from memtree.io import atomic_path, atomic_write_json, atomic_write_text, naming_path, read_json
@@ -38,28 +60,6 @@ from memtree.tpp import (
     parse_duration_epochs,
     tpp_table,
 )
-from training.bank import TrainableBank
-from training.bank_shards import BankShardCheckpoints, export_bank
-from training.callbacks import default_callbacks
-from training.composer_model import MemtreeLM, unwrap
-from training.config import MemorySection, TrainConfig, load_train_config
-from training.data import (
-    build_dataloader,
-    read_shards_manifest,
-    tokenizer_vocab_size,
-    verify_shards,
-)
-from training.host_alloc import retain_freed_host_memory
-from training.optim import MemoryAdamW
-from training.parallel import parallel_layout
-from training.ranks import (
-    Placement,
-    exit_after_lost_rank,
-    last_complete_checkpoint,
-    lost_rank,
-    set_cpu_threads,
-)
-from training.read_choice import can_read_in_place, peek_batch, resolve_read
 
 log = logging.getLogger(__name__)
 

@@ -53,10 +53,17 @@ Three exact paths for per-sequence lists (B, k) (per-token lists: `memory_attent
   kernel's tiles), torch's dense eager reference on the CPU.
 """
 
-from kernels.memory_attention.flex import flex_available, memory_attention_flex
-from kernels.memory_attention.naive import memory_attention_naive, memory_attention_naive_backward
-from kernels.memory_attention.op import MemoryTable, memory_attention, memory_attention_table
-from kernels.memory_attention.sdpa import memory_attention_sdpa
+from memtree.kernels.memory_attention.flex import flex_available, memory_attention_flex
+from memtree.kernels.memory_attention.naive import (
+           memory_attention_naive,
+           memory_attention_naive_backward,
+)
+from memtree.kernels.memory_attention.op import (
+           MemoryTable,
+           memory_attention,
+           memory_attention_table,
+)
+from memtree.kernels.memory_attention.sdpa import memory_attention_sdpa
 
 __all__ = ["MemoryTable", "flex_available", "memory_attention", "memory_attention_flex",
            "memory_attention_naive", "memory_attention_naive_backward", "memory_attention_sdpa",

@@ -47,9 +47,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch import Tensor
-
-from kernels.memory_attention.kernel import (
+from memtree.kernels.memory_attention.kernel import (
     LOG2E,
     Launch,
     interpreting,
@@ -58,7 +56,8 @@ from kernels.memory_attention.kernel import (
     online_softmax_step,
     strides4,
 )
-from kernels.memory_attention.table import split_parts
+from memtree.kernels.memory_attention.table import split_parts
+from torch import Tensor
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,14 +29,13 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
-
-from kernels.block_lists import count_blocks, needs_bank_grad
-from kernels.eager import plain
-from kernels.memory_attention.naive import (
+from memtree.kernels.block_lists import count_blocks, needs_bank_grad
+from memtree.kernels.eager import plain
+from memtree.kernels.memory_attention.naive import (
     memory_attention_naive,
     memory_attention_naive_backward,
 )
+from torch import Tensor
 
 IMPLS = ("auto", "triton", "reference")
 PER_TOKEN_LAYOUTS = ("auto", "tiles", "blocks")
@@ -46,7 +45,7 @@ def _triton_kernels():
     """kernel.py, imported on the first Triton call only: it imports triton (heavy, and
     not needed on the CPU), and the kernels pick the interpreter when they are defined,
     so a TRITON_INTERPRET=1 set before that first call is honoured."""
-    from kernels.memory_attention import kernel
+    from memtree.kernels.memory_attention import kernel
 
     return kernel
 
@@ -56,7 +55,7 @@ def _kernels_for(block_idx: Tensor, per_token_layout: str):
     per-token lists with per_token_layout="blocks", `kernel.py` (slot tiles) otherwise
     ("auto" is resolved before, `resolve_layout`)."""
     if per_token_layout == "blocks" and block_idx.ndim == 3:
-        from kernels.memory_attention import blocks
+        from memtree.kernels.memory_attention import blocks
 
         return blocks
     return _triton_kernels()
@@ -325,7 +324,7 @@ AUTO_BLOCKS_SLOTS_PER_K = 6.0
 def slots_per_tile(q: Tensor, bank_k: Tensor, block_idx: Tensor) -> Tensor:
     """Mean distinct blocks a query tile of the slot-tile layout names, () fp32 on the device:
     what the tiles' cost follows (`kernel.py`); per-token lists (B, S, k) only."""
-    from kernels.memory_attention.kernel import tokens_per_tile
+    from memtree.kernels.memory_attention.kernel import tokens_per_tile
 
     ts = tokens_per_tile(q, bank_k, block_idx)
     s, k = block_idx.shape[1:]
@@ -344,7 +343,7 @@ def resolve_layout(q: Tensor, bank_k: Tensor, block_idx: Tensor, per_token_layou
     if (per_token_layout != "auto" or block_idx.ndim != 3 or torch.compiler.is_compiling()
             or torch.are_deterministic_algorithms_enabled()):
         return "tiles" if per_token_layout == "auto" else per_token_layout
-    from kernels.memory_attention.kernel import tokens_per_tile
+    from memtree.kernels.memory_attention.kernel import tokens_per_tile
 
     k = block_idx.shape[-1]
     if min(tokens_per_tile(q, bank_k, block_idx) * k, bank_k.shape[0]) <= AUTO_BLOCKS_SLOTS_PER_K * k:

@@ -58,20 +58,20 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from memstore.format import RecordCodec, is_url, level_path, read_manifest
-from memstore.locking import remove_bank
-from memstore.merge import relocate_level
-from memstore.sim.latency import Policy, level_placement, memory_levels, simulate_fetch
-from memstore.sim.profiles import (
+from memtree.memstore.format import RecordCodec, is_url, level_path, read_manifest
+from memtree.memstore.locking import remove_bank
+from memtree.memstore.merge import relocate_level
+from memtree.memstore.sim.latency import Policy, level_placement, memory_levels, simulate_fetch
+from memtree.memstore.sim.profiles import (
     PROFILE_FORMAT,
     PROFILE_VERSION,
     HardwareProfile,
     TierProfile,
     load_profile,
 )
-from memstore.store import MemoryStore, TierConfig
-from memstore.writer import write_bank
+from memtree.memstore.store import MemoryStore, TierConfig
+from memtree.memstore.writer import write_bank
+
 from memtree.config import to_dict
 from memtree.geometry import (
     AnchorShape,

@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from memstore.placement import TierBudget
+from memtree.memstore.placement import TierBudget
+
 from memtree.config import ConfigError, load_config
 
 PROFILE_FORMAT = "memtree-hw-profile"

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from training.callbacks.bank_touch import BankTouch
-from training.callbacks.comm_bytes import CommBytes
-from training.callbacks.generic_loss import GenericVsFetchedLoss
-from training.callbacks.level_updates import LevelUpdates
-from training.callbacks.nan_guard import NonFiniteGuard
-from training.callbacks.throughput import TokenThroughput
+from memtree.training.callbacks.bank_touch import BankTouch
+from memtree.training.callbacks.comm_bytes import CommBytes
+from memtree.training.callbacks.generic_loss import GenericVsFetchedLoss
+from memtree.training.callbacks.level_updates import LevelUpdates
+from memtree.training.callbacks.nan_guard import NonFiniteGuard
+from memtree.training.callbacks.throughput import TokenThroughput
 
 __all__ = ["BankTouch", "CommBytes", "GenericVsFetchedLoss", "LevelUpdates", "NonFiniteGuard", "TokenThroughput",
            "default_callbacks"]

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from composer.core import Callback, State
 from composer.loggers import Logger
-
-from training.composer_model import unwrap
+from memtree.training.composer_model import unwrap
 
 
 class BankTouch(Callback):

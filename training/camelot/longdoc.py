@@ -73,11 +73,10 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from memtree.memstore.camelot import CamelotConfig, CamelotMemory, Prefix
+from memtree.training.hf import anchor_shape_from_hf, decoder_config, decoder_layers
+from memtree.training.model import AnchorLM, rotate_half
 from torch import Tensor, nn
-
-from memstore.camelot import CamelotConfig, CamelotMemory, Prefix
-from training.hf import anchor_shape_from_hf, decoder_config, decoder_layers
-from training.model import AnchorLM, rotate_half
 
 Method = Literal["base", "xl", "memorizing", "camelot"]
 METHODS: tuple[str, ...] = ("base", "xl", "memorizing", "camelot")

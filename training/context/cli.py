@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _train_context(args: argparse.Namespace) -> int:
-    from training.context.train import load_context_config, train_context_vae
+    from memtree.training.context.train import load_context_config, train_context_vae
 
     config, overrides = args.config, list(args.overrides)
     if config and "=" in config:  # overrides only

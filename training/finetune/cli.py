@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _finetune(args: argparse.Namespace) -> int:
-    from training.finetune.continual import finetune, load_finetune_config
+    from memtree.training.finetune.continual import finetune, load_finetune_config
 
     config, overrides = args.config, list(args.overrides)
     if config and "=" in config:  # overrides only
@@ -47,7 +47,7 @@ def _finetune(args: argparse.Namespace) -> int:
 
 
 def _background(args: argparse.Namespace) -> int:
-    from training.finetune.continual import collect_run_background
+    from memtree.training.finetune.continual import collect_run_background
 
     folders = collect_run_background(args.run, batches=args.batches, batch_size=args.batch_size, seed=args.seed)
     if not folders:  # a success that says nothing reads as a no-op

@@ -41,6 +41,21 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from memtree.training.data import build_dataloader
+from memtree.training.finetune.adapters import AdapterSpec, adapter_groups, attach_to_anchor
+from memtree.training.finetune.lora import add_lora, merge_lora
+from memtree.training.finetune.slots import (
+    BACKGROUND_DIR,
+    BackgroundCounts,
+    access_counts,
+    background_dir,
+    collect_background,
+    keep_rows,
+    recording,
+    trainable_rows,
+)
+from memtree.training.optim import MemoryAdamW
+from memtree.training.train import load_run
 from safetensors.torch import save_file
 from torch import Tensor, nn
 from tqdm import tqdm
@@ -54,21 +69,6 @@ from memtree.io import (
     iter_jsonl,
     read_json,
 )
-from training.data import build_dataloader
-from training.finetune.adapters import AdapterSpec, adapter_groups, attach_to_anchor
-from training.finetune.lora import add_lora, merge_lora
-from training.finetune.slots import (
-    BACKGROUND_DIR,
-    BackgroundCounts,
-    access_counts,
-    background_dir,
-    collect_background,
-    keep_rows,
-    recording,
-    trainable_rows,
-)
-from training.optim import MemoryAdamW
-from training.train import load_run
 
 FINETUNE_FORMAT = "memtree-finetune"
 FINETUNE_VERSION = 1

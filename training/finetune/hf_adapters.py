@@ -53,12 +53,16 @@ import threading
 from typing import Any
 
 import torch
+from memtree.training.finetune.adapters import AdapterSpec
+from memtree.training.hf import (
+    anchor_shape_from_hf,
+    decoder_config,
+    decoder_layers,
+    load_hf_causal_lm,
+)
+from memtree.training.hooks import LayerHook, first_tensor
+from memtree.training.layers.moc import MoCLayer, bank_for, build_banks, mean_aux_loss
 from torch import Tensor, nn
-
-from training.finetune.adapters import AdapterSpec
-from training.hf import anchor_shape_from_hf, decoder_config, decoder_layers, load_hf_causal_lm
-from training.hooks import LayerHook, first_tensor
-from training.layers.moc import MoCLayer, bank_for, build_banks, mean_aux_loss
 
 
 class _GatedMLP(nn.Module):

@@ -72,10 +72,13 @@ from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from memtree.kernels.memory_attention import (
+    memory_attention,
+    memory_attention_flex,
+    memory_attention_sdpa,
+)
+from memtree.memstore.format import QUANT_GROUP
 from torch import Tensor, nn
-
-from kernels.memory_attention import memory_attention, memory_attention_flex, memory_attention_sdpa
-from memstore.format import QUANT_GROUP
 
 
 @dataclass(frozen=True, kw_only=True)
