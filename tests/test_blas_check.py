@@ -21,7 +21,7 @@ needs_avx2 = pytest.mark.skipif(WANT is None, reason="a CPU without AVX2 has no 
 
 def _check_in_subprocess(mode: str, env: dict[str, str]) -> dict:
     """check_host in a fresh interpreter (OpenBLAS reads OPENBLAS_CORETYPE once, at load)."""
-    code = (f"import json, os; from clustering.blas import check_host; r = check_host(mode={mode!r}); "
+    code = (f"import json, os; from memtree.clustering.blas import check_host; r = check_host(mode={mode!r}); "
             "r['env_after'] = os.environ.get('OPENBLAS_CORETYPE'); print(json.dumps(r))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -332,7 +332,7 @@ def test_crash_mid_write_keeps_previous_version(tmp_path):
     bank.save(tmp_path / "cb")
     script = (
         "import torch\n"
-        "from memstore.context_bank import ContextBank\n"
+        "from memtree.memstore.context_bank import ContextBank\n"
         f"b = ContextBank.open({str(tmp_path / 'cb')!r})\n"
         "b.append(torch.ones(3, 5), session='doomed')\n"
         f"b.save({str(tmp_path / 'cb')!r})\n"
