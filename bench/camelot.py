@@ -53,7 +53,7 @@ from _common import (  # bench/: sys.path[0]
     results_path,
     write_results,
 )
-from memtree.memstore.camelot import AssociativeMemory, CamelotConfig, FifoKNNCache
+from memtree.memstore.camelot.memory import AssociativeMemory, CamelotConfig, FifoKNNCache
 from memtree.training.camelot.longdoc import longdoc_token_nll, new_memory
 from memtree.training.model import AnchorLM, ModelConfig
 

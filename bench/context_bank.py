@@ -1,4 +1,4 @@
-"""Cost of a write into a full context bank (memstore/context_bank.py): exact vs cluster-scoped merging.
+"""Cost of a write into a full context bank (memstore/context/bank.py): exact vs cluster-scoped merging.
 
     .venv/bin/python bench/context_bank.py --quick      # < 1 min: N = 256, 1,024
     .venv/bin/python bench/context_bank.py              # N = 256 … 4,096
@@ -27,7 +27,7 @@ import time
 
 import torch
 from _common import finish, log, results_path, run_meta  # bench/ on sys.path
-from memtree.memstore.context_bank import ContextBank, ContextBankConfig
+from memtree.memstore.context.bank import ContextBank, ContextBankConfig
 
 # The columns of the printed table.
 COLUMNS = ["n", "clusters", "all_ms", "cluster_ms", "speedup", "exact_pair_found", "distance_vs_exact_median"]

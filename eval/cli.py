@@ -473,7 +473,7 @@ def _longctx(args: argparse.Namespace) -> int:
     )
     from memtree.eval.model import RunModel
     from memtree.eval.runinfo import demo_root
-    from memtree.memstore.camelot import CamelotConfig
+    from memtree.memstore.camelot.memory import CamelotConfig
 
     methods = [m.strip() for m in args.method.split(",") if m.strip()]
     rm = RunModel.load(args.run, bank=False)  # the frozen anchor only: no bank, no tree

@@ -4,7 +4,7 @@ The experiment. A frozen anchor (a bios demo run's `train/anchor`) gets, in `ses
 sessions, one document each about `n_entities` entities it has never seen (a bios world drawn
 with another seed: new names and new values; names that also occur in the training corpus are
 skipped). Each prompt is compressed (training/context/vae.py) into entries of the context bank
-(memstore/context_bank.py), which is saved at the end of each session and opened again from disk
+(memstore/context/bank.py), which is saved at the end of each session and opened again from disk
 at the start of the next: nothing else carries over. In a final session the model answers
 4-way probes about every fact those documents stated, "The {label} of {reference} is",
 with distractors drawn uniformly from the attribute's closed value set (so a model that does not
@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from memtree.eval.longtail import build_probes, wilson
 from memtree.eval.plots import new_figure, save_png
-from memtree.memstore.context_bank import ContextBank, ContextBankConfig
+from memtree.memstore.context.bank import ContextBank, ContextBankConfig
 from memtree.pipeline.corpus.bios import BiosSpec, bios_facts, generate_bios, recall_pairs
 from memtree.training.context.vae import (
     chunk_ids,
@@ -70,7 +70,7 @@ class ContextRecallConfig:
     from the same inputs: `ensure_compressor`);
     n_entities: new entities, one document each; sessions: how many sessions write them;
     capacities: bank capacity as a fraction of the entries written (≥ 1: never merges);
-    n_clusters / top_k / merge_*: the bank's (memstore.context_bank.ContextBankConfig);
+    n_clusters / top_k / merge_*: the bank's (memstore.context.bank.ContextBankConfig);
     world_seed: the bios seed of the new entities (default: the corpus seed + 1000);
     train_worlds / train_on_corpus: what the compressor trains on (`training_pairs`)."""
 

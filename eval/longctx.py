@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 from memtree.eval.plots import new_figure, save_png
-from memtree.memstore.camelot import CamelotConfig
+from memtree.memstore.camelot.memory import CamelotConfig
 from memtree.training.camelot.longdoc import METHODS, check_window, context_limit, longdoc_token_nll
 from torch import nn
 

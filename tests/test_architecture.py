@@ -258,43 +258,70 @@ def test_no_import_cycles():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-TRAINING = REPO / "training"
-SYSTEMS = sorted(p.parent.name for p in TRAINING.glob("*/__init__.py")
-                 if p.parent.name not in {"callbacks", "layers"})
+# each stage's sub-packages that belong to its core; every other sub-package is a system's folder
+CORE_FOLDERS = {"training": {"callbacks", "layers"}, "memstore": {"sim"}}
 
 
-def _training_imports(source: str) -> list[tuple[int, str]]:
-    """(line, training.X) of every import of a training sub-module or sub-package in the source."""
+def _systems(stage: str) -> list[str]:
+    return sorted(p.parent.name for p in (REPO / stage).glob("*/__init__.py")
+                  if p.parent.name not in CORE_FOLDERS[stage])
+
+
+SYSTEMS = _systems("training")
+
+
+def _stage_imports(source: str, stage: str) -> list[tuple[int, str]]:
+    """(line, stage.X) of every import of one of the stage's sub-modules or sub-packages."""
     out = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             module = _local(node.module)
-            names = [module] if module != "training" else [f"training.{a.name}" for a in node.names]
-            out += [(node.lineno, n) for n in names if n.startswith("training.")]
+            names = [module] if module != stage else [f"{stage}.{a.name}" for a in node.names]
+            out += [(node.lineno, n) for n in names if n.startswith(f"{stage}.")]
         elif isinstance(node, ast.Import):
-            out += [(node.lineno, _local(a.name)) for a in node.names if _local(a.name).startswith("training.")]
+            out += [(node.lineno, _local(a.name)) for a in node.names if _local(a.name).startswith(f"{stage}.")]
     return out
 
 
-def _system_of(module: str) -> str | None:
+def _training_imports(source: str) -> list[tuple[int, str]]:
+    return _stage_imports(source, "training")
+
+
+def _system_of(module: str, systems: list[str] = SYSTEMS) -> str | None:
     part = module.split(".")[1]
-    return part if part in SYSTEMS else None
+    return part if part in systems else None
+
+
+def _core_imports_of_systems(stage: str) -> list[str]:
+    """Imports of a system folder by the stage's core, or by another system's folder."""
+    systems = _systems(stage)
+    bad = []
+    for path in sorted((REPO / stage).rglob("*.py")):
+        rel = path.relative_to(REPO / stage).parts
+        mine = rel[0] if len(rel) > 1 and rel[0] in systems else None
+        for line, mod in _stage_imports(path.read_text(), stage):
+            other = _system_of(mod, systems)
+            if other is not None and other != mine:
+                who = f"system {mine}/" if mine else "the core"
+                bad.append(f"{stage}/{'/'.join(rel)}:{line} ({who}) imports {mod}")
+    return bad
 
 
 def test_training_core_never_imports_a_system():
     """training/'s core (its top-level modules, callbacks/, layers/) imports no system folder,
-    and no system folder imports another (issue #39): a system can be read or removed without
-    touching the trainer. The folders are read off the disk, so a new one is covered at once."""
+    and no system folder imports another: a system can be read or removed without touching the
+    trainer. The folders are read off the disk, so a new one is covered at once."""
     assert {"finetune", "context", "camelot"} <= set(SYSTEMS), SYSTEMS
-    bad = []
-    for path in sorted(TRAINING.rglob("*.py")):
-        rel = path.relative_to(TRAINING).parts
-        mine = rel[0] if len(rel) > 1 and rel[0] in SYSTEMS else None
-        for line, mod in _training_imports(path.read_text()):
-            other = _system_of(mod)
-            if other is not None and other != mine:
-                who = f"system {mine}/" if mine else "the core"
-                bad.append(f"training/{'/'.join(rel)}:{line} ({who}) imports {mod}")
+    bad = _core_imports_of_systems("training")
+    assert not bad, "\n".join(bad)
+
+
+def test_memstore_core_never_imports_a_system():
+    """memstore/'s core (the bank, its store and tools, sim/) imports no system's store
+    (camelot/: CAMELoT's associative memory; context/: the context bank), and neither imports
+    the other, as in training/."""
+    assert {"camelot", "context"} <= set(_systems("memstore")), _systems("memstore")
+    bad = _core_imports_of_systems("memstore")
     assert not bad, "\n".join(bad)
 
 

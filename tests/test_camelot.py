@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from memtree.memstore.camelot import (
+from memtree.memstore.camelot.memory import (
     AssociativeMemory,
     CamelotConfig,
     CamelotMemory,

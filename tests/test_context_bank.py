@@ -1,4 +1,4 @@
-"""The context bank store (memstore/context_bank.py): capacity and weighted merging, cluster
+"""The context bank store (memstore/context/bank.py): capacity and weighted merging, cluster
 retrieval, blocking / deletion with audit, versioned persistence with fallback and crash safety."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from memtree.memstore.context_bank import (
+from memtree.memstore.context.bank import (
     FORMAT,
     SAVE_PAUSE_ENV,
     ContextBank,
@@ -332,7 +332,7 @@ def test_crash_mid_write_keeps_previous_version(tmp_path):
     bank.save(tmp_path / "cb")
     script = (
         "import torch\n"
-        "from memtree.memstore.context_bank import ContextBank\n"
+        "from memtree.memstore.context.bank import ContextBank\n"
         f"b = ContextBank.open({str(tmp_path / 'cb')!r})\n"
         "b.append(torch.ones(3, 5), session='doomed')\n"
         f"b.save({str(tmp_path / 'cb')!r})\n"

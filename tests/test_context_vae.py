@@ -275,7 +275,7 @@ def _tiny_bios_run(root: Path, *, entities: int = 2, vocab_size: int = 400, pret
 
 
 def test_eval_context_bank_end_to_end_on_a_tiny_bios_run(tmp_path, capsys):
-    from memtree.memstore.context_bank import ContextBank, ContextBankConfig
+    from memtree.memstore.context.bank import ContextBank, ContextBankConfig
     from memtree.training.context.vae import load_vae, writer_id
     from memtree.training.train import load_run
 

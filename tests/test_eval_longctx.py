@@ -19,7 +19,7 @@ from memtree.eval.longctx import (
     position_buckets,
     write_longctx_report,
 )
-from memtree.memstore.camelot import CamelotConfig
+from memtree.memstore.camelot.memory import CamelotConfig
 from memtree.training.model import AnchorLM, ModelConfig
 
 from tests.conftest import TINY_GQA_ANCHOR

@@ -11,7 +11,7 @@ counts empty ones). Methods:
 - "memorizing": each token's key retrieves its nearest key among the last M tokens' (a FIFO
   kNN cache that overwrites the oldest entries, no consolidation: Memorizing Transformer).
 - "camelot": each token's key retrieves its nearest associative-memory slot (eq. 1), and the
-  window then consolidates into / replaces slots (eq. 6–8; `memstore.camelot`).
+  window then consolidates into / replaces slots (eq. 6–8; `memstore.camelot.memory`).
 The memory-augmented layers are `cfg.layers` (None: all). The model is never trained or
 modified: the run is under no_grad in eval mode, weights stay bit-identical, and everything
 installed for the run (attention cores, hooks, the HF attention implementation) is removed on
@@ -73,7 +73,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from memtree.memstore.camelot import CamelotConfig, CamelotMemory, Prefix
+from memtree.memstore.camelot.memory import CamelotConfig, CamelotMemory, Prefix
 from memtree.training.hf import anchor_shape_from_hf, decoder_config, decoder_layers
 from memtree.training.model import AnchorLM, rotate_half
 from torch import Tensor, nn

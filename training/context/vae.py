@@ -1,6 +1,6 @@
 """The context bank's compressor and reader (seed 004 §9.2–§9.3): the model side of the runtime memory.
 
-The store itself is `memstore.context_bank` (capacity, merging, clustering, persistence). This
+The store itself is `memstore.context.bank` (capacity, merging, clustering, persistence). This
 module turns a prompt into entries for it, and lets a frozen anchor read what it retrieves.
 
 Compressor (§9.2, a VAE). A prompt is cut into chunks of at most `chunk_tokens` tokens; one chunk
