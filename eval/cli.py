@@ -1,15 +1,16 @@
 """`memtree eval RUN …` (long-tail probes, perplexity, RAG baseline, blocking), `memtree eval-sweep`,
-`memtree eval-retention`, `memtree eval-tasks` (your own task suite), `memtree eval-longctx` (CAMELoT's
-long-context perplexity on a frozen anchor), `memtree eval-context-bank` (recall through the context
-bank), `memtree eval-continual` (learning new facts without forgetting), `memtree eval-memories` (every memory
+`memtree eval-retention`, `memtree eval-tasks` (your own task suite), `memtree eval-memories` (every memory
 family beside dense models on the demo's probes), `memtree eval-realtext` (held-out perplexity of the memory
-rows on real text) and the main job `memtree demo`."""
+rows on real text) and the main job `memtree demo`. The systems' eval commands live in their folders'
+cli.py (`camelot/`: eval-longctx; `context/`: eval-context-bank; `finetune/`: eval-continual,
+eval-adapters)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
+
+from memtree.eval.cli_common import check_demo_root, config_file, need_file, note, out_override
 
 # Each command imports its library modules inside its handler: `memtree --help` loads every stage's
 # cli.py, and the eval modules pull in torch and Composer.
@@ -17,8 +18,7 @@ from pathlib import Path
 
 def register(sub: argparse._SubParsersAction) -> None:
     """The eval stage's subcommands, in --help order."""
-    for add in (_add_eval, _add_sweep, _add_retention, _add_tasks, _add_longctx, _add_context_bank,
-                _add_continual, _add_adapters, _add_memories, _add_realtext, _add_demo):
+    for add in (_add_eval, _add_sweep, _add_retention, _add_tasks, _add_memories, _add_realtext, _add_demo):
         add(sub)
 
 
@@ -121,95 +121,6 @@ def _add_tasks(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=_tasks)
 
 
-def _add_longctx(sub: argparse._SubParsersAction) -> None:
-    lc = sub.add_parser(
-        "eval-longctx",
-        help="long-context perplexity of a run's frozen anchor: base / XL / Memorizing / CAMELoT (seed 001)",
-        description="Run long documents through the run's frozen anchor window by window with each method and "
-                    "report perplexity, its ratio to base, perplexity per position bucket (0-L, L-2L, 2L-4L, …) and "
-                    "CAMELoT's ablations. Long documents: the --docs records sharing --group-by, joined with the "
-                    "end-of-text token. Writes OUT/results.json, OUT/report.md and OUT/ppl_vs_length.png.",
-    )
-    lc.add_argument("run", help="a training run's save_folder (memtree_config.json, anchor.safetensors)")
-    lc.add_argument("--method", default="base,xl,memorizing,camelot",
-                    help="comma-separated methods among base, xl, memorizing, camelot (default: all four)")
-    lc.add_argument("--window", type=int, default=128, help="window L in tokens (default 128)")
-    lc.add_argument("--docs", help="JSONL of documents ({'text': …}; default: heldout.jsonl beside the run's "
-                                   "pipeline run, as `memtree demo` lays it out)")
-    lc.add_argument("--group-by",
-                    help="record key whose documents are joined into one long document; every record must have "
-                         "it ('none': every record alone; default: topic when every record has one, none when "
-                         "no record has one)")
-    lc.add_argument("--max-docs", type=int, default=0, help="score at most this many long documents (0 = all)")
-    lc.add_argument("--slots", type=int, default=4096, help="memory slots M per layer and KV head (default 4096)")
-    lc.add_argument("--threshold", type=float, default=0.93, help="CAMELoT's novelty threshold R (default 0.93)")
-    lc.add_argument("--layers", help="comma-separated memory-augmented layers (default: every layer), e.g. 2,3")
-    lc.add_argument("--no-ablations", action="store_true", help="skip CAMELoT's four ablations")
-    lc.add_argument("--visibility", choices=("causal", "full"), default="causal",
-                    help="which retrieved entries a query sees: causal (entries of tokens up to its own; "
-                         "default) or full (all L, as the seed's prefix reads — leaks the next token through "
-                         "the key it was retrieved with, so its perplexity is not a fair score; "
-                         "training/camelot/longdoc.py)")
-    lc.add_argument("--out", help="report directory (default RUN/eval-longctx)")
-    lc.set_defaults(func=_longctx)
-
-
-def _add_context_bank(sub: argparse._SubParsersAction) -> None:
-    cb = sub.add_parser(
-        "eval-context-bank",
-        help="cross-session recall through the context bank (seed 004 §9) on a bios demo run's frozen anchor",
-        description="New entities' documents are compressed into a context bank over several sessions (saved and "
-                    "reopened between them); a later session answers probes about them from the question alone. "
-                    "Compares no bank, a bank that never merges, banks filled past capacity (merging), the "
-                    "probe's own entry and the document in context. Trains the compressor first when needed. "
-                    "Writes OUT/results.json, OUT/report.md and OUT/recall.png.",
-    )
-    cb.add_argument("root", help="a bios demo run (memtree demo's --root): corpus.json, facts.jsonl, train/anchor")
-    cb.add_argument("overrides", nargs="*", help="eval.context_recall.ContextRecallConfig key=value overrides "
-                                                 "(n_entities=… sessions=… capacities=[1,0.5] top_k=…)")
-    cb.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
-                    help="compressor training override (repeatable), e.g. --train max_duration=1ep")
-    cb.add_argument("--out", help="report folder (default ROOT/context-bank; out=PATH is a deprecated alias)")
-    cb.set_defaults(func=_context_bank)
-
-
-def _add_continual(sub: argparse._SubParsersAction) -> None:
-    ct = sub.add_parser(
-        "eval-continual",
-        help="learning new facts in sequence without forgetting: sparse memory finetuning vs full vs LoRA (seed 003)",
-        description="Pretrains a memory-layer model on a bios demo run's shards when needed, collects its background "
-                    "access counts, then streams new facts (one gradient step per fact's paraphrases) through each "
-                    "configuration of the grid and measures learning (new-fact accuracy) and forgetting (old-fact "
-                    "accuracy, held-out perplexity). Writes OUT/results.json, OUT/report.md, OUT/pareto.png "
-                    "(default OUT: ROOT/continual). Grid: eval/yamls/continual.yaml. The memory-layer run "
-                    "ROOT/train/pkm is reused only when trained from the same pretrain settings and shards.",
-    )
-    ct.add_argument("root", help="a bios demo run (memtree demo's --root): corpus.json, facts.jsonl, pipeline/shards")
-    ct.add_argument("overrides", nargs="*", help="eval.continual.ContinualConfig key=value overrides "
-                                                 "(n_facts=… paraphrases=… run=…)")
-    ct.add_argument("--config", help="YAML with the grid (default eval/yamls/continual.yaml)")
-    ct.add_argument("--out", help="report folder (default ROOT/continual; out=PATH is a deprecated alias)")
-    ct.set_defaults(func=_continual)
-
-
-def _add_adapters(sub: argparse._SubParsersAction) -> None:
-    ad = sub.add_parser(
-        "eval-adapters",
-        help="memory adapters vs full fine-tuning vs LoRA on new facts (seed 004 §7.3)",
-        description="Fine-tunes a bios demo run's pretrained anchor on facts about new entities under four "
-                    "conditions (full, lora, mem_adapter, mem_adapter+lora) from the same weights, and measures "
-                    "learning (new-fact accuracy), forgetting (old-fact accuracy, held-out perplexity), trainable "
-                    "parameters, bank bytes, FLOPs per token and step time. Writes OUT/results.json, OUT/report.md, "
-                    "OUT/pareto.png (default OUT: ROOT/adapters). Grid: eval/yamls/adapters.yaml.",
-    )
-    ad.add_argument("root", help="a bios demo run (memtree demo's --root): corpus.json, facts.jsonl, train/anchor")
-    ad.add_argument("overrides", nargs="*", help="eval.adapters.AdaptersConfig key=value overrides "
-                                                 "(n_facts=… epochs=… run=…)")
-    ad.add_argument("--config", help="YAML with the grid (default eval/yamls/adapters.yaml)")
-    ad.add_argument("--out", help="report folder (default ROOT/adapters; out=PATH is a deprecated alias)")
-    ad.set_defaults(func=_adapters)
-
-
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser(
         "demo",
@@ -250,17 +161,6 @@ def _demo(args: argparse.Namespace) -> int:
     print(Path(report).read_text())
     print(f"Demo finished. Report: {Path(report).resolve()}")
     return 0
-
-
-def _need_file(path: str | Path, what: str) -> Path:
-    """`path` when it exists, else an error naming the flag or key (`what`) that gave it."""
-    if not Path(path).exists():
-        raise FileNotFoundError(f"{what} {path}: no such file or directory")
-    return Path(path)
-
-
-def _note(cmd: str, msg: str) -> None:
-    print(f"memtree {cmd}: {msg}", file=sys.stderr, flush=True)
 
 
 def _block_level(rm, args: argparse.Namespace) -> int | None:
@@ -312,29 +212,29 @@ def _eval(args: argparse.Namespace) -> int:
         raise ValueError(f"--block-documents: {args.run} has no memory bank to block")
     root = demo_root(rm.config)
     if args.facts:
-        facts = _need_file(args.facts, "--facts")
+        facts = need_file(args.facts, "--facts")
     elif (root / "facts.jsonl").is_file():
         facts = root / "facts.jsonl"
-        _note("eval", f"facts: {facts} (beside the run's pipeline run; --facts to choose)")
+        note("eval", f"facts: {facts} (beside the run's pipeline run; --facts to choose)")
     elif owner_ids is not None and args.held_out and not args.block_domains:
         facts = None  # real text: the owner's held-out pages against the others' only
-        _note("eval", "no facts (--facts): scoring held-out pages only")
+        note("eval", "no facts (--facts): scoring held-out pages only")
     else:
         raise ValueError(f"--facts: not given, and there is no facts.jsonl beside the run's pipeline run ({root})")
-    held = _need_file(args.held_out, "--held-out") if args.held_out else None
+    held = need_file(args.held_out, "--held-out") if args.held_out else None
     if held is None and (root / "heldout.jsonl").is_file():
         held = root / "heldout.jsonl"
-        _note("eval", f"held-out documents: {held} (beside the run's pipeline run; --held-out to choose)")
+        note("eval", f"held-out documents: {held} (beside the run's pipeline run; --held-out to choose)")
     elif held is None:
-        _note("eval", "no held-out documents (--held-out FILE.jsonl): the perplexity column stays empty")
+        note("eval", "no held-out documents (--held-out FILE.jsonl): the perplexity column stays empty")
     if owner_ids is not None and held is not None and not args.owner_field:
-        _note("eval", "--owner-field not given: the owner's held-out pages are not told apart (facts only)")
+        note("eval", "--owner-field not given: the owner's held-out pages are not told apart (facts only)")
     epochs, how = (args.epochs, "--epochs") if args.epochs is not None else trained_epochs(args.run)
     if epochs is None:
-        _note("eval", f"epochs: 1 (--epochs not given and the run's epochs cannot be counted: {how})")
+        note("eval", f"epochs: 1 (--epochs not given and the run's epochs cannot be counted: {how})")
         epochs, how = 1.0, "default (not countable from the run)"
     else:
-        _note("eval", f"epochs: {epochs:g} ({how}; exposures = mentions × epochs)")
+        note("eval", f"epochs: {epochs:g} ({how}; exposures = mentions × epochs)")
     probes, held_out = ([], []) if facts is None else load_eval_inputs(
         facts, held_out=held, max_probes=args.max_probes, seed=args.seed, epochs=epochs)
     if facts is None:
@@ -347,11 +247,11 @@ def _eval(args: argparse.Namespace) -> int:
 
         if args.owner_field and not held_out:
             raise ValueError("--owner-field: there are no held-out pages to tell apart (--held-out FILE.jsonl)")
-        run = _need_file(args.pipeline_run, "--pipeline-run") if args.pipeline_run else Path(rm.config.data.shards).parent
+        run = need_file(args.pipeline_run, "--pipeline-run") if args.pipeline_run else Path(rm.config.data.shards).parent
         plan = plan_forgetting(rm, run=run, ids=owner_ids, documents=args.block_documents,
                                name=Path(args.block_documents).name, min_share=args.min_share or 0.0, seed=args.seed,
                                allow_missing=args.allow_missing, owner_field=args.owner_field,
-                               log=lambda m: _note("eval", m))
+                               log=lambda m: note("eval", m))
     targets = args.block_domains.split(",") if args.block_domains else []
     if targets:  # checked before the slow part: a typo, or no evaluated probe to block for
         from memtree.eval.longtail import load_facts
@@ -367,7 +267,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.rag is not None:
         from memtree.eval.rag import RagIndex
 
-        rag = RagIndex.open(_need_file(args.rag, "--rag") if args.rag else Path(rm.config.data.shards).parent)
+        rag = RagIndex.open(need_file(args.rag, "--rag") if args.rag else Path(rm.config.data.shards).parent)
     knowledge = knowledge_eval(rm, probes, held_out, rag=rag) if probes else None
     blocking = None
     if targets:
@@ -382,7 +282,7 @@ def _eval(args: argparse.Namespace) -> int:
         forgetting.append(forgetting_eval(rm, plan, probes=probes, facts=load_facts(facts) if facts else (),
                                           held_out=held_out if args.owner_field else (), predictions=given,
                                           paths=knowledge.get("paths") if knowledge else None,
-                                          fallback=args.fallback, log=lambda m: _note("eval", m)))
+                                          fallback=args.fallback, log=lambda m: note("eval", m)))
     out = Path(args.out) if args.out else Path(args.run) / "eval"
     meta = {"run": str(Path(args.run).resolve()), "facts": str(facts) if facts else None,
             "held_out": str(held) if held else None, "epochs": epochs, "epochs_from": how, "probes": len(probes)}
@@ -394,34 +294,11 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _out(args: argparse.Namespace, cmd: str, *, deprecated: bool) -> list[str]:
-    """`--out PATH` as the config's `out=` override (applied last). `out=PATH` among the overrides
-    still works; where `out` is no YAML key of the command's own (`deprecated`), it prints a note."""
-    given = [o.split("=", 1)[1] for o in args.overrides if o.split("=", 1)[0] == "out"]
-    if given and args.out is not None and given[-1] != args.out:
-        raise ValueError(f"--out {args.out} and out={given[-1]} disagree; give one")
-    if given and args.out is None and deprecated:
-        _note(cmd, "note: out=PATH is deprecated; use --out PATH")
-    return [f"out={args.out}"] if args.out is not None else []
-
-
-def _config_file(path: str | None, what: str) -> str | None:
-    return str(_need_file(path, what)) if path else None
-
-
-def _demo_root(root: str, cmd: str, files: tuple[str, ...]) -> None:
-    """A bios demo run's ROOT: each file the command reads, named when missing."""
-    missing = [f for f in files if not (Path(root) / f).exists()]
-    if missing:
-        raise FileNotFoundError(f"{cmd} ROOT {root}: no {', '.join(missing)} there (ROOT is a bios demo run: "
-                                "memtree demo's --root)")
-
-
 def _sweep(args: argparse.Namespace) -> int:
     from memtree.eval.sweeps import load_sweep_config, run_sweep
 
     # eval.* paths resolve against the sweep YAML (missing ones named by key there)
-    cfg = load_sweep_config(_config_file(args.sweep, "SWEEP"), [*args.overrides, *_out(args, "eval-sweep",
+    cfg = load_sweep_config(config_file(args.sweep, "SWEEP"), [*args.overrides, *out_override(args, "eval-sweep",
                                                                                           deprecated=False)],
                             require_paths=True)
     result = run_sweep(cfg, train_overrides=args.train)
@@ -436,14 +313,14 @@ def _retention(args: argparse.Namespace) -> int:
     config, overrides = args.config, list(args.overrides)
     if config and "=" in config:  # no YAML: every argument is an override
         config, overrides = None, [config, *overrides]
-    cfg = load_retention_config(_config_file(config, "CONFIG"),
-                                [*overrides, *_out(argparse.Namespace(overrides=overrides, out=args.out),
+    cfg = load_retention_config(config_file(config, "CONFIG"),
+                                [*overrides, *out_override(argparse.Namespace(overrides=overrides, out=args.out),
                                                    "eval-retention", deprecated=False)])
     where = f"(in {config} or its overrides)" if config else "(override)"
-    _need_file(Path(cfg.run) / "memtree_config.json", f"run={cfg.run} {where}: a training run needs")
+    need_file(Path(cfg.run) / "memtree_config.json", f"run={cfg.run} {where}: a training run needs")
     for key in ("facts", "held_out", "tree"):
         if getattr(cfg, key):
-            _need_file(getattr(cfg, key), f"{key} {where}:")
+            need_file(getattr(cfg, key), f"{key} {where}:")
     result = run_retention(cfg)
     print(Path(result["files"]["markdown"]).read_text(encoding="utf-8"))
     print(f"report: {result['files']['markdown']}")
@@ -454,79 +331,12 @@ def _tasks(args: argparse.Namespace) -> int:
     from memtree.eval.model import RunModel
     from memtree.eval.suite import load_suite_config, run_suite, write_suite_report
 
-    cfg = load_suite_config(_need_file(args.suite, "SUITE"))  # task paths resolve against the YAML
+    cfg = load_suite_config(need_file(args.suite, "SUITE"))  # task paths resolve against the YAML
     result = run_suite(RunModel.load(args.run, tree_dir=args.tree), cfg)
     out = Path(args.out) if args.out else Path(args.run) / "eval-tasks"
     files = write_suite_report(out, result, meta={"run": str(Path(args.run).resolve()), "suite": args.suite})
     print(Path(files["markdown"]).read_text(encoding="utf-8"))
     print(f"report: {Path(files['markdown']).resolve()}")
-    return 0
-
-
-def _longctx(args: argparse.Namespace) -> int:
-    from memtree.eval.longctx import (
-        group_key,
-        load_records,
-        long_documents,
-        longctx_eval,
-        write_longctx_report,
-    )
-    from memtree.eval.model import RunModel
-    from memtree.eval.runinfo import demo_root
-    from memtree.memstore.camelot.memory import CamelotConfig
-
-    methods = [m.strip() for m in args.method.split(",") if m.strip()]
-    rm = RunModel.load(args.run, bank=False)  # the frozen anchor only: no bank, no tree
-    if args.docs:
-        docs_path = _need_file(args.docs, "--docs")
-    else:
-        docs_path = demo_root(rm.config) / "heldout.jsonl"
-        if not docs_path.exists():
-            raise FileNotFoundError(f"eval-longctx: no documents at {docs_path}; pass --docs FILE.jsonl")
-    records = load_records(docs_path)
-    group_by = group_key(records, args.group_by, docs_path)
-    layers = tuple(int(x) for x in args.layers.split(",") if x.strip()) if args.layers else None
-    _keys, docs = long_documents(records, rm.encode, group_by=group_by, separator=rm.eot_id,
-                                 max_docs=args.max_docs)
-    results = longctx_eval(rm, docs, methods=methods, window=args.window,
-                           cfg=CamelotConfig(slots=args.slots, threshold=args.threshold, layers=layers),
-                           ablations=not args.no_ablations, visibility=args.visibility, log=print)
-    out = Path(args.out) if args.out else Path(args.run) / "eval-longctx"
-    files = write_longctx_report(out, results, meta={"run": str(Path(args.run).resolve()), "docs": str(docs_path),
-                                                     "group_by": group_by})
-    print(Path(files["markdown"]).read_text(encoding="utf-8"))
-    print(f"report: {Path(files['markdown']).resolve()}")
-    return 0
-
-
-def _context_bank(args: argparse.Namespace) -> int:
-    from memtree.eval.context_recall import load_recall_config, run_recall
-
-    _demo_root(args.root, "eval-context-bank", ("corpus.json", "facts.jsonl", "train/anchor"))
-    train = ",".join(f'"{t}"' for t in args.train)
-    cfg = load_recall_config(None, [f"root={args.root}", *args.overrides, *([f"train=[{train}]"] if train else []),
-                                    *_out(args, "eval-context-bank", deprecated=True)])
-    print(run_recall(cfg))
-    return 0
-
-
-def _continual(args: argparse.Namespace) -> int:
-    from memtree.eval.continual import load_continual_config, run_continual
-
-    _demo_root(args.root, "eval-continual", ("corpus.json", "facts.jsonl", "heldout.jsonl"))
-    print(run_continual(load_continual_config(_config_file(args.config, "--config"),
-                                              [f"root={args.root}", *args.overrides,
-                                               *_out(args, "eval-continual", deprecated=True)])))
-    return 0
-
-
-def _adapters(args: argparse.Namespace) -> int:
-    from memtree.eval.adapters import load_adapters_config, run_adapters
-
-    _demo_root(args.root, "eval-adapters", ("corpus.json", "facts.jsonl", "heldout.jsonl"))
-    print(run_adapters(load_adapters_config(_config_file(args.config, "--config"),
-                                            [f"root={args.root}", *args.overrides,
-                                             *_out(args, "eval-adapters", deprecated=True)])))
     return 0
 
 
@@ -556,11 +366,11 @@ def _add_memories(sub: argparse._SubParsersAction) -> None:
 def _memories(args: argparse.Namespace) -> int:
     from memtree.eval.memories import load_memories_config, run_memories
 
-    _demo_root(args.root, "eval-memories", ("facts.jsonl", "pipeline/shards", "train/cotrain"))
+    check_demo_root(args.root, "eval-memories", ("facts.jsonl", "pipeline/shards", "train/cotrain"))
     rows = [r.strip() for r in (args.rows or "").split(",") if r.strip()]
-    cfg = load_memories_config(_config_file(args.config, "--config"),
+    cfg = load_memories_config(config_file(args.config, "--config"),
                                [f"root={args.root}", *args.overrides, *([f"select=[{','.join(rows)}]"] if rows else []),
-                                *_out(args, "eval-memories", deprecated=False)])
+                                *out_override(args, "eval-memories", deprecated=False)])
     print(Path(run_memories(cfg)).read_text(encoding="utf-8"))
     return 0
 
@@ -591,9 +401,9 @@ def _realtext(args: argparse.Namespace) -> int:
     from memtree.eval.realtext import load_realtext_config, run_realtext
 
     picked = [r.strip() for r in (args.recipes or "").split(",") if r.strip()]
-    cfg = load_realtext_config(_config_file(args.config, "--config"),
+    cfg = load_realtext_config(config_file(args.config, "--config"),
                                [f"root={args.root}", *args.overrides,
                                 *([f"select=[{','.join(picked)}]"] if picked else []),
-                                *_out(args, "eval-realtext", deprecated=False)])
+                                *out_override(args, "eval-realtext", deprecated=False)])
     print(Path(run_realtext(cfg)).read_text(encoding="utf-8"))
     return 0

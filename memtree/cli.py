@@ -17,7 +17,8 @@ from importlib.metadata import entry_points
 from memtree import __version__
 
 # Used when memtree runs from a source tree that was never pip-installed.
-_FALLBACK = ("memtree.eval.cli", "memtree.memstore.cli", "memtree.pipeline.cli", "memtree.training.cli",
+_FALLBACK = ("memtree.eval.cli", "memtree.eval.camelot.cli", "memtree.eval.context.cli",
+             "memtree.eval.finetune.cli", "memtree.memstore.cli", "memtree.pipeline.cli", "memtree.training.cli",
              "memtree.training.context.cli", "memtree.training.finetune.cli")
 
 

@@ -259,7 +259,7 @@ def test_no_import_cycles():
 
 
 # each stage's sub-packages that belong to its core; every other sub-package is a system's folder
-CORE_FOLDERS = {"training": {"callbacks", "layers"}, "memstore": {"sim"}}
+CORE_FOLDERS = {"training": {"callbacks", "layers"}, "memstore": {"sim"}, "eval": set()}
 
 
 def _systems(stage: str) -> list[str]:
@@ -322,6 +322,15 @@ def test_memstore_core_never_imports_a_system():
     the other, as in training/."""
     assert {"camelot", "context"} <= set(_systems("memstore")), _systems("memstore")
     bad = _core_imports_of_systems("memstore")
+    assert not bad, "\n".join(bad)
+
+
+def test_eval_core_never_imports_a_system():
+    """eval/'s core (the paper's experiments, the demo, the scorers, its cli.py) imports no
+    system's experiment (camelot/, context/, finetune/: each registers its own commands), and no
+    system folder imports another."""
+    assert {"camelot", "context", "finetune"} <= set(_systems("eval")), _systems("eval")
+    bad = _core_imports_of_systems("eval")
     assert not bad, "\n".join(bad)
 
 

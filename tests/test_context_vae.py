@@ -1,5 +1,5 @@
 """The context bank's model side (training/context/vae.py, training/context/train.py) and its recall
-experiment (eval/context_recall.py): segment assignment by hand, padding invariance of the
+experiment (eval/context/recall.py): segment assignment by hand, padding invariance of the
 compressor, the reader's exact no-op at init, gradients only into the compressor and reader, a real
 Composer fit writing a loadable artefact, mismatch errors naming the field, recall pairs counted
 against the corpus plan, and `memtree eval-context-bank` end to end on a tiny bios run, where the

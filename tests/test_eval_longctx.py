@@ -1,4 +1,4 @@
-"""`eval.longctx` and `memtree eval-longctx`: CAMELoT's long-context perplexity on a tiny frozen
+"""`eval.camelot.longctx` and `memtree eval-longctx`: CAMELoT's long-context perplexity on a tiny frozen
 anchor — base and XL against plain forwards computed here, input-length buckets, skipped empty
 documents, the window check, the report files, and the CLI on a hand-built tiny run folder."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from memtree.eval.longctx import (
+from memtree.eval.camelot.longctx import (
     ABLATIONS,
     load_records,
     long_documents,

@@ -1,4 +1,4 @@
-"""training/finetune/continual.py, training/finetune/lora.py and eval/continual.py: each finetuning method changes
+"""training/finetune/continual.py, training/finetune/lora.py and eval/finetune/continual.py: each finetuning method changes
 what it should and nothing else (sparse memory finetuning: exactly the top-t value rows, bit for
 bit; LoRA: only the adapted projections once merged; full: everything), background counts are
 collected from real MDS shards and stored with the checkpoint, `memtree finetune` runs a JSONL
@@ -180,7 +180,7 @@ def test_fact_statements_are_deterministic_distinct_and_state_the_fact():
 
 
 def test_equal_learning_target_check():
-    from memtree.eval.continual import equal_learning
+    from memtree.eval.finetune.continual import equal_learning
 
     def row(m, new, drop, ranking="tfidf"):
         return {"method": m, "label": f"{m}-{new}", "after": {"new_accuracy": new}, "forgetting": {"old_drop": drop},
@@ -313,7 +313,7 @@ def test_eval_continual_writes_its_report(pkm_run, pipeline_run, tmp_path):
     """The experiment on a bios world, run against the tiny memory-layer run (its own background
     counts collected first) and, for the hierarchical part, a tiny co-trained bank run: results.json,
     report.md and both Pareto PNGs, each configuration from the same pretrained weights and bank."""
-    from memtree.eval.continual import load_continual_config, run_continual
+    from memtree.eval.finetune.continual import load_continual_config, run_continual
     from memtree.pipeline.corpus.bios import BiosSpec, write_bios
     from memtree.training.train import load_run
     from streaming.base.util import clean_stale_shared_memory
@@ -361,7 +361,7 @@ def test_eval_continual_writes_its_report(pkm_run, pipeline_run, tmp_path):
 
 
 def test_shipped_continual_grid_loads():
-    from memtree.eval.continual import load_continual_config
+    from memtree.eval.finetune.continual import load_continual_config
 
     cfg = load_continual_config()
     assert {s.method for s in cfg.runs} == {"sparse_memory", "full", "lora"}

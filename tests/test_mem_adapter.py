@@ -325,7 +325,7 @@ def test_memtree_finetune_with_adapters_saves_a_run_that_reopens_with_them(ancho
 
 
 def test_eval_adapters_writes_its_report(anchor_run, tmp_path):
-    from memtree.eval.adapters import load_adapters_config, run_adapters
+    from memtree.eval.finetune.adapters import load_adapters_config, run_adapters
     from memtree.pipeline.corpus.bios import BiosSpec, write_bios
 
     from memtree.io import read_json
@@ -361,7 +361,7 @@ def test_eval_adapters_writes_its_report(anchor_run, tmp_path):
 
 
 def test_shipped_adapter_yamls_load():
-    from memtree.eval.adapters import load_adapters_config
+    from memtree.eval.finetune.adapters import load_adapters_config
 
     cfg = load_adapters_config()
     assert {s.method for s in cfg.runs} == {"full", "lora", "mem_adapter", "mem_adapter+lora"}

@@ -571,7 +571,7 @@ def write_bios(out_dir: str | os.PathLike[str], spec: BiosSpec | None = None, *,
 
 def recall_pairs(docs: Iterable[dict], facts: Sequence[dict]) -> list[dict]:
     """(document, question about a fact the document states) pairs: what the context bank's
-    compressor is trained and evaluated on (training/context/train.py, eval/context_recall.py).
+    compressor is trained and evaluated on (training/context/train.py, eval/context/recall.py).
 
     A document states a fact when it contains the fact's canonical clause (any case); the
     question is the probe's context, "The {label} of {reference} is", the answer the value. Each

@@ -59,7 +59,7 @@ from memtree.training.context.vae import (
 from memtree.config import from_dict, is_int, load_config, to_dict
 from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json, sha256_file
 
-TRAIN_YAML = Path(__file__).resolve().parents[1] / "training" / "yamls" / "context-vae.yaml"
+TRAIN_YAML = Path(__file__).resolve().parents[2] / "training" / "yamls" / "context-vae.yaml"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,7 +5,7 @@ The experiment a user with an existing model runs first. A pretrained anchor (a 
 `train/anchor`, no memory) is fine-tuned on facts about entities its corpus never mentions, under
 the four conditions of §7.3: full fine-tuning, LoRA, memory cross-attention adapters
 (training/finetune/adapters.py: MoC layers added to chosen blocks, base frozen) and adapters + LoRA.
-The data and the measures are eval-continual's (eval/continual.py), so the two experiments read
+The data and the measures are eval-continual's (eval/finetune/continual.py), so the two experiments read
 side by side: the same new-fact stream (each fact a batch of `paraphrases` statements in
 different frames), here repeated for `epochs` passes in a fresh order each pass; learning =
 4-way accuracy on the new facts' probes ("The {label} of {reference} is", chance 25 %; the
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from memtree.eval.continual import fact_task, forgetting, measure, plot_pareto
+from memtree.eval.finetune.continual import fact_task, forgetting, measure, plot_pareto
 from memtree.eval.model import RunModel
 from memtree.training.finetune.adapters import adapter_summary, detach_from_anchor
 from memtree.training.finetune.continual import FinetuneSpec, finetune_stream
@@ -41,7 +41,7 @@ from memtree.training.flops import finetune_accounting, lora_params
 from memtree.config import ConfigError, is_int, load_config, to_dict
 from memtree.io import atomic_write_json, atomic_write_text
 
-DEFAULT_YAML = Path(__file__).parent / "yamls" / "adapters.yaml"
+DEFAULT_YAML = Path(__file__).resolve().parents[1] / "yamls" / "adapters.yaml"
 CHANCE = 0.25
 METHOD_STYLE = {"full": {"c": "tab:red", "marker": "s"}, "lora": {"c": "tab:blue", "marker": "^"},
                 "mem_adapter": {"c": "tab:green", "marker": "o"}, "mem_adapter+lora": {"c": "tab:purple", "marker": "D"}}

@@ -62,7 +62,7 @@ from tqdm import tqdm
 from memtree.config import ConfigError, from_dict, is_int, load_config, to_dict
 from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json
 
-DEFAULT_YAML = Path(__file__).parent / "yamls" / "continual.yaml"
+DEFAULT_YAML = Path(__file__).resolve().parents[1] / "yamls" / "continual.yaml"
 CHANCE = 0.25
 
 
