@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from memtree.clustering import blas as blas_check
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,6 +12,7 @@ import numpy as np
 from _common import loadavg, log  # bench/ is sys.path[0] when a script runs
 from _pipeline_common import DIM, gmm_sphere, row
 from _pipeline_tree import balance_tree
+
 from memtree.clustering.route import route
 from memtree.clustering.tree import Tree
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import psutil
 import pyarrow.parquet as pq
+
 from memtree.pipeline.config import (
     DaskConfig,
     EmbedConfig,

@@ -26,10 +26,10 @@ from _pipeline_common import (
     window_texts,
     write_jsonl,
 )
-from memtree.clustering.embed import embed_texts, load_embedder
-from memtree.pipeline.run import run_pipeline
 
+from memtree.clustering.embed import embed_texts, load_embedder
 from memtree.config import to_dict
+from memtree.pipeline.run import run_pipeline
 
 
 def e2e_child(spec_path: str) -> int:

@@ -20,11 +20,11 @@ from _pipeline_common import (
     window_texts,
     write_jsonl,
 )
+
 from memtree.clustering.embed import embed_texts, load_embedder
+from memtree.config import to_dict
 from memtree.pipeline.dask_utils import dask_client
 from memtree.pipeline.run import run_pipeline
-
-from memtree.config import to_dict
 
 
 class _EmbedTimer:

@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 from _common import loadavg, log  # bench/ is sys.path[0] when a script runs
 from _pipeline_common import corpus_docs, gmm_sphere, row
+
 from memtree.clustering.embed import embed_texts, load_embedder
 from memtree.clustering.tree import build_tree, level_stats
-from memtree.pipeline.config import TreeConfig
-
 from memtree.config import to_dict
+from memtree.pipeline.config import TreeConfig
 
 
 # ---------------------------------------------------------------------------------- helpers

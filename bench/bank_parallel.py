@@ -65,6 +65,7 @@ def _worker(spec_path: str) -> int:
     import torch
     from composer.core import Callback
     from composer.utils import dist
+
     from memtree.training.callbacks import CommBytes
     from memtree.training.composer_model import unwrap
     from memtree.training.config import load_train_config
@@ -180,8 +181,9 @@ def synthetic_shards(demo: Path, out: Path, *, branching: int, per_subtree: int,
     data_subtrees / fanout (fixed rows): only the first `data_subtrees` subtrees have data, and
     their samples sit under the first `fanout` children at levels 2 and 3, so every tree gets the
     same samples over the same number of distinct rows and only the bank grows."""
-    from memtree.pipeline.shards import MDS_COLUMNS, stream_name
     from streaming import MDSWriter
+
+    from memtree.pipeline.shards import MDS_COLUMNS, stream_name
 
     base = json.loads((demo / "manifest.json").read_text())
     vocab_dir = (demo / base["tokenizer"]).resolve()

@@ -53,11 +53,11 @@ from _common import (  # bench/: sys.path[0]
     results_path,
     write_results,
 )
+
+from memtree.geometry import AnchorShape, get_anchor
 from memtree.memstore.camelot.memory import AssociativeMemory, CamelotConfig, FifoKNNCache
 from memtree.training.camelot.longdoc import longdoc_token_nll, new_memory
 from memtree.training.model import AnchorLM, ModelConfig
-
-from memtree.geometry import AnchorShape, get_anchor
 
 # Anchor shapes (training/model.py's AnchorLM): "tiny" is the demo's anchor (4 layers × d 128,
 # 4 heads × 32); "d768" a GPT-2-small-sized one (12 × 768, 12 heads × 64).

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from _common import REPO, finish, log, results_path, run_meta
+
 from memtree.eval.longtail import build_probes, load_facts
 from memtree.eval.model import RunModel
 from memtree.eval.rag import RagIndex, rag_items

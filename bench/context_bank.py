@@ -27,6 +27,7 @@ import time
 
 import torch
 from _common import finish, log, results_path, run_meta  # bench/ on sys.path
+
 from memtree.memstore.context.bank import ContextBank, ContextBankConfig
 
 # The columns of the printed table.

@@ -31,6 +31,7 @@ from _common import (  # bench/ is sys.path[0] when a script runs
     results_path,
     run_meta,
 )
+
 from memtree.clustering.embed import default_model_path, embed_texts, load_embedder
 from memtree.clustering.embed_export import export_openvino_int8
 from memtree.clustering.tree import build_tree

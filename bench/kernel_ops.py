@@ -72,6 +72,7 @@ from _common import (  # bench/ is sys.path[0] when a script runs
     write_results,
 )
 from _kernels_ffn import run_ffn
+
 from memtree.kernels.memory_attention import (
     memory_attention,
     memory_attention_naive,

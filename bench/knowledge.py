@@ -30,12 +30,12 @@ from _common import (  # bench/ is sys.path[0] when a script runs
     results_path,
     run_meta,
 )
-from memtree.eval.demo import run_main_job
-from memtree.pipeline.corpus.bios import BiosSpec
 from omegaconf import OmegaConf
 
 from memtree.config import from_dict
+from memtree.eval.demo import run_main_job
 from memtree.io import read_json
+from memtree.pipeline.corpus.bios import BiosSpec
 
 MODES = ("none", "generic", "fetched", "rag")
 

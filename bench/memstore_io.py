@@ -45,6 +45,8 @@ from _common import (  # bench/ is sys.path[0] when a script runs
     wait_quiet,
     write_results,
 )
+
+from memtree.geometry import MemoryConfig, get_anchor, plan, stored_bytes
 from memtree.memstore.format import level_path
 from memtree.memstore.sim.calibrate import (
     drop_cache,
@@ -59,8 +61,6 @@ from memtree.memstore.sim.latency import simulate_session, zipf_trace
 from memtree.memstore.sim.profiles import HardwareProfile, TierProfile
 from memtree.memstore.store import MemoryStore, TierConfig
 from memtree.memstore.writer import write_bank
-
-from memtree.geometry import MemoryConfig, get_anchor, plan, stored_bytes
 
 BENCHES = ("throughput", "flat", "calibrate", "session")
 MiB = 1 << 20

@@ -34,9 +34,9 @@ from _common import (  # bench/ is sys.path[0]
     write_results,
 )
 from _pipeline_common import corpus_docs, pipeline_cfg, run_sampled, write_jsonl
-from memtree.pipeline.run import run_pipeline
 
 from memtree.config import to_dict
+from memtree.pipeline.run import run_pipeline
 
 COLUMNS = ["docs", "workers", "backend", "mmap_threshold_mib", "windows", "seconds", "docs_per_s", "embed_s",
            "peak_rss_gib", "peak_pss_gib", "peak_minus_embeddings_gib", "speedup_vs_1_worker"]

@@ -48,6 +48,7 @@ from _common import (  # bench/ is sys.path[0] when a script runs
     sgemm_gflops,
     torch_sgemm_gflops,
 )
+
 from memtree.clustering import gemm
 
 TREE_SPEEDUP, TWO_LEVEL_SPEEDUP, NMI_VS_FLAT, BALANCE = 5.0, 1.0, 0.95, 1.2

@@ -20,6 +20,7 @@ import time
 
 import torch
 from _common import finish, log, results_path, run_meta  # bench/ on sys.path
+
 from memtree.training.layers.pkm import PKMConfig, ProductKeyMemory
 
 # The columns of the printed table.

@@ -134,6 +134,7 @@ def _fresh(leaves: list) -> list:
 
 def attention_cases(args, out: dict, text: list[str]) -> None:
     from kernel_ops import CPU_SIZES, CUDA_SIZES, gather_sdpa, hkv_problem, moc_problem
+
     from memtree.kernels.memory_attention import memory_attention, memory_attention_table
     from memtree.kernels.memory_attention.table import build_table
 
@@ -170,6 +171,7 @@ def attention_cases(args, out: dict, text: list[str]) -> None:
 
 def ffn_cases(args, out: dict, text: list[str]) -> None:
     from _kernels_ffn import CPU_SIZES, CUDA_SIZES, gather_bmm, make_problem
+
     from memtree.kernels.ffn_memory import ffn_memory
 
     p = make_problem(CUDA_SIZES if args.device == "cuda" else CPU_SIZES, args.device)

@@ -104,6 +104,8 @@ from _kernels_ffn import CUDA_SIZES as FFN_CUDA_SIZES
 from _kernels_ffn import gather_bmm
 from _kernels_ffn import make_problem as ffn_problem
 from kernel_ops import CPU_SIZES, CUDA_SIZES, attn_flops, gather_sdpa, hkv_problem, moc_problem
+from torch import Tensor
+
 from memtree.kernels.memory_attention import (
     memory_attention,
     memory_attention_flex,
@@ -111,7 +113,6 @@ from memtree.kernels.memory_attention import (
     memory_attention_sdpa,
     memory_attention_table,
 )
-from torch import Tensor
 
 # scenario -> (bench, problem, weight mode); the three moc scenarios share one problem
 SCENARIOS = {"moc": ("attention", "moc", None), "moc_bias": ("attention", "moc", "bias"),

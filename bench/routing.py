@@ -35,6 +35,7 @@ from _common import (  # bench/ is sys.path[0] when a script runs
 )
 from _pipeline_assign import constructed_tree
 from _pipeline_common import DIM
+
 from memtree.clustering.route import route
 
 # Idle time before each timed call, so that no method inherits the previous one's spinning thread

@@ -25,6 +25,7 @@ def record(config: str, overrides: list[str], out: Path) -> int:
     # Composer and the trainer (which imports it) are heavy; --compare needs neither.
     import torch
     from composer.core import Callback
+
     from memtree.training.config import load_train_config
     from memtree.training.train import train
 

@@ -61,11 +61,11 @@ from _common import (  # bench/ is on sys.path when run as a script
     wait_quiet,
     write_results,
 )
+
+from memtree.geometry import AnchorShape, MemoryConfig, plan
 from memtree.training.bank import TrainableBank
 from memtree.training.model import AnchorLM, ModelConfig, assemble_memories
 from memtree.training.optim import MemoryAdamW
-
-from memtree.geometry import AnchorShape, MemoryConfig, plan
 
 BENCHES = ("overhead", "banksize", "state", "read")
 GiB = 1 << 30

@@ -31,13 +31,13 @@ from _common import (  # bench/ is sys.path[0] when a script runs
     results_path,
     run_meta,
 )
+
 from memtree.clustering.embed import embed_texts, embedder_from_meta
 from memtree.clustering.route import route
 from memtree.clustering.tree import build_tree, load_tree
 from memtree.eval.longtail import build_probes, load_facts
 from memtree.eval.plots import new_figure, save_png
 from memtree.eval.rag import RagIndex, routing_agreement
-
 from memtree.io import read_json
 
 

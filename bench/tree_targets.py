@@ -36,6 +36,7 @@ from _common import (  # bench/ is sys.path[0] when a script runs
 )
 from _pipeline_common import gmm_hierarchy, zipf_mixture
 from _pipeline_tree import nmi
+
 from memtree.clustering.tree import build_tree
 
 COLUMNS = ["method", "seconds", "speedup_vs_flat", "nmi", "balance_l1", "balance_l2", "balance_l3", "empty"]

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from _common import finish, log  # bench/ is sys.path[0] when a script runs
 from kernel_ops import CUDA_SIZES, gather_sdpa, hkv_problem, moc_problem
+
 from memtree.kernels.memory_attention import memory_attention
 
 CANDIDATES = {
@@ -35,8 +36,9 @@ def _rel(a, b) -> float:
 
 
 def sweep(scenario: str, runs: int) -> list[dict]:
-    from memtree.kernels.memory_attention import kernel as K  # imports triton (GPU only)
     from triton.testing import do_bench
+
+    from memtree.kernels.memory_attention import kernel as K  # imports triton (GPU only)
 
     sz = CUDA_SIZES[scenario]
     p = (moc_problem if scenario == "moc" else hkv_problem)(sz, "cuda", torch.bfloat16)
@@ -93,10 +95,11 @@ def profile(scenario: str, out_dir: Path) -> None:
     """Where one forward+backward spends its time at the current Launch.choose: each CUDA
     kernel's device time against the host time of the whole call (plan() builds the
     reference table with torch ops, once per call in forward, no host syncs)."""
-    from memtree.kernels.memory_attention import kernel as K  # imports triton (GPU only)
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
     from triton.testing import do_bench
+
+    from memtree.kernels.memory_attention import kernel as K  # imports triton (GPU only)
 
     sz = CUDA_SIZES[scenario]
     p = (moc_problem if scenario == "moc" else hkv_problem)(sz, "cuda", torch.bfloat16)

@@ -22,6 +22,7 @@ import os
 from typing import Literal
 
 import numpy as np
+
 from memtree.clustering.embed_export import OPENVINO_INT8, quiet_loaders, read_export
 
 BACKENDS = ("torch", OPENVINO_INT8)

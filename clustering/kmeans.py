@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from memtree.clustering import gemm
 from memtree.clustering.route_core import TIE_GAP
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
 from memtree.clustering.embed import embed_texts, embedder_from_meta
 from memtree.clustering.route_core import CACHE_BYTES, faiss_installed, route_step
 from memtree.clustering.tree import Tree

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+
 from memtree.clustering import gemm
 
 # A float32 score gap below this (scores ||c||² − 2·x·c of unit-scale vectors, d ≤ a few

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from memtree.clustering import gemm
 from memtree.clustering.kmeans import (
     CONVERGE_TOL,
@@ -36,7 +37,6 @@ from memtree.clustering.kmeans import (
     single_threaded,
 )
 from memtree.clustering.route_core import route_step, squared_norms
-
 from memtree.io import (
     atomic_dir,
     atomic_save_npy,

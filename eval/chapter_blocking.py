@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from memtree.eval.model import RunModel
 from memtree.eval.tasks import multiple_choice
 from memtree.training.hooks import attached

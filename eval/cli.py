@@ -149,8 +149,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from memtree.eval.demo import run_main_job
     from omegaconf import OmegaConf
+
+    from memtree.eval.demo import run_main_job
 
     corpus = OmegaConf.to_container(OmegaConf.from_dotlist(args.corpus))
     report = run_main_job(args.root, corpus=corpus, pipeline_overrides=args.overrides,

@@ -37,19 +37,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from memtree.config import from_dict
 from memtree.eval.forgetting import demo_owners, forgetting_eval, plan_forgetting
 from memtree.eval.knowledge import blocking_eval, knowledge_eval, write_report
 from memtree.eval.longtail import build_probes, load_facts
 from memtree.eval.model import RunModel
 from memtree.eval.rag import RagIndex, routing_agreement
 from memtree.eval.runinfo import run_tpp_table
+from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json
 from memtree.pipeline.corpus.bios import BiosSpec
 from memtree.pipeline.demo import run_demo
 from memtree.training.config import TrainConfig, load_train_config
 from memtree.training.train import train
-
-from memtree.config import from_dict
-from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json
 
 DEMO_TRAIN_YAML = Path(__file__).resolve().parents[1] / "training" / "yamls" / "demo.yaml"
 

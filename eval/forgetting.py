@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from memtree.eval.heldout import heldout_windows, paired_doc_interval, per_doc, window_nll
 from memtree.eval.longtail import wilson
 from memtree.eval.model import RunModel

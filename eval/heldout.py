@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from memtree.eval.model import RunModel
 
 Z95 = 1.959963984540054

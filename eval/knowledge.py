@@ -22,15 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from memtree.eval.forgetting import forgetting_lines, plot_forgetting
 from memtree.eval.longtail import accuracy_by_bucket, build_probes, load_facts
 from memtree.eval.model import RunModel
 from memtree.eval.plots import new_figure, save_png
 from memtree.eval.rag import RagIndex, rag_items
 from memtree.eval.tasks import multiple_choice, perplexity
-from memtree.memstore.blocking import adversarial_block, random_block
-
 from memtree.io import atomic_write_json, atomic_write_text
+from memtree.memstore.blocking import adversarial_block, random_block
 from memtree.tpp import format_tpp_markdown
 
 MODES = ("none", "generic", "fetched")

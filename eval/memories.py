@@ -46,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from memtree.config import ConfigError, check_selection, from_dict, is_int, load_config, to_dict
 from memtree.eval.chapter_blocking import chapter_blocking_eval
 from memtree.eval.demo import shards_fingerprint, train_once
 from memtree.eval.heldout import paired_interval
@@ -54,16 +56,14 @@ from memtree.eval.longtail import BUCKETS, bucket_label, exposure
 from memtree.eval.model import RunModel
 from memtree.eval.rag import RagIndex
 from memtree.eval.runinfo import duration_epochs, resolve_stored, run_config
+from memtree.geometry import AnchorShape, MemoryConfig, Plan, layer_widths, plan
+from memtree.io import read_json
 from memtree.pipeline.corpus.bios import BiosSpec
 from memtree.training.config import TrainConfig
 from memtree.training.data import read_shards_manifest, tokenizer_vocab_size
 from memtree.training.flops import ffn_memory, moc_params, model_flops, pkm_params
 from memtree.training.layers.moc import MoCConfig
 from memtree.training.layers.pkm import PKMConfig
-
-from memtree.config import ConfigError, check_selection, from_dict, is_int, load_config, to_dict
-from memtree.geometry import AnchorShape, MemoryConfig, Plan, layer_widths, plan
-from memtree.io import read_json
 
 DEFAULT_YAML = Path(__file__).parent / "yamls" / "memories.yaml"
 KINDS = ("demo", "dense", "moc", "pkm")

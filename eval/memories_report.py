@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 from memtree.eval.plots import new_figure, save_png
-
 from memtree.geometry import human, human_bytes
 from memtree.io import atomic_write_json, atomic_write_text
 

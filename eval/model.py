@@ -18,6 +18,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
+
 from memtree.clustering.route import route_texts
 from memtree.clustering.tree import load_tree
 from memtree.eval.runinfo import CONFIG_FILE, run_config, stored_config

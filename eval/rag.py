@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from memtree.clustering.embed import embed_texts, embedder_from_meta
 from memtree.clustering.route import route
 from memtree.clustering.tree import load_tree
 from memtree.eval.longtail import BUCKETS, bucket_label
 from memtree.eval.model import RunModel
 from memtree.eval.tasks import retrieval_query
-
 from memtree.io import read_json
 
 SEPARATOR = "\n\n"

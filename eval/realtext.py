@@ -34,16 +34,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from memtree.config import ConfigError, check_selection, load_config
 from memtree.eval.demo import DEMO_TRAIN_YAML, shards_fingerprint, train_once
 from memtree.eval.heldout import heldout_windows, paired_doc_interval, per_doc, window_nll
 from memtree.eval.model import RunModel
 from memtree.eval.plots import new_figure, save_png
 from memtree.eval.runinfo import run_tpp_table
-from memtree.training.config import load_train_config
-
-from memtree.config import ConfigError, check_selection, load_config
 from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json, sha256_file
 from memtree.tpp import format_tpp_markdown
+from memtree.training.config import load_train_config
 
 DEFAULT_YAML = Path(__file__).resolve().parent / "yamls" / "realtext.yaml"
 SCORES_FILE = "realtext_scores.json"  # a run's per-document held-out sums, reused while its key holds

@@ -24,17 +24,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from memtree.config import ConfigError, load_config, to_dict
 from memtree.eval.knowledge import MODE_LABEL, knowledge_eval, load_eval_inputs
 from memtree.eval.longtail import BUCKETS, bucket_label
 from memtree.eval.model import RunModel
 from memtree.eval.plots import new_figure, save_png
 from memtree.eval.runinfo import run_config
 from memtree.eval.sweeps import check_overrides, ensure_trained
+from memtree.io import atomic_write_json, atomic_write_text, read_json
 from memtree.training.config import TrainConfig
 from memtree.training.data import read_shards_manifest
-
-from memtree.config import ConfigError, load_config, to_dict
-from memtree.io import atomic_write_json, atomic_write_text, read_json
 
 # What makes the experiment what it is; overrides may change anything else (e.g. optim.lr).
 RESERVED = ("mode", "anchor_checkpoint", "memory.init_bank", "memory.lr", "memory.weight_decay",

@@ -59,9 +59,8 @@ def stored_config(run: str | Path) -> dict[str, Any]:
 
 def run_config(run: str | Path):
     """The run's TrainConfig with its stored paths resolved (see `resolve_stored`)."""
-    from memtree.training.config import TrainConfig
-
     from memtree.config import from_dict
+    from memtree.training.config import TrainConfig
 
     cfg = from_dict(TrainConfig, stored_config(run))
     shards = resolve_stored(run, "data.shards", cfg.data.shards, must="manifest.json")

@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+
+from memtree.config import ConfigError, load_config
 from memtree.eval.knowledge import MODES
 from memtree.eval.model import RunModel
 from memtree.eval.plots import new_figure, save_png
@@ -39,8 +41,6 @@ from memtree.eval.tasks import (
     retrieval_query,
     schema,
 )
-
-from memtree.config import ConfigError, load_config
 from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl
 
 TaskType = Literal["multiple_choice", "schema", "generation", "perplexity"]

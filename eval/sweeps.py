@@ -26,16 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from memtree.config import ConfigError, load_config, to_dict
 from memtree.eval.knowledge import MODE_LABEL, knowledge_eval, load_eval_inputs, write_report
 from memtree.eval.model import RunModel
 from memtree.eval.plots import new_figure, save_png
+from memtree.geometry import Plan, human, plan
+from memtree.io import atomic_write_json, atomic_write_text, dumps_json, read_json
 from memtree.training.config import TrainConfig, load_train_config
 from memtree.training.data import read_shards_manifest, tokenizer_vocab_size
 from memtree.training.train import train
-
-from memtree.config import ConfigError, load_config, to_dict
-from memtree.geometry import Plan, human, plan
-from memtree.io import atomic_write_json, atomic_write_text, dumps_json, read_json
 
 # Keys the sweep itself sets for every run.
 RESERVED = ("save_folder", "run_name", "seed")

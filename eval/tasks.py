@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
 from memtree.eval.model import MemoryMode, RunModel
 
 

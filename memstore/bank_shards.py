@@ -35,13 +35,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from memtree.memstore.format import GENERIC, BankInfo
-from memtree.memstore.writer import write_bank
 from safetensors import safe_open
 
 from memtree.config import from_dict, to_dict
 from memtree.geometry import DTYPES, AnchorShape, MemoryConfig
 from memtree.io import check_format, read_json, sha256_file
+from memtree.memstore.format import GENERIC, BankInfo
+from memtree.memstore.writer import write_bank
 
 FORMAT = "memtree-bank-shards"
 VERSION = 1

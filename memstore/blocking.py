@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from memtree.clustering.route import route_texts
 from memtree.memstore.store import MemoryStore
 

@@ -31,6 +31,24 @@ import json
 import re
 from pathlib import Path
 
+from memtree.budget import (
+    DEFAULT_GLOBAL_BATCH,
+    DEFAULT_HEADROOM,
+    DEFAULT_SEQ_LEN,
+    format_training_report,
+    parse_bytes,
+    training_report,
+)
+from memtree.geometry import (
+    MEMORY_TYPES,
+    AnchorShape,
+    MemoryConfig,
+    format_plan,
+    get_anchor,
+    human_bytes,
+    parse_multipliers,
+    plan,
+)
 from memtree.memstore.cli_blocking import add_block_commands
 from memtree.memstore.cli_common import (
     INIT_MARK,
@@ -58,25 +76,6 @@ from memtree.memstore.cli_sim import (  # noqa: F401  (re-exported: the simulato
     parse_size,
     run_calibrate,
     run_simulate,
-)
-
-from memtree.budget import (
-    DEFAULT_GLOBAL_BATCH,
-    DEFAULT_HEADROOM,
-    DEFAULT_SEQ_LEN,
-    format_training_report,
-    parse_bytes,
-    training_report,
-)
-from memtree.geometry import (
-    MEMORY_TYPES,
-    AnchorShape,
-    MemoryConfig,
-    format_plan,
-    get_anchor,
-    human_bytes,
-    parse_multipliers,
-    plan,
 )
 
 
@@ -542,10 +541,9 @@ def _add_merge(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _merge(args: argparse.Namespace) -> int:
+    from memtree.io import read_json
     from memtree.memstore.locking import bank_writer
     from memtree.memstore.merge import merge_banks
-
-    from memtree.io import read_json
 
     parts, out = list(args.parts), args.out
     if out is None:

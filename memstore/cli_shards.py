@@ -14,6 +14,8 @@ import argparse
 import re
 from pathlib import Path
 
+from memtree.geometry import DTYPES, human, human_bytes
+from memtree.io import read_json
 from memtree.memstore.cli_common import (
     add_json,
     add_wait,
@@ -22,9 +24,6 @@ from memtree.memstore.cli_common import (
     emit,
     load_tree_arg,
 )
-
-from memtree.geometry import DTYPES, human, human_bytes
-from memtree.io import read_json
 
 SHARDS_FORMAT = "memtree-bank-shards"  # memstore.bank_shards.FORMAT, without importing torch to build the parser
 

@@ -12,9 +12,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memtree.memstore.cli_common import DeprecatedAlias, add_json, emit, load_tree_arg, read_queries
-
 from memtree.geometry import DTYPES, MEMORY_TYPES, parse_multipliers, plan
+from memtree.memstore.cli_common import DeprecatedAlias, add_json, emit, load_tree_arg, read_queries
 
 if TYPE_CHECKING:
     import numpy as np

@@ -39,8 +39,8 @@ import fsspec
 import numpy as np
 import torch
 import xxhash
-from memtree.clustering.tree import compute_tree_id
 
+from memtree.clustering.tree import compute_tree_id
 from memtree.config import from_dict, to_dict
 from memtree.geometry import (
     DTYPES,

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from memtree.io import atomic_write_json, dumps_json, restore_replaced_dir
 from memtree.memstore.format import (
     DIGEST_BYTES,
     BankError,
@@ -24,8 +25,6 @@ from memtree.memstore.format import (
     sums_name,
 )
 from memtree.memstore.locking import BankBusy, bank_writer, exclusive_change
-
-from memtree.io import atomic_write_json, dumps_json, restore_replaced_dir
 
 JOURNAL_FORMAT = "memtree-bank-journal"
 

@@ -38,9 +38,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from memtree.memstore.format import BankError, is_url, level_path, read_manifest
-
 from memtree.io import naming_path
+from memtree.memstore.format import BankError, is_url, level_path, read_manifest
 
 _COUNTER = 8  # bytes of the change counter at the start of the rwlock file
 _POLL_S = 0.05

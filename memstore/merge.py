@@ -19,6 +19,10 @@ from typing import Literal
 
 import fsspec
 import torch
+
+from memtree.config import from_dict
+from memtree.geometry import AnchorShape, MemoryConfig
+from memtree.io import atomic_dir, atomic_write_json, read_json
 from memtree.memstore.format import (
     DIGEST_BYTES,
     GENERIC,
@@ -36,10 +40,6 @@ from memtree.memstore.format import (
 from memtree.memstore.journal import recover
 from memtree.memstore.locking import bank_writer, exclusive_change
 from memtree.memstore.store import id_runs
-
-from memtree.config import from_dict
-from memtree.geometry import AnchorShape, MemoryConfig
-from memtree.io import atomic_dir, atomic_write_json, read_json
 
 GenericMerge = Literal["mean", "first"]
 

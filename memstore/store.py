@@ -46,6 +46,8 @@ from typing import Any, Literal, Self
 import fsspec
 import numpy as np
 import torch
+
+from memtree.io import atomic_write_bytes, atomic_write_json, check_format, read_json, utc_timestamp
 from memtree.memstore.cache import ByteLRU
 from memtree.memstore.format import (
     ALIGN,
@@ -73,8 +75,6 @@ from memtree.memstore.journal import (
 )
 from memtree.memstore.locking import ReadWriteLock, bank_writer, whoami
 from memtree.memstore.placement import TierBudget, place_levels
-
-from memtree.io import atomic_write_bytes, atomic_write_json, check_format, read_json, utc_timestamp
 
 POLICY_FORMAT = "memtree-bank-policy"
 Fallback = Literal["zeros", "generic"]

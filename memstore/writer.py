@@ -13,6 +13,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
+
+from memtree.geometry import AnchorShape, MemoryConfig
+from memtree.io import atomic_dir, atomic_write_json
 from memtree.memstore.format import (
     DIGEST_BYTES,
     GENERIC,
@@ -27,10 +31,6 @@ from memtree.memstore.format import (
     sums_name,
 )
 from memtree.memstore.locking import bank_writer, exclusive_change
-from tqdm.auto import tqdm
-
-from memtree.geometry import AnchorShape, MemoryConfig
-from memtree.io import atomic_dir, atomic_write_json
 
 
 def write_bank(

@@ -79,10 +79,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from memtree.config import load_config
     from memtree.pipeline.config import PipelineConfig
     from memtree.pipeline.run import run_pipeline
-
-    from memtree.config import load_config
 
     config = args.config
     overrides = list(args.overrides)
@@ -132,10 +131,10 @@ def _corpus(args: argparse.Namespace) -> int:
             k = write_facts_jsonl(args.facts, spec)
             print(f"wrote {k} facts to {args.facts}", file=sys.stderr)
         return 0
-    from memtree.pipeline.corpus.bios import BiosSpec, write_bios
     from omegaconf import OmegaConf
 
     from memtree.config import from_dict
+    from memtree.pipeline.corpus.bios import BiosSpec, write_bios
 
     fields = {**OmegaConf.to_container(OmegaConf.from_dotlist(args.set)), "seed": args.seed}
     info = write_bios(args.out, from_dict(BiosSpec, fields, where="corpus"))

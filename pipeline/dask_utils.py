@@ -15,8 +15,9 @@ from typing import Any
 
 import dask
 from dask.distributed import Client, LocalCluster, as_completed
-from memtree.pipeline.config import DaskConfig
 from tqdm.auto import tqdm
+
+from memtree.pipeline.config import DaskConfig
 
 MMAP_THRESHOLD = 32 * 2**20  # bytes: allocations above it are mmap'ed (glibc's dynamic maximum)
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from memtree.config import load_config
+from memtree.io import read_json
 from memtree.pipeline.config import PipelineConfig
 from memtree.pipeline.corpus.bios import BiosSpec, write_bios
 from memtree.pipeline.run import run_pipeline
-
-from memtree.config import load_config
-from memtree.io import read_json
 
 DEMO_YAML = Path(__file__).with_name("yamls") / "demo.yaml"
 

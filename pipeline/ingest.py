@@ -28,9 +28,9 @@ from typing import Any
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
-from memtree.pipeline.config import IngestConfig
 
 from memtree.io import atomic_path, atomic_write_json, read_json
+from memtree.pipeline.config import IngestConfig
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson", ".jsonl.zst", ".jsonl.bz2", ".jsonl.xz")
 PARQUET_SUFFIXES = (".parquet", ".pq")

@@ -25,6 +25,7 @@ import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
 from memtree.clustering import gemm
 from memtree.clustering.blas import best_gemm, check_host
 from memtree.clustering.embed import (
@@ -45,6 +46,8 @@ from memtree.clustering.tree import (
     load_tree,
     save_tree,
 )
+from memtree.config import to_dict
+from memtree.io import atomic_path, atomic_save_npy, atomic_write_json
 from memtree.pipeline import ingest as ing
 from memtree.pipeline.config import PipelineConfig
 from memtree.pipeline.dask_utils import dask_client, map_tasks
@@ -58,9 +61,6 @@ from memtree.pipeline.shards import (
 )
 from memtree.pipeline.stages import StageDef, fingerprint, read_marker, run_stage
 from memtree.pipeline.window import build_tokenizer, tokenizer_eot_id, window_part
-
-from memtree.config import to_dict
-from memtree.io import atomic_path, atomic_save_npy, atomic_write_json
 
 PIPELINE_FORMAT_VERSION = 1
 

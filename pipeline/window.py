@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from memtree.pipeline.config import WindowConfig
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from memtree.io import atomic_path, atomic_write_json
+from memtree.pipeline.config import WindowConfig
 
 WINDOW_SCHEMA = pa.schema(
     [

@@ -90,10 +90,9 @@ PIPELINE_OVERRIDES = [
 def pipeline_run(tmp_path_factory, corpus_records, dask_client):
     """One real pipeline run on the 1,200-document corpus: (run dir, stage markers, seconds, corpus path)."""
 
+    from memtree.config import load_config
     from memtree.pipeline.config import PipelineConfig
     from memtree.pipeline.run import run_pipeline
-
-    from memtree.config import load_config
 
     corpus = write_jsonl(tmp_path_factory.mktemp("corpus") / "c.jsonl", corpus_records)
     out = tmp_path_factory.mktemp("runs") / "a"
@@ -107,9 +106,10 @@ def train_tiny_run(shards: Path, folder: Path, *overrides: str) -> Path:
     """Train a small memory run on `shards` into `folder` (scratch mode, fp32 bank); returns `folder`.
 
     Streaming's shared memory is cleaned before and after, as tests open several datasets."""
+    from streaming.base.util import clean_stale_shared_memory
+
     from memtree.training.config import load_train_config
     from memtree.training.train import train
-    from streaming.base.util import clean_stale_shared_memory
 
     clean_stale_shared_memory()
     train(load_train_config(None, [f"data.shards={shards}", f"save_folder={folder}", "mode=scratch",

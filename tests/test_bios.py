@@ -8,6 +8,7 @@ import re
 from collections import Counter
 
 import pytest
+
 from memtree.pipeline.corpus.bios import (
     VOCAB_PATH,
     BiosSpec,

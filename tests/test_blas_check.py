@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from memtree.clustering import blas, gemm
 from memtree.clustering.tree import build_tree
 
@@ -124,11 +125,10 @@ def test_the_pipeline_records_the_check_in_its_tree_stage_and_report(pipeline_ru
 @pytest.mark.slow  # a pipeline with its own LocalCluster: ~60 s alone; .ci/run runs it
 @needs_avx2
 def test_force_fixes_the_kernel_for_the_pipelines_own_workers(tmp_path, monkeypatch):
+    from memtree.config import load_config
     from memtree.pipeline.config import PipelineConfig
     from memtree.pipeline.corpus.topical import CorpusSpec, generate_corpus
     from memtree.pipeline.run import run_pipeline
-
-    from memtree.config import load_config
     from tests.conftest import PIPELINE_OVERRIDES, write_jsonl
 
     corpus = write_jsonl(tmp_path / "c.jsonl", list(generate_corpus(CorpusSpec(n_docs=160, seed=5))))

@@ -10,6 +10,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
+
+from memtree.geometry import split_block
 from memtree.training.finetune.blocks import (
     BlockFinetuner,
     BlockFinetuneSpec,
@@ -19,8 +21,6 @@ from memtree.training.finetune.blocks import (
     write_edits,
 )
 from memtree.training.finetune.continual import batch_tensors
-
-from memtree.geometry import split_block
 from tests.conftest import train_tiny_run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -39,8 +39,9 @@ def mem_run(pipeline_run, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def background(mem_run, pipeline_run):
-    from memtree.eval.model import RunModel
     from streaming.base.util import clean_stale_shared_memory
+
+    from memtree.eval.model import RunModel
 
     clean_stale_shared_memory()
     rm = RunModel.load(mem_run)

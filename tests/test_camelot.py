@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+
 from memtree.memstore.camelot.memory import (
     AssociativeMemory,
     CamelotConfig,
@@ -25,7 +26,6 @@ from memtree.training.camelot.longdoc import (
     prefix_attention,
 )
 from memtree.training.model import AnchorLM, ModelConfig
-
 from tests.conftest import TINY_GQA_ANCHOR
 
 ANCHOR = TINY_GQA_ANCHOR
@@ -365,9 +365,8 @@ def test_hf_model_loaded_by_memtree_is_untouched(tmp_path):
 
 
 def test_wrapped_models_are_unwrapped():
-    from memtree.training.hf import HFMemoryModel
-
     from memtree.geometry import MemoryConfig
+    from memtree.training.hf import HFMemoryModel
 
     model, ids = _hf("qwen"), torch.randint(0, VOCAB, (20,))
     wrapped = HFMemoryModel(model, MemoryConfig(multipliers=(4,), type="ffn", branching=2))

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from memtree.memstore.journal import audit_log
-from memtree.memstore.store import MemoryStore, read_policy
 
 from memtree.cli import main
+from memtree.memstore.journal import audit_log
+from memtree.memstore.store import MemoryStore, read_policy
 from tests.conftest import cli_on_bank_copy
 
 PROBES = ["What is the atomic number of gold?", "A recipe for sourdough bread", "The history of the Roman empire"]

@@ -195,10 +195,11 @@ def test_finetune_names_the_key_the_path_and_what_writes_it(tmp_path, capsys, mo
 
 # ------------------------------------------------------------------ item 11: a failed start does not poison the retry
 def test_failed_start_leaves_the_save_folder_usable(pipeline_run, tmp_path, capsys, monkeypatch):
-    from memtree.training.config import load_train_config
-    from memtree.training.train import build_model
     from safetensors.torch import save_file
     from streaming.base.util import clean_stale_shared_memory
+
+    from memtree.training.config import load_train_config
+    from memtree.training.train import build_model
 
     shards = pipeline_run[0] / "shards"  # a 2-level tree
     model, _ = build_model(load_train_config(None, [f"data.shards={shards}"]))  # the tiny anchor, untrained
@@ -220,10 +221,9 @@ def test_failed_start_leaves_the_save_folder_usable(pipeline_run, tmp_path, caps
 
 
 def test_config_files_alone_do_not_claim_a_save_folder(tmp_path):
+    from memtree.config import ConfigError
     from memtree.training.config import load_train_config
     from memtree.training.train import check_save_folder
-
-    from memtree.config import ConfigError
 
     folder = tmp_path / "s"
     a = load_train_config(None, ["data.shards=x", f"save_folder={folder}", "optim.lr=0.1"])
@@ -261,13 +261,12 @@ def test_pipeline_without_a_run_directory_says_which_flag(tmp_path, capsys):
 def test_context_vae_time_strings_checked_from_python(tmp_path):
     # issue 36: the compressor's duration / interval / warmup keys are TimeStrings, so a config built
     # in Python (not through `memtree train-context-vae`) names the key too, before a Trainer is built
+    from memtree.config import ConfigError
     from memtree.training.context.train import (
         ContextDataSection,
         ContextTrainConfig,
         load_context_config,
     )
-
-    from memtree.config import ConfigError
 
     yaml = str(REPO / "training" / "yamls" / "context-vae.yaml")
     for key in ("max_duration", "warmup", "save_interval", "log_interval"):

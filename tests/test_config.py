@@ -1,7 +1,7 @@
 import pytest
-from memtree.pipeline.config import PipelineConfig
 
 from memtree.config import ConfigError, load_config, to_dict
+from memtree.pipeline.config import PipelineConfig
 
 
 def test_defaults_and_overrides():

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from memtree.memstore.context.bank import (
     FORMAT,
     SAVE_PAUSE_ENV,

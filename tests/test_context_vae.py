@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from memtree.config import ConfigError
 from memtree.training.context.vae import (
     ContextVAE,
     ContextVAEConfig,
@@ -24,8 +26,6 @@ from memtree.training.context.vae import (
     segments,
 )
 from memtree.training.model import AnchorLM, ModelConfig
-
-from memtree.config import ConfigError
 from tests.conftest import TINY_GQA_ANCHOR
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -238,14 +238,14 @@ def _tiny_bios_run(root: Path, *, entities: int = 2, vocab_size: int = 400, pret
       values share their first token with a distractor (at 2,000: 20 %).
     `entities` per subtopic sets the size of every bios world, the evaluation's too (2: 76 new
     entities, 3: 98)."""
-    from memtree.pipeline.corpus.bios import BiosSpec, write_bios
-    from memtree.training.config import load_train_config
-    from memtree.training.train import build_model
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from memtree.config import to_dict
     from memtree.io import atomic_write_json
+    from memtree.pipeline.corpus.bios import BiosSpec, write_bios
+    from memtree.training.config import load_train_config
+    from memtree.training.train import build_model
 
     write_bios(root, BiosSpec(seed=2, entities_per_subtopic=entities, head_docs=3), heldout_docs=4)
     shards = root / "pipeline" / "shards"
@@ -275,11 +275,10 @@ def _tiny_bios_run(root: Path, *, entities: int = 2, vocab_size: int = 400, pret
 
 
 def test_eval_context_bank_end_to_end_on_a_tiny_bios_run(tmp_path, capsys):
+    from memtree.cli import main
     from memtree.memstore.context.bank import ContextBank, ContextBankConfig
     from memtree.training.context.vae import load_vae, writer_id
     from memtree.training.train import load_run
-
-    from memtree.cli import main
 
     root = _tiny_bios_run(tmp_path / "demo", entities=3, vocab_size=2000, pretrain_steps=100)
     out = tmp_path / "cb"

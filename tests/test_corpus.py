@@ -14,6 +14,7 @@ import re
 from collections import Counter, defaultdict
 
 import pytest
+
 from memtree.pipeline.corpus import topical as corpus
 from memtree.pipeline.corpus.topical import (
     DOMAINS,

@@ -10,6 +10,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+
 from memtree.pipeline.debdocs import (
     DocSource,
     deb_control,

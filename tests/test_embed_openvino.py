@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+
 from memtree.clustering.embed import SEQ_BUCKET, embed_texts, load_embedder
 from memtree.clustering.embed_export import OV_INT8_FILE, export_openvino_int8, read_export
+from memtree.config import load_config
 from memtree.pipeline.config import PipelineConfig
 from memtree.pipeline.run import run_pipeline
-
-from memtree.config import load_config
 from tests.conftest import PIPELINE_OVERRIDES, write_jsonl
 
 MSL = 64

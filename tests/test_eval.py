@@ -9,12 +9,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
+
 from memtree.eval.knowledge import blocking_eval, knowledge_eval, write_report
 from memtree.eval.longtail import BUCKETS, accuracy_by_bucket, build_probes
 from memtree.eval.model import RunModel
 from memtree.eval.tasks import extract_integer, few_shot, multiple_choice, perplexity
 from memtree.pipeline.corpus.topical import CorpusSpec, entity_facts
-
 from tests.conftest import train_tiny_run
 
 SPEC = CorpusSpec(n_docs=1200, seed=3, long_doc_fraction=0.01)  # the corpus of tests/conftest.py
@@ -232,9 +232,8 @@ def test_blocking_changes_scores_only_under_the_blocked_subtree(run, probes):
 
 
 def test_eval_cli_writes_the_report(run, tmp_path):
-    from memtree.pipeline.corpus.topical import write_facts_jsonl
-
     from memtree.cli import main
+    from memtree.pipeline.corpus.topical import write_facts_jsonl
 
     facts = tmp_path / "facts.jsonl"
     assert write_facts_jsonl(facts, SPEC) == len(entity_facts(SPEC))
@@ -303,8 +302,9 @@ def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path, capsys):
     # the memory stage on the frozen anchor (seed 002's row A3): the anchor run is reused, the memory
     # stage retrains in mode frozen (with the demo's memory.dropout, which a frozen anchor turns off)
     # and leaves the anchor's weights exactly as the anchor stage wrote them
-    from memtree.eval.demo import run_main_job
     from safetensors.torch import load_file
+
+    from memtree.eval.demo import run_main_job
 
     assert main([*argv, "tree.restarts=2", "--memory-mode", "frozen"]) == 0
     out = capsys.readouterr().out

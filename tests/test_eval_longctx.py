@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+
 from memtree.eval.camelot.longctx import (
     ABLATIONS,
     load_records,
@@ -21,7 +22,6 @@ from memtree.eval.camelot.longctx import (
 )
 from memtree.memstore.camelot.memory import CamelotConfig
 from memtree.training.model import AnchorLM, ModelConfig
-
 from tests.conftest import TINY_GQA_ANCHOR
 
 ANCHOR = TINY_GQA_ANCHOR
@@ -148,13 +148,13 @@ WORDS = ["the", "red", "star", "is", "bright", "and", "old", "a", "cold", "moon"
 
 
 def _tiny_run(tmp: Path, model_seq_len: int = 32) -> Path:
-    from memtree.training.config import load_train_config
-    from memtree.training.train import build_model
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from memtree.config import to_dict
     from memtree.io import atomic_write_json
+    from memtree.training.config import load_train_config
+    from memtree.training.train import build_model
 
     shards = tmp / "pipe" / "shards"
     shards.mkdir(parents=True)

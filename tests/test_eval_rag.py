@@ -8,13 +8,13 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+
 from memtree.eval.knowledge import knowledge_eval
 from memtree.eval.longtail import build_probes
 from memtree.eval.model import RunModel
 from memtree.eval.rag import SEPARATOR, RagIndex, nearest_in_cluster, rag_items
 from memtree.eval.tasks import multiple_choice
 from memtree.pipeline.corpus.topical import CorpusSpec, entity_facts
-
 from tests.conftest import train_tiny_run
 
 SPEC = CorpusSpec(n_docs=1200, seed=3, long_doc_fraction=0.01)  # the corpus of tests/conftest.py
@@ -112,9 +112,8 @@ def test_prepended_window_reaches_the_scorer_within_max_seq_len(run, index, prob
 
 
 def test_knowledge_eval_and_cli_report_the_rag_columns(run, index, probes, tmp_path):
-    from memtree.pipeline.corpus.topical import write_facts_jsonl
-
     from memtree.cli import main
+    from memtree.pipeline.corpus.topical import write_facts_jsonl
 
     k = knowledge_eval(run, probes[:8], rag=index)
     assert list(k["modes"]) == ["none", "generic", "fetched", "rag", "rag+fetched"]

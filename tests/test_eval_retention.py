@@ -8,15 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
+
+from memtree.cli import main
+from memtree.config import ConfigError, from_dict, to_dict
 from memtree.eval.knowledge import knowledge_eval, load_eval_inputs
 from memtree.eval.model import RunModel
 from memtree.eval.retention import RetentionConfig, default_subtrees, run_retention
 from memtree.memstore.format import GENERIC
 from memtree.memstore.store import MemoryStore
-from safetensors.torch import load_file
-
-from memtree.cli import main
-from memtree.config import ConfigError, from_dict, to_dict
 from tests.conftest import train_tiny_run
 
 

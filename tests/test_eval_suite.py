@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from memtree.config import ConfigError, load_config
 from memtree.eval.model import RunModel
 from memtree.eval.suite import SuiteConfig, TaskDataError, load_suite_config, load_task_items
 from memtree.eval.tasks import few_shot, retrieval_query, schema
-
-from memtree.config import ConfigError, load_config
 from tests.conftest import train_tiny_run, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from memtree.eval.sweeps import SweepConfig, expand, load_sweep_config, run_sweep
-from memtree.training.data import read_shards_manifest, tokenizer_vocab_size
 from safetensors.torch import load_file
 
 from memtree.cli import main
 from memtree.config import ConfigError, dump_yaml, from_dict
+from memtree.eval.sweeps import SweepConfig, expand, load_sweep_config, run_sweep
 from memtree.geometry import layer_widths, plan
+from memtree.training.data import read_shards_manifest, tokenizer_vocab_size
 
 YAMLS = Path(__file__).resolve().parents[1] / "eval" / "yamls"
 TINY = ["mode=scratch", "memory.multipliers=[8,4]", "data.batch_size=2", "max_duration=3ba", "optim.warmup=1ba",
@@ -67,8 +67,9 @@ def test_location_yaml_expands_into_distinct_runs_with_one_parameter_budget(pipe
 
 
 def test_tiny_sweep_end_to_end_resumes_and_is_deterministic(pipeline_run, tmp_path):
-    from memtree.pipeline.corpus.topical import CorpusSpec, write_facts_jsonl
     from streaming.base.util import clean_stale_shared_memory
+
+    from memtree.pipeline.corpus.topical import CorpusSpec, write_facts_jsonl
 
     clean_stale_shared_memory()
     shards = pipeline_run[0] / "shards"

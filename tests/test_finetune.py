@@ -11,6 +11,8 @@ import json
 
 import pytest
 import torch
+
+from memtree.geometry import AnchorShape
 from memtree.training.finetune.continual import (
     Finetuner,
     FinetuneSpec,
@@ -22,8 +24,6 @@ from memtree.training.finetune.lora import LoRALinear, add_lora, merge_lora
 from memtree.training.finetune.slots import BackgroundCounts, access_counts, recording
 from memtree.training.layers.pkm import PKMConfig
 from memtree.training.model import AnchorLM, ModelConfig
-
-from memtree.geometry import AnchorShape
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -215,13 +215,13 @@ def pkm_run(pipeline_run, tmp_path_factory):
 def test_memtree_finetune_end_to_end(pkm_run, pipeline_run, tmp_path, capsys):
     import shutil
 
-    from memtree.training.finetune.continual import finetune_summary
-    from memtree.training.finetune.slots import background_dir
-    from memtree.training.train import load_run
     from safetensors.torch import load_file
     from streaming.base.util import clean_stale_shared_memory
 
     from memtree.cli import main
+    from memtree.training.finetune.continual import finetune_summary
+    from memtree.training.finetune.slots import background_dir
+    from memtree.training.train import load_run
 
     pkm_run = shutil.copytree(pkm_run, tmp_path / "run")  # a run of its own: no background counts yet
     stream = tmp_path / "stream.jsonl"
@@ -313,12 +313,12 @@ def test_eval_continual_writes_its_report(pkm_run, pipeline_run, tmp_path):
     """The experiment on a bios world, run against the tiny memory-layer run (its own background
     counts collected first) and, for the hierarchical part, a tiny co-trained bank run: results.json,
     report.md and both Pareto PNGs, each configuration from the same pretrained weights and bank."""
-    from memtree.eval.finetune.continual import load_continual_config, run_continual
-    from memtree.pipeline.corpus.bios import BiosSpec, write_bios
-    from memtree.training.train import load_run
     from streaming.base.util import clean_stale_shared_memory
 
+    from memtree.eval.finetune.continual import load_continual_config, run_continual
     from memtree.io import read_json
+    from memtree.pipeline.corpus.bios import BiosSpec, write_bios
+    from memtree.training.train import load_run
     from tests.conftest import train_tiny_run
 
     root = tmp_path / "bios"

@@ -31,12 +31,11 @@ def _parts(folder: Path, columns: list[str]) -> pd.DataFrame:
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory, dask_client):
+    from memtree.config import load_config
     from memtree.pipeline.config import PipelineConfig
     from memtree.pipeline.corpus.bios import BiosSpec, write_bios
     from memtree.pipeline.demo import DEMO_YAML
     from memtree.pipeline.run import run_pipeline
-
-    from memtree.config import load_config
 
     root = tmp_path_factory.mktemp("forget")
     write_bios(root / "corpus", BiosSpec(**SPEC), heldout_docs=64)

@@ -15,11 +15,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 transformers = pytest.importorskip("transformers")
 
+from memtree.config import ConfigError
 from memtree.training.finetune.adapters import AdapterSpec
 from memtree.training.finetune.hf_adapters import HFMemAdapter
 from memtree.training.layers.moc import bank_for
-
-from memtree.config import ConfigError
 
 VOCAB = 100
 FAMILIES = ("llama", "qwen3", "gemma3", "olmo2")

@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
-from memtree.training.config import load_train_config
 
 from memtree.config import ConfigError
+from memtree.training.config import load_train_config
 
 # one process per setting: mallopt changes the whole process's allocator
 PROBE = r"""

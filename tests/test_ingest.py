@@ -6,11 +6,11 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
+from memtree.config import load_config
 from memtree.pipeline.config import PipelineConfig
 from memtree.pipeline.ingest import normalize_text
 from memtree.pipeline.run import run_pipeline
-
-from memtree.config import load_config
 from tests.conftest import write_jsonl
 
 

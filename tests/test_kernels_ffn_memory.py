@@ -152,9 +152,8 @@ def test_padding_only_rows_and_bank_views():
 @interpreter
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_matches_model_feedforward_memory_branch(impl):
-    from memtree.training.model import FeedForward, ModelConfig
-
     from memtree.geometry import AnchorShape, MemoryConfig
+    from memtree.training.model import FeedForward, ModelConfig
 
     b, s, d, w = 3, 63, 64, 40
     idx = [[0, 4, 9], [0, 3, 9], [0, 4, 7]]  # one block per level, shared higher up

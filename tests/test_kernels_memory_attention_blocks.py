@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from memtree.kernels.memory_attention import memory_attention, memory_attention_naive, op
 from test_kernels_memory_attention import (
     GPU_CASES,
     TOL_CPU,
@@ -27,6 +26,8 @@ from test_kernels_memory_attention import (
     make_inputs,
     rel_err,
 )
+
+from memtree.kernels.memory_attention import memory_attention, memory_attention_naive, op
 
 BLOCKS_CASES = [  # (case, sparse bank gradient)
     (Case(1, 6, 2, 63, 32, 9, 20, 4, True, "bias"), True),  # GQA 3, two T tiles

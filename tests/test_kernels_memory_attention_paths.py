@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from memtree.kernels.memory_attention import (
     flex_available,
     memory_attention_flex,

@@ -9,6 +9,9 @@ import math
 
 import pytest
 import torch
+
+from memtree.config import ConfigError
+from memtree.geometry import AnchorShape
 from memtree.training.finetune.adapters import AdapterSpec, attach_to_anchor, detach_from_anchor
 from memtree.training.finetune.continual import (
     Finetuner,
@@ -19,9 +22,6 @@ from memtree.training.finetune.continual import (
 )
 from memtree.training.layers.moc import LatentBank, MoCConfig, MoCLayer, quantise
 from memtree.training.model import AnchorLM, ModelConfig
-
-from memtree.config import ConfigError
-from memtree.geometry import AnchorShape
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -302,11 +302,11 @@ def anchor_run(pipeline_run, tmp_path_factory):
 
 
 def test_memtree_finetune_with_adapters_saves_a_run_that_reopens_with_them(anchor_run, tmp_path):
-    from memtree.training.finetune.continual import finetune_summary
-    from memtree.training.train import load_run
     from safetensors.torch import load_file
 
     from memtree.cli import main
+    from memtree.training.finetune.continual import finetune_summary
+    from memtree.training.train import load_run
 
     stream = tmp_path / "stream.jsonl"
     stream.write_text("".join(json.dumps({"id": f"f{i}", "texts": [f"the colour of item {i} is blue"]}) + "\n"
@@ -326,9 +326,8 @@ def test_memtree_finetune_with_adapters_saves_a_run_that_reopens_with_them(ancho
 
 def test_eval_adapters_writes_its_report(anchor_run, tmp_path):
     from memtree.eval.finetune.adapters import load_adapters_config, run_adapters
-    from memtree.pipeline.corpus.bios import BiosSpec, write_bios
-
     from memtree.io import read_json
+    from memtree.pipeline.corpus.bios import BiosSpec, write_bios
 
     root = tmp_path / "bios"
     write_bios(root, BiosSpec(entities_per_subtopic=2), heldout_docs=4)

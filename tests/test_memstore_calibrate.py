@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 
 import pytest
+
+from memtree.geometry import AnchorShape, plan
 from memtree.memstore.cli import add_calibrate_arguments, parse_size, run_calibrate
 from memtree.memstore.format import read_manifest
 from memtree.memstore.sim.calibrate import (
@@ -20,8 +22,6 @@ from memtree.memstore.sim.calibrate import (
 from memtree.memstore.sim.latency import simulate_fetch
 from memtree.memstore.sim.profiles import load_profile
 from memtree.memstore.store import MemoryStore, TierConfig
-
-from memtree.geometry import AnchorShape, plan
 
 KiB = 1024
 # Sizes far enough apart that even RAM reads (~25 µs at 4 KiB) grow clearly with size on a busy machine.

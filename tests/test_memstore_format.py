@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from memtree.geometry import QUANT_GROUP, AnchorShape, MemoryConfig, block_layout
 from memtree.memstore.format import (
     GENERIC,
     BankError,
@@ -41,8 +43,6 @@ from memtree.memstore.format import (
 from memtree.memstore.locking import lock_paths
 from memtree.memstore.store import MemoryStore, TierConfig
 from memtree.memstore.writer import write_bank
-
-from memtree.geometry import QUANT_GROUP, AnchorShape, MemoryConfig, block_layout
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,15 +8,15 @@ import json
 import numpy as np
 import pytest
 import torch
+
+from memtree.cli import main
+from memtree.geometry import AnchorShape, MemoryConfig
 from memtree.memstore.blocking import adversarial_block, random_block, rank_clusters, subtree_share
 from memtree.memstore.format import GENERIC, BankError, read_manifest, verify_bank
 from memtree.memstore.journal import audit_log
 from memtree.memstore.merge import merge_banks, relocate_level, split_bank
 from memtree.memstore.store import MemoryStore, TierConfig
 from memtree.memstore.writer import write_bank
-
-from memtree.cli import main
-from memtree.geometry import AnchorShape, MemoryConfig
 
 ANCHOR = AnchorShape(name="tiny", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=100)
 MEM = MemoryConfig(multipliers=(8, 4, 2), branching=4)

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from memtree.config import ConfigError
+from memtree.geometry import AnchorShape, plan, stored_bytes
 from memtree.memstore.cli import add_simulate_arguments, run_simulate
 from memtree.memstore.sim.latency import (
     load_trace,
@@ -19,9 +22,6 @@ from memtree.memstore.sim.latency import (
     zipf_trace,
 )
 from memtree.memstore.sim.profiles import HardwareProfile, TierProfile, load_profile
-
-from memtree.config import ConfigError
-from memtree.geometry import AnchorShape, plan, stored_bytes
 
 # 2 layers × 3 SwiGLU tensors × (m × d_model=8) → a level block holds 48·m parameters.
 TINY = AnchorShape(name="tiny", n_layers=2, d_model=8, n_heads=2, head_dim=4, ffn_dim=16, vocab_size=32)

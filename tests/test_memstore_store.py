@@ -27,12 +27,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from memtree.geometry import AnchorShape, MemoryConfig, block_layout
 from memtree.memstore.format import GENERIC, BankError, read_manifest, verify_bank
 from memtree.memstore.journal import audit_log
 from memtree.memstore.store import MemoryStore, TierConfig
 from memtree.memstore.writer import write_bank
-
-from memtree.geometry import AnchorShape, MemoryConfig, block_layout
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+
+from memtree.cli import main
 from memtree.memstore.format import GENERIC, level_path, read_manifest
 from memtree.memstore.journal import audit_log
 from memtree.memstore.ownership import owner_shares
 from memtree.memstore.store import MemoryStore, read_policy
-
-from memtree.cli import main
 from tests.conftest import cli_on_bank_copy
 
 LEVELS = (1, 2)

@@ -16,12 +16,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_top_level_kernels_package_does_not_confuse_transformers():
     # transformers probes for an unrelated hub package named `kernels`; ours must not be taken for it.
-    import memtree.kernels  # noqa: F401  (ours, importable)
     from transformers.utils import import_utils
 
+    import memtree.kernels  # noqa: F401  (ours, importable)
+
     assert not import_utils.is_kernels_available()
-    from memtree.clustering.embed import default_model_path, embed_texts, load_embedder
     from transformers import AutoModel
+
+    from memtree.clustering.embed import default_model_path, embed_texts, load_embedder
 
     AutoModel.from_pretrained(default_model_path(), local_files_only=True)
     m = load_embedder(None, device="cpu", max_seq_length=64)

@@ -11,10 +11,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from memtree.pipeline.config import PipelineConfig
-from memtree.pipeline.run import run_pipeline
 
 from memtree.config import load_config
+from memtree.pipeline.config import PipelineConfig
+from memtree.pipeline.run import run_pipeline
 from tests.conftest import PIPELINE_OVERRIDES, kill_when_ready
 
 OVERRIDES = PIPELINE_OVERRIDES
@@ -31,9 +31,10 @@ def run_a(pipeline_run):
 
 
 def _read_all(out: Path):
-    from memtree.pipeline.shards import open_streams
     from streaming import StreamingDataset
     from streaming.base.util import clean_stale_shared_memory
+
+    from memtree.pipeline.shards import open_streams
 
     clean_stale_shared_memory()
     ds = StreamingDataset(streams=open_streams(out / "shards"), shuffle=False, batch_size=1)
@@ -145,6 +146,7 @@ def test_tree_restarts_run_through_the_dask_fitter(run_a, corpus, dask_client, b
     nodes over it) reach the Dask node fits: the pipeline's tree is the one build_tree gives with
     the same settings on the run's embeddings, and only the tree and what depends on it rerun."""
     import numpy as np
+
     from memtree.clustering.tree import build_tree, load_tree
 
     out, _, _ = run_a

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+
 from memtree.training.finetune.slots import BackgroundCounts, access_counts, tfidf, trainable_rows
 from memtree.training.layers.pkm import PKMConfig, ProductKeyMemory
 
@@ -117,10 +118,9 @@ def test_config_errors_name_the_value():
 # -- the model option and the trainer -------------------------------------------------------------
 
 def test_anchor_with_a_memory_layer_counts_and_runs():
+    from memtree.geometry import AnchorShape
     from memtree.training.flops import model_flops, pkm_params
     from memtree.training.model import AnchorLM, ModelConfig
-
-    from memtree.geometry import AnchorShape
 
     anchor = AnchorShape(name="t", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=50)
     pkm = PKMConfig(n_keys=8, heads=2, k=4, key_dim=8)
@@ -138,9 +138,8 @@ def test_anchor_with_a_memory_layer_counts_and_runs():
 
 
 def test_trainer_config_rejects_pkm_outside_baseline_mode():
-    from memtree.training.config import load_train_config
-
     from memtree.config import ConfigError
+    from memtree.training.config import load_train_config
 
     pkm = "model.pkm={n_keys: 8, heads: 2, k: 4, key_dim: 8}"
     with pytest.raises(ConfigError, match="model.pkm: .*mode 'baseline', not 'cotrain'"):
@@ -153,10 +152,11 @@ def test_trainer_config_rejects_pkm_outside_baseline_mode():
 def test_composer_fit_updates_only_the_value_rows_read(pipeline_run, tmp_path):
     """A real `Trainer.fit` on the pipeline's shards with the middle FFN a memory layer: the values'
     gradients arrive sparse and MemoryAdamW's lazy rows move only the slots that were read."""
-    from memtree.training.config import load_train_config
-    from memtree.training.train import build_model, train
     from safetensors.torch import load_file
     from streaming.base.util import clean_stale_shared_memory
+
+    from memtree.training.config import load_train_config
+    from memtree.training.train import build_model, train
 
     shards = pipeline_run[0] / "shards"
     over = [f"data.shards={shards}", f"save_folder={tmp_path / 'run'}", "mode=baseline", "data.batch_size=2",
@@ -181,10 +181,11 @@ def test_composer_fit_updates_only_the_value_rows_read(pipeline_run, tmp_path):
 def test_value_learning_rate_gets_its_own_group(pipeline_run, tmp_path):
     """`optim.pkm_value_lr`: the memory values in their own optimizer group, without weight decay;
     every other parameter stays in the anchor group."""
+    from streaming.base.util import clean_stale_shared_memory
+
     from memtree.training.composer_model import unwrap
     from memtree.training.config import load_train_config
     from memtree.training.train import build_trainer
-    from streaming.base.util import clean_stale_shared_memory
 
     shards = pipeline_run[0] / "shards"
     cfg = load_train_config(None, [f"data.shards={shards}", f"save_folder={tmp_path / 'run'}", "mode=baseline",

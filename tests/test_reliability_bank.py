@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from memtree.geometry import AnchorShape, MemoryConfig
 from memtree.memstore.format import GENERIC, BankError, read_manifest, verify_bank
 from memtree.memstore.locking import BankBusy, bank_writer, holder, lock_paths
 from memtree.memstore.store import MemoryStore, TierConfig, read_policy
 from memtree.memstore.writer import write_bank
-
-from memtree.geometry import AnchorShape, MemoryConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = AnchorShape(name="tiny", n_layers=2, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=100)

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from memtree.training.data import ShardError, verify_shards
 
 
@@ -27,11 +28,10 @@ def _clean_streaming_shm():
 def small_run(tmp_path_factory, dask_client) -> Path:
     """A real pipeline run up to the shards on 160 documents (2 × 4 tree, 256-token samples, several
     shards per stream); the torch embedder, which needs no int8 export (the slow part here)."""
+    from memtree.config import load_config
     from memtree.pipeline.config import PipelineConfig
     from memtree.pipeline.corpus.topical import CorpusSpec, generate_corpus
     from memtree.pipeline.run import run_pipeline
-
-    from memtree.config import load_config
     from tests.conftest import PIPELINE_OVERRIDES, write_jsonl
 
     records = list(generate_corpus(CorpusSpec(n_docs=160, seed=3, long_doc_fraction=0.01)))
@@ -157,6 +157,7 @@ def test_flipped_byte_in_decompressed_shard_is_named(run_copy):
 
 def test_training_refuses_before_any_step(run_copy, tmp_path):
     from composer.core import Callback
+
     from memtree.training.train import build_trainer, train
 
     class Steps(Callback):

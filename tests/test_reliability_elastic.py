@@ -47,8 +47,9 @@ def _launch(world: int, shards: Path, folder: Path, *, stop_at: int | None = Non
 
 
 def _weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    from memtree.training.bank import TrainableBank
     from safetensors.torch import load_file
+
+    from memtree.training.bank import TrainableBank
 
     bank = TrainableBank.from_bank(folder / "bank")
     return load_file(folder / "anchor.safetensors"), {lv: t.detach() for lv, t in bank.tables.items()}
@@ -63,6 +64,7 @@ def uninterrupted(pipeline_run, tmp_path_factory):
     # what training moved the weights by, far above the tolerances (so the comparison is not vacuous):
     # the bank at most ~lr per step, 2.7e-2 in the 8 steps (measured 2026-12-03), hence 10× its bound
     from composer.utils import reproducibility
+
     from memtree.training.config import load_train_config
     from memtree.training.train import build_model
 

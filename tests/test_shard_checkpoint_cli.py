@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from train_launcher import launch
+
+from memtree.geometry import AnchorShape, MemoryConfig
 from memtree.memstore.format import read_manifest as read_bank_manifest
 from memtree.training.bank import TrainableBank
 from memtree.training.bank_shards import (
@@ -24,9 +27,6 @@ from memtree.training.bank_shards import (
 )
 from memtree.training.data import read_shards_manifest
 from memtree.training.optim import MemoryAdamW
-from train_launcher import launch
-
-from memtree.geometry import AnchorShape, MemoryConfig
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, EVERY, KEEP = 6, 2, 2

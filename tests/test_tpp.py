@@ -10,9 +10,9 @@ import statistics
 
 import numpy as np
 import pytest
-from memtree.eval.runinfo import run_tpp_table
 
 from memtree.cli import main
+from memtree.eval.runinfo import run_tpp_table
 from memtree.geometry import AnchorShape, plan
 from memtree.tpp import (
     GENERALISES_DOWN_TO,
@@ -30,9 +30,10 @@ ANCHOR = "n_layers=2,d_model=64,n_heads=2,head_dim=32,ffn_dim=128,vocab_size=200
 
 def _samples(shards):
     """(path, token count) of every sample in the shards, through Streaming."""
-    from memtree.pipeline.shards import open_streams
     from streaming import StreamingDataset
     from streaming.base.util import clean_stale_shared_memory
+
+    from memtree.pipeline.shards import open_streams
 
     clean_stale_shared_memory()
     ds = StreamingDataset(streams=open_streams(shards), shuffle=False, batch_size=1)

@@ -6,13 +6,13 @@ import hashlib
 
 import pytest
 import torch
+
+from memtree.geometry import AnchorShape, MemoryConfig, block_layout
 from memtree.memstore.format import GENERIC, read_manifest
 from memtree.memstore.merge import merge_banks
 from memtree.memstore.store import MemoryStore
 from memtree.training.bank import TrainableBank
 from memtree.training.optim import MemoryAdamW
-
-from memtree.geometry import AnchorShape, MemoryConfig, block_layout
 
 ANCHOR = AnchorShape(name="tiny", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=100)
 MEM = MemoryConfig(multipliers=(8, 4, 2), branching=4)

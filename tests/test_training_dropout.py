@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from memtree.training.composer_model import MemtreeLM
-from memtree.training.config import load_train_config
 
 from memtree.config import ConfigError
 from memtree.geometry import AnchorShape, MemoryConfig
+from memtree.training.composer_model import MemtreeLM
+from memtree.training.config import load_train_config
 
 ANCHOR = AnchorShape(name="t", n_layers=2, d_model=32, n_heads=4, n_kv_heads=4, head_dim=8, ffn_dim=48,
                      vocab_size=64)

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from composer.core import Callback
+
+from memtree.config import ConfigError
 from memtree.memstore.format import verify_bank
 from memtree.training.config import load_train_config
 from memtree.training.train import build_model, train
-
-from memtree.config import ConfigError
 from tests.conftest import kill_when_ready
 
 

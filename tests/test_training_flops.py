@@ -6,11 +6,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
+from memtree.geometry import AnchorShape
 from memtree.training import flops
 from memtree.training.config import load_train_config
 from memtree.training.layers.moc import MoCConfig
-
-from memtree.geometry import AnchorShape
 
 PAPER_YAML = Path(__file__).resolve().parents[1] / "training" / "yamls" / "paper-moc.yaml"
 L = 1024  # App. A.2: one sequence (B = 1) of 1,024 tokens

@@ -19,11 +19,11 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from memtree.geometry import AnchorShape, MemoryConfig
 from memtree.training.bank import TrainableBank
 from memtree.training.composer_model import MemtreeLM
 from memtree.training.optim import MemoryAdamW
-
-from memtree.geometry import AnchorShape, MemoryConfig
 
 ANCHOR = AnchorShape(name="tiny", n_layers=2, d_model=32, n_heads=2, head_dim=16, ffn_dim=64, vocab_size=97)
 MEM = MemoryConfig(multipliers=(8, 4), branching=4)
@@ -68,8 +68,9 @@ def _wrap_like_composer(model: MemtreeLM) -> None:
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
-    from memtree.training.train import anchor_state_dict
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from memtree.training.train import anchor_state_dict
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -139,10 +140,9 @@ def test_fsdp_sharded_anchor_with_replicated_bank_matches_one_process(tmp_path):
 
 
 def test_fsdp_config_is_refused_without_a_gpu(pipeline_run, tmp_path):
+    from memtree.config import ConfigError
     from memtree.training.config import load_train_config
     from memtree.training.train import build_trainer
-
-    from memtree.config import ConfigError
 
     cfg = load_train_config(None, [f"data.shards={pipeline_run[0] / 'shards'}", f"save_folder={tmp_path / 'r'}",
                                    "fsdp=true", "device=cpu", "mode=scratch", "memory.multipliers=[8]",

@@ -13,13 +13,13 @@ import os
 
 import pytest
 import torch
+
+from memtree.geometry import AnchorShape, MemoryConfig
 from memtree.kernels.ffn_memory import ffn_memory, ffn_memory_naive
 from memtree.kernels.memory_attention import memory_attention, memory_attention_naive
 from memtree.training.bank import TrainableBank, _RowViews
 from memtree.training.composer_model import MemtreeLM
 from memtree.training.model import BankRead, assemble_memories
-
-from memtree.geometry import AnchorShape, MemoryConfig
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
 interp = pytest.mark.skipif(not INTERPRET, reason="CPU Triton tests need TRITON_INTERPRET=1")
@@ -207,10 +207,9 @@ def test_triton_fused_read_shares_one_table_per_level_across_layers(kind):
 
 
 def test_memory_read_config_resolves_by_device():
+    from memtree.config import ConfigError
     from memtree.training.config import load_train_config
     from memtree.training.train import memory_read
-
-    from memtree.config import ConfigError
 
     def cfg(*extra):
         return load_train_config(None, ["data.shards=/nonexistent", *extra])

@@ -16,12 +16,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 transformers = pytest.importorskip("transformers")
 
+from memtree.geometry import ANCHOR_PRESETS, AnchorShape, MemoryConfig
 from memtree.training.bank import TrainableBank
 from memtree.training.hf import HFMemoryModel, anchor_shape_from_hf, hf_param_count
 from memtree.training.model import assemble_memories
 from memtree.training.optim import MemoryAdamW
-
-from memtree.geometry import ANCHOR_PRESETS, AnchorShape, MemoryConfig
 
 MEMORY_TYPES = ("ffn", "lora-ffn", "lora-qk", "lora-ov", "kv")
 VOCAB = 128

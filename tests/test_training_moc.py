@@ -11,6 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from composer.core import Callback
+
+from memtree.config import ConfigError
+from memtree.geometry import AnchorShape, MemoryConfig
 from memtree.training.composer_model import MemtreeLM
 from memtree.training.config import load_train_config
 from memtree.training.layers.moc import (
@@ -23,9 +26,6 @@ from memtree.training.layers.moc import (
 )
 from memtree.training.model import AnchorLM, ModelConfig
 from memtree.training.optim import MemoryAdamW
-
-from memtree.config import ConfigError
-from memtree.geometry import AnchorShape, MemoryConfig
 
 YAMLS = Path(__file__).resolve().parents[1] / "training" / "yamls"
 TINY = AnchorShape(name="tiny-gqa", n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48,
@@ -360,9 +360,10 @@ class MoCLog(Callback):
 
 
 def test_trainer_fit_tiny_moc(pipeline_run, tmp_path):
-    from memtree.training.train import build_model, train
     from safetensors.torch import load_file
     from streaming.base.util import clean_stale_shared_memory
+
+    from memtree.training.train import build_model, train
 
     clean_stale_shared_memory()  # left by an earlier streaming loader in this session
     shards = pipeline_run[0] / "shards"

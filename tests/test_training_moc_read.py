@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from memtree.config import ConfigError
+from memtree.geometry import AnchorShape
 from memtree.training.composer_model import MemtreeLM
 from memtree.training.config import load_train_config
 from memtree.training.layers.moc import MoCConfig
 from memtree.training.read_choice import choose_read, probe_read, read_modes, resolve_read
-
-from memtree.config import ConfigError
-from memtree.geometry import AnchorShape
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = AnchorShape(name="tiny-gqa", n_layers=3, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from memtree.training.model import AnchorLM, ModelConfig, assemble_memories, segment_ids_from_eot
 
 from memtree.geometry import ANCHOR_PRESETS, AnchorShape, MemoryConfig, block_layout
+from memtree.training.model import AnchorLM, ModelConfig, assemble_memories, segment_ids_from_eot
 
 TINY = AnchorShape(name="tiny", n_layers=4, d_model=32, n_heads=4, head_dim=8, ffn_dim=48,
                    vocab_size=61)

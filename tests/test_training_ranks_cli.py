@@ -13,6 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from train_launcher import REPO, launch
+
+from memtree.config import ConfigError
+from memtree.geometry import plan
 from memtree.training.bank import TrainableBank
 from memtree.training.bank_shards import verify_shards
 from memtree.training.config import load_train_config
@@ -26,10 +30,6 @@ from memtree.training.ranks import (
     rank_placement,
     resume_command,
 )
-from train_launcher import REPO, launch
-
-from memtree.config import ConfigError
-from memtree.geometry import plan
 
 STEPS, SAVE, DIE = 5, 2, 3  # rank 1 dies in batch 3: the checkpoint of batch 2 is the last complete one
 BATCH = 8
@@ -231,8 +231,9 @@ def test_a_replicated_bank_with_lanes_is_placed_as_whole_bank_and_its_groups_lan
 
 def test_a_single_rank_run_prints_one_short_placement_line(pipeline_run, tmp_path, capfd):
     import torch
-    from memtree.training.train import train
     from streaming.base.util import clean_stale_shared_memory
+
+    from memtree.training.train import train
 
     shards = pipeline_run[0] / "shards"
     before = torch.get_num_threads()

@@ -9,6 +9,9 @@ import logging
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
+
+from memtree.geometry import AnchorShape, MemoryConfig
 from memtree.training.composer_model import MemtreeLM
 from memtree.training.read_choice import (
     CACHE_FORMAT,
@@ -22,9 +25,6 @@ from memtree.training.read_choice import (
     probe_read,
     resolve_read,
 )
-from torch.utils.data import DataLoader
-
-from memtree.geometry import AnchorShape, MemoryConfig
 
 ANCHOR = AnchorShape(name="t", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
                      ffn_dim=48, vocab_size=64)

@@ -15,12 +15,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+from train_launcher import lane_run_args, launch, read_log, run_weights, worst_diff
+
 from memtree.memstore.format import read_manifest as read_bank_manifest
 from memtree.memstore.format import verify_bank
 from memtree.training.bank_shards import read_manifest
 from memtree.training.config import load_train_config
 from memtree.training.lanes import place, plan_lanes
-from train_launcher import lane_run_args, launch, read_log, run_weights, worst_diff
 
 STEPS, STOP = 8, 4
 # tests/test_training_sharded.py's bounds (measured there at 2 / 4 ranks: ≤ 4.1e-7): the gradient
@@ -32,10 +33,9 @@ ANCHOR_ATOL, BANK_ATOL = 1e-5, 1e-4
 def two_subtrees(pipeline_run, tmp_path_factory, dask_client):
     """`pipeline_run`'s corpus through a 2 × 2 tree: a copy of its run with the tree onward redone
     (ingest … embed keep their fingerprints, so the copy skips them); returns the shards folder."""
+    from memtree.config import load_config
     from memtree.pipeline.config import PipelineConfig
     from memtree.pipeline.run import run_pipeline
-
-    from memtree.config import load_config
     from tests.conftest import PIPELINE_OVERRIDES
 
     src, _, _, corpus = pipeline_run
@@ -80,9 +80,10 @@ def _same_export(folder: Path, ref: Path) -> None:
 @pytest.fixture(scope="module")
 def one_process(two_subtrees, tmp_path_factory):
     """The reference: one process, whole bank, reading the lanes (the batches every world size reads)."""
-    from memtree.training.train import train
     from streaming.base.util import clean_stale_shared_memory
     from train_launcher import BatchLog
+
+    from memtree.training.train import train
 
     folder = tmp_path_factory.mktemp("replicas-one") / "one"
     log = folder.parent / "one.batches.jsonl"

@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_launcher import lane_run_args, launch, read_log, run_weights, worst_diff
+
+from memtree.config import ConfigError
+from memtree.geometry import AnchorShape, MemoryConfig
 from memtree.memstore.format import verify_bank
 from memtree.training.bank import TrainableBank
 from memtree.training.bank_shards import (
@@ -31,10 +35,6 @@ from memtree.training.lanes import (
     world_batches,
 )
 from memtree.training.optim import MemoryAdamW, RowShard
-from train_launcher import lane_run_args, launch, read_log, run_weights, worst_diff
-
-from memtree.config import ConfigError
-from memtree.geometry import AnchorShape, MemoryConfig
 
 ANCHOR = AnchorShape(name="t", n_layers=2, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=50)
 MEM = MemoryConfig(multipliers=(4, 2), branching=4)
@@ -277,9 +277,10 @@ _weights, _worst = run_weights, worst_diff
 @pytest.fixture(scope="module")
 def one_process(pipeline_run, tmp_path_factory):
     """The reference: one process, whole bank, reading the lanes (the batches every world size reads)."""
-    from memtree.training.train import train
     from streaming.base.util import clean_stale_shared_memory
     from train_launcher import BatchLog
+
+    from memtree.training.train import train
 
     shards = pipeline_run[0] / "shards"
     folder = tmp_path_factory.mktemp("sharded") / "one"

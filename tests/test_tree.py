@@ -4,6 +4,7 @@ import itertools
 
 import numpy as np
 import pytest
+
 from memtree.clustering.kmeans import balance, balanced_kmeans
 from memtree.clustering.route import route
 from memtree.clustering.tree import build_tree, level_stats, load_tree, save_tree

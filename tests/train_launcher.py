@@ -30,8 +30,9 @@ def lane_run_args(shards: Path, folder: Path, *extra: str, run_name: str, steps:
 
 def run_weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """A finished run's exported anchor weights and bank tables."""
-    from memtree.training.bank import TrainableBank
     from safetensors.torch import load_file
+
+    from memtree.training.bank import TrainableBank
 
     bank = TrainableBank.from_bank(folder / "bank")
     return load_file(folder / "anchor.safetensors"), {lv: t.detach() for lv, t in bank.tables.items()}
@@ -105,6 +106,7 @@ class RankReport(Callback):
 
     def fit_end(self, state, logger) -> None:
         from composer.utils import dist
+
         from memtree.training.composer_model import unwrap
 
         bank, opt = unwrap(state.model).bank, state.optimizers[0]

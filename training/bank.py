@@ -30,13 +30,13 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
+
+from memtree.geometry import AnchorShape, MemoryConfig, block_layout
 from memtree.memstore.format import GENERIC, BankInfo, paper_block
 from memtree.memstore.store import MemoryStore, TierConfig
 from memtree.memstore.writer import write_bank
 from memtree.training.model import BankRead, Memories, ReadTables
-from torch import Tensor, nn
-
-from memtree.geometry import AnchorShape, MemoryConfig, block_layout
 
 _ALL_RAM = TierConfig(name="ram", kind="ram")
 

@@ -32,6 +32,9 @@ from typing import Any
 import torch
 from composer.core import Callback, Event, State
 from composer.loggers import Logger
+from safetensors.torch import save_file
+
+from memtree.io import atomic_path, atomic_write_json, replace_dir, sha256_file
 from memtree.memstore.bank_shards import (  # noqa: F401  (re-exported: the format's readers live in memstore)
     FORMAT,
     GENERIC_FILE,
@@ -49,9 +52,6 @@ from memtree.memstore.bank_shards import (  # noqa: F401  (re-exported: the form
 from memtree.training.bank import TrainableBank
 from memtree.training.composer_model import unwrap
 from memtree.training.optim import MemoryAdamW
-from safetensors.torch import save_file
-
-from memtree.io import atomic_path, atomic_write_json, replace_dir, sha256_file
 
 log = logging.getLogger(__name__)
 

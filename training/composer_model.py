@@ -32,13 +32,13 @@ import torch
 import torch.nn.functional as F
 from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from composer.models import ComposerModel
+
+from memtree.geometry import AnchorShape, MemoryConfig
 from memtree.training.bank import READ_IN_PLACE, TrainableBank
 from memtree.training.hf import HFMemoryModel
 from memtree.training.layers.moc import READS, MoCConfig, read_modes
 from memtree.training.layers.pkm import PKMConfig
 from memtree.training.model import AnchorLM, ModelConfig, assemble_memories
-
-from memtree.geometry import AnchorShape, MemoryConfig
 
 MemoryMode = Literal["fetched", "generic", "none"]
 

@@ -14,12 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from memtree.config import ConfigError, TimeString, load_config, to_dict
+from memtree.geometry import ANCHOR_PRESETS, AnchorShape, MemoryConfig, get_anchor
 from memtree.training.hf import anchor_shape_from_hf
 from memtree.training.layers.moc import MoCConfig
 from memtree.training.layers.pkm import PKMConfig
-
-from memtree.config import ConfigError, TimeString, load_config, to_dict
-from memtree.geometry import ANCHOR_PRESETS, AnchorShape, MemoryConfig, get_anchor
 
 Mode = Literal["baseline", "frozen", "cotrain", "scratch"]
 

@@ -40,10 +40,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from memtree.geometry import AnchorShape
 from memtree.training.layers.moc import MoCConfig, bank_bytes
 from memtree.training.layers.pkm import PKMConfig
-
-from memtree.geometry import AnchorShape
 
 SOFTMAX = 5  # FLOPs per softmax score (exp, sum, divide, max, subtract)
 MASK_SCALE = 2  # masking and scaling per attention score

@@ -55,12 +55,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from memtree.training.bank import TrainableBank
-from memtree.training.hooks import LayerHook, first_tensor
-from memtree.training.model import Memories, assemble_memories, lora_delta
 from torch import Tensor, nn
 
 from memtree.geometry import AnchorShape, MemoryConfig, memory_layers
+from memtree.training.bank import TrainableBank
+from memtree.training.hooks import LayerHook, first_tensor
+from memtree.training.model import Memories, assemble_memories, lora_delta
 
 # model_type → (qk_norm, norms_per_block) for the families whose norms differ from Llama's.
 _QK_NORM = {"gemma3": "head", "gemma3_text": "head", "qwen3": "head", "qwen3_moe": "head",

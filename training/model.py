@@ -57,6 +57,9 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
+
+from memtree.geometry import AnchorShape, MemoryConfig, block_layout, memory_layers, split_block
 from memtree.kernels.ffn_memory import FFNTable, ffn_memory, ffn_memory_table
 from memtree.kernels.memory_attention import MemoryTable, memory_attention, memory_attention_table
 from memtree.training.layers.moc import (
@@ -68,9 +71,6 @@ from memtree.training.layers.moc import (
     mean_aux_loss,
 )
 from memtree.training.layers.pkm import PKMConfig, ProductKeyMemory
-from torch import Tensor, nn
-
-from memtree.geometry import AnchorShape, MemoryConfig, block_layout, memory_layers, split_block
 
 
 class ReadTables:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as tdist
 from composer.core import Callback, State
 from composer.loggers import Logger
+
 from memtree.training.bank_shards import (
     BankShardError,
     checkpoint_batches,

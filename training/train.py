@@ -24,7 +24,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+
+from memtree.config import ConfigError, dump_yaml, from_dict, to_dict
+from memtree.geometry import plan
+from memtree.io import atomic_path, atomic_write_json, atomic_write_text, naming_path, read_json
 from memtree.memstore.format import read_manifest
+from memtree.tpp import (
+    bank_lr_ratio,
+    format_tpp,
+    leaf_tokens_from_manifest,
+    parse_duration_epochs,
+    tpp_table,
+)
 from memtree.training.bank import TrainableBank
 from memtree.training.bank_shards import BankShardCheckpoints, export_bank
 from memtree.training.callbacks import default_callbacks
@@ -47,19 +60,6 @@ from memtree.training.ranks import (
     set_cpu_threads,
 )
 from memtree.training.read_choice import can_read_in_place, peek_batch, resolve_read
-from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer
-
-from memtree.config import ConfigError, dump_yaml, from_dict, to_dict
-from memtree.geometry import plan
-from memtree.io import atomic_path, atomic_write_json, atomic_write_text, naming_path, read_json
-from memtree.tpp import (
-    bank_lr_ratio,
-    format_tpp,
-    leaf_tokens_from_manifest,
-    parse_duration_epochs,
-    tpp_table,
-)
 
 log = logging.getLogger(__name__)
 

@@ -44,13 +44,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from memtree.eval.plots import new_figure, save_png
-from memtree.memstore.camelot.memory import CamelotConfig
-from memtree.training.camelot.longdoc import METHODS, check_window, context_limit, longdoc_token_nll
 from torch import nn
 
 from memtree.config import to_dict
+from memtree.eval.plots import new_figure, save_png
 from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl
+from memtree.memstore.camelot.memory import CamelotConfig
+from memtree.training.camelot.longdoc import METHODS, check_window, context_limit, longdoc_token_nll
 
 # CamelotConfig switch → ablation name (App. A.2.1); each turns one switch off.
 ABLATIONS: dict[str, str] = {"consolidation": "camelot-no-consolidation", "novelty": "camelot-no-novelty",

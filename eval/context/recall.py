@@ -42,8 +42,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from memtree.config import from_dict, is_int, load_config, to_dict
 from memtree.eval.longtail import build_probes, wilson
 from memtree.eval.plots import new_figure, save_png
+from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json, sha256_file
 from memtree.memstore.context.bank import ContextBank, ContextBankConfig
 from memtree.pipeline.corpus.bios import BiosSpec, bios_facts, generate_bios, recall_pairs
 from memtree.training.context.vae import (
@@ -55,9 +58,6 @@ from memtree.training.context.vae import (
     reading,
     writer_id,
 )
-
-from memtree.config import from_dict, is_int, load_config, to_dict
-from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json, sha256_file
 
 TRAIN_YAML = Path(__file__).resolve().parents[2] / "training" / "yamls" / "context-vae.yaml"
 

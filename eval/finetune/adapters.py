@@ -32,14 +32,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from memtree.config import ConfigError, is_int, load_config, to_dict
 from memtree.eval.finetune.continual import fact_task, forgetting, measure, plot_pareto
 from memtree.eval.model import RunModel
+from memtree.io import atomic_write_json, atomic_write_text
 from memtree.training.finetune.adapters import adapter_summary, detach_from_anchor
 from memtree.training.finetune.continual import FinetuneSpec, finetune_stream
 from memtree.training.flops import finetune_accounting, lora_params
-
-from memtree.config import ConfigError, is_int, load_config, to_dict
-from memtree.io import atomic_write_json, atomic_write_text
 
 DEFAULT_YAML = Path(__file__).resolve().parents[1] / "yamls" / "adapters.yaml"
 CHANCE = 0.25

@@ -34,11 +34,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
+
+from memtree.config import ConfigError, from_dict, is_int, load_config, to_dict
 from memtree.eval.demo import DEMO_TRAIN_YAML, shards_fingerprint, train_once
 from memtree.eval.longtail import build_probes, load_facts, wilson
 from memtree.eval.model import RunModel
 from memtree.eval.plots import new_figure, save_png
 from memtree.eval.tasks import multiple_choice, perplexity
+from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json
 from memtree.memstore.store import MemoryStore, TierConfig
 from memtree.pipeline.corpus.bios import BiosSpec, bios_facts, fact_statements
 from memtree.training.config import load_train_config
@@ -57,10 +61,6 @@ from memtree.training.finetune.continual import (
     load_background,
 )
 from memtree.training.finetune.slots import BACKGROUND_DIR
-from tqdm import tqdm
-
-from memtree.config import ConfigError, from_dict, is_int, load_config, to_dict
-from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json
 
 DEFAULT_YAML = Path(__file__).resolve().parents[1] / "yamls" / "continual.yaml"
 CHANCE = 0.25

@@ -14,11 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
+
 from memtree.kernels.block_lists import count_blocks, needs_bank_grad
 from memtree.kernels.eager import plain
 from memtree.kernels.ffn_memory import kernel
 from memtree.kernels.ffn_memory.naive import ffn_memory_naive, ffn_memory_naive_backward
-from torch import Tensor
 
 IMPLS = ("auto", "triton", "reference")
 

@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch import Tensor
+
 from memtree.kernels.memory_attention.kernel import (
     LOG2E,
     Launch,
@@ -57,7 +59,6 @@ from memtree.kernels.memory_attention.kernel import (
     strides4,
 )
 from memtree.kernels.memory_attention.table import split_parts
-from torch import Tensor
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,8 +29,9 @@ import inspect
 import math
 
 import torch
-from memtree.kernels.memory_attention.sdpa import check_per_sequence
 from torch import Tensor
+
+from memtree.kernels.memory_attention.sdpa import check_per_sequence
 
 Q_BLOCK = 128  # the query tile of the block mask: every tile of a sequence lists the same blocks
 

@@ -94,8 +94,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from memtree.kernels.memory_attention.table import Layout, Table, UnpackedTables, build_table
 from torch import Tensor
+
+from memtree.kernels.memory_attention.table import Layout, Table, UnpackedTables, build_table
 
 LOG2E = 1.4426950408889634
 

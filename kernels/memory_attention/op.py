@@ -29,13 +29,14 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
+
 from memtree.kernels.block_lists import count_blocks, needs_bank_grad
 from memtree.kernels.eager import plain
 from memtree.kernels.memory_attention.naive import (
     memory_attention_naive,
     memory_attention_naive_backward,
 )
-from torch import Tensor
 
 IMPLS = ("auto", "triton", "reference")
 PER_TOKEN_LAYOUTS = ("auto", "tiles", "blocks")

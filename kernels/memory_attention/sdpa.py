@@ -30,8 +30,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from memtree.kernels.memory_attention.op import check_arguments
 from torch import Tensor
+
+from memtree.kernels.memory_attention.op import check_arguments
 
 # The widened column's value for padding tokens (before the scale): far enough below any
 # real logit that exp() underflows to exactly 0 in fp32, yet finite so an all-padding row

@@ -80,10 +80,10 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from memtree.clustering.kmeans import kmeans_pp
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from memtree.clustering.kmeans import kmeans_pp
 from memtree.config import from_dict, is_int, is_number, to_dict
 from memtree.io import (
     atomic_dir,

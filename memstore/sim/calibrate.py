@@ -58,6 +58,18 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from memtree.config import to_dict
+from memtree.geometry import (
+    AnchorShape,
+    MemoryConfig,
+    block_layout,
+    get_anchor,
+    human_bytes,
+    stored_bytes,
+)
+from memtree.geometry import plan as make_plan
+from memtree.io import atomic_write_text
 from memtree.memstore.format import RecordCodec, is_url, level_path, read_manifest
 from memtree.memstore.locking import remove_bank
 from memtree.memstore.merge import relocate_level
@@ -71,18 +83,6 @@ from memtree.memstore.sim.profiles import (
 )
 from memtree.memstore.store import MemoryStore, TierConfig
 from memtree.memstore.writer import write_bank
-
-from memtree.config import to_dict
-from memtree.geometry import (
-    AnchorShape,
-    MemoryConfig,
-    block_layout,
-    get_anchor,
-    human_bytes,
-    stored_bytes,
-)
-from memtree.geometry import plan as make_plan
-from memtree.io import atomic_write_text
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES: tuple[int, ...] = (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 32 * MiB)

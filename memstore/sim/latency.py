@@ -40,14 +40,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from memtree.clustering.route import route_texts
 from memtree.clustering.tree import load_tree
+from memtree.geometry import LevelPlan, Plan, block_layout, stored_bytes
+from memtree.geometry import plan as make_plan
 from memtree.memstore.cache import ByteLRU
 from memtree.memstore.placement import place_levels
 from memtree.memstore.sim.profiles import HardwareProfile
-
-from memtree.geometry import LevelPlan, Plan, block_layout, stored_bytes
-from memtree.geometry import plan as make_plan
 
 # A level → tier mapping for explicit placement, or a policy name.
 Policy = str | Mapping[int, str]

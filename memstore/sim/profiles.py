@@ -15,9 +15,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from memtree.memstore.placement import TierBudget
-
 from memtree.config import ConfigError, load_config
+from memtree.memstore.placement import TierBudget
 
 PROFILE_FORMAT = "memtree-hw-profile"
 PROFILE_VERSION = 1

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from memtree.memstore.sim.latency import FetchResult, SessionResult
-from memtree.memstore.sim.profiles import HardwareProfile
 
 from memtree.config import to_dict
 from memtree.geometry import human, human_bytes
 from memtree.io import atomic_path, atomic_write_json, atomic_write_text
+from memtree.memstore.sim.latency import FetchResult, SessionResult
+from memtree.memstore.sim.profiles import HardwareProfile
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -59,11 +59,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from memtree.pipeline.corpus.grammar import VOWELS, cap, gerund, third_person, with_article
-from memtree.pipeline.corpus.topical_vocab import VOCABULARY, Attribute, Domain, Subtopic
-
 from memtree.config import is_int
 from memtree.io import atomic_write_text
+from memtree.pipeline.corpus.grammar import VOWELS, cap, gerund, third_person, with_article
+from memtree.pipeline.corpus.topical_vocab import VOCABULARY, Attribute, Domain, Subtopic
 
 __all__ = [
     "DOMAINS",

@@ -23,6 +23,7 @@ import logging
 import torch.distributed as tdist
 from composer.core import Callback, State
 from composer.loggers import Logger
+
 from memtree.training.optim import ring_bytes
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from composer.core import Callback, State
 from composer.loggers import Logger
+
 from memtree.training.composer_model import unwrap
 
 

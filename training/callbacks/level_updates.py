@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from composer.core import Callback, State
 from composer.loggers import Logger
+
 from memtree.training.composer_model import unwrap
 
 

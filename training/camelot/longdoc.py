@@ -73,10 +73,11 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
+
 from memtree.memstore.camelot.memory import CamelotConfig, CamelotMemory, Prefix
 from memtree.training.hf import anchor_shape_from_hf, decoder_config, decoder_layers
 from memtree.training.model import AnchorLM, rotate_half
-from torch import Tensor, nn
 
 Method = Literal["base", "xl", "memorizing", "camelot"]
 METHODS: tuple[str, ...] = ("base", "xl", "memorizing", "camelot")

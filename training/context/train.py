@@ -23,18 +23,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from composer.models import ComposerModel
-from memtree.training.context.vae import (
-    ContextVAE,
-    ContextVAEConfig,
-    anchor_dims,
-    anchor_fingerprint,
-    hidden_pair,
-    pad,
-    reading,
-    save_vae,
-    segments,
-)
-from memtree.training.train import load_run
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -47,6 +35,18 @@ from memtree.config import (
     load_config,
 )
 from memtree.io import atomic_write_text, iter_jsonl
+from memtree.training.context.vae import (
+    ContextVAE,
+    ContextVAEConfig,
+    anchor_dims,
+    anchor_fingerprint,
+    hidden_pair,
+    pad,
+    reading,
+    save_vae,
+    segments,
+)
+from memtree.training.train import load_run
 
 
 @dataclass(frozen=True, kw_only=True)

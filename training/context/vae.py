@@ -59,13 +59,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from memtree.training.hooks import attached
-from memtree.training.model import AnchorLM
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from memtree.config import ConfigError, from_dict, is_int, is_number, to_dict
 from memtree.io import atomic_path, atomic_write_json, check_format, read_json, sha256_file
+from memtree.training.hooks import attached
+from memtree.training.model import AnchorLM
 
 FORMAT = "memtree-context-vae"
 VERSION = 1

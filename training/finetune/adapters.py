@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from memtree.training.layers.moc import BANK_DTYPES, MoCConfig, MoCLayer, bank_bytes, build_banks
-from memtree.training.model import FeedForward, gain_norm
 from torch import nn
 
 from memtree.config import ConfigError, is_int
+from memtree.training.layers.moc import BANK_DTYPES, MoCConfig, MoCLayer, bank_bytes, build_banks
+from memtree.training.model import FeedForward, gain_norm
 
 
 @dataclass(frozen=True, kw_only=True)

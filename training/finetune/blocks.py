@@ -31,16 +31,16 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from memtree.memstore.store import MemoryStore
-from memtree.training.data import build_dataloader, real_positions
-from memtree.training.model import AnchorLM, assemble_memories
-from memtree.training.optim import MemoryAdamW
 from torch import Tensor, nn
 from tqdm import tqdm
 
 from memtree.config import ConfigError, is_int
 from memtree.geometry import TensorSpec, block_layout, join_block, layer_widths
 from memtree.io import read_checked_tensors, write_checked_tensors
+from memtree.memstore.store import MemoryStore
+from memtree.training.data import build_dataloader, real_positions
+from memtree.training.model import AnchorLM, assemble_memories
+from memtree.training.optim import MemoryAdamW
 
 BACKGROUND_FORMAT = "memtree-block-background"
 BACKGROUND_VERSION = 1

@@ -41,6 +41,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from memtree.config import ConfigError, is_int, load_config, to_dict
+from memtree.io import (
+    atomic_dir,
+    atomic_path,
+    atomic_write_json,
+    check_format,
+    iter_jsonl,
+    read_json,
+)
 from memtree.training.data import build_dataloader
 from memtree.training.finetune.adapters import AdapterSpec, adapter_groups, attach_to_anchor
 from memtree.training.finetune.lora import add_lora, merge_lora
@@ -56,19 +69,6 @@ from memtree.training.finetune.slots import (
 )
 from memtree.training.optim import MemoryAdamW
 from memtree.training.train import load_run
-from safetensors.torch import save_file
-from torch import Tensor, nn
-from tqdm import tqdm
-
-from memtree.config import ConfigError, is_int, load_config, to_dict
-from memtree.io import (
-    atomic_dir,
-    atomic_path,
-    atomic_write_json,
-    check_format,
-    iter_jsonl,
-    read_json,
-)
 
 FINETUNE_FORMAT = "memtree-finetune"
 FINETUNE_VERSION = 1

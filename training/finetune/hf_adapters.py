@@ -53,6 +53,8 @@ import threading
 from typing import Any
 
 import torch
+from torch import Tensor, nn
+
 from memtree.training.finetune.adapters import AdapterSpec
 from memtree.training.hf import (
     anchor_shape_from_hf,
@@ -62,7 +64,6 @@ from memtree.training.hf import (
 )
 from memtree.training.hooks import LayerHook, first_tensor
 from memtree.training.layers.moc import MoCLayer, bank_for, build_banks, mean_aux_loss
-from torch import Tensor, nn
 
 
 class _GatedMLP(nn.Module):

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from memtree.training.data import real_positions
 from torch import Tensor, nn
 from tqdm import tqdm
 
 from memtree.config import is_int
 from memtree.io import read_checked_tensors, write_checked_tensors
+from memtree.training.data import real_positions
 
 BACKGROUND_FORMAT = "memtree-pkm-background"
 BACKGROUND_VERSION = 1

@@ -72,13 +72,14 @@ from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
+
 from memtree.kernels.memory_attention import (
     memory_attention,
     memory_attention_flex,
     memory_attention_sdpa,
 )
 from memtree.memstore.format import QUANT_GROUP
-from torch import Tensor, nn
 
 
 @dataclass(frozen=True, kw_only=True)
