@@ -336,9 +336,8 @@ def _add_init(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _init(args: argparse.Namespace) -> int:
-    from memtree.memstore.format import paper_init, zeros_init
     from memtree.memstore.locking import bank_writer
-    from memtree.memstore.writer import write_bank
+    from memtree.memstore.writer import paper_init, write_bank, zeros_init
 
     tree_id, branching = None, None
     if args.tree:

@@ -26,11 +26,9 @@ fp32/bf16/fp16 raw, or int8/int4 with one fp32 absmax scale per group of
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -49,7 +47,6 @@ from memtree.geometry import (
     MemoryConfig,
     TensorSpec,
     block_layout,
-    join_block,
     plan,
     split_block,
 )
@@ -395,42 +392,6 @@ def check_tree(info: BankInfo, tree: Any) -> None:
             f"{info.root}: bank needs branching {info.memory.branching} and {info.memory.n_levels} levels; "
             f"the tree has branching {tree.branching} and {tree.levels} levels"
         )
-
-
-# --------------------------------------------------------------------------- creation
-
-Init = Callable[[int, int, RecordCodec], torch.Tensor]
-
-
-def paper_block(layout: tuple[TensorSpec, ...], *, seed: int, level: int, cluster: int,
-                std: float = 0.02) -> torch.Tensor:
-    """One flat fp32 block with the App. I initialisation, deterministic per (seed, level,
-    cluster): memories have no effect at step 0 (FFN W3, LoRA B and KV values are zero)."""
-    g = torch.Generator().manual_seed(int.from_bytes(
-        hashlib.blake2b(f"{seed}:{level}:{cluster}".encode(), digest_size=8).digest(), "little") >> 1)
-    tensors = {}
-    for t in layout:
-        role = t.name.rsplit(".", 1)[-1]
-        x = torch.zeros(t.shape)
-        if role in ("w1", "w2", "k"):
-            torch.nn.init.trunc_normal_(x, std=std, a=-2 * std, b=2 * std, generator=g)
-        elif role.endswith("_a"):
-            torch.nn.init.kaiming_uniform_(x, a=math.sqrt(5), generator=g)
-        tensors[t.name] = x
-    return join_block(layout, tensors)
-
-
-def paper_init(seed: int, std: float = 0.02) -> Init:
-    """`write_bank`'s init with `paper_block`'s values."""
-
-    def init(level: int, cluster: int, codec: RecordCodec) -> torch.Tensor:
-        return paper_block(codec.layout, seed=seed, level=level, cluster=cluster, std=std)
-
-    return init
-
-
-def zeros_init(level: int, cluster: int, codec: RecordCodec) -> torch.Tensor:
-    return torch.zeros(codec.params)
 
 
 def verify_bank(root: str | os.PathLike, *, chunk_slots: int = 64) -> dict[str, Any]:

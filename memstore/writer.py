@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from memtree.bank_init import paper_block
 from memtree.geometry import AnchorShape, MemoryConfig
 from memtree.io import atomic_dir, atomic_write_json
 from memtree.memstore.format import (
@@ -22,15 +23,31 @@ from memtree.memstore.format import (
     GENERIC,
     BankError,
     BankInfo,
-    Init,
     LevelInfo,
+    RecordCodec,
     build_manifest,
     digest,
-    paper_init,
     read_manifest,
     sums_name,
 )
 from memtree.memstore.locking import bank_writer, exclusive_change
+
+# a block's initial values from its (level, cluster) and the bank's record codec: (P,) fp32
+Init = Callable[[int, int, RecordCodec], torch.Tensor]
+
+
+def paper_init(seed: int, std: float = 0.02) -> Init:
+    """`write_bank`'s init with the App. I values (`memtree.bank_init.paper_block`), as the
+    trainer's bank starts from."""
+
+    def init(level: int, cluster: int, codec: RecordCodec) -> torch.Tensor:
+        return paper_block(codec.layout, seed=seed, level=level, cluster=cluster, std=std)
+
+    return init
+
+
+def zeros_init(level: int, cluster: int, codec: RecordCodec) -> torch.Tensor:
+    return torch.zeros(codec.params)
 
 
 def write_bank(

@@ -36,13 +36,12 @@ from memtree.memstore.format import (
     GENERIC,
     BankError,
     RecordCodec,
-    paper_init,
     read_manifest,
     verify_bank,
 )
 from memtree.memstore.locking import lock_paths
 from memtree.memstore.store import MemoryStore, TierConfig
-from memtree.memstore.writer import write_bank
+from memtree.memstore.writer import paper_init, write_bank
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -32,8 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from memtree.bank_init import paper_block
 from memtree.geometry import AnchorShape, MemoryConfig, block_layout
-from memtree.memstore.format import GENERIC, BankInfo, paper_block
+from memtree.memstore.format import GENERIC, BankInfo
 from memtree.memstore.store import MemoryStore, TierConfig
 from memtree.memstore.writer import write_bank
 from memtree.training.model import BankRead, Memories, ReadTables
