@@ -22,11 +22,13 @@ STAGES = ("pipeline", "clustering", "memstore", "training", "kernels", "eval")
 
 
 class _SourceTreeStages(importlib.abc.MetaPathFinder):
-    """Finds `memtree.<stage>` in the stage folders beside this package.
+    """Finds `memtree.<stage>` in the stage folders beside this package, when this package was
+    imported from a source checkout (an editable install, or `PYTHONPATH=<checkout>` with no
+    install, as bench/device_check.py runs on a machine with no package index).
 
-    Only for a source checkout run without an install (`PYTHONPATH=.`, as bench/device_check.py
-    runs on a machine with no package index): an installed memtree finds its stages through the
-    wheel's layout or setuptools' editable finder, which come first on `sys.meta_path`."""
+    It goes first on `sys.meta_path`: the stages that belong to this memtree/ are the folders
+    beside it, also where an editable install of another checkout would map them elsewhere. It
+    answers only those six names; a wheel has its stages inside memtree/ and installs no finder."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -45,7 +47,7 @@ def _find_stages_in_a_source_tree() -> None:
     if (here / "pipeline").is_dir() or not (here.parent / "pipeline" / "__init__.py").is_file():
         return  # an installed wheel (stages inside memtree/), or no source tree around
     if not any(isinstance(f, _SourceTreeStages) for f in sys.meta_path):
-        sys.meta_path.append(_SourceTreeStages(here.parent))
+        sys.meta_path.insert(0, _SourceTreeStages(here.parent))
 
 
 _find_stages_in_a_source_tree()

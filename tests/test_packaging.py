@@ -168,3 +168,18 @@ def test_a_source_checkout_imports_its_stages_without_an_install(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == [str(REPO / "training" / "model.py"), str(REPO / "eval" / "cli.py"),
                                 str(REPO / "kernels" / "ffn_memory" / "__init__.py")]
+
+
+def test_a_second_checkout_on_pythonpath_uses_its_own_stages(tmp_path):
+    """With this checkout installed editable, another copy of the source on PYTHONPATH imports
+    the stages beside its own memtree/, not the installed checkout's."""
+    copy = tmp_path / "copy"
+    for top in ("memtree", *STAGES):
+        shutil.copytree(REPO / top, copy / top, ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict({k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, PYTHONPATH=str(copy))
+    code = "import memtree, memtree.training.model as m, memtree.eval as e; print(memtree.__file__, m.__file__, e.__file__)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       check=False, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == [str(copy / "memtree" / "__init__.py"), str(copy / "training" / "model.py"),
+                                str(copy / "eval" / "__init__.py")]
