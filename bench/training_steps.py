@@ -594,8 +594,9 @@ def bench_read_moc(S: dict, a: AnchorShape, batches: list[dict], *, warm: int, r
     """Mixture-of-Chapters reads: one `MemtreeLM` per read of the layer (`MoCLayer.read`), built
     from one seed, stepped (forward, loss with the router losses, backward, MemoryAdamW) on the
     same batches, interleaved by round; then `memory.read: auto` as the trainer resolves it."""
-    from memtree.training.composer_model import (
-        MemtreeLM,  # here: the other benchmarks need no Composer
+    from memtree.training.composer_model import (  # here: the other benchmarks need no Composer
+        MemorySettings,
+        MemtreeLM,
     )
     from memtree.training.layers.moc import MoCConfig, read_modes
 
@@ -607,7 +608,8 @@ def bench_read_moc(S: dict, a: AnchorShape, batches: list[dict], *, warm: int, r
 
     def build(read: str):
         torch.manual_seed(S["seed"])
-        model = MemtreeLM(anchor=a, memory=None, max_seq_len=T, moc=moc, memory_read=read).to(device)
+        model = MemtreeLM(ModelConfig(anchor=a, max_seq_len=T, moc=moc),
+                          memory_settings=MemorySettings(read=read)).to(device)
         return model, MemoryAdamW([{"params": list(model.parameters())}], **kw)
 
     def step(run, batch) -> tuple[float, float]:
@@ -682,15 +684,16 @@ def resolve_auto(S: dict, a: AnchorShape, mem: MemoryConfig, batch: dict, seq_le
     import logging
     import tempfile
 
-    from memtree.training.composer_model import (
-        MemtreeLM,  # here: the other benchmarks need no Composer
+    from memtree.training.composer_model import (  # here: the other benchmarks need no Composer
+        MemorySettings,
+        MemtreeLM,
     )
     from memtree.training.read_choice import ReadProbeCache, resolve_read
 
     torch.manual_seed(S["seed"])
     device = torch.device(S.get("device", "cpu"))
-    model = MemtreeLM(anchor=a, memory=mem, max_seq_len=seq_len, generic_prob=S["generic_prob"],
-                      memory_read="fused", seed=S["seed"]).to(device)
+    model = MemtreeLM(ModelConfig(anchor=a, memory=mem, max_seq_len=seq_len),
+                      memory_settings=MemorySettings(generic_prob=S["generic_prob"], read="fused"), seed=S["seed"]).to(device)
     ids = batch["ids"]
     probe_batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "paths": batch["paths"]}
     lines: list[str] = []

@@ -172,14 +172,16 @@ def test_bank_on_the_gpu_maps_paths_from_either_device(read):
     """The bank on CUDA: `slots` takes host paths (the model maps paths on the host) and device
     paths (bench/training_steps.py), and a MemtreeLM forward + backward reads it either way
     (the first device check found the cluster-to-row table left on the CPU)."""
-    from memtree.training.composer_model import MemtreeLM
+    from memtree.training.composer_model import MemorySettings, MemtreeLM
+    from memtree.training.model import ModelConfig
 
     shard_bank = TrainableBank(ANCHOR, MEM, shard=(1, 3)).cuda()
     paths = torch.tensor([[1, 4, 16], [3, 13, 55]])
     on_host = shard_bank.slots(paths)
     on_gpu = shard_bank.slots(paths.cuda())
     assert all(torch.equal(on_host[lv], on_gpu[lv].cpu()) for lv in on_host)
-    model = MemtreeLM(anchor=ANCHOR, memory=MEM, max_seq_len=16, memory_read=read).cuda()
+    model = MemtreeLM(ModelConfig(anchor=ANCHOR, memory=MEM, max_seq_len=16),
+                      memory_settings=MemorySettings(read=read)).cuda()
     ids = torch.randint(0, ANCHOR.vocab_size, (2, 17), device="cuda")
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "paths": paths.cuda()}
     loss = model.loss(model(batch), batch)

@@ -22,7 +22,8 @@ import torch.multiprocessing as mp
 
 from memtree.geometry import AnchorShape, MemoryConfig
 from memtree.training.bank import TrainableBank
-from memtree.training.composer_model import MemtreeLM
+from memtree.training.composer_model import MemorySettings, MemtreeLM
+from memtree.training.model import ModelConfig
 from memtree.training.optim import MemoryAdamW
 
 ANCHOR = AnchorShape(name="tiny", n_layers=2, d_model=32, n_heads=2, head_dim=16, ffn_dim=64, vocab_size=97)
@@ -33,7 +34,8 @@ CLIP = 0.5  # below the early gradient norms, so clipping is active and a wrong 
 
 def _model() -> MemtreeLM:
     torch.manual_seed(0)
-    return MemtreeLM(anchor=ANCHOR, memory=MEM, max_seq_len=SEQ, generic_prob=0.0, seed=0)
+    return MemtreeLM(ModelConfig(anchor=ANCHOR, memory=MEM, max_seq_len=SEQ), memory_settings=MemorySettings(generic_prob=0.0),
+                     seed=0)
 
 
 def _batches() -> list[dict[str, torch.Tensor]]:

@@ -18,8 +18,8 @@ from memtree.geometry import AnchorShape, MemoryConfig
 from memtree.kernels.ffn_memory import ffn_memory, ffn_memory_naive
 from memtree.kernels.memory_attention import memory_attention, memory_attention_naive
 from memtree.training.bank import TrainableBank, _RowViews
-from memtree.training.composer_model import MemtreeLM
-from memtree.training.model import BankRead, assemble_memories
+from memtree.training.composer_model import MemorySettings, MemtreeLM
+from memtree.training.model import BankRead, ModelConfig, assemble_memories
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
 interp = pytest.mark.skipif(not INTERPRET, reason="CPU Triton tests need TRITON_INTERPRET=1")
@@ -38,8 +38,8 @@ def _memory(kind: str) -> MemoryConfig:
 def _step(kind: str, read: str, *, use_generic: bool = False):
     """One training forward/backward; the bank is random so memories change the logits."""
     torch.manual_seed(0)
-    model = MemtreeLM(anchor=ANCHOR, memory=_memory(kind), max_seq_len=17, memory_read=read,
-                      generic_prob=1.0 if use_generic else 0.0)
+    model = MemtreeLM(ModelConfig(anchor=ANCHOR, memory=_memory(kind), max_seq_len=17),
+                      memory_settings=MemorySettings(read=read, generic_prob=1.0 if use_generic else 0.0))
     with torch.no_grad():
         for table in model.bank.tables.values():
             table.normal_(0.0, 0.3)
@@ -85,12 +85,13 @@ def test_generic_rows_are_read_in_place_too():
 
 
 def test_lora_memories_stay_gathered():
-    model = MemtreeLM(anchor=ANCHOR, memory=_memory("lora-ffn"), max_seq_len=8)
+    model = MemtreeLM(ModelConfig(anchor=ANCHOR, memory=_memory("lora-ffn"), max_seq_len=8))
     assert not model.read_in_place
     with pytest.raises(ValueError, match="no in-place read"):
         model.bank.read(model.bank.slots(PATHS))
-    with pytest.raises(ValueError, match="memory_read"):
-        MemtreeLM(anchor=ANCHOR, memory=_memory("kv"), max_seq_len=8, memory_read="copy")
+    with pytest.raises(ValueError, match="memory read 'copy'"):
+        MemtreeLM(ModelConfig(anchor=ANCHOR, memory=_memory("kv"), max_seq_len=8),
+                  memory_settings=MemorySettings(read="copy"))
 
 
 def test_read_views_alias_the_tables():

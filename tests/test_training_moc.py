@@ -312,7 +312,7 @@ def test_config_errors_name_the_key():
 
 
 def test_composer_model_adds_the_aux_loss_when_training():
-    model = MemtreeLM(anchor=TINY, memory=None, max_seq_len=64, moc=MOC)
+    model = MemtreeLM(ModelConfig(anchor=TINY, max_seq_len=64, moc=MOC))
     ids, labels = _ids(), _ids(seed=2)
     labels[0, :3] = -100
     batch = {"input_ids": ids, "labels": labels}

@@ -15,9 +15,10 @@ import torch
 
 from memtree.config import ConfigError
 from memtree.geometry import AnchorShape
-from memtree.training.composer_model import MemtreeLM
+from memtree.training.composer_model import MemorySettings, MemtreeLM
 from memtree.training.config import load_train_config
 from memtree.training.layers.moc import MoCConfig
+from memtree.training.model import ModelConfig
 from memtree.training.read_choice import choose_read, probe_read, read_modes, resolve_read
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +34,8 @@ def _moc(weight_mode: str = "bias", **kw) -> MoCConfig:
 
 def _model(read: str = "fused", weight_mode: str = "bias", **kw) -> MemtreeLM:
     torch.manual_seed(0)
-    return MemtreeLM(anchor=TINY, memory=None, max_seq_len=32, moc=_moc(weight_mode, **kw), memory_read=read)
+    return MemtreeLM(ModelConfig(anchor=TINY, max_seq_len=32, moc=_moc(weight_mode, **kw)),
+                     memory_settings=MemorySettings(read=read))
 
 
 def _batch(n: int = 3, seq: int = 13) -> dict[str, torch.Tensor]:
@@ -116,7 +118,7 @@ def test_read_switch_and_its_refusals():
         _model("flex", "mix")
     assert read_modes(mix) == ("fused", "gather")
     # a model without memory has no read to switch
-    plain = MemtreeLM(anchor=TINY, memory=None, max_seq_len=16, memory_read="fused")
+    plain = MemtreeLM(ModelConfig(anchor=TINY, max_seq_len=16), memory_settings=MemorySettings(read="fused"))
     assert plain.read_modes() == () and plain.read == "gather"
 
 
@@ -181,7 +183,8 @@ def test_gpu_every_read_trains_the_same_and_auto_probes_them(tmp_path):
                          ffn_dim=256, vocab_size=97)
     torch.manual_seed(0)
     moc = MoCConfig(n_chapters=17, tokens_per_chapter=32, top_k=4, layers=(1,), zero_init_out=False)
-    model = MemtreeLM(anchor=anchor, memory=None, max_seq_len=64, moc=moc, memory_read="fused").cuda()
+    model = MemtreeLM(ModelConfig(anchor=anchor, max_seq_len=64, moc=moc),
+                      memory_settings=MemorySettings(read="fused")).cuda()
     ids = torch.randint(0, anchor.vocab_size, (4, 64), device="cuda")
     batch = {"input_ids": ids, "labels": ids, "paths": torch.zeros(4, 2, dtype=torch.long)}
     model.train()

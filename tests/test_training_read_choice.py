@@ -12,7 +12,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from memtree.geometry import AnchorShape, MemoryConfig
-from memtree.training.composer_model import MemtreeLM
+from memtree.training.composer_model import MemorySettings, MemtreeLM
+from memtree.training.model import ModelConfig
 from memtree.training.read_choice import (
     CACHE_FORMAT,
     CACHE_VERSION,
@@ -34,7 +35,8 @@ PATHS = torch.tensor([[0, 1], [1, 2], [0, 0], [1, 3]])
 def _model(kind: str = "ffn", read: str = "fused", anchor: AnchorShape = ANCHOR) -> MemtreeLM:
     torch.manual_seed(0)
     mem = MemoryConfig(multipliers=(1, 2), type=kind, branching=2, placement="uniform", placement_layers=2)
-    model = MemtreeLM(anchor=anchor, memory=mem, max_seq_len=16, memory_read=read, generic_prob=0.25)
+    model = MemtreeLM(ModelConfig(anchor=anchor, memory=mem, max_seq_len=16),
+                      memory_settings=MemorySettings(read=read, generic_prob=0.25))
     with torch.no_grad():
         for table in model.bank.tables.values():
             table.normal_(0.0, 0.3)

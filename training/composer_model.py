@@ -26,6 +26,7 @@ the anchor; the training loss adds the router's auxiliary losses
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -33,11 +34,9 @@ import torch.nn.functional as F
 from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from composer.models import ComposerModel
 
-from memtree.geometry import AnchorShape, MemoryConfig
 from memtree.training.bank import READ_IN_PLACE, TrainableBank
 from memtree.training.hf import HFMemoryModel
-from memtree.training.layers.moc import READS, MoCConfig, read_modes
-from memtree.training.layers.pkm import PKMConfig
+from memtree.training.layers.moc import READS, read_modes
 from memtree.training.model import AnchorLM, ModelConfig, assemble_memories
 
 MemoryMode = Literal["fetched", "generic", "none"]
@@ -48,20 +47,34 @@ def unwrap(model: Any) -> Any:
     return getattr(model, "module", model)
 
 
+@dataclass(frozen=True, kw_only=True)
+class MemorySettings:
+    """How a model trains with its memory, beside its architecture (`ModelConfig`): the
+    `memory:` section's knobs that are no part of the model's shape."""
+
+    generic_prob: float | None = None  # a forward's chance of the generic block instead of its path's; None: 1/branching
+    init_std: float = 0.02  # the bank's App. I init (memtree.bank_init)
+    dropout: float = 0.0  # a training forward's chance of running the anchor alone
+    read: str = "fused"  # "fused" | "gather" | "flex": how memory reads run (MemtreeLM.read)
+
+    def __post_init__(self) -> None:
+        if self.read not in READS:
+            raise ValueError(f"memory read {self.read!r} is not one of {READS}")
+
+
 class MemtreeLM(ComposerModel):
-    def __init__(self, *, anchor: AnchorShape, memory: MemoryConfig | None, max_seq_len: int,
-                 generic_prob: float | None = None, seed: int = 0, rope_theta: float = 10000.0,
-                 norm_eps: float = 1e-5, init_std: float = 0.02, lora_alpha: float = 1.0,
-                 memory_init_std: float = 0.02, subtree: int | None = None, shard: tuple[int, ...] | None = None,
-                 freeze_anchor: bool = False,
-                 hf_dir: str | None = None, moc: MoCConfig | None = None, pkm: PKMConfig | None = None,
-                 attn_impl: str = "sdpa",
-                 memory_read: str = "fused", memory_dropout: float = 0.0) -> None:
+    """An anchor with its memories as a Composer model: the anchor (memtree's `AnchorLM` built
+    from `config`, or a local Hugging Face causal LM, `hf_dir`), the bank of fetched blocks, the
+    loss and metrics. `subtree` / `shard`: the bank rows this rank holds (one subtree's, or the
+    level-1 subtrees of a sharded bank); `freeze_anchor`: train the memories alone."""
+
+    def __init__(self, config: ModelConfig, *, memory_settings: MemorySettings = MemorySettings(), seed: int = 0,
+                 hf_dir: str | None = None, freeze_anchor: bool = False, subtree: int | None = None,
+                 shard: tuple[int, ...] | None = None) -> None:
         super().__init__()
-        if memory_read not in READS:
-            raise ValueError(f"memory_read {memory_read!r} is not one of {READS}")
+        anchor, memory, moc, ms = config.anchor, config.memory, config.moc, memory_settings
         self.anchor_shape, self.memory = anchor, memory
-        self.bank = (TrainableBank(anchor, memory, subtree=subtree, shard=shard, seed=seed, std=memory_init_std)
+        self.bank = (TrainableBank(anchor, memory, subtree=subtree, shard=shard, seed=seed, std=ms.init_std)
                      if memory is not None else None)
         self.hf = None
         if hf_dir is not None:
@@ -71,22 +84,20 @@ class MemtreeLM(ComposerModel):
             if moc is not None:
                 raise ValueError("model.hf_dir: Mixture-of-Chapters layers are not supported on HF models")
             self.hf = HFMemoryModel(hf_dir, memory, bank=self.bank, cotrain=not freeze_anchor,
-                                    lora_alpha=lora_alpha, seed=seed)
+                                    lora_alpha=config.lora_alpha, seed=seed)
             self.model = self.hf.hf
         else:
-            self.model = AnchorLM(ModelConfig(anchor=anchor, max_seq_len=max_seq_len, rope_theta=rope_theta,
-                                              norm_eps=norm_eps, init_std=init_std, memory=memory,
-                                              lora_alpha=lora_alpha, moc=moc, pkm=pkm, attn_impl=attn_impl))
+            self.model = AnchorLM(config)
         # KV/FFN memories of our own anchor are read in place by the fused kernels; LoRA
         # memories and HF anchors (whose hooks take per-sequence tensors) are gathered;
         # Mixture-of-Chapters layers take any of their reads (`read_modes`)
         self._read = "gather"
         if self.read_modes():
-            self.read = memory_read
-        self.generic_prob = (1.0 / memory.branching if generic_prob is None else generic_prob) if memory else 0.0
+            self.read = ms.read
+        self.generic_prob = (1.0 / memory.branching if ms.generic_prob is None else ms.generic_prob) if memory else 0.0
         # Dropout lets the anchor keep learning what a fetched block would take over; a frozen
         # anchor learns nothing, and its anchor-only forward has no gradient to step on.
-        self.memory_dropout = memory_dropout if memory and not freeze_anchor else 0.0
+        self.memory_dropout = ms.dropout if memory and not freeze_anchor else 0.0
         self.seed = seed
         self.memory_mode: MemoryMode = "fetched"
         self.register_buffer("forwards", torch.zeros((), dtype=torch.long))

@@ -19,6 +19,7 @@ from memtree.geometry import ANCHOR_PRESETS, AnchorShape, MemoryConfig, get_anch
 from memtree.training.hf import anchor_shape_from_hf
 from memtree.training.layers.moc import MoCConfig
 from memtree.training.layers.pkm import PKMConfig
+from memtree.training.model import ModelConfig
 
 Mode = Literal["baseline", "frozen", "cotrain", "scratch"]
 
@@ -272,6 +273,19 @@ class TrainConfig:
                                 layers=tuple(self.memory.layers), branching=branching)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+    def model_config(self, anchor: AnchorShape, memory: MemoryConfig | None, *, seq_len: int,
+                     attn_impl: str) -> ModelConfig:
+        """The `model:` section as the model's architecture, for `anchor` (`anchor_shape`) with
+        `memory` (`memory_config`); `seq_len`: the shards' window, the default `max_seq_len`;
+        `attn_impl`: `model.attn_impl` resolved for the device (training.train.attn_impl)."""
+        m = self.model
+        try:
+            return ModelConfig(anchor=anchor, memory=memory, max_seq_len=m.max_seq_len or seq_len,
+                               rope_theta=m.rope_theta, norm_eps=m.norm_eps, init_std=m.init_std,
+                               lora_alpha=m.lora_alpha, moc=m.moc, pkm=m.pkm, attn_impl=attn_impl)
+        except ValueError as e:
+            raise ConfigError(f"model: {e}") from None
 
     def fingerprint(self) -> str:
         """Hash of everything that shapes the model and its data: a checkpoint from a run

@@ -41,7 +41,7 @@ from memtree.tpp import (
 from memtree.training.bank import TrainableBank
 from memtree.training.bank_shards import BankShardCheckpoints, export_bank
 from memtree.training.callbacks import default_callbacks
-from memtree.training.composer_model import MemtreeLM, unwrap
+from memtree.training.composer_model import MemorySettings, MemtreeLM, unwrap
 from memtree.training.config import MemorySection, TrainConfig, load_train_config
 from memtree.training.data import (
     build_dataloader,
@@ -83,13 +83,9 @@ def build_model(cfg: TrainConfig, *, shard: tuple[int, ...] | None = None) -> tu
             raise ConfigError(f"model.{e}") from None
     seq_len = int(manifest["seq_len"])
     subtree = cfg.data.subtrees[0] if cfg.data.subtrees and len(cfg.data.subtrees) == 1 and memory else None
-    model = MemtreeLM(anchor=anchor, memory=memory, max_seq_len=cfg.model.max_seq_len or seq_len,
-                      generic_prob=cfg.memory.generic_prob, seed=cfg.seed, rope_theta=cfg.model.rope_theta,
-                      norm_eps=cfg.model.norm_eps, init_std=cfg.model.init_std, lora_alpha=cfg.model.lora_alpha,
-                      memory_init_std=cfg.memory.init_std, subtree=subtree, shard=shard,
-                      freeze_anchor=cfg.mode == "frozen",
-                      hf_dir=cfg.model.hf_dir, moc=cfg.model.moc, pkm=cfg.model.pkm, attn_impl=attn_impl(cfg),
-                      memory_read=memory_read(cfg), memory_dropout=cfg.memory.dropout)
+    model = MemtreeLM(cfg.model_config(anchor, memory, seq_len=seq_len, attn_impl=attn_impl(cfg)),
+                      memory_settings=memory_settings(cfg), seed=cfg.seed, hf_dir=cfg.model.hf_dir,
+                      freeze_anchor=cfg.mode == "frozen", subtree=subtree, shard=shard)
     if cfg.anchor_checkpoint:
         load_anchor(model, cfg.anchor_checkpoint)
     if cfg.memory.init_bank:
@@ -154,6 +150,13 @@ def memory_read(cfg: TrainConfig) -> str:
     if cfg.memory.read != "auto":
         return cfg.memory.read
     return "fused" if uses_gpu(cfg) else "gather"
+
+
+def memory_settings(cfg: TrainConfig) -> MemorySettings:
+    """The `memory:` section's training knobs as the model takes them, with `memory.read`
+    resolved (`memory_read`)."""
+    return MemorySettings(generic_prob=cfg.memory.generic_prob, init_std=cfg.memory.init_std,
+                          dropout=cfg.memory.dropout, read=memory_read(cfg))
 
 
 def settle_memory_read(cfg: TrainConfig, model: MemtreeLM, loader: Any, *, device: torch.device | None,
