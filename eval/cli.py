@@ -1,30 +1,33 @@
-"""`memtree eval RUN …` (long-tail probes, perplexity, RAG baseline, blocking), `memtree eval-sweep`,
-`memtree eval-retention`, `memtree eval-tasks` (your own task suite), `memtree eval-memories` (every memory
-family beside dense models on the demo's probes), `memtree eval-realtext` (held-out perplexity of the memory
-rows on real text) and the main job `memtree demo`. The systems' eval commands live in their folders'
-cli.py (`camelot/`: eval-longctx; `context/`: eval-context-bank; `finetune/`: eval-continual,
-eval-adapters)."""
+"""`memtree eval knowledge RUN …` (long-tail probes, perplexity, RAG baseline, blocking),
+`memtree eval sweep`, `eval retention`, `eval tasks` (your own task suite), `eval memories` (every
+memory family beside dense models on the demo's probes), `eval realtext` (held-out perplexity of
+the memory rows on real text) and the main job `memtree demo`. The systems' eval commands live in
+their folders' cli.py (`camelot/`: eval longctx; `context/`: eval context-bank; `finetune/`: eval
+continual, eval adapters)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from memtree.cli import Commands
 from memtree.eval.cli_common import check_demo_root, config_file, need_file, note, out_override
 
 # Each command imports its library modules inside its handler: `memtree --help` loads every stage's
 # cli.py, and the eval modules pull in torch and Composer.
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    """The eval stage's subcommands, in --help order."""
-    for add in (_add_eval, _add_sweep, _add_retention, _add_tasks, _add_memories, _add_realtext, _add_demo):
+def register(cli: Commands) -> None:
+    """The eval stage's subcommands, in --help order, and the main job `memtree demo`."""
+    sub = cli.verb("eval")
+    for add in (_add_knowledge, _add_sweep, _add_retention, _add_tasks, _add_memories, _add_realtext):
         add(sub)
+    _add_demo(cli)
 
 
-def _add_eval(sub: argparse._SubParsersAction) -> None:
+def _add_knowledge(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "eval",
+        "knowledge",
         help="evaluate a training run: anchor-only vs generic vs fetched memory, and memory blocking",
         description="Score the long-tail fact probes (accuracy per mention-frequency bucket) and held-out "
                     "perplexity with anchor-only, generic and fetched memories; optionally block the part "
@@ -33,10 +36,10 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("run", help="a training run's save_folder (memtree_config.json, anchor.safetensors, bank/)")
     p.add_argument("--facts", help="facts JSONL (default: facts.jsonl beside the run's pipeline run, as "
-                                   "`memtree demo` lays it out; memtree demo-corpus writes one)")
+                                   "`memtree demo` lays it out; memtree pipeline demo-corpus writes one)")
     p.add_argument("--tree", help="clustering tree directory (default: tree/ beside the run's shards)")
     p.add_argument("--held-out", help="JSONL of held-out documents ({'text': …}) for perplexity (default: "
-                                      "heldout.jsonl beside the run's pipeline run when there, as eval-longctx)")
+                                      "heldout.jsonl beside the run's pipeline run when there, as eval longctx)")
     p.add_argument("--max-probes", type=int, default=0, help="evaluate at most this many probes (0 = all)")
     p.add_argument("--block-domains", help="comma-separated domains whose probes' best match gets blocked")
     p.add_argument("--rag", nargs="?", const="", metavar="PIPELINE_RUN",
@@ -77,7 +80,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 
 def _add_sweep(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser(
-        "eval-sweep",
+        "sweep",
         help="train and evaluate every setting of a sweep YAML (memory location / size, App. F, Fig. 3)",
         description="Expand SWEEP.yaml (eval/yamls/sweep-*.yaml) into training runs, train each (finished "
                     "runs are skipped), score them with anchor-only / generic / fetched memory and write "
@@ -93,7 +96,7 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
 
 def _add_retention(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser(
-        "eval-retention",
+        "retention",
         help="continue a memory run's anchor on other subtrees with the bank frozen; measure forgetting",
         description="From a run with a bank, continue training the anchor on a subset of level-1 subtrees "
                     "with the bank frozen, then score the long-tail probes before and after (anchor-only / "
@@ -108,7 +111,7 @@ def _add_retention(sub: argparse._SubParsersAction) -> None:
 
 def _add_tasks(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser(
-        "eval-tasks",
+        "tasks",
         help="score a run on a suite of LLM-Foundry-style JSONL tasks (Table 1's layout)",
         description="Score every task of SUITE.yaml (eval/yamls/suite-example.yaml) anchor-only and, when the "
                     "run has a bank, with generic and fetched memory; report each task and the common- / "
@@ -121,8 +124,8 @@ def _add_tasks(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=_tasks)
 
 
-def _add_demo(sub: argparse._SubParsersAction) -> None:
-    d = sub.add_parser(
+def _add_demo(cli: Commands) -> None:
+    d = cli.command(
         "demo",
         help="the main job (what `make demo` runs): pipeline → anchor → memory co-training → evaluation",
         description="On the embedded default corpus: clustering pipeline, anchor pretraining, co-training "
@@ -216,26 +219,26 @@ def _eval(args: argparse.Namespace) -> int:
         facts = need_file(args.facts, "--facts")
     elif (root / "facts.jsonl").is_file():
         facts = root / "facts.jsonl"
-        note("eval", f"facts: {facts} (beside the run's pipeline run; --facts to choose)")
+        note("eval knowledge", f"facts: {facts} (beside the run's pipeline run; --facts to choose)")
     elif owner_ids is not None and args.held_out and not args.block_domains:
         facts = None  # real text: the owner's held-out pages against the others' only
-        note("eval", "no facts (--facts): scoring held-out pages only")
+        note("eval knowledge", "no facts (--facts): scoring held-out pages only")
     else:
         raise ValueError(f"--facts: not given, and there is no facts.jsonl beside the run's pipeline run ({root})")
     held = need_file(args.held_out, "--held-out") if args.held_out else None
     if held is None and (root / "heldout.jsonl").is_file():
         held = root / "heldout.jsonl"
-        note("eval", f"held-out documents: {held} (beside the run's pipeline run; --held-out to choose)")
+        note("eval knowledge", f"held-out documents: {held} (beside the run's pipeline run; --held-out to choose)")
     elif held is None:
-        note("eval", "no held-out documents (--held-out FILE.jsonl): the perplexity column stays empty")
+        note("eval knowledge", "no held-out documents (--held-out FILE.jsonl): the perplexity column stays empty")
     if owner_ids is not None and held is not None and not args.owner_field:
-        note("eval", "--owner-field not given: the owner's held-out pages are not told apart (facts only)")
+        note("eval knowledge", "--owner-field not given: the owner's held-out pages are not told apart (facts only)")
     epochs, how = (args.epochs, "--epochs") if args.epochs is not None else trained_epochs(args.run)
     if epochs is None:
-        note("eval", f"epochs: 1 (--epochs not given and the run's epochs cannot be counted: {how})")
+        note("eval knowledge", f"epochs: 1 (--epochs not given and the run's epochs cannot be counted: {how})")
         epochs, how = 1.0, "default (not countable from the run)"
     else:
-        note("eval", f"epochs: {epochs:g} ({how}; exposures = mentions × epochs)")
+        note("eval knowledge", f"epochs: {epochs:g} ({how}; exposures = mentions × epochs)")
     probes, held_out = ([], []) if facts is None else load_eval_inputs(
         facts, held_out=held, max_probes=args.max_probes, seed=args.seed, epochs=epochs)
     if facts is None:
@@ -252,7 +255,7 @@ def _eval(args: argparse.Namespace) -> int:
         plan = plan_forgetting(rm, run=run, ids=owner_ids, documents=args.block_documents,
                                name=Path(args.block_documents).name, min_share=args.min_share or 0.0, seed=args.seed,
                                allow_missing=args.allow_missing, owner_field=args.owner_field,
-                               log=lambda m: note("eval", m))
+                               log=lambda m: note("eval knowledge", m))
     targets = args.block_domains.split(",") if args.block_domains else []
     if targets:  # checked before the slow part: a typo, or no evaluated probe to block for
         from memtree.eval.longtail import load_facts
@@ -283,7 +286,7 @@ def _eval(args: argparse.Namespace) -> int:
         forgetting.append(forgetting_eval(rm, plan, probes=probes, facts=load_facts(facts) if facts else (),
                                           held_out=held_out if args.owner_field else (), predictions=given,
                                           paths=knowledge.get("paths") if knowledge else None,
-                                          fallback=args.fallback, log=lambda m: note("eval", m)))
+                                          fallback=args.fallback, log=lambda m: note("eval knowledge", m)))
     out = Path(args.out) if args.out else Path(args.run) / "eval"
     meta = {"run": str(Path(args.run).resolve()), "facts": str(facts) if facts else None,
             "held_out": str(held) if held else None, "epochs": epochs, "epochs_from": how, "probes": len(probes)}
@@ -299,8 +302,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from memtree.eval.sweeps import load_sweep_config, run_sweep
 
     # eval.* paths resolve against the sweep YAML (missing ones named by key there)
-    cfg = load_sweep_config(config_file(args.sweep, "SWEEP"), [*args.overrides, *out_override(args, "eval-sweep",
-                                                                                          deprecated=False)],
+    cfg = load_sweep_config(config_file(args.sweep, "SWEEP"), [*args.overrides, *out_override(args)],
                             require_paths=True)
     result = run_sweep(cfg, train_overrides=args.train)
     print(Path(result["files"]["markdown"]).read_text(encoding="utf-8"))
@@ -315,8 +317,7 @@ def _retention(args: argparse.Namespace) -> int:
     if config and "=" in config:  # no YAML: every argument is an override
         config, overrides = None, [config, *overrides]
     cfg = load_retention_config(config_file(config, "CONFIG"),
-                                [*overrides, *out_override(argparse.Namespace(overrides=overrides, out=args.out),
-                                                   "eval-retention", deprecated=False)])
+                                [*overrides, *out_override(argparse.Namespace(overrides=overrides, out=args.out))])
     where = f"(in {config} or its overrides)" if config else "(override)"
     need_file(Path(cfg.run) / "memtree_config.json", f"run={cfg.run} {where}: a training run needs")
     for key in ("facts", "held_out", "tree"):
@@ -343,7 +344,7 @@ def _tasks(args: argparse.Namespace) -> int:
 
 def _add_memories(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser(
-        "eval-memories",
+        "memories",
         help="every memory family beside dense models on the demo's knowledge probes",
         description="On a `memtree demo` root: reuses the demo's runs (anchor only, + generic, + fetched "
                     "hierarchical memory, RAG, RAG + fetched) and trains, on the same shards, seed and budget, "
@@ -367,21 +368,21 @@ def _add_memories(sub: argparse._SubParsersAction) -> None:
 def _memories(args: argparse.Namespace) -> int:
     from memtree.eval.memories import load_memories_config, run_memories
 
-    check_demo_root(args.root, "eval-memories", ("facts.jsonl", "pipeline/shards", "train/cotrain"))
+    check_demo_root(args.root, "eval memories", ("facts.jsonl", "pipeline/shards", "train/cotrain"))
     rows = [r.strip() for r in (args.rows or "").split(",") if r.strip()]
     cfg = load_memories_config(config_file(args.config, "--config"),
                                [f"root={args.root}", *args.overrides, *([f"select=[{','.join(rows)}]"] if rows else []),
-                                *out_override(args, "eval-memories", deprecated=False)])
+                                *out_override(args)])
     print(Path(run_memories(cfg)).read_text(encoding="utf-8"))
     return 0
 
 
 def _add_realtext(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser(
-        "eval-realtext",
+        "realtext",
         help="held-out perplexity of anchor / generic / fetched memory and dense-1x on real text",
-        description="On a real-text pipeline run (default ROOT runs/pydocs-short: `memtree docs-corpus "
-                    "runs/pydocs-short/corpus --max-chars 4000` then `memtree pipeline "
+        description="On a real-text pipeline run (default ROOT runs/pydocs-short: `memtree pipeline docs-corpus "
+                    "runs/pydocs-short/corpus --max-chars 4000` then `memtree pipeline run "
                     "pipeline/yamls/pydocs-short.yaml`): trains the demo's anchor, one co-training run per recipe "
                     "and dense-1x (the anchor's shape for both stages' duration), then scores ROOT/corpus/test.jsonl "
                     "cut into windows, each routed by its own text, with no memory, generic and fetched blocks. "
@@ -405,6 +406,6 @@ def _realtext(args: argparse.Namespace) -> int:
     cfg = load_realtext_config(config_file(args.config, "--config"),
                                [f"root={args.root}", *args.overrides,
                                 *([f"select=[{','.join(picked)}]"] if picked else []),
-                                *out_override(args, "eval-realtext", deprecated=False)])
+                                *out_override(args)])
     print(Path(run_realtext(cfg)).read_text(encoding="utf-8"))
     return 0

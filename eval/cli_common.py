@@ -20,14 +20,12 @@ def note(cmd: str, msg: str) -> None:
     print(f"memtree {cmd}: {msg}", file=sys.stderr, flush=True)
 
 
-def out_override(args: argparse.Namespace, cmd: str, *, deprecated: bool) -> list[str]:
-    """`--out PATH` as the config's `out=` override (applied last). `out=PATH` among the overrides
-    still works; where `out` is no YAML key of the command's own (`deprecated`), it prints a note."""
+def out_override(args: argparse.Namespace) -> list[str]:
+    """`--out PATH` as the config's `out=` override (applied last); an `out=` among the overrides
+    that says otherwise is an error, not a silent choice."""
     given = [o.split("=", 1)[1] for o in args.overrides if o.split("=", 1)[0] == "out"]
     if given and args.out is not None and given[-1] != args.out:
         raise ValueError(f"--out {args.out} and out={given[-1]} disagree; give one")
-    if given and args.out is None and deprecated:
-        note(cmd, "note: out=PATH is deprecated; use --out PATH")
     return [f"out={args.out}"] if args.out is not None else []
 
 

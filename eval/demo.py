@@ -85,7 +85,7 @@ DESIGN = (
     ("memory LR", ("3e-2 for the bank (10x the anchor's 3e-3), cosine to 10 %: a block is updated only by "
                   "its own subtopic's sequences; a constant 5e-2 (with 1 + 5 epochs) measured a "
                   "smaller fetched-generic gap; on real text this LR starves the anchor (held-out perplexity "
-                  "35 % above the anchor's shape trained alone; `memtree eval-realtext`), where 1e-3 generalises "
+                  "35 % above the anchor's shape trained alone; `memtree eval realtext`), where 1e-3 generalises "
                   "but moves the tail into the anchor")),
     ("retrieval", ("questions are routed by the same greedy traversal as the training documents, from the "
                   "question text only (no oracle path)")),
@@ -157,14 +157,14 @@ TPP_NOTE = ("The demo's bank is deliberately in the memorising regime: most of i
             "over 5 epochs for that. Held-out text is not its measure: on real text the same recipe reads held-out "
             "pages worse than the anchor's shape trained alone. For real text, keep the bank's learning rate at or "
             "below the anchor's and check the sizes with `memtree memstore plan --shards` (training/yamls/"
-            "realtext.yaml, `memtree eval-realtext`; docs/BENCHMARKS.md, \"Tokens per parameter on real text\").")
+            "realtext.yaml, `memtree eval realtext`; docs/BENCHMARKS.md, \"Tokens per parameter on real text\").")
 
 
 def demo_forgetting(rm: RunModel, root: Path, probes: list[dict[str, Any]], knowledge: dict[str, Any],
                     held_out: list[dict[str, Any]], domain: str, seed: int) -> list[dict[str, Any]]:
     """Forget one long-tail entity's documents, then one subtopic's (`eval.forgetting.demo_owners`):
     every block they trained blocked, read as the generic memory. Each owner's id list is written to
-    ROOT/report/forget-<key>.txt, so `memtree eval --block-documents` can repeat it."""
+    ROOT/report/forget-<key>.txt, so `memtree eval knowledge --block-documents` can repeat it."""
     corpus = [rec for _, rec in iter_jsonl(root / "corpus.jsonl")]
     facts = load_facts(root / "facts.jsonl")
     given = {m: knowledge["modes"][m]["predictions"] for m in ("fetched", "generic")}

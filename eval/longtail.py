@@ -1,7 +1,7 @@
 """The long-tail knowledge benchmark: fact probes bucketed by how often the corpus states them.
 
 The analogue of the paper's atomic-number study (Fig. 1): the default corpus
-(`memtree demo-corpus`) states facts about fictional entities whose mention
+(`memtree pipeline demo-corpus`) states facts about fictional entities whose mention
 counts follow a Zipf law, and writes the facts with their exact counts
 (`facts.jsonl`: entity, reference, label, attribute, value, mentions, domain,
 topic). Each fact becomes a multiple-choice probe

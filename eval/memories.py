@@ -1,4 +1,4 @@
-"""`memtree eval-memories ROOT`: every memory family on the demo's knowledge benchmark, beside dense
+"""`memtree eval memories ROOT`: every memory family on the demo's knowledge benchmark, beside dense
 models of matched size (seed 002's headline, Table 1 and Fig. 1, at micro scale).
 
 ROOT is a `memtree demo` root. Its anchor-only and co-training runs are reused as they are (the

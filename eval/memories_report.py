@@ -1,4 +1,4 @@
-"""The report of `memtree eval-memories` (`eval.memories`): results.json, report.md and
+"""The report of `memtree eval memories` (`eval.memories`): results.json, report.md and
 accuracy_vs_exposure.png (accuracy per exposure bucket, one curve per row, chance line)."""
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def _blocking_lines(report: dict[str, Any]) -> list[str]:
 def header_lines(report: dict[str, Any]) -> list[str]:
     """The report's title and what it ran on: the demo root's training, memory and corpus."""
     demo = report["demo"]
-    lines = ["# Memory families on one knowledge benchmark (memtree eval-memories)", "",
+    lines = ["# Memory families on one knowledge benchmark (memtree eval memories)", "",
              (f"Demo root {report['root']}: {report['n_probes']} probes (chance {_pct(report['chance'])}), "
               f"{report['held_out_documents']} held-out documents; the demo trained {demo['epochs']:g} epochs "
               f"({demo['anchor_epochs']:g} anchor + {demo['cotrain_epochs']:g} co-training), trained rows "

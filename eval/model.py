@@ -68,7 +68,7 @@ class RunModel:
         stored_config(folder)  # names a folder that is no run
         if not (folder / "anchor.safetensors").exists():
             raise FileNotFoundError(f"{folder}: no anchor.safetensors (not a finished training run: "
-                                    "memtree train writes it at the end)")
+                                    "memtree train run writes it at the end)")
         cfg = run_config(folder)
         # the stored config with its paths resolved (a run moved from where it trained)
         composer_model, cfg, manifest, tokenizer = load_run(folder, cfg)

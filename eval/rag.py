@@ -84,7 +84,7 @@ class RagIndex:
         for stage in ("window", "embed", "tree", "assign"):
             if not (root / stage / "_stage.json").exists():
                 raise FileNotFoundError(f"{root}: no finished `{stage}` stage; the RAG datastore is a pipeline "
-                                        "run directory (memtree pipeline … out=RUN)")
+                                        "run directory (memtree pipeline run … out=RUN)")
         tree = load_tree(root / "tree")
         embeddings = np.load(root / "embed" / "embeddings.npy", mmap_mode="r")
         paths = np.full((embeddings.shape[0], tree.levels), -1, dtype=np.int64)

@@ -1,4 +1,4 @@
-"""`memtree eval-realtext ROOT`: held-out perplexity of the memory rows on real text.
+"""`memtree eval realtext ROOT`: held-out perplexity of the memory rows on real text.
 
 The bios demo measures knowledge; a memory that only memorised its documents still wins there. On
 real text the question is whether a fetched block carries what its cluster's documents share, so

@@ -47,7 +47,7 @@ GROUPS = {"all": "all probes", "revisited": "subtree in the continued data",
 class RetentionConfig:
     run: str  # a training run with a bank (anchor.safetensors, bank/, memtree_config.json)
     out: str
-    facts: str  # facts JSONL (memtree demo-corpus --facts …)
+    facts: str  # facts JSONL (memtree pipeline demo-corpus --facts …)
     steps: int = 100  # continued-training batches
     subtrees: list[int] | None = None  # level-1 subtrees to continue on (≥ 2); None: a seeded half
     train: list[str] = field(default_factory=list)  # key=value overrides of the continued run

@@ -58,7 +58,7 @@ class SweepSetting:
 
 @dataclass(frozen=True, kw_only=True)
 class EvalInputs:
-    facts: str  # facts JSONL (memtree demo-corpus --facts …)
+    facts: str  # facts JSONL (memtree pipeline demo-corpus --facts …)
     held_out: str | None = None  # JSONL of {"text": …} for held-out perplexity
     tree: str | None = None  # clustering tree (default: next to the runs' shards)
     max_probes: int = 0  # 0 = all
@@ -98,7 +98,7 @@ def load_sweep_config(path: str | Path | None, overrides: Sequence[str] = (), *,
                       require_paths: bool = False) -> SweepConfig:
     """The sweep; a relative `eval.facts` / `eval.held_out` / `eval.tree` from the YAML is relative to
     the sweep YAML (else, as before, to the working directory); one given as an override is relative
-    to the working directory. With `require_paths` (`memtree eval-sweep`), a path found nowhere is an
+    to the working directory. With `require_paths` (`memtree eval sweep`), a path found nowhere is an
     error naming the key and where it was given; without, it is kept as given."""
     cfg = load_config(SweepConfig, str(path) if path else None, list(overrides))
     overridden = {o.split("=", 1)[0].strip() for o in overrides}

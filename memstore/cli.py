@@ -4,12 +4,12 @@ Thin wrappers over the memstore library. Each subcommand is one
 `_add_<name>(subparsers)` that declares its flags and one `_<name>(args)`
 handler that calls the library and prints; the library does the work. Helper
 modules beside it: `cli_common` (the shared conventions: `--queries FILE`,
-`--query TEXT`, `--out PATH`, `--json`, deprecated aliases, errors that name the
+`--query TEXT`, `--out PATH`, `--json`, errors that name the
 flag; memstore/README.md "Command-line conventions"), `cli_blocking` (block /
 unblock / delete), `cli_shards` (`info` / `verify` of a sharded training run's
 bank checkpoint, `memtree-bank-shards`, and `export` of it into a bank) and
 `cli_sim` (the flags of the fetch-latency simulator, `memstore.sim`:
-`memtree simulate-fetch` and `memtree memstore calibrate`, re-exported here).
+`memtree memstore simulate-fetch` and `memtree memstore calibrate`, re-exported here).
 
 Handlers import the memstore library (and clustering) when they run, not at
 module top: `memtree` builds every stage's parser on each call, and the library
@@ -19,7 +19,7 @@ pulls in torch.
     memtree memstore plan --anchor n_layers=35,d_model=512,n_heads=12,head_dim=32,ffn_dim=2048 \\
         --memory 0,64,0,0 --placement late --json
     memtree memstore plan --anchor openlm-1.4b --memory 768,256,16,0 --ranks 8 --device-memory 80GiB
-    memtree simulate-fetch --profile phone --anchor openlm-160m --memory 256,64,16,0
+    memtree memstore simulate-fetch --profile phone --anchor openlm-160m --memory 256,64,16,0
     memtree memstore calibrate --validate
 """
 
@@ -39,6 +39,7 @@ from memtree.budget import (
     parse_bytes,
     training_report,
 )
+from memtree.cli import Commands
 from memtree.geometry import (
     MEMORY_TYPES,
     AnchorShape,
@@ -52,7 +53,6 @@ from memtree.geometry import (
 from memtree.memstore.cli_blocking import add_block_commands
 from memtree.memstore.cli_common import (
     INIT_MARK,
-    DeprecatedAlias,
     add_json,
     add_wait,
     check_bank,
@@ -61,7 +61,6 @@ from memtree.memstore.cli_common import (
     describe_bank,
     emit,
     load_tree_arg,
-    note,
     parse_ids,
     read_queries,
 )
@@ -79,23 +78,12 @@ from memtree.memstore.cli_sim import (  # noqa: F401  (re-exported: the simulato
 )
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "memstore",
-        help="hierarchical memory banks: plan sizes, build and inspect the on-disk store",
-        description="Plan, build and inspect hierarchical memory banks (seed 002 §2, App. A, App. I).",
-    )
-    subparsers = p.add_subparsers(dest="memstore_command", metavar="SUBCOMMAND")
+def register(cli: Commands) -> None:
+    """memstore's subcommands (seed 002 §2, App. A, App. I), in --help order."""
+    subparsers = cli.verb("memstore")
     for add in (_add_plan, _add_init, _add_info, _add_verify, add_export, _add_fetch, add_block_commands, _add_split,
-                _add_merge, _add_relocate, add_calibrate):
+                _add_merge, _add_relocate, add_calibrate, add_simulate):
         add(subparsers)
-    p.set_defaults(func=lambda args: _help(p))
-    add_simulate(sub)
-
-
-def _help(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
-    return 2
 
 
 # --- anchor parsing -----------------------------------------------------------------------------
@@ -424,7 +412,6 @@ def _add_fetch(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("bank", help="bank directory")
     p.add_argument("--path", help="global cluster ids per tree level, e.g. 3,52,843 (each a child of the one before)")
     p.add_argument("--query", metavar="TEXT", help="route this query text through --tree to get the path")
-    p.add_argument("--text", dest="query", action=DeprecatedAlias, new="--query TEXT", help=argparse.SUPPRESS)
     p.add_argument("--queries", metavar="FILE", help="route every query of this file (one per line) through --tree")
     p.add_argument("--tree", help="clustering tree directory (binds and routes)")
     add_json(p)
@@ -490,10 +477,8 @@ def _fetch(args: argparse.Namespace) -> int:
 
 def _add_split(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("split", help="write per-level-1-subtree banks (one training job each)",
-                              description="split BANK --out OUT writes OUT/subtree-SSS per level-1 subtree "
-                                          "(the old form `split BANK OUT` still works, with a deprecation note).")
+                              description="split BANK --out OUT writes OUT/subtree-SSS per level-1 subtree.")
     p.add_argument("bank", help="bank directory")
-    p.add_argument("old_out", nargs="?", help=argparse.SUPPRESS)
     p.add_argument("--out", help="directory; writes OUT/subtree-SSS")
     p.add_argument("--subtrees", help="which subtrees (default all), e.g. 0,3")
     add_json(p)
@@ -505,11 +490,6 @@ def _split(args: argparse.Namespace) -> int:
     from memtree.memstore.merge import split_bank
 
     out = args.out
-    if args.old_out is not None:
-        if out is not None:
-            raise ValueError(f"split: give the output once: --out {out} (not also {args.old_out})")
-        note("`split BANK OUT` is deprecated; use `split BANK --out OUT`")
-        out = args.old_out
     if out is None:
         raise ValueError("split: give --out DIR (where to write DIR/subtree-SSS)")
     info = read_manifest(check_bank(args.bank))
@@ -528,8 +508,7 @@ def _split(args: argparse.Namespace) -> int:
 
 def _add_merge(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("merge", help="merge per-subtree banks into one bank",
-                              description="merge PART... --out OUT (the old form `merge OUT PART...` still works "
-                                          "when --out is absent, with a deprecation note).")
+                              description="merge PART... --out OUT.")
     p.add_argument("parts", nargs="+", metavar="PART", help="per-subtree bank directories (all subtrees, any order)")
     p.add_argument("--out", help="bank directory to write")
     p.add_argument("--generic", choices=("mean", "first"), default="mean",
@@ -540,19 +519,12 @@ def _add_merge(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from memtree.io import read_json
     from memtree.memstore.locking import bank_writer
     from memtree.memstore.merge import merge_banks
 
     parts, out = list(args.parts), args.out
     if out is None:
-        first = Path(parts[0]) / "manifest.json"
-        if first.is_file() and read_json(first).get("subtree") is not None:
-            raise ValueError(f"merge: give --out OUT ({parts[0]} is a per-subtree bank, a part to merge)")
-        if len(parts) < 2:
-            raise ValueError("merge: give the parts and --out OUT")
-        note("`merge OUT PART...` is deprecated; use `merge PART... --out OUT`")
-        out, parts = parts[0], parts[1:]
+        raise ValueError("merge: give --out OUT (the bank to write; the positionals are the parts)")
     for part in parts:
         check_bank(part)
     with bank_writer(out, operation="merge", wait=args.wait):

@@ -1,11 +1,11 @@
-"""What every `memtree memstore …` / `memtree simulate-fetch` subcommand shares: one way to say one thing.
+"""What every `memtree memstore …` subcommand shares: one way to say one thing.
 
 The conventions (memstore/README.md, "Command-line conventions"): the bank a command works on is
 its first positional argument; a file of queries, one per line, is `--queries FILE`; one query
 text is `--query TEXT`; where a command writes is `--out PATH`; the clustering tree is
 `--tree DIR`; a writer waits for another process's lock with `--wait SECONDS`; output is a
-human-readable summary on stdout, or JSON with `--json`; notes (deprecations, warnings) go to
-stderr, one line each. Old spellings stay as deprecated aliases (`DeprecatedAlias`).
+human-readable summary on stdout, or JSON with `--json`; notes (warnings) go to
+stderr, one line each.
 """
 
 from __future__ import annotations
@@ -25,20 +25,8 @@ INIT_MARK = "memtree memstore init"
 
 
 def note(message: str) -> None:
-    """One line to stderr (deprecations, warnings): stdout stays the command's summary or JSON."""
+    """One line to stderr (warnings, progress): stdout stays the command's summary or JSON."""
     print(f"memtree: note: {message}", file=sys.stderr)
-
-
-class DeprecatedAlias(argparse.Action):
-    """An old flag spelling: stores into the new flag's dest and prints a one-line note to stderr."""
-
-    def __init__(self, option_strings, dest, *, new: str, **kw) -> None:
-        self.new = new
-        super().__init__(option_strings, dest, **kw)
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        note(f"{option_string} is deprecated; use {self.new}")
-        setattr(namespace, self.dest, values)
 
 
 def add_json(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""`memtree simulate-fetch` and `memtree memstore calibrate`: the flags of the fetch-latency
+"""`memtree memstore simulate-fetch` and `memtree memstore calibrate`: the flags of the fetch-latency
 simulator (`memstore.sim`); `memstore.cli` registers them.
 
 With `--tree`, simulate-fetch takes what the tree implies from it: the branching, and the number
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memtree.geometry import DTYPES, MEMORY_TYPES, parse_multipliers, plan
-from memtree.memstore.cli_common import DeprecatedAlias, add_json, emit, load_tree_arg, read_queries
+from memtree.memstore.cli_common import add_json, emit, load_tree_arg, read_queries
 
 if TYPE_CHECKING:
     import numpy as np
@@ -22,8 +22,8 @@ DEFAULT_MEMORY = "256,64,16,0"
 DEFAULT_BRANCHING = 16
 
 
-def add_simulate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+def add_simulate(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
         "simulate-fetch",
         help="simulate on-device memory fetch latency (hierarchical vs flat bank, sessions, sweeps)",
         description="Model fetch latency of a hierarchical bank vs a flat bank of equal fetch size on "
@@ -52,8 +52,6 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="query trace: synthetic Zipf sessions (default) or a file of cluster paths")
     parser.add_argument("--queries", metavar="FILE",
                         help="real queries, one per line, routed through --tree; overrides --trace")
-    parser.add_argument("--queries-file", dest="queries", action=DeprecatedAlias, new="--queries FILE",
-                        help=argparse.SUPPRESS)
     parser.add_argument("--tree", help="clustering tree directory (e.g. RUN/tree): routes --queries and sets the "
                                        "branching and the number of levels")
     parser.add_argument("--n-queries", type=int, default=1000, help="queries in a zipf trace (default 1000)")

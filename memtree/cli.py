@@ -1,9 +1,17 @@
-"""The `memtree` command: one entry point, subcommands owned by each stage.
+"""The `memtree` command: one entry point, a few verbs, each with the subcommands its stages own.
 
-Each stage package exposes `register(subparsers)` in its own `cli.py` and is
-listed under the `memtree.commands` entry-point group in pyproject.toml. The
-dispatcher only discovers and calls them, so stages stay independent and this
-module never imports a stage that is not being run (keeps `--help` fast).
+    memtree demo                          the main job (pipeline → anchor → memories → evaluation)
+    memtree pipeline run|demo|demo-corpus|docs-corpus
+    memtree train run|context-vae|finetune|finetune-background
+    memtree eval knowledge|sweep|retention|tasks|memories|realtext|longctx|context-bank|continual|adapters
+    memtree memstore plan|init|info|…|calibrate|simulate-fetch
+
+Each stage package (and each system folder with commands) exposes `register(cli)` in its own
+`cli.py` and is listed under the `memtree.commands` entry-point group in pyproject.toml; `cli` is a
+`Commands`, whose `verb(name)` gives the subcommand table of one of the verbs above. The dispatcher
+only discovers and calls them, so stages stay independent and this module never imports a stage
+that is not being run (keeps `--help` fast). The arguments several commands share come from the
+helpers below (`add_config`, `add_overrides`, `config_and_overrides`).
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import importlib
 import os
 import sys
 from importlib.metadata import entry_points
+from typing import Any
 
 from memtree import __version__
 
@@ -38,7 +47,7 @@ class CommandParser(argparse.ArgumentParser):
 
     argparse hands a subcommand's leftovers up to the top-level parser, which would print
     `memtree [-h] [--version] COMMAND ...`. Left-over words without a leading dash are
-    `key=value` overrides given after an option (`memtree pipeline cfg.yaml --until embed
+    `key=value` overrides given after an option (`memtree pipeline run cfg.yaml --until embed
     tree.levels=3`), which argparse does not match to a positional once options came between:
     they join the command's `overrides`."""
 
@@ -54,6 +63,64 @@ class CommandParser(argparse.ArgumentParser):
         return ns, extras
 
 
+# The verbs in --help order, with their one-line help; `demo` is a command of its own.
+VERBS = {
+    "pipeline": "corpus → embeddings → balanced hierarchical tree → cluster-tagged MDS shards; corpora",
+    "train": "train anchors with hierarchical memories (Composer); the systems' training",
+    "eval": "evaluate runs: long-tail knowledge and blocking, sweeps, task suites; each system's experiment",
+    "memstore": "hierarchical memory banks: plan sizes, build, inspect, fetch, block; simulate on-device fetch",
+}
+ORDER = ("demo", *VERBS)
+
+
+class Commands:
+    """What a stage's `register(cli)` adds its commands to."""
+
+    def __init__(self, sub: argparse._SubParsersAction) -> None:
+        self._sub = sub
+        self._verbs: dict[str, argparse._SubParsersAction] = {}
+
+    def verb(self, name: str) -> argparse._SubParsersAction:
+        """The subcommand table of verb `name` (one of `VERBS`), made on first use."""
+        if name not in VERBS:
+            raise ValueError(f"memtree has no verb {name!r}; the verbs are {', '.join(VERBS)}")
+        if name not in self._verbs:
+            p = self._sub.add_parser(name, help=VERBS[name], description=VERBS[name] + ".")
+            self._verbs[name] = p.add_subparsers(dest=f"{name}_command", metavar="SUBCOMMAND")
+            p.set_defaults(func=lambda args, p=p: _print_help(p))
+        return self._verbs[name]
+
+    def command(self, name: str, **kw: Any) -> argparse.ArgumentParser:
+        """A top-level command with no subcommands (only `demo`)."""
+        if name not in ORDER or name in VERBS:
+            raise ValueError(f"{name!r} is no top-level command; add it under one of the verbs {', '.join(VERBS)}")
+        return self._sub.add_parser(name, **kw)
+
+
+def _print_help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
+
+
+def add_config(p: argparse.ArgumentParser, examples: str) -> None:
+    """The optional YAML config positional; `examples`: where example configs are."""
+    p.add_argument("config", nargs="?", help=f"YAML config (key=value overrides follow; examples: {examples})")
+
+
+def add_overrides(p: argparse.ArgumentParser, example: str, *, what: str = "key=value overrides") -> None:
+    """The trailing `key=value` overrides; `example`: one or two of them."""
+    p.add_argument("overrides", nargs="*", help=f"{what}, e.g. {example}")
+
+
+def config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """(config, overrides) of `add_config` + `add_overrides`: a first word holding `=` is an
+    override, not a config (`memtree train run data.shards=… mode=baseline`)."""
+    config, overrides = args.config, list(args.overrides)
+    if config and "=" in config:
+        config, overrides = None, [config, *overrides]
+    return config, overrides
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="memtree",
@@ -61,8 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"memtree {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
+    cli = Commands(sub)
+    for name in VERBS:  # the verbs exist (and list in order) even before a stage adds to them
+        cli.verb(name)
     for register in _registrars():
-        register(sub)
+        register(cli)
+    # --help lists the commands in ORDER, whatever order the entry points came in
+    sub._choices_actions.sort(key=lambda a: ORDER.index(a.dest) if a.dest in ORDER else len(ORDER))
     return parser
 
 

@@ -17,7 +17,7 @@ Two measured regimes set the warnings (docs/BENCHMARKS.md, "Tokens per parameter
 a level under `GENERALISES_DOWN_TO` sits below the fewest tokens per parameter at which a bank was
 measured to generalise, and a bank LR above the anchor's (`SAFE_LR_RATIO`) starves the anchor.
 Pure Python (no torch): `memtree memstore plan` prints it and `memtree train` logs and stores it
-(`tpp.json` in the run folder); the demo and `memtree eval-realtext` reports show it.
+(`tpp.json` in the run folder); the demo and `memtree eval realtext` reports show it.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def read_shards_counts(path: str | Path, flag: str = "--shards") -> ShardCounts:
     manifest = p / "manifest.json" if (p / "manifest.json").is_file() else p / "shards" / "manifest.json"
     if not manifest.is_file():
         raise TppError(f"{flag} {path}: no manifest.json there or in {p / 'shards'}; give a pipeline run's shards/ "
-                       "folder (`memtree pipeline … --out RUN` writes RUN/shards)")
+                       "folder (`memtree pipeline run … --out RUN` writes RUN/shards)")
     m = read_json(manifest)
     # format only, as before: just the stream counts and tree shape are read here; the trainer's
     # reader (training/data.py) is the one that refuses a shards version it cannot read

@@ -1,5 +1,5 @@
-"""`memtree pipeline …`, `memtree demo-pipeline`, `memtree demo-corpus` and `memtree docs-corpus`: thin
-wrappers over pipeline.run, pipeline.demo, pipeline.corpus and pipeline.debdocs."""
+"""`memtree pipeline run|demo|demo-corpus|docs-corpus`: thin wrappers over pipeline.run,
+pipeline.demo, pipeline.corpus and pipeline.debdocs."""
 
 from __future__ import annotations
 
@@ -7,18 +7,21 @@ import argparse
 import sys
 from pathlib import Path
 
+from memtree.cli import Commands, add_config, add_overrides, config_and_overrides
+
 # The dispatcher calls `register` for every command on each start: the libraries (Dask, the
 # corpora, OmegaConf) are imported inside the command that runs, so `memtree --help` loads none.
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(cli: Commands) -> None:
+    sub = cli.verb("pipeline")
     p = sub.add_parser(
-        "pipeline",
+        "run",
         help="corpus → embeddings → balanced hierarchical tree → cluster-tagged MDS streams",
         description="Run (or resume) the clustering pipeline. Finished stages are skipped.",
     )
-    p.add_argument("config", nargs="?", help="YAML config (optional; flags and key=value override it)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. tree.levels=3")
+    add_config(p, "pipeline/yamls/*.yaml; flags and key=value override it")
+    add_overrides(p, "tree.levels=3")
     p.add_argument("--input", action="append", dest="inputs", help="JSONL/Parquet file or directory (repeatable)")
     p.add_argument("--out", help="run directory")
     p.add_argument("--levels", type=int)
@@ -33,10 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_run)
 
-    m = sub.add_parser("demo-pipeline", help="only the pipeline part of `memtree demo` (default corpus → shards)")
+    m = sub.add_parser("demo", help="only the pipeline part of `memtree demo` (default corpus → shards)")
     m.add_argument("--root", default="runs/demo", help="run directory (default runs/demo)")
     m.add_argument("--seed", type=int, default=0, help="corpus seed")
-    m.add_argument("overrides", nargs="*", help="pipeline key=value overrides")
+    add_overrides(m, "tree.levels=3", what="pipeline key=value overrides")
     m.set_defaults(func=_demo)
 
     d = sub.add_parser("demo-corpus", help="write the embedded default corpus (entity-centric bios) to a directory",
@@ -56,8 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Download (apt-get download, no root) or read documentation packages and "
                                    "write OUT/train.jsonl, test.jsonl (split by a hash of each page's id), "
                                    "rejects.jsonl, corpus.json and README.md (pipeline/debdocs.py). Default: the "
-                                   "Python 3.11 documentation sources (python3.11-doc), for `memtree eval-longctx`; "
-                                   "the real-text corpus of `memtree eval-realtext` reads python3.11-doc and "
+                                   "Python 3.11 documentation sources (python3.11-doc), for `memtree eval longctx`; "
+                                   "the real-text corpus of `memtree eval realtext` reads python3.11-doc and "
                                    "linux-doc-6.1 (pipeline/yamls/realdocs.yaml says how).")
     t.add_argument("out", help="output directory")
     t.add_argument("--package", action="append", default=[],
@@ -83,11 +86,7 @@ def _run(args: argparse.Namespace) -> int:
     from memtree.pipeline.config import PipelineConfig
     from memtree.pipeline.run import run_pipeline
 
-    config = args.config
-    overrides = list(args.overrides)
-    if config and "=" in config:  # no YAML given: the first positional is an override
-        overrides.insert(0, config)
-        config = None
+    config, overrides = config_and_overrides(args)
     flags = {
         "out": args.out, "seed": args.seed, "tree.levels": args.levels, "tree.branching": args.branching,
         "window.window_tokens": args.window_tokens, "pack.seq_len": args.seq_len,
@@ -146,7 +145,7 @@ def _docs_command(args: argparse.Namespace) -> str:
     """The command line that builds this corpus again (for its README): the flags as given."""
     import shlex
 
-    words = ["memtree", "docs-corpus", str(args.out)]
+    words = ["memtree", "pipeline", "docs-corpus", str(args.out)]
     for p in args.package:
         words += ["--package", p]
     for flag, value, default in (("--prefix", args.prefix, None), ("--suffix", args.suffix, None),
@@ -174,7 +173,7 @@ def _docs(args: argparse.Namespace) -> int:
     try:
         srcs = [known_source(p, prefix=args.prefix, suffix=args.suffix) for p in packages]
     except ValueError as e:
-        raise SystemExit(f"docs-corpus: {e} (--prefix, --suffix)") from None
+        raise SystemExit(f"pipeline docs-corpus: {e} (--prefix, --suffix)") from None
     cache = Path(args.cache_dir) if args.cache_dir else Path(args.out).resolve().parent
     sources = [(s, given.get(s.package) or fetch_deb(s.package, cache)) for s in srcs]
     meta = write_docs_corpus(args.out, sources=sources, test_fraction=args.test_fraction, min_chars=args.min_chars,

@@ -21,7 +21,7 @@ matching file as one document, splits the documents into train and test by a has
 
 Version 1 (written before several packages) had one package's fields at the top level.
 `fetch_deb(package, cache_dir)` runs `apt-get download` (no root) when no `.deb` of the package
-is in `cache_dir` yet; `memtree docs-corpus OUT [--package P …]` does both.
+is in `cache_dir` yet; `memtree pipeline docs-corpus OUT [--package P …]` does both.
 """
 
 from __future__ import annotations

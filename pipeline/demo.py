@@ -1,4 +1,4 @@
-"""The pipeline-only demo (`memtree demo-pipeline`): the default corpus through the pipeline, no training.
+"""The pipeline-only demo (`memtree pipeline demo`): the default corpus through the pipeline, no training.
 
 Writes the entity-centric default corpus (`pipeline.corpus.bios`: corpus.jsonl, facts.jsonl,
 heldout.jsonl, corpus.json) under the run root unless it is there, then runs the pipeline with

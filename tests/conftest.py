@@ -172,4 +172,5 @@ def cli_on_bank_copy(bank: Path, tmp_path: Path, capsys, names: dict[str, str]):
 
     call.bank = tmp_path / "bank"
     call.names = names
+    call.err = lambda: capsys.readouterr().err  # what a call that raised SystemExit printed
     return call

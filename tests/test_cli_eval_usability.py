@@ -69,7 +69,7 @@ def test_eval_blocks_the_banks_shallowest_level_and_takes_epochs_and_held_out_fr
     relative to another directory."""
     _, root = demo
     out = tmp_path / "eval"
-    assert main(["eval", str(root / "train" / "cotrain"), "--max-probes", "8", "--block-domains", "astronomy",
+    assert main(["eval", "knowledge", str(root / "train" / "cotrain"), "--max-probes", "8", "--block-domains", "astronomy",
                  "--out", str(out)]) == 0
     err = capsys.readouterr().err
     data = json.loads((out / "results.json").read_text())
@@ -84,15 +84,15 @@ def test_eval_blocks_the_banks_shallowest_level_and_takes_epochs_and_held_out_fr
 def test_eval_refuses_a_block_level_without_memory_before_scoring(demo, capsys):
     _, root = demo
     t0 = time.time()
-    assert main(["eval", str(root / "train" / "cotrain"), "--block-domains", "astronomy", "--block-level", "1"]) == 1
+    assert main(["eval", "knowledge", str(root / "train" / "cotrain"), "--block-domains", "astronomy", "--block-level", "1"]) == 1
     err = capsys.readouterr().err
     assert "--block-level 1" in err and "[2]" in err and "--block-level 2" in err
     assert "epochs" not in err and time.time() - t0 < 30  # failed before the facts were read
-    assert main(["eval", str(root / "train" / "cotrain"), "--block-domains", "astronomyy"]) == 1
+    assert main(["eval", "knowledge", str(root / "train" / "cotrain"), "--block-domains", "astronomyy"]) == 1
     assert "--block-domains: ['astronomyy'] are not domains of" in capsys.readouterr().err
-    assert main(["eval", str(root / "train" / "cotrain"), "--block-level", "2"]) == 1
+    assert main(["eval", "knowledge", str(root / "train" / "cotrain"), "--block-level", "2"]) == 1
     assert "--block-domains" in capsys.readouterr().err
-    assert main(["eval", str(root / "train" / "cotrain"), "--facts", str(root / "nope.jsonl")]) == 1
+    assert main(["eval", "knowledge", str(root / "train" / "cotrain"), "--facts", str(root / "nope.jsonl")]) == 1
     err = capsys.readouterr().err
     assert "--facts" in err and "Errno" not in err
 
@@ -109,11 +109,11 @@ def test_a_copied_run_is_evaluated_with_tree_flag_and_its_blocked_blocks_are_rep
     run = copy / "train" / "cotrain"
     with MemoryStore(run / "bank") as store:
         store.block(2, [3], reason="privacy request")
-    assert main(["eval", str(run), "--max-probes", "4"]) == 1  # the tree is what is missing
+    assert main(["eval", "knowledge", str(run), "--max-probes", "4"]) == 1  # the tree is what is missing
     err = capsys.readouterr().err
     assert "--tree" in err and "data.shards" in err and str(run / "memtree_config.json") in err
     out = tmp_path / "eval"
-    assert main(["eval", str(run), "--tree", str(root / "pipeline" / "tree"), "--max-probes", "4",
+    assert main(["eval", "knowledge", str(run), "--tree", str(root / "pipeline" / "tree"), "--max-probes", "4",
                  "--out", str(out)]) == 0
     assert f"facts: {copy / 'facts.jsonl'}" in capsys.readouterr().err  # the copy's layout, not the original's
     data = json.loads((out / "results.json").read_text())
@@ -123,7 +123,7 @@ def test_a_copied_run_is_evaluated_with_tree_flag_and_its_blocked_blocks_are_rep
     # the run alone, away from its pipeline run: the error names the stored key and the file
     alone = tmp_path / "alone" / "cotrain"
     shutil.copytree(root / "train" / "cotrain", alone)
-    assert main(["eval", str(alone), "--max-probes", "4"]) == 1
+    assert main(["eval", "knowledge", str(alone), "--max-probes", "4"]) == 1
     err = capsys.readouterr().err
     assert "data.shards = 'demo/pipeline/shards'" in err and str(alone / "memtree_config.json") in err
 
@@ -132,15 +132,15 @@ def test_eval_tasks_from_another_folder_resolves_task_paths_against_the_yaml(dem
     _, root = demo
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "suite"
-    assert main(["eval-tasks", str(REPO / "eval" / "yamls" / "suite-example.yaml"), str(root / "train" / "cotrain"),
+    assert main(["eval", "tasks", str(REPO / "eval" / "yamls" / "suite-example.yaml"), str(root / "train" / "cotrain"),
                  "--out", str(out)]) == 0
     assert json.loads((out / "results.json").read_text())["tasks"]["everyday-qa"]["n"] == 5
     bad = tmp_path / "suite.yaml"
     bad.write_text("tasks:\n  - {name: qa, type: multiple_choice, path: missing.jsonl, group: common}\n")
-    assert main(["eval-tasks", str(bad), str(root / "train" / "cotrain")]) == 1
+    assert main(["eval", "tasks", str(bad), str(root / "train" / "cotrain")]) == 1
     err = capsys.readouterr().err
     assert "tasks[0].path" in err and str(bad) in err and "Errno" not in err
-    assert main(["eval-tasks", str(tmp_path / "none.yaml"), str(root / "train" / "cotrain")]) == 1
+    assert main(["eval", "tasks", str(tmp_path / "none.yaml"), str(root / "train" / "cotrain")]) == 1
     err = capsys.readouterr().err
     assert "SUITE" in err and "Errno" not in err
 
@@ -151,7 +151,7 @@ def test_eval_longctx_refuses_a_group_by_key_the_records_lack(tmp_path, capsys):
     run = _tiny_run(tmp_path)
     docs = tmp_path / "d.jsonl"
     docs.write_text(json.dumps({"id": "a", "text": "the red star"}) + "\n" + json.dumps({"id": "b", "text": "a moon"}))
-    args = ["eval-longctx", str(run), "--docs", str(docs), "--method", "base", "--window", "4", "--no-ablations"]
+    args = ["eval", "longctx", str(run), "--docs", str(docs), "--method", "base", "--window", "4", "--no-ablations"]
     assert main([*args, "--group-by", "domain", "--out", str(tmp_path / "x")]) == 1
     err = capsys.readouterr().err
     assert "--group-by domain" in err and "record 1 (id 'a')" in err and str(docs) in err
@@ -179,7 +179,7 @@ block_runs: []
 
 def test_eval_continual_reuses_the_pretrained_model_only_from_the_same_inputs(demo, tmp_path, capsys):
     """Item 7 and 14: changed `pretrain:` settings retrain ROOT/train/pkm; the same ones reuse it;
-    --out is the report folder, out= a deprecated alias."""
+    --out is the report folder, and out= (the config's key) the same, without a note."""
     from memtree.pipeline.corpus.bios import BiosSpec, write_bios
 
     _, demo_root = demo
@@ -194,22 +194,22 @@ def test_eval_continual_reuses_the_pretrained_model_only_from_the_same_inputs(de
 
     pkm = root / "train" / "pkm"
     out = tmp_path / "out"
-    assert main(["eval-continual", str(root), "--config", config(4, 2), "--out", str(out)]) == 0
+    assert main(["eval", "continual", str(root), "--config", config(4, 2), "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["run_action"] == "trained" and "trained" in (out / "report.md").read_text()
     assert "training" in capsys.readouterr().out
     # n_keys 4 → 8: retrained (the command then stops at n_facts, after the pretraining step)
     too_many = 10**6
-    assert main(["eval-continual", str(root), "--config", config(8, too_many), "--out", str(out)]) == 1
+    assert main(["eval", "continual", str(root), "--config", config(8, too_many), "--out", str(out)]) == 1
     cap = capsys.readouterr()
     assert "was trained from other inputs (config changed), retraining" in cap.out and "n_facts" in cap.err
     assert json.loads((pkm / "memtree_config.json").read_text())["config"]["model"]["pkm"]["n_keys"] == 8
     mtime = (pkm / "anchor.safetensors").stat().st_mtime_ns
-    assert main(["eval-continual", str(root), "--config", config(8, too_many), f"out={out}"]) == 1
+    assert main(["eval", "continual", str(root), "--config", config(8, too_many), f"out={out}"]) == 1
     cap = capsys.readouterr()
     assert "already trained from these inputs" in cap.out and (pkm / "anchor.safetensors").stat().st_mtime_ns == mtime
-    assert "out=PATH is deprecated; use --out PATH" in cap.err
-    assert main(["eval-continual", str(tmp_path / "nowhere")]) == 1
+    assert "deprecated" not in cap.err
+    assert main(["eval", "continual", str(tmp_path / "nowhere")]) == 1
     err = capsys.readouterr().err
     assert "corpus.json" in err and "Errno" not in err
 
@@ -225,7 +225,7 @@ def test_eval_context_bank_reuses_the_compressor_only_from_the_same_inputs(tmp_p
              "--train", "vae.reader_heads=2"]
 
     def run(steps: int) -> tuple[str, dict]:
-        assert main(["eval-context-bank", str(root), *small, "--train", f"max_duration={steps}ba", *train,
+        assert main(["eval", "context-bank", str(root), *small, "--train", f"max_duration={steps}ba", *train,
                      "--out", str(out)]) == 0
         return capsys.readouterr().out, json.loads((out / "vae" / "context_vae.json").read_text())
 
@@ -250,14 +250,14 @@ def test_eval_context_bank_reuses_the_compressor_only_from_the_same_inputs(tmp_p
 
 
 def test_eval_retention_resolves_a_moved_runs_shards_and_names_the_tree_key(demo, tmp_path, capsys):
-    """Paper cut: `eval-retention` read `data.shards` as stored (relative to where training ran), and
+    """Paper cut: `eval retention` read `data.shards` as stored (relative to where training ran), and
     its missing-tree error said `--tree` where the command's key is `tree=`."""
     _, root = demo
     copy = tmp_path / "elsewhere" / "demo"
     shutil.copytree(root, copy)
     shutil.rmtree(copy / "pipeline" / "tree")
     run = copy / "train" / "cotrain"
-    args = ["eval-retention", f"run={run}", f"facts={copy / 'facts.jsonl'}", "steps=1", "max_probes=4",
+    args = ["eval", "retention", f"run={run}", f"facts={copy / 'facts.jsonl'}", "steps=1", "max_probes=4",
             "--out", str(tmp_path / "ret")]
     assert main(args) == 1  # the shards resolve under the copy; the tree is what is missing
     err = capsys.readouterr().err
@@ -287,13 +287,13 @@ def test_eval_sweep_resolves_eval_paths_against_the_yaml(demo, tmp_path, monkeyp
     good.write_text(body % "")
     bad.write_text(body % ", held_out: missing.jsonl")
     monkeypatch.chdir(tmp_path)  # not the YAML's folder
-    assert main(["eval-sweep", str(bad), "--out", str(tmp_path / "s")]) == 1
+    assert main(["eval", "sweep", str(bad), "--out", str(tmp_path / "s")]) == 1
     err = capsys.readouterr().err
     assert f"eval.held_out in {bad}: missing.jsonl" in err and "relative to the sweep YAML" in err
     assert "Errno" not in err and not (tmp_path / "s").exists()
-    assert main(["eval-sweep", "sweeps/sweep.yaml", "--out", str(tmp_path / "s")]) == 0
+    assert main(["eval", "sweep", "sweeps/sweep.yaml", "--out", str(tmp_path / "s")]) == 0
     data = json.loads((tmp_path / "s" / "results.json").read_text())
     assert [r["status"] for r in data["runs"]] == ["trained"]
     # an override is the user's own path: relative to the current folder, named as an override
-    assert main(["eval-sweep", str(good), "eval.facts=facts.jsonl", "--out", str(tmp_path / "s")]) == 1
+    assert main(["eval", "sweep", str(good), "eval.facts=facts.jsonl", "--out", str(tmp_path / "s")]) == 1
     assert "eval.facts (override): facts.jsonl: no such file" in capsys.readouterr().err

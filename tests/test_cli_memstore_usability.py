@@ -93,17 +93,20 @@ def test_level_help_says_how_it_is_derived(capsys):
 # --- item 3: simulate-fetch takes what the tree implies -------------------------------------------
 
 def test_simulate_fetch_with_a_tree_needs_no_branching_or_memory(run):
-    rc, out, err = run("simulate-fetch", "--queries", "{probes}", "--tree", "{tree}", "--profile", "phone",
+    rc, out, err = run("memstore", "simulate-fetch", "--queries", "{probes}", "--tree", "{tree}", "--profile", "phone",
                        "--out", "{tmp}/sim", "--json")
     assert rc == 0, err
     meta = json.loads(out)["meta"]
     assert meta["branching"] == 4 and meta["memory"] == [256, 64, 16] and meta["n_queries"] == 3
-    # the old spelling still works, with a one-line deprecation note
-    rc, _, err = run("simulate-fetch", "--queries-file", "{probes}", "--tree", "{tree}", "--profile", "phone",
+    rc, _, err = run("memstore", "simulate-fetch", "--queries", "{probes}", "--tree", "{tree}", "--profile", "phone",
                      "--memory", "0,16", "--out", "{tmp}/sim2")
-    assert rc == 0 and err.count("\n") == 1 and "--queries-file is deprecated; use --queries FILE" in err
+    assert rc == 0 and err == ""
     assert json.loads((Path(run.names["tmp"]) / "sim2" / "results.json").read_text())["meta"]["memory"] == [0, 16]
-    rc, _, err = run("simulate-fetch", "--tree", "{tree}", "--branching", "16", "--out", "{tmp}/sim3")
+    # one spelling per thing: the old --queries-file is refused, naming itself
+    with pytest.raises(SystemExit) as e:
+        run("memstore", "simulate-fetch", "--queries-file", "{probes}", "--tree", "{tree}", "--out", "{tmp}/sim4")
+    assert e.value.code == 2 and "unrecognized arguments: --queries-file" in run.err()
+    rc, _, err = run("memstore", "simulate-fetch", "--tree", "{tree}", "--branching", "16", "--out", "{tmp}/sim3")
     assert rc == 1 and "--branching 16" in err and "branching 4" in err
 
 
@@ -143,7 +146,7 @@ def test_block_with_an_empty_queries_file_is_refused(run):
     (("memstore", "block", "{bank}", "--queries", "{tmp}/nope.txt", "--tree", "{tree}"), "--queries"),
     (("memstore", "block", "{bank}", "--queries", "{probes}", "--tree", "{tmp}/nope"), "--tree"),
     (("memstore", "fetch", "{bank}", "--queries", "{tmp}/nope.txt", "--tree", "{tree}"), "--queries"),
-    (("simulate-fetch", "--queries", "{tmp}/nope.txt", "--tree", "{tree}", "--out", "{tmp}/s"), "--queries"),
+    (("memstore", "simulate-fetch", "--queries", "{tmp}/nope.txt", "--tree", "{tree}", "--out", "{tmp}/s"), "--queries"),
     (("memstore", "info", "{tmp}/nope"), "bank")])
 def test_a_missing_file_names_the_flag(run, argv, flag):
     rc, _, err = run(*argv)
@@ -166,8 +169,12 @@ def test_fetch_query_text_alias_and_queries_file(run):
     rc, out, err = run("memstore", "fetch", "{bank}", "--query", PROBES[0], "--tree", "{tree}", "--json")
     assert rc == 0 and err == ""
     path = json.loads(out)["fetches"][0]["path"]
-    rc, out, err = run("memstore", "fetch", "{bank}", "--text", PROBES[0], "--tree", "{tree}", "--json")
-    assert json.loads(out)["fetches"][0]["path"] == path and "--text is deprecated; use --query TEXT" in err
+    # one spelling per thing: the old --text is refused, naming itself
+    with pytest.raises(SystemExit) as e:
+        run("memstore", "fetch", "{bank}", "--text", PROBES[0], "--tree", "{tree}", "--json")
+    assert e.value.code == 2 and "unrecognized arguments: --text" in run.err()
+    rc, out, err = run("memstore", "fetch", "{bank}", "--query", PROBES[0], "--tree", "{tree}", "--json")
+    assert json.loads(out)["fetches"][0]["path"] == path
     rc, out, _ = run("memstore", "fetch", "{bank}", "--queries", "{probes}", "--tree", "{tree}")
     assert rc == 0 and out.count("path [") == 3 and "tier " in out and "{" not in out
 
@@ -187,10 +194,13 @@ def test_split_and_merge_take_out_and_keep_the_old_forms(run):
     parts = [f"{{tmp}}/parts/subtree-{s:03d}" for s in range(4)]
     rc, out, err = run("memstore", "merge", *parts, "--out", "{tmp}/merged", "--json")
     assert rc == 0 and err == "" and json.loads(out)["manifest"]["subtree"] is None
-    rc, _, err = run("memstore", "split", "{bank}", "{tmp}/old-parts")
-    assert rc == 0 and "`split BANK OUT` is deprecated" in err
+    # the old positional forms are gone: split's second positional is refused, merge needs --out
+    with pytest.raises(SystemExit) as e:
+        run("memstore", "split", "{bank}", "{tmp}/old-parts")
+    assert e.value.code == 2 and "unrecognized arguments" in run.err()
+    assert not (Path(run.names["tmp"]) / "old-parts").exists()
     rc, _, err = run("memstore", "merge", "{tmp}/old-merged", *parts)
-    assert rc == 0 and "`merge OUT PART...` is deprecated" in err
+    assert rc == 1 and "give --out OUT" in err and not (Path(run.names["tmp"]) / "old-merged").exists()
     # without --out, a per-subtree bank first is a part, never the output to overwrite
     rc, _, err = run("memstore", "merge", *parts)
     assert rc == 1 and "--out" in err

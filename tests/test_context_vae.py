@@ -2,7 +2,7 @@
 experiment (eval/context/recall.py): segment assignment by hand, padding invariance of the
 compressor, the reader's exact no-op at init, gradients only into the compressor and reader, a real
 Composer fit writing a loadable artefact, mismatch errors naming the field, recall pairs counted
-against the corpus plan, and `memtree eval-context-bank` end to end on a tiny bios run, where the
+against the corpus plan, and `memtree eval context-bank` end to end on a tiny bios run, where the
 probe reading its own entry must beat the anchor alone by a margin well past noise."""
 
 from __future__ import annotations
@@ -287,7 +287,7 @@ def test_eval_context_bank_end_to_end_on_a_tiny_bios_run(tmp_path, capsys):
     # not to pick the right entry among others (reading the batch's 15 others too, measured: own
     # entry 25.4 % after 600 steps, 24.1 % after 900): this test holds what the bank's entries
     # carry, not retrieval. hidden left at 2·d_model: the compressor's identity init needs it.
-    argv = ["eval-context-bank", str(root), f"out={out}", "n_entities=96", "sessions=2", "capacities=[1.0,0.5]",
+    argv = ["eval", "context-bank", str(root), f"out={out}", "n_entities=96", "sessions=2", "capacities=[1.0,0.5]",
             "n_clusters=4", "train_worlds=3", "--train", "max_duration=600ba", "--train", "data.batch_size=16",
             "--train", "vae.chunk_tokens=64", "--train", "vae.ratio=4", "--train", "vae.reader_heads=2",
             "--train", "vae.distractors=0", "--train", "lr=0.01"]
@@ -349,10 +349,10 @@ def test_eval_context_bank_end_to_end_on_a_tiny_bios_run(tmp_path, capsys):
 def test_train_context_vae_cli_rejects_unknown_keys_and_missing_pairs(tmp_path, capsys):
     from memtree.cli import main
 
-    assert main(["train-context-vae", "anchor=x", "save_folder=y", "data.pairs=z", "vae.bogus=1"]) != 0
+    assert main(["train", "context-vae", "anchor=x", "save_folder=y", "data.pairs=z", "vae.bogus=1"]) != 0
     assert "vae.bogus" in capsys.readouterr().err
     root = _tiny_bios_run(tmp_path / "demo")
-    assert main(["train-context-vae", f"anchor={root / 'train' / 'anchor'}", f"save_folder={tmp_path / 'v'}",
+    assert main(["train", "context-vae", f"anchor={root / 'train' / 'anchor'}", f"save_folder={tmp_path / 'v'}",
                  f"data.pairs={tmp_path / 'none.jsonl'}"]) != 0
     assert "data.pairs" in capsys.readouterr().err
     ids, lengths = pad([[1, 2], [3]], 0)

@@ -239,7 +239,7 @@ def test_eval_cli_writes_the_report(run, tmp_path):
     assert write_facts_jsonl(facts, SPEC) == len(entity_facts(SPEC))
     out = tmp_path / "report"
     folder = run.store.root.parent
-    assert main(["eval", str(folder), "--facts", str(facts), "--max-probes", "16", "--block-domains",
+    assert main(["eval", "knowledge", str(folder), "--facts", str(facts), "--max-probes", "16", "--block-domains",
                  "astronomy,cooking", "--out", str(out)]) == 0
     data = json.loads((out / "results.json").read_text())
     assert data["knowledge"]["n_probes"] == 16

@@ -1,4 +1,4 @@
-"""`eval.camelot.longctx` and `memtree eval-longctx`: CAMELoT's long-context perplexity on a tiny frozen
+"""`eval.camelot.longctx` and `memtree eval longctx`: CAMELoT's long-context perplexity on a tiny frozen
 anchor — base and XL against plain forwards computed here, input-length buckets, skipped empty
 documents, the window check, the report files, and the CLI on a hand-built tiny run folder."""
 
@@ -188,7 +188,7 @@ def test_cli_end_to_end_on_a_tiny_run(tmp_path, capsys):
     run = _tiny_run(tmp_path)
     out = tmp_path / "lc"
     # default documents: heldout.jsonl beside the pipeline run (memtree demo's layout), grouped by topic
-    assert main(["eval-longctx", str(run), "--window", "8", "--slots", "8", "--out", str(out)]) == 0
+    assert main(["eval", "longctx", str(run), "--window", "8", "--slots", "8", "--out", str(out)]) == 0
     data = json.loads((out / "results.json").read_text())
     lc = data["longctx"]
     assert lc["window"] == 8 and lc["camelot_config"]["slots"] == 8
@@ -202,14 +202,14 @@ def test_cli_end_to_end_on_a_tiny_run(tmp_path, capsys):
     docs = tmp_path / "d.jsonl"
     docs.write_text(json.dumps({"text": "the red star is bright and old"}) + "\n"
                     + json.dumps({"text": "a cold moon"}) + "\n")
-    assert main(["eval-longctx", str(run), "--method", "base,xl", "--window", "4", "--docs", str(docs),
+    assert main(["eval", "longctx", str(run), "--method", "base,xl", "--window", "4", "--docs", str(docs),
                  "--max-docs", "1", "--group-by", "none", "--no-ablations", "--out", str(out)]) == 0
     lc = json.loads((out / "results.json").read_text())["longctx"]
     assert set(lc["methods"]) == {"base", "xl"} and lc["ablations"] == {} and lc["docs"]["n_docs"] == 1
     assert lc["visibility"] == "causal"
     # --visibility full reaches the hookup: the first window (nothing retrieved yet) is unchanged, and
     # later windows see every retrieved entry, so CAMELoT's loss there differs from the causal run's
-    base_args = ["eval-longctx", str(run), "--method", "camelot", "--window", "4", "--docs", str(docs),
+    base_args = ["eval", "longctx", str(run), "--method", "camelot", "--window", "4", "--docs", str(docs),
                  "--group-by", "none", "--no-ablations", "--slots", "8"]
     assert main([*base_args, "--out", str(tmp_path / "c")]) == 0
     assert main([*base_args, "--visibility", "full", "--out", str(tmp_path / "f")]) == 0
@@ -220,7 +220,7 @@ def test_cli_end_to_end_on_a_tiny_run(tmp_path, capsys):
     cb, fb = causal["methods"]["camelot"]["by_position"], full["methods"]["camelot"]["by_position"]
     assert cb[0]["sum_nll"] == fb[0]["sum_nll"] and cb[1]["sum_nll"] != fb[1]["sum_nll"]
     # a window the model cannot hold: an error naming window
-    assert main(["eval-longctx", str(run), "--window", "20", "--out", str(out)]) != 0
+    assert main(["eval", "longctx", str(run), "--window", "20", "--out", str(out)]) != 0
     assert "window=20" in capsys.readouterr().err
 
 

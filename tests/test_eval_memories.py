@@ -1,4 +1,4 @@
-"""Issue 38: `memtree eval-memories`, every memory family beside dense models on one knowledge benchmark.
+"""Issue 38: `memtree eval memories`, every memory family beside dense models on one knowledge benchmark.
 
 The end-to-end test lays out a tiny `memtree demo` root (the shared pipeline run, a fact list, an
 anchor run and a co-training run continuing it, trained with Composer) and runs the command's
@@ -79,7 +79,7 @@ def test_every_row_trains_and_scores_with_the_budgets_it_claims(root, tmp_path, 
                      "fallback": "generic", "settings": {}}
     (root / "report").mkdir(exist_ok=True)
     (root / "report" / "results.json").write_text(json.dumps({"blocking": demo_blocking}))
-    assert main(["eval-memories", str(root), "max_probes=40", "--config", str(grid), "--out", str(out)]) == 0
+    assert main(["eval", "memories", str(root), "max_probes=40", "--config", str(grid), "--out", str(out)]) == 0
     assert "| dense-runtime | dense |" in capsys.readouterr().out
     res = json.loads((out / "results.json").read_text())
     assert res["demo"]["corpus"] is None  # the tests' topical corpus: no bios corpus.json in ROOT
@@ -143,7 +143,7 @@ def test_every_row_trains_and_scores_with_the_budgets_it_claims(root, tmp_path, 
     assert "| moc | 1 of 8 routed chapters per layer | adversarial |" in (out / "report.md").read_text()
 
     # --rows: a subset; the trained row is reused (same inputs) and the reference is still scored
-    assert main(["eval-memories", str(root), "max_probes=40", "--config", str(grid), "--rows", "dense-runtime",
+    assert main(["eval", "memories", str(root), "max_probes=40", "--config", str(grid), "--rows", "dense-runtime",
                  "--out", str(tmp_path / "subset")]) == 0
     sub = json.loads((tmp_path / "subset" / "results.json").read_text())
     assert [r["name"] for r in sub["rows"]] == ["fetched", "dense-runtime"]

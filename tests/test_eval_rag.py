@@ -121,7 +121,7 @@ def test_knowledge_eval_and_cli_report_the_rag_columns(run, index, probes, tmp_p
     facts = tmp_path / "facts.jsonl"
     write_facts_jsonl(facts, SPEC)
     out = tmp_path / "report"
-    assert main(["eval", str(run.store.root.parent), "--facts", str(facts), "--max-probes", "6", "--rag",
+    assert main(["eval", "knowledge", str(run.store.root.parent), "--facts", str(facts), "--max-probes", "6", "--rag",
                  "--out", str(out)]) == 0
     data = json.loads((out / "results.json").read_text())
     assert {"rag", "rag+fetched"} <= set(data["knowledge"]["modes"])

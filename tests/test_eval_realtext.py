@@ -1,4 +1,4 @@
-"""Issue 38, real text: `memtree eval-realtext` trains the demo's stages on a real-text pipeline run and
+"""Issue 38, real text: `memtree eval realtext` trains the demo's stages on a real-text pipeline run and
 scores held-out pages, window by window, with no memory, the generic and the fetched blocks.
 
 The end-to-end test runs the command through `memtree.cli.main` on the shared tiny pipeline run:
@@ -57,7 +57,7 @@ def test_rows_train_score_and_match_a_direct_forward(root, tmp_path, capsys):
     from memtree.eval.model import RunModel
 
     out = tmp_path / "out"
-    args = ["eval-realtext", str(root), "anchor_duration=2ba", "cotrain_duration=3ba", "window_tokens=100", TRAIN,
+    args = ["eval", "realtext", str(root), "anchor_duration=2ba", "cotrain_duration=3ba", "window_tokens=100", TRAIN,
             ("recipes=[{name: default}, {name: late, start: dense-1x, train: [mode=frozen]}, "
             "{name: cont, train: [mode=baseline, 'memory.multipliers=[]']}]"), "--out", str(out)]
     assert main(args) == 0

@@ -98,7 +98,7 @@ def test_retention_end_to_end(run, inputs, pipeline_run, tmp_path):
 
     # a rerun resumes: nothing is trained again, the numbers are the same
     stamp = (cont / "anchor.safetensors").stat().st_mtime_ns
-    assert main(["eval-retention", *(f"{k}={v}" for k, v in to_dict(cfg).items() if k in given)]) == 0
+    assert main(["eval", "retention", *(f"{k}={v}" for k, v in to_dict(cfg).items() if k in given)]) == 0
     again = json.loads((tmp_path / "ret" / "results.json").read_text())
     assert again["continued"]["status"] == "skipped" and (cont / "anchor.safetensors").stat().st_mtime_ns == stamp
     assert again["modes"] == res["modes"]

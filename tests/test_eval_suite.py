@@ -1,4 +1,4 @@
-"""Schema tasks and the task-suite runner (`memtree eval-tasks`) on a tiny trained run."""
+"""Schema tasks and the task-suite runner (`memtree eval tasks`) on a tiny trained run."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_suite_on_a_trained_run_writes_table_1(run, tmp_path, monkeypatch):
 
     monkeypatch.chdir(REPO)  # the example's task paths are relative to the repository root
     out = tmp_path / "suite"
-    assert main(["eval-tasks", "eval/yamls/suite-example.yaml", str(run.store.root.parent), "--out", str(out)]) == 0
+    assert main(["eval", "tasks", "eval/yamls/suite-example.yaml", str(run.store.root.parent), "--out", str(out)]) == 0
     data = json.loads((out / "results.json").read_text())
     assert data["modes"] == ["none", "generic", "fetched"]
     cfg = load_suite_config(REPO / "eval/yamls/suite-example.yaml")

@@ -92,7 +92,7 @@ def test_tiny_sweep_end_to_end_resumes_and_is_deterministic(pipeline_run, tmp_pa
     anchors = [tmp_path / "sweep" / "runs" / n / "anchor.safetensors" for n in ("uniform", "late")]
     stamps = [a.stat().st_mtime_ns for a in anchors]
     (tmp_path / "sweep.yaml").write_text(dump_yaml(cfg))
-    assert main(["eval-sweep", str(tmp_path / "sweep.yaml")]) == 0  # the CLI entry, resuming
+    assert main(["eval", "sweep", str(tmp_path / "sweep.yaml")]) == 0  # the CLI entry, resuming
     again = json.loads((tmp_path / "sweep" / "results.json").read_text())
     assert [r["status"] for r in again["runs"]] == ["skipped", "skipped"]
     assert [a.stat().st_mtime_ns for a in anchors] == stamps

@@ -1,7 +1,7 @@
 """training/finetune/continual.py, training/finetune/lora.py and eval/finetune/continual.py: each finetuning method changes
 what it should and nothing else (sparse memory finetuning: exactly the top-t value rows, bit for
 bit; LoRA: only the adapted projections once merged; full: everything), background counts are
-collected from real MDS shards and stored with the checkpoint, `memtree finetune` runs a JSONL
+collected from real MDS shards and stored with the checkpoint, `memtree train finetune` runs a JSONL
 stream end to end on a real Composer-trained memory-layer run, bad input gets errors naming the
 value, and the continual-learning report is written."""
 
@@ -229,11 +229,11 @@ def test_memtree_finetune_end_to_end(pkm_run, pipeline_run, tmp_path, capsys):
                                                                    f"item {i} has the colour blue"]}) + "\n"
                               for i in range(3)))
     out = tmp_path / "ft"
-    assert main(["finetune", f"run={pkm_run}", f"data={stream}", f"save_folder={out}", "spec.top_t=4"]) == 1
+    assert main(["train", "finetune", f"run={pkm_run}", f"data={stream}", f"save_folder={out}", "spec.top_t=4"]) == 1
     assert "pkm_background/layer_1: no background counts" in capsys.readouterr().err
     clean_stale_shared_memory()
     # the user's command, which says what it collected and where (it printed nothing: issue 36)
-    assert main(["finetune-background", str(pkm_run), "--batches", "3", "--batch-size", "2"]) == 0
+    assert main(["train", "finetune-background", str(pkm_run), "--batches", "3", "--batch-size", "2"]) == 0
     said = capsys.readouterr().out
     assert "over 3 batches collected for 1 memory layer(s)" in said and str(background_dir(pkm_run, 1)) in said
     clean_stale_shared_memory()
@@ -245,7 +245,7 @@ def test_memtree_finetune_end_to_end(pkm_run, pipeline_run, tmp_path, capsys):
     seq_len = read_shards_manifest(pipeline_run[0] / "shards")["seq_len"]
     assert 0 < bg.tokens <= 3 * 2 * seq_len and "2 sequence(s) per batch" in bg.source
 
-    assert main(["finetune", f"run={pkm_run}", f"data={stream}", f"save_folder={out}", "spec.top_t=4",
+    assert main(["train", "finetune", f"run={pkm_run}", f"data={stream}", f"save_folder={out}", "spec.top_t=4",
                  "spec.lr=3.0"]) == 0
     rec = finetune_summary(out / "finetune.json")
     assert rec["steps"] == 3 and rec["optimizer"] == "sgd"
@@ -259,11 +259,11 @@ def test_memtree_finetune_end_to_end(pkm_run, pipeline_run, tmp_path, capsys):
     assert model.model.blocks[1].pkm is not None
     assert (out / "pkm_background" / "layer_1" / "background_counts.json").exists()
     capsys.readouterr()
-    assert main(["finetune", f"run={pkm_run}", f"data={stream}", f"save_folder={out}"]) == 1
+    assert main(["train", "finetune", f"run={pkm_run}", f"data={stream}", f"save_folder={out}"]) == 1
     assert "already holds a finished finetune" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x", "texts": []}\n')
-    assert main(["finetune", f"run={pkm_run}", f"data={bad}", f"save_folder={tmp_path / 'ft2'}"]) == 1
+    assert main(["train", "finetune", f"run={pkm_run}", f"data={bad}", f"save_folder={tmp_path / 'ft2'}"]) == 1
     assert "bad.jsonl:1: a record needs 'texts'" in capsys.readouterr().err
 
 
@@ -278,7 +278,7 @@ def _stream_nll(run, texts: list[str]) -> float:
 
 
 def test_sparse_memory_finetuning_lowers_the_loss_of_the_facts_it_learns(pkm_run, tmp_path, capsys):
-    """The direction `memtree finetune` exists for: after sparse memory finetuning on a stream of
+    """The direction `memtree train finetune` exists for: after sparse memory finetuning on a stream of
     facts, the finetuned run's loss on those facts is below the run's own, and only memory values
     moved, so it is the finetuned slots that carry them. The SGD rate is the project's (eval
     continual's grid: 300-3,000); on this 3-batch run, 7.621 -> 7.574 (2026-11-29). Slots that
@@ -291,14 +291,14 @@ def test_sparse_memory_finetuning_lowers_the_loss_of_the_facts_it_learns(pkm_run
 
     run = shutil.copytree(pkm_run, tmp_path / "run")
     clean_stale_shared_memory()
-    assert main(["finetune-background", str(run), "--batches", "3", "--batch-size", "2"]) == 0
+    assert main(["train", "finetune-background", str(run), "--batches", "3", "--batch-size", "2"]) == 0
     clean_stale_shared_memory()
     records = [{"id": f"f{i}", "texts": [f"the colour of item {i} is blue", f"item {i} has the colour blue"]}
                for i in range(3)]
     stream = tmp_path / "stream.jsonl"
     stream.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "ft"
-    assert main(["finetune", f"run={run}", f"data={stream}", f"save_folder={out}", "spec.top_t=16",
+    assert main(["train", "finetune", f"run={run}", f"data={stream}", f"save_folder={out}", "spec.top_t=16",
                  "spec.lr=3000.0", "spec.steps_per_batch=4"]) == 0
     capsys.readouterr()
     texts = [t for r in records for t in r["texts"]]

@@ -1,4 +1,4 @@
-"""Issue 57, the eval half: `memtree eval RUN --block-documents IDS` forgets a data owner.
+"""Issue 57, the eval half: `memtree eval knowledge RUN --block-documents IDS` forgets a data owner.
 
 On a small bios corpus made here (no famous entities, so every fact is stated only in documents about
 its own entity), a real pipeline run (2 levels × 4) and a tiny co-trained run with memory at both
@@ -94,7 +94,7 @@ def test_eval_block_documents_forgets_the_owner_and_leaves_the_others(made, tmp_
     (tmp_path / "ids.txt").write_text("\n".join(ids) + "\n")
     facts = made["root"] / "corpus" / "facts.jsonl"
     held = made["root"] / "corpus" / "heldout.jsonl"
-    assert main(["eval", str(made["run"]), "--facts", str(facts), "--held-out", str(held), "--block-documents",
+    assert main(["eval", "knowledge", str(made["run"]), "--facts", str(facts), "--held-out", str(held), "--block-documents",
                  str(tmp_path / "ids.txt"), "--owner-field", "topic", "--out", str(tmp_path / "eval")]) == 0
     out = capsys.readouterr().out
     assert "## Forgetting by data owner" in out and "owner share min / median / max" in out
@@ -152,7 +152,7 @@ def test_eval_block_documents_scores_held_out_pages_without_facts(made, tmp_path
     entity = made["corpus"][0]["entity"]
     (tmp_path / "ids.txt").write_text("\n".join(_owner(made, "entity", entity)) + "\n")
     held = made["root"] / "corpus" / "heldout.jsonl"
-    assert main(["eval", str(made["run"]), "--held-out", str(held), "--block-documents", str(tmp_path / "ids.txt"),
+    assert main(["eval", "knowledge", str(made["run"]), "--held-out", str(held), "--block-documents", str(tmp_path / "ids.txt"),
                  "--owner-field", "entity", "--min-share", "0.5", "--fallback", "generic",
                  "--out", str(tmp_path / "eval")]) == 0
     assert "scoring held-out pages only" in capsys.readouterr().err
@@ -172,7 +172,7 @@ def test_eval_block_documents_refuses_bad_input_before_scoring(made, pipeline_ru
 
     def err(*argv: str) -> str:
         capsys.readouterr()
-        assert main(["eval", run, *argv]) == 1
+        assert main(["eval", "knowledge", run, *argv]) == 1
         return capsys.readouterr().err
 
     assert "no document ids in the file (it is empty" in err("--block-documents", str(ids))

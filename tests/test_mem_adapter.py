@@ -312,7 +312,7 @@ def test_memtree_finetune_with_adapters_saves_a_run_that_reopens_with_them(ancho
     stream.write_text("".join(json.dumps({"id": f"f{i}", "texts": [f"the colour of item {i} is blue"]}) + "\n"
                               for i in range(3)))
     out = tmp_path / "ft"
-    assert main(["finetune", f"run={anchor_run}", f"data={stream}", f"save_folder={out}", "spec.method=mem_adapter",
+    assert main(["train", "finetune", f"run={anchor_run}", f"data={stream}", f"save_folder={out}", "spec.method=mem_adapter",
                  "spec.lr=1e-3", "spec.adapter={layers: 'last:1', n_chapters: 4, tokens_per_chapter: 2}"]) == 0
     rec = finetune_summary(out / "finetune.json")
     assert rec["changed"]["elements"] == 0 and rec["changed"]["added_elements"] > 0

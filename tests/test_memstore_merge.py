@@ -177,9 +177,9 @@ def test_cli_init_block_delete_verify_merge(tmp_path, capsys):
     assert info["manifest"]["deleted"] == {"3": [[2, 3]]}
     assert main(["memstore", "fetch", bank, "--path", "1,4,16"]) == 0
     assert "refused" in capsys.readouterr().out
-    assert main(["memstore", "split", bank, str(tmp_path / "parts")]) == 0
+    assert main(["memstore", "split", bank, "--out", str(tmp_path / "parts")]) == 0
     parts = sorted(str(p) for p in (tmp_path / "parts").iterdir() if not p.name.startswith("."))  # not the lock files
-    assert main(["memstore", "merge", str(tmp_path / "merged"), *parts, "--generic", "first"]) == 0
+    assert main(["memstore", "merge", *parts, "--out", str(tmp_path / "merged"), "--generic", "first"]) == 0
     assert _sha(tmp_path / "merged" / "level-2.bin") == _sha(tmp_path / "bank" / "level-2.bin")
     assert main(["memstore", "block", bank, "--queries", str(tmp_path / "q.txt")]) == 1
     assert "--tree" in capsys.readouterr().err

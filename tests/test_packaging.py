@@ -51,7 +51,7 @@ def test_cli_lists_subcommands_and_names_bad_input(tmp_path):
                        check=False)
     assert r.returncode == 0 and "pipeline" in r.stdout and "demo" in r.stdout
     r = subprocess.run(
-        [sys.executable, "-m", "memtree", "pipeline", f"out={tmp_path / 'r'}", "tree.levelz=2"],
+        [sys.executable, "-m", "memtree", "pipeline", "run", f"out={tmp_path / 'r'}", "tree.levelz=2"],
         capture_output=True, text=True, check=False,
     )
     assert r.returncode == 1 and "tree.levelz" in r.stderr

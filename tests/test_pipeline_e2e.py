@@ -183,7 +183,7 @@ def test_killed_run_resumes_to_identical_outputs(run_a, corpus, tmp_path):
     """SIGKILL mid-embed, rerun: tree, assignments and shards are byte-identical to run A."""
     out_a, _, _ = run_a
     out_b = tmp_path / "b"
-    cmd = [sys.executable, "-m", "memtree", "pipeline", f"out={out_b}", f"ingest.inputs=[{corpus}]",
+    cmd = [sys.executable, "-m", "memtree", "pipeline", "run", f"out={out_b}", f"ingest.inputs=[{corpus}]",
            "dask.n_workers=2", *OVERRIDES]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     why = kill_when_ready(cmd, lambda: any((out_b / ".work").glob("embed-*/parts/part-*.npy")), env=env,

@@ -195,11 +195,11 @@ def test_shipped_yamls_validate():
         if path.name.startswith("context-"):  # the context bank's compressor (training/context/train.py)
             assert load_context_config(path).vae.ratio > 0, path
             continue
-        if path.name.startswith("finetune-"):  # `memtree finetune` (training/finetune/continual.py)
+        if path.name.startswith("finetune-"):  # `memtree train finetune` (training/finetune/continual.py)
             want = {"finetune-sparse.yaml": "sparse_memory", "finetune-adapter.yaml": "mem_adapter"}[path.name]
             assert load_finetune_config(path).spec.method == want, path
             continue
-        # `memtree demo` and `memtree eval-realtext` set the mode per stage (eval/demo.py, eval/realtext.py)
+        # `memtree demo` and `memtree eval realtext` set the mode per stage (eval/demo.py, eval/realtext.py)
         if path.name in ("demo.yaml", "realtext.yaml"):
             for stage in (["mode=baseline", "memory.multipliers=[]"], ["mode=cotrain", "anchor_checkpoint=a"]):
                 assert load_train_config(path, stage).run_name, path

@@ -1,4 +1,4 @@
-"""`memtree train CONFIG.yaml [key=value …]`: one-process training (thin wrapper over training.train).
+"""`memtree train run CONFIG.yaml [key=value …]`: one-process training (thin wrapper over training.train).
 
 The training systems register their own commands (training/finetune/cli.py, training/context/cli.py,
 listed under pyproject.toml's `memtree.commands`), so the core names none of them."""
@@ -7,23 +7,25 @@ from __future__ import annotations
 
 import argparse
 
+from memtree.cli import Commands, add_config, add_overrides
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "train",
+
+def register(cli: Commands) -> None:
+    p = cli.verb("train").add_parser(
+        "run",
         help="train an anchor with hierarchical memories on pipeline shards (Composer)",
         description="Train with Composer on one process. For several GPUs: "
                     "composer -n N training/train.py CONFIG.yaml [key=value …]. "
                     "Examples: training/yamls/*.yaml.",
     )
-    p.add_argument("config", nargs="?", help="YAML config (key=value overrides follow)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. memory.multipliers=[4,2]")
+    add_config(p, "training/yamls/*.yaml")
+    add_overrides(p, "memory.multipliers=[4,2]")
     p.set_defaults(func=_train)
 
 
 def _train(args: argparse.Namespace) -> int:
     if not args.config and not args.overrides:  # training.train.main would print the launcher's usage
-        raise ValueError("no config: memtree train CONFIG.yaml [key=value …] (examples: training/yamls/*.yaml)")
+        raise ValueError("no config: memtree train run CONFIG.yaml [key=value …] (examples: training/yamls/*.yaml)")
     from memtree.training.train import main
 
     return main(([args.config] if args.config else []) + list(args.overrides))

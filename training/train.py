@@ -1,6 +1,6 @@
 """Build and run a Composer Trainer for a memtree config.
 
-One process: `memtree train CONFIG.yaml [key=value …]`.
+One process: `memtree train run CONFIG.yaml [key=value …]`.
 Several GPUs: `composer -n N training/train.py CONFIG.yaml [key=value …]` (this file is
 the launcher's script; Composer's launcher sets the distributed environment).
 
@@ -260,13 +260,13 @@ def check_inputs(cfg: TrainConfig) -> None:
     shards = Path(cfg.data.shards)
     if not (shards / "manifest.json").is_file():
         raise ConfigError(f"data.shards={shards}: no manifest.json there; give a pipeline run's shards/ "
-                          "directory (`memtree pipeline … --out RUN` writes RUN/shards, `memtree demo-pipeline` "
+                          "directory (`memtree pipeline run … --out RUN` writes RUN/shards, `memtree pipeline demo` "
                           "runs/demo/pipeline/shards)")
     if cfg.anchor_checkpoint:
         p = Path(cfg.anchor_checkpoint)
         if not (p / "anchor.safetensors" if p.is_dir() or not p.suffix else p).is_file():
             raise ConfigError(f"anchor_checkpoint={p}: no anchor.safetensors there; give the save_folder of a "
-                              "finished run (a baseline run, e.g. `memtree train training/yamls/tiny-baseline.yaml`, "
+                              "finished run (a baseline run, e.g. `memtree train run training/yamls/tiny-baseline.yaml`, "
                               "writes it)")
 
 

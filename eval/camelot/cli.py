@@ -1,4 +1,4 @@
-"""CAMELoT's eval command: `memtree eval-longctx`, long-context perplexity of a run's frozen
+"""CAMELoT's eval command: `memtree eval longctx`, long-context perplexity of a run's frozen
 anchor (base / XL / Memorizing / CAMELoT, seed 001; the experiment is `longctx.py`)."""
 
 from __future__ import annotations
@@ -6,20 +6,22 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from memtree.cli import Commands
 from memtree.eval.cli_common import need_file
 
 # Each command imports its library modules inside its handler, as eval/cli.py does.
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(cli: Commands) -> None:
     """This folder's eval subcommands, in --help order."""
+    sub = cli.verb("eval")
     for add in (_add_longctx,):
         add(sub)
 
 
 def _add_longctx(sub: argparse._SubParsersAction) -> None:
     lc = sub.add_parser(
-        "eval-longctx",
+        "longctx",
         help="long-context perplexity of a run's frozen anchor: base / XL / Memorizing / CAMELoT (seed 001)",
         description="Run long documents through the run's frozen anchor window by window with each method and "
                     "report perplexity, its ratio to base, perplexity per position bucket (0-L, L-2L, 2L-4L, …) and "
@@ -69,7 +71,7 @@ def _longctx(args: argparse.Namespace) -> int:
     else:
         docs_path = demo_root(rm.config) / "heldout.jsonl"
         if not docs_path.exists():
-            raise FileNotFoundError(f"eval-longctx: no documents at {docs_path}; pass --docs FILE.jsonl")
+            raise FileNotFoundError(f"eval longctx: no documents at {docs_path}; pass --docs FILE.jsonl")
     records = load_records(docs_path)
     group_by = group_key(records, args.group_by, docs_path)
     layers = tuple(int(x) for x in args.layers.split(",") if x.strip()) if args.layers else None

@@ -1,4 +1,4 @@
-"""`memtree eval-context-bank`: cross-session recall through the context bank (seed 004 §9).
+"""`memtree eval context-bank`: cross-session recall through the context bank (seed 004 §9).
 
 The experiment. A frozen anchor (a bios demo run's `train/anchor`) gets, in `sessions` separate
 sessions, one document each about `n_entities` entities it has never seen (a bios world drawn

@@ -1,4 +1,4 @@
-"""`memtree eval-adapters`: memory adapters vs full fine-tuning vs LoRA on new knowledge
+"""`memtree eval adapters`: memory adapters vs full fine-tuning vs LoRA on new knowledge
 (seed 004 §7.3–7.4, §6.1).
 
 The experiment a user with an existing model runs first. A pretrained anchor (a bios demo run's

@@ -1,25 +1,27 @@
-"""The finetuning systems' eval commands: `memtree eval-continual` (learning new facts without
-forgetting, seed 003: `continual.py`) and `memtree eval-adapters` (memory adapters vs full
+"""The finetuning systems' eval commands: `memtree eval continual` (learning new facts without
+forgetting, seed 003: `continual.py`) and `memtree eval adapters` (memory adapters vs full
 fine-tuning vs LoRA, seed 004 §7.3: `adapters.py`)."""
 
 from __future__ import annotations
 
 import argparse
 
+from memtree.cli import Commands
 from memtree.eval.cli_common import check_demo_root, config_file, out_override
 
 # Each command imports its library modules inside its handler, as eval/cli.py does.
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(cli: Commands) -> None:
     """This folder's eval subcommands, in --help order."""
+    sub = cli.verb("eval")
     for add in (_add_continual, _add_adapters):
         add(sub)
 
 
 def _add_continual(sub: argparse._SubParsersAction) -> None:
     ct = sub.add_parser(
-        "eval-continual",
+        "continual",
         help="learning new facts in sequence without forgetting: sparse memory finetuning vs full vs LoRA (seed 003)",
         description="Pretrains a memory-layer model on a bios demo run's shards when needed, collects its background "
                     "access counts, then streams new facts (one gradient step per fact's paraphrases) through each "
@@ -32,23 +34,23 @@ def _add_continual(sub: argparse._SubParsersAction) -> None:
     ct.add_argument("overrides", nargs="*", help="eval.finetune.continual.ContinualConfig key=value overrides "
                                                  "(n_facts=… paraphrases=… run=…)")
     ct.add_argument("--config", help="YAML with the grid (default eval/yamls/continual.yaml)")
-    ct.add_argument("--out", help="report folder (default ROOT/continual; out=PATH is a deprecated alias)")
+    ct.add_argument("--out", help="report folder (default ROOT/continual; the same as out=PATH)")
     ct.set_defaults(func=_continual)
 
 
 def _continual(args: argparse.Namespace) -> int:
     from memtree.eval.finetune.continual import load_continual_config, run_continual
 
-    check_demo_root(args.root, "eval-continual", ("corpus.json", "facts.jsonl", "heldout.jsonl"))
+    check_demo_root(args.root, "eval continual", ("corpus.json", "facts.jsonl", "heldout.jsonl"))
     print(run_continual(load_continual_config(config_file(args.config, "--config"),
                                               [f"root={args.root}", *args.overrides,
-                                               *out_override(args, "eval-continual", deprecated=True)])))
+                                               *out_override(args)])))
     return 0
 
 
 def _add_adapters(sub: argparse._SubParsersAction) -> None:
     ad = sub.add_parser(
-        "eval-adapters",
+        "adapters",
         help="memory adapters vs full fine-tuning vs LoRA on new facts (seed 004 §7.3)",
         description="Fine-tunes a bios demo run's pretrained anchor on facts about new entities under four "
                     "conditions (full, lora, mem_adapter, mem_adapter+lora) from the same weights, and measures "
@@ -60,16 +62,16 @@ def _add_adapters(sub: argparse._SubParsersAction) -> None:
     ad.add_argument("overrides", nargs="*", help="eval.finetune.adapters.AdaptersConfig key=value overrides "
                                                  "(n_facts=… epochs=… run=…)")
     ad.add_argument("--config", help="YAML with the grid (default eval/yamls/adapters.yaml)")
-    ad.add_argument("--out", help="report folder (default ROOT/adapters; out=PATH is a deprecated alias)")
+    ad.add_argument("--out", help="report folder (default ROOT/adapters; the same as out=PATH)")
     ad.set_defaults(func=_adapters)
 
 
 def _adapters(args: argparse.Namespace) -> int:
     from memtree.eval.finetune.adapters import load_adapters_config, run_adapters
 
-    check_demo_root(args.root, "eval-adapters", ("corpus.json", "facts.jsonl", "heldout.jsonl"))
+    check_demo_root(args.root, "eval adapters", ("corpus.json", "facts.jsonl", "heldout.jsonl"))
     print(run_adapters(load_adapters_config(config_file(args.config, "--config"),
                                             [f"root={args.root}", *args.overrides,
-                                             *out_override(args, "eval-adapters", deprecated=True)])))
+                                             *out_override(args)])))
     return 0
 

@@ -1,4 +1,4 @@
-"""`memtree eval-continual`: learning new facts in sequence without forgetting (seed 003 §5.1, Figs. 3, 5).
+"""`memtree eval continual`: learning new facts in sequence without forgetting (seed 003 §5.1, Figs. 3, 5).
 
 The experiment. A model whose middle FFN is a product-key memory layer is pretrained on a bios
 demo run's shards (`ROOT/train/pkm`, trained here when missing, like any `memtree train` run) and
@@ -6,7 +6,7 @@ its background access counts are collected over its pretraining batches (stored 
 checkpoint). It then meets `n_facts` facts about entities the corpus never mentions (a bios
 world drawn with another seed; names that occur in the corpus are skipped), one at a time: each
 fact is a batch of `paraphrases` statements of it in different frames, and each batch is one
-gradient step (`memtree finetune`'s stream; the stream is written to OUT/stream.jsonl so the
+gradient step (`memtree train finetune`'s stream; the stream is written to OUT/stream.jsonl so the
 command can replay it). Every configuration starts from the same pretrained weights.
 
 Measured before and after each stream:

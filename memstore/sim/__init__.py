@@ -7,5 +7,5 @@
 - `calibrate`: measure this machine's tiers through the real store into a profile, and
   check the simulator against real fetches.
 
-The command-line flags live in `memstore.cli_sim` (registered by `memstore.cli`) (`memtree simulate-fetch`, `memtree memstore calibrate`).
+The command-line flags live in `memstore.cli_sim` (registered by `memstore.cli`) (`memtree memstore simulate-fetch`, `memtree memstore calibrate`).
 """

@@ -1,6 +1,6 @@
 """Calibrate a hardware profile on this machine through the real store, and check the simulator against it.
 
-`memtree simulate-fetch` predicts fetch latency from a hardware profile
+`memtree memstore simulate-fetch` predicts fetch latency from a hardware profile
 (`memstore.sim.latency`): one block read on a tier costs
 ``latency + bytes / bandwidth``. The shipped profiles (phone, laptop) are
 datasheet figures. `calibrate` measures those two numbers per tier *on this
@@ -37,7 +37,7 @@ How the tiers are measured
 
 Capacities and `cache_gb` are not measured: by default RAM gets a quarter of the
 physical memory, the slowest measured tier is unbounded (as disk is in the shipped
-profiles, so `simulate-fetch`'s flat baseline always has a home), and a flash
+profiles, so `memstore simulate-fetch`'s flat baseline always has a home), and a flash
 tier above a measured disk gets the free space of its filesystem at calibration;
 each tier's `source` says so (`capacity_gb=` overrides).
 """
@@ -451,7 +451,7 @@ def profile_yaml(cal: Calibration) -> str:
     """The profile as YAML in the shipped profiles' layout, the measured medians as comments."""
     p = cal.profile
     lines = [
-        "# Hardware profile for `memtree simulate-fetch` (memstore/sim/latency.py), MEASURED on this machine",
+        "# Hardware profile for `memtree memstore simulate-fetch` (memstore/sim/latency.py), MEASURED on this machine",
         "# by `memtree memstore calibrate` (memstore/sim/calibrate.py). Units are decimal: GB/s, microseconds,",
         "# GB. Per tier: median seconds of MemoryStore.fetch_flat per block size, and the fit",
         "# seconds = latency + bytes / bandwidth (capacities and cache_gb are assumptions, not measured).",

@@ -1,7 +1,7 @@
 """Reports of the fetch-latency simulator: results.json, a Markdown table and PNG figures.
 
 `write_report` takes one `ProfileResults` per hardware profile (single fetch,
-session and sweep, as `memtree simulate-fetch` runs them) and writes them under
+session and sweep, as `memtree memstore simulate-fetch` runs them) and writes them under
 an output directory; `format_table` is the Markdown it prints. Figures are bare
 matplotlib `Figure`s rendered with Agg, so nothing here touches pyplot's state.
 """

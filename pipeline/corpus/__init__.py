@@ -4,10 +4,10 @@ Neither is a pipeline stage: they are inputs that need no network, for the demo,
 benchmark, the tests and the benchmarks.
 
 * `bios` — the entity-centric corpus of the knowledge benchmark and the default corpus of
-  `memtree demo`, `memtree demo-pipeline` and `memtree demo-corpus`: documents about
+  `memtree demo`, `memtree pipeline demo` and `memtree pipeline demo-corpus`: documents about
   fictional entities with controlled exposure per fact (vocabulary: `data/bios_vocab.json`).
 * `topical` — topical prose on 16 domains × 4 subtopics with Zipf-distributed facts
-  (`memtree demo-corpus --topical`): the pipeline, eval and reliability tests and the pipeline
+  (`memtree pipeline demo-corpus --topical`): the pipeline, eval and reliability tests and the pipeline
   benchmarks (vocabulary: `data/topical_vocab.json`, read by `topical_vocab`; verb forms and
   articles: `grammar`).
 

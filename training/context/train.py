@@ -1,8 +1,8 @@
-"""`memtree train-context-vae`: train the context bank's compressor and reader on a frozen anchor (Composer).
+"""`memtree train context-vae`: train the context bank's compressor and reader on a frozen anchor (Composer).
 
 Input: a finished anchor run (`anchor`: its save_folder) and recall pairs (`data.pairs`, JSONL, one
 record per (document, fact it states): {"doc", "prompt", "question", "answer", …}; eval's
-`memtree eval-context-bank` writes them from a bios corpus with `pipeline.corpus.bios.recall_pairs`).
+`memtree eval context-bank` writes them from a bios corpus with `pipeline.corpus.bios.recall_pairs`).
 Each example is the chunk of the prompt that holds the answer (what one bank entry would hold),
 the question with its answer (the recall loss is on the answer's tokens) and the question alone
 (the retrieval query). Losses: training/context/vae.py.
@@ -240,7 +240,7 @@ def train_context_vae(cfg: ContextTrainConfig) -> dict[str, Any]:
         raise ConfigError(f"vae.{e}") from None
     pairs_path = Path(cfg.data.pairs)
     if not pairs_path.is_file():
-        raise ConfigError(f"data.pairs: {pairs_path} not found (memtree eval-context-bank writes recall pairs)")
+        raise ConfigError(f"data.pairs: {pairs_path} not found (memtree eval context-bank writes recall pairs)")
     pairs = [rec for _, rec in iter_jsonl(pairs_path)]
     if cfg.data.max_pairs:
         pairs = pairs[: cfg.data.max_pairs]

@@ -1,4 +1,4 @@
-"""`memtree finetune CONFIG.yaml [key=value …]` and `memtree finetune-background RUN`: continual
+"""`memtree train finetune CONFIG.yaml [key=value …]` and `memtree train finetune-background RUN`: continual
 finetuning on a stream of new data (training/finetune/continual.py, seed 003 §4–§5)."""
 
 from __future__ import annotations
@@ -6,8 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from memtree.cli import Commands, add_config, add_overrides, config_and_overrides
 
-def register(sub: argparse._SubParsersAction) -> None:
+
+def register(cli: Commands) -> None:
+    sub = cli.verb("train")
     f = sub.add_parser(
         "finetune",
         help="continual finetuning on a stream of new data: sparse memory finetuning, full or LoRA (seed 003)",
@@ -15,8 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "step per record, with method sparse_memory | full | lora. Writes SAVE_FOLDER/"
                     "anchor.safetensors + finetune.json. Example: training/yamls/finetune-sparse.yaml.",
     )
-    f.add_argument("config", nargs="?", help="YAML config (key=value overrides follow)")
-    f.add_argument("overrides", nargs="*", help="key=value overrides, e.g. spec.method=lora spec.lr=1e-3")
+    add_config(f, "training/yamls/finetune-*.yaml")
+    add_overrides(f, "spec.method=lora spec.lr=1e-3")
     f.set_defaults(func=_finetune)
 
     b = sub.add_parser(
@@ -36,9 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _finetune(args: argparse.Namespace) -> int:
     from memtree.training.finetune.continual import finetune, load_finetune_config
 
-    config, overrides = args.config, list(args.overrides)
-    if config and "=" in config:  # overrides only
-        config, overrides = None, [config, *overrides]
+    config, overrides = config_and_overrides(args)
     rec = finetune(load_finetune_config(config, overrides))
     ch = rec["changed"]
     print(f"done: {rec['config']['save_folder']} ({rec['label']}: {rec['steps']} steps; "

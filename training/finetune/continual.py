@@ -1,4 +1,4 @@
-"""`memtree finetune CONFIG.yaml`: continual finetuning on a stream of new data (seed 003 §4–§5).
+"""`memtree train finetune CONFIG.yaml`: continual finetuning on a stream of new data (seed 003 §4–§5).
 
 Input: a finished run (`run`: its save_folder, as `memtree train` leaves it) and a JSONL stream
 (`data`): one record per batch, in the order the model meets them, {"id": …, "texts": [str, …]}
@@ -233,7 +233,7 @@ class Finetuner:
                 missing = sorted(set(self.memory) - set(self.background))
                 if missing:
                     raise ValueError(f"no background counts for memory layer(s) {missing}: collect them first "
-                                     "(memtree finetune-background RUN)")
+                                     "(memtree train finetune-background RUN)")
                 for i, m in self.memory.items():
                     if self.background[i].doc_freq.numel() != m.cfg.n_slots:
                         raise ValueError(f"layer {i}: background counts cover {self.background[i].doc_freq.numel()} "
@@ -394,7 +394,7 @@ def check_run_folder(run: str | Path, key: str = "run") -> None:
     if missing:
         raise ConfigError(f"{key}={run}: not a finished training run (no {' or '.join(missing)} there); give the "
                           "save_folder of a `memtree train` run (a memory-layer model, model.pkm, for sparse "
-                          "memory finetuning; `memtree eval-continual ROOT` trains one into ROOT/train/pkm)")
+                          "memory finetuning; `memtree eval continual ROOT` trains one into ROOT/train/pkm)")
 
 
 def check_finetune_inputs(cfg: FinetuneConfig) -> None:
@@ -403,17 +403,17 @@ def check_finetune_inputs(cfg: FinetuneConfig) -> None:
     check_run_folder(cfg.run)
     if not Path(cfg.data).is_file():
         raise ConfigError(f"data={cfg.data}: no such file; give a JSONL stream of batches, one "
-                          "{\"id\", \"texts\": [...]} record each (`memtree eval-continual ROOT` writes one to "
+                          "{\"id\", \"texts\": [...]} record each (`memtree eval continual ROOT` writes one to "
                           "ROOT/continual/stream.jsonl)")
     tfidf = cfg.spec.method == "sparse_memory" and cfg.spec.ranking == "tfidf"
     if tfidf and cfg.background and not Path(cfg.background).is_dir():
-        raise ConfigError(f"background={cfg.background}: no such folder; `memtree finetune-background RUN` "
+        raise ConfigError(f"background={cfg.background}: no such folder; `memtree train finetune-background RUN` "
                           f"collects a run's counts into RUN/{BACKGROUND_DIR} (or set spec.ranking=tf or all, "
                           "which need none)")
 
 
 def finetune(cfg: FinetuneConfig, *, progress: bool = True) -> dict[str, Any]:
-    """Run a finetune from a config (the `memtree finetune` command); returns finetune.json's record."""
+    """Run a finetune from a config (the `memtree train finetune` command); returns finetune.json's record."""
     torch.manual_seed(cfg.seed)
     out = Path(cfg.save_folder)
     if (out / "finetune.json").exists():
@@ -429,7 +429,7 @@ def finetune(cfg: FinetuneConfig, *, progress: bool = True) -> dict[str, Any]:
         except ValueError as e:
             if "no background counts" not in str(e):
                 raise
-            raise ValueError(f"{e} (`memtree finetune-background {cfg.run}` collects them)") from None
+            raise ValueError(f"{e} (`memtree train finetune-background {cfg.run}` collects them)") from None
     records = read_stream(cfg.data, cfg.max_records)
     pad_id, limit = int(manifest["eot_id"]), model.config.max_seq_len
 

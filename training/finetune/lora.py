@@ -1,5 +1,5 @@
 """LoRA adapters on an anchor's attention and FFN matrices: the parameter-efficient finetuning
-baseline of seed 003 (Hu et al. 2021), used by `memtree finetune` (training/finetune/continual.py).
+baseline of seed 003 (Hu et al. 2021), used by `memtree train finetune` (training/finetune/continual.py).
 
 `peft` is not used: the anchor is a plain `nn.Module` whose projections are `nn.Linear`s, so a
 wrapper that keeps the frozen base and adds `scale · B A x` is the whole of it, and it keeps

@@ -13,7 +13,7 @@ still reads every accessed slot (`ProductKeyMemory.forward(..., trainable=mask)`
 others' values with their gradient stopped: the seed's `mem·m + mem.detach() − (mem·m).detach()`,
 applied to the rows read so the gradient stays sparse).
 
-`memtree finetune` (training/finetune/continual.py) streams new data through it; `memtree
+`memtree train finetune` (training/finetune/continual.py) streams new data through it; `memtree
 eval-continual` (eval/finetune/continual.py) measures learning and forgetting.
 """
 
