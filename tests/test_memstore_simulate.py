@@ -281,7 +281,7 @@ def test_run_simulate_with_a_trace_file_and_pinned_tier(tmp_path):
     assert res["session"]["summary"]["hierarchical"]["n_queries"] == 50
     assert not (out / "sweep.png").exists()
     with pytest.raises(ValueError, match="needs --tree"):
-        run_simulate(_cli(["--queries-file", str(tmp_path / "q.txt"), "--out", str(out)]))
+        run_simulate(_cli(["--queries", str(tmp_path / "q.txt"), "--out", str(out)]))
 
 
 def _tiny_tree(tmp_path: Path):
