@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from memtree.cli import Commands
+from memtree.cli import Commands, add_config, add_overrides, config_and_overrides
 from memtree.eval.cli_common import check_demo_root, config_file, need_file, note, out_override
 
 # Each command imports its library modules inside its handler: `memtree --help` loads every stage's
@@ -87,7 +87,7 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
                     "OUT/results.json, OUT/report.md and OUT/sweep.png.",
     )
     s.add_argument("sweep", help="sweep YAML (eval/yamls/sweep-location.yaml, sweep-size.yaml)")
-    s.add_argument("overrides", nargs="*", help="sweep key=value overrides (e.g. out=… eval.max_probes=64)")
+    add_overrides(s, "out=… eval.max_probes=64", what="sweep key=value overrides")
     s.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
                    help="training override for every run (repeatable), applied last")
     s.add_argument("--out", help="output folder (the sweep's `out`; same as out=PATH)")
@@ -103,8 +103,8 @@ def _add_retention(sub: argparse._SubParsersAction) -> None:
                     "generic / fetched, revisited vs not-revisited subtrees, per frequency bucket). Writes "
                     "OUT/results.json, OUT/report.md and OUT/retention.png.",
     )
-    r.add_argument("config", nargs="?", help="retention YAML (eval/yamls/retention.yaml); optional")
-    r.add_argument("overrides", nargs="*", help="key=value overrides (run=… facts=… steps=…)")
+    add_config(r, "eval/yamls/retention.yaml; optional")
+    add_overrides(r, "run=… facts=… steps=…")
     r.add_argument("--out", help="output folder (the retention config's `out`; same as out=PATH)")
     r.set_defaults(func=_retention)
 
@@ -147,7 +147,7 @@ def _add_demo(cli: Commands) -> None:
     d.add_argument("--no-rag", action="store_true", help="skip the RAG rows")
     d.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
                    help="training override for both stages (repeatable), e.g. --train data.batch_size=4")
-    d.add_argument("overrides", nargs="*", help="pipeline key=value overrides")
+    add_overrides(d, "tree.levels=3", what="pipeline key=value overrides")
     d.set_defaults(func=_demo)
 
 
@@ -313,9 +313,7 @@ def _sweep(args: argparse.Namespace) -> int:
 def _retention(args: argparse.Namespace) -> int:
     from memtree.eval.retention import load_retention_config, run_retention
 
-    config, overrides = args.config, list(args.overrides)
-    if config and "=" in config:  # no YAML: every argument is an override
-        config, overrides = None, [config, *overrides]
+    config, overrides = config_and_overrides(args)
     cfg = load_retention_config(config_file(config, "CONFIG"),
                                 [*overrides, *out_override(argparse.Namespace(overrides=overrides, out=args.out))])
     where = f"(in {config} or its overrides)" if config else "(override)"
@@ -356,8 +354,7 @@ def _add_memories(sub: argparse._SubParsersAction) -> None:
                     "ROOT/memories). Grid: eval/yamls/memories.yaml.",
     )
     m.add_argument("root", help="a `memtree demo` root: facts.jsonl, heldout.jsonl, pipeline/, train/cotrain")
-    m.add_argument("overrides", nargs="*", help="eval.memories.MemoriesConfig key=value overrides "
-                                                "(max_probes=… 'train=[max_duration=10ba]')")
+    add_overrides(m, "max_probes=… 'train=[max_duration=10ba]'", what="eval.memories.MemoriesConfig key=value overrides")
     m.add_argument("--rows", help="comma-separated row names to run (default: every row of the grid; the "
                                   "reference row is always scored)")
     m.add_argument("--config", help="YAML with the grid (default eval/yamls/memories.yaml)")
@@ -391,8 +388,7 @@ def _add_realtext(sub: argparse._SubParsersAction) -> None:
     )
     m.add_argument("root", nargs="?", default="runs/pydocs-short",
                    help="holds pipeline/ (shards, tree) and corpus/test.jsonl (default runs/pydocs-short)")
-    m.add_argument("overrides", nargs="*", help="eval.realtext.RealTextConfig key=value overrides "
-                                                "(cotrain_duration=3ep held_out=… 'train=[…]')")
+    add_overrides(m, "cotrain_duration=3ep held_out=… 'train=[…]'", what="eval.realtext.RealTextConfig key=value overrides")
     m.add_argument("--recipes", help="comma-separated recipe names to run (default: every recipe of the config)")
     m.add_argument("--config", help="YAML with the recipes (default eval/yamls/realtext.yaml)")
     m.add_argument("--out", help="report folder (default ROOT/realtext)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from memtree.cli import Commands
+from memtree.cli import Commands, add_overrides
 from memtree.eval.cli_common import check_demo_root, out_override
 
 # Each command imports its library modules inside its handler, as eval/cli.py does.
@@ -29,8 +29,8 @@ def _add_context_bank(sub: argparse._SubParsersAction) -> None:
                     "Writes OUT/results.json, OUT/report.md and OUT/recall.png.",
     )
     cb.add_argument("root", help="a bios demo run (memtree demo's --root): corpus.json, facts.jsonl, train/anchor")
-    cb.add_argument("overrides", nargs="*", help="eval.context.recall.ContextRecallConfig key=value overrides "
-                                                 "(n_entities=… sessions=… capacities=[1,0.5] top_k=…)")
+    add_overrides(cb, "n_entities=… sessions=… capacities=[1,0.5] top_k=…",
+                  what="eval.context.recall.ContextRecallConfig key=value overrides")
     cb.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
                     help="compressor training override (repeatable), e.g. --train max_duration=1ep")
     cb.add_argument("--out", help="report folder (default ROOT/context-bank; the same as out=PATH)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from memtree.cli import Commands
+from memtree.cli import Commands, add_overrides
 from memtree.eval.cli_common import check_demo_root, config_file, out_override
 
 # Each command imports its library modules inside its handler, as eval/cli.py does.
@@ -31,8 +31,7 @@ def _add_continual(sub: argparse._SubParsersAction) -> None:
                     "ROOT/train/pkm is reused only when trained from the same pretrain settings and shards.",
     )
     ct.add_argument("root", help="a bios demo run (memtree demo's --root): corpus.json, facts.jsonl, pipeline/shards")
-    ct.add_argument("overrides", nargs="*", help="eval.finetune.continual.ContinualConfig key=value overrides "
-                                                 "(n_facts=… paraphrases=… run=…)")
+    add_overrides(ct, "n_facts=… paraphrases=… run=…", what="eval.finetune.continual.ContinualConfig key=value overrides")
     ct.add_argument("--config", help="YAML with the grid (default eval/yamls/continual.yaml)")
     ct.add_argument("--out", help="report folder (default ROOT/continual; the same as out=PATH)")
     ct.set_defaults(func=_continual)
@@ -59,8 +58,7 @@ def _add_adapters(sub: argparse._SubParsersAction) -> None:
                     "OUT/pareto.png (default OUT: ROOT/adapters). Grid: eval/yamls/adapters.yaml.",
     )
     ad.add_argument("root", help="a bios demo run (memtree demo's --root): corpus.json, facts.jsonl, train/anchor")
-    ad.add_argument("overrides", nargs="*", help="eval.finetune.adapters.AdaptersConfig key=value overrides "
-                                                 "(n_facts=… epochs=… run=…)")
+    add_overrides(ad, "n_facts=… epochs=… run=…", what="eval.finetune.adapters.AdaptersConfig key=value overrides")
     ad.add_argument("--config", help="YAML with the grid (default eval/yamls/adapters.yaml)")
     ad.add_argument("--out", help="report folder (default ROOT/adapters; the same as out=PATH)")
     ad.set_defaults(func=_adapters)
