@@ -26,6 +26,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Mapping
 from pathlib import Path
@@ -230,10 +231,20 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def lost_peers(ranks: list[dict[str, Any]], me: int) -> list[int]:
-    """The ranks on this host whose processes are gone (other hosts' ranks cannot be seen here)."""
+def lost_peers(ranks: list[dict[str, Any]], me: int, *, wait_s: float = 3.0) -> list[int]:
+    """The ranks on this host whose processes are gone (other hosts' ranks cannot be seen here).
+
+    A killed peer's sockets close while the kernel is still tearing the process down, so the
+    collective that noticed can run before the process is a zombie: when none is gone yet, look
+    again for up to `wait_s` (only on this failure path)."""
     host = socket.gethostname()
-    return [d["rank"] for d in ranks if d["rank"] != me and d["host"] == host and _gone(d["pid"])]
+    peers = [d for d in ranks if d["rank"] != me and d["host"] == host]
+    deadline = time.monotonic() + wait_s
+    while True:
+        gone = [d["rank"] for d in peers if _gone(d["pid"])]
+        if gone or not peers or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.1)
 
 
 def resume_command(argv: list[str], env: Mapping[str, str]) -> str:
