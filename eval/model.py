@@ -20,30 +20,15 @@ import torch
 import torch.nn.functional as F
 
 from memtree.clustering.route import route_texts
-from memtree.clustering.tree import load_tree
-from memtree.eval.runinfo import CONFIG_FILE, run_config, stored_config
+from memtree.eval.runinfo import run_config
 from memtree.memstore.store import MemoryStore, TierConfig
 from memtree.training.config import TrainConfig
+from memtree.training.generate.generator import decode_tokens
 from memtree.training.model import AnchorLM, assemble_memories
+from memtree.training.runfolder import finished_run, open_tree
 from memtree.training.train import load_run
 
 MemoryMode = Literal["none", "generic", "fetched"]
-
-
-def _open_tree(tree_dir: str | Path | None, cfg: TrainConfig, folder: Path, tree_key: str = "--tree"):
-    """`--tree` when given, else `tree/` beside the run's shards; a missing one names both.
-    `tree_key`: how the caller's user gives the tree (`--tree`, or a config key such as `tree=`)."""
-    given = f"{tree_key}{tree_dir}" if tree_key.endswith("=") else f"{tree_key} {tree_dir}"
-    if tree_dir:
-        if not (Path(tree_dir) / "tree.json").exists() and Path(tree_dir).name != "tree.json":
-            raise FileNotFoundError(f"{given}: no clustering tree there (no tree.json)")
-        return load_tree(tree_dir)
-    default = Path(cfg.data.shards).parent / "tree"
-    if not (default / "tree.json").exists():
-        fix = f"{tree_key}DIR" if tree_key.endswith("=") else f"{tree_key} DIR"
-        raise FileNotFoundError(f"{folder}: no clustering tree at {default} (tree/ beside data.shards "
-                                f"{cfg.data.shards!r}, stored in {folder / CONFIG_FILE}); pass {fix}")
-    return load_tree(default)
 
 
 @dataclass
@@ -63,23 +48,17 @@ class RunModel:
         is `tree_dir`, else `tree/` beside the run's shards; errors name it as `tree_key` (the caller's
         flag or config key for it)."""
         folder = Path(save_folder)
-        if not folder.is_dir():
-            raise FileNotFoundError(f"{folder}: no such run folder (a training run's save_folder)")
-        stored_config(folder)  # names a folder that is no run
-        if not (folder / "anchor.safetensors").exists():
-            raise FileNotFoundError(f"{folder}: no anchor.safetensors (not a finished training run: "
-                                    "memtree train run writes it at the end)")
-        cfg = run_config(folder)
         # the stored config with its paths resolved (a run moved from where it trained)
+        cfg = run_config(finished_run(folder))
         composer_model, cfg, manifest, tokenizer = load_run(folder, cfg)
         model = composer_model.model
         store = None
         if bank and (folder / "bank").exists():
-            tree = _open_tree(tree_dir, cfg, folder, tree_key)
+            tree = open_tree(tree_dir, cfg, folder, tree_key)
             store = MemoryStore(folder / "bank", tree=tree, out_dtype=torch.float32,
                                 tiers=tiers or [TierConfig(name="ram", kind="ram")])
         else:
-            tree = _open_tree(tree_dir, cfg, folder, tree_key) if tree_dir else None
+            tree = open_tree(tree_dir, cfg, folder, tree_key) if tree_dir else None
         return cls(config=cfg, model=model, store=store, tokenizer=tokenizer, eot_id=int(manifest["eot_id"]),
                    tree=tree)
 
@@ -176,13 +155,11 @@ class RunModel:
     @torch.no_grad()
     def greedy(self, prompt: list[int], *, max_new_tokens: int, paths: np.ndarray | None = None,
                mode: MemoryMode = "fetched", stop: int | None = None) -> list[int]:
-        mems = self.memories(paths, 1, mode)
-        out = list(prompt)
-        for _ in range(max_new_tokens):
-            ids = torch.tensor([out[-self.model.config.max_seq_len :]])
-            h = self.model(ids, memories=mems, hidden=True)[0, -1]  # (d,): the head runs on the last position only
-            nxt = int(self.model.logits(h).argmax())
-            if stop is not None and nxt == stop:
-                break
-            out.append(nxt)
-        return out[len(prompt) :]
+        """Greedy tokens after `prompt`, decoded as `memtree generate` decodes (a KV cache,
+        `training.generate.generator.decode_tokens`); a prompt that fills the context keeps its
+        last tokens, leaving room for the answer."""
+        room = self.model.config.max_seq_len - max_new_tokens
+        ids = list(prompt)[-max(room, 1):]
+        out, _, _, _ = decode_tokens(self.model, ids, self.memories(paths, 1, mode), max_new_tokens=max_new_tokens,
+                                     eot_id=stop, context=self.model.config.max_seq_len)
+        return out

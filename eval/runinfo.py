@@ -1,10 +1,6 @@
 """What a training run folder records, read for evaluation.
 
-- Stored paths (`data.shards`, `model.hf_dir`, `anchor_checkpoint` in `RUN/memtree_config.json`)
-  were written as given to `memtree train`, usually relative to the directory it ran in. A run
-  copied or moved elsewhere is still evaluated: a stored path is tried as stored, then relative to
-  the run folder and each of its parents (its trailing parts, longest first); when none holds
-  what the key names, the error names the key, its value and the file that stores it.
+- Stored paths resolve for a moved run as `training.runfolder` says (`run_config`, `resolve_stored`).
 - Epochs: the run's `max_duration` plus, along `anchor_checkpoint`, the runs it started from (the
   demo's co-training run: anchor 2 ep + co-training 5 ep = 7), in epochs over its shards.
 - The demo layout (`memtree demo`): `facts.jsonl` and `heldout.jsonl` beside the pipeline run
@@ -14,61 +10,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 from memtree.io import read_json
 from memtree.tpp import GENERALISES_DOWN_TO, bank_lr_ratio, table_from_dict
 
-CONFIG_FILE = "memtree_config.json"
-
-
-def _holds(path: Path, must: str) -> bool:
-    return (path / must).exists() if must else path.exists()
-
-
-def resolve_stored(run: str | Path, key: str, value: str | Path, *, must: str = "") -> Path:
-    """The path stored in RUN/memtree_config.json under `key`: as stored (absolute, or relative to
-    the current directory, as training wrote it), else relative to the run folder or one of its
-    parents, trying the stored path's trailing parts longest first (runs/demo/pipeline/shards under
-    a copied ROOT: ROOT/pipeline/shards). `must`: a file the path must hold (e.g. manifest.json)."""
-    run, stored = Path(run), Path(value)
-    if _holds(stored, must):
-        return stored
-    parts = stored.parts[1:] if stored.is_absolute() else stored.parts
-    parts = tuple(p for p in parts if p not in (".", ".."))
-    for base in [run.resolve(), *run.resolve().parents]:
-        for k in range(len(parts)):
-            cand = base.joinpath(*parts[k:])
-            if _holds(cand, must):
-                return cand
-    what = f"no {must} there" if must else "it does not exist"
-    raise FileNotFoundError(
-        f"{key} = {str(value)!r} (stored in {run / CONFIG_FILE}): {what}, neither from the current directory "
-        f"nor relative to the run folder or its parents (was the run moved without it?); fix {key} in "
-        f"{run / CONFIG_FILE}")
-
-
-def stored_config(run: str | Path) -> dict[str, Any]:
-    path = Path(run) / CONFIG_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{run}: no {CONFIG_FILE}; not a training run folder (memtree train's save_folder)")
-    return read_json(path)["config"]
-
-
-def run_config(run: str | Path):
-    """The run's TrainConfig with its stored paths resolved (see `resolve_stored`)."""
-    from memtree.config import from_dict
-    from memtree.training.config import TrainConfig
-
-    cfg = from_dict(TrainConfig, stored_config(run))
-    shards = resolve_stored(run, "data.shards", cfg.data.shards, must="manifest.json")
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, shards=str(shards)))
-    if cfg.model.hf_dir:
-        hf = resolve_stored(run, "model.hf_dir", cfg.model.hf_dir, must="config.json")
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_dir=str(hf)))
-    return cfg
+# the run folder's own readers live beside the trainer that writes it; eval's callers import them here too
+from memtree.training.runfolder import CONFIG_FILE, resolve_stored, run_config, stored_config
 
 
 def demo_root(cfg) -> Path:

@@ -1,6 +1,7 @@
 """The `memtree` command: one entry point, a few verbs, each with the subcommands its stages own.
 
     memtree demo                          the main job (pipeline → anchor → memories → evaluation)
+    memtree generate RUN --prompt TEXT    answer prompts with a run, its memory fetched per prompt
     memtree pipeline run|demo|demo-corpus|docs-corpus
     memtree train run|context-vae|finetune|finetune-background
     memtree eval knowledge|sweep|retention|tasks|memories|realtext|longctx|context-bank|continual|adapters
@@ -28,7 +29,8 @@ from memtree import __version__
 # Used when memtree runs from a source tree that was never pip-installed.
 _FALLBACK = ("memtree.eval.cli", "memtree.eval.camelot.cli", "memtree.eval.context.cli",
              "memtree.eval.finetune.cli", "memtree.memstore.cli", "memtree.pipeline.cli", "memtree.training.cli",
-             "memtree.training.context.cli", "memtree.training.finetune.cli")
+             "memtree.training.context.cli", "memtree.training.finetune.cli",
+             "memtree.training.generate.cli")
 
 
 def _registrars():
@@ -70,7 +72,9 @@ VERBS = {
     "eval": "evaluate runs: long-tail knowledge and blocking, sweeps, task suites; each system's experiment",
     "memstore": "hierarchical memory banks: plan sizes, build, inspect, fetch, block; simulate on-device fetch",
 }
-ORDER = ("demo", *VERBS)
+# Top-level commands with no subcommands: the main job, and running what a run trained.
+COMMANDS = ("demo", "generate")
+ORDER = (*COMMANDS, *VERBS)
 
 
 class Commands:
@@ -91,7 +95,7 @@ class Commands:
         return self._verbs[name]
 
     def command(self, name: str, **kw: Any) -> argparse.ArgumentParser:
-        """A top-level command with no subcommands (only `demo`)."""
+        """A top-level command with no subcommands (`COMMANDS`: `demo`, `generate`)."""
         if name not in ORDER or name in VERBS:
             raise ValueError(f"{name!r} is no top-level command; add it under one of the verbs {', '.join(VERBS)}")
         return self._sub.add_parser(name, **kw)

@@ -259,7 +259,7 @@ def test_no_import_cycles():
 
 
 # each stage's sub-packages that belong to its core; every other sub-package is a system's folder
-CORE_FOLDERS = {"training": {"callbacks", "layers"}, "memstore": {"sim"}, "eval": set()}
+CORE_FOLDERS = {"training": {"callbacks", "generate", "layers"}, "memstore": {"sim"}, "eval": set()}
 
 
 def _systems(stage: str) -> list[str]:
@@ -343,3 +343,16 @@ def test_the_system_check_sees_an_import():
     assert [_system_of(m) for m in found] == ["finetune", "context", "camelot"]
     assert _system_of("training.layers.moc") is None and _system_of("training.model") is None
 
+
+
+def test_the_trainer_never_imports_generation():
+    """training/generate/ (running what a run trained) sits on the model and the store; nothing
+    else in training/ imports it, so the trainer stays free of inference code."""
+    bad = []
+    for path in sorted((REPO / "training").rglob("*.py")):
+        rel = path.relative_to(REPO / "training").parts
+        if rel[0] == "generate":
+            continue
+        bad += [f"{path.relative_to(REPO)}:{line} imports {mod}" for line, mod in _training_imports(path.read_text())
+                if mod.startswith("training.generate")]
+    assert bad == []

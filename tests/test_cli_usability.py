@@ -295,7 +295,7 @@ def test_one_command_tree_a_few_verbs_one_name_each(capsys):
 
     parser = build_parser()
     top = _subcommands(parser)
-    assert sorted(top) == sorted(ORDER) and ORDER == ("demo", "pipeline", "train", "eval", "memstore")
+    assert sorted(top) == sorted(ORDER) and ORDER == ("demo", "generate", "pipeline", "train", "eval", "memstore")
     with pytest.raises(SystemExit):
         main(["--help"])
     text = capsys.readouterr().out

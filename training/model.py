@@ -131,6 +131,53 @@ LayerMemories = dict[str, Tensor] | BankRead
 Memories = dict[int, LayerMemories]
 
 
+class KVCache:
+    """Every layer's keys and values of the tokens seen so far, so that decoding runs each new
+    token through the model once instead of the whole sequence again (`AnchorLM.forward(cache=)`).
+
+    k, v: (n_layers, B, H_kv, max_len, D), keys after their norm and RoPE, as attention reads
+    them; `length` tokens are filled. Preallocated to `max_len` so a step appends in place
+    instead of growing a tensor per token. Memories need no cache entry: a fetched block is the
+    same for every position (KV memories are read by the position-free query)."""
+
+    def __init__(self, *, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        if max_len <= 0 or batch <= 0:
+            raise ValueError(f"KVCache: max_len and batch must be positive, got {max_len}, {batch}")
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+        self.max_len = max_len
+
+    @classmethod
+    def for_model(cls, model: AnchorLM, *, batch: int = 1, max_len: int | None = None,
+                  dtype: torch.dtype | None = None) -> KVCache:
+        """A cache shaped for `model`: up to its max_seq_len tokens unless `max_len` is smaller."""
+        a, p = model.config.anchor, next(model.parameters())
+        n = model.config.max_seq_len if max_len is None else min(max_len, model.config.max_seq_len)
+        return cls(n_layers=a.n_layers, batch=batch, n_kv_heads=a.kv_heads, head_dim=a.head_dim, max_len=n,
+                   dtype=dtype or p.dtype, device=p.device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache holds in memory (allocated for max_len tokens, not only `length`)."""
+        return self.k.numel() * self.k.element_size() * 2
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v (B, H_kv, S, D) of the new tokens → every token's so far, (B, H_kv, length + S, D).
+        `length` moves on once all layers have appended (`advance`)."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KVCache holds {self.max_len} tokens; {self.length} + {k.shape[2]} would overflow it")
+        self.k[layer, :, :, self.length : end] = k
+        self.v[layer, :, :, self.length : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     anchor: AnchorShape
@@ -307,7 +354,7 @@ class Attention(nn.Module):
         return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-                mem: LayerMemories | None) -> Tensor:
+                mem: LayerMemories | None, cache: tuple[KVCache, int] | None = None) -> Tensor:
         q, k, v = self.q(x), self.k(x), self.v(x)  # (B, S, q_dim), (B, S, kv_dim) ×2
         if mem is not None and self.mem_type == "lora-qk":
             q = q + lora_delta(x, mem["q_a"], mem["q_b"], self.lora_alpha)
@@ -324,7 +371,7 @@ class Attention(nn.Module):
         if self.attn_core is not None:
             out = self.attn_core(q, k, v)  # (B, H, S, D)
         else:
-            out = self._self_attention(q, k, v, cos, sin, mask)
+            out = self._self_attention(q, k, v, cos, sin, mask, cache)
         if mem is not None and self.mem_type == "kv":
             out = out + (self._read_kv_bank(q_pos_free, mem) if isinstance(mem, BankRead)
                          else self._read_kv_memory(q_pos_free, mem["k"], mem["v"]))
@@ -335,11 +382,26 @@ class Attention(nn.Module):
         return y
 
     def _self_attention(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
-                        mask: Tensor | None) -> Tensor:
-        """q (B, S, H, D), k/v (B, S, H_kv, D) before RoPE → (B, H, S, D), causal (+ mask)."""
+                        mask: Tensor | None, cache: tuple[KVCache, int] | None = None) -> Tensor:
+        """q (B, S, H, D), k/v (B, S, H_kv, D) before RoPE → (B, H, S, D), causal (+ mask).
+        cache (KVCache, layer): the S new tokens follow the cache's `length` earlier ones
+        (cos / sin are theirs), whose keys and values they also attend to."""
         q = _rope(q, cos, sin).transpose(1, 2)  # (B, H, S, D)
         k = _rope(k, cos, sin).transpose(1, 2)  # (B, H_kv, S, D)
-        k, v = self._repeat_kv(k), self._repeat_kv(v.transpose(1, 2))
+        v = v.transpose(1, 2)  # (B, H_kv, S, D)
+        past = 0
+        if cache is not None:
+            store, layer = cache
+            past = store.length
+            k, v = store.append(layer, k, v)  # (B, H_kv, past + S, D)
+        k, v = self._repeat_kv(k), self._repeat_kv(v)
+        if past:
+            S = q.shape[2]
+            if S == 1:  # one new token sees every earlier one: no mask
+                return F.scaled_dot_product_attention(q, k, v)
+            # query i sits at position past + i and sees keys 0 … past + i
+            sees = torch.ones(S, past + S, dtype=torch.bool, device=q.device).tril(diagonal=past)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=sees)
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, S, D)
         if isinstance(mask, Tensor):
@@ -440,8 +502,9 @@ class Block(nn.Module):
             self.moc_ffn = FeedForward(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-                mem: LayerMemories | None, bank: LatentBank | None = None) -> Tensor:
-        a = self.attn(self.attn_norm(x), cos, sin, mask, mem)
+                mem: LayerMemories | None, bank: LatentBank | None = None,
+                cache: tuple[KVCache, int] | None = None) -> Tensor:
+        a = self.attn(self.attn_norm(x), cos, sin, mask, mem, cache)
         x = x + (self.attn_post_norm(a) if self.post_norms else a)
         if self.moc_variation == 1:  # Self-Attn → MemXAttn → MLP
             x = x + self.moc(x, bank)
@@ -528,7 +591,8 @@ class AnchorLM(nn.Module):
 
     def forward(self, input_ids: Tensor, *, segment_ids: Tensor | None = None,
                 memories: Memories | None = None, positions: Tensor | None = None,
-                attn_mask: Tensor | None = None, hidden: bool = False) -> Tensor:
+                attn_mask: Tensor | None = None, hidden: bool = False,
+                cache: KVCache | None = None) -> Tensor:
         """input_ids (B, S) → logits (B, S, V), or with hidden=True the last block's output (B, S, d),
         to take `logits` of only the positions a scorer reads.
 
@@ -540,8 +604,14 @@ class AnchorLM(nn.Module):
         `packable` model): each token's RoPE position, and which keys each query sees (True:
         attends), in place of 0..S-1 and the causal mask; a row may then be longer than
         max_seq_len as long as its positions are below it (`eval.model.RunModel.choice_scores`).
+        cache: the keys and values of the tokens before input_ids (`KVCache`, `length` of them),
+        which input_ids follow at positions length … length + S − 1 and attend to; their own
+        are appended and `length` moves on. Equal to a full forward over all the tokens (fp32,
+        ~1e-6). Only for a `packable` model, one document per row (no segment_ids / positions).
         """
         _, seq_len = input_ids.shape
+        if cache is not None:
+            return self._forward_cached(input_ids, cache, memories, hidden, segment_ids, positions)
         if (positions is None) != (attn_mask is None):
             raise ValueError("positions and attn_mask go together")
         if positions is not None:
@@ -580,6 +650,31 @@ class AnchorLM(nn.Module):
         for i, block in enumerate(self.blocks):
             bank = bank_for(self.moc_banks, i) if block.moc is not None else None
             x = block(x, cos, sin, mask, memories.get(i) if memories else None, bank)
+        return x if hidden else self.logits(x)
+
+    def _forward_cached(self, input_ids: Tensor, cache: KVCache, memories: Memories | None, hidden: bool,
+                        segment_ids: Tensor | None, positions: Tensor | None) -> Tensor:
+        """`forward` after the cache's tokens; see `forward`."""
+        if not self.packable:
+            # a Mixture-of-Chapters router pools the whole row, a custom attention core owns its keys
+            raise ValueError("a KV cache needs a packable model (no MoC layer, no custom attention core)")
+        if segment_ids is not None or positions is not None:
+            raise ValueError("a KV cache decodes one document per row: no segment_ids or positions")
+        B, S = input_ids.shape
+        if cache.k.shape[1] != B:
+            raise ValueError(f"the KV cache holds {cache.k.shape[1]} rows, input_ids {B}")
+        span = cache.length + S
+        if span > min(self.config.max_seq_len, cache.max_len):
+            raise ValueError(f"sequence length {span} exceeds max_seq_len {self.config.max_seq_len} "
+                             f"(or the cache's {cache.max_len})")
+        if memories and self.config.memory is None:
+            raise ValueError("memories were given to a model configured without memory")
+        cos, sin = self._rope_tables(span, input_ids.device)
+        cos, sin = cos[cache.length :], sin[cache.length :]  # (S, D): the new tokens' positions
+        x = self.embed(input_ids)  # (B, S, d)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, None, memories.get(i) if memories else None, None, (cache, i))
+        cache.advance(S)
         return x if hidden else self.logits(x)
 
     def logits(self, x: Tensor) -> Tensor:

@@ -1,0 +1,1 @@
+"""Run what you trained: generation with fetched memories, and export."""
