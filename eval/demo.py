@@ -21,7 +21,9 @@ shards and the run before it are unchanged, recorded in its folder's `demo_input
    and the RAG rows (`eval.rag`), routing agreement per level (`eval.rag.routing_agreement`), and
    blocking the subtree a target domain's probes route to (adversarial, `memstore.blocking`)
    against a random subtree of the same share (`eval.knowledge.blocking_eval`);
-6. report (`eval.knowledge.write_report`): `ROOT/report/report.md`, `results.json` and PNGs, with
+6. answers in words (`eval.answers`): long-tail questions answered by `memtree generate`'s decoding
+   (`training.generate.Generator`) with fetched memory, generic memory and the subtree blocked;
+7. report (`eval.knowledge.write_report`): `ROOT/report/report.md`, `results.json` and PNGs, with
    the design choices below (`DESIGN`) as its first section.
 
 This module sits at the top of the import graph because it drives every stage.
@@ -39,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from memtree.config import from_dict
+from memtree.eval.answers import answers_in_words
 from memtree.eval.forgetting import demo_owners, forgetting_eval, plan_forgetting
 from memtree.eval.knowledge import blocking_eval, knowledge_eval, write_report
 from memtree.eval.longtail import build_probes, load_facts
@@ -244,11 +247,15 @@ def run_main_job(root: str | Path = "runs/demo", *, corpus: dict[str, Any] | Non
     t = time.time()
     forgetting = demo_forgetting(rm, root, probes, knowledge, held_out, target, seed)
     timings["forgetting_s"] = time.time() - t
+    t = time.time()
+    _log("answering long-tail questions in words: fetched, generic, subtree blocked (memtree generate)")
+    answers = answers_in_words(root / "train" / "cotrain", probes, tree_dir=root / "pipeline" / "tree")
+    timings["answers_s"] = time.time() - t
     timings["total_s"] = time.time() - t0
     metrics = {name: read_json(root / "train" / name / "metrics.json")["train"] for name, _ in stages}
     files = write_report(root / "report", knowledge=knowledge, blocking=blocking, design=DESIGN,
                          tpp=run_tpp_table(root / "train" / "cotrain"), tpp_note=TPP_NOTE, forgetting=forgetting,
-                         meta={"corpus": read_json(root / "corpus.json"), "epochs": epochs,
+                         answers=answers, meta={"corpus": read_json(root / "corpus.json"), "epochs": epochs,
                                "probes": len(probes), "held_out_documents": len(held_out),
                                "train_metrics": metrics, **{k: round(v, 1) for k, v in timings.items()}})
     return Path(files["markdown"])

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from memtree.eval.answers import answers_markdown, plot_answers
 from memtree.eval.forgetting import forgetting_lines, plot_forgetting
 from memtree.eval.longtail import accuracy_by_bucket, build_probes, load_facts
 from memtree.eval.model import RunModel
@@ -175,12 +176,13 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
                  blocking: dict[str, Any] | None = None, meta: dict[str, Any] | None = None,
                  design: Sequence[tuple[str, str]] = (), bank: dict[str, Any] | None = None,
                  tpp: dict[str, Any] | None = None, tpp_note: str = "",
-                 forgetting: Sequence[dict[str, Any]] = ()) -> dict[str, str]:
+                 forgetting: Sequence[dict[str, Any]] = (), answers: dict[str, Any] | None = None) -> dict[str, str]:
     """results.json, report.md, and PNGs (accuracy vs exposure; blocking; forgetting by data owner,
     `eval.forgetting.forgetting_eval`'s results). `design`: (choice, why)
     pairs printed as the report's first section; `bank`: the evaluated bank's refused blocks
     (`eval.runinfo.bank_state`), said before the results they affect; `tpp`: the memory run's
-    tokens-per-parameter table (its tpp.json), with `tpp_note` saying what its regime means here."""
+    tokens-per-parameter table (its tpp.json), with `tpp_note` saying what its regime means here;
+    `answers`: generated answers in the three memory settings (`eval.answers.answers_in_words`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, str] = {}
@@ -263,7 +265,13 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
         lines += ["", *forgetting_lines(forgetting)]
         if plot_forgetting(forgetting, out / "forgetting.png"):
             files["forgetting_png"] = str(out / "forgetting.png")
+    if answers:
+        lines += ["", *answers_markdown(answers)]
+        plot_answers(answers, out / "answers.png")
+        files["answers_png"] = str(out / "answers.png")
     results = {"meta": meta or {}, "knowledge": knowledge, "blocking": blocking}
+    if answers:
+        results["answers"] = answers
     if forgetting:
         results["forgetting"] = list(forgetting)
     if tpp:

@@ -57,7 +57,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-queries", type=int, default=1000, help="queries in a zipf trace (default 1000)")
     parser.add_argument("--cache-gb", type=float, help="session cache budget (default: the profile's cache_gb)")
     parser.add_argument("--count-cache-copy", action="store_true",
-                        help="charge cache hits a copy at the fastest tier's bandwidth")
+                        help="charge every block the cache hands out (each hit, and each miss it keeps) a copy at the "
+                             "fastest tier's bandwidth, as the store's cache copies its blocks out")
     parser.add_argument("--sweep", help='memory configs to compare, e.g. "256,64,16,0;0,16,4,1;5376,0,0,0"')
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/simulate-fetch", help="output directory (default runs/simulate-fetch)")

@@ -297,3 +297,12 @@ def test_eval_sweep_resolves_eval_paths_against_the_yaml(demo, tmp_path, monkeyp
     # an override is the user's own path: relative to the current folder, named as an override
     assert main(["eval", "sweep", str(good), "eval.facts=facts.jsonl", "--out", str(tmp_path / "s")]) == 1
     assert "eval.facts (override): facts.jsonl: no such file" in capsys.readouterr().err
+
+
+def test_the_readmes_generate_line_runs_on_a_demo_shaped_run(demo, capsys):
+    """README: `memtree generate runs/demo/train/cotrain --prompt "…"` after make demo, here on a
+    demo-shaped run whose stored paths resolve only relative to the run folder."""
+    _, root = demo
+    assert main(["generate", str(root / "train" / "cotrain"), "--prompt", "The birthplace of Ilsa Varn is"]) == 0
+    out = capsys.readouterr().out
+    assert "answer (fetched memory" in out and "fetch L2" in out and "first token after" in out

@@ -322,3 +322,72 @@ def test_a_session_is_held_against_the_simulator_on_a_calibrated_profile(run_dir
     assert sim["hit_rate"]["measured"] == sim["hit_rate"]["predicted"] > 0
     assert main(["generate", str(run_dir), "--prompt", PROMPT, "--profile", str(profile)]) == 1
     assert "--profile: needs --session" in capsys.readouterr().err
+
+
+def test_the_demo_answers_in_words_with_fetched_generic_and_blocked_memory(run_dir, tmp_path):
+    """eval.answers: questions at a fixed stride, answered by the generator in three settings; the
+    blocked subtree covers every memory level of the path, so its answer is the generic one; the
+    bank on disk is untouched; the report gets its table, rates and PNG."""
+    from memtree.eval.answers import answers_in_words
+    from memtree.eval.knowledge import write_report
+    from memtree.eval.longtail import build_probes
+    from memtree.pipeline.corpus.topical import CorpusSpec, entity_facts
+
+    probes = build_probes(entity_facts(CorpusSpec(n_docs=1200, seed=3, long_doc_fraction=0.01)), seed=0)
+    for i, p in enumerate(probes):  # a few unseen facts beside the long tail
+        p["exposures"] = 0 if i % 5 == 0 else p["exposures"]
+    policy = (run_dir / "bank" / "policy.json").read_bytes() if (run_dir / "bank" / "policy.json").exists() else None
+    a = answers_in_words(run_dir, probes, n_shown=3, n_scored=8, max_new_tokens=4)
+    assert policy == ((run_dir / "bank" / "policy.json").read_bytes()
+                      if (run_dir / "bank" / "policy.json").exists() else None)
+    assert len(a["shown"]) == 3 and len(a["rows"]["tail"]) == 8 and len(a["rows"]["unseen"]) == 8
+    for row in a["rows"]["tail"] + a["rows"]["unseen"]:
+        assert row["blocked"] == row["generic"] and row["blocked_level"] == 1
+        assert row["fetched_correct"] == row["fetched"].strip().startswith(row["value"])
+    assert all(1 <= r["exposures"] <= 7 for r in a["rows"]["tail"]) and all(r["exposures"] == 0 for r in a["rows"]["unseen"])
+    for kind in ("tail", "unseen"):
+        for s in ("fetched", "generic", "blocked"):
+            v = a["scored"][kind][s]
+            assert v["n"] == 8 and v["rate"] == v["correct"] / 8
+    files = write_report(tmp_path / "report", answers=a)
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "## Answers in words" in text and a["shown"][0]["question"] in text
+    assert (tmp_path / "report" / "answers.png").stat().st_size > 0 and "answers_png" in files
+    assert json.loads((tmp_path / "report" / "results.json").read_text())["answers"]["scored"] == a["scored"]
+
+
+def test_post_hoc_memories_on_a_hugging_face_anchor_generate_and_export(pipeline_run, tmp_path, capsys):
+    """A run with post-hoc FFN memories on a local (tiny, random) HF Llama: generation decodes with
+    the HF model's own KV cache and the memories hooked in, giving the tokens of full forwards;
+    the export is the same Llama with a wider FFN, whose logits equal the hooked model's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf_dir = tmp_path / "tiny-llama"
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 intermediate_size=64, vocab_size=2048)).save_pretrained(hf_dir)
+    run = train_tiny_run(pipeline_run[0] / "shards", tmp_path / "hf", "data.batch_size=4", "max_duration=3ba",
+                         "mode=frozen", f"model.hf_dir={hf_dir}", "memory.multipliers=[8,4]", "memory.lr=5e-1")
+    g = Generator.from_run(run)
+    assert g.hf is not None
+    out = g.generate(PROMPT, max_new_tokens=6)
+    mems = g.attach(g.fetch(out.path, "fetched")[0])
+    ids = g.encode(PROMPT)
+    want = list(ids)
+    with torch.no_grad():
+        for _ in range(len(out.tokens)):
+            want.append(int(g.hf(torch.tensor([want]), memories=mems).logits[0, -1].argmax()))
+        assert out.tokens == want[len(ids):]
+        with_mem = g.hf(torch.tensor([ids]), memories=mems).logits
+        assert (with_mem - g.model(torch.tensor([ids])).logits).abs().max() > 1e-6  # the memory acts
+    assert out.resident["kv_cache_bytes"] > 0
+    g.close()
+    exported = tmp_path / "export"
+    assert main(["generate", str(run), "--prompt", PROMPT, "--max-new-tokens", "2", "--export", str(exported)]) == 0
+    assert "LlamaForCausalLM" in capsys.readouterr().out
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(exported, torch_dtype=torch.float32).eval()
+    assert hf.config.intermediate_size > 64
+    with torch.no_grad():
+        assert (hf(torch.tensor([ids])).logits - with_mem).abs().max() <= 1e-4

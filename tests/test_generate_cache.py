@@ -78,3 +78,24 @@ def test_a_cache_refuses_what_it_cannot_hold():
             model(torch.zeros(2, 1, dtype=torch.long), cache=cache)
         with pytest.raises(ValueError, match="one document per row"):
             model(torch.zeros(1, 1, dtype=torch.long), cache=cache, segment_ids=torch.zeros(1, 1, dtype=torch.long))
+
+
+def test_a_widened_ffn_memory_decodes_as_the_gathered_one():
+    """An FFN memory joined onto the FFN's weights (one wider SwiGLU per layer) gives the gathered
+    read's logits, cached or not; other memory types and batches of two are refused."""
+    from memtree.training.model import WidenedFFN, widen_ffn_memories
+
+    model, mems = _model("ffn")
+    ids = torch.randint(0, 61, (1, 19))
+    wide = widen_ffn_memories(model, mems)
+    a = model.config.anchor
+    assert all(isinstance(w, WidenedFFN) and w.w1.shape == (a.ffn_dim + 12, a.d_model) for w in wide.values())
+    with torch.no_grad():
+        full = model(ids, memories=mems)
+        assert (model(ids, memories=wide) - full).abs().max() <= 1e-5
+        assert (_cached_logits(model, ids, wide, [7] + [1] * 12) - full).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="one sequence"):
+        widen_ffn_memories(model, {i: {k: torch.cat([v, v]) for k, v in t.items()} for i, t in mems.items()})
+    kv, kv_mems = _model("kv")
+    with pytest.raises(ValueError, match="not an FFN memory"):
+        widen_ffn_memories(kv, kv_mems)

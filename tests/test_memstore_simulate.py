@@ -149,6 +149,11 @@ def test_repeated_queries_hit_after_the_first(tiny_profile):
     c = simulate_session(TINY_PLAN, tiny_profile, trace, count_cache_copy=True)
     assert c.hier_seconds[1:].tolist() == pytest.approx([0.672] * 5)
     assert c.flat_seconds[1:].tolist() == pytest.approx([0.672] * 5)
+    # the misses that fill the cache are handed out as copies too, as the store's cache does
+    assert c.hier_seconds[0] == pytest.approx(3.285 + 0.672) and c.flat_seconds[0] == pytest.approx(6.73 + 0.672)
+    # a cache too small to keep a block copies nothing out
+    z = simulate_session(TINY_PLAN, tiny_profile, trace, cache_bytes=0, count_cache_copy=True)
+    assert z.hier_seconds.tolist() == pytest.approx([3.285] * 6)
 
 
 def test_traces_that_do_not_fit_the_tree_are_rejected():

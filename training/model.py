@@ -126,8 +126,20 @@ class BankRead:
     impl: str = "auto"
 
 
-# Per layer index: named memory tensors, each with a leading batch dim B, or a BankRead.
-LayerMemories = dict[str, Tensor] | BankRead
+@dataclass(frozen=True)
+class WidenedFFN:
+    """One layer's SwiGLU with one sequence's FFN memory joined onto its inner dim (seed 002 §2.2:
+    an FFN memory is a wider SwiGLU), for decoding: one GEMM per projection, as the anchor alone
+    runs, instead of the anchor's and the memory's apart. w1, w2 (F + W, d); w3 (d, F + W).
+    Built by `widen_ffn_memories`; equal to the gathered read up to summation order."""
+
+    w1: Tensor
+    w2: Tensor
+    w3: Tensor
+
+
+# Per layer index: named memory tensors, each with a leading batch dim B, a BankRead, or a WidenedFFN.
+LayerMemories = dict[str, Tensor] | BankRead | WidenedFFN
 Memories = dict[int, LayerMemories]
 
 
@@ -258,6 +270,26 @@ def assemble_memories(
         layer: {name: _cat_width(name, parts) for name, parts in tensors.items()}
         for layer, tensors in sorted(per_layer.items())
     }
+
+
+def widen_ffn_memories(model: AnchorLM, memories: Memories) -> Memories:
+    """Gathered FFN memories of one sequence ({layer: {"w1", "w2", "w3": (1, W, d)}}) → {layer:
+    WidenedFFN}: the layer's FFN weights with the memory's rows (w1, w2) and columns (w3) joined on,
+    in the weights' dtype. Made once per prompt; every decode step then runs plain SwiGLUs."""
+    if model.config.memory is None or model.config.memory.type != "ffn":
+        raise ValueError("widen_ffn_memories: the model's memory is not an FFN memory")
+    out: Memories = {}
+    for layer, mem in memories.items():
+        if not isinstance(mem, dict) or mem["w1"].shape[0] != 1:
+            raise ValueError(f"widen_ffn_memories: layer {layer} needs gathered memories of one sequence")
+        ffn = model.blocks[layer].ffn
+        dt = ffn.w1.weight.dtype
+        out[layer] = WidenedFFN(
+            w1=torch.cat([ffn.w1.weight, mem["w1"][0].to(dt)]),  # (F + W, d)
+            w2=torch.cat([ffn.w2.weight, mem["w2"][0].to(dt)]),  # (F + W, d)
+            w3=torch.cat([ffn.w3.weight, mem["w3"][0].to(dt).T], dim=1),  # (d, F + W)
+        )
+    return out
 
 
 def _cat_width(name: str, parts: list[Tensor]) -> Tensor:
@@ -454,6 +486,8 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor, mem: LayerMemories | None) -> Tensor:
         if mem is None or self.mem_type not in ("ffn", "lora-ffn"):
             return self.w3(F.silu(self.w1(x)) * self.w2(x))
+        if isinstance(mem, WidenedFFN):
+            return F.linear(F.silu(F.linear(x, mem.w1)) * F.linear(x, mem.w2), mem.w3)
         if self.mem_type == "lora-ffn":
             g = self.w1(x) + lora_delta(x, mem["w1_a"], mem["w1_b"], self.lora_alpha)  # (B, S, ffn)
             u = self.w2(x) + lora_delta(x, mem["w2_a"], mem["w2_b"], self.lora_alpha)

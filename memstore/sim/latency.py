@@ -20,7 +20,9 @@ Model (deliberately simple, every term visible):
   tier that holds all of it), and a fetch is one read of the fetch bytes.
 - Sessions: blocks go through a `memstore.cache.ByteLRU` keyed by
   (level, cluster) (the flat baseline by its cluster); a hit costs nothing, or
-  a copy at the fastest tier's bandwidth with `count_cache_copy`.
+  with `count_cache_copy` a copy at the fastest tier's bandwidth, which a miss
+  that the cache keeps pays too: the store hands out a copy of what it caches
+  (a caller may edit its block), on the miss that fills it as on every hit.
 
 Traces are (n, L) arrays of nested cluster paths: synthetic Zipf sessions, real
 queries routed through a clustering tree, or files.
@@ -364,8 +366,10 @@ def simulate_session(p: Plan, profile: HardwareProfile, trace: np.ndarray, dtype
     miss_s = [profile.tier(placement[lv.level]).read_seconds(b) + a for lv, b, a in zip(mem, block, attach, strict=True)]
     ram = profile.tiers[0]
     # A hit still copies the block out of the cache when asked to count it (bandwidth only, no seek).
-    hit_s = [(b / (ram.bandwidth_gbps * 1e9) if count_cache_copy else 0.0) + a for b, a in zip(block, attach, strict=True)]
-    flat_hit_s = flat.block_bytes / (ram.bandwidth_gbps * 1e9) if count_cache_copy else 0.0
+    copy_s = [b / (ram.bandwidth_gbps * 1e9) if count_cache_copy else 0.0 for b in block]
+    hit_s = [c + a for c, a in zip(copy_s, attach, strict=True)]
+    flat_copy_s = flat.block_bytes / (ram.bandwidth_gbps * 1e9) if count_cache_copy else 0.0
+    flat_hit_s = flat_copy_s
 
     n, k = t.shape[0], len(mem)
     level_s = np.zeros((n, k))
@@ -381,14 +385,16 @@ def simulate_session(p: Plan, profile: HardwareProfile, trace: np.ndarray, dtype
             if cache.get(key) is not None:
                 level_hit[i, j], level_s[i, j] = True, hit_s[j]
             else:
-                level_s[i, j] = miss_s[j]
+                # a block the cache keeps (it fits the budget) is handed out as a copy, as a hit is
+                level_s[i, j] = miss_s[j] + (copy_s[j] if block[j] <= budget else 0.0)
                 hier_bytes[i] += block[j]
                 cache.put(key, True, block[j])
         key = int(t[i, flat.level - 1])
         if flat_cache.get(key) is not None:
             flat_hit[i], flat_s[i] = True, flat_hit_s
         else:
-            flat_s[i], flat_bytes[i] = flat.seconds, flat.block_bytes
+            flat_s[i] = flat.seconds + (flat_copy_s if flat.block_bytes <= budget else 0.0)
+            flat_bytes[i] = flat.block_bytes
             flat_cache.put(key, True, flat.block_bytes)
     return SessionResult(
         profile=profile.name, dtype=dtype, policy=_policy_name(policy), cache_bytes=budget,

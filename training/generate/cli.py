@@ -118,10 +118,11 @@ def _generate(args: argparse.Namespace) -> int:
         profile = load_profile(args.profile)
     gen = Generator.from_run(args.run, tree_dir=args.tree, tiers=tiers, bank=args.memory != "none")
     try:
+        load_s = gen.warm()
         results = [gen.generate(p, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_p=args.top_p, seed=args.seed, memory=args.memory) for p in prompts]
         doc: dict[str, Any] = {
-            "run": str(args.run), "memory": args.memory,
+            "run": str(args.run), "memory": args.memory, "warm_up_s": load_s,
             "sampling": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                          "top_p": args.top_p, "seed": args.seed},
             "placement": ({str(k): v for k, v in gen.store.placement.items()} if gen.store is not None else {}),

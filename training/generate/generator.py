@@ -35,7 +35,7 @@ from memtree.clustering.embed import embed_texts, embedder_from_meta
 from memtree.clustering.route import route
 from memtree.memstore.format import GENERIC
 from memtree.memstore.store import DEFAULT_TIERS, MemoryStore, TierConfig
-from memtree.training.model import KVCache, assemble_memories
+from memtree.training.model import KVCache, assemble_memories, widen_ffn_memories
 from memtree.training.runfolder import finished_run, open_tree, run_config
 from memtree.training.train import load_run
 
@@ -166,6 +166,18 @@ class Generator:
             self._embedder = embedder_from_meta(self.tree.meta.get("embedder", {}), self.tree.path, device="cpu")
         return self._embedder
 
+    def warm(self) -> float:
+        """Pay once what a session pays once, so that no prompt's timing includes it: load the
+        embedder, route a short text (FAISS's and BLAS's thread pools start), run the anchor on one
+        token. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        if self.tree is not None:
+            self.route("warm-up")
+        with torch.no_grad():
+            decode_tokens(self.model, self.encode("warm-up")[:1] or [self.eot_id], None, max_new_tokens=1,
+                          eot_id=None, context=self.context, hf=self.hf)
+        return time.perf_counter() - t0
+
     def route(self, text: str) -> tuple[np.ndarray, dict[str, float]]:
         """The prompt's path (levels,) of global cluster ids, and {embed_s, traverse_s}."""
         emb_meta = self.tree.meta.get("embedder", {}) if self.tree is not None else {}
@@ -209,9 +221,14 @@ class Generator:
         """The anchor's shape (`memtree.geometry.AnchorShape`), which the blocks' layout follows."""
         return self.hf.anchor if self.hf is not None else self.model.config.anchor
 
-    def attach(self, blocks: dict[int, torch.Tensor]):
-        """Flat blocks → per-layer memories for the anchor (or the HF model's hooks)."""
-        return assemble_memories(blocks, self.anchor, self.memory_config)
+    def attach(self, blocks: dict[int, torch.Tensor], *, widen: bool = False):
+        """Flat blocks → per-layer memories for the anchor (or the HF model's hooks). `widen`: an
+        FFN memory on memtree's anchor joined onto each layer's FFN weights (`WidenedFFN`), so
+        that decoding runs as many GEMMs per token as the anchor alone."""
+        memories = assemble_memories(blocks, self.anchor, self.memory_config)
+        if widen and self.hf is None and self.memory_config.type == "ffn":
+            memories = widen_ffn_memories(self.model, memories)
+        return memories
 
     # -- generation -------------------------------------------------------------------
     @torch.no_grad()
@@ -243,7 +260,7 @@ class Generator:
             blocks, fetches = self.fetch(path, memory)
             timing["fetch_s"] = sum(f.seconds for f in fetches)
             t0 = time.perf_counter()
-            memories = self.attach(blocks)
+            memories = self.attach(blocks, widen=True)
             timing["attach_s"] = time.perf_counter() - t0
         out, stop, dec, kv_bytes = decode_tokens(self.model, ids, memories, max_new_tokens=max_new_tokens,
                                                  eot_id=self.eot_id, context=self.context, temperature=temperature,

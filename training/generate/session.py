@@ -6,18 +6,22 @@ real store (tiers, session caches) and replays the same trace of paths through
 hardware profile (`memtree memstore calibrate` measures this machine's tiers into one). Per prompt:
 the levels served from the cache, measured and predicted (they must agree: the store's caches and
 the simulator's are the same LRU policy over the same keys when the memory levels share one
-cached tier), and the fetch time, measured (read + decode + attach) against predicted.
+cached tier), and the fetch time, measured (read, checksum, decode, and the copy the cache hands
+out: `fetch_s`) against predicted (the tiers' read times, and the cache's copies with
+`count_cache_copy`). Attaching is compared apart: the simulator's `tensor_us` per block tensor
+against the measured `attach_s` (splitting the blocks and joining the levels per layer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from memtree.geometry import plan as make_plan
-from memtree.memstore.sim.latency import simulate_session
+from memtree.memstore.sim.latency import attach_seconds, simulate_session
 from memtree.memstore.sim.profiles import HardwareProfile
 
 
@@ -35,11 +39,14 @@ def simulate_generations(generations: Sequence[Any], *, store, anchor, memory_co
     trace = np.asarray([g.path for g in generations], dtype=np.int64)  # (n, L)
     p = make_plan(anchor, memory_config)
     placement = {lv: store.placement[lv] for lv in store.levels}
-    sim = simulate_session(p, profile, trace, dtype=store.info.dtype, cache_bytes=cache_bytes, policy=placement)
+    # fetch alone (no attach term), with the copies the store's cache hands out
+    sim = simulate_session(p, dataclasses.replace(profile, tensor_us=0.0), trace, dtype=store.info.dtype,
+                           cache_bytes=cache_bytes, policy=placement, count_cache_copy=True)
+    attach_pred = sum(attach_seconds(p, lv, profile) for lv in sim.levels)
     rows = []
     for i, g in enumerate(generations):
         hits = [f.source == "cache" for f in g.fetches]
-        measured = g.timing.get("fetch_s", 0.0) + g.timing.get("attach_s", 0.0)
+        measured = g.timing.get("fetch_s", 0.0)
         predicted = float(sim.hier_seconds[i])
         rows.append({
             "prompt": i + 1, "path": g.path,
@@ -49,6 +56,7 @@ def simulate_generations(generations: Sequence[Any], *, store, anchor, memory_co
             "bytes_fetched": sum(f.bytes_read for f in g.fetches), "predicted_bytes": int(sim.hier_bytes[i]),
             "measured_s": measured, "predicted_s": predicted,
             "ratio": measured / predicted if predicted > 0 else None,
+            "attach_s": g.timing.get("attach_s", 0.0), "predicted_attach_s": attach_pred,
         })
     misses = [r for r in rows if r["predicted_cached_levels"] != list(sim.levels)]
     measured_miss = sum(r["measured_s"] for r in misses)
@@ -59,6 +67,7 @@ def simulate_generations(generations: Sequence[Any], *, store, anchor, memory_co
         "hit_rate": {"measured": float(np.mean([lv in r["cached_levels"] for r in rows for lv in sim.levels])),
                      "predicted": sim.summary()["hierarchical"]["hit_rate"]},
         "hits_agree": all(r["hits_agree"] for r in rows),
+        "attach": {"measured_s": float(np.median([r["attach_s"] for r in rows])), "predicted_s": attach_pred},
         # prompts that read at least one block: where a fetch time is there to be predicted
         "fetching_prompts": {"measured_s": measured_miss, "predicted_s": predicted_miss,
                              "ratio": measured_miss / predicted_miss if predicted_miss > 0 else None},
@@ -79,4 +88,7 @@ def format_simulation(sim: dict[str, Any]) -> str:
     lines.append(f"hit rate measured {sim['hit_rate']['measured']:.2f}, predicted {sim['hit_rate']['predicted']:.2f}"
                  f" ({'equal per prompt' if sim['hits_agree'] else 'DIFFER'}); prompts that fetched: measured "
                  f"{1e3 * f['measured_s']:.2f} ms, predicted {1e3 * f['predicted_s']:.2f} ms (ratio {ratio})")
+    a = sim["attach"]
+    lines.append(f"attach per prompt: measured {1e3 * a['measured_s']:.2f} ms (median), the profile's tensor_us "
+                 f"predicts {1e3 * a['predicted_s']:.2f} ms")
     return "\n".join(lines)
