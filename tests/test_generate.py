@@ -381,6 +381,17 @@ def test_post_hoc_memories_on_a_hugging_face_anchor_generate_and_export(pipeline
         with_mem = g.hf(torch.tensor([ids]), memories=mems).logits
         assert (with_mem - g.model(torch.tensor([ids])).logits).abs().max() > 1e-6  # the memory acts
     assert out.resident["kv_cache_bytes"] > 0
+    # the anchor alone is the base model: no memory hooked in, not even the generic one (the HF
+    # wrapper's own bank, which its hooks would fall back to, is made loud to show it)
+    with torch.no_grad():
+        for table in g.hf.bank.tables.values():
+            table.normal_(std=1.0)
+    alone = g.generate(PROMPT, max_new_tokens=4, memory="none")
+    want = list(ids)
+    with torch.no_grad():
+        for _ in range(len(alone.tokens)):
+            want.append(int(g.model(torch.tensor([want])).logits[0, -1].argmax()))
+    assert alone.tokens == want[len(ids):] and alone.fetches == []
     g.close()
     exported = tmp_path / "export"
     assert main(["generate", str(run), "--prompt", PROMPT, "--max-new-tokens", "2", "--export", str(exported)]) == 0

@@ -22,6 +22,7 @@ prints. Generation only reads the bank: its audit log and policy are untouched.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -325,15 +326,19 @@ def _anchor_steps(model, ids: list[int], memories, max_len: int):
 
 
 def _hf_steps(model, hf, ids: list[int], memories):
-    """`_anchor_steps` for a Hugging Face anchor: its own KV cache, the memories hooked in."""
+    """`_anchor_steps` for a Hugging Face anchor: its own KV cache, the memories hooked in (None:
+    the base model alone; `use_memories` would apply the generic memory instead)."""
     from transformers import DynamicCache
 
+    def hooked():
+        return hf.use_memories(memories, batch=1) if memories is not None else contextlib.nullcontext()
+
     cache = DynamicCache()
-    with hf.use_memories(memories, batch=1):
+    with hooked():
         out = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
     nxt = yield out.logits[0, -1].float(), _hf_cache_bytes(out.past_key_values)
     while True:
-        with hf.use_memories(memories, batch=1):
+        with hooked():
             out = model(input_ids=torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
         nxt = yield out.logits[0, -1].float()
 
