@@ -294,14 +294,17 @@ def test_the_export_answers_as_memtree_does(run_dir, gen, tmp_path, capsys):
     assert "exists and is not empty" in capsys.readouterr().err
 
 
-def test_a_session_is_held_against_the_simulator_on_a_calibrated_profile(run_dir, tmp_path, capsys):
+def test_a_session_is_held_against_the_simulator_on_a_hardware_profile(run_dir, tmp_path, capsys):
     """`--session --profile`: the same trace through memstore's simulator with the store's placement
-    and cache budget; its cached levels equal the store's, prompt by prompt, and its bytes too."""
-    from memtree.memstore.sim.calibrate import calibrate
-
-    KiB = 1024
+    and cache budget; its cached levels equal the store's, prompt by prompt, and its bytes too.
+    The profile is written here with the tier names `memtree memstore calibrate` writes (a
+    calibration's timings on a loaded 2-core machine can fail its own fit; they are not what this
+    test checks, and `tests/test_memstore_calibrate.py` holds the calibration)."""
     profile = tmp_path / "here.yaml"
-    calibrate(tmp_path / "cal", sizes=(4 * KiB, 16 * KiB, 64 * KiB), repeats=5, bank_bytes=512 * KiB, out=profile)
+    profile.write_text("format: memtree-hw-profile\nversion: 1\nname: here\ntiers:\n"
+                       "  - {name: ram, bandwidth_gbps: 4.0, latency_us: 30, capacity_gb: 6}\n"
+                       "  - {name: flash, bandwidth_gbps: 1.4, latency_us: 200, capacity_gb: null}\n"
+                       "cache_gb: 0.5\ntensor_us: 1.7\n")
     prompts = tmp_path / "p.jsonl"
     texts = [PROMPT, "Quantum computing uses qubits to", PROMPT + " in spring", PROMPT,
              "The violin sonata was composed in", "Quantum computing uses qubits to"]
