@@ -112,6 +112,8 @@ class Generator:
     `Generator.from_run(RUN)` loads them once; `generate(prompt, ...)` then routes, fetches,
     attaches and decodes one prompt. Prompts generated one after another share the store's
     session caches (a flash tier's LRU), as on a device; `store.stats()` counts every read.
+    `warm()` first keeps one-time costs (the embedder's load, thread pools starting) out of the
+    first prompt's timing, as `memtree generate` does.
     """
 
     def __init__(self, *, model, tokenizer, eot_id: int, memory_config, context: int, tree,
