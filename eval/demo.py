@@ -26,6 +26,14 @@ shards and the run before it are unchanged, recorded in its folder's `demo_input
 7. report (`eval.knowledge.write_report`): `ROOT/report/report.md`, `results.json` and PNGs, with
    the design choices below (`DESIGN`) as its first section.
 
+With `anchor=NAME` (`memtree demo --anchor smollm2-135m`) it is seed 002's Table 2 instead, at the
+same micro scale: the anchor is a named pretrained model (`memtree.pretrained`), the pipeline
+tokenises with that model's tokenizer (`window.tokenizer=NAME`), step 3 is skipped, and step 4 trains
+the memories alone on the frozen pretrained model (`mode=frozen`, `model.anchor=NAME`: post-hoc
+memories, `training.hf.HFMemoryModel`), sized by `memory.multipliers` in `train_overrides`, by
+default `PRETRAINED_MULTIPLIERS` (fetched ≈ 10 % of the anchor). Exposures count the memory stage's
+epochs only, and the report names the model, its quantisation and licence.
+
 This module sits at the top of the import graph because it drives every stage.
 """
 
@@ -47,10 +55,12 @@ from memtree.eval.knowledge import blocking_eval, knowledge_eval, write_report
 from memtree.eval.longtail import build_probes, load_facts
 from memtree.eval.model import RunModel
 from memtree.eval.rag import RagIndex, routing_agreement
-from memtree.eval.runinfo import run_tpp_table
+from memtree.eval.runinfo import run_pretrained, run_tpp_table
+from memtree.geometry import plan
 from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json
 from memtree.pipeline.corpus.bios import BiosSpec
 from memtree.pipeline.demo import run_demo
+from memtree.pretrained import SPECS as PRETRAINED
 from memtree.training.config import TrainConfig, load_train_config
 from memtree.training.train import train
 
@@ -93,6 +103,42 @@ DESIGN = (
     ("retrieval", ("questions are routed by the same greedy traversal as the training documents, from the "
                   "question text only (no oracle path)")),
 )
+
+
+# Table 2's memories on a pretrained anchor: FFN memories at levels 2 and 3 as the demo's, leaf blocks
+# wider, the fetched blocks ≈ 10 % of the anchor's parameters (9.9 % for both, `memtree memstore plan
+# --anchor NAME --memory 0,96,160 --branching 4`; Gemma's 168M-parameter embedding asks for wider blocks).
+PRETRAINED_MULTIPLIERS = {"smollm2-135m": (0, 96, 160), "gemma3-270m": (0, 288, 480)}
+
+
+def pretrained_design(info: dict[str, Any], *, memory_duration: str, fetched_share: float | None,
+                      multipliers: list[int], memory_lr: float) -> tuple[tuple[str, str], ...]:
+    """`DESIGN` for a pretrained anchor (`info`: the run's record of it, `eval.runinfo.run_pretrained`):
+    the rows about the anchor, its epochs, the memory's size and rate say what this run did instead."""
+    share = f", fetched {fetched_share:.1%} of the anchor's parameters" if fetched_share is not None else ""
+    levels = " and ".join(str(lv) for lv, m in enumerate(multipliers, start=1) if m)
+    title = info.get("title") or info.get("name")
+    rows = {
+        "exposures": ("documents stating the fact × the memory stage's epochs over them: the pretrained anchor "
+                      "never saw the corpus (counted from the corpus plan; drop_last off)"),
+        "memory": (f"FFN memories at level(s) {levels}, multipliers {list(multipliers)}{share}: seed 002 Table 2 "
+                   "sizes post-hoc memories against the anchor; a level-1 block spans four domains, so blocking a "
+                   "domain would remove all of its memory"),
+        "common knowledge": ("one famous entity per domain has no documents of its own; its facts close many "
+                             "documents of its domain, so they sit in the top exposure bucket. The paper leaves such "
+                             "knowledge to the anchor; this frozen anchor never saw it, so here only the memories "
+                             "can learn it"),
+        "anchor": (f"{title} ({info.get('name')}), pretrained and frozen: seed 002 Table 2's post-hoc memories; the "
+                   "corpus is tokenised with its own tokenizer. Its weights ship as "
+                   f"{info.get('quantisation')} and are dequantised to fp32, so they are pretrained but not bit for "
+                   "bit the released checkpoint. The corpus's entities are fictional, so the anchor alone answers "
+                   "their facts only as far as the questions' wording gives them away"),
+        "epochs": (f"{memory_duration} of the memory stage only, on the frozen anchor (no anchor stage): facts "
+                   "stated in one document are seen once per epoch"),
+        "memory LR": (f"{memory_lr:g} for the bank, cosine to 10 %: the anchor is frozen, so only the bank "
+                      "learns, and a block only from its own subtopic's sequences"),
+    }
+    return tuple((k, rows.get(k, v)) for k, v in DESIGN)
 
 
 def _log(msg: str) -> None:
@@ -187,15 +233,24 @@ def run_main_job(root: str | Path = "runs/demo", *, corpus: dict[str, Any] | Non
                  pipeline_overrides: list[str] = (), train_overrides: list[str] = (),
                  anchor_duration: str = "2ep", cotrain_duration: str = "5ep", max_probes: int = 0,
                  target_domain: str | None = None, rag: bool = True, seed: int = 0,
-                 memory_mode: str = "cotrain") -> Path:
+                 memory_mode: str | None = None, anchor: str | None = None) -> Path:
     """Run (or resume) the whole demo under `root`; returns the evaluation report path.
 
     corpus: `pipeline.corpus.bios.BiosSpec` fields (e.g. {"entities_per_subtopic": 4}); `max_probes`
     keeps that many probes, evenly spread (0 = all); `target_domain`: the blocking target
     (default: the first domain in sorted order); `memory_mode`: the memory stage's training mode,
-    "cotrain" (anchor and memories) or "frozen" (memories alone on the anchor stage's weights)."""
-    if memory_mode not in ("cotrain", "frozen"):
+    "cotrain" (anchor and memories; the default) or "frozen" (memories alone on the anchor stage's
+    weights); `anchor`: a named pretrained model (`memtree.pretrained`) as the frozen anchor, seed 002's
+    Table 2 (no anchor stage, `anchor_duration` unused; `memory_mode` frozen)."""
+    if memory_mode not in (None, "cotrain", "frozen"):
         raise ValueError(f"memory_mode: 'cotrain' or 'frozen', got {memory_mode!r}")
+    pipeline_overrides, train_overrides = list(pipeline_overrides), list(train_overrides)
+    defaults: list[str] = []
+    if anchor is not None:
+        pipeline_overrides, defaults = pretrained_overrides(anchor, memory_mode, pipeline_overrides,
+                                                             train_overrides)
+        memory_mode = "frozen"
+    memory_mode = memory_mode or "cotrain"
     root = Path(root)
     t0 = time.time()
     timings: dict[str, float] = {}
@@ -206,11 +261,16 @@ def run_main_job(root: str | Path = "runs/demo", *, corpus: dict[str, Any] | Non
     manifest = read_json(shards / "manifest.json")
     n_samples = sum(s["n_samples"] for s in manifest["streams"])
 
-    common = [f"data.shards={shards}", f"seed={seed}", f"data.shuffle_seed={seed}", *train_overrides]
-    stages = (("anchor", ["mode=baseline", f"save_folder={root / 'train' / 'anchor'}", "run_name=demo-anchor",
-                          "memory.multipliers=[]", f"max_duration={anchor_duration}"]),
-              ("cotrain", [f"mode={memory_mode}", f"save_folder={root / 'train' / 'cotrain'}", "run_name=demo-cotrain",
-                           f"anchor_checkpoint={root / 'train' / 'anchor'}", f"max_duration={cotrain_duration}"]))
+    common = [f"data.shards={shards}", f"seed={seed}", f"data.shuffle_seed={seed}", *defaults, *train_overrides]
+    if anchor is None:
+        stages = (("anchor", ["mode=baseline", f"save_folder={root / 'train' / 'anchor'}", "run_name=demo-anchor",
+                              "memory.multipliers=[]", f"max_duration={anchor_duration}"]),
+                  ("cotrain", [f"mode={memory_mode}", f"save_folder={root / 'train' / 'cotrain'}",
+                               "run_name=demo-cotrain", f"anchor_checkpoint={root / 'train' / 'anchor'}",
+                               f"max_duration={cotrain_duration}"]))
+    else:  # the pretrained model is the anchor: one memory stage on it, in the folder eval reads
+        stages = (("cotrain", ["mode=frozen", f"model.anchor={anchor}", f"save_folder={root / 'train' / 'cotrain'}",
+                               f"run_name=demo-{anchor}", f"max_duration={cotrain_duration}"]),)
     epochs = 0.0
     # What a stage was trained from: its config, the shards' contents (the pipeline's shards-stage
     # fingerprint, which folds in the tree and assignments) and the stage before it. The config alone
@@ -253,9 +313,43 @@ def run_main_job(root: str | Path = "runs/demo", *, corpus: dict[str, Any] | Non
     timings["answers_s"] = time.time() - t
     timings["total_s"] = time.time() - t0
     metrics = {name: read_json(root / "train" / name / "metrics.json")["train"] for name, _ in stages}
-    files = write_report(root / "report", knowledge=knowledge, blocking=blocking, design=DESIGN,
+    design, pretrained = DESIGN, None
+    if anchor is not None:
+        pretrained = run_pretrained(root / "train" / "cotrain")
+        sizes = plan(rm.anchor_shape, rm.store.info.memory)  # as `memtree memstore plan --anchor` counts
+        design = pretrained_design(pretrained, memory_duration=cotrain_duration,
+                                   multipliers=list(sizes.memory.multipliers), memory_lr=rm.config.memory.lr,
+                                   fetched_share=sizes.fetch_params / sizes.anchor_params)
+    files = write_report(root / "report", knowledge=knowledge, blocking=blocking, design=design,
                          tpp=run_tpp_table(root / "train" / "cotrain"), tpp_note=TPP_NOTE, forgetting=forgetting,
-                         answers=answers, meta={"corpus": read_json(root / "corpus.json"), "epochs": epochs,
+                         answers=answers, pretrained=pretrained,
+                         meta={"corpus": read_json(root / "corpus.json"), "epochs": epochs,
                                "probes": len(probes), "held_out_documents": len(held_out),
                                "train_metrics": metrics, **{k: round(v, 1) for k, v in timings.items()}})
     return Path(files["markdown"])
+
+
+def pretrained_overrides(anchor: str, memory_mode: str | None, pipeline_overrides: list[str],
+                          train_overrides: list[str]) -> tuple[list[str], list[str]]:
+    """The pipeline's overrides with the model's own tokenizer, and the memory stage's defaults
+    (`PRETRAINED_MULTIPLIERS` unless the caller sized the memory), for `anchor`; the refusals first."""
+    if anchor not in PRETRAINED:
+        raise ValueError(f"anchor: {anchor!r} is not a pretrained model ({', '.join(sorted(PRETRAINED))})")
+    if memory_mode == "cotrain":
+        raise ValueError("memory_mode: a pretrained anchor is trained frozen (seed 002 Table 2's post-hoc "
+                         "memories); leave memory_mode unset or 'frozen'")
+    keys = lambda overrides: {o.split("=", 1)[0].strip(): o.split("=", 1)[1].strip() for o in overrides if "=" in o}
+    tok = keys(pipeline_overrides).get("window.tokenizer")
+    if tok not in (None, anchor):
+        raise ValueError(f"window.tokenizer={tok}: the shards feed {anchor}, which reads its own tokenizer")
+    given = keys(train_overrides)
+    for key in ("mode", "model.anchor", "model.hf_dir", "anchor_checkpoint"):
+        if key in given:
+            raise ValueError(f"{key}: set by the demo for a pretrained anchor (frozen {anchor}); drop the override")
+    defaults = []
+    if "memory.multipliers" not in given:
+        if anchor not in PRETRAINED_MULTIPLIERS:
+            raise ValueError(f"memory.multipliers: no default for {anchor}; give one (≈ 10 % of the anchor: "
+                             f"`memtree memstore plan --anchor {anchor} --memory 0,M2,M3 --branching 4`)")
+        defaults.append(f"memory.multipliers=[{','.join(map(str, PRETRAINED_MULTIPLIERS[anchor]))}]")
+    return [*pipeline_overrides, f"window.tokenizer={anchor}"], defaults

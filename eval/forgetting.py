@@ -261,7 +261,7 @@ def _held_out_part(rm: RunModel, docs, values: set[str], field, targets, control
         raise ValueError(f"--owner-field {field}: {len(lacking)} of {len(docs)} held-out records have no {field!r} "
                          f"(first: record {lacking[0] + 1})")
     is_owner = np.asarray([str(d[field]) in values for d in docs])
-    windows = heldout_windows(rm, docs, window_tokens or rm.model.config.max_seq_len)
+    windows = heldout_windows(rm, docs, window_tokens or rm.max_seq_len)
     paths = rm.route([w["text"] for w in windows])
     sums: dict[str, np.ndarray] = {}
     tokens = None

@@ -32,7 +32,7 @@ def paired_interval(a: Sequence[bool], b: Sequence[bool], z: float = 1.96) -> di
 def heldout_windows(rm: RunModel, docs: Sequence[dict[str, Any]], window_tokens: int) -> list[dict[str, Any]]:
     """Each document's tokens cut into windows of ≤ window_tokens: {"doc": index, "ids", "text"}.
     Windows shorter than 2 tokens score nothing and are left out (counted by `score_run`'s caller)."""
-    limit = min(window_tokens, rm.model.config.max_seq_len)
+    limit = min(window_tokens, rm.max_seq_len)
     out = []
     for i, d in enumerate(docs):
         if "text" not in d:

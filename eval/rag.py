@@ -131,7 +131,7 @@ class RagIndex:
 
 def _fit(rm: RunModel, doc: str, query: str, reserve: int) -> tuple[str, int]:
     """The longest head of `doc` such that doc + separator + query + `reserve` tokens fits max_seq_len."""
-    limit = rm.model.config.max_seq_len
+    limit = rm.max_seq_len
     ids = rm.encode(doc)
     k = min(len(ids), limit - reserve - len(rm.encode(SEPARATOR + query)))
     while k > 0:

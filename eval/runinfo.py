@@ -6,6 +6,7 @@
 - The demo layout (`memtree demo`): `facts.jsonl` and `heldout.jsonl` beside the pipeline run
   (ROOT/pipeline/shards → ROOT/facts.jsonl).
 - The bank's policy: blocked blocks (and deleted ones), read through memstore's public API.
+- A named pretrained anchor: which model, quantisation, licence and folder hash the run trained on.
 """
 
 from __future__ import annotations
@@ -92,6 +93,22 @@ def bank_state(bank: str | Path) -> dict[str, Any] | None:
     audit = [{k: e.get(k) for k in ("time", "user", "action", "level", "clusters", "reason")}
              for e in audit_log(bank) if e.get("action") in ("block", "unblock", "delete")]
     return {"blocked": blocked, "deleted": deleted, "fallback": policy["fallback"], "audit": audit[-5:]}
+
+
+def run_pretrained(run: str | Path) -> dict[str, Any] | None:
+    """The named pretrained anchor a run trained on (`memtree.pretrained`: name, title, quantisation,
+    licence, upstream, hash, …): what the trainer recorded beside its config, else the converted
+    folder's manifest; None for a run whose anchor is not a named pretrained model."""
+    meta = read_json(Path(run) / CONFIG_FILE)
+    if meta.get("pretrained"):
+        return meta["pretrained"]
+    cfg = run_config(run)
+    if not cfg.pretrained:
+        return None
+    from memtree.pretrained import read_manifest
+
+    m = read_manifest(cfg.model.hf_dir)
+    return {k: m.get(k) for k in ("name", "title", "source", "quantisation", "licence", "upstream", "hash", "check")}
 
 
 def describe_runs(runs: dict[str, list[list[int]]]) -> str:

@@ -127,7 +127,7 @@ def perplexity(rm: RunModel, docs: Sequence[dict[str, Any]], *, mode: MemoryMode
                paths: np.ndarray | None = None, batch_size: int = 8) -> dict[str, Any]:
     """Token-level perplexity over documents (each truncated to the model's context)."""
     p = _paths(rm, [d["text"] for d in docs], mode, paths)
-    limit = rm.model.config.max_seq_len
+    limit = rm.max_seq_len
     seqs = [rm.encode(d["text"])[:limit] for d in docs]
     nll, n = 0.0, 0
     for s in range(0, len(seqs), batch_size):

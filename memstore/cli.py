@@ -76,6 +76,7 @@ from memtree.memstore.cli_sim import (  # noqa: F401  (re-exported: the simulato
     run_calibrate,
     run_simulate,
 )
+from memtree.pretrained import SPECS as PRETRAINED
 
 
 def register(cli: Commands) -> None:
@@ -89,10 +90,12 @@ def register(cli: Commands) -> None:
 # --- anchor parsing -----------------------------------------------------------------------------
 
 def parse_anchor(text: str):
-    """A preset name ('openlm-160m') or an explicit shape
+    """A preset name ('openlm-160m'), a pretrained model's name ('smollm2-135m') or an explicit shape
     'n_layers=35,d_model=512,n_heads=12,head_dim=32,ffn_dim=2048[,vocab_size=…,n_kv_heads=…,
     tied_embeddings=false,…]' → AnchorShape."""
     text = text.strip()
+    if text in PRETRAINED:  # a pretrained model's own decoder (memtree.pretrained), for post-hoc memories
+        return AnchorShape(**PRETRAINED[text].shape)
     if "=" not in text:
         return get_anchor(text)
     fields = {f.name: f for f in dataclasses.fields(AnchorShape)}
@@ -143,7 +146,7 @@ def _convert(key: str, annotation: str, value: str) -> object:
 
 def _add_memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--anchor", required=True,
-                   help="preset name (e.g. openlm-160m) or shape "
+                   help="preset name (e.g. openlm-160m), pretrained model (smollm2-135m, gemma3-270m) or shape "
                         "n_layers=35,d_model=512,n_heads=12,head_dim=32,ffn_dim=2048[,…]")
     p.add_argument("--memory", required=True, help="multipliers per level, e.g. 256,64,16,0")
     p.add_argument("--type", default="ffn", choices=MEMORY_TYPES, help="memory type (default ffn)")

@@ -420,7 +420,9 @@ def format_plan(p: Plan) -> str:
     lines += [
         "",
         f"anchor params   {p.anchor_params:>16,}  ({human(p.anchor_params)})",
-        f"fetched params  {p.fetch_params:>16,}  ({human(p.fetch_params)})",
+        # Table 2 sizes post-hoc memories by this share (≈ 10 % of the anchor, App. A.6)
+        (f"fetched params  {p.fetch_params:>16,}  ({human(p.fetch_params)}, "
+         f"{100 * p.fetch_params / p.anchor_params:.1f} % of the anchor)"),
         f"bank params     {p.bank_params:>16,}  ({human(p.bank_params)})",
         f"runtime params  {p.runtime_params:>16,}  ({human(p.runtime_params)})  = anchor + fetched",
         "",

@@ -14,6 +14,7 @@ from typing import Literal
 
 from memtree.clustering.kmeans import CONVERGE_TOL
 from memtree.clustering.tree import BALANCE_TARGET
+from memtree.pretrained import SPECS as PRETRAINED
 
 
 def _positive(obj, *names: str) -> None:
@@ -47,14 +48,19 @@ class WindowConfig:
     """Tokenisation and segmentation into non-overlapping windows."""
 
     tokenizer: str | None = None
-    """A local Hugging Face tokenizer directory (with tokenizer.json); None trains a byte-level BPE on the corpus."""
+    """A local Hugging Face tokenizer directory (with tokenizer.json), a pretrained model's name
+    (memtree.pretrained: smollm2-135m, gemma3-270m), or None: a byte-level BPE trained on the corpus."""
     vocab_size: int = 8192
     train_sample_docs: int = 20000
     window_tokens: int = 2048
     eot_token: str = "<|endoftext|>"
+    """The document separator; with a pretrained model's name left at this default, that model's own."""
 
     def __post_init__(self) -> None:
         _positive(self, "vocab_size", "train_sample_docs", "window_tokens")
+        if self.tokenizer in PRETRAINED and self.eot_token == "<|endoftext|>":
+            # frozen dataclass: the one derived default, set once here
+            object.__setattr__(self, "eot_token", PRETRAINED[self.tokenizer].eot_token)
         if self.vocab_size < 300:
             raise ValueError("WindowConfig.vocab_size must be >= 300 (256 bytes + specials + merges)")
 

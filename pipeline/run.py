@@ -61,6 +61,8 @@ from memtree.pipeline.shards import (
 )
 from memtree.pipeline.stages import StageDef, fingerprint, read_marker, run_stage
 from memtree.pipeline.window import build_tokenizer, tokenizer_eot_id, window_part
+from memtree.pretrained import SPECS as PRETRAINED
+from memtree.pretrained import PretrainedError, pretrained_dir
 
 PIPELINE_FORMAT_VERSION = 1
 
@@ -560,7 +562,12 @@ def preflight(cfg: PipelineConfig, stages: set[str]) -> None:
     if "ingest" in stages:
         ing.expand_inputs(cfg.ingest.inputs)  # missing inputs, patterns matching nothing, empty directories
     tok = cfg.window.tokenizer
-    if "tokenizer" in stages and tok and not (Path(tok) / "tokenizer.json").is_file():
+    if "tokenizer" in stages and tok in PRETRAINED:
+        try:  # converted here, once, before the run directory is touched
+            pretrained_dir(tok)
+        except PretrainedError as e:
+            raise FileNotFoundError(f"window.tokenizer={tok}: {e}") from None
+    elif "tokenizer" in stages and tok and not (Path(tok) / "tokenizer.json").is_file():
         raise FileNotFoundError(
             f"window.tokenizer={tok}: no tokenizer.json there (a fast Hugging Face tokenizer directory is "
             "required; save one with tokenizer.save_pretrained(dir), or leave window.tokenizer unset to "

@@ -24,6 +24,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from memtree.io import atomic_path, atomic_write_json
 from memtree.pipeline.config import WindowConfig
+from memtree.pretrained import SPECS as PRETRAINED
+from memtree.pretrained import pretrained_dir, read_manifest
+
+# a pretrained folder's tokenizer, without its model's config.json or manifest
+PRETRAINED_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 WINDOW_SCHEMA = pa.schema(
     [
@@ -52,7 +57,14 @@ def build_tokenizer(cfg: WindowConfig, doc_parts: list[Path], out_dir: Path) -> 
     from transformers import PreTrainedTokenizerFast
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.tokenizer:
+    if cfg.tokenizer in PRETRAINED:
+        # the model's own tokenizer, so that the shards feed that model
+        src = pretrained_dir(cfg.tokenizer)
+        for name in PRETRAINED_TOKENIZER_FILES:
+            shutil.copy2(src / name, out_dir / name)
+        tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+        kind = f"pretrained:{cfg.tokenizer}:{read_manifest(src)['hash'][:16]}"
+    elif cfg.tokenizer:
         src = Path(cfg.tokenizer)
         if not (src / "tokenizer.json").is_file():
             raise FileNotFoundError(

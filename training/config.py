@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from memtree.config import ConfigError, TimeString, load_config, to_dict
 from memtree.geometry import ANCHOR_PRESETS, AnchorShape, MemoryConfig, get_anchor
+from memtree.pretrained import SPECS as PRETRAINED
 from memtree.training.hf import anchor_shape_from_hf
 from memtree.training.layers.moc import MoCConfig
 from memtree.training.layers.pkm import PKMConfig
@@ -26,7 +27,9 @@ Mode = Literal["baseline", "frozen", "cotrain", "scratch"]
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSection:
-    anchor: str = "tiny"  # a memtree.geometry preset name, or "custom" with `shape`
+    # a memtree.geometry preset name, "custom" with `shape`, or a named pretrained model
+    # (memtree.pretrained: smollm2-135m, gemma3-270m), which becomes `hf_dir` when the config loads
+    anchor: str = "tiny"
     shape: dict[str, Any] = field(default_factory=dict)  # AnchorShape fields overriding the preset
     vocab_size: int | None = None  # None: the shards' tokenizer vocabulary
     max_seq_len: int | None = None  # None: the shards' seq_len
@@ -172,12 +175,17 @@ class TrainConfig:
                               "'frozen', 'cotrain' or 'scratch', or leave memory.multipliers empty")
         if self.mode != "baseline" and not any(self.memory.multipliers):
             raise ConfigError(f"memory.multipliers: mode {self.mode!r} needs a non-zero memory configuration")
-        if self.mode in ("frozen", "cotrain") and not self.anchor_checkpoint and not self.model.hf_dir:
+        if self.mode in ("frozen", "cotrain") and not (self.anchor_checkpoint or self.model.hf_dir
+                                                          or self.model.anchor in PRETRAINED):
             raise ConfigError(f"anchor_checkpoint: mode {self.mode!r} starts from a trained anchor; give its "
                               "checkpoint (or use mode 'scratch')")
-        if self.model.anchor not in ANCHOR_PRESETS and self.model.anchor != "custom":
+        if self.model.anchor not in ANCHOR_PRESETS and self.model.anchor not in PRETRAINED \
+                and self.model.anchor != "custom":
             raise ConfigError(f"model.anchor: {self.model.anchor!r} is not one of "
-                              f"{sorted(ANCHOR_PRESETS) + ['custom']}")
+                              f"{sorted(ANCHOR_PRESETS) + ['custom']} nor a pretrained model {sorted(PRETRAINED)}")
+        if self.model.anchor in PRETRAINED and self.mode == "baseline":
+            raise ConfigError(f"model.anchor: {self.model.anchor!r} is a pretrained model, which gets its memories "
+                              "post-hoc: use mode 'frozen' (Table 2) or 'cotrain', with memory.multipliers")
         if self.model.moc is not None:
             if self.mode != "baseline":
                 raise ConfigError(f"model.moc: a Mixture-of-Chapters model trains from scratch without "
@@ -233,6 +241,11 @@ class TrainConfig:
                               f"{len(self.memory.multipliers)} levels (memory.multipliers); give one per level")
         if any(not lr > 0 for lr in by_level):
             raise ConfigError(f"memory.lr_by_level: {list(by_level)}: every learning rate must be > 0")
+
+    @property
+    def pretrained(self) -> str | None:
+        """The named pretrained anchor (memtree.pretrained), or None."""
+        return self.model.anchor if self.model.anchor in PRETRAINED else None
 
     @property
     def data_lanes(self) -> bool:
@@ -297,10 +310,32 @@ class TrainConfig:
             d.pop(k, None)
         d["data"].pop("verify_shards", None)  # a check, not a setting: runs from before it keep their fingerprint
         d["parallel"].pop("bank_shards", None)  # placement only: a run may resume on other ranks
+        if self.pretrained:
+            # the name says which model; where this machine's cache keeps it does not change it
+            d["model"].pop("hf_dir", None)
         if d["parallel"] == {"bank": "replicated", "data": "auto"}:
             del d["parallel"]  # the defaults: runs from before the section keep their fingerprint
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def load_train_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    return load_config(TrainConfig, str(path) if path else None, list(overrides))
+    """The config of `path` with `overrides`; a named pretrained anchor's `model.hf_dir` is set to
+    its converted folder (converted on first use)."""
+    return with_pretrained(load_config(TrainConfig, str(path) if path else None, list(overrides)))
+
+
+def with_pretrained(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with a named pretrained anchor's folder as `model.hf_dir` (a given hf_dir is an error:
+    the name decides the model)."""
+    if not cfg.pretrained:
+        return cfg
+    from memtree.pretrained import PretrainedError, pretrained_dir
+
+    if cfg.model.hf_dir:
+        raise ConfigError(f"model.hf_dir: give either a pretrained model's name (model.anchor: {cfg.pretrained}) "
+                          "or a local Hugging Face folder, not both")
+    try:
+        folder = pretrained_dir(cfg.pretrained)
+    except PretrainedError as e:
+        raise ConfigError(f"model.anchor: {e}") from None
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_dir=str(folder)))

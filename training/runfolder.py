@@ -76,7 +76,17 @@ def run_config(run: str | Path):
     cfg = from_dict(TrainConfig, stored_config(run))
     shards = resolve_stored(run, "data.shards", cfg.data.shards, must="manifest.json")
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, shards=str(shards)))
-    if cfg.model.hf_dir:
+    if cfg.pretrained:
+        # this machine's converted copy; the run records the hash it trained on
+        from memtree.pretrained import pretrained_dir, read_manifest
+
+        hf = pretrained_dir(cfg.pretrained)
+        trained = read_json(Path(run) / CONFIG_FILE).get("pretrained", {}).get("hash")
+        if trained and read_manifest(hf)["hash"] != trained:
+            raise ValueError(f"{run}: trained on {cfg.pretrained} with folder hash {trained}, but this machine's "
+                             f"{hf} has {read_manifest(hf)['hash']} (another conversion or package version)")
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_dir=str(hf)))
+    elif cfg.model.hf_dir:
         hf = resolve_stored(run, "model.hf_dir", cfg.model.hf_dir, must="config.json")
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_dir=str(hf)))
     return cfg

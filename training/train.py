@@ -241,7 +241,12 @@ def check_save_folder(cfg: TrainConfig, *, write: bool = True) -> None:
     if not write:
         return
     folder.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(meta, {"fingerprint": cfg.fingerprint(), "config": to_dict(cfg)})
+    record: dict[str, Any] = {"fingerprint": cfg.fingerprint(), "config": to_dict(cfg)}
+    if cfg.pretrained and cfg.model.hf_dir:
+        from memtree.pretrained import provenance
+
+        record["pretrained"] = provenance(cfg.model.hf_dir)  # which weights, their hash and check
+    atomic_write_json(meta, record)
     atomic_write_text(folder / "memtree_config.yaml", dump_yaml(cfg))
 
 
@@ -555,12 +560,28 @@ def _checkpoints_kept(folder: Path, autoresume: bool) -> str:
     return f"the last complete checkpoint, {latest.name}, is intact; {how}"
 
 
+def check_pretrained(cfg: TrainConfig) -> None:
+    """Before a named pretrained anchor trains: its folder still has the bytes converted, and it
+    still reads English as a pretrained model does (memtree.pretrained.check_folder)."""
+    from memtree.pretrained import PretrainedError, check_folder, verify_folder
+
+    try:
+        verify_folder(cfg.model.hf_dir)
+        got = check_folder(cfg.model.hf_dir)
+    except PretrainedError as e:
+        raise ConfigError(f"model.anchor: {cfg.pretrained}: {e}") from None
+    log.info("%s: perplexity %.1f on the check paragraph (random initialisation %.0f)", cfg.pretrained,
+             got["perplexity"], got["random_init_perplexity"])
+
+
 def train(cfg: TrainConfig, *, callbacks: list[Any] | None = None) -> dict[str, Any]:
     """Build and fit; export the anchor and bank. On several ranks, a lost rank (or the launcher's
     SIGTERM once one failed) ends the process with what is intact and the command that resumes
     (`training.ranks.exit_after_lost_rank`, exit code 75) instead of each survivor's traceback."""
     from composer.utils import dist
 
+    if cfg.pretrained:
+        check_pretrained(cfg)
     trainer = build_trainer(cfg, callbacks=callbacks)
     lost: BaseException | None = None
     try:

@@ -91,6 +91,17 @@ class Generation:
         return asdict(self)
 
 
+def run_context(composer_model, cfg, manifest: dict[str, Any]) -> int:
+    """The most tokens a prompt and its answer (or a scored sequence) may take on a loaded run
+    (`training.train.load_run`): the anchor's max_seq_len; for a Hugging Face anchor the window it
+    trained with, within what its positions allow."""
+    model = composer_model.model
+    if composer_model.hf is None:
+        return model.config.max_seq_len
+    context = int(cfg.model.max_seq_len or manifest["seq_len"])
+    return min(context, int(getattr(model.config, "max_position_embeddings", context)))
+
+
 def sample_next(logits: torch.Tensor, *, temperature: float, top_p: float,
                 generator: torch.Generator | None) -> int:
     """The next token from logits (V,): the argmax at temperature 0, else a draw from the
@@ -146,18 +157,15 @@ class Generator:
         elif tree_dir:
             tree = open_tree(tree_dir, cfg, folder)
         model, hf = composer_model.model, composer_model.hf
-        if hf is None:
-            context = model.config.max_seq_len
-        else:  # the window it trained with, within what the HF model's positions allow
-            context = int(cfg.model.max_seq_len or manifest["seq_len"])
-            context = min(context, int(getattr(model.config, "max_position_embeddings", context)))
         return cls(model=model, tokenizer=tokenizer, eot_id=int(manifest["eot_id"]), memory_config=composer_model.memory,
-                   context=context, tree=tree, store=store, hf=hf, folder=folder,
+                   context=run_context(composer_model, cfg, manifest), tree=tree, store=store, hf=hf, folder=folder,
                    tokenizer_dir=(Path(cfg.data.shards) / manifest["tokenizer"]).resolve())
 
     # -- the steps --------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+        # as the shards were tokenised (pipeline/window.py), so a pretrained tokenizer adds no BOS
+        # the memories never saw
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
