@@ -98,17 +98,13 @@ def test_prepended_window_reaches_the_scorer_within_max_seq_len(run, index, prob
     assert changed == len(items)
 
     # a short context: the window's head is cut to fit, and every scored sequence fits
-    full = run.model.config
-    run.model.config = dataclasses.replace(full, max_seq_len=40)
-    try:
-        short, rec2 = rag_items(run, index, probes)
-        assert any(0 < k < len(run.encode(d)) for k, d in zip(rec2["kept_tokens"], docs, strict=True))
-        for it in short:
-            n = len(run.encode(it["context"]))
-            assert all(n + len(run.encode(" " + ch)) <= 40 for ch in it["choices"])
-        assert multiple_choice(run, short, mode="fetched")["n"] == len(short)  # the scorer accepts them all
-    finally:
-        run.model.config = full
+    run = dataclasses.replace(run, context=40)  # the run's context as eval reads it (RunModel.max_seq_len)
+    short, rec2 = rag_items(run, index, probes)
+    assert any(0 < k < len(run.encode(d)) for k, d in zip(rec2["kept_tokens"], docs, strict=True))
+    for it in short:
+        n = len(run.encode(it["context"]))
+        assert all(n + len(run.encode(" " + ch)) <= 40 for ch in it["choices"])
+    assert multiple_choice(run, short, mode="fetched")["n"] == len(short)  # the scorer accepts them all
 
 
 def test_knowledge_eval_and_cli_report_the_rag_columns(run, index, probes, tmp_path):
