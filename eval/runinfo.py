@@ -105,10 +105,9 @@ def run_pretrained(run: str | Path) -> dict[str, Any] | None:
     cfg = run_config(run)
     if not cfg.pretrained:
         return None
-    from memtree.pretrained import read_manifest
+    from memtree.pretrained import provenance
 
-    m = read_manifest(cfg.model.hf_dir)
-    return {k: m.get(k) for k in ("name", "title", "source", "quantisation", "licence", "upstream", "hash", "check")}
+    return provenance(cfg.model.hf_dir)
 
 
 def describe_runs(runs: dict[str, list[list[int]]]) -> str:
