@@ -398,10 +398,12 @@ def _add_realtext(sub: argparse._SubParsersAction) -> None:
                     "and dense-1x (the anchor's shape for both stages' duration), then scores ROOT/corpus/test.jsonl "
                     "cut into windows, each routed by its own text, with no memory, generic and fetched blocks. "
                     "Writes OUT/results.json, OUT/report.md, OUT/perplexity.png (default OUT: ROOT/realtext). "
-                    "Recipes: eval/yamls/realtext.yaml.",
+                    "Recipes: eval/yamls/realtext.yaml; seed 002 Table 2 on a frozen pretrained model: "
+                    "eval/yamls/realtext-pretrained.yaml (`anchor: smollm2-135m`).",
     )
-    m.add_argument("root", nargs="?", default="runs/pydocs-short",
-                   help="holds pipeline/ (shards, tree) and corpus/test.jsonl (default runs/pydocs-short)")
+    m.add_argument("root", nargs="?",
+                   help="holds pipeline/ (shards, tree) and corpus/test.jsonl (default: the config's root, "
+                        "runs/pydocs-short in eval/yamls/realtext.yaml)")
     add_overrides(m, "cotrain_duration=3ep held_out=… 'train=[…]'", what="eval.realtext.RealTextConfig key=value overrides")
     m.add_argument("--recipes", help="comma-separated recipe names to run (default: every recipe of the config)")
     m.add_argument("--config", help="YAML with the recipes (default eval/yamls/realtext.yaml)")
@@ -414,7 +416,7 @@ def _realtext(args: argparse.Namespace) -> int:
 
     picked = [r.strip() for r in (args.recipes or "").split(",") if r.strip()]
     cfg = load_realtext_config(config_file(args.config, "--config"),
-                               [f"root={args.root}", *args.overrides,
+                               [*([f"root={args.root}"] if args.root else []), *args.overrides,
                                 *([f"select=[{','.join(picked)}]"] if picked else []),
                                 *out_override(args)])
     print(Path(run_realtext(cfg)).read_text(encoding="utf-8"))

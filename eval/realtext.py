@@ -40,7 +40,7 @@ from memtree.eval.demo import DEMO_TRAIN_YAML, shards_fingerprint, train_once
 from memtree.eval.heldout import heldout_windows, paired_doc_interval, per_doc, window_nll
 from memtree.eval.model import RunModel
 from memtree.eval.plots import new_figure, save_png
-from memtree.eval.runinfo import run_tpp_table
+from memtree.eval.runinfo import run_pretrained, run_tpp_table
 from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_json, sha256_file
 from memtree.tpp import format_tpp_markdown
 from memtree.training.config import load_train_config
@@ -76,7 +76,10 @@ class RealTextConfig:
     documents ({"text"}; default ROOT/corpus/test.jsonl); window_tokens: held-out window length;
     train_yaml: the training YAML every stage starts from (default training/yamls/demo.yaml);
     train: overrides for every stage; select: the recipes to run (empty: all); out: report folder
-    (default ROOT/realtext)."""
+    (default ROOT/realtext). anchor: a named pretrained model (`memtree.pretrained`, e.g.
+    smollm2-135m) as the frozen anchor, seed 002 Table 2 on real text: ROOT's pipeline tokenised with
+    its tokenizer, no anchor stage and no dense-1x (the pretrained model alone is the control row),
+    each recipe trains the bank alone on it (`mode=frozen`) for `cotrain_duration`."""
 
     root: str = "runs/pydocs-short"
     train_yaml: str = ""
@@ -89,9 +92,21 @@ class RealTextConfig:
     recipes: list[Recipe] = field(default_factory=lambda: [Recipe(name="default")])
     select: list[str] = field(default_factory=list)
     dense: bool = True
+    anchor: str = ""
     out: str = ""
 
     def __post_init__(self) -> None:
+        if self.anchor:
+            from memtree.pretrained import SPECS
+
+            if self.anchor not in SPECS:
+                raise ConfigError(f"anchor: {self.anchor!r} is not a pretrained model ({', '.join(sorted(SPECS))})")
+            if self.dense:
+                raise ConfigError("dense: a pretrained anchor has no dense-1x control (the model alone is the "
+                                  "control row); set dense: false")
+            own = [r.name for r in self.selected() if r.start != "anchor"]
+            if own:
+                raise ConfigError(f"recipes {own}: with a pretrained anchor every recipe starts from it (start: anchor)")
         check_selection([r.name for r in self.recipes], self.select, key="recipes", flag="--recipes",
                         noun="recipe", empty="none to run")
         if self.window_tokens < 2:
@@ -151,6 +166,12 @@ def train_stages(cfg: RealTextConfig, *, log: Callable[[str], None] = print) -> 
         runs[name] = folder
         return key
 
+    if cfg.anchor:  # seed 002 Table 2: the bank alone on the frozen pretrained model, no anchor stage
+        for r in cfg.selected():
+            stage(f"cotrain/{r.name}", root / "train" / f"{cfg.anchor}-{r.name}",
+                  ["mode=frozen", f"model.anchor={cfg.anchor}", f"max_duration={cfg.cotrain_duration}", *r.train],
+                  upstream)
+        return runs
     anchor = root / "train" / "anchor"
     anchor_key = stage("anchor", anchor, ["mode=baseline", "memory.multipliers=[]",
                                            f"max_duration={cfg.anchor_duration}"], upstream)
@@ -266,10 +287,16 @@ def run_realtext(cfg: RealTextConfig, *, log: Callable[[str], None] = print) -> 
     report = {"format": "memtree-realtext", "version": 1, "root": str(root), "held_out": str(held),
               "held_out_documents": len(docs), "window_tokens": cfg.window_tokens,
               "anchor_duration": cfg.anchor_duration, "cotrain_duration": cfg.cotrain_duration, "seed": cfg.seed,
+              "pretrained": _pretrained_record(runs) if cfg.anchor else None,
               "train_yaml": str(cfg.train_yaml or DEMO_TRAIN_YAML),
               "train": cfg.train, "recipes": recipes, "train_s": round(train_s, 1),
               "score_s": round(time.time() - t0 - train_s, 1), **scored}
     return write_realtext_report(out, report)
+
+
+def _pretrained_record(runs: dict[str, Path]) -> dict[str, Any] | None:
+    """What the first memory run recorded of its pretrained anchor (name, quantisation, hash)."""
+    return next((rec for f in runs.values() if (rec := run_pretrained(f))), None)
 
 
 # -- report ------------------------------------------------------------------------------------------
@@ -282,6 +309,16 @@ def _ci(p: dict[str, Any]) -> str:
     return f"{p['mean']:+.4f} [{p['ci95'][0]:+.4f}, {p['ci95'][1]:+.4f}]"
 
 
+def _stages_line(report: dict[str, Any]) -> str:
+    p = report.get("pretrained")
+    if not p:
+        return f"Anchor {report['anchor_duration']}, co-training {report['cotrain_duration']}, seed {report['seed']}."
+    return (f"Anchor: {p['title']} ({p['name']}), pretrained and frozen ({p['quantisation']} dequantised to fp32: "
+            f"pretrained, not the released bits; {p['licence']}); the bank alone trained on it for "
+            f"{report['cotrain_duration']} (seed 002 Table 2), seed {report['seed']}; \"anchor alone\" is the "
+            "pretrained model as released.")
+
+
 def write_realtext_report(out: str | Path, report: dict[str, Any]) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -289,8 +326,7 @@ def write_realtext_report(out: str | Path, report: dict[str, Any]) -> Path:
     lines = [f"# Held-out perplexity on real text ({report['root']})", "",
              (f"{report['held_out_documents']} held-out documents ({report['held_out']}) in {report['windows']} "
              f"windows of ≤ {report['window_tokens']} tokens, {report['tokens']:,} tokens scored; each window "
-             f"routed by its own text. Anchor {report['anchor_duration']}, co-training "
-             f"{report['cotrain_duration']}, seed {report['seed']}."), "",
+             f"routed by its own text. " + _stages_line(report)), "",
              "| row | held-out ppl | nll/token |", "|---|---:|---:|"]
     lines += [f"| {r['name']} | {r['perplexity']:.2f} | {r['nll']:.4f} |" for r in report["rows"]]
     lines += ["", ("Paired per held-out document: Δ nll/token of the fetched row against each other row "

@@ -129,19 +129,26 @@ def perplexity(rm: RunModel, docs: Sequence[dict[str, Any]], *, mode: MemoryMode
     p = _paths(rm, [d["text"] for d in docs], mode, paths)
     limit = rm.max_seq_len
     seqs = [rm.encode(d["text"])[:limit] for d in docs]
+    return {"n_docs": len(docs), **sequence_perplexity(rm, seqs, mode=mode, paths=p, batch_size=batch_size)}
+
+
+def sequence_perplexity(rm: RunModel, seqs: Sequence[list[int]], *, mode: MemoryMode = "none",
+                        paths: np.ndarray | None = None, batch_size: int = 8) -> dict[str, Any]:
+    """Token-level perplexity over token sequences, each within the model's context (text already
+    cut into pieces); paths (n, L): each sequence's route, for fetched memories."""
     nll, n = 0.0, 0
     for s in range(0, len(seqs), batch_size):
         chunk = seqs[s : s + batch_size]
         keep = [i for i, q in enumerate(chunk) if len(q) >= 2]
         if not keep:
             continue
-        rows = None if p is None else p[s : s + batch_size][keep]
+        rows = None if paths is None else paths[s : s + batch_size][keep]
         for lp in rm.logprobs([chunk[i] for i in keep], paths=rows, mode=mode):
             nll -= float(lp.sum())
             n += len(lp)
     if n == 0:
         raise ValueError("perplexity: no document has two or more tokens")
-    return {"n_docs": len(docs), "tokens": n, "nll": nll / n, "perplexity": math.exp(nll / n)}
+    return {"tokens": n, "nll": nll / n, "perplexity": math.exp(nll / n)}
 
 
 INTEGER = re.compile(r"-?\d[\d,]*")

@@ -252,6 +252,46 @@ def pretrained_dir(name: str, *, log: Any = print) -> Path:
         return folder
 
 
+@dataclass(frozen=True, kw_only=True)
+class LoadedPretrained:
+    """A named model ready to score text without a training run (`load_pretrained`): `model` the
+    Hugging Face causal LM (eval mode), `tokenizer` a `tokenizers.Tokenizer`, `eot_id` the document
+    separator it was pretrained with, `folder` the converted folder, `record` its `provenance`."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    eot_id: int
+    folder: Path
+    record: dict
+
+    def encode(self, text: str) -> list[int]:
+        # no BOS: as memtree's pipeline tokenises documents (pipeline/window.py)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def load_pretrained(name: str, *, check: bool = True, log: Any = print) -> LoadedPretrained:
+    """The named model from its converted folder (converted on first use), its files' hashes
+    verified and, with `check`, `check_folder` passed again: what training does before it starts."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    folder = pretrained_dir(name, log=log)
+    verify_folder(folder)
+    if check:
+        check_folder(folder)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    eot = tok.token_to_id(spec(name).eot_token)
+    if eot is None:
+        raise PretrainedError(f"{folder / 'tokenizer.json'}: no {spec(name).eot_token!r} token; delete the folder "
+                              "to convert again")
+    model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
+    return LoadedPretrained(name=name, model=model, tokenizer=tok, eot_id=int(eot), folder=folder,
+                            record=provenance(folder))
+
+
 def _versions() -> dict[str, str]:
     out = {}
     for dist in ("transformers", "gguf", "torch", "tokenizers"):

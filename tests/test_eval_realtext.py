@@ -146,6 +146,14 @@ def test_config_errors_name_the_key(tmp_path):
         load_realtext_config(None, ["recipes=[{name: a, start: dense-1x}]", "dense=false"])
     with pytest.raises(ConfigError, match="used twice"):
         load_realtext_config(None, ["recipes=[{name: a}, {name: a}]"])
+    pre = Path(__file__).resolve().parents[1] / "eval" / "yamls" / "realtext-pretrained.yaml"
+    assert load_realtext_config(pre).anchor == "smollm2-135m"
+    with pytest.raises(ConfigError, match="anchor: 'gpt9' is not a pretrained model"):
+        load_realtext_config(pre, ["anchor=gpt9"])
+    with pytest.raises(ConfigError, match="dense: a pretrained anchor has no dense-1x control"):
+        load_realtext_config(pre, ["dense=true"])
+    with pytest.raises(ConfigError, match=r"recipes \['a'\]: with a pretrained anchor every recipe starts from it"):
+        load_realtext_config(pre, ["recipes=[{name: a, start: dense-1x}]"])
     with pytest.raises(FileNotFoundError, match="no held-out documents"):
         from memtree.eval.realtext import run_realtext
         run_realtext(load_realtext_config(None, [f"root={tmp_path}"]))

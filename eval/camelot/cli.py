@@ -8,6 +8,7 @@ from pathlib import Path
 
 from memtree.cli import Commands
 from memtree.eval.cli_common import need_file
+from memtree.pretrained import SPECS as PRETRAINED
 
 # Each command imports its library modules inside its handler, as eval/cli.py does.
 
@@ -28,7 +29,8 @@ def _add_longctx(sub: argparse._SubParsersAction) -> None:
                     "CAMELoT's ablations. Long documents: the --docs records sharing --group-by, joined with the "
                     "end-of-text token. Writes OUT/results.json, OUT/report.md and OUT/ppl_vs_length.png.",
     )
-    lc.add_argument("run", help="a training run's save_folder (memtree_config.json, anchor.safetensors)")
+    lc.add_argument("run", help="a training run's save_folder (memtree_config.json, anchor.safetensors), or a "
+                                "pretrained model's name (smollm2-135m, gemma3-270m: `make pretrained`; needs --docs)")
     lc.add_argument("--method", default="base,xl,memorizing,camelot",
                     help="comma-separated methods among base, xl, memorizing, camelot (default: all four)")
     lc.add_argument("--window", type=int, default=128, help="window L in tokens (default 128)")
@@ -48,7 +50,8 @@ def _add_longctx(sub: argparse._SubParsersAction) -> None:
                          "default) or full (all L, as the seed's prefix reads — leaks the next token through "
                          "the key it was retrieved with, so its perplexity is not a fair score; "
                          "training/camelot/longdoc.py)")
-    lc.add_argument("--out", help="report directory (default RUN/eval-longctx)")
+    lc.add_argument("--out", help="report directory (default RUN/eval-longctx; for a pretrained model "
+                                  "runs/longctx-NAME)")
     lc.set_defaults(func=_longctx)
 
 
@@ -65,13 +68,29 @@ def _longctx(args: argparse.Namespace) -> int:
     from memtree.memstore.camelot.memory import CamelotConfig
 
     methods = [m.strip() for m in args.method.split(",") if m.strip()]
-    rm = RunModel.load(args.run, bank=False)  # the frozen anchor only: no bank, no tree
-    if args.docs:
+    meta: dict = {}
+    if args.run in PRETRAINED and not Path(args.run).exists():
+        # CAMELoT is training-free: the pretrained model is scored as it was released, no run needed
+        from memtree.pretrained import load_pretrained
+
+        if not args.docs:
+            raise SystemExit(f"eval longctx {args.run}: a pretrained model has no run beside it; pass --docs FILE.jsonl")
+        rm = load_pretrained(args.run)
         docs_path = need_file(args.docs, "--docs")
+        out = Path(args.out) if args.out else Path("runs") / f"longctx-{args.run}"
+        r = rm.record
+        meta["model"] = (f"{r['title']} ({r['name']}), {r['quantisation']} dequantised to fp32: pretrained, not the "
+                         f"released bits; {r['licence']}; converted folder {r['hash']}")
     else:
-        docs_path = demo_root(rm.config) / "heldout.jsonl"
-        if not docs_path.exists():
-            raise FileNotFoundError(f"eval longctx: no documents at {docs_path}; pass --docs FILE.jsonl")
+        rm = RunModel.load(args.run, bank=False)  # the frozen anchor only: no bank, no tree
+        if args.docs:
+            docs_path = need_file(args.docs, "--docs")
+        else:
+            docs_path = demo_root(rm.config) / "heldout.jsonl"
+            if not docs_path.exists():
+                raise FileNotFoundError(f"eval longctx: no documents at {docs_path}; pass --docs FILE.jsonl")
+        out = Path(args.out) if args.out else Path(args.run) / "eval-longctx"
+        meta["run"] = str(Path(args.run).resolve())
     records = load_records(docs_path)
     group_by = group_key(records, args.group_by, docs_path)
     layers = tuple(int(x) for x in args.layers.split(",") if x.strip()) if args.layers else None
@@ -80,9 +99,8 @@ def _longctx(args: argparse.Namespace) -> int:
     results = longctx_eval(rm, docs, methods=methods, window=args.window,
                            cfg=CamelotConfig(slots=args.slots, threshold=args.threshold, layers=layers),
                            ablations=not args.no_ablations, visibility=args.visibility, log=print)
-    out = Path(args.out) if args.out else Path(args.run) / "eval-longctx"
-    files = write_longctx_report(out, results, meta={"run": str(Path(args.run).resolve()), "docs": str(docs_path),
-                                                     "group_by": group_by})
+    files = write_longctx_report(out, results, meta={**meta, "docs": str(docs_path), "group_by": group_by,
+                                                     "max_docs": args.max_docs})
     print(Path(files["markdown"]).read_text(encoding="utf-8"))
     print(f"report: {Path(files['markdown']).resolve()}")
     return 0

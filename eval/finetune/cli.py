@@ -51,14 +51,19 @@ def _add_adapters(sub: argparse._SubParsersAction) -> None:
     ad = sub.add_parser(
         "adapters",
         help="memory adapters vs full fine-tuning vs LoRA on new facts (seed 004 §7.3)",
-        description="Fine-tunes a bios demo run's pretrained anchor on facts about new entities under four "
-                    "conditions (full, lora, mem_adapter, mem_adapter+lora) from the same weights, and measures "
-                    "learning (new-fact accuracy), forgetting (old-fact accuracy, held-out perplexity), trainable "
-                    "parameters, bank bytes, FLOPs per token and step time. Writes OUT/results.json, OUT/report.md, "
-                    "OUT/pareto.png (default OUT: ROOT/adapters). Grid: eval/yamls/adapters.yaml.",
+        description="Fine-tunes a pretrained model on facts about new entities under four conditions (full, "
+                    "lora, mem_adapter, mem_adapter+lora) from the same weights, and measures learning (new-fact "
+                    "accuracy), forgetting (old-fact accuracy, held-out perplexity; with held_out_text=FILE.jsonl "
+                    "the perplexity of real text), trainable parameters, bank bytes, FLOPs per token and step "
+                    "time. The model: a bios demo run's anchor (ROOT/train/anchor, or run=FOLDER) or a real "
+                    "pretrained Hugging Face model, run=smollm2-135m or run=gemma3-270m (`make pretrained`). "
+                    "Writes OUT/results.json, OUT/report.md, OUT/pareto.png (default OUT: ROOT/adapters). Grid: "
+                    "eval/yamls/adapters.yaml.",
     )
-    ad.add_argument("root", help="a bios demo run (memtree demo's --root): corpus.json, facts.jsonl, train/anchor")
-    add_overrides(ad, "n_facts=… epochs=… run=…", what="eval.finetune.adapters.AdaptersConfig key=value overrides")
+    ad.add_argument("root", help="a bios demo run (memtree demo's --root): corpus.json, facts.jsonl, heldout.jsonl "
+                                 "and, unless run= names a pretrained model, train/anchor")
+    add_overrides(ad, "n_facts=… epochs=… run=smollm2-135m held_out_text=…",
+                  what="eval.finetune.adapters.AdaptersConfig key=value overrides")
     ad.add_argument("--config", help="YAML with the grid (default eval/yamls/adapters.yaml)")
     ad.add_argument("--out", help="report folder (default ROOT/adapters; the same as out=PATH)")
     ad.set_defaults(func=_adapters)

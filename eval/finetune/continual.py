@@ -214,7 +214,7 @@ def fact_task(root: Path, out: Path, cfg, rm) -> tuple[list, list, list, list, l
     records = write_stream(facts, out / "stream.jsonl", cfg.paraphrases, cfg.seed)
     new = build_probes([{**f, "mentions": 0} for f in facts], seed=cfg.seed)
     held = [r for _, r in iter_jsonl(root / "heldout.jsonl")][: cfg.held_out_docs]
-    limit = rm.model.config.max_seq_len
+    limit = rm.max_seq_len
     batches = [(rid, *batch_tensors(texts, rm.encode, pad_id=rm.eot_id, max_len=limit, where=f"fact {rid}:"))
                for rid, texts in records]
     return records, new, old_probes(root, cfg), held, batches
@@ -473,14 +473,19 @@ BLOCK_STYLE = {"tfidf": {"c": "tab:green", "marker": "o"}, "all_fetched": {"c": 
 BLOCK_LABEL = {"tfidf": "TF-IDF units", "all_fetched": "every fetched block", "anchor": "anchor finetune"}
 
 
+PARETO_PANELS = (("old_accuracy", "old-fact accuracy (forgetting ↓)"),
+                 ("perplexity", "held-out perplexity (forgetting ↑)"))
+
+
 def plot_pareto(series: Sequence[tuple[str, Sequence[dict[str, Any]], dict[str, Any]]], before: dict[str, Any],
-            chance: float, title: str, path: Path) -> None:
-    """Learning (x) against each forgetting measure (old-fact accuracy, held-out perplexity), one
-    marker per configuration: series of (label, rows, scatter style)."""
-    fig = new_figure(11.0, 4.2)
-    for j, (key, ylabel) in enumerate((("old_accuracy", "old-fact accuracy (forgetting ↓)"),
-                                       ("perplexity", "held-out perplexity (forgetting ↑)"))):
-        ax = fig.add_subplot(1, 2, j + 1)
+            chance: float, title: str, path: Path,
+            panels: Sequence[tuple[str, str]] = PARETO_PANELS) -> None:
+    """Learning (x) against each forgetting measure (`panels`: (key of the measures, axis label);
+    default old-fact accuracy and held-out perplexity), one marker per configuration: series of
+    (label, rows, scatter style)."""
+    fig = new_figure(5.5 * len(panels), 4.2)
+    for j, (key, ylabel) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), j + 1)
         for label, rows, style in series:
             if rows:
                 ax.scatter([r["after"]["new_accuracy"] for r in rows], [r["after"][key] for r in rows],
@@ -489,7 +494,7 @@ def plot_pareto(series: Sequence[tuple[str, Sequence[dict[str, Any]], dict[str, 
         ax.axvline(chance, color="grey", lw=0.8, ls=":")
         ax.set_xlabel("new-fact accuracy (learning)")
         ax.set_ylabel(ylabel)
-        if key == "perplexity":  # a blown-up configuration would flatten the rest
+        if key.endswith("perplexity"):  # a blown-up configuration would flatten the rest
             ax.set_yscale("log")
         ax.legend(fontsize=8)
     fig.suptitle(title)

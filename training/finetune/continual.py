@@ -21,6 +21,11 @@ Methods (`method`):
                  layers has its own memory trained this way instead (its pretrained bank). AdamW.
   mem_adapter+lora  both: the adapters and LoRA on the base's matrices (merged at the end).
 
+`Finetuner` and `finetune_stream` also take a Hugging Face causal LM in place of the anchor (what
+`memtree eval adapters` does with a pretrained model): full, lora and the mem_adapter methods on it,
+its memory adapters `training/finetune/hf_adapters.py`'s `HFMemAdapter` (forward hooks; the
+adapter's modules sit beside the model, not in its state dict).
+
 What the run leaves in `save_folder`: anchor.safetensors and memtree_config.json (a run folder
 that `load_run` / `memtree eval` open like any other), the background counts it was given
 (pkm_background/, so a later finetune can continue), and finetune.json (format memtree-finetune
@@ -56,6 +61,7 @@ from memtree.io import (
 )
 from memtree.training.data import build_dataloader
 from memtree.training.finetune.adapters import AdapterSpec, adapter_groups, attach_to_anchor
+from memtree.training.finetune.hf_adapters import HFMemAdapter
 from memtree.training.finetune.lora import add_lora, merge_lora
 from memtree.training.finetune.slots import (
     BACKGROUND_DIR,
@@ -216,15 +222,20 @@ def load_background(folder: str | Path, model: nn.Module) -> dict[int, Backgroun
 
 
 class Finetuner:
-    """Applies one method to an in-memory anchor (`AnchorLM`): `step(ids, real)` per batch.
+    """Applies one method to an in-memory anchor (`AnchorLM`, or a Hugging Face causal LM):
+    `step(ids, real)` per batch.
 
     The model is changed in place (LoRA adapters are added on construction and folded back by
-    `finish`). background: per memory layer, required by sparse_memory with ranking tfidf."""
+    `finish`; an HF model's memory adapters stay hooked in after `finish`, `hf_adapter`).
+    background: per memory layer, required by sparse_memory with ranking tfidf."""
 
     def __init__(self, model: nn.Module, spec: FinetuneSpec, *,
                  background: dict[int, BackgroundCounts] | None = None) -> None:
         self.model, self.spec = model, spec
-        self.memory = {i: b.pkm for i, b in enumerate(model.blocks) if getattr(b, "pkm", None) is not None}
+        self.hf = not hasattr(model, "blocks")  # memtree's AnchorLM has blocks; an HF model, decoder layers
+        self.hf_adapter: HFMemAdapter | None = None
+        self.memory = {} if self.hf else {i: b.pkm for i, b in enumerate(model.blocks)
+                                          if getattr(b, "pkm", None) is not None}
         self.background = background or {}
         if spec.method == "sparse_memory":
             if not self.memory:
@@ -258,16 +269,22 @@ class Finetuner:
         groups = None
         self.adapter = None
         if spec.method.startswith("mem_adapter"):
-            if model.config.moc is None:  # a pretrained MoC model keeps (and trains) its own memory
-                # the adapters' init follows the torch seed the caller set, like LoRA's A
-                self.adapter = attach_to_anchor(model, spec.adapter, seed=int(torch.initial_seed()) % 2**31)
-            mem = adapter_groups(model, spec.adapter)
+            # the adapters' init follows the torch seed the caller set, like LoRA's A
+            seed = int(torch.initial_seed()) % 2**31
+            if self.hf:  # the base's trainability is set above (frozen, or LoRA's alone)
+                self.hf_adapter = HFMemAdapter(model, spec.adapter, seed=seed, freeze_base=False)
+                mem = self.hf_adapter.adapter_parameters()
+            else:
+                if model.config.moc is None:  # a pretrained MoC model keeps (and trains) its own memory
+                    self.adapter = attach_to_anchor(model, spec.adapter, seed=seed)
+                mem = adapter_groups(model, spec.adapter)
             dense = params + [p for p in mem["layers"] + mem["kv"] if p.requires_grad]
             bank = [p for p in mem["bank"] if p.requires_grad]
             groups = [{"params": dense}] + ([{"params": bank, "lr": spec.lr * spec.adapter.bank_lr_factor,
                                                "weight_decay": 0.0}] if bank else [])
             params = dense + bank
         self.params = params
+        self.n_trainable = sum(p.numel() for p in {id(p): p for p in params}.values())
         if spec.resolved_optimizer == "sgd":
             # plain SGD (no momentum, no decay): the only torch optimizer that takes the memory's
             # sparse gradients as they are, and the seed's choice for sparse memory finetuning
@@ -280,12 +297,15 @@ class Finetuner:
     def step(self, ids: Tensor, real: Tensor, *, where: str = "") -> dict[str, Any]:
         """One gradient step on a batch: ids, real (B, S). Returns the loss and, for
         sparse_memory, per layer the slots accessed and trained."""
-        self.model.train()
+        self.module.train()
         rec = {}
         sparse = self.spec.method == "sparse_memory"
         with recording(self.model) if sparse else contextlib.nullcontext() as logs:  # only sparse needs the slots
-            loss = lm_loss(self.model(ids), ids, real)
-        aux = self.model.moc_aux_loss() if self.spec.method.startswith("mem_adapter") else None
+            logits = self.model(input_ids=ids, use_cache=False).logits if self.hf else self.model(ids)
+            loss = lm_loss(logits, ids, real)
+        aux = None
+        if self.spec.method.startswith("mem_adapter"):
+            aux = self.hf_adapter.aux_loss() if self.hf else self.model.moc_aux_loss()
         self.opt.zero_grad(set_to_none=True)
         (loss if aux is None else loss + aux).backward()
         if sparse:
@@ -308,15 +328,26 @@ class Finetuner:
                     m.values.weight.grad = keep_rows(g, keep)
                 rec[f"layer_{i}"] = {"accessed": accessed, "trained": int(keep.sum())}
         self.opt.step()
-        self.model.eval()
+        self.module.eval()
         self.n_steps += 1
         return {"loss": float(loss), **rec}
+
+    @property
+    def module(self) -> nn.Module:
+        """What trains: the model, or the HF memory adapter that holds it beside its own modules."""
+        return self.hf_adapter if self.hf_adapter is not None else self.model
+
+    def added_state(self) -> dict[str, Tensor]:
+        """Tensors the finetune added outside the model's state dict: an HF model's memory adapters."""
+        if self.hf_adapter is None:
+            return {}
+        return {f"mem_adapter.{k}": v for k, v in self.hf_adapter.state_dict().items() if not k.startswith("hf.")}
 
     def finish(self) -> None:
         """Fold LoRA adapters into the weights and leave every parameter frozen."""
         if self.spec.method in ("lora", "mem_adapter+lora"):
             merge_lora(self.model)
-        for p in self.model.parameters():
+        for p in self.module.parameters():
             p.requires_grad_(False)
         self.opt.zero_grad(set_to_none=True)
 
@@ -325,15 +356,16 @@ def snapshot(model: nn.Module) -> dict[str, Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def changes(before: dict[str, Tensor], model: nn.Module) -> dict[str, Any]:
+def changes(before: dict[str, Tensor], model: nn.Module, *, added: dict[str, Tensor] | None = None) -> dict[str, Any]:
     """What finetuning changed: parameters (elements), bytes (elements × their size), and per
     tensor the rows (first dimension) that differ: what a device would have to rewrite. Tensors
-    the finetune added (memory adapters) count under added_elements / added_bytes."""
+    the finetune added (memory adapters: new keys of the state dict, or `added` beside it) count
+    under added_elements / added_bytes."""
     after = model.state_dict()
     gone = sorted(set(before) - set(after))
     if gone:
         raise ValueError(f"state dict keys disappeared: {gone[:4]}")
-    new = [after[k] for k in sorted(set(after) - set(before))]
+    new = [after[k] for k in sorted(set(after) - set(before))] + list((added or {}).values())
     n = rows = nbytes = 0
     tensors = {}
     for k, b in before.items():
@@ -354,8 +386,9 @@ def changes(before: dict[str, Tensor], model: nn.Module) -> dict[str, Any]:
 def finetune_stream(model: nn.Module, batches: Iterable[tuple[str, Tensor, Tensor]], spec: FinetuneSpec, *,
                     background: dict[int, BackgroundCounts] | None = None, progress: bool = True,
                     on_record: Callable[[int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Stream (record id, ids, real) batches through `Finetuner`; returns the step log and what
-    changed. The model is changed in place and left in eval mode with LoRA merged."""
+    """Stream (record id, ids, real) batches through `Finetuner`; returns the step log, the
+    trainable parameters (counted on the built modules) and what changed. The model is changed in
+    place and left in eval mode with LoRA merged (an HF model keeps its memory adapters hooked in)."""
     before = snapshot(model)
     ft = Finetuner(model, spec, background=background)
     log = []
@@ -368,7 +401,7 @@ def finetune_stream(model: nn.Module, batches: Iterable[tuple[str, Tensor, Tenso
             on_record(k, rec)
     ft.finish()
     return {"records": len(log), "steps": ft.n_steps, "seconds": round(time.time() - t0, 2), "log": log,
-            "changed": changes(before, model)}
+            "trainable": ft.n_trainable, "changed": changes(before, model, added=ft.added_state())}
 
 
 def read_stream(path: str | Path, max_records: int = 0) -> list[tuple[str, list[str]]]:
