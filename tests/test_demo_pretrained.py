@@ -163,7 +163,7 @@ def test_the_demo_runs_one_frozen_memory_stage_on_the_model_tokenised_with_its_o
 
     pipeline, defaults = pretrained_overrides("smollm2-135m", None, ["tree.levels=3"], ["data.batch_size=4"])
     assert pipeline == ["tree.levels=3", "window.tokenizer=smollm2-135m"]
-    assert defaults == ["memory.multipliers=[0,96,160]"] and PRETRAINED_MULTIPLIERS["smollm2-135m"] == (0, 96, 160)
+    assert defaults == ["memory.multipliers=[0,48,80]"] and PRETRAINED_MULTIPLIERS["smollm2-135m"] == (0, 48, 80)
     # the caller's own memory size wins; the model's own tokenizer named again is fine
     assert pretrained_overrides("smollm2-135m", "frozen", ["window.tokenizer=smollm2-135m"],
                                  ["memory.multipliers=[0,8,16]"]) == (
