@@ -112,7 +112,9 @@ class RealTextConfig:
         if self.window_tokens < 2:
             raise ConfigError(f"window_tokens must be >= 2, got {self.window_tokens}")
         units = {_split(getattr(self, k), k)[1] for k in ("anchor_duration", "cotrain_duration")}
-        if len(units) > 1:
+        # only dense-1x adds the two durations; a pretrained anchor has no anchor stage at all
+        needs_sum = not self.anchor and (self.dense or any(r.start == "dense-1x" for r in self.selected()))
+        if len(units) > 1 and needs_sum:
             raise ConfigError(f"anchor_duration {self.anchor_duration!r} and cotrain_duration {self.cotrain_duration!r} "
                               "must share a unit (dense-1x trains for their sum)")
         late = [r.name for r in self.selected() if r.start == "dense-1x"]

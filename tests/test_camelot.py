@@ -319,6 +319,59 @@ def test_xl_on_hf_equals_the_model_on_both_windows(kind):
 
 
 # -- the hookup on frozen models -------------------------------------------------------------------
+def _sink_plus_window(logits_of, ids: torch.Tensor, sink: int, window: int) -> torch.Tensor:
+    """Per-token NLL of each window read after the document's first `sink` tokens, by a plain
+    forward over [sink tokens, window] (the first window alone)."""
+    out = []
+    for start in range(0, ids.numel() - 1, window):
+        x, y = ids[start:start + window], ids[start + 1:start + window + 1]
+        pre = ids[:sink] if start else ids[:0]
+        with torch.no_grad():
+            logits = logits_of(torch.cat([pre, x])[None])[0, pre.numel():]
+        out.append(F.cross_entropy(logits[:len(y)], y, reduction="none"))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("kind", ["anchor", "llama", "gemma"])
+def test_sink_on_base_equals_the_model_on_sink_plus_window(kind):
+    if kind == "anchor":
+        model, vocab = _anchor(), ANCHOR.vocab_size
+        logits_of = model
+    else:
+        model, vocab = _hf(kind), VOCAB  # gemma: sliding window 4 covers the sink positions too
+        logits_of = lambda x: model(input_ids=x).logits
+    ids = torch.randint(0, vocab, (27,), generator=torch.Generator().manual_seed(1))
+    sunk = longdoc_token_nll(model, ids, method="base", window=8, sink=3)
+    assert torch.allclose(sunk, _sink_plus_window(logits_of, ids, 3, 8), atol=1e-5)
+    plain = longdoc_token_nll(model, ids, method="base", window=8)
+    assert torch.equal(sunk[:8], plain[:8])  # the first window is the document's start either way
+    assert not torch.allclose(sunk[8:], plain[8:], atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["anchor", "llama"])
+def test_sink_joins_xl_from_the_third_window_and_memories_from_the_second(kind):
+    model = _anchor() if kind == "anchor" else _hf(kind)
+    ids = torch.randint(0, min(VOCAB, ANCHOR.vocab_size), (30,), generator=torch.Generator().manual_seed(2))
+    cfg = CamelotConfig(slots=16, threshold=0.5, search="exact")
+    xl, xl_sunk = (longdoc_token_nll(model, ids, method="xl", window=8, sink=s) for s in (0, 2))
+    assert torch.allclose(xl[:16], xl_sunk[:16], atol=1e-6) and not torch.allclose(xl[16:], xl_sunk[16:], atol=1e-4)
+    for method in ("memorizing", "camelot"):
+        a, b = (longdoc_token_nll(model, ids, method=method, window=8, cfg=cfg, sink=s) for s in (0, 2))
+        assert torch.equal(a[:8], b[:8]) and not torch.allclose(a[8:16], b[8:16], atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["base", "camelot", "memorizing"])
+def test_sink_does_not_leak_later_tokens(method):
+    model = _anchor()
+    ids = torch.randint(0, ANCHOR.vocab_size, (32,), generator=torch.Generator().manual_seed(3))
+    changed = ids.clone()
+    changed[20] = (ids[20] + 7) % ANCHOR.vocab_size
+    cfg = CamelotConfig(slots=16, threshold=0.5, search="exact")
+    a = longdoc_token_nll(model, ids, method=method, window=8, cfg=cfg, sink=4)
+    b = longdoc_token_nll(model, changed, method=method, window=8, cfg=cfg, sink=4)
+    assert torch.allclose(a[:19], b[:19], atol=1e-6, rtol=0)
+
+
 def _snapshot(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -437,6 +490,10 @@ def test_window_longer_than_the_context_is_an_error():
     assert longdoc_nll(model, ids, method="base", window=32)[1] == 39
     with pytest.raises(ValueError, match="window=40"):
         longdoc_nll(_hf("qwen"), ids, method="xl", window=40)
+    with pytest.raises(ValueError, match=r"window=16: 2·window \(memory prefix \+ window\) \+ sink = 33"):
+        longdoc_nll(model, ids, method="camelot", window=16, sink=1)
+    with pytest.raises(ValueError, match="sink must be a non-negative integer, got -1"):
+        longdoc_nll(model, ids, method="base", window=8, sink=-1)
 
 
 def test_mismatched_memory_names_the_field():

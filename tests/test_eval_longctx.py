@@ -219,6 +219,13 @@ def test_cli_end_to_end_on_a_tiny_run(tmp_path, capsys):
     assert json.loads((tmp_path / "l" / "results.json").read_text())["longctx"]["camelot_config"]["layers"] == [1]
     cb, fb = causal["methods"]["camelot"]["by_position"], full["methods"]["camelot"]["by_position"]
     assert cb[0]["sum_nll"] == fb[0]["sum_nll"] and cb[1]["sum_nll"] != fb[1]["sum_nll"]
+    # --sink reaches the hookup: the first window is the document's start either way, later ones change
+    assert main([*base_args, "--sink", "2", "--out", str(tmp_path / "s")]) == 0
+    sunk = json.loads((tmp_path / "s" / "results.json").read_text())["longctx"]
+    assert sunk["sink"] == 2 and causal["sink"] == 0
+    assert "attention sink: the document's first 2 tokens" in (tmp_path / "s" / "report.md").read_text()
+    sb = sunk["methods"]["camelot"]["by_position"]
+    assert sb[0]["sum_nll"] == cb[0]["sum_nll"] and sb[1]["sum_nll"] != cb[1]["sum_nll"]
     # a window the model cannot hold: an error naming window
     assert main(["eval", "longctx", str(run), "--window", "20", "--out", str(out)]) != 0
     assert "window=20" in capsys.readouterr().err

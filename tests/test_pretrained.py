@@ -361,3 +361,23 @@ def test_camelot_reads_smollm2_by_name(smollm2, tmp_path):
     assert 0 < methods["camelot"]["perplexity"] < 100
     assert "SmolLM2-135M-Instruct (smollm2-135m), GGUF Q4_1" in data["meta"]["model"]
     assert (out / "report.md").is_file() and (out / "ppl_vs_length.png").is_file()
+    # the README's line, with an attention sink: on the real model, base + sink is exactly a plain
+    # forward over [the document's first 4 tokens, the window]
+    subprocess.run([sys.executable, "-m", "memtree", "eval", "longctx", "smollm2-135m", "--docs", str(docs),
+                    "--sink", "4", "--window", "16", "--slots", "64", "--method", "base,xl", "--no-ablations",
+                    "--out", str(tmp_path / "sunk")], check=True, capture_output=True, text=True, cwd=tmp_path,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    sunk = json.loads((tmp_path / "sunk" / "results.json").read_text())["longctx"]
+    assert sunk["sink"] == 4 and sunk["methods"]["xl"]["ratio_to_base"] < 0.7
+    import torch
+    import torch.nn.functional as F
+
+    from memtree.pretrained import load_pretrained
+    from memtree.training.camelot.longdoc import longdoc_token_nll
+
+    rm = load_pretrained("smollm2-135m")
+    ids = torch.tensor(rm.encode(CHECK_TEXT)[:40])
+    got = longdoc_token_nll(rm.model, ids, method="base", window=16, sink=4)
+    with torch.no_grad():
+        logits = rm.model(input_ids=torch.cat([ids[:4], ids[16:32]])[None]).logits[0, 4:]
+    assert torch.allclose(got[16:32], F.cross_entropy(logits.float(), ids[17:33], reduction="none"), atol=1e-3)

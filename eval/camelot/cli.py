@@ -50,6 +50,10 @@ def _add_longctx(sub: argparse._SubParsersAction) -> None:
                          "default) or full (all L, as the seed's prefix reads — leaks the next token through "
                          "the key it was retrieved with, so its perplexity is not a fair score; "
                          "training/camelot/longdoc.py)")
+    lc.add_argument("--sink", type=int, default=0,
+                    help="keep the document's first N tokens as an attention sink before every later window, for "
+                         "every method, base included (default 0: none, the seed's setting; 4 as StreamingLLM for a "
+                         "pretrained model, whose attention leans on the sequence's first tokens)")
     lc.add_argument("--out", help="report directory (default RUN/eval-longctx; for a pretrained model "
                                   "runs/longctx-NAME)")
     lc.set_defaults(func=_longctx)
@@ -98,7 +102,8 @@ def _longctx(args: argparse.Namespace) -> int:
                                  max_docs=args.max_docs)
     results = longctx_eval(rm, docs, methods=methods, window=args.window,
                            cfg=CamelotConfig(slots=args.slots, threshold=args.threshold, layers=layers),
-                           ablations=not args.no_ablations, visibility=args.visibility, log=print)
+                           ablations=not args.no_ablations, visibility=args.visibility, sink=args.sink,
+                           log=print)
     files = write_longctx_report(out, results, meta={**meta, "docs": str(docs_path), "group_by": group_by,
                                                      "max_docs": args.max_docs})
     print(Path(files["markdown"]).read_text(encoding="utf-8"))

@@ -82,12 +82,13 @@ def _ppl(sum_nll: float, n: int) -> float | None:
 
 
 def _score(model: nn.Module, docs: Sequence[torch.Tensor], *, method: str, window: int,
-           cfg: CamelotConfig, visibility: str, buckets: Sequence[tuple[int, int]]) -> dict[str, Any]:
+           cfg: CamelotConfig, visibility: str, sink: int, buckets: Sequence[tuple[int, int]]) -> dict[str, Any]:
     t0 = time.perf_counter()
     sums = [0.0] * len(buckets)
     counts = [0] * len(buckets)
     for ids in docs:
-        nll = longdoc_token_nll(model, ids, method=method, window=window, cfg=cfg, visibility=visibility)
+        nll = longdoc_token_nll(model, ids, method=method, window=window, cfg=cfg, visibility=visibility,
+                                sink=sink)
         nll = nll.double().cpu()  # nll[t]: the prediction made at token t (of token t + 1)
         for b, (lo, hi) in enumerate(buckets):
             part = nll[lo:hi]
@@ -102,7 +103,7 @@ def _score(model: nn.Module, docs: Sequence[torch.Tensor], *, method: str, windo
 
 def longctx_eval(model: Any, docs: Iterable[Sequence[int] | torch.Tensor], *,
                  methods: Sequence[str] = METHODS, window: int = 128, cfg: CamelotConfig | None = None,
-                 ablations: bool = True, visibility: str = "causal",
+                 ablations: bool = True, visibility: str = "causal", sink: int = 0,
                  log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Perplexity per method, per input-length bucket, and CAMELoT's ablations (module docstring).
 
@@ -110,13 +111,14 @@ def longctx_eval(model: Any, docs: Iterable[Sequence[int] | torch.Tensor], *,
     modified. docs: token-id sequences. cfg: the memories' settings (slots M, threshold R, layers);
     the Memorizing baseline holds the same M entries. ablations: also run the four CAMELoT
     ablations when "camelot" is among `methods`. Ratios are to base's perplexity (None without
-    "base" among the methods)."""
+    "base" among the methods). sink: the document's first `sink` tokens kept before every later
+    window, for every method, base included (`training.camelot.longdoc`, "Attention sink")."""
     methods = list(dict.fromkeys(methods))
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise ValueError(f"methods {bad or methods!r}: choose among {list(METHODS)}")
     lm = frozen_lm(model)
-    check_window(lm, window, methods)
+    check_window(lm, window, methods, sink)
     cfg = cfg or CamelotConfig()
     kept, skipped, lengths = [], 0, []
     for doc in docs:
@@ -135,7 +137,8 @@ def longctx_eval(model: Any, docs: Iterable[Sequence[int] | torch.Tensor], *,
                  for switch, name in ABLATIONS.items()]
     rows: dict[str, dict[str, Any]] = {}
     for name, method, c in runs:
-        rows[name] = _score(lm, kept, method=method, window=window, cfg=c, visibility=visibility, buckets=buckets)
+        rows[name] = _score(lm, kept, method=method, window=window, cfg=c, visibility=visibility, sink=sink,
+                            buckets=buckets)
         if log:
             log(f"{name}: perplexity {rows[name]['perplexity']:.4g} ({rows[name]['seconds']:.1f} s)")
     base = rows.get("base", {}).get("perplexity")
@@ -144,7 +147,7 @@ def longctx_eval(model: Any, docs: Iterable[Sequence[int] | torch.Tensor], *,
         row["ratio_to_base"] = row["perplexity"] / base if base else None
         if name in ABLATIONS.values():
             row["ratio_to_camelot"] = row["perplexity"] / cam if cam else None
-    return {"window": window, "visibility": visibility, "camelot_config": to_dict(cfg),
+    return {"window": window, "visibility": visibility, "sink": sink, "camelot_config": to_dict(cfg),
             "context": context_limit(lm),
             "docs": {"n_docs": len(kept), "skipped_empty": skipped, "n_tokens": sum(lengths),
                      "min_tokens": min(lengths), "mean_tokens": sum(lengths) / len(lengths),
@@ -232,7 +235,10 @@ def write_longctx_report(out_dir: str | Path, results: dict[str, Any],
     cfg = r["camelot_config"]
     lines = ["# memtree long-context evaluation (CAMELoT, seed 001)", ""]
     lines += [f"- {k}: {v}" for k, v in (meta or {}).items()]
+    sink = r.get("sink", 0)
     lines += [f"- window L = {r['window']} tokens (model context {r['context']}), visibility {r['visibility']}",
+              (f"- attention sink: the document's first {sink} tokens before every later window, every method "
+               "(base = window + sink)" if sink else "- no attention sink (the seed's setting)"),
               (f"- memory: M = {cfg['slots']} slots per layer and KV head, R = {cfg['threshold']}, "
                f"layers {cfg['layers'] if cfg['layers'] is not None else 'all'}"),
               (f"- documents: {d['n_docs']} scored ({d['n_tokens']} tokens; {d['min_tokens']}–{d['max_tokens']}, "

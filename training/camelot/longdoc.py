@@ -48,9 +48,20 @@ only the HF version, batch size, R and ablations; §2 says the retrieved keys an
 With this choice "xl" over two windows equals the plain model over both windows at once
 (tested), which pins the augment math down.
 
+Attention sink (`sink=S`, off by default: the seed has none). A pretrained LM puts much of its
+attention on the sequence's first tokens (StreamingLLM, Xiao et al. 2024); a window read after a
+prefix of retrieved or cached tokens has no such token, and on SmolLM2 XL's cache turns 28 %
+worse than the window alone from the third window on (docs/BENCHMARKS.md). With S > 0 every
+layer keeps the keys (before RoPE) and values of the document's first S tokens, as the first
+window computed them, and prepends them to every later window at positions 0..S−1, visible to
+every query; the memory's prefix follows at S..S+P−1 and the window at S+P... Every method gets
+it, base too (window + sink: StreamingLLM without its cache), so the methods still differ only
+by their memory; XL gets it from the third window on (its second window's cache already starts
+with those tokens). The sink's tokens are scored once, in the first window, like every token.
+
 Models:
-- memtree's `AnchorLM` (training/model.py): each memory layer's `Attention.attn_core` is set for
-  the run; it receives q, k, v before RoPE, rotates them itself and attends over the prefix.
+- memtree's `AnchorLM` (training/model.py): each memory layer's (with a sink: every layer's)
+  `Attention.attn_core` is set for the run; it receives q, k, v before RoPE, rotates them itself and attends over the prefix.
 - HF Llama / Qwen2 / Gemma 3 causal LMs (training/hf.py loads them; `HFMemoryModel` and
   `MemtreeLM` are unwrapped): a registered HF attention function ("memtree_camelot") is made the
   model's attention implementation for the run. HF hands it q and k after RoPE; a pre-hook on
@@ -129,20 +140,31 @@ def prefix_attention(q: Tensor, k: Tensor, v: Tensor, pk: Tensor, pv: Tensor, fi
 
 
 class _Run:
-    """One document pass: the method's memory and the window in flight (its length and the
-    position `offset` its first token takes, = the prefix length P)."""
+    """One document pass: the method's memory, the attention sink and the window in flight (its
+    position `offset` = the length of everything prepended to it: sink S, then prefix P)."""
 
-    def __init__(self, method: str, memory: CamelotMemory | None, visibility: str) -> None:
-        self.method, self.memory, self.visibility = method, memory, visibility
+    def __init__(self, method: str, memory: CamelotMemory | None, visibility: str, sink: int = 0) -> None:
+        self.method, self.memory, self.visibility, self.sink = method, memory, visibility, sink
         self.offset = 0
+        self.index = -1  # the window's number in the document
+        self.sink_len = 0  # sink tokens held (the first window may be shorter than `sink`)
+        self.sink_on = False  # whether this window is given the sink
+        # layer → the first window's first sink_len keys (before RoPE) and values, (H_kv, S, D)
+        self.sink_kv: dict[int, tuple[Tensor, Tensor]] = {}
 
     def start_window(self, length: int) -> None:
+        self.index += 1
+        if self.index == 0:
+            self.sink_len = min(self.sink, length)
+        # XL's second window caches the first whole, sink included: the sink joins from the third
+        self.sink_on = self.sink_len > 0 and self.index >= (2 if self.method == "xl" else 1)
+        s = self.sink_len if self.sink_on else 0
         if self.method == "base":
-            self.offset = 0
+            self.offset = s
         elif self.method == "xl":  # every XL layer caches the same (previous) window
-            self.offset = max(m.length for m in self.memory.layers.values())
+            self.offset = s + max(m.length for m in self.memory.layers.values())
         else:
-            self.offset = length
+            self.offset = s + length
 
     def end_window(self) -> None:
         if self.memory is not None:
@@ -154,25 +176,38 @@ class _Run:
         """q (1, H, S, D), k, v (1, H_kv, S, D) with q, k rotated at offset..offset+S−1; k_free
         (1, H_kv, S, D) the keys before RoPE. Reads this layer's memory, attends, writes.
         prefix_rope(P) → (cos, sin) (P, D) for positions 0..P−1. → (1, H, S, D)."""
+        if self.index == 0 and self.sink_len:
+            self.sink_kv[layer] = (k_free[0, :, :self.sink_len].clone(), v[0, :, :self.sink_len].clone())
         mem = self.memory.layers.get(layer) if self.memory is not None else None
         prefix, match = (None, None) if mem is None else mem.read(k_free[0])
-        if prefix is None:
+        pks, pvs, firsts = [], [], []
+        s = self.sink_len if self.sink_on else 0
+        if s:  # positions 0..S−1, seen by every query (they are the document's start)
+            sk, sv = self.sink_kv[layer]
+            cos, sin = prefix_rope(s)
+            pks.append(apply_rope(sk.to(device=q.device, dtype=q.dtype), cos, sin)[None])
+            pvs.append(sv.to(device=q.device, dtype=q.dtype)[None])
+            firsts.append(torch.zeros(1, k.shape[1], s, dtype=torch.int64, device=q.device))
+        if prefix is not None:  # positions S..S+P−1
+            pk, pv, first = self._prefix(prefix, q, prefix_rope, s)
+            pks.append(pk), pvs.append(pv), firsts.append(first)
+        if pks:
+            pk, pv, first = torch.cat(pks, 2), torch.cat(pvs, 2), torch.cat(firsts, 2)
+        else:
             pk = pv = k.new_zeros(*k.shape[:2], 0, k.shape[3])
             first = torch.zeros(1, k.shape[1], 0, dtype=torch.int64, device=q.device)
-        else:
-            pk, pv, first = self._prefix(prefix, q, prefix_rope)
         out = prefix_attention(q, k, v, pk, pv, first, scale=scale, sliding_window=sliding_window)
         if mem is not None:
             mem.write(k_free[0], v[0], match)
         return out
 
-    def _prefix(self, prefix: Prefix, q: Tensor, prefix_rope) -> tuple[Tensor, Tensor, Tensor]:
+    def _prefix(self, prefix: Prefix, q: Tensor, prefix_rope, sink: int) -> tuple[Tensor, Tensor, Tensor]:
         p, s = prefix.keys.shape[1], q.shape[2]
-        if p != self.offset:  # the window was positioned for another prefix length
-            raise RuntimeError(f"prefix of {p} entries, but the window sits at "
+        if sink + p != self.offset:  # the window was positioned for another prefix length
+            raise RuntimeError(f"sink of {sink} and prefix of {p} entries, but the window sits at "
                                f"offset {self.offset}")
-        cos, sin = prefix_rope(p)
-        pk = apply_rope(prefix.keys.to(device=q.device, dtype=q.dtype), cos, sin)[None]
+        cos, sin = prefix_rope(sink + p)
+        pk = apply_rope(prefix.keys.to(device=q.device, dtype=q.dtype), cos[sink:], sin[sink:])[None]
         pv = prefix.values.to(device=q.device, dtype=q.dtype)[None]
         if prefix.aligned and self.visibility == "causal":
             first = torch.arange(p, device=q.device).expand(prefix.valid.shape)
@@ -208,7 +243,9 @@ class _AnchorBackend:
 
     @contextlib.contextmanager
     def installed(self, run: _Run) -> Iterator[None]:
-        attns = {i: self.model.blocks[i].attn for i in run.memory.layers}
+        # the sink reaches every layer; the memory only its own
+        layers = range(self.n_layers) if run.sink or run.memory is None else run.memory.layers
+        attns = {i: self.model.blocks[i].attn for i in layers}
         try:
             for i, attn in attns.items():
                 attn.attn_core = _AnchorCore(run, i, self)
@@ -350,8 +387,6 @@ class _HFBackend:
         self.rope.clear()
         self.rotary_of.clear()
         self._tables.clear()
-        if run.method == "base":
-            return self.model(input_ids=ids, use_cache=False).logits
         pos = torch.arange(run.offset, run.offset + ids.shape[1], device=ids.device)[None]
         return self.model(input_ids=ids, position_ids=pos, use_cache=False).logits
 
@@ -405,36 +440,41 @@ def context_limit(model: nn.Module) -> int:
     return int(_backend(model).max_positions)
 
 
-def check_window(model: nn.Module, window: int, methods: Sequence[str]) -> None:
+def check_window(model: nn.Module, window: int, methods: Sequence[str], sink: int = 0) -> None:
     """Errors naming `window` unless every method fits: a memory method positions the window after
-    a prefix of L entries, so it needs 2L positions; base needs L."""
-    _check_window(window, methods, context_limit(model))
+    a prefix of L entries, so it needs 2L positions; base needs L; a sink adds its S to each."""
+    _check_window(window, methods, context_limit(model), sink)
 
 
-def _check_window(window: int, methods: Sequence[str], limit: int) -> None:
+def _check_window(window: int, methods: Sequence[str], limit: int, sink: int = 0) -> None:
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ValueError(f"window must be a positive integer, got {window!r}")
-    need = window if list(methods) == ["base"] else 2 * window
+    if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
+        raise ValueError(f"sink must be a non-negative integer, got {sink!r}")
+    need = (window if list(methods) == ["base"] else 2 * window) + sink
     if need > limit:
-        what = "window" if need == window else "2·window (memory prefix + window)"
+        what = "window" if list(methods) == ["base"] else "2·window (memory prefix + window)"
+        what += " + sink" if sink else ""
         raise ValueError(f"window={window}: {what} = {need} positions exceeds the model's context of {limit}; "
-                         f"use window ≤ {limit if need == window else limit // 2}")
+                         f"use window ≤ {(limit - sink) if list(methods) == ['base'] else (limit - sink) // 2}")
 
 
 def longdoc_token_nll(model: nn.Module, tokens: Tensor | Sequence[int], *,
                       method: Method = "camelot", window: int = 128,
                       cfg: CamelotConfig | None = None, memory: CamelotMemory | None = None,
-                      visibility: Visibility = "causal") -> Tensor:
+                      visibility: Visibility = "causal", sink: int = 0) -> Tensor:
     """Per-token NLL (N − 1,) fp32 of a document of N tokens, window by window (module docstring).
 
     memory: continue from this memory (it is updated in place); None: a fresh one from `cfg`.
+    sink: keep the document's first `sink` tokens as an attention sink before every later window
+    (module docstring, "Attention sink"); 0: none, the seed's setting.
     """
     if method not in METHODS:
         raise ValueError(f"method {method!r} is not one of {list(METHODS)}")
     if visibility not in ("causal", "full"):
         raise ValueError(f"visibility {visibility!r} is not one of 'causal', 'full'")
     b = _backend(model)
-    _check_window(window, [method], b.max_positions)
+    _check_window(window, [method], b.max_positions, sink)
     if method == "base":
         if memory is not None:
             raise ValueError("method 'base' uses no memory, but one was given")
@@ -449,9 +489,9 @@ def longdoc_token_nll(model: nn.Module, tokens: Tensor | Sequence[int], *,
     n = ids.numel()
     if n < 2:
         return torch.zeros(0, device=device)
-    run = _Run(method, memory, visibility)
+    run = _Run(method, memory, visibility, sink)
     losses = []
-    install = contextlib.nullcontext() if method == "base" else b.installed(run)
+    install = contextlib.nullcontext() if method == "base" and not sink else b.installed(run)
     with _frozen(b.model), install:
         for start in range(0, n - 1, window):
             x, y = ids[start:start + window], ids[start + 1:start + window + 1]
@@ -465,10 +505,10 @@ def longdoc_token_nll(model: nn.Module, tokens: Tensor | Sequence[int], *,
 def longdoc_nll(model: nn.Module, tokens: Tensor | Sequence[int], *, method: Method = "camelot",
                 window: int = 128, cfg: CamelotConfig | None = None,
                 memory: CamelotMemory | None = None,
-                visibility: Visibility = "causal") -> tuple[float, int]:
+                visibility: Visibility = "causal", sink: int = 0) -> tuple[float, int]:
     """(summed NLL in nats, tokens scored) of one document; perplexity = exp(sum / n)."""
     nll = longdoc_token_nll(model, tokens, method=method, window=window, cfg=cfg, memory=memory,
-                            visibility=visibility)
+                            visibility=visibility, sink=sink)
     return float(nll.double().sum()), int(nll.numel())
 
 
@@ -486,7 +526,7 @@ class CorpusNLL:
 
 def corpus_nll(model: nn.Module, docs: Iterable[Tensor | Sequence[int]], *,
                method: Method = "camelot", window: int = 128, cfg: CamelotConfig | None = None,
-               visibility: Visibility = "causal") -> CorpusNLL:
+               visibility: Visibility = "causal", sink: int = 0) -> CorpusNLL:
     """Sum of `longdoc_nll` over documents, each with a fresh memory; empty documents (fewer
     than 2 tokens) are skipped and counted."""
     total, n_tok, n_docs, skipped = 0.0, 0, 0, 0
@@ -494,6 +534,7 @@ def corpus_nll(model: nn.Module, docs: Iterable[Tensor | Sequence[int]], *,
         if len(doc) < 2:
             skipped += 1
             continue
-        s, n = longdoc_nll(model, doc, method=method, window=window, cfg=cfg, visibility=visibility)
+        s, n = longdoc_nll(model, doc, method=method, window=window, cfg=cfg, visibility=visibility,
+                           sink=sink)
         total, n_tok, n_docs = total + s, n_tok + n, n_docs + 1
     return CorpusNLL(sum_nll=total, n_tokens=n_tok, n_docs=n_docs, skipped_empty=skipped)
