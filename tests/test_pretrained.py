@@ -327,8 +327,8 @@ def test_smollm2_shards_and_post_hoc_training(smollm2, tmp_path, dask_client):
     write_jsonl(tmp_path / "corpus" / "test.jsonl", [{"text": r["text"]} for r in records[:4]])
     (tmp_path / "pipeline").symlink_to(out)
     assert main(["eval", "realtext", str(tmp_path), "--config", str(ROOT / "eval/yamls/realtext-pretrained.yaml"),
-                 "cotrain_duration=2ba", "window_tokens=64", "held_out=",
-                 "train=[memory.multipliers=[4,2],memory.lr=5e-2,data.batch_size=2,optim.warmup=1ba]"]) == 0
+                 "cotrain_duration=2ba", "window_tokens=64", f"held_out={tmp_path / 'corpus' / 'test.jsonl'}",
+                 "train=['memory.multipliers=[4,2]',memory.lr=5e-2,data.batch_size=2,optim.warmup=1ba]"]) == 0
     clean_stale_shared_memory()
     rt = json.loads((tmp_path / "realtext" / "results.json").read_text())
     assert rt["pretrained"]["hash"] == read_manifest(smollm2)["hash"]
