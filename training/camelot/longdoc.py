@@ -61,7 +61,8 @@ with those tokens). The sink's tokens are scored once, in the first window, like
 
 Models:
 - memtree's `AnchorLM` (training/model.py): each memory layer's (with a sink: every layer's)
-  `Attention.attn_core` is set for the run; it receives q, k, v before RoPE, rotates them itself and attends over the prefix.
+  `Attention.attn_core` is set for the run; it receives q, k, v before RoPE, rotates them itself
+  and attends over the prefix.
 - HF Llama / Qwen2 / Gemma 3 causal LMs (training/hf.py loads them; `HFMemoryModel` and
   `MemtreeLM` are unwrapped): a registered HF attention function ("memtree_camelot") is made the
   model's attention implementation for the run. HF hands it q and k after RoPE; a pre-hook on
@@ -451,12 +452,12 @@ def _check_window(window: int, methods: Sequence[str], limit: int, sink: int = 0
         raise ValueError(f"window must be a positive integer, got {window!r}")
     if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
         raise ValueError(f"sink must be a non-negative integer, got {sink!r}")
-    need = (window if list(methods) == ["base"] else 2 * window) + sink
+    copies = 1 if list(methods) == ["base"] else 2  # the window, and for a memory its prefix of L
+    need = copies * window + sink
     if need > limit:
-        what = "window" if list(methods) == ["base"] else "2·window (memory prefix + window)"
-        what += " + sink" if sink else ""
+        what = ("window" if copies == 1 else "2·window (memory prefix + window)") + (" + sink" if sink else "")
         raise ValueError(f"window={window}: {what} = {need} positions exceeds the model's context of {limit}; "
-                         f"use window ≤ {(limit - sink) if list(methods) == ['base'] else (limit - sink) // 2}")
+                         f"use window ≤ {(limit - sink) // copies}")
 
 
 def longdoc_token_nll(model: nn.Module, tokens: Tensor | Sequence[int], *,
