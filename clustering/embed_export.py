@@ -15,13 +15,20 @@ On disk (format `memtree-embedder-export`, version 1; a directory, written atomi
 
 The export is keyed by (source weights, calibration texts, max_seq_length): calling
 `export_openvino_int8` again with the same key reuses the directory (a resumed pipeline does not
-re-quantise); any difference rebuilds it.
+re-quantise); any difference rebuilds it. With `cache_dir` (the pipeline passes
+`$MEMTREE_CACHE_DIR/embedder`) a finished export is also kept there under its key's hash, so that
+another run over the same corpus sample (a rerun after the embed stage's settings changed, a second
+output folder) copies it instead of calibrating again: calibration is the int8 path's fixed cost
+(minutes on 2 cores), which on a small corpus can exceed the embedding itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
+import io
+import json
 import logging
 import os
 import shutil
@@ -94,6 +101,25 @@ def quiet_loaders() -> None:
     logging.getLogger("sentence_transformers.backend.utils").setLevel(logging.ERROR)
 
 
+@contextlib.contextmanager
+def _quiet_nncf(quiet: bool):
+    """NNCF's INFO lines go to its own stdout handler and its rich progress bars to the console
+    (sys.stdout at the time they draw): raise its level and send the bars nowhere."""
+    if not quiet:
+        yield
+        return
+    import nncf
+
+    nncf_log = logging.getLogger("nncf")
+    level = nncf_log.level
+    nncf.set_log_level(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        nncf_log.setLevel(level)
+
+
 def read_export(path: str | os.PathLike, *, verify: bool = True) -> dict:
     """export.json of an export directory, after checking format, version and file checksums."""
     d = Path(path)
@@ -113,6 +139,22 @@ def read_export(path: str | os.PathLike, *, verify: bool = True) -> dict:
     return meta
 
 
+def export_key_hash(key: dict) -> str:
+    """The name of an export's entry in the cross-run cache: a hash of its key."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _matches(out: Path, key: dict) -> dict | None:
+    """out's export.json when out holds an intact export of `key`, else None."""
+    if not (out / "export.json").is_file():
+        return None
+    try:
+        old = read_export(out)
+    except (ValueError, FileNotFoundError, KeyError):
+        return None  # a stale or damaged export is rebuilt
+    return old if all(old.get(k) == v for k, v in key.items()) else None
+
+
 def export_openvino_int8(
     source: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -120,11 +162,16 @@ def export_openvino_int8(
     *,
     max_seq_length: int,
     batch_size: int = 16,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
 ) -> dict:
     """Export `source` (a local sentence-transformers dir) to int8 OpenVINO in out_dir → export.json.
 
     The int8 scales are calibrated on `calibration_texts`, tokenised exactly as encode will
-    (truncated at `max_seq_length` word pieces). Reuses out_dir when its key matches.
+    (truncated at `max_seq_length` word pieces). Reuses out_dir when its key matches, else copies
+    the export `cache_dir` keeps for the key, else calibrates (and leaves a copy in `cache_dir`).
+    `progress=False` silences NNCF's progress bars and INFO lines (its warnings stay). The result
+    says how it came: `obtained` is "reused", "cache" or "calibrated" (not written to disk).
     """
     _require_openvino()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -135,14 +182,27 @@ def export_openvino_int8(
     key = {"backend": OPENVINO_INT8, "source_weights_sha256": _weights_sha(src), "quantization": QUANTIZATION,
            "calibration": {"n": len(calibration_texts), "texts_sha256": _texts_sha(calibration_texts),
                            "max_seq_length": max_seq_length}}
-    if (out / "export.json").is_file():
+    old = _matches(out, key)
+    if old is not None:
+        return {**old, "obtained": "reused"}
+    cached = Path(cache_dir) / export_key_hash(key) if cache_dir else None
+    if cached is not None and _matches(cached, key) is not None:
+        with atomic_dir(out) as tmp:
+            shutil.copytree(cached, tmp, dirs_exist_ok=True)
+        return {**read_export(out), "obtained": "cache"}
+    meta = _calibrate(src, out, calibration_texts, key, max_seq_length=max_seq_length, batch_size=batch_size,
+                      progress=progress)
+    if cached is not None:
         try:
-            old = read_export(out)
-            if all(old.get(k) == v for k, v in key.items()):
-                return old
-        except (ValueError, FileNotFoundError, KeyError):
-            pass  # a stale or damaged export is rebuilt below
+            with atomic_dir(cached) as tmp:
+                shutil.copytree(out, tmp, dirs_exist_ok=True)
+        except OSError as e:  # a read-only or full cache costs the next run a calibration, nothing more
+            logging.getLogger(__name__).warning("embedder export not cached in %s: %s", cached, e)
+    return {**meta, "obtained": "calibrated"}
 
+
+def _calibrate(src: Path, out: Path, calibration_texts: Sequence[str], key: dict, *, max_seq_length: int,
+               batch_size: int, progress: bool) -> dict:
     import nncf
     from optimum.intel.openvino import OVConfig, OVQuantizationConfig, OVQuantizer
     from sentence_transformers import SentenceTransformer
@@ -162,12 +222,13 @@ def export_openvino_int8(
     with atomic_dir(out) as tmp, tempfile.TemporaryDirectory(dir=tmp.parent) as qdir:
         model.save_pretrained(str(tmp))
         fp32 = tmp / "openvino"
-        OVQuantizer.from_pretrained(model.transformers_model).quantize(
-            calibration_dataset=nncf.Dataset(feats), save_directory=qdir,
-            # NNCF counts dataset items, here batches: all of them.
-            ov_config=OVConfig(quantization_config=OVQuantizationConfig(num_samples=len(feats),
-                                                                        **QUANTIZATION)),
-        )
+        with _quiet_nncf(not progress):
+            OVQuantizer.from_pretrained(model.transformers_model).quantize(
+                calibration_dataset=nncf.Dataset(feats), save_directory=qdir,
+                # NNCF counts dataset items, here batches: all of them.
+                ov_config=OVConfig(quantization_config=OVQuantizationConfig(num_samples=len(feats),
+                                                                            **QUANTIZATION)),
+            )
         shutil.rmtree(fp32)  # only the int8 network is loaded
         fp32.mkdir()
         stem = Path(OV_INT8_FILE).stem

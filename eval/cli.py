@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from memtree.cli import Commands, add_config, add_overrides, config_and_overrides
+from memtree.cli import Commands, add_config, add_overrides, config_and_overrides, nonneg
 from memtree.eval.cli_common import check_demo_root, config_file, need_file, note, out_override
 from memtree.pretrained import SPECS as PRETRAINED
 
@@ -41,7 +41,7 @@ def _add_knowledge(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tree", help="clustering tree directory (default: tree/ beside the run's shards)")
     p.add_argument("--held-out", help="JSONL of held-out documents ({'text': …}) for perplexity (default: "
                                       "heldout.jsonl beside the run's pipeline run when there, as eval longctx)")
-    p.add_argument("--max-probes", type=int, default=0, help="evaluate at most this many probes (0 = all)")
+    p.add_argument("--max-probes", type=nonneg, default=0, help="evaluate at most this many probes (0 = all)")
     p.add_argument("--block-domains", help="comma-separated domains whose probes' best match gets blocked")
     p.add_argument("--rag", nargs="?", const="", metavar="PIPELINE_RUN",
                    help="add the RAG baseline (App. H): the nearest training window of the question's leaf "
@@ -150,7 +150,7 @@ def _add_demo(cli: Commands) -> None:
                         "sized by --train memory.multipliers=[…] (default: what 24 GB of memory trains, [0,48,80] "
                         "for smollm2-135m, fetched 4.9 %% of the anchor; Table 2's ≈ 10 %% is [0,96,160], see "
                         "`memtree memstore plan --anchor smollm2-135m --memory 0,96,160 --branching 4`)")
-    d.add_argument("--max-probes", type=int, default=0, help="probes to evaluate, evenly spread (0 = all)")
+    d.add_argument("--max-probes", type=nonneg, default=0, help="probes to evaluate, evenly spread (0 = all)")
     d.add_argument("--target-domain", help="blocking target (default: the first domain in sorted order)")
     d.add_argument("--no-rag", action="store_true", help="skip the RAG rows")
     d.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
@@ -270,6 +270,17 @@ def _eval(args: argparse.Namespace) -> int:
                                name=Path(args.block_documents).name, min_share=args.min_share or 0.0, seed=args.seed,
                                allow_missing=args.allow_missing, owner_field=args.owner_field,
                                log=lambda m: note("eval knowledge", m))
+        if probes and facts:
+            from memtree.eval.forgetting import owner_probe_count
+            from memtree.eval.longtail import load_facts
+
+            if owner_probe_count(probes, load_facts(facts), run, owner_ids) == 0:
+                why = (f"none of the {len(probes)} probes evaluated asks a fact only the owner's documents state"
+                       + (f" (--max-probes {args.max_probes} keeps an evenly spread subset; 0 scores all)"
+                          if args.max_probes else ""))
+                if not (args.owner_field and held_out):
+                    raise ValueError(f"--block-documents: {why}")
+                note("eval knowledge", f"--block-documents: {why}; the held-out pages still measure the owner")
     targets = args.block_domains.split(",") if args.block_domains else []
     if targets:  # checked before the slow part: a typo, or no evaluated probe to block for
         from memtree.eval.longtail import load_facts
@@ -392,21 +403,24 @@ def _add_realtext(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser(
         "realtext",
         help="held-out perplexity of anchor / generic / fetched memory and dense-1x on real text",
-        description="On a real-text pipeline run (default ROOT runs/pydocs-short: `memtree pipeline docs-corpus "
-                    "runs/pydocs-short/corpus --max-chars 4000` then `memtree pipeline run "
-                    "pipeline/yamls/pydocs-short.yaml`): trains the demo's anchor, one co-training run per recipe "
-                    "and dense-1x (the anchor's shape for both stages' duration), then scores ROOT/corpus/test.jsonl "
+        description="On a real-text pipeline run: trains an anchor, one co-training run per recipe from it and "
+                    "dense-1x (the anchor's shape for both stages' duration), then scores ROOT/corpus/test.jsonl "
                     "cut into windows, each routed by its own text, with no memory, generic and fetched blocks. "
-                    "Writes OUT/results.json, OUT/report.md, OUT/perplexity.png (default OUT: ROOT/realtext). "
-                    "Recipes: eval/yamls/realtext.yaml; seed 002 Table 2 on a frozen pretrained model: "
-                    "eval/yamls/realtext-pretrained.yaml (`anchor: smollm2-135m`).",
+                    "The default config, eval/yamls/realtext.yaml, is the real-text recipe in the order measured "
+                    "(ROOT runs/realdocs: `memtree pipeline docs-corpus runs/realdocs/corpus --package "
+                    "python3.11-doc --package linux-doc-6.1 --max-chars 10000 --test-fraction 0.16` then "
+                    "`memtree pipeline run pipeline/yamls/realdocs.yaml`). Other configs: "
+                    "eval/yamls/realtext-pydocs.yaml (the bank-LR grid on Python's documentation pages, ROOT "
+                    "runs/pydocs-short), eval/yamls/realtext-tpp.yaml (bank sizes), "
+                    "eval/yamls/realtext-pretrained.yaml (seed 002 Table 2 on a frozen SmolLM2). "
+                    "Writes OUT/results.json, OUT/report.md, OUT/perplexity.png (default OUT: ROOT/realtext).",
     )
     m.add_argument("root", nargs="?",
                    help="holds pipeline/ (shards, tree) and corpus/test.jsonl (default: the config's root, "
-                        "runs/pydocs-short in eval/yamls/realtext.yaml)")
+                        "runs/realdocs in eval/yamls/realtext.yaml)")
     add_overrides(m, "cotrain_duration=3ep held_out=… 'train=[…]'", what="eval.realtext.RealTextConfig key=value overrides")
     m.add_argument("--recipes", help="comma-separated recipe names to run (default: every recipe of the config)")
-    m.add_argument("--config", help="YAML with the recipes (default eval/yamls/realtext.yaml)")
+    m.add_argument("--config", help="YAML with the recipes (default eval/yamls/realtext.yaml, the real-text recipe)")
     m.add_argument("--out", help="report folder (default ROOT/realtext)")
     m.set_defaults(func=_realtext)
 

@@ -206,8 +206,8 @@ def forgetting_eval(rm: RunModel, plan: Mapping[str, Any], *, probes: Sequence[d
     return out
 
 
-def _facts_part(rm: RunModel, probes, facts, run, ids, targets, control, given, paths) -> dict[str, Any]:
-    mine, theirs = fact_statements(facts, run, ids)
+def probe_facts(probes: Sequence[Mapping[str, Any]], facts: Sequence[Mapping[str, Any]]) -> np.ndarray:
+    """The index into `facts` of the fact each probe asks, (n_probes,) int64."""
     key = {(_fold(f"The {f['label']} of {f['reference']} is"), _fold(str(f["value"]))): i for i, f in enumerate(facts)}
     idx = []
     for p in probes:
@@ -216,7 +216,23 @@ def _facts_part(rm: RunModel, probes, facts, run, ids, targets, control, given, 
             raise ValueError(f"probe {p['context']!r}: no fact of the facts file asks it (probes must come from the "
                              "same facts)")
         idx.append(key[k])
-    idx = np.asarray(idx, dtype=np.int64)
+    return np.asarray(idx, dtype=np.int64)
+
+
+def owner_probe_count(probes: Sequence[Mapping[str, Any]], facts: Sequence[Mapping[str, Any]], run: str | Path,
+                      owner_ids: Sequence[str]) -> int:
+    """How many of `probes` ask a fact only the owner's documents state: with none, the owner's row
+    of the report would be empty (an evenly spread --max-probes subset can miss them all)."""
+    if not probes:
+        return 0
+    mine, theirs = fact_statements(facts, run, owner_ids)
+    idx = probe_facts(probes, facts)
+    return int(((mine[idx] > 0) & (theirs[idx] == 0)).sum())
+
+
+def _facts_part(rm: RunModel, probes, facts, run, ids, targets, control, given, paths) -> dict[str, Any]:
+    mine, theirs = fact_statements(facts, run, ids)
+    idx = probe_facts(probes, facts)
     m, o = mine[idx], theirs[idx]
     group = {"owner": (m > 0) & (o == 0), "shared": (m > 0) & (o > 0), "others_only": (m == 0) & (o > 0),
              "unstated": (m == 0) & (o == 0)}

@@ -563,7 +563,8 @@ def run_memories(cfg: MemoriesConfig, *, log: Callable[[str], None] = print) -> 
     probes, held = load_eval_inputs(demo.root / "facts.jsonl", held_out=held_path if held_path.is_file() else None,
                                     max_probes=cfg.max_probes, seed=demo.cfg.seed, epochs=demo.epochs)
     log(f"[eval-memories] {len(rows)} rows × {len(probes)} probes, {len(held)} held-out documents; "
-        f"trained rows: {demo.duration()} from scratch (the demo's anchor + co-training)")
+        f"trained rows: {_given_duration(cfg.train) or demo.duration()} from scratch (the demo's anchor + "
+        f"co-training: {demo.duration()})")
     results: dict[str, dict[str, Any]] = {}
     demo_blocking = read_demo_blocking(demo)
     demo_rows = [r for r in rows if r.kind == "demo"]
@@ -603,6 +604,12 @@ def run_memories(cfg: MemoriesConfig, *, log: Callable[[str], None] = print) -> 
               "chance": 1 / len(probes[0]["choices"]) if probes else None, "demo": _demo_meta(demo),
               "rows": [results[r.name] for r in rows], "seconds": round(time.time() - t0, 1)}
     return write_memories_report(out, report)
+
+
+def _given_duration(overrides: Sequence[str]) -> str | None:
+    """The max_duration a grid-wide `train=[…]` override sets, if one does (the last wins)."""
+    given = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0].strip() == "max_duration"]
+    return given[-1] if given else None
 
 
 def read_demo_blocking(demo: DemoRuns) -> dict[str, Any] | None:

@@ -110,6 +110,17 @@ def _blocking_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def trained_durations(report: dict[str, Any]) -> str:
+    """What the trained rows ran for, as their runs' durations (a `train=[max_duration=…]` override
+    shortens them below the demo's), or the demo's duration when no row was trained."""
+    runs = [r["train"]["duration"] for r in report.get("rows", ()) if r.get("kind") != "demo" and r.get("train")]
+    if not runs:
+        return f"{report['demo']['duration']} (none trained)"
+    distinct = sorted(set(runs), key=runs.index)
+    same = distinct == [report["demo"]["duration"]]
+    return " / ".join(distinct) + (" (the demo's)" if same else f" (the demo's is {report['demo']['duration']})")
+
+
 def header_lines(report: dict[str, Any]) -> list[str]:
     """The report's title and what it ran on: the demo root's training, memory and corpus."""
     demo = report["demo"]
@@ -117,7 +128,7 @@ def header_lines(report: dict[str, Any]) -> list[str]:
              (f"Demo root {report['root']}: {report['n_probes']} probes (chance {_pct(report['chance'])}), "
               f"{report['held_out_documents']} held-out documents; the demo trained {demo['epochs']:g} epochs "
               f"({demo['anchor_epochs']:g} anchor + {demo['cotrain_epochs']:g} co-training), trained rows "
-              f"{demo['duration']}; anchor {human(demo['anchor_params'])} parameters, hierarchical memory "
+              f"{trained_durations(report)}; anchor {human(demo['anchor_params'])} parameters, hierarchical memory "
               f"{human(demo['plan']['fetch_params'])} fetched from a {human(demo['plan']['bank_params'])} bank; "
               f"reference row: {report['reference']}."), ""]
     corpus = demo.get("corpus")

@@ -3,12 +3,15 @@
 The bios demo measures knowledge; a memory that only memorised its documents still wins there. On
 real text the question is whether a fetched block carries what its cluster's documents share, so
 that a page the model never saw reads better with the block its text routes to. This module runs
-the demo's two stages on a real-text pipeline run (default: `pipeline/yamls/pydocs-short.yaml`, the
-openings of the Python documentation's pages) and scores held-out pages:
+two training stages on a real-text pipeline run and scores held-out pages. The default config,
+eval/yamls/realtext.yaml, is the real-text recipe in the order measured (pipeline
+`pipeline/yamls/realdocs.yaml`, stages from `training/yamls/realtext.yaml`, the stage YAMLs a user
+runs alone being training/yamls/realtext-anchor.yaml and realtext.yaml); eval/yamls/realtext-pydocs.yaml
+is the bank-LR grid on the openings of the Python documentation's pages (the demo's YAML):
 
-1. anchor: `training/yamls/demo.yaml`, mode baseline, `anchor_duration` (the demo's anchor stage);
-2. one co-training run per recipe (`recipes`: training overrides on top of the demo's YAML, the
-   first usually none, i.e. the default), from that anchor, for `cotrain_duration`;
+1. anchor: `train_yaml` (default `training/yamls/demo.yaml`), mode baseline, `anchor_duration`;
+2. one co-training run per recipe (`recipes`: training overrides on top of `train_yaml`, none for
+   the YAML as it is), from that anchor, for `cotrain_duration`;
 3. dense-1x: the anchor's shape trained alone for both stages' duration (the same tokens and steps);
 4. held-out: every page of `held_out` (default ROOT/corpus/test.jsonl) cut into windows of
    `window_tokens` tokens; each window is routed by its own text (as the pipeline routed the
@@ -45,7 +48,7 @@ from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl, read_js
 from memtree.tpp import format_tpp_markdown
 from memtree.training.config import load_train_config
 
-DEFAULT_YAML = Path(__file__).resolve().parent / "yamls" / "realtext.yaml"
+DEFAULT_YAML = Path(__file__).resolve().parent / "yamls" / "realtext.yaml"  # the real-text recipe
 SCORES_FILE = "realtext_scores.json"  # a run's per-document held-out sums, reused while its key holds
 
 
@@ -175,12 +178,15 @@ def train_stages(cfg: RealTextConfig, *, log: Callable[[str], None] = print) -> 
                   upstream)
         return runs
     anchor = root / "train" / "anchor"
-    anchor_key = stage("anchor", anchor, ["mode=baseline", "memory.multipliers=[]",
+    # anchor_checkpoint=null: a stage YAML runnable alone (training/yamls/realtext.yaml) names the
+    # anchor its co-training starts from; these two stages start from nothing
+    anchor_key = stage("anchor", anchor, ["mode=baseline", "memory.multipliers=[]", "anchor_checkpoint=null",
                                            f"max_duration={cfg.anchor_duration}"], upstream)
     starts = {"anchor": (anchor, anchor_key)}
     if cfg.dense:
         dense = root / "train" / "dense-1x"
         starts["dense-1x"] = (dense, stage("dense-1x", dense, ["mode=baseline", "memory.multipliers=[]",
+                                                               "anchor_checkpoint=null",
                                                                f"max_duration={total_duration(cfg)}"], upstream))
     for r in cfg.selected():
         folder, key = starts[r.start]
@@ -264,7 +270,7 @@ def score_runs(runs: dict[str, Path], docs: Sequence[dict[str, Any]], tree_dir: 
 
 def run_tpp(folder: Path) -> dict[str, Any] | None:
     """A co-training run's tokens-per-parameter table (`eval.runinfo.run_tpp_table`), with `x`: its
-    smallest level TPP over the run (the level most likely to memorise), or None."""
+    smallest level TPP over the run (the x of the TPP plot), or None."""
     table = run_tpp_table(folder)
     if table is None:
         return None

@@ -39,7 +39,7 @@ from memtree.budget import (
     parse_bytes,
     training_report,
 )
-from memtree.cli import Commands
+from memtree.cli import Commands, nonneg, positive
 from memtree.geometry import (
     MEMORY_TYPES,
     AnchorShape,
@@ -152,10 +152,10 @@ def _add_memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--type", default="ffn", choices=MEMORY_TYPES, help="memory type (default ffn)")
     p.add_argument("--placement", choices=("uniform", "early", "middle", "late", "explicit"),
                    help="which layers carry memory (default uniform; explicit with --layers)")
-    p.add_argument("--placement-layers", type=int, default=10,
+    p.add_argument("--placement-layers", type=positive, default=10,
                    help="layers used by early/middle/late (default 10, as App. F)")
     p.add_argument("--layers", help="explicit memory layers, e.g. 0,5,9 (implies --placement explicit)")
-    p.add_argument("--branching", type=int, help="tree branching factor (default 16; init --tree: the tree's)")
+    p.add_argument("--branching", type=positive, help="tree branching factor (default 16; init --tree: the tree's)")
     p.add_argument("--no-preserve-total", dest="preserve_total", action="store_false",
                    help="give every chosen layer the full multiplier instead of keeping the uniform "
                         "parameter budget")
@@ -185,14 +185,14 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
         "With --ranks, also print the bytes one training rank holds for each layout (replicated or "
         "sharded bank × DDP or FSDP anchor), whether it fits the device and from how many ranks it "
         "would. Activations and workspace are not modelled; --headroom is kept free for them.")
-    t.add_argument("--ranks", type=int, metavar="N", help="data-parallel ranks (GPUs) to plan for")
+    t.add_argument("--ranks", type=positive, metavar="N", help="data-parallel ranks (GPUs) to plan for")
     t.add_argument("--device-memory", metavar="SIZE",
                    help="memory of one device, e.g. 80GiB (GiB/Gi = 2^30 bytes, GB/G = 10^9); "
                         "required with --ranks")
-    t.add_argument("--global-batch", type=int, default=DEFAULT_GLOBAL_BATCH, metavar="SEQS",
+    t.add_argument("--global-batch", type=positive, default=DEFAULT_GLOBAL_BATCH, metavar="SEQS",
                    help=f"sequences per optimizer step over all ranks (default {DEFAULT_GLOBAL_BATCH}: "
                         "the paper's 2M tokens at 2048 per sequence)")
-    t.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, metavar="TOKENS",
+    t.add_argument("--seq-len", type=positive, default=DEFAULT_SEQ_LEN, metavar="TOKENS",
                    help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}); reported only, as the "
                         "activations it sizes are not modelled")
     t.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, metavar="FRACTION",
@@ -201,8 +201,8 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     d = p.add_argument_group(
         "tokens per parameter (memtree/tpp.py)",
         "With --shards or --tokens, also print per level the training tokens each block sees (min / median / "
-        "max) and the tokens per parameter (TPP) per epoch and over --duration, with a warning where a level's "
-        "blocks are in the regime where they memorise their windows instead of learning what their cluster shares.")
+        "max) and the tokens per parameter (TPP) per epoch and over --duration, with a warning where a level is as "
+        "low as a run measured to go wrong and a note where it is under the fewest measured (memtree/tpp.py).")
     src = d.add_mutually_exclusive_group()
     src.add_argument("--shards", metavar="DIR", help="a pipeline run's shards/ folder (or the run folder): per-block "
                                                      "counts from the shards' own per-leaf token counts")
@@ -211,13 +211,14 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--duration", default="1ep", metavar="DUR",
                    help="how long the run trains: epochs, tokens, samples or batches ('5ep', '10Mtok', '1200sp', "
                         "'400ba'; default 1ep)")
-    d.add_argument("--batch-size", type=int, metavar="SEQS", help="sequences per batch, for a --duration in batches")
+    d.add_argument("--batch-size", type=positive, metavar="SEQS", help="sequences per batch, for a --duration in batches")
     d.add_argument("--generic-prob", type=float, metavar="P",
                    help="share of training forwards that read the generic memory (default 1 / branching)")
     d.add_argument("--dropout", type=float, default=0.0, metavar="P",
                    help="share of training forwards that run the anchor alone (memory.dropout; default 0)")
     d.add_argument("--bank-lr", type=float, metavar="LR", help="the bank's learning rate (memory.lr), with "
-                                                             "--anchor-lr: warns when it outpaces the anchor's")
+                                                             "--anchor-lr: warns at a bank / anchor ratio measured "
+                                                             "to harm held-out text, notes one above the anchor's")
     d.add_argument("--anchor-lr", type=float, metavar="LR", help="the anchor's learning rate (optim.lr)")
     p.set_defaults(func=_plan)
 
@@ -313,8 +314,8 @@ def _add_init(subparsers: argparse._SubParsersAction) -> None:
     _add_memory_args(p)
     p.add_argument("--tree", help="clustering tree directory (e.g. RUN/tree); sets branching and binds the bank")
     p.add_argument("--dtype", default="bf16", choices=("fp32", "bf16", "fp16", "int8", "int4"))
-    p.add_argument("--rank", type=int, help="store every block tensor factorised to this rank")
-    p.add_argument("--subtree", type=int, help="write only this level-1 subtree (a per-subtree bank)")
+    p.add_argument("--rank", type=positive, help="store every block tensor factorised to this rank")
+    p.add_argument("--subtree", type=nonneg, help="write only this level-1 subtree (a per-subtree bank)")
     p.add_argument("--no-generic", dest="generic", action="store_false", help="no generic-memory slot")
     p.add_argument("--init", choices=("paper", "zeros"), default="paper")
     p.add_argument("--std", type=float, default=0.02, help="truncated-normal std for W1/W2 and keys")

@@ -86,6 +86,8 @@ def load_tree_arg(path: str, flag: str = "--tree"):
 def check_bank(path: str) -> Path:
     """A bank directory that exists, or an error naming it (before any lock or recovery touches it)."""
     p = Path(path)
+    if p.name == "manifest.json" and p.is_file():
+        raise ValueError(f"bank {path}: give the bank's directory ({p.parent}), not its manifest.json")
     if not (p / "manifest.json").is_file():
         what = "not found" if not p.exists() else "not a memory bank (no manifest.json)"
         raise ValueError(f"bank {path}: {what}; create one with `memtree memstore init BANK …`")

@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from memtree.cli import positive
 from memtree.geometry import DTYPES, MEMORY_TYPES, parse_multipliers, plan
 from memtree.memstore.cli_common import add_json, emit, load_tree_arg, read_queries
 
@@ -46,7 +47,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="placement of the hierarchical bank's levels (default hierarchical)")
     parser.add_argument("--pin-tier", metavar="TIER",
                         help="store both banks on this one tier, e.g. disk (Fig. 5 right); overrides --policy")
-    parser.add_argument("--branching", type=int,
+    parser.add_argument("--branching", type=positive,
                         help=f"tree branching (default: the --tree's, else {DEFAULT_BRANCHING})")
     parser.add_argument("--trace", default="zipf", metavar="zipf|PATH.npy|PATH.jsonl",
                         help="query trace: synthetic Zipf sessions (default) or a file of cluster paths")
@@ -54,7 +55,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="real queries, one per line, routed through --tree; overrides --trace")
     parser.add_argument("--tree", help="clustering tree directory (e.g. RUN/tree): routes --queries and sets the "
                                        "branching and the number of levels")
-    parser.add_argument("--n-queries", type=int, default=1000, help="queries in a zipf trace (default 1000)")
+    parser.add_argument("--n-queries", type=positive, default=1000, help="queries in a zipf trace (default 1000)")
     parser.add_argument("--cache-gb", type=float, help="session cache budget (default: the profile's cache_gb)")
     parser.add_argument("--count-cache-copy", action="store_true",
                         help="charge every block the cache hands out (each hit, and each miss it keeps) a copy at the "
@@ -168,7 +169,7 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {CALIBRATE_WORKDIR})")
     parser.add_argument("--tiers", default="ram,flash", help="tiers to measure (default ram,flash)")
     parser.add_argument("--disk-dir", help="also measure a 'disk' tier with level files moved to this directory")
-    parser.add_argument("--repeats", type=int, default=30, help="random fetches per tier and size (default 30)")
+    parser.add_argument("--repeats", type=positive, default=30, help="random fetches per tier and size (default 30)")
     parser.add_argument("--sizes", default=None,
                         help="block sizes, multiples of 4096 (default 4K,16K,64K,256K,1M,4M,16M,32M)")
     parser.add_argument("--bank-mb", type=float, default=64,

@@ -106,6 +106,25 @@ def _print_help(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
+def _count(low: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if v < low:
+            # a negative count used to slice from the end (`--max-probes -5` scored all but five)
+            raise argparse.ArgumentTypeError(f"must be {'positive' if low else '0 or more'}, got {v}")
+        return v
+    parse.__name__ = "positive integer" if low else "non-negative integer"  # argparse names the type in errors
+    return parse
+
+
+# argparse `type=` for counts: `nonneg` where 0 means "all" or "none", `positive` elsewhere
+nonneg = _count(0)
+positive = _count(1)
+
+
 def add_config(p: argparse.ArgumentParser, examples: str) -> None:
     """The optional YAML config positional; `examples`: where example configs are."""
     p.add_argument("config", nargs="?", help=f"YAML config (key=value overrides follow; examples: {examples})")

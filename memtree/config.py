@@ -200,6 +200,10 @@ def load_config(
         base = OmegaConf.create(dict(source))
     else:
         path = Path(source)
+        if path.is_dir():
+            yamls = sorted(q.name for q in path.glob("*.yaml"))[:6]
+            raise ConfigError(f"config {path}: a directory, not a YAML file"
+                              + (f" (it holds {', '.join(yamls)})" if yamls else ""))
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:

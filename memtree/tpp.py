@@ -13,9 +13,16 @@ block trains on the tokens of every leaf below it, on the forwards that fetch (n
 the generic row, probability `generic_prob`, nor those that run the anchor alone, `dropout`); the
 generic row of a level trains on the others' complement. "Over the run" multiplies by the epochs.
 
-Two measured regimes set the warnings (docs/BENCHMARKS.md, "Tokens per parameter on real text"):
-a level under `GENERALISES_DOWN_TO` sits below the fewest tokens per parameter at which a bank was
-measured to generalise, and a bank LR above the anchor's (`SAFE_LR_RATIO`) starves the anchor.
+Each threshold below names the measurement it comes from (docs/BENCHMARKS.md) and a warning fires
+only where a measured run went wrong, not at the edge of what was tried; outside the measured range
+a level or a learning rate gets a note instead. A level at or under `FETCH_WORSE_AT_TPP` is as low as
+the one run whose fetched memory read held-out text worse than its generic memory; a level under
+`GENERALISES_DOWN_TO` (the fewest tokens per parameter measured on real text, where the bank still
+generalised) gets a note: untested, not known to fail. A bank LR at or above `HARMFUL_LR_RATIO` × the
+anchor's is the smallest ratio measured to harm held-out text; between `SAFE_LR_RATIO` (the largest
+measured not to) and it, a note. A run that sets one of these on purpose and explains it in its own
+report (the bios demo) runs under `deliberate(...)`: its console shows a short note for it instead of
+the warning, and tpp.json and the report keep the warning.
 Pure Python (no torch): `memtree memstore plan` prints it and `memtree train` logs and stores it
 (`tpp.json` in the run folder); the demo and `memtree eval realtext` reports show it.
 """
@@ -24,7 +31,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,15 +44,70 @@ from memtree.geometry import plan as plan_sizes
 FORMAT = "memtree-tpp"
 VERSION = 1
 
-# The smallest tokens per parameter over the run at which a bank was measured to carry what its
-# cluster shares to held-out real text (fetched memory better than the generic one and than every
-# dense control at equal tokens, with the bank at or below the anchor's LR): below it a block may
-# store its windows verbatim instead, untested (docs/BENCHMARKS.md, "Tokens per parameter on real text").
+# Tokens per parameter over the run, per level. The fewest measured on real text, where the bank still
+# generalised: docs/BENCHMARKS.md, "Tokens per parameter on real text" (3.73M-token Python + Linux
+# documentation corpus, one co-training epoch, bank LR 1e-3 = 1/3 of the anchor's): fetched memory beat
+# dense-1x at every TPP tried, −0.0231 / −0.0250 / −0.0272 / −0.0283 nats/token at 35.6 / 2.23 / 0.557 /
+# 0.139, and at 0.139 (`l3m256-lr1e-3`, a 25.2M-parameter leaf bank) also dense-restart (−0.0084
+# [−0.0096, −0.0072]) and the generic memory. It is the smallest TPP tried there, not a measured onset of
+# harm: a level under it gets a note (outside the measured range), and the sizing rule keeps every level
+# at or above it.
 GENERALISES_DOWN_TO = 0.139
-# Above this bank / anchor LR ratio the bank was measured to take the anchor's share of the gradient:
-# the co-trained anchor and fetched memory read held-out pages worse than the anchor's shape trained
-# alone, the more the smaller the bank's TPP (same section).
+# The TPP at and under which a run was measured to go wrong: docs/BENCHMARKS.md, "Pretrained anchors from
+# PyPI", "The real-text row (2026-12-05)": memories at levels 2 and 3 on frozen SmolLM2-135M for 0.51
+# epochs of Python documentation openings, TPP over the run 0.0044 at level 2 and 0.00066 at level 3;
+# fetched memory read the 33 held-out pages worse than the generic memory, +0.0339 nats/token [+0.0174,
+# +0.0504], 27 of 33 pages worse (it still beat the model alone, −0.1144). That run differs in more than
+# TPP (a frozen pretrained anchor, half an epoch): it is where a run went wrong, not a measured onset.
+FETCH_WORSE_AT_TPP = 0.0044
+# Bank LR / anchor LR. The largest ratio measured not to harm held-out text: 1× on pydocs-short
+# (docs/BENCHMARKS.md, "Memory rows on real text", `mlr3e-3`: fetched − dense-1x +0.014 [−0.029,
+# +0.058], interval across 0); 1/3× (`mlr1e-3` there, every `*-lr1e-3` recipe in "Tokens per parameter
+# on real text") was the best measured on both corpora. Between this and HARMFUL_LR_RATIO: untested, a note.
 SAFE_LR_RATIO = 1.0
+# The smallest ratio measured to harm: bank 1e-2 against the anchor's 3e-3 (`mlr1e-2`, "Memory rows on
+# real text": co-trained anchor + fetched memory − dense-1x +0.186 nats/token [+0.126, +0.247], 26 of 33
+# pages worse). 10× was worse on both corpora: `mlr3e-2` +0.298 [+0.236, +0.359] (31 / 33 pages);
+# "Tokens per parameter on real text" `l1m16-lr3e-2` +0.0107 [+0.0058, +0.0157] (201 / 324 pages, TPP
+# 35.6) and `l3m256-lr3e-2` +0.1277 [+0.1195, +0.1359] (314 / 324, TPP 0.139).
+HARMFUL_LR_RATIO = 1.0e-2 / 3.0e-3
+_RATIO_TOL = 1e-9  # a ratio computed from the same two LRs as HARMFUL_LR_RATIO counts as it
+
+# The kinds of finding `deliberate` can mark as a run's own choice.
+KINDS = ("tpp", "lr")
+_DELIBERATE: ContextVar[tuple[tuple[str, str], ...]] = ContextVar("memtree_tpp_deliberate", default=())
+
+
+@contextmanager
+def deliberate(**why: str) -> Iterator[None]:
+    """Within it, `format_tpp` (what `memtree train` prints and logs) shows a finding of each kind named
+    (`tpp`: a level's tokens per parameter, `lr`: the bank / anchor LR ratio) as one note that quotes
+    `why` instead of a warning: for a run whose settings are chosen on purpose and explained in its own
+    report (the bios demo, `eval.demo`). tpp.json and the reports keep the full warnings."""
+    bad = sorted(set(why) - set(KINDS))
+    if bad:
+        raise ValueError(f"deliberate: unknown kind(s) {bad}; one of {list(KINDS)}")
+    token = _DELIBERATE.set(tuple({**dict(_DELIBERATE.get()), **why}.items()))
+    try:
+        yield
+    finally:
+        _DELIBERATE.reset(token)
+
+
+def deliberate_now() -> dict[str, str]:
+    """The kinds marked deliberate by the enclosing `deliberate(...)` blocks, with why."""
+    return dict(_DELIBERATE.get())
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing the table says: `severity` "warning" (a measured run went wrong there) or "note"
+    (outside what was measured); `kind` "tpp" or "lr"; `subject` names the setting in a few words."""
+
+    kind: str
+    severity: str
+    subject: str
+    text: str
 
 
 class TppError(ValueError):
@@ -158,29 +222,72 @@ class TppTable:
     # the run at or above `threshold`; 0: not even a multiplier of 1 does)
     max_multipliers: tuple[tuple[int, int], ...] = ()
 
-    def memorising(self) -> list[LevelTpp]:
+    def outside_measured(self) -> list[LevelTpp]:
+        """Levels under `threshold` (the fewest tokens per parameter measured), warned or noted."""
         return [lv for lv in self.levels if lv.tpp_run < self.threshold]
 
-    def warnings(self) -> list[str]:
-        """One sentence per level under the measured floor, and one for a bank LR above the anchor's,
-        in words a user understands."""
+    def findings(self) -> list[Finding]:
+        """Per level and for the LR ratio, what the measurements say about this table (module docstring)."""
         out = []
-        for lv in self.memorising():
-            out.append(
-                f"level {lv.level}: each block sees {lv.tpp_run:.2g} training tokens per parameter over the run "
-                f"(a median block {human(lv.tokens_median * self.epochs * self._fetch_share)} tokens for "
-                f"{human(lv.block_params)} parameters), under {self.threshold:g}, the fewest at which a bank was "
-                "measured to carry what its cluster shares to held-out text: its blocks may store their windows "
-                "verbatim instead. Fewer or smaller blocks at this level (a lower multiplier, or memory one level "
-                "up), or more data, raise it.")
-        if self.lr_ratio is not None and self.lr_ratio > SAFE_LR_RATIO and self.levels:
+        for lv in self.outside_measured():
+            seen = (f"level {lv.level}: each block sees {lv.tpp_run:.3g} training tokens per parameter over the run "
+                    f"(a median block {human(lv.tokens_median * self.epochs * self._fetch_share)} tokens for "
+                    f"{human(lv.block_params)} parameters)")
+            fix = ("Fewer or smaller blocks at this level (a lower multiplier, or memory one level up), or more "
+                   "data, raise it.")
+            subject = f"level {lv.level} at {lv.tpp_run:.3g} tokens per parameter"
+            if lv.tpp_run <= FETCH_WORSE_AT_TPP:
+                out.append(Finding("tpp", "warning", subject, (
+                    f"{seen}, at or under {FETCH_WORSE_AT_TPP:g}: the one run measured this low (memories at levels "
+                    "2 and 3 on frozen SmolLM2-135M, 0.0044 and 0.00066 tokens per parameter) read held-out pages "
+                    "worse with its fetched blocks than with the generic memory (+0.034 nats/token, 27 of 33 "
+                    f"pages; that run also had a frozen pretrained anchor and half an epoch). {fix}")))
+            else:
+                out.append(Finding("tpp", "note", subject, (
+                    f"{seen}, under {self.threshold:g}, the fewest measured on real text (where the bank still "
+                    "generalised); nothing between that and "
+                    f"{FETCH_WORSE_AT_TPP:g} (where a run's fetched memory read worse than its generic one) was "
+                    f"measured, so whether these blocks generalise or store their windows is not known. {fix}")))
+        r = self.lr_ratio
+        if r is not None and r > SAFE_LR_RATIO and self.levels:
             low = min(lv.tpp_run for lv in self.levels)
-            out.append(
-                f"the bank learns at {self.lr_ratio:.3g}× the anchor's learning rate: measured on real text, a bank "
-                "above the anchor's rate takes the anchor's share of the gradient, and anchor + fetched memory then "
-                "reads held-out text worse than the anchor's shape trained alone, the more the fewer tokens per "
-                f"parameter (here {low:.2g} at the lowest level). Set memory.lr at or below optim.lr for text the "
-                "model has not seen, unless the run is meant to memorise its documents (the bios demo).")
+            subject = f"the bank's learning rate at {r:.3g}× the anchor's"
+            if r >= HARMFUL_LR_RATIO * (1 - _RATIO_TOL):
+                out.append(Finding("lr", "warning", subject, (
+                    f"the bank learns at {r:.3g}× the anchor's learning rate, at or above {HARMFUL_LR_RATIO:.3g}× "
+                    "(bank 1e-2, anchor 3e-3), the smallest ratio measured to harm text the model has not seen: "
+                    "co-trained at 3.3× and 10×, the bank took the anchor's share of the gradient, and anchor + "
+                    "fetched memory read held-out pages worse than the anchor's shape trained alone (+0.19 and "
+                    "+0.30 nats/token; at 10× on a second corpus +0.011 with 35.6 tokens per parameter and +0.13 "
+                    f"with 0.139, worse the bigger the bank; here the lowest level sees {low:.3g}). Set memory.lr "
+                    "at or below optim.lr for such text (a third of it measured best), unless the run is meant to "
+                    "memorise its documents (the bios demo).")))
+            else:
+                out.append(Finding("lr", "note", subject, (
+                    f"the bank learns at {r:.3g}× the anchor's learning rate: between {SAFE_LR_RATIO:g}× (measured "
+                    f"not to harm held-out text) and {HARMFUL_LR_RATIO:.3g}× (measured to harm it), untested; a "
+                    "third of the anchor's rate measured best on real text.")))
+        return out
+
+    def warnings(self) -> list[str]:
+        """One sentence per finding where a measured run went wrong, in words a user understands."""
+        return [f.text for f in self.findings() if f.severity == "warning"]
+
+    def notes(self) -> list[str]:
+        """One sentence per finding outside what was measured (not a warning)."""
+        return [f.text for f in self.findings() if f.severity == "note"]
+
+    def console_lines(self, deliberate: Mapping[str, str] | None = None) -> list[str]:
+        """The "warning: …" and "note: …" lines `format_tpp` prints. A finding of a kind in `deliberate`
+        (default: the enclosing `deliberate(...)` blocks) is one note quoting why, not a warning."""
+        chosen = deliberate_now() if deliberate is None else dict(deliberate)
+        out = []
+        for f in self.findings():
+            if f.kind in chosen:
+                out.append(f"note: {f.subject} is this run's deliberate setting ({chosen[f.kind]}); tpp.json "
+                           "records what was measured for it")
+            else:
+                out.append(f"{f.severity}: {f.text}")
         return out
 
     @property
@@ -191,7 +298,8 @@ class TppTable:
         return {"format": FORMAT, "version": VERSION, "epochs": self.epochs, "epoch_tokens": self.epoch_tokens,
                 "generic_prob": self.generic_prob, "dropout": self.dropout, "source": self.source,
                 "threshold": self.threshold, "lr_ratio": self.lr_ratio, "levels": [lv.to_dict() for lv in self.levels],
-                "max_multipliers": {str(lv): m for lv, m in self.max_multipliers}, "warnings": self.warnings()}
+                "max_multipliers": {str(lv): m for lv, m in self.max_multipliers}, "warnings": self.warnings(),
+                "notes": self.notes(), "harmful_tpp": FETCH_WORSE_AT_TPP, "harmful_lr_ratio": HARMFUL_LR_RATIO}
 
 
 def bank_lr_ratio(*, bank_lr: float, lr_by_level: Sequence[float], multipliers: Sequence[int],
@@ -209,7 +317,9 @@ def table_from_dict(t: Mapping[str, Any], *, threshold: float | None = None,
     warnings follow `threshold` (default: the stored one) and `lr_ratio` (default: the stored one).
     A run trained before a threshold changed is read under the current rule; its sizing rule is kept
     only when the threshold is the one it was computed for (it scales with 1 / threshold).
-    `where` (the file it was read from) names it in the error for a table of another format."""
+    `where` (the file it was read from) names it in the error for a table of another format.
+    The warnings follow today's measured rule (`FETCH_WORSE_AT_TPP`, `HARMFUL_LR_RATIO`) whatever the
+    table stored."""
     from memtree.io import check_format
 
     # no version check: this reader has never refused a table for its version
@@ -310,7 +420,8 @@ def parse_duration_epochs(duration: str, *, epoch_tokens: int, epoch_samples: in
 
 
 def format_tpp(t: TppTable) -> str:
-    """The table `memtree memstore plan` prints and `memtree train` logs."""
+    """The table `memtree memstore plan` prints and `memtree train` logs, with its warnings and notes
+    (`TppTable.console_lines`: inside `deliberate(...)`, a deliberate setting's is one note)."""
     lines = [(f"tokens per parameter ({t.source or 'given counts'}): {t.epoch_tokens:,} tokens per epoch, "
               f"{t.epochs:g} epochs; fetched on {(1 - t.generic_prob) * (1 - t.dropout):.1%} of the forwards "
               f"(generic {t.generic_prob:.3g}, anchor alone {t.dropout:.3g})"),
@@ -326,17 +437,17 @@ def format_tpp(t: TppTable) -> str:
     if not t.levels:
         lines.append("  (no level holds memory)")
     if t.max_multipliers:
-        lines.append(f"sizing rule (every level at TPP ≥ {t.threshold:g} over the run): multiplier at most "
-                     + ", ".join(f"{m} at level {lv}" for lv, m in t.max_multipliers))
-    for w in t.warnings():
-        lines.append(f"warning: {w}")
+        lines.append(f"sizing rule (every level at TPP ≥ {t.threshold:g} over the run, the fewest measured): "
+                     "multiplier at most " + ", ".join(f"{m} at level {lv}" for lv, m in t.max_multipliers))
+    lines += t.console_lines()
     return "\n".join(lines)
 
 
 def format_tpp_markdown(t: Mapping[str, Any]) -> list[str]:
     """A stored table (`TppTable.to_dict()`, e.g. a run's tpp.json) as markdown lines for reports."""
     lines = [(f"Tokens per parameter: {t['epoch_tokens']:,} tokens per epoch, {t['epochs']:g} epochs "
-              f"({t['source']}); {t['threshold']:g} over the run is the fewest measured to generalise"
+              f"({t['source']}); {t['threshold']:g} over the run is the fewest measured on real text, where the "
+              "bank still generalised"
               + (f"; the bank learns at {t['lr_ratio']:.3g}× the anchor's LR" if t.get("lr_ratio") else "") + "."), "",
              ("| level | m | blocks | params / block | tokens / block / epoch (min / median / max) | TPP / epoch | "
               "TPP over the run |"), "|---:|---:|---:|---:|---|---:|---:|"]
@@ -345,9 +456,11 @@ def format_tpp_markdown(t: Mapping[str, Any]) -> list[str]:
                      f"{human(lv['tokens_min'])} / {human(lv['tokens_median'])} / {human(lv['tokens_max'])} | "
                      f"{lv['tpp_epoch']:.3g} | {lv['tpp_run']:.3g} |")
     if t.get("max_multipliers"):
-        lines += ["", f"Sizing rule (every level at TPP ≥ {t['threshold']:g} over the run): multiplier at most "
+        lines += ["", f"Sizing rule (every level at TPP ≥ {t['threshold']:g} over the run, the fewest measured): "
+                  "multiplier at most "
                   + ", ".join(f"{m} at level {lv}" for lv, m in t["max_multipliers"].items()) + "."]
-    if t.get("warnings"):
-        lines += ["", *(f"- warning: {w}" for w in t["warnings"])]
+    if t.get("warnings") or t.get("notes"):
+        lines += ["", *(f"- warning: {w}" for w in t.get("warnings") or []),
+                  *(f"- note: {n}" for n in t.get("notes") or [])]
     return lines
 

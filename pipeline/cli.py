@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from memtree.cli import Commands, add_config, add_overrides, config_and_overrides
+from memtree.cli import Commands, add_config, add_overrides, config_and_overrides, nonneg, positive
 
 # The dispatcher calls `register` for every command on each start: the libraries (Dask, the
 # corpora, OmegaConf) are imported inside the command that runs, so `memtree --help` loads none.
@@ -24,14 +24,14 @@ def register(cli: Commands) -> None:
     add_overrides(p, "tree.levels=3")
     p.add_argument("--input", action="append", dest="inputs", help="JSONL/Parquet file or directory (repeatable)")
     p.add_argument("--out", help="run directory")
-    p.add_argument("--levels", type=int)
-    p.add_argument("--branching", type=int)
-    p.add_argument("--window-tokens", type=int)
-    p.add_argument("--seq-len", type=int)
+    p.add_argument("--levels", type=positive)
+    p.add_argument("--branching", type=positive)
+    p.add_argument("--window-tokens", type=positive)
+    p.add_argument("--seq-len", type=positive)
     p.add_argument("--seed", type=int)
     p.add_argument("--tokenizer", help="local Hugging Face tokenizer directory")
     p.add_argument("--scheduler", help="address of an existing Dask scheduler")
-    p.add_argument("--workers", type=int, help="LocalCluster workers (default: cores)")
+    p.add_argument("--workers", type=positive, help="LocalCluster workers (default: cores)")
     p.add_argument("--until", help="stop after this stage (ingest, tokenizer, window, embed, tree, assign, shards, report)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_run)
@@ -51,7 +51,7 @@ def register(cli: Commands) -> None:
     d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a pipeline.corpus.bios.BiosSpec field (repeatable), e.g. --set entities_per_subtopic=4")
     d.add_argument("--topical", action="store_true", help="the topical-prose corpus (pipeline/corpus/topical.py)")
-    d.add_argument("--n-docs", type=int, default=4000, help="--topical only: number of documents")
+    d.add_argument("--n-docs", type=positive, default=4000, help="--topical only: number of documents")
     d.add_argument("--facts", help="--topical only: also write every fact with its mention count (JSONL)")
     d.set_defaults(func=_corpus)
 
@@ -74,8 +74,8 @@ def register(cli: Commands) -> None:
                                                   "(one package only; known packages have their own)")
     t.add_argument("--suffix", default=None, help="file name ending of the files to keep (one package only)")
     t.add_argument("--test-fraction", type=float, default=0.1)
-    t.add_argument("--min-chars", type=int, default=2000, help="shorter files are rejected (too_short)")
-    t.add_argument("--max-chars", type=int, default=None,
+    t.add_argument("--min-chars", type=nonneg, default=2000, help="shorter files are rejected (too_short)")
+    t.add_argument("--max-chars", type=positive, default=None,
                    help="keep each page's opening, up to this many characters, cut at a paragraph break "
                         "(a corpus of short documents; default: whole pages)")
     t.set_defaults(func=_docs)

@@ -62,7 +62,7 @@ from memtree.pipeline.shards import (
 from memtree.pipeline.stages import StageDef, fingerprint, read_marker, run_stage
 from memtree.pipeline.window import build_tokenizer, tokenizer_eot_id, window_part
 from memtree.pretrained import SPECS as PRETRAINED
-from memtree.pretrained import PretrainedError, pretrained_dir
+from memtree.pretrained import PretrainedError, cache_root, pretrained_dir
 
 PIPELINE_FORMAT_VERSION = 1
 
@@ -120,6 +120,10 @@ def _ingest(ctx: Ctx, work: Path) -> dict:
         reasons[r] = reasons.get(r, 0) + 1
     if records_in != offset + rej.num_rows:
         raise RuntimeError(f"ingest count mismatch: {records_in} in != {offset} kept + {rej.num_rows} rejected")
+    if records_in == 0:
+        raise ValueError(f"ingest: the inputs hold no records ({sum(len(u.urls) for u in units)} file(s) read: "
+                         f"{', '.join(url for u in units[:3] for url in u.urls[:1])}{' …' if len(units) > 3 else ''}); "
+                         "give JSONL / Parquet / .txt / .md files whose records carry a 'text'")
     if offset == 0:  # the stage is not published: its rejects are still in the work directory
         raise ValueError(f"ingest: all {records_in} records were rejected ({reasons}); see {work}/rejects.parquet")
     return {"units": len(units), "records_in": records_in, "kept": offset, "rejected": rej.num_rows,
@@ -233,16 +237,20 @@ def _embed(ctx: Ctx, work: Path) -> dict:
     wparts = ctx.parts("window")
     (work / "parts").mkdir(exist_ok=True)
     # absolute: the Dask workers' working directory may not be this process's (--scheduler)
-    model, export, export_s = (os.path.abspath(e.model) if e.model else None), None, 0.0
+    model, export, export_s, obtained = (os.path.abspath(e.model) if e.model else None), None, 0.0, None
     backend = resolve_backend(e.backend, e.device)
     if backend == OPENVINO_INT8:
         model = str(work / EXPORT_DIR)
         t0 = time.time()
         export = export_openvino_int8(e.model or default_model_path(), model,
                                       _first_texts(ctx, e.calibration_samples),
-                                      max_seq_length=e.max_seq_length)
+                                      max_seq_length=e.max_seq_length, cache_dir=cache_root() / "embedder",
+                                      progress=ctx.cfg.progress)
         export_s = time.time() - t0
-        ctx.log(f"[embed] int8 OpenVINO export ready in {export_s:.1f} s")
+        obtained = export.pop("obtained")
+        how = {"reused": "kept from the last attempt", "cache": f"copied from {cache_root() / 'embedder'}",
+               "calibrated": f"calibrated on {e.calibration_samples} windows"}[obtained]
+        ctx.log(f"[embed] int8 OpenVINO export ready in {export_s:.1f} s ({how})")
     args = [
         (str(ctx.stage_dir("window") / p["file"]), str(work / "parts" / f"part-{i:05d}.npy"),
          model, e.device, e.strategy, e.max_seq_length, e.batch_size, ctx.cfg.dask.threads_per_worker,
@@ -268,6 +276,7 @@ def _embed(ctx: Ctx, work: Path) -> dict:
     return {"n": n_total, "dim": dim, "model": e.model, "model_resolved": e.model or default_model_path(),
             "backend": backend, "export": EXPORT_DIR if export else None,
             "calibration": export["calibration"] if export else None, "export_seconds": round(export_s, 3),
+            "export_obtained": obtained,
             "strategy": e.strategy, "max_seq_length": e.max_seq_length, "batch_size": e.batch_size,
             "embed_seconds": round(seconds, 3), "windows_per_second": round(n_total / max(seconds, 1e-9), 1)}
 

@@ -28,8 +28,10 @@ def texts(corpus_records):
 def export(tmp_path_factory, texts):
     from memtree.clustering.embed import default_model_path
 
-    out = tmp_path_factory.mktemp("ov") / "export"
-    meta = export_openvino_int8(default_model_path(), out, texts[:48], max_seq_length=MSL)
+    root = tmp_path_factory.mktemp("ov")
+    out = root / "export"
+    meta = export_openvino_int8(default_model_path(), out, texts[:48], max_seq_length=MSL, cache_dir=root / "cache")
+    assert meta.pop("obtained") == "calibrated"
     return out, meta
 
 
@@ -43,7 +45,41 @@ def test_export_is_recorded_and_reused(export, texts):
     xml = out / OV_INT8_FILE
     before = xml.stat().st_mtime_ns
     again = export_openvino_int8(default_model_path(), out, texts[:48], max_seq_length=MSL)
+    assert again.pop("obtained") == "reused"
     assert again == meta and xml.stat().st_mtime_ns == before  # same key: nothing rebuilt
+
+
+def test_export_is_copied_from_the_cache_by_another_run(export, texts, tmp_path):
+    """Issue 70: a second run over the same corpus sample (another output folder, or the embed
+    stage's work folder renamed by a settings change) copies the cached export, not recalibrates."""
+    from memtree.clustering.embed import default_model_path
+    from memtree.clustering.embed_export import export_key_hash
+
+    out, meta = export
+    cache = out.parent / "cache"
+    entries = list(cache.iterdir())
+    assert [e.name for e in entries] == [export_key_hash({k: meta[k] for k in
+                                                          ("backend", "source_weights_sha256", "quantization",
+                                                           "calibration")})]
+    stamp = (entries[0] / OV_INT8_FILE).stat().st_mtime_ns
+    other = tmp_path / "other-run" / "embedder"
+    got = export_openvino_int8(default_model_path(), other, texts[:48], max_seq_length=MSL, cache_dir=cache)
+    assert got.pop("obtained") == "cache"
+    assert got["files"] == meta["files"] and read_export(other)["files"] == meta["files"]
+    assert (entries[0] / OV_INT8_FILE).stat().st_mtime_ns == stamp  # the cache entry itself untouched
+    # another calibration sample is another key: not served from this entry
+    assert export_key_hash({**{k: meta[k] for k in ("backend", "source_weights_sha256", "quantization")},
+                            "calibration": {**meta["calibration"], "n": 47}}) != entries[0].name
+
+
+def test_no_progress_silences_nncf(tmp_path, texts, capfd):
+    from memtree.clustering.embed import default_model_path
+
+    got = export_openvino_int8(default_model_path(), tmp_path / "quiet", texts[:8], max_seq_length=32,
+                               progress=False)
+    assert got["obtained"] == "calibrated"
+    out, err = capfd.readouterr()
+    assert "nncf" not in (out + err).lower() and "Statistics collection" not in out + err, (out + err)[-2000:]
 
 
 def test_int8_embeddings_close_to_torch(export, texts):

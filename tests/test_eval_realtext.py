@@ -21,6 +21,8 @@ from memtree.cli import main
 from memtree.config import ConfigError
 
 SHAPE = "model.shape={n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}"
+# the bank-LR grid's config: the demo's YAML as every stage's base (the default config is the real-text recipe)
+PYDOCS = str(Path(__file__).resolve().parents[1] / "eval" / "yamls" / "realtext-pydocs.yaml")
 TRAIN = f"train=[data.batch_size=4,'{SHAPE}','memory.multipliers=[0,64]',optim.warmup=1ba,memory.export_dtype=fp32]"
 
 
@@ -72,7 +74,7 @@ def test_rows_train_score_and_match_a_direct_forward(root, tmp_path, capsys):
     from memtree.eval.model import RunModel
 
     out = tmp_path / "out"
-    args = ["eval", "realtext", str(root), "anchor_duration=2ba", "cotrain_duration=3ba", "window_tokens=100", TRAIN,
+    args = ["eval", "realtext", str(root), "--config", PYDOCS, "anchor_duration=2ba", "cotrain_duration=3ba", "window_tokens=100", TRAIN,
             ("recipes=[{name: default}, {name: late, start: dense-1x, train: [mode=frozen]}, "
             "{name: cont, train: [mode=baseline, 'memory.multipliers=[]']}]"), "--out", str(out)]
     assert main(args) == 0
@@ -146,22 +148,26 @@ def test_paired_doc_interval_equals_a_direct_computation():
 def test_config_errors_name_the_key(tmp_path):
     from memtree.eval.realtext import load_realtext_config, total_duration
 
-    assert total_duration(load_realtext_config()) == "7ep"
-    assert [r.name for r in load_realtext_config(None, ["select=[mlr1e-3,demo]"]).selected()] == ["demo", "mlr1e-3"]
+    default = load_realtext_config()  # the real-text recipe in the order measured (issue 70)
+    assert (default.root, default.train_yaml, total_duration(default)) == (
+        "runs/realdocs", "training/yamls/realtext.yaml", "2ep")
+    assert [r.name for r in default.selected()] == ["dense-restart", "h64-16-4-lr1e-3"]
+    assert total_duration(load_realtext_config(PYDOCS)) == "7ep"
+    assert [r.name for r in load_realtext_config(PYDOCS, ["select=[mlr1e-3,demo]"]).selected()] == ["demo", "mlr1e-3"]
     with pytest.raises(ConfigError, match=r"unknown config key recipes\[0\]\.bogus"):
-        load_realtext_config(None, ["recipes=[{name: a, bogus: 1}]"])
+        load_realtext_config(PYDOCS, ["recipes=[{name: a, bogus: 1}]"])
     with pytest.raises(ConfigError, match=r"select \(--recipes\): unknown recipe\(s\) \['nope'\]"):
-        load_realtext_config(None, ["select=[nope]"])
+        load_realtext_config(PYDOCS, ["select=[nope]"])
     with pytest.raises(ConfigError, match="must share a unit"):
-        load_realtext_config(None, ["anchor_duration=2ep", "cotrain_duration=30ba"])
+        load_realtext_config(PYDOCS, ["anchor_duration=2ep", "cotrain_duration=30ba"])
     with pytest.raises(ConfigError, match="cotrain_duration: give whole epochs or batches"):
-        load_realtext_config(None, ["cotrain_duration=1.5ep"])
+        load_realtext_config(PYDOCS, ["cotrain_duration=1.5ep"])
     with pytest.raises(ConfigError, match=r"recipes\.a\.start: 'anchor' or 'dense-1x', got 'dense-2x'"):
-        load_realtext_config(None, ["recipes=[{name: a, start: dense-2x}]"])
+        load_realtext_config(PYDOCS, ["recipes=[{name: a, start: dense-2x}]"])
     with pytest.raises(ConfigError, match=r"recipes \['a'\] start from dense-1x, which dense=false does not train"):
-        load_realtext_config(None, ["recipes=[{name: a, start: dense-1x}]", "dense=false"])
+        load_realtext_config(PYDOCS, ["recipes=[{name: a, start: dense-1x}]", "dense=false"])
     with pytest.raises(ConfigError, match="used twice"):
-        load_realtext_config(None, ["recipes=[{name: a}, {name: a}]"])
+        load_realtext_config(PYDOCS, ["recipes=[{name: a}, {name: a}]"])
     pre = Path(__file__).resolve().parents[1] / "eval" / "yamls" / "realtext-pretrained.yaml"
     assert load_realtext_config(pre).anchor == "smollm2-135m"
     # no anchor stage on a pretrained model: a shorter memory stage in batches is no error

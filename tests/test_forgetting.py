@@ -206,3 +206,31 @@ def test_an_owner_of_most_of_a_level_gets_no_random_control(made):
     few = plan_forgetting(rm, run=made["root"] / "pipeline", ids=[made["corpus"][0]["id"]], seed=1)
     again = plan_forgetting(rm, run=made["root"] / "pipeline", ids=[made["corpus"][0]["id"]], seed=1)
     assert few["random"]["targets"] == again["random"]["targets"]  # deterministic for a seed
+
+
+def test_block_documents_says_when_the_probes_miss_every_owner_fact(made, tmp_path, capsys):
+    """Issue 70 (f): `--max-probes` keeps an evenly spread subset, which can hold none of the owner's
+    facts; the report's owner row was a row of dashes with no word. Now an error, before scoring,
+    naming --max-probes (with held-out pages told apart by --owner-field: a note, and the run goes on)."""
+    from memtree.eval.knowledge import load_eval_inputs
+
+    facts = made["root"] / "corpus" / "facts.jsonl"
+    probes, _ = load_eval_inputs(facts, max_probes=2)
+    asked = {p["context"] for p in probes}
+    # an entity none of whose facts the two sampled probes ask
+    entity = next(r["entity"] for r in made["corpus"]
+                  if not any(f["entity"] == r["entity"] and f"of {f['reference']} is" in c
+                             for f in made["facts"] for c in asked))
+    ids = tmp_path / "ids.txt"
+    ids.write_text("\n".join(_owner(made, "entity", entity)) + "\n")
+    capsys.readouterr()
+    assert main(["eval", "knowledge", str(made["run"]), "--facts", str(facts), "--block-documents", str(ids),
+                 "--max-probes", "2", "--out", str(tmp_path / "eval")]) == 1
+    err = capsys.readouterr().err
+    assert "none of the 2 probes evaluated asks a fact only the owner's documents state" in err, err
+    assert "--max-probes 2" in err and not (tmp_path / "eval").exists()
+    held = made["root"] / "corpus" / "heldout.jsonl"
+    assert main(["eval", "knowledge", str(made["run"]), "--facts", str(facts), "--held-out", str(held),
+                 "--block-documents", str(ids), "--owner-field", "entity", "--max-probes", "2",
+                 "--out", str(tmp_path / "eval2")]) == 0
+    assert "the held-out pages still measure the owner" in capsys.readouterr().err

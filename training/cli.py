@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from memtree.cli import Commands, add_config, add_overrides
+from memtree.cli import Commands, add_config, add_overrides, config_and_overrides
 
 
 def register(cli: Commands) -> None:
@@ -20,12 +20,18 @@ def register(cli: Commands) -> None:
     )
     add_config(p, "training/yamls/*.yaml")
     add_overrides(p, "memory.multipliers=[4,2]")
+    p.add_argument("--force", action="store_true",
+                   help="train again from batch 1 even when SAVE_FOLDER holds a finished run of this config "
+                        "(a rerun otherwise resumes an unfinished run and skips a finished one)")
     p.set_defaults(func=_train)
 
 
 def _train(args: argparse.Namespace) -> int:
     if not args.config and not args.overrides:  # training.train.main would print the launcher's usage
         raise ValueError("no config: memtree train run CONFIG.yaml [key=value …] (examples: training/yamls/*.yaml)")
-    from memtree.training.train import main
+    from memtree.training.config import load_train_config
+    from memtree.training.train import run_once
 
-    return main(([args.config] if args.config else []) + list(args.overrides))
+    config, overrides = config_and_overrides(args)
+    run_once(load_train_config(config, overrides), force=args.force)
+    return 0

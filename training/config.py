@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from memtree.config import ConfigError, TimeString, load_config, to_dict
+from memtree.config import ConfigError, TimeString, is_int, load_config, to_dict
 from memtree.geometry import ANCHOR_PRESETS, AnchorShape, MemoryConfig, get_anchor
 from memtree.pretrained import SPECS as PRETRAINED
 from memtree.training.hf import anchor_shape_from_hf
@@ -95,6 +95,18 @@ class DataSection:
     # and hash its MDS index records before the Trainer is built (training.data.verify_shards);
     # not part of the fingerprint (it does not change what is trained)
     verify_shards: bool = True
+
+    def __post_init__(self) -> None:
+        # checked here, before the run's folder is written: a 0 or negative batch used to surface
+        # as a negative epoch duration or a stray iterator traceback
+        for key, low in (("batch_size", 1), ("num_workers", 0), ("shuffle_seed", 0)):
+            v = getattr(self, key)
+            if not is_int(v) or v < low:
+                raise ConfigError(f"data.{key}: must be an integer >= {low}, got {v!r}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"data.eval_fraction: must be in [0, 1), got {self.eval_fraction!r}")
+        if self.subtrees is not None and any(not is_int(s) or s < 0 for s in self.subtrees):
+            raise ConfigError(f"data.subtrees: level-1 subtree indices (integers >= 0), got {self.subtrees!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -602,6 +602,43 @@ def train(cfg: TrainConfig, *, callbacks: list[Any] | None = None) -> dict[str, 
     exit_after_lost_rank(cfg, trainer, lost)  # ends the process
 
 
+def rerun_plan(cfg: TrainConfig) -> tuple[str, TrainConfig]:
+    """What rerunning `memtree train run` on `cfg` should do with its save folder, as the README
+    promises ("rerunning a command resumes it"): ("finished", cfg) when the folder holds a finished
+    run of the same config and duration (nothing to train); ("resume", cfg with autoresume) when it
+    holds checkpoints of the same config (Composer continues from the latest, to a longer
+    max_duration too); ("train", cfg) otherwise. A folder of another config is check_save_folder's
+    error, as before."""
+    folder = Path(cfg.save_folder)
+    meta = folder / "memtree_config.json"
+    if not meta.is_file():
+        return "train", cfg
+    old = read_json(meta)
+    if old.get("fingerprint") != cfg.fingerprint():
+        return "train", cfg
+    if (folder / "metrics.json").is_file() and old["config"].get("max_duration") == cfg.max_duration:
+        return "finished", cfg
+    if (folder / "checkpoints" / "latest-rank0.pt").exists() and not cfg.autoresume:
+        return "resume", dataclasses.replace(cfg, autoresume=True)
+    return "train", cfg
+
+
+def run_once(cfg: TrainConfig, *, force: bool = False) -> dict[str, Any] | None:
+    """`memtree train run`: train `cfg`, or resume it, or (a finished run of the same config and
+    duration, unless `force`) report it and train nothing (returns None)."""
+    action, cfg = ("train", cfg) if force else rerun_plan(cfg)
+    folder = Path(cfg.save_folder)
+    if action == "finished":
+        print(f"{folder}: already trained with this config for {cfg.max_duration} (metrics.json); nothing to do "
+              f"(--force trains it again, a longer max_duration continues it)")
+        return None
+    if action == "resume":
+        print(f"{folder}: resuming from its latest checkpoint (same config)")
+    result = train(cfg)
+    print(f"done: {result['metrics']}; anchor {result['anchor']}" + (f"; bank {result['bank']}" if 'bank' in result else ""))
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from memtree.cli import Commands
+from memtree.cli import Commands, nonneg, positive
 from memtree.eval.cli_common import need_file
 from memtree.pretrained import SPECS as PRETRAINED
 
@@ -33,15 +33,15 @@ def _add_longctx(sub: argparse._SubParsersAction) -> None:
                                 "pretrained model's name (smollm2-135m, gemma3-270m: `make pretrained`; needs --docs)")
     lc.add_argument("--method", default="base,xl,memorizing,camelot",
                     help="comma-separated methods among base, xl, memorizing, camelot (default: all four)")
-    lc.add_argument("--window", type=int, default=128, help="window L in tokens (default 128)")
+    lc.add_argument("--window", type=positive, default=128, help="window L in tokens (default 128)")
     lc.add_argument("--docs", help="JSONL of documents ({'text': …}; default: heldout.jsonl beside the run's "
                                    "pipeline run, as `memtree demo` lays it out)")
     lc.add_argument("--group-by",
                     help="record key whose documents are joined into one long document; every record must have "
                          "it ('none': every record alone; default: topic when every record has one, none when "
                          "no record has one)")
-    lc.add_argument("--max-docs", type=int, default=0, help="score at most this many long documents (0 = all)")
-    lc.add_argument("--slots", type=int, default=4096, help="memory slots M per layer and KV head (default 4096)")
+    lc.add_argument("--max-docs", type=nonneg, default=0, help="score at most this many long documents (0 = all)")
+    lc.add_argument("--slots", type=positive, default=4096, help="memory slots M per layer and KV head (default 4096)")
     lc.add_argument("--threshold", type=float, default=0.93, help="CAMELoT's novelty threshold R (default 0.93)")
     lc.add_argument("--layers", help="comma-separated memory-augmented layers (default: every layer), e.g. 2,3")
     lc.add_argument("--no-ablations", action="store_true", help="skip CAMELoT's four ablations")
@@ -50,7 +50,7 @@ def _add_longctx(sub: argparse._SubParsersAction) -> None:
                          "default) or full (all L, as the seed's prefix reads — leaks the next token through "
                          "the key it was retrieved with, so its perplexity is not a fair score; "
                          "training/camelot/longdoc.py)")
-    lc.add_argument("--sink", type=int, default=0,
+    lc.add_argument("--sink", type=nonneg, default=0,
                     help="keep the document's first N tokens as an attention sink before every later window, for "
                          "every method, base included (default 0: none, the seed's setting; 4 as StreamingLLM for a "
                          "pretrained model, whose attention leans on the sequence's first tokens)")

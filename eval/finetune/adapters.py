@@ -282,7 +282,7 @@ def write_adapters_report(out: Path, report: dict[str, Any]) -> Path:
              (f"Base: {report['base']}. "
               f"{report['n_new_probes']} facts of new entities, {c['paraphrases']} paraphrases per batch, "
               f"{c['epochs']} passes ({report['steps_per_run']} steps per configuration, "
-              f"{report['tokens_per_batch']} tokens per sequence on average). Learning = 4-way accuracy on the "
+              f"{report['tokens_per_batch']:.1f} tokens per sequence on average). Learning = 4-way accuracy on the "
               f"new facts (chance 25 %, n = {report['n_new_probes']}); forgetting = {forgetting_text}."), ""]
     if report.get("hf"):
         lines += [("The pretrained model never read the bios corpus: its old-fact probes sit near chance and "

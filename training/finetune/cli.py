@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memtree.cli import Commands, add_config, add_overrides, config_and_overrides
+from memtree.cli import Commands, add_config, add_overrides, config_and_overrides, positive
 
 
 def register(cli: Commands) -> None:
@@ -29,8 +29,8 @@ def register(cli: Commands) -> None:
                     "(the IDF of sparse memory finetuning); stored with the checkpoint in RUN/pkm_background.",
     )
     b.add_argument("run", help="a finished run folder whose model has model.pkm")
-    b.add_argument("--batches", type=int, default=1000, help="background batches (default 1000, the seed's)")
-    b.add_argument("--batch-size", type=int, default=1,
+    b.add_argument("--batches", type=positive, default=1000, help="background batches (default 1000, the seed's)")
+    b.add_argument("--batch-size", type=positive, default=1,
                    help="sequences per batch (default 1: about a finetuning batch's tokens, so IDF separates slots)")
     b.add_argument("--seed", type=int, default=0, help="shuffle seed of the shards (default 0)")
     b.set_defaults(func=_background)
