@@ -332,3 +332,21 @@ def test_bank_lr_by_level_moves_each_level_at_its_own_rate(pipeline_run, tmp_pat
         trainer.close()
     assert 0.5e-2 < moved["1"] < 1.5e-2, moved
     assert 0 < moved["2"] < 1.5e-4, moved
+
+
+def test_load_run_draws_no_bank_it_would_discard(pipeline_run, tmp_path):
+    """A finished run's model reads its memories from the bank through memstore: load_run builds the
+    training bank's tables without drawing their initial rows (zeros), where a fresh build draws
+    them (seconds and GBs for a pretrained anchor's 305M-parameter bank)."""
+    from memtree.training.train import load_run
+    from tests.conftest import train_tiny_run
+
+    run = train_tiny_run(pipeline_run[0] / "shards", tmp_path / "run", "data.batch_size=4", "max_duration=1ba",
+                         "memory.multipliers=[4,2]",
+                         "model.shape={n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}")
+    model, cfg, _, _ = load_run(run)
+    fresh, _ = build_model(cfg)
+    assert set(model.bank.tables) == set(fresh.bank.tables) == {"1", "2"}
+    for lv, t in model.bank.tables.items():
+        assert t.shape == fresh.bank.tables[lv].shape
+        assert not t.any() and fresh.bank.tables[lv].any(), lv

@@ -66,15 +66,17 @@ class MemtreeLM(ComposerModel):
     """An anchor with its memories as a Composer model: the anchor (memtree's `AnchorLM` built
     from `config`, or a local Hugging Face causal LM, `hf_dir`), the bank of fetched blocks, the
     loss and metrics. `subtree` / `shard`: the bank rows this rank holds (one subtree's, or the
-    level-1 subtrees of a sharded bank); `freeze_anchor`: train the memories alone."""
+    level-1 subtrees of a sharded bank); `freeze_anchor`: train the memories alone; `bank_init`:
+    `training.bank.TrainableBank`'s init ("empty" where the bank is read from a store instead)."""
 
     def __init__(self, config: ModelConfig, *, memory_settings: MemorySettings = MemorySettings(), seed: int = 0,
                  hf_dir: str | None = None, freeze_anchor: bool = False, subtree: int | None = None,
-                 shard: tuple[int, ...] | None = None) -> None:
+                 shard: tuple[int, ...] | None = None, bank_init: str = "paper") -> None:
         super().__init__()
         anchor, memory, moc, ms = config.anchor, config.memory, config.moc, memory_settings
         self.anchor_shape, self.memory = anchor, memory
-        self.bank = (TrainableBank(anchor, memory, subtree=subtree, shard=shard, seed=seed, std=ms.init_std)
+        self.bank = (TrainableBank(anchor, memory, subtree=subtree, shard=shard, seed=seed, std=ms.init_std,
+                                   init=bank_init)
                      if memory is not None else None)
         self.hf = None
         if hf_dir is not None:

@@ -64,9 +64,11 @@ from memtree.training.read_choice import can_read_in_place, peek_batch, resolve_
 log = logging.getLogger(__name__)
 
 
-def build_model(cfg: TrainConfig, *, shard: tuple[int, ...] | None = None) -> tuple[MemtreeLM, dict[str, Any]]:
+def build_model(cfg: TrainConfig, *, shard: tuple[int, ...] | None = None,
+                bank_init: str = "paper") -> tuple[MemtreeLM, dict[str, Any]]:
     """The model of `cfg`; `shard`: the level-1 subtrees whose bank rows this rank holds
-    (`parallel.bank: sharded`), None for the whole bank."""
+    (`parallel.bank: sharded`), None for the whole bank; `bank_init`: how the bank's rows start
+    ("empty": zeros, nothing drawn, for a model whose memories come from a store)."""
     manifest = read_shards_manifest(cfg.data.shards)
     vocab = tokenizer_vocab_size(cfg.data.shards, manifest)
     anchor = cfg.anchor_shape(vocab)
@@ -85,7 +87,7 @@ def build_model(cfg: TrainConfig, *, shard: tuple[int, ...] | None = None) -> tu
     subtree = cfg.data.subtrees[0] if cfg.data.subtrees and len(cfg.data.subtrees) == 1 and memory else None
     model = MemtreeLM(cfg.model_config(anchor, memory, seq_len=seq_len, attn_impl=attn_impl(cfg)),
                       memory_settings=memory_settings(cfg), seed=cfg.seed, hf_dir=cfg.model.hf_dir,
-                      freeze_anchor=cfg.mode == "frozen", subtree=subtree, shard=shard)
+                      freeze_anchor=cfg.mode == "frozen", subtree=subtree, shard=shard, bank_init=bank_init)
     if cfg.anchor_checkpoint:
         load_anchor(model, cfg.anchor_checkpoint)
     if cfg.memory.init_bank:
@@ -107,10 +109,12 @@ def load_run(save_folder: str | Path, cfg: TrainConfig | None = None) -> tuple[M
     folder = Path(save_folder)
     if cfg is None:
         cfg = from_dict(TrainConfig, read_json(folder / "memtree_config.json")["config"])
-    # nothing to load at build time: the weights come from the run folder
+    # nothing to load at build time: the weights come from the run folder, the memories from its
+    # bank through memstore; drawing the training bank's initial rows (seconds and GBs for a
+    # pretrained anchor's bank) would be thrown away
     bare = dataclasses.replace(cfg, anchor_checkpoint=None, mode="scratch" if cfg.memory.multipliers else "baseline",
                                memory=dataclasses.replace(cfg.memory, init_bank=None))
-    model, manifest = build_model(bare)
+    model, manifest = build_model(bare, bank_init="empty")
     model.model.load_state_dict(load_file(str(folder / "anchor.safetensors")))
     model.eval()
     tok_path = (Path(cfg.data.shards) / manifest["tokenizer"]).resolve()
