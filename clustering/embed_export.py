@@ -186,10 +186,11 @@ def export_openvino_int8(
     if old is not None:
         return {**old, "obtained": "reused"}
     cached = Path(cache_dir) / export_key_hash(key) if cache_dir else None
-    if cached is not None and _matches(cached, key) is not None:
+    hit = _matches(cached, key) if cached is not None else None  # verified there: the copy is byte for byte
+    if hit is not None:
         with atomic_dir(out) as tmp:
             shutil.copytree(cached, tmp, dirs_exist_ok=True)
-        return {**read_export(out), "obtained": "cache"}
+        return {**hit, "obtained": "cache"}
     meta = _calibrate(src, out, calibration_texts, key, max_seq_length=max_seq_length, batch_size=batch_size,
                       progress=progress)
     if cached is not None:

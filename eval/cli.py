@@ -271,10 +271,13 @@ def _eval(args: argparse.Namespace) -> int:
                                allow_missing=args.allow_missing, owner_field=args.owner_field,
                                log=lambda m: note("eval knowledge", m))
         if probes and facts:
-            from memtree.eval.forgetting import owner_probe_count
+            from memtree.eval.forgetting import fact_statements, owner_probe_count
             from memtree.eval.longtail import load_facts
 
-            if owner_probe_count(probes, load_facts(facts), run, owner_ids) == 0:
+            listed = load_facts(facts)
+            # counted once: forgetting_eval reads them from the plan instead of scanning the corpus again
+            plan = {**plan, "_statements": fact_statements(listed, run, owner_ids)}
+            if owner_probe_count(probes, listed, plan["_statements"]) == 0:
                 why = (f"none of the {len(probes)} probes evaluated asks a fact only the owner's documents state"
                        + (f" (--max-probes {args.max_probes} keeps an evenly spread subset; 0 scores all)"
                           if args.max_probes else ""))

@@ -198,7 +198,9 @@ def forgetting_eval(rm: RunModel, plan: Mapping[str, Any], *, probes: Sequence[d
         out["fallback"] = store.policy["fallback"]
         if probes:
             say(f"{out['name']}: scoring {len(probes)} probes with the owner's blocks and the control blocked")
-            out["facts"] = _facts_part(rm, probes, facts, run, ids, targets, control, predictions or {}, paths)
+            # the caller may have counted the statements already (`_statements`, the CLI's check)
+            statements = plan.get("_statements") or fact_statements(facts, run, ids)
+            out["facts"] = _facts_part(rm, probes, facts, statements, targets, control, predictions or {}, paths)
         if held_out:
             say(f"{out['name']}: scoring {len(held_out)} held-out pages the same ways")
             out["held_out"] = _held_out_part(rm, held_out, set(plan["owner_values"]), plan["owner_field"], targets,
@@ -219,19 +221,20 @@ def probe_facts(probes: Sequence[Mapping[str, Any]], facts: Sequence[Mapping[str
     return np.asarray(idx, dtype=np.int64)
 
 
-def owner_probe_count(probes: Sequence[Mapping[str, Any]], facts: Sequence[Mapping[str, Any]], run: str | Path,
-                      owner_ids: Sequence[str]) -> int:
-    """How many of `probes` ask a fact only the owner's documents state: with none, the owner's row
-    of the report would be empty (an evenly spread --max-probes subset can miss them all)."""
+def owner_probe_count(probes: Sequence[Mapping[str, Any]], facts: Sequence[Mapping[str, Any]],
+                      statements: tuple[np.ndarray, np.ndarray]) -> int:
+    """How many of `probes` ask a fact only the owner's documents state (`statements`: fact_statements'
+    counts): with none, the owner's row of the report would be empty (an evenly spread --max-probes
+    subset can miss them all)."""
     if not probes:
         return 0
-    mine, theirs = fact_statements(facts, run, owner_ids)
+    mine, theirs = statements
     idx = probe_facts(probes, facts)
     return int(((mine[idx] > 0) & (theirs[idx] == 0)).sum())
 
 
-def _facts_part(rm: RunModel, probes, facts, run, ids, targets, control, given, paths) -> dict[str, Any]:
-    mine, theirs = fact_statements(facts, run, ids)
+def _facts_part(rm: RunModel, probes, facts, statements, targets, control, given, paths) -> dict[str, Any]:
+    mine, theirs = statements
     idx = probe_facts(probes, facts)
     m, o = mine[idx], theirs[idx]
     group = {"owner": (m > 0) & (o == 0), "shared": (m > 0) & (o > 0), "others_only": (m == 0) & (o > 0),

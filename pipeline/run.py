@@ -242,13 +242,13 @@ def _embed(ctx: Ctx, work: Path) -> dict:
     if backend == OPENVINO_INT8:
         model = str(work / EXPORT_DIR)
         t0 = time.time()
+        cache = cache_root() / "embedder"
         export = export_openvino_int8(e.model or default_model_path(), model,
                                       _first_texts(ctx, e.calibration_samples),
-                                      max_seq_length=e.max_seq_length, cache_dir=cache_root() / "embedder",
-                                      progress=ctx.cfg.progress)
+                                      max_seq_length=e.max_seq_length, cache_dir=cache, progress=ctx.cfg.progress)
         export_s = time.time() - t0
         obtained = export.pop("obtained")
-        how = {"reused": "kept from the last attempt", "cache": f"copied from {cache_root() / 'embedder'}",
+        how = {"reused": "kept from the last attempt", "cache": f"copied from {cache}",
                "calibrated": f"calibrated on {e.calibration_samples} windows"}[obtained]
         ctx.log(f"[embed] int8 OpenVINO export ready in {export_s:.1f} s ({how})")
     args = [

@@ -651,8 +651,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     config, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
-    result = train(load_train_config(config, overrides))
-    print(f"done: {result['metrics']}; anchor {result['anchor']}" + (f"; bank {result['bank']}" if 'bank' in result else ""))
+    # a launcher's ranks always train (autoresume is the config's): no rerun check per rank
+    run_once(load_train_config(config, overrides), force=True)
     return 0
 
 
