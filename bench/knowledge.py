@@ -77,6 +77,30 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def tree_purity(root: Path) -> dict[str, Any]:
+    """The run's tree against the corpus's own structure: per level, the share of documents in
+    their cluster's majority field / domain / subtopic (level 1 / 2 / 3 of the demo's 3 × 4 tree),
+    from the assign stage's paths (`pipeline/README.md`) and corpus.jsonl's labels."""
+    import json
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    assign = pa.concat_tables([pq.read_table(p) for p in sorted((root / "pipeline" / "assign").glob("part-*.parquet"))])
+    docs = assign["doc_ordinal"].to_numpy()
+    paths = np.stack(assign["path"].to_numpy(zero_copy_only=False))
+    with open(root / "corpus.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    out: dict[str, Any] = {"method": read_json(root / "pipeline" / "tree" / "tree.json")["config"].get("method", "topdown")}
+    for level, key in enumerate(("field", "domain", "topic")[: paths.shape[1]]):
+        labels = np.array([records[d][key] for d in docs])
+        _, codes = np.unique(labels, return_inverse=True)
+        hits = sum(int(np.bincount(codes[paths[:, level] == c]).max()) for c in np.unique(paths[:, level]))
+        out[f"purity_l{level + 1}_{key}"] = hits / len(docs)
+    return out
+
+
 def _ms(values: list[float]) -> str:
     values = [v for v in values if v is not None]
     if not values:
@@ -102,6 +126,10 @@ def table(per_seed: dict[int, dict[str, Any]]) -> str:
     lines.append(f"| random blocking: target change | "
                  f"{_ms([r['blocking']['random_target_change'] for r in runs])} | ≤ 3 |")
     lines.append(f"| demo wall time (s) | {_ms([r['seconds'] for r in runs])} | ≤ 900 |")
+    if all("tree" in r for r in runs):
+        purity = [r["tree"]["purity_l2_domain"] for r in runs]
+        lines.append(f"| level-2 domain purity (per seed: {', '.join(f'{p:.3f}' for p in purity)}) | "
+                     f"{min(purity):.3f} (lowest) | ≥ 0.95 |")
     buckets = list(runs[0]["fetched"]["by_bucket"])
     lines += ["", "Accuracy by exposure bucket (%, mean ± sd across seeds):", "",
               "| setting | " + " | ".join(buckets) + " |", "|---|" + "---:|" * len(buckets)]
@@ -145,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         if seed in existing:
             log(f"seed {seed}: the finished demo report {existing[seed]}")
             data = read_json(existing[seed])
+            root = existing[seed].parent.parent
             if data["meta"]["corpus"]["spec"]["seed"] != seed:
                 raise SystemExit(f"{existing[seed]} was run with corpus seed "
                                  f"{data['meta']['corpus']['spec']['seed']}, not {seed}")
@@ -156,10 +185,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"{existing[seed]} was run with another corpus (asked, there): {off}")
         else:
             log(f"seed {seed}: memtree demo under {args.root}/seed-{seed}")
-            report = run_main_job(Path(args.root) / f"seed-{seed}", seed=seed, train_overrides=args.train,
+            root = Path(args.root) / f"seed-{seed}"
+            report = run_main_job(root, seed=seed, train_overrides=args.train,
                                   pipeline_overrides=args.pipeline, corpus=corpus)
             data = read_json(Path(report).with_name("results.json"))
         results["seeds"][seed] = summarise(data)
+        results["seeds"][seed]["tree"] = tree_purity(root)
         results["seeds"][seed]["bench_seconds"] = time.time() - t
     per_seed = results["seeds"]
     results["rows"] = table(per_seed)

@@ -9,6 +9,7 @@ and at query time (a question's text is embedded and routed the same way).
   `clustering.embed_export`) and embeds long windows.
 - `clustering.kmeans`: balanced mini-batch k-means, the nodes of a level fitted together.
 - `clustering.tree`: the tree format, building level by level, loading.
+- `clustering.bottomup`: a tree built from its leaves up (`tree.method: bottomup`).
 - `clustering.route`: batched greedy root-to-leaf traversal.
 """
 

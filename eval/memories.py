@@ -562,7 +562,7 @@ def run_memories(cfg: MemoriesConfig, *, log: Callable[[str], None] = print) -> 
     held_path = demo.root / "heldout.jsonl"
     probes, held = load_eval_inputs(demo.root / "facts.jsonl", held_out=held_path if held_path.is_file() else None,
                                     max_probes=cfg.max_probes, seed=demo.cfg.seed, epochs=demo.epochs)
-    log(f"[eval-memories] {len(rows)} rows × {len(probes)} probes, {len(held)} held-out documents; "
+    log(f"[eval memories] {len(rows)} rows × {len(probes)} probes, {len(held)} held-out documents; "
         f"trained rows: {_given_duration(cfg.train) or demo.duration()} from scratch (the demo's anchor + "
         f"co-training: {demo.duration()})")
     results: dict[str, dict[str, Any]] = {}
@@ -582,11 +582,11 @@ def run_memories(cfg: MemoriesConfig, *, log: Callable[[str], None] = print) -> 
         if r.kind == "demo":
             continue
         models[r.name] = row_model(r, demo)
-        train = train_row(demo, r, models[r.name], cfg.train, log=lambda m: log(f"[eval-memories] {m}"))
-        log(f"[eval-memories] {r.name}: scoring")
+        train = train_row(demo, r, models[r.name], cfg.train, log=lambda m: log(f"[eval memories] {m}"))
+        log(f"[eval memories] {r.name}: scoring")
         results[r.name] = {**score_trained(train["folder"], probes, held), "train": train}
         if r.kind == "moc" and cfg.blocking and demo_blocking:
-            log(f"[eval-memories] {r.name}: blocking the chapters the {demo_blocking['target_domains']} probes "
+            log(f"[eval memories] {r.name}: blocking the chapters the {demo_blocking['target_domains']} probes "
                 "pick most, and as many random ones")
             results[r.name]["blocking_result"] = {"kind": "chapters", **chapter_blocking_eval(
                 RunModel.load(train["folder"], bank=False), probes, target_domains=demo_blocking["target_domains"],

@@ -228,7 +228,7 @@ def score_runs(runs: dict[str, Path], docs: Sequence[dict[str, Any]], tree_dir: 
             if windows is None:  # every run shares the tokenizer (the shards') and the tree
                 windows = heldout_windows(rm, docs, window_tokens)
                 paths = rm.route([w["text"] for w in windows])
-                log(f"[eval-realtext] {len(docs)} held-out documents → {len(windows)} windows")
+                log(f"[eval realtext] {len(docs)} held-out documents → {len(windows)} windows")
             modes = {}
             for mode in (("none", "generic", "fetched") if rm.has_memory else ("none",)):
                 t = time.time()
@@ -239,7 +239,7 @@ def score_runs(runs: dict[str, Path], docs: Sequence[dict[str, Any]], tree_dir: 
             if key:
                 atomic_write_json(folder / SCORES_FILE, cached)
         else:
-            log(f"[eval-realtext] {name}: scores reused ({folder / SCORES_FILE})")
+            log(f"[eval realtext] {name}: scores reused ({folder / SCORES_FILE})")
         n_windows, n_tokens = cached["windows"], cached["tokens"]
         memory = len(cached["modes"]) > 1
         for mode in (m for m in ("none", "generic", "fetched") if m in cached["modes"]):  # JSON sorts the keys
@@ -251,7 +251,7 @@ def score_runs(runs: dict[str, Path], docs: Sequence[dict[str, Any]], tree_dir: 
             mean = float(s.sum() / tok.sum())
             rows.append({"name": label, "run": name, "folder": str(folder), "mode": mode, "nll": mean,
                          "perplexity": math.exp(mean), "tokens": int(tok.sum()), "score_s": m["score_s"]})
-            log(f"[eval-realtext] {label}: perplexity {math.exp(mean):.2f}")
+            log(f"[eval realtext] {label}: perplexity {math.exp(mean):.2f}")
     paired = {}
     for (name, mode), (s, tok) in per.items():
         if mode != "fetched":

@@ -1,7 +1,7 @@
 """The memory blocks' initial values (seed 002 App. I), one definition for every bank.
 
 The trainer's in-memory bank (training/bank.py) and memstore's bank writer (`memtree memstore
-build --init paper`, `write_bank`'s default) must start from the same values, bit for bit, so that
+init --init paper`, `write_bank`'s default) must start from the same values, bit for bit, so that
 a bank written to disk and a bank built in a training run agree. Both stages may import only this
 bottom layer in common, so the initialisation lives here, beside the block layouts it fills
 (`memtree.geometry`), and not in memstore's disk format. Unlike geometry it needs torch: the

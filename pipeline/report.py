@@ -91,7 +91,7 @@ def _plot(sizes: list[np.ndarray], path: Path) -> None:
 def _markdown(r: dict) -> str:
     c = r["counts"]
     lines = [
-        "# memtree pipeline report", "",
+        "# Pipeline report (memtree)", "",
         f"Tree `{r['tree']['tree_id']}`: {r['tree']['levels']} levels × branching {r['tree']['branching']}.", "",
         "## Counts", "",
         f"- records in: {c['records_in']} = kept {c['docs_kept']} + rejected {c['docs_rejected']}",

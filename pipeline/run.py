@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from memtree.clustering import gemm
 from memtree.clustering.blas import best_gemm, check_host
+from memtree.clustering.bottomup import build_tree_bottomup
 from memtree.clustering.embed import (
     SEQ_BUCKET,
     default_model_path,
@@ -318,6 +319,8 @@ def _tree_fingerprint(c) -> dict:
     fp = {**to_dict(c.tree), "seed": c.seed}
     if fp.get("restarts") == 1:
         del fp["restarts"]
+    if fp.get("method") == "topdown":  # the rule every tree was built with before the field
+        del fp["method"]
     fp.pop("gemm", None)
     return fp
 
@@ -365,9 +368,14 @@ def _tree(ctx: Ctx, work: Path) -> dict:
                 out[i] = fit
         return out
 
-    tree, _ = build_tree(x, levels=levels, fit_nodes=fit_nodes,
-                         on_level=lambda lv: ctx.log(f"[tree] level {lv} built"),
-                         strict_balance=t.strict_balance, balance_target=t.balance_target, **node_params)
+    if t.method == "bottomup":  # one node fit and tiny groupings: in this process, no tasks
+        tree, _ = build_tree_bottomup(x, levels=levels, gemm_backend=gemm_backend,
+                                      on_level=lambda lv: ctx.log(f"[tree] level {lv} built (bottomup)"),
+                                      **node_params)
+    else:
+        tree, _ = build_tree(x, levels=levels, fit_nodes=fit_nodes,
+                             on_level=lambda lv: ctx.log(f"[tree] level {lv} built"),
+                             strict_balance=t.strict_balance, balance_target=t.balance_target, **node_params)
     for lv, (refit, kept) in enumerate(tree.meta["balance_repairs"], start=1):
         if refit:
             ctx.log(f"[tree] level {lv}: {refit} node(s) over tree.balance_target refitted with strict balance, "

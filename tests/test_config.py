@@ -51,7 +51,8 @@ def test_tree_restarts_is_validated_and_only_in_the_fingerprint_when_used():
     tree = next(s for s in STAGES if s.name == "tree")
     default = load_config(PipelineConfig, {"out": "x"})
     before = {**to_dict(default.tree), "seed": default.seed}
-    del before["restarts"], before["gemm"]  # the default left out: older trees keep their fingerprint
+    # the defaults left out (restarts 1, method topdown): older trees keep their fingerprint
+    del before["restarts"], before["gemm"], before["method"]
     assert json.dumps(tree.config(default), sort_keys=True) == json.dumps(before, sort_keys=True)
     more = load_config(PipelineConfig, {"out": "x", "tree": {"restarts": 4, "gemm": "torch"}})
     # the GEMM backend is a speed setting (the same paths): no backend rebuilds a finished tree

@@ -8,6 +8,7 @@ import tomllib
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from memtree import STAGES
 
@@ -99,10 +100,11 @@ def _site_packages(venv: Path) -> Path:
     return next(venv.glob("lib/python*/site-packages"))
 
 
-def test_the_wheel_installs_one_import_name(tmp_path):
-    """A wheel built from this tree, installed into a fresh venv, adds `memtree` and nothing else
-    that can be imported; every stage imports from it and `memtree --help` runs, even from a folder
-    holding a user's own eval.py, training/ and kernels.py."""
+@pytest.fixture(scope="module")
+def wheel_venv(tmp_path_factory):
+    """A fresh venv with the wheel built from this tree installed (no dependencies: those come from
+    this environment as plain path lines) → (venv, its site-packages, the folders added)."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     # built from a copy of what the wheel is made of: setuptools' build/ folder in the checkout
     # would carry files of an earlier build (a module since moved) into this one
     src = tmp_path / "src"
@@ -123,18 +125,32 @@ def test_the_wheel_installs_one_import_name(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     site = _site_packages(venv)
     added = {p.name for p in site.iterdir()} - before
-    assert {n for n in added if not n.endswith(".dist-info") and n != "__pycache__"} == {"memtree"}, added
-    assert (next(site.glob("memtree-*.dist-info")) / "top_level.txt").read_text().split() == ["memtree"]
     # the dependencies come from this environment (a path line: its own .pth files, among them the
     # editable install of this checkout, are not read), so nothing is downloaded
     deps = [p for p in map(Path, sys.path) if p.name == "site-packages" and p.is_dir()]
     (site / "zz-memtree-test-deps.pth").write_text("\n".join(map(str, deps)) + "\n")
+    return venv, site, added
 
+
+def _user_folder(tmp_path: Path) -> Path:
+    """A user's working folder holding their own eval.py, training/ and kernels.py, which no
+    memtree import may pick up."""
     user = tmp_path / "user"
     (user / "training").mkdir(parents=True)
     (user / "training" / "__init__.py").write_text("raise ImportError('the user training/ was imported')\n")
     (user / "eval.py").write_text("raise ImportError('the user eval.py was imported')\n")
     (user / "kernels.py").write_text("raise ImportError('the user kernels.py was imported')\n")
+    return user
+
+
+def test_the_wheel_installs_one_import_name(wheel_venv, tmp_path):
+    """A wheel built from this tree, installed into a fresh venv, adds `memtree` and nothing else
+    that can be imported; every stage imports from it and `memtree --help` runs, even from a folder
+    holding a user's own eval.py, training/ and kernels.py."""
+    venv, site, added = wheel_venv
+    assert {n for n in added if not n.endswith(".dist-info") and n != "__pycache__"} == {"memtree"}, added
+    assert (next(site.glob("memtree-*.dist-info")) / "top_level.txt").read_text().split() == ["memtree"]
+    user = _user_folder(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     code = ("import importlib, sys\n"
             f"stages = {[f'memtree.{s}' for s in STAGES]!r}\n"
@@ -151,6 +167,40 @@ def test_the_wheel_installs_one_import_name(tmp_path):
                        check=False, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "pipeline" in r.stdout and "demo" in r.stdout and "memstore" in r.stdout
+
+
+@pytest.mark.parametrize("launcher", ["composer", "torchrun"])
+def test_two_ranks_launch_from_the_installed_wheel(wheel_venv, pipeline_run, tmp_path, launcher):
+    """`composer -n 2 -m memtree.training.train …` and `torchrun --nproc-per-node 2 -m …`, run by the
+    wheel's venv from a user's folder (its own training/ and eval.py there): both ranks train from
+    the installed package, and no stage folder is on their sys.path."""
+    venv, site, _ = wheel_venv
+    user = _user_folder(tmp_path)
+    out = tmp_path / "ddp"
+    probe = user / "probe.yaml"  # a config of the user's own, next to the decoys
+    probe.write_text(f"data:\n  shards: {pipeline_run[0] / 'shards'}\n  batch_size: 4\nmax_duration: 2ba\n"
+                     f"mode: scratch\nsave_folder: {out}\nmemory:\n  multipliers: [8, 4]\n"
+                     "model:\n  shape: {n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}\n")
+    head = (["-m", "composer.cli.launcher", "-n", "2"] if launcher == "composer"
+            else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "WORLD_SIZE", "RANK")}
+    r = subprocess.run([venv / "bin" / "python", *head, "-m", "memtree.training.train", str(probe)],
+                       cwd=user, env=env, capture_output=True, text=True, check=False, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    from memtree.memstore.format import verify_bank
+
+    assert verify_bank(out / "bank")["levels"] == [1, 2]
+    # The venv reads no .pth of this environment's (its dependencies are path lines), and the user's
+    # folder, first on a -m launch's sys.path, holds no memtree: the only one the ranks could import
+    # is the wheel's. The same interpreter from the same folder says where that is.
+    code = ("import sys\n"
+            "import memtree.training.train as t; print(t.__file__)\n"
+            "print(any(p.endswith('training') for p in sys.path))\n")
+    r = subprocess.run([venv / "bin" / "python", "-c", code], cwd=user, env=env, capture_output=True, text=True,
+                       check=False, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    where, stage_on_path = r.stdout.split()
+    assert where == str(site / "memtree" / "training" / "train.py") and stage_on_path == "False"
 
 
 def test_a_source_checkout_imports_its_stages_without_an_install(tmp_path):

@@ -174,6 +174,33 @@ def test_tree_restarts_run_through_the_dask_fitter(run_a, corpus, dask_client, b
     run_pipeline(base, client=dask_client, log=lambda m: None)  # restore for the other tests
 
 
+def test_tree_method_bottomup_through_the_pipeline(run_a, corpus, dask_client):
+    """tree.method=bottomup: the pipeline's tree is build_tree_bottomup's on the run's embeddings,
+    the assign stage's paths are its routed paths, and only the tree and what follows rerun."""
+    from memtree.clustering.bottomup import build_tree_bottomup
+    from memtree.clustering.tree import load_tree
+
+    out, _, _ = run_a
+    logs: list[str] = []
+    cfg = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
+                      [*OVERRIDES, "tree.method=bottomup", "tree.restarts=2"])
+    run_pipeline(cfg, client=dask_client, log=logs.append)
+    assert [line.split("]")[0][1:] for line in logs if "running" in line] == ["tree", "assign", "shards", "report"]
+    assert any("level 1 built (bottomup)" in line for line in logs)
+    t, x = cfg.tree, np.load(out / "embed" / "embeddings.npy")
+    ref, paths = build_tree_bottomup(x, levels=t.levels, branching=t.branching, batch_size=t.batch_size,
+                                     steps=t.steps, balance_factor=t.balance_factor, restarts=2,
+                                     equalize_steps=t.equalize_steps, min_points_per_child=t.min_points_per_child,
+                                     seed=cfg.seed)
+    got = load_tree(out / "tree")
+    assert got.tree_id == ref.tree_id and got.meta["config"]["method"] == "bottomup"
+    assigned = pa.concat_tables([pq.read_table(p) for p in sorted((out / "assign").glob("part-*.parquet"))])
+    order = np.argsort(assigned["window_ordinal"].to_numpy())
+    assert (np.stack(assigned["path"].to_numpy(zero_copy_only=False))[order] == paths).all()
+    base = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}}, OVERRIDES)
+    run_pipeline(base, client=dask_client, log=lambda m: None)  # restore for the other tests
+
+
 def _files(root: Path, sub: str) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted((root / sub).rglob("*"))
             if p.is_file() and p.name != "_stage.json"}

@@ -187,6 +187,14 @@ def test_the_resume_command_is_the_launch_with_autoresume():
                                          "seed=1 autoresume=true")
     nodes = resume_command(argv, {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "7"})
     assert nodes.startswith("on each of the 2 nodes: composer -n 4 --world_size 8 --node_rank K --master_addr h")
+    # ranks started as a module (`composer -m` / `torchrun -m`): argv[0] is the module's file
+    argv[0] = "/site-packages/memtree/training/train.py"
+    assert resume_command(argv, env, "memtree.training.train") == (
+        "composer -n 4 -m memtree.training.train cfg.yaml 'model.shape={n_layers: 2}' seed=1 autoresume=true")
+    elastic = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "x"}
+    assert resume_command(argv, elastic, "memtree.training.train").endswith(
+        "--node-rank K --master-addr HEAD --master-port PORT -m memtree.training.train cfg.yaml "
+        "'model.shape={n_layers: 2}' seed=1 autoresume=true")
 
 
 def test_what_counts_as_a_lost_rank():

@@ -15,7 +15,7 @@ def register(cli: Commands) -> None:
         "run",
         help="train an anchor with hierarchical memories on pipeline shards (Composer)",
         description="Train with Composer on one process. For several GPUs: "
-                    "composer -n N training/train.py CONFIG.yaml [key=value …]. "
+                    "composer -n N -m memtree.training.train CONFIG.yaml [key=value …]. "
                     "Examples: training/yamls/*.yaml.",
     )
     add_config(p, "training/yamls/*.yaml")

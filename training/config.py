@@ -1,6 +1,6 @@
 """Training configuration: YAML (llm-foundry style) validated into keyword-only dataclasses.
 
-`memtree train run CONFIG.yaml key=value …` and `composer -n N training/train.py CONFIG.yaml …`
+`memtree train run CONFIG.yaml key=value …` and `composer -n N -m memtree.training.train CONFIG.yaml …`
 both go through `load_train_config`; unknown keys and bad values are errors that
 name the key (and the allowed values). See `training/yamls/` for examples.
 """

@@ -247,11 +247,12 @@ def lost_peers(ranks: list[dict[str, Any]], me: int, *, wait_s: float = 3.0) -> 
         time.sleep(0.1)
 
 
-def resume_command(argv: list[str], env: Mapping[str, str]) -> str:
+def resume_command(argv: list[str], env: Mapping[str, str], module: str | None = None) -> str:
     """The launch that resumes this run: its script and arguments with `autoresume=true` (any
-    earlier `autoresume=` dropped), under the launcher it ran under."""
+    earlier `autoresume=` dropped), under the launcher it ran under. `module`: the module the
+    ranks ran (`-m memtree.training.train`, argv[0] then being its file), None for a script."""
     args = [a for a in argv[1:] if not a.startswith("autoresume=")] + ["autoresume=true"]
-    tail = " ".join(shlex.quote(a) for a in [argv[0], *args])
+    tail = " ".join([*(["-m", module] if module else [shlex.quote(argv[0])]), *map(shlex.quote, args)])
     world, local = int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
     if world == local:
         return f"composer -n {world} {tail}"
@@ -260,6 +261,13 @@ def resume_command(argv: list[str], env: Mapping[str, str]) -> str:
         return (f"on each of the {world // local} nodes: torchrun --nnodes {world // local} --nproc-per-node {local} "
                 f"--node-rank K {where.replace('_', '-')} {tail}")
     return f"on each of the {world // local} nodes: composer -n {local} --world_size {world} --node_rank K {where} {tail}"
+
+
+def launched_module() -> str | None:
+    """The module this process was started as (`python -m NAME`, as `composer -m` / `torchrun -m`
+    start their ranks), or None when it ran a script file."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return spec.name if spec is not None else None
 
 
 def intact_lines(cfg: TrainConfig, *, sharded: bool) -> list[str]:
@@ -316,7 +324,7 @@ def exit_after_lost_rank(cfg: TrainConfig, trainer: Any, e: BaseException) -> No
     bank = unwrap(trainer.state.model).bank
     lines = [f"training stopped after {done} batches: {'; '.join(why)}",
              *intact_lines(cfg, sharded=bank is not None and bank.shard is not None),
-             f"resume with: {resume_command(sys.argv, os.environ)}"]
+             f"resume with: {resume_command(sys.argv, os.environ, launched_module())}"]
     sys.stdout.flush()
     print("\n".join(f"[rank {me}] {line}" for line in lines), file=sys.stderr, flush=True)
     watchdog = threading.Timer(20.0, os._exit, args=(LOST_RANK_EXIT,))

@@ -1,8 +1,10 @@
 """Build and run a Composer Trainer for a memtree config.
 
 One process: `memtree train run CONFIG.yaml [key=value …]`.
-Several GPUs: `composer -n N training/train.py CONFIG.yaml [key=value …]` (this file is
-the launcher's script; Composer's launcher sets the distributed environment).
+Several ranks: `composer -n N -m memtree.training.train CONFIG.yaml [key=value …]`, or torchrun's
+`-m memtree.training.train` (this module is what each rank runs; the launcher sets the distributed
+environment). It works from an installed wheel and puts no stage folder on `sys.path`; in a source
+checkout `composer -n N training/train.py …` runs the same file as a script.
 
 What a run leaves in `save_folder`:
   memtree_config.yaml / memtree_config.json   the resolved config and its fingerprint
@@ -646,8 +648,8 @@ def run_once(cfg: TrainConfig, *, force: bool = False) -> dict[str, Any] | None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
-        print("usage: composer -n N training/train.py CONFIG.yaml [key=value …]\n"
-              "       torchrun --nnodes M --nproc-per-node N … training/train.py CONFIG.yaml [key=value …]",
+        print("usage: composer -n N -m memtree.training.train CONFIG.yaml [key=value …]\n"
+              "       torchrun --nnodes M --nproc-per-node N … -m memtree.training.train CONFIG.yaml [key=value …]",
               file=sys.stderr)
         return 2
     config, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])

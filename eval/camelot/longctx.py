@@ -169,7 +169,7 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
 
 
 def group_key(records: Sequence[dict[str, Any]], group_by: str | None, path: str | Path) -> str | None:
-    """The key `eval-longctx --group-by` joins records by, checked against the records: a key some
+    """The key `memtree eval longctx --group-by` joins records by, checked against the records: a key some
     record lacks is refused, naming the record (a record without it would be scored alone while the
     report says grouped). None (not given): `topic` when every record has one, no grouping when none
     has; "none": no grouping."""

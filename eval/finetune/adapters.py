@@ -7,7 +7,7 @@ Gemma 3 270M from `memtree.pretrained`: eval/finetune/bases.py) is fine-tuned on
 entities its corpus never mentions, under
 the four conditions of §7.3: full fine-tuning, LoRA, memory cross-attention adapters
 (training/finetune/adapters.py: MoC layers added to chosen blocks, base frozen) and adapters + LoRA.
-The data and the measures are eval-continual's (eval/finetune/continual.py), so the two experiments read
+The data and the measures are `memtree eval continual`'s (eval/finetune/continual.py), so the two experiments read
 side by side: the same new-fact stream (each fact a batch of `paraphrases` statements in
 different frames), here repeated for `epochs` passes in a fresh order each pass; learning =
 4-way accuracy on the new facts' probes ("The {label} of {reference} is", chance 25 %; the
@@ -63,7 +63,7 @@ METHOD_STYLE = {"full": {"c": "tab:red", "marker": "s"}, "lora": {"c": "tab:blue
 class AdaptersConfig:
     """root: a bios demo run; run: the pretrained model: a memtree run folder (default
     ROOT/train/anchor) or a name of `memtree.pretrained` (smollm2-135m, gemma3-270m); n_facts,
-    paraphrases, world_seed: the new facts (as eval-continual); epochs: passes over them;
+    paraphrases, world_seed: the new facts (as `memtree eval continual`); epochs: passes over them;
     old_probes, old_min_mentions, held_out_docs: the forgetting measures on the bios corpus;
     held_out_text: a JSONL of {"text"} records of real text whose perplexity is measured too
     (empty: not measured), its first held_out_tokens tokens in 512-token pieces; runs: the
@@ -96,7 +96,7 @@ class AdaptersConfig:
             raise ConfigError("runs: no configuration to compare (eval/yamls/adapters.yaml lists them)")
         bad = [r.method for r in self.runs if r.method == "sparse_memory"]
         if bad:
-            raise ConfigError("runs: sparse_memory needs a product-key memory model; it is eval-continual's")
+            raise ConfigError("runs: sparse_memory needs a product-key memory model; it is `memtree eval continual`'s")
 
 
 def load_adapters_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> AdaptersConfig:
@@ -138,7 +138,7 @@ def matched_lora(runs: Sequence[FinetuneSpec], base: AnchorBase | PretrainedBase
 
 def measure_all(rm, new: Sequence[dict[str, Any]], old: Sequence[dict[str, Any]], held: Sequence[dict[str, Any]],
                 pieces: Sequence[list[int]]) -> dict[str, Any]:
-    """eval-continual's measures, and the held-out real text's perplexity when there is some."""
+    """`memtree eval continual`'s measures, and the held-out real text's perplexity when there is some."""
     out = measure(rm, new, old, held)
     if pieces:
         out["text_perplexity"] = sequence_perplexity(rm, pieces, mode="none", batch_size=4)["perplexity"]
@@ -146,7 +146,7 @@ def measure_all(rm, new: Sequence[dict[str, Any]], old: Sequence[dict[str, Any]]
 
 
 def text_forgetting(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
-    """eval-continual's forgetting, and the real text's perplexity increase (%) when measured."""
+    """`memtree eval continual`'s forgetting, and the real text's perplexity increase (%) when measured."""
     out = forgetting(before, after)
     if "text_perplexity" in before:
         out["text_ppl_increase_pct"] = 100 * (after["text_perplexity"] / before["text_perplexity"] - 1)

@@ -206,7 +206,7 @@ def equal_learning(rows: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
 
 
 def fact_task(root: Path, out: Path, cfg, rm) -> tuple[list, list, list, list, list]:
-    """The new-fact task on a demo root, shared with eval-adapters: the stream's records (written
+    """The new-fact task on a demo root, shared with `memtree eval adapters`: the stream's records (written
     to OUT/stream.jsonl), the new-fact probes, the old-fact probes, the held-out documents and the
     stream tokenised for rm's model, one (record id, ids, real) batch per record. cfg: any config
     with n_facts, paraphrases, world_seed, old_probes, old_min_mentions, held_out_docs, seed."""
@@ -370,7 +370,7 @@ def run_blocks(root: Path, out: Path, cfg: ContinualConfig, records: Sequence[tu
                for rid, ids, real, p in tqdm(batches, desc=f"finetune {spec.label}", disable=not progress)]
         ft.finish()
         seconds = time.time() - t
-        edits = write_edits(rm.store, ft.blocks, ft.touched, reason=f"eval-continual {spec.label}")
+        edits = write_edits(rm.store, ft.blocks, ft.touched, reason=f"eval continual {spec.label}")
         anchor_changed = sum(int((v != pretrained[k]).sum()) for k, v in model.state_dict().items())
         after = measure(rm, new, old, held, paths=paths)
         rows.append({"label": spec.label, "method": spec.method, "spec": to_dict(spec), "after": after,

@@ -14,7 +14,7 @@ others' values with their gradient stopped: the seed's `memÂ·m + mem.detach() âˆ
 applied to the rows read so the gradient stays sparse).
 
 `memtree train finetune` (training/finetune/continual.py) streams new data through it; `memtree
-eval-continual` (eval/finetune/continual.py) measures learning and forgetting.
+eval continual` (eval/finetune/continual.py) measures learning and forgetting.
 """
 
 from __future__ import annotations
