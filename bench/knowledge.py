@@ -86,6 +86,7 @@ def tree_purity(root: Path) -> dict[str, Any]:
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from _pipeline_tree import purity
 
     assign = pa.concat_tables([pq.read_table(p) for p in sorted((root / "pipeline" / "assign").glob("part-*.parquet"))])
     docs = assign["doc_ordinal"].to_numpy()
@@ -95,9 +96,7 @@ def tree_purity(root: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"method": read_json(root / "pipeline" / "tree" / "tree.json")["config"].get("method", "topdown")}
     for level, key in enumerate(("field", "domain", "topic")[: paths.shape[1]]):
         labels = np.array([records[d][key] for d in docs])
-        _, codes = np.unique(labels, return_inverse=True)
-        hits = sum(int(np.bincount(codes[paths[:, level] == c]).max()) for c in np.unique(paths[:, level]))
-        out[f"purity_l{level + 1}_{key}"] = hits / len(docs)
+        out[f"purity_l{level + 1}_{key}"] = purity(labels, paths[:, level])
     return out
 
 

@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from _common import finish, log, results_path, run_meta  # bench/ is sys.path[0] when a script runs
+from _pipeline_tree import purity
 from sklearn.metrics import adjusted_rand_score
 
 from memtree.clustering.bottomup import build_tree_bottomup
@@ -83,13 +84,6 @@ def build(method: str, x: np.ndarray, cfg: dict, seed: int) -> np.ndarray:
         balance_target=cfg.get("balance_target"),
         **kw,
     )[1]
-
-
-def purity(labels: np.ndarray, clusters: np.ndarray) -> float:
-    _, codes = np.unique(labels, return_inverse=True)
-    return sum(int(np.bincount(codes[clusters == c]).max()) for c in np.unique(clusters)) / len(
-        labels
-    )
 
 
 def main() -> int:
