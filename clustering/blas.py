@@ -5,7 +5,7 @@ Why: the OpenBLAS 0.3.15 bundled in the faiss-cpu 1.15.1 wheel predates recent C
 Xeon with AVX-512 and AMX it picks its SSE3 `Prescott` kernel (threadpoolctl reports it): a
 20,000 × 4,096 × 384 flat search ran at 13 GFLOP/s, and at 57 with `OPENBLAS_CORETYPE=SkylakeX`
 set before the process started, while numpy's OpenBLAS 0.3.27 picks SkylakeX by itself
-(docs/BENCHMARKS.md, "Baseline health"). OpenBLAS reads the variable once, when it loads, so the
+(docs/benchmarks/2026-11-27-clustering-baselines-intel-xeon.md, "Baseline health"). OpenBLAS reads the variable once, when it loads, so the
 check runs in a fresh interpreter (`python -m memtree.clustering.blas` prints its JSON) and a fix can only
 reach processes started afterwards: the pipeline's Dask workers, which inherit the environment.
 

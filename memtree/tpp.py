@@ -45,7 +45,7 @@ FORMAT = "memtree-tpp"
 VERSION = 1
 
 # Tokens per parameter over the run, per level. The fewest measured on real text, where the bank still
-# generalised: docs/BENCHMARKS.md, "Tokens per parameter on real text" (3.73M-token Python + Linux
+# generalised: docs/benchmarks/2026-12-02-realtext-tpp-amd-epyc.md, "Tokens per parameter on real text" (3.73M-token Python + Linux
 # documentation corpus, one co-training epoch, bank LR 1e-3 = 1/3 of the anchor's): fetched memory beat
 # dense-1x at every TPP tried, −0.0231 / −0.0250 / −0.0272 / −0.0283 nats/token at 35.6 / 2.23 / 0.557 /
 # 0.139, and at 0.139 (`l3m256-lr1e-3`, a 25.2M-parameter leaf bank) also dense-restart (−0.0084
@@ -53,7 +53,7 @@ VERSION = 1
 # harm: a level under it gets a note (outside the measured range), and the sizing rule keeps every level
 # at or above it.
 GENERALISES_DOWN_TO = 0.139
-# The TPP at and under which a run was measured to go wrong: docs/BENCHMARKS.md, "Pretrained anchors from
+# The TPP at and under which a run was measured to go wrong: docs/benchmarks/2026-12-05-pretrained-anchors-intel-xeon.md, "Pretrained anchors from
 # PyPI", "The real-text row (2026-12-05)": memories at levels 2 and 3 on frozen SmolLM2-135M for 0.51
 # epochs of Python documentation openings, TPP over the run 0.0044 at level 2 and 0.00066 at level 3;
 # fetched memory read the 33 held-out pages worse than the generic memory, +0.0339 nats/token [+0.0174,
@@ -61,7 +61,7 @@ GENERALISES_DOWN_TO = 0.139
 # TPP (a frozen pretrained anchor, half an epoch): it is where a run went wrong, not a measured onset.
 FETCH_WORSE_AT_TPP = 0.0044
 # Bank LR / anchor LR. The largest ratio measured not to harm held-out text: 1× on pydocs-short
-# (docs/BENCHMARKS.md, "Memory rows on real text", `mlr3e-3`: fetched − dense-1x +0.014 [−0.029,
+# (docs/benchmarks/2026-11-27-memory-families-2-core-vm.md, "Memory rows on real text", `mlr3e-3`: fetched − dense-1x +0.014 [−0.029,
 # +0.058], interval across 0); 1/3× (`mlr1e-3` there, every `*-lr1e-3` recipe in "Tokens per parameter
 # on real text") was the best measured on both corpora. Between this and HARMFUL_LR_RATIO: untested, a note.
 SAFE_LR_RATIO = 1.0

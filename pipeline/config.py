@@ -82,7 +82,7 @@ class EmbedConfig:
     """torch: sentence-transformers in PyTorch (CPU or CUDA). openvino-int8: the model exported
     to OpenVINO and quantised to int8, CPU only, calibrated on the corpus's first
     `calibration_samples` windows: faster than torch's encode on the CPU, with nearly the same
-    vectors and the same leaf NMI (docs/BENCHMARKS.md, "Pipeline and clustering"). auto: torch on
+    vectors and the same leaf NMI (docs/benchmarks/2026-11-21-pipeline-amd-epyc.md, "Pipeline and clustering"). auto: torch on
     CUDA, openvino-int8 otherwise."""
     calibration_samples: int = 300
     mmap_threshold_mib: int = 4
@@ -146,7 +146,7 @@ class TreeConfig:
     restarts: int = 1
     """k-means runs per node from different seeds; the one with the lowest distortion is kept
     (FAISS's nredo). Costs restarts × the node fits. 1 is the paper's rule; on the demo corpus 20
-    raised the probes' leaf routing agreement (docs/BENCHMARKS.md, "The knowledge demo on the
+    raised the probes' leaf routing agreement (docs/benchmarks/2026-11-21-demo-amd-epyc.md, "The knowledge demo on the
     entity-centric bios corpus")."""
     method: Literal["topdown", "bottomup"] = "topdown"
     """topdown (default): the paper's rule, each level a k-means of its node's points, root to

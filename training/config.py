@@ -61,7 +61,7 @@ class MemorySection:
     lr: float = 1e-3
     # One bank learning rate per tree level (as long as multipliers; a level without memory takes
     # any value), in place of `lr`: e.g. a low level-2 LR, so that the blocks many documents share
-    # generalise, and a high leaf LR for the tail (docs/BENCHMARKS.md, "A bank learning rate per
+    # generalise, and a high leaf LR for the tail (docs/benchmarks/2026-11-27-memory-families-2-core-vm.md, "A bank learning rate per
     # level on real text"). Empty: `lr` for all.
     lr_by_level: list[float] = field(default_factory=list)
     weight_decay: float = 0.0

@@ -5,7 +5,7 @@ Why this exists: KV and FFN memories can be read in place by the fused kernels (
 `assemble_memories`); both compute the same function. Which is faster depends on the GPU, the
 kernels' build, the model's shape, the batch and the precision: on an H100 the fused read was
 measured slower than gather in a training step (FFN 0.50x / 0.68x, KV 0.28x / 0.25x the step
-speed; docs/BENCHMARKS.md, "Kernels and GPU paths on an H100"), so "fused on any GPU" put every
+speed; docs/benchmarks/2026-11-25-kernels-h100.md, "Kernels and GPU paths on an H100"), so "fused on any GPU" put every
 GPU run on the slower path. `auto` now times both on the run's own model and batch and takes fused
 only when it is clearly faster:
 

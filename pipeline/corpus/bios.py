@@ -72,7 +72,7 @@ class BiosSpec:
     real text (an entity everyone mentions is also the one most written about); False: famous
     entities have no documents of their own (rank 0), only the passing mentions — measured to
     let the leaf memory of the famous entity's subtopic override the anchor on them
-    (docs/BENCHMARKS.md, "The knowledge demo on the entity-centric bios corpus"). common_scope:
+    (docs/benchmarks/2026-11-21-demo-amd-epyc.md, "The knowledge demo on the entity-centric bios corpus"). common_scope:
     which documents mention a famous entity in passing — "domain" (its own domain's) or "corpus"
     (every document: knowledge no memory block sees more often than the anchor does, the paper's
     common knowledge). common_initial:
@@ -80,7 +80,7 @@ class BiosSpec:
     the form a probe asks in, instead of a lead-in ("Everyone knows that the … is …"); drawn on
     its own random stream, so every other byte of the corpus is the same at any value. 1.0: with
     lead-ins only (0.0) co-training loosened the anchor's grip on the famous facts in the probe's
-    form, at 0.5 one seed of three still fell short of 80 %, at 1.0 none (docs/BENCHMARKS.md, "The
+    form, at 0.5 one seed of three still fell short of 80 %, at 1.0 none (docs/benchmarks/2026-12-02-realtext-tpp-amd-epyc.md, "The
     common-knowledge bucket with the closing lines in the probe's form").
     filler: (min, max) prose sentences of the subtopic per document.
     """
