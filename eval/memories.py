@@ -56,7 +56,7 @@ from memtree.eval.longtail import BUCKETS, bucket_label, exposure
 from memtree.eval.model import RunModel
 from memtree.eval.rag import RagIndex
 from memtree.eval.runinfo import duration_epochs, resolve_stored, run_config
-from memtree.geometry import AnchorShape, MemoryConfig, Plan, layer_widths, plan
+from memtree.geometry import AnchorShape, Plan, layer_widths, plan
 from memtree.io import read_json
 from memtree.pipeline.corpus.bios import BiosSpec
 from memtree.training.config import TrainConfig
@@ -227,9 +227,7 @@ def open_demo(root: str | Path) -> DemoRuns:
     anchor_cfg = run_config(anchor_dir)
     manifest = read_shards_manifest(cfg.data.shards)
     shape = cfg.anchor_shape(tokenizer_vocab_size(cfg.data.shards, manifest))
-    mem = MemoryConfig(multipliers=tuple(cfg.memory.multipliers), type=cfg.memory.type,
-                       placement=cfg.memory.placement, placement_layers=cfg.memory.placement_layers,
-                       layers=tuple(cfg.memory.layers), branching=int(manifest["branching"]))
+    mem = cfg.memory.geometry(int(manifest["branching"]))
     epochs = [duration_epochs(c.max_duration, c) for c in (anchor_cfg, cfg)]
     if None in epochs:
         raise ValueError(f"{cotrain}: the demo's durations ({anchor_cfg.max_duration}, {cfg.max_duration}) are not "

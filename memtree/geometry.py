@@ -35,6 +35,7 @@ from typing import Any, Literal
 MemoryType = Literal["ffn", "lora-qk", "lora-ov", "lora-ffn", "kv"]
 MEMORY_TYPES: tuple[str, ...] = ("ffn", "lora-qk", "lora-ov", "lora-ffn", "kv")
 Placement = Literal["uniform", "early", "middle", "late", "explicit"]
+PLACEMENTS: tuple[str, ...] = ("uniform", "early", "middle", "late", "explicit")
 
 # Bytes per stored element. int8/int4 also carry one fp32 scale per group.
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int4": 0.5}
@@ -137,6 +138,27 @@ def get_anchor(name: str) -> AnchorShape:
         raise ValueError(f"unknown anchor preset {name!r}; known: {sorted(ANCHOR_PRESETS)}") from None
 
 
+def check_memory_shape(multipliers: Sequence[int], *, type: str, placement: str, layers: Sequence[int],
+                       allow_empty: bool = False) -> tuple[int, ...]:
+    """The one check of a memory's shape, wherever it is given (a `MemoryConfig`, or the training
+    config's `memory:` section, which may be empty for a run without memory): non-negative integer
+    multipliers, a known type and placement, `layers` exactly with placement "explicit". Returns
+    the multipliers as a tuple; raises ValueError naming the `memory.` key."""
+    if not multipliers and not allow_empty:
+        raise ValueError("memory.multipliers: need one multiplier per tree level")
+    if any(isinstance(m, bool) or int(m) != m or m < 0 for m in multipliers):
+        raise ValueError(f"memory.multipliers: must be non-negative integers, got {list(multipliers)}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"memory.placement: {placement!r} is not one of {', '.join(map(repr, PLACEMENTS))}")
+    if type not in MEMORY_TYPES:
+        raise ValueError(f"memory.type: {type!r} is not one of {list(MEMORY_TYPES)}")
+    if placement == "explicit" and not layers:
+        raise ValueError("memory.layers: placement='explicit' needs a non-empty layer list")
+    if placement != "explicit" and layers:
+        raise ValueError("memory.layers: only used with placement='explicit'")
+    return tuple(int(m) for m in multipliers)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MemoryConfig:
     """Hierarchical memory configuration (m_1 … m_L) and where it attaches."""
@@ -150,23 +172,11 @@ class MemoryConfig:
     branching: int = 16
 
     def __post_init__(self) -> None:
-        if not self.multipliers:
-            raise ValueError("memory.multipliers: need one multiplier per tree level")
-        if any(int(m) != m or m < 0 for m in self.multipliers):
-            raise ValueError(f"memory.multipliers: must be non-negative integers, got {self.multipliers}")
-        object.__setattr__(self, "multipliers", tuple(int(m) for m in self.multipliers))
-        if self.placement not in ("uniform", "early", "middle", "late", "explicit"):
-            raise ValueError(
-                f"memory.placement: {self.placement!r} is not one of 'uniform', 'early', 'middle', 'late', 'explicit'"
-            )
-        if self.type not in MEMORY_TYPES:
-            raise ValueError(f"memory.type: {self.type!r} is not one of {list(MEMORY_TYPES)}")
+        object.__setattr__(self, "multipliers", check_memory_shape(
+            self.multipliers, type=self.type, placement=self.placement, layers=self.layers))
+        object.__setattr__(self, "layers", tuple(self.layers))
         if self.branching < 2:
             raise ValueError(f"memory.branching: must be >= 2, got {self.branching}")
-        if self.placement == "explicit" and not self.layers:
-            raise ValueError("memory.layers: placement='explicit' needs a non-empty layer list")
-        if self.placement != "explicit" and self.layers:
-            raise ValueError("memory.layers: only used with placement='explicit'")
 
     @property
     def n_levels(self) -> int:

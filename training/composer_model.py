@@ -26,7 +26,6 @@ the anchor; the training loss adds the router's auxiliary losses
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -35,8 +34,9 @@ from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from composer.models import ComposerModel
 
 from memtree.training.bank import READ_IN_PLACE, TrainableBank
+from memtree.training.config import MemorySection
 from memtree.training.hf import HFMemoryModel
-from memtree.training.layers.moc import READS, read_modes
+from memtree.training.layers.moc import read_modes
 from memtree.training.model import AnchorLM, ModelConfig, assemble_memories
 
 MemoryMode = Literal["fetched", "generic", "none"]
@@ -47,19 +47,9 @@ def unwrap(model: Any) -> Any:
     return getattr(model, "module", model)
 
 
-@dataclass(frozen=True, kw_only=True)
-class MemorySettings:
-    """How a model trains with its memory, beside its architecture (`ModelConfig`): the
-    `memory:` section's knobs that are no part of the model's shape."""
-
-    generic_prob: float | None = None  # a forward's chance of the generic block instead of its path's; None: 1/branching
-    init_std: float = 0.02  # the bank's App. I init (memtree.bank_init)
-    dropout: float = 0.0  # a training forward's chance of running the anchor alone
-    read: str = "fused"  # "fused" | "gather" | "flex": how memory reads run (MemtreeLM.read)
-
-    def __post_init__(self) -> None:
-        if self.read not in READS:
-            raise ValueError(f"memory read {self.read!r} is not one of {READS}")
+# The model takes the training config's `memory:` section as it is (one memory config from YAML
+# to model); the name this module gave its subset before stays for callers that build models.
+MemorySettings = MemorySection
 
 
 class MemtreeLM(ComposerModel):
@@ -69,11 +59,12 @@ class MemtreeLM(ComposerModel):
     level-1 subtrees of a sharded bank); `freeze_anchor`: train the memories alone; `bank_init`:
     `training.bank.TrainableBank`'s init ("empty" where the bank is read from a store instead)."""
 
-    def __init__(self, config: ModelConfig, *, memory_settings: MemorySettings = MemorySettings(), seed: int = 0,
+    def __init__(self, config: ModelConfig, *, memory_settings: MemorySection | None = None, seed: int = 0,
                  hf_dir: str | None = None, freeze_anchor: bool = False, subtree: int | None = None,
                  shard: tuple[int, ...] | None = None, bank_init: str = "paper") -> None:
         super().__init__()
-        anchor, memory, moc, ms = config.anchor, config.memory, config.moc, memory_settings
+        anchor, memory, moc = config.anchor, config.memory, config.moc
+        ms = memory_settings if memory_settings is not None else MemorySection()
         self.anchor_shape, self.memory = anchor, memory
         self.bank = (TrainableBank(anchor, memory, subtree=subtree, shard=shard, seed=seed, std=ms.init_std,
                                    init=bank_init)
@@ -95,7 +86,9 @@ class MemtreeLM(ComposerModel):
         # Mixture-of-Chapters layers take any of their reads (`read_modes`)
         self._read = "gather"
         if self.read_modes():
-            self.read = ms.read
+            # "auto" as built: the in-place read where there is one (training resolves "auto" before it
+            # builds the model: gather on the CPU, a timed choice on a GPU, training.train.memory_read)
+            self.read = "fused" if ms.read == "auto" else ms.read
         self.generic_prob = (1.0 / memory.branching if ms.generic_prob is None else ms.generic_prob) if memory else 0.0
         # Dropout lets the anchor keep learning what a fetched block would take over; a frozen
         # anchor learns nothing, and its anchor-only forward has no gradient to step on.

@@ -15,12 +15,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 from memtree.config import ConfigError, TimeString, is_int, load_config, to_dict
-from memtree.geometry import ANCHOR_PRESETS, AnchorShape, MemoryConfig, get_anchor
+from memtree.geometry import (
+    ANCHOR_PRESETS,
+    AnchorShape,
+    MemoryConfig,
+    check_memory_shape,
+    get_anchor,
+)
 from memtree.pretrained import SPECS as PRETRAINED
 from memtree.training.hf import anchor_shape_from_hf
-from memtree.training.layers.moc import MoCConfig
+from memtree.training.layers.moc import READS, MoCConfig
 from memtree.training.layers.pkm import PKMConfig
 from memtree.training.model import ModelConfig
+
+# how memory reads run (MemorySection.read); MemtreeLM takes all but "auto", which training resolves
+MEMORY_READS: tuple[str, ...] = ("auto", *READS)
 
 Mode = Literal["baseline", "frozen", "cotrain", "scratch"]
 
@@ -47,11 +56,17 @@ class ModelSection:
 
 @dataclass(frozen=True, kw_only=True)
 class MemorySection:
-    multipliers: list[int] = field(default_factory=list)  # empty: no memory (baseline)
+    """The `memory:` section: the one typed memory configuration from YAML to model, checked once
+    here. Its shape (multipliers, type, placement, layers) becomes the bank's geometry
+    (`geometry`: `memtree.geometry.MemoryConfig`, what memstore writes in a bank's manifest) once
+    the shards give the tree's branching; the rest is how the model trains and reads its memory,
+    and `MemtreeLM` takes this section as it is."""
+
+    multipliers: tuple[int, ...] = ()  # empty: no memory (baseline)
     type: Literal["ffn", "lora-qk", "lora-ov", "lora-ffn", "kv"] = "ffn"
     placement: Literal["uniform", "early", "middle", "late", "explicit"] = "uniform"
     placement_layers: int = 10
-    layers: list[int] = field(default_factory=list)
+    layers: tuple[int, ...] = ()
     generic_prob: float | None = None  # None: 1 / branching (seed 002 §4)
     # Probability that a training forward runs the anchor alone (no fetched or generic memory), so
     # the anchor keeps learning what every sequence shares and a fetched block does not override it
@@ -63,7 +78,7 @@ class MemorySection:
     # any value), in place of `lr`: e.g. a low level-2 LR, so that the blocks many documents share
     # generalise, and a high leaf LR for the tail (docs/benchmarks/2026-11-27-memory-families-2-core-vm.md, "A bank learning rate per
     # level on real text"). Empty: `lr` for all.
-    lr_by_level: list[float] = field(default_factory=list)
+    lr_by_level: tuple[float, ...] = ()
     weight_decay: float = 0.0
     init_std: float = 0.02
     export_dtype: Literal["fp32", "bf16", "fp16", "int8", "int4"] = "bf16"
@@ -77,6 +92,40 @@ class MemorySection:
     # choice ("gather": SDPA on gathered chapters, the log-weights in a widened head) and, in "bias"
     # mode, "flex" (FlexAttention through a block mask from the block table; MoC only).
     read: Literal["auto", "fused", "gather", "flex"] = "auto"
+
+    def __post_init__(self) -> None:
+        try:
+            multipliers = check_memory_shape(self.multipliers, type=self.type, placement=self.placement,
+                                             layers=self.layers, allow_empty=True)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        object.__setattr__(self, "multipliers", multipliers)
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "lr_by_level", tuple(self.lr_by_level))
+        if self.read not in MEMORY_READS:
+            raise ConfigError(f"memory.read: the memory read {self.read!r} is not one of {list(MEMORY_READS)}")
+        gp = self.generic_prob
+        if gp is not None and not 0 <= gp <= 1:
+            raise ConfigError(f"memory.generic_prob: {gp} must be in [0, 1]")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"memory.dropout: {self.dropout} must be in [0, 1)")
+        by_level = self.lr_by_level
+        # without multipliers there is no bank (an anchor stage that shares its memory section)
+        if by_level and multipliers and len(by_level) != len(multipliers):
+            raise ConfigError(f"memory.lr_by_level: {len(by_level)} learning rates for "
+                              f"{len(multipliers)} levels (memory.multipliers); give one per level")
+        if any(not lr > 0 for lr in by_level):
+            raise ConfigError(f"memory.lr_by_level: {list(by_level)}: every learning rate must be > 0")
+
+    def geometry(self, branching: int) -> MemoryConfig | None:
+        """The bank's shape for a tree of `branching` children per node; None without memory."""
+        if not any(self.multipliers):
+            return None
+        try:
+            return MemoryConfig(multipliers=self.multipliers, type=self.type, placement=self.placement,
+                                placement_layers=self.placement_layers, layers=self.layers, branching=branching)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,18 +290,6 @@ class TrainConfig:
         t = self.cpu_threads
         if t != "auto" and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
             raise ConfigError(f"cpu_threads: {t!r} must be 'auto' or a whole number of threads >= 1")
-        gp = self.memory.generic_prob
-        if gp is not None and not 0 <= gp <= 1:
-            raise ConfigError(f"memory.generic_prob: {gp} must be in [0, 1]")
-        if not 0 <= self.memory.dropout < 1:
-            raise ConfigError(f"memory.dropout: {self.memory.dropout} must be in [0, 1)")
-        by_level = self.memory.lr_by_level
-        # without multipliers there is no bank (an anchor stage that shares its memory section)
-        if by_level and self.memory.multipliers and len(by_level) != len(self.memory.multipliers):
-            raise ConfigError(f"memory.lr_by_level: {len(by_level)} learning rates for "
-                              f"{len(self.memory.multipliers)} levels (memory.multipliers); give one per level")
-        if any(not lr > 0 for lr in by_level):
-            raise ConfigError(f"memory.lr_by_level: {list(by_level)}: every learning rate must be > 0")
 
     @property
     def pretrained(self) -> str | None:
@@ -290,14 +327,8 @@ class TrainConfig:
             raise ConfigError(f"model: {e}") from None
 
     def memory_config(self, branching: int) -> MemoryConfig | None:
-        if not any(self.memory.multipliers):
-            return None
-        try:
-            return MemoryConfig(multipliers=tuple(self.memory.multipliers), type=self.memory.type,
-                                placement=self.memory.placement, placement_layers=self.memory.placement_layers,
-                                layers=tuple(self.memory.layers), branching=branching)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        """The bank's geometry (`MemorySection.geometry`) for the shards' `branching`."""
+        return self.memory.geometry(branching)
 
     def model_config(self, anchor: AnchorShape, memory: MemoryConfig | None, *, seq_len: int,
                      attn_impl: str) -> ModelConfig:

@@ -43,7 +43,7 @@ from memtree.tpp import (
 from memtree.training.bank import TrainableBank
 from memtree.training.bank_shards import BankShardCheckpoints, export_bank
 from memtree.training.callbacks import default_callbacks
-from memtree.training.composer_model import MemorySettings, MemtreeLM, unwrap
+from memtree.training.composer_model import MemtreeLM, unwrap
 from memtree.training.config import MemorySection, TrainConfig, load_train_config
 from memtree.training.data import (
     build_dataloader,
@@ -158,11 +158,9 @@ def memory_read(cfg: TrainConfig) -> str:
     return "fused" if uses_gpu(cfg) else "gather"
 
 
-def memory_settings(cfg: TrainConfig) -> MemorySettings:
-    """The `memory:` section's training knobs as the model takes them, with `memory.read`
-    resolved (`memory_read`)."""
-    return MemorySettings(generic_prob=cfg.memory.generic_prob, init_std=cfg.memory.init_std,
-                          dropout=cfg.memory.dropout, read=memory_read(cfg))
+def memory_settings(cfg: TrainConfig) -> MemorySection:
+    """The `memory:` section as the model is built with it: `memory.read` resolved (`memory_read`)."""
+    return dataclasses.replace(cfg.memory, read=memory_read(cfg))
 
 
 def settle_memory_read(cfg: TrainConfig, model: MemtreeLM, loader: Any, *, device: torch.device | None,
