@@ -159,6 +159,13 @@ def best_gemm(threads: int | None = None) -> str:
     return (entry or remember_choice(key, measure_fits(threads=n)))["choice"]
 
 
+def resolve_gemm(backend: str, threads: int | None = None) -> str:
+    """The backend a tree build runs its GEMMs on: `backend` itself, or for "auto" `best_gemm`
+    (timed once per host and kept). The library's builders and the pipeline (when its host check
+    is off) resolve "auto" here, so both choose the same BLAS on the same host."""
+    return best_gemm(threads) if backend == "auto" else backend
+
+
 CHOICE_FORMAT, CHOICE_VERSION = "memtree-gemm-choice", 1
 
 

@@ -56,13 +56,14 @@ def build_tree_bottomup(
     equalize_steps: int = 40,
     converge_tol: float = CONVERGE_TOL,
     on_level: Callable[[int], None] | None = None,
-    gemm_backend: str = "numpy",
+    gemm_backend: str = "auto",
 ) -> tuple[Tree, np.ndarray]:
     """The tree of x (n, dim) float32 from its leaves up; returns (tree, paths (n, levels)) as
     `build_tree` does. The leaves: one node fit of B^L children (`fit_level`, keyed by (seed,
     levels, 0), `restarts` fits, cells capped at balance_factor × n / B^L); each level above:
     `group_balanced` of the level below (its RNG keyed by (seed, level)). Paths are routed.
-    on_level(level) is called as each level is done: the leaves first, then levels L-1 … 1."""
+    on_level(level) is called as each level is done: the leaves first, then levels L-1 … 1.
+    gemm_backend: as `build_tree`'s ("auto", the default, is `clustering.blas.resolve_gemm`)."""
     n, dim = x.shape
     leaves = branching**levels
     if leaves > MAX_LEAVES:
@@ -77,6 +78,9 @@ def build_tree_bottomup(
             "so that every leaf is fitted"
         )
     x = np.asarray(x, dtype=np.float32)
+    from memtree.clustering.blas import resolve_gemm  # one process, one thread: as build_tree
+
+    gemm_backend = resolve_gemm(gemm_backend, 1)
     with gemm.using(gemm_backend), single_threaded():
         ((rows, k, splits),) = fit_level(
             x,
@@ -135,6 +139,7 @@ def build_tree_bottomup(
         "n_points": n,
         "balance_repairs": [[0, 0]] * levels,
         "method": "bottomup",
+        "gemm": gemm_backend,
     }
     tree.meta["tree_id"] = compute_tree_id(tree)
     return tree, paths

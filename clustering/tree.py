@@ -276,7 +276,7 @@ def build_tree(
     fit_nodes: Callable[..., Sequence[tuple[np.ndarray, int, int]]] | None = None,
     n_jobs: int | None = None,
     on_level: Callable[[int], None] | None = None,
-    gemm_backend: str = "numpy",
+    gemm_backend: str = "auto",
 ) -> tuple[Tree, np.ndarray]:
     """Build the tree root-to-leaves on x (n, dim) float32; returns (tree, paths (n, levels)).
 
@@ -297,15 +297,16 @@ def build_tree(
     the nodes that break the target pay for it. The count of refitted and kept nodes per level
     is in tree.meta["balance_repairs"].
     gemm_backend: the BLAS the default fitter's GEMMs run on (`clustering.gemm`: "numpy",
-    "torch", "faiss", or "auto": the fastest on a sample of node fits, `clustering.blas.best_gemm`,
-    measured once per process); the paths do not depend on it, the centroids only by float32
+    "torch", "faiss", or "auto", the default: the fastest on a sample of node fits,
+    `clustering.blas.resolve_gemm`, timed once per host and kept, as the pipeline chooses); the paths do not depend on it, the centroids only by float32
     rounding (~1e-7). A `fit_nodes` of the caller's chooses its own.
     """
     n, dim = x.shape
-    if gemm_backend == "auto":
-        from memtree.clustering.blas import best_gemm
+    own_fitter = fit_nodes is None
+    if own_fitter:  # a caller's fit_nodes chooses its own BLAS; resolving would only time it
+        from memtree.clustering.blas import resolve_gemm
 
-        gemm_backend = best_gemm(n_jobs)
+        gemm_backend = resolve_gemm(gemm_backend, n_jobs)
     if balance_target is not None and balance_target < 1.0:
         raise ValueError(f"balance_target must be >= 1.0 or None, got {balance_target!r}")
     params = {"branching": branching, "min_points_per_child": min_points_per_child,
@@ -365,6 +366,8 @@ def build_tree(
             on_level(level)
     tree = Tree(levels, branching, dim, centroids, valid, sizes,
                 meta={"balance_splits": splits, "n_points": n, "balance_repairs": repairs})
+    if own_fitter:  # which BLAS ran the GEMMs (not in the tree_id: it moves centroids by rounding only)
+        tree.meta["gemm"] = gemm_backend
     tree.meta["tree_id"] = compute_tree_id(tree)
     return tree, paths
 

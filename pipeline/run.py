@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from memtree.clustering import gemm
-from memtree.clustering.blas import best_gemm, check_host
+from memtree.clustering.blas import check_host, resolve_gemm
 from memtree.clustering.bottomup import build_tree_bottomup
 from memtree.clustering.embed import (
     SEQ_BUCKET,
@@ -343,7 +343,7 @@ def _tree(ctx: Ctx, work: Path) -> dict:
     elif "gemm" in host:  # the check's timed choice
         gemm_backend = host["gemm"]
     else:  # dask.blas: off
-        gemm_backend = best_gemm(ctx.cfg.dask.threads_per_worker)
+        gemm_backend = resolve_gemm("auto", ctx.cfg.dask.threads_per_worker)
     host["gemm_used"] = gemm_backend
 
     def fit_nodes(level, nodes, parent_c, *, strict):

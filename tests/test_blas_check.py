@@ -84,6 +84,27 @@ def test_every_gemm_backend_builds_the_same_tree():
             np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def test_the_library_and_the_pipeline_choose_the_gemm_the_same_way():
+    """build_tree and build_tree_bottomup default to "auto", resolved by the function the pipeline
+    falls back on (`resolve_gemm`, the host's timed and kept choice); the tree says what ran."""
+    import inspect
+
+    from memtree.clustering.blas import best_gemm, resolve_gemm
+    from memtree.clustering.bottomup import build_tree_bottomup
+
+    for builder in (build_tree, build_tree_bottomup):
+        assert inspect.signature(builder).parameters["gemm_backend"].default == "auto"
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((600, 32)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    tree, _ = build_tree(x, levels=2, branching=3, seed=0, n_jobs=2)
+    assert tree.meta["gemm"] == resolve_gemm("auto", 2) == best_gemm(2) in gemm.BACKENDS
+    tree, _ = build_tree_bottomup(x, levels=2, branching=3, seed=0)
+    assert tree.meta["gemm"] == best_gemm(1)
+    tree, _ = build_tree(x, levels=2, branching=3, seed=0, gemm_backend="torch")
+    assert tree.meta["gemm"] == "torch"
+
+
 @pytest.mark.parametrize("name", gemm.BACKENDS)
 def test_matmul_takes_the_views_the_node_fits_pass(name):
     rng = np.random.default_rng(1)
