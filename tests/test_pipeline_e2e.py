@@ -153,12 +153,14 @@ def test_tree_restarts_run_through_the_dask_fitter(run_a, corpus, dask_client, b
     logs: list[str] = []
     cfg = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
                       [*OVERRIDES, "tree.restarts=3", balance])
-    run_pipeline(cfg, client=dask_client, log=logs.append)
+    markers = run_pipeline(cfg, client=dask_client, log=logs.append)
     assert [line.split("]")[0][1:] for line in logs if "running" in line] == ["tree", "assign", "shards", "report"]
     t, x = cfg.tree, np.load(out / "embed" / "embeddings.npy")
+    # the tree's bytes are those of the BLAS that ran its GEMMs (float32 rounding): the same one here
     kw = {"levels": t.levels, "branching": t.branching, "batch_size": t.batch_size, "steps": t.steps,
           "balance_factor": t.balance_factor, "equalize_steps": t.equalize_steps,
-          "min_points_per_child": t.min_points_per_child, "seed": cfg.seed}
+          "min_points_per_child": t.min_points_per_child, "seed": cfg.seed,
+          "gemm_backend": markers["tree"]["stats"]["host"]["gemm_used"]}
     ref = build_tree(x, restarts=3, strict_balance=t.strict_balance, balance_target=t.balance_target, **kw)[0]
     single = build_tree(x, **kw)[0]
     got = load_tree(out / "tree")
@@ -184,14 +186,14 @@ def test_tree_method_bottomup_through_the_pipeline(run_a, corpus, dask_client):
     logs: list[str] = []
     cfg = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
                       [*OVERRIDES, "tree.method=bottomup", "tree.restarts=2"])
-    run_pipeline(cfg, client=dask_client, log=logs.append)
+    markers = run_pipeline(cfg, client=dask_client, log=logs.append)
     assert [line.split("]")[0][1:] for line in logs if "running" in line] == ["tree", "assign", "shards", "report"]
     assert any("level 1 built (bottomup)" in line for line in logs)
     t, x = cfg.tree, np.load(out / "embed" / "embeddings.npy")
     ref, paths = build_tree_bottomup(x, levels=t.levels, branching=t.branching, batch_size=t.batch_size,
                                      steps=t.steps, balance_factor=t.balance_factor, restarts=2,
                                      equalize_steps=t.equalize_steps, min_points_per_child=t.min_points_per_child,
-                                     seed=cfg.seed)
+                                     seed=cfg.seed, gemm_backend=markers["tree"]["stats"]["host"]["gemm_used"])
     got = load_tree(out / "tree")
     assert got.tree_id == ref.tree_id and got.meta["config"]["method"] == "bottomup"
     assigned = pa.concat_tables([pq.read_table(p) for p in sorted((out / "assign").glob("part-*.parquet"))])
