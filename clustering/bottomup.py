@@ -78,8 +78,9 @@ def build_tree_bottomup(
             "so that every leaf is fitted"
         )
     x = np.asarray(x, dtype=np.float32)
-    from memtree.clustering.blas import resolve_gemm  # one process, one thread: as build_tree
+    from memtree.clustering.blas import resolve_gemm  # lazily, as build_tree does
 
+    # the fits below run on this one thread (single_threaded): the choice timed for one caller
     gemm_backend = resolve_gemm(gemm_backend, 1)
     with gemm.using(gemm_backend), single_threaded():
         ((rows, k, splits),) = fit_level(
