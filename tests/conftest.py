@@ -79,10 +79,19 @@ def corpus_records():
 
 # Small pipeline settings shared by the end-to-end tests (2 × 8 tree, 512-token samples).
 PIPELINE_OVERRIDES = [
-    "tree.levels=2", "tree.branching=8", "tree.batch_size=1024", "tree.steps=10",
-    "window.window_tokens=256", "window.vocab_size=2000", "window.train_sample_docs=400",
-    "pack.seq_len=512", "pack.size_limit=256kb", "embed.max_seq_length=64",
-    "ingest.partition_docs=100", "ingest.keep_fields=[domain,topic]", "progress=false",
+    "tree.levels=2",
+    "tree.branching=8",
+    "tree.batch_size=1024",
+    "tree.steps=10",
+    "window.window_tokens=256",
+    "window.vocab_size=2000",
+    "window.train_sample_docs=400",
+    "pack.seq_len=512",
+    "pack.size_limit=256kb",
+    "embed.max_seq_length=64",
+    "ingest.partition_docs=100",
+    "ingest.keep_fields=[domain,topic]",
+    "progress=false",
 ]
 
 
@@ -96,7 +105,9 @@ def pipeline_run(tmp_path_factory, corpus_records, dask_client):
 
     corpus = write_jsonl(tmp_path_factory.mktemp("corpus") / "c.jsonl", corpus_records)
     out = tmp_path_factory.mktemp("runs") / "a"
-    cfg = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}}, PIPELINE_OVERRIDES)
+    cfg = load_config(
+        PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}}, PIPELINE_OVERRIDES
+    )
     t0 = time.time()
     markers = run_pipeline(cfg, client=dask_client, log=lambda m: None)
     return out, markers, time.time() - t0, corpus
@@ -112,20 +123,35 @@ def train_tiny_run(shards: Path, folder: Path, *overrides: str) -> Path:
     from memtree.training.train import train
 
     clean_stale_shared_memory()
-    train(load_train_config(None, [f"data.shards={shards}", f"save_folder={folder}", "mode=scratch",
-                                   "optim.warmup=1ba", "memory.export_dtype=fp32", *overrides]))
+    train(
+        load_train_config(
+            None,
+            [
+                f"data.shards={shards}",
+                f"save_folder={folder}",
+                "mode=scratch",
+                "optim.warmup=1ba",
+                "memory.export_dtype=fp32",
+                *overrides,
+            ],
+        )
+    )
     clean_stale_shared_memory()
     return folder
 
 
-def kill_when_ready(cmd: list[str], ready, *, env: dict[str, str], log: Path, timeout: float) -> str | None:
+def kill_when_ready(
+    cmd: list[str], ready, *, env: dict[str, str], log: Path, timeout: float
+) -> str | None:
     """Start `cmd` in its own session, its output to `log`; SIGKILL its process group once `ready()`
     holds (or at the deadline). None when it was killed while running and ready; else why not,
     with the exit code and the log's tail, so a crash, a run that outpaced the poll and a stall
     are told apart."""
     t0 = time.time()
     with log.open("wb") as fh:
-        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
         while time.time() < t0 + timeout and proc.poll() is None and not ready():
             time.sleep(0.02)
         alive = proc.poll() is None
@@ -134,15 +160,28 @@ def kill_when_ready(cmd: list[str], ready, *, env: dict[str, str], log: Path, ti
         proc.wait()
     if alive and ready():
         return None
-    return (f"{'killed at the deadline' if alive else f'exited (rc={proc.returncode})'} after "
-            f"{time.time() - t0:.0f} s, not ready; log tail:\n{log.read_text(errors='replace')[-3000:]}")
+    return (
+        f"{'killed at the deadline' if alive else f'exited (rc={proc.returncode})'} after "
+        f"{time.time() - t0:.0f} s, not ready; log tail:\n{log.read_text(errors='replace')[-3000:]}"
+    )
 
 
 # A tiny grouped-query anchor with head q/k norms and qkv bias: the shape the frozen-model tests
 # of CAMELoT (tests/test_camelot.py, tests/test_eval_longctx.py) run on.
-TINY_GQA_ANCHOR = AnchorShape(name="tiny-gqa", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
-                              ffn_dim=48, vocab_size=61, tied_embeddings=False, qk_norm="head",
-                              norms_per_block=4, qkv_bias=True)
+TINY_GQA_ANCHOR = AnchorShape(
+    name="tiny-gqa",
+    n_layers=2,
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    ffn_dim=48,
+    vocab_size=61,
+    tied_embeddings=False,
+    qk_norm="head",
+    norms_per_block=4,
+    qkv_bias=True,
+)
 
 
 @pytest.fixture

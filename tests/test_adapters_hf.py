@@ -33,10 +33,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 EOT = "<|endoftext|>"
 ADAPTER = AdapterSpec(n_chapters=4, tokens_per_chapter=4, top_k=2)
 # Real English (no bios names): the held-out text forgetting is read on.
-ENGLISH = ["The weather was cold, so she put on a warm coat before leaving the house.",
-           "On the way to the station she stopped at a small shop to buy a cup of coffee.",
-           "The train was late, and many people were waiting on the platform in the rain.",
-           "When it finally arrived, she found a seat near the window and began to read."]
+ENGLISH = [
+    "The weather was cold, so she put on a warm coat before leaving the house.",
+    "On the way to the station she stopped at a small shop to buy a cup of coffee.",
+    "The train was late, and many people were waiting on the platform in the rain.",
+    "When it finally arrived, she found a seat near the window and began to read.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -60,25 +62,59 @@ def loaded(bios_root, tmp_path_factory) -> LoadedPretrained:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     texts = [r["text"] for _, r in iter_jsonl(bios_root / "corpus.jsonl")][:400]
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=600, special_tokens=[EOT],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=600,
+            special_tokens=[EOT],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     folder = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                 intermediate_size=128, vocab_size=tok.get_vocab_size(), max_position_embeddings=512,
-                                 tie_word_embeddings=True)).save_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
-                                                 attn_implementation="sdpa").eval()
+    LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=tok.get_vocab_size(),
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+        )
+    ).save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, local_files_only=True, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
     # a stand-in for `memtree.pretrained.provenance`'s record of a converted GGUF model
-    record = {"name": "tiny-llama", "title": "Tiny random Llama", "quantisation": "GGUF Q4_1", "licence": "test-only",
-              "upstream": "nowhere/tiny-llama"}
-    return LoadedPretrained(name="tiny-llama", model=model, tokenizer=tok, eot_id=tok.token_to_id(EOT), folder=folder,
-                            record=record)
+    record = {
+        "name": "tiny-llama",
+        "title": "Tiny random Llama",
+        "quantisation": "GGUF Q4_1",
+        "licence": "test-only",
+        "upstream": "nowhere/tiny-llama",
+    }
+    return LoadedPretrained(
+        name="tiny-llama",
+        model=model,
+        tokenizer=tok,
+        eot_id=tok.token_to_id(EOT),
+        folder=folder,
+        record=record,
+    )
 
 
 def _batches(loaded, n=3):
-    texts = ["The birth year of Vesavaresk is 1931.", "Vesavaresk was founded in the north.", "A short one."]
-    return [(f"r{i}", *batch_tensors(texts, loaded.encode, pad_id=loaded.eot_id, max_len=64)) for i in range(n)]
+    texts = [
+        "The birth year of Vesavaresk is 1931.",
+        "Vesavaresk was founded in the north.",
+        "A short one.",
+    ]
+    return [
+        (f"r{i}", *batch_tensors(texts, loaded.encode, pad_id=loaded.eot_id, max_len=64))
+        for i in range(n)
+    ]
 
 
 def test_zero_initialised_adapters_give_the_bare_models_logits(loaded):
@@ -93,7 +129,9 @@ def test_zero_initialised_adapters_give_the_bare_models_logits(loaded):
     # the layers did read memory: the zero comes from W_O, not a skipped hook
     assert all(m.last_routing is not None for m in ft.hf_adapter.mem_layers.values())
     seqs = [loaded.encode(t) for t in ("The birth year of Vesavaresk is", "It rained.")]
-    for a, b in zip(crm.logprobs(seqs, mode="none"), base.rm.logprobs(seqs, mode="none"), strict=True):
+    for a, b in zip(
+        crm.logprobs(seqs, mode="none"), base.rm.logprobs(seqs, mode="none"), strict=True
+    ):
         assert torch.equal(a, b)
 
 
@@ -119,7 +157,9 @@ def test_each_condition_trains_only_what_it_should(loaded, method):
     ft.finish()
     res = {"trainable": ft.n_trainable, "changed": changes(before, model, added=ft.added_state())}
     after = model.state_dict()
-    assert set(after) == set(before) and not any(isinstance(m, LoRALinear) for m in model.modules())  # merged
+    assert set(after) == set(before) and not any(
+        isinstance(m, LoRALinear) for m in model.modules()
+    )  # merged
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     if method == "mem_adapter":
         assert not changed and res["changed"]["elements"] == 0  # base weights bit for bit
@@ -127,19 +167,34 @@ def test_each_condition_trains_only_what_it_should(loaded, method):
     else:  # full and LoRA move the projections (merged LoRA: only the seven wrapped matrices)
         assert changed
         if method.endswith("lora"):
-            assert all(k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                            "down_proj") for k in changed)
-    assert res["changed"]["added_elements"] == (0 if "mem_adapter" not in method else
-                                                 sum(p.numel() for p in ft.hf_adapter.parameters()
-                                                     if not any(p is q for q in model.parameters())))
+            assert all(
+                k.split(".")[-2]
+                in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+                for k in changed
+            )
+    assert res["changed"]["added_elements"] == (
+        0
+        if "mem_adapter" not in method
+        else sum(
+            p.numel()
+            for p in ft.hf_adapter.parameters()
+            if not any(p is q for q in model.parameters())
+        )
+    )
     assert all(not p.requires_grad for p in ft.module.parameters())
 
 
 def test_lora_ranks_match_the_adapters_counted_parameters(loaded):
     base = PretrainedBase(loaded)
-    runs = [FinetuneSpec(method="mem_adapter", lr=1e-3, adapter=ADAPTER), FinetuneSpec(method="lora", lr=1e-3),
-            FinetuneSpec(method="mem_adapter+lora", lr=1e-3, adapter=AdapterSpec(layers="last:1", n_chapters=4,
-                                                                                 tokens_per_chapter=4, top_k=2))]
+    runs = [
+        FinetuneSpec(method="mem_adapter", lr=1e-3, adapter=ADAPTER),
+        FinetuneSpec(method="lora", lr=1e-3),
+        FinetuneSpec(
+            method="mem_adapter+lora",
+            lr=1e-3,
+            adapter=AdapterSpec(layers="last:1", n_chapters=4, tokens_per_chapter=4, top_k=2),
+        ),
+    ]
     mem, lora, both = matched_lora(runs, base, seq_len=10)
     counted = {}
     for spec in (mem, lora, both):
@@ -155,19 +210,35 @@ def test_a_run_that_is_neither_a_folder_nor_a_name_says_both(bios_root):
         open_base(bios_root, str(bios_root / "nowhere"))
 
 
-RUNS = ("runs=[{method: full, lr: 3.0e-3}, {method: lora, lr: 1.0e-2}, "
-        "{method: mem_adapter, lr: 1.0e-2, adapter: {n_chapters: 4, tokens_per_chapter: 4}}, "
-        "{method: mem_adapter+lora, lr: 1.0e-2, adapter: {layers: 'last:1', n_chapters: 4, tokens_per_chapter: 4}}]")
+RUNS = (
+    "runs=[{method: full, lr: 3.0e-3}, {method: lora, lr: 1.0e-2}, "
+    "{method: mem_adapter, lr: 1.0e-2, adapter: {n_chapters: 4, tokens_per_chapter: 4}}, "
+    "{method: mem_adapter+lora, lr: 1.0e-2, adapter: {layers: 'last:1', n_chapters: 4, tokens_per_chapter: 4}}]"
+)
 
 
-def test_eval_adapters_on_an_hf_model_writes_its_report_and_full_finetuning_learns(bios_root, loaded, tmp_path):
+def test_eval_adapters_on_an_hf_model_writes_its_report_and_full_finetuning_learns(
+    bios_root, loaded, tmp_path
+):
     text = tmp_path / "english.jsonl"
     text.write_text("".join(json.dumps({"text": t}) + "\n" for t in ENGLISH))
     out = tmp_path / "out"
     weights = {k: v.clone() for k, v in loaded.model.state_dict().items()}
-    cfg = load_adapters_config(None, [f"root={bios_root}", "n_facts=8", "paraphrases=4", "epochs=8", "old_probes=8",
-                                      "held_out_docs=2", f"held_out_text={text}", "held_out_tokens=60", f"out={out}",
-                                      RUNS])
+    cfg = load_adapters_config(
+        None,
+        [
+            f"root={bios_root}",
+            "n_facts=8",
+            "paraphrases=4",
+            "epochs=8",
+            "old_probes=8",
+            "held_out_docs=2",
+            f"held_out_text={text}",
+            "held_out_tokens=60",
+            f"out={out}",
+            RUNS,
+        ],
+    )
     report = run_adapters(cfg, progress=False, pretrained=loaded)
     res = read_json(out / "results.json")
     assert report.exists() and (out / "pareto.png").stat().st_size > 0
@@ -175,15 +246,23 @@ def test_eval_adapters_on_an_hf_model_writes_its_report_and_full_finetuning_lear
     assert [r["method"] for r in res["runs"]] == ["full", "lora", "mem_adapter", "mem_adapter+lora"]
     assert res["steps_per_run"] == 8 * 8 and res["held_out_text"]["tokens"] == 60
     md = report.read_text()
-    for words in ("Tiny random Llama", "GGUF Q4_1 (4-bit), dequantised to fp32", "licence test-only",
-                  "text ppl increase", "real-text perplexity"):
+    for words in (
+        "Tiny random Llama",
+        "GGUF Q4_1 (4-bit), dequantised to fp32",
+        "licence test-only",
+        "text ppl increase",
+        "real-text perplexity",
+    ):
         assert words in md
     full, lora, mem, both = res["runs"]
     assert full["trainable_counted"] == sum(p.numel() for p in loaded.model.parameters())
     per_rank = lora_params(PretrainedBase(loaded).shape, 1)
     for r in (lora, both):
         assert abs(r["trainable_counted"] - mem["trainable_counted"]) <= per_rank / 2 + 1
-    assert mem["changed"]["elements"] == 0 and mem["changed"]["added_elements"] == mem["trainable_counted"]
+    assert (
+        mem["changed"]["elements"] == 0
+        and mem["changed"]["added_elements"] == mem["trainable_counted"]
+    )
     assert mem["adapter"]["layers"] == [0, 1] and mem["adapter"]["chapter_overlap"] is None
     assert all(r["accounting"]["trainable_params"] == r["trainable_counted"] for r in res["runs"])
     for r in res["runs"]:
@@ -198,9 +277,13 @@ def test_eval_adapters_on_an_hf_model_writes_its_report_and_full_finetuning_lear
 # ------------------------------------------------------------------------------- the real model
 # A real model's learning rates (the tiny random model's above blow a pretrained one up); adapters in
 # every 10th layer, so the matched LoRA rank stays small.
-SMOL_RUNS = ("runs=[{method: full, lr: 1.0e-5}, {method: lora, lr: 1.0e-4}, "
-             "{method: mem_adapter, lr: 1.0e-3, adapter: {layers: 'every:10'}}, "
-             "{method: mem_adapter+lora, lr: 1.0e-3, adapter: {layers: 'last:1'}}]")
+SMOL_RUNS = (
+    "runs=[{method: full, lr: 1.0e-5}, {method: lora, lr: 1.0e-4}, "
+    "{method: mem_adapter, lr: 1.0e-3, adapter: {layers: 'every:10'}}, "
+    "{method: mem_adapter+lora, lr: 1.0e-3, adapter: {layers: 'last:1'}}]"
+)
+
+
 @pytest.mark.slow
 def test_eval_adapters_on_smollm2_through_the_command(bios_root, tmp_path, capsys):
     try:
@@ -212,13 +295,37 @@ def test_eval_adapters_on_smollm2_through_the_command(bios_root, tmp_path, capsy
     text = tmp_path / "english.jsonl"
     text.write_text("".join(json.dumps({"text": t}) + "\n" for t in ENGLISH))
     out = tmp_path / "out"
-    assert main(["eval", "adapters", str(bios_root), "run=smollm2-135m", "n_facts=4", "paraphrases=2", "epochs=1",
-                 "old_probes=8", "held_out_docs=4", f"held_out_text={text}", "held_out_tokens=200",
-                 SMOL_RUNS, "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "adapters",
+                str(bios_root),
+                "run=smollm2-135m",
+                "n_facts=4",
+                "paraphrases=2",
+                "epochs=1",
+                "old_probes=8",
+                "held_out_docs=4",
+                f"held_out_text={text}",
+                "held_out_tokens=200",
+                SMOL_RUNS,
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = read_json(out / "results.json")
     assert res["model"]["name"] == "smollm2-135m" and res["model"]["quantisation"] == "GGUF Q4_1"
     assert res["anchor"]["n_layers"] == 30 and len(res["runs"]) == 4
-    assert "SmolLM2-135M-Instruct" in (out / "report.md").read_text() and Path(out / "pareto.png").is_file()
+    assert (
+        "SmolLM2-135M-Instruct" in (out / "report.md").read_text()
+        and Path(out / "pareto.png").is_file()
+    )
     mem = res["runs"][2]
-    assert mem["changed"]["elements"] == 0 and mem["changed"]["added_elements"] == mem["trainable_counted"]
+    assert (
+        mem["changed"]["elements"] == 0
+        and mem["changed"]["added_elements"] == mem["trainable_counted"]
+    )
     assert res["before"]["text_perplexity"] < 100  # a pretrained model reads plain English well

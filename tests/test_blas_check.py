@@ -17,19 +17,27 @@ from memtree.clustering import blas, gemm
 from memtree.clustering.tree import build_tree
 
 WANT = blas.safe_coretype(blas.cpu_flags()[1])
-needs_avx2 = pytest.mark.skipif(WANT is None, reason="a CPU without AVX2 has no fallback OpenBLAS kernel")
+needs_avx2 = pytest.mark.skipif(
+    WANT is None, reason="a CPU without AVX2 has no fallback OpenBLAS kernel"
+)
 
 
 def _check_in_subprocess(mode: str, env: dict[str, str]) -> dict:
     """check_host in a fresh interpreter (OpenBLAS reads OPENBLAS_CORETYPE once, at load)."""
-    code = (f"import json, os; from memtree.clustering.blas import check_host; r = check_host(mode={mode!r}); "
-            "r['env_after'] = os.environ.get('OPENBLAS_CORETYPE'); print(json.dumps(r))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    code = (
+        f"import json, os; from memtree.clustering.blas import check_host; r = check_host(mode={mode!r}); "
+        "r['env_after'] = os.environ.get('OPENBLAS_CORETYPE'); print(json.dumps(r))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_the_probe_names_each_blas_kernel_and_its_speed():
-    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+    }
     r = blas.probe_subprocess(env)
     owners = {lib["owner"]: lib for lib in r["libraries"]}
     assert "faiss" in owners and "numpy" in owners, r["libraries"]
@@ -39,8 +47,12 @@ def test_the_probe_names_each_blas_kernel_and_its_speed():
     assert set(g["gflops"]) == {"numpy", "torch", "faiss"} and g["threads"] == 1
     assert all(e < 1e-5 for e in g["max_rel_error"].values())
     fits = g["fits"]  # the choice rests on timed node fits, one per backend
-    assert set(fits["seconds"]) == {"numpy", "torch", "faiss"} and all(v > 0 for v in fits["seconds"].values())
-    assert g["choice"] == fits["choice"] == gemm.choose({k: 1 / v for k, v in fits["seconds"].items()})
+    assert set(fits["seconds"]) == {"numpy", "torch", "faiss"} and all(
+        v > 0 for v in fits["seconds"].values()
+    )
+    assert (
+        g["choice"] == fits["choice"] == gemm.choose({k: 1 / v for k, v in fits["seconds"].items()})
+    )
 
 
 @needs_avx2
@@ -51,7 +63,9 @@ def test_a_fallback_kernel_is_reported_with_its_figure_and_the_fix():
     assert r["faiss_kernel"] == "Prescott" and r["fallback"] and r["action"] == "none"
     assert r["env_after"] == "Prescott"
     msg = r["message"]
-    assert msg.startswith("WARNING BLAS") and "Prescott" in msg and f"OPENBLAS_CORETYPE={WANT}" in msg
+    assert (
+        msg.startswith("WARNING BLAS") and "Prescott" in msg and f"OPENBLAS_CORETYPE={WANT}" in msg
+    )
     assert f"{r['faiss_gflops']} GFLOP/s" in msg
     forced = _check_in_subprocess("force", env)
     assert forced["action"] == f"set OPENBLAS_CORETYPE={WANT}" and forced["env_after"] == WANT
@@ -66,15 +80,21 @@ def test_a_fallback_kernel_is_reported_with_its_figure_and_the_fix():
 def test_no_fallback_no_change():
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
     r = _check_in_subprocess("fix", env)
-    if r["fallback"] or r.get("before"):  # "before": the fix replaced a fallback this host's FAISS picked itself
-        pytest.skip(f"this host's FAISS runs a fallback kernel itself ({(r.get('before') or r)['faiss_kernel']})")
+    if r["fallback"] or r.get(
+        "before"
+    ):  # "before": the fix replaced a fallback this host's FAISS picked itself
+        pytest.skip(
+            f"this host's FAISS runs a fallback kernel itself ({(r.get('before') or r)['faiss_kernel']})"
+        )
     assert r["action"] == "none" and r["env_after"] is None and r["message"].startswith("BLAS: ")
 
 
 def test_every_gemm_backend_builds_the_same_tree():
     rng = np.random.default_rng(0)
     centres = rng.standard_normal((24, 48)).astype(np.float32)
-    x = (centres[rng.integers(24, size=6000)] + 0.6 * rng.standard_normal((6000, 48))).astype(np.float32)
+    x = (centres[rng.integers(24, size=6000)] + 0.6 * rng.standard_normal((6000, 48))).astype(
+        np.float32
+    )
     x /= np.linalg.norm(x, axis=1, keepdims=True)
     ref_tree, ref_paths = build_tree(x, levels=2, branching=6, seed=0, gemm_backend="numpy")
     for name in ("torch", "faiss"):
@@ -139,7 +159,11 @@ def test_the_pipeline_records_the_check_in_its_tree_stage_and_report(pipeline_ru
     # tree.gemm defaults to auto: the fits ran on the choice kept for this host (this session's cache)
     assert host["gemm_used"] == host["gemm"] == host["gemm_choice"]["choice"]
     assert host["gemm_choice"]["path"] == str(blas.choice_path())
-    assert "## BLAS" in report and host["message"] in report and f"**{host['gemm']}** (`tree.gemm`)" in report
+    assert (
+        "## BLAS" in report
+        and host["message"] in report
+        and f"**{host['gemm']}** (`tree.gemm`)" in report
+    )
     assert json.loads((out / "report" / "report.json").read_text())["host"]["gemm"] == host["gemm"]
 
 
@@ -152,17 +176,30 @@ def test_force_fixes_the_kernel_for_the_pipelines_own_workers(tmp_path, monkeypa
     from memtree.pipeline.run import run_pipeline
     from tests.conftest import PIPELINE_OVERRIDES, write_jsonl
 
-    corpus = write_jsonl(tmp_path / "c.jsonl", list(generate_corpus(CorpusSpec(n_docs=160, seed=5))))
+    corpus = write_jsonl(
+        tmp_path / "c.jsonl", list(generate_corpus(CorpusSpec(n_docs=160, seed=5)))
+    )
     monkeypatch.setenv("OPENBLAS_CORETYPE", "Prescott")  # an image that pins the fallback
-    cfg = load_config(PipelineConfig, {"out": str(tmp_path / "run"), "ingest": {"inputs": [str(corpus)]}},
-                      [*PIPELINE_OVERRIDES, "dask.blas=force", "dask.n_workers=1", "tree.gemm=auto"])
+    cfg = load_config(
+        PipelineConfig,
+        {"out": str(tmp_path / "run"), "ingest": {"inputs": [str(corpus)]}},
+        [*PIPELINE_OVERRIDES, "dask.blas=force", "dask.n_workers=1", "tree.gemm=auto"],
+    )
     logs: list[str] = []
     markers = run_pipeline(cfg, until="tree", log=logs.append)
     host = markers["tree"]["stats"]["host"]
-    assert host["action"] == f"set OPENBLAS_CORETYPE={WANT}" and os.environ["OPENBLAS_CORETYPE"] == WANT
+    assert (
+        host["action"] == f"set OPENBLAS_CORETYPE={WANT}"
+        and os.environ["OPENBLAS_CORETYPE"] == WANT
+    )
     assert host["before"]["faiss_kernel"] == "Prescott" and not host["fallback"]
-    assert host["gemm_used"] == host["gemm"] in gemm.BACKENDS  # tree.gemm=auto: the check's timed choice
-    assert any(m.startswith("[tree] BLAS: FAISS's OpenBLAS picked the fallback kernel Prescott") for m in logs)
+    assert (
+        host["gemm_used"] == host["gemm"] in gemm.BACKENDS
+    )  # tree.gemm=auto: the check's timed choice
+    assert any(
+        m.startswith("[tree] BLAS: FAISS's OpenBLAS picked the fallback kernel Prescott")
+        for m in logs
+    )
 
 
 def _fits(choice: str) -> dict:
@@ -171,17 +208,27 @@ def _fits(choice: str) -> dict:
 
 def test_the_gemm_choice_is_timed_once_per_host_and_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("MEMTREE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)  # the key below is the unset one's, whatever the host sets
+    monkeypatch.delenv(
+        "OPENBLAS_CORETYPE", raising=False
+    )  # the key below is the unset one's, whatever the host sets
     path = tmp_path / "cache" / "gemm-choice.json"
     assert blas.choice_path() == path
     key = blas.host_key(1, {"faiss": "Zen", "numpy": "Zen"})
     first = blas.remember_choice(key, _fits("torch"))
     assert first["choice"] == "torch" and not first["stored"] and first["path"] == str(path)
     doc = json.loads(path.read_text())
-    assert doc["format"] == "memtree-gemm-choice" and doc["version"] == 1 and doc["entries"][key]["choice"] == "torch"
+    assert (
+        doc["format"] == "memtree-gemm-choice"
+        and doc["version"] == 1
+        and doc["entries"][key]["choice"] == "torch"
+    )
     # a later run on the host keeps the first timing, whatever it measures now
     again = blas.remember_choice(key, _fits("faiss"))
-    assert again["choice"] == "torch" and again["stored"] and again["measured_at"] == first["measured_at"]
+    assert (
+        again["choice"] == "torch"
+        and again["stored"]
+        and again["measured_at"] == first["measured_at"]
+    )
     # another caller count, another kernel or another OPENBLAS_CORETYPE is another host for the choice
     assert blas.host_key(2, {"faiss": "Zen", "numpy": "Zen"}) != key
     assert blas.host_key(1, {"faiss": "Prescott", "numpy": "Zen"}) != key
@@ -191,7 +238,9 @@ def test_the_gemm_choice_is_timed_once_per_host_and_kept(tmp_path, monkeypatch):
     assert blas.stored_choice(key)["choice"] == "torch"
     # a damaged file is named, with what to do
     path.write_text("{not json")
-    with pytest.raises(ValueError, match=r"gemm-choice\.json: not a readable memtree-gemm-choice file.*delete it"):
+    with pytest.raises(
+        ValueError, match=r"gemm-choice\.json: not a readable memtree-gemm-choice file.*delete it"
+    ):
         blas.stored_choice(key)
     path.write_text(json.dumps({"format": "memtree-gemm-choice", "version": 9, "entries": {}}))
     with pytest.raises(ValueError, match="version 9, this memtree reads 1"):
@@ -203,7 +252,7 @@ def test_best_gemm_reads_the_kept_choice(tmp_path, monkeypatch):
     chosen = blas.best_gemm(1)  # timed (nothing kept yet) and kept
     assert chosen in gemm.BACKENDS
     doc = json.loads(blas.choice_path().read_text())
-    (key, entry), = doc["entries"].items()
+    ((key, entry),) = doc["entries"].items()
     assert entry["choice"] == chosen and set(entry["seconds"]) == set(gemm.available())
     # what is kept is what is used: two different kept choices, each returned (a timing could give only one)
     for other in ("faiss", "torch"):

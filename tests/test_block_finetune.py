@@ -26,15 +26,24 @@ from tests.conftest import train_tiny_run
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 STEPS_PER_FACT = 8
-TEXTS = ["the colour of the lantern Orvel is deep green", "Orvel the lantern is deep green in colour",
-         "records show the lantern Orvel is deep green", "the lantern Orvel glows a deep green"]
+TEXTS = [
+    "the colour of the lantern Orvel is deep green",
+    "Orvel the lantern is deep green in colour",
+    "records show the lantern Orvel is deep green",
+    "the lantern Orvel glows a deep green",
+]
 
 
 @pytest.fixture(scope="module")
 def mem_run(pipeline_run, tmp_path_factory):
-    return train_tiny_run(pipeline_run[0] / "shards", tmp_path_factory.mktemp("blockrun") / "run",
-                          "data.batch_size=2", "max_duration=3ba", "memory.multipliers=[16,8]",
-                          "model.shape={n_layers: 2, d_model: 32, n_heads: 2, head_dim: 16, ffn_dim: 64}")
+    return train_tiny_run(
+        pipeline_run[0] / "shards",
+        tmp_path_factory.mktemp("blockrun") / "run",
+        "data.batch_size=2",
+        "max_duration=3ba",
+        "memory.multipliers=[16,8]",
+        "model.shape={n_layers: 2, d_model: 32, n_heads: 2, head_dim: 16, ffn_dim: 64}",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +54,14 @@ def background(mem_run, pipeline_run):
 
     clean_stale_shared_memory()
     rm = RunModel.load(mem_run)
-    bg = collect_unit_background(rm.model, rm.store, pipeline_run[0] / "shards", unit_frac=0.25,
-                                 max_windows=24, progress=False)
+    bg = collect_unit_background(
+        rm.model,
+        rm.store,
+        pipeline_run[0] / "shards",
+        unit_frac=0.25,
+        max_windows=24,
+        progress=False,
+    )
     clean_stale_shared_memory()
     return bg
 
@@ -58,8 +73,12 @@ def _fresh(mem_run, tmp_path):
 
     rm = RunModel.load(mem_run)
     shutil.copytree(mem_run / "bank", tmp_path / "bank")
-    rm.store = MemoryStore(tmp_path / "bank", tree=rm.tree, out_dtype=torch.float32,
-                           tiers=[TierConfig(name="ram", kind="ram")])
+    rm.store = MemoryStore(
+        tmp_path / "bank",
+        tree=rm.tree,
+        out_dtype=torch.float32,
+        tiers=[TierConfig(name="ram", kind="ram")],
+    )
     return rm
 
 
@@ -96,7 +115,12 @@ def test_background_counts_round_trip(background, tmp_path):
 def test_tfidf_step_moves_exactly_the_chosen_units(mem_run, background, tmp_path):
     rm = _fresh(mem_run, tmp_path)
     anchor = {k: v.clone() for k, v in rm.model.state_dict().items()}
-    ft = BlockFinetuner(rm.model, rm.store, BlockFinetuneSpec(method="tfidf", top_t=5, lr=5.0, unit_frac=0.25), background=background)
+    ft = BlockFinetuner(
+        rm.model,
+        rm.store,
+        BlockFinetuneSpec(method="tfidf", top_t=5, lr=5.0, unit_frac=0.25),
+        background=background,
+    )
     ids, real, paths = _batch(rm)
     rec = ft.step(ids, real, paths, where="fact 0")
     ft.finish()
@@ -111,10 +135,15 @@ def test_tfidf_step_moves_exactly_the_chosen_units(mem_run, background, tmp_path
             assert changed <= chosen  # nothing outside the top-t moved
             moved += len(changed)
     assert 0 < moved <= 5
-    assert all(torch.equal(v, anchor[k]) for k, v in rm.model.state_dict().items())  # the anchor untouched
+    assert all(
+        torch.equal(v, anchor[k]) for k, v in rm.model.state_dict().items()
+    )  # the anchor untouched
     untouched = [(lv, c) for lv in rm.store.levels for c in range(4) if (lv, c) not in ft.touched]
-    assert all((lv, c) not in ft.blocks or torch.equal(ft.blocks[(lv, c)], rm.store.fetch_flat(lv, c).float())
-               for lv, c in untouched)
+    assert all(
+        (lv, c) not in ft.blocks
+        or torch.equal(ft.blocks[(lv, c)], rm.store.fetch_flat(lv, c).float())
+        for lv, c in untouched
+    )
     # through the edit path: the store now serves the edited blocks, and says what it rewrote
     edits = write_edits(rm.store, ft.blocks, ft.touched)
     assert edits["records"] == len(ft.touched) and 0 < edits["params_changed"]
@@ -132,7 +161,9 @@ def test_all_fetched_and_anchor_methods(mem_run, tmp_path):
     fetched = {(lv, int(c)) for lv in rm.store.levels for c in paths[:, lv - 1]}
     assert ft.touched == fetched
     widths = sum(w for cols in unit_layout(rm.model, rm.store).values() for _, _, w in cols)
-    assert sum(len(_units_changed(ft, lv, c)) for lv, c in fetched) > widths // 2  # most units of each block
+    assert (
+        sum(len(_units_changed(ft, lv, c)) for lv, c in fetched) > widths // 2
+    )  # most units of each block
 
     rm = _fresh(mem_run, tmp_path / "b")
     before = {k: v.clone() for k, v in rm.model.state_dict().items()}
@@ -144,7 +175,9 @@ def test_all_fetched_and_anchor_methods(mem_run, tmp_path):
     assert len(changed) == len(before)  # AdamW with decay moves every anchor tensor
 
 
-def test_edited_blocks_lower_the_facts_loss_when_fetched_from_the_store(mem_run, background, tmp_path):
+def test_edited_blocks_lower_the_facts_loss_when_fetched_from_the_store(
+    mem_run, background, tmp_path
+):
     """The direction block finetuning exists for: after TF-IDF updates on a fact's statements,
     written through the store's edit path, the fact's loss with its blocks fetched from the store
     is below the loss before and below the anchor alone (untouched), so the edits are in the blocks
@@ -167,8 +200,12 @@ def test_edited_blocks_lower_the_facts_loss_when_fetched_from_the_store(mem_run,
         return perplexity(rm, docs, mode=mode, paths=paths)["nll"]
 
     anchor, before = nll("none"), nll("fetched")
-    ft = BlockFinetuner(rm.model, rm.store, BlockFinetuneSpec(method="tfidf", top_t=32, lr=2.0, unit_frac=0.25),
-                        background=background)
+    ft = BlockFinetuner(
+        rm.model,
+        rm.store,
+        BlockFinetuneSpec(method="tfidf", top_t=32, lr=2.0, unit_frac=0.25),
+        background=background,
+    )
     for _ in range(STEPS_PER_FACT):
         ft.step(ids, real, paths)
     ft.finish()
@@ -184,9 +221,21 @@ def test_bad_input_names_the_value(mem_run, background, tmp_path):
     with pytest.raises(ValueError, match="needs the run's block background counts"):
         BlockFinetuner(rm.model, rm.store, BlockFinetuneSpec(method="tfidf"))
     with pytest.raises(ValueError, match="unit_frac=0.25, the spec unit_frac=0.5"):
-        BlockFinetuner(rm.model, rm.store, BlockFinetuneSpec(method="tfidf", unit_frac=0.5), background=background)
-    ft = BlockFinetuner(rm.model, rm.store, BlockFinetuneSpec(method="tfidf", top_t=100_000, unit_frac=0.25), background=background)
-    with pytest.raises(ValueError, match=r"fact 3: top_t=100000 exceeds the \d+ units this batch used"):
+        BlockFinetuner(
+            rm.model,
+            rm.store,
+            BlockFinetuneSpec(method="tfidf", unit_frac=0.5),
+            background=background,
+        )
+    ft = BlockFinetuner(
+        rm.model,
+        rm.store,
+        BlockFinetuneSpec(method="tfidf", top_t=100_000, unit_frac=0.25),
+        background=background,
+    )
+    with pytest.raises(
+        ValueError, match=r"fact 3: top_t=100000 exceeds the \d+ units this batch used"
+    ):
         ft.step(ids, real, paths, where="fact 3")
     from memtree.config import ConfigError
 

@@ -47,19 +47,32 @@ def _anchor(max_seq_len: int = 32) -> AnchorLM:
 
 def _hf(kind: str):
     transformers = pytest.importorskip("transformers")
-    common = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": VOCAB,
-              "max_position_embeddings": 64}
+    common = {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 64,
+    }
     if kind == "llama":
-        cfg, cls = transformers.LlamaConfig(**common, tie_word_embeddings=False), \
-            transformers.LlamaForCausalLM
+        cfg, cls = (
+            transformers.LlamaConfig(**common, tie_word_embeddings=False),
+            transformers.LlamaForCausalLM,
+        )
     elif kind == "qwen":
-        cfg, cls = transformers.Qwen2Config(**common, tie_word_embeddings=True,
-                                            use_sliding_window=False), transformers.Qwen2ForCausalLM
+        cfg, cls = (
+            transformers.Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False),
+            transformers.Qwen2ForCausalLM,
+        )
     else:  # per-head q/k norms, query_pre_attn_scalar, both layers sliding (window 4)
-        cfg, cls = transformers.Gemma3TextConfig(**common, head_dim=8, sliding_window=4,
-                                                 tie_word_embeddings=True), \
-            transformers.Gemma3ForCausalLM
+        cfg, cls = (
+            transformers.Gemma3TextConfig(
+                **common, head_dim=8, sliding_window=4, tie_word_embeddings=True
+            ),
+            transformers.Gemma3ForCausalLM,
+        )
     torch.manual_seed(0)
     model = cls(cfg)
     with torch.no_grad():
@@ -70,8 +83,11 @@ def _hf(kind: str):
 
 
 def _am(slots: int = 4, threshold: float = 0.9, dim: int = 2, **kw) -> AssociativeMemory:
-    return AssociativeMemory(CamelotConfig(slots=slots, threshold=threshold, search="exact", **kw),
-                             kv_heads=1, head_dim=dim)
+    return AssociativeMemory(
+        CamelotConfig(slots=slots, threshold=threshold, search="exact", **kw),
+        kv_heads=1,
+        head_dim=dim,
+    )
 
 
 def _set(am: AssociativeMemory, keys, values, counts, ages) -> None:
@@ -91,8 +107,13 @@ def _window(*rows) -> torch.Tensor:
 # -- write rules: hand-worked examples -------------------------------------------------------------
 def test_consolidation_and_novelty_hand_worked():
     am = _am(slots=4, threshold=0.9)
-    _set(am, keys=[[1, 0], [0, 1], [-1, 0], None], values=[[10, 0], [0, 10], [-10, 0], None],
-         counts=[2, 1, 1, 0], ages=[0, 3, 1, 0])
+    _set(
+        am,
+        keys=[[1, 0], [0, 1], [-1, 0], None],
+        values=[[10, 0], [0, 10], [-10, 0], None],
+        counts=[2, 1, 1, 0],
+        ages=[0, 3, 1, 0],
+    )
     k = _window([2, 0.1], [0.9, -0.05], [0, -1], [1, 1.2])
     v = _window([1, 1], [4, 4], [5, 5], [7, 7])
     prefix, match = am.read(k)
@@ -119,8 +140,13 @@ def test_consolidation_and_novelty_hand_worked():
 
 def _compass(am: AssociativeMemory, ages) -> None:
     """Full memory of 4 slots at 0°, 90°, 180°, 270°."""
-    _set(am, keys=[[1, 0], [0, 1], [-1, 0], [0, -1]], values=[[1, 1], [2, 2], [3, 3], [4, 4]],
-         counts=[3, 3, 3, 3], ages=ages)
+    _set(
+        am,
+        keys=[[1, 0], [0, 1], [-1, 0], [0, -1]],
+        values=[[1, 1], [2, 2], [3, 3], [4, 4]],
+        counts=[3, 3, 3, 3],
+        ages=ages,
+    )
 
 
 def test_recency_replaces_oldest_slots_in_order():
@@ -160,8 +186,9 @@ def test_without_consolidation_every_token_is_novel():
 
 def test_without_novelty_tokens_fill_empty_slots_then_consolidate():
     am = _am(slots=3, threshold=0.9, novelty=False)
-    _set(am, keys=[[1, 0], None, None], values=[[1, 0], None, None], counts=[1, 0, 0],
-         ages=[0, 0, 0])
+    _set(
+        am, keys=[[1, 0], None, None], values=[[1, 0], None, None], counts=[1, 0, 0], ages=[0, 0, 0]
+    )
     k = _window([0, 1], [-1, 0], [0.5, 0.5])
     am.write(k, k)
     assert am.keys[0, 1].tolist() == [0, 1] and am.keys[0, 2].tolist() == [-1, 0]
@@ -213,8 +240,9 @@ def test_mismatched_keys_name_the_field():
 
 # -- search: FAISS against exact ---------------------------------------------------------------
 def _random_run(search: str, index: str = "flat", seed: int = 0) -> tuple[AssociativeMemory, list]:
-    cfg = CamelotConfig(slots=64, threshold=0.6, search=search, faiss_index=index, ivf_lists=4,
-                        ivf_probe=4)
+    cfg = CamelotConfig(
+        slots=64, threshold=0.6, search=search, faiss_index=index, ivf_lists=4, ivf_probe=4
+    )
     am = AssociativeMemory(cfg, kv_heads=2, head_dim=16)
     g = torch.Generator().manual_seed(seed)
     centers = torch.randn(2, 100, 16, generator=g)  # more concepts than slots
@@ -291,9 +319,14 @@ def test_prefix_attention_equals_explicit_attention(sliding):
         keys, vals = torch.cat([pk[0, kv], k[0, kv]]), torch.cat([pv[0, kv], v[0, kv]])
         for i in range(s):
             pos_q = p + i
-            ok = torch.tensor([bool(i >= first[0, kv, j] if j < p else j - p <= i)
-                               and (sliding is None or pos_q - j < sliding) for j in range(p + s)])
-            sc = (keys[ok] @ q[0, hq, i]) / d ** 0.5
+            ok = torch.tensor(
+                [
+                    bool(i >= first[0, kv, j] if j < p else j - p <= i)
+                    and (sliding is None or pos_q - j < sliding)
+                    for j in range(p + s)
+                ]
+            )
+            sc = (keys[ok] @ q[0, hq, i]) / d**0.5
             ref[0, hq, i] = torch.softmax(sc, 0) @ vals[ok]
     assert torch.allclose(out, ref, atol=1e-6)
 
@@ -324,11 +357,11 @@ def _sink_plus_window(logits_of, ids: torch.Tensor, sink: int, window: int) -> t
     forward over [sink tokens, window] (the first window alone)."""
     out = []
     for start in range(0, ids.numel() - 1, window):
-        x, y = ids[start:start + window], ids[start + 1:start + window + 1]
+        x, y = ids[start : start + window], ids[start + 1 : start + window + 1]
         pre = ids[:sink] if start else ids[:0]
         with torch.no_grad():
-            logits = logits_of(torch.cat([pre, x])[None])[0, pre.numel():]
-        out.append(F.cross_entropy(logits[:len(y)], y, reduction="none"))
+            logits = logits_of(torch.cat([pre, x])[None])[0, pre.numel() :]
+        out.append(F.cross_entropy(logits[: len(y)], y, reduction="none"))
     return torch.cat(out)
 
 
@@ -351,12 +384,18 @@ def test_sink_on_base_equals_the_model_on_sink_plus_window(kind):
 @pytest.mark.parametrize("kind", ["anchor", "llama"])
 def test_sink_joins_xl_from_the_third_window_and_memories_from_the_second(kind):
     model = _anchor() if kind == "anchor" else _hf(kind)
-    ids = torch.randint(0, min(VOCAB, ANCHOR.vocab_size), (30,), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(
+        0, min(VOCAB, ANCHOR.vocab_size), (30,), generator=torch.Generator().manual_seed(2)
+    )
     cfg = CamelotConfig(slots=16, threshold=0.5, search="exact")
     xl, xl_sunk = (longdoc_token_nll(model, ids, method="xl", window=8, sink=s) for s in (0, 2))
-    assert torch.allclose(xl[:16], xl_sunk[:16], atol=1e-6) and not torch.allclose(xl[16:], xl_sunk[16:], atol=1e-4)
+    assert torch.allclose(xl[:16], xl_sunk[:16], atol=1e-6) and not torch.allclose(
+        xl[16:], xl_sunk[16:], atol=1e-4
+    )
     for method in ("memorizing", "camelot"):
-        a, b = (longdoc_token_nll(model, ids, method=method, window=8, cfg=cfg, sink=s) for s in (0, 2))
+        a, b = (
+            longdoc_token_nll(model, ids, method=method, window=8, cfg=cfg, sink=s) for s in (0, 2)
+        )
         assert torch.equal(a[:8], b[:8]) and not torch.allclose(a[8:16], b[8:16], atol=1e-4)
 
 
@@ -424,8 +463,9 @@ def test_wrapped_models_are_unwrapped():
     model, ids = _hf("qwen"), torch.randint(0, VOCAB, (20,))
     wrapped = HFMemoryModel(model, MemoryConfig(multipliers=(4,), type="ffn", branching=2))
     cfg = CamelotConfig(slots=8, threshold=0.5)
-    assert longdoc_nll(wrapped, ids, method="camelot", window=8, cfg=cfg) == \
-        longdoc_nll(model, ids, method="camelot", window=8, cfg=cfg)
+    assert longdoc_nll(wrapped, ids, method="camelot", window=8, cfg=cfg) == longdoc_nll(
+        model, ids, method="camelot", window=8, cfg=cfg
+    )
 
 
 def test_cleanup_after_an_error_mid_run():
@@ -490,7 +530,9 @@ def test_window_longer_than_the_context_is_an_error():
     assert longdoc_nll(model, ids, method="base", window=32)[1] == 39
     with pytest.raises(ValueError, match="window=40"):
         longdoc_nll(_hf("qwen"), ids, method="xl", window=40)
-    with pytest.raises(ValueError, match=r"window=16: 2·window \(memory prefix \+ window\) \+ sink = 33"):
+    with pytest.raises(
+        ValueError, match=r"window=16: 2·window \(memory prefix \+ window\) \+ sink = 33"
+    ):
         longdoc_nll(model, ids, method="camelot", window=16, sink=1)
     with pytest.raises(ValueError, match="sink must be a non-negative integer, got -1"):
         longdoc_nll(model, ids, method="base", window=8, sink=-1)
@@ -498,9 +540,11 @@ def test_window_longer_than_the_context_is_an_error():
 
 def test_mismatched_memory_names_the_field():
     model = _anchor()
-    for field, kw in (("kv_heads", {"kv_heads": 4, "head_dim": 8, "n_layers": 2}),
-                      ("head_dim", {"kv_heads": 2, "head_dim": 16, "n_layers": 2}),
-                      ("n_layers", {"kv_heads": 2, "head_dim": 8, "n_layers": 3})):
+    for field, kw in (
+        ("kv_heads", {"kv_heads": 4, "head_dim": 8, "n_layers": 2}),
+        ("head_dim", {"kv_heads": 2, "head_dim": 16, "n_layers": 2}),
+        ("n_layers", {"kv_heads": 2, "head_dim": 8, "n_layers": 3}),
+    ):
         mem = CamelotMemory(CamelotConfig(slots=4), kind="camelot", **kw)
         with pytest.raises(ValueError, match=field):
             longdoc_nll(model, torch.arange(10), method="camelot", window=4, memory=mem)
@@ -511,10 +555,18 @@ def test_mismatched_memory_names_the_field():
         new_memory(model, "camelot", CamelotConfig(slots=4, layers=(0, 2)))
 
 
-@pytest.mark.parametrize(("kw", "field"), [
-    ({"slots": 0}, "slots"), ({"threshold": 1.5}, "threshold"), ({"layers": (1, 1)}, "layers"),
-    ({"search": "gpu"}, "search"), ({"faiss_index": "hnsw"}, "faiss_index"),
-    ({"slots": 4, "ivf_lists": 8}, "ivf_lists"), ({"ivf_probe": 0}, "ivf_probe")])
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"slots": 0}, "slots"),
+        ({"threshold": 1.5}, "threshold"),
+        ({"layers": (1, 1)}, "layers"),
+        ({"search": "gpu"}, "search"),
+        ({"faiss_index": "hnsw"}, "faiss_index"),
+        ({"slots": 4, "ivf_lists": 8}, "ivf_lists"),
+        ({"ivf_probe": 0}, "ivf_probe"),
+    ],
+)
 def test_config_errors_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         CamelotConfig(**kw)
@@ -523,8 +575,9 @@ def test_config_errors_name_the_field(kw, field):
 def test_empty_documents_are_skipped_and_counted():
     model = _anchor()
     docs = [[], torch.randint(0, ANCHOR.vocab_size, (20,)), [5], torch.tensor([], dtype=torch.long)]
-    res = corpus_nll(model, docs, method="camelot", window=8,
-                     cfg=CamelotConfig(slots=8, search="exact"))
+    res = corpus_nll(
+        model, docs, method="camelot", window=8, cfg=CamelotConfig(slots=8, search="exact")
+    )
     assert (res.n_docs, res.skipped_empty, res.n_tokens) == (1, 3, 19)
     assert res.ppl > 1
 

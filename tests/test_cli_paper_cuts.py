@@ -20,12 +20,18 @@ def _err(capsys) -> str:
 
 
 # (b) a negative count sliced from the end
-@pytest.mark.parametrize("argv, flag", [
-    (["eval", "knowledge", "runs/demo/train/cotrain", "--max-probes", "-5"], "--max-probes"),
-    (["eval", "longctx", "runs/x", "--max-docs", "-1"], "--max-docs"),
-    (["pipeline", "run", "--input", "c.jsonl", "--out", "o", "--branching", "0"], "--branching"),
-    (["memstore", "plan", "--anchor", "tiny", "--memory", "4,2", "--ranks", "0"], "--ranks"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["eval", "knowledge", "runs/demo/train/cotrain", "--max-probes", "-5"], "--max-probes"),
+        (["eval", "longctx", "runs/x", "--max-docs", "-1"], "--max-docs"),
+        (
+            ["pipeline", "run", "--input", "c.jsonl", "--out", "o", "--branching", "0"],
+            "--branching",
+        ),
+        (["memstore", "plan", "--anchor", "tiny", "--memory", "4,2", "--ranks", "0"], "--ranks"),
+    ],
+)
 def test_negative_counts_are_refused_by_the_parser(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -36,9 +42,13 @@ def test_negative_counts_are_refused_by_the_parser(argv, flag, capsys):
 
 # (c) data.batch_size checked before anything is written
 @pytest.mark.parametrize("value", ["0", "-1"])
-def test_batch_size_is_checked_before_the_run_folder_is_written(value, tmp_path, capsys, monkeypatch):
+def test_batch_size_is_checked_before_the_run_folder_is_written(
+    value, tmp_path, capsys, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
-    assert main(["train", "run", BASELINE, f"data.shards={tmp_path}", f"data.batch_size={value}"]) == 1
+    assert (
+        main(["train", "run", BASELINE, f"data.shards={tmp_path}", f"data.batch_size={value}"]) == 1
+    )
     err = _err(capsys)
     assert f"data.batch_size: must be an integer >= 1, got {value}" in err, err
     assert "_iterator" not in err and "epochs" not in err and "--batch-size" not in err
@@ -48,23 +58,59 @@ def test_batch_size_is_checked_before_the_run_folder_is_written(value, tmp_path,
 # (d) three messages that named the wrong thing
 def test_an_empty_corpus_says_it_holds_no_records(tmp_path, capsys, dask_client):
     (tmp_path / "empty.jsonl").write_text("")
-    assert main(["pipeline", "run", "--input", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "run"),
-                 "--until", "ingest", "--no-progress", "--scheduler", dask_client.scheduler.address]) == 1
+    assert (
+        main(
+            [
+                "pipeline",
+                "run",
+                "--input",
+                str(tmp_path / "empty.jsonl"),
+                "--out",
+                str(tmp_path / "run"),
+                "--until",
+                "ingest",
+                "--no-progress",
+                "--scheduler",
+                dask_client.scheduler.address,
+            ]
+        )
+        == 1
+    )
     err = _err(capsys)
-    assert "ingest: the inputs hold no records (1 file(s) read: " in err and "empty.jsonl" in err, err
+    assert "ingest: the inputs hold no records (1 file(s) read: " in err and "empty.jsonl" in err, (
+        err
+    )
     assert "rejected ({})" not in err
 
 
 def test_a_directory_given_as_the_config_is_named_as_one(capsys):
     assert main(["train", "run", str(REPO / "training" / "yamls")]) == 1
     err = _err(capsys)
-    assert "a directory, not a YAML file (it holds " in err and "tiny-baseline.yaml" not in err.split("(")[0], err
+    assert (
+        "a directory, not a YAML file (it holds " in err
+        and "tiny-baseline.yaml" not in err.split("(")[0]
+    ), err
     assert "config file not found" not in err
 
 
 def test_memstore_info_on_the_manifest_file_names_the_bank_directory(tmp_path, capsys):
     bank = tmp_path / "bank"
-    assert main(["memstore", "init", str(bank), "--anchor", "tiny", "--memory", "4,2", "--branching", "2"]) == 0
+    assert (
+        main(
+            [
+                "memstore",
+                "init",
+                str(bank),
+                "--anchor",
+                "tiny",
+                "--memory",
+                "4,2",
+                "--branching",
+                "2",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert main(["memstore", "info", str(bank / "manifest.json")]) == 1
     err = _err(capsys)
@@ -80,8 +126,17 @@ def test_rerunning_train_resumes_or_skips(pipeline_run, tmp_path, capsys):
 
     shards = pipeline_run[0] / "shards"
     folder = tmp_path / "run"
-    argv = ["train", "run", BASELINE, f"data.shards={shards}", f"save_folder={folder}", "data.batch_size=4",
-            "save_interval=1ba", "optim.warmup=1ba", "progress_bar=false"]
+    argv = [
+        "train",
+        "run",
+        BASELINE,
+        f"data.shards={shards}",
+        f"save_folder={folder}",
+        "data.batch_size=4",
+        "save_interval=1ba",
+        "optim.warmup=1ba",
+        "progress_bar=false",
+    ]
 
     def run(*extra: str) -> str:
         clean_stale_shared_memory()
@@ -93,7 +148,9 @@ def test_rerunning_train_resumes_or_skips(pipeline_run, tmp_path, capsys):
     metrics = folder / "metrics.json"
     stamp = metrics.stat().st_mtime_ns
     out = run("max_duration=2ba")
-    assert "already trained with this config for 2ba" in out and metrics.stat().st_mtime_ns == stamp, out
+    assert (
+        "already trained with this config for 2ba" in out and metrics.stat().st_mtime_ns == stamp
+    ), out
     # a longer duration continues from the checkpoint: the Trainer's clock starts at batch 2
     from memtree.config import load_config
     from memtree.training.config import TrainConfig
@@ -119,8 +176,11 @@ def test_memories_header_names_the_trained_rows_duration():
     from memtree.eval.memories_report import trained_durations
 
     demo = {"duration": "7ep"}
-    rows = [{"kind": "demo", "train": {"duration": "demo (anchor + co-training)"}},
-            {"kind": "dense", "train": {"duration": "2ba"}}, {"kind": "moc", "train": {"duration": "2ba"}}]
+    rows = [
+        {"kind": "demo", "train": {"duration": "demo (anchor + co-training)"}},
+        {"kind": "dense", "train": {"duration": "2ba"}},
+        {"kind": "moc", "train": {"duration": "2ba"}},
+    ]
     assert trained_durations({"demo": demo, "rows": rows}) == "2ba (the demo's is 7ep)"
     rows[1]["train"]["duration"] = rows[2]["train"]["duration"] = "7ep"
     assert trained_durations({"demo": demo, "rows": rows}) == "7ep (the demo's)"

@@ -20,12 +20,15 @@ def _err(capsys) -> str:
 
 
 # ------------------------------------------------------------------ item 14: unknown options
-@pytest.mark.parametrize("argv, usage", [
-    (["pipeline", "run", "--input", "c.jsonl", "--bogus"], "usage: memtree pipeline "),
-    (["train", "run", "cfg.yaml", "--bogus"], "usage: memtree train "),
-    (["memstore", "block", "runs/bank", "--bogus"], "usage: memtree memstore block "),
-    (["memstore", "--bogus", "block", "runs/bank"], "usage: memtree memstore "),
-])
+@pytest.mark.parametrize(
+    "argv, usage",
+    [
+        (["pipeline", "run", "--input", "c.jsonl", "--bogus"], "usage: memtree pipeline "),
+        (["train", "run", "cfg.yaml", "--bogus"], "usage: memtree train "),
+        (["memstore", "block", "runs/bank", "--bogus"], "usage: memtree memstore block "),
+        (["memstore", "--bogus", "block", "runs/bank"], "usage: memtree memstore "),
+    ],
+)
 def test_unknown_option_shows_the_subcommands_usage(capsys, argv, usage):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -37,15 +40,25 @@ def test_unknown_option_shows_the_subcommands_usage(capsys, argv, usage):
 
 
 def test_overrides_after_an_option_are_overrides():
-    args = build_parser().parse_args(["pipeline", "run", "cfg.yaml", "--until", "ingest", "tree.levels=3", "seed=1"])
+    args = build_parser().parse_args(
+        ["pipeline", "run", "cfg.yaml", "--until", "ingest", "tree.levels=3", "seed=1"]
+    )
     assert args.config == "cfg.yaml" and args.overrides == ["tree.levels=3", "seed=1"]
     assert args.until == "ingest"
 
 
 # ------------------------------------------------------------------ item 9: rejects are reported
 def _bad_corpus(path: Path) -> Path:
-    write_jsonl(path, [{"id": "a", "text": "A good document about rivers."}, "{not json", "[1, 2]",
-                       {"id": "b"}, {"id": "c", "text": "Another good document, about mountains."}])
+    write_jsonl(
+        path,
+        [
+            {"id": "a", "text": "A good document about rivers."},
+            "{not json",
+            "[1, 2]",
+            {"id": "b"},
+            {"id": "c", "text": "Another good document, about mountains."},
+        ],
+    )
     with open(path, "ab") as f:
         f.write(b"\n" + json.dumps({"id": "d", "text": "A third good one."}).encode() + b"\n")
     return path
@@ -54,8 +67,19 @@ def _bad_corpus(path: Path) -> Path:
 def test_pipeline_says_how_many_records_it_rejected_and_where(tmp_path, capsys, dask_client):
     corpus = _bad_corpus(tmp_path / "corpus.jsonl")
     out = tmp_path / "run"
-    argv = ["pipeline", "run", "--input", str(corpus), "--out", str(out), "--until", "ingest", "--no-progress",
-            "--scheduler", dask_client.scheduler.address]
+    argv = [
+        "pipeline",
+        "run",
+        "--input",
+        str(corpus),
+        "--out",
+        str(out),
+        "--until",
+        "ingest",
+        "--no-progress",
+        "--scheduler",
+        dask_client.scheduler.address,
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "4 of 7 records rejected" in printed, printed
@@ -69,8 +93,24 @@ def test_pipeline_says_how_many_records_it_rejected_and_where(tmp_path, capsys, 
 
 def test_all_rejected_names_a_file_that_exists(tmp_path, capsys, dask_client):
     corpus = write_jsonl(tmp_path / "c.jsonl", ["{bad", "[1]"])
-    assert main(["pipeline", "run", "--input", str(corpus), "--out", str(tmp_path / "run"), "--until", "ingest",
-                 "--no-progress", "--scheduler", dask_client.scheduler.address]) == 1
+    assert (
+        main(
+            [
+                "pipeline",
+                "run",
+                "--input",
+                str(corpus),
+                "--out",
+                str(tmp_path / "run"),
+                "--until",
+                "ingest",
+                "--no-progress",
+                "--scheduler",
+                dask_client.scheduler.address,
+            ]
+        )
+        == 1
+    )
     err = _err(capsys)
     assert "all 2 records were rejected" in err
     named = Path(err.split("see ")[1].split()[0])
@@ -81,26 +121,51 @@ def test_all_rejected_names_a_file_that_exists(tmp_path, capsys, dask_client):
 def test_readme_glob_inputs_are_expanded_in_order(tmp_path, capsys, dask_client, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
-    write_jsonl(tmp_path / "data" / "b.jsonl", [{"id": "b1", "text": "Second file, about bridges."}])
+    write_jsonl(
+        tmp_path / "data" / "b.jsonl", [{"id": "b1", "text": "Second file, about bridges."}]
+    )
     write_jsonl(tmp_path / "data" / "a.jsonl", [{"id": "a1", "text": "First file, about anchors."}])
     write_jsonl(tmp_path / "data" / "skip.txt.bak", ["not matched"])
     (tmp_path / "empty").mkdir()
     paper = str(REPO / "pipeline" / "yamls" / "paper.yaml")
     sched = ["--scheduler", dask_client.scheduler.address, "--no-progress"]
-    assert main(["pipeline", "run", paper, "ingest.inputs=[data/*.jsonl]", "out=runs/paper", "--until", "ingest",
-                 *sched]) == 0
+    assert (
+        main(
+            [
+                "pipeline",
+                "run",
+                paper,
+                "ingest.inputs=[data/*.jsonl]",
+                "out=runs/paper",
+                "--until",
+                "ingest",
+                *sched,
+            ]
+        )
+        == 0
+    )
     stats = json.loads((tmp_path / "runs/paper/ingest/_stage.json").read_text())["stats"]
     assert stats["units"] == 2 and stats["kept"] == 2
-    docs = [d for part in stats["parts"]
-            for d in pq.read_table(tmp_path / "runs/paper/ingest" / part["file"]).to_pylist()]
+    docs = [
+        d
+        for part in stats["parts"]
+        for d in pq.read_table(tmp_path / "runs/paper/ingest" / part["file"]).to_pylist()
+    ]
     assert [d["doc_id"] for d in docs] == ["a1", "b1"]
-    assert [Path(d["source"]) for d in docs] == [tmp_path / "data/a.jsonl", tmp_path / "data/b.jsonl"]
+    assert [Path(d["source"]) for d in docs] == [
+        tmp_path / "data/a.jsonl",
+        tmp_path / "data/b.jsonl",
+    ]
     # a pattern matching nothing, or a missing file: named, and the run folder is not created
-    for bad, named in (("ingest.inputs=[nodata/*.jsonl]", "no file matches the pattern nodata/*.jsonl"),
-                       ("ingest.inputs=[data/missing.jsonl]", "input not found: data/missing.jsonl"),
-                       ("ingest.inputs=[empty]", "input directory is empty: ")):
+    for bad, named in (
+        ("ingest.inputs=[nodata/*.jsonl]", "no file matches the pattern nodata/*.jsonl"),
+        ("ingest.inputs=[data/missing.jsonl]", "input not found: data/missing.jsonl"),
+        ("ingest.inputs=[empty]", "input directory is empty: "),
+    ):
         capsys.readouterr()
-        assert main(["pipeline", "run", paper, bad, "out=runs/bad", "--until", "ingest", *sched]) == 1
+        assert (
+            main(["pipeline", "run", paper, bad, "out=runs/bad", "--until", "ingest", *sched]) == 1
+        )
         assert named in _err(capsys)
         assert not (tmp_path / "runs" / "bad").exists()
 
@@ -108,8 +173,22 @@ def test_readme_glob_inputs_are_expanded_in_order(tmp_path, capsys, dask_client,
 def test_a_missing_tokenizer_is_named_before_anything_runs(tmp_path, capsys):
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "one document"}])
     out = tmp_path / "run"
-    assert main(["pipeline", "run", "--input", str(corpus), "--out", str(out), "--tokenizer", str(tmp_path / "nope"),
-                 "--no-progress"]) == 1
+    assert (
+        main(
+            [
+                "pipeline",
+                "run",
+                "--input",
+                str(corpus),
+                "--out",
+                str(out),
+                "--tokenizer",
+                str(tmp_path / "nope"),
+                "--no-progress",
+            ]
+        )
+        == 1
+    )
     err = _err(capsys)
     assert f"window.tokenizer={tmp_path / 'nope'}: no tokenizer.json" in err
     assert not out.exists()  # ingest did not run first, and no config.json was written
@@ -118,40 +197,117 @@ def test_a_missing_tokenizer_is_named_before_anything_runs(tmp_path, capsys):
 def test_docs_corpus_names_its_rejects_file_and_a_missing_deb(tmp_path, capsys):
     from tests.test_debdocs import PREFIX, _page, make_deb
 
-    deb = make_deb(tmp_path / "pkg_1.0_all.deb", {PREFIX + "a.rst.txt": _page(1), PREFIX + "b.rst.txt": b"short"})
+    deb = make_deb(
+        tmp_path / "pkg_1.0_all.deb",
+        {PREFIX + "a.rst.txt": _page(1), PREFIX + "b.rst.txt": b"short"},
+    )
     out = tmp_path / "docs"
-    base = ["pipeline", "docs-corpus", str(out), "--package", "pkg", "--prefix", PREFIX, "--suffix", ".rst.txt"]
+    base = [
+        "pipeline",
+        "docs-corpus",
+        str(out),
+        "--package",
+        "pkg",
+        "--prefix",
+        PREFIX,
+        "--suffix",
+        ".rst.txt",
+    ]
     assert main([*base, "--deb", str(deb)]) == 0
     assert f"1 rejected (each with its reason in {out / 'rejects.jsonl'})" in _err(capsys)
     assert main([*base, "--deb", str(tmp_path / "nope.deb")]) == 1
     err = _err(capsys)
     assert "--deb" in err and "nope.deb" in err and "Errno" not in err
     empty = make_deb(tmp_path / "other_1.0_all.deb", {"usr/share/doc/other/a.txt": b"x"})
-    assert main(["pipeline", "docs-corpus", str(tmp_path / "docs2"), "--package", "pkg", "--prefix", PREFIX, "--suffix",
-                 ".rst.txt", "--deb", str(empty)]) == 1
+    assert (
+        main(
+            [
+                "pipeline",
+                "docs-corpus",
+                str(tmp_path / "docs2"),
+                "--package",
+                "pkg",
+                "--prefix",
+                PREFIX,
+                "--suffix",
+                ".rst.txt",
+                "--deb",
+                str(empty),
+            ]
+        )
+        == 1
+    )
     assert not (tmp_path / "docs2").exists()
     # several packages: a .deb no --package names, and --prefix with more than one package, are refused
-    assert main(["pipeline", "docs-corpus", str(tmp_path / "docs3"), "--package", "python3.11-doc", "--deb", str(deb)]) == 1
+    assert (
+        main(
+            [
+                "pipeline",
+                "docs-corpus",
+                str(tmp_path / "docs3"),
+                "--package",
+                "python3.11-doc",
+                "--deb",
+                str(deb),
+            ]
+        )
+        == 1
+    )
     assert "--deb holds package(s) ['pkg'], which no --package names" in _err(capsys)
-    assert main(["pipeline", "docs-corpus", str(tmp_path / "docs3"), "--package", "python3.11-doc", "--package", "linux-doc-6.1",
-                 "--prefix", PREFIX]) == 1
+    assert (
+        main(
+            [
+                "pipeline",
+                "docs-corpus",
+                str(tmp_path / "docs3"),
+                "--package",
+                "python3.11-doc",
+                "--package",
+                "linux-doc-6.1",
+                "--prefix",
+                PREFIX,
+            ]
+        )
+        == 1
+    )
     assert "--prefix / --suffix apply to one package" in _err(capsys)
     # the README records the command that rebuilds the corpus
-    assert f"memtree pipeline docs-corpus {out} --package pkg --prefix {PREFIX} --suffix .rst.txt" in (out / "README.md").read_text()
+    assert (
+        f"memtree pipeline docs-corpus {out} --package pkg --prefix {PREFIX} --suffix .rst.txt"
+        in (out / "README.md").read_text()
+    )
 
 
 # ------------------------------------------------------------------ item 13: keys named, no raw errno
 def test_time_strings_are_checked_with_the_key_named(tmp_path, capsys):
     yaml = str(REPO / "training" / "yamls" / "tiny-baseline.yaml")
-    for bad, key in (("max_duration=abc", "max_duration"), ("optim.warmup=1.5ba", "optim.warmup"),
-                     ("save_interval=often", "save_interval"), ("log_interval=1x", "log_interval")):
-        assert main(["train", "run", yaml, f"data.shards={tmp_path}", f"save_folder={tmp_path / 's'}", bad]) == 1
+    for bad, key in (
+        ("max_duration=abc", "max_duration"),
+        ("optim.warmup=1.5ba", "optim.warmup"),
+        ("save_interval=often", "save_interval"),
+        ("log_interval=1x", "log_interval"),
+    ):
+        assert (
+            main(
+                [
+                    "train",
+                    "run",
+                    yaml,
+                    f"data.shards={tmp_path}",
+                    f"save_folder={tmp_path / 's'}",
+                    bad,
+                ]
+            )
+            == 1
+        )
         err = _err(capsys)
         assert f"{key}: " in err and "100ba" in err and "2ep" in err, err
         assert "Invalid time string" not in err
     from memtree.training.config import load_train_config
 
-    cfg = load_train_config(None, ["data.shards=x", "max_duration=2ep", "optim.warmup=0.1dur", "save_interval=1e3ba"])
+    cfg = load_train_config(
+        None, ["data.shards=x", "max_duration=2ep", "optim.warmup=0.1dur", "save_interval=1e3ba"]
+    )
     assert (cfg.max_duration, cfg.optim.warmup, cfg.save_interval) == ("2ep", "0.1dur", "1e3ba")
 
 
@@ -162,7 +318,10 @@ def test_train_names_missing_shards_and_writes_nothing(tmp_path, capsys, monkeyp
     assert "memtree train run CONFIG.yaml" in err and "composer -n" not in err
     assert main(["train", "run", str(REPO / "training" / "yamls" / "tiny-baseline.yaml")]) == 1
     err = _err(capsys)
-    assert "data.shards=runs/demo/pipeline/shards: no manifest.json" in err and "memtree pipeline" in err
+    assert (
+        "data.shards=runs/demo/pipeline/shards: no manifest.json" in err
+        and "memtree pipeline" in err
+    )
     assert not (tmp_path / "runs").exists()
 
 
@@ -182,12 +341,18 @@ def test_finetune_names_the_key_the_path_and_what_writes_it(tmp_path, capsys, mo
     _looks_like_a_run(tmp_path / "runs/demo/train/pkm")
     assert main(["train", "finetune", yaml]) == 1
     err = _err(capsys)
-    assert "data=runs/demo/continual/stream.jsonl: no such file" in err and "memtree eval continual" in err
+    assert (
+        "data=runs/demo/continual/stream.jsonl: no such file" in err
+        and "memtree eval continual" in err
+    )
     (tmp_path / "runs/demo/continual").mkdir()
     write_jsonl(tmp_path / "runs/demo/continual/stream.jsonl", [{"id": "1", "texts": ["a fact"]}])
     assert main(["train", "finetune", yaml, "background=runs/demo/bg"]) == 1
     err = _err(capsys)
-    assert "background=runs/demo/bg: no such folder" in err and "memtree train finetune-background" in err
+    assert (
+        "background=runs/demo/bg: no such folder" in err
+        and "memtree train finetune-background" in err
+    )
     assert main(["train", "finetune-background", "nope"]) == 1
     assert "RUN=nope: not a finished training run" in _err(capsys)
     assert not (tmp_path / "runs/demo/finetune").exists()
@@ -202,19 +367,34 @@ def test_failed_start_leaves_the_save_folder_usable(pipeline_run, tmp_path, caps
     from memtree.training.train import build_model
 
     shards = pipeline_run[0] / "shards"  # a 2-level tree
-    model, _ = build_model(load_train_config(None, [f"data.shards={shards}"]))  # the tiny anchor, untrained
+    model, _ = build_model(
+        load_train_config(None, [f"data.shards={shards}"])
+    )  # the tiny anchor, untrained
     (tmp_path / "base").mkdir()
-    save_file({k: v.clone() for k, v in model.model.state_dict().items()}, str(tmp_path / "base/anchor.safetensors"))
+    save_file(
+        {k: v.clone() for k, v in model.model.state_dict().items()},
+        str(tmp_path / "base/anchor.safetensors"),
+    )
     yaml = str(REPO / "training" / "yamls" / "tiny-cotrain.yaml")
     folder = tmp_path / "cotrain"
-    args = ["train", "run", yaml, f"data.shards={shards}", f"save_folder={folder}", f"anchor_checkpoint={tmp_path / 'base'}"]
+    args = [
+        "train",
+        "run",
+        yaml,
+        f"data.shards={shards}",
+        f"save_folder={folder}",
+        f"anchor_checkpoint={tmp_path / 'base'}",
+    ]
     assert main(args) == 1
     assert "memory.multipliers: 3 levels, but the shards' tree has 2" in _err(capsys)
     assert not (folder / "memtree_config.json").exists()
     # the corrected rerun is not refused (a 1-batch run, to keep the test short)
     clean_stale_shared_memory()
     try:
-        assert main([*args, "memory.multipliers=[64,32]", "max_duration=1ba", "data.batch_size=2"]) == 0, _err(capsys)
+        assert (
+            main([*args, "memory.multipliers=[64,32]", "max_duration=1ba", "data.batch_size=2"])
+            == 0
+        ), _err(capsys)
     finally:
         clean_stale_shared_memory()
     assert (folder / "anchor.safetensors").is_file() and (folder / "bank").is_dir()
@@ -230,10 +410,14 @@ def test_config_files_alone_do_not_claim_a_save_folder(tmp_path):
     b = load_train_config(None, ["data.shards=x", f"save_folder={folder}", "optim.lr=0.2"])
     check_save_folder(a)  # what a start that then failed left (before the fix: every failed start)
     check_save_folder(b)  # taken over: nothing was trained there
-    assert json.loads((folder / "memtree_config.json").read_text())["fingerprint"] == b.fingerprint()
+    assert (
+        json.loads((folder / "memtree_config.json").read_text())["fingerprint"] == b.fingerprint()
+    )
     (folder / "checkpoints").mkdir()
     (folder / "checkpoints" / "ep0-ba1-rank0.pt").write_bytes(b"x")
-    with pytest.raises(ConfigError, match=r"save_folder=.*checkpoints of another config \(checkpoints/.*optim.lr"):
+    with pytest.raises(
+        ConfigError, match=r"save_folder=.*checkpoints of another config \(checkpoints/.*optim.lr"
+    ):
         check_save_folder(a)
 
 
@@ -245,7 +429,9 @@ def test_train_context_vae_names_keys_and_producers(tmp_path, capsys, monkeypatc
     assert "max_duration: 'abc' is not a time string" in err and "100ba" in err
     assert main(["train", "context-vae", yaml]) == 1
     err = _err(capsys)
-    assert "anchor=runs/demo/train/anchor: not a finished training run" in err and "Errno" not in err
+    assert (
+        "anchor=runs/demo/train/anchor: not a finished training run" in err and "Errno" not in err
+    )
     _looks_like_a_run(tmp_path / "runs/demo/train/anchor")
     assert main(["train", "context-vae", yaml]) == 1
     assert "data.pairs=runs/demo/context-bank/pairs.jsonl: no such file" in _err(capsys)
@@ -273,8 +459,12 @@ def test_context_vae_time_strings_checked_from_python(tmp_path):
         with pytest.raises(ConfigError, match=f"{key}: '3 epochs' is not a time string"):
             load_context_config(yaml, [f"{key}=3 epochs"])
     with pytest.raises(ConfigError, match="warmup: '20' is not a time string"):
-        ContextTrainConfig(anchor=str(tmp_path), data=ContextDataSection(pairs="p.jsonl"),
-                           save_folder=str(tmp_path / "vae"), warmup="20")
+        ContextTrainConfig(
+            anchor=str(tmp_path),
+            data=ContextDataSection(pairs="p.jsonl"),
+            save_folder=str(tmp_path / "vae"),
+            warmup="20",
+        )
     assert load_context_config(yaml, ["max_duration=3ba"]).max_duration == "3ba"
 
 
@@ -295,22 +485,56 @@ def test_one_command_tree_a_few_verbs_one_name_each(capsys):
 
     parser = build_parser()
     top = _subcommands(parser)
-    assert sorted(top) == sorted(ORDER) and ORDER == ("demo", "generate", "pipeline", "train", "eval", "memstore")
+    assert sorted(top) == sorted(ORDER) and ORDER == (
+        "demo",
+        "generate",
+        "pipeline",
+        "train",
+        "eval",
+        "memstore",
+    )
     with pytest.raises(SystemExit):
         main(["--help"])
     text = capsys.readouterr().out
     assert len(text.splitlines()) <= 24 and max(map(len, text.splitlines())) <= 80, text
-    listed = [line.split()[0] for line in text.splitlines() if line.startswith("    ") and not line.startswith("     ")]
+    listed = [
+        line.split()[0]
+        for line in text.splitlines()
+        if line.startswith("    ") and not line.startswith("     ")
+    ]
     assert listed == list(ORDER), text
     names = {verb: sorted(_subcommands(top[verb])) for verb in VERBS}
     assert names["pipeline"] == ["demo", "demo-corpus", "docs-corpus", "run"]
     assert names["train"] == ["context-vae", "finetune", "finetune-background", "run"]
-    assert names["eval"] == sorted(["knowledge", "sweep", "retention", "tasks", "memories", "realtext", "longctx",
-                                    "context-bank", "continual", "adapters"])
-    assert {"plan", "init", "info", "verify", "fetch", "block", "calibrate", "simulate-fetch"} <= set(names["memstore"])
+    assert names["eval"] == sorted(
+        [
+            "knowledge",
+            "sweep",
+            "retention",
+            "tasks",
+            "memories",
+            "realtext",
+            "longctx",
+            "context-bank",
+            "continual",
+            "adapters",
+        ]
+    )
+    assert {
+        "plan",
+        "init",
+        "info",
+        "verify",
+        "fetch",
+        "block",
+        "calibrate",
+        "simulate-fetch",
+    } <= set(names["memstore"])
     # a verb alone prints its subcommands (exit 2: nothing ran)
     assert main(["eval"]) == 2 and "knowledge" in capsys.readouterr().out
-    eps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]["memtree.commands"]
+    eps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"][
+        "memtree.commands"
+    ]
     assert sorted(f"{v.split(':')[0]}" for v in eps.values()) == sorted(_FALLBACK)
 
 

@@ -5,7 +5,9 @@ from memtree.pipeline.config import PipelineConfig
 
 
 def test_defaults_and_overrides():
-    cfg = load_config(PipelineConfig, {"out": "x"}, ["tree.levels=3", "ingest.inputs=[a.jsonl,b.parquet]"])
+    cfg = load_config(
+        PipelineConfig, {"out": "x"}, ["tree.levels=3", "ingest.inputs=[a.jsonl,b.parquet]"]
+    )
     assert cfg.tree.levels == 3 and cfg.tree.branching == 16
     assert cfg.ingest.inputs == ["a.jsonl", "b.parquet"]
     assert to_dict(cfg)["tree"]["levels"] == 3

@@ -26,8 +26,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def cfg(**kw) -> ContextBankConfig:
-    base = {"dim": 2, "n_latent": 1, "capacity": 4, "n_clusters": 2, "top_k": 1,
-            "merge_importance_weight": 0.0, "merge_age_weight": 0.0}
+    base = {
+        "dim": 2,
+        "n_latent": 1,
+        "capacity": 4,
+        "n_clusters": 2,
+        "top_k": 1,
+        "merge_importance_weight": 0.0,
+        "merge_age_weight": 0.0,
+    }
     base.update(kw)
     return ContextBankConfig(**base)
 
@@ -41,9 +48,19 @@ def filled(bank: ContextBank, pts) -> list[int]:
 
 
 # -- config ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("field,value", [("dim", 0), ("n_latent", -1), ("capacity", 1),
-                                         ("n_clusters", 0), ("merge_age_weight", -1.0),
-                                         ("merge_rule", "max"), ("top_k", 3), ("merge_scope", "tree")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("dim", 0),
+        ("n_latent", -1),
+        ("capacity", 1),
+        ("n_clusters", 0),
+        ("merge_age_weight", -1.0),
+        ("merge_rule", "max"),
+        ("top_k", 3),
+        ("merge_scope", "tree"),
+    ],
+)
 def test_config_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         cfg(**{field: value})
@@ -62,8 +79,15 @@ def test_append_checks_shape():
 def test_capacity_never_exceeded(seed):
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    c = ContextBankConfig(dim=4, n_latent=3, capacity=rng.randint(2, 9), n_clusters=3, top_k=2,
-                          merge_rule=rng.choice(["sum", "mean"]), recluster_every=rng.choice([0, 7]))
+    c = ContextBankConfig(
+        dim=4,
+        n_latent=3,
+        capacity=rng.randint(2, 9),
+        n_clusters=3,
+        top_k=2,
+        merge_rule=rng.choice(["sum", "mean"]),
+        recluster_every=rng.choice([0, 7]),
+    )
     bank = ContextBank(c)
     last = -1
     for _ in range(120):
@@ -73,7 +97,9 @@ def test_capacity_never_exceeded(seed):
         assert len(bank) <= c.capacity
         if rng.random() < 0.3:
             ids = list(bank.meta)
-            bank.record_attention(rng.sample(ids, k=min(2, len(ids))), [rng.random()] * min(2, len(ids)))
+            bank.record_attention(
+                rng.sample(ids, k=min(2, len(ids))), [rng.random()] * min(2, len(ids))
+            )
         if rng.random() < 0.05 and len(bank) > 2:
             bank.delete([rng.choice(list(bank.meta))])
         # cluster bookkeeping stays consistent with the entries
@@ -153,7 +179,9 @@ def test_cluster_scope_merges_the_closest_pair_inside_a_cluster():
     exact = ContextBank(cfg())
     ids = filled(exact, pts)
     exact.append(tok(20, 20), session="t")
-    assert exact.log[-1]["ids"] == [ids[2], ids[3]] and exact.log[-1]["distance"] == pytest.approx(6.25)
+    assert exact.log[-1]["ids"] == [ids[2], ids[3]] and exact.log[-1]["distance"] == pytest.approx(
+        6.25
+    )
     scoped = ContextBank(cfg(merge_scope="cluster"))
     ids = filled(scoped, pts)
     assert [scoped.meta[i].cluster for i in ids] == [0, 1, 0, 1]
@@ -176,8 +204,16 @@ def test_cluster_scope_cache_gives_the_uncached_choice(seed):
     merge, through deletions, blocking, importance, ageing and re-clustering."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    c = ContextBankConfig(dim=3, n_latent=2, capacity=12, n_clusters=3, merge_scope="cluster",
-                          merge_importance_weight=0.5, merge_age_weight=0.2, recluster_every=9)
+    c = ContextBankConfig(
+        dim=3,
+        n_latent=2,
+        capacity=12,
+        n_clusters=3,
+        merge_scope="cluster",
+        merge_importance_weight=0.5,
+        merge_age_weight=0.2,
+        recluster_every=9,
+    )
     bank = ContextBank(c)
     for _ in range(80):
         if len(bank) >= c.capacity:
@@ -195,7 +231,9 @@ def test_cluster_scope_cache_gives_the_uncached_choice(seed):
             bank.delete([rng.choice(list(bank.meta))])
         if rng.random() < 0.05 and len(bank) > 3:
             bank.block([rng.choice(list(bank.meta))])
-    assert bank.stats["merges"] > 10 and all(r["scope"] == "cluster" for r in bank.log if r["action"] == "merge")
+    assert bank.stats["merges"] > 10 and all(
+        r["scope"] == "cluster" for r in bank.log if r["action"] == "merge"
+    )
 
 
 # -- retrieval --------------------------------------------------------------------------------
@@ -245,26 +283,40 @@ def test_blocked_and_deleted_never_returned(tmp_path):
     assert bank.stats["blocked_refused"] == 2
     # block / delete were appended to the log at once (the bank is bound to its directory)
     log = ContextBank.audit_log(tmp_path / "cb")
-    assert [(r["action"], r["ids"], r["reason"]) for r in log] == \
-        [("block", [ids[0]], "user asked"), ("delete", [ids[1]], "gdpr")]
+    assert [(r["action"], r["ids"], r["reason"]) for r in log] == [
+        ("block", [ids[0]], "user asked"),
+        ("delete", [ids[1]], "gdpr"),
+    ]
     bank.unblock([ids[0]])
     assert sorted(bank.retrieve(torch.tensor([1.0, 0.0])).ids.tolist()) == [ids[0], ids[2]]
     bank.save(tmp_path / "cb")
     back = ContextBank.open(tmp_path / "cb")
     assert ids[1] not in back.meta and back.stats == bank.stats
-    assert [r["action"] for r in ContextBank.audit_log(tmp_path / "cb")] == \
-        ["block", "delete", "unblock"]
+    assert [r["action"] for r in ContextBank.audit_log(tmp_path / "cb")] == [
+        "block",
+        "delete",
+        "unblock",
+    ]
 
 
 # -- persistence ------------------------------------------------------------------------------
 def _random_bank(seed: int = 0, n: int = 9) -> ContextBank:
     torch.manual_seed(seed)
-    bank = ContextBank(ContextBankConfig(dim=5, n_latent=3, capacity=6, n_clusters=3, top_k=2,
-                                         merge_importance_weight=0.5, merge_age_weight=0.2))
+    bank = ContextBank(
+        ContextBankConfig(
+            dim=5,
+            n_latent=3,
+            capacity=6,
+            n_clusters=3,
+            top_k=2,
+            merge_importance_weight=0.5,
+            merge_age_weight=0.2,
+        )
+    )
     for k in range(n):
         bank.append(torch.randn(3, 5), session=f"s{k % 2}")
         ids = list(bank.meta)[:2]
-        bank.record_attention(ids, [0.25, 0.125][:len(ids)])
+        bank.record_attention(ids, [0.25, 0.125][: len(ids)])
     bank.block([list(bank.meta)[-1]])
     return bank
 

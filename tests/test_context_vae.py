@@ -42,7 +42,9 @@ def model() -> AnchorLM:
 def _vae(model: AnchorLM, cfg: ContextVAEConfig = CFG) -> ContextVAE:
     torch.manual_seed(1)
     a = model.config.anchor
-    return ContextVAE(cfg, d_model=a.d_model, n_layers=a.n_layers, max_seq_len=model.config.max_seq_len)
+    return ContextVAE(
+        cfg, d_model=a.d_model, n_layers=a.n_layers, max_seq_len=model.config.max_seq_len
+    )
 
 
 def test_segments_split_each_chunk_into_n_contiguous_runs_by_hand():
@@ -58,7 +60,9 @@ def test_segments_split_each_chunk_into_n_contiguous_runs_by_hand():
 def test_config_errors_name_the_field_and_the_models_value(model):
     with pytest.raises(ValueError, match="ratio=20 exceeds chunk_tokens=12"):
         ContextVAEConfig(chunk_tokens=12, ratio=20)
-    with pytest.raises(ConfigError, match=r"reader_layers \[5\] out of range: the anchor has n_layers=2"):
+    with pytest.raises(
+        ConfigError, match=r"reader_layers \[5\] out of range: the anchor has n_layers=2"
+    ):
         _vae(model, ContextVAEConfig(chunk_tokens=12, ratio=4, reader_layers=(5,)))
     with pytest.raises(ConfigError, match="reader_heads=3 does not divide the anchor's d_model=32"):
         _vae(model, ContextVAEConfig(chunk_tokens=12, ratio=4, reader_heads=3))
@@ -68,7 +72,9 @@ def test_config_errors_name_the_field_and_the_models_value(model):
 
 
 def test_hidden_pair_is_the_normalised_first_block_and_final_norm_outputs(model):
-    ids = torch.randint(0, TINY_GQA_ANCHOR.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, TINY_GQA_ANCHOR.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0)
+    )
     h = hidden_pair(model, ids, "block")
     with torch.no_grad():
         x = model.embed(ids)
@@ -82,7 +88,9 @@ def test_hidden_pair_is_the_normalised_first_block_and_final_norm_outputs(model)
     assert h.shape == (2, 7, 64)
     torch.testing.assert_close(h, torch.cat([ln(first, (32,)), ln(last, (32,))], -1))
     # the default first-layer states are the embedding layer's output (the tokens' raw content)
-    torch.testing.assert_close(hidden_pair(model, ids), torch.cat([ln(x, (32,)), ln(last, (32,))], -1))
+    torch.testing.assert_close(
+        hidden_pair(model, ids), torch.cat([ln(x, (32,)), ln(last, (32,))], -1)
+    )
     with pytest.raises(ValueError, match="first must be"):
         hidden_pair(model, ids, "middle")
 
@@ -104,7 +112,9 @@ def test_compressor_latents_do_not_depend_on_padding_or_batch_mates(model):
 
 def test_reader_is_an_exact_no_op_at_init_and_reads_once_trained(model):
     vae = _vae(model)
-    ids = torch.randint(0, TINY_GQA_ANCHOR.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, TINY_GQA_ANCHOR.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1)
+    )
     mem = torch.randn(2, 5, 64)
     mask = torch.tensor([[True] * 5, [True, True, False, False, False]])
     with torch.no_grad():
@@ -114,13 +124,17 @@ def test_reader_is_an_exact_no_op_at_init_and_reads_once_trained(model):
     assert torch.equal(base, read)  # W_O = 0
     assert st.weights.shape == (2, 5) and torch.all(st.weights[1, 2:] == 0)
     # per reader layer, each query's weights sum to 1 over the real tokens: mean over layers too
-    torch.testing.assert_close(st.weights.sum(1), torch.full((2,), float(len(vae.reader.layer_ids))))
+    torch.testing.assert_close(
+        st.weights.sum(1), torch.full((2,), float(len(vae.reader.layer_ids)))
+    )
     with torch.no_grad():
         for layer in vae.reader.layers.values():
             layer.o.weight.normal_(0, 0.5)
         with reading(model, vae, mem, mask):
             changed = model(ids)
-        with reading(model, vae, mem, torch.zeros_like(mask)):  # nothing retrieved: the anchor's logits
+        with reading(
+            model, vae, mem, torch.zeros_like(mask)
+        ):  # nothing retrieved: the anchor's logits
             empty = model(ids)
     assert not torch.allclose(changed, base)
     torch.testing.assert_close(empty, base)
@@ -129,11 +143,18 @@ def test_reader_is_an_exact_no_op_at_init_and_reads_once_trained(model):
 
 
 def test_reader_reads_after_chosen_blocks_or_after_the_final_norm(model):
-    ids = torch.randint(0, TINY_GQA_ANCHOR.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(
+        0, TINY_GQA_ANCHOR.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2)
+    )
     mem, mask = torch.randn(1, 3, 64), torch.ones(1, 3, dtype=torch.bool)
     seen = []
     for layers, want in (((-1,), (2,)), ((0, 2), (0, 2)), ((-3,), (0,))):
-        vae = _vae(model, ContextVAEConfig(chunk_tokens=12, ratio=4, hidden=16, reader_heads=2, reader_layers=layers))
+        vae = _vae(
+            model,
+            ContextVAEConfig(
+                chunk_tokens=12, ratio=4, hidden=16, reader_heads=2, reader_layers=layers
+            ),
+        )
         assert vae.reader.layer_ids == want
         with torch.no_grad():
             for layer in vae.reader.layers.values():
@@ -159,14 +180,26 @@ def test_reader_reads_after_chosen_blocks_or_after_the_final_norm(model):
 def test_losses_reach_only_the_compressor_and_reader(model):
     from memtree.training.context.train import ContextVAEModel, collate
 
-    vae = _vae(model, ContextVAEConfig(chunk_tokens=12, ratio=4, hidden=16, reader_heads=2, retrieval_weight=0.5))
+    vae = _vae(
+        model,
+        ContextVAEConfig(chunk_tokens=12, ratio=4, hidden=16, reader_heads=2, retrieval_weight=0.5),
+    )
     for layer in vae.reader.layers.values():  # past init, so W_Q/W_K/W_V get gradient too
         torch.nn.init.normal_(layer.o.weight, std=0.1)
     m = ContextVAEModel(model, vae)
     m.train()
     assert not model.training  # the frozen anchor stays in eval mode
-    ex = [{"prompt": list(range(3, 3 + n)), "query": [5, 6, 7], "target": [5, 6, 7, 9, 10], "n_answer": 2,
-           "doc": d, "answer_pos": pos} for n, d, pos in ((12, "a", 6), (7, "b", -1), (9, "a", 0))]
+    ex = [
+        {
+            "prompt": list(range(3, 3 + n)),
+            "query": [5, 6, 7],
+            "target": [5, 6, 7, 9, 10],
+            "n_answer": 2,
+            "doc": d,
+            "answer_pos": pos,
+        }
+        for n, d, pos in ((12, "a", 6), (7, "b", -1), (9, "a", 0))
+    ]
     batch = collate(ex, pad_id=0)
     assert batch["answer_mask"][1].tolist() == [False, False, False, True, True]
     assert batch["doc"].tolist() == [0, 1, 0] and batch["answer_pos"].tolist() == [6, -1, 0]
@@ -181,11 +214,13 @@ def test_losses_reach_only_the_compressor_and_reader(model):
     m.train()
     losses["total"].backward()
     assert all(p.grad is None for p in model.parameters())
-    assert all(p.grad is not None for n, p in vae.named_parameters() if not n.endswith("seg_emb.weight")), \
-        [n for n, p in vae.named_parameters() if p.grad is None]
+    assert all(
+        p.grad is not None for n, p in vae.named_parameters() if not n.endswith("seg_emb.weight")
+    ), [n for n, p in vae.named_parameters() if p.grad is None]
 
 
 # -- recall pairs and the end-to-end experiment -------------------------------------------------
+
 
 def test_recall_pairs_find_every_statement_the_corpus_plan_makes():
     from memtree.pipeline.corpus.bios import (
@@ -202,8 +237,13 @@ def test_recall_pairs_find_every_statement_the_corpus_plan_makes():
     # every statement of a fact the plan counts (own documents and passing mentions) is one pair
     assert len(pairs) == sum(f["mentions"] for f in facts)
     for p in pairs[:200]:
-        assert canonical_clause(p["label"], p["reference"], p["answer"]).lower() in p["prompt"].lower()
-        assert p["question"] == f"The {p['label']} of {p['reference']} is" and p["answer"] in p["values"]
+        assert (
+            canonical_clause(p["label"], p["reference"], p["answer"]).lower() in p["prompt"].lower()
+        )
+        assert (
+            p["question"] == f"The {p['label']} of {p['reference']} is"
+            and p["answer"] in p["values"]
+        )
 
 
 def _pretrain(anchor: AnchorLM, tok, texts: list[str], steps: int) -> None:
@@ -225,7 +265,9 @@ def _pretrain(anchor: AnchorLM, tok, texts: list[str], steps: int) -> None:
     anchor.eval()
 
 
-def _tiny_bios_run(root: Path, *, entities: int = 2, vocab_size: int = 400, pretrain_steps: int = 0) -> Path:
+def _tiny_bios_run(
+    root: Path, *, entities: int = 2, vocab_size: int = 400, pretrain_steps: int = 0
+) -> Path:
     """A bios demo layout (corpus, facts, train/anchor with a byte-level BPE tokenizer) around a
     2-layer anchor (d_model 32). By default untrained, 400 tokens: enough for the experiment's
     plumbing, not for its accuracy. For recall to show, both had to change (measured with the
@@ -254,23 +296,52 @@ def _tiny_bios_run(root: Path, *, entities: int = 2, vocab_size: int = 400, pret
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     texts = [json.loads(line)["text"] for line in (root / "corpus.jsonl").read_text().splitlines()]
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                       show_progress=False))
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     tok.save(str(shards / "tokenizer.json"))
-    atomic_write_json(shards / "manifest.json", {"format": "memtree-shards", "version": 1,
-                                                 "tokenizer": "tokenizer.json", "eot_id": 0, "branching": 2,
-                                                 "levels": 1, "seq_len": 256, "tree_id": "t", "streams": []})
+    atomic_write_json(
+        shards / "manifest.json",
+        {
+            "format": "memtree-shards",
+            "version": 1,
+            "tokenizer": "tokenizer.json",
+            "eot_id": 0,
+            "branching": 2,
+            "levels": 1,
+            "seq_len": 256,
+            "tree_id": "t",
+            "streams": [],
+        },
+    )
     run = root / "train" / "anchor"
-    cfg = load_train_config(None, [f"data.shards={shards}", f"save_folder={run}", "mode=baseline",
-                                   "model.shape={n_layers: 2, d_model: 32, n_heads: 2, head_dim: 16, ffn_dim: 64}"])
+    cfg = load_train_config(
+        None,
+        [
+            f"data.shards={shards}",
+            f"save_folder={run}",
+            "mode=baseline",
+            "model.shape={n_layers: 2, d_model: 32, n_heads: 2, head_dim: 16, ffn_dim: 64}",
+        ],
+    )
     torch.manual_seed(0)
     anchor = build_model(cfg)[0].model
     if pretrain_steps:
         _pretrain(anchor, tok, texts, pretrain_steps)
     run.mkdir(parents=True)
-    atomic_write_json(run / "memtree_config.json", {"fingerprint": cfg.fingerprint(), "config": to_dict(cfg)})
-    save_file({k: v.clone().contiguous() for k, v in anchor.state_dict().items()}, str(run / "anchor.safetensors"))
+    atomic_write_json(
+        run / "memtree_config.json", {"fingerprint": cfg.fingerprint(), "config": to_dict(cfg)}
+    )
+    save_file(
+        {k: v.clone().contiguous() for k, v in anchor.state_dict().items()},
+        str(run / "anchor.safetensors"),
+    )
     return root
 
 
@@ -287,10 +358,31 @@ def test_eval_context_bank_end_to_end_on_a_tiny_bios_run(tmp_path, capsys):
     # not to pick the right entry among others (reading the batch's 15 others too, measured: own
     # entry 25.4 % after 600 steps, 24.1 % after 900): this test holds what the bank's entries
     # carry, not retrieval. hidden left at 2·d_model: the compressor's identity init needs it.
-    argv = ["eval", "context-bank", str(root), f"out={out}", "n_entities=96", "sessions=2", "capacities=[1.0,0.5]",
-            "n_clusters=4", "train_worlds=3", "--train", "max_duration=600ba", "--train", "data.batch_size=16",
-            "--train", "vae.chunk_tokens=64", "--train", "vae.ratio=4", "--train", "vae.reader_heads=2",
-            "--train", "vae.distractors=0", "--train", "lr=0.01"]
+    argv = [
+        "eval",
+        "context-bank",
+        str(root),
+        f"out={out}",
+        "n_entities=96",
+        "sessions=2",
+        "capacities=[1.0,0.5]",
+        "n_clusters=4",
+        "train_worlds=3",
+        "--train",
+        "max_duration=600ba",
+        "--train",
+        "data.batch_size=16",
+        "--train",
+        "vae.chunk_tokens=64",
+        "--train",
+        "vae.ratio=4",
+        "--train",
+        "vae.reader_heads=2",
+        "--train",
+        "vae.distractors=0",
+        "--train",
+        "lr=0.01",
+    ]
     assert main(argv) == 0
     data = json.loads((out / "results.json").read_text())
     s = data["settings"]
@@ -301,7 +393,9 @@ def test_eval_context_bank_end_to_end_on_a_tiny_bios_run(tmp_path, capsys):
     half = s["capacity_0.5"]
     assert half["capacity"] == round(n / 2) and half["entries_held"] == half["capacity"]
     assert half["merges"] == n - half["capacity"]
-    merges = [r for r in ContextBank.audit_log(out / "banks" / "capacity_0.5") if r["action"] == "merge"]
+    merges = [
+        r for r in ContextBank.audit_log(out / "banks" / "capacity_0.5") if r["action"] == "merge"
+    ]
     assert len(merges) == half["merges"]
     # the no-bank setting is the plain anchor: its per-session rows add up to all probes
     assert sum(b["n"] for b in s["no_bank"]["by_session"]) == data["n_probes"]
@@ -316,23 +410,30 @@ def test_eval_context_bank_end_to_end_on_a_tiny_bios_run(tmp_path, capsys):
     # < 0.3 %), and the measured own entry clears it by 3.5 SE (the gap to no bank: 5.6 SE), room
     # for another host's rounding of the 600 training steps.
     acc = {k: r["accuracy"] for k, r in s.items()}
-    assert acc["own_entry"] >= max(acc["no_bank"], 0.25) + 0.10, \
+    assert acc["own_entry"] >= max(acc["no_bank"], 0.25) + 0.10, (
         f"own entry {acc['own_entry']:.3f}, no bank {acc['no_bank']:.3f}, chance 0.25"
+    )
     assert (out / "report.md").exists() and (out / "recall.png").stat().st_size > 0
     train = json.loads((out / "vae" / "context_vae.json").read_text())
     assert train["format"] == "memtree-context-vae" and train["metrics"]["steps"] == 600
     # no training pair is about an entity of the evaluation or of the run's corpus
     pairs = {json.loads(line)["entity"] for line in (out / "pairs.jsonl").read_text().splitlines()}
-    corpus = {json.loads(line)["entity"] for line in (root / "facts.jsonl").read_text().splitlines()}
+    corpus = {
+        json.loads(line)["entity"] for line in (root / "facts.jsonl").read_text().splitlines()
+    }
     assert pairs and not pairs & corpus
     # a bank written by this compressor refuses to open for another writer, naming the field
-    cfg = ContextBankConfig(dim=64, n_latent=16, capacity=half["capacity"], n_clusters=4, writer="someone-else")
+    cfg = ContextBankConfig(
+        dim=64, n_latent=16, capacity=half["capacity"], n_clusters=4, writer="someone-else"
+    )
     with pytest.raises(ValueError, match="writer="):
         ContextBank.open(out / "banks" / "capacity_0.5", config=cfg)
     assert writer_id(out / "vae").startswith("memtree-context-vae:")
     # the compressor refuses an anchor of another shape, naming the field
     other = AnchorLM(ModelConfig(anchor=TINY_GQA_ANCHOR, max_seq_len=64))
-    with pytest.raises(ValueError, match=r"anchor with vocab_size=\d+, this anchor has vocab_size=61"):
+    with pytest.raises(
+        ValueError, match=r"anchor with vocab_size=\d+, this anchor has vocab_size=61"
+    ):
         load_vae(out / "vae", other)
     model = load_run(root / "train" / "anchor")[0].model
     vae = load_vae(out / "vae", model, anchor_folder=root / "train" / "anchor")
@@ -349,11 +450,24 @@ def test_eval_context_bank_end_to_end_on_a_tiny_bios_run(tmp_path, capsys):
 def test_train_context_vae_cli_rejects_unknown_keys_and_missing_pairs(tmp_path, capsys):
     from memtree.cli import main
 
-    assert main(["train", "context-vae", "anchor=x", "save_folder=y", "data.pairs=z", "vae.bogus=1"]) != 0
+    assert (
+        main(["train", "context-vae", "anchor=x", "save_folder=y", "data.pairs=z", "vae.bogus=1"])
+        != 0
+    )
     assert "vae.bogus" in capsys.readouterr().err
     root = _tiny_bios_run(tmp_path / "demo")
-    assert main(["train", "context-vae", f"anchor={root / 'train' / 'anchor'}", f"save_folder={tmp_path / 'v'}",
-                 f"data.pairs={tmp_path / 'none.jsonl'}"]) != 0
+    assert (
+        main(
+            [
+                "train",
+                "context-vae",
+                f"anchor={root / 'train' / 'anchor'}",
+                f"save_folder={tmp_path / 'v'}",
+                f"data.pairs={tmp_path / 'none.jsonl'}",
+            ]
+        )
+        != 0
+    )
     assert "data.pairs" in capsys.readouterr().err
     ids, lengths = pad([[1, 2], [3]], 0)
     assert ids.tolist() == [[1, 2], [3, 0]] and lengths.tolist() == [2, 1]

@@ -22,9 +22,17 @@ SPEC = CorpusSpec(n_docs=1200, seed=3, long_doc_fraction=0.01)  # the corpus of 
 
 @pytest.fixture(scope="module")
 def run(pipeline_run, tmp_path_factory):
-    return RunModel.load(train_tiny_run(pipeline_run[0] / "shards", tmp_path_factory.mktemp("evalrun") / "run",
-                            "data.batch_size=4", "max_duration=6ba", "memory.multipliers=[16,8]", "memory.lr=3e-2",
-                            "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}"))
+    return RunModel.load(
+        train_tiny_run(
+            pipeline_run[0] / "shards",
+            tmp_path_factory.mktemp("evalrun") / "run",
+            "data.batch_size=4",
+            "max_duration=6ba",
+            "memory.multipliers=[16,8]",
+            "memory.lr=3e-2",
+            "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}",
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +97,12 @@ def test_fetched_retrieval_is_the_traversal_of_the_question_text(run, probes):
 
 def test_retrieval_uses_the_training_path_for_identical_text(run, pipeline_run):
     out = pipeline_run[0]  # window part 0 and assign part 0 list the same windows in the same order
-    texts = pq.read_table(out / "window" / "part-00000.parquet", columns=["text"])["text"].to_pylist()[:12]
-    want = pq.read_table(out / "assign" / "part-00000.parquet", columns=["path"])["path"].to_pylist()[:12]
+    texts = pq.read_table(out / "window" / "part-00000.parquet", columns=["text"])[
+        "text"
+    ].to_pylist()[:12]
+    want = pq.read_table(out / "assign" / "part-00000.parquet", columns=["path"])[
+        "path"
+    ].to_pylist()[:12]
     assert run.route(texts).tolist() == want
 
 
@@ -107,7 +119,9 @@ def test_multiple_choice_and_perplexity_match_direct_computation(run, probes):
             ids = torch.tensor([ctx + cont])
             with torch.no_grad():
                 lp = F.log_softmax(run.model(ids, memories=mems)[0, :-1].float(), -1)
-            scores.append(float(lp[torch.arange(len(ctx) - 1, ids.shape[1] - 1), ids[0, len(ctx):]].sum()))
+            scores.append(
+                float(lp[torch.arange(len(ctx) - 1, ids.shape[1] - 1), ids[0, len(ctx) :]].sum())
+            )
         assert res["predictions"][i] == int(np.argmax(scores))
     docs = [{"text": "the star is bright and the telescope is old"}]
     ids = torch.tensor([run.encode(docs[0]["text"])])
@@ -123,7 +137,9 @@ def test_choice_scores_in_one_row_equal_the_separate_sequences(run, probes):
     one-token choice), and pack=False computes the same."""
     items = probes[:7]
     paths = run.route([p["context"] for p in items])
-    batch = [(run.encode(it["context"]), [run.encode(" " + ch) for ch in it["choices"]]) for it in items]
+    batch = [
+        (run.encode(it["context"]), [run.encode(" " + ch) for ch in it["choices"]]) for it in items
+    ]
     batch[0] = (batch[0][0][:1], batch[0][1])
     batch[1] = (batch[1][0], [batch[1][1][0][:1], *batch[1][1][1:]])
     assert max(len(c) for _, choices in batch for c in choices) > 2
@@ -136,7 +152,9 @@ def test_choice_scores_in_one_row_equal_the_separate_sequences(run, probes):
                 ids = torch.tensor([prefix + c])
                 with torch.no_grad():
                     lp = F.log_softmax(run.model(ids, memories=mems)[0, :-1].float(), -1)
-                direct = float(lp[torch.arange(len(prefix) - 1, ids.shape[1] - 1), ids[0, len(prefix):]].sum())
+                direct = float(
+                    lp[torch.arange(len(prefix) - 1, ids.shape[1] - 1), ids[0, len(prefix) :]].sum()
+                )
                 assert packed[i][k] == pytest.approx(direct, abs=1e-4), (mode, i, k)
                 assert apart[i][k] == pytest.approx(direct, abs=1e-4), (mode, i, k)
 
@@ -151,16 +169,21 @@ def test_greedy_decoding_matches_the_argmax_of_full_forwards(run, probes):
     for _ in range(6):
         with torch.no_grad():
             out.append(int(run.model(torch.tensor([out]), memories=mems)[0, -1].argmax()))
-    assert got == out[len(prompt):]
-    assert run.greedy(prompt, max_new_tokens=6, paths=paths, mode="fetched", stop=got[2]) == got[:got.index(got[2])]
+    assert got == out[len(prompt) :]
+    assert (
+        run.greedy(prompt, max_new_tokens=6, paths=paths, mode="fetched", stop=got[2])
+        == got[: got.index(got[2])]
+    )
 
 
 def test_extraction_and_few_shot_routing():
     assert extract_integer("it is 5,812 kelvin") == "5812"
     assert extract_integer("no digits") is None
     assert extract_integer("-40 degrees") == "-40"
-    items = few_shot([{"context": "Q2", "choices": ["a", "b"], "gold": 1}],
-                     [{"context": "Q1", "choices": ["x", "y"], "gold": 0}])
+    items = few_shot(
+        [{"context": "Q2", "choices": ["a", "b"], "gold": 1}],
+        [{"context": "Q1", "choices": ["x", "y"], "gold": 0}],
+    )
     assert items[0]["context"] == "Q1 x\nQ2" and items[0]["query"] == "Q2"  # retrieval sees only Q2
 
 
@@ -175,8 +198,12 @@ def test_memory_settings_and_report(run, probes, tmp_path):
     domains = sorted({p["domain"] for p in probes})
     b = blocking_eval(run, probes, target_domains=domains[:1])
     adv = b["settings"]["adversarial"]
-    assert adv["bank_fraction_blocked"] == pytest.approx(1 / 8)  # one level-1 subtree of a branching-8 bank
-    assert adv["other_predictions_changed"] == 0  # probes routed elsewhere never see the blocked part
+    assert adv["bank_fraction_blocked"] == pytest.approx(
+        1 / 8
+    )  # one level-1 subtree of a branching-8 bank
+    assert (
+        adv["other_predictions_changed"] == 0
+    )  # probes routed elsewhere never see the blocked part
     files = write_report(tmp_path / "report", knowledge=k, blocking=b, meta={"run": "test"})
     for key in ("json", "markdown", "accuracy_vs_frequency_png", "blocking_png"):
         assert (tmp_path / "report").joinpath(files[key].rsplit("/", 1)[-1]).stat().st_size > 0
@@ -189,11 +216,18 @@ def test_memory_settings_and_report(run, probes, tmp_path):
 @pytest.fixture(scope="module")
 def learned(pipeline_run, tmp_path_factory):
     """A run whose memories have learned something: 40 batches, the bank at a high LR (~5 s)."""
-    return RunModel.load(train_tiny_run(pipeline_run[0] / "shards", tmp_path_factory.mktemp("evalrun") / "learned",
-                                        "data.batch_size=4", "max_duration=40ba", "memory.multipliers=[16,8]",
-                                        "optim.lr=1e-2", "memory.lr=3e-1",
-                                        "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, "
-                                        "ffn_dim: 256}"))
+    return RunModel.load(
+        train_tiny_run(
+            pipeline_run[0] / "shards",
+            tmp_path_factory.mktemp("evalrun") / "learned",
+            "data.batch_size=4",
+            "max_duration=40ba",
+            "memory.multipliers=[16,8]",
+            "optim.lr=1e-2",
+            "memory.lr=3e-1",
+            "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}",
+        )
+    )
 
 
 def test_fetched_blocks_beat_the_generic_block_and_the_anchor_alone_on_the_facts(learned):
@@ -208,7 +242,10 @@ def test_fetched_blocks_beat_the_generic_block_and_the_anchor_alone_on_the_facts
     seen = [p for p in build_probes(entity_facts(SPEC), seed=0) if p["mentions"] >= 4][:200]
     docs = [{"text": f"{p['context']} {p['choices'][p['gold']]}."} for p in seen]
     paths = learned.route([d["text"] for d in docs])
-    nll = {m: perplexity(learned, docs, mode=m, paths=paths)["nll"] for m in ("none", "generic", "fetched")}
+    nll = {
+        m: perplexity(learned, docs, mode=m, paths=paths)["nll"]
+        for m in ("none", "generic", "fetched")
+    }
     shuffled = paths[np.random.default_rng(0).permutation(len(paths))]
     nll["shuffled"] = perplexity(learned, docs, mode="fetched", paths=shuffled)["nll"]
     assert nll["fetched"] < nll["generic"] and nll["fetched"] < nll["none"] - 0.05, nll
@@ -219,6 +256,7 @@ def test_blocking_changes_scores_only_under_the_blocked_subtree(run, probes):
     paths = run.route([p["context"] for p in probes])
     seqs = [run.encode(p["context"] + " " + p["choices"][0]) for p in probes]
     before = run.logprobs(seqs, paths=paths, mode="fetched")
+
     def trained(c: int) -> bool:  # a block the short run updated (W3 left its zero init)
         w3 = run.store.codec(1).unflatten(run.store.fetch_flat(1, c))["layers.0.w3"]
         return bool(w3.abs().sum() > 0)
@@ -242,8 +280,24 @@ def test_eval_cli_writes_the_report(run, tmp_path):
     assert write_facts_jsonl(facts, SPEC) == len(entity_facts(SPEC))
     out = tmp_path / "report"
     folder = run.store.root.parent
-    assert main(["eval", "knowledge", str(folder), "--facts", str(facts), "--max-probes", "16", "--block-domains",
-                 "astronomy,cooking", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "knowledge",
+                str(folder),
+                "--facts",
+                str(facts),
+                "--max-probes",
+                "16",
+                "--block-domains",
+                "astronomy,cooking",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads((out / "results.json").read_text())
     assert data["knowledge"]["n_probes"] == 16
     assert (out / "accuracy_vs_frequency.png").stat().st_size > 0
@@ -254,12 +308,32 @@ def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path, capsys):
     from memtree.cli import main
 
     root = tmp_path / "demo"
-    argv = ["demo", "--root", str(root), "--corpus", "entities_per_subtopic=2", "--corpus", "head_docs=3",
-            "--anchor-duration", "2ba", "--cotrain-duration", "1ep", "--max-probes", "48",
-            "--train", "memory.multipliers=[0,8]", "--train", "data.batch_size=4",
-            "--train", "model.shape={n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}",
-            "tree.levels=2", "tree.branching=4", "window.vocab_size=1000", "window.train_sample_docs=300",
-            "progress=false"]
+    argv = [
+        "demo",
+        "--root",
+        str(root),
+        "--corpus",
+        "entities_per_subtopic=2",
+        "--corpus",
+        "head_docs=3",
+        "--anchor-duration",
+        "2ba",
+        "--cotrain-duration",
+        "1ep",
+        "--max-probes",
+        "48",
+        "--train",
+        "memory.multipliers=[0,8]",
+        "--train",
+        "data.batch_size=4",
+        "--train",
+        "model.shape={n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}",
+        "tree.levels=2",
+        "tree.branching=4",
+        "window.vocab_size=1000",
+        "window.train_sample_docs=300",
+        "progress=false",
+    ]
     assert main(argv) == 0
     data = json.loads((root / "report" / "results.json").read_text())
     assert set(data["knowledge"]["modes"]) == {"none", "generic", "fetched", "rag", "rag+fetched"}
@@ -280,9 +354,19 @@ def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path, capsys):
     assert [r["name"].split()[0] for r in owners] == ["entity", "subtopic"]
     corpus = [json.loads(line) for line in (root / "corpus.jsonl").read_text().splitlines()]
     for r, field in zip(owners, ("entity", "topic"), strict=True):
-        ids = (root / "report" / f"forget-{field.replace('topic', 'subtopic')}-{r['owner_values'][0]}.txt")
-        assert set(ids.read_text().split()) == {c["id"] for c in corpus if c[field] == r["owner_values"][0]}
-        assert r["fallback"] == "generic" and r["bank_fraction"] > 0 and r["held_out"]["owner"]["pages"] >= 0
+        ids = (
+            root
+            / "report"
+            / f"forget-{field.replace('topic', 'subtopic')}-{r['owner_values'][0]}.txt"
+        )
+        assert set(ids.read_text().split()) == {
+            c["id"] for c in corpus if c[field] == r["owner_values"][0]
+        }
+        assert (
+            r["fallback"] == "generic"
+            and r["bank_fraction"] > 0
+            and r["held_out"]["owner"]["pages"] >= 0
+        )
         assert r["random"]["bank_fraction"] == pytest.approx(r["bank_fraction"])
     report = (root / "report" / "report.md").read_text()
     assert "## Forgetting by data owner" in report and (root / "report" / "forgetting.png").exists()
@@ -290,7 +374,9 @@ def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path, capsys):
     assert (root / "report" / "accuracy_vs_frequency.png").exists()
     assert (root / "train" / "cotrain" / "bank" / "manifest.json").exists()
     # a rerun resumes: nothing is trained again, the corpus is not rewritten
-    trained = lambda: {s: (root / "train" / s / "metrics.json").stat().st_mtime_ns for s in ("anchor", "cotrain")}
+    trained = lambda: {
+        s: (root / "train" / s / "metrics.json").stat().st_mtime_ns for s in ("anchor", "cotrain")
+    }
     mtime, before = (root / "corpus.jsonl").stat().st_mtime_ns, trained()
     assert main(argv) == 0
     assert (root / "corpus.jsonl").stat().st_mtime_ns == mtime and trained() == before
@@ -301,7 +387,10 @@ def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path, capsys):
     assert all(after[s] != before[s] for s in before)
     assert capsys.readouterr().out.count("(upstream changed), retraining") == 2
     inputs = json.loads((root / "train" / "anchor" / "demo_inputs.json").read_text())["inputs"]
-    assert inputs["upstream"] == json.loads((root / "pipeline" / "shards" / "_stage.json").read_text())["fingerprint"]
+    assert (
+        inputs["upstream"]
+        == json.loads((root / "pipeline" / "shards" / "_stage.json").read_text())["fingerprint"]
+    )
     # the memory stage on the frozen anchor (seed 002's row A3): the anchor run is reused, the memory
     # stage retrains in mode frozen (with the demo's memory.dropout, which a frozen anchor turns off)
     # and leaves the anchor's weights exactly as the anchor stage wrote them
@@ -311,10 +400,16 @@ def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path, capsys):
 
     assert main([*argv, "tree.restarts=2", "--memory-mode", "frozen"]) == 0
     out = capsys.readouterr().out
-    assert "anchor: already trained" in out and "cotrain: " in out and "(config changed), retraining" in out
+    assert (
+        "anchor: already trained" in out
+        and "cotrain: " in out
+        and "(config changed), retraining" in out
+    )
     cfg = json.loads((root / "train" / "cotrain" / "memtree_config.json").read_text())["config"]
     assert cfg["mode"] == "frozen" and cfg["memory"]["dropout"] == pytest.approx(0.1)
-    before, after = (load_file(root / "train" / s / "anchor.safetensors") for s in ("anchor", "cotrain"))
+    before, after = (
+        load_file(root / "train" / s / "anchor.safetensors") for s in ("anchor", "cotrain")
+    )
     assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before)
     with pytest.raises(ValueError, match="memory_mode: 'cotrain' or 'frozen', got 'both'"):
         run_main_job(root, memory_mode="both")

@@ -22,9 +22,16 @@ SPEC = CorpusSpec(n_docs=1200, seed=3, long_doc_fraction=0.01)  # the corpus of 
 
 @pytest.fixture(scope="module")
 def run(pipeline_run, tmp_path_factory):
-    return RunModel.load(train_tiny_run(pipeline_run[0] / "shards", tmp_path_factory.mktemp("ragrun") / "run",
-                            "data.batch_size=2", "max_duration=2ba", "memory.multipliers=[8,4]",
-                            "model.shape={n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}"))
+    return RunModel.load(
+        train_tiny_run(
+            pipeline_run[0] / "shards",
+            tmp_path_factory.mktemp("ragrun") / "run",
+            "data.batch_size=2",
+            "max_duration=2ba",
+            "memory.multipliers=[8,4]",
+            "model.shape={n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}",
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +47,9 @@ def probes():
 def test_nearest_stays_inside_the_query_cluster():
     # 2-level tree, branching 2: leaves 0..3. Rows 0-2 in leaf 1, row 3 in leaf 2, row 4 in leaf 3.
     paths = np.array([[0, 1], [0, 1], [0, 1], [1, 2], [1, 3]])
-    emb = np.array([[1, 0, 0], [0.6, 0.8, 0], [0.6, 0.8, 0], [0, 1, 0], [0, 0, 1]], dtype=np.float32)
+    emb = np.array(
+        [[1, 0, 0], [0.6, 0.8, 0], [0.6, 0.8, 0], [0, 1, 0], [0, 0, 1]], dtype=np.float32
+    )
     q = np.array([[0, 1, 0], [0, 1, 0], [0, 0.6, 0.8], [1, 0, 0]], dtype=np.float32)
     q_paths = np.array([[0, 1], [1, 2], [0, 1], [0, 0]])
     rows, sims = nearest_in_cluster(q, q_paths, paths, emb, level=2)
@@ -57,13 +66,21 @@ def test_retrieval_matches_a_brute_force_search_of_the_query_leaf(run, index, pi
     from memtree.clustering.embed import embed_texts, embedder_from_meta
 
     out = pipeline_run[0]
-    windows = pq.read_table(out / "window" / "part-00003.parquet", columns=["text"])["text"].to_pylist()[:5]
+    windows = pq.read_table(out / "window" / "part-00003.parquet", columns=["text"])[
+        "text"
+    ].to_pylist()[:5]
     queries = windows + [p["context"] for p in probes[:10]]
     hit = index.retrieve(queries)
-    assert hit["paths"].tolist() == run.route(queries).tolist()  # the traversal that fetches memories
+    assert (
+        hit["paths"].tolist() == run.route(queries).tolist()
+    )  # the traversal that fetches memories
     # brute force over the pipeline's own outputs: every window of the query's leaf
-    leaves = np.concatenate([pq.read_table(f, columns=["leaf"])["leaf"].to_numpy()
-                             for f in sorted((out / "assign").glob("part-*.parquet"))])
+    leaves = np.concatenate(
+        [
+            pq.read_table(f, columns=["leaf"])["leaf"].to_numpy()
+            for f in sorted((out / "assign").glob("part-*.parquet"))
+        ]
+    )
     emb = np.load(out / "embed" / "embeddings.npy")
     e = index.tree.meta["embedder"]
     x = embed_texts(embedder_from_meta(e, index.tree.path), queries, strategy=e["strategy"])
@@ -92,19 +109,23 @@ def test_prepended_window_reaches_the_scorer_within_max_seq_len(run, index, prob
             cont = run.encode(" " + ch)
             for ctx, acc in ((it["context"], scores), (p["context"], plain)):
                 lp = run.logprobs([run.encode(ctx) + cont], mode="none")[0]
-                acc.append(float(lp[-len(cont):].sum()))
+                acc.append(float(lp[-len(cont) :].sum()))
         assert pred == int(np.argmax(scores))
         changed += not np.allclose(scores, plain)
     assert changed == len(items)
 
     # a short context: the window's head is cut to fit, and every scored sequence fits
-    run = dataclasses.replace(run, context=40)  # the run's context as eval reads it (RunModel.max_seq_len)
+    run = dataclasses.replace(
+        run, context=40
+    )  # the run's context as eval reads it (RunModel.max_seq_len)
     short, rec2 = rag_items(run, index, probes)
     assert any(0 < k < len(run.encode(d)) for k, d in zip(rec2["kept_tokens"], docs, strict=True))
     for it in short:
         n = len(run.encode(it["context"]))
         assert all(n + len(run.encode(" " + ch)) <= 40 for ch in it["choices"])
-    assert multiple_choice(run, short, mode="fetched")["n"] == len(short)  # the scorer accepts them all
+    assert multiple_choice(run, short, mode="fetched")["n"] == len(
+        short
+    )  # the scorer accepts them all
 
 
 def test_knowledge_eval_and_cli_report_the_rag_columns(run, index, probes, tmp_path):
@@ -117,21 +138,48 @@ def test_knowledge_eval_and_cli_report_the_rag_columns(run, index, probes, tmp_p
     facts = tmp_path / "facts.jsonl"
     write_facts_jsonl(facts, SPEC)
     out = tmp_path / "report"
-    assert main(["eval", "knowledge", str(run.store.root.parent), "--facts", str(facts), "--max-probes", "6", "--rag",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "knowledge",
+                str(run.store.root.parent),
+                "--facts",
+                str(facts),
+                "--max-probes",
+                "6",
+                "--rag",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads((out / "results.json").read_text())
     assert {"rag", "rag+fetched"} <= set(data["knowledge"]["modes"])
-    assert data["knowledge"]["rag"]["datastore"] == str(index.root.resolve())  # the run's own pipeline run
+    assert data["knowledge"]["rag"]["datastore"] == str(
+        index.root.resolve()
+    )  # the run's own pipeline run
     assert "anchor + RAG (nearest training window)" in (out / "report.md").read_text()
 
 
 def test_routing_agreement_on_a_hand_made_case():
     from memtree.eval.rag import routing_agreement
 
-    texts = ["Pelos wrote 41 symphonies.", "Pelos lived in Rome.", "Feniror was born in 1683.", "nothing"]
+    texts = [
+        "Pelos wrote 41 symphonies.",
+        "Pelos lived in Rome.",
+        "Feniror was born in 1683.",
+        "nothing",
+    ]
     window_paths = np.array([[0, 0], [0, 1], [1, 2], [1, 3]])
     probes = [
-        {"entity": "Pelos", "choices": ["12", "41"], "gold": 1, "mentions": 1},  # stated in window 0 only
+        {
+            "entity": "Pelos",
+            "choices": ["12", "41"],
+            "gold": 1,
+            "mentions": 1,
+        },  # stated in window 0 only
         {"entity": "Feniror", "choices": ["1683", "1700"], "gold": 0, "mentions": 3},  # window 2
         {"entity": "Nobody", "choices": ["1", "2"], "gold": 0, "mentions": 1},  # stated nowhere
     ]

@@ -30,7 +30,9 @@ TRAIN = f"train=[data.batch_size=4,'{SHAPE}','memory.multipliers=[0,64]',optim.w
 def root(pipeline_run, corpus_records, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("realtext") / "rt"
     shutil.copytree(pipeline_run[0], root / "pipeline")
-    held = [{"text": r["text"]} for r in corpus_records[:5]] + [{"text": "x"}]  # the last scores no token
+    held = [{"text": r["text"]} for r in corpus_records[:5]] + [
+        {"text": "x"}
+    ]  # the last scores no token
     (root / "corpus").mkdir()
     (root / "corpus" / "test.jsonl").write_text("".join(json.dumps(d) + "\n" for d in held))
     return root
@@ -40,8 +42,12 @@ def _reaches_trained(rm, docs, window: int = 100) -> bool:
     """Whether some held-out window routes to a level-2 block the run trained. Fetched blocks change
     the score exactly then: a block's W3 leaves its zero init only when trained, and on some hosts'
     trees no held-out window of these 3-batch runs reaches one (the rows are then equal to the bit)."""
-    pieces = [rm.decode(ids[s : s + window]) for ids in (rm.encode(d["text"]) for d in docs)
-              for s in range(0, len(ids), window) if len(ids[s : s + window]) >= 2]
+    pieces = [
+        rm.decode(ids[s : s + window])
+        for ids in (rm.encode(d["text"]) for d in docs)
+        for s in range(0, len(ids), window)
+        if len(ids[s : s + window]) >= 2
+    ]
     paths = rm.route(pieces)
 
     def trained(c: int) -> bool:
@@ -74,55 +80,120 @@ def test_rows_train_score_and_match_a_direct_forward(root, tmp_path, capsys):
     from memtree.eval.model import RunModel
 
     out = tmp_path / "out"
-    args = ["eval", "realtext", str(root), "--config", PYDOCS, "anchor_duration=2ba", "cotrain_duration=3ba", "window_tokens=100", TRAIN,
-            ("recipes=[{name: default}, {name: late, start: dense-1x, train: [mode=frozen]}, "
-            "{name: cont, train: [mode=baseline, 'memory.multipliers=[]']}]"), "--out", str(out)]
+    args = [
+        "eval",
+        "realtext",
+        str(root),
+        "--config",
+        PYDOCS,
+        "anchor_duration=2ba",
+        "cotrain_duration=3ba",
+        "window_tokens=100",
+        TRAIN,
+        (
+            "recipes=[{name: default}, {name: late, start: dense-1x, train: [mode=frozen]}, "
+            "{name: cont, train: [mode=baseline, 'memory.multipliers=[]']}]"
+        ),
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     assert "| default: + fetched |" in capsys.readouterr().out
     res = json.loads((out / "results.json").read_text())
     assert (out / "perplexity.png").stat().st_size > 0
     rows = {r["name"]: r for r in res["rows"]}
-    assert list(rows) == ["anchor", "dense-1x", "default: anchor alone", "default: + generic", "default: + fetched",
-                          "late: anchor alone", "late: + generic", "late: + fetched", "cont"]
+    assert list(rows) == [
+        "anchor",
+        "dense-1x",
+        "default: anchor alone",
+        "default: + generic",
+        "default: + fetched",
+        "late: anchor alone",
+        "late: + generic",
+        "late: + fetched",
+        "cont",
+    ]
     docs = [json.loads(x) for x in (root / "corpus" / "test.jsonl").read_text().splitlines()]
     # every token of every document in exactly one window; the one-token document scores nothing
     rm = RunModel.load(rows["default: + fetched"]["folder"], tree_dir=root / "pipeline" / "tree")
     lengths = [len(rm.encode(d["text"])) for d in docs]
-    assert res["tokens"] == sum(n - math.ceil(n / 100) for n in lengths if n >= 2) and lengths[-1] == 1
+    assert (
+        res["tokens"] == sum(n - math.ceil(n / 100) for n in lengths if n >= 2) and lengths[-1] == 1
+    )
     assert res["windows"] == sum(math.ceil(n / 100) for n in lengths[:-1])
     # perplexities: a direct forward of each model over the same windows
     dense = RunModel.load(rows["dense-1x"]["folder"])
     assert rows["dense-1x"]["nll"] == pytest.approx(_direct_nll(dense, docs, 100, "none"), rel=1e-5)
-    for mode, name in (("none", "anchor alone"), ("generic", "+ generic"), ("fetched", "+ fetched")):
+    for mode, name in (
+        ("none", "anchor alone"),
+        ("generic", "+ generic"),
+        ("fetched", "+ fetched"),
+    ):
         r = rows[f"default: {name}"]
         assert r["nll"] == pytest.approx(_direct_nll(rm, docs, 100, mode), rel=1e-5)
         assert r["perplexity"] == pytest.approx(math.exp(r["nll"]))
-    assert (rows["default: + fetched"]["nll"] != rows["default: anchor alone"]["nll"]) == _reaches_trained(rm, docs)
+    assert (
+        rows["default: + fetched"]["nll"] != rows["default: anchor alone"]["nll"]
+    ) == _reaches_trained(rm, docs)
     paired = res["paired"]["cotrain/default"]
-    assert set(paired) == {"fetched − none", "fetched − generic", "fetched − anchor", "fetched − dense-1x",
-                           "fetched − cont"}
+    assert set(paired) == {
+        "fetched − none",
+        "fetched − generic",
+        "fetched − anchor",
+        "fetched − dense-1x",
+        "fetched − cont",
+    }
     # the recipe without memory is a dense control: the anchor stage continued on the co-training schedule
-    cont = json.loads((root / "train" / "cotrain-cont" / "memtree_config.json").read_text())["config"]
-    assert (cont["mode"], cont["memory"]["multipliers"], cont["max_duration"]) == ("baseline", [], "3ba")
-    assert not (root / "train" / "cotrain-cont" / "tpp.json").exists() and res["recipes"]["cont"]["tpp"] is None
-    assert all(p["n_docs"] == 5 for p in paired.values())  # the one-token document has no token to compare
+    cont = json.loads((root / "train" / "cotrain-cont" / "memtree_config.json").read_text())[
+        "config"
+    ]
+    assert (cont["mode"], cont["memory"]["multipliers"], cont["max_duration"]) == (
+        "baseline",
+        [],
+        "3ba",
+    )
+    assert (
+        not (root / "train" / "cotrain-cont" / "tpp.json").exists()
+        and res["recipes"]["cont"]["tpp"] is None
+    )
+    assert all(
+        p["n_docs"] == 5 for p in paired.values()
+    )  # the one-token document has no token to compare
     # the stages' durations: dense-1x trains for both stages' batches
-    for name, dur in (("anchor", "2ba"), ("dense-1x", "5ba"), ("cotrain-default", "3ba"), ("cotrain-late", "3ba")):
+    for name, dur in (
+        ("anchor", "2ba"),
+        ("dense-1x", "5ba"),
+        ("cotrain-default", "3ba"),
+        ("cotrain-late", "3ba"),
+    ):
         cfg = json.loads((root / "train" / name / "memtree_config.json").read_text())["config"]
         assert cfg["max_duration"] == dur
     # a recipe that starts from dense-1x with the anchor frozen: its anchor is dense-1x's, weight for
     # weight, so its anchor-alone row scores exactly dense-1x's and only the bank moved
-    late = json.loads((root / "train" / "cotrain-late" / "memtree_config.json").read_text())["config"]
-    assert (late["mode"], Path(late["anchor_checkpoint"])) == ("frozen", root / "train" / "dense-1x")
+    late = json.loads((root / "train" / "cotrain-late" / "memtree_config.json").read_text())[
+        "config"
+    ]
+    assert (late["mode"], Path(late["anchor_checkpoint"])) == (
+        "frozen",
+        root / "train" / "dense-1x",
+    )
     assert rows["late: anchor alone"]["nll"] == pytest.approx(rows["dense-1x"]["nll"], rel=1e-6)
     late_rm = RunModel.load(rows["late: + fetched"]["folder"], tree_dir=root / "pipeline" / "tree")
-    assert (rows["late: + fetched"]["nll"] != rows["late: anchor alone"]["nll"]) == _reaches_trained(late_rm, docs)
+    assert (
+        rows["late: + fetched"]["nll"] != rows["late: anchor alone"]["nll"]
+    ) == _reaches_trained(late_rm, docs)
     assert res["recipes"]["late"]["start"] == "dense-1x"
     # each co-training run's tokens-per-parameter table, as `memtree train` stored it, and the TPP plot
     stored = json.loads((root / "train" / "cotrain-default" / "tpp.json").read_text())
-    assert res["recipes"]["default"]["tpp"]["levels"] == stored["levels"] and len(stored["levels"]) == 1
+    assert (
+        res["recipes"]["default"]["tpp"]["levels"] == stored["levels"]
+        and len(stored["levels"]) == 1
+    )
     assert res["recipes"]["default"]["tpp"]["x"] == stored["levels"][0]["tpp_run"]
-    assert "## Tokens per parameter" in (out / "report.md").read_text() and (out / "tpp.png").stat().st_size > 0
+    assert (
+        "## Tokens per parameter" in (out / "report.md").read_text()
+        and (out / "tpp.png").stat().st_size > 0
+    )
     # a second run reuses every stage (same inputs) and their scores, and scores the same
     assert main(args[:-1] + [str(tmp_path / "again")]) == 0
     printed = capsys.readouterr().out
@@ -150,10 +221,16 @@ def test_config_errors_name_the_key(tmp_path):
 
     default = load_realtext_config()  # the real-text recipe in the order measured (issue 70)
     assert (default.root, default.train_yaml, total_duration(default)) == (
-        "runs/realdocs", "training/yamls/realtext.yaml", "2ep")
+        "runs/realdocs",
+        "training/yamls/realtext.yaml",
+        "2ep",
+    )
     assert [r.name for r in default.selected()] == ["dense-restart", "h64-16-4-lr1e-3"]
     assert total_duration(load_realtext_config(PYDOCS)) == "7ep"
-    assert [r.name for r in load_realtext_config(PYDOCS, ["select=[mlr1e-3,demo]"]).selected()] == ["demo", "mlr1e-3"]
+    assert [r.name for r in load_realtext_config(PYDOCS, ["select=[mlr1e-3,demo]"]).selected()] == [
+        "demo",
+        "mlr1e-3",
+    ]
     with pytest.raises(ConfigError, match=r"unknown config key recipes\[0\]\.bogus"):
         load_realtext_config(PYDOCS, ["recipes=[{name: a, bogus: 1}]"])
     with pytest.raises(ConfigError, match=r"select \(--recipes\): unknown recipe\(s\) \['nope'\]"):
@@ -162,9 +239,13 @@ def test_config_errors_name_the_key(tmp_path):
         load_realtext_config(PYDOCS, ["anchor_duration=2ep", "cotrain_duration=30ba"])
     with pytest.raises(ConfigError, match="cotrain_duration: give whole epochs or batches"):
         load_realtext_config(PYDOCS, ["cotrain_duration=1.5ep"])
-    with pytest.raises(ConfigError, match=r"recipes\.a\.start: 'anchor' or 'dense-1x', got 'dense-2x'"):
+    with pytest.raises(
+        ConfigError, match=r"recipes\.a\.start: 'anchor' or 'dense-1x', got 'dense-2x'"
+    ):
         load_realtext_config(PYDOCS, ["recipes=[{name: a, start: dense-2x}]"])
-    with pytest.raises(ConfigError, match=r"recipes \['a'\] start from dense-1x, which dense=false does not train"):
+    with pytest.raises(
+        ConfigError, match=r"recipes \['a'\] start from dense-1x, which dense=false does not train"
+    ):
         load_realtext_config(PYDOCS, ["recipes=[{name: a, start: dense-1x}]", "dense=false"])
     with pytest.raises(ConfigError, match="used twice"):
         load_realtext_config(PYDOCS, ["recipes=[{name: a}, {name: a}]"])
@@ -176,8 +257,11 @@ def test_config_errors_name_the_key(tmp_path):
         load_realtext_config(pre, ["anchor=gpt9"])
     with pytest.raises(ConfigError, match="dense: a pretrained anchor has no dense-1x control"):
         load_realtext_config(pre, ["dense=true"])
-    with pytest.raises(ConfigError, match=r"recipes \['a'\]: with a pretrained anchor every recipe starts from it"):
+    with pytest.raises(
+        ConfigError, match=r"recipes \['a'\]: with a pretrained anchor every recipe starts from it"
+    ):
         load_realtext_config(pre, ["recipes=[{name: a, start: dense-1x}]"])
     with pytest.raises(FileNotFoundError, match="no held-out documents"):
         from memtree.eval.realtext import run_realtext
+
         run_realtext(load_realtext_config(None, [f"root={tmp_path}"]))

@@ -22,9 +22,15 @@ from tests.conftest import train_tiny_run
 
 @pytest.fixture(scope="module")
 def run(pipeline_run, tmp_path_factory):
-    return train_tiny_run(pipeline_run[0] / "shards", tmp_path_factory.mktemp("retrun") / "run",
-                            "data.batch_size=2", "max_duration=3ba", "memory.multipliers=[8,4]", "memory.lr=3e-2",
-                            "model.shape={n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}")
+    return train_tiny_run(
+        pipeline_run[0] / "shards",
+        tmp_path_factory.mktemp("retrun") / "run",
+        "data.batch_size=2",
+        "max_duration=3ba",
+        "memory.multipliers=[8,4]",
+        "memory.lr=3e-2",
+        "model.shape={n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +39,10 @@ def inputs(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("retinputs")
     write_facts_jsonl(d / "facts.jsonl", CorpusSpec(n_docs=1200, seed=3, long_doc_fraction=0.01))
-    docs = ["the star is bright and the telescope is old", "bake the bread in a hot oven for an hour"]
+    docs = [
+        "the star is bright and the telescope is old",
+        "bake the bread in a hot oven for an hour",
+    ]
     (d / "held.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
     return d / "facts.jsonl", d / "held.jsonl"
 
@@ -54,15 +63,23 @@ def test_retention_end_to_end(run, inputs, pipeline_run, tmp_path):
     from streaming.base.util import clean_stale_shared_memory
 
     facts, held = inputs
-    given = {"run": str(run), "out": str(tmp_path / "ret"), "facts": str(facts), "held_out": str(held), "steps": 3,
-             "max_probes": 24}
+    given = {
+        "run": str(run),
+        "out": str(tmp_path / "ret"),
+        "facts": str(facts),
+        "held_out": str(held),
+        "steps": 3,
+        "max_probes": 24,
+    }
     cfg = from_dict(RetentionConfig, given)
     res = run_retention(cfg, log=lambda m: None)
     clean_stale_shared_memory()
     for key in ("json", "markdown", "png"):
         assert Path(res["files"][key]).stat().st_size > 0
     shards = pipeline_run[0] / "shards"
-    assert res["subtrees"] == default_subtrees(shards, 0) and len(res["subtrees"]) == 4  # half of 8, seeded
+    assert (
+        res["subtrees"] == default_subtrees(shards, 0) and len(res["subtrees"]) == 4
+    )  # half of 8, seeded
     cont = tmp_path / "ret" / "continued"
     assert res["continued"]["status"] == "trained" and (cont / "metrics.json").exists()
 
@@ -71,7 +88,10 @@ def test_retention_end_to_end(run, inputs, pipeline_run, tmp_path):
         for lv in (1, 2):
             ids = [GENERIC, *range(8**lv)]
             assert all(torch.equal(a.fetch_flat(lv, c), b.fetch_flat(lv, c)) for c in ids)
-    old, new = load_file(str(run / "anchor.safetensors")), load_file(str(cont / "anchor.safetensors"))
+    old, new = (
+        load_file(str(run / "anchor.safetensors")),
+        load_file(str(cont / "anchor.safetensors")),
+    )
     assert any(not torch.equal(old[k], new[k]) for k in old)
 
     # before = the run as it was; after = the continued run folder (its anchor, the same bank)
@@ -93,12 +113,20 @@ def test_retention_end_to_end(run, inputs, pipeline_run, tmp_path):
             assert sum(b["n"] for b in r[group]["by_bucket"]) == r[group]["n"]
         assert r["perplexity"]["before"] == pytest.approx(before["modes"][mode]["perplexity"])
         assert r["perplexity"]["after"] == pytest.approx(after["modes"][mode]["perplexity"])
-    assert res["modes"]["none"]["perplexity"]["before"] != res["modes"]["none"]["perplexity"]["after"]
+    assert (
+        res["modes"]["none"]["perplexity"]["before"] != res["modes"]["none"]["perplexity"]["after"]
+    )
     assert "subtree not in the continued data" in (tmp_path / "ret" / "report.md").read_text()
 
     # a rerun resumes: nothing is trained again, the numbers are the same
     stamp = (cont / "anchor.safetensors").stat().st_mtime_ns
-    assert main(["eval", "retention", *(f"{k}={v}" for k, v in to_dict(cfg).items() if k in given)]) == 0
+    assert (
+        main(["eval", "retention", *(f"{k}={v}" for k, v in to_dict(cfg).items() if k in given)])
+        == 0
+    )
     again = json.loads((tmp_path / "ret" / "results.json").read_text())
-    assert again["continued"]["status"] == "skipped" and (cont / "anchor.safetensors").stat().st_mtime_ns == stamp
+    assert (
+        again["continued"]["status"] == "skipped"
+        and (cont / "anchor.safetensors").stat().st_mtime_ns == stamp
+    )
     assert again["modes"] == res["modes"]

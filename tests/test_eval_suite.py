@@ -22,8 +22,16 @@ REPO = Path(__file__).resolve().parents[1]
 def run(pipeline_run, tmp_path_factory):
     folder = tmp_path_factory.mktemp("suiterun") / "run"
     shape = "model.shape={n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 128}"
-    return RunModel.load(train_tiny_run(pipeline_run[0] / "shards", folder, "data.batch_size=2", "max_duration=3ba",
-                                        "memory.multipliers=[8,4]", shape))
+    return RunModel.load(
+        train_tiny_run(
+            pipeline_run[0] / "shards",
+            folder,
+            "data.batch_size=2",
+            "max_duration=3ba",
+            "memory.multipliers=[8,4]",
+            shape,
+        )
+    )
 
 
 def hand_score(rm: RunModel, option: str, continuation: str, path: np.ndarray) -> float:
@@ -32,21 +40,30 @@ def hand_score(rm: RunModel, option: str, continuation: str, path: np.ndarray) -
     cont = rm.tokenizer.encode(" " + continuation).ids
     ids = ctx + cont
     with torch.no_grad():
-        logits = rm.model(torch.tensor([ids]), memories=rm.memories(path[None], 1, "fetched"))[0].float()
+        logits = rm.model(torch.tensor([ids]), memories=rm.memories(path[None], 1, "fetched"))[
+            0
+        ].float()
     logp = torch.log_softmax(logits, dim=-1)
     return sum(float(logp[t - 1, ids[t]]) for t in range(len(ctx), len(ids)))
 
 
 def test_schema_scores_match_the_model_and_pick_the_likelier_option(run):
     soup = "a cook tasted the soup and the"
-    raw = [(["the star was bright so the telescope", "the star was bright so the astronomer"], "saw it clearly"),
-           ([f"{soup} salt", f"{soup} pepper", f"{soup} bread"], "was too strong")]
+    raw = [
+        (
+            ["the star was bright so the telescope", "the star was bright so the astronomer"],
+            "saw it clearly",
+        ),
+        ([f"{soup} salt", f"{soup} pepper", f"{soup} bread"], "was too strong"),
+    ]
     prefixes = ["the star was bright so the", soup]
     paths = run.route(prefixes)
     hand = [[hand_score(run, o, c, paths[i]) for o in opts] for i, (opts, c) in enumerate(raw)]
     # gold: the likelier option for the first item, the least likely for the second → accuracy 1/2
-    items = [{"context_options": raw[0][0], "continuation": raw[0][1], "gold": int(np.argmax(hand[0]))},
-             {"context_options": raw[1][0], "continuation": raw[1][1], "gold": int(np.argmin(hand[1]))}]
+    items = [
+        {"context_options": raw[0][0], "continuation": raw[0][1], "gold": int(np.argmax(hand[0]))},
+        {"context_options": raw[1][0], "continuation": raw[1][1], "gold": int(np.argmin(hand[1]))},
+    ]
     assert len(set(hand[1])) == 3  # argmin and argmax differ, so the 1/2 below is informative
     res = schema(run, items, mode="fetched")
     for got, want in zip(res["scores"], hand, strict=True):
@@ -56,20 +73,33 @@ def test_schema_scores_match_the_model_and_pick_the_likelier_option(run):
 
 
 def test_schema_routes_with_the_options_common_prefix(run):
-    item = {"context_options": ["Maria lent Sarah her coat because Maria", "Maria lent Sarah her coat because Sarah"],
-            "continuation": "was cold.", "gold": 1}
+    item = {
+        "context_options": [
+            "Maria lent Sarah her coat because Maria",
+            "Maria lent Sarah her coat because Sarah",
+        ],
+        "continuation": "was cold.",
+        "gold": 1,
+    }
     prefix = "Maria lent Sarah her coat because"
     assert retrieval_query(item) == prefix
     routed = schema(run, [item], mode="fetched")
     given = schema(run, [item], mode="fetched", paths=run.route([prefix]))
     assert routed["scores"] == given["scores"]
     # a prefix ending inside a word stops at the last whole word; nothing shared → the continuation
-    assert retrieval_query({"context_options": ["the cat", "the car"], "continuation": "ran"}) == "the"
-    assert retrieval_query({"context_options": ["Anna", "Maria"], "continuation": " was late."}) == "was late."
+    assert (
+        retrieval_query({"context_options": ["the cat", "the car"], "continuation": "ran"}) == "the"
+    )
+    assert (
+        retrieval_query({"context_options": ["Anna", "Maria"], "continuation": " was late."})
+        == "was late."
+    )
     # few-shot examples go in front of every option but not into the retrieval query
     shot = few_shot([item], [{**item, "gold": 0}])[0]
-    assert shot["context_options"][1] == "Maria lent Sarah her coat because Maria was cold.\n" + item[
-        "context_options"][1]
+    assert (
+        shot["context_options"][1]
+        == "Maria lent Sarah her coat because Maria was cold.\n" + item["context_options"][1]
+    )
     assert retrieval_query(shot) == prefix
 
 
@@ -78,7 +108,19 @@ def test_suite_on_a_trained_run_writes_table_1(run, tmp_path, monkeypatch):
 
     monkeypatch.chdir(REPO)  # the example's task paths are relative to the repository root
     out = tmp_path / "suite"
-    assert main(["eval", "tasks", "eval/yamls/suite-example.yaml", str(run.store.root.parent), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "tasks",
+                "eval/yamls/suite-example.yaml",
+                str(run.store.root.parent),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads((out / "results.json").read_text())
     assert data["modes"] == ["none", "generic", "fetched"]
     cfg = load_suite_config(REPO / "eval/yamls/suite-example.yaml")
@@ -93,13 +135,25 @@ def test_suite_on_a_trained_run_writes_table_1(run, tmp_path, monkeypatch):
         for m in data["modes"]:
             value = task["modes"][m][task["metric"]]
             assert value > 1 if name == "encyclopedia-ppl" else 0 <= value <= 1
-    assert data["tasks"]["everyday-qa"]["n"] == 5 and data["tasks"]["winograd-mini"]["type"] == "schema"
+    assert (
+        data["tasks"]["everyday-qa"]["n"] == 5
+        and data["tasks"]["winograd-mini"]["type"] == "schema"
+    )
     md = (out / "report.md").read_text().splitlines()
     assert "| task | type | n | anchor only | + generic | + fetched |" in md
     rows = [line.split(" | ")[0].lstrip("| ").strip() for line in md if line.startswith("| ")]
     common, specific = rows.index("**Common knowledge**"), rows.index("**Specific knowledge**")
-    assert rows[common + 1 : specific] == ["everyday-qa", "winograd-mini", "**Avg common knowledge**"]
-    assert rows[specific + 1 :] == ["science-qa", "atomic-numbers", "encyclopedia-ppl", "**Avg specific knowledge**"]
+    assert rows[common + 1 : specific] == [
+        "everyday-qa",
+        "winograd-mini",
+        "**Avg common knowledge**",
+    ]
+    assert rows[specific + 1 :] == [
+        "science-qa",
+        "atomic-numbers",
+        "encyclopedia-ppl",
+        "**Avg specific knowledge**",
+    ]
     avg_row = next(line for line in md if line.startswith("| **Avg common knowledge**"))
     assert f"**{100 * data['groups']['common']['average']['fetched']:.1f}**" in avg_row
     assert (out / "suite.png").stat().st_size > 0
@@ -125,23 +179,38 @@ def test_bad_jsonl_lines_name_file_and_line(tmp_path):
     path = write_jsonl(tmp_path / "u.jsonl", [good, {**good, "gold": 2}])
     with pytest.raises(TaskDataError, match=rf"{path}:2: gold 2 is outside the 2 context_options"):
         load_task_items(path, "schema")
-    path = write_jsonl(tmp_path / "v.jsonl", [{"context": "q", "choices": ["x"], "gold": 0}, {"context": "q"}])
+    path = write_jsonl(
+        tmp_path / "v.jsonl", [{"context": "q", "choices": ["x"], "gold": 0}, {"context": "q"}]
+    )
     with pytest.raises(TaskDataError, match=rf"{path}:2: missing key 'choices'"):
         load_task_items(path, "multiple_choice")
-    assert load_task_items(write_jsonl(tmp_path / "w.jsonl", [good, "", good]), "schema") == [good, good]
+    assert load_task_items(write_jsonl(tmp_path / "w.jsonl", [good, "", good]), "schema") == [
+        good,
+        good,
+    ]
 
 
 def test_the_general_knowledge_suite_is_well_formed():
     # eval/yamls/suite-general.yaml: what a pretrained anchor knows before memories are added
     # (seed 002 Table 2's "nothing else is lost"); four distinct choices, the gold among them
     cfg = load_suite_config(REPO / "eval/yamls/suite-general.yaml")
-    assert [(t.name, t.type) for t in cfg.tasks] == [("general-qa", "multiple_choice"), ("english-ppl", "perplexity")]
+    assert [(t.name, t.type) for t in cfg.tasks] == [
+        ("general-qa", "multiple_choice"),
+        ("english-ppl", "perplexity"),
+    ]
     base = REPO / "eval" / "yamls"
-    items = [json.loads(line) for line in (base / "tasks/general_mc.jsonl").read_text().splitlines()]
+    items = [
+        json.loads(line) for line in (base / "tasks/general_mc.jsonl").read_text().splitlines()
+    ]
     assert len(items) == 60 and len({it["context"] for it in items}) == 60
     for it in items:
         assert len(set(it["choices"])) == 4 and 0 <= it["gold"] < 4, it
     golds = [it["gold"] for it in items]
-    assert max(golds.count(g) for g in range(4)) < 0.5 * len(golds)  # no position a model could learn to favour
-    texts = [json.loads(line)["text"] for line in (base / "tasks/general_text.jsonl").read_text().splitlines()]
+    assert max(golds.count(g) for g in range(4)) < 0.5 * len(
+        golds
+    )  # no position a model could learn to favour
+    texts = [
+        json.loads(line)["text"]
+        for line in (base / "tasks/general_text.jsonl").read_text().splitlines()
+    ]
     assert len(texts) == 12 and all(40 <= len(t.split()) <= 80 for t in texts)

@@ -27,18 +27,27 @@ from memtree.training.model import AnchorLM, ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-ANCHOR = AnchorShape(name="t", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=50)
+ANCHOR = AnchorShape(
+    name="t", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=50
+)
 
 
 def _model(pkm: bool = True) -> AnchorLM:
     torch.manual_seed(0)
-    return AnchorLM(ModelConfig(anchor=ANCHOR, max_seq_len=64,
-                                pkm=PKMConfig(n_keys=16, heads=2, k=4, key_dim=8) if pkm else None))
+    return AnchorLM(
+        ModelConfig(
+            anchor=ANCHOR,
+            max_seq_len=64,
+            pkm=PKMConfig(n_keys=16, heads=2, k=4, key_dim=8) if pkm else None,
+        )
+    )
 
 
 def _batch(seed: int = 1, lengths=(9, 5, 1 + 1, 7)) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    texts = [" ".join(str(int(t)) for t in torch.randint(3, 50, (n,), generator=g)) for n in lengths]
+    texts = [
+        " ".join(str(int(t)) for t in torch.randint(3, 50, (n,), generator=g)) for n in lengths
+    ]
     return batch_tensors(texts, lambda t: [int(w) for w in t.split()], pad_id=0, max_len=64)
 
 
@@ -88,13 +97,19 @@ def test_tf_and_all_rankings():
     model = _model()
     ids, real = _batch()
     before = snapshot(model)
-    rec = Finetuner(model, FinetuneSpec(method="sparse_memory", ranking="all", lr=1.0)).step(ids, real)
-    moved = int((model.blocks[1].pkm.values.weight != before["blocks.1.pkm.values.weight"]).any(1).sum())
+    rec = Finetuner(model, FinetuneSpec(method="sparse_memory", ranking="all", lr=1.0)).step(
+        ids, real
+    )
+    moved = int(
+        (model.blocks[1].pkm.values.weight != before["blocks.1.pkm.values.weight"]).any(1).sum()
+    )
     assert rec["layer_1"]["accessed"] == rec["layer_1"]["trained"]
     # slots read only at a sequence's last token get no gradient (nothing after it is predicted)
     assert 0.8 * rec["layer_1"]["accessed"] < moved <= rec["layer_1"]["accessed"]
     model.load_state_dict(before)
-    rec = Finetuner(model, FinetuneSpec(method="sparse_memory", ranking="tf", top_t=3, lr=1.0)).step(ids, real)
+    rec = Finetuner(
+        model, FinetuneSpec(method="sparse_memory", ranking="tf", top_t=3, lr=1.0)
+    ).step(ids, real)
     assert rec["layer_1"]["trained"] == 3
 
 
@@ -144,18 +159,28 @@ def test_full_finetuning_changes_every_trained_tensor():
     assert set(ch["tensors"]) == set(before)
     v = ch["tensors"]["blocks.1.pkm.values.weight"]
     assert 0 < v["rows"] < v["of_rows"]
-    assert ch["bytes"] == ch["elements"] * 4 and ch["rows"] == sum(t["rows"] for t in ch["tensors"].values())
+    assert ch["bytes"] == ch["elements"] * 4 and ch["rows"] == sum(
+        t["rows"] for t in ch["tensors"].values()
+    )
 
 
 def test_bad_input_names_the_value():
     model = _model()
     with pytest.raises(ValueError, match=r"no background counts for memory layer\(s\) \[1\]"):
         Finetuner(model, FinetuneSpec(method="sparse_memory"))
-    with pytest.raises(ValueError, match="background counts cover 64 slots, the memory has n_slots=256"):
-        Finetuner(model, FinetuneSpec(method="sparse_memory"), background={1: BackgroundCounts.empty(64)})
+    with pytest.raises(
+        ValueError, match="background counts cover 64 slots, the memory has n_slots=256"
+    ):
+        Finetuner(
+            model, FinetuneSpec(method="sparse_memory"), background={1: BackgroundCounts.empty(64)}
+        )
     ids, real = _batch()
-    ft = Finetuner(model, FinetuneSpec(method="sparse_memory", top_t=100_000), background=_background(model))
-    with pytest.raises(ValueError, match=r"record 7: layer 1: top_t=100000 exceeds the \d+ slots this batch"):
+    ft = Finetuner(
+        model, FinetuneSpec(method="sparse_memory", top_t=100_000), background=_background(model)
+    )
+    with pytest.raises(
+        ValueError, match=r"record 7: layer 1: top_t=100000 exceeds the \d+ slots this batch"
+    ):
         ft.step(ids, real, where="record 7")
     with pytest.raises(ValueError, match="needs a model with a memory layer"):
         Finetuner(_model(pkm=False), FinetuneSpec(method="sparse_memory", ranking="all"))
@@ -183,12 +208,23 @@ def test_equal_learning_target_check():
     from memtree.eval.finetune.continual import equal_learning
 
     def row(m, new, drop, ranking="tfidf"):
-        return {"method": m, "label": f"{m}-{new}", "after": {"new_accuracy": new}, "forgetting": {"old_drop": drop},
-                "spec": {"ranking": ranking}}
+        return {
+            "method": m,
+            "label": f"{m}-{new}",
+            "after": {"new_accuracy": new},
+            "forgetting": {"old_drop": drop},
+            "spec": {"ranking": ranking},
+        }
 
-    rows = [row("full", 0.9, 30.0), row("full", 0.5, 12.0), row("lora", 0.6, 8.0), row("lora", 0.4, 2.0),
-            row("sparse_memory", 0.7, 3.0), row("sparse_memory", 0.55, 1.0),
-            row("sparse_memory", 0.95, 0.0, ranking="all")]  # an ablation: not the method
+    rows = [
+        row("full", 0.9, 30.0),
+        row("full", 0.5, 12.0),
+        row("lora", 0.6, 8.0),
+        row("lora", 0.4, 2.0),
+        row("sparse_memory", 0.7, 3.0),
+        row("sparse_memory", 0.55, 1.0),
+        row("sparse_memory", 0.95, 0.0, ranking="all"),
+    ]  # an ablation: not the method
     t = equal_learning(rows, "old_drop")
     assert t["level"] == 0.6  # LoRA's best learning is the level every method reaches
     assert t["best"]["full"]["forgetting"] == 30.0  # full's only configuration learning ≥ 0.6
@@ -206,10 +242,16 @@ def pkm_run(pipeline_run, tmp_path_factory):
     from tests.conftest import train_tiny_run
 
     folder = tmp_path_factory.mktemp("pkm") / "run"
-    return train_tiny_run(pipeline_run[0] / "shards", folder, "mode=baseline", "memory.multipliers=[]",
-                          "data.batch_size=2", "max_duration=3ba",
-                          "model.shape={n_layers: 2, d_model: 32, n_heads: 2, head_dim: 16, ffn_dim: 64}",
-                          "model.pkm={n_keys: 32, heads: 2, k: 4, key_dim: 8, layers: [1]}")
+    return train_tiny_run(
+        pipeline_run[0] / "shards",
+        folder,
+        "mode=baseline",
+        "memory.multipliers=[]",
+        "data.batch_size=2",
+        "max_duration=3ba",
+        "model.shape={n_layers: 2, d_model: 32, n_heads: 2, head_dim: 16, ffn_dim: 64}",
+        "model.pkm={n_keys: 32, heads: 2, k: 4, key_dim: 8, layers: [1]}",
+    )
 
 
 def test_memtree_finetune_end_to_end(pkm_run, pipeline_run, tmp_path, capsys):
@@ -223,47 +265,110 @@ def test_memtree_finetune_end_to_end(pkm_run, pipeline_run, tmp_path, capsys):
     from memtree.training.finetune.slots import background_dir
     from memtree.training.train import load_run
 
-    pkm_run = shutil.copytree(pkm_run, tmp_path / "run")  # a run of its own: no background counts yet
+    pkm_run = shutil.copytree(
+        pkm_run, tmp_path / "run"
+    )  # a run of its own: no background counts yet
     stream = tmp_path / "stream.jsonl"
-    stream.write_text("".join(json.dumps({"id": f"f{i}", "texts": [f"the colour of item {i} is blue",
-                                                                   f"item {i} has the colour blue"]}) + "\n"
-                              for i in range(3)))
+    stream.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": f"f{i}",
+                    "texts": [f"the colour of item {i} is blue", f"item {i} has the colour blue"],
+                }
+            )
+            + "\n"
+            for i in range(3)
+        )
+    )
     out = tmp_path / "ft"
-    assert main(["train", "finetune", f"run={pkm_run}", f"data={stream}", f"save_folder={out}", "spec.top_t=4"]) == 1
+    assert (
+        main(
+            [
+                "train",
+                "finetune",
+                f"run={pkm_run}",
+                f"data={stream}",
+                f"save_folder={out}",
+                "spec.top_t=4",
+            ]
+        )
+        == 1
+    )
     assert "pkm_background/layer_1: no background counts" in capsys.readouterr().err
     clean_stale_shared_memory()
     # the user's command, which says what it collected and where (it printed nothing: issue 36)
-    assert main(["train", "finetune-background", str(pkm_run), "--batches", "3", "--batch-size", "2"]) == 0
+    assert (
+        main(["train", "finetune-background", str(pkm_run), "--batches", "3", "--batch-size", "2"])
+        == 0
+    )
     said = capsys.readouterr().out
-    assert "over 3 batches collected for 1 memory layer(s)" in said and str(background_dir(pkm_run, 1)) in said
+    assert (
+        "over 3 batches collected for 1 memory layer(s)" in said
+        and str(background_dir(pkm_run, 1)) in said
+    )
     clean_stale_shared_memory()
     folders = {1: background_dir(pkm_run, 1)}
     bg = BackgroundCounts.load(folders[1], n_slots=32 * 32)
-    assert bg.n_batches == 3 and 0 < int((bg.doc_freq > 0).sum()) < 32 * 32 and int(bg.doc_freq.max()) <= 3
+    assert (
+        bg.n_batches == 3
+        and 0 < int((bg.doc_freq > 0).sum()) < 32 * 32
+        and int(bg.doc_freq.max()) <= 3
+    )
     from memtree.training.data import read_shards_manifest
 
     seq_len = read_shards_manifest(pipeline_run[0] / "shards")["seq_len"]
     assert 0 < bg.tokens <= 3 * 2 * seq_len and "2 sequence(s) per batch" in bg.source
 
-    assert main(["train", "finetune", f"run={pkm_run}", f"data={stream}", f"save_folder={out}", "spec.top_t=4",
-                 "spec.lr=3.0"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "finetune",
+                f"run={pkm_run}",
+                f"data={stream}",
+                f"save_folder={out}",
+                "spec.top_t=4",
+                "spec.lr=3.0",
+            ]
+        )
+        == 0
+    )
     rec = finetune_summary(out / "finetune.json")
     assert rec["steps"] == 3 and rec["optimizer"] == "sgd"
     assert all(r["layer_1"]["trained"] == 4 for r in rec["log"])
     assert set(rec["changed"]["tensors"]) == {"blocks.1.pkm.values.weight"}
     rows = rec["changed"]["tensors"]["blocks.1.pkm.values.weight"]["rows"]
     assert 4 <= rows <= 12  # 3 steps × top 4 (a row may be picked twice)
-    before, after = load_file(str(pkm_run / "anchor.safetensors")), load_file(str(out / "anchor.safetensors"))
-    assert all(torch.equal(before[k], after[k]) for k in before if k != "blocks.1.pkm.values.weight")
+    before, after = (
+        load_file(str(pkm_run / "anchor.safetensors")),
+        load_file(str(out / "anchor.safetensors")),
+    )
+    assert all(
+        torch.equal(before[k], after[k]) for k in before if k != "blocks.1.pkm.values.weight"
+    )
     model, *_ = load_run(out)  # the finetuned folder is a run like any other
     assert model.model.blocks[1].pkm is not None
     assert (out / "pkm_background" / "layer_1" / "background_counts.json").exists()
     capsys.readouterr()
-    assert main(["train", "finetune", f"run={pkm_run}", f"data={stream}", f"save_folder={out}"]) == 1
+    assert (
+        main(["train", "finetune", f"run={pkm_run}", f"data={stream}", f"save_folder={out}"]) == 1
+    )
     assert "already holds a finished finetune" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x", "texts": []}\n')
-    assert main(["train", "finetune", f"run={pkm_run}", f"data={bad}", f"save_folder={tmp_path / 'ft2'}"]) == 1
+    assert (
+        main(
+            [
+                "train",
+                "finetune",
+                f"run={pkm_run}",
+                f"data={bad}",
+                f"save_folder={tmp_path / 'ft2'}",
+            ]
+        )
+        == 1
+    )
     assert "bad.jsonl:1: a record needs 'texts'" in capsys.readouterr().err
 
 
@@ -272,7 +377,9 @@ def _stream_nll(run, texts: list[str]) -> float:
     from memtree.training.train import load_run
 
     model, _, manifest, tok = load_run(run)
-    ids, real = batch_tensors(texts, lambda t: tok.encode(t).ids, pad_id=int(manifest["eot_id"]), max_len=64)
+    ids, real = batch_tensors(
+        texts, lambda t: tok.encode(t).ids, pad_id=int(manifest["eot_id"]), max_len=64
+    )
     with torch.no_grad():
         return float(lm_loss(model.model.eval()(ids), ids, real))
 
@@ -291,22 +398,44 @@ def test_sparse_memory_finetuning_lowers_the_loss_of_the_facts_it_learns(pkm_run
 
     run = shutil.copytree(pkm_run, tmp_path / "run")
     clean_stale_shared_memory()
-    assert main(["train", "finetune-background", str(run), "--batches", "3", "--batch-size", "2"]) == 0
+    assert (
+        main(["train", "finetune-background", str(run), "--batches", "3", "--batch-size", "2"]) == 0
+    )
     clean_stale_shared_memory()
-    records = [{"id": f"f{i}", "texts": [f"the colour of item {i} is blue", f"item {i} has the colour blue"]}
-               for i in range(3)]
+    records = [
+        {
+            "id": f"f{i}",
+            "texts": [f"the colour of item {i} is blue", f"item {i} has the colour blue"],
+        }
+        for i in range(3)
+    ]
     stream = tmp_path / "stream.jsonl"
     stream.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "ft"
-    assert main(["train", "finetune", f"run={run}", f"data={stream}", f"save_folder={out}", "spec.top_t=16",
-                 "spec.lr=3000.0", "spec.steps_per_batch=4"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "finetune",
+                f"run={run}",
+                f"data={stream}",
+                f"save_folder={out}",
+                "spec.top_t=16",
+                "spec.lr=3000.0",
+                "spec.steps_per_batch=4",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     texts = [t for r in records for t in r["texts"]]
     before, after = _stream_nll(run, texts), _stream_nll(out, texts)
     assert after < before - 0.02, (before, after)
     from memtree.training.finetune.continual import finetune_summary
 
-    assert set(finetune_summary(out / "finetune.json")["changed"]["tensors"]) == {"blocks.1.pkm.values.weight"}
+    assert set(finetune_summary(out / "finetune.json")["changed"]["tensors"]) == {
+        "blocks.1.pkm.values.weight"
+    }
 
 
 def test_eval_continual_writes_its_report(pkm_run, pipeline_run, tmp_path):
@@ -323,19 +452,38 @@ def test_eval_continual_writes_its_report(pkm_run, pipeline_run, tmp_path):
 
     root = tmp_path / "bios"
     write_bios(root, BiosSpec(entities_per_subtopic=2), heldout_docs=8)
-    mem_run = train_tiny_run(pipeline_run[0] / "shards", tmp_path / "memrun", "data.batch_size=2", "max_duration=2ba",
-                             "memory.multipliers=[16,8]",
-                             "model.shape={n_layers: 2, d_model: 32, n_heads: 2, head_dim: 16, ffn_dim: 64}")
+    mem_run = train_tiny_run(
+        pipeline_run[0] / "shards",
+        tmp_path / "memrun",
+        "data.batch_size=2",
+        "max_duration=2ba",
+        "memory.multipliers=[16,8]",
+        "model.shape={n_layers: 2, d_model: 32, n_heads: 2, head_dim: 16, ffn_dim: 64}",
+    )
     bank_bytes = {f.name: f.read_bytes() for f in (mem_run / "bank").glob("level-*.bin")}
     clean_stale_shared_memory()
-    cfg = load_continual_config(None, [f"root={root}", f"run={pkm_run}", "n_facts=6", "paraphrases=3",
-                                       "old_probes=16", "held_out_docs=4", "background_batches=2",
-                                       f"out={tmp_path / 'out'}",
-                                       ("runs=[{method: sparse_memory, top_t: 8, lr: 2.0}, "
-                                        "{method: lora, lora_rank: 2, lr: 1.0e-3}, {method: full, lr: 1.0e-4}]"),
-                                       f"blocks_run={mem_run}",
-                                       ("block_runs=[{method: tfidf, top_t: 4, lr: 1.0, unit_frac: 0.25}, "
-                                        "{method: all_fetched, lr: 1.0}, {method: anchor, lr: 1.0e-4}]")])
+    cfg = load_continual_config(
+        None,
+        [
+            f"root={root}",
+            f"run={pkm_run}",
+            "n_facts=6",
+            "paraphrases=3",
+            "old_probes=16",
+            "held_out_docs=4",
+            "background_batches=2",
+            f"out={tmp_path / 'out'}",
+            (
+                "runs=[{method: sparse_memory, top_t: 8, lr: 2.0}, "
+                "{method: lora, lora_rank: 2, lr: 1.0e-3}, {method: full, lr: 1.0e-4}]"
+            ),
+            f"blocks_run={mem_run}",
+            (
+                "block_runs=[{method: tfidf, top_t: 4, lr: 1.0, unit_frac: 0.25}, "
+                "{method: all_fetched, lr: 1.0}, {method: anchor, lr: 1.0e-4}]"
+            ),
+        ],
+    )
     report = run_continual(cfg, progress=False)
     clean_stale_shared_memory()
     res = read_json(tmp_path / "out" / "results.json")

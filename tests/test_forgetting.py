@@ -25,8 +25,10 @@ LEVELS, B = (1, 2), 4
 
 
 def _parts(folder: Path, columns: list[str]) -> pd.DataFrame:
-    return pd.concat([pd.read_parquet(f, columns=columns) for f in sorted(folder.glob("part-*.parquet"))],
-                     ignore_index=True)
+    return pd.concat(
+        [pd.read_parquet(f, columns=columns) for f in sorted(folder.glob("part-*.parquet"))],
+        ignore_index=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -39,21 +41,47 @@ def made(tmp_path_factory, dask_client):
 
     root = tmp_path_factory.mktemp("forget")
     write_bios(root / "corpus", BiosSpec(**SPEC), heldout_docs=64)
-    cfg = load_config(PipelineConfig, DEMO_YAML, [
-        f"out={root / 'pipeline'}", f'ingest.inputs=["{root / "corpus" / "corpus.jsonl"}"]', "tree.levels=2",
-        "tree.branching=4", "tree.restarts=2", "window.vocab_size=1000", "window.train_sample_docs=300",
-        "progress=false"])
+    cfg = load_config(
+        PipelineConfig,
+        DEMO_YAML,
+        [
+            f"out={root / 'pipeline'}",
+            f'ingest.inputs=["{root / "corpus" / "corpus.jsonl"}"]',
+            "tree.levels=2",
+            "tree.branching=4",
+            "tree.restarts=2",
+            "window.vocab_size=1000",
+            "window.train_sample_docs=300",
+            "progress=false",
+        ],
+    )
     run_pipeline(cfg, client=dask_client, log=lambda m: None)
-    run = train_tiny_run(root / "pipeline" / "shards", root / "run", "data.batch_size=4", "max_duration=12ba",
-                         "memory.multipliers=[4,8]", "memory.lr=3e-2",
-                         "model.shape={n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}")
-    corpus = [json.loads(line) for line in (root / "corpus" / "corpus.jsonl").read_text().splitlines()]
-    facts = [json.loads(line) for line in (root / "corpus" / "facts.jsonl").read_text().splitlines()]
+    run = train_tiny_run(
+        root / "pipeline" / "shards",
+        root / "run",
+        "data.batch_size=4",
+        "max_duration=12ba",
+        "memory.multipliers=[4,8]",
+        "memory.lr=3e-2",
+        "model.shape={n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}",
+    )
+    corpus = [
+        json.loads(line) for line in (root / "corpus" / "corpus.jsonl").read_text().splitlines()
+    ]
+    facts = [
+        json.loads(line) for line in (root / "corpus" / "facts.jsonl").read_text().splitlines()
+    ]
     windows = _parts(root / "pipeline" / "window", ["doc_id"])
     assign = _parts(root / "pipeline" / "assign", ["window_ordinal", "path"])
     paths = np.stack(assign.sort_values("window_ordinal")["path"].to_numpy())
-    return {"root": root, "run": run, "corpus": corpus, "facts": facts, "window_doc": windows["doc_id"].to_numpy(),
-            "window_paths": paths}
+    return {
+        "root": root,
+        "run": run,
+        "corpus": corpus,
+        "facts": facts,
+        "window_doc": windows["doc_id"].to_numpy(),
+        "window_paths": paths,
+    }
 
 
 def _owner(made, key: str, value: str) -> list[str]:
@@ -62,7 +90,11 @@ def _owner(made, key: str, value: str) -> list[str]:
 
 def _expected_facts(made, entities: set[str]) -> set[tuple[str, str]]:
     """The facts stated in the documents about `entities`, from the corpus plan (no text search)."""
-    return {(f["entity"], f["attribute"]) for f in made["facts"] if f["entity"] in entities and f["mentions"] > 0}
+    return {
+        (f["entity"], f["attribute"])
+        for f in made["facts"]
+        if f["entity"] in entities and f["mentions"] > 0
+    }
 
 
 def test_the_owners_facts_are_exactly_those_stated_in_its_documents(made):
@@ -74,11 +106,19 @@ def test_the_owners_facts_are_exactly_those_stated_in_its_documents(made):
         ids = _owner(made, key, value)
         mine, theirs = fact_statements(facts, made["root"] / "pipeline", ids)
         entities = {r["entity"] for r in made["corpus"] if r[key] == value}
-        got = {(f["entity"], f["attribute"]) for f, m, o in zip(facts, mine, theirs, strict=True) if m > 0 and o == 0}
+        got = {
+            (f["entity"], f["attribute"])
+            for f, m, o in zip(facts, mine, theirs, strict=True)
+            if m > 0 and o == 0
+        }
         assert got == _expected_facts(made, entities) and got, key
-        assert not ((mine > 0) & (theirs > 0)).any()  # no famous entity: nothing is stated on both sides
+        assert not (
+            (mine > 0) & (theirs > 0)
+        ).any()  # no famous entity: nothing is stated on both sides
         # every statement is found, in the documents the plan says: the counts are the plan's mentions
-        assert [int(m + o) for m, o in zip(mine, theirs, strict=True)] == [f["mentions"] for f in facts]
+        assert [int(m + o) for m, o in zip(mine, theirs, strict=True)] == [
+            f["mentions"] for f in facts
+        ]
     # a fact listing its documents is counted from the list, not the text
     listed = [{**facts[0], "documents": [made["corpus"][5]["id"], "not-in-the-run"]}]
     mine, theirs = fact_statements(listed, made["root"] / "pipeline", [made["corpus"][5]["id"]])
@@ -94,21 +134,44 @@ def test_eval_block_documents_forgets_the_owner_and_leaves_the_others(made, tmp_
     (tmp_path / "ids.txt").write_text("\n".join(ids) + "\n")
     facts = made["root"] / "corpus" / "facts.jsonl"
     held = made["root"] / "corpus" / "heldout.jsonl"
-    assert main(["eval", "knowledge", str(made["run"]), "--facts", str(facts), "--held-out", str(held), "--block-documents",
-                 str(tmp_path / "ids.txt"), "--owner-field", "topic", "--out", str(tmp_path / "eval")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "knowledge",
+                str(made["run"]),
+                "--facts",
+                str(facts),
+                "--held-out",
+                str(held),
+                "--block-documents",
+                str(tmp_path / "ids.txt"),
+                "--owner-field",
+                "topic",
+                "--out",
+                str(tmp_path / "eval"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "## Forgetting by data owner" in out and "owner share min / median / max" in out
     r = json.loads((tmp_path / "eval" / "results.json").read_text())["forgetting"][0]
     assert (tmp_path / "eval" / "forgetting.png").is_file()
     # blocked: exactly the blocks on the documents' windows' paths, at every level holding memory
     on_paths = made["window_paths"][np.isin(made["window_doc"], ids)]
-    assert {int(lv): set(v) for lv, v in r["targets"].items()} == {lv: set(on_paths[:, lv - 1].tolist())
-                                                                   for lv in LEVELS}
+    assert {int(lv): set(v) for lv, v in r["targets"].items()} == {
+        lv: set(on_paths[:, lv - 1].tolist()) for lv in LEVELS
+    }
     with MemoryStore(made["run"] / "bank") as store:
         params = {lv: store.levels[lv].info.params for lv in LEVELS}
         total = sum(B**lv * params[lv] for lv in LEVELS)
-        assert not (store.root / "policy.json").exists()  # the experiment left the bank on disk alone
-    assert r["bank_fraction"] == pytest.approx(sum(len(r["targets"][str(lv)]) * params[lv] for lv in LEVELS) / total)
+        assert not (
+            store.root / "policy.json"
+        ).exists()  # the experiment left the bank on disk alone
+    assert r["bank_fraction"] == pytest.approx(
+        sum(len(r["targets"][str(lv)]) * params[lv] for lv in LEVELS) / total
+    )
     # the control: as many blocks per level, none of the owner's, so the same bank fraction
     for lv in LEVELS:
         rand, own = r["random"]["targets"][str(lv)], r["targets"][str(lv)]
@@ -128,7 +191,9 @@ def test_eval_block_documents_forgets_the_owner_and_leaves_the_others(made, tmp_
     pages = [json.loads(line) for line in held.read_text().splitlines()]
     assert h["values"] == [topic] and h["owner"]["pages"] == sum(p["topic"] == topic for p in pages)
     assert h["owner"]["pages"] + h["others"]["pages"] == len(pages)
-    assert all(math.isfinite(v) for part in ("owner", "others") for v in h[part]["perplexity"].values())
+    assert all(
+        math.isfinite(v) for part in ("owner", "others") for v in h[part]["perplexity"].values()
+    )
 
     # a question routed into blocked blocks at every level reads the generic memory, as the fallback says
     rm = RunModel.load(made["run"])
@@ -140,8 +205,12 @@ def test_eval_block_documents_forgets_the_owner_and_leaves_the_others(made, tmp_
     with rm.store.experiment(fallback="generic"):
         for lv in LEVELS:
             rm.store.block(lv, r["targets"][str(lv)], persist=False)
-        blocked = rm.logprobs([s for s, k in zip(seqs, full, strict=True) if k], paths=q_paths[full], mode="fetched")
-    generic = rm.logprobs([s for s, k in zip(seqs, full, strict=True) if k], paths=q_paths[full], mode="generic")
+        blocked = rm.logprobs(
+            [s for s, k in zip(seqs, full, strict=True) if k], paths=q_paths[full], mode="fetched"
+        )
+    generic = rm.logprobs(
+        [s for s, k in zip(seqs, full, strict=True) if k], paths=q_paths[full], mode="generic"
+    )
     for a, b in zip(blocked, generic, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
@@ -152,20 +221,46 @@ def test_eval_block_documents_scores_held_out_pages_without_facts(made, tmp_path
     entity = made["corpus"][0]["entity"]
     (tmp_path / "ids.txt").write_text("\n".join(_owner(made, "entity", entity)) + "\n")
     held = made["root"] / "corpus" / "heldout.jsonl"
-    assert main(["eval", "knowledge", str(made["run"]), "--held-out", str(held), "--block-documents", str(tmp_path / "ids.txt"),
-                 "--owner-field", "entity", "--min-share", "0.5", "--fallback", "generic",
-                 "--out", str(tmp_path / "eval")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "knowledge",
+                str(made["run"]),
+                "--held-out",
+                str(held),
+                "--block-documents",
+                str(tmp_path / "ids.txt"),
+                "--owner-field",
+                "entity",
+                "--min-share",
+                "0.5",
+                "--fallback",
+                "generic",
+                "--out",
+                str(tmp_path / "eval"),
+            ]
+        )
+        == 0
+    )
     assert "scoring held-out pages only" in capsys.readouterr().err
     data = json.loads((tmp_path / "eval" / "results.json").read_text())
     r = data["forgetting"][0]
-    assert data["knowledge"] is None and "facts" not in r and r["min_share"] == 0.5 and r["fallback"] == "generic"
+    assert (
+        data["knowledge"] is None
+        and "facts" not in r
+        and r["min_share"] == 0.5
+        and r["fallback"] == "generic"
+    )
     for lv, blocks in r["blocks"]["levels"].items():
         assert all(b["share"] >= 0.5 for b in blocks["per_block"]), lv
     pages = [json.loads(line) for line in held.read_text().splitlines()]
     assert r["held_out"]["owner"]["pages"] == sum(p["entity"] == entity for p in pages)
 
 
-def test_eval_block_documents_refuses_bad_input_before_scoring(made, pipeline_run, tmp_path, capsys):
+def test_eval_block_documents_refuses_bad_input_before_scoring(
+    made, pipeline_run, tmp_path, capsys
+):
     run = str(made["run"])
     ids = tmp_path / "ids.txt"
     ids.write_text("")
@@ -178,19 +273,37 @@ def test_eval_block_documents_refuses_bad_input_before_scoring(made, pipeline_ru
     assert "no document ids in the file (it is empty" in err("--block-documents", str(ids))
     ids.write_text(f"{made['corpus'][0]['id']}\nnope-1\nnope-2\n")
     assert "2 of 3 document ids are not in the pipeline run" in err(
-        "--facts", str(made["root"] / "corpus" / "facts.jsonl"), "--block-documents", str(ids))
-    assert "--min-share 1.5: must be in [0, 1]" in err("--block-documents", str(ids), "--min-share", "1.5")
+        "--facts", str(made["root"] / "corpus" / "facts.jsonl"), "--block-documents", str(ids)
+    )
+    assert "--min-share 1.5: must be in [0, 1]" in err(
+        "--block-documents", str(ids), "--min-share", "1.5"
+    )
     assert "--owner-field applies to --block-documents only" in err("--owner-field", "topic")
-    assert "--fallback applies to --block-domains or --block-documents" in err("--fallback", "generic")
+    assert "--fallback applies to --block-domains or --block-documents" in err(
+        "--fallback", "generic"
+    )
     other = pipeline_run[0]
-    msg = err("--facts", str(made["root"] / "corpus" / "facts.jsonl"), "--block-documents", str(ids),
-              "--pipeline-run", str(other))
+    msg = err(
+        "--facts",
+        str(made["root"] / "corpus" / "facts.jsonl"),
+        "--block-documents",
+        str(ids),
+        "--pipeline-run",
+        str(other),
+    )
     tree_id = json.loads((other / "tree" / "tree.json").read_text())["tree_id"]
     assert f"its tree is {tree_id}, but bank" in msg
     ids.write_text(f"{made['corpus'][0]['id']}\n")
     assert "the owner's documents carry no 'source'" in err(
-        "--facts", str(made["root"] / "corpus" / "facts.jsonl"), "--held-out",
-        str(made["root"] / "corpus" / "heldout.jsonl"), "--block-documents", str(ids), "--owner-field", "source")
+        "--facts",
+        str(made["root"] / "corpus" / "facts.jsonl"),
+        "--held-out",
+        str(made["root"] / "corpus" / "heldout.jsonl"),
+        "--block-documents",
+        str(ids),
+        "--owner-field",
+        "source",
+    )
 
 
 def test_an_owner_of_most_of_a_level_gets_no_random_control(made):
@@ -204,7 +317,9 @@ def test_an_owner_of_most_of_a_level_gets_no_random_control(made):
     assert plan["random"]["targets"] is None and "no random control" in plan["random"]["why"]
     assert plan["bank_fraction"] == pytest.approx(1.0)
     few = plan_forgetting(rm, run=made["root"] / "pipeline", ids=[made["corpus"][0]["id"]], seed=1)
-    again = plan_forgetting(rm, run=made["root"] / "pipeline", ids=[made["corpus"][0]["id"]], seed=1)
+    again = plan_forgetting(
+        rm, run=made["root"] / "pipeline", ids=[made["corpus"][0]["id"]], seed=1
+    )
     assert few["random"]["targets"] == again["random"]["targets"]  # deterministic for a seed
 
 
@@ -218,19 +333,60 @@ def test_block_documents_says_when_the_probes_miss_every_owner_fact(made, tmp_pa
     probes, _ = load_eval_inputs(facts, max_probes=2)
     asked = {p["context"] for p in probes}
     # an entity none of whose facts the two sampled probes ask
-    entity = next(r["entity"] for r in made["corpus"]
-                  if not any(f["entity"] == r["entity"] and f"of {f['reference']} is" in c
-                             for f in made["facts"] for c in asked))
+    entity = next(
+        r["entity"]
+        for r in made["corpus"]
+        if not any(
+            f["entity"] == r["entity"] and f"of {f['reference']} is" in c
+            for f in made["facts"]
+            for c in asked
+        )
+    )
     ids = tmp_path / "ids.txt"
     ids.write_text("\n".join(_owner(made, "entity", entity)) + "\n")
     capsys.readouterr()
-    assert main(["eval", "knowledge", str(made["run"]), "--facts", str(facts), "--block-documents", str(ids),
-                 "--max-probes", "2", "--out", str(tmp_path / "eval")]) == 1
+    assert (
+        main(
+            [
+                "eval",
+                "knowledge",
+                str(made["run"]),
+                "--facts",
+                str(facts),
+                "--block-documents",
+                str(ids),
+                "--max-probes",
+                "2",
+                "--out",
+                str(tmp_path / "eval"),
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert "none of the 2 probes evaluated asks a fact only the owner's documents state" in err, err
     assert "--max-probes 2" in err and not (tmp_path / "eval").exists()
     held = made["root"] / "corpus" / "heldout.jsonl"
-    assert main(["eval", "knowledge", str(made["run"]), "--facts", str(facts), "--held-out", str(held),
-                 "--block-documents", str(ids), "--owner-field", "entity", "--max-probes", "2",
-                 "--out", str(tmp_path / "eval2")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "knowledge",
+                str(made["run"]),
+                "--facts",
+                str(facts),
+                "--held-out",
+                str(held),
+                "--block-documents",
+                str(ids),
+                "--owner-field",
+                "entity",
+                "--max-probes",
+                "2",
+                "--out",
+                str(tmp_path / "eval2"),
+            ]
+        )
+        == 0
+    )
     assert "the held-out pages still measure the owner" in capsys.readouterr().err

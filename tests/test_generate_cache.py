@@ -15,18 +15,34 @@ from memtree.training.model import AnchorLM, KVCache, ModelConfig, assemble_memo
 TYPES = ("ffn", "kv", "lora-qk", "lora-ov", "lora-ffn")
 
 
-def _model(memory_type: str | None, *, qk_norm: str = "full", kv_heads: int | None = None,
-           norms: int = 2) -> tuple[AnchorLM, dict | None]:
+def _model(
+    memory_type: str | None, *, qk_norm: str = "full", kv_heads: int | None = None, norms: int = 2
+) -> tuple[AnchorLM, dict | None]:
     torch.manual_seed(0)
-    shape = AnchorShape(n_layers=3, d_model=32, n_heads=4, head_dim=8, ffn_dim=48, vocab_size=61,
-                        qk_norm=qk_norm, n_kv_heads=kv_heads, norms_per_block=norms)
-    memory = None if memory_type is None else MemoryConfig(multipliers=(0, 4, 8), type=memory_type, branching=2)
+    shape = AnchorShape(
+        n_layers=3,
+        d_model=32,
+        n_heads=4,
+        head_dim=8,
+        ffn_dim=48,
+        vocab_size=61,
+        qk_norm=qk_norm,
+        n_kv_heads=kv_heads,
+        norms_per_block=norms,
+    )
+    memory = (
+        None
+        if memory_type is None
+        else MemoryConfig(multipliers=(0, 4, 8), type=memory_type, branching=2)
+    )
     model = AnchorLM(ModelConfig(anchor=shape, max_seq_len=40, memory=memory)).eval()
     if memory is None:
         return model, None
     # random nonzero blocks: App. I's init would make several types an exact no-op
-    blocks = {lv: torch.randn(1, sum(t.numel for t in block_layout(shape, memory, lv))) * 0.3
-              for lv in (2, 3)}
+    blocks = {
+        lv: torch.randn(1, sum(t.numel for t in block_layout(shape, memory, lv))) * 0.3
+        for lv in (2, 3)
+    }
     return model, assemble_memories(blocks, shape, memory)
 
 
@@ -77,7 +93,11 @@ def test_a_cache_refuses_what_it_cannot_hold():
         with pytest.raises(ValueError, match="holds 1 rows"):
             model(torch.zeros(2, 1, dtype=torch.long), cache=cache)
         with pytest.raises(ValueError, match="one document per row"):
-            model(torch.zeros(1, 1, dtype=torch.long), cache=cache, segment_ids=torch.zeros(1, 1, dtype=torch.long))
+            model(
+                torch.zeros(1, 1, dtype=torch.long),
+                cache=cache,
+                segment_ids=torch.zeros(1, 1, dtype=torch.long),
+            )
 
 
 def test_a_widened_ffn_memory_decodes_as_the_gathered_one():
@@ -89,13 +109,18 @@ def test_a_widened_ffn_memory_decodes_as_the_gathered_one():
     ids = torch.randint(0, 61, (1, 19))
     wide = widen_ffn_memories(model, mems)
     a = model.config.anchor
-    assert all(isinstance(w, WidenedFFN) and w.w1.shape == (a.ffn_dim + 12, a.d_model) for w in wide.values())
+    assert all(
+        isinstance(w, WidenedFFN) and w.w1.shape == (a.ffn_dim + 12, a.d_model)
+        for w in wide.values()
+    )
     with torch.no_grad():
         full = model(ids, memories=mems)
         assert (model(ids, memories=wide) - full).abs().max() <= 1e-5
         assert (_cached_logits(model, ids, wide, [7] + [1] * 12) - full).abs().max() <= 1e-5
     with pytest.raises(ValueError, match="one sequence"):
-        widen_ffn_memories(model, {i: {k: torch.cat([v, v]) for k, v in t.items()} for i, t in mems.items()})
+        widen_ffn_memories(
+            model, {i: {k: torch.cat([v, v]) for k, v in t.items()} for i, t in mems.items()}
+        )
     kv, kv_mems = _model("kv")
     with pytest.raises(ValueError, match="not an FFN memory"):
         widen_ffn_memories(kv, kv_mems)

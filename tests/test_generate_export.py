@@ -29,16 +29,31 @@ TOL = 1e-4
 
 def _anchor(qk_norm: str = "full", tied: bool = True, norms_per_block: int = 2) -> AnchorShape:
     # GQA throughout; q/k/v biases with the separate head, so both variants meet every norm
-    return AnchorShape(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
-                       vocab_size=VOCAB, qk_norm=qk_norm, tied_embeddings=tied,
-                       norms_per_block=norms_per_block, qkv_bias=not tied)
+    return AnchorShape(
+        n_layers=2,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        ffn_dim=64,
+        vocab_size=VOCAB,
+        qk_norm=qk_norm,
+        tied_embeddings=tied,
+        norms_per_block=norms_per_block,
+        qkv_bias=not tied,
+    )
 
 
-def _model(anchor: AnchorShape, memory: MemoryConfig | None = None, seed: int = 0, **kw) -> AnchorLM:
+def _model(
+    anchor: AnchorShape, memory: MemoryConfig | None = None, seed: int = 0, **kw
+) -> AnchorLM:
     torch.manual_seed(seed)
     # a wide init and non-trivial gains and biases, so a dropped term shows in the logits
-    model = AnchorLM(ModelConfig(anchor=anchor, memory=memory, max_seq_len=64, init_std=0.2,
-                                 lora_alpha=2.0, **kw)).eval()
+    model = AnchorLM(
+        ModelConfig(
+            anchor=anchor, memory=memory, max_seq_len=64, init_std=0.2, lora_alpha=2.0, **kw
+        )
+    ).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
@@ -61,8 +76,9 @@ def _ids(seq: int = 16, seed: int = 2) -> torch.Tensor:
 
 
 def _load(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
-                                                             dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=torch.float32
+    ).eval()
 
 
 def _greedy(model: AnchorLM, ids: torch.Tensor, memories, n: int) -> torch.Tensor:
@@ -104,11 +120,19 @@ def test_export_logits_equal(tmp_path, kind, qk_norm, tied):
     assert info["intermediate_size"] == 64 + (12 if kind == "ffn" else 0)
     assert info["kv_memory_slots"] == ([12, 12] if kind == "kv" else None)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors"]
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == info["model_type"]
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+    assert (
+        json.loads((tmp_path / "out" / "config.json").read_text())["model_type"]
+        == info["model_type"]
+    )
     assert info["bytes"] > 0 and info["params"] > 0
     diff = _check_logits(model, memories, tmp_path / "out")
-    print(f"{kind} {qk_norm} {'tied' if tied else 'untied'}: {info['architecture']} max |Δlogit| {diff:.2e}")
+    print(
+        f"{kind} {qk_norm} {'tied' if tied else 'untied'}: {info['architecture']} max |Δlogit| {diff:.2e}"
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -116,8 +140,14 @@ def test_export_uneven_layers_and_post_norms(tmp_path, kind):
     """Memory on layer 1 only (FFN: layer 0 zero-padded to the common width; KV: no slots there),
     4 norms per block, no q/k norm: the memtree architecture, still exact."""
     anchor = _anchor("none", tied=False, norms_per_block=4)
-    memory = MemoryConfig(multipliers=(4, 2), type=kind, branching=2, placement="explicit", layers=(1,),
-                          preserve_total=False)
+    memory = MemoryConfig(
+        multipliers=(4, 2),
+        type=kind,
+        branching=2,
+        placement="explicit",
+        layers=(1,),
+        preserve_total=False,
+    )
     model = _model(anchor, memory)
     memories = _memories(anchor, memory)
     assert set(memories) == {1}
@@ -131,8 +161,9 @@ def test_export_uneven_layers_and_post_norms(tmp_path, kind):
 
 def test_stablelm_needs_full_width_attention(tmp_path):
     """n_heads·head_dim != d_model: StableLM's square o_proj cannot hold it."""
-    anchor = AnchorShape(n_layers=2, d_model=32, n_heads=2, head_dim=8, ffn_dim=64, vocab_size=VOCAB,
-                         qk_norm="head")
+    anchor = AnchorShape(
+        n_layers=2, d_model=32, n_heads=2, head_dim=8, ffn_dim=64, vocab_size=VOCAB, qk_norm="head"
+    )
     model = _model(anchor)
     info = export_anchor(model, tmp_path / "out")
     assert info["architecture"] == "MemtreeAnchorForCausalLM" and "d_model" in info["why_not_stock"]
@@ -149,7 +180,9 @@ def test_export_keeps_bf16(tmp_path):
     assert info["dtype"] == "bfloat16"
     from safetensors.torch import load_file
 
-    assert {t.dtype for t in load_file(tmp_path / "out" / "model.safetensors").values()} == {torch.bfloat16}
+    assert {t.dtype for t in load_file(tmp_path / "out" / "model.safetensors").values()} == {
+        torch.bfloat16
+    }
     ids = _ids()
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
     with torch.no_grad():
@@ -159,8 +192,10 @@ def test_export_keeps_bf16(tmp_path):
 
 
 # (2) greedy generation equals a greedy loop over the memtree model ----------------------------
-@pytest.mark.parametrize("qk_norm,kind", [("full", "ffn"), ("full", "kv"), ("head", "lora-ffn"),
-                                          ("head", "ffn"), ("full", "lora-qk")])
+@pytest.mark.parametrize(
+    "qk_norm,kind",
+    [("full", "ffn"), ("full", "kv"), ("head", "lora-ffn"), ("head", "ffn"), ("full", "lora-qk")],
+)
 def test_generate_matches_greedy_loop(tmp_path, qk_norm, kind):
     anchor = _anchor(qk_norm, tied=True)
     memory = MemoryConfig(multipliers=(0, 4, 8), type=kind, branching=2)
@@ -171,8 +206,13 @@ def test_generate_matches_greedy_loop(tmp_path, qk_norm, kind):
     prompt = _ids(seq=7, seed=5)
     want = _greedy(model, prompt, memories, 5)
     for use_cache in (True, False):
-        got = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                          max_new_tokens=5, use_cache=use_cache)
+        got = hf.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            do_sample=False,
+            max_new_tokens=5,
+            use_cache=use_cache,
+        )
         assert torch.equal(got, want), (use_cache, got, want)
 
 
@@ -187,7 +227,9 @@ def test_generate_left_padded_batch(tmp_path):
     hf = _load(tmp_path / "out")
     short, long = _ids(seq=4, seed=7), _ids(seq=9, seed=8)
     batch = torch.cat([torch.cat([torch.zeros(1, 5, dtype=torch.long), short], dim=1), long])
-    mask = torch.cat([torch.cat([torch.zeros(1, 5), torch.ones(1, 4)], dim=1), torch.ones(1, 9)]).long()
+    mask = torch.cat(
+        [torch.cat([torch.zeros(1, 5), torch.ones(1, 4)], dim=1), torch.ones(1, 9)]
+    ).long()
     got = hf.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=4, pad_token_id=0)
     for row, prompt in ((0, short), (1, long)):
         assert torch.equal(got[row, 9:], _greedy(model, prompt, memories, 4)[0, -4:])
@@ -218,18 +260,24 @@ def _tokenizer_dir(path, hf_files: bool):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     path.mkdir()
     if hf_files:  # a folder saved by transformers, with another eos: the export makes EOT the eos
-        transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="mat").save_pretrained(path)
+        transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="mat").save_pretrained(
+            path
+        )
     else:  # a bare tokenizers file
         tok.save(str(path / "tokenizer.json"))
     # what a memtree run's tokenizer folder records (pipeline/window.py)
-    (path / "memtree_tokenizer.json").write_text(json.dumps({"eot_token": "<|endoftext|>", "eot_id": 0}))
+    (path / "memtree_tokenizer.json").write_text(
+        json.dumps({"eot_token": "<|endoftext|>", "eot_id": 0})
+    )
     return path
 
 
 @pytest.mark.parametrize("hf_files", [False, True], ids=["tokenizer.json", "hf-folder"])
 def test_tokenizer_and_eos(tmp_path, hf_files):
     model = _model(_anchor("head"))
-    info = export_anchor(model, tmp_path / "out", tokenizer_dir=_tokenizer_dir(tmp_path / "tok", hf_files))
+    info = export_anchor(
+        model, tmp_path / "out", tokenizer_dir=_tokenizer_dir(tmp_path / "tok", hf_files)
+    )
     out = tmp_path / "out"
     tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
     assert isinstance(tok, transformers.PreTrainedTokenizerFast)
@@ -285,9 +333,16 @@ def test_refuses_moc_and_pkm(tmp_path):
 # (5) post-hoc memory on a Hugging Face Llama -----------------------------------------------------
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                      max_position_embeddings=64, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():  # non-trivial norm gains

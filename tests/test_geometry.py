@@ -44,11 +44,15 @@ def _m(n: int) -> float:  # millions, one decimal
 
 # --- Tables 4–6: anchor parameter counts -------------------------------------------------------
 
-@pytest.mark.parametrize("name, params", [
-    ("openlm-160m", 163_510_016),    # Table 4
-    ("openlm-410m", 411_665_408),    # Table 5
-    ("openlm-1.4b", 1_439_893_504),  # Table 6
-])
+
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("openlm-160m", 163_510_016),  # Table 4
+        ("openlm-410m", 411_665_408),  # Table 5
+        ("openlm-1.4b", 1_439_893_504),  # Table 6
+    ],
+)
 def test_anchor_params_tables_4_to_6(name, params):
     assert get_anchor(name).params() == params
 
@@ -56,20 +60,46 @@ def test_anchor_params_tables_4_to_6(name, params):
 def test_anchor_shapes_tables_4_to_6():
     a = get_anchor("openlm-160m")
     assert (a.n_layers, a.d_model, a.n_heads, a.head_dim, a.ffn_dim, a.tied_embeddings) == (
-        35, 512, 12, 32, 2048, True)
+        35,
+        512,
+        12,
+        32,
+        2048,
+        True,
+    )
     a = get_anchor("openlm-410m")
     assert (a.n_layers, a.d_model, a.n_heads, a.head_dim, a.ffn_dim, a.tied_embeddings) == (
-        24, 1024, 16, 64, 2816, False)
+        24,
+        1024,
+        16,
+        64,
+        2816,
+        False,
+    )
     a = get_anchor("openlm-1.4b")
     assert (a.n_layers, a.d_model, a.n_heads, a.head_dim, a.ffn_dim, a.tied_embeddings) == (
-        24, 2048, 16, 128, 5632, False)
+        24,
+        2048,
+        16,
+        128,
+        5632,
+        False,
+    )
 
 
 # --- Table 8: memory-to-model size, exact integers ---------------------------------------------
 
 TABLE_8 = [
     # anchor, layers, num params, config, fetch, bank, runtime
-    ("openlm-410m-l12", 12, 257_475_584, (3840, 336, 6, 0), 154_165_248, 6_341_787_648, 411_640_832),
+    (
+        "openlm-410m-l12",
+        12,
+        257_475_584,
+        (3840, 336, 6, 0),
+        154_165_248,
+        6_341_787_648,
+        411_640_832,
+    ),
     ("openlm-410m-l17", 17, 321_721_344, (1445, 256, 8, 0), 89_250_816, 6_341_246_976, 410_972_160),
     ("openlm-410m-l19", 19, 347_419_648, (870, 226, 9, 0), 64_496_640, 6_341_099_520, 411_916_288),
     ("openlm-410m-l21", 21, 373_117_952, (384, 200, 10, 0), 38_320_128, 6_341_787_648, 411_438_080),
@@ -91,11 +121,15 @@ def test_table_8_exact(anchor, n_layers, params, config, fetch, bank, runtime):
 
 # --- Table 1: co-training rows A2 / B2 / C2 ----------------------------------------------------
 
-@pytest.mark.parametrize("anchor, config, bank_b, fetch_m", [
-    ("openlm-160m", (256, 64, 16, 0), 4.6, 18),   # A2
-    ("openlm-410m", (512, 128, 32, 0), 12.7, 50),  # B2
-    ("openlm-1.4b", (768, 256, 16, 0), 21.1, 153),  # C2
-])
+
+@pytest.mark.parametrize(
+    "anchor, config, bank_b, fetch_m",
+    [
+        ("openlm-160m", (256, 64, 16, 0), 4.6, 18),  # A2
+        ("openlm-410m", (512, 128, 32, 0), 12.7, 50),  # B2
+        ("openlm-1.4b", (768, 256, 16, 0), 21.1, 153),  # C2
+    ],
+)
 def test_table_1(anchor, config, bank_b, fetch_m):
     p = plan(anchor, config)
     assert _b(p.bank_params) == bank_b
@@ -105,11 +139,17 @@ def test_table_1(anchor, config, bank_b, fetch_m):
 # --- Table 7: hierarchical configurations on the frozen 160M anchor ----------------------------
 
 TABLE_7_GROUP_46 = [  # bank 4.6B
-    ((0, 16, 4, 1), 1.1), ((98, 42, 18, 0), 8.5), ((256, 64, 16, 0), 18.1),
-    ((768, 96, 12, 0), 47.1), ((1792, 112, 7, 0), 102.7), ((5376, 0, 0, 0), 289),
+    ((0, 16, 4, 1), 1.1),
+    ((98, 42, 18, 0), 8.5),
+    ((256, 64, 16, 0), 18.1),
+    ((768, 96, 12, 0), 47.1),
+    ((1792, 112, 7, 0), 102.7),
+    ((5376, 0, 0, 0), 289),
 ]
 TABLE_7_GROUP_187 = [  # bank 18.7B; (256,64,16,4) is handled separately below
-    ((328, 156, 74, 0), 30), ((1216, 164, 22, 3), 75.5), ((4096, 320, 17, 2), 238.4),
+    ((328, 156, 74, 0), 30),
+    ((1216, 164, 22, 3), 75.5),
+    ((4096, 320, 17, 2), 238.4),
 ]
 
 
@@ -140,11 +180,15 @@ def test_table_7_row_256_64_16_4():
 
 # --- Table 3: memory bank storage in bf16 ------------------------------------------------------
 
-@pytest.mark.parametrize("anchor, config, gb", [
-    ("openlm-160m", (256, 64, 16, 0), 9),
-    ("openlm-410m", (512, 128, 32, 0), 25),
-    ("openlm-1.4b", (768, 256, 16, 0), 42),
-])
+
+@pytest.mark.parametrize(
+    "anchor, config, gb",
+    [
+        ("openlm-160m", (256, 64, 16, 0), 9),
+        ("openlm-410m", (512, 128, 32, 0), 25),
+        ("openlm-1.4b", (768, 256, 16, 0), 42),
+    ],
+)
 def test_table_3_bank_bytes_bf16(anchor, config, gb):
     p = plan(anchor, config)
     assert round(p.bank_bytes("bf16") / 1e9) == gb
@@ -153,11 +197,15 @@ def test_table_3_bank_bytes_bf16(anchor, config, gb):
 
 # --- Table 2: post-hoc memories on open-weight models ------------------------------------------
 
-@pytest.mark.parametrize("anchor, config, bank_b, fetch_m", [
-    ("gemma3-270m", (512, 128, 32, 0), 5.9, 23.2),
-    ("qwen2.5-0.5b", (512, 128, 32, 0), 11.1, 43.4),
-    ("llama3.2-1b", (768, 256, 16, 0), 14.1, 102.2),
-])
+
+@pytest.mark.parametrize(
+    "anchor, config, bank_b, fetch_m",
+    [
+        ("gemma3-270m", (512, 128, 32, 0), 5.9, 23.2),
+        ("qwen2.5-0.5b", (512, 128, 32, 0), 11.1, 43.4),
+        ("llama3.2-1b", (768, 256, 16, 0), 14.1, 102.2),
+    ],
+)
 def test_table_2(anchor, config, bank_b, fetch_m):
     p = plan(anchor, config, type="ffn")
     assert _b(p.bank_params) == bank_b
@@ -176,6 +224,7 @@ def test_table_2_llama_config_in_text_does_not_reproduce_table():
 
 # --- App. D: (0,0,16,0) on the 160M anchor -----------------------------------------------------
 
+
 def test_app_d_level3_memories():
     p = plan("openlm-160m", (0, 0, 16, 0))
     lv = p.levels[2]
@@ -188,6 +237,7 @@ def test_app_d_level3_memories():
 
 # --- seeds/README.md: FFN block = 3·d·m·L, bank = Σ 16^l · m_l blocks' worth ------------------
 
+
 @pytest.mark.parametrize("anchor", ["openlm-160m", "openlm-410m", "openlm-1.4b", "openlm-410m-l17"])
 @pytest.mark.parametrize("config", [(256, 64, 16, 0), (7, 3, 2, 1), (0, 0, 0, 5)])
 def test_readme_ffn_formula(anchor, config):
@@ -197,7 +247,9 @@ def test_readme_ffn_formula(anchor, config):
     assert [lv.block_params for lv in p.levels] == [unit * m for m in config]
     assert p.fetch_params == unit * sum(config)
     assert p.bank_params == unit * sum(16**lv * m for lv, m in enumerate(config, start=1))
-    assert [lv.n_blocks for lv in p.levels] == [16**lv if m else 0 for lv, m in enumerate(config, 1)]
+    assert [lv.n_blocks for lv in p.levels] == [
+        16**lv if m else 0 for lv, m in enumerate(config, 1)
+    ]
 
 
 def test_branching_other_than_16():
@@ -209,12 +261,16 @@ def test_branching_other_than_16():
 
 # --- App. F: memory placement ------------------------------------------------------------------
 
+
 def test_app_f_placements_keep_uniform_budget():
     a = get_anchor("openlm-160m")
     uniform = plan(a, (0, 64, 0, 0))
     assert uniform.fetch_params == 3 * 512 * 64 * 35
-    expected_layers = {"early": list(range(10)), "middle": list(range(12, 22)),
-                       "late": list(range(25, 35))}
+    expected_layers = {
+        "early": list(range(10)),
+        "middle": list(range(12, 22)),
+        "late": list(range(25, 35)),
+    }
     for placement, layers in expected_layers.items():
         p = plan(a, (0, 64, 0, 0), placement=placement, placement_layers=10)
         assert list(p.memory_layers) == layers, placement
@@ -260,6 +316,7 @@ def test_app_f_bad_placement_layers():
 
 # --- App. I: LoRA and KV memory sizes ----------------------------------------------------------
 
+
 def _lora_kv_per_layer(d, f, h, h_kv, dh, r):
     return {
         "lora-qk": r * (d + h * dh) + r * (d + h_kv * dh),
@@ -298,6 +355,7 @@ def test_app_i_gqa(anchor, kind):
 
 # --- block_layout ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", ["ffn", "lora-qk", "lora-ov", "lora-ffn", "kv"])
 def test_block_layout_sums_to_block_params(kind):
     a = get_anchor("openlm-160m")
@@ -321,6 +379,7 @@ def test_block_layout_ffn_shapes():
 
 
 # --- stored_bytes ------------------------------------------------------------------------------
+
 
 def test_stored_bytes_float():
     n = 860_160
@@ -353,6 +412,7 @@ def test_stored_bytes_unknown_dtype():
 
 
 # --- validation --------------------------------------------------------------------------------
+
 
 def test_negative_multiplier():
     with pytest.raises(ValueError, match="non-negative"):
@@ -468,8 +528,24 @@ def test_cli_plan_placement(capsys):
 
 
 def test_cli_plan_lora_and_branching(capsys):
-    assert main(["memstore", "plan", "--anchor", "openlm-160m", "--memory", "0,8",
-                 "--type", "lora-ffn", "--branching", "4", "--json"]) == 0
+    assert (
+        main(
+            [
+                "memstore",
+                "plan",
+                "--anchor",
+                "openlm-160m",
+                "--memory",
+                "0,8",
+                "--type",
+                "lora-ffn",
+                "--branching",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     d = json.loads(capsys.readouterr().out)
     assert d["fetch_params"] == 3 * 8 * (512 + 2048) * 35
     assert d["bank_params"] == 16 * d["fetch_params"]
@@ -494,14 +570,18 @@ def test_human_rounding_sanity():
 
 # --- split_block / join_block: the flat block ↔ named tensors -----------------------------------
 
-_SMALL = AnchorShape(name="small-test", n_layers=3, d_model=16, n_heads=2, n_kv_heads=1, head_dim=8, ffn_dim=32)
+_SMALL = AnchorShape(
+    name="small-test", n_layers=3, d_model=16, n_heads=2, n_kv_heads=1, head_dim=8, ffn_dim=32
+)
 
 
 @pytest.mark.parametrize("kind", ["ffn", "lora-qk", "kv"])
 def test_split_join_block_round_trip_torch(kind):
     import torch
 
-    layout = block_layout(_SMALL, MemoryConfig(multipliers=(4,), type=kind, placement="late", placement_layers=2), 1)
+    layout = block_layout(
+        _SMALL, MemoryConfig(multipliers=(4,), type=kind, placement="late", placement_layers=2), 1
+    )
     params = sum(t.numel for t in layout)
     flat = torch.randn(5, params)
     parts = split_block(layout, flat)
@@ -535,5 +615,7 @@ def test_split_join_block_numpy_matches_torch():
 
 def test_geometry_imports_no_torch_or_numpy():
     code = "import sys, memtree.geometry; print(sorted({'torch', 'numpy'} & set(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "[]"

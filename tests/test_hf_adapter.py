@@ -32,22 +32,42 @@ BANKS = {
 
 
 def _config(family: str):
-    common = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "intermediate_size": 128, "vocab_size": VOCAB, "max_position_embeddings": 64}
+    common = {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 64,
+    }
     if family == "llama":
-        return transformers.LlamaConfig(**common, tie_word_embeddings=False, attn_implementation="eager")
+        return transformers.LlamaConfig(
+            **common, tie_word_embeddings=False, attn_implementation="eager"
+        )
     if family == "qwen3":
-        return transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True,
-                                        attn_implementation="sdpa")
+        return transformers.Qwen3Config(
+            **common, head_dim=16, tie_word_embeddings=True, attn_implementation="sdpa"
+        )
     if family == "gemma3":  # 4 norms per block, GELU-tanh MLP, one sliding and one global layer
-        return transformers.Gemma3TextConfig(**common, head_dim=16, sliding_window=4,
-                                             layer_types=["sliding_attention", "full_attention"],
-                                             attn_implementation="eager")
-    return transformers.Olmo2Config(**common, attn_implementation="sdpa")  # no input norm, full q/k norms
+        return transformers.Gemma3TextConfig(
+            **common,
+            head_dim=16,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+            attn_implementation="eager",
+        )
+    return transformers.Olmo2Config(
+        **common, attn_implementation="sdpa"
+    )  # no input norm, full q/k norms
 
 
-_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-            "olmo2": "Olmo2ForCausalLM"}
+_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+}
 
 
 def _build(family: str, dtype: torch.dtype = torch.float32):
@@ -71,7 +91,9 @@ def ids():
 
 
 def _spec(variation: int = 1, **kw) -> AdapterSpec:
-    return AdapterSpec(**{"n_chapters": 8, "tokens_per_chapter": 4, "top_k": 2, "variation": variation, **kw})
+    return AdapterSpec(
+        **{"n_chapters": 8, "tokens_per_chapter": 4, "top_k": 2, "variation": variation, **kw}
+    )
 
 
 def _logits(model, ids):
@@ -126,10 +148,17 @@ def test_perturbed_adapters_change_logits(bases, ids, family, variation):
 
 def _reference_layer(layer, x, kw, adapter: HFMemAdapter, i: int, family: str):
     """One decoder layer with its adapter, written out from the HF submodules (hooks removed)."""
-    attn_kw = {k: v for k, v in kw.items() if k not in ("position_embeddings_global", "position_embeddings_local")}
+    attn_kw = {
+        k: v
+        for k, v in kw.items()
+        if k not in ("position_embeddings_global", "position_embeddings_local")
+    }
     if family == "gemma3":
-        attn_kw["position_embeddings"] = kw["position_embeddings_local" if layer.self_attn.is_sliding
-                                            else "position_embeddings_global"]
+        attn_kw["position_embeddings"] = kw[
+            "position_embeddings_local"
+            if layer.self_attn.is_sliding
+            else "position_embeddings_global"
+        ]
     mem, bank = adapter.mem_layers[str(i)], bank_for(adapter.banks, i)
     variation = adapter.moc.variation
     h = x if family == "olmo2" else layer.input_layernorm(x)  # OLMo 2 has no input norm
@@ -170,7 +199,10 @@ def test_hooked_layer_matches_hand_written_reference(bases, ids, family, variati
     def post(module, args, out):  # registered after the adapter's own: sees the final output
         seen["out"] = out[0] if isinstance(out, tuple) else out
 
-    handles = [layer.register_forward_pre_hook(pre, with_kwargs=True), layer.register_forward_hook(post)]
+    handles = [
+        layer.register_forward_pre_hook(pre, with_kwargs=True),
+        layer.register_forward_hook(post),
+    ]
     _logits(adapter, ids)
     for h in handles:
         h.remove()
@@ -216,8 +248,11 @@ def test_only_adapter_parameters_get_gradients(bases, ids, variation):
 
 def test_freezes_follow_the_flags(bases):
     model = copy.deepcopy(bases["llama"])
-    adapter = HFMemAdapter(model, _spec(1, low_rank="factorized", rank=8, freeze_kv=True, bank_lr_factor=0.0),
-                           freeze_base=False)
+    adapter = HFMemAdapter(
+        model,
+        _spec(1, low_rank="factorized", rank=8, freeze_kv=True, bank_lr_factor=0.0),
+        freeze_base=False,
+    )
     assert all(p.requires_grad for p in model.parameters())
     groups = adapter.adapter_parameters()
     assert len(groups["bank"]) == 2  # the table and the factorised bank's up-projection
@@ -225,13 +260,16 @@ def test_freezes_follow_the_flags(bases):
     assert all(p.requires_grad for p in groups["layers"])
 
 
-@pytest.mark.parametrize("kw, names", [
-    ({"layers": "5"}, ("adapter.layers", "2 layers")),
-    ({"layers": "last:3"}, ("adapter.layers", "2 layers")),
-    ({"low_rank": "factorized", "rank": 128}, ("adapter.rank=128", "d_model=64")),
-    ({"n_heads": 5}, ("adapter.n_heads=5", "d_model=64")),
-    ({"low_rank": "reduced", "rank": 10}, ("4 attention heads", "adapter.rank=10")),
-])
+@pytest.mark.parametrize(
+    "kw, names",
+    [
+        ({"layers": "5"}, ("adapter.layers", "2 layers")),
+        ({"layers": "last:3"}, ("adapter.layers", "2 layers")),
+        ({"low_rank": "factorized", "rank": 128}, ("adapter.rank=128", "d_model=64")),
+        ({"n_heads": 5}, ("adapter.n_heads=5", "d_model=64")),
+        ({"low_rank": "reduced", "rank": 10}, ("4 attention heads", "adapter.rank=10")),
+    ],
+)
 def test_bad_spec_is_a_config_error_naming_field_and_value(bases, kw, names):
     model = copy.deepcopy(bases["llama"])
     with pytest.raises(ConfigError) as err:
@@ -280,7 +318,10 @@ def test_seed_fixes_the_adapters_and_keeps_the_global_rng(bases):
     assert torch.equal(torch.random.get_rng_state(), state)
     b = HFMemAdapter(copy.deepcopy(bases["olmo2"]), _spec(2), seed=7)
     c = HFMemAdapter(copy.deepcopy(bases["olmo2"]), _spec(2), seed=8)
-    pa, pb, pc = (torch.cat([p.flatten() for g in x.adapter_parameters().values() for p in g]) for x in (a, b, c))
+    pa, pb, pc = (
+        torch.cat([p.flatten() for g in x.adapter_parameters().values() for p in g])
+        for x in (a, b, c)
+    )
     assert torch.equal(pa, pb) and not torch.equal(pa, pc)
 
 

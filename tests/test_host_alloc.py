@@ -32,11 +32,15 @@ print(json.dumps({"applied": applied, "faults": faults}))
 
 
 def _probe(setting: str) -> dict:
-    r = subprocess.run([sys.executable, "-c", PROBE, setting], capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE, setting], capture_output=True, text=True, check=True
+    )
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc malloc only")
+@pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc malloc only"
+)
 def test_retain_reuses_freed_tensor_memory_without_page_faults():
     pages = 64 * 2**20 // 4096
     system, retain = _probe("system"), _probe("retain")

@@ -16,8 +16,15 @@ from tests.conftest import write_jsonl
 
 def _run(tmp_path, client, inputs, **over):
     ov = [f"{k}={v}" for k, v in over.items()]
-    cfg = load_config(PipelineConfig, {"out": str(tmp_path / "run"), "progress": False,
-                                       "ingest": {"inputs": [str(i) for i in inputs]}}, ov)
+    cfg = load_config(
+        PipelineConfig,
+        {
+            "out": str(tmp_path / "run"),
+            "progress": False,
+            "ingest": {"inputs": [str(i) for i in inputs]},
+        },
+        ov,
+    )
     return run_pipeline(cfg, until="ingest", client=client, log=lambda m: None)["ingest"]["stats"]
 
 
@@ -45,9 +52,18 @@ def test_reject_reasons_and_reconciliation(tmp_path, dask_client):
     assert stats["records_in"] == 14
     assert stats["kept"] + stats["rejected"] == stats["records_in"]
     assert stats["rejects_by_reason"] == {
-        "binary": 1, "blank_line": 1, "duplicate_content": 1, "duplicate_id": 1, "empty": 1,
-        "invalid_id": 1, "invalid_type": 1, "invalid_utf8": 1, "malformed_json": 1,
-        "missing_field": 1, "not_an_object": 1, "oversize": 1,
+        "binary": 1,
+        "blank_line": 1,
+        "duplicate_content": 1,
+        "duplicate_id": 1,
+        "empty": 1,
+        "invalid_id": 1,
+        "invalid_type": 1,
+        "invalid_utf8": 1,
+        "malformed_json": 1,
+        "missing_field": 1,
+        "not_an_object": 1,
+        "oversize": 1,
     }
     rej = pq.read_table(tmp_path / "run" / "ingest" / "rejects.parquet").to_pylist()
     by_reason = {r["reason"]: r for r in rej}
@@ -69,13 +85,18 @@ def test_every_input_kind(tmp_path, dask_client):
     (d / "image.png").write_bytes(b"\x89PNG")
     with gzip.open(d / "more.jsonl.gz", "wt") as g:
         g.write(json.dumps({"id": "gz1", "text": "Gzipped record."}) + "\n")
-    pq.write_table(pa.table({"id": ["p1", "p2"], "text": ["Parquet row one.", None],
-                             "domain": ["x", "y"]}), d / "t.parquet")
+    pq.write_table(
+        pa.table({"id": ["p1", "p2"], "text": ["Parquet row one.", None], "domain": ["x", "y"]}),
+        d / "t.parquet",
+    )
     stats = _run(tmp_path, dask_client, [d], **{"ingest.keep_fields": "[domain]"})
     assert stats["records_in"] == 7
     assert stats["kept"] == 4
-    assert stats["rejects_by_reason"] == {"invalid_type": 1, "invalid_utf8": 1,
-                                          "unsupported_file_type": 1}
+    assert stats["rejects_by_reason"] == {
+        "invalid_type": 1,
+        "invalid_utf8": 1,
+        "unsupported_file_type": 1,
+    }
     docs = pa.concat_tables(
         [pq.read_table(tmp_path / "run" / "ingest" / p["file"]) for p in stats["parts"]]
     ).to_pylist()
@@ -104,8 +125,10 @@ def test_remote_output_through_fsspec(tmp_path, dask_client, monkeypatch):
 
     monkeypatch.setenv("MEMTREE_STAGING", str(tmp_path / "staging"))
     f = write_jsonl(tmp_path / "a.jsonl", [{"id": "r1", "text": "Remote run."}, "{bad"])
-    cfg = load_config(PipelineConfig, {"out": "memory://bucket/run", "progress": False,
-                                       "ingest": {"inputs": [str(f)]}})
+    cfg = load_config(
+        PipelineConfig,
+        {"out": "memory://bucket/run", "progress": False, "ingest": {"inputs": [str(f)]}},
+    )
     run_pipeline(cfg, until="ingest", client=dask_client, log=lambda m: None)
     fs = fsspec.filesystem("memory")
     assert fs.exists("/bucket/run/config.json")

@@ -22,8 +22,10 @@ from memtree.kernels.ffn_memory import ffn_memory, ffn_memory_table
 from memtree.kernels.memory_attention import memory_attention, memory_attention_table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-interp_or_gpu = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-                                   reason="the Triton path on the CPU needs TRITON_INTERPRET=1")
+interp_or_gpu = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton path on the CPU needs TRITON_INTERPRET=1",
+)
 
 
 class _Passthrough(TorchDispatchMode):
@@ -105,8 +107,16 @@ def test_shared_table_is_unpacked_and_split_once():
     K.TABLES.clear()
     for _layer in range(3):
         for which in (0, 1):
-            out, grads = _attention_grads(q, bk, bv, (idx, idx2)[which], dy, impl="triton",
-                                          table=tables[which], sparse_grad=False)
+            out, grads = _attention_grads(
+                q,
+                bk,
+                bv,
+                (idx, idx2)[which],
+                dy,
+                impl="triton",
+                table=tables[which],
+                sparse_grad=False,
+            )
             torch.testing.assert_close(out, want[which][0])
             for a, b in zip(grads, want[which][1], strict=True):
                 torch.testing.assert_close(a, b)
@@ -115,7 +125,8 @@ def test_shared_table_is_unpacked_and_split_once():
     assert {key[2] for key in K.TABLES.entries} == {t.ints.data_ptr() for t in tables}
     layout = next(iter(K.TABLES.entries))[0]
     assert K.TABLES.unpack(layout, tables[0].ints, tables[0].coef) is K.TABLES.unpack(
-        layout, tables[0].ints, tables[0].coef)
+        layout, tables[0].ints, tables[0].coef
+    )
 
 
 def test_unpacked_tables_stay_bounded():

@@ -20,8 +20,9 @@ if not torch.cuda.is_available():
 from memtree.kernels.ffn_memory import ffn_memory, ffn_memory_naive, ffn_memory_table
 from memtree.kernels.ffn_memory import kernel as ffn_kernel
 
-interpreter = pytest.mark.skipif(not ffn_kernel.interpreting(),
-                                 reason="needs TRITON_INTERPRET=1 to run Triton on CPU")
+interpreter = pytest.mark.skipif(
+    not ffn_kernel.interpreting(), reason="needs TRITON_INTERPRET=1 to run Triton on CPU"
+)
 compiled = pytest.mark.skipif(ffn_kernel.interpreting(), reason="the kernels are interpreted")
 
 # Relative (norm-wise) error allowed per dtype: fp32 accumulation everywhere, but the
@@ -44,8 +45,12 @@ def make_inputs(b, s, d, w, idx, dtype=torch.float32, n=7, device="cpu", seed=0)
     banks = [torch.randn(n, w, d, generator=g) / d**0.5 for _ in range(3)]
     dy = torch.randn(b, s, d, generator=g)
     block_idx = torch.tensor(idx, dtype=torch.int64)
-    return (x.to(device, dtype), [t.to(device, dtype) for t in banks], block_idx.to(device),
-            dy.to(device, dtype))
+    return (
+        x.to(device, dtype),
+        [t.to(device, dtype) for t in banks],
+        block_idx.to(device),
+        dy.to(device, dtype),
+    )
 
 
 def run_op(x, banks, block_idx, dy, **kw):
@@ -122,7 +127,10 @@ def test_sparse_grad_only_on_referenced_blocks(impl):
         torch.testing.assert_close(g.to_dense(), full, rtol=1e-6, atol=1e-6)
         unreferenced = torch.ones(9, dtype=torch.bool)
         unreferenced[referenced] = False
-        assert full[unreferenced].abs().max() == 0 and full[referenced].abs().amax(dim=(1, 2)).min() > 0
+        assert (
+            full[unreferenced].abs().max() == 0
+            and full[referenced].abs().amax(dim=(1, 2)).min() > 0
+        )
 
 
 @interpreter
@@ -135,15 +143,17 @@ def test_padding_only_rows_and_bank_views():
     banks = [t[:, 10:34] for t in tables]  # (7, 24, 32) views
     assert banks[0].stride(0) == 48 * 32
     idx = torch.tensor([[1, 6, 6], [-1, -1, -1], [0, 6, -1]])
-    y, grads = assert_matches_naive(x.bfloat16(), banks, idx, dy.bfloat16(), impl="triton",
-                                    sparse_grad=False)
+    y, grads = assert_matches_naive(
+        x.bfloat16(), banks, idx, dy.bfloat16(), impl="triton", sparse_grad=False
+    )
     assert y[1].abs().max() == 0 and grads[0][1].abs().max() == 0
     assert all(g.dtype == torch.float32 for g in grads[1:])
     # Dense gradients flow back through the slicing into the tables (sparse ones cannot:
     # slicing's backward has no sparse kernel).
     tables = [t.requires_grad_() for t in tables]
-    ffn_memory(x.bfloat16(), *(t[:, 10:34] for t in tables), idx, impl="triton",
-               sparse_grad=False).backward(dy.bfloat16())
+    ffn_memory(
+        x.bfloat16(), *(t[:, 10:34] for t in tables), idx, impl="triton", sparse_grad=False
+    ).backward(dy.bfloat16())
     for t, g in zip(tables, grads[1:]):
         torch.testing.assert_close(t.grad[:, 10:34], g, rtol=1e-6, atol=1e-6)
         assert t.grad[:, :10].abs().max() == 0 and t.grad[:, 34:].abs().max() == 0
@@ -175,18 +185,26 @@ def test_matches_model_feedforward_memory_branch(impl):
 def test_opcheck(impl):
     x, banks, idx, dy = make_inputs(2, 5, 32, 24, [[2, 5, -1], [5, 5, 0]])
     x = x.transpose(0, 1).contiguous().transpose(0, 1)  # outputs are contiguous regardless
-    torch.library.opcheck(torch.ops.memtree.ffn_memory.default,
-                          (x.requires_grad_(), *(b.requires_grad_() for b in banks), idx),
-                          {"sparse_grad": False, "impl": impl})
-    torch.library.opcheck(torch.ops.memtree.ffn_memory_backward.default,
-                          (dy, x.detach(), *(b.detach() for b in banks), idx, None, 6, impl))
+    torch.library.opcheck(
+        torch.ops.memtree.ffn_memory.default,
+        (x.requires_grad_(), *(b.requires_grad_() for b in banks), idx),
+        {"sparse_grad": False, "impl": impl},
+    )
+    torch.library.opcheck(
+        torch.ops.memtree.ffn_memory_backward.default,
+        (dy, x.detach(), *(b.detach() for b in banks), idx, None, 6, impl),
+    )
     # with a shared table (ffn_memory_table's packed pairs)
     table = ffn_memory_table(idx, banks[0].shape[0])
-    torch.library.opcheck(torch.ops.memtree.ffn_memory.default,
-                          (x, *banks, idx, table.packed),
-                          {"sparse_grad": True, "num_slots": table.num_slots(), "impl": impl})
-    torch.library.opcheck(torch.ops.memtree.ffn_memory_backward.default,
-                          (dy, x.detach(), *(b.detach() for b in banks), idx, table.packed, 3, impl))
+    torch.library.opcheck(
+        torch.ops.memtree.ffn_memory.default,
+        (x, *banks, idx, table.packed),
+        {"sparse_grad": True, "num_slots": table.num_slots(), "impl": impl},
+    )
+    torch.library.opcheck(
+        torch.ops.memtree.ffn_memory_backward.default,
+        (dy, x.detach(), *(b.detach() for b in banks), idx, table.packed, 3, impl),
+    )
 
 
 def _compile_matches_eager(device: str, dtype: torch.dtype) -> None:
@@ -222,7 +240,9 @@ def test_argument_errors_name_the_argument():
     with pytest.raises(ValueError, match="bank_w3"):
         ffn_memory(x, banks[0], banks[1], banks[2][:, :, :16], idx)
     with pytest.raises(ValueError, match="bank_w2"):
-        ffn_memory(x, banks[0], banks[1].transpose(1, 2).contiguous().transpose(1, 2), banks[2], idx)
+        ffn_memory(
+            x, banks[0], banks[1].transpose(1, 2).contiguous().transpose(1, 2), banks[2], idx
+        )
     with pytest.raises(ValueError, match="x must be"):
         ffn_memory(x[0], *banks, idx)
     with pytest.raises(ValueError, match="table was built for"):  # another N

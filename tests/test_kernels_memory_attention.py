@@ -40,6 +40,7 @@ def _auto_layout_is_tiles(monkeypatch):
     (test_kernels_memory_attention_blocks.py tests those and the auto rule)."""
     monkeypatch.setattr(op, "AUTO_BLOCKS_SLOTS_PER_K", math.inf)
 
+
 # Max error relative to the reference's largest magnitude. Under the interpreter
 # tiles are fp32 after loading, so fp16/bf16 differ from the reference only by
 # rounding of inputs/outputs; on a GPU P and dS are rounded to fp16/bf16 for the dots.
@@ -64,8 +65,10 @@ class Case:
     def __str__(self) -> str:
         kind = "tok" if self.per_token else "seq"
         dt = str(self.dtype).removeprefix("torch.")
-        return (f"{kind}-{self.mode}-{dt}-B{self.b}H{self.h}/{self.h_kv}S{self.s}D{self.d}"
-                f"N{self.n}T{self.t}k{self.k}")
+        return (
+            f"{kind}-{self.mode}-{dt}-B{self.b}H{self.h}/{self.h_kv}S{self.s}D{self.d}"
+            f"N{self.n}T{self.t}k{self.k}"
+        )
 
 
 CPU_CASES = [
@@ -116,8 +119,13 @@ def make_inputs(case: Case, device: str = "cpu", seed: int = 0):
     weights = None
     if c.mode is not None:
         weights = torch.rand(shape, generator=g) * 0.9 + 0.1
-    return (q.to(device, c.dtype), bank_k.to(device, c.dtype), bank_v.to(device, c.dtype),
-            idx.to(device), None if weights is None else weights.to(device))
+    return (
+        q.to(device, c.dtype),
+        bank_k.to(device, c.dtype),
+        bank_v.to(device, c.dtype),
+        idx.to(device),
+        None if weights is None else weights.to(device),
+    )
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -126,8 +134,10 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def grads_of(fn, inputs, grad_out):
-    leaves = [x.detach().requires_grad_() if x is not None and x.is_floating_point() else x
-              for x in inputs]
+    leaves = [
+        x.detach().requires_grad_() if x is not None and x.is_floating_point() else x
+        for x in inputs
+    ]
     out = fn(*leaves)
     diff = [x for x in leaves if x is not None and x.requires_grad]
     grads = torch.autograd.grad(out, diff, grad_out)
@@ -188,10 +198,12 @@ def test_kernel_lse_matches_reference(per_token, mode):
     (repeated entries share their block's value), +inf where nothing is normalised."""
     case = Case(3, 4, 2, 21, 32, 6, 20, 3, per_token, mode)
     q, bk, bv, idx, w = make_inputs(case)
-    _, lse, _, _ = op.memory_attention_fwd(q, bk, bv, idx, w, None, None, mode, 0.3, "triton", True,
-                                           "tiles")
-    _, lse_ref = memory_attention_naive(q, bk, bv, idx, w, weight_mode=mode, scale=0.3,
-                                        return_lse=True)
+    _, lse, _, _ = op.memory_attention_fwd(
+        q, bk, bv, idx, w, None, None, mode, 0.3, "triton", True, "tiles"
+    )
+    _, lse_ref = memory_attention_naive(
+        q, bk, bv, idx, w, weight_mode=mode, scale=0.3, return_lse=True
+    )
     assert lse.shape == lse_ref.shape
     assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
     finite = torch.isfinite(lse_ref)
@@ -232,8 +244,9 @@ def test_cpu_dispatch_gradients_match_autograd(per_token, mode):
     grad_out = torch.randn(inputs[0].shape)
     wm = mode or "bias"
     out, grads = grads_of(lambda *a: memory_attention(*a, weight_mode=wm), inputs, grad_out)
-    out_ref, grads_ref = grads_of(lambda *a: memory_attention_naive(*a, weight_mode=wm),
-                                  inputs, grad_out)
+    out_ref, grads_ref = grads_of(
+        lambda *a: memory_attention_naive(*a, weight_mode=wm), inputs, grad_out
+    )
     torch.testing.assert_close(out, out_ref)
     for g, r in zip(grads, grads_ref, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
@@ -259,6 +272,7 @@ def check_lse_gradient(case: Case, impl: str, **kw) -> None:
             out, lse = fn(q, bk, bv, idx, w)
             finite = torch.isfinite(lse)
             return (out * r_out).sum() + torch.where(finite, lse, 0.0).mul(r_lse).sum(), lse
+
         return run
 
     def ref(q, bk, bv, idx, w):
@@ -271,8 +285,10 @@ def check_lse_gradient(case: Case, impl: str, **kw) -> None:
     inputs = (q, bk, bv, idx, w)
     results = []
     for fn in (kern, ref):
-        leaves = [x.detach().requires_grad_() if x is not None and x.is_floating_point() else x
-                  for x in inputs]
+        leaves = [
+            x.detach().requires_grad_() if x is not None and x.is_floating_point() else x
+            for x in inputs
+        ]
         total, lse = loss(fn)(*leaves)
         diff = [x for x in leaves if x is not None and x.requires_grad]
         grads = torch.autograd.grad(total, diff)
@@ -292,14 +308,20 @@ def test_reads_of_two_banks_merge_into_one_softmax(impl):
     g = torch.Generator().manual_seed(5)
     b, h, h_kv, s, d = 3, 4, 2, 9, 16
     q = torch.randn(b, h, s, d, generator=g)
-    banks = [(torch.randn(5, t, h_kv, d, generator=g), torch.randn(5, t, h_kv, d, generator=g))
-             for t in (3, 7)]
+    banks = [
+        (torch.randn(5, t, h_kv, d, generator=g), torch.randn(5, t, h_kv, d, generator=g))
+        for t in (3, 7)
+    ]
     rows = [torch.tensor([0, 4, 4]), torch.tensor([2, 1, 3])]
     grad_out = torch.randn(q.shape, generator=g)
 
     def merged(q, k1, v1, k2, v2):
-        outs, lses = zip(*(memory_attention(q, k, v, r[:, None], impl=impl, return_lse=True)
-                           for (k, v), r in zip(((k1, v1), (k2, v2)), rows)))
+        outs, lses = zip(
+            *(
+                memory_attention(q, k, v, r[:, None], impl=impl, return_lse=True)
+                for (k, v), r in zip(((k1, v1), (k2, v2)), rows)
+            )
+        )
         w = torch.softmax(torch.stack(lses), dim=0)[..., None]  # (2, B, H, S, 1)
         return (w * torch.stack(outs)).sum(0)
 
@@ -339,10 +361,14 @@ def test_sparse_grad_modes(impl):
                 out.sum().backward()
                 layouts[sparse, leaf] = k0.grad.layout
             else:
-                gk, = torch.autograd.grad(out.sum(), k)
+                (gk,) = torch.autograd.grad(out.sum(), k)
                 layouts[sparse, leaf] = gk.layout
-    assert layouts == {(None, True): torch.sparse_coo, (None, False): torch.strided,
-                       (True, True): torch.sparse_coo, (True, False): torch.sparse_coo}
+    assert layouts == {
+        (None, True): torch.sparse_coo,
+        (None, False): torch.strided,
+        (True, True): torch.sparse_coo,
+        (True, False): torch.sparse_coo,
+    }
 
 
 def test_bias_mode_is_mix_with_partition_weights():
@@ -354,9 +380,20 @@ def test_bias_mode_is_mix_with_partition_weights():
     wz = torch.where(valid, w[:, None] * torch.exp(torch.where(valid, log_z, 0.0)), 0.0)
     mix_w = wz / wz.sum(-1, keepdim=True).clamp_min(1e-30)  # (B, H, S, k)
     bias = memory_attention_naive(q, bk, bv, idx, w, weight_mode="bias")
-    per_head = torch.stack([  # mix weights depend on the head: one call per head
-        memory_attention_naive(q[:, i:i + 1], bk[:, :, i:i + 1], bv[:, :, i:i + 1], idx,
-                               mix_w[:, i], weight_mode="mix")[:, 0] for i in range(case.h)], 1)
+    per_head = torch.stack(
+        [  # mix weights depend on the head: one call per head
+            memory_attention_naive(
+                q[:, i : i + 1],
+                bk[:, :, i : i + 1],
+                bv[:, :, i : i + 1],
+                idx,
+                mix_w[:, i],
+                weight_mode="mix",
+            )[:, 0]
+            for i in range(case.h)
+        ],
+        1,
+    )
     torch.testing.assert_close(bias, per_head, rtol=1e-5, atol=1e-6)
 
 
@@ -369,8 +406,7 @@ def test_unweighted_read_is_sdpa_on_gathered_blocks(impl):
     out = memory_attention(q, bk, bv, idx, impl=impl)
     gk = bk[idx].flatten(1, 2).transpose(1, 2).repeat_interleave(2, dim=1)  # (B, H, k·T, D)
     gv = bv[idx].flatten(1, 2).transpose(1, 2).repeat_interleave(2, dim=1)
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, gk, gv),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, gk, gv), rtol=1e-4, atol=1e-5)
 
 
 def test_all_padding_reads_zeros():
@@ -402,15 +438,44 @@ def test_non_leaf_bank_gets_dense_gradient():
 def test_opcheck(impl, sparse_grad, per_token, mode):
     case = Case(2, 2, 1, 3, 16, 4, 5, 2, per_token, mode)
     q, bk, bv, idx, w = make_inputs(case)
-    args = (q.requires_grad_(), bk.requires_grad_(), bv.requires_grad_(), idx,
-            w.requires_grad_(), None, None, mode, 0.25, impl, sparse_grad, "tiles")
+    args = (
+        q.requires_grad_(),
+        bk.requires_grad_(),
+        bv.requires_grad_(),
+        idx,
+        w.requires_grad_(),
+        None,
+        None,
+        mode,
+        0.25,
+        impl,
+        sparse_grad,
+        "tiles",
+    )
     torch.library.opcheck(op.memory_attention_fwd, args)
     with torch.no_grad():
         out, lse, table_ints, table_coef = op.memory_attention_fwd(*args)
     grad_lse = None if mode == "mix" else torch.randn_like(lse)
-    bwd_args = (torch.randn_like(out), q.detach(), bk.detach(), bv.detach(), idx, w.detach(),
-                out, lse, table_ints, table_coef, grad_lse, mode, 0.25, impl, True, True,
-                sparse_grad, "tiles")
+    bwd_args = (
+        torch.randn_like(out),
+        q.detach(),
+        bk.detach(),
+        bv.detach(),
+        idx,
+        w.detach(),
+        out,
+        lse,
+        table_ints,
+        table_coef,
+        grad_lse,
+        mode,
+        0.25,
+        impl,
+        True,
+        True,
+        sparse_grad,
+        "tiles",
+    )
     torch.library.opcheck(op.memory_attention_bwd, bwd_args)
 
 
@@ -423,8 +488,9 @@ def test_compile_fullgraph_matches_eager(impl):
     q, bk, bv, idx, w = make_inputs(case)
 
     def fn(q, bk, bv, idx, w):
-        out = memory_attention(q * 2, bk, bv, idx, w.softmax(-1), weight_mode="mix",
-                               sparse_grad=False, impl=impl)
+        out = memory_attention(
+            q * 2, bk, bv, idx, w.softmax(-1), weight_mode="mix", sparse_grad=False, impl=impl
+        )
         return out.square().sum()
 
     grad_out = torch.tensor(1.0)
@@ -437,11 +503,24 @@ def test_compile_fullgraph_matches_eager(impl):
 
 # Ops that make the host wait for the device: a read of a device value (.item(), int(),
 # bool(), .tolist()) or an output whose size depends on the data.
-SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal",
-            "aten::allclose", "aten::nonzero", "aten::argwhere", "aten::masked_select",
-            "aten::masked_scatter", "aten::unique_dim", "aten::_unique", "aten::_unique2",
-            "aten::unique_consecutive", "aten::unique_dim_consecutive", "aten::bincount",
-            "aten::histc"}
+SYNC_OPS = {
+    "aten::_local_scalar_dense",
+    "aten::item",
+    "aten::is_nonzero",
+    "aten::equal",
+    "aten::allclose",
+    "aten::nonzero",
+    "aten::argwhere",
+    "aten::masked_select",
+    "aten::masked_scatter",
+    "aten::unique_dim",
+    "aten::_unique",
+    "aten::_unique2",
+    "aten::unique_consecutive",
+    "aten::unique_dim_consecutive",
+    "aten::bincount",
+    "aten::histc",
+}
 INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 
 
@@ -475,6 +554,7 @@ class HostSyncs(TorchDispatchMode):
             def spy(t, *a, _meth=meth, _orig=orig, **kw):
                 self.syncs.append(f"Tensor.{_meth}")
                 return _orig(t, *a, **kw)
+
             monkeypatch.setattr(torch.Tensor, meth, spy)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -490,12 +570,16 @@ class HostSyncs(TorchDispatchMode):
 
 
 @interp
-@pytest.mark.parametrize("case,sparse_grad,lse", [
-    (Case(2, 4, 2, 63, 16, 7, 5, 3, False, "mix"), False, False),
-    (Case(1, 2, 1, 100, 16, 6, 20, 2, True, "bias"), False, True),
-    (Case(3, 2, 2, 1, 16, 5, 5, 3, False, None), False, True),
-    (Case(2, 2, 1, 9, 16, 12, 10, 3, True, "mix"), True, False),
-], ids=["seq-mix-S63", "tok-bias-lse-S100", "seq-none-lse-S1", "tok-mix-sparse"])
+@pytest.mark.parametrize(
+    "case,sparse_grad,lse",
+    [
+        (Case(2, 4, 2, 63, 16, 7, 5, 3, False, "mix"), False, False),
+        (Case(1, 2, 1, 100, 16, 6, 20, 2, True, "bias"), False, True),
+        (Case(3, 2, 2, 1, 16, 5, 5, 3, False, None), False, True),
+        (Case(2, 2, 1, 9, 16, 12, 10, 3, True, "mix"), True, False),
+    ],
+    ids=["seq-mix-S63", "tok-bias-lse-S100", "seq-none-lse-S1", "tok-mix-sparse"],
+)
 def test_triton_path_has_no_host_sync(monkeypatch, case, sparse_grad, lse):
     """Forward and backward of the Triton path (table built once in forward, on the device)
     synchronise nowhere with dense bank gradients; the sparse layout reads its row count U
@@ -513,12 +597,20 @@ def check_host_syncs(monkeypatch, case: Case, sparse_grad: bool, lse: bool, **kw
     r_out, r_lse = torch.randn(q.shape, generator=g), torch.randn(q.shape[:3], generator=g)
 
     def loss_and_grads(impl, record):
-        leaves = [x.detach().requires_grad_() if x is not None else None
-                  for x in (q, bk, bv, w)]
+        leaves = [x.detach().requires_grad_() if x is not None else None for x in (q, bk, bv, w)]
         with record:
-            res = memory_attention(leaves[0], leaves[1], leaves[2], idx, leaves[3],
-                                   weight_mode=mode, impl=impl, sparse_grad=sparse_grad,
-                                   return_lse=lse, **kw)
+            res = memory_attention(
+                leaves[0],
+                leaves[1],
+                leaves[2],
+                idx,
+                leaves[3],
+                weight_mode=mode,
+                impl=impl,
+                sparse_grad=sparse_grad,
+                return_lse=lse,
+                **kw,
+            )
             out, lse_v = res if lse else (res, None)
             loss = (out * r_out).sum()
             if lse:
@@ -537,8 +629,9 @@ def check_host_syncs(monkeypatch, case: Case, sparse_grad: bool, lse: bool, **kw
 
 
 @interp
-@pytest.mark.parametrize("per_token,dtype", [(False, torch.float16), (True, torch.bfloat16),
-                                             (False, torch.float32)])
+@pytest.mark.parametrize(
+    "per_token,dtype", [(False, torch.float16), (True, torch.bfloat16), (False, torch.float32)]
+)
 def test_shared_block_gradient_is_split_across_programs(per_token, dtype):
     """A block every sequence reads (MoC's shared chapter) is cut into several dK/dV chunks
     whose partial sums meet in fp32 (atomics); dense bank gradients of every dtype (fp16/bf16
@@ -594,8 +687,16 @@ def test_deterministic_mode_keeps_each_block_in_one_chunk():
         assert rel_err(gr, ref_g) < TOL_CPU[torch.float32]
 
 
-VIEW_OPS = {"aten.slice", "aten.view", "aten.expand", "aten.unsqueeze", "aten._unsafe_view",
-            "aten.select", "aten.alias", "aten.as_strided"}
+VIEW_OPS = {
+    "aten.slice",
+    "aten.view",
+    "aten.expand",
+    "aten.unsqueeze",
+    "aten._unsafe_view",
+    "aten.select",
+    "aten.alias",
+    "aten.as_strided",
+}
 
 
 class OpCount(TorchDispatchMode):
@@ -626,8 +727,11 @@ def test_table_build_stays_few_ops(per_token, weighted, bound):
 
 
 @interp
-@pytest.mark.parametrize("case", [Case(2, 4, 2, 63, 16, 7, 20, 3, False, None),
-                                  Case(1, 4, 2, 37, 16, 6, 9, 3, True, "mix")], ids=str)
+@pytest.mark.parametrize(
+    "case",
+    [Case(2, 4, 2, 63, 16, 7, 20, 3, False, None), Case(1, 4, 2, 37, 16, 6, 9, 3, True, "mix")],
+    ids=str,
+)
 def test_table_built_once_serves_every_call(case):
     """A table built by memory_attention_table and passed to several calls (a model's layers
     reading one level's lists) gives each call the outputs and gradients of a call that builds
@@ -635,9 +739,16 @@ def test_table_built_once_serves_every_call(case):
     q, bk, bv, idx, w = _check_shared_table(case, "cpu", sparse_grad=False)
     # a table built elsewhere is refused by shape; the reference path takes none
     with pytest.raises(ValueError, match="table was built for"):
-        memory_attention(q, bk[:-1], bv[:-1], idx, w, weight_mode=case.mode or "bias",
-                         impl="triton", table=memory_attention_table(q, bk, bv, idx, w,
-                                                                     impl="triton"))
+        memory_attention(
+            q,
+            bk[:-1],
+            bv[:-1],
+            idx,
+            w,
+            weight_mode=case.mode or "bias",
+            impl="triton",
+            table=memory_attention_table(q, bk, bv, idx, w, impl="triton"),
+        )
     assert memory_attention_table(q, bk, bv, idx, w, impl="reference") is None
 
 
@@ -661,11 +772,22 @@ def _check_shared_table(case: Case, device: str, *, sparse_grad: bool):
         ql, bkl, bvl = (x * (1 + layer) for x in (q, bk, bv))
 
         def read(q, bk, bv, idx, w, tbl=None):
-            return memory_attention(q, bk, bv, idx, w, weight_mode=mode, impl="triton",
-                                    sparse_grad=sparse_grad, table=tbl)
+            return memory_attention(
+                q,
+                bk,
+                bv,
+                idx,
+                w,
+                weight_mode=mode,
+                impl="triton",
+                sparse_grad=sparse_grad,
+                table=tbl,
+            )
+
         own, g_own = grads_of(read, (ql, bkl, bvl, idx, w), grad_out)
-        shared, g_shared = grads_of(lambda *a: read(*a, tbl=table), (ql, bkl, bvl, idx, w),
-                                    grad_out)
+        shared, g_shared = grads_of(
+            lambda *a: read(*a, tbl=table), (ql, bkl, bvl, idx, w), grad_out
+        )
         torch.testing.assert_close(shared, own)
         for a, b in zip(g_shared, g_own, strict=True):
             torch.testing.assert_close(a, b)
@@ -683,16 +805,30 @@ def test_prebuilt_table_skips_the_build_inside_the_op():
     counter = OpCount()
     with counter:
         out, lse, ints, coef = op.IMPLS_BY_OP["memtree::memory_attention_fwd"](
-            q, bk, bv, idx, w, table.ints, table.coef, "bias", 0.25, "triton", False, "tiles")
+            q, bk, bv, idx, w, table.ints, table.coef, "bias", 0.25, "triton", False, "tiles"
+        )
     assert ints.numel() == 0 and coef.numel() == 0
     assert not {"aten.sort", "aten.cumsum", "aten.scatter_reduce_"} & set(counter.ops), counter.ops
     own_out, own_lse, own_ints, _ = op.IMPLS_BY_OP["memtree::memory_attention_fwd"](
-        q, bk, bv, idx, w, None, None, "bias", 0.25, "triton", False, "tiles")
+        q, bk, bv, idx, w, None, None, "bias", 0.25, "triton", False, "tiles"
+    )
     assert torch.equal(own_ints, table.ints)  # the same table, built inside the op this time
     torch.testing.assert_close(out, own_out)
     torch.testing.assert_close(lse, own_lse)
-    args = (q.requires_grad_(), bk.requires_grad_(), bv.requires_grad_(), idx,
-            w.requires_grad_(), table.ints, table.coef, "bias", 0.25, "triton", False, "tiles")
+    args = (
+        q.requires_grad_(),
+        bk.requires_grad_(),
+        bv.requires_grad_(),
+        idx,
+        w.requires_grad_(),
+        table.ints,
+        table.coef,
+        "bias",
+        0.25,
+        "triton",
+        False,
+        "tiles",
+    )
     torch.library.opcheck(op.memory_attention_fwd, args)
 
 
@@ -712,15 +848,18 @@ def test_triton_on_cpu_needs_interpreter(monkeypatch):
         memory_attention(q, bk, bv, idx, impl="triton")
 
 
-@pytest.mark.parametrize("change,match", [
-    ({"weight_mode": "joint"}, "weight_mode"),
-    ({"impl": "cuda"}, "impl"),
-    ({"q": torch.zeros(1, 3, 3, 16)}, "multiple of memory KV heads"),
-    ({"q": torch.zeros(1, 2, 3, 8)}, "head dim"),
-    ({"block_idx": torch.zeros(1, 2)}, "integer"),
-    ({"block_idx": torch.zeros(1, 4, 2, dtype=torch.long)}, "block_idx must be"),
-    ({"weights": torch.ones(1, 3)}, "weights shape"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"weight_mode": "joint"}, "weight_mode"),
+        ({"impl": "cuda"}, "impl"),
+        ({"q": torch.zeros(1, 3, 3, 16)}, "multiple of memory KV heads"),
+        ({"q": torch.zeros(1, 2, 3, 8)}, "head dim"),
+        ({"block_idx": torch.zeros(1, 2)}, "integer"),
+        ({"block_idx": torch.zeros(1, 4, 2, dtype=torch.long)}, "block_idx must be"),
+        ({"weights": torch.ones(1, 3)}, "weights shape"),
+    ],
+)
 def test_bad_arguments_are_named(change, match):
     q, bk, bv, idx, _ = make_inputs(Case(1, 2, 2, 3, 16, 4, 5, 2, False, None))
     kwargs = {"q": q, "bank_k": bk, "bank_v": bv, "block_idx": idx} | change
@@ -730,13 +869,17 @@ def test_bad_arguments_are_named(change, match):
 
 def test_default_scale_is_inverse_sqrt_d():
     q, bk, bv, idx, _ = make_inputs(Case(1, 2, 1, 3, 16, 4, 5, 2, False, None))
-    torch.testing.assert_close(memory_attention(q, bk, bv, idx),
-                               memory_attention(q, bk, bv, idx, scale=1 / math.sqrt(16)))
+    torch.testing.assert_close(
+        memory_attention(q, bk, bv, idx), memory_attention(q, bk, bv, idx, scale=1 / math.sqrt(16))
+    )
 
 
 @interp
-@pytest.mark.parametrize("case", [Case(2, 4, 2, 63, 16, 7, 20, 3, False, None),
-                                  Case(1, 4, 2, 37, 16, 6, 9, 3, True, "mix")], ids=str)
+@pytest.mark.parametrize(
+    "case",
+    [Case(2, 4, 2, 63, 16, 7, 20, 3, False, None), Case(1, 4, 2, 37, 16, 6, 9, 3, True, "mix")],
+    ids=str,
+)
 def test_shared_table_reads_the_sparse_row_count_once(monkeypatch, case):
     """With sparse bank gradients each call's backward reads the unique-block count U on the
     host; calls sharing a table read it once between them (MemoryTable.n_unique), and their
@@ -750,8 +893,9 @@ def test_shared_table_reads_the_sparse_row_count_once(monkeypatch, case):
         with rec:
             for layer in range(3):
                 leaves = [x.detach().mul(1 + layer).requires_grad_() for x in (q, bk, bv)]
-                out = memory_attention(*leaves, idx, w, weight_mode=mode, impl="triton",
-                                       sparse_grad=True, table=tbl)
+                out = memory_attention(
+                    *leaves, idx, w, weight_mode=mode, impl="triton", sparse_grad=True, table=tbl
+                )
                 out.backward(grad_out)
                 assert leaves[1].grad.is_sparse
                 grads.append([x.grad.to_dense() for x in leaves])

@@ -43,8 +43,10 @@ BLOCKS_CASES = [  # (case, sparse bank gradient)
 
 def _blocks(mode: str, **kw):
     def fn(q, bk, bv, idx, w):
-        return memory_attention(q, bk, bv, idx, w, weight_mode=mode, impl="triton",
-                                per_token_layout="blocks", **kw)
+        return memory_attention(
+            q, bk, bv, idx, w, weight_mode=mode, impl="triton", per_token_layout="blocks", **kw
+        )
+
     return fn
 
 
@@ -60,8 +62,9 @@ def check_blocks(case: Case, sparse: bool, device: str, tol: dict) -> None:
 
 
 @interp
-@pytest.mark.parametrize("case,sparse", BLOCKS_CASES,
-                         ids=[f"{c}-{'sparse' if s else 'dense'}" for c, s in BLOCKS_CASES])
+@pytest.mark.parametrize(
+    "case,sparse", BLOCKS_CASES, ids=[f"{c}-{'sparse' if s else 'dense'}" for c, s in BLOCKS_CASES]
+)
 def test_blocks_match_reference(case, sparse):
     """Outputs and gradients (q, bank_k, bank_v, weights) against autograd through the
     gathered reference, in the inputs' dtypes and the requested bank-gradient layout."""
@@ -90,12 +93,16 @@ def test_blocks_equal_tiles(mode):
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(6))
     results = []
     for layout in ("tiles", "blocks"):
-        _, lse, _, _ = op.memory_attention_fwd(q, bk, bv, idx, w, None, None, wm, 0.3, "triton",
-                                               False, layout)
+        _, lse, _, _ = op.memory_attention_fwd(
+            q, bk, bv, idx, w, None, None, wm, 0.3, "triton", False, layout
+        )
         out, grads = grads_of(
-            lambda *a, lay=layout: memory_attention(*a, weight_mode=wm, impl="triton",
-                                                    sparse_grad=False, per_token_layout=lay),
-            (q, bk, bv, idx, w), grad_out)
+            lambda *a, lay=layout: memory_attention(
+                *a, weight_mode=wm, impl="triton", sparse_grad=False, per_token_layout=lay
+            ),
+            (q, bk, bv, idx, w),
+            grad_out,
+        )
         results.append((lse, out, grads))
     (lse_t, out_t, g_t), (lse_b, out_b, g_b) = results
     assert torch.equal(torch.isinf(lse_t), torch.isinf(lse_b)) and torch.isinf(lse_t).any()
@@ -111,17 +118,22 @@ def test_blocks_equal_tiles(mode):
 def test_blocks_lse_is_differentiable(mode):
     """return_lse with a gradient on the lse (it folds into Delta): lse and every gradient
     against autograd through the reference; -inf for tokens that read nothing."""
-    check_lse_gradient(Case(2, 4, 2, 23, 16, 6, 20, 3, True, mode), "triton",
-                       per_token_layout="blocks")
+    check_lse_gradient(
+        Case(2, 4, 2, 23, 16, 6, 20, 3, True, mode), "triton", per_token_layout="blocks"
+    )
 
 
 @interp
-@pytest.mark.parametrize("case,sparse_grad,lse", [
-    (Case(1, 2, 1, 100, 16, 6, 20, 2, True, "bias"), False, True),
-    (Case(2, 4, 2, 1, 16, 5, 5, 3, True, None), False, True),
-    (Case(2, 2, 1, 9, 16, 12, 10, 3, True, "mix"), False, False),
-    (Case(2, 2, 1, 9, 16, 12, 10, 3, True, "mix"), True, False),
-], ids=["bias-lse-S100", "none-lse-S1", "mix-dense", "mix-sparse"])
+@pytest.mark.parametrize(
+    "case,sparse_grad,lse",
+    [
+        (Case(1, 2, 1, 100, 16, 6, 20, 2, True, "bias"), False, True),
+        (Case(2, 4, 2, 1, 16, 5, 5, 3, True, None), False, True),
+        (Case(2, 2, 1, 9, 16, 12, 10, 3, True, "mix"), False, False),
+        (Case(2, 2, 1, 9, 16, 12, 10, 3, True, "mix"), True, False),
+    ],
+    ids=["bias-lse-S100", "none-lse-S1", "mix-dense", "mix-sparse"],
+)
 def test_blocks_have_no_host_sync(monkeypatch, case, sparse_grad, lse):
     """Forward (item table, kernel, merge) and backward synchronise nowhere with dense bank
     gradients; the sparse layout reads its row count once. Results as the reference."""
@@ -137,13 +149,24 @@ def test_blocks_compile_fullgraph_matches_eager():
     q, bk, bv, idx, w = make_inputs(case)
 
     def fn(q, bk, bv, idx, w):
-        out = memory_attention(q * 2, bk, bv, idx, w.softmax(-1), weight_mode="mix",
-                               sparse_grad=False, impl="triton", per_token_layout="blocks")
+        out = memory_attention(
+            q * 2,
+            bk,
+            bv,
+            idx,
+            w.softmax(-1),
+            weight_mode="mix",
+            sparse_grad=False,
+            impl="triton",
+            per_token_layout="blocks",
+        )
         return out.square().sum()
 
     grad_out = torch.tensor(1.0)
     eager, g_eager = grads_of(fn, (q, bk, bv, idx, w), grad_out)
-    compiled, g_comp = grads_of(torch.compile(fn, fullgraph=True, backend="aot_eager"), (q, bk, bv, idx, w), grad_out)
+    compiled, g_comp = grads_of(
+        torch.compile(fn, fullgraph=True, backend="aot_eager"), (q, bk, bv, idx, w), grad_out
+    )
     torch.testing.assert_close(compiled, eager)
     for a, b in zip(g_comp, g_eager, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -156,15 +179,44 @@ def test_blocks_opcheck(sparse_grad, mode):
     registration with the blocks layout."""
     case = Case(2, 2, 1, 3, 16, 4, 5, 2, True, mode)
     q, bk, bv, idx, w = make_inputs(case)
-    args = (q.requires_grad_(), bk.requires_grad_(), bv.requires_grad_(), idx,
-            w.requires_grad_(), None, None, mode, 0.25, "triton", sparse_grad, "blocks")
+    args = (
+        q.requires_grad_(),
+        bk.requires_grad_(),
+        bv.requires_grad_(),
+        idx,
+        w.requires_grad_(),
+        None,
+        None,
+        mode,
+        0.25,
+        "triton",
+        sparse_grad,
+        "blocks",
+    )
     torch.library.opcheck(op.memory_attention_fwd, args)
     with torch.no_grad():
         out, lse, table_ints, table_coef = op.memory_attention_fwd(*args)
     grad_lse = None if mode == "mix" else torch.randn_like(lse)
-    bwd_args = (torch.randn_like(out), q.detach(), bk.detach(), bv.detach(), idx, w.detach(),
-                out, lse, table_ints, table_coef, grad_lse, mode, 0.25, "triton", True, True,
-                sparse_grad, "blocks")
+    bwd_args = (
+        torch.randn_like(out),
+        q.detach(),
+        bk.detach(),
+        bv.detach(),
+        idx,
+        w.detach(),
+        out,
+        lse,
+        table_ints,
+        table_coef,
+        grad_lse,
+        mode,
+        0.25,
+        "triton",
+        True,
+        True,
+        sparse_grad,
+        "blocks",
+    )
     torch.library.opcheck(op.memory_attention_bwd, bwd_args)
 
 
@@ -209,16 +261,19 @@ def test_item_table_matches_a_loop():
     for c in range(n_chunk):
         start = int(tab.chunk_start[c])
         blk = int(tab.item_key[start])
-        run = [start + i for i in range(ct) if start + i < lay.n_entries
-               and int(tab.item_key[start + i]) == blk]
+        run = [
+            start + i
+            for i in range(ct)
+            if start + i < lay.n_entries and int(tab.item_key[start + i]) == blk
+        ]
         seen += [(int(tab.item_pos[p]), blk) for p in run]
         assert int(tab.ublocks[int(tab.chunk_u[c])]) == blk
         per_block[blk] = per_block.get(blk, 0) + 1
     assert sorted(seen) == sorted(want_items) and len(seen) == len(set(seen))
     assert per_block[2] > 1
     uniq = sorted({blk for _, blk in want_items})
-    assert tab.ublocks[:len(uniq)].tolist() == uniq
-    assert (tab.ublocks[len(uniq):] == n).all()
+    assert tab.ublocks[: len(uniq)].tolist() == uniq
+    assert (tab.ublocks[len(uniq) :] == n).all()
     assert tab.ublocks.numel() == lay.u_max
 
 
@@ -253,8 +308,10 @@ def test_blocks_layout_leaves_sequence_lists_to_tiles():
     """Per-sequence lists (B, k) have no per-token layout: "blocks" computes them as "tiles"."""
     case = Case(2, 4, 2, 21, 16, 6, 9, 3, False, "bias")
     q, bk, bv, idx, w = make_inputs(case)
-    outs = [memory_attention(q, bk, bv, idx, w, impl="triton", per_token_layout=lay)
-            for lay in ("tiles", "blocks")]
+    outs = [
+        memory_attention(q, bk, bv, idx, w, impl="triton", per_token_layout=lay)
+        for lay in ("tiles", "blocks")
+    ]
     assert torch.equal(outs[0], outs[1])
 
 
@@ -270,8 +327,18 @@ def test_blocks_prebuilt_table():
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
 
     def read(q, bk, bv, idx, w, tbl=None, layout="blocks"):
-        return memory_attention(q, bk, bv, idx, w, weight_mode="mix", impl="triton",
-                                sparse_grad=False, table=tbl, per_token_layout=layout)
+        return memory_attention(
+            q,
+            bk,
+            bv,
+            idx,
+            w,
+            weight_mode="mix",
+            impl="triton",
+            sparse_grad=False,
+            table=tbl,
+            per_token_layout=layout,
+        )
 
     own, g_own = grads_of(read, (q, bk, bv, idx, w), grad_out)
     shared, g_shared = grads_of(lambda *a: read(*a, tbl=table), (q, bk, bv, idx, w), grad_out)
@@ -333,7 +400,9 @@ def test_auto_layout_follows_the_lists_locality():
     scattered[0, :5, 1] = -1  # padding is not a block
     for idx, want in ((local, "tiles"), (scattered, "blocks")):
         mean = float(op.slots_per_tile(q, bk, idx))
-        assert mean == pytest.approx(K.plan(q, bk, bv, idx, None)[1].group_count.float().mean().item())
+        assert mean == pytest.approx(
+            K.plan(q, bk, bv, idx, None)[1].group_count.float().mean().item()
+        )
         assert (mean / k > op.AUTO_BLOCKS_SLOTS_PER_K) == (want == "blocks")
         assert op.resolve_layout(q, bk, idx, "auto") == want
         table = op.memory_attention_table(q, bk, bv, idx, impl="triton")

@@ -42,8 +42,10 @@ class Case:
     n: int = 12
 
     def __str__(self) -> str:
-        return (f"S{self.s}-T{self.t}-D{self.d}-H{self.h}/{self.h_kv}-k{self.k}"
-                f"{'-pad' if self.pad else ''}")
+        return (
+            f"S{self.s}-T{self.t}-D{self.d}-H{self.h}/{self.h_kv}-k{self.k}"
+            f"{'-pad' if self.pad else ''}"
+        )
 
 
 CASES = [
@@ -63,7 +65,7 @@ def make(case: Case, dtype=torch.float32, seed: int = 0):
     q = torch.randn(case.b, case.h, case.s, case.d, generator=g)
     bank_k = torch.randn(case.n, case.t, case.h_kv, case.d, generator=g)
     bank_v = torch.randn(case.n, case.t, case.h_kv, case.d, generator=g)
-    idx = torch.stack([torch.randperm(case.n, generator=g)[:case.k] for _ in range(case.b)])
+    idx = torch.stack([torch.randperm(case.n, generator=g)[: case.k] for _ in range(case.b)])
     if case.pad:
         idx[1, 1::2] = -1  # ragged: every other entry of row 1 (all of it when k = 1)
         idx[-1] = -1
@@ -132,11 +134,15 @@ def test_flex_matches_reference(case, mode):
     check_path(memory_attention_flex, case, mode, lse=True)
 
 
-@pytest.mark.parametrize("fn,mode", [
-    (memory_attention_sdpa, "bias"),
-    (memory_attention_sdpa, "mix"),
-    pytest.param(memory_attention_flex, "bias", marks=needs_flex),
-], ids=["sdpa-bias", "sdpa-mix", "flex-bias"])
+@pytest.mark.parametrize(
+    "fn,mode",
+    [
+        (memory_attention_sdpa, "bias"),
+        (memory_attention_sdpa, "mix"),
+        pytest.param(memory_attention_flex, "bias", marks=needs_flex),
+    ],
+    ids=["sdpa-bias", "sdpa-mix", "flex-bias"],
+)
 def test_bf16_inputs(fn, mode):
     check_path(fn, CASES[2], mode, dtype=torch.bfloat16)
 
@@ -200,8 +206,9 @@ def test_flex_reads_the_bank_in_place():
 
 
 def _compile_case():
-    q, bank_k, bank_v, idx, weights = make(Case(s=5, t=3, d=8, h=4, h_kv=2, k=2, pad=True,
-                                                b=2, n=6))
+    q, bank_k, bank_v, idx, weights = make(
+        Case(s=5, t=3, d=8, h=4, h_kv=2, k=2, pad=True, b=2, n=6)
+    )
     return q, bank_k, bank_v, idx, weights
 
 
@@ -260,7 +267,10 @@ def test_flex_errors():
 def _cuda_inputs(b, h, h_kv, s, d, n, t, k, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, h, s, d, generator=g)
-    bank_k, bank_v = torch.randn(n, t, h_kv, d, generator=g), torch.randn(n, t, h_kv, d, generator=g)
+    bank_k, bank_v = (
+        torch.randn(n, t, h_kv, d, generator=g),
+        torch.randn(n, t, h_kv, d, generator=g),
+    )
     idx = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(b)])
     w = torch.softmax(torch.randn(b, k, generator=g), -1)
     return [x.to("cuda", dtype) for x in (q, bank_k, bank_v)] + [idx.cuda(), w.cuda()]
@@ -275,7 +285,9 @@ def test_gpu_paths_match_reference(path, dtype):
     outputs and gradients, GQA and router weights ("bias")."""
     if path == "flex" and not flex_available():
         pytest.skip("this torch has no FlexAttention")
-    q, bank_k, bank_v, idx, w = _cuda_inputs(3, 8, 2, 200, 64, 24, 128 if path == "flex" else 48, 5, dtype)
+    q, bank_k, bank_v, idx, w = _cuda_inputs(
+        3, 8, 2, 200, 64, 24, 128 if path == "flex" else 48, 5, dtype
+    )
     leaves = [x.detach().requires_grad_() for x in (q, bank_k, bank_v, w)]
     ref_leaves = [x.detach().float().requires_grad_() for x in (q, bank_k, bank_v, w)]
     fn = memory_attention_sdpa if path == "sdpa" else memory_attention_flex
@@ -286,5 +298,7 @@ def test_gpu_paths_match_reference(path, dtype):
     (ref * dy).sum().backward()
     tol = 1e-3 if dtype == torch.float32 else 3e-2  # TF32 / bf16 matmuls in the fused kernels
     assert_near(got.float(), ref, tol, "out")
-    for name, a, r in zip(("dq", "dbank_k", "dbank_v", "dweights"), leaves, ref_leaves, strict=True):
+    for name, a, r in zip(
+        ("dq", "dbank_k", "dbank_v", "dweights"), leaves, ref_leaves, strict=True
+    ):
         assert_near(a.grad.float(), r.grad, tol, name)

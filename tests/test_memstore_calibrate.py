@@ -27,7 +27,9 @@ KiB = 1024
 # Sizes far enough apart that even RAM reads (~25 µs at 4 KiB) grow clearly with size on a busy machine.
 TINY_SIZES = (4 * KiB, 256 * KiB, 4096 * KiB)
 # 2 layers × 3 SwiGLU tensors × (m × 64) → 384·m params: bf16 blocks of 12,288 / 6,144 / 3,072 B for (16, 8, 4).
-TINY = AnchorShape(name="tiny", n_layers=2, d_model=64, n_heads=2, head_dim=32, ffn_dim=128, vocab_size=32)
+TINY = AnchorShape(
+    name="tiny", n_layers=2, d_model=64, n_heads=2, head_dim=32, ffn_dim=128, vocab_size=32
+)
 
 
 # --------------------------------------------------------------------------- fitting
@@ -64,11 +66,14 @@ def test_fit_weighs_sizes_relatively_and_clamps_negative_latency():
     assert 0.9e9 < bw < 1.1e9
 
 
-@pytest.mark.parametrize("sizes,secs,match", [
-    ([4096, 4096], [1e-5, 2e-5], "two or more distinct sizes"),
-    ([4096, 8192], [2e-5, 1e-5], "does not grow with size"),
-    ([4096, 8192], [0.0, 1e-5], "positive"),
-])
+@pytest.mark.parametrize(
+    "sizes,secs,match",
+    [
+        ([4096, 4096], [1e-5, 2e-5], "two or more distinct sizes"),
+        ([4096, 8192], [2e-5, 1e-5], "does not grow with size"),
+        ([4096, 8192], [0.0, 1e-5], "positive"),
+    ],
+)
 def test_fit_rejects_unresolvable_data(sizes, secs, match):
     with pytest.raises(ValueError, match=match):
         fit_latency_bandwidth(sizes, secs)
@@ -89,8 +94,15 @@ def test_parse_size():
 def test_calibration_bank_blocks_are_exactly_the_target_size(tmp_path: Path):
     info = write_calibration_bank(tmp_path / "b", 16 * KiB, 5)
     lv = info.level(1)
-    assert (lv.record_bytes, lv.stride, lv.n_blocks, lv.has_generic) == (16 * KiB, 16 * KiB, 5, False)
-    with MemoryStore(info.root, tiers=(TierConfig(name="flash", kind="flash", direct=True),)) as store:
+    assert (lv.record_bytes, lv.stride, lv.n_blocks, lv.has_generic) == (
+        16 * KiB,
+        16 * KiB,
+        5,
+        False,
+    )
+    with MemoryStore(
+        info.root, tiers=(TierConfig(name="flash", kind="flash", direct=True),)
+    ) as store:
         assert store.fetch_flat(1, 4).numel() * 2 == 16 * KiB
     with pytest.raises(ValueError, match="multiple of 4096"):
         write_calibration_bank(tmp_path / "c", 5000, 4)
@@ -108,10 +120,14 @@ def test_calibrate_writes_a_loadable_profile(tmp_path: Path):
         assert t.latency_us >= 0
         assert t.source.startswith("measured by memtree memstore calibrate on ")
     ram, flash = loaded.tier("ram"), loaded.tier("flash")
-    if "O_DIRECT pread" in flash.source:  # a filesystem refusing O_DIRECT (tmpfs) serves "flash" from RAM
+    if (
+        "O_DIRECT pread" in flash.source
+    ):  # a filesystem refusing O_DIRECT (tmpfs) serves "flash" from RAM
         assert flash.read_seconds(4096 * KiB) > ram.read_seconds(4096 * KiB)
     assert "# settings:" in out.read_text()
-    assert ram.capacity_gb > 0 and flash.capacity_gb is None  # the slowest tier is unbounded, as in shipped ones
+    assert (
+        ram.capacity_gb > 0 and flash.capacity_gb is None
+    )  # the slowest tier is unbounded, as in shipped ones
     # usable as is by simulate-fetch's defaults (the flat baseline of the 160M config is ~148 GB)
     assert simulate_fetch(plan("openlm-160m", (256, 64, 16, 0)), loaded).seconds > 0
     assert not list(work.glob("calibrate-*")), "calibration banks are removed unless keep=True"
@@ -121,31 +137,63 @@ def test_measure_disk_tier_via_relocation(tmp_path: Path):
     with pytest.raises(ValueError, match="disk_dir"):
         measure(tmp_path / "w", tiers=("ram", "disk"), sizes=TINY_SIZES)
     disk = tmp_path / "disk"
-    cal = measure(tmp_path / "w", tiers=("disk", "flash"), sizes=TINY_SIZES[::2], repeats=5, bank_bytes=64 * KiB,
-                  disk_dir=disk, keep=True)
-    assert [f.name for f in cal.fits] == ["flash", "disk"]  # fastest first, whatever order they were asked in
+    cal = measure(
+        tmp_path / "w",
+        tiers=("disk", "flash"),
+        sizes=TINY_SIZES[::2],
+        repeats=5,
+        bank_bytes=64 * KiB,
+        disk_dir=disk,
+        keep=True,
+    )
+    assert [f.name for f in cal.fits] == [
+        "flash",
+        "disk",
+    ]  # fastest first, whatever order they were asked in
     disk_fit = cal.fits[1]
     assert disk_fit.kind == "disk" and "DONTNEED" in disk_fit.method
     assert [t.nbytes for t in disk_fit.timings] == [4 * KiB, 4096 * KiB]
-    assert cal.profile.tier("disk").capacity_gb is None and cal.profile.tier("flash").capacity_gb > 0
+    assert (
+        cal.profile.tier("disk").capacity_gb is None and cal.profile.tier("flash").capacity_gb > 0
+    )
     moved = read_manifest(tmp_path / "w" / f"calibrate-{4 * KiB}-disk").level(1).file
     assert Path(moved).is_relative_to(disk.resolve())
     assert cal.to_dict()["fits"][1]["timings"][0]["n"] == 5
-    measure(tmp_path / "w2", tiers=("flash",), sizes=TINY_SIZES[::2], repeats=5, bank_bytes=64 * KiB,
-            disk_dir=tmp_path / "disk2")
+    measure(
+        tmp_path / "w2",
+        tiers=("flash",),
+        sizes=TINY_SIZES[::2],
+        repeats=5,
+        bank_bytes=64 * KiB,
+        disk_dir=tmp_path / "disk2",
+    )
     assert not list((tmp_path / "disk2").iterdir()) and not list((tmp_path / "w2").iterdir())
 
 
 def test_validate_returns_a_ratio(tmp_path: Path):
     prof = calibrate(tmp_path / "w", sizes=TINY_SIZES, repeats=5, bank_bytes=512 * KiB)
-    v = validate(prof, tmp_path / "w", anchor=TINY, multipliers=(16, 8, 4), branching=2, n_fetches=5, warmup=1)
-    assert v.placement == {1: "ram", 2: "flash", 3: "flash"}  # fast_levels=1: level 1 alone fits in RAM
+    v = validate(
+        prof,
+        tmp_path / "w",
+        anchor=TINY,
+        multipliers=(16, 8, 4),
+        branching=2,
+        n_fetches=5,
+        warmup=1,
+    )
+    assert v.placement == {
+        1: "ram",
+        2: "flash",
+        3: "flash",
+    }  # fast_levels=1: level 1 alone fits in RAM
     assert v.fetch_bytes == 12288 + 6144 + 3072
     assert math.isfinite(v.ratio) and v.ratio > 0 and v.ratio_flat > 0
     assert [r["level"] for r in v.levels] == [1, 2, 3]
     assert [r["n_tensors"] for r in v.levels] == [6, 6, 6] and v.unflatten_mean_s > 0
     # a level costs its read plus one view per layer tensor (6 here) handed to the model
-    assert v.levels[0]["simulated_s"] == pytest.approx(prof.tier("ram").read_seconds(12288) + 6 * prof.tensor_us * 1e-6)
+    assert v.levels[0]["simulated_s"] == pytest.approx(
+        prof.tier("ram").read_seconds(12288) + 6 * prof.tensor_us * 1e-6
+    )
     assert v.simulated_s == pytest.approx(sum(r["simulated_s"] for r in v.levels))
     assert not (tmp_path / "w" / "validate-bank").exists()
     d = v.to_dict()
@@ -156,8 +204,22 @@ def test_cli_writes_profile(tmp_path: Path, capsys):
     parser = argparse.ArgumentParser()
     add_calibrate_arguments(parser)
     out = tmp_path / "p.yaml"
-    args = parser.parse_args(["--out", str(out), "--workdir", str(tmp_path / "w"), "--sizes", "4K,4M",
-                              "--repeats", "5", "--bank-mb", "4", "--tiers", "ram,flash"])
+    args = parser.parse_args(
+        [
+            "--out",
+            str(out),
+            "--workdir",
+            str(tmp_path / "w"),
+            "--sizes",
+            "4K,4M",
+            "--repeats",
+            "5",
+            "--bank-mb",
+            "4",
+            "--tiers",
+            "ram,flash",
+        ]
+    )
     assert run_calibrate(args) == 0
     printed = capsys.readouterr().out
     assert "fit: latency" in printed and f"profile: {out}" in printed

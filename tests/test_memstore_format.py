@@ -45,8 +45,9 @@ from memtree.memstore.writer import paper_init, write_bank
 
 REPO = Path(__file__).resolve().parents[1]
 
-TINY = AnchorShape(name="tiny", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32,
-                   vocab_size=100)
+TINY = AnchorShape(
+    name="tiny", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=100
+)
 MEM = MemoryConfig(multipliers=(8, 4, 2), branching=4)
 D = 16
 WIDTH = {1: 8, 2: 4, 3: 2}
@@ -63,8 +64,14 @@ def hand_layout(level: int, kind: str = "ffn") -> list[tuple[str, tuple[int, int
     w, d, f, kv = WIDTH[level], D, 32, 16
     per_layer = {
         "ffn": [("w1", (w, d)), ("w2", (w, d)), ("w3", (w, d))],
-        "lora-ffn": [("w1_a", (w, d)), ("w1_b", (f, w)), ("w2_a", (w, d)), ("w2_b", (f, w)),
-                     ("w3_a", (w, f)), ("w3_b", (d, w))],
+        "lora-ffn": [
+            ("w1_a", (w, d)),
+            ("w1_b", (f, w)),
+            ("w2_a", (w, d)),
+            ("w2_b", (f, w)),
+            ("w3_a", (w, f)),
+            ("w3_b", (d, w)),
+        ],
         "kv": [("k", (w, kv)), ("v", (w, kv))],
     }[kind]
     return [(f"layers.{i}.{n}", s) for i in range(3) for n, s in per_layer]
@@ -153,7 +160,11 @@ def test_round_trip_full_rank(tmp_path, dtype):
                     err = (got.float() - x).abs()
                     assert got.dtype == torch.float32
                     # fp32 arithmetic slack: a few ulps of the group scale
-                    assert (err <= bound * (1 + 1e-5) + 1e-7).all(), (level, c, float((err - bound).max()))
+                    assert (err <= bound * (1 + 1e-5) + 1e-7).all(), (
+                        level,
+                        c,
+                        float((err - bound).max()),
+                    )
                     # and quantisation actually happened at the documented resolution
                     assert err.max() > 0
 
@@ -189,8 +200,16 @@ def test_rank2_block_that_is_rank2_round_trips(tmp_path, dtype):
     for level in (1, 2, 3):
         rows = []
         for _ in range(N_BLOCKS[level] + 1):
-            rows.append(torch.cat([(torch.randn(a, 2, generator=g) @ torch.randn(2, b, generator=g)).reshape(-1)
-                                   for _n, (a, b) in hand_layout(level)]))
+            rows.append(
+                torch.cat(
+                    [
+                        (torch.randn(a, 2, generator=g) @ torch.randn(2, b, generator=g)).reshape(
+                            -1
+                        )
+                        for _n, (a, b) in hand_layout(level)
+                    ]
+                )
+            )
         values[level] = torch.stack(rows)
     write(tmp_path / "b", values, dtype, rank=2)
     with MemoryStore(tmp_path / "b", tiers=FLASH) as st:
@@ -254,9 +273,14 @@ def test_record_sizes_strides_and_file_sizes(tmp_path, dtype, rank):
 def test_fetch_is_one_tier_read_per_level(tmp_path):
     values = random_values(5)
     write(tmp_path / "b", values, "bf16")
-    tiers = [TierConfig(name="ram", kind="ram"), TierConfig(name="flash", kind="flash"),
-             TierConfig(name="disk", kind="disk")]
-    with MemoryStore(tmp_path / "b", tiers=tiers, placement={1: "ram", 2: "flash", 3: "disk"}) as st:
+    tiers = [
+        TierConfig(name="ram", kind="ram"),
+        TierConfig(name="flash", kind="flash"),
+        TierConfig(name="disk", kind="disk"),
+    ]
+    with MemoryStore(
+        tmp_path / "b", tiers=tiers, placement={1: "ram", 2: "flash", 3: "disk"}
+    ) as st:
         for k, path in enumerate(([1, 5, 21], [3, 13, 55], [1, 5, 21]), start=1):
             out = st.fetch(path, flat=True)
             reads = {n: s["reads"] for n, s in st.stats()["tiers"].items()}
@@ -310,13 +334,16 @@ def test_read_manifest_missing(tmp_path):
         read_manifest(tmp_path / "empty")
 
 
-@pytest.mark.parametrize("field, value", [
-    ("stride", 8192),
-    ("record_bytes", 1000),
-    ("n_blocks", 15),
-    ("first_cluster", 1),
-    ("params", 100),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("stride", 8192),
+        ("record_bytes", 1000),
+        ("n_blocks", 15),
+        ("first_cluster", 1),
+        ("params", 100),
+    ],
+)
 def test_read_manifest_refuses_hand_edited_level_table(tmp_path, field, value):
     write(tmp_path / "b", random_values(8), "bf16")
     edit_manifest(tmp_path / "b", lambda m: m["levels"]["2"].update({field: value}))
@@ -346,7 +373,9 @@ def flip_byte(path: Path, offset: int) -> None:
 TIER_SETS = {
     "ram": [TierConfig(name="ram", kind="ram")],
     "flash": [TierConfig(name="flash", kind="flash")],
-    "flash-direct-cached": [TierConfig(name="flash", kind="flash", direct=True, cache_bytes=1 << 20)],
+    "flash-direct-cached": [
+        TierConfig(name="flash", kind="flash", direct=True, cache_bytes=1 << 20)
+    ],
     "disk": [TierConfig(name="disk", kind="disk")],
 }
 
@@ -442,8 +471,16 @@ def _tree(data_seed: int, build_seed: int):
     rng = np.random.default_rng(data_seed)
     x = rng.standard_normal((1200, 16)).astype(np.float32)
     x /= np.linalg.norm(x, axis=1, keepdims=True)
-    tree, _ = build_tree(x, levels=3, branching=4, seed=build_seed, batch_size=512, steps=5,
-                         equalize_steps=0, n_jobs=1)
+    tree, _ = build_tree(
+        x,
+        levels=3,
+        branching=4,
+        seed=build_seed,
+        batch_size=512,
+        steps=5,
+        equalize_steps=0,
+        n_jobs=1,
+    )
     return tree
 
 
@@ -525,8 +562,13 @@ def test_no_pickle_on_disk_or_on_load(tmp_path, monkeypatch):
         st.block(3, [1], reason="x")
         st.scatter(2, [3], values[2][4:5])
     files = [p for p in root.rglob("*") if p.is_file()]
-    assert {p.name for p in files} >= {"manifest.json", "level-1.bin", "level-1.sums", "policy.json",
-                                       "audit.jsonl"}
+    assert {p.name for p in files} >= {
+        "manifest.json",
+        "level-1.bin",
+        "level-1.sums",
+        "policy.json",
+        "audit.jsonl",
+    }
     for p in files:
         head = p.read_bytes()[:4]
         assert not head.startswith(b"\x80"), p  # pickle protocol >= 2
@@ -541,8 +583,11 @@ def test_no_pickle_on_disk_or_on_load(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "load", refuse)
     read_manifest(root)
     verify_bank(root)
-    tiers = [TierConfig(name="ram", kind="ram"), TierConfig(name="flash", kind="flash"),
-             TierConfig(name="disk", kind="disk")]
+    tiers = [
+        TierConfig(name="ram", kind="ram"),
+        TierConfig(name="flash", kind="flash"),
+        TierConfig(name="disk", kind="disk"),
+    ]
     with MemoryStore(root, tiers=tiers, placement={1: "ram", 2: "flash", 3: "disk"}) as st:
         st.fetch([1, 3, 2])
         st.gather(np.array([[0, 1, 2], [-1, -1, -1]]))
@@ -563,7 +608,9 @@ MEM = MemoryConfig(multipliers=(8, 4, 2), branching=4)
 root, marker = sys.argv[1], sys.argv[2]
 """
 
-SLOW_WRITER = CHILD_PRELUDE + """
+SLOW_WRITER = (
+    CHILD_PRELUDE
+    + """
 n = [0]
 def init(level, cluster, codec):
     n[0] += 1
@@ -573,10 +620,13 @@ def init(level, cluster, codec):
     return torch.full((codec.params,), 7.0)
 write_bank(root, anchor=TINY, memory=MEM, dtype="fp32", init=init)
 """
+)
 
 # Dies at the one instant between the two renames of memtree.io.replace_dir: the old bank
 # has been moved aside, the new one not yet moved in.
-DIE_BETWEEN_RENAMES = CHILD_PRELUDE + """
+DIE_BETWEEN_RENAMES = (
+    CHILD_PRELUDE
+    + """
 real_replace = os.replace
 def replace(src, dst, *a, **k):
     real_replace(src, dst, *a, **k)
@@ -587,11 +637,16 @@ os.replace = replace
 write_bank(root, anchor=TINY, memory=MEM, dtype="fp32",
            init=lambda level, cluster, codec: torch.full((codec.params,), 7.0))
 """
+)
 
 
 def _run_child(script: str, root: Path, marker: Path, *, kill_on_marker: bool) -> int:
-    p = subprocess.Popen([sys.executable, "-c", script, str(root), str(marker)], cwd=REPO,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    p = subprocess.Popen(
+        [sys.executable, "-c", script, str(root), str(marker)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 90
         while not marker.exists():
@@ -627,7 +682,9 @@ def test_sigkill_during_write_keeps_old_bank(tmp_path):
     write(root, old)
     rc = _run_child(SLOW_WRITER, root, tmp_path / "marker", kill_on_marker=True)
     assert rc == -signal.SIGKILL
-    assert any(p.name.startswith(".bank.tmp-") for p in tmp_path.iterdir())  # the half-written temp dir
+    assert any(
+        p.name.startswith(".bank.tmp-") for p in tmp_path.iterdir()
+    )  # the half-written temp dir
     _assert_old_bank(root, old)
     # the next write replaces the bank and clears the debris
     new = random_values(23)
@@ -722,10 +779,18 @@ def test_per_subtree_bank_layout_and_ids(tmp_path):
     # subtree 2 of a branching-4 tree holds level l clusters 2·4^(l-1) … 3·4^(l-1) - 1
     owned = {1: range(2, 3), 2: range(8, 12), 3: range(32, 48)}
     g = torch.Generator().manual_seed(30)
-    values = {lv: {c: torch.randn(PARAMS[lv], generator=g) for c in [*owned[lv], GENERIC]} for lv in owned}
+    values = {
+        lv: {c: torch.randn(PARAMS[lv], generator=g) for c in [*owned[lv], GENERIC]} for lv in owned
+    }
     root = tmp_path / "sub"
-    info = write_bank(root, anchor=TINY, memory=MEM, dtype="fp32", subtree=2,
-                      blocks=lambda level: values[level].items())
+    info = write_bank(
+        root,
+        anchor=TINY,
+        memory=MEM,
+        dtype="fp32",
+        subtree=2,
+        blocks=lambda level: values[level].items(),
+    )
     m = json.loads((root / "manifest.json").read_text())
     assert m["subtree"] == 2
     for level, ids in owned.items():
@@ -739,7 +804,9 @@ def test_per_subtree_bank_layout_and_ids(tmp_path):
         out = st.fetch([2, 9, 37], flat=True)
         assert all(torch.equal(out[lv], values[lv][c]) for lv, c in ((1, 2), (2, 9), (3, 37)))
         assert torch.equal(st.fetch_flat(3, GENERIC), values[3][GENERIC])
-        with pytest.raises(BankError, match=r"level 1: cluster 1 is not in this bank \(holds 2…2\)"):
+        with pytest.raises(
+            BankError, match=r"level 1: cluster 1 is not in this bank \(holds 2…2\)"
+        ):
             st.fetch([1, 5, 21])
         with pytest.raises(BankError, match="cluster 48"):
             st.fetch_flat(3, 48)
@@ -751,8 +818,11 @@ def test_per_subtree_bank_layout_and_ids(tmp_path):
 def test_file_truncated_while_open_is_a_clear_error(tmp_path):
     root = tmp_path / "b"
     write(root, random_values(31), "bf16")
-    with MemoryStore(root, tiers=[TierConfig(name="flash", kind="flash"), TierConfig(name="disk", kind="disk")],
-                     placement={1: "flash", 2: "flash", 3: "disk"}) as st:
+    with MemoryStore(
+        root,
+        tiers=[TierConfig(name="flash", kind="flash"), TierConfig(name="disk", kind="disk")],
+        placement={1: "flash", 2: "flash", 3: "disk"},
+    ) as st:
         os.truncate(root / "level-2.bin", 4096 * 10)
         os.truncate(root / "level-3.bin", 4096 * 10)
         with pytest.raises(BankError, match="truncated"):

@@ -18,7 +18,9 @@ from memtree.memstore.merge import merge_banks, relocate_level, split_bank
 from memtree.memstore.store import MemoryStore, TierConfig
 from memtree.memstore.writer import write_bank
 
-ANCHOR = AnchorShape(name="tiny", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=100)
+ANCHOR = AnchorShape(
+    name="tiny", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=100
+)
 MEM = MemoryConfig(multipliers=(8, 4, 2), branching=4)
 
 
@@ -28,8 +30,14 @@ def _values(level: int, cluster: int, n: int) -> torch.Tensor:
 
 
 def _bank(path, dtype="bf16", **kw):
-    return write_bank(path, anchor=ANCHOR, memory=MEM, dtype=dtype,
-                      init=lambda lv, c, codec: _values(lv, c, codec.params), **kw)
+    return write_bank(
+        path,
+        anchor=ANCHOR,
+        memory=MEM,
+        dtype=dtype,
+        init=lambda lv, c, codec: _values(lv, c, codec.params),
+        **kw,
+    )
 
 
 def _sha(path) -> str:
@@ -45,7 +53,10 @@ def test_split_then_merge_is_byte_identical(tmp_path, dtype):
         assert info.subtree == s
         # subtree s owns clusters [s·4^(l-1), (s+1)·4^(l-1)) at level l
         assert {lv: (x.first_cluster, x.n_blocks) for lv, x in info.levels.items()} == {
-            1: (s, 1), 2: (4 * s, 4), 3: (16 * s, 16)}
+            1: (s, 1),
+            2: (4 * s, 4),
+            3: (16 * s, 16),
+        }
         verify_bank(p)
     merged = merge_banks(list(reversed(parts)), tmp_path / "merged", generic="first")
     for lv in (1, 2, 3):
@@ -129,7 +140,10 @@ def test_relocate_level_to_directory_and_url(tmp_path):
         st.delete(3, [25])
         with pytest.raises(BankError, match="read-only"):
             st.scatter(2, [6], torch.zeros(1, st.codec(2).params))
-    assert _values(3, 25, 288).numpy().tobytes() not in (tmp_path / "external" / "level-3.bin").read_bytes()
+    assert (
+        _values(3, 25, 288).numpy().tobytes()
+        not in (tmp_path / "external" / "level-3.bin").read_bytes()
+    )
 
 
 def test_adversarial_block_takes_the_subtree_queries_route_to(tmp_path):
@@ -164,10 +178,41 @@ def test_random_block_control_blocks_the_same_share(tmp_path):
 def test_cli_init_block_delete_verify_merge(tmp_path, capsys):
     bank = str(tmp_path / "bank")
     shape = "n_layers=3,d_model=16,n_heads=2,head_dim=8,ffn_dim=32,vocab_size=100"
-    assert main(["memstore", "init", bank, "--anchor", shape, "--memory", "8,4,2", "--branching", "4",
-                 "--dtype", "int8"]) == 0
-    assert main(["memstore", "block", bank, "--level", "1", "--clusters", "1", "--subtree",
-                 "--reason", "test"]) == 0
+    assert (
+        main(
+            [
+                "memstore",
+                "init",
+                bank,
+                "--anchor",
+                shape,
+                "--memory",
+                "8,4,2",
+                "--branching",
+                "4",
+                "--dtype",
+                "int8",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "memstore",
+                "block",
+                bank,
+                "--level",
+                "1",
+                "--clusters",
+                "1",
+                "--subtree",
+                "--reason",
+                "test",
+            ]
+        )
+        == 0
+    )
     assert main(["memstore", "delete", bank, "--level", "3", "--clusters", "2"]) == 0
     assert main(["memstore", "verify", bank]) == 0
     capsys.readouterr()
@@ -178,8 +223,13 @@ def test_cli_init_block_delete_verify_merge(tmp_path, capsys):
     assert main(["memstore", "fetch", bank, "--path", "1,4,16"]) == 0
     assert "refused" in capsys.readouterr().out
     assert main(["memstore", "split", bank, "--out", str(tmp_path / "parts")]) == 0
-    parts = sorted(str(p) for p in (tmp_path / "parts").iterdir() if not p.name.startswith("."))  # not the lock files
-    assert main(["memstore", "merge", *parts, "--out", str(tmp_path / "merged"), "--generic", "first"]) == 0
+    parts = sorted(
+        str(p) for p in (tmp_path / "parts").iterdir() if not p.name.startswith(".")
+    )  # not the lock files
+    assert (
+        main(["memstore", "merge", *parts, "--out", str(tmp_path / "merged"), "--generic", "first"])
+        == 0
+    )
     assert _sha(tmp_path / "merged" / "level-2.bin") == _sha(tmp_path / "bank" / "level-2.bin")
     assert main(["memstore", "block", bank, "--queries", str(tmp_path / "q.txt")]) == 1
     assert "--tree" in capsys.readouterr().err

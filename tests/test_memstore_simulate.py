@@ -24,7 +24,9 @@ from memtree.memstore.sim.latency import (
 from memtree.memstore.sim.profiles import HardwareProfile, TierProfile, load_profile
 
 # 2 layers × 3 SwiGLU tensors × (m × d_model=8) → a level block holds 48·m parameters.
-TINY = AnchorShape(name="tiny", n_layers=2, d_model=8, n_heads=2, head_dim=4, ffn_dim=16, vocab_size=32)
+TINY = AnchorShape(
+    name="tiny", n_layers=2, d_model=8, n_heads=2, head_dim=4, ffn_dim=16, vocab_size=32
+)
 # Multipliers (4, 2, 1), branching 2 → bf16 blocks of 384, 192, 96 B; each level's bank is 768 B;
 # fetch 672 B; flat bank 2³ × 672 = 5376 B.
 TINY_PLAN = plan(TINY, (4, 2, 1), type="ffn", branching=2)
@@ -58,10 +60,18 @@ def tiny_profile(tmp_path: Path) -> HardwareProfile:
 
 def _tiers(*caps_bytes: int | None) -> HardwareProfile:
     names = ["ram", "flash", "disk"]
-    return HardwareProfile(name="caps", tiers=tuple(
-        TierProfile(name=names[i], bandwidth_gbps=10.0 ** -(6 + i), latency_us=10.0 ** (3 + i),
-                    capacity_gb=None if c is None else c / 1e9)
-        for i, c in enumerate(caps_bytes)))
+    return HardwareProfile(
+        name="caps",
+        tiers=tuple(
+            TierProfile(
+                name=names[i],
+                bandwidth_gbps=10.0 ** -(6 + i),
+                latency_us=10.0 ** (3 + i),
+                capacity_gb=None if c is None else c / 1e9,
+            )
+            for i, c in enumerate(caps_bytes)
+        ),
+    )
 
 
 def test_tiny_plan_geometry_is_what_the_hand_numbers_assume():
@@ -88,8 +98,12 @@ def test_more_bandwidth_is_faster_and_more_latency_is_slower(tiny_profile):
     base = simulate_fetch(TINY_PLAN, tiny_profile).seconds
 
     def scaled(bw: float = 1.0, lat: float = 0.0) -> float:
-        tiers = tuple(dataclasses.replace(t, bandwidth_gbps=t.bandwidth_gbps * bw, latency_us=t.latency_us + lat)
-                      for t in tiny_profile.tiers)
+        tiers = tuple(
+            dataclasses.replace(
+                t, bandwidth_gbps=t.bandwidth_gbps * bw, latency_us=t.latency_us + lat
+            )
+            for t in tiny_profile.tiers
+        )
         return simulate_fetch(TINY_PLAN, dataclasses.replace(tiny_profile, tiers=tiers)).seconds
 
     assert scaled(bw=2.0) < base < scaled(bw=0.5)
@@ -113,13 +127,15 @@ def test_placement_spills_to_the_next_tier_and_flat_takes_the_tier_that_fits():
 
 
 def test_session_hits_counted_by_hand(tiny_profile):
-    trace = np.array([
-        [0, 0, 0],  # cold: 3 misses
-        [0, 0, 1],  # same L1, L2: 2 hits, L3 miss
-        [0, 1, 2],  # same L1: 1 hit
-        [1, 2, 4],  # new topic: 0 hits
-        [0, 0, 1],  # everything seen before (cache of 1 MB keeps all): 3 hits
-    ])
+    trace = np.array(
+        [
+            [0, 0, 0],  # cold: 3 misses
+            [0, 0, 1],  # same L1, L2: 2 hits, L3 miss
+            [0, 1, 2],  # same L1: 1 hit
+            [1, 2, 4],  # new topic: 0 hits
+            [0, 0, 1],  # everything seen before (cache of 1 MB keeps all): 3 hits
+        ]
+    )
     s = simulate_session(TINY_PLAN, tiny_profile, trace, "bf16", 10**6)
     assert s.hier_hits.tolist() == [0, 2, 1, 0, 3]
     assert s.hier_misses.tolist() == [3, 1, 2, 3, 0]
@@ -150,7 +166,9 @@ def test_repeated_queries_hit_after_the_first(tiny_profile):
     assert c.hier_seconds[1:].tolist() == pytest.approx([0.672] * 5)
     assert c.flat_seconds[1:].tolist() == pytest.approx([0.672] * 5)
     # the misses that fill the cache are handed out as copies too, as the store's cache does
-    assert c.hier_seconds[0] == pytest.approx(3.285 + 0.672) and c.flat_seconds[0] == pytest.approx(6.73 + 0.672)
+    assert c.hier_seconds[0] == pytest.approx(3.285 + 0.672) and c.flat_seconds[0] == pytest.approx(
+        6.73 + 0.672
+    )
     # a cache too small to keep a block copies nothing out
     z = simulate_session(TINY_PLAN, tiny_profile, trace, cache_bytes=0, count_cache_copy=True)
     assert z.hier_seconds.tolist() == pytest.approx([3.285] * 6)
@@ -187,7 +205,9 @@ def test_load_trace_npy_and_jsonl(tmp_path):
     t = zipf_trace(20, 2, 3, seed=0)
     np.save(tmp_path / "t.npy", t)
     np.testing.assert_array_equal(load_trace(tmp_path / "t.npy"), t)
-    lines = [json.dumps(row) if i % 2 else json.dumps({"path": row}) for i, row in enumerate(t.tolist())]
+    lines = [
+        json.dumps(row) if i % 2 else json.dumps({"path": row}) for i, row in enumerate(t.tolist())
+    ]
     (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
     np.testing.assert_array_equal(load_trace(tmp_path / "t.jsonl"), t)
     (tmp_path / "bad.jsonl").write_text("[0, 0, 0]\n[0, 1]\n")
@@ -204,14 +224,18 @@ def test_paper_claims_on_the_phone_profile():
     order = [t.name for t in phone.tiers]
     tier_rank = [order.index(lv.tier) for lv in f.levels]
     assert tier_rank == sorted(tier_rank) and tier_rank[0] == 0  # shallow levels on faster tiers
-    assert f.flat.tier == "disk"  # the flat bank's excessive total size leaves only the external disk
+    assert (
+        f.flat.tier == "disk"
+    )  # the flat bank's excessive total size leaves only the external disk
     assert f.flat.seconds > 5 * f.seconds
     trace = zipf_trace(500, 16, 4, seed=0)
     s = simulate_session(p, phone, trace, "bf16").summary()
     assert s["hierarchical"]["mean_s"] * 5 < s["flat"]["mean_s"]
     assert s["hierarchical"]["hit_rate"] > s["flat"]["hit_rate"]
     # Both banks on the external disk: only the deep levels are swapped, still much faster than flat reloads.
-    d = simulate_session(p, phone, trace, "bf16", policy=pinned(p, "disk"), flat_tier="disk").summary()
+    d = simulate_session(
+        p, phone, trace, "bf16", policy=pinned(p, "disk"), flat_tier="disk"
+    ).summary()
     assert d["hierarchical"]["warm_mean_s"] * 2 < d["flat"]["warm_mean_s"]
 
 
@@ -254,8 +278,11 @@ def _cli(argv: list[str]) -> argparse.Namespace:
 
 def test_run_simulate_end_to_end(tmp_path, capsys):
     out = tmp_path / "sim"
-    rc = run_simulate(_cli(["--n-queries", "200", "--sweep", "256,64,16,0;0,16,4,1;5376,0,0,0",
-                            "--out", str(out)]))
+    rc = run_simulate(
+        _cli(
+            ["--n-queries", "200", "--sweep", "256,64,16,0;0,16,4,1;5376,0,0,0", "--out", str(out)]
+        )
+    )
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
     assert [r["profile"]["name"] for r in data["results"]] == ["phone", "laptop"]
@@ -271,18 +298,36 @@ def test_run_simulate_end_to_end(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "phone" in printed and str(out / "results.json") in printed
     # Rerunning gives the same numbers.
-    run_simulate(_cli(["--n-queries", "200", "--sweep", "256,64,16,0;0,16,4,1;5376,0,0,0", "--out", str(out)]))
+    run_simulate(
+        _cli(
+            ["--n-queries", "200", "--sweep", "256,64,16,0;0,16,4,1;5376,0,0,0", "--out", str(out)]
+        )
+    )
     assert json.loads((out / "results.json").read_text()) == data
 
 
 def test_run_simulate_with_a_trace_file_and_pinned_tier(tmp_path):
     np.save(tmp_path / "trace.npy", zipf_trace(50, 16, 4, seed=3))
     out = tmp_path / "pinned"
-    rc = run_simulate(_cli(["--profile", "phone", "--trace", str(tmp_path / "trace.npy"), "--pin-tier", "disk",
-                            "--out", str(out)]))
+    rc = run_simulate(
+        _cli(
+            [
+                "--profile",
+                "phone",
+                "--trace",
+                str(tmp_path / "trace.npy"),
+                "--pin-tier",
+                "disk",
+                "--out",
+                str(out),
+            ]
+        )
+    )
     assert rc == 0
     res = json.loads((out / "results.json").read_text())["results"][0]
-    assert {lv["tier"] for lv in res["fetch"]["levels"]} == {"disk"} and res["fetch"]["flat"]["tier"] == "disk"
+    assert {lv["tier"] for lv in res["fetch"]["levels"]} == {"disk"} and res["fetch"]["flat"][
+        "tier"
+    ] == "disk"
     assert res["session"]["summary"]["hierarchical"]["n_queries"] == 50
     assert not (out / "sweep.png").exists()
     with pytest.raises(ValueError, match="needs --tree"):

@@ -36,8 +36,9 @@ from memtree.memstore.writer import write_bank
 
 REPO = Path(__file__).resolve().parents[1]
 
-TINY = AnchorShape(name="tiny", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32,
-                   vocab_size=100)
+TINY = AnchorShape(
+    name="tiny", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=100
+)
 MEM = MemoryConfig(multipliers=(8, 4, 2), branching=4)
 WIDTH = {1: 8, 2: 4, 3: 2}
 N_BLOCKS = {1: 4, 2: 16, 3: 64}
@@ -63,8 +64,12 @@ def random_values(seed: int = 0) -> dict[int, torch.Tensor]:
 
 def version_values(k: int) -> dict[int, torch.Tensor]:
     """Block c of version k is constant k*1000 + c (generic: k*1000 + 999): exact in fp32."""
-    return {lv: torch.stack([torch.full((PARAMS[lv],), float(k * 1000 + c))
-                             for c in [*range(N_BLOCKS[lv]), 999]]) for lv in (1, 2, 3)}
+    return {
+        lv: torch.stack(
+            [torch.full((PARAMS[lv],), float(k * 1000 + c)) for c in [*range(N_BLOCKS[lv]), 999]]
+        )
+        for lv in (1, 2, 3)
+    }
 
 
 def write(root: Path, values, dtype: str = "fp32", **kw):
@@ -111,8 +116,11 @@ def test_hierarchical_placement_spills_deeper_levels(tmp_path):
     root = tmp_path / "b"
     info = write(root, values, "bf16")
     assert {lv: info.levels[lv].file_bytes for lv in (1, 2, 3)} == BF16_FILE_BYTES
-    tiers = [TierConfig(name="ram", kind="ram", capacity_bytes=30_000),
-             TierConfig(name="flash", kind="flash", capacity_bytes=100_000), DISK]
+    tiers = [
+        TierConfig(name="ram", kind="ram", capacity_bytes=30_000),
+        TierConfig(name="flash", kind="flash", capacity_bytes=100_000),
+        DISK,
+    ]
     with MemoryStore(root, tiers=tiers) as st:
         # 20,480 B fits the 30,000 B RAM; 69,632 B fits flash; 266,240 B only disk
         assert st.placement == {1: "ram", 2: "flash", 3: "disk"}
@@ -122,14 +130,20 @@ def test_hierarchical_placement_spills_deeper_levels(tmp_path):
         assert reads(st) == {"ram": 1, "flash": 1, "disk": 1}
         for level, c in ((1, 2), (2, 9), (3, 37)):
             assert torch.equal(out[level], values[level][c].bfloat16())
-    tiers = [TierConfig(name="ram", kind="ram", capacity_bytes=100_000), TierConfig(name="flash", kind="flash")]
+    tiers = [
+        TierConfig(name="ram", kind="ram", capacity_bytes=100_000),
+        TierConfig(name="flash", kind="flash"),
+    ]
     with MemoryStore(root, tiers=tiers) as st:  # 20,480 + 69,632 = 90,112 ≤ 100,000
         assert st.placement == {1: "ram", 2: "ram", 3: "flash"}
 
 
 def test_ram_too_small_for_anything_puts_all_on_flash(tmp_path):
     write(tmp_path / "b", random_values(2), "bf16")
-    tiers = [TierConfig(name="ram", kind="ram", capacity_bytes=20_479), TierConfig(name="flash", kind="flash")]
+    tiers = [
+        TierConfig(name="ram", kind="ram", capacity_bytes=20_479),
+        TierConfig(name="flash", kind="flash"),
+    ]
     with MemoryStore(tmp_path / "b", tiers=tiers) as st:
         assert st.placement == {1: "flash", 2: "flash", 3: "flash"}
         assert st.stats()["tiers"]["ram"]["load_bytes"] == 0
@@ -138,10 +152,16 @@ def test_ram_too_small_for_anything_puts_all_on_flash(tmp_path):
 def test_flat_policy_puts_all_levels_on_one_tier(tmp_path):
     write(tmp_path / "b", random_values(3), "bf16")
     total = sum(BF16_FILE_BYTES.values())  # 356,352
-    small = [TierConfig(name="ram", kind="ram", capacity_bytes=100_000), TierConfig(name="flash", kind="flash")]
+    small = [
+        TierConfig(name="ram", kind="ram", capacity_bytes=100_000),
+        TierConfig(name="flash", kind="flash"),
+    ]
     with MemoryStore(tmp_path / "b", tiers=small, placement="flat") as st:
         assert st.placement == {1: "flash", 2: "flash", 3: "flash"}
-    big = [TierConfig(name="ram", kind="ram", capacity_bytes=total), TierConfig(name="flash", kind="flash")]
+    big = [
+        TierConfig(name="ram", kind="ram", capacity_bytes=total),
+        TierConfig(name="flash", kind="flash"),
+    ]
     with MemoryStore(tmp_path / "b", tiers=big, placement="flat") as st:
         assert st.placement == {1: "ram", 2: "ram", 3: "ram"}
 
@@ -150,13 +170,18 @@ def test_explicit_placement_is_honoured(tmp_path):
     values = random_values(4)
     write(tmp_path / "b", values, "bf16")
     tiers = [RAM, TierConfig(name="flash", kind="flash"), DISK]
-    with MemoryStore(tmp_path / "b", tiers=tiers, placement={1: "disk", 2: "ram", 3: "flash"}) as st:
+    with MemoryStore(
+        tmp_path / "b", tiers=tiers, placement={1: "disk", 2: "ram", 3: "flash"}
+    ) as st:
         assert st.placement == {1: "disk", 2: "ram", 3: "flash"}
         st.fetch([0, 1, 4])
         assert reads(st) == {"ram": 1, "flash": 1, "disk": 1}
         assert st.stats()["tiers"]["ram"]["load_bytes"] == BF16_FILE_BYTES[2]
         assert torch.equal(st.fetch_flat(1, 3), values[1][3].bfloat16())
-    tight = [TierConfig(name="ram", kind="ram", capacity_bytes=50_000), TierConfig(name="flash", kind="flash")]
+    tight = [
+        TierConfig(name="ram", kind="ram", capacity_bytes=50_000),
+        TierConfig(name="flash", kind="flash"),
+    ]
     with pytest.raises(ValueError, match="level 2"):
         MemoryStore(tmp_path / "b", tiers=tight, placement={1: "flash", 2: "ram", 3: "flash"})
     with pytest.raises(ValueError, match="level 3"):
@@ -215,11 +240,15 @@ def test_fetch_shapes_follow_block_layout(bank):
             names = [(n, tuple(t.shape)) for n, t in out[level].items()]
             assert names == hand_layout(level)
             assert names == [(t.name, t.shape) for t in block_layout(TINY, MEM, level)]
-            assert torch.equal(torch.cat([t.reshape(-1) for t in out[level].values()]), values[level][c])
+            assert torch.equal(
+                torch.cat([t.reshape(-1) for t in out[level].values()]), values[level][c]
+            )
         gen = st.fetch_generic()
         for level in (1, 2, 3):
             assert [(n, tuple(t.shape)) for n, t in gen[level].items()] == hand_layout(level)
-            assert torch.equal(torch.cat([t.reshape(-1) for t in gen[level].values()]), values[level][-1])
+            assert torch.equal(
+                torch.cat([t.reshape(-1) for t in gen[level].values()]), values[level][-1]
+            )
         flat = st.fetch_generic(flat=True)
         assert {lv: tuple(t.shape) for lv, t in flat.items()} == {1: (1152,), 2: (576,), 3: (288,)}
         with pytest.raises(ValueError, match="3 levels|needs 3"):
@@ -230,8 +259,9 @@ def test_fetch_shapes_follow_block_layout(bank):
 
 def test_gather_reads_each_distinct_block_once(bank):
     root, values = bank
-    paths = np.array([[1, 5, 21], [1, 5, 22], [0, 0, 0], [1, 6, 25], [-1, -1, -1], [1, 5, 21],
-                      [0, 0, 0]])
+    paths = np.array(
+        [[1, 5, 21], [1, 5, 22], [0, 0, 0], [1, 6, 25], [-1, -1, -1], [1, 5, 21], [0, 0, 0]]
+    )
     with MemoryStore(root, tiers=FLASH) as st:
         out = st.gather(paths)
         # distinct ids: level 1 {1, 0, -1}, level 2 {5, 0, 6, -1}, level 3 {21, 22, 0, 25, -1}
@@ -240,7 +270,10 @@ def test_gather_reads_each_distinct_block_once(bank):
             assert out[level].shape == (7, PARAMS[level])
             for i, p in enumerate(paths):
                 c = int(p[level - 1])
-                assert torch.equal(out[level][i], values[level][-1 if c == GENERIC else c]), (level, i)
+                assert torch.equal(out[level][i], values[level][-1 if c == GENERIC else c]), (
+                    level,
+                    i,
+                )
         st.reset_stats()
         out2 = st.gather(torch.from_numpy(paths))
         assert all(torch.equal(out[lv], out2[lv]) for lv in (1, 2, 3))
@@ -293,7 +326,9 @@ def test_scatter_writes_only_its_blocks(bank, tiers):
             assert after[seg] == before[2][seg], s
     sums = (root / "level-2.sums").read_bytes()
     for s in range(17):
-        assert (sums[s * 16 : s * 16 + 16] == sums_before[2][s * 16 : s * 16 + 16]) == (s not in written)
+        assert (sums[s * 16 : s * 16 + 16] == sums_before[2][s * 16 : s * 16 + 16]) == (
+            s not in written
+        )
     for lv in (1, 3):
         assert (root / f"level-{lv}.bin").read_bytes() == before[lv]
         assert (root / f"level-{lv}.sums").read_bytes() == sums_before[lv]
@@ -356,7 +391,9 @@ def test_lru_with_a_one_block_budget(bank, slack, hits):
 
 def test_mutating_a_fetched_block_does_not_poison_the_cache(bank):
     root, values = bank
-    with MemoryStore(root, tiers=[TierConfig(name="flash", kind="flash", cache_bytes=1 << 20)]) as st:
+    with MemoryStore(
+        root, tiers=[TierConfig(name="flash", kind="flash", cache_bytes=1 << 20)]
+    ) as st:
         a = st.fetch_flat(2, 5)
         a.add_(1.0)
         assert torch.equal(st.fetch_flat(2, 5), values[2][5])
@@ -377,7 +414,9 @@ def test_block_subtree_refuses_without_reading(bank):
         counts = st.block(1, [1], subtree=True, reason="takedown #1")
         assert counts == {1: 1, 2: 4, 3: 16}
         # level-1 cluster 1 owns level-2 clusters 4..7 and level-3 clusters 16..31
-        assert st.blocked_fraction() == pytest.approx(0.25, abs=0)  # (1152 + 4·576 + 16·288) / 32256
+        assert st.blocked_fraction() == pytest.approx(
+            0.25, abs=0
+        )  # (1152 + 4·576 + 16·288) / 32256
         st.reset_stats()
         for path in ([1, 4, 16], [1, 5, 21], [1, 7, 31]):
             out = st.fetch(path, flat=True)
@@ -434,8 +473,15 @@ def test_block_single_level_only(bank):
         assert st.is_refused(2, 6)
 
 
-@pytest.mark.parametrize("dtype, rank, want", [("bf16", None, torch.bfloat16), ("fp16", None, torch.float16),
-                                               ("int8", None, torch.float32), ("bf16", 2, torch.float32)])
+@pytest.mark.parametrize(
+    "dtype, rank, want",
+    [
+        ("bf16", None, torch.bfloat16),
+        ("fp16", None, torch.float16),
+        ("int8", None, torch.float32),
+        ("bf16", 2, torch.float32),
+    ],
+)
 def test_zero_fallback_has_the_fetch_dtype(tmp_path, dtype, rank, want):
     write(tmp_path / "b", random_values(7), dtype, rank=rank)
     with MemoryStore(tmp_path / "b", tiers=FLASH) as st:
@@ -444,7 +490,10 @@ def test_zero_fallback_has_the_fetch_dtype(tmp_path, dtype, rank, want):
         z = st.fetch_flat(2, 3)
         assert z.dtype == want and z.shape == (576,) and torch.count_nonzero(z) == 0
     with MemoryStore(tmp_path / "b", tiers=FLASH, out_dtype=torch.float64) as st:
-        assert st.fetch_flat(2, 3).dtype == torch.float64 and st.fetch_flat(2, 4).dtype == torch.float64
+        assert (
+            st.fetch_flat(2, 3).dtype == torch.float64
+            and st.fetch_flat(2, 4).dtype == torch.float64
+        )
 
 
 def test_audit_log_entries(bank, monkeypatch):
@@ -498,7 +547,9 @@ def test_delete_erases_the_bytes(bank):
     assert orig == values[3][30].numpy().astype("<f4").tobytes()  # fp32 records are raw LE floats
     sha_before = sha256(level_file)
     other_before = {s: slot_bytes(root, 3, s, 4096, 4096) for s in range(65) if s != 30}
-    with MemoryStore(root, tiers=[TierConfig(name="flash", kind="flash", cache_bytes=1 << 20)]) as st:
+    with MemoryStore(
+        root, tiers=[TierConfig(name="flash", kind="flash", cache_bytes=1 << 20)]
+    ) as st:
         assert torch.equal(st.fetch_flat(3, 30), values[3][30])  # cached before the delete
         assert st.delete(3, [30], reason="gdpr") == {3: 1}
         st.reset_stats()
@@ -650,8 +701,12 @@ def test_sigkill_during_scatter_never_tears_blocks(tmp_path):
     gen = 0
     for trial in range(5):
         marker = tmp_path / f"ready-{trial}"
-        p = subprocess.Popen([sys.executable, "-c", SCATTER_LOOP, str(root), str(marker)], cwd=REPO,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        p = subprocess.Popen(
+            [sys.executable, "-c", SCATTER_LOOP, str(root), str(marker)],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         try:
             deadline = time.monotonic() + 90
             while not marker.exists():
@@ -679,8 +734,15 @@ def _journal(manifest: dict, entries: list[tuple[int, int, bytes]]) -> bytes:
         es.append({"level": level, "slot": slot, "offset": off, "length": len(rec)})
         body += rec
         off += len(rec)
-    head = json.dumps({"format": "memtree-bank-journal", "version": 1, "manifest": manifest,
-                       "entries": es, "body_bytes": off}).encode()
+    head = json.dumps(
+        {
+            "format": "memtree-bank-journal",
+            "version": 1,
+            "manifest": manifest,
+            "entries": es,
+            "body_bytes": off,
+        }
+    ).encode()
     return len(head).to_bytes(8, "little") + head + body
 
 
@@ -689,8 +751,10 @@ def test_incomplete_journal_tmp_is_ignored_and_removed(tmp_path):
     write(root, version_values(0))
     m = json.loads((root / "manifest.json").read_text())
     m["generation"] = 1
-    full = _journal(m, [(3, c, torch.full((288,), 1000.0 + c).numpy().astype("<f4").tobytes())
-                        for c in range(64)])
+    full = _journal(
+        m,
+        [(3, c, torch.full((288,), 1000.0 + c).numpy().astype("<f4").tobytes()) for c in range(64)],
+    )
     (root / "journal").mkdir()
     tmp = root / "journal" / ".000000000001.jnl.k3j2h1.tmp"
     tmp.write_bytes(full[: len(full) // 2])
@@ -703,7 +767,9 @@ def test_complete_journal_is_replayed_on_open(tmp_path):
     write(root, version_values(0))
     m = json.loads((root / "manifest.json").read_text())
     m["generation"] = 1
-    recs = [(3, c, torch.full((288,), 1000.0 + c).numpy().astype("<f4").tobytes()) for c in range(64)]
+    recs = [
+        (3, c, torch.full((288,), 1000.0 + c).numpy().astype("<f4").tobytes()) for c in range(64)
+    ]
     (root / "journal").mkdir()
     (root / "journal" / "000000000001.jnl").write_bytes(_journal(m, recs))
     # half applied already, as after a crash mid-apply: replay must be idempotent

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def _layer(**kw) -> ProductKeyMemory:
     torch.manual_seed(0)
-    return ProductKeyMemory(PKMConfig(**{"n_keys": 16, "heads": 2, "k": 5, "key_dim": 8, **kw}), d_model=12)
+    return ProductKeyMemory(
+        PKMConfig(**{"n_keys": 16, "heads": 2, "k": 5, "key_dim": 8, **kw}), d_model=12
+    )
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 63), (2, 100)])
@@ -74,8 +76,10 @@ def test_tfidf_against_a_hand_worked_example():
     df = torch.tensor([0, 2, 5, 9])
     got = tfidf(counts, df, n_batches=9)
     # tf = c / 8; idf = log(10 / (df + 1))
-    want = torch.tensor([3 / 8 * math.log(10 / 1), 1 / 8 * math.log(10 / 3), 0.0, 4 / 8 * math.log(10 / 10)],
-                        dtype=torch.float64)
+    want = torch.tensor(
+        [3 / 8 * math.log(10 / 1), 1 / 8 * math.log(10 / 3), 0.0, 4 / 8 * math.log(10 / 10)],
+        dtype=torch.float64,
+    )
     torch.testing.assert_close(got, want)
     # slot 0 (frequent here, never in the background) first, then slot 1; slot 3 is everywhere
     assert trainable_rows(counts, df, 9, top_t=2).tolist() == [True, True, False, False]
@@ -117,12 +121,15 @@ def test_config_errors_name_the_value():
 
 # -- the model option and the trainer -------------------------------------------------------------
 
+
 def test_anchor_with_a_memory_layer_counts_and_runs():
     from memtree.geometry import AnchorShape
     from memtree.training.flops import model_flops, pkm_params
     from memtree.training.model import AnchorLM, ModelConfig
 
-    anchor = AnchorShape(name="t", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=50)
+    anchor = AnchorShape(
+        name="t", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=50
+    )
     pkm = PKMConfig(n_keys=8, heads=2, k=4, key_dim=8)
     torch.manual_seed(0)
     model = AnchorLM(ModelConfig(anchor=anchor, max_seq_len=64, pkm=pkm))
@@ -133,7 +140,9 @@ def test_anchor_with_a_memory_layer_counts_and_runs():
         assert model(torch.randint(0, 50, (2, s))).shape == (2, s, 50)
     dense, mem = model_flops(anchor, seq_len=64), model_flops(anchor, seq_len=64, pkm=pkm)
     assert mem.layers[0] == dense.layers[0] and mem.layers[1] < dense.layers[1]
-    with pytest.raises(ValueError, match=r"pkm.layers \[3\] out of range: the anchor has n_layers=3"):
+    with pytest.raises(
+        ValueError, match=r"pkm.layers \[3\] out of range: the anchor has n_layers=3"
+    ):
         ModelConfig(anchor=anchor, pkm=PKMConfig(n_keys=8, heads=2, k=4, key_dim=8, layers=(3,)))
 
 
@@ -143,8 +152,10 @@ def test_trainer_config_rejects_pkm_outside_baseline_mode():
 
     pkm = "model.pkm={n_keys: 8, heads: 2, k: 4, key_dim: 8}"
     with pytest.raises(ConfigError, match="model.pkm: .*mode 'baseline', not 'cotrain'"):
-        load_train_config(None, ["data.shards=x", "mode=cotrain", "anchor_checkpoint=y", "memory.multipliers=[4]",
-                                 pkm])
+        load_train_config(
+            None,
+            ["data.shards=x", "mode=cotrain", "anchor_checkpoint=y", "memory.multipliers=[4]", pkm],
+        )
     with pytest.raises(ConfigError, match="pkm.bogus"):
         load_train_config(None, ["data.shards=x", "model.pkm={bogus: 1}"])
 
@@ -159,10 +170,16 @@ def test_composer_fit_updates_only_the_value_rows_read(pipeline_run, tmp_path):
     from memtree.training.train import build_model, train
 
     shards = pipeline_run[0] / "shards"
-    over = [f"data.shards={shards}", f"save_folder={tmp_path / 'run'}", "mode=baseline", "data.batch_size=2",
-            "max_duration=4ba", "optim.warmup=1ba",
-            "model.shape={n_layers: 2, d_model: 32, n_heads: 2, head_dim: 16, ffn_dim: 64}",
-            "model.pkm={n_keys: 32, heads: 2, k: 4, key_dim: 8, layers: [1]}"]
+    over = [
+        f"data.shards={shards}",
+        f"save_folder={tmp_path / 'run'}",
+        "mode=baseline",
+        "data.batch_size=2",
+        "max_duration=4ba",
+        "optim.warmup=1ba",
+        "model.shape={n_layers: 2, d_model: 32, n_heads: 2, head_dim: 16, ffn_dim: 64}",
+        "model.pkm={n_keys: 32, heads: 2, k: 4, key_dim: 8, layers: [1]}",
+    ]
     cfg = load_train_config(None, over)
     torch.manual_seed(cfg.seed)
     clean_stale_shared_memory()
@@ -188,10 +205,18 @@ def test_value_learning_rate_gets_its_own_group(pipeline_run, tmp_path):
     from memtree.training.train import build_trainer
 
     shards = pipeline_run[0] / "shards"
-    cfg = load_train_config(None, [f"data.shards={shards}", f"save_folder={tmp_path / 'run'}", "mode=baseline",
-                                   "data.batch_size=2", "optim.pkm_value_lr=0.05",
-                                   "model.shape={n_layers: 2, d_model: 32, n_heads: 2, head_dim: 16, ffn_dim: 64}",
-                                   "model.pkm={n_keys: 8, heads: 2, k: 4, key_dim: 8, layers: [1]}"])
+    cfg = load_train_config(
+        None,
+        [
+            f"data.shards={shards}",
+            f"save_folder={tmp_path / 'run'}",
+            "mode=baseline",
+            "data.batch_size=2",
+            "optim.pkm_value_lr=0.05",
+            "model.shape={n_layers: 2, d_model: 32, n_heads: 2, head_dim: 16, ffn_dim: 64}",
+            "model.pkm={n_keys: 8, heads: 2, k: 4, key_dim: 8, layers: [1]}",
+        ],
+    )
     clean_stale_shared_memory()
     trainer = build_trainer(cfg)
     try:

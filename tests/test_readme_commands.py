@@ -47,28 +47,55 @@ def readme_commands(path: Path = REPO / "README.md") -> list[str]:
 # (value: the module and function that would run it); "parse": inputs from `make demo` or an
 # earlier line; "alternatives": a line listing several subcommands (`info|verify|…`).
 MODES = {
-    "memtree pipeline run --input corpus.jsonl --out runs/mine --levels 4 --branching 16":
-        ("config", "memtree.pipeline.run", "run_pipeline"),
-    "memtree pipeline run pipeline/yamls/paper.yaml 'ingest.inputs=[data/*.jsonl]' out=runs/paper":
-        ("config", "memtree.pipeline.run", "run_pipeline"),
+    "memtree pipeline run --input corpus.jsonl --out runs/mine --levels 4 --branching 16": (
+        "config",
+        "memtree.pipeline.run",
+        "run_pipeline",
+    ),
+    "memtree pipeline run pipeline/yamls/paper.yaml 'ingest.inputs=[data/*.jsonl]' out=runs/paper": (
+        "config",
+        "memtree.pipeline.run",
+        "run_pipeline",
+    ),
     "memtree memstore plan --anchor openlm-160m --memory 256,64,16,0 --type ffn": ("run",),
     "memtree memstore plan --anchor smollm2-135m --memory 0,96,160 --branching 4": ("run",),
-    "memtree memstore init runs/bank --anchor tiny --memory 64,32,16 --tree runs/mine/tree --dtype int8": ("parse",),
+    "memtree memstore init runs/bank --anchor tiny --memory 64,32,16 --tree runs/mine/tree --dtype int8": (
+        "parse",
+    ),
     "memtree memstore 'info|verify|fetch|block|unblock|delete|split|merge' '…'": ("alternatives",),
-    "memtree memstore simulate-fetch --profile phone --anchor openlm-160m --memory 256,64,16,0": ("run",),
-    "memtree train run training/yamls/tiny-baseline.yaml data.shards=runs/mine/shards":
-        ("config", "memtree.training.train", "run_once"),
-    "memtree train run training/yamls/tiny-cotrain.yaml data.shards=runs/mine/shards":
-        ("config", "memtree.training.train", "run_once"),
+    "memtree memstore simulate-fetch --profile phone --anchor openlm-160m --memory 256,64,16,0": (
+        "run",
+    ),
+    "memtree train run training/yamls/tiny-baseline.yaml data.shards=runs/mine/shards": (
+        "config",
+        "memtree.training.train",
+        "run_once",
+    ),
+    "memtree train run training/yamls/tiny-cotrain.yaml data.shards=runs/mine/shards": (
+        "config",
+        "memtree.training.train",
+        "run_once",
+    ),
     "memtree eval knowledge runs/demo/train/cotrain --block-domains astronomy": ("parse",),
-    "memtree eval knowledge runs/demo/train/cotrain --block-documents ids.txt --owner-field entity": ("parse",),
-    "memtree generate runs/demo/train/cotrain --prompt 'The birthplace of Ilsa Varn is'": ("parse",),
+    "memtree eval knowledge runs/demo/train/cotrain --block-documents ids.txt --owner-field entity": (
+        "parse",
+    ),
+    "memtree generate runs/demo/train/cotrain --prompt 'The birthplace of Ilsa Varn is'": (
+        "parse",
+    ),
     "memtree eval tasks eval/yamls/suite-example.yaml runs/demo/train/cotrain": ("parse",),
     "memtree eval memories runs/demo --rows dense-1x,moc": ("parse",),
     "memtree pipeline docs-corpus runs/pydocs-short/corpus --max-chars 4000": ("run",),
-    "memtree pipeline run pipeline/yamls/pydocs-short.yaml": ("config", "memtree.pipeline.run", "run_pipeline"),
-    "memtree eval realtext runs/pydocs-short --config eval/yamls/realtext-pydocs.yaml --recipes demo,mlr1e-3":
-        ("config", "memtree.eval.realtext", "run_realtext"),
+    "memtree pipeline run pipeline/yamls/pydocs-short.yaml": (
+        "config",
+        "memtree.pipeline.run",
+        "run_pipeline",
+    ),
+    "memtree eval realtext runs/pydocs-short --config eval/yamls/realtext-pydocs.yaml --recipes demo,mlr1e-3": (
+        "config",
+        "memtree.eval.realtext",
+        "run_realtext",
+    ),
     "memtree eval realtext runs/realdocs": ("config", "memtree.eval.realtext", "run_realtext"),
 }
 

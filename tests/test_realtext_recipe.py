@@ -27,10 +27,20 @@ def shards(tmp_path_factory, dask_client) -> Path:
 
     root = tmp_path_factory.mktemp("recipe")
     write_bios(root / "corpus", BiosSpec(entities_per_subtopic=2, head_docs=3), heldout_docs=8)
-    cfg = load_config(PipelineConfig, DEMO_YAML, [
-        f"out={root / 'pipeline'}", f'ingest.inputs=["{root / "corpus" / "corpus.jsonl"}"]', "tree.levels=3",
-        "tree.branching=4", "tree.restarts=1", "window.vocab_size=1000", "window.train_sample_docs=300",
-        "progress=false"])
+    cfg = load_config(
+        PipelineConfig,
+        DEMO_YAML,
+        [
+            f"out={root / 'pipeline'}",
+            f'ingest.inputs=["{root / "corpus" / "corpus.jsonl"}"]',
+            "tree.levels=3",
+            "tree.branching=4",
+            "tree.restarts=1",
+            "window.vocab_size=1000",
+            "window.train_sample_docs=300",
+            "progress=false",
+        ],
+    )
     run_pipeline(cfg, client=dask_client, log=lambda m: None)
     return root / "pipeline" / "shards"
 
@@ -44,7 +54,9 @@ def test_the_recipe_yamls_are_the_stages_in_order():
         body = (REPO / "training" / "yamls" / name).read_text()
         first, second = (body.index(f"memtree train run training/yamls/{s}") for s in STAGES)
         assert first < second, name
-    assert "mode: cotrain" in text and "anchor_checkpoint: runs/realdocs/train/realtext-anchor" in text
+    assert (
+        "mode: cotrain" in text and "anchor_checkpoint: runs/realdocs/train/realtext-anchor" in text
+    )
 
 
 def test_the_recipe_stages_train_as_shipped(shards, tmp_path, monkeypatch, capsys):
@@ -55,15 +67,28 @@ def test_the_recipe_stages_train_as_shipped(shards, tmp_path, monkeypatch, capsy
     monkeypatch.chdir(tmp_path)  # the YAMLs' relative save folders land here
     for name in STAGES:
         clean_stale_shared_memory()
-        assert main(["train", "run", str(REPO / "training" / "yamls" / name), f"data.shards={shards}",
-                     "max_duration=2ba"]) == 0, name
+        assert (
+            main(
+                [
+                    "train",
+                    "run",
+                    str(REPO / "training" / "yamls" / name),
+                    f"data.shards={shards}",
+                    "max_duration=2ba",
+                ]
+            )
+            == 0
+        ), name
     clean_stale_shared_memory()
     anchor = tmp_path / "runs/realdocs/train/realtext-anchor"
     cotrain = tmp_path / "runs/realdocs/train/realtext"
     assert (anchor / "anchor.safetensors").is_file() and not (anchor / "bank").exists()
     cfg = json.loads((cotrain / "memtree_config.json").read_text())["config"]
     assert (cfg["mode"], cfg["anchor_checkpoint"], cfg["memory"]["lr"]) == (
-        "cotrain", "runs/realdocs/train/realtext-anchor", 1.0e-3)
+        "cotrain",
+        "runs/realdocs/train/realtext-anchor",
+        1.0e-3,
+    )
     assert tuple(read_manifest(cotrain / "bank").memory.multipliers) == (64, 16, 4)
     # the co-training stage started from the anchor stage's weights (two batches inside the warmup
     # move them by less than 0.05), not from a fresh initialisation (weights of order 0.1–1)

@@ -26,7 +26,9 @@ from memtree.memstore.store import MemoryStore, TierConfig, read_policy
 from memtree.memstore.writer import write_bank
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = AnchorShape(name="tiny", n_layers=2, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=100)
+TINY = AnchorShape(
+    name="tiny", n_layers=2, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=100
+)
 MEM = MemoryConfig(multipliers=(8, 4, 2), branching=4)
 N_BLOCKS = {1: 4, 2: 16, 3: 64}
 FLASH = [TierConfig(name="flash", kind="flash", cache_bytes=0)]
@@ -54,16 +56,22 @@ def _params(level: int) -> int:
 
 
 def spawn(code: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent(code), *args], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(code), *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
         if proc.poll() is not None:
-            raise AssertionError(f"child exited ({proc.returncode}) early:\n{proc.stdout.read().decode()}")
+            raise AssertionError(
+                f"child exited ({proc.returncode}) early:\n{proc.stdout.read().decode()}"
+            )
         assert time.monotonic() < deadline, f"timed out waiting for {path}"
         time.sleep(0.02)
 
@@ -76,8 +84,15 @@ def finish(proc: subprocess.Popen, timeout: float = 120.0) -> str:
 
 
 def memstore_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "memtree", "memstore", *args], check=False, cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "memtree", "memstore", *args],
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 HOLD = """
@@ -104,12 +119,31 @@ def test_second_writer_fails_naming_the_holder_then_waits_for_it(tmp_path):
         assert f"pid {holder_proc.pid}" in r.stderr and "hold for the test" in r.stderr, r.stderr
         assert read_policy(root)["blocked"] == {}  # nothing written
         # the library says the same
-        with MemoryStore(root, tiers=FLASH) as st, pytest.raises(BankBusy, match=f"pid {holder_proc.pid}"):
+        with (
+            MemoryStore(root, tiers=FLASH) as st,
+            pytest.raises(BankBusy, match=f"pid {holder_proc.pid}"),
+        ):
             st.delete(2, [5])
         # with --wait it waits for the holder, then writes
-        waiter = subprocess.Popen([sys.executable, "-m", "memtree", "memstore", "block", str(root), "--level", "1",
-                                   "--clusters", "2", "--wait", "60"], cwd=REPO, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT)
+        waiter = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "memtree",
+                "memstore",
+                "block",
+                str(root),
+                "--level",
+                "1",
+                "--clusters",
+                "2",
+                "--wait",
+                "60",
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         time.sleep(1.0)
         assert waiter.poll() is None, waiter.stdout.read().decode()  # still waiting
         release.touch()
@@ -233,7 +267,9 @@ def test_block_is_honoured_by_a_running_reader_at_its_next_fetch(tmp_path):
     ready, after, result = tmp_path / "ready", tmp_path / "after", tmp_path / "result.json"
     reader = spawn(LONG_READER, str(root), str(ready), str(after), str(result))
     wait_for(ready, reader)
-    r = memstore_cli("block", str(root), "--level", "1", "--clusters", "1", "--subtree", "--reason", "test")
+    r = memstore_cli(
+        "block", str(root), "--level", "1", "--clusters", "1", "--subtree", "--reason", "test"
+    )
     assert r.returncode == 0, r.stderr
     after.touch()  # the block command has returned
     finish(reader)
@@ -253,12 +289,29 @@ def test_refresh_and_session_blocks_survive_a_reload(tmp_path):
         assert r.returncode == 0, r.stderr
         assert st.refresh()
         assert st.is_refused(1, 0) and st.is_refused(2, 7)
-        with st.experiment(fallback="generic"):  # undone at exit, including after a reload inside it
+        with st.experiment(
+            fallback="generic"
+        ):  # undone at exit, including after a reload inside it
             st.block(3, [9], persist=False)
-            assert memstore_cli("block", str(root), "--level", "3", "--clusters", "10").returncode == 0
-            assert st.refresh() and st.is_refused(3, 9) and st.is_refused(3, 10) and st.fallback == "generic"
-        assert not st.is_refused(3, 9) and st.is_refused(3, 10) and st.is_refused(1, 0) and st.fallback == "zeros"
-    assert read_policy(root)["blocked"] == {"2": [[7, 8]], "3": [[10, 11]]}  # session blocks never reach the file
+            assert (
+                memstore_cli("block", str(root), "--level", "3", "--clusters", "10").returncode == 0
+            )
+            assert (
+                st.refresh()
+                and st.is_refused(3, 9)
+                and st.is_refused(3, 10)
+                and st.fallback == "generic"
+            )
+        assert (
+            not st.is_refused(3, 9)
+            and st.is_refused(3, 10)
+            and st.is_refused(1, 0)
+            and st.fallback == "zeros"
+        )
+    assert read_policy(root)["blocked"] == {
+        "2": [[7, 8]],
+        "3": [[10, 11]],
+    }  # session blocks never reach the file
 
 
 def test_recovery_on_open_leaves_a_live_writers_files_alone(tmp_path):

@@ -37,9 +37,19 @@ def small_run(tmp_path_factory, dask_client) -> Path:
     records = list(generate_corpus(CorpusSpec(n_docs=160, seed=3, long_doc_fraction=0.01)))
     corpus = write_jsonl(tmp_path_factory.mktemp("corpus") / "c.jsonl", records)
     out = tmp_path_factory.mktemp("runs") / "small"
-    cfg = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
-                      PIPELINE_OVERRIDES + ["tree.branching=4", "window.train_sample_docs=160", "pack.seq_len=256",
-                                            "pack.size_limit=32kb", "embed.backend=torch", "embed.batch_size=32"])
+    cfg = load_config(
+        PipelineConfig,
+        {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
+        PIPELINE_OVERRIDES
+        + [
+            "tree.branching=4",
+            "window.train_sample_docs=160",
+            "pack.seq_len=256",
+            "pack.size_limit=32kb",
+            "embed.backend=torch",
+            "embed.batch_size=32",
+        ],
+    )
     run_pipeline(cfg, until="shards", client=dask_client, log=lambda m: None)
     return out
 
@@ -79,15 +89,27 @@ def _cfg(shards: Path, folder: Path, *extra: str):
     from memtree.training.config import load_train_config
 
     shape = "model.shape={n_layers: 1, d_model: 32, n_heads: 2, head_dim: 16, ffn_dim: 64}"
-    return load_train_config(None, [f"data.shards={shards}", f"save_folder={folder}", "data.batch_size=4",
-                                    "optim.warmup=1ba", "max_duration=2ba", shape, *extra])
+    return load_train_config(
+        None,
+        [
+            f"data.shards={shards}",
+            f"save_folder={folder}",
+            "data.batch_size=4",
+            "optim.warmup=1ba",
+            "max_duration=2ba",
+            shape,
+            *extra,
+        ],
+    )
 
 
 def test_flipped_byte_in_compressed_shards_names_every_file(run_copy):
     shards = run_copy / "shards"
     stats = verify_shards(shards)  # a clean copy passes, hashed with the fastest recorded hash
     zipped = list(shards.glob("subtree-*/*.mds.zstd"))
-    assert stats["streams"] >= 2 and stats["files"] == len(zipped) and stats["algorithms"] == ["xxh64"]
+    assert (
+        stats["streams"] >= 2 and stats["files"] == len(zipped) and stats["algorithms"] == ["xxh64"]
+    )
     assert stats["bytes"] == sum(p.stat().st_size for p in zipped) and not stats["unverified"]
     bad = [min((shards / name).glob("*.mds.zstd")) for name in ("subtree-000", "subtree-001")]
     for p in bad:
@@ -120,12 +142,16 @@ def test_index_without_hashes_or_unreadable(run_copy):
     assert stats["unverified"] and all("subtree-002" in p for p in stats["unverified"])
     with pytest.raises(ShardError, match="no hash in their MDS index"):
         verify_shards(shards, require_hashes=True)
-    index["shards"][0]["samples"] += 1  # a digit changed in the index: it disagrees with manifest.json
+    index["shards"][0]["samples"] += (
+        1  # a digit changed in the index: it disagrees with manifest.json
+    )
     index_path.write_text(json.dumps(index))
     with pytest.raises(ShardError, match=re.escape(f"{index_path.resolve()}: lists shards")):
         verify_shards(shards)
     index_path.write_text(index_path.read_text()[:-2])
-    with pytest.raises(ShardError, match=re.escape(f"{index_path.resolve()}: unreadable MDS index")):
+    with pytest.raises(
+        ShardError, match=re.escape(f"{index_path.resolve()}: unreadable MDS index")
+    ):
         verify_shards(shards)
 
 
@@ -168,7 +194,9 @@ def test_training_refuses_before_any_step(run_copy, tmp_path):
 
     shards = run_copy / "shards"
     raw = decompress_first_run(shards / "subtree-001")
-    flip(raw[0])  # the case: Streaming reads this copy from now on, and trained on it silently
+    flip(
+        raw[0]
+    )  # the case: Streaming reads this copy from now on, and trained on it silently
     with pytest.raises(ShardError, match=re.escape(f"{raw[0].resolve()}: decompressed shard")):
         train(_cfg(shards, tmp_path / "a"), callbacks=[Steps()])
     assert Steps.n == 0
@@ -209,5 +237,7 @@ def test_flipped_byte_in_starting_bank_is_named_before_any_step(run_copy, tmp_pa
     trainer.close()
     level = level_path(bank, read_manifest(bank).level(2))
     flip(Path(level), at=100)
-    with pytest.raises(BankError, match=f"checksum mismatch: level 2, cluster .* in {re.escape(level)}"):
+    with pytest.raises(
+        BankError, match=f"checksum mismatch: level 2, cluster .* in {re.escape(level)}"
+    ):
         build_trainer(_cfg(shards, tmp_path / "bad", *extra, f"memory.init_bank={bank}"))

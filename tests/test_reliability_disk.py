@@ -25,13 +25,18 @@ REPO = Path(__file__).resolve().parents[1]
 def _namespaces_work() -> bool:
     if not shutil.which("unshare"):
         return False
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /tmp"],
-                           capture_output=True, check=False)
+    probe = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /tmp"],
+        capture_output=True,
+        check=False,
+    )
     return probe.returncode == 0
 
 
-pytestmark = pytest.mark.skipif(not _namespaces_work(),
-                                reason="needs unprivileged user + mount namespaces (unshare -rm) for a small tmpfs")
+pytestmark = pytest.mark.skipif(
+    not _namespaces_work(),
+    reason="needs unprivileged user + mount namespaces (unshare -rm) for a small tmpfs",
+)
 
 PRELUDE = f"""
 import errno, json, os, shutil, sys
@@ -69,14 +74,34 @@ def expect_full(fn, *names):
 """
 
 
-def run_on_tmpfs(tmp_path: Path, code: str, *args: str, size: str = "64m", timeout: int = 600) -> dict:
+def run_on_tmpfs(
+    tmp_path: Path, code: str, *args: str, size: str = "64m", timeout: int = 600
+) -> dict:
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     script = PRELUDE + textwrap.dedent(code)
-    cmd = ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs "$0" && exec "$@"', str(mnt),
-           sys.executable, "-c", script, str(mnt), *args]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        "unshare",
+        "-rm",
+        "sh",
+        "-c",
+        f'mount -t tmpfs -o size={size} tmpfs "$0" && exec "$@"',
+        str(mnt),
+        sys.executable,
+        "-c",
+        script,
+        str(mnt),
+        *args,
+    ]
+    r = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-6000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -147,7 +172,9 @@ print(json.dumps(out))
 
 def test_full_disk_during_bank_and_tree_writes(tmp_path):
     out = run_on_tmpfs(tmp_path, BANK_AND_TREE)
-    assert "No space left on device" in out["bank_write"] and "previous version" in out["bank_write"]
+    assert (
+        "No space left on device" in out["bank_write"] and "previous version" in out["bank_write"]
+    )
     assert "journal" in out["bank_edit"]
 
 
@@ -190,10 +217,14 @@ def test_full_disk_during_pipeline_shards_and_tree(tmp_path, pipeline_run):
     from tests.conftest import PIPELINE_OVERRIDES
 
     run, _, _, corpus = pipeline_run
-    out = run_on_tmpfs(tmp_path, PIPELINE, str(run), str(corpus), json.dumps(PIPELINE_OVERRIDES), size="256m")
+    out = run_on_tmpfs(
+        tmp_path, PIPELINE, str(run), str(corpus), json.dumps(PIPELINE_OVERRIDES), size="256m"
+    )
     assert "No space left on device" in out["shards"]
     assert set(out["skipped"]) >= {"ingest", "tokenizer", "window", "embed", "tree", "assign"}
-    assert out["files"] and all(out["files"].values()), out["files"]  # byte-identical to the undisturbed run
+    assert out["files"] and all(out["files"].values()), out[
+        "files"
+    ]  # byte-identical to the undisturbed run
 
 
 CHECKPOINT = """

@@ -11,7 +11,10 @@ import pytest
 import torch
 from train_launcher import launch, read_log
 
-STEPS, STOP = 8, 4  # K global batches; the interrupted run stops after STOP (a checkpoint is saved there)
+STEPS, STOP = (
+    8,
+    4,
+)  # K global batches; the interrupted run stops after STOP (a checkpoint is saved there)
 # Measured (CPU, gloo), max |Δ| against the uninterrupted 1-process run after 8 steps: anchor
 # 1.2e-7 on every host and in every direction. Bank: 2026-11-25 1.4e-5 (2 → 1), 1.8e-6 (1 → 2),
 # 1.8e-5 (uninterrupted 2-process); 2026-12-02 2.4e-4 (2 → 1, bd58b0c's run on another host);
@@ -32,11 +35,22 @@ ANCHOR_ATOL, BANK_ATOL = 1e-5, 1e-3
 
 
 def _args(shards: Path, folder: Path) -> list[str]:
-    return [f"data.shards={shards}", "data.batch_size=4", f"max_duration={STEPS}ba", f"save_interval={STOP}ba",
-            "autoresume=true", "run_name=elastic", "mode=scratch", "memory.multipliers=[8,4]",
-            "memory.lr=1e-2", "memory.export_dtype=fp32", "optim.warmup=2ba", "save_num_checkpoints_to_keep=-1",
-            "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}",
-            f"save_folder={folder}"]
+    return [
+        f"data.shards={shards}",
+        "data.batch_size=4",
+        f"max_duration={STEPS}ba",
+        f"save_interval={STOP}ba",
+        "autoresume=true",
+        "run_name=elastic",
+        "mode=scratch",
+        "memory.multipliers=[8,4]",
+        "memory.lr=1e-2",
+        "memory.export_dtype=fp32",
+        "optim.warmup=2ba",
+        "save_num_checkpoints_to_keep=-1",
+        "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}",
+        f"save_folder={folder}",
+    ]
 
 
 def _launch(world: int, shards: Path, folder: Path, *, stop_at: int | None = None) -> list[dict]:
@@ -52,7 +66,9 @@ def _weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
     from memtree.training.bank import TrainableBank
 
     bank = TrainableBank.from_bank(folder / "bank")
-    return load_file(folder / "anchor.safetensors"), {lv: t.detach() for lv, t in bank.tables.items()}
+    return load_file(folder / "anchor.safetensors"), {
+        lv: t.detach() for lv, t in bank.tables.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -71,15 +87,19 @@ def uninterrupted(pipeline_run, tmp_path_factory):
     reproducibility.seed_all(0)  # as build_trainer does before building the model
     init, _ = build_model(load_train_config(None, _args(shards, folder)))
     start = {k: v.detach() for k, v in init.model.state_dict().items()}
-    moved = (max(float((anchor[k] - start[k]).abs().max()) for k in anchor),
-             max(float((bank[lv] - init.bank.tables[lv].detach()).abs().max()) for lv in bank))
+    moved = (
+        max(float((anchor[k] - start[k]).abs().max()) for k in anchor),
+        max(float((bank[lv] - init.bank.tables[lv].detach()).abs().max()) for lv in bank),
+    )
     assert moved[0] > 100 * ANCHOR_ATOL and moved[1] > 10 * BANK_ATOL, moved
     return shards, batches, (anchor, bank)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("first", "then"), [(2, 1), (1, 2)], ids=["2to1", "1to2"])
-def test_resume_at_another_world_size_sees_the_same_batches_and_weights(uninterrupted, tmp_path, first, then):
+def test_resume_at_another_world_size_sees_the_same_batches_and_weights(
+    uninterrupted, tmp_path, first, then
+):
     shards, ref_batches, (ref_anchor, ref_bank) = uninterrupted
     folder = tmp_path / "elastic"
     stopped = _launch(first, shards, folder, stop_at=STOP)

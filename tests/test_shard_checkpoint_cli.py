@@ -33,10 +33,20 @@ STEPS, EVERY, KEEP = 6, 2, 2
 
 
 def memstore_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "memtree", "memstore", *map(str, args)], check=False, cwd=REPO,
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                               "TRANSFORMERS_OFFLINE": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "memtree", "memstore", *map(str, args)],
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        },
+    )
 
 
 def ok(*args: str) -> str:
@@ -51,11 +61,25 @@ def sharded(pipeline_run, tmp_path_factory):
     exports as int8 (not the default dtype, so `export` must take it from the checkpoint)."""
     run, shards = pipeline_run[0], pipeline_run[0] / "shards"
     folder = tmp_path_factory.mktemp("shard-cli") / "run"
-    launch(2, [f"data.shards={shards}", "data.batch_size=8", f"max_duration={STEPS}ba", f"save_interval={EVERY}ba",
-               f"save_num_checkpoints_to_keep={KEEP}", "autoresume=true", "run_name=shard-cli", "mode=scratch",
-               "memory.multipliers=[8,4]", "memory.export_dtype=int8", "optim.warmup=2ba",
-               "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}",
-               f"save_folder={folder}", "parallel.bank=sharded"])
+    launch(
+        2,
+        [
+            f"data.shards={shards}",
+            "data.batch_size=8",
+            f"max_duration={STEPS}ba",
+            f"save_interval={EVERY}ba",
+            f"save_num_checkpoints_to_keep={KEEP}",
+            "autoresume=true",
+            "run_name=shard-cli",
+            "mode=scratch",
+            "memory.multipliers=[8,4]",
+            "memory.export_dtype=int8",
+            "optim.warmup=2ba",
+            "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}",
+            f"save_folder={folder}",
+            "parallel.bank=sharded",
+        ],
+    )
     return folder, run, folder / "checkpoints" / "bank" / f"ba{STEPS}"
 
 
@@ -68,7 +92,9 @@ def _same_files(a: Path, b: Path) -> None:
 
 def test_info_describes_the_checkpoint(sharded):
     folder, run, ckpt = sharded
-    bank = read_bank_manifest(folder / "bank")  # what the run exported: an independent account of the shapes
+    bank = read_bank_manifest(
+        folder / "bank"
+    )  # what the run exported: an independent account of the shapes
     B = int(read_shards_manifest(run / "shards")["branching"])
     info = json.loads(ok("info", ckpt, "--json"))
     assert info["format"] == "memtree-bank-shards" and info["batch"] == STEPS
@@ -80,11 +106,16 @@ def test_info_describes_the_checkpoint(sharded):
         assert v["params_per_row"] == bank.levels[int(lv)].params
         assert v["rows"] == bank.levels[int(lv)].n_slots  # every cluster's row and the generic one
     on_disk = {p.name: p.stat().st_size for p in ckpt.iterdir() if p.name != "manifest.json"}
-    assert {n: e["bytes"] for n, e in info["files"].items()} == on_disk and info["bytes"] == sum(on_disk.values())
+    assert {n: e["bytes"] for n, e in info["files"].items()} == on_disk and info["bytes"] == sum(
+        on_disk.values()
+    )
     assert info["export"]["dtype"] == "int8" and info["export"]["tree_id"] == bank.tree_id
     assert info["memory"]["multipliers"] == [8, 4] and info["anchor"]["d_model"] == 64
     text = ok("info", ckpt)
-    assert f"batch {STEPS}" in text and "saved by 2 ranks: 2 memory-parallel groups × 1 replica" in text
+    assert (
+        f"batch {STEPS}" in text
+        and "saved by 2 ranks: 2 memory-parallel groups × 1 replica" in text
+    )
     assert f"{B + 1} files ({B} subtrees + generic)" in text and "export: dtype int8" in text
 
 
@@ -124,8 +155,18 @@ def test_an_older_checkpoint_without_its_export_settings_needs_the_flags(sharded
     assert r.returncode == 1 and "give --dtype" in r.stderr and not (tmp_path / "x").exists()
     r = memstore_cli("export", old, "--out", tmp_path / "x", "--dtype", "int8")
     assert r.returncode == 1 and "give --tree-id" in r.stderr
-    ok("export", old, "--out", tmp_path / "x", "--dtype", "int8", "--tree-id", export["tree_id"],
-       "--anchor-name", export["anchor_name"])
+    ok(
+        "export",
+        old,
+        "--out",
+        tmp_path / "x",
+        "--dtype",
+        "int8",
+        "--tree-id",
+        export["tree_id"],
+        "--anchor-name",
+        export["anchor_name"],
+    )
     _same_files(folder / "bank", tmp_path / "x")
     # a tree id other than the recorded one is refused
     r = memstore_cli("export", ckpt, "--out", tmp_path / "y", "--tree-id", "another-tree")
@@ -167,10 +208,14 @@ def test_bank_checkpoints_follow_composers_retention(sharded):
     composer = composer_checkpoint_batches(ckpts)
     assert len(composer) == KEEP and max(composer) == STEPS  # Composer rotated out the older saves
     assert checkpoint_batches(ckpts / "bank") == sorted(composer)
-    assert not [p.name for p in (ckpts / "bank").iterdir() if p.name.startswith(".")]  # no partial folders
+    assert not [
+        p.name for p in (ckpts / "bank").iterdir() if p.name.startswith(".")
+    ]  # no partial folders
 
 
-ANCHOR = AnchorShape(name="t", n_layers=2, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=50)
+ANCHOR = AnchorShape(
+    name="t", n_layers=2, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=50
+)
 MEM = MemoryConfig(multipliers=(4, 2), branching=4)
 
 
@@ -183,7 +228,14 @@ def test_prune_keeps_what_composer_keeps_and_the_latest(tmp_path):
     opt = MemoryAdamW([{"params": list(bank.bank_parameters())}], lr=1e-2)
     ckpts = tmp_path / "checkpoints"
     for b in (2, 4, 6, 8, 10):
-        save_shards(ckpts / "bank", b, bank, opt, replica=0, world_meta={"world": 1, "groups": 1, "replicas": 1})
+        save_shards(
+            ckpts / "bank",
+            b,
+            bank,
+            opt,
+            replica=0,
+            world_meta={"world": 1, "groups": 1, "replicas": 1},
+        )
     (ckpts / "bank" / ".ba12.partial").mkdir()  # a save killed midway
     for b in (4, 8):
         (ckpts / f"ep0-ba{b}-rank0.pt").write_bytes(b"")

@@ -56,8 +56,17 @@ def _plan_json(capsys, *args):
 def test_plan_counts_each_blocks_tokens_as_its_samples_hold(pipeline_run, capsys):
     run = pipeline_run[0]
     samples = _samples(run / "shards")
-    out = _plan_json(capsys, "--memory", "8,16", "--shards", str(run / "shards"), "--duration", "3ep",
-                     "--generic-prob", "0.125")
+    out = _plan_json(
+        capsys,
+        "--memory",
+        "8,16",
+        "--shards",
+        str(run / "shards"),
+        "--duration",
+        "3ep",
+        "--generic-prob",
+        "0.125",
+    )
     t = out["tokens_per_parameter"]
     assert t["epoch_tokens"] == sum(n for _, n in samples) and t["epochs"] == 3.0
     for lv in t["levels"]:
@@ -66,42 +75,99 @@ def test_plan_counts_each_blocks_tokens_as_its_samples_hold(pipeline_run, capsys
             per_block[path[lv["level"] - 1]] = per_block.get(path[lv["level"] - 1], 0) + n
         counts = sorted(per_block.values())
         assert (lv["tokens_min"], lv["tokens_median"], lv["tokens_max"]) == (
-            counts[0], statistics.median(counts), counts[-1])
+            counts[0],
+            statistics.median(counts),
+            counts[-1],
+        )
         assert lv["trained_blocks"] == len(counts)
         bank = out["levels"][lv["level"] - 1]["bank_params"]
         assert lv["tpp_epoch"] == pytest.approx(sum(counts) * 0.875 / bank)
         assert lv["tpp_run"] == pytest.approx(3 * lv["tpp_epoch"])
         assert lv["tpp_run_max"] == pytest.approx(counts[-1] * 0.875 * 3 / lv["block_params"])
     # the run folder works as well as its shards/ folder, and its tree's branching is taken
-    again = _plan_json(capsys, "--memory", "8,16", "--shards", str(run), "--duration", "3ep", "--generic-prob", "0.125")
-    assert again["tokens_per_parameter"]["levels"] == t["levels"] and again["memory"]["branching"] == 8
+    again = _plan_json(
+        capsys,
+        "--memory",
+        "8,16",
+        "--shards",
+        str(run),
+        "--duration",
+        "3ep",
+        "--generic-prob",
+        "0.125",
+    )
+    assert (
+        again["tokens_per_parameter"]["levels"] == t["levels"] and again["memory"]["branching"] == 8
+    )
 
 
 def test_the_warning_fires_on_a_big_bank_and_not_on_a_sized_one(pipeline_run, capsys):
     shards = str(pipeline_run[0] / "shards")
     # one epoch: under the fewest TPP measured, not as low as a run measured to go wrong: a note
-    assert main(["memstore", "plan", "--anchor", ANCHOR, "--memory", "0,256", "--shards", shards]) == 0
+    assert (
+        main(["memstore", "plan", "--anchor", ANCHOR, "--memory", "0,256", "--shards", shards]) == 0
+    )
     text = capsys.readouterr().out
-    assert "note: level 2: each block sees" in text and "not known" in text and "warning" not in text
+    assert (
+        "note: level 2: each block sees" in text and "not known" in text and "warning" not in text
+    )
     big = _plan_json(capsys, "--memory", "0,256", "--shards", shards)["tokens_per_parameter"]
     assert FETCH_WORSE_AT_TPP < big["levels"][0]["tpp_run"] < GENERALISES_DOWN_TO
     assert len(big["notes"]) == 1 and not big["warnings"]
     # a twentieth of an epoch: as low as the run whose fetched memory read worse than its generic one
-    assert main(["memstore", "plan", "--anchor", ANCHOR, "--memory", "0,256", "--shards", shards, "--duration",
-                 "0.05ep"]) == 0
+    assert (
+        main(
+            [
+                "memstore",
+                "plan",
+                "--anchor",
+                ANCHOR,
+                "--memory",
+                "0,256",
+                "--shards",
+                shards,
+                "--duration",
+                "0.05ep",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "warning: level 2: each block sees" in text and "worse with its fetched blocks" in text
-    assert main(["memstore", "plan", "--anchor", ANCHOR, "--memory", "1,0", "--shards", shards, "--duration", "2ep"]) == 0
+    assert (
+        main(
+            [
+                "memstore",
+                "plan",
+                "--anchor",
+                ANCHOR,
+                "--memory",
+                "1,0",
+                "--shards",
+                shards,
+                "--duration",
+                "2ep",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "tokens per parameter" in text and "warning" not in text and "note" not in text
     # a bank that learns faster than the anchor: measured harmful from 10/3×, whatever the TPP
     sized = ["memstore", "plan", "--anchor", ANCHOR, "--memory", "1,0", "--shards", shards]
     assert main([*sized, "--bank-lr", "3e-2", "--anchor-lr", "3e-3"]) == 0
     text = capsys.readouterr().out
-    assert "warning: the bank learns at 10× the anchor's learning rate" in text and "level 1:" not in text
-    assert main([*sized, "--bank-lr", "6e-3", "--anchor-lr", "3e-3"]) == 0  # 2×: between the measured, a note
+    assert (
+        "warning: the bank learns at 10× the anchor's learning rate" in text
+        and "level 1:" not in text
+    )
+    assert (
+        main([*sized, "--bank-lr", "6e-3", "--anchor-lr", "3e-3"]) == 0
+    )  # 2×: between the measured, a note
     text = capsys.readouterr().out
-    assert "warning" not in text and "note: the bank learns at 2× the anchor's learning rate" in text
+    assert (
+        "warning" not in text and "note: the bank learns at 2× the anchor's learning rate" in text
+    )
     assert main([*sized, "--bank-lr", "1e-3", "--anchor-lr", "3e-3"]) == 0
     text = capsys.readouterr().out
     assert "warning" not in text and "note" not in text
@@ -135,20 +201,40 @@ def test_bad_tokens_and_counts_are_named(pipeline_run, tmp_path, capsys):
 
 
 def test_even_split_and_durations():
-    a = AnchorShape(name="t", n_layers=2, d_model=64, n_heads=2, head_dim=32, ffn_dim=128, vocab_size=2000)
+    a = AnchorShape(
+        name="t", n_layers=2, d_model=64, n_heads=2, head_dim=32, ffn_dim=128, vocab_size=2000
+    )
     p = plan(a, (0, 0, 16), branching=4)
     t = tpp_table(p, even_leaf_tokens(6_400_000, p), epochs=2.0, generic_prob=0.0)
     (lv,) = t.levels
     assert lv.block_params == 3 * 64 * 16 * 2 and lv.tokens_min == lv.tokens_max == 100_000
     assert lv.tpp_run == pytest.approx(2 * 6_400_000 / (64 * lv.block_params))
     # the sizing rule: the largest multiplier per level that keeps its TPP at the threshold
-    per_m = {1: 4 * 3 * 64 * 2, 2: 16 * 3 * 64 * 2, 3: 64 * 3 * 64 * 2}  # blocks × 3·d·L per unit of m
+    per_m = {
+        1: 4 * 3 * 64 * 2,
+        2: 16 * 3 * 64 * 2,
+        3: 64 * 3 * 64 * 2,
+    }  # blocks × 3·d·L per unit of m
     assert t.threshold == GENERALISES_DOWN_TO
-    assert dict(t.max_multipliers) == {lv: int(2 * 6_400_000 / (per_m[lv] * t.threshold)) for lv in (1, 2, 3)}
+    assert dict(t.max_multipliers) == {
+        lv: int(2 * 6_400_000 / (per_m[lv] * t.threshold)) for lv in (1, 2, 3)
+    }
     m3 = dict(t.max_multipliers)[3]
-    for m, under in ((m3, False), (m3 + 1, True)):  # under the fewest measured: a note, not a warning
-        at = tpp_table(plan(a, (0, 0, m), branching=4), even_leaf_tokens(6_400_000, p), epochs=2.0, generic_prob=0.0)
-        assert (at.levels[0].tpp_run < t.threshold) == under and bool(at.notes()) == under and not at.warnings()
+    for m, under in (
+        (m3, False),
+        (m3 + 1, True),
+    ):  # under the fewest measured: a note, not a warning
+        at = tpp_table(
+            plan(a, (0, 0, m), branching=4),
+            even_leaf_tokens(6_400_000, p),
+            epochs=2.0,
+            generic_prob=0.0,
+        )
+        assert (
+            (at.levels[0].tpp_run < t.threshold) == under
+            and bool(at.notes()) == under
+            and not at.warnings()
+        )
     # a stored table reads back as it was, and under another rule notes and warns by that rule
     stored = json.loads(json.dumps(at.to_dict()))
     assert table_from_dict(stored).to_dict() == stored
@@ -168,10 +254,16 @@ def test_even_split_and_durations():
 
 def test_train_stores_the_table_it_logs(pipeline_run, tmp_path, capsys):
     run = pipeline_run[0]
-    folder = train_tiny_run(run / "shards", tmp_path / "r", "model.anchor=custom",
-                            "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 128}",
-                            "memory.multipliers=[4,8]", "max_duration=6ba", "memory.dropout=0.25",
-                            "data.batch_size=8")  # 6 batches, not epochs: the table is what is tested
+    folder = train_tiny_run(
+        run / "shards",
+        tmp_path / "r",
+        "model.anchor=custom",
+        "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 128}",
+        "memory.multipliers=[4,8]",
+        "max_duration=6ba",
+        "memory.dropout=0.25",
+        "data.batch_size=8",
+    )  # 6 batches, not epochs: the table is what is tested
     stored = json.loads((folder / "tpp.json").read_text())
     n_samples = len(_samples(run / "shards"))
     assert stored["format"] == "memtree-tpp" and stored["dropout"] == 0.25
@@ -179,15 +271,36 @@ def test_train_stores_the_table_it_logs(pipeline_run, tmp_path, capsys):
     cfg = json.loads((folder / "memtree_config.json").read_text())["config"]
     assert stored["lr_ratio"] == pytest.approx(cfg["memory"]["lr"] / cfg["optim"]["lr"])
     assert "tokens per parameter" in capsys.readouterr().out
-    want = _plan_json(capsys, "--memory", "4,8", "--shards", str(run / "shards"), "--duration", "6ba",
-                      "--batch-size", "8", "--dropout", "0.25")["tokens_per_parameter"]
+    want = _plan_json(
+        capsys,
+        "--memory",
+        "4,8",
+        "--shards",
+        str(run / "shards"),
+        "--duration",
+        "6ba",
+        "--batch-size",
+        "8",
+        "--dropout",
+        "0.25",
+    )["tokens_per_parameter"]
     assert stored["levels"] == want["levels"]
     # a table written under an older rule (no LR ratio, another floor) is read under today's
-    (folder / "tpp.json").write_text(json.dumps({**{k: v for k, v in stored.items() if k != "lr_ratio"},
-                                                 "threshold": 1e9, "warnings": []}))
+    (folder / "tpp.json").write_text(
+        json.dumps(
+            {
+                **{k: v for k, v in stored.items() if k != "lr_ratio"},
+                "threshold": 1e9,
+                "warnings": [],
+            }
+        )
+    )
     again = run_tpp_table(folder)
     assert again["threshold"] == GENERALISES_DOWN_TO and again["levels"] == stored["levels"]
-    assert again["lr_ratio"] == pytest.approx(stored["lr_ratio"]) and again["warnings"] == stored["warnings"]
+    assert (
+        again["lr_ratio"] == pytest.approx(stored["lr_ratio"])
+        and again["warnings"] == stored["warnings"]
+    )
     assert again["notes"] == stored["notes"]
 
 
@@ -198,19 +311,31 @@ def _yaml_table(name: str, epoch_tokens: int, epochs: float, *overrides: str):
 
     from memtree.training.config import load_train_config
 
-    cfg = load_train_config(Path(__file__).resolve().parents[1] / "training" / "yamls" / name, list(overrides))
+    cfg = load_train_config(
+        Path(__file__).resolve().parents[1] / "training" / "yamls" / name, list(overrides)
+    )
     p = plan(cfg.anchor_shape(8192), tuple(cfg.memory.multipliers), branching=4)
-    return tpp_table(p, even_leaf_tokens(epoch_tokens, p), epochs=epochs, generic_prob=cfg.memory.generic_prob,
-                     dropout=cfg.memory.dropout, lr_ratio=cfg.memory.lr / cfg.optim.lr)
+    return tpp_table(
+        p,
+        even_leaf_tokens(epoch_tokens, p),
+        epochs=epochs,
+        generic_prob=cfg.memory.generic_prob,
+        dropout=cfg.memory.dropout,
+        lr_ratio=cfg.memory.lr / cfg.optim.lr,
+    )
 
 
 def _measured(multipliers, tpp_run: float, lr_ratio: float):
     """A one-level table (the realtext anchor's shape) whose level sits at `tpp_run` over the run, or
     just under it (whole tokens)."""
-    a = AnchorShape(name="t", n_layers=4, d_model=128, n_heads=4, head_dim=32, ffn_dim=512, vocab_size=8192)
+    a = AnchorShape(
+        name="t", n_layers=4, d_model=128, n_heads=4, head_dim=32, ffn_dim=512, vocab_size=8192
+    )
     p = plan(a, multipliers, branching=4)
     (bank,) = [lv.bank_params for lv in p.levels if lv.multiplier]
-    return tpp_table(p, even_leaf_tokens(math.floor(tpp_run * bank), p), generic_prob=0.0, lr_ratio=lr_ratio)
+    return tpp_table(
+        p, even_leaf_tokens(math.floor(tpp_run * bank), p), generic_prob=0.0, lr_ratio=lr_ratio
+    )
 
 
 def test_warnings_fire_where_benchmarks_measured_harm_and_not_on_the_shipped_recipes():
@@ -254,9 +379,18 @@ def test_the_demo_console_does_not_warn_on_its_deliberate_settings():
     of the same settings on real text) the measured LR warning fires; tpp.json keeps it either way."""
     from memtree.eval.demo import DELIBERATE, TPP_NOTE
 
-    demo = _yaml_table("demo.yaml", 1593 * 256, 5.0, "mode=cotrain", "anchor_checkpoint=runs/demo/train/anchor")
-    assert demo.lr_ratio == pytest.approx(10.0) and FETCH_WORSE_AT_TPP < demo.levels[-1].tpp_run < GENERALISES_DOWN_TO
-    assert len(demo.warnings()) == 1 and "10× the anchor's" in demo.warnings()[0] and len(demo.notes()) == 1
+    demo = _yaml_table(
+        "demo.yaml", 1593 * 256, 5.0, "mode=cotrain", "anchor_checkpoint=runs/demo/train/anchor"
+    )
+    assert (
+        demo.lr_ratio == pytest.approx(10.0)
+        and FETCH_WORSE_AT_TPP < demo.levels[-1].tpp_run < GENERALISES_DOWN_TO
+    )
+    assert (
+        len(demo.warnings()) == 1
+        and "10× the anchor's" in demo.warnings()[0]
+        and len(demo.notes()) == 1
+    )
     plain = format_tpp(demo)
     assert "warning: the bank learns at 10×" in plain
     with deliberate(**DELIBERATE):

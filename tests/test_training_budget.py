@@ -33,8 +33,9 @@ USABLE = 0.8 * DEVICE  # default headroom 0.2
 A2 = ("openlm-160m", (256, 64, 16, 0))
 B2 = ("openlm-410m", (512, 128, 32, 0))
 C2 = ("openlm-1.4b", (768, 256, 16, 0))
-TABLE_1 = pytest.mark.parametrize("row, replicated_gb", [(A2, 55), (B2, 152), (C2, 254)],
-                                  ids=["A2", "B2", "C2"])
+TABLE_1 = pytest.mark.parametrize(
+    "row, replicated_gb", [(A2, 55), (B2, 152), (C2, 254)], ids=["A2", "B2", "C2"]
+)
 
 
 def _levels(p):
@@ -53,6 +54,7 @@ def _state(m) -> int:
 
 # --- the bank's resident state -------------------------------------------------------------------
 
+
 @TABLE_1
 def test_replicated_bank_is_twelve_bytes_per_param(row, replicated_gb):
     p = plan(*row)
@@ -64,11 +66,15 @@ def test_replicated_bank_is_twelve_bytes_per_param(row, replicated_gb):
     assert round(12 * p.bank_params / 1e9) == replicated_gb
     # the generic rows (one fetch's worth of params, 12 B each) and the bookkeeping are within
     # 1% of the bank: ≈ bank_params × 12
-    assert _state(m) - _generic_state(p) == 12 * p.bank_params + 16 * sum(lv.n_blocks for lv in _levels(p))
+    assert _state(m) - _generic_state(p) == 12 * p.bank_params + 16 * sum(
+        lv.n_blocks for lv in _levels(p)
+    )
     assert _state(m) == pytest.approx(12 * p.bank_params, rel=0.01)
     # and every rank holds all of it, whatever the rank count
     for w in (1, 2, 64, 1024):
-        assert _state(training_memory(p, ranks=w, bank="replicated", anchor_parallel="fsdp")) == _state(m)
+        assert _state(
+            training_memory(p, ranks=w, bank="replicated", anchor_parallel="fsdp")
+        ) == _state(m)
 
 
 @TABLE_1
@@ -80,13 +86,24 @@ def test_sharded_bank_is_a_subtree_share(row, replicated_gb, ranks, share):
     generic = _generic_state(p)
     # the subtree rows split 1/share exactly; beyond 16 ranks (16 subtrees) the share stops at 1/16
     assert (_state(m) - generic) * share == full - generic
-    assert m.rows_held == tuple(16**lv.level // share + 1 if lv.multiplier else 0 for lv in p.levels)
+    assert m.rows_held == tuple(
+        16**lv.level // share + 1 if lv.multiplier else 0 for lv in p.levels
+    )
     assert m.groups == share and m.replicas == ranks // share
 
 
 def test_memory_groups_are_the_largest_divisor_at_most_the_subtrees():
-    assert [memory_groups(w, 16) for w in (1, 7, 8, 12, 16, 17, 24, 32, 48)] == \
-        [1, 7, 8, 12, 16, 1, 12, 16, 16]
+    assert [memory_groups(w, 16) for w in (1, 7, 8, 12, 16, 17, 24, 32, 48)] == [
+        1,
+        7,
+        8,
+        12,
+        16,
+        1,
+        12,
+        16,
+        16,
+    ]
     # 12 groups over 16 subtrees: the fullest rank holds ceil(16/12) = 2 of them
     m = training_memory(plan(*C2), ranks=12, bank="sharded", anchor_parallel="ddp")
     assert m.subtrees_per_rank == 2 and m.rows_held[0] == 2 + 1
@@ -96,6 +113,7 @@ def test_memory_groups_are_the_largest_divisor_at_most_the_subtrees():
 
 
 # --- per-step gradient traffic --------------------------------------------------------------------
+
 
 def test_sparse_gradient_and_gather():
     p = plan(*C2)
@@ -109,7 +127,9 @@ def test_sparse_gradient_and_gather():
     assert gathered == [17, 257, 1024]
     assert rep.bank_grad_gather == 4 * sum(g * lv.block_params for g, lv in zip(gathered, levels))
     # one rank has nobody to gather from
-    assert training_memory(p, ranks=1, bank="replicated", anchor_parallel="ddp").bank_grad_gather == 0
+    assert (
+        training_memory(p, ranks=1, bank="replicated", anchor_parallel="ddp").bank_grad_gather == 0
+    )
     # sharded, 8 ranks: 2 subtrees + the generic row per level; one replica per group sends nothing
     sh = training_memory(p, ranks=8, bank="sharded", anchor_parallel="ddp")
     held = [2 * 16 ** (lv.level - 1) + 1 for lv in levels]
@@ -126,6 +146,7 @@ def test_sparse_gradient_and_gather():
 
 # --- the anchor ------------------------------------------------------------------------------------
 
+
 def test_fsdp_anchor_share_shrinks_with_ranks():
     p = plan(*C2)
     a = p.anchor
@@ -137,7 +158,11 @@ def test_fsdp_anchor_share_shrinks_with_ranks():
     for w in (1, 2, 4, 8, 16, 64):
         m = training_memory(p, ranks=w, bank="sharded", anchor_parallel="fsdp")
         shard = math.ceil(p.anchor_params / w)
-        assert (m.anchor_weights, m.anchor_grads, m.anchor_optimizer) == (4 * shard, 4 * shard, 8 * shard)
+        assert (m.anchor_weights, m.anchor_grads, m.anchor_optimizer) == (
+            4 * shard,
+            4 * shard,
+            8 * shard,
+        )
         assert m.anchor_fsdp_units == 2 * 4 * unit
         shares.append(m.anchor_weights + m.anchor_grads + m.anchor_optimizer)
     assert shares == sorted(shares, reverse=True) and len(set(shares)) == len(shares)
@@ -145,8 +170,10 @@ def test_fsdp_anchor_share_shrinks_with_ranks():
 
 # --- verdicts on 8 × 80 GiB ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("row, replicated_fits", [(A2, False), (B2, False), (C2, False)],
-                         ids=["A2", "B2", "C2"])
+
+@pytest.mark.parametrize(
+    "row, replicated_fits", [(A2, False), (B2, False), (C2, False)], ids=["A2", "B2", "C2"]
+)
 def test_verdicts_on_eight_80gib_gpus(row, replicated_fits):
     p = plan(*row)
     for bank in ("replicated", "sharded"):
@@ -160,8 +187,11 @@ def test_verdicts_on_eight_80gib_gpus(row, replicated_fits):
     assert fits(sh, DEVICE)  # all three Table 1 rows train sharded on 8 × 80 GiB
     # the sharded total, summed by hand: DDP anchor + 1/8 of the bank + the per-step gradient
     held = [(2 * 16 ** (lv.level - 1) + 1, lv.block_params) for lv in _levels(p)]
-    by_hand = (16 * p.anchor_params + sum(12 * h * b + 16 * h for h, b in held)
-               + sum(4 * min(128, h) * b for h, b in held))
+    by_hand = (
+        16 * p.anchor_params
+        + sum(12 * h * b + 16 * h for h, b in held)
+        + sum(4 * min(128, h) * b for h, b in held)
+    )
     assert sh.total == by_hand
 
 
@@ -188,7 +218,10 @@ def test_b2_c2_never_fit_replicated(row):
 
 # --- the minimum rank count ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("row, device", [(A2, 24 * GiB), (B2, 40 * GiB), (C2, DEVICE), (C2, 40 * GiB)])
+
+@pytest.mark.parametrize(
+    "row, device", [(A2, 24 * GiB), (B2, 40 * GiB), (C2, DEVICE), (C2, 40 * GiB)]
+)
 def test_min_ranks_is_the_smallest_that_fits(row, device):
     p = plan(*row)
     found = min_ranks(p, device_bytes=device)
@@ -227,16 +260,32 @@ def test_ranks_beyond_the_global_batch_are_refused():
 
 # --- sizes -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, expected", [
-    ("80GiB", 80 * 2**30), ("80Gi", 80 * 2**30), ("80gib", 80 * 2**30), ("80 GiB", 80 * 2**30),
-    ("80GB", 80 * 10**9), ("80G", 80 * 10**9), ("512MiB", 512 * 2**20), ("512MB", 512 * 10**6),
-    ("1TiB", 2**40), ("1TB", 10**12), ("1.5GiB", 3 * 2**29), ("4096", 4096), ("4096B", 4096),
-])
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("80GiB", 80 * 2**30),
+        ("80Gi", 80 * 2**30),
+        ("80gib", 80 * 2**30),
+        ("80 GiB", 80 * 2**30),
+        ("80GB", 80 * 10**9),
+        ("80G", 80 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("512MB", 512 * 10**6),
+        ("1TiB", 2**40),
+        ("1TB", 10**12),
+        ("1.5GiB", 3 * 2**29),
+        ("4096", 4096),
+        ("4096B", 4096),
+    ],
+)
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "80GX", "eighty", "80 Gibibytes", "-1GB", "0", "1e3GB"])
+@pytest.mark.parametrize(
+    "text", ["", "GiB", "80GX", "eighty", "80 Gibibytes", "-1GB", "0", "1e3GB"]
+)
 def test_parse_bytes_refuses(text):
     with pytest.raises(ValueError, match=re.escape(repr(text))):
         parse_bytes(text)
@@ -244,8 +293,18 @@ def test_parse_bytes_refuses(text):
 
 # --- the CLI ---------------------------------------------------------------------------------------
 
-C2_ARGS = ["memstore", "plan", "--anchor", "openlm-1.4b", "--memory", "768,256,16,0",
-           "--ranks", "8", "--device-memory", "80GiB"]
+C2_ARGS = [
+    "memstore",
+    "plan",
+    "--anchor",
+    "openlm-1.4b",
+    "--memory",
+    "768,256,16,0",
+    "--ranks",
+    "8",
+    "--device-memory",
+    "80GiB",
+]
 
 
 def test_cli_prints_the_per_rank_table(capsys):
@@ -254,7 +313,12 @@ def test_cli_prints_the_per_rank_table(capsys):
     assert "bank params" in out  # the plan table comes first, as before
     assert all(len(line) <= 100 for line in out.splitlines())
     lines = {line.split("  ")[0]: line.split() for line in out.splitlines() if line.strip()}
-    assert lines["per rank"][-4:] == ["replicated+DDP", "replicated+FSDP", "sharded+DDP", "sharded+FSDP"]
+    assert lines["per rank"][-4:] == [
+        "replicated+DDP",
+        "replicated+FSDP",
+        "sharded+DDP",
+        "sharded+FSDP",
+    ]
     assert lines["fits on 8 × 80GiB"][-4:] == ["no", "no", "yes", "yes"]
     fits_from = next(line for line in out.splitlines() if line.startswith("fits from"))
     assert fits_from.split()[2:] == ["never", "(1)", "never", "(2)", "8", "ranks", "6", "ranks"]
@@ -272,7 +336,12 @@ def test_cli_json(capsys):
     tm = out["training_memory"]
     assert (tm["ranks"], tm["device_memory_bytes"], tm["headroom"]) == (8, 80 * GiB, 0.2)
     assert (tm["global_batch"], tm["seq_len"]) == (1024, 2048)
-    assert list(tm["layouts"]) == ["replicated+ddp", "replicated+fsdp", "sharded+ddp", "sharded+fsdp"]
+    assert list(tm["layouts"]) == [
+        "replicated+ddp",
+        "replicated+fsdp",
+        "sharded+ddp",
+        "sharded+fsdp",
+    ]
     p = plan(*C2)
     for key, layout in tm["layouts"].items():
         bank, par = key.split("+")
@@ -292,7 +361,9 @@ def test_cli_options_change_the_budget(capsys):
     tm = json.loads(capsys.readouterr().out)["training_memory"]
     assert tm["usable_bytes"] == 40 * GiB
     assert tm["layouts"]["sharded+ddp"]["sequences_per_rank"] == 32
-    report = training_report(plan(*C2), ranks=8, device_bytes=80 * GiB, headroom=0.5, global_batch=256)
+    report = training_report(
+        plan(*C2), ranks=8, device_bytes=80 * GiB, headroom=0.5, global_batch=256
+    )
     assert tm["layouts"]["sharded+ddp"]["fits"] == report.fit[("sharded", "ddp")]
 
 
@@ -305,8 +376,18 @@ def test_cli_ranks_need_device_memory(capsys):
 
 def test_cli_explains_a_fit_on_fewer_ranks_only(capsys):
     # A2 replicated+DDP fits on 1 rank (nothing to all-gather) but not on 8: a footnote says why
-    args = ["memstore", "plan", "--anchor", "openlm-160m", "--memory", "256,64,16,0",
-            "--ranks", "8", "--device-memory", "80GiB"]
+    args = [
+        "memstore",
+        "plan",
+        "--anchor",
+        "openlm-160m",
+        "--memory",
+        "256,64,16,0",
+        "--ranks",
+        "8",
+        "--device-memory",
+        "80GiB",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     fits_from = next(line for line in out.splitlines() if line.startswith("fits from"))

@@ -16,16 +16,22 @@ from memtree.training.composer_model import MemorySettings, MemtreeLM
 from memtree.training.config import load_train_config
 from memtree.training.model import ModelConfig
 
-ANCHOR = AnchorShape(name="t", n_layers=2, d_model=32, n_heads=4, n_kv_heads=4, head_dim=8, ffn_dim=48,
-                     vocab_size=64)
-MEM = MemoryConfig(multipliers=(1, 2), type="ffn", branching=2, placement="uniform", placement_layers=2)
+ANCHOR = AnchorShape(
+    name="t", n_layers=2, d_model=32, n_heads=4, n_kv_heads=4, head_dim=8, ffn_dim=48, vocab_size=64
+)
+MEM = MemoryConfig(
+    multipliers=(1, 2), type="ffn", branching=2, placement="uniform", placement_layers=2
+)
 PATHS = torch.tensor([[0, 1], [1, 2], [1, 3]])
 
 
 def _model(p: float, seed: int = 0) -> MemtreeLM:
     torch.manual_seed(0)
-    model = MemtreeLM(ModelConfig(anchor=ANCHOR, memory=MEM, max_seq_len=9),
-                      memory_settings=MemorySettings(read="gather", generic_prob=0.0, dropout=p), seed=seed)
+    model = MemtreeLM(
+        ModelConfig(anchor=ANCHOR, memory=MEM, max_seq_len=9),
+        memory_settings=MemorySettings(read="gather", generic_prob=0.0, dropout=p),
+        seed=seed,
+    )
     with torch.no_grad():  # a random bank: memories change the logits
         for table in model.bank.tables.values():
             table.normal_(0.0, 0.3)
@@ -33,7 +39,9 @@ def _model(p: float, seed: int = 0) -> MemtreeLM:
 
 
 def _batch():
-    ids = torch.randint(0, ANCHOR.vocab_size, (PATHS.shape[0], 9), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, ANCHOR.vocab_size, (PATHS.shape[0], 9), generator=torch.Generator().manual_seed(1)
+    )
     return {"input_ids": ids, "labels": ids, "paths": PATHS}
 
 

@@ -25,7 +25,9 @@ class LossLog(Callback):
 
     def after_dataloader(self, state, logger) -> None:
         if self.first is None:
-            self.first = {k: v.clone() for k, v in state.batch.items() if isinstance(v, torch.Tensor)}
+            self.first = {
+                k: v.clone() for k, v in state.batch.items() if isinstance(v, torch.Tensor)
+            }
 
     def batch_end(self, state, logger) -> None:
         self.losses.append(float(state.loss))
@@ -41,15 +43,22 @@ def _clean_streaming_shm():
 
 
 def _cfg(shards: Path, folder: Path, *extra: str):
-    base = [f"data.shards={shards}", f"save_folder={folder}", "data.batch_size=4", "optim.warmup=2ba",
-            "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}"]
+    base = [
+        f"data.shards={shards}",
+        f"save_folder={folder}",
+        "data.batch_size=4",
+        "optim.warmup=2ba",
+        "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}",
+    ]
     return load_train_config(None, base + list(extra))
 
 
 def test_baseline_then_frozen_memories(pipeline_run, tmp_path):
     shards = pipeline_run[0] / "shards"
     log = LossLog()
-    base = train(_cfg(shards, tmp_path / "base", "max_duration=12ba", "optim.lr=1e-2"), callbacks=[log])
+    base = train(
+        _cfg(shards, tmp_path / "base", "max_duration=12ba", "optim.lr=1e-2"), callbacks=[log]
+    )
     assert len(log.losses) == 12
     assert sum(log.losses[-3:]) / 3 < sum(log.losses[:3]) / 3 - 0.5, log.losses  # it learns
 
@@ -59,12 +68,23 @@ def test_baseline_then_frozen_memories(pipeline_run, tmp_path):
     log2 = LossLog()
     # memory.dropout is off on a frozen anchor: an anchor-only forward would have no gradient
     # (it used to end the fit: "element 0 of tensors does not require grad")
-    frozen = train(_cfg(shards, tmp_path / "frozen", "max_duration=6ba", "mode=frozen",
-                        f"anchor_checkpoint={tmp_path / 'base'}", "memory.multipliers=[16,8]", "memory.lr=1e-2",
-                        "memory.dropout=0.5"),
-                   callbacks=[log2])
+    frozen = train(
+        _cfg(
+            shards,
+            tmp_path / "frozen",
+            "max_duration=6ba",
+            "mode=frozen",
+            f"anchor_checkpoint={tmp_path / 'base'}",
+            "memory.multipliers=[16,8]",
+            "memory.lr=1e-2",
+            "memory.dropout=0.5",
+        ),
+        callbacks=[log2],
+    )
     anchor_after = load_file(frozen["anchor"])
-    assert all(torch.equal(anchor_before[k], anchor_after[k]) for k in anchor_before)  # frozen anchor
+    assert all(
+        torch.equal(anchor_before[k], anchor_after[k]) for k in anchor_before
+    )  # frozen anchor
     # the first frozen step starts from the trained anchor: its loss is the trained anchor's own
     # on that batch, whether the step reads memories (they have no effect at init) or memory.dropout
     # drops them (it does at seed 0's first forward). Same weights, same batch, fp32 on the CPU:
@@ -84,7 +104,9 @@ def test_baseline_then_frozen_memories(pipeline_run, tmp_path):
     assert info["levels"] == [1, 2]
     from memtree.memstore.format import read_manifest
 
-    assert read_manifest(frozen["bank"]).tree_id == compute_tree_id(load_tree(pipeline_run[0] / "tree"))
+    assert read_manifest(frozen["bank"]).tree_id == compute_tree_id(
+        load_tree(pipeline_run[0] / "tree")
+    )
 
 
 def test_memories_start_with_no_effect_and_generic_rate(pipeline_run, tmp_path):
@@ -102,19 +124,26 @@ def test_memories_start_with_no_effect_and_generic_rate(pipeline_run, tmp_path):
         plain = model(batch)
     assert torch.equal(fetched, plain)
     model.train()
-    draws = torch.cat([model._draw_generic(64) for _ in range(200) if not model.forwards.add_(1) is None])
+    draws = torch.cat(
+        [model._draw_generic(64) for _ in range(200) if not model.forwards.add_(1) is None]
+    )
     p = 1 / int(manifest["branching"])
     n = len(draws)
     assert abs(float(draws.float().sum()) - n * p) < 4 * (n * p * (1 - p)) ** 0.5
-
 
 
 def test_memory_dropout_trains_through_composer(pipeline_run, tmp_path):
     """memory.dropout through a real Trainer.fit: dropped forwards (anchor alone) and fetched ones
     mix in one run with the memory callbacks attached, and the run writes a valid bank."""
     shards = pipeline_run[0] / "shards"
-    cfg = _cfg(shards, tmp_path / "d", "max_duration=8ba", "mode=scratch", "memory.multipliers=[4,2]",
-               "memory.dropout=0.5")
+    cfg = _cfg(
+        shards,
+        tmp_path / "d",
+        "max_duration=8ba",
+        "mode=scratch",
+        "memory.multipliers=[4,2]",
+        "memory.dropout=0.5",
+    )
     log = LossLog()
     out = train(cfg, callbacks=[log])
     model = out["trainer"].state.model
@@ -125,6 +154,7 @@ def test_memory_dropout_trains_through_composer(pipeline_run, tmp_path):
         drawn.append(model._draw_dropout())
     assert 0 < sum(drawn) < 8  # both kinds of forward happened
     verify_bank(out["bank"])
+
 
 def test_nonfinite_loss_stops_with_the_step(pipeline_run, tmp_path):
     model, _ = build_model(_cfg(pipeline_run[0] / "shards", tmp_path / "n"))
@@ -148,27 +178,55 @@ def test_config_errors_name_the_key(pipeline_run, tmp_path):
 
 def test_resume_after_kill_matches_an_uninterrupted_run(pipeline_run, tmp_path):
     shards = pipeline_run[0] / "shards"
-    args = [f"data.shards={shards}", "data.batch_size=4", "max_duration=8ba", "save_interval=1ba",
-            "autoresume=true", "run_name=resume-test", "mode=scratch", "memory.multipliers=[8,4]",
-            "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}",
-            "save_num_checkpoints_to_keep=-1"]
+    args = [
+        f"data.shards={shards}",
+        "data.batch_size=4",
+        "max_duration=8ba",
+        "save_interval=1ba",
+        "autoresume=true",
+        "run_name=resume-test",
+        "mode=scratch",
+        "memory.multipliers=[8,4]",
+        "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}",
+        "save_num_checkpoints_to_keep=-1",
+    ]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     cmd = [sys.executable, "-m", "memtree.training.train"]
     killed_dir = tmp_path / "killed"
     ckpt = killed_dir / "checkpoints" / "ep0-ba3-rank0.pt"
-    why = kill_when_ready([*cmd, *args, f"save_folder={killed_dir}"], ckpt.exists, env=env,
-                          log=tmp_path / "killed.log", timeout=300)
+    why = kill_when_ready(
+        [*cmd, *args, f"save_folder={killed_dir}"],
+        ckpt.exists,
+        env=env,
+        log=tmp_path / "killed.log",
+        timeout=300,
+    )
     assert why is None, f"no kill after the ba3 checkpoint: {why}"
     assert not (killed_dir / "anchor.safetensors").exists()
-    r = subprocess.run([*cmd, *args, f"save_folder={killed_dir}"], env=env, capture_output=True, text=True,
-                       timeout=600, check=False)
+    r = subprocess.run(
+        [*cmd, *args, f"save_folder={killed_dir}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    r2 = subprocess.run([*cmd, *args, f"save_folder={tmp_path / 'straight'}"], env=env, capture_output=True,
-                        text=True, timeout=600, check=False)
+    r2 = subprocess.run(
+        [*cmd, *args, f"save_folder={tmp_path / 'straight'}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert r2.returncode == 0, r2.stderr[-3000:]
     from safetensors.torch import load_file
 
-    a, b = load_file(killed_dir / "anchor.safetensors"), load_file(tmp_path / "straight" / "anchor.safetensors")
+    a, b = (
+        load_file(killed_dir / "anchor.safetensors"),
+        load_file(tmp_path / "straight" / "anchor.safetensors"),
+    )
     assert all(torch.equal(a[k], b[k]) for k in a)
     from memtree.memstore.store import MemoryStore
 
@@ -192,16 +250,26 @@ def test_shipped_yamls_validate():
     from memtree.training.finetune.continual import load_finetune_config
 
     for path in sorted((Path(__file__).resolve().parents[1] / "training" / "yamls").glob("*.yaml")):
-        if path.name.startswith("context-"):  # the context bank's compressor (training/context/train.py)
+        if path.name.startswith(
+            "context-"
+        ):  # the context bank's compressor (training/context/train.py)
             assert load_context_config(path).vae.ratio > 0, path
             continue
-        if path.name.startswith("finetune-"):  # `memtree train finetune` (training/finetune/continual.py)
-            want = {"finetune-sparse.yaml": "sparse_memory", "finetune-adapter.yaml": "mem_adapter"}[path.name]
+        if path.name.startswith(
+            "finetune-"
+        ):  # `memtree train finetune` (training/finetune/continual.py)
+            want = {
+                "finetune-sparse.yaml": "sparse_memory",
+                "finetune-adapter.yaml": "mem_adapter",
+            }[path.name]
             assert load_finetune_config(path).spec.method == want, path
             continue
         # `memtree demo` and `memtree eval realtext` set the mode per stage (eval/demo.py, eval/realtext.py)
         if path.name == "demo.yaml":
-            for stage in (["mode=baseline", "memory.multipliers=[]"], ["mode=cotrain", "anchor_checkpoint=a"]):
+            for stage in (
+                ["mode=baseline", "memory.multipliers=[]"],
+                ["mode=cotrain", "anchor_checkpoint=a"],
+            ):
                 assert load_train_config(path, stage).run_name, path
             continue
         cfg = load_train_config(path)
@@ -214,13 +282,26 @@ def test_two_process_ddp_with_the_composer_launcher(pipeline_run, tmp_path):
     shards = pipeline_run[0] / "shards"
     repo = Path(__file__).resolve().parents[1]
     launcher = Path(sys.executable).with_name("composer")
-    args = [f"data.shards={shards}", "data.batch_size=4", "max_duration=2ba", "mode=scratch",
-            "memory.multipliers=[8,4]", f"save_folder={tmp_path / 'ddp'}",
-            "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}"]
+    args = [
+        f"data.shards={shards}",
+        "data.batch_size=4",
+        "max_duration=2ba",
+        "mode=scratch",
+        "memory.multipliers=[8,4]",
+        f"save_folder={tmp_path / 'ddp'}",
+        "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}",
+    ]
     # c10d's info log names each TCPStore connection rank 0 makes (the launcher shows rank 0's output)
     env = {**os.environ, "PYTHONPATH": str(repo), "TORCH_CPP_LOG_LEVEL": "INFO"}
-    r = subprocess.run([str(launcher), "-n", "2", str(repo / "training" / "train.py"), *args], env=env, cwd=repo,
-                       capture_output=True, text=True, timeout=600, check=False)
+    r = subprocess.run(
+        [str(launcher), "-n", "2", str(repo / "training" / "train.py"), *args],
+        env=env,
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     # one rendezvous: when StreamingDataset opened its own process group first, the Trainer's second
@@ -237,15 +318,36 @@ def test_init_bank_must_match_model_tree_and_config(pipeline_run, tmp_path):
         model.bank.tables["2"][3] = 1.0
     model.bank.export(tmp_path / "good", dtype="fp32", tree_id=manifest["tree_id"])
     model.bank.export(tmp_path / "other-tree", dtype="fp32", tree_id="not-this-tree")
-    loaded, _ = build_model(_cfg(shards, tmp_path / "m", "mode=scratch", "memory.multipliers=[4,2]",
-                                 f"memory.init_bank={tmp_path / 'good'}"))
+    loaded, _ = build_model(
+        _cfg(
+            shards,
+            tmp_path / "m",
+            "mode=scratch",
+            "memory.multipliers=[4,2]",
+            f"memory.init_bank={tmp_path / 'good'}",
+        )
+    )
     assert torch.equal(loaded.bank.tables["2"][3], torch.ones_like(loaded.bank.tables["2"][3]))
     with pytest.raises(ConfigError, match="tree not-this-tree"):
-        build_model(_cfg(shards, tmp_path / "m", "mode=scratch", "memory.multipliers=[4,2]",
-                         f"memory.init_bank={tmp_path / 'other-tree'}"))
+        build_model(
+            _cfg(
+                shards,
+                tmp_path / "m",
+                "mode=scratch",
+                "memory.multipliers=[4,2]",
+                f"memory.init_bank={tmp_path / 'other-tree'}",
+            )
+        )
     with pytest.raises(ConfigError, match="memory config"):
-        build_model(_cfg(shards, tmp_path / "m", "mode=scratch", "memory.multipliers=[8,2]",
-                         f"memory.init_bank={tmp_path / 'good'}"))
+        build_model(
+            _cfg(
+                shards,
+                tmp_path / "m",
+                "mode=scratch",
+                "memory.multipliers=[8,2]",
+                f"memory.init_bank={tmp_path / 'good'}",
+            )
+        )
 
 
 def test_post_hoc_memories_on_a_local_hf_model(pipeline_run, tmp_path):
@@ -254,14 +356,35 @@ def test_post_hoc_memories_on_a_local_hf_model(pipeline_run, tmp_path):
 
     torch.manual_seed(0)
     hf_dir = tmp_path / "tiny-llama"
-    LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                 intermediate_size=64, vocab_size=2048)).save_pretrained(hf_dir)
+    LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            vocab_size=2048,
+        )
+    ).save_pretrained(hf_dir)
     shards = pipeline_run[0] / "shards"
     log = LossLog()
-    out = train(load_train_config(None, [
-        f"data.shards={shards}", f"save_folder={tmp_path / 'hf'}", "data.batch_size=4", "max_duration=4ba",
-        "mode=frozen", f"model.hf_dir={hf_dir}", "memory.multipliers=[8,4]", "memory.lr=5e-2",
-        "optim.warmup=1ba"]), callbacks=[log])
+    out = train(
+        load_train_config(
+            None,
+            [
+                f"data.shards={shards}",
+                f"save_folder={tmp_path / 'hf'}",
+                "data.batch_size=4",
+                "max_duration=4ba",
+                "mode=frozen",
+                f"model.hf_dir={hf_dir}",
+                "memory.multipliers=[8,4]",
+                "memory.lr=5e-2",
+                "optim.warmup=1ba",
+            ],
+        ),
+        callbacks=[log],
+    )
     assert all(torch.isfinite(torch.tensor(log.losses)))
     from safetensors.torch import load_file
 
@@ -278,16 +401,30 @@ def test_kv_memories_read_in_place_train_like_gathered_ones(pipeline_run, tmp_pa
     runs = {}
     for read in ("fused", "gather"):
         log = LossLog()
-        out = train(_cfg(shards, tmp_path / read, "max_duration=4ba", "mode=scratch",
-                         "memory.type=kv", "memory.multipliers=[4,2]", "memory.lr=1e-2",
-                         "memory.export_dtype=fp32", f"memory.read={read}"), callbacks=[log])
+        out = train(
+            _cfg(
+                shards,
+                tmp_path / read,
+                "max_duration=4ba",
+                "mode=scratch",
+                "memory.type=kv",
+                "memory.multipliers=[4,2]",
+                "memory.lr=1e-2",
+                "memory.export_dtype=fp32",
+                f"memory.read={read}",
+            ),
+            callbacks=[log],
+        )
         runs[read] = (log.losses, out)
     (fused_losses, fused), (gather_losses, gathered) = runs["fused"], runs["gather"]
     assert fused_losses == pytest.approx(gather_losses, rel=1e-4)
     from memtree.training.bank import TrainableBank
 
-    initial, _ = build_model(_cfg(shards, tmp_path / "init", "mode=scratch", "memory.type=kv",
-                                  "memory.multipliers=[4,2]"))
+    initial, _ = build_model(
+        _cfg(
+            shards, tmp_path / "init", "mode=scratch", "memory.type=kv", "memory.multipliers=[4,2]"
+        )
+    )
     trained = TrainableBank.from_bank(fused["bank"])
     for lv in ("1", "2"):  # training moved the rows it read
         moved = (trained.tables[lv] - initial.bank.tables[lv].detach()).abs().amax(1) > 1e-4
@@ -300,9 +437,12 @@ def test_kv_memories_read_in_place_train_like_gathered_ones(pipeline_run, tmp_pa
                 # atol 1e-4 = 1 % of one Adam step at memory.lr 1e-2: the two reads sum in different
                 # orders, and Adam scales a near-zero gradient's rounding difference up to ~lr
                 # (measured: 2.1e-5 on 1 of 1,024 values when the demo data changed, 2026-11-25).
-                torch.testing.assert_close(a._read_slot(a.levels[level], a.info.level(level).slot(cluster)),
-                                           b._read_slot(b.levels[level], b.info.level(level).slot(cluster)),
-                                           rtol=1e-3, atol=1e-4)
+                torch.testing.assert_close(
+                    a._read_slot(a.levels[level], a.info.level(level).slot(cluster)),
+                    b._read_slot(b.levels[level], b.info.level(level).slot(cluster)),
+                    rtol=1e-3,
+                    atol=1e-4,
+                )
 
 
 def test_bank_lr_by_level_moves_each_level_at_its_own_rate(pipeline_run, tmp_path):
@@ -314,10 +454,26 @@ def test_bank_lr_by_level_moves_each_level_at_its_own_rate(pipeline_run, tmp_pat
 
     shards = pipeline_run[0] / "shards"
     with pytest.raises(ConfigError, match="memory.lr_by_level"):
-        _cfg(shards, tmp_path / "bad", "mode=scratch", "memory.multipliers=[4,2]", "memory.lr_by_level=[1e-2]")
-    _cfg(shards, tmp_path / "anchor", "memory.lr_by_level=[1e-2]")  # no bank: nothing to check it against
-    cfg = _cfg(shards, tmp_path / "lv", "mode=scratch", "memory.multipliers=[4,2]", "max_duration=1ba",
-               "optim.warmup=0ba", "memory.lr_by_level=[1.0e-2,1.0e-4]", "memory.generic_prob=0.0")
+        _cfg(
+            shards,
+            tmp_path / "bad",
+            "mode=scratch",
+            "memory.multipliers=[4,2]",
+            "memory.lr_by_level=[1e-2]",
+        )
+    _cfg(
+        shards, tmp_path / "anchor", "memory.lr_by_level=[1e-2]"
+    )  # no bank: nothing to check it against
+    cfg = _cfg(
+        shards,
+        tmp_path / "lv",
+        "mode=scratch",
+        "memory.multipliers=[4,2]",
+        "max_duration=1ba",
+        "optim.warmup=0ba",
+        "memory.lr_by_level=[1.0e-2,1.0e-4]",
+        "memory.generic_prob=0.0",
+    )
     trainer = build_trainer(cfg)
     try:
         bank = unwrap(trainer.state.model).bank
@@ -341,9 +497,14 @@ def test_load_run_draws_no_bank_it_would_discard(pipeline_run, tmp_path):
     from memtree.training.train import load_run
     from tests.conftest import train_tiny_run
 
-    run = train_tiny_run(pipeline_run[0] / "shards", tmp_path / "run", "data.batch_size=4", "max_duration=1ba",
-                         "memory.multipliers=[4,2]",
-                         "model.shape={n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}")
+    run = train_tiny_run(
+        pipeline_run[0] / "shards",
+        tmp_path / "run",
+        "data.batch_size=4",
+        "max_duration=1ba",
+        "memory.multipliers=[4,2]",
+        "model.shape={n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}",
+    )
     model, cfg, _, _ = load_run(run)
     fresh, _ = build_model(cfg)
     assert set(model.bank.tables) == set(fresh.bank.tables) == {"1", "2"}

@@ -26,7 +26,12 @@ def paper():
 def test_standard_layer(paper):
     anchor, _ = paper
     got = flops.standard_layer(anchor, seq_len=L)
-    assert (got["q"], got["k"], got["v"], got["o"]) == (1_207_959_552, 402_653_184, 402_653_184, 1_207_959_552)
+    assert (got["q"], got["k"], got["v"], got["o"]) == (
+        1_207_959_552,
+        402_653_184,
+        402_653_184,
+        1_207_959_552,
+    )
     assert got["attn_matmuls"] == 3_221_225_472  # eq. (9)
     assert got["attn_softmax"] == 88_080_384
     assert got["self_attn"] == 6_530_531_328
@@ -55,7 +60,11 @@ def test_moc_layer(paper):
     assert got["memory_norm"] == 12_796_160  # eq. (19)
     assert got["memory_preprocess"] == 15_991_040
     assert (got["mem_q"], got["mem_k"], got["mem_v"], got["mem_o"]) == (
-        1_207_959_552, 4_907_335_680, 4_907_335_680, 1_207_959_552)  # eqs. (20)-(23)
+        1_207_959_552,
+        4_907_335_680,
+        4_907_335_680,
+        1_207_959_552,
+    )  # eqs. (20)-(23)
     # eq. (24) prints 13,086,351,360, but its own formula 4·1·1024·4160·768 is 13,086,228,480,
     # and only the latter adds up to the memory-attention total the seed prints next.
     assert got["mem_attn_matmuls"] == 4 * 1 * 1024 * 4160 * 768 == 13_086_228_480
@@ -82,11 +91,14 @@ def test_head_and_model_totals(paper):
     assert [i for i, f in enumerate(mocf.layers) if f == 43_127_011_166] == [2, 6, 10, 14]
 
 
-@pytest.mark.parametrize(("n_layers", "with_moc", "table4"), [
-    (16, False, (0.356, 0.713, 1.069)),  # Vanilla (backbone-only)
-    (24, False, (0.496, 0.992, 1.487)),  # Vanilla (iso-FLOP)
-    (16, True, (0.459, 0.918, 1.378)),  # MoC
-])
+@pytest.mark.parametrize(
+    ("n_layers", "with_moc", "table4"),
+    [
+        (16, False, (0.356, 0.713, 1.069)),  # Vanilla (backbone-only)
+        (24, False, (0.496, 0.992, 1.487)),  # Vanilla (iso-FLOP)
+        (16, True, (0.459, 0.918, 1.378)),  # MoC
+    ],
+)
 def test_table_4(paper, n_layers, with_moc, table4):
     anchor, moc = paper
     f = flops.model_flops(replace(anchor, n_layers=n_layers), moc if with_moc else None, seq_len=L)
@@ -101,7 +113,10 @@ def test_iso_flop_depth(paper):
     assert flops.iso_flop_depth(anchor, moc, seq_len=L) == 22
     # the seed's 24 layers: training FLOPs with gradient checkpointing (Table 6) and the memory
     # attention's own recomputation, the reference estimator's full training accounting
-    assert flops.iso_flop_depth(anchor, moc, seq_len=L, checkpointing=True, memory_recompute=True) == 24
+    assert (
+        flops.iso_flop_depth(anchor, moc, seq_len=L, checkpointing=True, memory_recompute=True)
+        == 24
+    )
 
 
 def test_router_aux_is_not_linear_in_batch():
@@ -110,8 +125,17 @@ def test_router_aux_is_not_linear_in_batch():
     assert one == 331_859 and four != 4 * one
 
 
-TINY = AnchorShape(name="t", n_layers=3, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48,
-                   vocab_size=50, qk_norm="none")
+TINY = AnchorShape(
+    name="t",
+    n_layers=3,
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    ffn_dim=48,
+    vocab_size=50,
+    qk_norm="none",
+)
 
 
 def test_variation_2_adds_a_normed_ffn_and_residual():
@@ -124,13 +148,19 @@ def test_variation_2_adds_a_normed_ffn_and_residual():
 
 
 def test_low_rank_memory_counts():
-    base = MoCConfig(n_chapters=9, tokens_per_chapter=5, top_k=3, layers=(1,), n_heads=4, n_kv_heads=2)
+    base = MoCConfig(
+        n_chapters=9, tokens_per_chapter=5, top_k=3, layers=(1,), n_heads=4, n_kv_heads=2
+    )
     b, s, d, r, m = 2, 7, 32, 16, 2 * 4 * 5  # m: memory tokens = B · (1 + 3) · 5
     full = flops.moc_layer(TINY, base, seq_len=s, batch=b)
     fact = flops.moc_layer(TINY, replace(base, low_rank="factorized", rank=r), seq_len=s, batch=b)
     assert fact["expand"] == 2 * m * r * d and fact["total"] - full["total"] == fact["expand"]
     red = flops.moc_layer(TINY, replace(base, low_rank="reduced", rank=r), seq_len=s, batch=b)
     kv = 2 * (r // 4)  # 2 KV heads of width r / 4
-    assert (red["mem_q"], red["mem_k"], red["mem_o"]) == (2 * b * s * d * r, 2 * m * r * kv, 2 * b * s * r * d)
+    assert (red["mem_q"], red["mem_k"], red["mem_o"]) == (
+        2 * b * s * d * r,
+        2 * m * r * kv,
+        2 * b * s * r * d,
+    )
     assert red["mem_attn_matmuls"] == 4 * b * s * (m // b) * r
     assert red["weighting"] == m * r and red["memory_norm"] == m * (4 * r + 4)

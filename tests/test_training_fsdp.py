@@ -26,7 +26,9 @@ from memtree.training.composer_model import MemorySettings, MemtreeLM
 from memtree.training.model import ModelConfig
 from memtree.training.optim import MemoryAdamW
 
-ANCHOR = AnchorShape(name="tiny", n_layers=2, d_model=32, n_heads=2, head_dim=16, ffn_dim=64, vocab_size=97)
+ANCHOR = AnchorShape(
+    name="tiny", n_layers=2, d_model=32, n_heads=2, head_dim=16, ffn_dim=64, vocab_size=97
+)
 MEM = MemoryConfig(multipliers=(8, 4), branching=4)
 STEPS, BATCH, SEQ = 3, 4, 24
 CLIP = 0.5  # below the early gradient norms, so clipping is active and a wrong norm would show
@@ -34,8 +36,11 @@ CLIP = 0.5  # below the early gradient norms, so clipping is active and a wrong 
 
 def _model() -> MemtreeLM:
     torch.manual_seed(0)
-    return MemtreeLM(ModelConfig(anchor=ANCHOR, memory=MEM, max_seq_len=SEQ), memory_settings=MemorySettings(generic_prob=0.0),
-                     seed=0)
+    return MemtreeLM(
+        ModelConfig(anchor=ANCHOR, memory=MEM, max_seq_len=SEQ),
+        memory_settings=MemorySettings(generic_prob=0.0),
+        seed=0,
+    )
 
 
 def _batches() -> list[dict[str, torch.Tensor]]:
@@ -50,8 +55,10 @@ def _batches() -> list[dict[str, torch.Tensor]]:
 
 
 def _optimizer(model: MemtreeLM, *, dense_sharded: bool) -> MemoryAdamW:
-    groups = [{"params": list(model.model.parameters()), "lr": 3e-3, "weight_decay": 0.1},
-              {"params": list(model.bank.parameters()), "lr": 1e-2, "weight_decay": 0.0}]
+    groups = [
+        {"params": list(model.model.parameters()), "lr": 3e-3, "weight_decay": 0.1},
+        {"params": list(model.bank.parameters()), "lr": 1e-2, "weight_decay": 0.0},
+    ]
     return MemoryAdamW(groups, max_grad_norm=CLIP, dense_sharded=dense_sharded)
 
 
@@ -64,8 +71,17 @@ def _wrap_like_composer(model: MemtreeLM) -> None:
         if not getattr(child, "_fsdp_wrap", True) or not any(True for _ in child.parameters()):
             continue
         policy = CustomPolicy(getattr(child, "fsdp_wrap_fn", lambda m: False))
-        setattr(model, name, FSDP(child, sharding_strategy=ShardingStrategy.FULL_SHARD, auto_wrap_policy=policy,
-                                  use_orig_params=True, device_id=torch.device("cpu")))
+        setattr(
+            model,
+            name,
+            FSDP(
+                child,
+                sharding_strategy=ShardingStrategy.FULL_SHARD,
+                auto_wrap_policy=policy,
+                use_orig_params=True,
+                device_id=torch.device("cpu"),
+            ),
+        )
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
@@ -84,7 +100,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     norms = []
     half = BATCH // world
     for batch in _batches():
-        local = {k: v[rank * half:(rank + 1) * half] for k, v in batch.items()}
+        local = {k: v[rank * half : (rank + 1) * half] for k, v in batch.items()}
         model.loss(model(local), local).backward()
         opt.step()
         norms.append(opt.last_grad_norm)
@@ -94,8 +110,15 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
     bank_state = [v for k, v in osd["state"].items() if k.startswith("bank.")]
     if rank == 0:
-        torch.save({"anchor": anchor, "bank": {k: v.clone() for k, v in model.bank.state_dict().items()},
-                    "norms": norms, "bank_state": bank_state}, out)
+        torch.save(
+            {
+                "anchor": anchor,
+                "bank": {k: v.clone() for k, v in model.bank.state_dict().items()},
+                "norms": norms,
+                "bank_state": bank_state,
+            },
+            out,
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -115,8 +138,10 @@ def test_fsdp_sharded_anchor_with_replicated_bank_matches_one_process(tmp_path):
     opt = _optimizer(model, dense_sharded=False)
     norms = []
     for batch in _batches():
-        halves = [{k: v[i * 2:(i + 1) * 2] for k, v in batch.items()} for i in range(2)]
-        loss = sum(model.loss(model(h), h) for h in halves) / 2  # what averaging over 2 ranks computes
+        halves = [{k: v[i * 2 : (i + 1) * 2] for k, v in batch.items()} for i in range(2)]
+        loss = (
+            sum(model.loss(model(h), h) for h in halves) / 2
+        )  # what averaging over 2 ranks computes
         loss.backward()
         opt.step()
         norms.append(opt.last_grad_norm)
@@ -146,9 +171,18 @@ def test_fsdp_config_is_refused_without_a_gpu(pipeline_run, tmp_path):
     from memtree.training.config import load_train_config
     from memtree.training.train import build_trainer
 
-    cfg = load_train_config(None, [f"data.shards={pipeline_run[0] / 'shards'}", f"save_folder={tmp_path / 'r'}",
-                                   "fsdp=true", "device=cpu", "mode=scratch", "memory.multipliers=[8]",
-                                   "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}"])
+    cfg = load_train_config(
+        None,
+        [
+            f"data.shards={pipeline_run[0] / 'shards'}",
+            f"save_folder={tmp_path / 'r'}",
+            "fsdp=true",
+            "device=cpu",
+            "mode=scratch",
+            "memory.multipliers=[8]",
+            "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}",
+        ],
+    )
     with pytest.raises(ConfigError, match="fsdp: true needs GPUs"):
         build_trainer(cfg)
 
@@ -156,18 +190,32 @@ def test_fsdp_config_is_refused_without_a_gpu(pipeline_run, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # the pipeline fixture needs Dask and FAISS, which the lent GPU machine's check does not carry
-@pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("faiss", "distributed")),
-                    reason="the pipeline fixture needs Dask and FAISS")
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("faiss", "distributed")),
+    reason="the pipeline fixture needs Dask and FAISS",
+)
 def test_composer_fsdp_with_a_bank_on_gpu(pipeline_run, tmp_path):
     """A real Composer FSDP run with a memory bank on one GPU: the loss falls and the bank exports."""
     from memtree.memstore.format import verify_bank
     from memtree.training.config import load_train_config
     from memtree.training.train import train
 
-    cfg = load_train_config(None, [f"data.shards={pipeline_run[0] / 'shards'}", f"save_folder={tmp_path / 'r'}",
-                                   "fsdp=true", "device=gpu", "mode=scratch", "memory.multipliers=[16,8]", "max_duration=8ba",
-                                   "optim.lr=1e-2", "optim.warmup=2ba", "data.batch_size=4",
-                                   "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}"])
+    cfg = load_train_config(
+        None,
+        [
+            f"data.shards={pipeline_run[0] / 'shards'}",
+            f"save_folder={tmp_path / 'r'}",
+            "fsdp=true",
+            "device=gpu",
+            "mode=scratch",
+            "memory.multipliers=[16,8]",
+            "max_duration=8ba",
+            "optim.lr=1e-2",
+            "optim.warmup=2ba",
+            "data.batch_size=4",
+            "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}",
+        ],
+    )
     result = train(cfg)
     assert result["metrics"]
     verify_bank(result["bank"])

@@ -25,27 +25,32 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available
 interp = pytest.mark.skipif(not INTERPRET, reason="CPU Triton tests need TRITON_INTERPRET=1")
 
 # GQA (4 query heads, 2 KV heads); three levels whose blocks differ in width
-ANCHOR = AnchorShape(name="t", n_layers=3, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
-                     ffn_dim=48, vocab_size=64)
+ANCHOR = AnchorShape(
+    name="t", n_layers=3, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, vocab_size=64
+)
 PATHS = torch.tensor([[0, 1, 3], [1, 2, 5], [0, 1, 2], [1, 3, 7]])
 
 
 def _memory(kind: str) -> MemoryConfig:
-    return MemoryConfig(multipliers=(1, 2, 3), type=kind, branching=2, placement="uniform",
-                        placement_layers=2)
+    return MemoryConfig(
+        multipliers=(1, 2, 3), type=kind, branching=2, placement="uniform", placement_layers=2
+    )
 
 
 def _step(kind: str, read: str, *, use_generic: bool = False):
     """One training forward/backward; the bank is random so memories change the logits."""
     torch.manual_seed(0)
-    model = MemtreeLM(ModelConfig(anchor=ANCHOR, memory=_memory(kind), max_seq_len=17),
-                      memory_settings=MemorySettings(read=read, generic_prob=1.0 if use_generic else 0.0))
+    model = MemtreeLM(
+        ModelConfig(anchor=ANCHOR, memory=_memory(kind), max_seq_len=17),
+        memory_settings=MemorySettings(read=read, generic_prob=1.0 if use_generic else 0.0),
+    )
     with torch.no_grad():
         for table in model.bank.tables.values():
             table.normal_(0.0, 0.3)
     model.train()
-    ids = torch.randint(0, ANCHOR.vocab_size, (PATHS.shape[0], 17),
-                        generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, ANCHOR.vocab_size, (PATHS.shape[0], 17), generator=torch.Generator().manual_seed(1)
+    )
     batch = {"input_ids": ids, "labels": ids, "paths": PATHS}
     logits = model(batch)
     model.loss(logits, batch).backward()
@@ -71,9 +76,12 @@ def test_fused_read_equals_gathered_read(kind):
     # the memories are not a no-op here: reading none changes the logits
     fused_model.memory_mode = "none"
     fused_model.eval()
-    ids = torch.randint(0, ANCHOR.vocab_size, (PATHS.shape[0], 17),
-                        generator=torch.Generator().manual_seed(1))
-    assert (fused_model({"input_ids": ids, "labels": ids, "paths": PATHS}) - fused).abs().max() > 1e-3
+    ids = torch.randint(
+        0, ANCHOR.vocab_size, (PATHS.shape[0], 17), generator=torch.Generator().manual_seed(1)
+    )
+    assert (
+        fused_model({"input_ids": ids, "labels": ids, "paths": PATHS}) - fused
+    ).abs().max() > 1e-3
 
 
 def test_generic_rows_are_read_in_place_too():
@@ -90,8 +98,10 @@ def test_lora_memories_stay_gathered():
     with pytest.raises(ValueError, match="no in-place read"):
         model.bank.read(model.bank.slots(PATHS))
     with pytest.raises(ValueError, match="memory read 'copy'"):
-        MemtreeLM(ModelConfig(anchor=ANCHOR, memory=_memory("kv"), max_seq_len=8),
-                  memory_settings=MemorySettings(read="copy"))
+        MemtreeLM(
+            ModelConfig(anchor=ANCHOR, memory=_memory("kv"), max_seq_len=8),
+            memory_settings=MemorySettings(read="copy"),
+        )
 
 
 def test_read_views_alias_the_tables():
@@ -104,7 +114,10 @@ def test_read_views_alias_the_tables():
         for (views, rows), lv in zip(mem.levels, bank.levels, strict=True):
             table = bank.tables[str(lv)]
             k = views["k"]
-            assert k.shape[0] == table.shape[0] and k.shape[2:] == (ANCHOR.kv_heads, ANCHOR.head_dim)
+            assert k.shape[0] == table.shape[0] and k.shape[2:] == (
+                ANCHOR.kv_heads,
+                ANCHOR.head_dim,
+            )
             assert k.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()
             assert rows.shape == (PATHS.shape[0],)
 
@@ -139,9 +152,13 @@ def test_triton_kernels_read_views_with_sparse_table_gradients():
     table's sparse gradient equals autograd through the gathered references."""
     g = torch.Generator().manual_seed(0)
     n, m, h_kv, d, w, dm = 5, 3, 2, 8, 6, 16
-    spans = ((0, (m, h_kv, d)), (m * h_kv * d, (m, h_kv, d)),
-             (2 * m * h_kv * d, (w, dm)), (2 * m * h_kv * d + w * dm, (w, dm)),
-             (2 * m * h_kv * d + 2 * w * dm, (w, dm)))
+    spans = (
+        (0, (m, h_kv, d)),
+        (m * h_kv * d, (m, h_kv, d)),
+        (2 * m * h_kv * d, (w, dm)),
+        (2 * m * h_kv * d + w * dm, (w, dm)),
+        (2 * m * h_kv * d + 2 * w * dm, (w, dm)),
+    )
     width = 2 * m * h_kv * d + 3 * w * dm
     init = torch.randn(n, width, generator=g) * 0.3
     q = torch.randn(3, 4, 7, d, generator=g)
@@ -180,23 +197,30 @@ def test_triton_fused_read_shares_one_table_per_level_across_layers(kind):
     with torch.no_grad():
         for table in bank.tables.values():
             table.normal_(0.0, 0.3)
-    ids = torch.randint(0, ANCHOR.vocab_size, (PATHS.shape[0], 17),
-                        generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, ANCHOR.vocab_size, (PATHS.shape[0], 17), generator=torch.Generator().manual_seed(1)
+    )
     results = {}
     for read in ("fused", "gather"):
         model.zero_grad(set_to_none=True)
         bank.zero_grad(set_to_none=True)
         slots = bank.slots(PATHS)
         if read == "fused":
-            mems = {layer: dataclasses.replace(br, impl="triton") for layer, br in bank.read(slots).items()}
+            mems = {
+                layer: dataclasses.replace(br, impl="triton")
+                for layer, br in bank.read(slots).items()
+            }
             tables = next(iter(mems.values())).tables
             assert all(br.tables is tables for br in mems.values())  # one cache for the step
         else:
             mems = assemble_memories(bank(slots), ANCHOR, mem)
         logits = model(ids, memories=mems)
         logits.square().mean().backward()
-        grads = {n: p.grad.to_dense() for n, p in [*model.named_parameters(), *bank.named_parameters()]
-                 if p.grad is not None}
+        grads = {
+            n: p.grad.to_dense()
+            for n, p in [*model.named_parameters(), *bank.named_parameters()]
+            if p.grad is not None
+        }
         results[read] = (logits.detach(), grads)
     assert len(mems) >= 2  # several memory layers read every level
     assert len(tables) == len(bank.levels)

@@ -28,23 +28,44 @@ VOCAB = 128
 
 def _llama_config():
     return transformers.LlamaConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
-        tie_word_embeddings=False)
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
 
 
 def _qwen_config():
     return transformers.Qwen2Config(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
-        tie_word_embeddings=True, use_sliding_window=False)
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+    )
 
 
 def _gemma_config():
     return transformers.Gemma3TextConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
-        sliding_window=4, tie_word_embeddings=True)
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        sliding_window=4,
+        tie_word_embeddings=True,
+    )
 
 
 def _save(config, cls, path):
@@ -104,13 +125,15 @@ def _base_logits(model_dir, ids):
 
 def _load_base_logits(model_dir, ids):
     base = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, local_files_only=True, dtype=torch.float32, attn_implementation="sdpa").eval()
+        model_dir, local_files_only=True, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
     with torch.no_grad():
         return base(ids).logits
 
 
-def _train(model: HFMemoryModel, ids: torch.Tensor, steps: int, lr: float = 2e-2,
-           params=None) -> list[float]:
+def _train(
+    model: HFMemoryModel, ids: torch.Tensor, steps: int, lr: float = 2e-2, params=None
+) -> list[float]:
     opt = MemoryAdamW(params if params is not None else model.memory_parameters(), lr=lr)
     losses = []
     for _ in range(steps):
@@ -138,22 +161,28 @@ def test_logits_equal_base_model_at_init(model_dir, kind):
 
 
 # the memory math: an FFN memory is a widened MLP, a LoRA memory a merged weight -----------------
-_LORA_TARGETS = {"lora-ffn": (("mlp.gate_proj", "w1"), ("mlp.up_proj", "w2"), ("mlp.down_proj", "w3")),
-                 "lora-qk": (("self_attn.q_proj", "q"), ("self_attn.k_proj", "k")),
-                 "lora-ov": (("self_attn.v_proj", "v"), ("self_attn.o_proj", "o"))}
+_LORA_TARGETS = {
+    "lora-ffn": (("mlp.gate_proj", "w1"), ("mlp.up_proj", "w2"), ("mlp.down_proj", "w3")),
+    "lora-qk": (("self_attn.q_proj", "q"), ("self_attn.k_proj", "k")),
+    "lora-ov": (("self_attn.v_proj", "v"), ("self_attn.o_proj", "o")),
+}
 
 
 @pytest.mark.parametrize("kind", ["ffn", *_LORA_TARGETS])
 def test_memories_equal_widened_or_merged_model(model_dir, kind):
     model = HFMemoryModel(model_dir, _memory(kind), lora_alpha=2.0).eval()
     g = torch.Generator().manual_seed(5)
-    blocks = {lv: 0.2 * torch.randn(1, t.shape[1], generator=g) for lv, t in model.bank.tables.items()}
+    blocks = {
+        lv: 0.2 * torch.randn(1, t.shape[1], generator=g) for lv, t in model.bank.tables.items()
+    }
     mems = assemble_memories({int(lv): b for lv, b in blocks.items()}, model.anchor, model.memory)
     ids = _batch(batch=1)
     cfg = model.hf.config
     if kind == "ffn":  # concatenate memory rows onto the SwiGLU inner dim
         width = mems[0]["w1"].shape[1]
-        cfg = type(cfg).from_dict({**cfg.to_dict(), "intermediate_size": cfg.intermediate_size + width})
+        cfg = type(cfg).from_dict(
+            {**cfg.to_dict(), "intermediate_size": cfg.intermediate_size + width}
+        )
     ref = type(model.hf)(cfg).eval()
     sd = {k: v.clone() for k, v in model.hf.state_dict().items()}
     for i, lm in mems.items():
@@ -162,7 +191,9 @@ def test_memories_equal_widened_or_merged_model(model_dir, kind):
             w1, w2, w3 = (lm[n][0] for n in ("w1", "w2", "w3"))
             sd[pre + "mlp.gate_proj.weight"] = torch.cat([sd[pre + "mlp.gate_proj.weight"], w1])
             sd[pre + "mlp.up_proj.weight"] = torch.cat([sd[pre + "mlp.up_proj.weight"], w2])
-            sd[pre + "mlp.down_proj.weight"] = torch.cat([sd[pre + "mlp.down_proj.weight"], w3.T], 1)
+            sd[pre + "mlp.down_proj.weight"] = torch.cat(
+                [sd[pre + "mlp.down_proj.weight"], w3.T], 1
+            )
             continue
         for module, n in _LORA_TARGETS[kind]:
             a, b = lm[f"{n}_a"][0], lm[f"{n}_b"][0]
@@ -184,7 +215,8 @@ def test_training_bank_only(model_dir, kind):
     assert all(not p.requires_grad for p in model.hf.parameters())
     assert {id(p) for p in model.memory_parameters()} == {id(p) for p in model.bank.tables.values()}
     assert set(model.state_dict()) == {f"hf.{k}" for k in model.hf.state_dict()} | {
-        f"bank.tables.{lv}" for lv in model.bank.tables}
+        f"bank.tables.{lv}" for lv in model.bank.tables
+    }
     hf_before = {n: p.detach().clone() for n, p in model.hf.named_parameters()}
     bank_before = {lv: t.detach().clone() for lv, t in model.bank.tables.items()}
     losses = _train(model, ids, steps=6)
@@ -297,8 +329,9 @@ def test_accepts_existing_bank_and_checks_it(llama_dir):
     bank = TrainableBank(model.anchor, _memory("ffn"), seed=3)
     other = HFMemoryModel(model.hf, bank=bank)
     assert other.bank is bank and other.memory == bank.memory
-    wrong = TrainableBank(AnchorShape(n_layers=2, d_model=32, n_heads=4, head_dim=8, ffn_dim=48),
-                          _memory("ffn"))
+    wrong = TrainableBank(
+        AnchorShape(n_layers=2, d_model=32, n_heads=4, head_dim=8, ffn_dim=48), _memory("ffn")
+    )
     with pytest.raises(ValueError, match="geometry"):
         HFMemoryModel(model.hf, bank=wrong)
 
@@ -306,16 +339,40 @@ def test_accepts_existing_bank_and_checks_it(llama_dir):
 # (5) config → AnchorShape ---------------------------------------------------------------------
 def test_anchor_shape_from_tiny_configs():
     llama = anchor_shape_from_hf(_llama_config(), name="tiny-llama")
-    assert llama == AnchorShape(name="tiny-llama", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2,
-                                head_dim=8, ffn_dim=64, vocab_size=128, tied_embeddings=False,
-                                qk_norm="none", norms_per_block=2, qkv_bias=False)
+    assert llama == AnchorShape(
+        name="tiny-llama",
+        n_layers=2,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        ffn_dim=64,
+        vocab_size=128,
+        tied_embeddings=False,
+        qk_norm="none",
+        norms_per_block=2,
+        qkv_bias=False,
+    )
     qwen = anchor_shape_from_hf(_qwen_config(), name="tiny-qwen")
-    assert qwen == AnchorShape(name="tiny-qwen", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2,
-                               head_dim=8, ffn_dim=64, vocab_size=128, tied_embeddings=True,
-                               qk_norm="none", norms_per_block=2, qkv_bias=True)
+    assert qwen == AnchorShape(
+        name="tiny-qwen",
+        n_layers=2,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        ffn_dim=64,
+        vocab_size=128,
+        tied_embeddings=True,
+        qk_norm="none",
+        norms_per_block=2,
+        qkv_bias=True,
+    )
     # Llama/Qwen norms are weight-only RMSNorms, so the count is exact for these two
-    for cfg, cls, shape in ((_llama_config(), transformers.LlamaForCausalLM, llama),
-                            (_qwen_config(), transformers.Qwen2ForCausalLM, qwen)):
+    for cfg, cls, shape in (
+        (_llama_config(), transformers.LlamaForCausalLM, llama),
+        (_qwen_config(), transformers.Qwen2ForCausalLM, qwen),
+    ):
         with torch.device("meta"):
             assert hf_param_count(cls(cfg)) == shape.params()
 
@@ -324,14 +381,34 @@ def test_anchor_shape_matches_table2_presets():
     """The public configs of Table 2's models give the geometry presets."""
     cfgs = {
         "gemma3-270m": transformers.Gemma3TextConfig(
-            hidden_size=640, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
-            head_dim=256, intermediate_size=2048, vocab_size=262_144, tie_word_embeddings=True),
+            hidden_size=640,
+            num_hidden_layers=18,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            intermediate_size=2048,
+            vocab_size=262_144,
+            tie_word_embeddings=True,
+        ),
         "qwen2.5-0.5b": transformers.Qwen2Config(
-            hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-            intermediate_size=4864, vocab_size=151_936, tie_word_embeddings=True),
+            hidden_size=896,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            intermediate_size=4864,
+            vocab_size=151_936,
+            tie_word_embeddings=True,
+        ),
         "llama3.2-1b": transformers.LlamaConfig(
-            hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-            head_dim=64, intermediate_size=8192, vocab_size=128_256, tie_word_embeddings=True),
+            hidden_size=2048,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            intermediate_size=8192,
+            vocab_size=128_256,
+            tie_word_embeddings=True,
+        ),
     }
     for name, cfg in cfgs.items():
         assert anchor_shape_from_hf(cfg, name=name) == ANCHOR_PRESETS[name], name

@@ -28,9 +28,19 @@ from memtree.training.model import AnchorLM, ModelConfig
 from memtree.training.optim import MemoryAdamW
 
 YAMLS = Path(__file__).resolve().parents[1] / "training" / "yamls"
-TINY = AnchorShape(name="tiny-gqa", n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48,
-                   vocab_size=61)
-MOC = MoCConfig(n_chapters=9, tokens_per_chapter=5, top_k=3, layers=(1, 3), n_kv_heads=2, zero_init_out=False)
+TINY = AnchorShape(
+    name="tiny-gqa",
+    n_layers=4,
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    ffn_dim=48,
+    vocab_size=61,
+)
+MOC = MoCConfig(
+    n_chapters=9, tokens_per_chapter=5, top_k=3, layers=(1, 3), n_kv_heads=2, zero_init_out=False
+)
 LN = math.log
 
 
@@ -46,12 +56,17 @@ def _model(moc: MoCConfig = MOC, anchor: AnchorShape = TINY) -> AnchorLM:
 
 # -- routing and router losses, by hand ------------------------------------------------------------
 
+
 def test_route_top_k_renormalised_with_shared_chapter_always_on():
     # chapter 0 is shared; its logit is the largest but it is never routed, and always read
-    logits = torch.tensor([[10.0, LN(1), LN(2), LN(3), LN(4)],  # routed p = .1 .2 .3 .4
-                           [-10.0, LN(5), LN(1), LN(3), LN(1)]])  # routed p = .5 .1 .3 .1
+    logits = torch.tensor(
+        [
+            [10.0, LN(1), LN(2), LN(3), LN(4)],  # routed p = .1 .2 .3 .4
+            [-10.0, LN(5), LN(1), LN(3), LN(1)],
+        ]
+    )  # routed p = .5 .1 .3 .1
     r = route(logits, n_shared=1, top_k=2, routed_scaling=2.5)
-    torch.testing.assert_close(r.probs, torch.tensor([[.1, .2, .3, .4], [.5, .1, .3, .1]]))
+    torch.testing.assert_close(r.probs, torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.5, 0.1, 0.3, 0.1]]))
     assert r.routed.tolist() == [[3, 2], [0, 2]]
     assert r.chapters.tolist() == [[0, 4, 3], [0, 1, 3]]
     # shared weighs 1, routed 2.5 · p / Σ_top-k p, then all divided by 1 + 2.5
@@ -62,21 +77,27 @@ def test_route_top_k_renormalised_with_shared_chapter_always_on():
     torch.testing.assert_close(no_shared.weights, torch.tensor([[4 / 7, 3 / 7], [5 / 8, 3 / 8]]))
     two_shared = route(logits, n_shared=2, top_k=1, routed_scaling=2.5)  # routed p ∝ 2 3 4 / 1 3 1
     assert two_shared.chapters.tolist() == [[0, 1, 4], [0, 1, 3]]
-    torch.testing.assert_close(two_shared.weights, torch.tensor([[1 / 4.5, 1 / 4.5, 2.5 / 4.5]] * 2))
+    torch.testing.assert_close(
+        two_shared.weights, torch.tensor([[1 / 4.5, 1 / 4.5, 2.5 / 4.5]] * 2)
+    )
 
 
 def test_load_balance_loss_by_hand():
-    probs = torch.tensor([[.1, .2, .3, .4], [.5, .1, .3, .1]], requires_grad=True)
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.5, 0.1, 0.3, 0.1]], requires_grad=True)
     routed = torch.tensor([[3, 2], [0, 2]])
     # f = C_r / (k·B) · counts = 4 / 4 · [1, 0, 2, 1];  P = [.3, .15, .3, .25]
     loss = load_balance_loss(probs, routed)
-    torch.testing.assert_close(loss, torch.tensor(.3 + 0 + .6 + .25))
+    torch.testing.assert_close(loss, torch.tensor(0.3 + 0 + 0.6 + 0.25))
     loss.backward()  # dL/dp_{b,i} = f_i / B: f carries no gradient
-    torch.testing.assert_close(probs.grad, torch.tensor([[.5, 0, 1, .5]] * 2))
-    uniform = torch.full((2, 4), .25)
-    torch.testing.assert_close(load_balance_loss(uniform, torch.tensor([[0, 1], [2, 3]])), torch.tensor(1.0))
-    collapsed = torch.tensor([[.5, .5, 0, 0]] * 2)  # every sequence on the same 2 of 4: C_r / k
-    torch.testing.assert_close(load_balance_loss(collapsed, torch.tensor([[0, 1], [1, 0]])), torch.tensor(2.0))
+    torch.testing.assert_close(probs.grad, torch.tensor([[0.5, 0, 1, 0.5]] * 2))
+    uniform = torch.full((2, 4), 0.25)
+    torch.testing.assert_close(
+        load_balance_loss(uniform, torch.tensor([[0, 1], [2, 3]])), torch.tensor(1.0)
+    )
+    collapsed = torch.tensor([[0.5, 0.5, 0, 0]] * 2)  # every sequence on the same 2 of 4: C_r / k
+    torch.testing.assert_close(
+        load_balance_loss(collapsed, torch.tensor([[0, 1], [1, 0]])), torch.tensor(2.0)
+    )
 
 
 def test_z_loss_by_hand():
@@ -85,7 +106,9 @@ def test_z_loss_by_hand():
 
 
 def test_layer_records_router_losses_and_weights_them():
-    moc = MoCConfig(n_chapters=5, tokens_per_chapter=3, top_k=2, layers=(0,), lb_coef=0.01, z_coef=0.001)
+    moc = MoCConfig(
+        n_chapters=5, tokens_per_chapter=3, top_k=2, layers=(0,), lb_coef=0.01, z_coef=0.001
+    )
     layer = MoCLayer(moc, d_model=16, n_layers=1, anchor_heads=2)
     bank = LatentBank(moc, 16)
     with torch.no_grad():  # logits = bias for every sequence: routed p = .1 .2 .3 .4
@@ -93,7 +116,9 @@ def test_layer_records_router_losses_and_weights_them():
         layer.router.bias.copy_(torch.tensor([LN(4), LN(1), LN(2), LN(3), LN(4)]))
     layer(torch.randn(2, 7, 16), bank)
     # both sequences pick routed {3, 2}: f = 4 / (2·2) · [0, 0, 2, 2];  Σ exp(logits) = 14
-    torch.testing.assert_close(layer.last_aux["load_balance"], torch.tensor(.2 * 0 + .3 * 2 + .4 * 2))
+    torch.testing.assert_close(
+        layer.last_aux["load_balance"], torch.tensor(0.2 * 0 + 0.3 * 2 + 0.4 * 2)
+    )
     torch.testing.assert_close(layer.last_aux["z"], torch.tensor(LN(14) ** 2))
     torch.testing.assert_close(layer.aux_loss(), torch.tensor(0.01 * 1.4 + 0.001 * LN(14) ** 2))
     assert layer.last_routing.chapters.tolist() == [[0, 4, 3]] * 2
@@ -130,11 +155,14 @@ def test_model_aux_loss_is_the_mean_over_memory_layers():
     model(_ids())
     layers = model.moc_layers()
     assert len(layers) == 2
-    torch.testing.assert_close(model.moc_aux_loss(), (layers[0].aux_loss() + layers[1].aux_loss()) / 2)
+    torch.testing.assert_close(
+        model.moc_aux_loss(), (layers[0].aux_loss() + layers[1].aux_loss()) / 2
+    )
     assert _model(None).moc_aux_loss() is None
 
 
 # -- the layer equals Algorithm 1, sequence by sequence ------------------------------------------
+
 
 def _algorithm_1(layer: MoCLayer, bank: LatentBank, x: torch.Tensor) -> torch.Tensor:
     """Seed 000 Alg. 1 per sequence, written out: pool → router → top-k ∪ shared → concatenate the
@@ -145,7 +173,7 @@ def _algorithm_1(layer: MoCLayer, bank: LatentBank, x: torch.Tensor) -> torch.Te
     for b in range(x.shape[0]):
         h = x[b]  # (S, d)
         logits = layer.router.weight @ h.mean(0) + layer.router.bias
-        p = torch.softmax(logits[c.n_shared:], 0)
+        p = torch.softmax(logits[c.n_shared :], 0)
         top = sorted(range(len(p)), key=lambda i: -float(p[i]))[: c.top_k]
         chosen = list(range(c.n_shared)) + [c.n_shared + i for i in top]
         w = torch.cat([torch.ones(c.n_shared), c.routed_scaling * p[top] / p[top].sum()])
@@ -160,15 +188,27 @@ def _algorithm_1(layer: MoCLayer, bank: LatentBank, x: torch.Tensor) -> torch.Te
         heads = []
         for i in range(g.n_heads):
             j = i // (g.n_heads // g.n_kv_heads)
-            qi = q[:, i * g.head_dim:(i + 1) * g.head_dim]
-            ki, vi = (t[:, j * g.head_dim:(j + 1) * g.head_dim] for t in (k, v))
+            qi = q[:, i * g.head_dim : (i + 1) * g.head_dim]
+            ki, vi = (t[:, j * g.head_dim : (j + 1) * g.head_dim] for t in (k, v))
             s = qi @ ki.T / math.sqrt(g.head_dim)  # (S, n·T)
             if c.weight_mode == "bias":
-                heads.append(torch.softmax(s + w.log().repeat_interleave(c.tokens_per_chapter), -1) @ vi)
+                heads.append(
+                    torch.softmax(s + w.log().repeat_interleave(c.tokens_per_chapter), -1) @ vi
+                )
             else:
-                parts = [(s[:, sl], vi[sl]) for sl in (slice(n * c.tokens_per_chapter, (n + 1) * c.tokens_per_chapter)
-                                                       for n in range(len(chosen)))]
-                heads.append(sum(wn * torch.softmax(sn, -1) @ vn for wn, (sn, vn) in zip(w, parts, strict=True)))
+                parts = [
+                    (s[:, sl], vi[sl])
+                    for sl in (
+                        slice(n * c.tokens_per_chapter, (n + 1) * c.tokens_per_chapter)
+                        for n in range(len(chosen))
+                    )
+                ]
+                heads.append(
+                    sum(
+                        wn * torch.softmax(sn, -1) @ vn
+                        for wn, (sn, vn) in zip(w, parts, strict=True)
+                    )
+                )
         out.append(torch.cat(heads, -1) @ layer.o.weight.T)
     return torch.stack(out)
 
@@ -177,9 +217,19 @@ def _algorithm_1(layer: MoCLayer, bank: LatentBank, x: torch.Tensor) -> torch.Te
 @pytest.mark.parametrize("weight_mode", ["bias", "mix"])
 @pytest.mark.parametrize("n_shared", [0, 2])
 def test_layer_equals_algorithm_1(low_rank, weight_mode, n_shared):
-    moc = MoCConfig(n_chapters=11, tokens_per_chapter=5, top_k=3, n_shared=n_shared, layers=(0,), n_heads=4,
-                    n_kv_heads=2, weight_mode=weight_mode, low_rank=low_rank,
-                    rank=None if low_rank == "none" else 16, zero_init_out=False)
+    moc = MoCConfig(
+        n_chapters=11,
+        tokens_per_chapter=5,
+        top_k=3,
+        n_shared=n_shared,
+        layers=(0,),
+        n_heads=4,
+        n_kv_heads=2,
+        weight_mode=weight_mode,
+        low_rank=low_rank,
+        rank=None if low_rank == "none" else 16,
+        zero_init_out=False,
+    )
     torch.manual_seed(0)
     layer, bank = MoCLayer(moc, d_model=24, n_layers=1, anchor_heads=3), LatentBank(moc, 24)
     with torch.no_grad():
@@ -187,7 +237,9 @@ def test_layer_equals_algorithm_1(low_rank, weight_mode, n_shared):
         layer.norm.weight.uniform_(0.5, 1.5)
     x = torch.randn(3, 7, 24)
     with torch.no_grad():
-        torch.testing.assert_close(layer(x, bank), _algorithm_1(layer, bank, x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            layer(x, bank), _algorithm_1(layer, bank, x), rtol=1e-5, atol=1e-6
+        )
 
 
 def test_zero_init_output_makes_the_layer_a_no_op():
@@ -203,13 +255,17 @@ def test_zero_init_output_makes_the_layer_a_no_op():
 
 # -- gradients and the optimizer -----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("shared_bank", [True, False])
 def test_bank_gradient_reaches_only_selected_chapters(shared_bank):
     model = _model(replace(MOC, n_chapters=21, shared_bank=shared_bank))
     logits = model(_ids())
     (logits * torch.randn_like(logits)).sum().backward()
-    read = {i: set(b.moc.last_routing.chapters.flatten().tolist())
-            for i, b in enumerate(model.blocks) if b.moc is not None}
+    read = {
+        i: set(b.moc.last_routing.chapters.flatten().tolist())
+        for i, b in enumerate(model.blocks)
+        if b.moc is not None
+    }
     expect = {"shared": read[1] | read[3]} if shared_bank else {str(i): s for i, s in read.items()}
     assert set(model.moc_banks) == set(expect)
     for key, chapters in expect.items():
@@ -228,7 +284,9 @@ def test_memory_adamw_updates_only_the_chapters_read():
     rest = [p for p in model.parameters() if all(p is not q for q in banks)]
     opt = MemoryAdamW([{"params": rest}, {"params": banks, "weight_decay": 0.1}], lr=1e-2)
     logits = model(_ids())
-    (F.cross_entropy(logits.flatten(0, 1), _ids(seed=2).flatten()) + model.moc_aux_loss()).backward()
+    (
+        F.cross_entropy(logits.flatten(0, 1), _ids(seed=2).flatten()) + model.moc_aux_loss()
+    ).backward()
     opt.step()
     read = torch.zeros(21, dtype=torch.bool)
     for m in model.moc_layers():
@@ -253,8 +311,10 @@ def test_router_learns_from_the_lm_loss_and_from_the_aux_losses():
 
 # -- block structure -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("variation", "order"), [(1, ["attn", "moc", "ffn"]),
-                                                  (2, ["attn", "ffn", "moc", "moc_ffn"])])
+
+@pytest.mark.parametrize(
+    ("variation", "order"), [(1, ["attn", "moc", "ffn"]), (2, ["attn", "ffn", "moc", "moc_ffn"])]
+)
 def test_block_variations(variation, order):
     model = _model(replace(MOC, variation=variation))
     calls: dict[int, list[str]] = {}
@@ -262,11 +322,15 @@ def test_block_variations(variation, order):
         for name in ("attn", "moc", "ffn", "moc_ffn"):
             mod = getattr(b, name, None)
             if mod is not None:
-                mod.register_forward_hook(lambda *_, i=i, name=name: calls.setdefault(i, []).append(name))
+                mod.register_forward_hook(
+                    lambda *_, i=i, name=name: calls.setdefault(i, []).append(name)
+                )
     model(_ids())
     assert calls == {0: ["attn", "ffn"], 1: order, 2: ["attn", "ffn"], 3: order}
     if variation == 2:  # a second FFN and its norm per memory block
-        extra = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in _model().parameters())
+        extra = sum(p.numel() for p in model.parameters()) - sum(
+            p.numel() for p in _model().parameters()
+        )
         assert extra == 2 * (3 * TINY.d_model * TINY.ffn_dim + TINY.d_model)
 
 
@@ -278,7 +342,9 @@ def test_paper_yaml_builds_the_seeds_model():
         model = AnchorLM(ModelConfig(anchor=anchor, moc=cfg.model.moc, max_seq_len=1024))
         dense = AnchorLM(ModelConfig(anchor=replace(anchor, n_layers=24), max_seq_len=1024))
     bank, layers = model.moc_parameters()
-    total, n_bank, n_layers = (sum(p.numel() for p in ps) for ps in (model.parameters(), bank, layers))
+    total, n_bank, n_layers = (
+        sum(p.numel() for p in ps) for ps in (model.parameters(), bank, layers)
+    )
     millions = [round(n / 1e6, 2) for n in (total, total - n_bank - n_layers, n_bank, n_layers)]
     assert millions == [371.29, 147.87, 201.38, 22.04]
     assert round(sum(p.numel() for p in dense.parameters()) / 1e6, 2) == 202.94
@@ -329,10 +395,13 @@ def test_composer_model_adds_the_aux_loss_when_training():
     assert names["model.moc_banks.shared.weight"] is model.model.moc_banks["shared"].weight
     bank, layers = model.moc_parameters()
     groups = [{id(p) for p in g} for g in (model.anchor_parameters(), bank, layers)]
-    assert sum(map(len, groups)) == len({id(p) for p in model.parameters()}) == len(set.union(*groups))
+    assert (
+        sum(map(len, groups)) == len({id(p) for p in model.parameters()}) == len(set.union(*groups))
+    )
 
 
 # -- Composer end to end ------------------------------------------------------------------------
+
 
 class MoCLog(Callback):
     """Loss per batch, which chapters were read, and the bank before and after training."""
@@ -367,9 +436,17 @@ def test_trainer_fit_tiny_moc(pipeline_run, tmp_path):
 
     clean_stale_shared_memory()  # left by an earlier streaming loader in this session
     shards = pipeline_run[0] / "shards"
-    args = [f"data.shards={shards}", f"save_folder={tmp_path / 'moc'}", "max_duration=12ba", "data.batch_size=4",
-            "optim.warmup=2ba", "optim.lr=1e-2", "optim.moc_bank_lr=1e-2", "optim.moc_layer_lr=1e-2",
-            "model.moc.n_chapters=1025"]  # more chapters than 12 steps can read
+    args = [
+        f"data.shards={shards}",
+        f"save_folder={tmp_path / 'moc'}",
+        "max_duration=12ba",
+        "data.batch_size=4",
+        "optim.warmup=2ba",
+        "optim.lr=1e-2",
+        "optim.moc_bank_lr=1e-2",
+        "optim.moc_layer_lr=1e-2",
+        "model.moc.n_chapters=1025",
+    ]  # more chapters than 12 steps can read
     with pytest.raises(ConfigError, match=r"model\.moc\.layers \[9\] are outside"):
         build_model(load_train_config(YAMLS / "tiny-moc.yaml", args + ["model.moc.layers=[1,9]"]))
     log = MoCLog()

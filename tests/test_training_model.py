@@ -8,11 +8,23 @@ import torch
 from memtree.geometry import ANCHOR_PRESETS, AnchorShape, MemoryConfig, block_layout
 from memtree.training.model import AnchorLM, ModelConfig, assemble_memories, segment_ids_from_eot
 
-TINY = AnchorShape(name="tiny", n_layers=4, d_model=32, n_heads=4, head_dim=8, ffn_dim=48,
-                   vocab_size=61)
-TINY_GQA = AnchorShape(name="tiny-gqa", n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
-                       ffn_dim=48, vocab_size=61, tied_embeddings=False, qk_norm="head",
-                       norms_per_block=4, qkv_bias=True)
+TINY = AnchorShape(
+    name="tiny", n_layers=4, d_model=32, n_heads=4, head_dim=8, ffn_dim=48, vocab_size=61
+)
+TINY_GQA = AnchorShape(
+    name="tiny-gqa",
+    n_layers=4,
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    ffn_dim=48,
+    vocab_size=61,
+    tied_embeddings=False,
+    qk_norm="head",
+    norms_per_block=4,
+    qkv_bias=True,
+)
 EOT = 0
 MEMORY_TYPES = ("ffn", "lora-qk", "lora-ov", "lora-ffn", "kv")
 PLACEMENTS = (
@@ -53,8 +65,10 @@ def _tokens(batch: int = 2, seq: int = 24, seed: int = 1) -> torch.Tensor:
     return torch.randint(1, TINY.vocab_size, (batch, seq), generator=g)
 
 
-@pytest.mark.parametrize(("name", "expected"), [
-    ("openlm-160m", 163_510_016), ("openlm-410m", 411_665_408), ("openlm-1.4b", 1_439_893_504)])
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [("openlm-160m", 163_510_016), ("openlm-410m", 411_665_408), ("openlm-1.4b", 1_439_893_504)],
+)
 def test_preset_param_counts_match_paper(name, expected):
     with torch.device("meta"):
         model = AnchorLM(ModelConfig(anchor=ANCHOR_PRESETS[name]))
@@ -203,15 +217,22 @@ def test_assemble_memories_matches_hand_concatenation():
 
 
 def test_assemble_lora_concatenates_rank_and_skips_bare_layers():
-    mem = MemoryConfig(multipliers=(2, 3), type="lora-qk", branching=2, placement="explicit",
-                       layers=(1, 3), preserve_total=False)
+    mem = MemoryConfig(
+        multipliers=(2, 3),
+        type="lora-qk",
+        branching=2,
+        placement="explicit",
+        layers=(1, 3),
+        preserve_total=False,
+    )
     sizes = {lv: sum(t.numel for t in block_layout(TINY, mem, lv)) for lv in (1, 2)}
     flat = {lv: torch.randn(2, n, requires_grad=True) for lv, n in sizes.items()}
     got = assemble_memories(flat, TINY, mem)
     assert sorted(got) == [1, 3]
     assert got[1]["q_a"].shape == (2, 5, TINY.d_model) and got[1]["q_b"].shape == (2, TINY.q_dim, 5)
-    assert torch.equal(got[3]["k_b"][:, :, :2],
-                       flat[1][:, -TINY.kv_dim * 2 :].reshape(2, TINY.kv_dim, 2))
+    assert torch.equal(
+        got[3]["k_b"][:, :, :2], flat[1][:, -TINY.kv_dim * 2 :].reshape(2, TINY.kv_dim, 2)
+    )
     sum(t.sum() for t in got[3].values()).backward()
     assert all(f.grad is not None and f.grad.abs().sum() > 0 for f in flat.values())
 
@@ -253,8 +274,10 @@ def test_lora_ffn_scale_and_level_sum():
     with torch.no_grad():
         got = ffn(x, layer)
         for b in range(2):
-            w = {n: getattr(ffn, n).weight + (2.5 / 5) * layer[f"{n}_b"][b] @ layer[f"{n}_a"][b]
-                 for n in ("w1", "w2", "w3")}
+            w = {
+                n: getattr(ffn, n).weight + (2.5 / 5) * layer[f"{n}_b"][b] @ layer[f"{n}_a"][b]
+                for n in ("w1", "w2", "w3")
+            }
             want = (torch.nn.functional.silu(x[b] @ w["w1"].T) * (x[b] @ w["w2"].T)) @ w["w3"].T
             torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-5)
 
@@ -306,7 +329,9 @@ def test_a_shared_prefix_row_scores_each_continuation_as_its_own_sequence(anchor
     ids = torch.cat([prefix, *conts])[None]  # (1, 58): longer than some separate sequences
     seg = torch.cat([torch.full((len(c),), k) for k, c in enumerate([prefix, *conts])])
     pos = torch.cat([torch.arange(13)] + [torch.arange(13, 13 + len(c)) for c in conts])[None]
-    mask = ((seg[None, :] == 0) | (seg[:, None] == seg[None, :])) & torch.ones(58, 58, dtype=torch.bool).tril()
+    mask = ((seg[None, :] == 0) | (seg[:, None] == seg[None, :])) & torch.ones(
+        58, 58, dtype=torch.bool
+    ).tril()
     with torch.no_grad():
         packed = model(ids, positions=pos, attn_mask=mask[None], memories=memories)[0]  # (58, V)
         o = 13
@@ -323,20 +348,34 @@ def test_positions_mask_and_hidden_states_are_checked():
     pos, causal = torch.arange(24).expand(2, 24), torch.ones(2, 24, 24, dtype=torch.bool).tril()
     with torch.no_grad():
         plain = model(ids)
-        torch.testing.assert_close(model(ids, positions=pos, attn_mask=causal), plain, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(
+            model(ids, positions=pos, attn_mask=causal), plain, atol=1e-6, rtol=1e-6
+        )
         torch.testing.assert_close(model.logits(model(ids, hidden=True)), plain)
         # a row longer than max_seq_len (64) is allowed while its positions stay below it
         long_ids = _tokens(1, 80)
-        model(long_ids, positions=torch.arange(80)[None] % 40, attn_mask=torch.ones(1, 80, 80, dtype=torch.bool).tril())
+        model(
+            long_ids,
+            positions=torch.arange(80)[None] % 40,
+            attn_mask=torch.ones(1, 80, 80, dtype=torch.bool).tril(),
+        )
     with pytest.raises(ValueError, match="go together"):
         model(ids, positions=pos)
     with pytest.raises(ValueError, match="do not match"):
         model(ids, positions=pos[:, :5], attn_mask=causal)
     with pytest.raises(ValueError, match="exceeds max_seq_len 64"):
-        model(_tokens(1, 80), positions=torch.arange(80)[None], attn_mask=torch.ones(1, 80, 80, dtype=torch.bool))
+        model(
+            _tokens(1, 80),
+            positions=torch.arange(80)[None],
+            attn_mask=torch.ones(1, 80, 80, dtype=torch.bool),
+        )
     from memtree.training.layers.moc import MoCConfig
 
-    moc = AnchorLM(ModelConfig(anchor=TINY, moc=MoCConfig(n_chapters=4, tokens_per_chapter=2, top_k=1, layers=(1,))))
+    moc = AnchorLM(
+        ModelConfig(
+            anchor=TINY, moc=MoCConfig(n_chapters=4, tokens_per_chapter=2, top_k=1, layers=(1,))
+        )
+    )
     assert model.packable and not moc.packable  # a MoC layer routes the whole row
     with pytest.raises(ValueError, match="packable"):
         moc(ids, positions=pos, attn_mask=causal)

@@ -27,16 +27,21 @@ from memtree.training.read_choice import (
     resolve_read,
 )
 
-ANCHOR = AnchorShape(name="t", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
-                     ffn_dim=48, vocab_size=64)
+ANCHOR = AnchorShape(
+    name="t", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, vocab_size=64
+)
 PATHS = torch.tensor([[0, 1], [1, 2], [0, 0], [1, 3]])
 
 
 def _model(kind: str = "ffn", read: str = "fused", anchor: AnchorShape = ANCHOR) -> MemtreeLM:
     torch.manual_seed(0)
-    mem = MemoryConfig(multipliers=(1, 2), type=kind, branching=2, placement="uniform", placement_layers=2)
-    model = MemtreeLM(ModelConfig(anchor=anchor, memory=mem, max_seq_len=16),
-                      memory_settings=MemorySettings(read=read, generic_prob=0.25))
+    mem = MemoryConfig(
+        multipliers=(1, 2), type=kind, branching=2, placement="uniform", placement_layers=2
+    )
+    model = MemtreeLM(
+        ModelConfig(anchor=anchor, memory=mem, max_seq_len=16),
+        memory_settings=MemorySettings(read=read, generic_prob=0.25),
+    )
     with torch.no_grad():
         for table in model.bank.tables.values():
             table.normal_(0.0, 0.3)
@@ -63,9 +68,18 @@ def test_choose_read_needs_fused_clearly_faster():
     assert choose_read({"fused": 0.9, "gather": 1.0}, margin=0.8) == "gather"
 
 
-@pytest.mark.parametrize("timings", [
-    {"gather": 1.0}, {"fused": None, "gather": 1.0}, {"fused": float("nan"), "gather": 1.0},
-    {"fused": float("inf"), "gather": 1.0}, {"fused": 0.0, "gather": 1.0}, {"fused": 0.5}, {}])
+@pytest.mark.parametrize(
+    "timings",
+    [
+        {"gather": 1.0},
+        {"fused": None, "gather": 1.0},
+        {"fused": float("nan"), "gather": 1.0},
+        {"fused": float("inf"), "gather": 1.0},
+        {"fused": 0.0, "gather": 1.0},
+        {"fused": 0.5},
+        {},
+    ],
+)
 def test_choose_read_missing_or_failed_times_gather(timings):
     assert choose_read(timings) == "gather"
 
@@ -93,13 +107,22 @@ def test_default_cache_path_follows_env(monkeypatch, tmp_path):
     assert default_cache_path().parts[-3:] == (".cache", "memtree", "read-probe.json")
 
 
-@pytest.mark.parametrize("text, reason", [
-    ("{not json", "not valid JSON"),
-    (json.dumps({"format": "something-else", "version": 1, "entries": {}}), "not a memtree-read-probe file"),
-    (json.dumps({"format": CACHE_FORMAT, "version": 99, "entries": {}}), "version 99"),
-    (json.dumps({"format": CACHE_FORMAT, "version": CACHE_VERSION, "entries": []}), "'entries' is not"),
-    (json.dumps([1, 2]), "not a memtree-read-probe file"),
-])
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("{not json", "not valid JSON"),
+        (
+            json.dumps({"format": "something-else", "version": 1, "entries": {}}),
+            "not a memtree-read-probe file",
+        ),
+        (json.dumps({"format": CACHE_FORMAT, "version": 99, "entries": {}}), "version 99"),
+        (
+            json.dumps({"format": CACHE_FORMAT, "version": CACHE_VERSION, "entries": []}),
+            "'entries' is not",
+        ),
+        (json.dumps([1, 2]), "not a memtree-read-probe file"),
+    ],
+)
 def test_corrupt_cache_warns_naming_file_and_reason(tmp_path, text, reason):
     path = tmp_path / "read-probe.json"
     path.write_text(text)
@@ -118,8 +141,16 @@ def test_key_changes_with_shape_device_batch_and_precision():
     assert base["batch"] == 4 and base["seq_len"] == 16 and base["memory"]["type"] == "ffn"
     same = probe_key(_model(), _batch(), device_name="NVIDIA H100", precision="amp_bf16")
     assert key_id(base) == key_id(same)
-    wider = AnchorShape(name="t", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,
-                        ffn_dim=96, vocab_size=64)
+    wider = AnchorShape(
+        name="t",
+        n_layers=2,
+        d_model=64,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        ffn_dim=96,
+        vocab_size=64,
+    )
     others = [
         probe_key(model, batch, device_name="NVIDIA H200", precision="amp_bf16"),
         probe_key(model, batch, device_name="NVIDIA H100", precision="fp32"),
@@ -191,7 +222,9 @@ def test_probe_refuses_models_without_an_in_place_read():
 def test_explicit_values_are_returned_unchanged(tmp_path):
     model = _model()
     for read in ("fused", "gather"):
-        got = resolve_read(read, model, _batch(), on_gpu=True, probe=_never, cache=tmp_path / "c.json")
+        got = resolve_read(
+            read, model, _batch(), on_gpu=True, probe=_never, cache=tmp_path / "c.json"
+        )
         assert got == read
         assert resolve_read(read) == read
     assert not (tmp_path / "c.json").exists()
@@ -201,22 +234,38 @@ def test_explicit_values_are_returned_unchanged(tmp_path):
 
 def test_auto_on_the_cpu_gathers_without_probing(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="memtree.training.read_choice")
-    assert resolve_read("auto", _model(), _batch(), probe=_never, cache=tmp_path / "c.json") == "gather"
-    assert resolve_read("auto", _model(), _batch(), on_gpu=False, probe=_never,
-                        cache=tmp_path / "c.json") == "gather"
+    assert (
+        resolve_read("auto", _model(), _batch(), probe=_never, cache=tmp_path / "c.json")
+        == "gather"
+    )
+    assert (
+        resolve_read(
+            "auto", _model(), _batch(), on_gpu=False, probe=_never, cache=tmp_path / "c.json"
+        )
+        == "gather"
+    )
     assert "CPU" in caplog.text and not (tmp_path / "c.json").exists()
 
 
 def test_auto_without_an_in_place_read_gathers_without_probing(tmp_path):
     for model in (_model("lora-ffn"), None):
-        assert resolve_read("auto", model, _batch(), on_gpu=True, probe=_never,
-                            cache=tmp_path / "c.json") == "gather"
+        assert (
+            resolve_read(
+                "auto", model, _batch(), on_gpu=True, probe=_never, cache=tmp_path / "c.json"
+            )
+            == "gather"
+        )
     assert not (tmp_path / "c.json").exists()
 
 
-@pytest.mark.parametrize("timings, want", [({"fused": 0.010, "gather": 0.020}, "fused"),
-                                           ({"fused": 0.020, "gather": 0.010}, "gather"),
-                                           ({"fused": 0.0099, "gather": 0.010}, "gather")])
+@pytest.mark.parametrize(
+    "timings, want",
+    [
+        ({"fused": 0.010, "gather": 0.020}, "fused"),
+        ({"fused": 0.020, "gather": 0.010}, "gather"),
+        ({"fused": 0.0099, "gather": 0.010}, "gather"),
+    ],
+)
 def test_auto_on_a_gpu_picks_the_faster_and_caches_it(tmp_path, caplog, timings, want):
     caplog.set_level(logging.INFO, logger="memtree.training.read_choice")
     cache = ReadProbeCache(tmp_path / "read-probe.json")
@@ -232,7 +281,9 @@ def test_auto_on_a_gpu_picks_the_faster_and_caches_it(tmp_path, caplog, timings,
     assert calls == [model]
     line = caplog.records[-1].getMessage()
     assert f"-> {want} [probed, saved to {cache.path}]" in line
-    assert f"fused {timings['fused'] * 1e3:.1f} ms vs gather {timings['gather'] * 1e3:.1f} ms" in line
+    assert (
+        f"fused {timings['fused'] * 1e3:.1f} ms vs gather {timings['gather'] * 1e3:.1f} ms" in line
+    )
     assert "B4 x S16, Test GPU, amp_bf16" in line
     (entry,) = cache.entries().values()
     assert entry["choice"] == want and entry["key"]["device"] == "Test GPU"
@@ -240,7 +291,10 @@ def test_auto_on_a_gpu_picks_the_faster_and_caches_it(tmp_path, caplog, timings,
     assert resolve_read("auto", _model(), _batch(), probe=_never, **kw) == want
     assert f"-> {want} [cached in {cache.path}]" in caplog.records[-1].getMessage()
     # another device or shape is another entry: probed again
-    assert resolve_read("auto", model, batch, probe=probe, **{**kw, "device_name": "Other GPU"}) == want
+    assert (
+        resolve_read("auto", model, batch, probe=probe, **{**kw, "device_name": "Other GPU"})
+        == want
+    )
     assert resolve_read("auto", model, _batch(n=2), probe=probe, **kw) == want
     assert len(calls) == 3 and len(cache.entries()) == 3
 
@@ -252,8 +306,18 @@ def test_a_failed_probe_gathers_and_is_not_cached(tmp_path, caplog):
     def broken(m, b):
         raise RuntimeError("triton compile error: out of shared memory\nmore detail")
 
-    assert resolve_read("auto", _model(), _batch(), on_gpu=True, device_name="Test GPU", cache=cache,
-                        probe=broken) == "gather"
+    assert (
+        resolve_read(
+            "auto",
+            _model(),
+            _batch(),
+            on_gpu=True,
+            device_name="Test GPU",
+            cache=cache,
+            probe=broken,
+        )
+        == "gather"
+    )
     line = caplog.records[-1].getMessage()
     assert "probe failed (RuntimeError: triton compile error: out of shared memory)" in line
     assert line.endswith("-> gather") and not cache.path.exists()

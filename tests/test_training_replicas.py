@@ -40,14 +40,24 @@ def two_subtrees(pipeline_run, tmp_path_factory, dask_client):
 
     src, _, _, corpus = pipeline_run
     out = tmp_path_factory.mktemp("replicas") / "run"
-    shutil.copytree(src, out, symlinks=True,
-                    ignore=shutil.ignore_patterns("tree", "assign", "shards", "report", ".work"))
-    cfg = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
-                      [*PIPELINE_OVERRIDES, "tree.branching=2"])
+    shutil.copytree(
+        src,
+        out,
+        symlinks=True,
+        ignore=shutil.ignore_patterns("tree", "assign", "shards", "report", ".work"),
+    )
+    cfg = load_config(
+        PipelineConfig,
+        {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
+        [*PIPELINE_OVERRIDES, "tree.branching=2"],
+    )
     run_pipeline(cfg, client=dask_client, log=lambda m: None)
     manifest = json.loads((out / "shards" / "manifest.json").read_text())
     assert int(manifest["branching"]) == 2
-    assert sorted(int(s["subtree"]) for s in manifest["streams"] if int(s["n_samples"]) > 0) == [0, 1]
+    assert sorted(int(s["subtree"]) for s in manifest["streams"] if int(s["n_samples"]) > 0) == [
+        0,
+        1,
+    ]
     return out / "shards"
 
 
@@ -69,12 +79,22 @@ def _same_export(folder: Path, ref: Path) -> None:
     (its rows' values are `_same_weights`'s business)."""
     assert verify_bank(folder / "bank")["levels"] == [1, 2]
     a, b = read_bank_manifest(folder / "bank"), read_bank_manifest(ref / "bank")
-    assert (a.anchor, a.memory, a.dtype, a.tree_id, a.levels) == (b.anchor, b.memory, b.dtype, b.tree_id, b.levels)
+    assert (a.anchor, a.memory, a.dtype, a.tree_id, a.levels) == (
+        b.anchor,
+        b.memory,
+        b.dtype,
+        b.tree_id,
+        b.levels,
+    )
     assert a.manifest["layout_digest"] == b.manifest["layout_digest"]
-    assert sorted(p.name for p in (folder / "bank").iterdir()) == sorted(p.name for p in (ref / "bank").iterdir())
+    assert sorted(p.name for p in (folder / "bank").iterdir()) == sorted(
+        p.name for p in (ref / "bank").iterdir()
+    )
     for p in (ref / "bank").iterdir():
         assert (folder / "bank" / p.name).stat().st_size == p.stat().st_size, p.name
-    assert (folder / "bank" / "manifest.json").read_text() == (ref / "bank" / "manifest.json").read_text()
+    assert (folder / "bank" / "manifest.json").read_text() == (
+        ref / "bank" / "manifest.json"
+    ).read_text()
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +119,11 @@ def four_ranks(two_subtrees, one_process, tmp_path_factory):
     root = tmp_path_factory.mktemp("replicas-four")
     folder, log, rep = root / "four", root / "four.batches.jsonl", root / "report"
     launch(4, _args(two_subtrees, folder, "parallel.bank=sharded"), log=log, report=rep)
-    return folder, read_log(log), [json.loads(p.read_text()) for p in sorted(rep.glob("rank*.json"))]
+    return (
+        folder,
+        read_log(log),
+        [json.loads(p.read_text()) for p in sorted(rep.glob("rank*.json"))],
+    )
 
 
 def _same_batches(batches: list[dict], ref: list[dict]) -> None:
@@ -110,10 +134,14 @@ def _same_batches(batches: list[dict], ref: list[dict]) -> None:
 def test_three_ranks_over_two_subtrees_are_one_group_of_three():
     """`place` splits a world into equal groups only: 3 ranks over 2 subtrees is one group of 3
     replicas, each holding both subtrees' rows, and asking for 2 shards on 3 ranks is refused."""
-    plan = plan_lanes([{"subtree": s, "n_samples": 40, "name": f"subtree-{s:03d}"} for s in (0, 1)], batch_size=8)
+    plan = plan_lanes(
+        [{"subtree": s, "n_samples": 40, "name": f"subtree-{s:03d}"} for s in (0, 1)], batch_size=8
+    )
     pl = place(plan, branching=2, world=3)
     assert (pl.groups, pl.replicas, pl.holds) == (1, 3, ((0, 1),))
-    assert [pl.group_of(r) for r in range(3)] == [0, 0, 0] and [pl.replica_of(r) for r in range(3)] == [0, 1, 2]
+    assert [pl.group_of(r) for r in range(3)] == [0, 0, 0] and [
+        pl.replica_of(r) for r in range(3)
+    ] == [0, 1, 2]
     pl = place(plan, branching=2, world=4)
     assert (pl.groups, pl.replicas, pl.holds) == (2, 2, ((0,), (1,)))
     assert [pl.group_of(r) for r in range(4)] == [0, 0, 1, 1]
@@ -121,7 +149,9 @@ def test_three_ranks_over_two_subtrees_are_one_group_of_three():
         place(plan, branching=2, world=3, groups=2)
 
 
-def test_four_ranks_over_two_subtrees_are_two_replica_groups_and_train_like_one_process(one_process, four_ranks):
+def test_four_ranks_over_two_subtrees_are_two_replica_groups_and_train_like_one_process(
+    one_process, four_ranks
+):
     ref, ref_batches = one_process
     folder, batches, reports = four_ranks
     _same_batches(batches, ref_batches)
@@ -136,7 +166,10 @@ def test_four_ranks_over_two_subtrees_are_two_replica_groups_and_train_like_one_
     assert reports[0]["shard"] == reports[1]["shard"] != reports[2]["shard"] == reports[3]["shard"]
     assert sorted(reports[0]["shard"] + reports[2]["shard"]) == [0, 1]
     for r in reports:
-        assert r["rows"] == {"1": 1 + 1, "2": 2 + 1}  # its subtree's rows per level, plus the generic row
+        assert r["rows"] == {
+            "1": 1 + 1,
+            "2": 2 + 1,
+        }  # its subtree's rows per level, plus the generic row
         # the replicas exchanged their rows' gradients within the group; no bank row went world-wide
         assert r["comm_bytes"]["bank_group_all_gather"] > 0
         assert "bank_rows_all_gather" not in r["comm_bytes"]
@@ -148,7 +181,11 @@ def test_four_ranks_over_two_subtrees_are_two_replica_groups_and_train_like_one_
     # each subtree's file written once, by its group's first replica
     man = read_manifest(folder / "checkpoints" / "bank" / f"ba{STEPS}")
     assert man["saved_by"] == {"world": 4, "groups": 2, "replicas": 2}
-    assert sorted(man["files"]) == ["generic.safetensors", "subtree-000.safetensors", "subtree-001.safetensors"]
+    assert sorted(man["files"]) == [
+        "generic.safetensors",
+        "subtree-000.safetensors",
+        "subtree-001.safetensors",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +202,8 @@ def stopped(two_subtrees, tmp_path_factory):
 
 @pytest.mark.parametrize("then", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_replicated_shard_run_stopped_mid_run_resumes_on_fewer_ranks(
-        two_subtrees, one_process, four_ranks, stopped, tmp_path, then):
+    two_subtrees, one_process, four_ranks, stopped, tmp_path, then
+):
     """Resumed on 2 ranks (a group per subtree, no replicas) and on 3 (one group of 3 replicas):
     the same batches, and the uninterrupted 4-rank run's weights and exported bank."""
     ref, ref_batches = one_process
@@ -182,4 +220,8 @@ def test_a_replicated_shard_run_stopped_mid_run_resumes_on_fewer_ranks(
     _same_weights(folder, ref)
     _same_export(folder, four)
     man = read_manifest(folder / "checkpoints" / "bank" / f"ba{STEPS}")
-    assert man["saved_by"] == {"world": then, "groups": {2: 2, 3: 1}[then], "replicas": {2: 1, 3: 3}[then]}
+    assert man["saved_by"] == {
+        "world": then,
+        "groups": {2: 2, 3: 1}[then],
+        "replicas": {2: 1, 3: 3}[then],
+    }

@@ -36,11 +36,14 @@ from memtree.training.lanes import (
 )
 from memtree.training.optim import MemoryAdamW, RowShard
 
-ANCHOR = AnchorShape(name="t", n_layers=2, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=50)
+ANCHOR = AnchorShape(
+    name="t", n_layers=2, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=50
+)
 MEM = MemoryConfig(multipliers=(4, 2), branching=4)
 
 
 # --- lanes and placement -------------------------------------------------------------------------
+
 
 def _streams(sizes: list[int]) -> list[dict]:
     return [{"subtree": s, "n_samples": n, "name": f"subtree-{s:03d}"} for s, n in enumerate(sizes)]
@@ -52,7 +55,9 @@ def test_apportion_is_proportional_exact_and_gives_every_lane_one():
         parts = apportion(total, sizes)
         assert sum(parts) == total and min(parts) >= 1
         quota = [total * n / sum(sizes) for n in sizes]
-        assert all(abs(p - q) < 1 for p, q in zip(parts, quota, strict=True)) or total < 2 * len(sizes)
+        assert all(abs(p - q) < 1 for p, q in zip(parts, quota, strict=True)) or total < 2 * len(
+            sizes
+        )
     assert apportion(5, [1000, 1, 1]) == (3, 1, 1)  # a tiny lane still gets its sample
     with pytest.raises(ValueError, match="cannot hold one sample of each of 3 lanes"):
         apportion(2, [5, 5, 5])
@@ -63,10 +68,14 @@ def test_lane_order_is_a_permutation_per_lane_epoch_and_independent_of_the_world
     assert plan.per_step == (4, 3, 5) and plan.steps_per_epoch == 30 // 12
     for k, n in enumerate(plan.sizes):
         b = plan.per_step[k]
-        seq = [int(i) for t in range(3 * n) for i in plan.lane_samples(k, t)]  # 3·n steps: b·3 lane epochs
+        seq = [
+            int(i) for t in range(3 * n) for i in plan.lane_samples(k, t)
+        ]  # 3·n steps: b·3 lane epochs
         for e in range(b * 3):
-            assert sorted(seq[e * n:(e + 1) * n]) == list(range(n))  # each lane epoch: every sample once
-        assert seq[:n] != seq[n:2 * n]  # and a new order each time the lane wraps
+            assert sorted(seq[e * n : (e + 1) * n]) == list(
+                range(n)
+            )  # each lane epoch: every sample once
+        assert seq[:n] != seq[n : 2 * n]  # and a new order each time the lane wraps
     offsets = [0, 10, 17]
     for world in (1, 2, 3, 6):
         for groups in {default_groups(world, 3), 1}:
@@ -82,12 +91,24 @@ def test_lane_order_is_a_permutation_per_lane_epoch_and_independent_of_the_world
                         lane = max(k for k in range(3) if offsets[k] <= i)
                         assert plan.subtrees[lane] in held
                         got[(plan.subtrees[lane], i - offsets[lane])] += 1
-                assert got == collections.Counter(world_batches(plan, range(t, t + 1))[0]), (world, groups, t)
+                assert got == collections.Counter(world_batches(plan, range(t, t + 1))[0]), (
+                    world,
+                    groups,
+                    t,
+                )
 
 
 def test_placement_covers_the_tree_once_and_balances_the_groups():
     plan = plan_lanes(_streams([225, 240, 214, 231, 224, 234, 239, 220]), batch_size=64)
-    for world, G, R in ((1, 1, 1), (2, 2, 1), (4, 4, 1), (8, 8, 1), (16, 8, 2), (6, 6, 1), (12, 6, 2)):
+    for world, G, R in (
+        (1, 1, 1),
+        (2, 2, 1),
+        (4, 4, 1),
+        (8, 8, 1),
+        (16, 8, 2),
+        (6, 6, 1),
+        (12, 6, 2),
+    ):
         pl = place(plan, branching=16, world=world)
         assert (pl.groups, pl.replicas) == (G, R)
         held = sorted(s for h in pl.holds for s in h)
@@ -106,6 +127,7 @@ def test_placement_covers_the_tree_once_and_balances_the_groups():
 
 # --- the bank shard and its optimizer state -------------------------------------------------------
 
+
 def test_a_shard_holds_the_whole_banks_rows_of_its_subtrees():
     whole = TrainableBank(ANCHOR, MEM, seed=7)
     part = TrainableBank(ANCHOR, MEM, seed=7, shard=(3, 1))
@@ -118,8 +140,10 @@ def test_a_shard_holds_the_whole_banks_rows_of_its_subtrees():
     paths = torch.tensor([[1, 4 + 2], [3, 12 + 3], [1, 7]])
     slots = part.slots(paths, torch.tensor([False, False, True]))
     assert slots[1].tolist() == [0, 1, 2] and slots[2].tolist() == [2, 7, 8]
-    assert all(torch.equal(part.tables[str(lv)][slots[lv][:2]], whole.tables[str(lv)][paths[:2, lv - 1]])
-               for lv in (1, 2))
+    assert all(
+        torch.equal(part.tables[str(lv)][slots[lv][:2]], whole.tables[str(lv)][paths[:2, lv - 1]])
+        for lv in (1, 2)
+    )
     with pytest.raises(ValueError, match=r"cluster ids \[2\] are outside this rank's bank shard"):
         part.slots(torch.tensor([[2, 9]]))
     # rank 0's rows must not go into a checkpoint every rank loads
@@ -134,7 +158,9 @@ def _touch(bank: TrainableBank, opt: MemoryAdamW, rows: dict[int, list[int]], se
     for lv, r in rows.items():
         t = bank.tables[str(lv)]
         idx = torch.tensor(r)
-        t.grad = torch.sparse_coo_tensor(idx[None], torch.randn(len(r), t.shape[1], generator=g), t.shape)
+        t.grad = torch.sparse_coo_tensor(
+            idx[None], torch.randn(len(r), t.shape[1], generator=g), t.shape
+        )
     opt.step()
     opt.zero_grad(set_to_none=True)
 
@@ -179,17 +205,28 @@ def _shard_checkpoint(tmp_path: Path) -> tuple[TrainableBank, MemoryAdamW, Path]
     opt = MemoryAdamW([{"params": list(bank.bank_parameters())}], lr=1e-2)
     _touch(bank, opt, {1: [0, 2, 4], 2: [1, 6, 11, 16]}, 0)
     _touch(bank, opt, {1: [2], 2: [6, 13]}, 1)
-    out = save_shards(tmp_path / "ckpt", 2, bank, opt, replica=0, world_meta={"world": 1, "groups": 1, "replicas": 1})
+    out = save_shards(
+        tmp_path / "ckpt",
+        2,
+        bank,
+        opt,
+        replica=0,
+        world_meta={"world": 1, "groups": 1, "replicas": 1},
+    )
     return bank, opt, out
 
 
 def test_shard_checkpoints_reload_on_another_split_and_export_like_a_replicated_bank(tmp_path):
     bank, opt, folder = _shard_checkpoint(tmp_path)
     man = read_manifest(folder)
-    assert sorted(man["files"]) == ["generic.safetensors"] + [f"subtree-{s:03d}.safetensors" for s in range(4)]
+    assert sorted(man["files"]) == ["generic.safetensors"] + [
+        f"subtree-{s:03d}.safetensors" for s in range(4)
+    ]
     # another split: two ranks holding two subtrees each get exactly their rows and Adam state
     for shard in ((0, 2), (1, 3)):
-        part = TrainableBank(ANCHOR, MEM, seed=99, shard=shard)  # other initial values: all overwritten
+        part = TrainableBank(
+            ANCHOR, MEM, seed=99, shard=shard
+        )  # other initial values: all overwritten
         popt = MemoryAdamW([{"params": list(part.bank_parameters())}], lr=1e-2)
         load_shards(folder, part, popt)
         for lv in part.levels:
@@ -198,21 +235,34 @@ def test_shard_checkpoints_reload_on_another_split_and_export_like_a_replicated_
             assert torch.equal(part.tables[str(lv)], bank.tables[str(lv)][src])
             a = opt.row_state(bank.tables[str(lv)], src)
             b = popt.row_state(part.tables[str(lv)], torch.arange(len(src)))
-            assert torch.equal(src[b["rows"]], a["rows"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+            assert torch.equal(src[b["rows"]], a["rows"]) and torch.equal(
+                a["exp_avg_sq"], b["exp_avg_sq"]
+            )
             assert torch.equal(a["steps"], b["steps"])
     # the export equals, byte for byte, the replicated bank's export of the same weights
     whole = TrainableBank(ANCHOR, MEM, seed=0, init="zeros")
     with torch.no_grad():
         for lv in whole.levels:
-            whole.tables[str(lv)].copy_(bank.tables[str(lv)])  # every subtree in order = the whole table
+            whole.tables[str(lv)].copy_(
+                bank.tables[str(lv)]
+            )  # every subtree in order = the whole table
     for dtype in ("fp32", "bf16", "int8"):
-        export_bank(folder, tmp_path / f"sharded-{dtype}", anchor=ANCHOR, memory=MEM, dtype=dtype, tree_id="t",
-                    chunk_rows=3)
+        export_bank(
+            folder,
+            tmp_path / f"sharded-{dtype}",
+            anchor=ANCHOR,
+            memory=MEM,
+            dtype=dtype,
+            tree_id="t",
+            chunk_rows=3,
+        )
         whole.export(tmp_path / f"whole-{dtype}", dtype=dtype, tree_id="t")
         names = sorted(p.name for p in (tmp_path / f"whole-{dtype}").iterdir())
         assert names == sorted(p.name for p in (tmp_path / f"sharded-{dtype}").iterdir())
         for n in names:
-            assert (tmp_path / f"whole-{dtype}" / n).read_bytes() == (tmp_path / f"sharded-{dtype}" / n).read_bytes(), n
+            assert (tmp_path / f"whole-{dtype}" / n).read_bytes() == (
+                tmp_path / f"sharded-{dtype}" / n
+            ).read_bytes(), n
         assert verify_bank(tmp_path / f"sharded-{dtype}")["levels"] == [1, 2]
 
 
@@ -235,7 +285,12 @@ def test_a_corrupt_or_foreign_shard_checkpoint_is_named(tmp_path):
 
 
 def test_config_refuses_what_a_sharded_bank_cannot_do(tmp_path):
-    base = [f"data.shards={tmp_path}", "mode=scratch", "memory.multipliers=[4,2]", "parallel.bank=sharded"]
+    base = [
+        f"data.shards={tmp_path}",
+        "mode=scratch",
+        "memory.multipliers=[4,2]",
+        "parallel.bank=sharded",
+    ]
     with pytest.raises(ConfigError, match="parallel.data: 'uniform'"):
         load_train_config(None, [*base, "parallel.data=uniform"])
     with pytest.raises(ConfigError, match="fsdp"):
@@ -294,7 +349,9 @@ def one_process(pipeline_run, tmp_path_factory):
 def _check_run(folder: Path, batches: list[dict], ref) -> None:
     _, ref_batches, (ref_anchor, ref_bank), _ = ref
     assert [b["step"] for b in batches] == list(range(1, STEPS + 1))
-    assert [b["samples"] for b in batches] == [b["samples"] for b in ref_batches]  # the same global batches
+    assert [b["samples"] for b in batches] == [
+        b["samples"] for b in ref_batches
+    ]  # the same global batches
     anchor, bank = _weights(folder)
     assert _worst(anchor, ref_anchor) <= ANCHOR_ATOL
     assert _worst(bank, ref_bank) <= BANK_ATOL
@@ -319,7 +376,10 @@ def test_two_ranks_hold_half_the_bank_each_and_train_like_one_process(one_proces
         assert r["rows"] == {"1": B // 2 + 1, "2": (B // 2) * B + 1}
         # its optimizer state covers its own rows only; nothing bank-sized is gathered
         assert all(used <= r["rows"][lv] for lv, used in r["state_rows_used"].items())
-        assert "bank_rows_all_gather" not in r["comm_bytes"] and r["comm_bytes"]["bank_generic_all_reduce"] > 0
+        assert (
+            "bank_rows_all_gather" not in r["comm_bytes"]
+            and r["comm_bytes"]["bank_generic_all_reduce"] > 0
+        )
         # per step: the anchor's gradients all-reduced once (ring: 2 (W-1)/W of them, = 1× at W = 2),
         # and the generic rows of both levels (their gradients and a "was read" flag each)
         steps, totals = r["steps"], r["comm_totals"]
@@ -346,13 +406,22 @@ def test_sharded_matches_replicated_over_the_same_batches(one_process, tmp_path,
     for s, r in zip(sharded, replicated, strict=True):
         # resident bank tables: 1/world of the replicated run's, plus one generic row per level
         assert s["table_bytes"] < r["table_bytes"] / world * 1.1 + 1e5
-        assert sum(s["rows"].values()) == sum(r["rows"][lv] - 1 for lv in r["rows"]) // world + len(r["rows"])
+        assert sum(s["rows"].values()) == sum(r["rows"][lv] - 1 for lv in r["rows"]) // world + len(
+            r["rows"]
+        )
         assert s["state_bytes"] < r["state_bytes"]
-        assert "bank_rows_all_gather" in r["comm_bytes"] and "bank_rows_all_gather" not in s["comm_bytes"]
+        assert (
+            "bank_rows_all_gather" in r["comm_bytes"]
+            and "bank_rows_all_gather" not in s["comm_bytes"]
+        )
     # the ranks' optimizer states together cover the rows the replicated run's holds (the generic rows once each)
     for lv in replicated[0]["state_rows_used"]:
         used = sum(s["state_rows_used"][lv] for s in sharded)
-        assert replicated[0]["state_rows_used"][lv] <= used <= replicated[0]["state_rows_used"][lv] + world - 1
+        assert (
+            replicated[0]["state_rows_used"][lv]
+            <= used
+            <= replicated[0]["state_rows_used"][lv] + world - 1
+        )
 
 
 @pytest.mark.slow
@@ -363,7 +432,9 @@ def test_a_sharded_run_resumes_on_another_number_of_ranks(one_process, tmp_path,
     args = _args(shards, folder, "parallel.bank=sharded")
     launch(first, args, log=log, stop_at=STOP)
     assert (folder / "checkpoints" / "bank" / f"ba{STOP}" / "manifest.json").is_file()
-    assert read_manifest(folder / "checkpoints" / "bank" / f"ba{STOP}")["saved_by"]["world"] == first
+    assert (
+        read_manifest(folder / "checkpoints" / "bank" / f"ba{STOP}")["saved_by"]["world"] == first
+    )
     launch(then, args, log=log)
     batches = read_log(log)
     assert [b["world"] for b in batches] == [first] * STOP + [then] * (STEPS - STOP)
@@ -380,7 +451,10 @@ def test_a_rank_that_dies_mid_step_is_named_and_the_shards_stay_intact(one_proce
     assert "Rank 1 crashed" in out, out[-3000:]  # the launcher names the rank that died
     ckpt = folder / "checkpoints" / "bank"
     assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == [f"ba{STOP}"]
-    assert verify_shards(ckpt / f"ba{STOP}")["files"] == int(read_shards_manifest(shards)["branching"]) + 1
+    assert (
+        verify_shards(ckpt / f"ba{STOP}")["files"]
+        == int(read_shards_manifest(shards)["branching"]) + 1
+    )
     launch(2, args, log=log)  # resumes from the intact checkpoint
     last = {b["step"]: b for b in read_log(log)}  # steps after the checkpoint were logged twice
     _check_run(folder, [last[k] for k in sorted(last)], one_process)
@@ -392,13 +466,18 @@ def _private_shm_works() -> bool:
 
     if shutil.which("unshare") is None:
         return False
-    r = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"], capture_output=True,
-                       check=False)
+    r = subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"],
+        capture_output=True,
+        check=False,
+    )
     return r.returncode == 0
 
 
 @pytest.mark.slow
-def test_two_nodes_launched_by_torchrun_stop_resume_and_train_like_one_process(one_process, tmp_path):
+def test_two_nodes_launched_by_torchrun_stop_resume_and_train_like_one_process(
+    one_process, tmp_path
+):
     """`torchrun --nnodes 2 --node-rank k …` on one host, each "node" with a /dev/shm of its own
     (Streaming keeps its state there, one per node, as on separate hosts) and the save folder
     shared, as on NFS: torchrun's environment (GROUP_RANK, no NODE_RANK) is taken as Composer's, a
@@ -408,27 +487,61 @@ def test_two_nodes_launched_by_torchrun_stop_resume_and_train_like_one_process(o
     import sys
 
     if not _private_shm_works():
-        pytest.skip("needs `unshare -m` and a tmpfs mount (root) to give each simulated node its own /dev/shm")
+        pytest.skip(
+            "needs `unshare -m` and a tmpfs mount (root) to give each simulated node its own /dev/shm"
+        )
     shards, _, _, _ = one_process
     folder, log = tmp_path / "nodes", tmp_path / "nodes.jsonl"
     torchrun = Path(sys.executable).with_name("torchrun")
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(repo)}
-    node = ("mount -t tmpfs tmpfs /dev/shm && exec {torchrun} --nnodes 2 --nproc-per-node 1 --node-rank {k} "
-            "--master-addr 127.0.0.1 --master-port {port} {script} {args}")
+    node = (
+        "mount -t tmpfs tmpfs /dev/shm && exec {torchrun} --nnodes 2 --nproc-per-node 1 --node-rank {k} "
+        "--master-addr 127.0.0.1 --master-port {port} {script} {args}"
+    )
 
     def run(port: int, *flags: str) -> None:
-        args = " ".join(f"'{a}'" for a in [*flags, "--batch-log", str(log), *_args(shards, folder, "parallel.bank=sharded")])
-        procs = [subprocess.Popen(
-            ["unshare", "-m", "sh", "-c", node.format(torchrun=torchrun, k=k, port=port,
-                                                      script=repo / "tests" / "train_launcher.py", args=args)],
-            env=env, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k in (0, 1)]
+        args = " ".join(
+            f"'{a}'"
+            for a in [
+                *flags,
+                "--batch-log",
+                str(log),
+                *_args(shards, folder, "parallel.bank=sharded"),
+            ]
+        )
+        procs = [
+            subprocess.Popen(
+                [
+                    "unshare",
+                    "-m",
+                    "sh",
+                    "-c",
+                    node.format(
+                        torchrun=torchrun,
+                        k=k,
+                        port=port,
+                        script=repo / "tests" / "train_launcher.py",
+                        args=args,
+                    ),
+                ],
+                env=env,
+                cwd=repo,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for k in (0, 1)
+        ]
         outs = [p.communicate(timeout=600)[0] for p in procs]
         assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
 
     run(29613, "--stop-at", str(STOP))
     assert read_manifest(folder / "checkpoints" / "bank" / f"ba{STOP}")["saved_by"] == {
-        "world": 2, "groups": 2, "replicas": 1}
+        "world": 2,
+        "groups": 2,
+        "replicas": 1,
+    }
     run(29614)
     batches = read_log(log)
     assert [b["world"] for b in batches] == [2] * STEPS
@@ -438,7 +551,13 @@ def test_two_nodes_launched_by_torchrun_stop_resume_and_train_like_one_process(o
 def test_torchrun_names_the_node_rank_group_rank():
     from memtree.training.train import adopt_launcher_env
 
-    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
+    env = {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+    }
     assert adopt_launcher_env(env)["NODE_RANK"] == "1"
     env = {"RANK": "0", "NODE_RANK": "0", "GROUP_RANK": "5"}  # a launcher's own NODE_RANK wins
     assert adopt_launcher_env(env)["NODE_RANK"] == "0"

@@ -72,7 +72,9 @@ def test_balanced_tree_on_skewed_data():
     x = _sphere(20000, seed=4, skew=True)
     # The App. C rule alone (no equalisation, hence no centroid relocation either).
     tree, _ = build_tree(x, levels=2, branching=8, seed=0, equalize_steps=0)
-    unbalanced, _ = build_tree(x, levels=2, branching=8, seed=0, balance_factor=1e9, equalize_steps=0)
+    unbalanced, _ = build_tree(
+        x, levels=2, branching=8, seed=0, balance_factor=1e9, equalize_steps=0
+    )
     ratio = level_stats(tree)[0]["balance_ratio"]
     ratio_off = level_stats(unbalanced)[0]["balance_ratio"]
     assert ratio < 1.35, level_stats(tree)
@@ -150,7 +152,9 @@ def test_route_step_settles_float32_near_ties_in_float64():
     rng = np.random.default_rng(5)
     B, d, n = 8, 64, 3000
     c = rng.normal(size=(B * B, d))
-    c = (c / np.linalg.norm(c, axis=1, keepdims=True)).astype(np.float32)  # equal norms: midpoints tie
+    c = (c / np.linalg.norm(c, axis=1, keepdims=True)).astype(
+        np.float32
+    )  # equal norms: midpoints tie
     valid = np.ones(B * B, dtype=bool)
     valid[[3, 17, 42]] = False
     parent = rng.integers(0, B, size=n)
@@ -195,15 +199,30 @@ def test_level_fit_equals_fitting_each_node_alone():
     cuts = np.r_[0, np.cumsum(sizes)]
     nodes = [(p, np.sort(perm[a:b])) for p, (a, b) in enumerate(itertools.pairwise(cuts.tolist()))]
     fallbacks = rng.normal(size=(len(nodes), 8)).astype(np.float32)
-    params = {"branching": 8, "min_points_per_child": 2, "batch_size": 512, "steps": 4,
-              "balance_factor": 1.1, "equalize_steps": 6, "seed": 3, "level": 2}
+    params = {
+        "branching": 8,
+        "min_points_per_child": 2,
+        "batch_size": 512,
+        "steps": 4,
+        "balance_factor": 1.1,
+        "equalize_steps": 6,
+        "seed": 3,
+        "level": 2,
+    }
     together = fit_level(x, nodes, fallbacks, **params)
     regrouped = [None] * len(nodes)  # even and odd nodes in two other batches, odd ones reversed
-    for group in (list(range(0, len(nodes), 2)), list(range(len(nodes) - 1 - len(nodes) % 2, 0, -2))):
-        for i, fit in zip(group, fit_level(x, [nodes[i] for i in group], fallbacks[group], **params)):
+    for group in (
+        list(range(0, len(nodes), 2)),
+        list(range(len(nodes) - 1 - len(nodes) % 2, 0, -2)),
+    ):
+        for i, fit in zip(
+            group, fit_level(x, [nodes[i] for i in group], fallbacks[group], **params)
+        ):
             regrouped[i] = fit
     assert [k for _, k, _ in together] == [8, 8, 8, 8, 4, 1, 1]
-    np.testing.assert_array_equal(together[-1][0][0], fallbacks[-1])  # empty node: the parent's centroid
+    np.testing.assert_array_equal(
+        together[-1][0][0], fallbacks[-1]
+    )  # empty node: the parent's centroid
     for (p, idx), fit, other in zip(nodes, together, regrouped):
         alone = fit_node(x[idx], fallback=fallbacks[p], node=p, **params)
         for a, b in ((fit, alone), (fit, other)):
@@ -219,8 +238,15 @@ def test_build_tree_is_independent_of_threads_and_fitter(mode):
     from memtree.clustering.tree import fit_node, level_cell_size, level_cell_slack
 
     x, _ = _mixture(6000, 16, 10, seed=22)
-    kw = {"levels": 3, "branching": 4, "batch_size": 700, "steps": 6, "seed": 5, "strict_balance": mode == "strict",
-          "balance_target": 1.0 if mode == "repaired" else None}
+    kw = {
+        "levels": 3,
+        "branching": 4,
+        "batch_size": 700,
+        "steps": 6,
+        "seed": 5,
+        "strict_balance": mode == "strict",
+        "balance_target": 1.0 if mode == "repaired" else None,
+    }
     one, paths = build_tree(x, n_jobs=1, **kw)
     three, _ = build_tree(x, n_jobs=3, **kw)
     params = {k: kw[k] for k in ("branching", "batch_size", "steps", "seed")}
@@ -228,12 +254,26 @@ def test_build_tree_is_independent_of_threads_and_fitter(mode):
 
     def per_node(level, nodes, parent_c, *, strict):
         calls.append(strict)
-        cell = level_cell_size(len(x), kw["branching"], level)  # what build_tree's own fitter caps against
+        cell = level_cell_size(
+            len(x), kw["branching"], level
+        )  # what build_tree's own fitter caps against
         slack = level_cell_slack(1.1, level, kw["levels"], strict)
-        return [fit_node(x[idx], level=level, node=p, fallback=parent_c[p], min_points_per_child=2,
-                         balance_factor=1.1, equalize_steps=40, cell_size=cell, cell_slack=slack,
-                         strict_balance=strict, **params)
-                for p, idx in nodes]
+        return [
+            fit_node(
+                x[idx],
+                level=level,
+                node=p,
+                fallback=parent_c[p],
+                min_points_per_child=2,
+                balance_factor=1.1,
+                equalize_steps=40,
+                cell_size=cell,
+                cell_slack=slack,
+                strict_balance=strict,
+                **params,
+            )
+            for p, idx in nodes
+        ]
 
     hooked, _ = build_tree(x, fit_nodes=per_node, **kw)
     assert one.tree_id == three.tree_id == hooked.tree_id
@@ -250,11 +290,15 @@ def test_equalize_cells_keeps_directions_and_never_worsens_cells():
     x, _ = _mixture(3000, 24, 6, seed=23, spread=0.8)
     rng = np.random.default_rng(24)
     for trial in range(3):
-        c = x[rng.choice(len(x), 10, replace=False)] * rng.uniform(0.5, 1.5, size=(10, 1)).astype(np.float32)
+        c = x[rng.choice(len(x), 10, replace=False)] * rng.uniform(0.5, 1.5, size=(10, 1)).astype(
+            np.float32
+        )
         out = equalize_cells(x, c, steps=30)
 
         def key(cc):
-            d = (cc.astype(np.float64) ** 2).sum(1)[None] - 2.0 * x.astype(np.float64) @ cc.T.astype(np.float64)
+            d = (cc.astype(np.float64) ** 2).sum(1)[None] - 2.0 * x.astype(
+                np.float64
+            ) @ cc.T.astype(np.float64)
             s = np.bincount(d.argmin(1), minlength=len(cc))
             return (int((s == 0).sum()), int(s.max()))
 
@@ -332,8 +376,12 @@ def test_relocation_moves_the_k_means_centroids_and_keeps_the_better_candidate()
 def _straddling(x, c, blob):
     """Points whose cell holds a majority from the other blob."""
     cell = np.argmin((c * c).sum(1)[None] - 2.0 * x @ c.T, axis=1)
-    major = np.array([np.bincount(blob[cell == j], minlength=2).argmax() if (cell == j).any() else 0
-                      for j in range(len(c))])
+    major = np.array(
+        [
+            np.bincount(blob[cell == j], minlength=2).argmax() if (cell == j).any() else 0
+            for j in range(len(c))
+        ]
+    )
     return int((major[cell] != blob).sum())
 
 
@@ -387,9 +435,16 @@ def test_stopping_converged_nodes_early_changes_nothing(monkeypatch):
     members = [np.sort(perm[a:b]) for a, b in itertools.pairwise(cuts)]
 
     def fit():
-        return fit_nodes_batched(x, members, [8] * len(members),
-                                 [np.random.default_rng([1, i]) for i in range(len(members))],
-                                 batch_size=2000, steps=25, balance_factor=1.3, equalize_steps=5)
+        return fit_nodes_batched(
+            x,
+            members,
+            [8] * len(members),
+            [np.random.default_rng([1, i]) for i in range(len(members))],
+            batch_size=2000,
+            steps=25,
+            balance_factor=1.3,
+            equalize_steps=5,
+        )
 
     early = fit()
     monkeypatch.setattr(kmeans._BatchedFit, "stop_converged", False)
@@ -413,17 +468,28 @@ def test_converge_tol_stops_nodes_the_split_rule_keeps_moving():
     members = [np.arange(a, a + 400) for a in range(0, 6000, 400)]
 
     def fit(tol):
-        return fit_nodes_batched(x, members, [8] * len(members),
-                                 [np.random.default_rng([5, i]) for i in range(len(members))],
-                                 batch_size=1000, steps=20, balance_factor=1.1, converge_tol=tol)
+        return fit_nodes_batched(
+            x,
+            members,
+            [8] * len(members),
+            [np.random.default_rng([5, i]) for i in range(len(members))],
+            batch_size=1000,
+            steps=20,
+            balance_factor=1.1,
+            converge_tol=tol,
+        )
 
     full, early = fit(0.0), fit(CONVERGE_TOL)
-    assert all(f.steps == 20 and f.balance_splits >= 20 for f in full), [(f.steps, f.balance_splits) for f in full]
+    assert all(f.steps == 20 and f.balance_splits >= 20 for f in full), [
+        (f.steps, f.balance_splits) for f in full
+    ]
     assert all(f.steps < 20 for f in early), [f.steps for f in early]
     assert sum(f.steps for f in early) <= 0.6 * sum(f.steps for f in full)
     # A node's distortion after 20 such steps is itself a draw of the random splits (measured here:
     # early / full 0.79–1.16 per node): the claim is about the sum.
-    total = [sum(distortion(x, m, f.centroids) for m, f in zip(members, fits)) for fits in (full, early)]
+    total = [
+        sum(distortion(x, m, f.centroids) for m, f in zip(members, fits)) for fits in (full, early)
+    ]
     assert total[1] <= 1.05 * total[0], total
 
 
@@ -435,23 +501,45 @@ def test_restarts_keep_each_nodes_lowest_distortion_fit():
 
     x, _ = _mixture(5000, 16, 24, seed=30, spread=0.45)
     perm = np.random.default_rng(31).permutation(len(x))
-    nodes = [(p, np.sort(perm[a:b])) for p, (a, b) in enumerate(itertools.pairwise([0, 2600, 4200, 5000]))]
+    nodes = [
+        (p, np.sort(perm[a:b]))
+        for p, (a, b) in enumerate(itertools.pairwise([0, 2600, 4200, 5000]))
+    ]
     fallbacks = np.zeros((len(nodes), 16), dtype=np.float32)
-    params = {"branching": 6, "min_points_per_child": 2, "batch_size": 1000, "steps": 8,
-              "balance_factor": 1.1, "equalize_steps": 10, "seed": 4, "level": 2}
+    params = {
+        "branching": 6,
+        "min_points_per_child": 2,
+        "batch_size": 1000,
+        "steps": 8,
+        "balance_factor": 1.1,
+        "equalize_steps": 10,
+        "seed": 4,
+        "level": 2,
+    }
     with single_threaded():
         one = fit_level(x, nodes, fallbacks, **params)
         best = fit_level(x, nodes, fallbacks, restarts=5, **params)
-        cands = [fit_nodes_batched(x, [idx for _, idx in nodes], [6] * len(nodes),
-                                   [np.random.default_rng([4, 2, p, *([r] if r else [])]) for p, _ in nodes],
-                                   batch_size=1000, steps=8, balance_factor=1.1, equalize_steps=10)
-                 for r in range(5)]
+        cands = [
+            fit_nodes_batched(
+                x,
+                [idx for _, idx in nodes],
+                [6] * len(nodes),
+                [np.random.default_rng([4, 2, p, *([r] if r else [])]) for p, _ in nodes],
+                batch_size=1000,
+                steps=8,
+                balance_factor=1.1,
+                equalize_steps=10,
+            )
+            for r in range(5)
+        ]
     for j, (_, idx) in enumerate(nodes):
         np.testing.assert_array_equal(one[j][0][:6], cands[0][j].centroids)
         d = [distortion(x, idx, c[j].centroids) for c in cands]
         np.testing.assert_array_equal(best[j][0][:6], cands[int(np.argmin(d))][j].centroids)
         assert distortion(x, idx, best[j][0][:6]) <= distortion(x, idx, one[j][0][:6])
-    assert len({round(distortion(x, nodes[0][1], c[0].centroids), 6) for c in cands}) > 1  # restarts differ
+    assert (
+        len({round(distortion(x, nodes[0][1], c[0].centroids), 6) for c in cands}) > 1
+    )  # restarts differ
     with pytest.raises(ValueError, match="restarts"):
         fit_level(x, nodes, fallbacks, restarts=0, **params)
 
@@ -463,8 +551,9 @@ def test_restarts_lower_tree_distortion_and_recover_the_mixture_better():
     d, nmi = {1: [], 8: []}, {1: [], 8: []}
     for seed in range(4):
         for r in (1, 8):
-            tree, paths = build_tree(x, levels=2, branching=4, batch_size=2000, steps=10, seed=seed, n_jobs=1,
-                                     restarts=r)
+            tree, paths = build_tree(
+                x, levels=2, branching=4, batch_size=2000, steps=10, seed=seed, n_jobs=1, restarts=r
+            )
             d[r].append(float(((x - tree.centroids[1][paths[:, 1]]) ** 2).sum(1).mean()))
             nmi[r].append(_nmi(lab, paths[:, 1]))
     assert np.mean(d[8]) < np.mean(d[1]), d
@@ -557,9 +646,19 @@ def _zipf_mixture(n, d, comps, seed, spread=0.7):
     return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
-@pytest.mark.parametrize("n,levels,seed,dim", [(14081, 3, 1, 64), (60000, 4, 7, 64), (14081, 3, 2, 384),
-                                                (60000, 4, 2, 384), (60000, 4, 3, 384)])
-def test_default_and_strict_trees_keep_every_level_within_the_balance_target_on_skewed_data(n, levels, seed, dim):
+@pytest.mark.parametrize(
+    "n,levels,seed,dim",
+    [
+        (14081, 3, 1, 64),
+        (60000, 4, 7, 64),
+        (14081, 3, 2, 384),
+        (60000, 4, 2, 384),
+        (60000, 4, 3, 384),
+    ],
+)
+def test_default_and_strict_trees_keep_every_level_within_the_balance_target_on_skewed_data(
+    n, levels, seed, dim
+):
     """Issue #37's target, leaf balance ≤ 1.2 at every level, on skewed data with small leaves
     (27.5 and 14.6 points): with strict_balance, and with the defaults, which refit with strict
     balance only the nodes over `repair_limit`. Each strict case failed under one of strict
@@ -590,7 +689,9 @@ def test_balance_repairs_leave_trees_under_the_target_untouched_and_only_keep_be
     paper, _ = build_tree(x, balance_target=None, **kw)
     worst = [s["balance_ratio"] for s in level_stats(paper)]
     loose, _ = build_tree(x, balance_target=max(worst) + 0.2, **kw)
-    assert loose.tree_id == paper.tree_id and all(r == [0, 0] for r in loose.meta["balance_repairs"])
+    assert loose.tree_id == paper.tree_id and all(
+        r == [0, 0] for r in loose.meta["balance_repairs"]
+    )
     tight, tight_paths = build_tree(x, balance_target=1.0, **kw)
     assert tight.tree_id != paper.tree_id
     for level, (refit, kept) in enumerate(tight.meta["balance_repairs"], start=1):
@@ -617,7 +718,9 @@ def test_two_over_full_cells_in_one_dense_region_shed_their_excess_to_cells_with
         rng = np.random.default_rng(seed)
         sizes = [300] + [100] * 6
         centers = rng.normal(size=(7, 16))
-        x = np.concatenate([centers[j] + 0.5 * rng.normal(size=(s, 16)) for j, s in enumerate(sizes)])
+        x = np.concatenate(
+            [centers[j] + 0.5 * rng.normal(size=(s, 16)) for j, s in enumerate(sizes)]
+        )
         x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
         lab = np.repeat(np.arange(7), sizes)
         means = np.stack([x[lab == j].mean(0) for j in range(7)])
@@ -627,9 +730,12 @@ def test_two_over_full_cells_in_one_dense_region_shed_their_excess_to_cells_with
         c = np.vstack([means[0] + nudge, means[0] - nudge, means[1:]]).astype(np.float32)
         cap = cell_cap(len(x), 8, 1.1, strict=True)
         assert _cell_sizes(x, c)[:2].min() > cap  # both twins over, the other cells under
-        worst.append(_cell_sizes(x, equalize_cells(x, c, steps=40, slack=1.1, strict=True)).max() / cap)
-        assert _cell_sizes(x, equalize_cells(x, c, steps=40, slack=1.1)).max() > 1.2 * cap  # the default
+        worst.append(
+            _cell_sizes(x, equalize_cells(x, c, steps=40, slack=1.1, strict=True)).max() / cap
+        )
+        assert (
+            _cell_sizes(x, equalize_cells(x, c, steps=40, slack=1.1)).max() > 1.2 * cap
+        )  # the default
     # Bidding against the twin left both at ~150 points (1.22 × the cap of 123) on every seed.
     assert max(worst) <= 1.1, worst
     assert sum(w <= 1.0 for w in worst) >= 5, worst  # one seed still trades with a full neighbour
-

@@ -18,14 +18,29 @@ from composer.core import Callback
 REPO = Path(__file__).resolve().parents[1]
 
 
-def lane_run_args(shards: Path, folder: Path, *extra: str, run_name: str, steps: int, save_every: int) -> list[str]:
+def lane_run_args(
+    shards: Path, folder: Path, *extra: str, run_name: str, steps: int, save_every: int
+) -> list[str]:
     """The overrides of the sharded / replica tests' runs: a tiny anchor with an [8, 4] bank on
     lanes, checkpointed every `save_every` batches, autoresumed."""
-    return [f"data.shards={shards}", "data.batch_size=8", f"max_duration={steps}ba", f"save_interval={save_every}ba",
-            "autoresume=true", f"run_name={run_name}", "mode=scratch", "memory.multipliers=[8,4]",
-            "memory.lr=1e-2", "memory.export_dtype=fp32", "optim.warmup=2ba", "save_num_checkpoints_to_keep=-1",
-            "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}",
-            f"save_folder={folder}", "parallel.data=lanes", *extra]
+    return [
+        f"data.shards={shards}",
+        "data.batch_size=8",
+        f"max_duration={steps}ba",
+        f"save_interval={save_every}ba",
+        "autoresume=true",
+        f"run_name={run_name}",
+        "mode=scratch",
+        "memory.multipliers=[8,4]",
+        "memory.lr=1e-2",
+        "memory.export_dtype=fp32",
+        "optim.warmup=2ba",
+        "save_num_checkpoints_to_keep=-1",
+        "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}",
+        f"save_folder={folder}",
+        "parallel.data=lanes",
+        *extra,
+    ]
 
 
 def run_weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -35,7 +50,9 @@ def run_weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.
     from memtree.training.bank import TrainableBank
 
     bank = TrainableBank.from_bank(folder / "bank")
-    return load_file(folder / "anchor.safetensors"), {lv: t.detach() for lv, t in bank.tables.items()}
+    return load_file(folder / "anchor.safetensors"), {
+        lv: t.detach() for lv, t in bank.tables.items()
+    }
 
 
 def worst_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -57,15 +74,27 @@ class BatchLog(Callback):
         from composer.utils import dist
 
         ids, paths = state.batch["input_ids"].cpu().numpy(), state.batch["paths"].cpu().numpy()
-        mine = [hashlib.blake2b(ids[i].tobytes() + paths[i].tobytes(), digest_size=8).hexdigest()
-                for i in range(len(ids))]
+        mine = [
+            hashlib.blake2b(ids[i].tobytes() + paths[i].tobytes(), digest_size=8).hexdigest()
+            for i in range(len(ids))
+        ]
         ranks = dist.all_gather_object(mine)
         if dist.get_global_rank() != 0:
             return
         order = [r[j] for j in range(max(map(len, ranks))) for r in ranks if j < len(r)]
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": int(state.timestamp.batch) + 1, "world": len(ranks),
-                                "ranks": ranks, "order": order, "samples": sorted(order)}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": int(state.timestamp.batch) + 1,
+                        "world": len(ranks),
+                        "ranks": ranks,
+                        "order": order,
+                        "samples": sorted(order),
+                    }
+                )
+                + "\n"
+            )
 
 
 class StopAt(Callback):
@@ -113,39 +142,71 @@ class RankReport(Callback):
         tables = {lv: t for lv, t in bank.tables.items()}
         state_of = {lv: opt.state.get(t, {}) for lv, t in tables.items()}
         report = {
-            "rank": dist.get_global_rank(), "world": dist.get_world_size(),
+            "rank": dist.get_global_rank(),
+            "world": dist.get_world_size(),
             "shard": list(bank.shard) if bank.shard is not None else None,
             "rows": {lv: int(t.shape[0]) for lv, t in tables.items()},
             # replicas of a shard must end with the same rows, bit for bit
-            "table_sha": {lv: hashlib.sha256(t.detach().cpu().numpy().tobytes()).hexdigest()
-                          for lv, t in tables.items()},
+            "table_sha": {
+                lv: hashlib.sha256(t.detach().cpu().numpy().tobytes()).hexdigest()
+                for lv, t in tables.items()
+            },
             "table_bytes": sum(t.numel() * t.element_size() for t in tables.values()),
             "row_bytes": {lv: t.shape[1] * t.element_size() for lv, t in tables.items()},
-            "state_bytes": sum(v.numel() * v.element_size() for st in state_of.values() for v in st.values()
-                               if isinstance(v, torch.Tensor)),
-            "state_rows_used": {lv: int(st["used"]) if "used" in st else 0 for lv, st in state_of.items()},
+            "state_bytes": sum(
+                v.numel() * v.element_size()
+                for st in state_of.values()
+                for v in st.values()
+                if isinstance(v, torch.Tensor)
+            ),
+            "state_rows_used": {
+                lv: int(st["used"]) if "used" in st else 0 for lv, st in state_of.items()
+            },
             "comm_bytes": dict(opt.comm_bytes),
-            "comm_totals": dict(self.comm.totals), "steps": int(state.timestamp.batch),
-            "anchor_grad_bytes": sum(p.numel() * p.element_size() for p in unwrap(state.model).model.parameters()
-                                     if p.requires_grad),
+            "comm_totals": dict(self.comm.totals),
+            "steps": int(state.timestamp.batch),
+            "anchor_grad_bytes": sum(
+                p.numel() * p.element_size()
+                for p in unwrap(state.model).model.parameters()
+                if p.requires_grad
+            ),
         }
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / f"rank{report['rank']}.json").write_text(json.dumps(report))
 
 
-def launch(world: int, args: list[str], *, log: Path | None = None, stop_at: int | None = None,
-           die: tuple[int, int] | None = None, report: Path | None = None, check: bool = True,
-           timeout: float = 900) -> subprocess.CompletedProcess:
+def launch(
+    world: int,
+    args: list[str],
+    *,
+    log: Path | None = None,
+    stop_at: int | None = None,
+    die: tuple[int, int] | None = None,
+    report: Path | None = None,
+    check: bool = True,
+    timeout: float = 900,
+) -> subprocess.CompletedProcess:
     """`composer -n world` this script with `args` (key=value overrides)."""
     from streaming.base.util import clean_stale_shared_memory
 
     clean_stale_shared_memory()  # a stopped run leaves its shared memory behind, as a killed one would
-    flags = (["--batch-log", str(log)] if log else []) + (["--stop-at", str(stop_at)] if stop_at else []) \
-        + (["--die", f"{die[0]}:{die[1]}"] if die else []) + (["--report", str(report)] if report else [])
+    flags = (
+        (["--batch-log", str(log)] if log else [])
+        + (["--stop-at", str(stop_at)] if stop_at else [])
+        + (["--die", f"{die[0]}:{die[1]}"] if die else [])
+        + (["--report", str(report)] if report else [])
+    )
     launcher = Path(sys.executable).with_name("composer")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    r = subprocess.run([str(launcher), "-n", str(world), __file__, *flags, *args], env=env, cwd=REPO,
-                       capture_output=True, text=True, timeout=timeout, check=False)
+    r = subprocess.run(
+        [str(launcher), "-n", str(world), __file__, *flags, *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     clean_stale_shared_memory()
     if check:
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
