@@ -1,9 +1,10 @@
-"""`memtree eval adapters` on a Hugging Face causal LM (eval/finetune/adapters.py, bases.py): the four
-conditions on a tiny random Llama saved with `save_pretrained` and handed in as a loaded pretrained
-model (the seam `run=NAME` goes through), with a byte-level BPE trained here on the bios corpus. Exact
-no-op of zero-initialised adapters, what each condition trains, LoRA rank matching against the counted
-parameters, the report with real-text forgetting, learning by full fine-tuning. The real SmolLM2-135M
-through the command is in the slow part, where `make pretrained` installed it."""
+"""`memtree eval adapters` on a Hugging Face causal LM (eval/finetune/adapters.py, bases.py): the
+four conditions on a tiny random Llama saved with `save_pretrained` and handed in as a loaded
+pretrained model (the seam `run=NAME` goes through), with a byte-level BPE trained here on the bios
+corpus. Exact no-op of zero-initialised adapters, what each condition trains, LoRA rank matching
+against the counted parameters, the report with real-text forgetting, learning by full fine-tuning.
+The real SmolLM2-135M through the command is in the slow part, where `make pretrained` installed
+it."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ ENGLISH = [
 
 @pytest.fixture(scope="module")
 def bios_root(tmp_path_factory):
-    """A bios demo root as `memtree demo` writes it (corpus, facts, held-out documents): no training."""
+    """A bios demo root as `memtree demo` writes it (corpus, facts, held-out documents): no
+    training."""
     from memtree.pipeline.corpus.bios import BiosSpec, write_bios
 
     root = tmp_path_factory.mktemp("bios") / "root"
@@ -53,8 +55,8 @@ def bios_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(bios_root, tmp_path_factory) -> LoadedPretrained:
-    """A tiny random Llama written by save_pretrained and read back, with a byte-level BPE trained on
-    the bios corpus (new entities' names split into pieces, never unknown)."""
+    """A tiny random Llama written by save_pretrained and read back, with a byte-level BPE trained
+    on the bios corpus (new entities' names split into pieces, never unknown)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -150,16 +152,16 @@ def test_each_condition_trains_only_what_it_should(loaded, method):
         assert names == lora and len(lora) == 2 * 7 * 2  # A and B on q k v o gate up down, 2 layers
     else:
         assert not names  # the base is frozen; the adapter's modules sit beside it
-    # the parameters the optimiser steps, counted on the built modules, are training/flops.py's count
+    # the parameters the optimiser steps, counted on the built modules, are training/flops.py's
+    # count
     assert ft.n_trainable == accounting(base, spec, seq_len=10)["trainable_params"]
     for _, ids, real in _batches(loaded):
         ft.step(ids, real)
     ft.finish()
     res = {"trainable": ft.n_trainable, "changed": changes(before, model, added=ft.added_state())}
     after = model.state_dict()
-    assert set(after) == set(before) and not any(
-        isinstance(m, LoRALinear) for m in model.modules()
-    )  # merged
+    # merged
+    assert set(after) == set(before) and not any(isinstance(m, LoRALinear) for m in model.modules())
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     if method == "mem_adapter":
         assert not changed and res["changed"]["elements"] == 0  # base weights bit for bit
@@ -213,7 +215,8 @@ def test_a_run_that_is_neither_a_folder_nor_a_name_says_both(bios_root):
 RUNS = (
     "runs=[{method: full, lr: 3.0e-3}, {method: lora, lr: 1.0e-2}, "
     "{method: mem_adapter, lr: 1.0e-2, adapter: {n_chapters: 4, tokens_per_chapter: 4}}, "
-    "{method: mem_adapter+lora, lr: 1.0e-2, adapter: {layers: 'last:1', n_chapters: 4, tokens_per_chapter: 4}}]"
+    "{method: mem_adapter+lora, lr: 1.0e-2, adapter: {layers: 'last:1', n_chapters: 4, "
+    "tokens_per_chapter: 4}}]"
 )
 
 
@@ -275,8 +278,8 @@ def test_eval_adapters_on_an_hf_model_writes_its_report_and_full_finetuning_lear
 
 
 # ------------------------------------------------------------------------------- the real model
-# A real model's learning rates (the tiny random model's above blow a pretrained one up); adapters in
-# every 10th layer, so the matched LoRA rank stays small.
+# A real model's learning rates (the tiny random model's above blow a pretrained one up); adapters
+# in every 10th layer, so the matched LoRA rank stays small.
 SMOL_RUNS = (
     "runs=[{method: full, lr: 1.0e-5}, {method: lora, lr: 1.0e-4}, "
     "{method: mem_adapter, lr: 1.0e-3, adapter: {layers: 'every:10'}}, "

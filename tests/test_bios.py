@@ -1,4 +1,5 @@
-"""The entity-centric default corpus (pipeline/corpus/bios.py): determinism, exposure counts, vocabulary checks."""
+"""The entity-centric default corpus (pipeline/corpus/bios.py): determinism, exposure counts,
+vocabulary checks."""
 
 from __future__ import annotations
 
@@ -37,9 +38,8 @@ def test_documents_per_entity_follow_the_zipf_plan():
     docs = list(generate_bios(SMALL))
     per_entity = Counter((r["topic"], r["entity"]) for r in docs)
     facts = bios_facts(SMALL)
-    rank = {
-        (f["topic"], f["entity"]): f["rank"] for f in facts if f["rank"] >= 1
-    }  # rank 0: undocumented
+    # rank 0: undocumented
+    rank = {(f["topic"], f["entity"]): f["rank"] for f in facts if f["rank"] >= 1}
     assert len(rank) == 64 * SMALL.entities_per_subtopic  # 4 fields × 4 domains × 4 subtopics
     for key, r in rank.items():
         assert per_entity[key] == SMALL.docs_for_rank(r) == max(1, round(6 * r**-1.0))
@@ -132,7 +132,10 @@ def test_bad_spec_and_bad_vocabulary_are_named(tmp_path):
     bad.write_text(json.dumps({"format": "other", "version": 1}))
     with pytest.raises(
         ValueError,
-        match=r"v\.json: not a bios vocabulary file \(format 'other', expected 'memtree-bios-vocab'\)",
+        match=(
+            r"v\.json: not a bios vocabulary file "
+            r"\(format 'other', expected 'memtree-bios-vocab'\)"
+        ),
     ):
         load_vocabulary(bad)
     data = json.loads(VOCAB_PATH.read_text())
@@ -184,10 +187,8 @@ def test_common_initial_opens_passing_mentions_with_the_fact_and_changes_nothing
         assert {k: v for k, v in a.items() if k != "text"} == {
             k: v for k, v in b.items() if k != "text"
         }
-        last_a, last_b = (
-            a["text"].rsplit(". ", 1)[1],
-            b["text"].rsplit(". ", 1)[1],
-        )  # the closing sentences
+        # the closing sentences
+        last_a, last_b = (a["text"].rsplit(". ", 1)[1], b["text"].rsplit(". ", 1)[1])
         if a["text"] == b["text"]:
             n_lead += bool(lead.fullmatch(last_a))
             continue

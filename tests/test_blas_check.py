@@ -25,7 +25,8 @@ needs_avx2 = pytest.mark.skipif(
 def _check_in_subprocess(mode: str, env: dict[str, str]) -> dict:
     """check_host in a fresh interpreter (OpenBLAS reads OPENBLAS_CORETYPE once, at load)."""
     code = (
-        f"import json, os; from memtree.clustering.blas import check_host; r = check_host(mode={mode!r}); "
+        "import json, os; from memtree.clustering.blas import check_host; "
+        f"r = check_host(mode={mode!r}); "
         "r['env_after'] = os.environ.get('OPENBLAS_CORETYPE'); print(json.dumps(r))"
     )
     out = subprocess.run(
@@ -84,7 +85,8 @@ def test_no_fallback_no_change():
         "before"
     ):  # "before": the fix replaced a fallback this host's FAISS picked itself
         pytest.skip(
-            f"this host's FAISS runs a fallback kernel itself ({(r.get('before') or r)['faiss_kernel']})"
+            "this host's FAISS runs a fallback kernel itself "
+            f"({(r.get('before') or r)['faiss_kernel']})"
         )
     assert r["action"] == "none" and r["env_after"] is None and r["message"].startswith("BLAS: ")
 
@@ -156,7 +158,8 @@ def test_the_pipeline_records_the_check_in_its_tree_stage_and_report(pipeline_ru
     # the session's cluster was started by the test, not the pipeline: it can only warn
     assert host["action"] == "none"
     report = (out / "report" / "report.md").read_text()
-    # tree.gemm defaults to auto: the fits ran on the choice kept for this host (this session's cache)
+    # tree.gemm defaults to auto: the fits ran on the choice kept for this host (this session's
+    # cache)
     assert host["gemm_used"] == host["gemm"] == host["gemm_choice"]["choice"]
     assert host["gemm_choice"]["path"] == str(blas.choice_path())
     assert (
@@ -193,9 +196,8 @@ def test_force_fixes_the_kernel_for_the_pipelines_own_workers(tmp_path, monkeypa
         and os.environ["OPENBLAS_CORETYPE"] == WANT
     )
     assert host["before"]["faiss_kernel"] == "Prescott" and not host["fallback"]
-    assert (
-        host["gemm_used"] == host["gemm"] in gemm.BACKENDS
-    )  # tree.gemm=auto: the check's timed choice
+    # tree.gemm=auto: the check's timed choice
+    assert host["gemm_used"] == host["gemm"] in gemm.BACKENDS
     assert any(
         m.startswith("[tree] BLAS: FAISS's OpenBLAS picked the fallback kernel Prescott")
         for m in logs
@@ -208,9 +210,8 @@ def _fits(choice: str) -> dict:
 
 def test_the_gemm_choice_is_timed_once_per_host_and_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("MEMTREE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv(
-        "OPENBLAS_CORETYPE", raising=False
-    )  # the key below is the unset one's, whatever the host sets
+    # the key below is the unset one's, whatever the host sets
+    monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)
     path = tmp_path / "cache" / "gemm-choice.json"
     assert blas.choice_path() == path
     key = blas.host_key(1, {"faiss": "Zen", "numpy": "Zen"})
@@ -229,7 +230,8 @@ def test_the_gemm_choice_is_timed_once_per_host_and_kept(tmp_path, monkeypatch):
         and again["stored"]
         and again["measured_at"] == first["measured_at"]
     )
-    # another caller count, another kernel or another OPENBLAS_CORETYPE is another host for the choice
+    # another caller count, another kernel or another OPENBLAS_CORETYPE is another host for the
+    # choice
     assert blas.host_key(2, {"faiss": "Zen", "numpy": "Zen"}) != key
     assert blas.host_key(1, {"faiss": "Prescott", "numpy": "Zen"}) != key
     monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
@@ -254,7 +256,8 @@ def test_best_gemm_reads_the_kept_choice(tmp_path, monkeypatch):
     doc = json.loads(blas.choice_path().read_text())
     ((key, entry),) = doc["entries"].items()
     assert entry["choice"] == chosen and set(entry["seconds"]) == set(gemm.available())
-    # what is kept is what is used: two different kept choices, each returned (a timing could give only one)
+    # what is kept is what is used: two different kept choices, each returned (a timing could give
+    # only one)
     for other in ("faiss", "torch"):
         doc["entries"][key]["choice"] = other
         blas.choice_path().write_text(json.dumps(doc))

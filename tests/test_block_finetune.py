@@ -135,9 +135,8 @@ def test_tfidf_step_moves_exactly_the_chosen_units(mem_run, background, tmp_path
             assert changed <= chosen  # nothing outside the top-t moved
             moved += len(changed)
     assert 0 < moved <= 5
-    assert all(
-        torch.equal(v, anchor[k]) for k, v in rm.model.state_dict().items()
-    )  # the anchor untouched
+    # the anchor untouched
+    assert all(torch.equal(v, anchor[k]) for k, v in rm.model.state_dict().items())
     untouched = [(lv, c) for lv in rm.store.levels for c in range(4) if (lv, c) not in ft.touched]
     assert all(
         (lv, c) not in ft.blocks
@@ -161,9 +160,8 @@ def test_all_fetched_and_anchor_methods(mem_run, tmp_path):
     fetched = {(lv, int(c)) for lv in rm.store.levels for c in paths[:, lv - 1]}
     assert ft.touched == fetched
     widths = sum(w for cols in unit_layout(rm.model, rm.store).values() for _, _, w in cols)
-    assert (
-        sum(len(_units_changed(ft, lv, c)) for lv, c in fetched) > widths // 2
-    )  # most units of each block
+    # most units of each block
+    assert sum(len(_units_changed(ft, lv, c)) for lv, c in fetched) > widths // 2
 
     rm = _fresh(mem_run, tmp_path / "b")
     before = {k: v.clone() for k, v in rm.model.state_dict().items()}
@@ -182,13 +180,13 @@ def test_edited_blocks_lower_the_facts_loss_when_fetched_from_the_store(
     written through the store's edit path, the fact's loss with its blocks fetched from the store
     is below the loss before and below the anchor alone (untouched), so the edits are in the blocks
     its route reads. top_t is 32, half eval continual's 64: on an AVX2-only AMD EPYC VM (2026-12-05)
-    these statements' routes used 48 units in all, fewer than 64. The SGD rate is 2, not its 1, as this 3-batch
-    run's blocks are still near their no-effect init (the fetched loss equals the anchor's), where
-    the first steps move the loss little. Measured on an Intel Xeon host (2026-12-03), 8 steps:
-    lr 1: 7.612 -> 7.490, lr 2: -> 7.297 (the loss falling at every step), lr 3: -> 7.257; lr 10
-    (this test's rate until then, 4 steps: 7.614 -> 7.416 on an AMD EPYC host) overshot there
-    (-> 7.613) and left units dead. Blocks that were not the ones fetched, or edits that did not
-    reach the store, leave the fetched loss where it was."""
+    these statements' routes used 48 units in all, fewer than 64. The SGD rate is 2, not its 1, as
+    this 3-batch run's blocks are still near their no-effect init (the fetched loss equals the
+    anchor's), where the first steps move the loss little. Measured on an Intel Xeon host
+    (2026-12-03), 8 steps: lr 1: 7.612 -> 7.490, lr 2: -> 7.297 (the loss falling at every step), lr
+    3: -> 7.257; lr 10 (this test's rate until then, 4 steps: 7.614 -> 7.416 on an AMD EPYC host)
+    overshot there (-> 7.613) and left units dead. Blocks that were not the ones fetched, or edits
+    that did not reach the store, leave the fetched loss where it was."""
     from memtree.eval.tasks import perplexity
     from memtree.training.finetune.blocks import write_edits
 

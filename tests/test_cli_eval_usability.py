@@ -40,9 +40,8 @@ def demo(pipeline_run, tmp_path_factory):
     base = tmp_path_factory.mktemp("usability")
     root = base / "demo"
     copy_pipeline(pipeline_run[0], root / "pipeline")
-    facts = entity_facts(
-        CorpusSpec(n_docs=1200, seed=3, long_doc_fraction=0.01)
-    )  # tests/conftest.py's corpus
+    # tests/conftest.py's corpus
+    facts = entity_facts(CorpusSpec(n_docs=1200, seed=3, long_doc_fraction=0.01))
     (root / "facts.jsonl").write_text("".join(json.dumps(f) + "\n" for f in facts))
     (root / "heldout.jsonl").write_text(
         "".join(
@@ -177,9 +176,8 @@ def test_a_copied_run_is_evaluated_with_tree_flag_and_its_blocked_blocks_are_rep
     run = copy / "train" / "cotrain"
     with MemoryStore(run / "bank") as store:
         store.block(2, [3], reason="privacy request")
-    assert (
-        main(["eval", "knowledge", str(run), "--max-probes", "4"]) == 1
-    )  # the tree is what is missing
+    # the tree is what is missing
+    assert main(["eval", "knowledge", str(run), "--max-probes", "4"]) == 1
     err = capsys.readouterr().err
     assert "--tree" in err and "data.shards" in err and str(run / "memtree_config.json") in err
     out = tmp_path / "eval"
@@ -199,9 +197,8 @@ def test_a_copied_run_is_evaluated_with_tree_flag_and_its_blocked_blocks_are_rep
         )
         == 0
     )
-    assert (
-        f"facts: {copy / 'facts.jsonl'}" in capsys.readouterr().err
-    )  # the copy's layout, not the original's
+    # the copy's layout, not the original's
+    assert f"facts: {copy / 'facts.jsonl'}" in capsys.readouterr().err
     data = json.loads((out / "results.json").read_text())
     assert (
         data["bank"]["blocked"] == {"2": [[3, 4]]}
@@ -288,8 +285,8 @@ def test_eval_longctx_refuses_a_group_by_key_the_records_lack(tmp_path, capsys):
 
 
 CONTINUAL = """root: {root}
-pretrain: [data.batch_size=2, max_duration=2ba, "{shape}", model.pkm.n_keys={n_keys}, model.pkm.heads=1,
-           model.pkm.k=2, model.pkm.key_dim=8, "model.pkm.layers=[0]"]
+pretrain: [data.batch_size=2, max_duration=2ba, "{shape}", model.pkm.n_keys={n_keys},
+           model.pkm.heads=1, model.pkm.k=2, model.pkm.key_dim=8, "model.pkm.layers=[0]"]
 background_batches: 2
 n_facts: {n_facts}
 paraphrases: 2
@@ -354,7 +351,8 @@ def test_eval_continual_reuses_the_pretrained_model_only_from_the_same_inputs(
 
 
 def test_eval_context_bank_reuses_the_compressor_only_from_the_same_inputs(tmp_path, capsys):
-    """Paper cut: `--train` settings changed, or the anchor retrained, used to reuse OUT/vae anyway."""
+    """Paper cut: `--train` settings changed, or the anchor retrained, used to reuse OUT/vae
+    anyway."""
     from tests.test_context_vae import _tiny_bios_run
 
     root = _tiny_bios_run(tmp_path / "demo")
@@ -403,7 +401,8 @@ def test_eval_context_bank_reuses_the_compressor_only_from_the_same_inputs(tmp_p
         and (out / "vae" / "context_vae.safetensors").stat().st_mtime_ns == weights
     )
     assert "Compressor: reused" in (out / "report.md").read_text()
-    # the anchor retrained (other weights): the compressor is retrained for it, not refused or reused
+    # the anchor retrained (other weights): the compressor is retrained for it, not refused or
+    # reused
     from safetensors.torch import load_file, save_file
 
     anchor = root / "train" / "anchor" / "anchor.safetensors"
@@ -417,8 +416,8 @@ def test_eval_context_bank_reuses_the_compressor_only_from_the_same_inputs(tmp_p
 
 
 def test_eval_retention_resolves_a_moved_runs_shards_and_names_the_tree_key(demo, tmp_path, capsys):
-    """Paper cut: `eval retention` read `data.shards` as stored (relative to where training ran), and
-    its missing-tree error said `--tree` where the command's key is `tree=`."""
+    """Paper cut: `eval retention` read `data.shards` as stored (relative to where training ran),
+    and its missing-tree error said `--tree` where the command's key is `tree=`."""
     _, root = demo
     copy = tmp_path / "elsewhere" / "demo"
     shutil.copytree(root, copy)
@@ -448,16 +447,15 @@ def test_eval_retention_resolves_a_moved_runs_shards_and_names_the_tree_key(demo
 
 
 def test_eval_sweep_resolves_eval_paths_against_the_yaml(demo, tmp_path, monkeypatch, capsys):
-    """Paper cut: a sweep YAML's `eval.facts` / `eval.held_out` / `eval.tree` resolved against the current
-    folder only; now against the YAML first, and a missing one is named by key and YAML."""
+    """Paper cut: a sweep YAML's `eval.facts` / `eval.held_out` / `eval.tree` resolved against the
+    current folder only; now against the YAML first, and a missing one is named by key and YAML."""
     _, root = demo
     folder = tmp_path / "sweeps"
     folder.mkdir()
     shutil.copy(root / "facts.jsonl", folder / "facts.jsonl")
     shutil.copytree(root / "pipeline" / "tree", folder / "tree")
-    shutil.copytree(
-        root / "pipeline" / "embed" / "embedder", folder / "embed" / "embedder"
-    )  # the tree's embedder
+    # the tree's embedder
+    shutil.copytree(root / "pipeline" / "embed" / "embedder", folder / "embed" / "embedder")
     tiny = [
         "mode=scratch",
         "memory.multipliers=[0,8]",

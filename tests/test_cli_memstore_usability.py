@@ -1,6 +1,6 @@
-"""Issue 36, the memstore items: each README / --help command run as a new user would, through the CLI,
-on a real tree (3 levels × branching 4, as `make demo`'s) and a real bank holding memory at levels
-2 and 3 only (as the demo's), both written with the project's own APIs."""
+"""Issue 36, the memstore items: each README / --help command run as a new user would, through the
+CLI, on a real tree (3 levels × branching 4, as `make demo`'s) and a real bank holding memory at
+levels 2 and 3 only (as the demo's), both written with the project's own APIs."""
 
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ def made(tmp_path_factory):
 
 @pytest.fixture
 def run(made, tmp_path, capsys):
-    """A fresh copy of the bank in tmp_path; run(*argv) → (rc, stdout, stderr) with {bank}, {tree}, {probes}
-    and {tmp} filled in."""
+    """A fresh copy of the bank in tmp_path; run(*argv) → (rc, stdout, stderr) with {bank}, {tree},
+    {probes} and {tmp} filled in."""
     return cli_on_bank_copy(
         made / "bank",
         tmp_path,
@@ -203,7 +203,7 @@ def test_simulate_fetch_with_a_tree_needs_no_branching_or_memory(run):
     assert rc == 1 and "--branching 16" in err and "branching 4" in err
 
 
-# --- item 4: undo mirrors do ------------------------------------------------------------------------
+# --- item 4: undo mirrors do ----------------------------------------------------------------------
 
 
 def test_unblock_lifts_what_block_queries_blocked(run):
@@ -233,7 +233,7 @@ def test_unblock_of_what_is_not_blocked_says_so(run):
     assert rc == 0 and "nothing changed" in out and "13" in out
 
 
-# --- items 5 and 13: queries files -------------------------------------------------------------------
+# --- items 5 and 13: queries files ----------------------------------------------------------------
 
 
 def test_block_with_an_empty_queries_file_is_refused(run):
@@ -284,7 +284,7 @@ def test_a_missing_file_names_the_flag(run, argv, flag):
     )
 
 
-# --- item 6: fetch paths must exist in a tree of the bank's branching ------------------------------
+# --- item 6: fetch paths must exist in a tree of the bank's branching -----------------------------
 
 
 def test_fetch_rejects_a_path_that_cannot_exist(run):
@@ -295,7 +295,7 @@ def test_fetch_rejects_a_path_that_cannot_exist(run):
     assert rc == 1 and "level-3 id 64 is out of range [0, 64)" in err
 
 
-# --- item 14: one way to say one thing -------------------------------------------------------------
+# --- item 14: one way to say one thing ------------------------------------------------------------
 
 
 def test_fetch_query_text_alias_and_queries_file(run):
@@ -388,7 +388,7 @@ def test_relocate_says_what_it_did(run):
     assert rc == 0 and "nothing moved" in out
 
 
-# --- the same kinds of cuts in the other subcommands ------------------------------------------------
+# --- the same kinds of cuts in the other subcommands ----------------------------------------------
 
 
 @pytest.mark.parametrize(

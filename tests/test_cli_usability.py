@@ -1,5 +1,5 @@
-"""Issue 36 (pipeline, training and the dispatcher): the README's and `--help`'s commands, run as a new
-user runs them, through `memtree.cli.main` on real files. Each test failed before its fix."""
+"""Issue 36 (pipeline, training and the dispatcher): the README's and `--help`'s commands, run as a
+new user runs them, through `memtree.cli.main` on real files. Each test failed before its fix."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_all_rejected_names_a_file_that_exists(tmp_path, capsys, dask_client):
     assert named.name == "rejects.parquet" and named.is_file(), err
 
 
-# ------------------------------------------------------------------ item 10: globs, nothing half-written
+# ------------------------------------------------------------- item 10: globs, nothing half-written
 def test_readme_glob_inputs_are_expanded_in_order(tmp_path, capsys, dask_client, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
@@ -238,7 +238,8 @@ def test_docs_corpus_names_its_rejects_file_and_a_missing_deb(tmp_path, capsys):
         == 1
     )
     assert not (tmp_path / "docs2").exists()
-    # several packages: a .deb no --package names, and --prefix with more than one package, are refused
+    # several packages: a .deb no --package names, and --prefix with more than one package, are
+    # refused
     assert (
         main(
             [
@@ -278,7 +279,7 @@ def test_docs_corpus_names_its_rejects_file_and_a_missing_deb(tmp_path, capsys):
     )
 
 
-# ------------------------------------------------------------------ item 13: keys named, no raw errno
+# ---------------------------------------------------------------- item 13: keys named, no raw errno
 def test_time_strings_are_checked_with_the_key_named(tmp_path, capsys):
     yaml = str(REPO / "training" / "yamls" / "tiny-baseline.yaml")
     for bad, key in (
@@ -358,7 +359,7 @@ def test_finetune_names_the_key_the_path_and_what_writes_it(tmp_path, capsys, mo
     assert not (tmp_path / "runs/demo/finetune").exists()
 
 
-# ------------------------------------------------------------------ item 11: a failed start does not poison the retry
+# ------------------------------------------------ item 11: a failed start does not poison the retry
 def test_failed_start_leaves_the_save_folder_usable(pipeline_run, tmp_path, capsys, monkeypatch):
     from safetensors.torch import save_file
     from streaming.base.util import clean_stale_shared_memory
@@ -367,9 +368,8 @@ def test_failed_start_leaves_the_save_folder_usable(pipeline_run, tmp_path, caps
     from memtree.training.train import build_model
 
     shards = pipeline_run[0] / "shards"  # a 2-level tree
-    model, _ = build_model(
-        load_train_config(None, [f"data.shards={shards}"])
-    )  # the tiny anchor, untrained
+    # the tiny anchor, untrained
+    model, _ = build_model(load_train_config(None, [f"data.shards={shards}"]))
     (tmp_path / "base").mkdir()
     save_file(
         {k: v.clone() for k, v in model.model.state_dict().items()},
@@ -445,8 +445,9 @@ def test_pipeline_without_a_run_directory_says_which_flag(tmp_path, capsys):
 
 
 def test_context_vae_time_strings_checked_from_python(tmp_path):
-    # issue 36: the compressor's duration / interval / warmup keys are TimeStrings, so a config built
-    # in Python (not through `memtree train context-vae`) names the key too, before a Trainer is built
+    # issue 36: the compressor's duration / interval / warmup keys are TimeStrings, so a config
+    # built in Python (not through `memtree train context-vae`) names the key too, before a Trainer
+    # is built
     from memtree.config import ConfigError
     from memtree.training.context.train import (
         ContextDataSection,

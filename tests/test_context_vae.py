@@ -389,7 +389,8 @@ def test_eval_context_bank_end_to_end_on_a_tiny_bios_run(tmp_path, capsys):
     assert set(s) == {"no_bank", "in_context", "own_entry", "never_merges", "capacity_0.5"}
     n = data["entries_written"]
     assert data["n_entities"] == 96 and n >= 96 and s["never_merges"]["merges"] == 0
-    # the half-capacity bank holds exactly its capacity, made room by merging, and says so in its audit log
+    # the half-capacity bank holds exactly its capacity, made room by merging, and says so in its
+    # audit log
     half = s["capacity_0.5"]
     assert half["capacity"] == round(n / 2) and half["entries_held"] == half["capacity"]
     assert half["merges"] == n - half["capacity"]

@@ -36,7 +36,8 @@ def make_deb(
     package: str = "pkg",
     version: str = "1.0",
 ) -> Path:
-    """A Debian package as dpkg writes one: an ar archive of debian-binary, control and data tarballs."""
+    """A Debian package as dpkg writes one: an ar archive of debian-binary, control and data
+    tarballs."""
 
     def tarball(members: dict[str, bytes]) -> bytes:
         buf = io.BytesIO()

@@ -1,9 +1,10 @@
-"""The main job's Table 2 setup (`memtree demo --anchor NAME`): evaluation of a run whose anchor is a
-Hugging Face model, and the demo's pretrained-anchor choices.
+"""The main job's Table 2 setup (`memtree demo --anchor NAME`): evaluation of a run whose anchor is
+a Hugging Face model, and the demo's pretrained-anchor choices.
 
-A named anchor resolves through `memtree.pretrained` (a converted real model), so the evaluation path
-is tested on the same kind of run with `model.hf_dir` pointing at a tiny random Llama: post-hoc
-memories trained frozen for 3 batches (the first at warm-up LR 0) on the conftest pipeline run's shards."""
+A named anchor resolves through `memtree.pretrained` (a converted real model), so the evaluation
+path is tested on the same kind of run with `model.hf_dir` pointing at a tiny random Llama: post-hoc
+memories trained frozen for 3 batches (the first at warm-up LR 0) on the conftest pipeline run's
+shards."""
 
 from __future__ import annotations
 
@@ -139,7 +140,8 @@ def test_fetched_memory_at_app_i_init_is_exactly_the_anchor(rm, probes, tmp_path
 
 
 def test_packed_choice_scores_equal_the_separate_sequences_on_an_hf_anchor(rm, probes):
-    """The HF anchor takes the packed row's positions and 4-D mask: each choice sees the prefix and itself."""
+    """The HF anchor takes the packed row's positions and 4-D mask: each choice sees the prefix and
+    itself."""
     items = [(rm.encode(p["context"]), [rm.encode(" " + c) for c in p["choices"]]) for p in probes]
     paths = rm.route([p["context"] for p in probes])
     for mode in ("none", "fetched"):
@@ -161,9 +163,8 @@ def test_knowledge_blocking_and_forgetting_steps_run_on_an_hf_run(
     assert set(k["modes"]) == {"none", "generic", "fetched", "rag", "rag+fetched"}
     assert all(0 <= r["accuracy"] <= 1 for r in k["modes"].values())
     assert all(math.isfinite(k["modes"][m]["perplexity"]) for m in ("none", "generic", "fetched"))
-    assert (
-        max(k["rag"]["kept_tokens"]) > 0
-    )  # the retrieved windows were cut to the HF anchor's context
+    # the retrieved windows were cut to the HF anchor's context
+    assert max(k["rag"]["kept_tokens"]) > 0
     domain = probes[0]["domain"]
     b = blocking_eval(
         rm,
@@ -174,9 +175,8 @@ def test_knowledge_blocking_and_forgetting_steps_run_on_an_hf_run(
         paths=np.asarray(k["paths"]),
     )
     assert b["settings"]["adversarial"]["target_routed_to_blocked"] == 1.0
-    windows = heldout_windows(
-        rm, held_out, 16
-    )  # forgetting's held-out pages, cut within the context
+    # forgetting's held-out pages, cut within the context
+    windows = heldout_windows(rm, held_out, 16)
     assert len(windows) > 1 and np.isfinite(window_nll(rm, windows, mode="none", paths=None)).all()
     with open(pipeline_run[3], encoding="utf-8") as f:
         ids = [json.loads(next(f))["id"] for _ in range(3)]
@@ -302,8 +302,9 @@ def test_the_demo_command_takes_a_pretrained_anchor_by_name(capsys):
 
 
 def _fake_pretrained(cache, tokenizer_dir, vocab: int):
-    """A converted-looking `smollm2-135m` folder under the cache `memtree.pretrained` reads (a tiny random
-    Llama and a small BPE tokenizer): `pretrained_dir` finds it instead of converting the real model."""
+    """A converted-looking `smollm2-135m` folder under the cache `memtree.pretrained` reads (a tiny
+    random Llama and a small BPE tokenizer): `pretrained_dir` finds it instead of converting the
+    real model."""
     import shutil
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -341,9 +342,9 @@ def _fake_pretrained(cache, tokenizer_dir, vocab: int):
 
 
 def test_main_job_on_a_pretrained_anchor_end_to_end(pipeline_run, tmp_path, monkeypatch, capsys):
-    """`memtree demo --anchor smollm2-135m` with the named folder standing in for the converted model:
-    the shards carry its tokenizer, one frozen memory stage trains on it, exposures count that stage's
-    epochs, and the report names the model and its quantisation."""
+    """`memtree demo --anchor smollm2-135m` with the named folder standing in for the converted
+    model: the shards carry its tokenizer, one frozen memory stage trains on it, exposures count
+    that stage's epochs, and the report names the model and its quantisation."""
     import memtree.training.train as training
     from memtree.cli import main
 

@@ -70,7 +70,8 @@ def test_every_memtree_command_named_in_docs_and_messages_exists():
                 bad.append(f"{path.relative_to(REPO)}:{line}: memtree {verb} {sub}")
             elif verb in VERBS and sub is not None and sub.startswith("--") and sub != "--help":
                 bad.append(
-                    f"{path.relative_to(REPO)}:{line}: memtree {verb} {sub} (the verb takes a subcommand)"
+                    f"{path.relative_to(REPO)}:{line}: memtree {verb} {sub} "
+                    "(the verb takes a subcommand)"
                 )
         for m in old.finditer(text):
             bad.append(

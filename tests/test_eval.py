@@ -198,12 +198,10 @@ def test_memory_settings_and_report(run, probes, tmp_path):
     domains = sorted({p["domain"] for p in probes})
     b = blocking_eval(run, probes, target_domains=domains[:1])
     adv = b["settings"]["adversarial"]
-    assert adv["bank_fraction_blocked"] == pytest.approx(
-        1 / 8
-    )  # one level-1 subtree of a branching-8 bank
-    assert (
-        adv["other_predictions_changed"] == 0
-    )  # probes routed elsewhere never see the blocked part
+    # one level-1 subtree of a branching-8 bank
+    assert adv["bank_fraction_blocked"] == pytest.approx(1 / 8)
+    # probes routed elsewhere never see the blocked part
+    assert adv["other_predictions_changed"] == 0
     files = write_report(tmp_path / "report", knowledge=k, blocking=b, meta={"run": "test"})
     for key in ("json", "markdown", "accuracy_vs_frequency_png", "blocking_png"):
         assert (tmp_path / "report").joinpath(files[key].rsplit("/", 1)[-1]).stat().st_size > 0
@@ -304,7 +302,8 @@ def test_eval_cli_writes_the_report(run, tmp_path):
 
 
 def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path, capsys):
-    """`memtree demo` on a small corpus: corpus → pipeline → anchor → co-training → evaluation report."""
+    """`memtree demo` on a small corpus: corpus → pipeline → anchor → co-training → evaluation
+    report."""
     from memtree.cli import main
 
     root = tmp_path / "demo"
@@ -391,9 +390,9 @@ def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path, capsys):
         inputs["upstream"]
         == json.loads((root / "pipeline" / "shards" / "_stage.json").read_text())["fingerprint"]
     )
-    # the memory stage on the frozen anchor (seed 002's row A3): the anchor run is reused, the memory
-    # stage retrains in mode frozen (with the demo's memory.dropout, which a frozen anchor turns off)
-    # and leaves the anchor's weights exactly as the anchor stage wrote them
+    # the memory stage on the frozen anchor (seed 002's row A3): the anchor run is reused, the
+    # memory stage retrains in mode frozen (with the demo's memory.dropout, which a frozen anchor
+    # turns off) and leaves the anchor's weights exactly as the anchor stage wrote them
     from safetensors.torch import load_file
 
     from memtree.eval.demo import run_main_job

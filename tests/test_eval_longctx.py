@@ -1,6 +1,6 @@
-"""`eval.camelot.longctx` and `memtree eval longctx`: CAMELoT's long-context perplexity on a tiny frozen
-anchor — base and XL against plain forwards computed here, input-length buckets, skipped empty
-documents, the window check, the report files, and the CLI on a hand-built tiny run folder."""
+"""`eval.camelot.longctx` and `memtree eval longctx`: CAMELoT's long-context perplexity on a tiny
+frozen anchor — base and XL against plain forwards computed here, input-length buckets, skipped
+empty documents, the window check, the report files, and the CLI on a hand-built tiny run folder."""
 
 from __future__ import annotations
 
@@ -150,9 +150,8 @@ def test_window_longer_than_the_context_is_an_error_naming_window(model):
         ValueError, match=r"window=17.*2·window"
     ):  # memory methods need 2L positions
         longctx_eval(model, [_doc(40, 6)], methods=["base", "camelot"], window=17)
-    longctx_eval(
-        model, [_doc(40, 6)], methods=["base"], window=32, ablations=False
-    )  # base alone: L fits
+    # base alone: L fits
+    longctx_eval(model, [_doc(40, 6)], methods=["base"], window=32, ablations=False)
     with pytest.raises(ValueError, match="methods"):
         longctx_eval(model, [_doc(40, 6)], methods=["rag"], window=L)
     with pytest.raises(ValueError, match="fewer than 2 tokens"):
@@ -179,8 +178,8 @@ def test_long_documents_group_records_in_file_order():
     assert position_buckets(8, 7) == [(0, 8)] and position_buckets(8, 40)[-1] == (32, 64)
 
 
-# -- CLI on a hand-built run folder (what RunModel.load reads: config, anchor weights, shards manifest
-# and tokenizer) — training a real run would need the pipeline and take minutes.
+# -- CLI on a hand-built run folder (what RunModel.load reads: config, anchor weights, shards
+# manifest and tokenizer) — training a real run would need the pipeline and take minutes.
 WORDS = [
     "the",
     "red",
@@ -277,7 +276,8 @@ def test_cli_end_to_end_on_a_tiny_run(tmp_path, capsys):
 
     run = _tiny_run(tmp_path)
     out = tmp_path / "lc"
-    # default documents: heldout.jsonl beside the pipeline run (memtree demo's layout), grouped by topic
+    # default documents: heldout.jsonl beside the pipeline run (memtree demo's layout), grouped by
+    # topic
     assert (
         main(["eval", "longctx", str(run), "--window", "8", "--slots", "8", "--out", str(out)]) == 0
     )
@@ -332,8 +332,9 @@ def test_cli_end_to_end_on_a_tiny_run(tmp_path, capsys):
         set(lc["methods"]) == {"base", "xl"} and lc["ablations"] == {} and lc["docs"]["n_docs"] == 1
     )
     assert lc["visibility"] == "causal"
-    # --visibility full reaches the hookup: the first window (nothing retrieved yet) is unchanged, and
-    # later windows see every retrieved entry, so CAMELoT's loss there differs from the causal run's
+    # --visibility full reaches the hookup: the first window (nothing retrieved yet) is unchanged,
+    # and later windows see every retrieved entry, so CAMELoT's loss there differs from the causal
+    # run's
     base_args = [
         "eval",
         "longctx",
@@ -362,7 +363,8 @@ def test_cli_end_to_end_on_a_tiny_run(tmp_path, capsys):
     ] == [1]
     cb, fb = causal["methods"]["camelot"]["by_position"], full["methods"]["camelot"]["by_position"]
     assert cb[0]["sum_nll"] == fb[0]["sum_nll"] and cb[1]["sum_nll"] != fb[1]["sum_nll"]
-    # --sink reaches the hookup: the first window is the document's start either way, later ones change
+    # --sink reaches the hookup: the first window is the document's start either way, later ones
+    # change
     assert main([*base_args, "--sink", "2", "--out", str(tmp_path / "s")]) == 0
     sunk = json.loads((tmp_path / "s" / "results.json").read_text())["longctx"]
     assert sunk["sink"] == 2 and causal["sink"] == 0

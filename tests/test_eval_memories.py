@@ -1,4 +1,5 @@
-"""Issue 38: `memtree eval memories`, every memory family beside dense models on one knowledge benchmark.
+"""Issue 38: `memtree eval memories`, every memory family beside dense models on one knowledge
+benchmark.
 
 The end-to-end test lays out a tiny `memtree demo` root (the shared pipeline run, a fact list, an
 anchor run and a co-training run continuing it, trained with Composer) and runs the command's
@@ -49,9 +50,8 @@ def root(pipeline_run, tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("memories") / "demo"
     shutil.copytree(pipeline_run[0], root / "pipeline")
-    facts = entity_facts(
-        CorpusSpec(n_docs=1200, seed=3, long_doc_fraction=0.01)
-    )  # tests/conftest.py's corpus
+    # tests/conftest.py's corpus
+    facts = entity_facts(CorpusSpec(n_docs=1200, seed=3, long_doc_fraction=0.01))
     (root / "facts.jsonl").write_text("".join(json.dumps(f) + "\n" for f in facts))
     (root / "heldout.jsonl").write_text(
         "".join(
@@ -154,14 +154,16 @@ def test_every_row_trains_and_scores_with_the_budgets_it_claims(root, tmp_path, 
         else:  # the demo's anchor + co-training wall time, from their Composer checkpoints
             assert r["train"]["train_s"] > 0
     assert rows["fetched"]["paired"]["overall"]["diff"] == 0
-    # dense rows: the anchor's shape; ≥ 2× the anchor by depth; exactly anchor + fetched memory at runtime (and its FLOPs)
+    # dense rows: the anchor's shape; ≥ 2× the anchor by depth; exactly anchor + fetched memory at
+    # runtime (and its FLOPs)
     assert rows["dense-1x"]["total_params"] == anchor == rows["anchor"]["runtime_params"]
     assert rows["dense-2x"]["total_params"] >= 2 * anchor
     assert rows["dense-2x"]["model"]["shape"]["n_layers"] > 1
     assert (
         rows["dense-runtime"]["total_params"] == anchor + fetch == rows["fetched"]["runtime_params"]
     )
-    # budget flops: the deeper model trains fewer batches, to the fetched row's training FLOPs (to a batch)
+    # budget flops: the deeper model trains fewer batches, to the fetched row's training FLOPs (to a
+    # batch)
     eq, steps = rows["dense-2x-flops"], rows["dense-2x"]
     batches = int(eq["train"]["duration"].removesuffix("ba"))
     assert eq["total_params"] == steps["total_params"] and 1 <= batches < 6
@@ -171,7 +173,8 @@ def test_every_row_trains_and_scores_with_the_budgets_it_claims(root, tmp_path, 
         rows["dense-runtime"]["inference_flops_per_token"]
         == rows["fetched"]["inference_flops_per_token"]
     )
-    # MoC: its parameters as training/flops.py counts them; tokens_per_chapter solved to the fetched size
+    # MoC: its parameters as training/flops.py counts them; tokens_per_chapter solved to the fetched
+    # size
     moc = MoCConfig(
         **{**rows["moc"]["model"]["moc"], "layers": tuple(rows["moc"]["model"]["moc"]["layers"])}
     )
@@ -183,7 +186,8 @@ def test_every_row_trains_and_scores_with_the_budgets_it_claims(root, tmp_path, 
         rows["moc"]["inference_flops_per_token"]
         == model_flops(demo.shape, moc, seq_len=demo.seq_len).forward / demo.seq_len
     )
-    # PKM: k solved so query + sub-keys + k values per head + projections = the fetched blocks exactly
+    # PKM: k solved so query + sub-keys + k values per head + projections = the fetched blocks
+    # exactly
     pk = PKMConfig(**{**rows["pkm"]["model"]["pkm"], "layers": ()})
     assert pk.k == 16 and rows["pkm"]["memory_active_params"] == fetch
     assert rows["pkm"]["total_params"] == pkm_params(demo.shape, pk)
@@ -269,8 +273,8 @@ def test_paired_interval_equals_a_direct_computation():
 
 
 def test_the_report_names_the_corpus_a_demo_root_was_generated_from(tmp_path):
-    """A grid on `memtree demo --corpus entities_per_subtopic=48` is the headline's benchmark, not the
-    demo's: its report must say so, read from the corpus.json the generator wrote."""
+    """A grid on `memtree demo --corpus entities_per_subtopic=48` is the headline's benchmark, not
+    the demo's: its report must say so, read from the corpus.json the generator wrote."""
     from memtree.eval.memories import corpus_meta
     from memtree.eval.memories_report import header_lines
     from memtree.pipeline.corpus.bios import BiosSpec, write_bios
@@ -302,7 +306,8 @@ def test_the_report_names_the_corpus_a_demo_root_was_generated_from(tmp_path):
     }
     text = "\n".join(header_lines(report))
     assert (
-        f"Corpus: {wrote['documents']:,} documents, {wrote['n_facts']:,} facts; generator fields changed from "
+        f"Corpus: {wrote['documents']:,} documents, {wrote['n_facts']:,} facts; "
+        "generator fields changed from "
         "the default: entities_per_subtopic=3, head_docs=4."
     ) in text
 
@@ -331,9 +336,10 @@ def test_dense_sizes_match_the_fetched_memory_they_claim():
 
 
 def test_total_bank_rows_match_the_fetched_rows_total_parameters():
-    """bank: total sizes MoC's chapter count and PKM's key count so the model's total parameters come
-    within one step of anchor + the fetched row's whole bank, at the active-matched tokens_per_chapter
-    / k; the active parameters then exceed the fetched blocks' only by the router / sub-keys grown."""
+    """bank: total sizes MoC's chapter count and PKM's key count so the model's total parameters
+    come within one step of anchor + the fetched row's whole bank, at the active-matched
+    tokens_per_chapter / k; the active parameters then exceed the fetched blocks' only by the router
+    / sub-keys grown."""
     from dataclasses import replace
 
     from memtree.eval.memories import moc_active_params, pkm_active_params, size_moc, size_pkm
@@ -353,9 +359,8 @@ def test_total_bank_rows_match_the_fetched_rows_total_parameters():
         and m.n_chapters > active_only.n_chapters == 17
     )
     assert abs(size(m) - total) <= step / 2 and size(active_only) < total / 2
-    router = (
-        2 * (anchor.d_model + 1) * (m.n_chapters - 17)
-    )  # a router row + bias per chapter, in 2 layers
+    # a router row + bias per chapter, in 2 layers
+    router = 2 * (anchor.d_model + 1) * (m.n_chapters - 17)
     assert moc_active_params(anchor, m) - moc_active_params(anchor, active_only) == router
     pk_fields = {"n_keys": 16, "heads": 2, "key_dim": 32}
     small, pk = size_pkm(anchor, pk_fields, fetch), size_pkm(anchor, pk_fields, fetch, total)
@@ -387,15 +392,18 @@ def test_grid_errors_name_the_key(tmp_path):
         load(ok, "select=[nope]")
     with pytest.raises(ConfigError, match=r"rows.d.budget: 'time' is not one of"):
         load(
-            "rows: [{name: fetched, kind: demo, setting: fetched}, {name: d, kind: dense, size: 2x, budget: time}]\n"
+            "rows: [{name: fetched, kind: demo, setting: fetched}, "
+            "{name: d, kind: dense, size: 2x, budget: time}]\n"
         )
     with pytest.raises(ConfigError, match=r"rows.d.bank: total is for moc and pkm rows"):
         load(
-            "rows: [{name: fetched, kind: demo, setting: fetched}, {name: d, kind: dense, size: 2x, bank: total}]\n"
+            "rows: [{name: fetched, kind: demo, setting: fetched}, "
+            "{name: d, kind: dense, size: 2x, bank: total}]\n"
         )
     with pytest.raises(ConfigError, match=r"rows.m.bank: 'all' is not one of"):
         load(
-            "rows: [{name: fetched, kind: demo, setting: fetched}, {name: m, kind: moc, bank: all}]\n"
+            "rows: [{name: fetched, kind: demo, setting: fetched}, "
+            "{name: m, kind: moc, bank: all}]\n"
         )
     with pytest.raises(ConfigError, match="budget flops sets max_duration"):
         load(
@@ -404,11 +412,13 @@ def test_grid_errors_name_the_key(tmp_path):
         )
     with pytest.raises(ConfigError, match="rows.d.size: only for kind dense"):
         load(
-            "rows: [{name: fetched, kind: demo, setting: fetched}, {name: d, kind: moc, size: 2x}]\n"
+            "rows: [{name: fetched, kind: demo, setting: fetched}, "
+            "{name: d, kind: moc, size: 2x}]\n"
         )
     with pytest.raises(ConfigError, match="rows.m.moc"):
         load(
-            "rows: [{name: fetched, kind: demo, setting: fetched}, {name: m, kind: moc, moc: {top_kk: 2}}]\n"
+            "rows: [{name: fetched, kind: demo, setting: fetched}, "
+            "{name: m, kind: moc, moc: {top_kk: 2}}]\n"
         )
     with pytest.raises(ConfigError, match="reference"):
         load("rows: [{name: d, kind: dense, size: 2x}]\n")

@@ -53,7 +53,8 @@ def test_nearest_stays_inside_the_query_cluster():
     q = np.array([[0, 1, 0], [0, 1, 0], [0, 0.6, 0.8], [1, 0, 0]], dtype=np.float32)
     q_paths = np.array([[0, 1], [1, 2], [0, 1], [0, 0]])
     rows, sims = nearest_in_cluster(q, q_paths, paths, emb, level=2)
-    # query 0: row 3 (cos 1) is closer but in leaf 2; inside leaf 1 rows 1 and 2 tie at 0.8 → the lower ordinal
+    # query 0: row 3 (cos 1) is closer but in leaf 2; inside leaf 1 rows 1 and 2 tie at 0.8 → the
+    # lower ordinal
     assert rows.tolist() == [1, 3, 1, -1]
     np.testing.assert_allclose(sims[:3], [0.8, 1.0, 0.48], rtol=1e-6)
     assert np.isnan(sims[3])  # leaf 0 holds no window
@@ -71,9 +72,8 @@ def test_retrieval_matches_a_brute_force_search_of_the_query_leaf(run, index, pi
     ].to_pylist()[:5]
     queries = windows + [p["context"] for p in probes[:10]]
     hit = index.retrieve(queries)
-    assert (
-        hit["paths"].tolist() == run.route(queries).tolist()
-    )  # the traversal that fetches memories
+    # the traversal that fetches memories
+    assert hit["paths"].tolist() == run.route(queries).tolist()
     # brute force over the pipeline's own outputs: every window of the query's leaf
     leaves = np.concatenate(
         [
@@ -100,7 +100,8 @@ def test_prepended_window_reaches_the_scorer_within_max_seq_len(run, index, prob
         head = it["context"][: -len(SEPARATOR + p["context"])]
         assert it["context"].endswith(SEPARATOR + p["context"]) and it["query"] == p["context"]
         assert doc.startswith(head) and len(run.encode(head)) == k > 0
-    # the scorer's choice is the argmax over the sequences with the window in front, which differ from 0-shot
+    # the scorer's choice is the argmax over the sequences with the window in front, which differ
+    # from 0-shot
     res = multiple_choice(run, items, mode="none")
     changed = 0
     for it, p, pred in zip(items, probes, res["predictions"], strict=True):
@@ -115,17 +116,15 @@ def test_prepended_window_reaches_the_scorer_within_max_seq_len(run, index, prob
     assert changed == len(items)
 
     # a short context: the window's head is cut to fit, and every scored sequence fits
-    run = dataclasses.replace(
-        run, context=40
-    )  # the run's context as eval reads it (RunModel.max_seq_len)
+    # the run's context as eval reads it (RunModel.max_seq_len)
+    run = dataclasses.replace(run, context=40)
     short, rec2 = rag_items(run, index, probes)
     assert any(0 < k < len(run.encode(d)) for k, d in zip(rec2["kept_tokens"], docs, strict=True))
     for it in short:
         n = len(run.encode(it["context"]))
         assert all(n + len(run.encode(" " + ch)) <= 40 for ch in it["choices"])
-    assert multiple_choice(run, short, mode="fetched")["n"] == len(
-        short
-    )  # the scorer accepts them all
+    # the scorer accepts them all
+    assert multiple_choice(run, short, mode="fetched")["n"] == len(short)
 
 
 def test_knowledge_eval_and_cli_report_the_rag_columns(run, index, probes, tmp_path):
@@ -157,9 +156,8 @@ def test_knowledge_eval_and_cli_report_the_rag_columns(run, index, probes, tmp_p
     )
     data = json.loads((out / "results.json").read_text())
     assert {"rag", "rag+fetched"} <= set(data["knowledge"]["modes"])
-    assert data["knowledge"]["rag"]["datastore"] == str(
-        index.root.resolve()
-    )  # the run's own pipeline run
+    # the run's own pipeline run
+    assert data["knowledge"]["rag"]["datastore"] == str(index.root.resolve())
     assert "anchor + RAG (nearest training window)" in (out / "report.md").read_text()
 
 

@@ -1,5 +1,5 @@
-"""Issue 38, real text: `memtree eval realtext` trains the demo's stages on a real-text pipeline run and
-scores held-out pages, window by window, with no memory, the generic and the fetched blocks.
+"""Issue 38, real text: `memtree eval realtext` trains the demo's stages on a real-text pipeline run
+and scores held-out pages, window by window, with no memory, the generic and the fetched blocks.
 
 The end-to-end test runs the command through `memtree.cli.main` on the shared tiny pipeline run:
 three real Composer fits (anchor, dense-1x, one co-training recipe), then checks the perplexities
@@ -21,18 +21,21 @@ from memtree.cli import main
 from memtree.config import ConfigError
 
 SHAPE = "model.shape={n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}"
-# the bank-LR grid's config: the demo's YAML as every stage's base (the default config is the real-text recipe)
+# the bank-LR grid's config: the demo's YAML as every stage's base (the default config is the
+# real-text recipe)
 PYDOCS = str(Path(__file__).resolve().parents[1] / "eval" / "yamls" / "realtext-pydocs.yaml")
-TRAIN = f"train=[data.batch_size=4,'{SHAPE}','memory.multipliers=[0,64]',optim.warmup=1ba,memory.export_dtype=fp32]"
+TRAIN = (
+    f"train=[data.batch_size=4,'{SHAPE}','memory.multipliers=[0,64]',"
+    "optim.warmup=1ba,memory.export_dtype=fp32]"
+)
 
 
 @pytest.fixture(scope="module")
 def root(pipeline_run, corpus_records, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("realtext") / "rt"
     shutil.copytree(pipeline_run[0], root / "pipeline")
-    held = [{"text": r["text"]} for r in corpus_records[:5]] + [
-        {"text": "x"}
-    ]  # the last scores no token
+    # the last scores no token
+    held = [{"text": r["text"]} for r in corpus_records[:5]] + [{"text": "x"}]
     (root / "corpus").mkdir()
     (root / "corpus" / "test.jsonl").write_text("".join(json.dumps(d) + "\n" for d in held))
     return root
@@ -41,7 +44,8 @@ def root(pipeline_run, corpus_records, tmp_path_factory) -> Path:
 def _reaches_trained(rm, docs, window: int = 100) -> bool:
     """Whether some held-out window routes to a level-2 block the run trained. Fetched blocks change
     the score exactly then: a block's W3 leaves its zero init only when trained, and on some hosts'
-    trees no held-out window of these 3-batch runs reaches one (the rows are then equal to the bit)."""
+    trees no held-out window of these 3-batch runs reaches one (the rows are then equal to the
+    bit)."""
     pieces = [
         rm.decode(ids[s : s + window])
         for ids in (rm.encode(d["text"]) for d in docs)
@@ -143,7 +147,8 @@ def test_rows_train_score_and_match_a_direct_forward(root, tmp_path, capsys):
         "fetched − dense-1x",
         "fetched − cont",
     }
-    # the recipe without memory is a dense control: the anchor stage continued on the co-training schedule
+    # the recipe without memory is a dense control: the anchor stage continued on the co-training
+    # schedule
     cont = json.loads((root / "train" / "cotrain-cont" / "memtree_config.json").read_text())[
         "config"
     ]
@@ -156,9 +161,8 @@ def test_rows_train_score_and_match_a_direct_forward(root, tmp_path, capsys):
         not (root / "train" / "cotrain-cont" / "tpp.json").exists()
         and res["recipes"]["cont"]["tpp"] is None
     )
-    assert all(
-        p["n_docs"] == 5 for p in paired.values()
-    )  # the one-token document has no token to compare
+    # the one-token document has no token to compare
+    assert all(p["n_docs"] == 5 for p in paired.values())
     # the stages' durations: dense-1x trains for both stages' batches
     for name, dur in (
         ("anchor", "2ba"),
@@ -168,8 +172,8 @@ def test_rows_train_score_and_match_a_direct_forward(root, tmp_path, capsys):
     ):
         cfg = json.loads((root / "train" / name / "memtree_config.json").read_text())["config"]
         assert cfg["max_duration"] == dur
-    # a recipe that starts from dense-1x with the anchor frozen: its anchor is dense-1x's, weight for
-    # weight, so its anchor-alone row scores exactly dense-1x's and only the bank moved
+    # a recipe that starts from dense-1x with the anchor frozen: its anchor is dense-1x's, weight
+    # for weight, so its anchor-alone row scores exactly dense-1x's and only the bank moved
     late = json.loads((root / "train" / "cotrain-late" / "memtree_config.json").read_text())[
         "config"
     ]
@@ -183,7 +187,8 @@ def test_rows_train_score_and_match_a_direct_forward(root, tmp_path, capsys):
         rows["late: + fetched"]["nll"] != rows["late: anchor alone"]["nll"]
     ) == _reaches_trained(late_rm, docs)
     assert res["recipes"]["late"]["start"] == "dense-1x"
-    # each co-training run's tokens-per-parameter table, as `memtree train` stored it, and the TPP plot
+    # each co-training run's tokens-per-parameter table, as `memtree train` stored it, and the TPP
+    # plot
     stored = json.loads((root / "train" / "cotrain-default" / "tpp.json").read_text())
     assert (
         res["recipes"]["default"]["tpp"]["levels"] == stored["levels"]

@@ -77,9 +77,8 @@ def test_retention_end_to_end(run, inputs, pipeline_run, tmp_path):
     for key in ("json", "markdown", "png"):
         assert Path(res["files"][key]).stat().st_size > 0
     shards = pipeline_run[0] / "shards"
-    assert (
-        res["subtrees"] == default_subtrees(shards, 0) and len(res["subtrees"]) == 4
-    )  # half of 8, seeded
+    # half of 8, seeded
+    assert res["subtrees"] == default_subtrees(shards, 0) and len(res["subtrees"]) == 4
     cont = tmp_path / "ret" / "continued"
     assert res["continued"]["status"] == "trained" and (cont / "metrics.json").exists()
 

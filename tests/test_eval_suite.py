@@ -206,9 +206,8 @@ def test_the_general_knowledge_suite_is_well_formed():
     for it in items:
         assert len(set(it["choices"])) == 4 and 0 <= it["gold"] < 4, it
     golds = [it["gold"] for it in items]
-    assert max(golds.count(g) for g in range(4)) < 0.5 * len(
-        golds
-    )  # no position a model could learn to favour
+    # no position a model could learn to favour
+    assert max(golds.count(g) for g in range(4)) < 0.5 * len(golds)
     texts = [
         json.loads(line)["text"]
         for line in (base / "tasks/general_text.jsonl").read_text().splitlines()

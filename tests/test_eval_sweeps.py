@@ -1,4 +1,5 @@
-"""Sweep configs (App. F memory location, Fig. 3 memory size): expansion, a tiny end-to-end sweep, resume."""
+"""Sweep configs (App. F memory location, Fig. 3 memory size): expansion, a tiny end-to-end sweep,
+resume."""
 
 from __future__ import annotations
 
@@ -69,9 +70,8 @@ def test_config_errors_name_the_key(tmp_path):
 def test_location_yaml_expands_into_distinct_runs_with_one_parameter_budget(pipeline_run, tmp_path):
     shards = pipeline_run[0] / "shards"
     cfg = load_sweep_config(YAMLS / "sweep-location.yaml", [f"out={tmp_path / 'loc'}"])
-    runs = expand(
-        cfg, [f"data.shards={shards}", "memory.multipliers=[0,16]"]
-    )  # the fixture's tree has 2 levels
+    # the fixture's tree has 2 levels
+    runs = expand(cfg, [f"data.shards={shards}", "memory.multipliers=[0,16]"])
     assert [r.name for r in runs] == ["uniform", "early", "middle", "late"]
     assert len({r.config.save_folder for r in runs}) == len({r.config.run_name for r in runs}) == 4
     assert len({r.config.fingerprint() for r in runs}) == 4
@@ -82,9 +82,8 @@ def test_location_yaml_expands_into_distinct_runs_with_one_parameter_budget(pipe
     assert [list(p.memory_layers) for p in plans] == [[0, 1, 2, 3], [0, 1], [1, 2], [2, 3]]
     assert [layer_widths(p.anchor, p.memory, 16) for p in plans][1] == {0: 32, 1: 32}
     assert len({p.bank_params for p in plans}) == len({p.fetch_params for p in plans}) == 1
-    assert (
-        plans[0].bank_params == branching**2 * 3 * 16 * 4 * plans[0].anchor.d_model
-    )  # W1,W2,W3 (16, d) × 4 layers
+    # W1,W2,W3 (16, d) × 4 layers
+    assert plans[0].bank_params == branching**2 * 3 * 16 * 4 * plans[0].anchor.d_model
     assert [r.plan.bank_params for r in runs] == [p.bank_params for p in plans]
     # the size sweep needs the demo's 3-level tree: refused with the setting and key named
     size = load_sweep_config(YAMLS / "sweep-size.yaml")

@@ -1,9 +1,9 @@
-"""training/finetune/continual.py, training/finetune/lora.py and eval/finetune/continual.py: each finetuning method changes
-what it should and nothing else (sparse memory finetuning: exactly the top-t value rows, bit for
-bit; LoRA: only the adapted projections once merged; full: everything), background counts are
-collected from real MDS shards and stored with the checkpoint, `memtree train finetune` runs a JSONL
-stream end to end on a real Composer-trained memory-layer run, bad input gets errors naming the
-value, and the continual-learning report is written."""
+"""training/finetune/continual.py, training/finetune/lora.py and eval/finetune/continual.py: each
+finetuning method changes what it should and nothing else (sparse memory finetuning: exactly the
+top-t value rows, bit for bit; LoRA: only the adapted projections once merged; full: everything),
+background counts are collected from real MDS shards and stored with the checkpoint,
+`memtree train finetune` runs a JSONL stream end to end on a real Composer-trained memory-layer run,
+bad input gets errors naming the value, and the continual-learning report is written."""
 
 from __future__ import annotations
 
@@ -238,7 +238,8 @@ def test_equal_learning_target_check():
 
 @pytest.fixture(scope="module")
 def pkm_run(pipeline_run, tmp_path_factory):
-    """A tiny memory-layer model trained by a real Composer `Trainer.fit` on the pipeline's shards."""
+    """A tiny memory-layer model trained by a real Composer `Trainer.fit` on the pipeline's
+    shards."""
     from tests.conftest import train_tiny_run
 
     folder = tmp_path_factory.mktemp("pkm") / "run"
@@ -265,9 +266,8 @@ def test_memtree_finetune_end_to_end(pkm_run, pipeline_run, tmp_path, capsys):
     from memtree.training.finetune.slots import background_dir
     from memtree.training.train import load_run
 
-    pkm_run = shutil.copytree(
-        pkm_run, tmp_path / "run"
-    )  # a run of its own: no background counts yet
+    # a run of its own: no background counts yet
+    pkm_run = shutil.copytree(pkm_run, tmp_path / "run")
     stream = tmp_path / "stream.jsonl"
     stream.write_text(
         "".join(
@@ -385,8 +385,8 @@ def _stream_nll(run, texts: list[str]) -> float:
 
 
 def test_sparse_memory_finetuning_lowers_the_loss_of_the_facts_it_learns(pkm_run, tmp_path, capsys):
-    """The direction `memtree train finetune` exists for: after sparse memory finetuning on a stream of
-    facts, the finetuned run's loss on those facts is below the run's own, and only memory values
+    """The direction `memtree train finetune` exists for: after sparse memory finetuning on a stream
+    of facts, the finetuned run's loss on those facts is below the run's own, and only memory values
     moved, so it is the finetuned slots that carry them. The SGD rate is the project's (eval
     continual's grid: 300-3,000); on this 3-batch run, 7.621 -> 7.574 (2026-11-29). Slots that
     were not the ones read, or values not written back, would leave the loss where it was."""
@@ -440,8 +440,9 @@ def test_sparse_memory_finetuning_lowers_the_loss_of_the_facts_it_learns(pkm_run
 
 def test_eval_continual_writes_its_report(pkm_run, pipeline_run, tmp_path):
     """The experiment on a bios world, run against the tiny memory-layer run (its own background
-    counts collected first) and, for the hierarchical part, a tiny co-trained bank run: results.json,
-    report.md and both Pareto PNGs, each configuration from the same pretrained weights and bank."""
+    counts collected first) and, for the hierarchical part, a tiny co-trained bank run:
+    results.json, report.md and both Pareto PNGs, each configuration from the same pretrained
+    weights and bank."""
     from streaming.base.util import clean_stale_shared_memory
 
     from memtree.eval.finetune.continual import load_continual_config, run_continual

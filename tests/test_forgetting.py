@@ -1,10 +1,10 @@
 """Issue 57, the eval half: `memtree eval knowledge RUN --block-documents IDS` forgets a data owner.
 
-On a small bios corpus made here (no famous entities, so every fact is stated only in documents about
-its own entity), a real pipeline run (2 levels × 4) and a tiny co-trained run with memory at both
-levels. What the owner's documents state is known from the corpus plan (`bios_facts`' mentions and
-each record's entity), and which blocks they trained from the window and assignment parquet files read
-here with pandas: both independent of the code under test."""
+On a small bios corpus made here (no famous entities, so every fact is stated only in documents
+about its own entity), a real pipeline run (2 levels × 4) and a tiny co-trained run with memory at
+both levels. What the owner's documents state is known from the corpus plan (`bios_facts`' mentions
+and each record's entity), and which blocks they trained from the window and assignment parquet
+files read here with pandas: both independent of the code under test."""
 
 from __future__ import annotations
 
@@ -115,7 +115,8 @@ def test_the_owners_facts_are_exactly_those_stated_in_its_documents(made):
         assert not (
             (mine > 0) & (theirs > 0)
         ).any()  # no famous entity: nothing is stated on both sides
-        # every statement is found, in the documents the plan says: the counts are the plan's mentions
+        # every statement is found, in the documents the plan says: the counts are the plan's
+        # mentions
         assert [int(m + o) for m, o in zip(mine, theirs, strict=True)] == [
             f["mentions"] for f in facts
         ]
@@ -195,7 +196,8 @@ def test_eval_block_documents_forgets_the_owner_and_leaves_the_others(made, tmp_
         math.isfinite(v) for part in ("owner", "others") for v in h[part]["perplexity"].values()
     )
 
-    # a question routed into blocked blocks at every level reads the generic memory, as the fallback says
+    # a question routed into blocked blocks at every level reads the generic memory, as the fallback
+    # says
     rm = RunModel.load(made["run"])
     rows = [p for p in f["owner_probes"]]
     seqs = [rm.encode(p["question"] + " " + p["answer"]) for p in rows]
@@ -308,7 +310,8 @@ def test_eval_block_documents_refuses_bad_input_before_scoring(
 
 def test_an_owner_of_most_of_a_level_gets_no_random_control(made):
     """Blocking what every document trained leaves no block to draw a disjoint control of that size
-    from: the plan says so (and the scoring skips the control) instead of drawing overlapping blocks."""
+    from: the plan says so (and the scoring skips the control) instead of drawing overlapping
+    blocks."""
     from memtree.eval.forgetting import plan_forgetting
     from memtree.eval.model import RunModel
 
@@ -324,9 +327,10 @@ def test_an_owner_of_most_of_a_level_gets_no_random_control(made):
 
 
 def test_block_documents_says_when_the_probes_miss_every_owner_fact(made, tmp_path, capsys):
-    """Issue 70 (f): `--max-probes` keeps an evenly spread subset, which can hold none of the owner's
-    facts; the report's owner row was a row of dashes with no word. Now an error, before scoring,
-    naming --max-probes (with held-out pages told apart by --owner-field: a note, and the run goes on)."""
+    """Issue 70 (f): `--max-probes` keeps an evenly spread subset, which can hold none of the
+    owner's facts; the report's owner row was a row of dashes with no word. Now an error, before
+    scoring, naming --max-probes (with held-out pages told apart by --owner-field: a note, and the
+    run goes on)."""
     from memtree.eval.knowledge import load_eval_inputs
 
     facts = made["root"] / "corpus" / "facts.jsonl"

@@ -42,7 +42,8 @@ def gen(run_dir):
 
 
 def _greedy_full_forward(model, ids, memories, n):
-    """Greedy tokens by one full forward over the whole sequence per token: what the cache must equal."""
+    """Greedy tokens by one full forward over the whole sequence per token: what the cache must
+    equal."""
     out = list(ids)
     for _ in range(n):
         out.append(int(model(torch.tensor([out]), memories=memories)[0, -1].argmax()))
@@ -135,7 +136,8 @@ def test_a_blocked_block_is_never_read_and_generation_leaves_the_audit_log_alone
 ):
     """The prompt's level-2 block is blocked and its bytes on disk overwritten: a read of it would
     fail its checksum (verify="always"), so generation succeeding proves it was never read. It is
-    served as the policy says (zeros, or the generic block), and generation writes no audit entry."""
+    served as the policy says (zeros, or the generic block), and generation writes no audit
+    entry."""
     from memtree.memstore.format import level_path
 
     run = _bank_copy(run_dir, tmp_path)
@@ -178,7 +180,8 @@ def test_a_blocked_block_is_never_read_and_generation_leaves_the_audit_log_alone
 
 def test_a_session_keeps_shallow_levels_in_the_cache_as_the_simulator_counts(run_dir, tmp_path):
     """Both levels on the flash tier with a session cache: the per-prompt hits equal an LRU over
-    the trace of paths (the simulator's session model, memstore.sim), bytes fetched only on a miss."""
+    the trace of paths (the simulator's session model, memstore.sim), bytes fetched only on a
+    miss."""
     from memtree.memstore.cache import ByteLRU
 
     prompts = [
@@ -331,7 +334,8 @@ def test_bad_runs_and_prompt_files_are_named(run_dir, pipeline_run, tmp_path, ca
         == 0
     )
     capsys.readouterr()
-    # a bank built on another tree (its level-2 centroids moved): the store refuses it, naming both ids
+    # a bank built on another tree (its level-2 centroids moved): the store refuses it, naming both
+    # ids
     from memtree.clustering.tree import compute_tree_id, load_tree
     from memtree.io import sha256_file
 
@@ -359,7 +363,8 @@ def test_routing_is_deterministic_across_generators(run_dir, gen):
 
 def test_the_export_answers_as_memtree_does(run_dir, gen, tmp_path, capsys):
     """`--export DIR`: the anchor with the prompt's blocks merged, loaded by transformers'
-    AutoModelForCausalLM, gives memtree's logits (≤ 1e-4) and greedy tokens; so does the generic one."""
+    AutoModelForCausalLM, gives memtree's logits (≤ 1e-4) and greedy tokens; so does the generic
+    one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import memtree.training.generate.export  # noqa: F401  (registers the memtree_anchor architecture)
@@ -475,10 +480,8 @@ def test_a_session_is_held_against_the_simulator_on_a_hardware_profile(run_dir, 
             == sum(f["bytes_read"] for f in g["fetches"])
         )
         assert row["measured_s"] > 0 and row["predicted_s"] >= 0
-    assert sim["per_prompt"][3]["cached_levels"] == [
-        1,
-        2,
-    ]  # the first prompt again: both levels cached
+    # the first prompt again: both levels cached
+    assert sim["per_prompt"][3]["cached_levels"] == [1, 2]
     assert sim["hit_rate"]["measured"] == sim["hit_rate"]["predicted"] > 0
     assert main(["generate", str(run_dir), "--prompt", PROMPT, "--profile", str(profile)]) == 1
     assert "--profile: needs --session" in capsys.readouterr().err

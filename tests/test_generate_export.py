@@ -131,7 +131,8 @@ def test_export_logits_equal(tmp_path, kind, qk_norm, tied):
     assert info["bytes"] > 0 and info["params"] > 0
     diff = _check_logits(model, memories, tmp_path / "out")
     print(
-        f"{kind} {qk_norm} {'tied' if tied else 'untied'}: {info['architecture']} max |Δlogit| {diff:.2e}"
+        f"{kind} {qk_norm} {'tied' if tied else 'untied'}: "
+        f"{info['architecture']} max |Δlogit| {diff:.2e}"
     )
 
 

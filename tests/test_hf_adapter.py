@@ -1,6 +1,6 @@
-"""Memory adapters on tiny random Hugging Face causal LMs (Llama, Qwen3, Gemma 3, OLMo 2): exact no-op
-at init, live hooks, a hand-written reference of one adapted layer per family, frozen base, config
-errors that name the field, deepcopy."""
+"""Memory adapters on tiny random Hugging Face causal LMs (Llama, Qwen3, Gemma 3, OLMo 2): exact
+no-op at init, live hooks, a hand-written reference of one adapted layer per family, frozen base,
+config errors that name the field, deepcopy."""
 
 from __future__ import annotations
 
@@ -57,9 +57,8 @@ def _config(family: str):
             layer_types=["sliding_attention", "full_attention"],
             attn_implementation="eager",
         )
-    return transformers.Olmo2Config(
-        **common, attn_implementation="sdpa"
-    )  # no input norm, full q/k norms
+    # no input norm, full q/k norms
+    return transformers.Olmo2Config(**common, attn_implementation="sdpa")
 
 
 _CLASSES = {

@@ -1,5 +1,5 @@
-"""Memory adapters on memtree's own anchor (training/finetune/adapters.py, seed 004 §6.1, §7.3–7.4): exact
-no-op at attachment, the §7.4 projection options against their formulas, which parameters each
+"""Memory adapters on memtree's own anchor (training/finetune/adapters.py, seed 004 §6.1, §7.3–7.4):
+exact no-op at attachment, the §7.4 projection options against their formulas, which parameters each
 fine-tuning condition trains, the frozen-bank protection, the accounting, the experiment."""
 
 from __future__ import annotations
@@ -216,9 +216,8 @@ def test_each_condition_trains_exactly_what_it_names(method):
     if method == "mem_adapter":  # the base model's weights are bit-identical
         assert base_changed == set() and ch["added_elements"] > 0
     elif method == "full":
-        assert (
-            base_changed
-        )  # (not every tensor need move by a few steps: embedding rows never read)
+        # (not every tensor need move by a few steps: embedding rows never read)
+        assert base_changed
     else:  # LoRA merged into exactly the adapted projections
         assert base_changed and all(
             k.split(".")[-2] in ("q", "k", "v", "o", "w1", "w2", "w3") for k in base_changed
@@ -402,7 +401,8 @@ def test_layer_selectors():
 
 @pytest.fixture(scope="module")
 def anchor_run(pipeline_run, tmp_path_factory):
-    """A tiny anchor without memory, trained by a real Composer `Trainer.fit` on the pipeline's shards."""
+    """A tiny anchor without memory, trained by a real Composer `Trainer.fit` on the pipeline's
+    shards."""
     from tests.conftest import train_tiny_run
 
     folder = tmp_path_factory.mktemp("anchor") / "run"
@@ -470,7 +470,8 @@ def test_eval_adapters_writes_its_report(anchor_run, tmp_path):
     runs = (
         "runs=[{method: full, lr: 1.0e-4}, {method: lora, lr: 1.0e-3}, "
         "{method: mem_adapter, lr: 1.0e-3, adapter: {n_chapters: 4, tokens_per_chapter: 2}}, "
-        "{method: mem_adapter+lora, lr: 1.0e-3, adapter: {layers: 'last:1', n_chapters: 4, tokens_per_chapter: 2}}]"
+        "{method: mem_adapter+lora, lr: 1.0e-3, adapter: {layers: 'last:1', n_chapters: 4, "
+        "tokens_per_chapter: 2}}]"
     )
     cfg = load_adapters_config(
         None,
@@ -506,14 +507,14 @@ def test_eval_adapters_writes_its_report(anchor_run, tmp_path):
     assert set(agree["per_layer"]) == {"0", "1"} and all(
         0 <= v <= 1 for v in agree["per_layer"].values()
     )
-    assert agree["chance"] == pytest.approx(
-        1 - math.comb(1, 2) / math.comb(3, 2)
-    )  # 3 routable, top-2
+    # 3 routable, top-2
+    assert agree["chance"] == pytest.approx(1 - math.comb(1, 2) / math.comb(3, 2))
     assert full["adapter"] is None and both["adapter"]["layers"] == [1]
     assert all(r["step_ms"] > 0 for r in res["runs"]) and set(res["best"]) == {
         r["method"] for r in res["runs"]
     }
-    # every condition started from the same weights: the run's file is untouched and the model was reset
+    # every condition started from the same weights: the run's file is untouched and the model was
+    # reset
     assert res["before"]["perplexity"] > 0
 
 

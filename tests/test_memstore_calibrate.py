@@ -1,4 +1,5 @@
-"""Tier calibration (memstore.sim.calibrate): the fit on hand-made timings, a tiny real calibration, validate, CLI."""
+"""Tier calibration (memstore.sim.calibrate): the fit on hand-made timings, a tiny real calibration,
+validate, CLI."""
 
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ from memtree.memstore.sim.profiles import load_profile
 from memtree.memstore.store import MemoryStore, TierConfig
 
 KiB = 1024
-# Sizes far enough apart that even RAM reads (~25 µs at 4 KiB) grow clearly with size on a busy machine.
+# Sizes far enough apart that even RAM reads (~25 µs at 4 KiB) grow clearly with size on a busy
+# machine.
 TINY_SIZES = (4 * KiB, 256 * KiB, 4096 * KiB)
-# 2 layers × 3 SwiGLU tensors × (m × 64) → 384·m params: bf16 blocks of 12,288 / 6,144 / 3,072 B for (16, 8, 4).
+# 2 layers × 3 SwiGLU tensors × (m × 64) → 384·m params: bf16 blocks of 12,288 / 6,144 / 3,072 B for
+# (16, 8, 4).
 TINY = AnchorShape(
     name="tiny", n_layers=2, d_model=64, n_heads=2, head_dim=32, ffn_dim=128, vocab_size=32
 )
@@ -45,7 +48,8 @@ def test_fit_recovers_latency_and_bandwidth_from_exact_timings():
 
 
 def test_fit_tier_takes_medians_so_outliers_do_not_move_it():
-    # 50 µs + bytes / 1 GB/s; each size has one wild outlier (a stall) and small jitter around the truth.
+    # 50 µs + bytes / 1 GB/s; each size has one wild outlier (a stall) and small jitter around the
+    # truth.
     truth = {4096: 54.096e-6, 65536: 115.536e-6, 1 << 20: 1098.576e-6}
     samples = {n: [t * 0.98, t, t * 1.02, t * 40, t] for n, t in truth.items()}
     fit = fit_tier("flash", samples, method="hand-made")
@@ -58,7 +62,8 @@ def test_fit_tier_takes_medians_so_outliers_do_not_move_it():
 
 
 def test_fit_weighs_sizes_relatively_and_clamps_negative_latency():
-    # Pure bandwidth with a little noise that, fitted in absolute seconds, would give a negative intercept.
+    # Pure bandwidth with a little noise that, fitted in absolute seconds, would give a negative
+    # intercept.
     sizes = [1000, 2000, 4000]
     secs = [0.9e-6, 2.0e-6, 4.2e-6]  # ~1 GB/s
     lat, bw = fit_latency_bandwidth(sizes, secs)
@@ -125,9 +130,8 @@ def test_calibrate_writes_a_loadable_profile(tmp_path: Path):
     ):  # a filesystem refusing O_DIRECT (tmpfs) serves "flash" from RAM
         assert flash.read_seconds(4096 * KiB) > ram.read_seconds(4096 * KiB)
     assert "# settings:" in out.read_text()
-    assert (
-        ram.capacity_gb > 0 and flash.capacity_gb is None
-    )  # the slowest tier is unbounded, as in shipped ones
+    # the slowest tier is unbounded, as in shipped ones
+    assert ram.capacity_gb > 0 and flash.capacity_gb is None
     # usable as is by simulate-fetch's defaults (the flat baseline of the 160M config is ~148 GB)
     assert simulate_fetch(plan("openlm-160m", (256, 64, 16, 0)), loaded).seconds > 0
     assert not list(work.glob("calibrate-*")), "calibration banks are removed unless keep=True"
@@ -146,10 +150,8 @@ def test_measure_disk_tier_via_relocation(tmp_path: Path):
         disk_dir=disk,
         keep=True,
     )
-    assert [f.name for f in cal.fits] == [
-        "flash",
-        "disk",
-    ]  # fastest first, whatever order they were asked in
+    # fastest first, whatever order they were asked in
+    assert [f.name for f in cal.fits] == ["flash", "disk"]
     disk_fit = cal.fits[1]
     assert disk_fit.kind == "disk" and "DONTNEED" in disk_fit.method
     assert [t.nbytes for t in disk_fit.timings] == [4 * KiB, 4096 * KiB]
@@ -181,11 +183,8 @@ def test_validate_returns_a_ratio(tmp_path: Path):
         n_fetches=5,
         warmup=1,
     )
-    assert v.placement == {
-        1: "ram",
-        2: "flash",
-        3: "flash",
-    }  # fast_levels=1: level 1 alone fits in RAM
+    # fast_levels=1: level 1 alone fits in RAM
+    assert v.placement == {1: "ram", 2: "flash", 3: "flash"}
     assert v.fetch_bytes == 12288 + 6144 + 3072
     assert math.isfinite(v.ratio) and v.ratio > 0 and v.ratio_flat > 0
     assert [r["level"] for r in v.levels] == [1, 2, 3]

@@ -603,7 +603,8 @@ sys.path.insert(0, {str(REPO)!r})
 import torch
 from memtree.memstore.writer import write_bank
 from memtree.geometry import AnchorShape, MemoryConfig
-TINY = AnchorShape(name="tiny", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=100)
+TINY = AnchorShape(name="tiny", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32,
+                   vocab_size=100)
 MEM = MemoryConfig(multipliers=(8, 4, 2), branching=4)
 root, marker = sys.argv[1], sys.argv[2]
 """
@@ -682,9 +683,8 @@ def test_sigkill_during_write_keeps_old_bank(tmp_path):
     write(root, old)
     rc = _run_child(SLOW_WRITER, root, tmp_path / "marker", kill_on_marker=True)
     assert rc == -signal.SIGKILL
-    assert any(
-        p.name.startswith(".bank.tmp-") for p in tmp_path.iterdir()
-    )  # the half-written temp dir
+    # the half-written temp dir
+    assert any(p.name.startswith(".bank.tmp-") for p in tmp_path.iterdir())
     _assert_old_bank(root, old)
     # the next write replaces the bank and clears the debris
     new = random_values(23)

@@ -223,9 +223,8 @@ def test_cli_init_block_delete_verify_merge(tmp_path, capsys):
     assert main(["memstore", "fetch", bank, "--path", "1,4,16"]) == 0
     assert "refused" in capsys.readouterr().out
     assert main(["memstore", "split", bank, "--out", str(tmp_path / "parts")]) == 0
-    parts = sorted(
-        str(p) for p in (tmp_path / "parts").iterdir() if not p.name.startswith(".")
-    )  # not the lock files
+    # not the lock files
+    parts = sorted(str(p) for p in (tmp_path / "parts").iterdir() if not p.name.startswith("."))
     assert (
         main(["memstore", "merge", *parts, "--out", str(tmp_path / "merged"), "--generic", "first"])
         == 0

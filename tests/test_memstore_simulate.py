@@ -1,4 +1,5 @@
-"""Fetch-latency simulator (memstore.sim): hand-checked costs, placement, sessions, traces, §3 claims."""
+"""Fetch-latency simulator (memstore.sim): hand-checked costs, placement, sessions, traces, §3
+claims."""
 
 from __future__ import annotations
 
@@ -216,7 +217,8 @@ def test_load_trace_npy_and_jsonl(tmp_path):
 
 
 def test_paper_claims_on_the_phone_profile():
-    """§3 / Fig. 5 on openlm-160m (256,64,16,0) FFN bf16: hierarchical beats flat, cold and in a session."""
+    """§3 / Fig. 5 on openlm-160m (256,64,16,0) FFN bf16: hierarchical beats flat, cold and in a
+    session."""
     p = plan("openlm-160m", (256, 64, 16, 0), type="ffn")
     assert p.bank_bytes("bf16") / 1e9 == pytest.approx(9.25, abs=0.01)
     phone = load_profile("phone")
@@ -224,15 +226,15 @@ def test_paper_claims_on_the_phone_profile():
     order = [t.name for t in phone.tiers]
     tier_rank = [order.index(lv.tier) for lv in f.levels]
     assert tier_rank == sorted(tier_rank) and tier_rank[0] == 0  # shallow levels on faster tiers
-    assert (
-        f.flat.tier == "disk"
-    )  # the flat bank's excessive total size leaves only the external disk
+    # the flat bank's excessive total size leaves only the external disk
+    assert f.flat.tier == "disk"
     assert f.flat.seconds > 5 * f.seconds
     trace = zipf_trace(500, 16, 4, seed=0)
     s = simulate_session(p, phone, trace, "bf16").summary()
     assert s["hierarchical"]["mean_s"] * 5 < s["flat"]["mean_s"]
     assert s["hierarchical"]["hit_rate"] > s["flat"]["hit_rate"]
-    # Both banks on the external disk: only the deep levels are swapped, still much faster than flat reloads.
+    # Both banks on the external disk: only the deep levels are swapped, still much faster than flat
+    # reloads.
     d = simulate_session(
         p, phone, trace, "bf16", policy=pinned(p, "disk"), flat_tier="disk"
     ).summary()

@@ -363,7 +363,8 @@ def test_cache_hits_on_a_session_trace(bank):
                 assert torch.equal(out[level], values[level][c])
         s = st.stats()["tiers"]["flash"]
         assert (s["cache_hits"], s["cache_misses"], s["reads"]) == (6, 9, 9)
-        # misses per level: l1 {1, 2}, l2 {5, 6, 9}, l3 {21, 22, 25, 37}; buffered reads fetch records
+        # misses per level: l1 {1, 2}, l2 {5, 6, 9}, l3 {21, 22, 25, 37}; buffered reads fetch
+        # records
         assert s["bytes_read"] == 2 * FP32_RECORD[1] + 3 * FP32_RECORD[2] + 4 * FP32_RECORD[3]
     with MemoryStore(root, tiers=[TierConfig(name="flash", kind="flash", cache_bytes=0)]) as st:
         for path in trace:
@@ -414,9 +415,8 @@ def test_block_subtree_refuses_without_reading(bank):
         counts = st.block(1, [1], subtree=True, reason="takedown #1")
         assert counts == {1: 1, 2: 4, 3: 16}
         # level-1 cluster 1 owns level-2 clusters 4..7 and level-3 clusters 16..31
-        assert st.blocked_fraction() == pytest.approx(
-            0.25, abs=0
-        )  # (1152 + 4·576 + 16·288) / 32256
+        # (1152 + 4·576 + 16·288) / 32256
+        assert st.blocked_fraction() == pytest.approx(0.25, abs=0)
         st.reset_stats()
         for path in ([1, 4, 16], [1, 5, 21], [1, 7, 31]):
             out = st.fetch(path, flat=True)

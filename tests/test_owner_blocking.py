@@ -1,9 +1,10 @@
-"""Issue 57, the memstore half: `memtree memstore block | unblock | delete --documents IDS --run RUN`.
+"""Issue 57, the memstore half:
+`memtree memstore block | unblock | delete --documents IDS --run RUN`.
 
-On the session's real pipeline run (1,200 topical documents, 2 levels × 8) and a real bank bound to its
-tree with memory at both levels. What each block trained is counted here independently, with pandas from
-the window and assignment parquet files (the owner found by the window's own `doc_id`, not through the
-ingest's ordinals), and compared with what the command chose and reported."""
+On the session's real pipeline run (1,200 topical documents, 2 levels × 8) and a real bank bound to
+its tree with memory at both levels. What each block trained is counted here independently, with
+pandas from the window and assignment parquet files (the owner found by the window's own `doc_id`,
+not through the ingest's ordinals), and compared with what the command chose and reported."""
 
 from __future__ import annotations
 
@@ -217,9 +218,8 @@ def test_a_share_blocks_only_blocks_the_owner_trained_at_least_that_much(made, c
         lv: set(w.index[(w["owner"] > 0) & (w["owner"] / w["tokens"] >= share)])
         for lv, w in want.items()
     }
-    assert (
-        chosen[2] and len(chosen[2]) < (want[2]["owner"] > 0).sum()
-    )  # the share separates blocks here
+    # the share separates blocks here
+    assert chosen[2] and len(chosen[2]) < (want[2]["owner"] > 0).sum()
     assert {lv: blocked_ids(cli.bank).get(lv, set()) for lv in LEVELS} == chosen
 
 
@@ -267,9 +267,8 @@ def test_the_audit_log_round_trips_through_unblock(made, cli):
     )
     assert entry["targets"] == out["targets"]
     back = owner_block(cli, "topic", action="unblock")
-    assert (
-        blocked_ids(cli.bank) == before
-    )  # the other request's blocks stay: the owner did not set them
+    # the other request's blocks stay: the owner did not set them
+    assert blocked_ids(cli.bank) == before
     undo = audit_log(cli.bank)[-1]
     assert (
         undo["action"] == "unblock"
@@ -428,8 +427,8 @@ def test_share_1_blocks_only_blocks_the_documents_trained_alone(made, cli):
 
 
 def test_a_per_subtree_bank_blocks_only_the_owners_blocks_it_holds(made, tmp_path, capsys):
-    """A per-subtree bank (`memstore split`) holds one level-1 subtree's blocks: the documents' blocks
-    outside it are not its to block, and those inside are chosen as from the whole bank."""
+    """A per-subtree bank (`memstore split`) holds one level-1 subtree's blocks: the documents'
+    blocks outside it are not its to block, and those inside are chosen as from the whole bank."""
     frame = made["frame"].loc[made["frame"]["doc_id"].isin(made["owners"]["topic"])]
     subtree = int(frame["c1"].mode()[0])  # a subtree the owner trained
     assert (
@@ -467,9 +466,8 @@ def test_a_per_subtree_bank_blocks_only_the_owners_blocks_it_holds(made, tmp_pat
     out = json.loads(capsys.readouterr().out)
     inside = {1: {subtree}, 2: set(range(subtree * B, (subtree + 1) * B))}
     want = {lv: set(frame[f"c{lv}"]) & inside[lv] for lv in LEVELS}
-    assert (
-        want[2] and set(frame["c2"]) - want[2]
-    )  # the owner trained blocks inside and outside this bank
+    # the owner trained blocks inside and outside this bank
+    assert want[2] and set(frame["c2"]) - want[2]
     assert blocked_ids(bank) == {lv: v for lv, v in want.items() if v}
     assert {lv: out["levels"][str(lv)]["blocks"] for lv in LEVELS} == {
         lv: len(v) for lv, v in want.items()

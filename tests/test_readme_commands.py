@@ -52,16 +52,20 @@ MODES = {
         "memtree.pipeline.run",
         "run_pipeline",
     ),
-    "memtree pipeline run pipeline/yamls/paper.yaml 'ingest.inputs=[data/*.jsonl]' out=runs/paper": (
+    (
+        "memtree pipeline run pipeline/yamls/paper.yaml "
+        "'ingest.inputs=[data/*.jsonl]' out=runs/paper"
+    ): (
         "config",
         "memtree.pipeline.run",
         "run_pipeline",
     ),
     "memtree memstore plan --anchor openlm-160m --memory 256,64,16,0 --type ffn": ("run",),
     "memtree memstore plan --anchor smollm2-135m --memory 0,96,160 --branching 4": ("run",),
-    "memtree memstore init runs/bank --anchor tiny --memory 64,32,16 --tree runs/mine/tree --dtype int8": (
-        "parse",
-    ),
+    (
+        "memtree memstore init runs/bank --anchor tiny --memory 64,32,16 "
+        "--tree runs/mine/tree --dtype int8"
+    ): ("parse",),
     "memtree memstore 'info|verify|fetch|block|unblock|delete|split|merge' '…'": ("alternatives",),
     "memtree memstore simulate-fetch --profile phone --anchor openlm-160m --memory 256,64,16,0": (
         "run",
@@ -77,9 +81,10 @@ MODES = {
         "run_once",
     ),
     "memtree eval knowledge runs/demo/train/cotrain --block-domains astronomy": ("parse",),
-    "memtree eval knowledge runs/demo/train/cotrain --block-documents ids.txt --owner-field entity": (
-        "parse",
-    ),
+    (
+        "memtree eval knowledge runs/demo/train/cotrain "
+        "--block-documents ids.txt --owner-field entity"
+    ): ("parse",),
     "memtree generate runs/demo/train/cotrain --prompt 'The birthplace of Ilsa Varn is'": (
         "parse",
     ),
@@ -91,7 +96,10 @@ MODES = {
         "memtree.pipeline.run",
         "run_pipeline",
     ),
-    "memtree eval realtext runs/pydocs-short --config eval/yamls/realtext-pydocs.yaml --recipes demo,mlr1e-3": (
+    (
+        "memtree eval realtext runs/pydocs-short "
+        "--config eval/yamls/realtext-pydocs.yaml --recipes demo,mlr1e-3"
+    ): (
         "config",
         "memtree.eval.realtext",
         "run_realtext",

@@ -18,7 +18,8 @@ STAGES = ["realtext-anchor.yaml", "realtext.yaml"]  # the order the YAMLs' comme
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory, dask_client) -> Path:
-    """A real pipeline run with the recipe's tree shape (3 levels × 4, as pipeline/yamls/realdocs.yaml)."""
+    """A real pipeline run with the recipe's tree shape (3 levels × 4, as
+    pipeline/yamls/realdocs.yaml)."""
     from memtree.config import load_config
     from memtree.pipeline.config import PipelineConfig
     from memtree.pipeline.corpus.bios import BiosSpec, write_bios

@@ -162,7 +162,8 @@ root, mode, first, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 while not os.path.exists(go):
     time.sleep(0.005)
 for i in range(first, first + 8):
-    with MemoryStore(root, tiers=[TierConfig(name="flash", kind="flash", cache_bytes=0)], lock_wait=60) as st:
+    with MemoryStore(root, tiers=[TierConfig(name="flash", kind="flash", cache_bytes=0)],
+                     lock_wait=60) as st:
         if mode == "block":
             st.block(3, [i], reason=f"racer {first}")
         else:
@@ -199,7 +200,8 @@ def test_two_writers_lose_no_update(tmp_path, mode):
 
 REWRITER = """
 root, ready, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-with MemoryStore(root, tiers=[TierConfig(name="flash", kind="flash", cache_bytes=0)], lock_wait=60) as st:
+with MemoryStore(root, tiers=[TierConfig(name="flash", kind="flash", cache_bytes=0)],
+                 lock_wait=60) as st:
     open(ready, "w").close()
     for k in range(1, n + 1):
         for level in (1, 2, 3):  # one journaled commit per level: every block of the level at once
@@ -257,7 +259,8 @@ with MemoryStore(root, tiers=[TierConfig(name="flash", kind="flash", cache_bytes
     outs = [st.fetch(path, flat=True) for _ in range(5)]
     s = st.stats()
     json.dump({"reads": s["tiers"]["flash"]["reads"], "refused": s["refused_served"],
-               "zeros": all(float(o[lv].abs().sum()) == 0.0 for o in outs for lv in (1, 2, 3))}, open(result, "w"))
+               "zeros": all(float(o[lv].abs().sum()) == 0.0
+                            for o in outs for lv in (1, 2, 3))}, open(result, "w"))
 """
 
 
@@ -279,7 +282,8 @@ def test_block_is_honoured_by_a_running_reader_at_its_next_fetch(tmp_path):
 
 
 def test_refresh_and_session_blocks_survive_a_reload(tmp_path):
-    """A store's own persist=False blocks stay in force when another process's change makes it reload."""
+    """A store's own persist=False blocks stay in force when another process's change makes it
+    reload."""
     root = tmp_path / "bank"
     make_bank(root, value=1.0)
     with MemoryStore(root, tiers=FLASH) as st:
@@ -308,10 +312,8 @@ def test_refresh_and_session_blocks_survive_a_reload(tmp_path):
             and st.is_refused(1, 0)
             and st.fallback == "zeros"
         )
-    assert read_policy(root)["blocked"] == {
-        "2": [[7, 8]],
-        "3": [[10, 11]],
-    }  # session blocks never reach the file
+    # session blocks never reach the file
+    assert read_policy(root)["blocked"] == {"2": [[7, 8]], "3": [[10, 11]]}
 
 
 def test_recovery_on_open_leaves_a_live_writers_files_alone(tmp_path):

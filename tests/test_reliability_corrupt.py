@@ -194,9 +194,8 @@ def test_training_refuses_before_any_step(run_copy, tmp_path):
 
     shards = run_copy / "shards"
     raw = decompress_first_run(shards / "subtree-001")
-    flip(
-        raw[0]
-    )  # the case: Streaming reads this copy from now on, and trained on it silently
+    # the case: Streaming reads this copy from now on, and trained on it silently
+    flip(raw[0])
     with pytest.raises(ShardError, match=re.escape(f"{raw[0].resolve()}: decompressed shard")):
         train(_cfg(shards, tmp_path / "a"), callbacks=[Steps()])
     assert Steps.n == 0

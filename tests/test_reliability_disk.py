@@ -114,7 +114,8 @@ from memtree.memstore.writer import write_bank
 from memtree.geometry import AnchorShape, MemoryConfig
 from memtree.memstore.store import MemoryStore, TierConfig
 
-anchor = AnchorShape(name="t", n_layers=2, d_model=64, n_heads=2, head_dim=32, ffn_dim=128, vocab_size=100)
+anchor = AnchorShape(name="t", n_layers=2, d_model=64, n_heads=2, head_dim=32, ffn_dim=128,
+                     vocab_size=100)
 mem = MemoryConfig(multipliers=(64, 32), branching=4)
 def values(k):
     def blocks(level):
@@ -137,7 +138,8 @@ with MemoryStore(bank) as st:
 fill()
 with MemoryStore(bank, tiers=[TierConfig(name="flash", kind="flash")]) as st:
     p = st.codec(2).params
-    out["bank_edit"] = expect_full(lambda: st.scatter(2, [3, 4], torch.full((2, p), 5.0)), "journal")
+    out["bank_edit"] = expect_full(lambda: st.scatter(2, [3, 4], torch.full((2, p), 5.0)),
+                                   "journal")
     assert float(st.fetch_flat(2, 3)[0]) == 1.0
 assert read_manifest(bank).generation == 0
 verify_bank(bank)
@@ -155,7 +157,8 @@ rng = np.random.default_rng(0)
 def tree(seed):
     r = np.random.default_rng(seed)
     c = [r.standard_normal((8 ** l, 384)).astype(np.float32) for l in (1, 2, 3)]
-    return Tree(levels=3, branching=8, dim=384, centroids=c, valid=[np.ones(8 ** l, bool) for l in (1, 2, 3)],
+    return Tree(levels=3, branching=8, dim=384, centroids=c,
+                valid=[np.ones(8 ** l, bool) for l in (1, 2, 3)],
                 sizes=[np.ones(8 ** l, np.int64) for l in (1, 2, 3)])
 tdir = os.path.join(MNT, "tree")
 save_tree(tree(0), tdir, config={}, embedder={})
@@ -186,7 +189,8 @@ src, corpus, overrides = sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 run = os.path.join(MNT, "run")
 shutil.copytree(src, run)
 shutil.rmtree(os.path.join(run, "shards"))  # the shards stage (and the report after it) run again
-before = {n: open(os.path.join(run, "tree", n), "rb").read() for n in sorted(os.listdir(os.path.join(run, "tree")))}
+before = {n: open(os.path.join(run, "tree", n), "rb").read()
+          for n in sorted(os.listdir(os.path.join(run, "tree")))}
 cfg = load_config(PipelineConfig, {"out": run, "ingest": {"inputs": [corpus]}},
                   overrides + ["dask.n_workers=1", "dask.threads_per_worker=1"])
 fill(leave=64_000)
@@ -196,7 +200,8 @@ fill(leave=16_000)  # room for the run's config.json, not for the tree
 cfg2 = load_config(PipelineConfig, {"out": run, "ingest": {"inputs": [corpus]}},
                    overrides + ["dask.n_workers=1", "dask.threads_per_worker=1", "tree.steps=9"])
 out["tree"] = expect_full(lambda: run_pipeline(cfg2, log=lambda m: None), "tree")
-after = {n: open(os.path.join(run, "tree", n), "rb").read() for n in sorted(os.listdir(os.path.join(run, "tree")))}
+after = {n: open(os.path.join(run, "tree", n), "rb").read()
+         for n in sorted(os.listdir(os.path.join(run, "tree")))}
 assert after == before
 unfill()
 logs = []
@@ -207,7 +212,8 @@ for base, _, names in os.walk(os.path.join(run, "shards")):
     for n in names:
         if n.endswith((".mds", ".zstd", ".json")) and n != "_stage.json":
             rel = os.path.relpath(os.path.join(base, n), run)
-            files[rel] = (open(os.path.join(base, n), "rb").read() == open(os.path.join(src, rel), "rb").read())
+            files[rel] = (open(os.path.join(base, n), "rb").read()
+                          == open(os.path.join(src, rel), "rb").read())
 out["files"] = files
 print(json.dumps(out))
 """
@@ -222,9 +228,8 @@ def test_full_disk_during_pipeline_shards_and_tree(tmp_path, pipeline_run):
     )
     assert "No space left on device" in out["shards"]
     assert set(out["skipped"]) >= {"ingest", "tokenizer", "window", "embed", "tree", "assign"}
-    assert out["files"] and all(out["files"].values()), out[
-        "files"
-    ]  # byte-identical to the undisturbed run
+    # byte-identical to the undisturbed run
+    assert out["files"] and all(out["files"].values()), out["files"]
 
 
 CHECKPOINT = """
@@ -243,23 +248,27 @@ class FillAt(Callback):
             fill(leave=100_000)
 
 def cfg(folder):
-    return load_train_config(None, [f"data.shards={shards}", f"save_folder={folder}", "data.batch_size=4",
-                                    "optim.warmup=1ba", "max_duration=5ba", "save_interval=1ba",
-                                    "save_num_checkpoints_to_keep=-1", "autoresume=true", "mode=scratch",
-                                    "memory.multipliers=[8,4]", "memory.export_dtype=fp32",
-                                    "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}"])
+    return load_train_config(None, [
+        f"data.shards={shards}", f"save_folder={folder}", "data.batch_size=4",
+        "optim.warmup=1ba", "max_duration=5ba", "save_interval=1ba",
+        "save_num_checkpoints_to_keep=-1", "autoresume=true", "mode=scratch",
+        "memory.multipliers=[8,4]", "memory.export_dtype=fp32",
+        "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}"])
 folder = os.path.join(MNT, "run")
 clean_stale_shared_memory()
 train(cfg(ref))  # the undisturbed reference, in this process (same threads, so the same float sums)
 clean_stale_shared_memory()
-out = {"error": expect_full(lambda: train(cfg(folder), callbacks=[FillAt()]), "checkpoints", "ep0-ba2")}
+out = {"error": expect_full(lambda: train(cfg(folder), callbacks=[FillAt()]),
+                            "checkpoints", "ep0-ba2")}
 clean_stale_shared_memory()
 unfill()
 train(cfg(folder))  # resumes from batch 2, drops the unfinished batch-3 file
 clean_stale_shared_memory()
-a, b = load_file(os.path.join(folder, "anchor.safetensors")), load_file(os.path.join(ref, "anchor.safetensors"))
+a, b = (load_file(os.path.join(folder, "anchor.safetensors")),
+        load_file(os.path.join(ref, "anchor.safetensors")))
 out["anchor_equal"] = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
-out["bank_equal"] = all(open(os.path.join(folder, "bank", n), "rb").read() == open(os.path.join(ref, "bank", n), "rb").read()
+out["bank_equal"] = all(open(os.path.join(folder, "bank", n), "rb").read()
+                        == open(os.path.join(ref, "bank", n), "rb").read()
                         for n in os.listdir(os.path.join(ref, "bank")) if n.endswith(".bin"))
 print(json.dumps(out))
 """

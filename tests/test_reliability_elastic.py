@@ -11,10 +11,8 @@ import pytest
 import torch
 from train_launcher import launch, read_log
 
-STEPS, STOP = (
-    8,
-    4,
-)  # K global batches; the interrupted run stops after STOP (a checkpoint is saved there)
+# K global batches; the interrupted run stops after STOP (a checkpoint is saved there)
+STEPS, STOP = 8, 4
 # Measured (CPU, gloo), max |Δ| against the uninterrupted 1-process run after 8 steps: anchor
 # 1.2e-7 on every host and in every direction. Bank: 2026-11-25 1.4e-5 (2 → 1), 1.8e-6 (1 → 2),
 # 1.8e-5 (uninterrupted 2-process); 2026-12-02 2.4e-4 (2 → 1, bd58b0c's run on another host);
@@ -77,8 +75,9 @@ def uninterrupted(pipeline_run, tmp_path_factory):
     folder = tmp_path_factory.mktemp("elastic") / "straight"
     batches = _launch(1, shards, folder)
     anchor, bank = _weights(folder)
-    # what training moved the weights by, far above the tolerances (so the comparison is not vacuous):
-    # the bank at most ~lr per step, 2.7e-2 in the 8 steps (measured 2026-12-03), hence 10× its bound
+    # what training moved the weights by, far above the tolerances (so the comparison is not
+    # vacuous): the bank at most ~lr per step, 2.7e-2 in the 8 steps (measured 2026-12-03), hence
+    # 10× its bound
     from composer.utils import reproducibility
 
     from memtree.training.config import load_train_config

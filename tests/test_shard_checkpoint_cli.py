@@ -1,5 +1,5 @@
-"""Issue 56, items 1 and 5: a sharded run's bank checkpoints (`memtree-bank-shards`) through the CLI,
-and their retention. One real 2-process gloo run (`composer -n 2 tests/train_launcher.py`) with
+"""Issue 56, items 1 and 5: a sharded run's bank checkpoints (`memtree-bank-shards`) through the
+CLI, and their retention. One real 2-process gloo run (`composer -n 2 tests/train_launcher.py`) with
 `parallel.bank: sharded`, saving every 2 batches and keeping 2 Composer checkpoints, is shared by
 the module; `memtree memstore info / verify / export` run on its checkpoints as subprocesses."""
 
@@ -57,8 +57,8 @@ def ok(*args: str) -> str:
 
 @pytest.fixture(scope="module")
 def sharded(pipeline_run, tmp_path_factory):
-    """(run folder, pipeline run folder, the final bank checkpoint) of a 2-rank sharded run whose bank
-    exports as int8 (not the default dtype, so `export` must take it from the checkpoint)."""
+    """(run folder, pipeline run folder, the final bank checkpoint) of a 2-rank sharded run whose
+    bank exports as int8 (not the default dtype, so `export` must take it from the checkpoint)."""
     run, shards = pipeline_run[0], pipeline_run[0] / "shards"
     folder = tmp_path_factory.mktemp("shard-cli") / "run"
     launch(
@@ -92,9 +92,8 @@ def _same_files(a: Path, b: Path) -> None:
 
 def test_info_describes_the_checkpoint(sharded):
     folder, run, ckpt = sharded
-    bank = read_bank_manifest(
-        folder / "bank"
-    )  # what the run exported: an independent account of the shapes
+    # what the run exported: an independent account of the shapes
+    bank = read_bank_manifest(folder / "bank")
     B = int(read_shards_manifest(run / "shards")["branching"])
     info = json.loads(ok("info", ckpt, "--json"))
     assert info["format"] == "memtree-bank-shards" and info["batch"] == STEPS
@@ -208,9 +207,8 @@ def test_bank_checkpoints_follow_composers_retention(sharded):
     composer = composer_checkpoint_batches(ckpts)
     assert len(composer) == KEEP and max(composer) == STEPS  # Composer rotated out the older saves
     assert checkpoint_batches(ckpts / "bank") == sorted(composer)
-    assert not [
-        p.name for p in (ckpts / "bank").iterdir() if p.name.startswith(".")
-    ]  # no partial folders
+    # no partial folders
+    assert not [p.name for p in (ckpts / "bank").iterdir() if p.name.startswith(".")]
 
 
 ANCHOR = AnchorShape(
@@ -220,10 +218,10 @@ MEM = MemoryConfig(multipliers=(4, 2), branching=4)
 
 
 def test_prune_keeps_what_composer_keeps_and_the_latest(tmp_path):
-    """After a resume (Composer never rotates out the checkpoints of the run it resumed from) or with
-    save_num_checkpoints_to_keep: -1 the Composer files stay, and so do their bank checkpoints; a bank
-    checkpoint whose Composer checkpoint is gone (rotated, or the run died between the two savers)
-    goes, except the latest, which the final export reads."""
+    """After a resume (Composer never rotates out the checkpoints of the run it resumed from) or
+    with save_num_checkpoints_to_keep: -1 the Composer files stay, and so do their bank checkpoints;
+    a bank checkpoint whose Composer checkpoint is gone (rotated, or the run died between the two
+    savers) goes, except the latest, which the final export reads."""
     bank = TrainableBank(ANCHOR, MEM, seed=2, shard=(0, 1, 2, 3))
     opt = MemoryAdamW([{"params": list(bank.bank_parameters())}], lr=1e-2)
     ckpts = tmp_path / "checkpoints"

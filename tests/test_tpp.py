@@ -114,7 +114,8 @@ def test_the_warning_fires_on_a_big_bank_and_not_on_a_sized_one(pipeline_run, ca
     big = _plan_json(capsys, "--memory", "0,256", "--shards", shards)["tokens_per_parameter"]
     assert FETCH_WORSE_AT_TPP < big["levels"][0]["tpp_run"] < GENERALISES_DOWN_TO
     assert len(big["notes"]) == 1 and not big["warnings"]
-    # a twentieth of an epoch: as low as the run whose fetched memory read worse than its generic one
+    # a twentieth of an epoch: as low as the run whose fetched memory read worse than its generic
+    # one
     assert (
         main(
             [
@@ -161,9 +162,8 @@ def test_the_warning_fires_on_a_big_bank_and_not_on_a_sized_one(pipeline_run, ca
         "warning: the bank learns at 10× the anchor's learning rate" in text
         and "level 1:" not in text
     )
-    assert (
-        main([*sized, "--bank-lr", "6e-3", "--anchor-lr", "3e-3"]) == 0
-    )  # 2×: between the measured, a note
+    # 2×: between the measured, a note
+    assert main([*sized, "--bank-lr", "6e-3", "--anchor-lr", "3e-3"]) == 0
     text = capsys.readouterr().out
     assert (
         "warning" not in text and "note: the bank learns at 2× the anchor's learning rate" in text
@@ -210,11 +210,8 @@ def test_even_split_and_durations():
     assert lv.block_params == 3 * 64 * 16 * 2 and lv.tokens_min == lv.tokens_max == 100_000
     assert lv.tpp_run == pytest.approx(2 * 6_400_000 / (64 * lv.block_params))
     # the sizing rule: the largest multiplier per level that keeps its TPP at the threshold
-    per_m = {
-        1: 4 * 3 * 64 * 2,
-        2: 16 * 3 * 64 * 2,
-        3: 64 * 3 * 64 * 2,
-    }  # blocks × 3·d·L per unit of m
+    # blocks × 3·d·L per unit of m
+    per_m = {1: 4 * 3 * 64 * 2, 2: 16 * 3 * 64 * 2, 3: 64 * 3 * 64 * 2}
     assert t.threshold == GENERALISES_DOWN_TO
     assert dict(t.max_multipliers) == {
         lv: int(2 * 6_400_000 / (per_m[lv] * t.threshold)) for lv in (1, 2, 3)
@@ -326,8 +323,8 @@ def _yaml_table(name: str, epoch_tokens: int, epochs: float, *overrides: str):
 
 
 def _measured(multipliers, tpp_run: float, lr_ratio: float):
-    """A one-level table (the realtext anchor's shape) whose level sits at `tpp_run` over the run, or
-    just under it (whole tokens)."""
+    """A one-level table (the realtext anchor's shape) whose level sits at `tpp_run` over the run,
+    or just under it (whole tokens)."""
     a = AnchorShape(
         name="t", n_layers=4, d_model=128, n_heads=4, head_dim=32, ffn_dim=512, vocab_size=8192
     )
@@ -339,11 +336,11 @@ def _measured(multipliers, tpp_run: float, lr_ratio: float):
 
 
 def test_warnings_fire_where_benchmarks_measured_harm_and_not_on_the_shipped_recipes():
-    """docs/BENCHMARKS.md: a bank at 10/3× and 10× the anchor's LR read held-out text worse than dense-1x
-    ("Memory rows on real text", `mlr1e-2`, `mlr3e-2`; "Tokens per parameter on real text",
-    `l1m16-lr3e-2` at TPP 35.6 and `l3m256-lr3e-2` at 0.139); 1× and 1/3× did not, and 1/3× generalised
-    down to 0.139; fetched read worse than generic with levels at 0.0044 and 0.00066 (SmolLM2, the
-    real-text row). The shipped recipes get no warning."""
+    """docs/BENCHMARKS.md: a bank at 10/3× and 10× the anchor's LR read held-out text worse than
+    dense-1x ("Memory rows on real text", `mlr1e-2`, `mlr3e-2`; "Tokens per parameter on real text",
+    `l1m16-lr3e-2` at TPP 35.6 and `l3m256-lr3e-2` at 0.139); 1× and 1/3× did not, and 1/3×
+    generalised down to 0.139; fetched read worse than generic with levels at 0.0044 and 0.00066
+    (SmolLM2, the real-text row). The shipped recipes get no warning."""
     assert HARMFUL_LR_RATIO == pytest.approx(1e-2 / 3e-3) and SAFE_LR_RATIO == 1.0
     for ratio in (1e-2 / 3e-3, 3e-2 / 3e-3):  # measured harmful, at a high and a low TPP
         for m, tpp in (((16, 0, 0), 35.6), ((0, 0, 256), 0.1391)):  # l3m256: 0.1391 unrounded
@@ -353,7 +350,8 @@ def test_warnings_fire_where_benchmarks_measured_harm_and_not_on_the_shipped_rec
         t = _measured((0, 0, 256), 0.1391, ratio)
         assert not t.warnings() and not t.notes()
     assert not _measured((0, 0, 256), 0.1391, 4.0).notes()  # not the note's: a warning
-    # TPP: at the smallest measured (where it generalised) nothing; under it a note; at the SmolLM2 run's, a warning
+    # TPP: at the smallest measured (where it generalised) nothing; under it a note; at the SmolLM2
+    # run's, a warning
     assert GENERALISES_DOWN_TO == 0.139 and FETCH_WORSE_AT_TPP == 0.0044
     t = _measured((0, 0, 256), 0.1391, 1 / 3)
     assert not t.warnings() and not t.notes()
@@ -364,8 +362,8 @@ def test_warnings_fire_where_benchmarks_measured_harm_and_not_on_the_shipped_rec
         assert "worse with its fetched blocks than with the generic memory" in w
     t = _measured((0, 0, 256), 0.0045, 1 / 3)
     assert not t.warnings() and len(t.notes()) == 1
-    # the shipped real-text recipe (3.73M tokens, one epoch: 8.9 tokens per parameter at every level, bank
-    # LR a third of the anchor's): no warning, no note
+    # the shipped real-text recipe (3.73M tokens, one epoch: 8.9 tokens per parameter at every
+    # level, bank LR a third of the anchor's): no warning, no note
     real = _yaml_table("realtext.yaml", 3_734_731, 1.0)
     assert [round(lv.tpp_run, 1) for lv in real.levels] == [8.9, 8.9, 8.9]
     assert real.lr_ratio == pytest.approx(1 / 3) and not real.warnings() and not real.notes()
@@ -373,10 +371,11 @@ def test_warnings_fire_where_benchmarks_measured_harm_and_not_on_the_shipped_rec
 
 
 def test_the_demo_console_does_not_warn_on_its_deliberate_settings():
-    """The bios demo (training/yamls/demo.yaml: bank LR 10× the anchor's, leaf blocks under the fewest
-    TPP measured; 1,593 samples of ≤ 256 tokens, 5 co-training epochs): its training console, inside
-    `deliberate(**eval.demo.DELIBERATE)` as `run_main_job` runs it, prints notes only; outside it (a run
-    of the same settings on real text) the measured LR warning fires; tpp.json keeps it either way."""
+    """The bios demo (training/yamls/demo.yaml: bank LR 10× the anchor's, leaf blocks under the
+    fewest TPP measured; 1,593 samples of ≤ 256 tokens, 5 co-training epochs): its training console,
+    inside `deliberate(**eval.demo.DELIBERATE)` as `run_main_job` runs it, prints notes only;
+    outside it (a run of the same settings on real text) the measured LR warning fires; tpp.json
+    keeps it either way."""
     from memtree.eval.demo import DELIBERATE, TPP_NOTE
 
     demo = _yaml_table(

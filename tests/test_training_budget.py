@@ -144,7 +144,7 @@ def test_sparse_gradient_and_gather():
     assert sh32.bank_grad_gather == 2 * sh32.bank_grads
 
 
-# --- the anchor ------------------------------------------------------------------------------------
+# --- the anchor -----------------------------------------------------------------------------------
 
 
 def test_fsdp_anchor_share_shrinks_with_ranks():
@@ -168,7 +168,7 @@ def test_fsdp_anchor_share_shrinks_with_ranks():
     assert shares == sorted(shares, reverse=True) and len(set(shares)) == len(shares)
 
 
-# --- verdicts on 8 × 80 GiB ------------------------------------------------------------------------
+# --- verdicts on 8 × 80 GiB -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -216,7 +216,7 @@ def test_b2_c2_never_fit_replicated(row):
         assert found[("sharded", par)].ranks is not None
 
 
-# --- the minimum rank count ------------------------------------------------------------------------
+# --- the minimum rank count -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -258,7 +258,7 @@ def test_ranks_beyond_the_global_batch_are_refused():
         training_memory(plan(*A2), ranks=8, bank="mirrored", anchor_parallel="ddp")
 
 
-# --- sizes -----------------------------------------------------------------------------------------
+# --- sizes ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -291,7 +291,7 @@ def test_parse_bytes_refuses(text):
         parse_bytes(text)
 
 
-# --- the CLI ---------------------------------------------------------------------------------------
+# --- the CLI --------------------------------------------------------------------------------------
 
 C2_ARGS = [
     "memstore",

@@ -1,4 +1,5 @@
-"""Composer training end to end on real pipeline shards: falling loss, frozen anchor, resume, errors."""
+"""Composer training end to end on real pipeline shards: falling loss, frozen anchor, resume,
+errors."""
 
 from __future__ import annotations
 
@@ -82,9 +83,8 @@ def test_baseline_then_frozen_memories(pipeline_run, tmp_path):
         callbacks=[log2],
     )
     anchor_after = load_file(frozen["anchor"])
-    assert all(
-        torch.equal(anchor_before[k], anchor_after[k]) for k in anchor_before
-    )  # frozen anchor
+    # frozen anchor
+    assert all(torch.equal(anchor_before[k], anchor_after[k]) for k in anchor_before)
     # the first frozen step starts from the trained anchor: its loss is the trained anchor's own
     # on that batch, whether the step reads memories (they have no effect at init) or memory.dropout
     # drops them (it does at seed 0's first forward). Same weights, same batch, fp32 on the CPU:
@@ -264,7 +264,8 @@ def test_shipped_yamls_validate():
             }[path.name]
             assert load_finetune_config(path).spec.method == want, path
             continue
-        # `memtree demo` and `memtree eval realtext` set the mode per stage (eval/demo.py, eval/realtext.py)
+        # `memtree demo` and `memtree eval realtext` set the mode per stage (eval/demo.py,
+        # eval/realtext.py)
         if path.name == "demo.yaml":
             for stage in (
                 ["mode=baseline", "memory.multipliers=[]"],
@@ -291,7 +292,8 @@ def test_two_process_ddp_with_the_composer_launcher(pipeline_run, tmp_path):
         f"save_folder={tmp_path / 'ddp'}",
         "model.shape={n_layers: 2, d_model: 64, n_heads: 2, head_dim: 32, ffn_dim: 256}",
     ]
-    # c10d's info log names each TCPStore connection rank 0 makes (the launcher shows rank 0's output)
+    # c10d's info log names each TCPStore connection rank 0 makes (the launcher shows rank 0's
+    # output)
     env = {**os.environ, "PYTHONPATH": str(repo), "TORCH_CPP_LOG_LEVEL": "INFO"}
     r = subprocess.run(
         [str(launcher), "-n", "2", str(repo / "training" / "train.py"), *args],
@@ -461,9 +463,8 @@ def test_bank_lr_by_level_moves_each_level_at_its_own_rate(pipeline_run, tmp_pat
             "memory.multipliers=[4,2]",
             "memory.lr_by_level=[1e-2]",
         )
-    _cfg(
-        shards, tmp_path / "anchor", "memory.lr_by_level=[1e-2]"
-    )  # no bank: nothing to check it against
+    # no bank: nothing to check it against
+    _cfg(shards, tmp_path / "anchor", "memory.lr_by_level=[1e-2]")
     cfg = _cfg(
         shards,
         tmp_path / "lv",

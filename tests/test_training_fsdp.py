@@ -139,9 +139,8 @@ def test_fsdp_sharded_anchor_with_replicated_bank_matches_one_process(tmp_path):
     norms = []
     for batch in _batches():
         halves = [{k: v[i * 2 : (i + 1) * 2] for k, v in batch.items()} for i in range(2)]
-        loss = (
-            sum(model.loss(model(h), h) for h in halves) / 2
-        )  # what averaging over 2 ranks computes
+        # what averaging over 2 ranks computes
+        loss = sum(model.loss(model(h), h) for h in halves) / 2
         loss.backward()
         opt.step()
         norms.append(opt.last_grad_norm)
@@ -195,7 +194,8 @@ def test_fsdp_config_is_refused_without_a_gpu(pipeline_run, tmp_path):
     reason="the pipeline fixture needs Dask and FAISS",
 )
 def test_composer_fsdp_with_a_bank_on_gpu(pipeline_run, tmp_path):
-    """A real Composer FSDP run with a memory bank on one GPU: the loss falls and the bank exports."""
+    """A real Composer FSDP run with a memory bank on one GPU: the loss falls and the bank
+    exports."""
     from memtree.memstore.format import verify_bank
     from memtree.training.config import load_train_config
     from memtree.training.train import train

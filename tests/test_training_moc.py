@@ -1,5 +1,6 @@
-"""Mixture-of-Chapters layers: routing and router losses by hand, Algorithm 1, sparse bank gradients,
-block variations, the paper configuration's parameter counts, config errors, and Composer training."""
+"""Mixture-of-Chapters layers: routing and router losses by hand, Algorithm 1, sparse bank
+gradients, block variations, the paper configuration's parameter counts, config errors, and Composer
+training."""
 
 from __future__ import annotations
 
@@ -335,7 +336,8 @@ def test_block_variations(variation, order):
 
 
 def test_paper_yaml_builds_the_seeds_model():
-    """App. A.4.1: 371.29M = 147.87M backbone + 201.38M bank + 22.04M memory layers; dense 202.94M."""
+    """App. A.4.1: 371.29M = 147.87M backbone + 201.38M bank + 22.04M memory layers; dense
+    202.94M."""
     cfg = load_train_config(YAMLS / "paper-moc.yaml")
     anchor = cfg.anchor_shape(cfg.model.vocab_size)
     with torch.device("meta"):

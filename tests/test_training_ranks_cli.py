@@ -31,11 +31,8 @@ from memtree.training.ranks import (
     resume_command,
 )
 
-STEPS, SAVE, DIE = (
-    5,
-    2,
-    3,
-)  # rank 1 dies in batch 3: the checkpoint of batch 2 is the last complete one
+# rank 1 dies in batch 3: the checkpoint of batch 2 is the last complete one
+STEPS, SAVE, DIE = 5, 2, 3
 BATCH = 8
 
 
@@ -191,9 +188,8 @@ def test_a_killed_rank_ends_with_the_intact_checkpoints_and_a_resume_command_tha
     shards, folder, died, command, resumed = runs
     out = died.stdout + died.stderr
     assert "Rank 1 crashed with exit code -9" in out
-    assert died.returncode == 75, out[
-        -3000:
-    ]  # the survivor's exit code (EX_TEMPFAIL), not a crash's 1
+    # the survivor's exit code (EX_TEMPFAIL), not a crash's 1
+    assert died.returncode == 75, out[-3000:]
     assert "Traceback" not in out, out[-5000:]
     tail = out[out.index("Rank 1 crashed") :].strip().splitlines()
     assert len(tail) <= 10, "\n".join(tail)  # the launcher's few lines and the survivor's message
@@ -203,12 +199,11 @@ def test_a_killed_rank_ends_with_the_intact_checkpoints_and_a_resume_command_tha
         f"[rank 0] intact: Composer checkpoint {ckpts / f'ep0-ba{SAVE}-rank0.pt'} (batch {SAVE})"
         in out
     )
+    # what the message claims, checked here
+    assert verify_shards(ckpts / "bank" / f"ba{SAVE}")["files"] == B + 1
     assert (
-        verify_shards(ckpts / "bank" / f"ba{SAVE}")["files"] == B + 1
-    )  # what the message claims, checked here
-    assert (
-        f"[rank 0] intact: bank shards {ckpts / 'bank' / f'ba{SAVE}'} ({B + 1} files, sha256 verified)"
-        in out
+        f"[rank 0] intact: bank shards {ckpts / 'bank' / f'ba{SAVE}'} "
+        f"({B + 1} files, sha256 verified)" in out
     )
     assert re.search(
         r"^\[rank 0\] training stopped after \d+ batches: rank 1 is gone", out, re.MULTILINE
@@ -233,15 +228,12 @@ def test_cpu_threads_default_and_overrides():
     )
     assert cpu_thread_count("auto", cores=16, local_ranks=3, env={})[0] == 5
     assert cpu_thread_count("auto", cores=2, local_ranks=4, env={})[0] == 1  # at least one
-    assert (
-        cpu_thread_count("auto", cores=8, local_ranks=2, env={"OMP_NUM_THREADS": "3"})[0] is None
-    )  # the user's
-    assert (
-        cpu_thread_count("auto", cores=8, local_ranks=1, env={})[0] is None
-    )  # a lone process: torch's own
-    assert (
-        cpu_thread_count(6, cores=8, local_ranks=2, env={"OMP_NUM_THREADS": "3"})[0] == 6
-    )  # the key wins
+    # the user's
+    assert cpu_thread_count("auto", cores=8, local_ranks=2, env={"OMP_NUM_THREADS": "3"})[0] is None
+    # a lone process: torch's own
+    assert cpu_thread_count("auto", cores=8, local_ranks=1, env={})[0] is None
+    # the key wins
+    assert cpu_thread_count(6, cores=8, local_ranks=2, env={"OMP_NUM_THREADS": "3"})[0] == 6
     assert load_train_config(None, ["data.shards=x", "cpu_threads=3"]).cpu_threads == 3
     base = load_train_config(None, ["data.shards=x"])
     assert base.cpu_threads == "auto" and base.comm_ddp_hook is True
@@ -275,7 +267,8 @@ def test_the_resume_command_is_the_launch_with_autoresume():
     # ranks started as a module (`composer -m` / `torchrun -m`): argv[0] is the module's file
     argv[0] = "/site-packages/memtree/training/train.py"
     assert resume_command(argv, env, "memtree.training.train") == (
-        "composer -n 4 -m memtree.training.train cfg.yaml 'model.shape={n_layers: 2}' seed=1 autoresume=true"
+        "composer -n 4 -m memtree.training.train cfg.yaml "
+        "'model.shape={n_layers: 2}' seed=1 autoresume=true"
     )
     elastic = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "x"}
     assert resume_command(argv, elastic, "memtree.training.train").endswith(
@@ -362,9 +355,8 @@ def test_a_single_rank_run_prints_one_short_placement_line(pipeline_run, tmp_pat
         clean_stale_shared_memory()
     lines = [x for x in capfd.readouterr().out.splitlines() if x.startswith("placement:")]
     B = int(read_shards_manifest(shards)["branching"])
-    rows = (B + 1) + (
-        B * B + 1
-    )  # memory.multipliers [8, 4]: B and B² blocks, each level with its generic row
+    # memory.multipliers [8, 4]: B and B² blocks, each level with its generic row
+    rows = (B + 1) + (B * B + 1)
     streams = len(selected_streams(read_shards_manifest(shards)))
     assert len(lines) == 1 and lines[0].startswith(
         f"placement: one rank; bank (whole) {rows} rows, "

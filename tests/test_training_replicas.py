@@ -99,7 +99,8 @@ def _same_export(folder: Path, ref: Path) -> None:
 
 @pytest.fixture(scope="module")
 def one_process(two_subtrees, tmp_path_factory):
-    """The reference: one process, whole bank, reading the lanes (the batches every world size reads)."""
+    """The reference: one process, whole bank, reading the lanes (the batches every world size
+    reads)."""
     from streaming.base.util import clean_stale_shared_memory
     from train_launcher import BatchLog
 
@@ -166,10 +167,8 @@ def test_four_ranks_over_two_subtrees_are_two_replica_groups_and_train_like_one_
     assert reports[0]["shard"] == reports[1]["shard"] != reports[2]["shard"] == reports[3]["shard"]
     assert sorted(reports[0]["shard"] + reports[2]["shard"]) == [0, 1]
     for r in reports:
-        assert r["rows"] == {
-            "1": 1 + 1,
-            "2": 2 + 1,
-        }  # its subtree's rows per level, plus the generic row
+        # its subtree's rows per level, plus the generic row
+        assert r["rows"] == {"1": 1 + 1, "2": 2 + 1}
         # the replicas exchanged their rows' gradients within the group; no bank row went world-wide
         assert r["comm_bytes"]["bank_group_all_gather"] > 0
         assert "bank_rows_all_gather" not in r["comm_bytes"]

@@ -68,13 +68,11 @@ def test_lane_order_is_a_permutation_per_lane_epoch_and_independent_of_the_world
     assert plan.per_step == (4, 3, 5) and plan.steps_per_epoch == 30 // 12
     for k, n in enumerate(plan.sizes):
         b = plan.per_step[k]
-        seq = [
-            int(i) for t in range(3 * n) for i in plan.lane_samples(k, t)
-        ]  # 3·n steps: b·3 lane epochs
+        # 3·n steps: b·3 lane epochs
+        seq = [int(i) for t in range(3 * n) for i in plan.lane_samples(k, t)]
         for e in range(b * 3):
-            assert sorted(seq[e * n : (e + 1) * n]) == list(
-                range(n)
-            )  # each lane epoch: every sample once
+            # each lane epoch: every sample once
+            assert sorted(seq[e * n : (e + 1) * n]) == list(range(n))
         assert seq[:n] != seq[n : 2 * n]  # and a new order each time the lane wraps
     offsets = [0, 10, 17]
     for world in (1, 2, 3, 6):
@@ -224,9 +222,8 @@ def test_shard_checkpoints_reload_on_another_split_and_export_like_a_replicated_
     ]
     # another split: two ranks holding two subtrees each get exactly their rows and Adam state
     for shard in ((0, 2), (1, 3)):
-        part = TrainableBank(
-            ANCHOR, MEM, seed=99, shard=shard
-        )  # other initial values: all overwritten
+        # other initial values: all overwritten
+        part = TrainableBank(ANCHOR, MEM, seed=99, shard=shard)
         popt = MemoryAdamW([{"params": list(part.bank_parameters())}], lr=1e-2)
         load_shards(folder, part, popt)
         for lv in part.levels:
@@ -243,9 +240,8 @@ def test_shard_checkpoints_reload_on_another_split_and_export_like_a_replicated_
     whole = TrainableBank(ANCHOR, MEM, seed=0, init="zeros")
     with torch.no_grad():
         for lv in whole.levels:
-            whole.tables[str(lv)].copy_(
-                bank.tables[str(lv)]
-            )  # every subtree in order = the whole table
+            # every subtree in order = the whole table
+            whole.tables[str(lv)].copy_(bank.tables[str(lv)])
     for dtype in ("fp32", "bf16", "int8"):
         export_bank(
             folder,
@@ -318,7 +314,8 @@ STEPS, STOP = 8, 4
 # lanes: anchor 2.6e-7 / 1.2e-7, bank 2.5e-7 / 4.1e-7 at 2 / 4 ranks; 2 ranks sharded and 2 ranks
 # replicated over the same lanes were bit-identical. The bounds are the elastic test's 2026-11-25
 # ones (its comment says why the sums round differently across world sizes; it has since widened
-# its bank bound to 1e-3, for a host where one rounding grew to 2.4e-4: these runs are 250× inside 1e-4).
+# its bank bound to 1e-3, for a host where one rounding grew to 2.4e-4: these runs are 250× inside
+# 1e-4).
 ANCHOR_ATOL, BANK_ATOL = 1e-5, 1e-4
 
 
@@ -331,7 +328,8 @@ _weights, _worst = run_weights, worst_diff
 
 @pytest.fixture(scope="module")
 def one_process(pipeline_run, tmp_path_factory):
-    """The reference: one process, whole bank, reading the lanes (the batches every world size reads)."""
+    """The reference: one process, whole bank, reading the lanes (the batches every world size
+    reads)."""
     from streaming.base.util import clean_stale_shared_memory
     from train_launcher import BatchLog
 
@@ -349,9 +347,8 @@ def one_process(pipeline_run, tmp_path_factory):
 def _check_run(folder: Path, batches: list[dict], ref) -> None:
     _, ref_batches, (ref_anchor, ref_bank), _ = ref
     assert [b["step"] for b in batches] == list(range(1, STEPS + 1))
-    assert [b["samples"] for b in batches] == [
-        b["samples"] for b in ref_batches
-    ]  # the same global batches
+    # the same global batches
+    assert [b["samples"] for b in batches] == [b["samples"] for b in ref_batches]
     anchor, bank = _weights(folder)
     assert _worst(anchor, ref_anchor) <= ANCHOR_ATOL
     assert _worst(bank, ref_bank) <= BANK_ATOL
@@ -380,8 +377,8 @@ def test_two_ranks_hold_half_the_bank_each_and_train_like_one_process(one_proces
             "bank_rows_all_gather" not in r["comm_bytes"]
             and r["comm_bytes"]["bank_generic_all_reduce"] > 0
         )
-        # per step: the anchor's gradients all-reduced once (ring: 2 (W-1)/W of them, = 1× at W = 2),
-        # and the generic rows of both levels (their gradients and a "was read" flag each)
+        # per step: the anchor's gradients all-reduced once (ring: 2 (W-1)/W of them, = 1× at W =
+        # 2), and the generic rows of both levels (their gradients and a "was read" flag each)
         steps, totals = r["steps"], r["comm_totals"]
         assert totals["anchor_ddp_all_reduce"] == steps * r["anchor_grad_bytes"]
         generic = sum(row + 4 for row in r["row_bytes"].values())
@@ -414,7 +411,8 @@ def test_sharded_matches_replicated_over_the_same_batches(one_process, tmp_path,
             "bank_rows_all_gather" in r["comm_bytes"]
             and "bank_rows_all_gather" not in s["comm_bytes"]
         )
-    # the ranks' optimizer states together cover the rows the replicated run's holds (the generic rows once each)
+    # the ranks' optimizer states together cover the rows the replicated run's holds (the generic
+    # rows once each)
     for lv in replicated[0]["state_rows_used"]:
         used = sum(s["state_rows_used"][lv] for s in sharded)
         assert (
@@ -488,7 +486,8 @@ def test_two_nodes_launched_by_torchrun_stop_resume_and_train_like_one_process(
 
     if not _private_shm_works():
         pytest.skip(
-            "needs `unshare -m` and a tmpfs mount (root) to give each simulated node its own /dev/shm"
+            "needs `unshare -m` and a tmpfs mount (root) to give each simulated node "
+            "its own /dev/shm"
         )
     shards, _, _, _ = one_process
     folder, log = tmp_path / "nodes", tmp_path / "nodes.jsonl"
@@ -496,7 +495,8 @@ def test_two_nodes_launched_by_torchrun_stop_resume_and_train_like_one_process(
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(repo)}
     node = (
-        "mount -t tmpfs tmpfs /dev/shm && exec {torchrun} --nnodes 2 --nproc-per-node 1 --node-rank {k} "
+        "mount -t tmpfs tmpfs /dev/shm && "
+        "exec {torchrun} --nnodes 2 --nproc-per-node 1 --node-rank {k} "
         "--master-addr 127.0.0.1 --master-port {port} {script} {args}"
     )
 

@@ -152,9 +152,8 @@ def test_route_step_settles_float32_near_ties_in_float64():
     rng = np.random.default_rng(5)
     B, d, n = 8, 64, 3000
     c = rng.normal(size=(B * B, d))
-    c = (c / np.linalg.norm(c, axis=1, keepdims=True)).astype(
-        np.float32
-    )  # equal norms: midpoints tie
+    # equal norms: midpoints tie
+    c = (c / np.linalg.norm(c, axis=1, keepdims=True)).astype(np.float32)
     valid = np.ones(B * B, dtype=bool)
     valid[[3, 17, 42]] = False
     parent = rng.integers(0, B, size=n)
@@ -220,9 +219,8 @@ def test_level_fit_equals_fitting_each_node_alone():
         ):
             regrouped[i] = fit
     assert [k for _, k, _ in together] == [8, 8, 8, 8, 4, 1, 1]
-    np.testing.assert_array_equal(
-        together[-1][0][0], fallbacks[-1]
-    )  # empty node: the parent's centroid
+    # empty node: the parent's centroid
+    np.testing.assert_array_equal(together[-1][0][0], fallbacks[-1])
     for (p, idx), fit, other in zip(nodes, together, regrouped):
         alone = fit_node(x[idx], fallback=fallbacks[p], node=p, **params)
         for a, b in ((fit, alone), (fit, other)):
@@ -254,9 +252,8 @@ def test_build_tree_is_independent_of_threads_and_fitter(mode):
 
     def per_node(level, nodes, parent_c, *, strict):
         calls.append(strict)
-        cell = level_cell_size(
-            len(x), kw["branching"], level
-        )  # what build_tree's own fitter caps against
+        # what build_tree's own fitter caps against
+        cell = level_cell_size(len(x), kw["branching"], level)
         slack = level_cell_slack(1.1, level, kw["levels"], strict)
         return [
             fit_node(
@@ -537,9 +534,8 @@ def test_restarts_keep_each_nodes_lowest_distortion_fit():
         d = [distortion(x, idx, c[j].centroids) for c in cands]
         np.testing.assert_array_equal(best[j][0][:6], cands[int(np.argmin(d))][j].centroids)
         assert distortion(x, idx, best[j][0][:6]) <= distortion(x, idx, one[j][0][:6])
-    assert (
-        len({round(distortion(x, nodes[0][1], c[0].centroids), 6) for c in cands}) > 1
-    )  # restarts differ
+    # restarts differ
+    assert len({round(distortion(x, nodes[0][1], c[0].centroids), 6) for c in cands}) > 1
     with pytest.raises(ValueError, match="restarts"):
         fit_level(x, nodes, fallbacks, restarts=0, **params)
 
@@ -593,7 +589,8 @@ def test_route_step_backends_agree_with_each_other_and_the_float64_argmin():
 def test_route_sorts_points_past_the_cache_and_returns_the_same_paths(monkeypatch):
     """route() visits points sorted by parent once a level's centroids outgrow the cache
     (FAISS reading rows in place, numpy copying them); with either backend, forcing that at every
-    level, forbidding it, batching, and routing one point at a time all give the float64 level-by-level argmin."""
+    level, forbidding it, batching, and routing one point at a time all give the float64
+    level-by-level argmin."""
     import importlib
 
     rc = importlib.import_module("memtree.clustering.route")
@@ -708,9 +705,9 @@ def test_balance_repairs_leave_trees_under_the_target_untouched_and_only_keep_be
 
 def test_two_over_full_cells_in_one_dense_region_shed_their_excess_to_cells_with_room():
     """Two centroids share a blob that holds twice the cap. In strict mode each point a cell
-    gives up goes to the best cell with room, not to its twin: bidding against the twin only passed the same
-    points back and forth while both norms crept up (a level-3 node of a skewed 60k tree took
-    210 rounds that way, against the 40 a build allows)."""
+    gives up goes to the best cell with room, not to its twin: bidding against the twin only passed
+    the same points back and forth while both norms crept up (a level-3 node of a skewed 60k tree
+    took 210 rounds that way, against the 40 a build allows)."""
     from memtree.clustering.kmeans import cell_cap, equalize_cells
 
     worst = []
@@ -733,9 +730,8 @@ def test_two_over_full_cells_in_one_dense_region_shed_their_excess_to_cells_with
         worst.append(
             _cell_sizes(x, equalize_cells(x, c, steps=40, slack=1.1, strict=True)).max() / cap
         )
-        assert (
-            _cell_sizes(x, equalize_cells(x, c, steps=40, slack=1.1)).max() > 1.2 * cap
-        )  # the default
+        # the default
+        assert _cell_sizes(x, equalize_cells(x, c, steps=40, slack=1.1)).max() > 1.2 * cap
     # Bidding against the twin left both at ~150 points (1.22 × the cap of 123) on every seed.
     assert max(worst) <= 1.1, worst
     assert sum(w <= 1.0 for w in worst) >= 5, worst  # one seed still trades with a full neighbour

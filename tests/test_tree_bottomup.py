@@ -52,9 +52,8 @@ def test_group_balanced_leaves_no_improving_exchange():
     c, w = rng.normal(size=(48, 8)), rng.uniform(1.0, 2.0, 48)
     lab, cost = group_balanced(c, w, 4, restarts=2, rng=rng)
     assert np.bincount(lab).tolist() == [4] * 12
-    assert lab[0] == 0 and all(
-        lab[:i].max() + 1 >= lab[i] for i in range(1, 48)
-    )  # numbered by first member
+    # numbered by first member
+    assert lab[0] == 0 and all(lab[:i].max() + 1 >= lab[i] for i in range(1, 48))
     for i, j in itertools.combinations(range(48), 2):
         if lab[i] != lab[j]:
             swapped = lab.copy()
@@ -130,9 +129,8 @@ def test_the_pipeline_config_takes_the_method():
 
     tree = next(s for s in STAGES if s.name == "tree")
     default = load_config(PipelineConfig, {"out": "x"})
-    assert default.tree.method == "topdown" and "method" not in tree.config(
-        default
-    )  # old trees kept
+    # old trees kept
+    assert default.tree.method == "topdown" and "method" not in tree.config(default)
     up = load_config(PipelineConfig, {"out": "x", "tree": {"method": "bottomup"}})
     assert tree.config(up)["method"] == "bottomup"
     assert json.dumps(tree.config(up)) != json.dumps(tree.config(default))

@@ -189,7 +189,8 @@ def launch(
     """`composer -n world` this script with `args` (key=value overrides)."""
     from streaming.base.util import clean_stale_shared_memory
 
-    clean_stale_shared_memory()  # a stopped run leaves its shared memory behind, as a killed one would
+    # a stopped run leaves its shared memory behind, as a killed one would
+    clean_stale_shared_memory()
     flags = (
         (["--batch-log", str(log)] if log else [])
         + (["--stop-at", str(stop_at)] if stop_at else [])
