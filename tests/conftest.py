@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -97,7 +98,8 @@ PIPELINE_OVERRIDES = [
 
 @pytest.fixture(scope="session")
 def pipeline_run(tmp_path_factory, corpus_records, dask_client):
-    """One real pipeline run on the 1,200-document corpus: (run dir, stage markers, seconds, corpus path)."""
+    """One real pipeline run on the 1,200-document corpus: (run dir, stage markers, seconds, corpus
+    path)."""
 
     from memtree.config import load_config
     from memtree.pipeline.config import PipelineConfig
@@ -114,7 +116,8 @@ def pipeline_run(tmp_path_factory, corpus_records, dask_client):
 
 
 def train_tiny_run(shards: Path, folder: Path, *overrides: str) -> Path:
-    """Train a small memory run on `shards` into `folder` (scratch mode, fp32 bank); returns `folder`.
+    """Train a small memory run on `shards` into `folder` (scratch mode, fp32 bank); returns
+    `folder`.
 
     Streaming's shared memory is cleaned before and after, as tests open several datasets."""
     from streaming.base.util import clean_stale_shared_memory
@@ -191,6 +194,16 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def auto_layout_is_tiles(monkeypatch):
+    """Per-token memory_attention calls left at per_token_layout="auto" run the slot tiles,
+    though small random lists would resolve to the block-major items: for the modules that
+    test the tiles (test_kernels_memory_attention_blocks.py tests the items and the auto rule)."""
+    from memtree.kernels.memory_attention import op
+
+    monkeypatch.setattr(op, "AUTO_BLOCKS_SLOTS_PER_K", math.inf)
 
 
 def cli_on_bank_copy(bank: Path, tmp_path: Path, capsys, names: dict[str, str]):

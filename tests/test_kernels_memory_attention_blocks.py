@@ -1,17 +1,17 @@
 """Memory attention's block-major layout for per-token lists (per_token_layout="blocks",
 kernels/memory_attention/blocks.py) against the gathered reference and the slot tiles.
 
-The kernels run under TRITON_INTERPRET=1 without a GPU (the shared test module sets it before
+The kernels run under TRITON_INTERPRET=1 without a GPU (memory_attention_cases sets it before
 the kernels are imported), where chunks are small (CT = 16 // G tokens) so the tests' blocks
 span several chunks. Shapes, inputs (ragged padding, a block repeated in a list, tokens
-without memory) and the host-sync recorder come from test_kernels_memory_attention.
+without memory) and the host-sync recorder come from memory_attention_cases.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_kernels_memory_attention import (
+from memory_attention_cases import (
     GPU_CASES,
     TOL_CPU,
     TOL_GPU,
