@@ -27,10 +27,18 @@ from typing import Any
 from memtree import __version__
 
 # Used when memtree runs from a source tree that was never pip-installed.
-_FALLBACK = ("memtree.eval.cli", "memtree.eval.camelot.cli", "memtree.eval.context.cli",
-             "memtree.eval.finetune.cli", "memtree.memstore.cli", "memtree.pipeline.cli", "memtree.training.cli",
-             "memtree.training.context.cli", "memtree.training.finetune.cli",
-             "memtree.training.generate.cli")
+_FALLBACK = (
+    "memtree.eval.cli",
+    "memtree.eval.camelot.cli",
+    "memtree.eval.context.cli",
+    "memtree.eval.finetune.cli",
+    "memtree.memstore.cli",
+    "memtree.pipeline.cli",
+    "memtree.training.cli",
+    "memtree.training.context.cli",
+    "memtree.training.finetune.cli",
+    "memtree.training.generate.cli",
+)
 
 
 def _registrars():
@@ -61,7 +69,9 @@ class CommandParser(argparse.ArgumentParser):
                 ns.overrides.extend(words)
                 extras = [a for a in extras if a.startswith("-")]
         if extras:
-            self.error(f"unrecognized arguments: {' '.join(extras)} (`{self.prog} --help` lists the options)")
+            self.error(
+                f"unrecognized arguments: {' '.join(extras)} (`{self.prog} --help` lists the options)"
+            )
         return ns, extras
 
 
@@ -97,7 +107,9 @@ class Commands:
     def command(self, name: str, **kw: Any) -> argparse.ArgumentParser:
         """A top-level command with no subcommands (`COMMANDS`: `demo`, `generate`)."""
         if name not in ORDER or name in VERBS:
-            raise ValueError(f"{name!r} is no top-level command; add it under one of the verbs {', '.join(VERBS)}")
+            raise ValueError(
+                f"{name!r} is no top-level command; add it under one of the verbs {', '.join(VERBS)}"
+            )
         return self._sub.add_parser(name, **kw)
 
 
@@ -114,9 +126,14 @@ def _count(low: int):
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
         if v < low:
             # a negative count used to slice from the end (`--max-probes -5` scored all but five)
-            raise argparse.ArgumentTypeError(f"must be {'positive' if low else '0 or more'}, got {v}")
+            raise argparse.ArgumentTypeError(
+                f"must be {'positive' if low else '0 or more'}, got {v}"
+            )
         return v
-    parse.__name__ = "positive integer" if low else "non-negative integer"  # argparse names the type in errors
+
+    parse.__name__ = (
+        "positive integer" if low else "non-negative integer"
+    )  # argparse names the type in errors
     return parse
 
 
@@ -127,10 +144,14 @@ positive = _count(1)
 
 def add_config(p: argparse.ArgumentParser, examples: str) -> None:
     """The optional YAML config positional; `examples`: where example configs are."""
-    p.add_argument("config", nargs="?", help=f"YAML config (key=value overrides follow; examples: {examples})")
+    p.add_argument(
+        "config", nargs="?", help=f"YAML config (key=value overrides follow; examples: {examples})"
+    )
 
 
-def add_overrides(p: argparse.ArgumentParser, example: str, *, what: str = "key=value overrides") -> None:
+def add_overrides(
+    p: argparse.ArgumentParser, example: str, *, what: str = "key=value overrides"
+) -> None:
     """The trailing `key=value` overrides; `example`: one or two of them."""
     p.add_argument("overrides", nargs="*", help=f"{what}, e.g. {example}")
 

@@ -50,7 +50,9 @@ def retain_freed_host_memory() -> bool:
     # mallopt returns 1 on success, 0 on error
     ok = libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, _NEVER_TRIM) == 1
     if not ok:
-        log.warning("mallopt refused the retain settings; freed host memory goes back to the kernel")
+        log.warning(
+            "mallopt refused the retain settings; freed host memory goes back to the kernel"
+        )
         return False
     _applied = True
     log.info("host allocator: freed tensor memory is kept for reuse (mmap off, no heap trim)")

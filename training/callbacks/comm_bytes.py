@@ -86,5 +86,7 @@ class CommBytes(Callback):
             self.totals[k] = self.totals.get(k, 0) + v
         if step:
             total = "step_total" if self.complete else "step_total_excl_anchor"
-            logger.log_metrics({f"comm/bytes/{k}": v for k, v in step.items()}
-                               | {f"comm/bytes/{total}": sum(step.values())})
+            logger.log_metrics(
+                {f"comm/bytes/{k}": v for k, v in step.items()}
+                | {f"comm/bytes/{total}": sum(step.values())}
+            )

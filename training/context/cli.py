@@ -13,9 +13,9 @@ def register(cli: Commands) -> None:
         "context-vae",
         help="train the context bank's compressor (a VAE over first+last hidden states) and reader on a frozen anchor",
         description="Train the seed 004 §9.2 compressor and the reader that lets the frozen anchor attend to "
-                    "retrieved latent tokens, on recall pairs (document, question about a fact it states). "
-                    "Writes SAVE_FOLDER/context_vae.safetensors + context_vae.json. Example: "
-                    "training/yamls/context-vae.yaml.",
+        "retrieved latent tokens, on recall pairs (document, question about a fact it states). "
+        "Writes SAVE_FOLDER/context_vae.safetensors + context_vae.json. Example: "
+        "training/yamls/context-vae.yaml.",
     )
     add_config(c, "training/yamls/context-vae.yaml")
     add_overrides(c, "vae.ratio=16")
@@ -29,7 +29,9 @@ def _train_context(args: argparse.Namespace) -> int:
     cfg = load_context_config(config, overrides)
     _check_context_inputs(cfg)
     result = train_context_vae(cfg)
-    print(f"done: {result['folder']} ({result['steps']} steps; last losses {result['last_losses']})")
+    print(
+        f"done: {result['folder']} ({result['steps']} steps; last losses {result['last_losses']})"
+    )
     return 0
 
 
@@ -39,10 +41,19 @@ def _check_context_inputs(cfg) -> None:
     from pathlib import Path
 
     from memtree.config import ConfigError
-    missing = [n for n in ("memtree_config.json", "anchor.safetensors") if not (Path(cfg.anchor) / n).is_file()]
+
+    missing = [
+        n
+        for n in ("memtree_config.json", "anchor.safetensors")
+        if not (Path(cfg.anchor) / n).is_file()
+    ]
     if missing:
-        raise ConfigError(f"anchor={cfg.anchor}: not a finished training run (no {' or '.join(missing)} there); give "
-                          "the save_folder of a `memtree train run` run (`memtree demo` trains runs/demo/train/anchor)")
+        raise ConfigError(
+            f"anchor={cfg.anchor}: not a finished training run (no {' or '.join(missing)} there); give "
+            "the save_folder of a `memtree train run` run (`memtree demo` trains runs/demo/train/anchor)"
+        )
     if not Path(cfg.data.pairs).is_file():
-        raise ConfigError(f"data.pairs={cfg.data.pairs}: no such file; give a JSONL of recall pairs "
-                          "(training/README.md; `memtree eval context-bank ROOT` writes ROOT/context-bank/pairs.jsonl)")
+        raise ConfigError(
+            f"data.pairs={cfg.data.pairs}: no such file; give a JSONL of recall pairs "
+            "(training/README.md; `memtree eval context-bank ROOT` writes ROOT/context-bank/pairs.jsonl)"
+        )

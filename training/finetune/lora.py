@@ -33,16 +33,20 @@ class LoRALinear(nn.Module):
     def __init__(self, base: nn.Linear, *, rank: int, alpha: float) -> None:
         super().__init__()
         if rank <= 0 or rank > min(base.in_features, base.out_features):
-            raise ValueError(f"LoRA rank {rank} must be in [1, {min(base.in_features, base.out_features)}] "
-                             f"for a {base.in_features}→{base.out_features} projection")
+            raise ValueError(
+                f"LoRA rank {rank} must be in [1, {min(base.in_features, base.out_features)}] "
+                f"for a {base.in_features}→{base.out_features} projection"
+            )
         self.base = base
         for p in base.parameters():
             p.requires_grad_(False)
         self.rank, self.scale = rank, alpha / rank
-        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, dtype=base.weight.dtype,
-                                               device=base.weight.device))
-        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, dtype=base.weight.dtype,
-                                               device=base.weight.device))
+        self.lora_a = nn.Parameter(
+            torch.empty(rank, base.in_features, dtype=base.weight.dtype, device=base.weight.device)
+        )
+        self.lora_b = nn.Parameter(
+            torch.zeros(base.out_features, rank, dtype=base.weight.dtype, device=base.weight.device)
+        )
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -55,7 +59,9 @@ class LoRALinear(nn.Module):
         return self.base
 
 
-def _blocks(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], tuple[str, ...], tuple[str, ...]]:
+def _blocks(
+    model: nn.Module,
+) -> tuple[list[tuple[str, nn.Module]], tuple[str, ...], tuple[str, ...]]:
     """(name prefix, block) per block, and the block's attention and FFN matrix names: an
     `AnchorLM`'s `blocks`, else a Hugging Face model's decoder layers."""
     if hasattr(model, "blocks"):
@@ -87,10 +93,14 @@ def add_lora(model: nn.Module, *, rank: int, alpha: float, targets: str = "all")
                 continue
             lin = getattr(parent, attr, None)
             if lin is None:
-                raise ValueError(f"{prefix}.{name}: {type(block).__name__} has no such module; LoRA on a Hugging "
-                                 f"Face model targets Llama / Qwen / Gemma style layers ({', '.join(names)})")
+                raise ValueError(
+                    f"{prefix}.{name}: {type(block).__name__} has no such module; LoRA on a Hugging "
+                    f"Face model targets Llama / Qwen / Gemma style layers ({', '.join(names)})"
+                )
             if not isinstance(lin, nn.Linear):
-                raise TypeError(f"{prefix}.{name} is {type(lin).__name__}, not an nn.Linear (LoRA twice?)")
+                raise TypeError(
+                    f"{prefix}.{name} is {type(lin).__name__}, not an nn.Linear (LoRA twice?)"
+                )
             setattr(parent, attr, LoRALinear(lin, rank=rank, alpha=alpha))
             wrapped.append(f"{prefix}.{name}")
     if not wrapped:
