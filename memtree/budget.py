@@ -422,7 +422,8 @@ def training_report(
 
 
 def format_training_report(r: TrainingReport, device_label: str | None = None) -> str:
-    """The per-rank table `memtree memstore plan --ranks N --device-memory SIZE` prints (<= 100 cols).
+    """The per-rank table `memtree memstore plan --ranks N --device-memory SIZE` prints
+    (<= 100 cols).
 
     Rows are the components, columns the four layouts; binary units throughout, so the totals
     compare directly with a device sold in GiB."""

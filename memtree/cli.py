@@ -4,7 +4,8 @@
     memtree generate RUN --prompt TEXT    answer prompts with a run, its memory fetched per prompt
     memtree pipeline run|demo|demo-corpus|docs-corpus
     memtree train run|context-vae|finetune|finetune-background
-    memtree eval knowledge|sweep|retention|tasks|memories|realtext|longctx|context-bank|continual|adapters
+    memtree eval knowledge|sweep|retention|tasks|memories|realtext|longctx|context-bank|
+                 continual|adapters
     memtree memstore plan|init|info|…|calibrate|simulate-fetch
 
 Each stage package (and each system folder with commands) exposes `register(cli)` in its own
@@ -70,17 +71,26 @@ class CommandParser(argparse.ArgumentParser):
                 extras = [a for a in extras if a.startswith("-")]
         if extras:
             self.error(
-                f"unrecognized arguments: {' '.join(extras)} (`{self.prog} --help` lists the options)"
+                f"unrecognized arguments: {' '.join(extras)} (`{self.prog} --help` lists the "
+                "options)"
             )
         return ns, extras
 
 
 # The verbs in --help order, with their one-line help; `demo` is a command of its own.
 VERBS = {
-    "pipeline": "corpus → embeddings → balanced hierarchical tree → cluster-tagged MDS shards; corpora",
+    "pipeline": (
+        "corpus → embeddings → balanced hierarchical tree → cluster-tagged MDS shards; corpora"
+    ),
     "train": "train anchors with hierarchical memories (Composer); the systems' training",
-    "eval": "evaluate runs: long-tail knowledge and blocking, sweeps, task suites; each system's experiment",
-    "memstore": "hierarchical memory banks: plan sizes, build, inspect, fetch, block; simulate on-device fetch",
+    "eval": (
+        "evaluate runs: long-tail knowledge and blocking, sweeps, task suites; each system's "
+        "experiment"
+    ),
+    "memstore": (
+        "hierarchical memory banks: plan sizes, build, inspect, fetch, block; simulate "
+        "on-device fetch"
+    ),
 }
 # Top-level commands with no subcommands: the main job, and running what a run trained.
 COMMANDS = ("demo", "generate")
@@ -108,7 +118,8 @@ class Commands:
         """A top-level command with no subcommands (`COMMANDS`: `demo`, `generate`)."""
         if name not in ORDER or name in VERBS:
             raise ValueError(
-                f"{name!r} is no top-level command; add it under one of the verbs {', '.join(VERBS)}"
+                f"{name!r} is no top-level command; add it under one of the verbs "
+                f"{', '.join(VERBS)}"
             )
         return self._sub.add_parser(name, **kw)
 

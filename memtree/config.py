@@ -35,7 +35,10 @@ naming the key rather than Composer's "Invalid time string" when the Trainer is 
 _TIME_UNITS = ("iter", "ep", "ba", "sp", "tok", "dur", "sec")
 _TIME_RE = re.compile(r"^(.+?)(" + "|".join(_TIME_UNITS) + r")$", re.IGNORECASE)
 _WALL_CLOCK_RE = re.compile(r"^(\d+h)?(\d+m)?(\d+s)?$")
-TIME_EXAMPLE = "e.g. 100ba (batches) or 2ep (epochs); units: ba, ep, sp (samples), tok (tokens), dur (fraction)"
+TIME_EXAMPLE = (
+    "e.g. 100ba (batches) or 2ep (epochs); units: ba, ep, sp (samples), tok (tokens), dur "
+    "(fraction)"
+)
 
 
 def check_time_string(value: Any, where: str) -> str:

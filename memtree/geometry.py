@@ -1,4 +1,5 @@
-"""Model shapes, memory geometry and parameter accounting (seed 002 §2.1–2.2, App. A, App. F, App. I).
+"""Model shapes, memory geometry and parameter accounting (seed 002 §2.1–2.2, App. A, App. F,
+App. I).
 
 The shape vocabulary every stage shares: anchor shapes and presets, memory
 configurations, which layers carry memory and how wide, the named tensors of a
@@ -79,7 +80,8 @@ class AnchorShape:
             )
         if self.n_kv_heads is not None and (self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads):
             raise ValueError(
-                f"anchor {self.name}: n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}"
+                f"anchor {self.name}: n_kv_heads={self.n_kv_heads} must divide "
+                f"n_heads={self.n_heads}"
             )
 
     @property

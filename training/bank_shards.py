@@ -1,4 +1,5 @@
-"""A sharded bank's checkpoints: one file per level-1 subtree, so a run resumes on any number of ranks.
+"""A sharded bank's checkpoints: one file per level-1 subtree, so a run resumes on any number of
+ranks.
 
 With `parallel.bank: sharded` each rank holds some level-1 subtrees' rows of every bank table
 (`TrainableBank(shard=…)`) and their lazy AdamW state (`MemoryAdamW.row_state`); a Composer
@@ -74,7 +75,8 @@ def _rows_of(bank: TrainableBank, level: int, subtree: int) -> slice:
 def _part(
     bank: TrainableBank, opt: MemoryAdamW, rows_of: dict[int, slice | list[int]]
 ) -> dict[str, torch.Tensor]:
-    """The tensors of one file: per level, the rows `rows_of[level]` of the table and their state."""
+    """The tensors of one file: per level, the rows `rows_of[level]` of the table and their
+    state."""
     out: dict[str, torch.Tensor] = {}
     for lv in bank.levels:
         table = bank.tables[str(lv)]
@@ -205,7 +207,8 @@ def composer_checkpoint_batches(folder: str | os.PathLike) -> set[int]:
 class BankShardCheckpoints(Callback):
     """Saves the sharded bank at Composer's checkpoint batches (before Composer's own saver, which
     the Trainer appends after the user's callbacks), loads it back when a run resumes, and removes
-    the bank checkpoints whose Composer checkpoint Composer removed (`save_num_checkpoints_to_keep`).
+    the bank checkpoints whose Composer checkpoint Composer removed
+    (`save_num_checkpoints_to_keep`).
 
     `export` ({dtype, tree_id}): recorded in each manifest (`save_shards`)."""
 
@@ -240,10 +243,10 @@ class BankShardCheckpoints(Callback):
         super().run_event(event, state, logger)
 
     def prune(self) -> list[int]:
-        """Remove (on global rank 0) the bank checkpoints whose Composer checkpoint is gone, except the
-        latest; returns their batches. Composer keeps all with save_num_checkpoints_to_keep: -1, and
-        never rotates out the checkpoints of a run it resumed from (it lists only its own saves), so
-        neither does this."""
+        """Remove (on global rank 0) the bank checkpoints whose Composer checkpoint is gone, except
+        the latest; returns their batches. Composer keeps all with save_num_checkpoints_to_keep: -1,
+        and never rotates out the checkpoints of a run it resumed from (it lists only its own
+        saves), so neither does this."""
         from composer.utils import dist
 
         self.prune_due = False

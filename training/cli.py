@@ -1,4 +1,5 @@
-"""`memtree train run CONFIG.yaml [key=value …]`: one-process training (thin wrapper over training.train).
+"""`memtree train run CONFIG.yaml [key=value …]`: one-process training (thin wrapper over
+training.train).
 
 The training systems register their own commands (training/finetune/cli.py, training/context/cli.py,
 listed under pyproject.toml's `memtree.commands`), so the core names none of them."""
@@ -34,7 +35,8 @@ def _train(args: argparse.Namespace) -> int:
         not args.config and not args.overrides
     ):  # training.train.main would print the launcher's usage
         raise ValueError(
-            "no config: memtree train run CONFIG.yaml [key=value …] (examples: training/yamls/*.yaml)"
+            "no config: memtree train run CONFIG.yaml [key=value …] (examples: "
+            "training/yamls/*.yaml)"
         )
     from memtree.training.config import load_train_config
     from memtree.training.train import run_once

@@ -113,8 +113,9 @@ class MemtreeLM(ComposerModel):
         # Mixture-of-Chapters layers take any of their reads (`read_modes`)
         self._read = "gather"
         if self.read_modes():
-            # "auto" as built: the in-place read where there is one (training resolves "auto" before it
-            # builds the model: gather on the CPU, a timed choice on a GPU, training.train.memory_read)
+            # "auto" as built: the in-place read where there is one (training resolves "auto" before
+            # it builds the model: gather on the CPU, a timed choice on a GPU,
+            # training.train.memory_read)
             self.read = "fused" if ms.read == "auto" else ms.read
         self.generic_prob = (
             (1.0 / memory.branching if ms.generic_prob is None else ms.generic_prob)
@@ -186,7 +187,8 @@ class MemtreeLM(ComposerModel):
 
     @property
     def read_in_place(self) -> bool:
-        """Whether the bank's KV / FFN memories (or the MoC layers) are read by the fused kernels."""
+        """Whether the bank's KV / FFN memories (or the MoC layers) are read by the fused
+        kernels."""
         return self._read == "fused"
 
     @read_in_place.setter

@@ -1,8 +1,9 @@
 """Training configuration: YAML (llm-foundry style) validated into keyword-only dataclasses.
 
-`memtree train run CONFIG.yaml key=value …` and `composer -n N -m memtree.training.train CONFIG.yaml …`
-both go through `load_train_config`; unknown keys and bad values are errors that
-name the key (and the allowed values). See `training/yamls/` for examples.
+`memtree train run CONFIG.yaml key=value …` and
+`composer -n N -m memtree.training.train CONFIG.yaml …` both go through `load_train_config`;
+unknown keys and bad values are errors that name the key (and the allowed values). See
+`training/yamls/` for examples.
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ class MemorySection:
     lr: float = 1e-3
     # One bank learning rate per tree level (as long as multipliers; a level without memory takes
     # any value), in place of `lr`: e.g. a low level-2 LR, so that the blocks many documents share
-    # generalise, and a high leaf LR for the tail (docs/benchmarks/2026-11-27-memory-families-2-core-vm.md, "A bank learning rate per
-    # level on real text"). Empty: `lr` for all.
+    # generalise, and a high leaf LR for the tail
+    # (docs/benchmarks/2026-11-27-memory-families-2-core-vm.md, "A bank learning rate per level on
+    # real text"). Empty: `lr` for all.
     lr_by_level: tuple[float, ...] = ()
     weight_decay: float = 0.0
     init_std: float = 0.02
@@ -285,8 +287,9 @@ class TrainConfig:
             )
         if self.model.anchor in PRETRAINED and self.mode == "baseline":
             raise ConfigError(
-                f"model.anchor: {self.model.anchor!r} is a pretrained model, which gets its memories "
-                "post-hoc: use mode 'frozen' (Table 2) or 'cotrain', with memory.multipliers"
+                f"model.anchor: {self.model.anchor!r} is a pretrained model, which gets its "
+                "memories post-hoc: use mode 'frozen' (Table 2) or 'cotrain', with "
+                "memory.multipliers"
             )
         if self.model.moc is not None:
             if self.mode != "baseline":
@@ -365,7 +368,8 @@ class TrainConfig:
 
     @property
     def data_lanes(self) -> bool:
-        """Whether the run reads per-subtree lanes (training/lanes.py) rather than uniform batches."""
+        """Whether the run reads per-subtree lanes (training/lanes.py) rather than uniform
+        batches."""
         par = self.parallel
         return par.data == "lanes" or (par.data == "auto" and par.bank == "sharded")
 
@@ -378,8 +382,8 @@ class TrainConfig:
             )
             if shape.vocab_size < vocab_size:
                 raise ConfigError(
-                    f"model.hf_dir: the model's vocabulary ({shape.vocab_size}) is smaller than the "
-                    f"shards' tokenizer ({vocab_size}); tokenize with the model's own tokenizer"
+                    f"model.hf_dir: the model's vocabulary ({shape.vocab_size}) is smaller than "
+                    f"the shards' tokenizer ({vocab_size}); tokenize with the model's own tokenizer"
                 )
             return shape
         fields = {f.name for f in dataclasses.fields(AnchorShape)}

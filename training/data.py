@@ -1,4 +1,5 @@
-"""Training data: the pipeline's MDS streams → batches of tokens, document segments and cluster paths.
+"""Training data: the pipeline's MDS streams → batches of tokens, document segments and cluster
+paths.
 
 Reads the shards through their documented format (`shards/manifest.json` +
 one MDS stream per level-1 subtree, pipeline/README.md) with MosaicML
@@ -232,8 +233,9 @@ def verify_shards(
     root = Path(shards)
     manifest = manifest if manifest is not None else read_shards_manifest(shards)
     rebuild = (
-        f"rebuild the shards: delete {root.resolve()} and re-run the `memtree pipeline` command that "
-        "wrote it (finished stages are skipped, the shards stage is redone), or restore it from a copy"
+        f"rebuild the shards: delete {root.resolve()} and re-run the `memtree pipeline` command "
+        "that wrote it (finished stages are skipped, the shards stage is redone), or restore it "
+        "from a copy"
     )
     problems: list[str] = []
     unverified: list[str] = []
@@ -306,8 +308,8 @@ def verify_shards(
     if unverified:
         msg = (
             f"{root}: {len(unverified)} shard file(s) have no hash in their MDS index (pipeline "
-            f"`pack.hashes: []`), only their sizes were checked, e.g. {unverified[0]}; re-run the shards "
-            "stage with `pack.hashes: [sha1, xxh64]` to have their contents verified"
+            f"`pack.hashes: []`), only their sizes were checked, e.g. {unverified[0]}; re-run the "
+            "shards stage with `pack.hashes: [sha1, xxh64]` to have their contents verified"
         )
         if require_hashes:
             problems.append(msg)

@@ -124,7 +124,8 @@ def standard_layer(anchor: AnchorShape, *, seq_len: int, batch: int = 1) -> dict
 def moc_layer(
     anchor: AnchorShape, moc: MoCConfig, *, seq_len: int, batch: int = 1
 ) -> dict[str, int]:
-    """A block with a MoC memory layer: the standard block (`standard`) plus what memory adds (`extra`)."""
+    """A block with a MoC memory layer: the standard block (`standard`) plus what memory adds
+    (`extra`)."""
     g = moc.geometry(d_model=anchor.d_model, n_layers=anchor.n_layers, anchor_heads=anchor.n_heads)
     n, d, C, k = batch * seq_len, anchor.d_model, moc.n_chapters, moc.top_k
     n_sel = moc.n_selected * moc.tokens_per_chapter  # memory tokens per sequence
@@ -199,9 +200,9 @@ class ModelFlops:
         return 3 * self.forward
 
     def training(self, *, checkpointing: bool = False, memory_recompute: bool = False) -> int:
-        """Forward + backward + recomputation: `checkpointing` re-runs every block's forward (Table 6:
-        gradient checkpointing); `memory_recompute` also re-runs each memory attention before its
-        output projection (the reference estimator's checkpointed memory attention)."""
+        """Forward + backward + recomputation: `checkpointing` re-runs every block's forward
+        (Table 6: gradient checkpointing); `memory_recompute` also re-runs each memory attention
+        before its output projection (the reference estimator's checkpointed memory attention)."""
         total = self.forward_backward
         if checkpointing:
             total += sum(self.layers)
@@ -223,9 +224,9 @@ def pkm_block(
 
 
 def ffn_memory(anchor: AnchorShape, widths: dict[int, int], *, tokens: int) -> int:
-    """Forward FLOPs that hierarchical FFN memories add over `tokens` tokens: per layer, `widths[layer]`
-    hidden units (all fetched blocks together) appended to the SwiGLU, so the same up, gate, down and
-    activation counts as widening the FFN by that much (`_ffn`)."""
+    """Forward FLOPs that hierarchical FFN memories add over `tokens` tokens: per layer,
+    `widths[layer]` hidden units (all fetched blocks together) appended to the SwiGLU, so the same
+    up, gate, down and activation counts as widening the FFN by that much (`_ffn`)."""
     d = anchor.d_model
     return sum(
         2 * linear(tokens, d, w) + linear(tokens, w, d) + tokens * w * SWIGLU
@@ -288,7 +289,7 @@ def iso_flop_depth(
     return n
 
 
-# -- fine-tuning conditions (seed 004 §7.3) -------------------------------------------------------------
+# -- fine-tuning conditions (seed 004 §7.3) --------------------------------------------------------
 
 LORA_MATRICES = {"attention": ("q", "k", "v", "o"), "all": ("q", "k", "v", "o", "w1", "w2", "w3")}
 
@@ -352,7 +353,8 @@ def finetune_accounting(
 ) -> dict[str, int]:
     """What a fine-tuning condition trains and costs: trainable parameters, bytes of the memory
     bank as stored, forward FLOPs per token while training (unmerged LoRA) and at inference
-    (LoRA merged). method: full | lora | mem_adapter | mem_adapter+lora (`training/finetune/continual.py`)."""
+    (LoRA merged). method: full | lora | mem_adapter | mem_adapter+lora
+    (`training/finetune/continual.py`)."""
     base = model_flops(anchor, seq_len=seq_len).forward
     out = {"trainable_params": 0, "bank_bytes": 0, "base_flops_per_token": base // seq_len}
     train_fwd = infer_fwd = base

@@ -35,8 +35,8 @@ LoRA scale is `lora_alpha / r` with r the layer's rank summed over levels (as `A
 
 At App. I init (`paper_init`: FFN w3, LoRA B and KV values zero) every type adds an exact zero,
 so the logits equal the base model's bit for bit (called with the same arguments: HF's
-use_cache=True/False take different mask paths that differ in the last bit). The anchor is frozen by default (Table 2);
-`cotrain=True` keeps its parameters trainable (the co-trained Qwen of App. A.6).
+use_cache=True/False take different mask paths that differ in the last bit). The anchor is frozen by
+default (Table 2); `cotrain=True` keeps its parameters trainable (the co-trained Qwen of App. A.6).
 
 Not supported: HF gradient checkpointing (its recomputation runs in backward, after the
 memories of the call were cleared — `forward` refuses rather than silently dropping them), and

@@ -14,8 +14,8 @@ freed), which a training process reaches in its first steps anyway, plus some fr
 a freed chunk is reused only once it is large enough for the next (64-byte aligned) request,
 so the first few re-allocations of a size may extend the heap until freed neighbours coalesce
 (3-9 allocations of a lone 64 MiB tensor in tests/test_host_alloc.py; in the 4-rank training
-benchmark the peak RSS per rank was 0.11-0.17 GiB above malloc's defaults). GPU runs keep the default:
-their activations live in CUDA's caching allocator, not in malloc.
+benchmark the peak RSS per rank was 0.11-0.17 GiB above malloc's defaults). GPU runs keep the
+default: their activations live in CUDA's caching allocator, not in malloc.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Data placed next to its memory: global batches built from per-subtree lanes (`parallel.data: lanes`).
+"""Data placed next to its memory: global batches built from per-subtree lanes
+(`parallel.data: lanes`).
 
-With a sharded bank (`parallel.bank: sharded`, training/bank_shards.py) a rank holds the bank rows of
-some level-1 subtrees only, so it must read only the sequences routed into them: then every row
+With a sharded bank (`parallel.bank: sharded`, training/bank_shards.py) a rank holds the bank rows
+of some level-1 subtrees only, so it must read only the sequences routed into them: then every row
 a step fetches is local and no bank row crosses the network. The shards already keep one MDS
 stream per level-1 subtree (pipeline/README.md); here each stream is a *lane*:
 

@@ -141,7 +141,8 @@ class WidenedFFN:
     w3: Tensor
 
 
-# Per layer index: named memory tensors, each with a leading batch dim B, a BankRead, or a WidenedFFN.
+# Per layer index: named memory tensors, each with a leading batch dim B, a BankRead, or a
+# WidenedFFN.
 LayerMemories = dict[str, Tensor] | BankRead | WidenedFFN
 Memories = dict[int, LayerMemories]
 
@@ -207,7 +208,8 @@ class KVCache:
         end = self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(
-                f"KVCache holds {self.max_len} tokens; {self.length} + {k.shape[2]} would overflow it"
+                f"KVCache holds {self.max_len} tokens; {self.length} + {k.shape[2]} would overflow "
+                "it"
             )
         self.k[layer, :, :, self.length : end] = k
         self.v[layer, :, :, self.length : end] = v
@@ -365,7 +367,8 @@ _COMPILED_FLEX: dict[str, Any] = {}
 
 def _flex_attention(device: torch.device):
     """flex_attention, compiled once per process on CUDA (eager it runs an unfused reference)."""
-    # here, not at the top: it loads torch's compiler stack (seconds), needed only for attn_impl flex
+    # here, not at the top: it loads torch's compiler stack (seconds), needed only for attn_impl
+    # flex
     from torch.nn.attention.flex_attention import flex_attention
 
     if device.type != "cuda":
@@ -668,12 +671,14 @@ class AnchorLM(nn.Module):
         return [b.moc for b in self.blocks if b.moc is not None]
 
     def moc_aux_loss(self) -> Tensor | None:
-        """Mean over memory layers of lb_coef·L_lb + z_coef·L_z from the last forward; None without MoC."""
+        """Mean over memory layers of lb_coef·L_lb + z_coef·L_z from the last forward; None without
+        MoC."""
         layers = self.moc_layers()
         return mean_aux_loss(layers) if layers else None
 
     def moc_parameters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-        """(latent banks, memory layers: routers, memory attention, variation-2 FFNs); empty without MoC."""
+        """(latent banks, memory layers: routers, memory attention, variation-2 FFNs); empty without
+        MoC."""
         if self.moc_banks is None:
             return [], []
         layers = []
@@ -720,8 +725,8 @@ class AnchorLM(nn.Module):
         hidden: bool = False,
         cache: KVCache | None = None,
     ) -> Tensor:
-        """input_ids (B, S) → logits (B, S, V), or with hidden=True the last block's output (B, S, d),
-        to take `logits` of only the positions a scorer reads.
+        """input_ids (B, S) → logits (B, S, V), or with hidden=True the last block's output
+        (B, S, d), to take `logits` of only the positions a scorer reads.
 
         segment_ids (B, S): document index per token (`segment_ids_from_eot`);
         attention is causal and within a document. None: causal only.
@@ -744,7 +749,8 @@ class AnchorLM(nn.Module):
         if positions is not None:
             if not self.packable:
                 raise ValueError(
-                    "positions/attn_mask need a packable model (no MoC layer, no custom attention core)"
+                    "positions/attn_mask need a packable model (no MoC layer, no custom attention "
+                    "core)"
                 )
             if positions.shape != input_ids.shape or attn_mask.shape != (*input_ids.shape, seq_len):
                 raise ValueError(
@@ -795,7 +801,8 @@ class AnchorLM(nn.Module):
     ) -> Tensor:
         """`forward` after the cache's tokens; see `forward`."""
         if not self.packable:
-            # a Mixture-of-Chapters router pools the whole row, a custom attention core owns its keys
+            # a Mixture-of-Chapters router pools the whole row, a custom attention core owns its
+            # keys
             raise ValueError(
                 "a KV cache needs a packable model (no MoC layer, no custom attention core)"
             )

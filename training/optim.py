@@ -160,8 +160,8 @@ class MemoryAdamW(Optimizer):
                     )
                     p.grad = torch.sparse_coo_tensor(idx[None], val / world, p.shape).coalesce()
                     continue
-                # every rank joins a sharded table's collectives, also one that read none of its rows
-                # (a forward without memory): the others would wait for it
+                # every rank joins a sharded table's collectives, also one that read none of its
+                # rows (a forward without memory): the others would wait for it
                 g = p.grad
                 if g is None:
                     g = torch.sparse_coo_tensor(

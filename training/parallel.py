@@ -34,7 +34,8 @@ class ParallelLayout:
 
     @property
     def max_rank_batch(self) -> int:
-        """The most samples any rank reads in one step (its group's per-step share over its replicas)."""
+        """The most samples any rank reads in one step (its group's per-step share over its
+        replicas)."""
         pl = self.placement
         return max(
             -(-sum(self.plan.per_step[k] for k in lanes) // pl.replicas) for lanes in pl.lanes

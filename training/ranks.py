@@ -301,13 +301,19 @@ def resume_command(argv: list[str], env: Mapping[str, str], module: str | None =
     )
     if world == local:
         return f"composer -n {world} {tail}"
-    where = f"--master_addr {env.get('MASTER_ADDR', 'HEAD')} --master_port {env.get('MASTER_PORT', 'PORT')}"
+    where = (
+        f"--master_addr {env.get('MASTER_ADDR', 'HEAD')} --master_port "
+        f"{env.get('MASTER_PORT', 'PORT')}"
+    )
     if "TORCHELASTIC_RUN_ID" in env:
         return (
-            f"on each of the {world // local} nodes: torchrun --nnodes {world // local} --nproc-per-node {local} "
-            f"--node-rank K {where.replace('_', '-')} {tail}"
+            f"on each of the {world // local} nodes: torchrun --nnodes {world // local} "
+            f"--nproc-per-node {local} --node-rank K {where.replace('_', '-')} {tail}"
         )
-    return f"on each of the {world // local} nodes: composer -n {local} --world_size {world} --node_rank K {where} {tail}"
+    return (
+        f"on each of the {world // local} nodes: composer -n {local} --world_size {world} "
+        f"--node_rank K {where} {tail}"
+    )
 
 
 def launched_module() -> str | None:
@@ -334,8 +340,9 @@ def intact_lines(cfg: TrainConfig, *, sharded: bool) -> list[str]:
         size = sum(int(e["bytes"]) for e in man["files"].values())
         if size > VERIFY_LIMIT_BYTES:
             out.append(
-                f"intact: bank shards {bank} ({len(man['files'])} files, {size / 2**30:.1f} GiB, published "
-                "with a manifest; not hashed here: the resumed run checks each file's sha256)"
+                f"intact: bank shards {bank} ({len(man['files'])} files, {size / 2**30:.1f} GiB, "
+                "published with a manifest; not hashed here: the resumed run checks each file's "
+                "sha256)"
             )
         else:
             got = verify_shards(bank)

@@ -5,9 +5,9 @@ Why this exists: KV and FFN memories can be read in place by the fused kernels (
 `assemble_memories`); both compute the same function. Which is faster depends on the GPU, the
 kernels' build, the model's shape, the batch and the precision: on an H100 the fused read was
 measured slower than gather in a training step (FFN 0.50x / 0.68x, KV 0.28x / 0.25x the step
-speed; docs/benchmarks/2026-11-25-kernels-h100.md, "Kernels and GPU paths on an H100"), so "fused on any GPU" put every
-GPU run on the slower path. `auto` now times both on the run's own model and batch and takes fused
-only when it is clearly faster:
+speed; docs/benchmarks/2026-11-25-kernels-h100.md, "Kernels and GPU paths on an H100"), so "fused on
+any GPU" put every GPU run on the slower path. `auto` now times both on the run's own model and
+batch and takes fused only when it is clearly faster:
 
 - `choose_read(timings)`: "fused" only if its step time is <= `margin` (0.95) x gather's; ties,
   a missing or failed fused time → "gather" (the path of standard ops; for KV / FFN memories
@@ -20,9 +20,9 @@ only when it is clearly faster:
   versioned JSON file, `$MEMTREE_CACHE_DIR/read-probe.json` (default
   `~/.cache/memtree/read-probe.json`), written atomically (temp file + os.replace). A corrupt or
   foreign file is named in a warning with the reason and treated as empty (then overwritten).
-- `resolve_read(read, model, batch)`: "fused" / "gather" / "flex" are returned unchanged; "auto" on the CPU
-  is "gather" without probing (the fused ops run their pure-torch reference there, measured not
-  faster: bench/training_steps.py --only read); "auto" on a GPU is the cached choice or a fresh
+- `resolve_read(read, model, batch)`: "fused" / "gather" / "flex" are returned unchanged; "auto" on
+  the CPU is "gather" without probing (the fused ops run their pure-torch reference there, measured
+  not faster: bench/training_steps.py --only read); "auto" on a GPU is the cached choice or a fresh
   probe's, logged in one line. A probe that raises (a Triton compile error, say) gives "gather",
   with the error in that line; models with no read to choose (no memory, LoRA memories, HF
   anchors) get "gather" without probing.
@@ -420,9 +420,10 @@ def resolve_read(
     `on_gpu` (default: whether the model's parameters are on CUDA) and `device_name` (default:
     `torch.cuda.get_device_name` there, "cpu" otherwise) say where the run trains; `cache` is a
     `ReadProbeCache` or its file (default `default_cache_path()`); `probe(model, batch)` returns
-    {"fused": s, "gather": s[, "flex": s]} (default `probe_read` with `steps`, `warmup`, `precision`,
-    `allow_tf32`, on a halved batch after running out of memory). `precision`: the trainer's,
-    resolved (fp32, amp_bf16, amp_fp16). Logs one line saying what was measured and chosen."""
+    {"fused": s, "gather": s[, "flex": s]} (default `probe_read` with `steps`, `warmup`,
+    `precision`, `allow_tf32`, on a halved batch after running out of memory). `precision`: the
+    trainer's, resolved (fp32, amp_bf16, amp_fp16). Logs one line saying what was measured and
+    chosen."""
     if read not in ("auto", *READS):
         raise ValueError(f"memory.read {read!r} is not 'auto', 'fused', 'gather' or 'flex'")
     if read != "auto":
@@ -438,8 +439,8 @@ def resolve_read(
         on_gpu = device.type == "cuda"
     if not on_gpu:
         log.info(
-            "memory.read auto: gather (CPU: the fused ops run their pure-torch reference, not faster; "
-            "bench/training_steps.py --only read)"
+            "memory.read auto: gather (CPU: the fused ops run their pure-torch reference, not "
+            "faster; bench/training_steps.py --only read)"
         )
         return "gather"
     if batch is None:

@@ -42,9 +42,9 @@ def resolve_stored(run: str | Path, key: str, value: str | Path, *, must: str = 
                 return cand
     what = f"no {must} there" if must else "it does not exist"
     raise FileNotFoundError(
-        f"{key} = {str(value)!r} (stored in {run / CONFIG_FILE}): {what}, neither from the current directory "
-        f"nor relative to the run folder or its parents (was the run moved without it?); fix {key} in "
-        f"{run / CONFIG_FILE}"
+        f"{key} = {str(value)!r} (stored in {run / CONFIG_FILE}): {what}, neither from the current "
+        "directory nor relative to the run folder or its parents (was the run moved without it?); "
+        f"fix {key} in {run / CONFIG_FILE}"
     )
 
 
@@ -89,8 +89,9 @@ def run_config(run: str | Path):
         trained = read_json(Path(run) / CONFIG_FILE).get("pretrained", {}).get("hash")
         if trained and read_manifest(hf)["hash"] != trained:
             raise ValueError(
-                f"{run}: trained on {cfg.pretrained} with folder hash {trained}, but this machine's "
-                f"{hf} has {read_manifest(hf)['hash']} (another conversion or package version)"
+                f"{run}: trained on {cfg.pretrained} with folder hash {trained}, but this "
+                f"machine's {hf} has {read_manifest(hf)['hash']} (another conversion or package "
+                "version)"
             )
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_dir=str(hf)))
     elif cfg.model.hf_dir:

@@ -10,9 +10,11 @@ What a run leaves in `save_folder`:
   memtree_config.yaml / memtree_config.json   the resolved config and its fingerprint
   checkpoints/                                 Composer checkpoints (model, optimizer, dataloader)
   anchor.safetensors                           the anchor's weights (input to frozen / cotrain runs)
-  bank/                                        the memory bank in the memstore format (memtree-bank v1)
+  bank/                                        the memory bank in the memstore format
+                                               (memtree-bank v1)
   metrics.json                                 final training metrics
-  tpp.json                                     tokens per parameter of each memory level (memtree/tpp.py)
+  tpp.json                                     tokens per parameter of each memory level
+                                               (memtree/tpp.py)
 """
 
 from __future__ import annotations
@@ -156,7 +158,8 @@ def adopt_launcher_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
     `composer -n N` sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR and
     MASTER_PORT; torchrun (and the schedulers that follow it) names the node rank GROUP_RANK and
-    sets no NODE_RANK, which Composer would then take as 0 on every node. Copied over when absent."""
+    sets no NODE_RANK, which Composer would then take as 0 on every node. Copied over when
+    absent."""
     env = os.environ if env is None else env
     if "NODE_RANK" not in env and "GROUP_RANK" in env:
         env["NODE_RANK"] = env["GROUP_RANK"]
@@ -190,7 +193,8 @@ def memory_read(cfg: TrainConfig) -> str:
 
 
 def memory_settings(cfg: TrainConfig) -> MemorySection:
-    """The `memory:` section as the model is built with it: `memory.read` resolved (`memory_read`)."""
+    """The `memory:` section as the model is built with it: `memory.read` resolved
+    (`memory_read`)."""
     return dataclasses.replace(cfg.memory, read=memory_read(cfg))
 
 
@@ -313,16 +317,16 @@ def check_inputs(cfg: TrainConfig) -> None:
     if not (shards / "manifest.json").is_file():
         raise ConfigError(
             f"data.shards={shards}: no manifest.json there; give a pipeline run's shards/ "
-            "directory (`memtree pipeline run … --out RUN` writes RUN/shards, `memtree pipeline demo` "
-            "runs/demo/pipeline/shards)"
+            "directory (`memtree pipeline run … --out RUN` writes RUN/shards, "
+            "`memtree pipeline demo` runs/demo/pipeline/shards)"
         )
     if cfg.anchor_checkpoint:
         p = Path(cfg.anchor_checkpoint)
         if not (p / "anchor.safetensors" if p.is_dir() or not p.suffix else p).is_file():
             raise ConfigError(
                 f"anchor_checkpoint={p}: no anchor.safetensors there; give the save_folder of a "
-                "finished run (a baseline run, e.g. `memtree train run training/yamls/tiny-baseline.yaml`, "
-                "writes it)"
+                "finished run (a baseline run, e.g. "
+                "`memtree train run training/yamls/tiny-baseline.yaml`, writes it)"
             )
 
 
@@ -363,7 +367,8 @@ def _diff(a: Any, b: Any, where: str = "") -> list[str]:
 def run_tpp(cfg: TrainConfig, model: MemtreeLM, manifest: dict[str, Any]) -> dict[str, Any] | None:
     """The run's tokens-per-parameter table (memtree/tpp.py) from the shards' per-leaf counts (only
     the streams of `data.subtrees` where set) and `max_duration`; None without a hierarchical bank.
-    Shards without per-leaf counts give a table-less note instead of an error: training does not need them."""
+    Shards without per-leaf counts give a table-less note instead of an error: training does not
+    need them."""
     if model.bank is None or model.memory is None:
         return None
     streams = [
@@ -658,7 +663,8 @@ def fsdp_parallelism(cfg: TrainConfig, model: MemtreeLM, *, gpu: bool) -> dict[s
 
 
 def anchor_state_dict(model: MemtreeLM) -> dict[str, torch.Tensor]:
-    """The anchor's full weights on the CPU; under FSDP every rank must call this (it all-gathers)."""
+    """The anchor's full weights on the CPU; under FSDP every rank must call this (it
+    all-gathers)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     # cpu_offload pins host memory, which needs a GPU: off when the weights are on the CPU already
@@ -800,8 +806,8 @@ def run_once(cfg: TrainConfig, *, force: bool = False) -> dict[str, Any] | None:
     folder = Path(cfg.save_folder)
     if action == "finished":
         print(
-            f"{folder}: already trained with this config for {cfg.max_duration} (metrics.json); nothing to do "
-            f"(--force trains it again, a longer max_duration continues it)"
+            f"{folder}: already trained with this config for {cfg.max_duration} (metrics.json); "
+            "nothing to do (--force trains it again, a longer max_duration continues it)"
         )
         return None
     if action == "resume":
@@ -818,8 +824,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         print(
-            "usage: composer -n N -m memtree.training.train CONFIG.yaml [key=value …]\n"
-            "       torchrun --nnodes M --nproc-per-node N … -m memtree.training.train CONFIG.yaml [key=value …]",
+            "usage: composer -n N -m memtree.training.train CONFIG.yaml [key=value …]\n       "
+            "torchrun --nnodes M --nproc-per-node N … -m memtree.training.train CONFIG.yaml "
+            "[key=value …]",
             file=sys.stderr,
         )
         return 2

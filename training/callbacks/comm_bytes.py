@@ -1,4 +1,5 @@
-"""Bytes each rank sends per step, by collective (`comm/bytes/<kind>`), their sum and running totals.
+"""Bytes each rank sends per step, by collective (`comm/bytes/<kind>`), their sum and running
+totals.
 
 `MemoryAdamW.comm_bytes` counts the optimizer's own collectives (the bank's sparse rows, the
 generic rows, the norm and size scalars). With `hook_ddp` (the default; config key

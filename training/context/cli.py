@@ -11,10 +11,11 @@ from memtree.cli import Commands, add_config, add_overrides, config_and_override
 def register(cli: Commands) -> None:
     c = cli.verb("train").add_parser(
         "context-vae",
-        help="train the context bank's compressor (a VAE over first+last hidden states) and reader on a frozen anchor",
-        description="Train the seed 004 §9.2 compressor and the reader that lets the frozen anchor attend to "
-        "retrieved latent tokens, on recall pairs (document, question about a fact it states). "
-        "Writes SAVE_FOLDER/context_vae.safetensors + context_vae.json. Example: "
+        help="train the context bank's compressor (a VAE over first+last hidden states) and reader "
+        "on a frozen anchor",
+        description="Train the seed 004 §9.2 compressor and the reader that lets the frozen anchor "
+        "attend to retrieved latent tokens, on recall pairs (document, question about a fact it "
+        "states). Writes SAVE_FOLDER/context_vae.safetensors + context_vae.json. Example: "
         "training/yamls/context-vae.yaml.",
     )
     add_config(c, "training/yamls/context-vae.yaml")
@@ -36,8 +37,8 @@ def _train_context(args: argparse.Namespace) -> int:
 
 
 def _check_context_inputs(cfg) -> None:
-    """The compressor run's inputs, named by key before anything is loaded or written (its time strings
-    are checked when the config loads: TimeString fields)."""
+    """The compressor run's inputs, named by key before anything is loaded or written (its time
+    strings are checked when the config loads: TimeString fields)."""
     from pathlib import Path
 
     from memtree.config import ConfigError
@@ -49,11 +50,13 @@ def _check_context_inputs(cfg) -> None:
     ]
     if missing:
         raise ConfigError(
-            f"anchor={cfg.anchor}: not a finished training run (no {' or '.join(missing)} there); give "
-            "the save_folder of a `memtree train run` run (`memtree demo` trains runs/demo/train/anchor)"
+            f"anchor={cfg.anchor}: not a finished training run (no {' or '.join(missing)} there); "
+            "give the save_folder of a `memtree train run` run (`memtree demo` trains "
+            "runs/demo/train/anchor)"
         )
     if not Path(cfg.data.pairs).is_file():
         raise ConfigError(
             f"data.pairs={cfg.data.pairs}: no such file; give a JSONL of recall pairs "
-            "(training/README.md; `memtree eval context-bank ROOT` writes ROOT/context-bank/pairs.jsonl)"
+            "(training/README.md; `memtree eval context-bank ROOT` writes "
+            "ROOT/context-bank/pairs.jsonl)"
         )

@@ -1,14 +1,16 @@
-"""`memtree train context-vae`: train the context bank's compressor and reader on a frozen anchor (Composer).
+"""`memtree train context-vae`: train the context bank's compressor and reader on a frozen anchor
+(Composer).
 
 Input: a finished anchor run (`anchor`: its save_folder) and recall pairs (`data.pairs`, JSONL, one
 record per (document, fact it states): {"doc", "prompt", "question", "answer", …}; eval's
-`memtree eval context-bank` writes them from a bios corpus with `pipeline.corpus.bios.recall_pairs`).
-Each example is the chunk of the prompt that holds the answer (what one bank entry would hold),
-the question with its answer (the recall loss is on the answer's tokens) and the question alone
-(the retrieval query). Losses: training/context/vae.py.
+`memtree eval context-bank` writes them from a bios corpus with
+`pipeline.corpus.bios.recall_pairs`). Each example is the chunk of the prompt that holds the answer
+(what one bank entry would hold), the question with its answer (the recall loss is on the answer's
+tokens) and the question alone (the retrieval query). Losses: training/context/vae.py.
 
 The anchor's weights are frozen and never written. What the run leaves in `save_folder`:
-  context_vae.safetensors / context_vae.json   the compressor + reader (format memtree-context-vae v1)
+  context_vae.safetensors / context_vae.json   the compressor + reader
+                                               (format memtree-context-vae v1)
   checkpoints/                                 Composer checkpoints (resume with autoresume: true)
   config.yaml                                  the resolved config
 """
@@ -190,7 +192,8 @@ class ContextVAEModel(ComposerModel):
         z = parts["z"]  # (B, n, e)
         B, n, e = z.shape
         k = B - 1 if cfg.distractors < 0 else min(cfg.distractors, B - 1)
-        # question b reads its own chunk and the next k of the batch (a shuffled batch: random others)
+        # question b reads its own chunk and the next k of the batch (a shuffled batch: random
+        # others)
         rows = (
             torch.arange(B, device=z.device)[:, None] + torch.arange(k + 1, device=z.device)
         ) % B  # (B, 1+k)
@@ -207,7 +210,8 @@ class ContextVAEModel(ComposerModel):
                 layer.keep_attention = False
         out = {"recon": parts["recon"], "kl": parts["kl"], "logits": logits}
         if cfg.align_weight > 0:
-            # the own chunk's latents come first in each row's memory: the answer's segment indexes them
+            # the own chunk's latents come first in each row's memory: the answer's segment indexes
+            # them
             seg, _, _ = segments(batch["prompt_len"], batch["prompt"].shape[1], n)
             pos = batch["answer_pos"]
             target = seg.gather(1, pos.clamp(min=0)[:, None])[:, 0]  # (B,)

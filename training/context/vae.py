@@ -1,4 +1,5 @@
-"""The context bank's compressor and reader (seed 004 §9.2–§9.3): the model side of the runtime memory.
+"""The context bank's compressor and reader (seed 004 §9.2–§9.3): the model side of the runtime
+memory.
 
 The store itself is `memstore.context.bank` (capacity, merging, clustering, persistence). This
 module turns a prompt into entries for it, and lets a frozen anchor read what it retrieves.
@@ -78,10 +79,11 @@ class ContextVAEConfig:
     """chunk_tokens: most tokens per entry; ratio: tokens per latent token (n_latent =
     ceil(chunk_tokens / ratio)); first: the first-layer states, "embedding" (the embedding
     layer's output) or "block" (block 0's output); latent_dim: d of a latent token (0: 2·d_model,
-    the width of what it compresses); hidden: encoder / decoder width (0: 2·d_model); reader_layers: where the reader reads: i in 0..n_layers-1
-    after block i, n_layers after the final norm (just before the output head); negative
-    indices count back from n_layers (-1: the head; default); reader_heads: its heads; distractors: other chunks of the batch each training
-    question reads beside its own (-1: all of them); *_weight: the loss weights (module docstring)."""
+    the width of what it compresses); hidden: encoder / decoder width (0: 2·d_model); reader_layers:
+    where the reader reads: i in 0..n_layers-1 after block i, n_layers after the final norm (just
+    before the output head); negative indices count back from n_layers (-1: the head; default);
+    reader_heads: its heads; distractors: other chunks of the batch each training question reads
+    beside its own (-1: all of them); *_weight: the loss weights (module docstring)."""
 
     chunk_tokens: int = 128
     ratio: int = 8
@@ -117,7 +119,8 @@ class ContextVAEConfig:
             raise ValueError(f"first must be 'embedding' or 'block', got {self.first!r}")
         if not is_int(self.distractors) or self.distractors < -1:
             raise ValueError(
-                f"distractors must be an integer >= -1 (-1: the whole batch), got {self.distractors!r}"
+                "distractors must be an integer >= -1 (-1: the whole batch), got "
+                f"{self.distractors!r}"
             )
         for name in (
             "recon_weight",
@@ -141,7 +144,8 @@ class ContextVAEConfig:
 
 
 def _check_against(cfg: ContextVAEConfig, d_model: int, n_layers: int, max_seq_len: int) -> None:
-    """A config that does not fit the anchor: a ConfigError naming the field and the model's value."""
+    """A config that does not fit the anchor: a ConfigError naming the field and the model's
+    value."""
     bad = [i for i in cfg.reader_layers if not -n_layers - 1 <= i <= n_layers]
     if bad:
         raise ConfigError(
@@ -398,7 +402,8 @@ def reading(model: nn.Module, vae: ContextVAE, mem: Tensor, mask: Tensor) -> Ite
 
 
 def chunk_ids(ids: Sequence[int], chunk_tokens: int) -> list[list[int]]:
-    """A prompt's token ids cut into consecutive chunks of at most chunk_tokens (one bank entry each)."""
+    """A prompt's token ids cut into consecutive chunks of at most chunk_tokens (one bank entry
+    each)."""
     ids = list(ids)
     return [ids[i : i + chunk_tokens] for i in range(0, len(ids), chunk_tokens)] or [[]]
 

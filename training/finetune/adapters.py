@@ -189,7 +189,7 @@ class AdapterSpec:
         )
 
 
-# -- memtree's own anchor -----------------------------------------------------------------------------
+# -- memtree's own anchor --------------------------------------------------------------------------
 
 
 def attach_to_anchor(model: nn.Module, spec: AdapterSpec, *, seed: int = 0) -> MoCConfig:

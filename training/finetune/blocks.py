@@ -1,4 +1,5 @@
-"""TF-IDF updates of hierarchical memory blocks: seed 003's slot selection applied to memtree's bank.
+"""TF-IDF updates of hierarchical memory blocks: seed 003's slot selection applied to memtree's
+bank.
 
 When new documents arrive, each is routed by the clustering tree (its own text, as pretraining
 routed its windows) and fetches one block per memory level. For FFN memories a block's "slots"
@@ -123,7 +124,8 @@ def recording_units(model: nn.Module) -> Iterator[dict[int, list[Tensor]]]:
 
 def used_units(h: Tensor, real: Tensor, frac: float) -> Tensor:
     """h (B, S, W) one level's slice of a layer's activations, real (B, S) → per sequence how many
-    real tokens used each unit (its |activation| in the top ⌈frac·W⌉ at that token): (B, W) int64."""
+    real tokens used each unit (its |activation| in the top ⌈frac·W⌉ at that token): (B, W)
+    int64."""
     k = max(1, int(np.ceil(frac * h.shape[-1])))
     top = h.abs().topk(k, dim=-1).indices  # (B, S, k)
     hit = torch.zeros_like(h, dtype=torch.int64).scatter_(-1, top, 1) * real[..., None].long()
@@ -141,7 +143,8 @@ class UnitBackground:
     source: str = ""
 
     def save(self, folder: str | Path) -> Path:
-        """unit_background.safetensors + unit_background.json (format memtree-block-background v1)."""
+        """unit_background.safetensors + unit_background.json (format memtree-block-background
+        v1)."""
         tensors = {f"df.{lv}": t for lv, t in self.df.items()} | {
             f"windows.{lv}": t for lv, t in self.windows.items()
         }
@@ -273,7 +276,8 @@ class BlockFinetuner:
                 n_blocks = self.store.levels[lv].info.n_blocks
                 if t.shape[0] != n_blocks:
                     raise ValueError(
-                        f"level {lv}: background counts cover {t.shape[0]} blocks, the bank has {n_blocks}"
+                        f"level {lv}: background counts cover {t.shape[0]} blocks, the bank has "
+                        f"{n_blocks}"
                     )
         self.background = background
         for p in self.model.parameters():

@@ -1,5 +1,5 @@
-"""`memtree train finetune CONFIG.yaml [key=value …]` and `memtree train finetune-background RUN`: continual
-finetuning on a stream of new data (training/finetune/continual.py, seed 003 §4–§5)."""
+"""`memtree train finetune CONFIG.yaml [key=value …]` and `memtree train finetune-background RUN`:
+continual finetuning on a stream of new data (training/finetune/continual.py, seed 003 §4–§5)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ def register(cli: Commands) -> None:
     sub = cli.verb("train")
     f = sub.add_parser(
         "finetune",
-        help="continual finetuning on a stream of new data: sparse memory finetuning, full or LoRA (seed 003)",
-        description="Stream a JSONL of batches ({'id', 'texts': [...]}) through a finished run, one gradient "
-        "step per record, with method sparse_memory | full | lora. Writes SAVE_FOLDER/"
+        help="continual finetuning on a stream of new data: sparse memory finetuning, full or LoRA "
+        "(seed 003)",
+        description="Stream a JSONL of batches ({'id', 'texts': [...]}) through a finished run, "
+        "one gradient step per record, with method sparse_memory | full | lora. Writes SAVE_FOLDER/"
         "anchor.safetensors + finetune.json. Example: training/yamls/finetune-sparse.yaml.",
     )
     add_config(f, "training/yamls/finetune-*.yaml")
@@ -25,8 +26,9 @@ def register(cli: Commands) -> None:
     b = sub.add_parser(
         "finetune-background",
         help="collect a memory-layer run's background access counts over its pretraining shards",
-        description="Count, per memory-layer slot, in how many of BATCHES pretraining batches it was read "
-        "(the IDF of sparse memory finetuning); stored with the checkpoint in RUN/pkm_background.",
+        description="Count, per memory-layer slot, in how many of BATCHES pretraining batches it "
+        "was read (the IDF of sparse memory finetuning); stored with the checkpoint in "
+        "RUN/pkm_background.",
     )
     b.add_argument("run", help="a finished run folder whose model has model.pkm")
     b.add_argument(
@@ -39,7 +41,8 @@ def register(cli: Commands) -> None:
         "--batch-size",
         type=positive,
         default=1,
-        help="sequences per batch (default 1: about a finetuning batch's tokens, so IDF separates slots)",
+        help="sequences per batch (default 1: about a finetuning batch's tokens, so IDF separates "
+        "slots)",
     )
     b.add_argument("--seed", type=int, default=0, help="shuffle seed of the shards (default 0)")
     b.set_defaults(func=_background)

@@ -1,4 +1,5 @@
-"""`memtree train finetune CONFIG.yaml`: continual finetuning on a stream of new data (seed 003 §4–§5).
+"""`memtree train finetune CONFIG.yaml`: continual finetuning on a stream of new data
+(seed 003 §4–§5).
 
 Input: a finished run (`run`: its save_folder, as `memtree train` leaves it) and a JSONL stream
 (`data`): one record per batch, in the order the model meets them, {"id": …, "texts": [str, …]}
@@ -9,12 +10,13 @@ longest; padding is neither trained on nor counted as a memory access.
 
 Methods (`method`):
   sparse_memory  only the values of memory-layer slots: per batch, the slots the forward read are
-                 counted, ranked by TF-IDF against the run's background counts (training/layers/pkm.py)
-                 and only the top_t per layer keep their gradient (`ranking: tf` ranks by counts
-                 alone, `all` keeps every accessed slot: the seed's ablations). SGD by default.
+                 counted, ranked by TF-IDF against the run's background counts
+                 (training/layers/pkm.py) and only the top_t per layer keep their gradient
+                 (`ranking: tf` ranks by counts alone, `all` keeps every accessed slot: the seed's
+                 ablations). SGD by default.
   full           every parameter (AdamW, weight decay 0.1 by default: the seed's baseline).
-  lora           LoRA adapters on every attention and FFN matrix (training/finetune/lora.py), merged into
-                 the weights when the stream ends. AdamW by default.
+  lora           LoRA adapters on every attention and FFN matrix (training/finetune/lora.py), merged
+                 into the weights when the stream ends. AdamW by default.
   mem_adapter    memory cross-attention adapters (training/finetune/adapters.py, seed 004 §7.3): MoC
                  layers added to the chosen blocks (`adapter`), the base model frozen; the bank at
                  lr × adapter.bank_lr_factor (0: frozen, §6.1). A model that already has MoC
@@ -231,7 +233,8 @@ def batch_tensors(
 
 
 def lm_loss(logits: Tensor, ids: Tensor, real: Tensor) -> Tensor:
-    """Mean next-token cross-entropy over real target positions: logits (B, S, V), ids, real (B, S)."""
+    """Mean next-token cross-entropy over real target positions: logits (B, S, V), ids,
+    real (B, S)."""
     tgt = ids[:, 1:].masked_fill(~real[:, 1:], -100)
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tgt.flatten(), ignore_index=-100)
 
@@ -245,7 +248,8 @@ def load_background(folder: str | Path, model: nn.Module) -> dict[int, Backgroun
             out[i] = BackgroundCounts.load(Path(folder) / f"layer_{i}", n_slots=b.pkm.cfg.n_slots)
     if not out:
         raise ValueError(
-            "sparse_memory finetuning needs a model with a memory layer (model.pkm); this run has none"
+            "sparse_memory finetuning needs a model with a memory layer (model.pkm); this run has "
+            "none"
         )
     return out
 
@@ -281,7 +285,8 @@ class Finetuner:
         if spec.method == "sparse_memory":
             if not self.memory:
                 raise ValueError(
-                    "method sparse_memory needs a model with a memory layer (model.pkm); this one has none"
+                    "method sparse_memory needs a model with a memory layer (model.pkm); this one "
+                    "has none"
                 )
             if spec.ranking == "tfidf":
                 missing = sorted(set(self.memory) - set(self.background))
@@ -293,8 +298,9 @@ class Finetuner:
                 for i, m in self.memory.items():
                     if self.background[i].doc_freq.numel() != m.cfg.n_slots:
                         raise ValueError(
-                            f"layer {i}: background counts cover {self.background[i].doc_freq.numel()} "
-                            f"slots, the memory has n_slots={m.cfg.n_slots}"
+                            f"layer {i}: background counts cover "
+                            f"{self.background[i].doc_freq.numel()} slots, the memory has "
+                            f"n_slots={m.cfg.n_slots}"
                         )
             for p in model.parameters():
                 p.requires_grad_(False)
@@ -400,7 +406,8 @@ class Finetuner:
         return self.hf_adapter if self.hf_adapter is not None else self.model
 
     def added_state(self) -> dict[str, Tensor]:
-        """Tensors the finetune added outside the model's state dict: an HF model's memory adapters."""
+        """Tensors the finetune added outside the model's state dict: an HF model's memory
+        adapters."""
         if self.hf_adapter is None:
             return {}
         return {
@@ -473,7 +480,8 @@ def finetune_stream(
 ) -> dict[str, Any]:
     """Stream (record id, ids, real) batches through `Finetuner`; returns the step log, the
     trainable parameters (counted on the built modules) and what changed. The model is changed in
-    place and left in eval mode with LoRA merged (an HF model keeps its memory adapters hooked in)."""
+    place and left in eval mode with LoRA merged (an HF model keeps its memory adapters hooked
+    in)."""
     before = snapshot(model)
     ft = Finetuner(model, spec, background=background)
     log = []
@@ -528,8 +536,8 @@ def check_run_folder(run: str | Path, key: str = "run") -> None:
 
 
 def check_finetune_inputs(cfg: FinetuneConfig) -> None:
-    """The finetune's inputs exist, before anything is loaded or written: an error names the key, the
-    path and what produces the file."""
+    """The finetune's inputs exist, before anything is loaded or written: an error names the key,
+    the path and what produces the file."""
     check_run_folder(cfg.run)
     if not Path(cfg.data).is_file():
         raise ConfigError(
@@ -547,7 +555,8 @@ def check_finetune_inputs(cfg: FinetuneConfig) -> None:
 
 
 def finetune(cfg: FinetuneConfig, *, progress: bool = True) -> dict[str, Any]:
-    """Run a finetune from a config (the `memtree train finetune` command); returns finetune.json's record."""
+    """Run a finetune from a config (the `memtree train finetune` command); returns finetune.json's
+    record."""
     torch.manual_seed(cfg.seed)
     out = Path(cfg.save_folder)
     if (out / "finetune.json").exists():
@@ -618,7 +627,8 @@ def collect_run_background(
     """Collect a run's background counts over `batches` batches of its own pretraining shards and
     store them with the checkpoint (run/pkm_background/layer_{i}, replaced whole); returns the
     folders. Default: 1,000 batches (the seed's count) of one training window each, about as many
-    tokens as a finetuning batch of a fact's paraphrases (BackgroundCounts says why that matters)."""
+    tokens as a finetuning batch of a fact's paraphrases (BackgroundCounts says why that
+    matters)."""
     check_run_folder(run, key="RUN")
     composer_model, train_cfg, _, _ = load_run(run)
     loader = build_dataloader(

@@ -1,8 +1,8 @@
 """Memory adapters on a pretrained Hugging Face causal LM (seed 004 §7.3–7.4).
 
-The Mixture-of-Chapters memory cross-attention of `training/layers/moc.py` (router, top-k chapters of a
-latent bank, cross-attention from the hidden states), added as adapters to chosen decoder layers
-of an HF model that was trained without it — the HF counterpart of
+The Mixture-of-Chapters memory cross-attention of `training/layers/moc.py` (router, top-k chapters
+of a latent bank, cross-attention from the hidden states), added as adapters to chosen decoder
+layers of an HF model that was trained without it — the HF counterpart of
 `training.finetune.adapters.attach_to_anchor`. `AdapterSpec` configures it; `AdapterSpec.moc_config`
 resolves it against the model's shape and its errors (`ConfigError`) name the field and the
 model's value.
@@ -274,7 +274,8 @@ class HFMemAdapter(nn.Module):
 
     # -- forward ------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        """The HF model's forward (`.logits` (B, S, V), `.loss` with labels); the hooks add the memory."""
+        """The HF model's forward (`.logits` (B, S, V), `.loss` with labels); the hooks add the
+        memory."""
         return self.hf(*args, **kwargs)
 
     def aux_loss(self) -> Tensor:

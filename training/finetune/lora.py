@@ -1,7 +1,8 @@
 """LoRA adapters on an anchor's attention and FFN matrices: the parameter-efficient finetuning
-baseline of seed 003 (Hu et al. 2021), used by `memtree train finetune` (training/finetune/continual.py).
-The anchor is memtree's own `AnchorLM` or a Hugging Face causal LM with Llama / Qwen / Gemma style
-decoder layers (`self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`: the same seven matrices).
+baseline of seed 003 (Hu et al. 2021), used by `memtree train finetune`
+(training/finetune/continual.py). The anchor is memtree's own `AnchorLM` or a Hugging Face causal LM
+with Llama / Qwen / Gemma style decoder layers (`self_attn.{q,k,v,o}_proj`,
+`mlp.{gate,up,down}_proj`: the same seven matrices).
 
 `peft` is not used: both hosts' projections are `nn.Linear`s, so a
 wrapper that keeps the frozen base and adds `scale · B A x` is the whole of it, and it keeps
@@ -22,7 +23,8 @@ from memtree.training.hf import decoder_layers
 # Module names (inside each block) that LoRA targets: attention q/k/v/o and SwiGLU w1/w2/w3.
 ATTENTION = ("attn.q", "attn.k", "attn.v", "attn.o")
 FFN = ("ffn.w1", "ffn.w2", "ffn.w3")
-# The same matrices in a Hugging Face decoder layer (gate ↔ w1, up ↔ w2, down ↔ w3, as training/hf.py maps them).
+# The same matrices in a Hugging Face decoder layer (gate ↔ w1, up ↔ w2, down ↔ w3, as
+# training/hf.py maps them).
 HF_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 HF_FFN = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -94,8 +96,9 @@ def add_lora(model: nn.Module, *, rank: int, alpha: float, targets: str = "all")
             lin = getattr(parent, attr, None)
             if lin is None:
                 raise ValueError(
-                    f"{prefix}.{name}: {type(block).__name__} has no such module; LoRA on a Hugging "
-                    f"Face model targets Llama / Qwen / Gemma style layers ({', '.join(names)})"
+                    f"{prefix}.{name}: {type(block).__name__} has no such module; LoRA on a "
+                    "Hugging Face model targets Llama / Qwen / Gemma style layers "
+                    f"({', '.join(names)})"
                 )
             if not isinstance(lin, nn.Linear):
                 raise TypeError(

@@ -170,7 +170,8 @@ class BackgroundCounts:
         self.tokens += int(tokens)
 
     def save(self, folder: str | Path) -> Path:
-        """background_counts.safetensors + background_counts.json (format memtree-pkm-background v1)."""
+        """background_counts.safetensors + background_counts.json (format memtree-pkm-background
+        v1)."""
         return write_checked_tensors(
             folder,
             "background_counts",

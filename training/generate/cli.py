@@ -18,11 +18,12 @@ from memtree.cli import Commands
 def register(cli: Commands) -> None:
     p = cli.command(
         "generate",
-        help="generate text with a trained run, its memory fetched per prompt from the bank's tiers",
-        description="Route each prompt with the run's tree, fetch its path's blocks through memstore "
-        "(tiers, checksums, blocking, session cache), attach them and decode with a KV cache. "
-        "Prints each answer and its timing: route, fetch per level, attach, prefill, time to "
-        "first token, decode tokens/s, resident bytes.",
+        help="generate text with a trained run, its memory fetched per prompt "
+        "from the bank's tiers",
+        description="Route each prompt with the run's tree, fetch its path's blocks through "
+        "memstore (tiers, checksums, blocking, session cache), attach them and decode with a KV "
+        "cache. Prints each answer and its timing: route, fetch per level, attach, prefill, time "
+        "to first token, decode tokens/s, resident bytes.",
     )
     p.add_argument(
         "run",
@@ -39,7 +40,8 @@ def register(cli: Commands) -> None:
         "--memory",
         default="fetched",
         choices=("fetched", "generic", "none"),
-        help="fetched: the prompt's path (default); generic: the bank's generic blocks; none: anchor alone",
+        help="fetched: the prompt's path (default); generic: the bank's generic blocks; none: "
+        "anchor alone",
     )
     p.add_argument(
         "--max-new-tokens", type=int, default=32, help="most tokens to generate (default 32)"
@@ -79,14 +81,15 @@ def register(cli: Commands) -> None:
     p.add_argument(
         "--profile",
         metavar="PROFILE",
-        help="with --session: replay the session's paths through the fetch simulator on this hardware "
-        "profile (a YAML from `memtree memstore calibrate`, or a shipped name) and print measured "
-        "against predicted fetch time per prompt",
+        help="with --session: replay the session's paths through the fetch simulator on this "
+        "hardware profile (a YAML from `memtree memstore calibrate`, or a shipped name) and print "
+        "measured against predicted fetch time per prompt",
     )
     p.add_argument(
         "--buffered",
         action="store_true",
-        help="read the flash tier through the page cache (default: O_DIRECT, as a device's flash is read)",
+        help="read the flash tier through the page cache (default: O_DIRECT, as a device's flash "
+        "is read)",
     )
     p.add_argument(
         "--export",
@@ -101,7 +104,8 @@ def register(cli: Commands) -> None:
 
 
 def read_prompts(path: str | Path) -> list[str]:
-    """The "prompt" of every line of a JSONL file; a bad line is an error naming the file and line."""
+    """The "prompt" of every line of a JSONL file; a bad line is an error naming the file and
+    line."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--prompts {path}: no such file")
@@ -230,8 +234,9 @@ def _generate(args: argparse.Namespace) -> int:
         if args.export:
             e = doc["export"]
             print(
-                f"exported: {e['path']} ({e['architecture']}, {e['memory']} memory merged: {e['memory_merged']}, "
-                f"{e['params']:,} parameters); load it with AutoModelForCausalLM.from_pretrained"
+                f"exported: {e['path']} ({e['architecture']}, {e['memory']} memory merged: "
+                f"{e['memory_merged']}, {e['params']:,} parameters); load it with "
+                "AutoModelForCausalLM.from_pretrained"
                 + (
                     ""
                     if e["model_type"] != "memtree_anchor"
@@ -277,10 +282,14 @@ def format_generations(results, *, session: bool = False) -> str:
         lines += [
             f"    prefill  {_ms(t['prefill_s'])} ({r.prompt_tokens} prompt tokens)",
             f"    first token after {_ms(t['ttft_s'])}",
-            f"    decode   {t['decode_tokens']} tokens in {_ms(t['decode_s'])} ({t['decode_tok_s']:.1f} tokens/s)",
             (
-                f"    resident anchor {_mib(res['anchor_bytes'])} + fetched {_mib(res['fetched_bytes'])} + "
-                f"KV cache {_mib(res['kv_cache_bytes'])} (bank {_mib(res['bank_bytes'])} on its tiers)"
+                f"    decode   {t['decode_tokens']} tokens in {_ms(t['decode_s'])} "
+                f"({t['decode_tok_s']:.1f} tokens/s)"
+            ),
+            (
+                f"    resident anchor {_mib(res['anchor_bytes'])} + fetched "
+                f"{_mib(res['fetched_bytes'])} + KV cache {_mib(res['kv_cache_bytes'])} (bank "
+                f"{_mib(res['bank_bytes'])} on its tiers)"
             ),
         ]
     if session:

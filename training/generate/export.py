@@ -186,7 +186,8 @@ class _Attention(nn.Module):
         cache: DynamicCache | None,
         layer: int,
     ) -> Tensor:
-        """x (B, S, d) → (B, S, d). mask (B, 1, S, T) bool or None (plain causal from position 0)."""
+        """x (B, S, d) → (B, S, d). mask (B, 1, S, T) bool or None (plain causal from
+        position 0)."""
         q, k, v = self.q(x), self.k(x), self.v(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -428,8 +429,9 @@ def _one_path(
         for name, t in lm.items():
             if t.ndim != 3 or t.shape[0] != 1:
                 raise ValueError(
-                    f"layer {layer} {name}: shape {tuple(t.shape)}; an export merges one path's memory, "
-                    "so it needs batch B = 1 (e.g. assemble_memories({level: blocks[level][i:i + 1]}, …))"
+                    f"layer {layer} {name}: shape {tuple(t.shape)}; an export merges one path's "
+                    "memory, so it needs batch B = 1 (e.g. assemble_memories({level: "
+                    "blocks[level][i:i + 1]}, …))"
                 )
             for got, exp in zip(t.shape[1:], want[name], strict=True):
                 if exp is None:

@@ -36,7 +36,8 @@ def simulate_generations(
 ) -> dict[str, Any]:
     """Measured against predicted, per prompt, for `generations` (fetched memory, in order) read
     through `store`; `cache_bytes`: the store's cached tier's budget, which the simulator's one
-    cache gets. Profile tiers must carry the store's tier names (a calibrated profile's: ram, flash)."""
+    cache gets. Profile tiers must carry the store's tier names (a calibrated profile's: ram,
+    flash)."""
     if not generations or any(g.path is None for g in generations):
         raise ValueError(
             "--session with --profile: every prompt needs fetched memory (--memory fetched)"
@@ -44,8 +45,9 @@ def simulate_generations(
     missing = sorted({t for t in store.placement.values()} - {t.name for t in profile.tiers})
     if missing:
         raise ValueError(
-            f"--profile {profile.name}: no tier named {', '.join(missing)} (the store places levels "
-            f"on {sorted(set(store.placement.values()))}; `memtree memstore calibrate` writes ram / flash)"
+            f"--profile {profile.name}: no tier named {', '.join(missing)} (the store places "
+            f"levels on {sorted(set(store.placement.values()))}; `memtree memstore calibrate` "
+            "writes ram / flash)"
         )
     trace = np.asarray([g.path for g in generations], dtype=np.int64)  # (n, L)
     p = make_plan(anchor, memory_config)
@@ -116,28 +118,36 @@ def simulate_generations(
 def format_simulation(sim: dict[str, Any]) -> str:
     lines = [
         (
-            f"simulator ({sim['profile']}, placement {sim['placement']}, cache {sim['cache_bytes']:,} B): "
-            "measured against predicted, per prompt"
+            f"simulator ({sim['profile']}, placement {sim['placement']}, cache "
+            f"{sim['cache_bytes']:,} B): measured against predicted, per prompt"
         ),
-        f"{'prompt':>6}  {'cached (measured / predicted)':<30} {'measured':>10} {'predicted':>10} {'ratio':>6}",
+        (
+            f"{'prompt':>6}  {'cached (measured / predicted)':<30} {'measured':>10} "
+            f"{'predicted':>10} {'ratio':>6}"
+        ),
     ]
     for r in sim["per_prompt"]:
-        cached = f"{','.join(map(str, r['cached_levels'])) or '-'} / {','.join(map(str, r['predicted_cached_levels'])) or '-'}"
+        cached = (
+            f"{','.join(map(str, r['cached_levels'])) or '-'} / "
+            f"{','.join(map(str, r['predicted_cached_levels'])) or '-'}"
+        )
         ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
         lines.append(
-            f"{r['prompt']:>6}  {cached:<30} {1e3 * r['measured_s']:>8.2f}ms {1e3 * r['predicted_s']:>8.2f}ms "
-            f"{ratio:>6}"
+            f"{r['prompt']:>6}  {cached:<30} {1e3 * r['measured_s']:>8.2f}ms "
+            f"{1e3 * r['predicted_s']:>8.2f}ms {ratio:>6}"
         )
     f = sim["fetching_prompts"]
     ratio = f"{f['ratio']:.2f}" if f["ratio"] is not None else "-"
     lines.append(
-        f"hit rate measured {sim['hit_rate']['measured']:.2f}, predicted {sim['hit_rate']['predicted']:.2f}"
-        f" ({'equal per prompt' if sim['hits_agree'] else 'DIFFER'}); prompts that fetched: measured "
-        f"{1e3 * f['measured_s']:.2f} ms, predicted {1e3 * f['predicted_s']:.2f} ms (ratio {ratio})"
+        f"hit rate measured {sim['hit_rate']['measured']:.2f}, predicted "
+        f"{sim['hit_rate']['predicted']:.2f} "
+        f"({'equal per prompt' if sim['hits_agree'] else 'DIFFER'}); prompts that fetched: "
+        f"measured {1e3 * f['measured_s']:.2f} ms, predicted {1e3 * f['predicted_s']:.2f} ms "
+        f"(ratio {ratio})"
     )
     a = sim["attach"]
     lines.append(
-        f"attach per prompt: measured {1e3 * a['measured_s']:.2f} ms (median), the profile's tensor_us "
-        f"predicts {1e3 * a['predicted_s']:.2f} ms"
+        f"attach per prompt: measured {1e3 * a['measured_s']:.2f} ms (median), the profile's "
+        f"tensor_us predicts {1e3 * a['predicted_s']:.2f} ms"
     )
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""Mixture-of-Chapters memory layers (seed 000 §5, App. A.3 Algorithm 1, App. A.4 Table 5; seed 004).
+"""Mixture-of-Chapters memory layers (seed 000 §5, App. A.3 Algorithm 1, App. A.4 Table 5;
+seed 004).
 
 A latent memory bank of C chapters × T tokens (shared by every memory layer or
 one per layer, seed 004 §3.1) is read by cross-attention from chosen blocks of
@@ -217,7 +218,8 @@ class Routing(NamedTuple):
 
 
 def route(logits: Tensor, *, n_shared: int, top_k: int, routed_scaling: float) -> Routing:
-    """Sequence-level top-k routing with always-on shared chapters. logits (B, C) over all chapters."""
+    """Sequence-level top-k routing with always-on shared chapters. logits (B, C) over all
+    chapters."""
     batch = logits.shape[0]
     probs = logits[:, n_shared:].softmax(dim=-1)  # (B, C_r)
     top_p, routed = probs.topk(top_k, dim=-1)  # (B, k)
@@ -348,7 +350,8 @@ class LatentBank(nn.Module):
             nn.init.normal_(self.up, std=self.cfg.rank**-0.5)
 
     def forward(self, chapters: Tensor) -> Tensor:
-        """chapters (U,) → their tokens (U, T, m_out); the table's gradient is sparse over `chapters`."""
+        """chapters (U,) → their tokens (U, T, m_out); the table's gradient is sparse over
+        `chapters`."""
         rows = quantise(
             F.embedding(chapters, self.weight, sparse=True), self.cfg.bank_dtype
         )  # (U, T·m)
