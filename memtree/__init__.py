@@ -39,7 +39,8 @@ class _SourceTreeStages(importlib.abc.MetaPathFinder):
             return None
         folder = self.root / stage
         return importlib.util.spec_from_file_location(
-            fullname, folder / "__init__.py", submodule_search_locations=[str(folder)])
+            fullname, folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
 
 
 def _find_stages_in_a_source_tree() -> None:

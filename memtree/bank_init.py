@@ -19,14 +19,19 @@ import torch
 from memtree.geometry import TensorSpec, join_block
 
 
-def paper_block(layout: Sequence[TensorSpec], *, seed: int, level: int, cluster: int,
-                std: float = 0.02) -> torch.Tensor:
+def paper_block(
+    layout: Sequence[TensorSpec], *, seed: int, level: int, cluster: int, std: float = 0.02
+) -> torch.Tensor:
     """One flat fp32 block (P,) laid out as `layout`, with the App. I initialisation,
     deterministic per (seed, level, cluster): memories have no effect at step 0 (FFN W3, LoRA B
     and KV values are zero); W1, W2 and KV keys are truncated normal (±2σ), LoRA A Kaiming
     uniform, as nn.Linear's own."""
-    g = torch.Generator().manual_seed(int.from_bytes(
-        hashlib.blake2b(f"{seed}:{level}:{cluster}".encode(), digest_size=8).digest(), "little") >> 1)
+    g = torch.Generator().manual_seed(
+        int.from_bytes(
+            hashlib.blake2b(f"{seed}:{level}:{cluster}".encode(), digest_size=8).digest(), "little"
+        )
+        >> 1
+    )
     tensors = {}
     for t in layout:
         role = t.name.rsplit(".", 1)[-1]

@@ -103,7 +103,9 @@ class TrainingMemory:
 
     @property
     def anchor_total(self) -> int:
-        return self.anchor_weights + self.anchor_grads + self.anchor_optimizer + self.anchor_fsdp_units
+        return (
+            self.anchor_weights + self.anchor_grads + self.anchor_optimizer + self.anchor_fsdp_units
+        )
 
     @property
     def bank_state(self) -> int:
@@ -130,22 +132,33 @@ def memory_groups(ranks: int, branching: int) -> int:
     return max(g for g in range(1, min(ranks, branching) + 1) if ranks % g == 0)
 
 
-def _check(ranks: int, bank: str, anchor_parallel: str, global_batch: int,
-           seq_len: int) -> None:
+def _check(ranks: int, bank: str, anchor_parallel: str, global_batch: int, seq_len: int) -> None:
     if bank not in BANKS:
         raise ValueError(f"bank {bank!r} is not one of {list(BANKS)}")
     if anchor_parallel not in ANCHOR_PARALLEL:
-        raise ValueError(f"anchor_parallel {anchor_parallel!r} is not one of {list(ANCHOR_PARALLEL)}")
+        raise ValueError(
+            f"anchor_parallel {anchor_parallel!r} is not one of {list(ANCHOR_PARALLEL)}"
+        )
     if global_batch < 1 or seq_len < 1:
-        raise ValueError(f"global batch {global_batch} and sequence length {seq_len} must be positive")
+        raise ValueError(
+            f"global batch {global_batch} and sequence length {seq_len} must be positive"
+        )
     if not 1 <= ranks <= global_batch:
         # a rank without a sequence of the global batch would have nothing to train on
-        raise ValueError(f"ranks {ranks} must be between 1 and the global batch of {global_batch} sequences")
+        raise ValueError(
+            f"ranks {ranks} must be between 1 and the global batch of {global_batch} sequences"
+        )
 
 
-def training_memory(plan: Plan, *, ranks: int, bank: Bank, anchor_parallel: AnchorParallel,
-                    global_batch: int = DEFAULT_GLOBAL_BATCH,
-                    seq_len: int = DEFAULT_SEQ_LEN) -> TrainingMemory:
+def training_memory(
+    plan: Plan,
+    *,
+    ranks: int,
+    bank: Bank,
+    anchor_parallel: AnchorParallel,
+    global_batch: int = DEFAULT_GLOBAL_BATCH,
+    seq_len: int = DEFAULT_SEQ_LEN,
+) -> TrainingMemory:
     """Per-rank training bytes of `plan` on `ranks` data-parallel ranks."""
     _check(ranks, bank, anchor_parallel, global_batch, seq_len)
     anchor, B = plan.anchor, plan.memory.branching
@@ -183,14 +196,24 @@ def training_memory(plan: Plan, *, ranks: int, bank: Bank, anchor_parallel: Anch
         else:
             gather_vals += gather_ranks * touched * lv.block_params
     return TrainingMemory(
-        bank=bank, anchor_parallel=anchor_parallel, ranks=ranks, groups=groups,
-        replicas=ranks // groups, subtrees_per_rank=subtrees, sequences_per_rank=seqs,
-        seq_len=seq_len, rows_held=tuple(rows_held),
-        anchor_weights=FP32 * shard, anchor_grads=FP32 * shard, anchor_optimizer=ADAM_STATE * shard,
+        bank=bank,
+        anchor_parallel=anchor_parallel,
+        ranks=ranks,
+        groups=groups,
+        replicas=ranks // groups,
+        subtrees_per_rank=subtrees,
+        sequences_per_rank=seqs,
+        seq_len=seq_len,
+        rows_held=tuple(rows_held),
+        anchor_weights=FP32 * shard,
+        anchor_grads=FP32 * shard,
+        anchor_optimizer=ADAM_STATE * shard,
         anchor_fsdp_units=units,
-        bank_tables=FP32 * tables, bank_optimizer=ADAM_STATE * tables,
+        bank_tables=FP32 * tables,
+        bank_optimizer=ADAM_STATE * tables,
         bank_row_state=ROW_BOOKKEEPING * sum(rows_held),
-        bank_grads=FP32 * grads, bank_grad_gather=FP32 * gather_vals,
+        bank_grads=FP32 * grads,
+        bank_grad_gather=FP32 * gather_vals,
     )
 
 
@@ -207,28 +230,43 @@ def fits(mem: TrainingMemory, device_bytes: int, *, headroom: float = DEFAULT_HE
     return mem.total <= usable_bytes(device_bytes, headroom)
 
 
-def _never_reason(plan: Plan, bank: str, anchor_parallel: str, budget: float, last: int,
-                  at_last: TrainingMemory) -> str:
+def _never_reason(
+    plan: Plan, bank: str, anchor_parallel: str, budget: float, last: int, at_last: TrainingMemory
+) -> str:
     """Why a layout fits at no W <= last: name the part that does not shrink with W."""
     B, have, usable = plan.memory.branching, binary_bytes(at_last.bank_state), binary_bytes(budget)
     if bank == "replicated" and at_last.bank_state > budget:
-        return (f"every rank holds the whole bank: its tables and AdamW state alone are {have}, "
-                f"over the {usable} usable at any rank count")
+        return (
+            f"every rank holds the whole bank: its tables and AdamW state alone are {have}, "
+            f"over the {usable} usable at any rank count"
+        )
     if bank == "sharded" and at_last.subtrees_per_rank == 1 and at_last.bank_state > budget:
-        return (f"sharded bank shards are level-1 subtrees: beyond {B} ranks the per-rank bank "
-                f"stops shrinking, and one subtree's rows and AdamW state are {have}, over the "
-                f"{usable} usable")
+        return (
+            f"sharded bank shards are level-1 subtrees: beyond {B} ranks the per-rank bank "
+            f"stops shrinking, and one subtree's rows and AdamW state are {have}, over the "
+            f"{usable} usable"
+        )
     if anchor_parallel == "ddp" and at_last.anchor_total > budget:
-        return (f"DDP keeps the whole anchor on every rank: its weights, gradients and AdamW "
-                f"state are {binary_bytes(at_last.anchor_total)}, over the {usable} usable")
-    return (f"does not fit at any rank count up to {last} (each rank needs one of the global "
-            f"batch's sequences): {binary_bytes(at_last.total)} per rank at {last} ranks, over "
-            f"the {usable} usable")
+        return (
+            f"DDP keeps the whole anchor on every rank: its weights, gradients and AdamW "
+            f"state are {binary_bytes(at_last.anchor_total)}, over the {usable} usable"
+        )
+    return (
+        f"does not fit at any rank count up to {last} (each rank needs one of the global "
+        f"batch's sequences): {binary_bytes(at_last.total)} per rank at {last} ranks, over "
+        f"the {usable} usable"
+    )
 
 
-def min_ranks(plan: Plan, *, device_bytes: int, headroom: float = DEFAULT_HEADROOM,
-              global_batch: int = DEFAULT_GLOBAL_BATCH, seq_len: int = DEFAULT_SEQ_LEN,
-              max_ranks: int = MAX_RANKS) -> dict[tuple[str, str], MinRanks]:
+def min_ranks(
+    plan: Plan,
+    *,
+    device_bytes: int,
+    headroom: float = DEFAULT_HEADROOM,
+    global_batch: int = DEFAULT_GLOBAL_BATCH,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    max_ranks: int = MAX_RANKS,
+) -> dict[tuple[str, str], MinRanks]:
     """For every (bank, anchor_parallel) layout, the smallest W in 1..max_ranks that fits.
 
     Ranks are capped at the global batch as well (each rank needs a sequence). The search is a
@@ -240,22 +278,46 @@ def min_ranks(plan: Plan, *, device_bytes: int, headroom: float = DEFAULT_HEADRO
     for bank, par in LAYOUTS:
         found, mem = None, None
         for w in range(1, last + 1):
-            mem = training_memory(plan, ranks=w, bank=bank, anchor_parallel=par,
-                                  global_batch=global_batch, seq_len=seq_len)
+            mem = training_memory(
+                plan,
+                ranks=w,
+                bank=bank,
+                anchor_parallel=par,
+                global_batch=global_batch,
+                seq_len=seq_len,
+            )
             if mem.total <= budget:
                 found = w
                 break
         assert mem is not None
-        out[(bank, par)] = (MinRanks(ranks=found) if found is not None else
-                            MinRanks(ranks=None, reason=_never_reason(plan, bank, par, budget, last, mem)))
+        out[(bank, par)] = (
+            MinRanks(ranks=found)
+            if found is not None
+            else MinRanks(ranks=None, reason=_never_reason(plan, bank, par, budget, last, mem))
+        )
     return out
 
 
-_UNITS = {"": 1, "b": 1,
-          "k": 10**3, "kb": 10**3, "ki": 2**10, "kib": 2**10,
-          "m": 10**6, "mb": 10**6, "mi": 2**20, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gi": 2**30, "gib": 2**30,
-          "t": 10**12, "tb": 10**12, "ti": 2**40, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "ki": 2**10,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mi": 2**20,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gi": 2**30,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "ti": 2**40,
+    "tib": 2**40,
+}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
 
 
@@ -265,8 +327,10 @@ def parse_bytes(text: str) -> int:
     m = _SIZE.fullmatch(str(text))
     unit = m and _UNITS.get(m.group(2).lower())
     if not m or unit is None:
-        raise ValueError(f"size {text!r}: expected a number with an optional unit, e.g. 80GiB, 80GB, "
-                         "512MiB or 1TB (GiB/Gi = 2^30 bytes, GB/G = 10^9)")
+        raise ValueError(
+            f"size {text!r}: expected a number with an optional unit, e.g. 80GiB, 80GB, "
+            "512MiB or 1TB (GiB/Gi = 2^30 bytes, GB/G = 10^9)"
+        )
     n = round(float(m.group(1)) * unit)
     if n <= 0:
         raise ValueError(f"size {text!r} must be positive")
@@ -303,36 +367,63 @@ class TrainingReport:
 
     def to_dict(self) -> dict:
         return {
-            "ranks": self.ranks, "device_memory_bytes": self.device_bytes, "headroom": self.headroom,
-            "usable_bytes": int(self.budget), "global_batch": self.global_batch, "seq_len": self.seq_len,
+            "ranks": self.ranks,
+            "device_memory_bytes": self.device_bytes,
+            "headroom": self.headroom,
+            "usable_bytes": int(self.budget),
+            "global_batch": self.global_batch,
+            "seq_len": self.seq_len,
             "not_modelled": "activations, workspace, communication buckets, fragmentation "
-                            "(left to the headroom)",
+            "(left to the headroom)",
             "layouts": {
-                f"{b}+{a}": {**self.layouts[(b, a)].to_dict(), "fits": self.fit[(b, a)],
-                             "min_ranks": self.minimum[(b, a)].ranks,
-                             "min_ranks_reason": self.minimum[(b, a)].reason}
+                f"{b}+{a}": {
+                    **self.layouts[(b, a)].to_dict(),
+                    "fits": self.fit[(b, a)],
+                    "min_ranks": self.minimum[(b, a)].ranks,
+                    "min_ranks_reason": self.minimum[(b, a)].reason,
+                }
                 for b, a in LAYOUTS
             },
         }
 
 
-def training_report(plan: Plan, *, ranks: int, device_bytes: int,
-                    headroom: float = DEFAULT_HEADROOM, global_batch: int = DEFAULT_GLOBAL_BATCH,
-                    seq_len: int = DEFAULT_SEQ_LEN) -> TrainingReport:
-    layouts = {(b, a): training_memory(plan, ranks=ranks, bank=b, anchor_parallel=a,
-                                       global_batch=global_batch, seq_len=seq_len)
-               for b, a in LAYOUTS}
+def training_report(
+    plan: Plan,
+    *,
+    ranks: int,
+    device_bytes: int,
+    headroom: float = DEFAULT_HEADROOM,
+    global_batch: int = DEFAULT_GLOBAL_BATCH,
+    seq_len: int = DEFAULT_SEQ_LEN,
+) -> TrainingReport:
+    layouts = {
+        (b, a): training_memory(
+            plan, ranks=ranks, bank=b, anchor_parallel=a, global_batch=global_batch, seq_len=seq_len
+        )
+        for b, a in LAYOUTS
+    }
     return TrainingReport(
-        ranks=ranks, branching=plan.memory.branching, device_bytes=device_bytes, headroom=headroom,
-        global_batch=global_batch, seq_len=seq_len, layouts=layouts,
+        ranks=ranks,
+        branching=plan.memory.branching,
+        device_bytes=device_bytes,
+        headroom=headroom,
+        global_batch=global_batch,
+        seq_len=seq_len,
+        layouts=layouts,
         fit={k: fits(m, device_bytes, headroom=headroom) for k, m in layouts.items()},
-        minimum=min_ranks(plan, device_bytes=device_bytes, headroom=headroom,
-                          global_batch=global_batch, seq_len=seq_len),
+        minimum=min_ranks(
+            plan,
+            device_bytes=device_bytes,
+            headroom=headroom,
+            global_batch=global_batch,
+            seq_len=seq_len,
+        ),
     )
 
 
 def format_training_report(r: TrainingReport, device_label: str | None = None) -> str:
-    """The per-rank table `memtree memstore plan --ranks N --device-memory SIZE` prints (<= 100 cols).
+    """The per-rank table `memtree memstore plan --ranks N --device-memory SIZE` prints
+    (<= 100 cols).
 
     Rows are the components, columns the four layouts; binary units throughout, so the totals
     compare directly with a device sold in GiB."""
@@ -344,24 +435,40 @@ def format_training_report(r: TrainingReport, device_label: str | None = None) -
         return f"{label:<30}" + "".join(f"{c:>17}" for c in cells)
 
     lines = [
-        (f"training memory per rank on {r.ranks} × {device}: global batch {r.global_batch:,} × "
-         f"{r.seq_len:,} tokens ({tokens / 1e6:.1f}M tokens),"),
-        (f"up to {mems[0].sequences_per_rank} sequences per rank. "
-         "Binary units (GiB = 2^30 bytes)."),
-        (f"Not modelled: activations and workspace; {r.headroom:.0%} of each device is left for "
-         f"them ({binary_bytes(r.budget)} usable)."),
+        (
+            f"training memory per rank on {r.ranks} × {device}: global batch {r.global_batch:,} × "
+            f"{r.seq_len:,} tokens ({tokens / 1e6:.1f}M tokens),"
+        ),
+        (
+            f"up to {mems[0].sequences_per_rank} sequences per rank. "
+            "Binary units (GiB = 2^30 bytes)."
+        ),
+        (
+            f"Not modelled: activations and workspace; {r.headroom:.0%} of each device is left for "
+            f"them ({binary_bytes(r.budget)} usable)."
+        ),
         "",
         row("per rank", [f"{b}+{a.upper()}" for b, a in LAYOUTS]),
     ]
     for name, label in COMPONENTS:
         lines.append(row(label, [binary_bytes(getattr(m, name)) for m in mems]))
     lines.append(row("total", [binary_bytes(m.total) for m in mems]))
-    lines.append(row("bank rows on a rank", [
-        f"all {r.branching} subtrees" if m.bank == "replicated"
-        else f"{m.subtrees_per_rank} of {r.branching} subtrees" for m in mems]))
+    lines.append(
+        row(
+            "bank rows on a rank",
+            [
+                f"all {r.branching} subtrees"
+                if m.bank == "replicated"
+                else f"{m.subtrees_per_rank} of {r.branching} subtrees"
+                for m in mems
+            ],
+        )
+    )
     lines.append(row("memory groups × replicas", [f"{m.groups} × {m.replicas}" for m in mems]))
     lines.append("")
-    lines.append(row(f"fits on {r.ranks} × {device}", ["yes" if r.fit[k] else "no" for k in LAYOUTS]))
+    lines.append(
+        row(f"fits on {r.ranks} × {device}", ["yes" if r.fit[k] else "no" for k in LAYOUTS])
+    )
     notes: list[str] = []
     cells = []
     for k in LAYOUTS:
@@ -370,16 +477,27 @@ def format_training_report(r: TrainingReport, device_label: str | None = None) -
             why = mr.reason
         elif mr.ranks < r.ranks and not r.fit[k]:
             # fitting is not monotone in W; say so rather than look like a contradiction
-            why = (f"fits on {mr.ranks} but not on {r.ranks} ranks: more ranks do not always "
-                   "help (a replicated bank all-gathers every rank's gradient, a sharded one is "
-                   f"cut by the divisors of the rank count up to {r.branching})")
+            why = (
+                f"fits on {mr.ranks} but not on {r.ranks} ranks: more ranks do not always "
+                "help (a replicated bank all-gathers every rank's gradient, a sharded one is "
+                f"cut by the divisors of the rank count up to {r.branching})"
+            )
         else:
             cells.append(f"{mr.ranks} rank{'s' if mr.ranks > 1 else ''}")
             continue
-        notes.append(textwrap.fill(f"({len(notes) + 1}) {k[0]}+{k[1].upper()}: {why}",
-                                   width=100, subsequent_indent="    "))
+        notes.append(
+            textwrap.fill(
+                f"({len(notes) + 1}) {k[0]}+{k[1].upper()}: {why}",
+                width=100,
+                subsequent_indent="    ",
+            )
+        )
         # a bare number under "fits from" would read as "and on more": say which count does not
-        cells.append(f"never ({len(notes)})" if mr.ranks is None else f"{mr.ranks}, not {r.ranks} ({len(notes)})")
+        cells.append(
+            f"never ({len(notes)})"
+            if mr.ranks is None
+            else f"{mr.ranks}, not {r.ranks} ({len(notes)})"
+        )
     lines.append(row("fits from", cells))
     if notes:
         lines += ["", *notes]

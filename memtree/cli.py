@@ -4,7 +4,8 @@
     memtree generate RUN --prompt TEXT    answer prompts with a run, its memory fetched per prompt
     memtree pipeline run|demo|demo-corpus|docs-corpus
     memtree train run|context-vae|finetune|finetune-background
-    memtree eval knowledge|sweep|retention|tasks|memories|realtext|longctx|context-bank|continual|adapters
+    memtree eval knowledge|sweep|retention|tasks|memories|realtext|longctx|context-bank|
+                 continual|adapters
     memtree memstore plan|init|info|…|calibrate|simulate-fetch
 
 Each stage package (and each system folder with commands) exposes `register(cli)` in its own
@@ -27,10 +28,18 @@ from typing import Any
 from memtree import __version__
 
 # Used when memtree runs from a source tree that was never pip-installed.
-_FALLBACK = ("memtree.eval.cli", "memtree.eval.camelot.cli", "memtree.eval.context.cli",
-             "memtree.eval.finetune.cli", "memtree.memstore.cli", "memtree.pipeline.cli", "memtree.training.cli",
-             "memtree.training.context.cli", "memtree.training.finetune.cli",
-             "memtree.training.generate.cli")
+_FALLBACK = (
+    "memtree.eval.cli",
+    "memtree.eval.camelot.cli",
+    "memtree.eval.context.cli",
+    "memtree.eval.finetune.cli",
+    "memtree.memstore.cli",
+    "memtree.pipeline.cli",
+    "memtree.training.cli",
+    "memtree.training.context.cli",
+    "memtree.training.finetune.cli",
+    "memtree.training.generate.cli",
+)
 
 
 def _registrars():
@@ -61,16 +70,27 @@ class CommandParser(argparse.ArgumentParser):
                 ns.overrides.extend(words)
                 extras = [a for a in extras if a.startswith("-")]
         if extras:
-            self.error(f"unrecognized arguments: {' '.join(extras)} (`{self.prog} --help` lists the options)")
+            self.error(
+                f"unrecognized arguments: {' '.join(extras)} (`{self.prog} --help` lists the "
+                "options)"
+            )
         return ns, extras
 
 
 # The verbs in --help order, with their one-line help; `demo` is a command of its own.
 VERBS = {
-    "pipeline": "corpus → embeddings → balanced hierarchical tree → cluster-tagged MDS shards; corpora",
+    "pipeline": (
+        "corpus → embeddings → balanced hierarchical tree → cluster-tagged MDS shards; corpora"
+    ),
     "train": "train anchors with hierarchical memories (Composer); the systems' training",
-    "eval": "evaluate runs: long-tail knowledge and blocking, sweeps, task suites; each system's experiment",
-    "memstore": "hierarchical memory banks: plan sizes, build, inspect, fetch, block; simulate on-device fetch",
+    "eval": (
+        "evaluate runs: long-tail knowledge and blocking, sweeps, task suites; each system's "
+        "experiment"
+    ),
+    "memstore": (
+        "hierarchical memory banks: plan sizes, build, inspect, fetch, block; simulate "
+        "on-device fetch"
+    ),
 }
 # Top-level commands with no subcommands: the main job, and running what a run trained.
 COMMANDS = ("demo", "generate")
@@ -97,7 +117,10 @@ class Commands:
     def command(self, name: str, **kw: Any) -> argparse.ArgumentParser:
         """A top-level command with no subcommands (`COMMANDS`: `demo`, `generate`)."""
         if name not in ORDER or name in VERBS:
-            raise ValueError(f"{name!r} is no top-level command; add it under one of the verbs {', '.join(VERBS)}")
+            raise ValueError(
+                f"{name!r} is no top-level command; add it under one of the verbs "
+                f"{', '.join(VERBS)}"
+            )
         return self._sub.add_parser(name, **kw)
 
 
@@ -114,9 +137,14 @@ def _count(low: int):
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
         if v < low:
             # a negative count used to slice from the end (`--max-probes -5` scored all but five)
-            raise argparse.ArgumentTypeError(f"must be {'positive' if low else '0 or more'}, got {v}")
+            raise argparse.ArgumentTypeError(
+                f"must be {'positive' if low else '0 or more'}, got {v}"
+            )
         return v
-    parse.__name__ = "positive integer" if low else "non-negative integer"  # argparse names the type in errors
+
+    parse.__name__ = (
+        "positive integer" if low else "non-negative integer"
+    )  # argparse names the type in errors
     return parse
 
 
@@ -127,10 +155,14 @@ positive = _count(1)
 
 def add_config(p: argparse.ArgumentParser, examples: str) -> None:
     """The optional YAML config positional; `examples`: where example configs are."""
-    p.add_argument("config", nargs="?", help=f"YAML config (key=value overrides follow; examples: {examples})")
+    p.add_argument(
+        "config", nargs="?", help=f"YAML config (key=value overrides follow; examples: {examples})"
+    )
 
 
-def add_overrides(p: argparse.ArgumentParser, example: str, *, what: str = "key=value overrides") -> None:
+def add_overrides(
+    p: argparse.ArgumentParser, example: str, *, what: str = "key=value overrides"
+) -> None:
     """The trailing `key=value` overrides; `example`: one or two of them."""
     p.add_argument("overrides", nargs="*", help=f"{what}, e.g. {example}")
 

@@ -35,7 +35,10 @@ naming the key rather than Composer's "Invalid time string" when the Trainer is 
 _TIME_UNITS = ("iter", "ep", "ba", "sp", "tok", "dur", "sec")
 _TIME_RE = re.compile(r"^(.+?)(" + "|".join(_TIME_UNITS) + r")$", re.IGNORECASE)
 _WALL_CLOCK_RE = re.compile(r"^(\d+h)?(\d+m)?(\d+s)?$")
-TIME_EXAMPLE = "e.g. 100ba (batches) or 2ep (epochs); units: ba, ep, sp (samples), tok (tokens), dur (fraction)"
+TIME_EXAMPLE = (
+    "e.g. 100ba (batches) or 2ep (epochs); units: ba, ep, sp (samples), tok (tokens), dur "
+    "(fraction)"
+)
 
 
 def check_time_string(value: Any, where: str) -> str:
@@ -51,7 +54,12 @@ def check_time_string(value: Any, where: str) -> str:
         number = float(m.group(1)) if m else None
     except ValueError:
         number = None
-    if number is None or not math.isfinite(number) or number < 0 or (m.group(2).lower() != "dur" and number != int(number)):
+    if (
+        number is None
+        or not math.isfinite(number)
+        or number < 0
+        or (m.group(2).lower() != "dur" and number != int(number))
+    ):
         raise ConfigError(f"{where}: {value!r} is not a time string ({TIME_EXAMPLE})")
     return value
 
@@ -106,7 +114,9 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(value):
                 raise ConfigError(f"{where}: expected {len(args)} items, got {len(value)}")
-            return tuple(_coerce(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+            return tuple(
+                _coerce(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value))
+            )
         item = args[0] if args else Any
         items = [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple or tp is tuple else items
@@ -202,8 +212,10 @@ def load_config(
         path = Path(source)
         if path.is_dir():
             yamls = sorted(q.name for q in path.glob("*.yaml"))[:6]
-            raise ConfigError(f"config {path}: a directory, not a YAML file"
-                              + (f" (it holds {', '.join(yamls)})" if yamls else ""))
+            raise ConfigError(
+                f"config {path}: a directory, not a YAML file"
+                + (f" (it holds {', '.join(yamls)})" if yamls else "")
+            )
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
@@ -227,8 +239,9 @@ def dump_yaml(obj: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(to_dict(obj)))
 
 
-def check_selection(names: Sequence[str], select: Sequence[str], *, key: str, flag: str, noun: str,
-                    empty: str) -> None:
+def check_selection(
+    names: Sequence[str], select: Sequence[str], *, key: str, flag: str, noun: str, empty: str
+) -> None:
     """A grid's named entries (`key`) and the subset `select` (given as `flag` on the command line):
     at least one entry, no name twice, every selected name known; errors name the key."""
     if not names:
@@ -238,4 +251,6 @@ def check_selection(names: Sequence[str], select: Sequence[str], *, key: str, fl
         raise ConfigError(f"{key}: name(s) {dup} used twice")
     unknown = [n for n in select if n not in names]
     if unknown:
-        raise ConfigError(f"select ({flag}): unknown {noun}(s) {unknown}; the config's {key}: {list(names)}")
+        raise ConfigError(
+            f"select ({flag}): unknown {noun}(s) {unknown}; the config's {key}: {list(names)}"
+        )

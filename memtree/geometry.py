@@ -1,4 +1,5 @@
-"""Model shapes, memory geometry and parameter accounting (seed 002 §2.1–2.2, App. A, App. F, App. I).
+"""Model shapes, memory geometry and parameter accounting (seed 002 §2.1–2.2, App. A, App. F,
+App. I).
 
 The shape vocabulary every stage shares: anchor shapes and presets, memory
 configurations, which layers carry memory and how wide, the named tensors of a
@@ -70,12 +71,17 @@ class AnchorShape:
     def __post_init__(self) -> None:
         for k in ("n_layers", "d_model", "n_heads", "head_dim", "ffn_dim", "vocab_size"):
             if getattr(self, k) <= 0:
-                raise ValueError(f"anchor {self.name}: {k} must be positive, got {getattr(self, k)}")
+                raise ValueError(
+                    f"anchor {self.name}: {k} must be positive, got {getattr(self, k)}"
+                )
         if self.qk_norm not in ("full", "head", "none"):
-            raise ValueError(f"anchor {self.name}: qk_norm {self.qk_norm!r} is not one of 'full', 'head', 'none'")
+            raise ValueError(
+                f"anchor {self.name}: qk_norm {self.qk_norm!r} is not one of 'full', 'head', 'none'"
+            )
         if self.n_kv_heads is not None and (self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads):
             raise ValueError(
-                f"anchor {self.name}: n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}"
+                f"anchor {self.name}: n_kv_heads={self.n_kv_heads} must divide "
+                f"n_heads={self.n_heads}"
             )
 
     @property
@@ -106,25 +112,79 @@ class AnchorShape:
 # App. A Tables 4–6 (OpenLM) and App. A.7 Table 8 (the 410M family at other
 # depths). The HF shapes are the public configs of the models in Table 2.
 ANCHOR_PRESETS: dict[str, AnchorShape] = {
-    "openlm-160m": AnchorShape(name="openlm-160m", n_layers=35, d_model=512, n_heads=12, head_dim=32,
-                               ffn_dim=2048, tied_embeddings=True),
-    "openlm-410m": AnchorShape(name="openlm-410m", n_layers=24, d_model=1024, n_heads=16, head_dim=64,
-                               ffn_dim=2816, tied_embeddings=False),
-    "openlm-1.4b": AnchorShape(name="openlm-1.4b", n_layers=24, d_model=2048, n_heads=16, head_dim=128,
-                               ffn_dim=5632, tied_embeddings=False),
-    "gemma3-270m": AnchorShape(name="gemma3-270m", n_layers=18, d_model=640, n_heads=4, n_kv_heads=1,
-                               head_dim=256, ffn_dim=2048, vocab_size=262_144, tied_embeddings=True,
-                               qk_norm="head", norms_per_block=4),
-    "qwen2.5-0.5b": AnchorShape(name="qwen2.5-0.5b", n_layers=24, d_model=896, n_heads=14, n_kv_heads=2,
-                                head_dim=64, ffn_dim=4864, vocab_size=151_936, tied_embeddings=True,
-                                qk_norm="none", qkv_bias=True),
-    "llama3.2-1b": AnchorShape(name="llama3.2-1b", n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8,
-                               head_dim=64, ffn_dim=8192, vocab_size=128_256, tied_embeddings=True,
-                               qk_norm="none"),
+    "openlm-160m": AnchorShape(
+        name="openlm-160m",
+        n_layers=35,
+        d_model=512,
+        n_heads=12,
+        head_dim=32,
+        ffn_dim=2048,
+        tied_embeddings=True,
+    ),
+    "openlm-410m": AnchorShape(
+        name="openlm-410m",
+        n_layers=24,
+        d_model=1024,
+        n_heads=16,
+        head_dim=64,
+        ffn_dim=2816,
+        tied_embeddings=False,
+    ),
+    "openlm-1.4b": AnchorShape(
+        name="openlm-1.4b",
+        n_layers=24,
+        d_model=2048,
+        n_heads=16,
+        head_dim=128,
+        ffn_dim=5632,
+        tied_embeddings=False,
+    ),
+    "gemma3-270m": AnchorShape(
+        name="gemma3-270m",
+        n_layers=18,
+        d_model=640,
+        n_heads=4,
+        n_kv_heads=1,
+        head_dim=256,
+        ffn_dim=2048,
+        vocab_size=262_144,
+        tied_embeddings=True,
+        qk_norm="head",
+        norms_per_block=4,
+    ),
+    "qwen2.5-0.5b": AnchorShape(
+        name="qwen2.5-0.5b",
+        n_layers=24,
+        d_model=896,
+        n_heads=14,
+        n_kv_heads=2,
+        head_dim=64,
+        ffn_dim=4864,
+        vocab_size=151_936,
+        tied_embeddings=True,
+        qk_norm="none",
+        qkv_bias=True,
+    ),
+    "llama3.2-1b": AnchorShape(
+        name="llama3.2-1b",
+        n_layers=16,
+        d_model=2048,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=64,
+        ffn_dim=8192,
+        vocab_size=128_256,
+        tied_embeddings=True,
+        qk_norm="none",
+    ),
 }
 # Small shapes that train on a CPU in minutes (the trainer sets vocab_size from the tokenizer).
-ANCHOR_PRESETS["tiny"] = AnchorShape(name="tiny", n_layers=4, d_model=128, n_heads=4, head_dim=32, ffn_dim=512)
-ANCHOR_PRESETS["small"] = AnchorShape(name="small", n_layers=8, d_model=256, n_heads=8, head_dim=32, ffn_dim=1024)
+ANCHOR_PRESETS["tiny"] = AnchorShape(
+    name="tiny", n_layers=4, d_model=128, n_heads=4, head_dim=32, ffn_dim=512
+)
+ANCHOR_PRESETS["small"] = AnchorShape(
+    name="small", n_layers=8, d_model=256, n_heads=8, head_dim=32, ffn_dim=1024
+)
 for _depth in (12, 17, 19, 21, 22):  # Table 8: 260M/320M/350M/370M/385M anchors
     ANCHOR_PRESETS[f"openlm-410m-l{_depth}"] = replace(
         ANCHOR_PRESETS["openlm-410m"], name=f"openlm-410m-l{_depth}", n_layers=_depth
@@ -135,11 +195,19 @@ def get_anchor(name: str) -> AnchorShape:
     try:
         return ANCHOR_PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown anchor preset {name!r}; known: {sorted(ANCHOR_PRESETS)}") from None
+        raise ValueError(
+            f"unknown anchor preset {name!r}; known: {sorted(ANCHOR_PRESETS)}"
+        ) from None
 
 
-def check_memory_shape(multipliers: Sequence[int], *, type: str, placement: str, layers: Sequence[int],
-                       allow_empty: bool = False) -> tuple[int, ...]:
+def check_memory_shape(
+    multipliers: Sequence[int],
+    *,
+    type: str,
+    placement: str,
+    layers: Sequence[int],
+    allow_empty: bool = False,
+) -> tuple[int, ...]:
     """The one check of a memory's shape, wherever it is given (a `MemoryConfig`, or the training
     config's `memory:` section, which may be empty for a run without memory): non-negative integer
     multipliers, a known type and placement, `layers` exactly with placement "explicit". Returns
@@ -147,9 +215,13 @@ def check_memory_shape(multipliers: Sequence[int], *, type: str, placement: str,
     if not multipliers and not allow_empty:
         raise ValueError("memory.multipliers: need one multiplier per tree level")
     if any(isinstance(m, bool) or int(m) != m or m < 0 for m in multipliers):
-        raise ValueError(f"memory.multipliers: must be non-negative integers, got {list(multipliers)}")
+        raise ValueError(
+            f"memory.multipliers: must be non-negative integers, got {list(multipliers)}"
+        )
     if placement not in PLACEMENTS:
-        raise ValueError(f"memory.placement: {placement!r} is not one of {', '.join(map(repr, PLACEMENTS))}")
+        raise ValueError(
+            f"memory.placement: {placement!r} is not one of {', '.join(map(repr, PLACEMENTS))}"
+        )
     if type not in MEMORY_TYPES:
         raise ValueError(f"memory.type: {type!r} is not one of {list(MEMORY_TYPES)}")
     if placement == "explicit" and not layers:
@@ -172,8 +244,13 @@ class MemoryConfig:
     branching: int = 16
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "multipliers", check_memory_shape(
-            self.multipliers, type=self.type, placement=self.placement, layers=self.layers))
+        object.__setattr__(
+            self,
+            "multipliers",
+            check_memory_shape(
+                self.multipliers, type=self.type, placement=self.placement, layers=self.layers
+            ),
+        )
         object.__setattr__(self, "layers", tuple(self.layers))
         if self.branching < 2:
             raise ValueError(f"memory.branching: must be >= 2, got {self.branching}")
@@ -192,7 +269,9 @@ def parse_multipliers(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(p) for p in parts)
     except ValueError:
-        raise ValueError(f"memory config {text!r}: expected comma-separated integers like 256,64,16,0") from None
+        raise ValueError(
+            f"memory config {text!r}: expected comma-separated integers like 256,64,16,0"
+        ) from None
 
 
 def memory_layers(anchor: AnchorShape, mem: MemoryConfig) -> list[int]:
@@ -203,7 +282,9 @@ def memory_layers(anchor: AnchorShape, mem: MemoryConfig) -> list[int]:
     if mem.placement == "explicit":
         bad = [i for i in mem.layers if not 0 <= i < n]
         if bad or len(set(mem.layers)) != len(mem.layers):
-            raise ValueError(f"memory.layers: {list(mem.layers)} must be distinct indices in [0, {n})")
+            raise ValueError(
+                f"memory.layers: {list(mem.layers)} must be distinct indices in [0, {n})"
+            )
         return sorted(mem.layers)
     if not 0 < k <= n:
         raise ValueError(f"memory.placement_layers: {k} must be in [1, {n}] for a {n}-layer anchor")
@@ -244,8 +325,14 @@ def _layer_tensors(anchor: AnchorShape, kind: str, w: int) -> list[tuple[str, tu
     if kind == "lora-ov":
         return [("v_a", (w, d)), ("v_b", (kv, w)), ("o_a", (w, q)), ("o_b", (d, w))]
     if kind == "lora-ffn":
-        return [("w1_a", (w, d)), ("w1_b", (f, w)), ("w2_a", (w, d)), ("w2_b", (f, w)),
-                ("w3_a", (w, f)), ("w3_b", (d, w))]
+        return [
+            ("w1_a", (w, d)),
+            ("w1_b", (f, w)),
+            ("w2_a", (w, d)),
+            ("w2_b", (f, w)),
+            ("w3_a", (w, f)),
+            ("w3_b", (d, w)),
+        ]
     if kind == "kv":  # w learned keys and values per layer, per KV head
         return [("k", (w, kv)), ("v", (w, kv))]
     raise ValueError(f"unknown memory type {kind!r}")
@@ -260,7 +347,9 @@ def block_layout(anchor: AnchorShape, mem: MemoryConfig, level: int) -> list[Ten
     for layer, w in layer_widths(anchor, mem, m).items():
         if w == 0:
             continue
-        out += [TensorSpec(f"layers.{layer}.{n}", s) for n, s in _layer_tensors(anchor, mem.type, w)]
+        out += [
+            TensorSpec(f"layers.{layer}.{n}", s) for n, s in _layer_tensors(anchor, mem.type, w)
+        ]
     return out
 
 
@@ -280,8 +369,10 @@ def split_block(layout: Sequence[TensorSpec], flat: Any) -> dict[str, Any]:
     lead = tuple(flat.shape[:-1])
     if _is_torch(flat):
         parts = flat.split(numels, dim=-1)  # one call: cheaper than slicing per tensor
-        return {t.name: p.view(*lead, *t.shape) if p.is_contiguous() else p.reshape(*lead, *t.shape)
-                for t, p in zip(layout, parts, strict=True)}
+        return {
+            t.name: p.view(*lead, *t.shape) if p.is_contiguous() else p.reshape(*lead, *t.shape)
+            for t, p in zip(layout, parts, strict=True)
+        }
     if sum(numels) != flat.shape[-1]:
         raise ValueError(f"block has {flat.shape[-1]} values, the layout needs {sum(numels)}")
     out, off = {}, 0
@@ -363,19 +454,30 @@ class Plan:
     def to_dict(self) -> dict:
         return {
             "anchor": self.anchor.name,
-            "memory": {"multipliers": list(self.memory.multipliers), "type": self.memory.type,
-                       "placement": self.memory.placement, "branching": self.memory.branching},
+            "memory": {
+                "multipliers": list(self.memory.multipliers),
+                "type": self.memory.type,
+                "placement": self.memory.placement,
+                "branching": self.memory.branching,
+            },
             "memory_layers": list(self.memory_layers),
             "anchor_params": self.anchor_params,
             "fetch_params": self.fetch_params,
             "bank_params": self.bank_params,
             "runtime_params": self.runtime_params,
             "levels": [
-                {"level": lv.level, "multiplier": lv.multiplier, "n_blocks": lv.n_blocks,
-                 "block_params": lv.block_params, "bank_params": lv.bank_params}
+                {
+                    "level": lv.level,
+                    "multiplier": lv.multiplier,
+                    "n_blocks": lv.n_blocks,
+                    "block_params": lv.block_params,
+                    "bank_params": lv.bank_params,
+                }
                 for lv in self.levels
             ],
-            "bytes": {dt: {"fetch": self.fetch_bytes(dt), "bank": self.bank_bytes(dt)} for dt in DTYPES},
+            "bytes": {
+                dt: {"fetch": self.fetch_bytes(dt), "bank": self.bank_bytes(dt)} for dt in DTYPES
+            },
         }
 
 
@@ -386,14 +488,29 @@ def plan(anchor: AnchorShape | str, memory: MemoryConfig | tuple[int, ...], **kw
     other MemoryConfig fields, e.g. type="lora-ffn").
     """
     a = get_anchor(anchor) if isinstance(anchor, str) else anchor
-    mem = memory if isinstance(memory, MemoryConfig) else MemoryConfig(multipliers=tuple(memory), **kw)
+    mem = (
+        memory
+        if isinstance(memory, MemoryConfig)
+        else MemoryConfig(multipliers=tuple(memory), **kw)
+    )
     levels = []
     for level, m in enumerate(mem.multipliers, start=1):
         params = sum(t.numel for t in block_layout(a, mem, level))
-        levels.append(LevelPlan(level=level, multiplier=m, n_blocks=mem.n_blocks(level) if m else 0,
-                                block_params=params))
-    return Plan(anchor=a, memory=mem, anchor_params=a.params(), levels=tuple(levels),
-                memory_layers=tuple(memory_layers(a, mem)))
+        levels.append(
+            LevelPlan(
+                level=level,
+                multiplier=m,
+                n_blocks=mem.n_blocks(level) if m else 0,
+                block_params=params,
+            )
+        )
+    return Plan(
+        anchor=a,
+        memory=mem,
+        anchor_params=a.params(),
+        levels=tuple(levels),
+        memory_layers=tuple(memory_layers(a, mem)),
+    )
 
 
 def human(n: float, unit: str = "") -> str:
@@ -416,29 +533,39 @@ def format_plan(p: Plan) -> str:
     """The table `memtree memstore plan` prints."""
     mem = p.memory
     lines = [
-        (f"anchor   {p.anchor.name}: {p.anchor.n_layers} layers, d={p.anchor.d_model}, "
-        f"{p.anchor.n_heads}×{p.anchor.head_dim} heads, ffn={p.anchor.ffn_dim}"),
-        (f"memory   type={mem.type} config=({','.join(map(str, mem.multipliers))}) "
-        f"branching={mem.branching} placement={mem.placement} "
-        f"layers={len(p.memory_layers)}/{p.anchor.n_layers}"),
+        (
+            f"anchor   {p.anchor.name}: {p.anchor.n_layers} layers, d={p.anchor.d_model}, "
+            f"{p.anchor.n_heads}×{p.anchor.head_dim} heads, ffn={p.anchor.ffn_dim}"
+        ),
+        (
+            f"memory   type={mem.type} config=({','.join(map(str, mem.multipliers))}) "
+            f"branching={mem.branching} placement={mem.placement} "
+            f"layers={len(p.memory_layers)}/{p.anchor.n_layers}"
+        ),
         "",
         f"{'level':>5} {'m':>6} {'blocks':>10} {'params/block':>14} {'bank params':>16}",
     ]
     for lv in p.levels:
-        lines.append(f"{lv.level:>5} {lv.multiplier:>6} {lv.n_blocks:>10,} {lv.block_params:>14,} "
-                     f"{lv.bank_params:>16,}")
+        lines.append(
+            f"{lv.level:>5} {lv.multiplier:>6} {lv.n_blocks:>10,} {lv.block_params:>14,} "
+            f"{lv.bank_params:>16,}"
+        )
     lines += [
         "",
         f"anchor params   {p.anchor_params:>16,}  ({human(p.anchor_params)})",
         # Table 2 sizes post-hoc memories by this share (≈ 10 % of the anchor, App. A.6)
-        (f"fetched params  {p.fetch_params:>16,}  ({human(p.fetch_params)}, "
-         f"{100 * p.fetch_params / p.anchor_params:.1f} % of the anchor)"),
+        (
+            f"fetched params  {p.fetch_params:>16,}  ({human(p.fetch_params)}, "
+            f"{100 * p.fetch_params / p.anchor_params:.1f} % of the anchor)"
+        ),
         f"bank params     {p.bank_params:>16,}  ({human(p.bank_params)})",
         f"runtime params  {p.runtime_params:>16,}  ({human(p.runtime_params)})  = anchor + fetched",
         "",
         f"{'dtype':>6} {'fetch bytes':>16} {'bank bytes':>20}",
     ]
     for dt in DTYPES:
-        lines.append(f"{dt:>6} {p.fetch_bytes(dt):>16,} {p.bank_bytes(dt):>20,}  "
-                     f"({human_bytes(p.fetch_bytes(dt))} / {human_bytes(p.bank_bytes(dt))})")
+        lines.append(
+            f"{dt:>6} {p.fetch_bytes(dt):>16,} {p.bank_bytes(dt):>20,}  "
+            f"({human_bytes(p.fetch_bytes(dt))} / {human_bytes(p.bank_bytes(dt))})"
+        )
     return "\n".join(lines)

@@ -36,7 +36,9 @@ def utc_timestamp() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds")
 
 
-def write_error(path: str | os.PathLike, e: BaseException, kept: str = "", *, outer: bool = False) -> BaseException:
+def write_error(
+    path: str | os.PathLike, e: BaseException, kept: str = "", *, outer: bool = False
+) -> BaseException:
     """`e` re-worded to name `path`, if it is a storage error (ENOSPC, EIO, …) anywhere in its
     chain; otherwise `e` itself. `kept` says what survives (default: the previous version).
     An error already naming a path is kept, unless `outer` (a directory being published names
@@ -47,13 +49,17 @@ def write_error(path: str | os.PathLike, e: BaseException, kept: str = "", *, ou
     if cause is None or (isinstance(e, WriteFailed) and not outer):
         return e
     kept = kept or "nothing was replaced: the previous version, if any, is intact"
-    return WriteFailed(cause.errno, f"could not write {path}: {os.strerror(cause.errno)}; {kept}. "
-                                    "Free space (or fix the disk) and rerun: finished work is reused")
+    return WriteFailed(
+        cause.errno,
+        f"could not write {path}: {os.strerror(cause.errno)}; {kept}. "
+        "Free space (or fix the disk) and rerun: finished work is reused",
+    )
 
 
 @contextlib.contextmanager
-def naming_path(path: str | os.PathLike, kept: str | Callable[[], str] = "", *,
-                outer: bool = False) -> Iterator[None]:
+def naming_path(
+    path: str | os.PathLike, kept: str | Callable[[], str] = "", *, outer: bool = False
+) -> Iterator[None]:
     """Re-raise storage errors from the block as `WriteFailed` naming `path` (see `write_error`);
     `kept` may be a function, asked only when the error happens."""
     try:
@@ -135,9 +141,15 @@ def read_json(path: str | os.PathLike) -> Any:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
-def check_format(meta: Any, fmt: str, version: int | tuple[int, ...] | frozenset[int] | set[int] | None,
-                 where: str | os.PathLike, *, what: str | None = None,
-                 error: type[Exception] = ValueError) -> None:
+def check_format(
+    meta: Any,
+    fmt: str,
+    version: int | tuple[int, ...] | frozenset[int] | set[int] | None,
+    where: str | os.PathLike,
+    *,
+    what: str | None = None,
+    error: type[Exception] = ValueError,
+) -> None:
     """Raise `error` naming `where` (the file) unless `meta` (its parsed JSON) names format `fmt`
     and an accepted `version` (one int, a tuple / set of them, or None for a reader that takes
     every version). One wording for every on-disk manifest, so that a foreign file and a file of
@@ -152,7 +164,9 @@ def check_format(meta: Any, fmt: str, version: int | tuple[int, ...] | frozenset
     v = meta.get("version")
     if v not in accepted:
         reads = " or ".join(str(a) for a in accepted)
-        raise error(f"{where}: {fmt} version {v!r} is not supported (this memtree reads version {reads})")
+        raise error(
+            f"{where}: {fmt} version {v!r} is not supported (this memtree reads version {reads})"
+        )
 
 
 def read_format_json(path: str | os.PathLike, fmt: str, version: int, what: str) -> dict:
@@ -166,7 +180,9 @@ def read_format_json(path: str | os.PathLike, fmt: str, version: int, what: str)
     return data
 
 
-def iter_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError) -> Iterator[tuple[int, Any]]:
+def iter_jsonl(
+    path: str | os.PathLike, error: type[Exception] = ValueError
+) -> Iterator[tuple[int, Any]]:
     """(line number, record) for each non-blank line; a line that is not JSON raises `error`
     naming file:line."""
     with open(path, encoding="utf-8") as f:
@@ -180,8 +196,11 @@ def iter_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError) -> 
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike, *,
-               publish_guard: Callable[[], contextlib.AbstractContextManager] | None = None) -> Iterator[Path]:
+def atomic_dir(
+    path: str | os.PathLike,
+    *,
+    publish_guard: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> Iterator[Path]:
     """Build a directory under a temp name; rename it onto `path` on clean exit.
 
     An existing `path` is replaced. A crash leaves only a `.name.tmp-*` sibling,
@@ -252,7 +271,9 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def write_checked_tensors(folder: str | os.PathLike, name: str, tensors: dict, manifest: dict) -> Path:
+def write_checked_tensors(
+    folder: str | os.PathLike, name: str, tensors: dict, manifest: dict
+) -> Path:
     """folder/name.safetensors, then folder/name.json: `manifest` plus the tensors file's sha256.
     Both written atomically, the manifest last (a manifest names only a finished tensors file)."""
     from safetensors.torch import save_file
@@ -261,12 +282,15 @@ def write_checked_tensors(folder: str | os.PathLike, name: str, tensors: dict, m
     folder.mkdir(parents=True, exist_ok=True)
     with atomic_path(folder / f"{name}.safetensors") as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    atomic_write_json(folder / f"{name}.json", {**manifest, "sha256": sha256_file(folder / f"{name}.safetensors")})
+    atomic_write_json(
+        folder / f"{name}.json", {**manifest, "sha256": sha256_file(folder / f"{name}.safetensors")}
+    )
     return folder
 
 
-def read_checked_tensors(folder: str | os.PathLike, name: str, *, fmt: str, version: int,
-                         missing: str) -> tuple[dict, dict]:
+def read_checked_tensors(
+    folder: str | os.PathLike, name: str, *, fmt: str, version: int, missing: str
+) -> tuple[dict, dict]:
     """(tensors, manifest) written by `write_checked_tensors`. No manifest: FileNotFoundError
     "{folder}: {missing}"; another format / version or a tensors file failing its sha256: a
     ValueError naming the file."""
@@ -281,4 +305,3 @@ def read_checked_tensors(folder: str | os.PathLike, name: str, *, fmt: str, vers
     if sha256_file(folder / f"{name}.safetensors") != man["sha256"]:
         raise ValueError(f"{folder}: {name}.safetensors does not match its sha256")
     return load_file(str(folder / f"{name}.safetensors")), man
-

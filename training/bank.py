@@ -65,22 +65,23 @@ class _RowViews(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None):
-        got = [(off, math.prod(shape), g) for (off, shape), g in zip(ctx.spans, grads)
-               if g is not None]
+        got = [
+            (off, math.prod(shape), g) for (off, shape), g in zip(ctx.spans, grads) if g is not None
+        ]
         if not got:
             return None, None
         n, p = ctx.table_shape
         if any(not g.is_sparse for _, _, g in got):
             out = got[0][2].new_zeros((n, p))
             for off, width, g in got:
-                out[:, off:off + width] += g.to_dense().reshape(n, width)
+                out[:, off : off + width] += g.to_dense().reshape(n, width)
             return out, None
         got = [(off, width, g.coalesce()) for off, width, g in got]
         rows = torch.unique(torch.cat([g.indices()[0] for _, _, g in got]))  # sorted (U,)
         values = got[0][2].values().new_zeros((rows.numel(), p))  # (U, P)
         for off, width, g in got:
             at = torch.searchsorted(rows, g.indices()[0])
-            values[at, off:off + width] += g.values().reshape(-1, width)
+            values[at, off : off + width] += g.values().reshape(-1, width)
         return torch.sparse_coo_tensor(rows[None], values, (n, p), is_coalesced=True), None
 
 
@@ -90,7 +91,8 @@ def _drop_tables(module: nn.Module, state: dict[str, Tensor], prefix: str, local
 
 
 def _keep_tables(module: nn.Module, state: dict[str, Tensor], prefix: str, *args) -> None:
-    """A checkpoint without the shard's tables loads into it unchanged (they come from their own files)."""
+    """A checkpoint without the shard's tables loads into it unchanged (they come from their own
+    files)."""
     for name, table in module.tables.items():
         state.setdefault(f"{prefix}tables.{name}", table.detach())
 
@@ -123,7 +125,10 @@ class TrainableBank(nn.Module):
             raise ValueError(f"subtree {subtree} must be in [0, {B})")
         if shard is not None:
             if subtree is not None:
-                raise ValueError("a bank is either one subtree's (subtree) or a shard of the whole tree's (shard)")
+                raise ValueError(
+                    "a bank is either one subtree's (subtree) or a shard of the whole tree's "
+                    "(shard)"
+                )
             shard = tuple(sorted({int(s) for s in shard}))
             if not shard or not all(0 <= s < B for s in shard):
                 raise ValueError(f"shard {shard}: needs one or more level-1 subtrees in [0, {B})")
@@ -134,7 +139,9 @@ class TrainableBank(nn.Module):
         # level-1 subtree -> its position among the held subtrees (-1: not held); the rows of the
         # i-th held subtree at level l are [i * B**(l-1), (i+1) * B**(l-1)), so a whole-tree or
         # one-subtree bank is the special case of consecutive subtrees
-        held = shard if shard is not None else ((subtree,) if subtree is not None else tuple(range(B)))
+        held = (
+            shard if shard is not None else ((subtree,) if subtree is not None else tuple(range(B)))
+        )
         self.held_subtrees = held
         # a plain tensor on the CPU, not a buffer: the model maps paths to rows on the host
         # (`MemtreeLM.memories_for`); `local_rows` follows the paths' device when they are elsewhere
@@ -154,7 +161,9 @@ class TrainableBank(nn.Module):
                 clusters = self.clusters(lv)
                 for row in range(n + 1):
                     cluster = GENERIC if row == n else int(clusters[row])
-                    table[row] = paper_block(layout, seed=seed, level=lv, cluster=cluster, std=std).to(dtype)
+                    table[row] = paper_block(
+                        layout, seed=seed, level=lv, cluster=cluster, std=std
+                    ).to(dtype)
             self.tables[str(lv)] = nn.Parameter(table)
         if shard is not None:
             # each rank holds other rows: they are saved per subtree by `training.bank_shards`,
@@ -167,7 +176,8 @@ class TrainableBank(nn.Module):
         return self.n_blocks[level]
 
     def clusters(self, level: int) -> Tensor:
-        """(n_blocks[level],) int64: the global cluster id of each row (the generic row excluded)."""
+        """(n_blocks[level],) int64: the global cluster id of each row (the generic row
+        excluded)."""
         span = self.memory.branching ** (level - 1)
         held = torch.tensor(self.held_subtrees, dtype=torch.long)
         return (held[:, None] * span + torch.arange(span)[None, :]).reshape(-1)
@@ -177,12 +187,18 @@ class TrainableBank(nn.Module):
         span = self.memory.branching ** (level - 1)
         clusters = clusters.long()
         inside = (clusters >= 0) & (clusters < self.memory.branching * span)
-        lut = self._position if clusters.device == self._position.device else self._position.to(clusters.device)
+        lut = (
+            self._position
+            if clusters.device == self._position.device
+            else self._position.to(clusters.device)
+        )
         pos = lut[(clusters // span).clamp(0, self.memory.branching - 1)]
         rows = pos * span + clusters % span
         return torch.where(inside & (pos >= 0), rows, torch.full_like(rows, -1))
 
-    def slots(self, paths: torch.Tensor, use_generic: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+    def slots(
+        self, paths: torch.Tensor, use_generic: torch.Tensor | None = None
+    ) -> dict[int, torch.Tensor]:
         """paths (B, L) global cluster ids → {level: (B,) row indices}; rows where
         use_generic (B,) is True get the generic memory's row."""
         if paths.ndim != 2 or paths.shape[1] < max(self.levels):
@@ -196,11 +212,15 @@ class TrainableBank(nn.Module):
             if bool(bad.any()):
                 ids = paths[:, lv - 1][bad][:5].tolist()
                 if self.shard is not None:
-                    where = (f"this rank's bank shard (level-1 subtrees {list(self.shard)}; with "
-                             "parallel.bank: sharded a rank reads only its subtrees' data)")
+                    where = (
+                        f"this rank's bank shard (level-1 subtrees {list(self.shard)}; with "
+                        "parallel.bank: sharded a rank reads only its subtrees' data)"
+                    )
                 elif self.subtree is not None:
-                    where = (f"subtree {self.subtree} (rows {self.first[lv]}…"
-                             f"{self.first[lv] + self.n_blocks[lv] - 1})")
+                    where = (
+                        f"subtree {self.subtree} (rows {self.first[lv]}…"
+                        f"{self.first[lv] + self.n_blocks[lv] - 1})"
+                    )
                 else:
                     where = f"the tree (rows 0…{self.n_blocks[lv] - 1})"
                 raise ValueError(f"level {lv}: cluster ids {ids} are outside {where}")
@@ -216,7 +236,9 @@ class TrainableBank(nn.Module):
 
     def forward(self, slots: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """{level: (B,) rows} → {level: (B, P_level)} blocks; gradients are sparse over the rows."""
-        return {lv: F.embedding(rows, self.tables[str(lv)], sparse=True) for lv, rows in slots.items()}
+        return {
+            lv: F.embedding(rows, self.tables[str(lv)], sparse=True) for lv, rows in slots.items()
+        }
 
     def read(self, slots: dict[int, Tensor]) -> Memories:
         """{level: (B,) rows} → {layer: BankRead} for KV and FFN memories: each memory
@@ -225,8 +247,10 @@ class TrainableBank(nn.Module):
         kind = self.memory.type
         if kind not in READ_IN_PLACE:
             raise ValueError(f"{kind} memories have no in-place read; use forward() (gathered)")
-        shape_of = {"kv": lambda w: (w, self.anchor.kv_heads, self.anchor.head_dim),
-                    "ffn": lambda w: (w, self.anchor.d_model)}[kind]
+        shape_of = {
+            "kv": lambda w: (w, self.anchor.kv_heads, self.anchor.head_dim),
+            "ffn": lambda w: (w, self.anchor.d_model),
+        }[kind]
         per_layer: dict[int, list[tuple[dict[str, Tensor], Tensor]]] = {}
         for lv, rows in slots.items():
             names, spans, off = [], [], 0
@@ -241,21 +265,33 @@ class TrainableBank(nn.Module):
                 by_layer.setdefault(layer, {})[name] = view
             for layer, tensors in by_layer.items():
                 per_layer.setdefault(layer, []).append((tensors, rows))
-        tables = ReadTables()  # one KV or FFN table per level, built by the first layer that reads it
-        return {layer: BankRead(levels=tuple(levels), tables=tables)
-                for layer, levels in sorted(per_layer.items())}
+        tables = (
+            ReadTables()
+        )  # one KV or FFN table per level, built by the first layer that reads it
+        return {
+            layer: BankRead(levels=tuple(levels), tables=tables)
+            for layer, levels in sorted(per_layer.items())
+        }
 
     def bank_parameters(self) -> Iterator[nn.Parameter]:
         yield from self.tables.values()
 
     # -- memstore interop -----------------------------------------------------------
-    def export(self, root: str | os.PathLike, *, dtype: str = "bf16", tree_id: str | None = None,
-               rank: int | None = None) -> BankInfo:
+    def export(
+        self,
+        root: str | os.PathLike,
+        *,
+        dtype: str = "bf16",
+        tree_id: str | None = None,
+        rank: int | None = None,
+    ) -> BankInfo:
         """Write the bank in the memstore format (a per-subtree bank if this is one)."""
 
         if self.shard is not None:
-            raise ValueError("a bank shard holds some subtrees' rows only: export the run's bank with "
-                             "training.bank_shards.export_bank (it streams every shard's rows)")
+            raise ValueError(
+                "a bank shard holds some subtrees' rows only: export the run's bank with "
+                "training.bank_shards.export_bank (it streams every shard's rows)"
+            )
 
         def blocks(level: int):
             table = self.tables[str(level)].detach().float().cpu()
@@ -263,23 +299,39 @@ class TrainableBank(nn.Module):
                 cluster = GENERIC if row == self.n_blocks[level] else self.first[level] + row
                 yield cluster, table[row]
 
-        return write_bank(root, anchor=self.anchor, memory=self.memory, dtype=dtype, rank=rank, tree_id=tree_id,
-                          subtree=self.subtree, generic=True, blocks=blocks)
+        return write_bank(
+            root,
+            anchor=self.anchor,
+            memory=self.memory,
+            dtype=dtype,
+            rank=rank,
+            tree_id=tree_id,
+            subtree=self.subtree,
+            generic=True,
+            blocks=blocks,
+        )
 
     @classmethod
-    def from_bank(cls, root: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> TrainableBank:
+    def from_bank(
+        cls, root: str | os.PathLike, *, dtype: torch.dtype = torch.float32
+    ) -> TrainableBank:
         """Load every block of a memstore bank (dequantised) into trainable tables."""
-        with MemoryStore(root, tiers=[_ALL_RAM], placement="hierarchical", out_dtype=torch.float32) as store:
+        with MemoryStore(
+            root, tiers=[_ALL_RAM], placement="hierarchical", out_dtype=torch.float32
+        ) as store:
             info = store.info
             bank = cls(info.anchor, info.memory, subtree=info.subtree, init="empty", dtype=dtype)
             for lv in bank.levels:
                 li = info.level(lv)
                 if not li.has_generic:
-                    raise ValueError(f"{root}: level {lv} has no generic-memory slot; the trainer needs one")
+                    raise ValueError(
+                        f"{root}: level {lv} has no generic-memory slot; the trainer needs one"
+                    )
                 with torch.no_grad():
                     for row in range(li.n_slots):
                         cluster = GENERIC if row == li.n_blocks else li.first_cluster + row
                         # bypass blocking: training resumes from every stored value
-                        bank.tables[str(lv)][row] = store._read_slot(store.levels[lv], li.slot(cluster)).to(dtype)
+                        bank.tables[str(lv)][row] = store._read_slot(
+                            store.levels[lv], li.slot(cluster)
+                        ).to(dtype)
         return bank
-

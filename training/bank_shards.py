@@ -1,4 +1,5 @@
-"""A sharded bank's checkpoints: one file per level-1 subtree, so a run resumes on any number of ranks.
+"""A sharded bank's checkpoints: one file per level-1 subtree, so a run resumes on any number of
+ranks.
 
 With `parallel.bank: sharded` each rank holds some level-1 subtrees' rows of every bank table
 (`TrainableBank(shard=…)`) and their lazy AdamW state (`MemoryAdamW.row_state`); a Composer
@@ -71,8 +72,11 @@ def _rows_of(bank: TrainableBank, level: int, subtree: int) -> slice:
     return slice(i * span, (i + 1) * span)
 
 
-def _part(bank: TrainableBank, opt: MemoryAdamW, rows_of: dict[int, slice | list[int]]) -> dict[str, torch.Tensor]:
-    """The tensors of one file: per level, the rows `rows_of[level]` of the table and their state."""
+def _part(
+    bank: TrainableBank, opt: MemoryAdamW, rows_of: dict[int, slice | list[int]]
+) -> dict[str, torch.Tensor]:
+    """The tensors of one file: per level, the rows `rows_of[level]` of the table and their
+    state."""
     out: dict[str, torch.Tensor] = {}
     for lv in bank.levels:
         table = bank.tables[str(lv)]
@@ -93,8 +97,16 @@ def _write(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     return {"sha256": sha256_file(path), "bytes": path.stat().st_size}
 
 
-def save_shards(folder: str | os.PathLike, batch: int, bank: TrainableBank, opt: MemoryAdamW, *,
-                replica: int, world_meta: dict[str, int], export: dict[str, Any] | None = None) -> Path | None:
+def save_shards(
+    folder: str | os.PathLike,
+    batch: int,
+    bank: TrainableBank,
+    opt: MemoryAdamW,
+    *,
+    replica: int,
+    world_meta: dict[str, int],
+    export: dict[str, Any] | None = None,
+) -> Path | None:
     """Every rank calls this at the same batch; returns the published folder on global rank 0.
     `export` ({dtype, tree_id}): how the run exports its bank, recorded in the manifest (with the
     anchor's name) so `memtree memstore export` writes the same bank from the checkpoint."""
@@ -121,14 +133,31 @@ def save_shards(folder: str | os.PathLike, batch: int, bank: TrainableBank, opt:
         B = bank.memory.branching
         missing = [subtree_file(s) for s in range(B) if subtree_file(s) not in merged]
         if missing:
-            raise BankShardError(f"{staging}: no rank wrote {missing[:4]}; the ranks' shards do not cover the tree")
-        manifest = {"format": FORMAT, "version": VERSION, "batch": batch, **_identity(bank), "branching": B,
-                    "levels": {str(lv): {"rows_per_subtree": B ** (lv - 1), "params": bank.tables[str(lv)].shape[1]}
-                               for lv in bank.levels},
-                    "files": dict(sorted(merged.items())), "saved_by": world_meta}
+            raise BankShardError(
+                f"{staging}: no rank wrote {missing[:4]}; the ranks' shards do not cover the tree"
+            )
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "batch": batch,
+            **_identity(bank),
+            "branching": B,
+            "levels": {
+                str(lv): {
+                    "rows_per_subtree": B ** (lv - 1),
+                    "params": bank.tables[str(lv)].shape[1],
+                }
+                for lv in bank.levels
+            },
+            "files": dict(sorted(merged.items())),
+            "saved_by": world_meta,
+        }
         if export is not None:
-            manifest["export"] = {"dtype": export["dtype"], "tree_id": export["tree_id"],
-                                  "anchor_name": bank.anchor.name}
+            manifest["export"] = {
+                "dtype": export["dtype"],
+                "tree_id": export["tree_id"],
+                "anchor_name": bank.anchor.name,
+            }
         atomic_write_json(staging / "manifest.json", manifest)
         replace_dir(staging, final)
     dist.barrier()
@@ -144,18 +173,26 @@ def load_shards(folder: str | os.PathLike, bank: TrainableBank, opt: MemoryAdamW
         if man[key] != want[key]:
             raise BankShardError(f"{folder}: a bank of {key} {man[key]}, this run's is {want[key]}")
     with torch.no_grad():
-        for name, rows_of in [(subtree_file(s), {lv: _rows_of(bank, lv, s) for lv in bank.levels})
-                              for s in bank.shard] + [(GENERIC_FILE,
-                                                       {lv: [bank.generic_slot(lv)] for lv in bank.levels})]:
+        for name, rows_of in [
+            (subtree_file(s), {lv: _rows_of(bank, lv, s) for lv in bank.levels}) for s in bank.shard
+        ] + [(GENERIC_FILE, {lv: [bank.generic_slot(lv)] for lv in bank.levels})]:
             with open_checked(folder, man, name) as f:
                 for lv in bank.levels:
                     table = bank.tables[str(lv)]
                     local = torch.arange(table.shape[0])[rows_of[lv]]
-                    table[local.to(table.device)] = f.get_tensor(f"w.{lv}").to(table.device, table.dtype)
+                    table[local.to(table.device)] = f.get_tensor(f"w.{lv}").to(
+                        table.device, table.dtype
+                    )
                     at = f.get_tensor(f"rows.{lv}").long()
-                    opt.load_row_state(table, {"rows": local[at], "exp_avg": f.get_tensor(f"exp_avg.{lv}"),
-                                               "exp_avg_sq": f.get_tensor(f"exp_avg_sq.{lv}"),
-                                               "steps": f.get_tensor(f"steps.{lv}")})
+                    opt.load_row_state(
+                        table,
+                        {
+                            "rows": local[at],
+                            "exp_avg": f.get_tensor(f"exp_avg.{lv}"),
+                            "exp_avg_sq": f.get_tensor(f"exp_avg_sq.{lv}"),
+                            "steps": f.get_tensor(f"steps.{lv}"),
+                        },
+                    )
     return man
 
 
@@ -170,12 +207,20 @@ def composer_checkpoint_batches(folder: str | os.PathLike) -> set[int]:
 class BankShardCheckpoints(Callback):
     """Saves the sharded bank at Composer's checkpoint batches (before Composer's own saver, which
     the Trainer appends after the user's callbacks), loads it back when a run resumes, and removes
-    the bank checkpoints whose Composer checkpoint Composer removed (`save_num_checkpoints_to_keep`).
+    the bank checkpoints whose Composer checkpoint Composer removed
+    (`save_num_checkpoints_to_keep`).
 
     `export` ({dtype, tree_id}): recorded in each manifest (`save_shards`)."""
 
-    def __init__(self, folder: str | os.PathLike, save_interval: str, *, replica: int,
-                 world_meta: dict[str, int], export: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        save_interval: str,
+        *,
+        replica: int,
+        world_meta: dict[str, int],
+        export: dict[str, Any] | None = None,
+    ) -> None:
         from composer.utils.misc import create_interval_scheduler
 
         self.folder = Path(folder)
@@ -198,10 +243,10 @@ class BankShardCheckpoints(Callback):
         super().run_event(event, state, logger)
 
     def prune(self) -> list[int]:
-        """Remove (on global rank 0) the bank checkpoints whose Composer checkpoint is gone, except the
-        latest; returns their batches. Composer keeps all with save_num_checkpoints_to_keep: -1, and
-        never rotates out the checkpoints of a run it resumed from (it lists only its own saves), so
-        neither does this."""
+        """Remove (on global rank 0) the bank checkpoints whose Composer checkpoint is gone, except
+        the latest; returns their batches. Composer keeps all with save_num_checkpoints_to_keep: -1,
+        and never rotates out the checkpoints of a run it resumed from (it lists only its own
+        saves), so neither does this."""
         from composer.utils import dist
 
         self.prune_due = False
@@ -212,7 +257,10 @@ class BankShardCheckpoints(Callback):
             keep.add(self.last_saved)
         removed = prune(self.folder, keep)
         if removed:
-            log.info("bank shards: removed the checkpoints of batches %s (Composer's were rotated out)", removed)
+            log.info(
+                "bank shards: removed the checkpoints of batches %s (Composer's were rotated out)",
+                removed,
+            )
         return removed
 
     def fit_start(self, state: State, logger: Logger) -> None:
@@ -221,20 +269,33 @@ class BankShardCheckpoints(Callback):
             return
         path = self.folder / f"ba{batch}"
         if not (path / "manifest.json").is_file():
-            raise BankShardError(f"the run resumes at batch {batch}, but {path} holds no finished bank-shards "
-                                 f"checkpoint (finished: {checkpoint_batches(self.folder)})")
+            raise BankShardError(
+                f"the run resumes at batch {batch}, but {path} holds no finished bank-shards "
+                f"checkpoint (finished: {checkpoint_batches(self.folder)})"
+            )
         bank, opt = self._parts(state)
         self.loaded = load_shards(path, bank, opt)
         self.last_saved = batch
         self.prune_due = True  # a run killed between the two savers left a bank checkpoint behind
-        log.info("bank shards: resumed subtrees %s from %s (saved by %s)", list(bank.shard), path,
-                 self.loaded["saved_by"])
+        log.info(
+            "bank shards: resumed subtrees %s from %s (saved by %s)",
+            list(bank.shard),
+            path,
+            self.loaded["saved_by"],
+        )
 
     def save(self, state: State) -> Path | None:
         bank, opt = self._parts(state)
         batch = int(state.timestamp.batch)
-        out = save_shards(self.folder, batch, bank, opt, replica=self.replica, world_meta=self.world_meta,
-                          export=self.export)
+        out = save_shards(
+            self.folder,
+            batch,
+            bank,
+            opt,
+            replica=self.replica,
+            world_meta=self.world_meta,
+            export=self.export,
+        )
         self.last_saved = batch
         self.prune_due = True
         return out

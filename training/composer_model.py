@@ -59,25 +59,52 @@ class MemtreeLM(ComposerModel):
     level-1 subtrees of a sharded bank); `freeze_anchor`: train the memories alone; `bank_init`:
     `training.bank.TrainableBank`'s init ("empty" where the bank is read from a store instead)."""
 
-    def __init__(self, config: ModelConfig, *, memory_settings: MemorySection | None = None, seed: int = 0,
-                 hf_dir: str | None = None, freeze_anchor: bool = False, subtree: int | None = None,
-                 shard: tuple[int, ...] | None = None, bank_init: str = "paper") -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        memory_settings: MemorySection | None = None,
+        seed: int = 0,
+        hf_dir: str | None = None,
+        freeze_anchor: bool = False,
+        subtree: int | None = None,
+        shard: tuple[int, ...] | None = None,
+        bank_init: str = "paper",
+    ) -> None:
         super().__init__()
         anchor, memory, moc = config.anchor, config.memory, config.moc
         ms = memory_settings if memory_settings is not None else MemorySection()
         self.anchor_shape, self.memory = anchor, memory
-        self.bank = (TrainableBank(anchor, memory, subtree=subtree, shard=shard, seed=seed, std=ms.init_std,
-                                   init=bank_init)
-                     if memory is not None else None)
+        self.bank = (
+            TrainableBank(
+                anchor,
+                memory,
+                subtree=subtree,
+                shard=shard,
+                seed=seed,
+                std=ms.init_std,
+                init=bank_init,
+            )
+            if memory is not None
+            else None
+        )
         self.hf = None
         if hf_dir is not None:
             # post-hoc memories on a pretrained HF causal LM (Table 2); the HF model is the anchor
             if memory is None:
                 raise ValueError("model.hf_dir: post-hoc training needs memory.multipliers")
             if moc is not None:
-                raise ValueError("model.hf_dir: Mixture-of-Chapters layers are not supported on HF models")
-            self.hf = HFMemoryModel(hf_dir, memory, bank=self.bank, cotrain=not freeze_anchor,
-                                    lora_alpha=config.lora_alpha, seed=seed)
+                raise ValueError(
+                    "model.hf_dir: Mixture-of-Chapters layers are not supported on HF models"
+                )
+            self.hf = HFMemoryModel(
+                hf_dir,
+                memory,
+                bank=self.bank,
+                cotrain=not freeze_anchor,
+                lora_alpha=config.lora_alpha,
+                seed=seed,
+            )
             self.model = self.hf.hf
         else:
             self.model = AnchorLM(config)
@@ -86,10 +113,15 @@ class MemtreeLM(ComposerModel):
         # Mixture-of-Chapters layers take any of their reads (`read_modes`)
         self._read = "gather"
         if self.read_modes():
-            # "auto" as built: the in-place read where there is one (training resolves "auto" before it
-            # builds the model: gather on the CPU, a timed choice on a GPU, training.train.memory_read)
+            # "auto" as built: the in-place read where there is one (training resolves "auto" before
+            # it builds the model: gather on the CPU, a timed choice on a GPU,
+            # training.train.memory_read)
             self.read = "fused" if ms.read == "auto" else ms.read
-        self.generic_prob = (1.0 / memory.branching if ms.generic_prob is None else ms.generic_prob) if memory else 0.0
+        self.generic_prob = (
+            (1.0 / memory.branching if ms.generic_prob is None else ms.generic_prob)
+            if memory
+            else 0.0
+        )
         # Dropout lets the anchor keep learning what a fetched block would take over; a frozen
         # anchor learns nothing, and its anchor-only forward has no gradient to step on.
         self.memory_dropout = ms.dropout if memory and not freeze_anchor else 0.0
@@ -103,13 +135,18 @@ class MemtreeLM(ComposerModel):
         if self.hf is None and self.model.moc_banks is not None:
             sparse += [f"model.moc_banks.{k}.weight" for k in self.model.moc_banks]
         if self.hf is None:
-            sparse += [f"model.blocks.{i}.pkm.values.weight" for i, b in enumerate(self.model.blocks)
-                       if b.pkm is not None]
+            sparse += [
+                f"model.blocks.{i}.pkm.values.weight"
+                for i, b in enumerate(self.model.blocks)
+                if b.pkm is not None
+            ]
         if sparse:
             self._ddp_params_and_buffers_to_ignore = sparse
         self.train_metrics = {"LanguageCrossEntropy": LanguageCrossEntropy()}
-        self.eval_metrics = {"LanguageCrossEntropy": LanguageCrossEntropy(),
-                             "LanguagePerplexity": LanguagePerplexity()}
+        self.eval_metrics = {
+            "LanguageCrossEntropy": LanguageCrossEntropy(),
+            "LanguagePerplexity": LanguagePerplexity(),
+        }
         # what the last forward did, for callbacks: rows used per level, generic flags
         self.last_slots: dict[int, torch.Tensor] = {}
         self.last_use_generic: torch.Tensor | None = None
@@ -150,7 +187,8 @@ class MemtreeLM(ComposerModel):
 
     @property
     def read_in_place(self) -> bool:
-        """Whether the bank's KV / FFN memories (or the MoC layers) are read by the fused kernels."""
+        """Whether the bank's KV / FFN memories (or the MoC layers) are read by the fused
+        kernels."""
         return self._read == "fused"
 
     @read_in_place.setter
@@ -174,8 +212,17 @@ class MemtreeLM(ComposerModel):
         forward draw alike). Without `ids` the row index stands in for the tokens."""
         rows = ids.detach().cpu().numpy() if ids is not None else None
         prefix = f"{self.seed}:{int(self.forwards)}:".encode()
-        u = [int.from_bytes(hashlib.blake2b(prefix + (rows[i].tobytes() if rows is not None else b"row%d" % i),
-                                            digest_size=8).digest(), "little") / 2.0**64 for i in range(batch)]
+        u = [
+            int.from_bytes(
+                hashlib.blake2b(
+                    prefix + (rows[i].tobytes() if rows is not None else b"row%d" % i),
+                    digest_size=8,
+                ).digest(),
+                "little",
+            )
+            / 2.0**64
+            for i in range(batch)
+        ]
         return torch.tensor(u, dtype=torch.float64) < self.generic_prob
 
     def memories_for(self, paths: torch.Tensor, use_generic: torch.Tensor):
@@ -193,8 +240,12 @@ class MemtreeLM(ComposerModel):
         if self.bank is not None and self.memory_mode != "none":
             B = ids.shape[0]
             if not self.training:
-                mems = self.memories_for(batch["paths"], torch.full((B,), self.memory_mode == "generic"))
-            elif self._draw_dropout():  # the anchor alone; callbacks see a forward that read no block
+                mems = self.memories_for(
+                    batch["paths"], torch.full((B,), self.memory_mode == "generic")
+                )
+            elif (
+                self._draw_dropout()
+            ):  # the anchor alone; callbacks see a forward that read no block
                 self.last_slots, self.last_use_generic = {}, None
             else:
                 mems = self.memories_for(batch["paths"], self._draw_generic(B, ids))
@@ -209,15 +260,17 @@ class MemtreeLM(ComposerModel):
 
     def loss(self, outputs: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
         labels = batch["labels"]
-        per_tok = F.cross_entropy(outputs.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
-                                  reduction="none").view_as(labels)
+        per_tok = F.cross_entropy(
+            outputs.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none"
+        ).view_as(labels)
         mask = labels != -100
         n = mask.sum()
         loss = per_tok.sum() / n.clamp(min=1)
         if not torch.isfinite(loss):
             raise FloatingPointError(
                 f"loss is {loss.item()} at training forward {int(self.forwards)}; batch paths "
-                f"{batch['paths'][:4].tolist()} … — stopping (lower the LR or check the data)")
+                f"{batch['paths'][:4].tolist()} … — stopping (lower the LR or check the data)"
+            )
         self.last_seq_loss = (per_tok.sum(1) / mask.sum(1).clamp(min=1)).detach()
         aux = self.model.moc_aux_loss() if self.training and self.hf is None else None
         return loss if aux is None else loss + aux

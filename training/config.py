@@ -1,8 +1,9 @@
 """Training configuration: YAML (llm-foundry style) validated into keyword-only dataclasses.
 
-`memtree train run CONFIG.yaml key=value …` and `composer -n N -m memtree.training.train CONFIG.yaml …`
-both go through `load_train_config`; unknown keys and bad values are errors that
-name the key (and the allowed values). See `training/yamls/` for examples.
+`memtree train run CONFIG.yaml key=value …` and
+`composer -n N -m memtree.training.train CONFIG.yaml …` both go through `load_train_config`;
+unknown keys and bad values are errors that name the key (and the allowed values). See
+`training/yamls/` for examples.
 """
 
 from __future__ import annotations
@@ -47,8 +48,12 @@ class ModelSection:
     init_std: float = 0.02
     lora_alpha: float = 1.0
     hf_dir: str | None = None  # post-hoc memories on this local HF causal LM (it is the anchor)
-    moc: MoCConfig | None = None  # Mixture-of-Chapters memory layers (training/layers/moc.py), mode 'baseline'
-    pkm: PKMConfig | None = None  # product-key memory layers replacing FFNs (training/layers/pkm.py), mode 'baseline'
+    moc: MoCConfig | None = (
+        None  # Mixture-of-Chapters memory layers (training/layers/moc.py), mode 'baseline'
+    )
+    pkm: PKMConfig | None = (
+        None  # product-key memory layers replacing FFNs (training/layers/pkm.py), mode 'baseline'
+    )
     # document-masked attention: "sdpa" (dense mask), "flex" (block-sparse FlexAttention),
     # "auto" = flex on a GPU, sdpa on the CPU
     attn_impl: Literal["auto", "sdpa", "flex"] = "auto"
@@ -76,8 +81,9 @@ class MemorySection:
     lr: float = 1e-3
     # One bank learning rate per tree level (as long as multipliers; a level without memory takes
     # any value), in place of `lr`: e.g. a low level-2 LR, so that the blocks many documents share
-    # generalise, and a high leaf LR for the tail (docs/benchmarks/2026-11-27-memory-families-2-core-vm.md, "A bank learning rate per
-    # level on real text"). Empty: `lr` for all.
+    # generalise, and a high leaf LR for the tail
+    # (docs/benchmarks/2026-11-27-memory-families-2-core-vm.md, "A bank learning rate per level on
+    # real text"). Empty: `lr` for all.
     lr_by_level: tuple[float, ...] = ()
     weight_decay: float = 0.0
     init_std: float = 0.02
@@ -95,15 +101,22 @@ class MemorySection:
 
     def __post_init__(self) -> None:
         try:
-            multipliers = check_memory_shape(self.multipliers, type=self.type, placement=self.placement,
-                                             layers=self.layers, allow_empty=True)
+            multipliers = check_memory_shape(
+                self.multipliers,
+                type=self.type,
+                placement=self.placement,
+                layers=self.layers,
+                allow_empty=True,
+            )
         except ValueError as e:
             raise ConfigError(str(e)) from None
         object.__setattr__(self, "multipliers", multipliers)
         object.__setattr__(self, "layers", tuple(self.layers))
         object.__setattr__(self, "lr_by_level", tuple(self.lr_by_level))
         if self.read not in MEMORY_READS:
-            raise ConfigError(f"memory.read: the memory read {self.read!r} is not one of {list(MEMORY_READS)}")
+            raise ConfigError(
+                f"memory.read: the memory read {self.read!r} is not one of {list(MEMORY_READS)}"
+            )
         gp = self.generic_prob
         if gp is not None and not 0 <= gp <= 1:
             raise ConfigError(f"memory.generic_prob: {gp} must be in [0, 1]")
@@ -112,18 +125,28 @@ class MemorySection:
         by_level = self.lr_by_level
         # without multipliers there is no bank (an anchor stage that shares its memory section)
         if by_level and multipliers and len(by_level) != len(multipliers):
-            raise ConfigError(f"memory.lr_by_level: {len(by_level)} learning rates for "
-                              f"{len(multipliers)} levels (memory.multipliers); give one per level")
+            raise ConfigError(
+                f"memory.lr_by_level: {len(by_level)} learning rates for "
+                f"{len(multipliers)} levels (memory.multipliers); give one per level"
+            )
         if any(not lr > 0 for lr in by_level):
-            raise ConfigError(f"memory.lr_by_level: {list(by_level)}: every learning rate must be > 0")
+            raise ConfigError(
+                f"memory.lr_by_level: {list(by_level)}: every learning rate must be > 0"
+            )
 
     def geometry(self, branching: int) -> MemoryConfig | None:
         """The bank's shape for a tree of `branching` children per node; None without memory."""
         if not any(self.multipliers):
             return None
         try:
-            return MemoryConfig(multipliers=self.multipliers, type=self.type, placement=self.placement,
-                                placement_layers=self.placement_layers, layers=self.layers, branching=branching)
+            return MemoryConfig(
+                multipliers=self.multipliers,
+                type=self.type,
+                placement=self.placement,
+                placement_layers=self.placement_layers,
+                layers=self.layers,
+                branching=branching,
+            )
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -155,7 +178,9 @@ class DataSection:
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"data.eval_fraction: must be in [0, 1), got {self.eval_fraction!r}")
         if self.subtrees is not None and any(not is_int(s) or s < 0 for s in self.subtrees):
-            raise ConfigError(f"data.subtrees: level-1 subtree indices (integers >= 0), got {self.subtrees!r}")
+            raise ConfigError(
+                f"data.subtrees: level-1 subtree indices (integers >= 0), got {self.subtrees!r}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,7 +193,9 @@ class OptimSection:
     alpha_f: float = 0.1  # cooldown LR as a fraction of the peak
     max_grad_norm: float | None = 1.0
     moc_bank_lr: float | None = None  # MoC latent bank(s); None: lr
-    moc_layer_lr: float | None = None  # MoC routers, memory attention and variation-2 FFNs; None: lr
+    moc_layer_lr: float | None = (
+        None  # MoC routers, memory attention and variation-2 FFNs; None: lr
+    )
     # memory-layer values (model.pkm), their own group without weight decay (a row is decayed only
     # when read, so decay would punish rarely read slots); None: lr and weight_decay like the rest
     pkm_value_lr: float | None = None
@@ -198,7 +225,9 @@ class TrainConfig:
     run_name: str = "memtree"
     save_folder: str = "runs/train"
     mode: Mode = "baseline"
-    anchor_checkpoint: str | None = None  # frozen / cotrain: a Composer checkpoint of an anchor-only run
+    anchor_checkpoint: str | None = (
+        None  # frozen / cotrain: a Composer checkpoint of an anchor-only run
+    )
     model: ModelSection = field(default_factory=ModelSection)
     memory: MemorySection = field(default_factory=MemorySection)
     optim: OptimSection = field(default_factory=OptimSection)
@@ -232,64 +261,105 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.mode == "baseline" and self.memory.multipliers:
-            raise ConfigError("memory.multipliers: mode 'baseline' trains no memory; set mode to "
-                              "'frozen', 'cotrain' or 'scratch', or leave memory.multipliers empty")
+            raise ConfigError(
+                "memory.multipliers: mode 'baseline' trains no memory; set mode to "
+                "'frozen', 'cotrain' or 'scratch', or leave memory.multipliers empty"
+            )
         if self.mode != "baseline" and not any(self.memory.multipliers):
-            raise ConfigError(f"memory.multipliers: mode {self.mode!r} needs a non-zero memory configuration")
-        if self.mode in ("frozen", "cotrain") and not (self.anchor_checkpoint or self.model.hf_dir
-                                                          or self.model.anchor in PRETRAINED):
-            raise ConfigError(f"anchor_checkpoint: mode {self.mode!r} starts from a trained anchor; give its "
-                              "checkpoint (or use mode 'scratch')")
-        if self.model.anchor not in ANCHOR_PRESETS and self.model.anchor not in PRETRAINED \
-                and self.model.anchor != "custom":
-            raise ConfigError(f"model.anchor: {self.model.anchor!r} is not one of "
-                              f"{sorted(ANCHOR_PRESETS) + ['custom']} nor a pretrained model {sorted(PRETRAINED)}")
+            raise ConfigError(
+                f"memory.multipliers: mode {self.mode!r} needs a non-zero memory configuration"
+            )
+        if self.mode in ("frozen", "cotrain") and not (
+            self.anchor_checkpoint or self.model.hf_dir or self.model.anchor in PRETRAINED
+        ):
+            raise ConfigError(
+                f"anchor_checkpoint: mode {self.mode!r} starts from a trained anchor; give its "
+                "checkpoint (or use mode 'scratch')"
+            )
+        if (
+            self.model.anchor not in ANCHOR_PRESETS
+            and self.model.anchor not in PRETRAINED
+            and self.model.anchor != "custom"
+        ):
+            raise ConfigError(
+                f"model.anchor: {self.model.anchor!r} is not one of "
+                f"{sorted(ANCHOR_PRESETS) + ['custom']} nor a pretrained model {sorted(PRETRAINED)}"
+            )
         if self.model.anchor in PRETRAINED and self.mode == "baseline":
-            raise ConfigError(f"model.anchor: {self.model.anchor!r} is a pretrained model, which gets its memories "
-                              "post-hoc: use mode 'frozen' (Table 2) or 'cotrain', with memory.multipliers")
+            raise ConfigError(
+                f"model.anchor: {self.model.anchor!r} is a pretrained model, which gets its "
+                "memories post-hoc: use mode 'frozen' (Table 2) or 'cotrain', with "
+                "memory.multipliers"
+            )
         if self.model.moc is not None:
             if self.mode != "baseline":
-                raise ConfigError(f"model.moc: a Mixture-of-Chapters model trains from scratch without "
-                                  f"hierarchical memories; use mode 'baseline', not {self.mode!r}")
+                raise ConfigError(
+                    f"model.moc: a Mixture-of-Chapters model trains from scratch without "
+                    f"hierarchical memories; use mode 'baseline', not {self.mode!r}"
+                )
             if self.model.hf_dir:
-                raise ConfigError("model.moc: not supported with model.hf_dir (the anchor must be AnchorLM)")
+                raise ConfigError(
+                    "model.moc: not supported with model.hf_dir (the anchor must be AnchorLM)"
+                )
             if self.fsdp:
-                raise ConfigError("fsdp: the MoC latent bank's sparse gradients cannot be sharded; "
-                                  "multi-GPU MoC runs use DDP (leave fsdp false)")
+                raise ConfigError(
+                    "fsdp: the MoC latent bank's sparse gradients cannot be sharded; "
+                    "multi-GPU MoC runs use DDP (leave fsdp false)"
+                )
             if self.memory.read == "flex" and self.model.moc.weight_mode == "mix":
-                raise ConfigError("memory.read: 'flex' has one joint softmax; model.moc.weight_mode 'mix' "
-                                  "(a softmax per chapter) reads with 'fused', 'gather' or 'auto'")
+                raise ConfigError(
+                    "memory.read: 'flex' has one joint softmax; model.moc.weight_mode 'mix' "
+                    "(a softmax per chapter) reads with 'fused', 'gather' or 'auto'"
+                )
         elif self.memory.read == "flex":
-            raise ConfigError("memory.read: 'flex' reads Mixture-of-Chapters layers only (model.moc); KV / FFN "
-                              "memories read with 'auto', 'fused' or 'gather'")
+            raise ConfigError(
+                "memory.read: 'flex' reads Mixture-of-Chapters layers only (model.moc); KV / FFN "
+                "memories read with 'auto', 'fused' or 'gather'"
+            )
         if self.model.pkm is not None:
             if self.mode != "baseline":
-                raise ConfigError(f"model.pkm: a memory-layer model trains without hierarchical memories; "
-                                  f"use mode 'baseline', not {self.mode!r}")
+                raise ConfigError(
+                    f"model.pkm: a memory-layer model trains without hierarchical memories; "
+                    f"use mode 'baseline', not {self.mode!r}"
+                )
             if self.model.hf_dir or self.model.moc is not None:
-                raise ConfigError("model.pkm: not with model.hf_dir or model.moc (one kind of memory per model)")
+                raise ConfigError(
+                    "model.pkm: not with model.hf_dir or model.moc (one kind of memory per model)"
+                )
             if self.fsdp:
-                raise ConfigError("fsdp: the memory layer's sparse value gradients cannot be sharded; use DDP")
+                raise ConfigError(
+                    "fsdp: the memory layer's sparse value gradients cannot be sharded; use DDP"
+                )
         par = self.parallel
         if par.bank == "sharded":
             if not any(self.memory.multipliers):
-                raise ConfigError("parallel.bank: 'sharded' splits the memory bank, and this run has none "
-                                  "(memory.multipliers is empty)")
+                raise ConfigError(
+                    "parallel.bank: 'sharded' splits the memory bank, and this run has none "
+                    "(memory.multipliers is empty)"
+                )
             if par.data == "uniform":
-                raise ConfigError("parallel.data: 'uniform' sends any rank any subtree's sequences, whose rows a "
-                                  "sharded bank keeps on other ranks (that exchange is not built); use 'lanes' "
-                                  "or 'auto'")
+                raise ConfigError(
+                    "parallel.data: 'uniform' sends any rank any subtree's sequences, whose rows a "
+                    "sharded bank keeps on other ranks (that exchange is not built); use 'lanes' "
+                    "or 'auto'"
+                )
             if self.fsdp:
-                raise ConfigError("parallel.bank: 'sharded' with fsdp: true is not supported yet (not run on "
-                                  "GPUs); shard the bank with DDP for the anchor (fsdp: false)")
+                raise ConfigError(
+                    "parallel.bank: 'sharded' with fsdp: true is not supported yet (not run on "
+                    "GPUs); shard the bank with DDP for the anchor (fsdp: false)"
+                )
             if self.data.subtrees is not None and len(self.data.subtrees) == 1:
-                raise ConfigError("parallel.bank: 'sharded' with a per-subtree job (data.subtrees of one): its "
-                                  "bank is that subtree's rows already")
+                raise ConfigError(
+                    "parallel.bank: 'sharded' with a per-subtree job (data.subtrees of one): its "
+                    "bank is that subtree's rows already"
+                )
         if par.bank_shards is not None and par.bank_shards < 1:
             raise ConfigError(f"parallel.bank_shards: {par.bank_shards} must be at least 1")
         t = self.cpu_threads
         if t != "auto" and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
-            raise ConfigError(f"cpu_threads: {t!r} must be 'auto' or a whole number of threads >= 1")
+            raise ConfigError(
+                f"cpu_threads: {t!r} must be 'auto' or a whole number of threads >= 1"
+            )
 
     @property
     def pretrained(self) -> str | None:
@@ -298,7 +368,8 @@ class TrainConfig:
 
     @property
     def data_lanes(self) -> bool:
-        """Whether the run reads per-subtree lanes (training/lanes.py) rather than uniform batches."""
+        """Whether the run reads per-subtree lanes (training/lanes.py) rather than uniform
+        batches."""
         par = self.parallel
         return par.data == "lanes" or (par.data == "auto" and par.bank == "sharded")
 
@@ -306,10 +377,14 @@ class TrainConfig:
         if self.model.hf_dir:
             from transformers import AutoConfig
 
-            shape = anchor_shape_from_hf(AutoConfig.from_pretrained(self.model.hf_dir, local_files_only=True))
+            shape = anchor_shape_from_hf(
+                AutoConfig.from_pretrained(self.model.hf_dir, local_files_only=True)
+            )
             if shape.vocab_size < vocab_size:
-                raise ConfigError(f"model.hf_dir: the model's vocabulary ({shape.vocab_size}) is smaller than the "
-                                  f"shards' tokenizer ({vocab_size}); tokenize with the model's own tokenizer")
+                raise ConfigError(
+                    f"model.hf_dir: the model's vocabulary ({shape.vocab_size}) is smaller than "
+                    f"the shards' tokenizer ({vocab_size}); tokenize with the model's own tokenizer"
+                )
             return shape
         fields = {f.name for f in dataclasses.fields(AnchorShape)}
         unknown = sorted(set(self.model.shape) - fields)
@@ -330,16 +405,26 @@ class TrainConfig:
         """The bank's geometry (`MemorySection.geometry`) for the shards' `branching`."""
         return self.memory.geometry(branching)
 
-    def model_config(self, anchor: AnchorShape, memory: MemoryConfig | None, *, seq_len: int,
-                     attn_impl: str) -> ModelConfig:
+    def model_config(
+        self, anchor: AnchorShape, memory: MemoryConfig | None, *, seq_len: int, attn_impl: str
+    ) -> ModelConfig:
         """The `model:` section as the model's architecture, for `anchor` (`anchor_shape`) with
         `memory` (`memory_config`); `seq_len`: the shards' window, the default `max_seq_len`;
         `attn_impl`: `model.attn_impl` resolved for the device (training.train.attn_impl)."""
         m = self.model
         try:
-            return ModelConfig(anchor=anchor, memory=memory, max_seq_len=m.max_seq_len or seq_len,
-                               rope_theta=m.rope_theta, norm_eps=m.norm_eps, init_std=m.init_std,
-                               lora_alpha=m.lora_alpha, moc=m.moc, pkm=m.pkm, attn_impl=attn_impl)
+            return ModelConfig(
+                anchor=anchor,
+                memory=memory,
+                max_seq_len=m.max_seq_len or seq_len,
+                rope_theta=m.rope_theta,
+                norm_eps=m.norm_eps,
+                init_std=m.init_std,
+                lora_alpha=m.lora_alpha,
+                moc=m.moc,
+                pkm=m.pkm,
+                attn_impl=attn_impl,
+            )
         except ValueError as e:
             raise ConfigError(f"model: {e}") from None
 
@@ -347,11 +432,26 @@ class TrainConfig:
         """Hash of everything that shapes the model and its data: a checkpoint from a run
         with a different fingerprint is refused. Duration, saving and logging may change."""
         d = to_dict(self)
-        for k in ("max_duration", "save_interval", "save_num_checkpoints_to_keep", "autoresume", "log_interval",
-                  "progress_bar", "save_folder", "run_name", "device", "microbatch_size", "allow_tf32",
-                  "host_allocator", "cpu_threads", "comm_ddp_hook"):
+        for k in (
+            "max_duration",
+            "save_interval",
+            "save_num_checkpoints_to_keep",
+            "autoresume",
+            "log_interval",
+            "progress_bar",
+            "save_folder",
+            "run_name",
+            "device",
+            "microbatch_size",
+            "allow_tf32",
+            "host_allocator",
+            "cpu_threads",
+            "comm_ddp_hook",
+        ):
             d.pop(k, None)
-        d["data"].pop("verify_shards", None)  # a check, not a setting: runs from before it keep their fingerprint
+        d["data"].pop(
+            "verify_shards", None
+        )  # a check, not a setting: runs from before it keep their fingerprint
         d["parallel"].pop("bank_shards", None)  # placement only: a run may resume on other ranks
         if self.pretrained:
             # the name says which model; where this machine's cache keeps it does not change it
@@ -361,7 +461,9 @@ class TrainConfig:
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def load_train_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+def load_train_config(
+    path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()
+) -> TrainConfig:
     """The config of `path` with `overrides`; a named pretrained anchor's `model.hf_dir` is set to
     its converted folder (converted on first use)."""
     return with_pretrained(load_config(TrainConfig, str(path) if path else None, list(overrides)))
@@ -375,8 +477,10 @@ def with_pretrained(cfg: TrainConfig) -> TrainConfig:
     from memtree.pretrained import PretrainedError, pretrained_dir
 
     if cfg.model.hf_dir:
-        raise ConfigError(f"model.hf_dir: give either a pretrained model's name (model.anchor: {cfg.pretrained}) "
-                          "or a local Hugging Face folder, not both")
+        raise ConfigError(
+            f"model.hf_dir: give either a pretrained model's name (model.anchor: {cfg.pretrained}) "
+            "or a local Hugging Face folder, not both"
+        )
     try:
         folder = pretrained_dir(cfg.pretrained)
     except PretrainedError as e:

@@ -78,8 +78,16 @@ def router_aux(samples: int, chapters: int, top_k: int) -> int:
     z_logsumexp = s * SOFTMAX * c
     z_square_mean = s + max(s - 1, 0) + 1
     entropy = s * c * 4
-    return (selection_freq + mean_prob + load_balance + sq_prob_mean + sq_prob_mse + z_logsumexp
-            + z_square_mean + entropy)
+    return (
+        selection_freq
+        + mean_prob
+        + load_balance
+        + sq_prob_mean
+        + sq_prob_mse
+        + z_logsumexp
+        + z_square_mean
+        + entropy
+    )
 
 
 def _ffn(anchor: AnchorShape, tokens: int) -> dict[str, int]:
@@ -96,18 +104,28 @@ def standard_layer(anchor: AnchorShape, *, seq_len: int, batch: int = 1) -> dict
     o = linear(n, anchor.q_dim, d)
     matmuls = attn_matmuls(batch, seq_len, seq_len, anchor.q_dim)
     softmax = attn_elementwise(batch, anchor.n_heads, seq_len, seq_len)
-    out = {"q": q, "k": k, "v": v, "o": o, "attn_matmuls": matmuls, "attn_softmax": softmax,
-           "self_attn": q + k + v + o + matmuls + softmax,
-           "rope": 3 * n * (anchor.q_dim + anchor.kv_dim),
-           "norms": 2 * rms_norm(n, d),
-           "mlp": _ffn(anchor, n)["total"],
-           "residual": 2 * n * d}
+    out = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "o": o,
+        "attn_matmuls": matmuls,
+        "attn_softmax": softmax,
+        "self_attn": q + k + v + o + matmuls + softmax,
+        "rope": 3 * n * (anchor.q_dim + anchor.kv_dim),
+        "norms": 2 * rms_norm(n, d),
+        "mlp": _ffn(anchor, n)["total"],
+        "residual": 2 * n * d,
+    }
     out["total"] = out["self_attn"] + out["rope"] + out["norms"] + out["mlp"] + out["residual"]
     return out
 
 
-def moc_layer(anchor: AnchorShape, moc: MoCConfig, *, seq_len: int, batch: int = 1) -> dict[str, int]:
-    """A block with a MoC memory layer: the standard block (`standard`) plus what memory adds (`extra`)."""
+def moc_layer(
+    anchor: AnchorShape, moc: MoCConfig, *, seq_len: int, batch: int = 1
+) -> dict[str, int]:
+    """A block with a MoC memory layer: the standard block (`standard`) plus what memory adds
+    (`extra`)."""
     g = moc.geometry(d_model=anchor.d_model, n_layers=anchor.n_layers, anchor_heads=anchor.n_heads)
     n, d, C, k = batch * seq_len, anchor.d_model, moc.n_chapters, moc.top_k
     n_sel = moc.n_selected * moc.tokens_per_chapter  # memory tokens per sequence
@@ -129,13 +147,27 @@ def moc_layer(anchor: AnchorShape, moc: MoCConfig, *, seq_len: int, batch: int =
     out["mem_o"] = linear(n, g.q_dim, d)
     out["mem_attn_matmuls"] = attn_matmuls(batch, seq_len, n_sel, g.q_dim)
     out["mem_attn_softmax"] = attn_elementwise(batch, g.n_heads, seq_len, n_sel)
-    out["memory_attn"] = sum(out[key] for key in ("mem_q", "mem_k", "mem_v", "mem_o", "mem_attn_matmuls",
-                                                  "mem_attn_softmax"))
+    out["memory_attn"] = sum(
+        out[key]
+        for key in ("mem_q", "mem_k", "mem_v", "mem_o", "mem_attn_matmuls", "mem_attn_softmax")
+    )
     out["extra_norm"] = rms_norm(n, d)
     out["extra_residual"] = n * d
-    out["second_mlp"] = rms_norm(n, d) + _ffn(anchor, n)["total"] + n * d if moc.variation == 2 else 0
-    out["extra"] = sum(out[key] for key in ("router", "router_aux", "memory_preprocess", "memory_attn",
-                                            "extra_norm", "extra_residual", "second_mlp"))
+    out["second_mlp"] = (
+        rms_norm(n, d) + _ffn(anchor, n)["total"] + n * d if moc.variation == 2 else 0
+    )
+    out["extra"] = sum(
+        out[key]
+        for key in (
+            "router",
+            "router_aux",
+            "memory_preprocess",
+            "memory_attn",
+            "extra_norm",
+            "extra_residual",
+            "second_mlp",
+        )
+    )
     out["total"] = out["standard"] + out["extra"]
     return out
 
@@ -143,9 +175,11 @@ def moc_layer(anchor: AnchorShape, moc: MoCConfig, *, seq_len: int, batch: int =
 def head(anchor: AnchorShape, *, seq_len: int, batch: int = 1) -> dict[str, int]:
     """Final norm, LM head and cross-entropy."""
     n = batch * seq_len
-    out = {"final_norm": rms_norm(n, anchor.d_model),
-           "lm_head": linear(n, anchor.d_model, anchor.vocab_size),
-           "ce_loss": batch * (seq_len - 1) * anchor.vocab_size * SOFTMAX}
+    out = {
+        "final_norm": rms_norm(n, anchor.d_model),
+        "lm_head": linear(n, anchor.d_model, anchor.vocab_size),
+        "ce_loss": batch * (seq_len - 1) * anchor.vocab_size * SOFTMAX,
+    }
     out["total"] = out["final_norm"] + out["lm_head"] + out["ce_loss"]
     return out
 
@@ -166,9 +200,9 @@ class ModelFlops:
         return 3 * self.forward
 
     def training(self, *, checkpointing: bool = False, memory_recompute: bool = False) -> int:
-        """Forward + backward + recomputation: `checkpointing` re-runs every block's forward (Table 6:
-        gradient checkpointing); `memory_recompute` also re-runs each memory attention before its
-        output projection (the reference estimator's checkpointed memory attention)."""
+        """Forward + backward + recomputation: `checkpointing` re-runs every block's forward
+        (Table 6: gradient checkpointing); `memory_recompute` also re-runs each memory attention
+        before its output projection (the reference estimator's checkpointed memory attention)."""
         total = self.forward_backward
         if checkpointing:
             total += sum(self.layers)
@@ -177,7 +211,9 @@ class ModelFlops:
         return total
 
 
-def pkm_block(anchor: AnchorShape, pkm: PKMConfig, *, seq_len: int, batch: int = 1) -> dict[str, int]:
+def pkm_block(
+    anchor: AnchorShape, pkm: PKMConfig, *, seq_len: int, batch: int = 1
+) -> dict[str, int]:
     """A block whose FFN a product-key memory layer replaces (seed 003 §3): the standard block
     with its SwiGLU MLP swapped for the memory lookup (`PKMConfig.flops`)."""
     out = standard_layer(anchor, seq_len=seq_len, batch=batch)
@@ -188,11 +224,14 @@ def pkm_block(anchor: AnchorShape, pkm: PKMConfig, *, seq_len: int, batch: int =
 
 
 def ffn_memory(anchor: AnchorShape, widths: dict[int, int], *, tokens: int) -> int:
-    """Forward FLOPs that hierarchical FFN memories add over `tokens` tokens: per layer, `widths[layer]`
-    hidden units (all fetched blocks together) appended to the SwiGLU, so the same up, gate, down and
-    activation counts as widening the FFN by that much (`_ffn`)."""
+    """Forward FLOPs that hierarchical FFN memories add over `tokens` tokens: per layer,
+    `widths[layer]` hidden units (all fetched blocks together) appended to the SwiGLU, so the same
+    up, gate, down and activation counts as widening the FFN by that much (`_ffn`)."""
     d = anchor.d_model
-    return sum(2 * linear(tokens, d, w) + linear(tokens, w, d) + tokens * w * SWIGLU for w in widths.values())
+    return sum(
+        2 * linear(tokens, d, w) + linear(tokens, w, d) + tokens * w * SWIGLU
+        for w in widths.values()
+    )
 
 
 def pkm_params(anchor: AnchorShape, pkm: PKMConfig) -> int:
@@ -202,8 +241,14 @@ def pkm_params(anchor: AnchorShape, pkm: PKMConfig) -> int:
     return anchor.params() - n * ffn + n * pkm.params(anchor.d_model)
 
 
-def model_flops(anchor: AnchorShape, moc: MoCConfig | None = None, *, seq_len: int,
-                batch: int = 1, pkm: PKMConfig | None = None) -> ModelFlops:
+def model_flops(
+    anchor: AnchorShape,
+    moc: MoCConfig | None = None,
+    *,
+    seq_len: int,
+    batch: int = 1,
+    pkm: PKMConfig | None = None,
+) -> ModelFlops:
     std = standard_layer(anchor, seq_len=seq_len, batch=batch)["total"]
     mem = moc_layer(anchor, moc, seq_len=seq_len, batch=batch) if moc is not None else None
     pk = pkm_block(anchor, pkm, seq_len=seq_len, batch=batch)["total"] if pkm is not None else None
@@ -214,23 +259,37 @@ def model_flops(anchor: AnchorShape, moc: MoCConfig | None = None, *, seq_len: i
         layers.append(mem["total"] if has else pk if i in pk_layers else std)
         attn.append(mem["memory_attn"] - mem["mem_o"] if has else 0)
     h = head(anchor, seq_len=seq_len, batch=batch)["total"]
-    return ModelFlops(layers=tuple(layers), memory_attn=tuple(attn), head=h, forward=sum(layers) + h)
+    return ModelFlops(
+        layers=tuple(layers), memory_attn=tuple(attn), head=h, forward=sum(layers) + h
+    )
 
 
-def iso_flop_depth(anchor: AnchorShape, moc: MoCConfig, *, seq_len: int, batch: int = 1,
-                   checkpointing: bool = False, memory_recompute: bool = False) -> int:
+def iso_flop_depth(
+    anchor: AnchorShape,
+    moc: MoCConfig,
+    *,
+    seq_len: int,
+    batch: int = 1,
+    checkpointing: bool = False,
+    memory_recompute: bool = False,
+) -> int:
     """Depth of the dense baseline (the anchor's blocks repeated, no memory) whose training FLOPs
     first reach the MoC model's: the smallest n with dense(n) ≥ MoC."""
     target = model_flops(anchor, moc, seq_len=seq_len, batch=batch).training(
-        checkpointing=checkpointing, memory_recompute=memory_recompute)
+        checkpointing=checkpointing, memory_recompute=memory_recompute
+    )
     n = 1
-    while model_flops(replace(anchor, n_layers=n), seq_len=seq_len, batch=batch).training(
-            checkpointing=checkpointing) < target:
+    while (
+        model_flops(replace(anchor, n_layers=n), seq_len=seq_len, batch=batch).training(
+            checkpointing=checkpointing
+        )
+        < target
+    ):
         n += 1
     return n
 
 
-# -- fine-tuning conditions (seed 004 §7.3) -------------------------------------------------------------
+# -- fine-tuning conditions (seed 004 §7.3) --------------------------------------------------------
 
 LORA_MATRICES = {"attention": ("q", "k", "v", "o"), "all": ("q", "k", "v", "o", "w1", "w2", "w3")}
 
@@ -238,8 +297,15 @@ LORA_MATRICES = {"attention": ("q", "k", "v", "o"), "all": ("q", "k", "v", "o", 
 def _matrix_shapes(anchor: AnchorShape) -> dict[str, tuple[int, int]]:
     """(d_in, d_out) of each projection of a block."""
     d, f = anchor.d_model, anchor.ffn_dim
-    return {"q": (d, anchor.q_dim), "k": (d, anchor.kv_dim), "v": (d, anchor.kv_dim), "o": (anchor.q_dim, d),
-            "w1": (d, f), "w2": (d, f), "w3": (f, d)}
+    return {
+        "q": (d, anchor.q_dim),
+        "k": (d, anchor.kv_dim),
+        "v": (d, anchor.kv_dim),
+        "o": (anchor.q_dim, d),
+        "w1": (d, f),
+        "w2": (d, f),
+        "w3": (f, d),
+    }
 
 
 def lora_params(anchor: AnchorShape, rank: int, targets: str = "all") -> int:
@@ -251,8 +317,10 @@ def lora_params(anchor: AnchorShape, rank: int, targets: str = "all") -> int:
 def lora_flops_per_token(anchor: AnchorShape, rank: int, targets: str = "all") -> int:
     """Forward FLOPs an unmerged adapter adds per token: x·Aᵀ, then ·Bᵀ, then the add."""
     shapes = _matrix_shapes(anchor)
-    return anchor.n_layers * sum(linear(1, i, rank) + linear(1, rank, o) + o
-                                 for i, o in (shapes[m] for m in LORA_MATRICES[targets]))
+    return anchor.n_layers * sum(
+        linear(1, i, rank) + linear(1, rank, o) + o
+        for i, o in (shapes[m] for m in LORA_MATRICES[targets])
+    )
 
 
 def moc_params(anchor: AnchorShape, moc: MoCConfig) -> dict[str, int]:
@@ -265,16 +333,28 @@ def moc_params(anchor: AnchorShape, moc: MoCConfig) -> dict[str, int]:
     per_bank += moc.rank * d if moc.low_rank == "factorized" else 0
     layer = d * moc.n_chapters + moc.n_chapters + d * g.q_dim + g.q_dim * d + d
     layer += 3 * d * anchor.ffn_dim + d if moc.variation == 2 else 0
-    return {"bank": per_bank * (1 if moc.shared_bank else n), "kv": n * 2 * g.mem_dim * g.kv_dim,
-            "layers": n * layer}
+    return {
+        "bank": per_bank * (1 if moc.shared_bank else n),
+        "kv": n * 2 * g.mem_dim * g.kv_dim,
+        "layers": n * layer,
+    }
 
 
-def finetune_accounting(anchor: AnchorShape, method: str, *, seq_len: int, lora_rank: int = 0,
-                        lora_targets: str = "all", moc: MoCConfig | None = None,
-                        train_bank: bool = True, train_kv: bool = True) -> dict[str, int]:
+def finetune_accounting(
+    anchor: AnchorShape,
+    method: str,
+    *,
+    seq_len: int,
+    lora_rank: int = 0,
+    lora_targets: str = "all",
+    moc: MoCConfig | None = None,
+    train_bank: bool = True,
+    train_kv: bool = True,
+) -> dict[str, int]:
     """What a fine-tuning condition trains and costs: trainable parameters, bytes of the memory
     bank as stored, forward FLOPs per token while training (unmerged LoRA) and at inference
-    (LoRA merged). method: full | lora | mem_adapter | mem_adapter+lora (`training/finetune/continual.py`)."""
+    (LoRA merged). method: full | lora | mem_adapter | mem_adapter+lora
+    (`training/finetune/continual.py`)."""
     base = model_flops(anchor, seq_len=seq_len).forward
     out = {"trainable_params": 0, "bank_bytes": 0, "base_flops_per_token": base // seq_len}
     train_fwd = infer_fwd = base
@@ -287,7 +367,9 @@ def finetune_accounting(anchor: AnchorShape, method: str, *, seq_len: int, lora_
         if moc is None:
             raise ValueError(f"method {method} needs the adapters' MoCConfig")
         p = moc_params(anchor, moc)
-        out["trainable_params"] += p["layers"] + (p["kv"] if train_kv else 0) + (p["bank"] if train_bank else 0)
+        out["trainable_params"] += (
+            p["layers"] + (p["kv"] if train_kv else 0) + (p["bank"] if train_bank else 0)
+        )
         out["adapter_params"] = sum(p.values())
         out["bank_bytes"] = bank_bytes(moc, anchor.d_model)
         extra = model_flops(anchor, moc, seq_len=seq_len).forward - base

@@ -35,8 +35,8 @@ LoRA scale is `lora_alpha / r` with r the layer's rank summed over levels (as `A
 
 At App. I init (`paper_init`: FFN w3, LoRA B and KV values zero) every type adds an exact zero,
 so the logits equal the base model's bit for bit (called with the same arguments: HF's
-use_cache=True/False take different mask paths that differ in the last bit). The anchor is frozen by default (Table 2);
-`cotrain=True` keeps its parameters trainable (the co-trained Qwen of App. A.6).
+use_cache=True/False take different mask paths that differ in the last bit). The anchor is frozen by
+default (Table 2); `cotrain=True` keeps its parameters trainable (the co-trained Qwen of App. A.6).
 
 Not supported: HF gradient checkpointing (its recomputation runs in backward, after the
 memories of the call were cleared — `forward` refuses rather than silently dropping them), and
@@ -63,8 +63,13 @@ from memtree.training.hooks import LayerHook, first_tensor
 from memtree.training.model import Memories, assemble_memories, lora_delta
 
 # model_type → (qk_norm, norms_per_block) for the families whose norms differ from Llama's.
-_QK_NORM = {"gemma3": "head", "gemma3_text": "head", "qwen3": "head", "qwen3_moe": "head",
-            "olmo2": "full"}
+_QK_NORM = {
+    "gemma3": "head",
+    "gemma3_text": "head",
+    "qwen3": "head",
+    "qwen3_moe": "head",
+    "olmo2": "full",
+}
 _FOUR_NORMS = {"gemma2", "gemma3", "gemma3_text"}
 _ALWAYS_QKV_BIAS = {"qwen2", "qwen2_moe"}  # Qwen2 hard-codes bias=True on q/k/v
 
@@ -86,11 +91,22 @@ def anchor_shape_from_hf(config: Any, *, name: str | None = None) -> AnchorShape
     the real count.
     """
     cfg = decoder_config(config)
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size", "vocab_size") if getattr(cfg, k, None) is None]
+    missing = [
+        k
+        for k in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "vocab_size",
+        )
+        if getattr(cfg, k, None) is None
+    ]
     if missing:
-        raise ValueError(f"config of type {type(cfg).__name__} lacks {missing}; "
-                         "expected a Llama/Qwen2/Gemma3-style decoder config")
+        raise ValueError(
+            f"config of type {type(cfg).__name__} lacks {missing}; "
+            "expected a Llama/Qwen2/Gemma3-style decoder config"
+        )
     model_type = getattr(cfg, "model_type", "") or ""
     d, heads = int(cfg.hidden_size), int(cfg.num_attention_heads)
     head_dim = getattr(cfg, "head_dim", None) or d // heads
@@ -125,18 +141,26 @@ def _same_geometry(a: AnchorShape, b: AnchorShape) -> bool:
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
-def load_hf_causal_lm(local_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-                      attn_implementation: str | None = "sdpa") -> nn.Module:
+def load_hf_causal_lm(
+    local_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = "sdpa",
+) -> nn.Module:
     """`AutoModelForCausalLM.from_pretrained` from a local directory only (never downloads)."""
     from transformers import AutoModelForCausalLM
 
     path = Path(local_dir)
     if not path.is_dir():
-        raise FileNotFoundError(f"HF model directory {str(path)!r} does not exist "
-                                "(only local checkpoints are loaded; nothing is downloaded)")
+        raise FileNotFoundError(
+            f"HF model directory {str(path)!r} does not exist "
+            "(only local checkpoints are loaded; nothing is downloaded)"
+        )
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"HF model directory {str(path)!r} has no config.json; "
-                                "expected a save_pretrained checkpoint")
+        raise FileNotFoundError(
+            f"HF model directory {str(path)!r} has no config.json; "
+            "expected a save_pretrained checkpoint"
+        )
     kw: dict[str, Any] = {"local_files_only": True, "dtype": dtype}
     if attn_implementation is not None:
         kw["attn_implementation"] = attn_implementation
@@ -155,8 +179,10 @@ def decoder_layers(hf: nn.Module) -> nn.ModuleList:
             continue
         if isinstance(layers, nn.ModuleList):
             return layers
-    raise ValueError(f"{type(hf).__name__}: cannot find the decoder layers "
-                     "(expected model.layers, as in Llama/Qwen/Gemma)")
+    raise ValueError(
+        f"{type(hf).__name__}: cannot find the decoder layers "
+        "(expected model.layers, as in Llama/Qwen/Gemma)"
+    )
 
 
 class _CallState(threading.local):
@@ -244,8 +270,9 @@ class _KVReadHook(LayerHook):
         q = self.owner._state.queries.pop(self.layer, None)
         if q is None:
             raise RuntimeError(f"layer {self.layer}: KV memory read without a captured query")
-        read = F.scaled_dot_product_attention(q, self._heads(lm["k"], q.dtype),
-                                              self._heads(lm["v"], q.dtype))  # (B, H, S, D)
+        read = F.scaled_dot_product_attention(
+            q, self._heads(lm["k"], q.dtype), self._heads(lm["v"], q.dtype)
+        )  # (B, H, S, D)
         x = x + read.transpose(1, 2).flatten(2).to(x.dtype)  # (B, S, q_dim)
         return ((x, *args[1:]), kwargs) if args else ((), {**kwargs, "input": x})
 
@@ -297,8 +324,9 @@ class HFMemoryModel(nn.Module):
             bank = TrainableBank(self.anchor, memory, seed=seed, std=init_std)
         else:
             if not _same_geometry(bank.anchor, self.anchor):
-                raise ValueError(f"bank anchor {bank.anchor} does not match the model's geometry "
-                                 f"{self.anchor}")
+                raise ValueError(
+                    f"bank anchor {bank.anchor} does not match the model's geometry {self.anchor}"
+                )
             if bank.memory != memory:
                 raise ValueError(f"bank memory config {bank.memory} differs from {memory}")
         self.bank = bank
@@ -318,14 +346,22 @@ class HFMemoryModel(nn.Module):
         a = self.anchor
         if len(self.layers) != a.n_layers:
             raise ValueError(f"config says {a.n_layers} layers, the model has {len(self.layers)}")
-        need = {"ffn": ("mlp",), "lora-ffn": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-                "lora-qk": ("self_attn.q_proj", "self_attn.k_proj"),
-                "lora-ov": ("self_attn.v_proj", "self_attn.o_proj"),
-                "kv": ("self_attn.q_proj", "self_attn.o_proj")}[self.memory.type]
-        shapes = {"mlp.gate_proj": (a.d_model, a.ffn_dim), "mlp.up_proj": (a.d_model, a.ffn_dim),
-                  "mlp.down_proj": (a.ffn_dim, a.d_model),
-                  "self_attn.q_proj": (a.d_model, a.q_dim), "self_attn.k_proj": (a.d_model, a.kv_dim),
-                  "self_attn.v_proj": (a.d_model, a.kv_dim), "self_attn.o_proj": (a.q_dim, a.d_model)}
+        need = {
+            "ffn": ("mlp",),
+            "lora-ffn": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+            "lora-qk": ("self_attn.q_proj", "self_attn.k_proj"),
+            "lora-ov": ("self_attn.v_proj", "self_attn.o_proj"),
+            "kv": ("self_attn.q_proj", "self_attn.o_proj"),
+        }[self.memory.type]
+        shapes = {
+            "mlp.gate_proj": (a.d_model, a.ffn_dim),
+            "mlp.up_proj": (a.d_model, a.ffn_dim),
+            "mlp.down_proj": (a.ffn_dim, a.d_model),
+            "self_attn.q_proj": (a.d_model, a.q_dim),
+            "self_attn.k_proj": (a.d_model, a.kv_dim),
+            "self_attn.v_proj": (a.d_model, a.kv_dim),
+            "self_attn.o_proj": (a.q_dim, a.d_model),
+        }
         for i, layer in enumerate(self.layers):
             for path in need:
                 try:
@@ -338,8 +374,10 @@ class HFMemoryModel(nn.Module):
                 if path in shapes and isinstance(mod, nn.Linear):
                     got = (mod.in_features, mod.out_features)
                     if got != shapes[path]:
-                        raise ValueError(f"layer {i} {path}: (in, out) = {got}, but the config "
-                                         f"implies {shapes[path]}")
+                        raise ValueError(
+                            f"layer {i} {path}: (in, out) = {got}, but the config "
+                            f"implies {shapes[path]}"
+                        )
 
     def _register_hooks(self) -> None:
         kind = self.memory.type
@@ -347,11 +385,15 @@ class HFMemoryModel(nn.Module):
             layer = self.layers[i]
             attn = getattr(layer, "self_attn", None)
             if kind == "ffn":
-                self._hook(layer.mlp, _FFNHook(self, i, getattr(layer.mlp, "act_fn", None) or F.silu))
+                self._hook(
+                    layer.mlp, _FFNHook(self, i, getattr(layer.mlp, "act_fn", None) or F.silu)
+                )
             elif kind == "lora-ffn":
-                for mod, a, b in ((layer.mlp.gate_proj, "w1_a", "w1_b"),
-                                  (layer.mlp.up_proj, "w2_a", "w2_b"),
-                                  (layer.mlp.down_proj, "w3_a", "w3_b")):
+                for mod, a, b in (
+                    (layer.mlp.gate_proj, "w1_a", "w1_b"),
+                    (layer.mlp.up_proj, "w2_a", "w2_b"),
+                    (layer.mlp.down_proj, "w3_a", "w3_b"),
+                ):
                     self._hook(mod, _LoRAHook(self, i, a, b))
             elif kind == "lora-qk":
                 self._hook(attn.q_proj, _LoRAHook(self, i, "q_a", "q_b"))
@@ -362,7 +404,8 @@ class HFMemoryModel(nn.Module):
             elif kind == "kv":
                 self._hook(attn.q_proj, _QueryHook(self, i, getattr(attn, "q_norm", None)))
                 self._handles.append(
-                    attn.o_proj.register_forward_pre_hook(_KVReadHook(self, i), with_kwargs=True))
+                    attn.o_proj.register_forward_pre_hook(_KVReadHook(self, i), with_kwargs=True)
+                )
             else:  # MemoryConfig validates the type; keep the error for future types
                 raise ValueError(f"memory type {kind!r} is not supported on HF models")
 
@@ -377,9 +420,11 @@ class HFMemoryModel(nn.Module):
         lm = mem[i]
         batch = next(iter(lm.values())).shape[0]
         if x.shape[0] != batch:
-            raise ValueError(f"layer {i}: input batch {x.shape[0]} does not match the memories' "
-                             f"batch {batch} (one memory per sequence; beam search and "
-                             "num_return_sequences > 1 are not supported)")
+            raise ValueError(
+                f"layer {i}: input batch {x.shape[0]} does not match the memories' "
+                f"batch {batch} (one memory per sequence; beam search and "
+                "num_return_sequences > 1 are not supported)"
+            )
         return lm
 
     # -- memories -----------------------------------------------------------------
@@ -391,8 +436,14 @@ class HFMemoryModel(nn.Module):
         """The HF model's parameters (trainable only with cotrain=True)."""
         yield from self.hf.parameters()
 
-    def gather(self, batch: int, *, paths: Tensor | None = None, use_generic: Tensor | None = None,
-               device: torch.device | None = None) -> Memories:
+    def gather(
+        self,
+        batch: int,
+        *,
+        paths: Tensor | None = None,
+        use_generic: Tensor | None = None,
+        device: torch.device | None = None,
+    ) -> Memories:
         """Fetch and assemble per-layer memories for `batch` sequences.
 
         paths (B, L): global cluster ids per level. use_generic (B,) bool: those sequences get
@@ -400,9 +451,13 @@ class HFMemoryModel(nn.Module):
         """
         if paths is None:
             if use_generic is not None and not bool(use_generic.all()):
-                raise ValueError("use_generic selects fetched memories for some sequences, "
-                                 "but no paths were given")
-            device = device if device is not None else self.bank.tables[str(self.bank.levels[0])].device
+                raise ValueError(
+                    "use_generic selects fetched memories for some sequences, "
+                    "but no paths were given"
+                )
+            device = (
+                device if device is not None else self.bank.tables[str(self.bank.levels[0])].device
+            )
             paths = torch.zeros(batch, self.memory.n_levels, dtype=torch.long, device=device)
             use_generic = torch.ones(batch, dtype=torch.bool, device=device)
         elif paths.shape[0] != batch:
@@ -411,8 +466,14 @@ class HFMemoryModel(nn.Module):
         return assemble_memories(blocks, self.anchor, self.memory)
 
     @contextmanager
-    def use_memories(self, memories: Memories | None = None, *, paths: Tensor | None = None,
-                     use_generic: Tensor | None = None, batch: int | None = None):
+    def use_memories(
+        self,
+        memories: Memories | None = None,
+        *,
+        paths: Tensor | None = None,
+        use_generic: Tensor | None = None,
+        batch: int | None = None,
+    ):
         """Apply memories to every call of `self.hf` inside the block (e.g. `hf.generate`).
 
         Give assembled `memories` (`gather`, or `assemble_memories` on blocks fetched from a
@@ -428,8 +489,10 @@ class HFMemoryModel(nn.Module):
             memories = self.gather(batch, paths=paths, use_generic=use_generic)
         bad = [i for i in memories if i not in self.memory_layer_ids]
         if bad:
-            raise ValueError(f"memories for layers {bad}, which carry no memory "
-                             f"(memory layers: {self.memory_layer_ids})")
+            raise ValueError(
+                f"memories for layers {bad}, which carry no memory "
+                f"(memory layers: {self.memory_layer_ids})"
+            )
         self._state.mem, self._state.queries = memories, {}
         try:
             yield self
@@ -437,9 +500,17 @@ class HFMemoryModel(nn.Module):
             self._state.mem, self._state.queries = None, {}
 
     # -- forward ------------------------------------------------------------------
-    def forward(self, input_ids: Tensor, *, paths: Tensor | None = None,
-                use_generic: Tensor | None = None, attention_mask: Tensor | None = None,
-                labels: Tensor | None = None, memories: Memories | None = None, **hf_kwargs):
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        paths: Tensor | None = None,
+        use_generic: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+        memories: Memories | None = None,
+        **hf_kwargs,
+    ):
         """input_ids (B, S) → the HF model's output (`.logits` (B, S, V), `.loss` with labels).
 
         paths (B, L) / use_generic (B,) pick each sequence's memory (none given: the generic
@@ -447,14 +518,18 @@ class HFMemoryModel(nn.Module):
         arguments go to the HF model; `use_cache` defaults to False.
         """
         if getattr(self.hf, "is_gradient_checkpointing", False) and self.training:
-            raise RuntimeError("HF gradient checkpointing recomputes layers in backward, after the "
-                               "call's memories are cleared; disable it for HFMemoryModel")
+            raise RuntimeError(
+                "HF gradient checkpointing recomputes layers in backward, after the "
+                "call's memories are cleared; disable it for HFMemoryModel"
+            )
         if memories is not None and (paths is not None or use_generic is not None):
             raise ValueError("give memories or paths/use_generic, not both")
-        with self.use_memories(memories, paths=paths, use_generic=use_generic,
-                               batch=input_ids.shape[0]):
-            return self.hf(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
-                           **hf_kwargs)
+        with self.use_memories(
+            memories, paths=paths, use_generic=use_generic, batch=input_ids.shape[0]
+        ):
+            return self.hf(
+                input_ids=input_ids, attention_mask=attention_mask, labels=labels, **hf_kwargs
+            )
 
     def remove_hooks(self) -> None:
         """Detach from the HF model (it is then the plain base model again)."""

@@ -38,8 +38,9 @@ def first_tensor(args: tuple, kwargs: dict) -> Tensor:
 
 
 @contextmanager
-def attached(hooks: Iterable[tuple[nn.Module, Callable]], *, pre: bool = False,
-             with_kwargs: bool = False) -> Iterator[None]:
+def attached(
+    hooks: Iterable[tuple[nn.Module, Callable]], *, pre: bool = False, with_kwargs: bool = False
+) -> Iterator[None]:
     """Register each (module, hook) as a forward hook (pre=True: a forward pre-hook) for the
     duration of the block; all of them are removed on exit, even on error."""
     handles = []

@@ -14,8 +14,8 @@ freed), which a training process reaches in its first steps anyway, plus some fr
 a freed chunk is reused only once it is large enough for the next (64-byte aligned) request,
 so the first few re-allocations of a size may extend the heap until freed neighbours coalesce
 (3-9 allocations of a lone 64 MiB tensor in tests/test_host_alloc.py; in the 4-rank training
-benchmark the peak RSS per rank was 0.11-0.17 GiB above malloc's defaults). GPU runs keep the default:
-their activations live in CUDA's caching allocator, not in malloc.
+benchmark the peak RSS per rank was 0.11-0.17 GiB above malloc's defaults). GPU runs keep the
+default: their activations live in CUDA's caching allocator, not in malloc.
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ def retain_freed_host_memory() -> bool:
     # mallopt returns 1 on success, 0 on error
     ok = libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, _NEVER_TRIM) == 1
     if not ok:
-        log.warning("mallopt refused the retain settings; freed host memory goes back to the kernel")
+        log.warning(
+            "mallopt refused the retain settings; freed host memory goes back to the kernel"
+        )
         return False
     _applied = True
     log.info("host allocator: freed tensor memory is kept for reuse (mmap off, no heap trim)")

@@ -1,7 +1,8 @@
-"""Data placed next to its memory: global batches built from per-subtree lanes (`parallel.data: lanes`).
+"""Data placed next to its memory: global batches built from per-subtree lanes
+(`parallel.data: lanes`).
 
-With a sharded bank (`parallel.bank: sharded`, training/bank_shards.py) a rank holds the bank rows of
-some level-1 subtrees only, so it must read only the sequences routed into them: then every row
+With a sharded bank (`parallel.bank: sharded`, training/bank_shards.py) a rank holds the bank rows
+of some level-1 subtrees only, so it must read only the sequences routed into them: then every row
 a step fetches is local and no bank row crosses the network. The shards already keep one MDS
 stream per level-1 subtree (pipeline/README.md); here each stream is a *lane*:
 
@@ -60,7 +61,9 @@ class LanePlan:
         out = np.empty(b, dtype=np.int64)
         for epoch in np.unique(pos // n):
             at = pos // n == epoch
-            out[at] = _lane_order(self.seed, self.subtrees[lane], int(epoch), n, self.shuffle)[pos[at] % n]
+            out[at] = _lane_order(self.seed, self.subtrees[lane], int(epoch), n, self.shuffle)[
+                pos[at] % n
+            ]
         return out
 
     def composition(self) -> dict[str, Any]:
@@ -71,15 +74,28 @@ class LanePlan:
         lanes = []
         for s, n, b in zip(self.subtrees, self.sizes, self.per_step, strict=True):
             p = n / N
-            lanes.append({"subtree": s, "samples": n, "per_step": b, "share": b / B, "uniform_share": p,
-                          "uniform_share_sd": float(np.sqrt(p * (1 - p) / B)),
-                          "exposures_per_epoch": S * b / n})
+            lanes.append(
+                {
+                    "subtree": s,
+                    "samples": n,
+                    "per_step": b,
+                    "share": b / B,
+                    "uniform_share": p,
+                    "uniform_share_sd": float(np.sqrt(p * (1 - p) / B)),
+                    "exposures_per_epoch": S * b / n,
+                }
+            )
         bias = [abs(x["share"] - x["uniform_share"]) for x in lanes]
         sd = [x["uniform_share_sd"] for x in lanes]
         exp = [x["exposures_per_epoch"] for x in lanes]
-        return {"batch_size": B, "steps_per_epoch": S, "lanes": lanes,
-                "max_share_bias": max(bias), "mean_uniform_share_sd": float(np.mean(sd)),
-                "exposures_per_epoch": {"min": min(exp), "max": max(exp)}}
+        return {
+            "batch_size": B,
+            "steps_per_epoch": S,
+            "lanes": lanes,
+            "max_share_bias": max(bias),
+            "mean_uniform_share_sd": float(np.mean(sd)),
+            "exposures_per_epoch": {"min": min(exp), "max": max(exp)},
+        }
 
 
 @lru_cache(maxsize=64)
@@ -92,8 +108,10 @@ def _lane_order(seed: int, subtree: int, epoch: int, n: int, shuffle: bool) -> n
 def apportion(total: int, sizes: list[int] | tuple[int, ...]) -> tuple[int, ...]:
     """`total` split proportionally to `sizes` by largest remainders, every part at least 1."""
     if total < len(sizes):
-        raise ValueError(f"a global batch of {total} cannot hold one sample of each of {len(sizes)} lanes "
-                         "(parallel.data: lanes); raise data.batch_size")
+        raise ValueError(
+            f"a global batch of {total} cannot hold one sample of each of {len(sizes)} lanes "
+            "(parallel.data: lanes); raise data.batch_size"
+        )
     N = sum(sizes)
     quota = [total * n / N for n in sizes]
     parts = [max(1, int(q)) for q in quota]
@@ -104,13 +122,16 @@ def apportion(total: int, sizes: list[int] | tuple[int, ...]) -> tuple[int, ...]
         parts[order[i % len(order)]] += 1
         i += 1
     while sum(parts) > total:
-        k = max((k for k in range(len(sizes)) if parts[k] > 1), key=lambda k: (parts[k] - quota[k], -k))
+        k = max(
+            (k for k in range(len(sizes)) if parts[k] > 1), key=lambda k: (parts[k] - quota[k], -k)
+        )
         parts[k] -= 1
     return tuple(parts)
 
 
-def plan_lanes(streams: list[dict[str, Any]], *, batch_size: int, shuffle: bool = True,
-               shuffle_seed: int = 0) -> LanePlan:
+def plan_lanes(
+    streams: list[dict[str, Any]], *, batch_size: int, shuffle: bool = True, shuffle_seed: int = 0
+) -> LanePlan:
     """Lanes over the manifest's streams (those with samples; `training.data.selected_streams`)."""
     streams = sorted(streams, key=lambda s: s["subtree"])
     sizes = tuple(int(s["n_samples"]) for s in streams)
@@ -120,8 +141,15 @@ def plan_lanes(streams: list[dict[str, Any]], *, batch_size: int, shuffle: bool 
     steps = sum(sizes) // batch_size
     if steps == 0:
         raise ValueError(f"data.batch_size {batch_size} is larger than the {sum(sizes)} samples")
-    return LanePlan(subtrees=tuple(int(s["subtree"]) for s in streams), sizes=sizes, per_step=per_step,
-                    batch_size=batch_size, steps_per_epoch=steps, shuffle=shuffle, seed=shuffle_seed)
+    return LanePlan(
+        subtrees=tuple(int(s["subtree"]) for s in streams),
+        sizes=sizes,
+        per_step=per_step,
+        batch_size=batch_size,
+        steps_per_epoch=steps,
+        shuffle=shuffle,
+        seed=shuffle_seed,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,8 +187,10 @@ def place(plan: LanePlan, *, branching: int, world: int, groups: int | None = No
     if G < 1 or world % G:
         raise ValueError(f"parallel.bank_shards {G} must divide the {world} ranks")
     if G > L:
-        raise ValueError(f"parallel.bank_shards {G}: more shards than the {L} level-1 subtrees with data "
-                         f"{list(plan.subtrees)}; a shard must read one (use at most {L})")
+        raise ValueError(
+            f"parallel.bank_shards {G}: more shards than the {L} level-1 subtrees with data "
+            f"{list(plan.subtrees)}; a shard must read one (use at most {L})"
+        )
     R = world // G
     order = sorted(range(L), key=lambda k: (-plan.per_step[k], -plan.sizes[k], plan.subtrees[k]))
     lanes: list[list[int]] = [[] for _ in range(G)]
@@ -174,11 +204,17 @@ def place(plan: LanePlan, *, branching: int, world: int, groups: int | None = No
     for g in range(G):
         per_step = sum(plan.per_step[k] for k in lanes[g])
         if per_step < R:
-            raise ValueError(f"bank shard {g} (subtrees {sorted(holds[g])}) gets {per_step} samples per "
-                             f"global batch, fewer than its {R} ranks; raise data.batch_size or "
-                             "parallel.bank_shards")
-    return Placement(world=world, replicas=R, holds=tuple(tuple(sorted(h)) for h in holds),
-                     lanes=tuple(tuple(sorted(ks)) for ks in lanes))
+            raise ValueError(
+                f"bank shard {g} (subtrees {sorted(holds[g])}) gets {per_step} samples per "
+                f"global batch, fewer than its {R} ranks; raise data.batch_size or "
+                "parallel.bank_shards"
+            )
+    return Placement(
+        world=world,
+        replicas=R,
+        holds=tuple(tuple(sorted(h)) for h in holds),
+        lanes=tuple(tuple(sorted(ks)) for ks in lanes),
+    )
 
 
 class LaneBatches(DistributedSampler):
@@ -188,7 +224,9 @@ class LaneBatches(DistributedSampler):
     Composer checks a multi-rank map-style loader for; used as the loader's batch sampler."""
 
     def __init__(self, plan: LanePlan, placement: Placement, rank: int, offsets: list[int]) -> None:
-        super().__init__(range(plan.n_samples), num_replicas=placement.world, rank=rank, shuffle=False)
+        super().__init__(
+            range(plan.n_samples), num_replicas=placement.world, rank=rank, shuffle=False
+        )
         self.plan, self.placement, self.rank = plan, placement, rank
         self.offsets = offsets  # lane k's first sample id in the StreamingDataset
         self.clock: Callable[[], tuple[int, int]] | None = None
@@ -203,8 +241,10 @@ class LaneBatches(DistributedSampler):
 
     def rank_samples(self, step: int) -> list[int]:
         g = self.placement.group_of(self.rank)
-        ids = np.concatenate([self.plan.lane_samples(k, step) + self.offsets[k] for k in self.placement.lanes[g]])
-        return ids[self.placement.replica_of(self.rank)::self.placement.replicas].tolist()
+        ids = np.concatenate(
+            [self.plan.lane_samples(k, step) + self.offsets[k] for k in self.placement.lanes[g]]
+        )
+        return ids[self.placement.replica_of(self.rank) :: self.placement.replicas].tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch, done = self.clock() if self.clock is not None else (self._epoch, 0)
@@ -227,28 +267,50 @@ class _ByIndex(Dataset):
         return self.dataset[i]
 
 
-def build_lane_loader(shards: str | Path, manifest: dict[str, Any], streams: list[dict[str, Any]], *,
-                      plan: LanePlan, placement: Placement, rank: int, collate: Callable,
-                      num_workers: int = 0) -> DataLoader:
+def build_lane_loader(
+    shards: str | Path,
+    manifest: dict[str, Any],
+    streams: list[dict[str, Any]],
+    *,
+    plan: LanePlan,
+    placement: Placement,
+    rank: int,
+    collate: Callable,
+    num_workers: int = 0,
+) -> DataLoader:
     """This rank's loader: `LaneBatches` over one StreamingDataset of every lane's stream (the same
     on every rank, as Streaming's shared state wants; a rank reads only its lanes' shards)."""
     from streaming import Stream, StreamingDataset
 
     by_subtree = {int(s["subtree"]): s for s in streams}
     lanes = [by_subtree[s] for s in plan.subtrees]
-    dataset = StreamingDataset(streams=[Stream(local=str(Path(shards) / s["name"])) for s in lanes],
-                               shuffle=False, batch_size=1, replication=None, num_canonical_nodes=1)
+    dataset = StreamingDataset(
+        streams=[Stream(local=str(Path(shards) / s["name"])) for s in lanes],
+        shuffle=False,
+        batch_size=1,
+        replication=None,
+        num_canonical_nodes=1,
+    )
     offsets = [int(x) for x in dataset.sample_offset_per_stream]
     sizes = [int(x) for x in dataset.samples_per_stream]
     if tuple(sizes) != plan.sizes:
-        raise ValueError(f"{shards}: the streams hold {sizes} samples, the manifest records {list(plan.sizes)}")
+        raise ValueError(
+            f"{shards}: the streams hold {sizes} samples, the manifest records {list(plan.sizes)}"
+        )
     sampler = LaneBatches(plan, placement, rank, offsets)
-    return DataLoader(_ByIndex(dataset), batch_sampler=sampler, collate_fn=collate, num_workers=num_workers)
+    return DataLoader(
+        _ByIndex(dataset), batch_sampler=sampler, collate_fn=collate, num_workers=num_workers
+    )
 
 
 def world_batches(plan: LanePlan, steps: range) -> list[list[tuple[int, int]]]:
     """The global batches of `steps` as (subtree, stream-local sample index), lane by lane: what
     every world size reads (for tests and the composition report)."""
-    return [[(plan.subtrees[k], int(i)) for k in range(len(plan.subtrees)) for i in plan.lane_samples(k, t)]
-            for t in steps]
-
+    return [
+        [
+            (plan.subtrees[k], int(i))
+            for k in range(len(plan.subtrees))
+            for i in plan.lane_samples(k, t)
+        ]
+        for t in steps
+    ]

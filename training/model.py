@@ -104,10 +104,13 @@ class ReadTables:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, rows: Tensor, q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor,
-            impl: str) -> MemoryTable | None:
+    def get(
+        self, rows: Tensor, q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, impl: str
+    ) -> MemoryTable | None:
         key = (tuple(q.shape), q.dtype, tuple(k.shape), k.dtype, q.device, impl)
-        return self._cached(rows, key, lambda: memory_attention_table(q, k, v, block_idx, impl=impl))
+        return self._cached(
+            rows, key, lambda: memory_attention_table(q, k, v, block_idx, impl=impl)
+        )
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,8 @@ class WidenedFFN:
     w3: Tensor
 
 
-# Per layer index: named memory tensors, each with a leading batch dim B, a BankRead, or a WidenedFFN.
+# Per layer index: named memory tensors, each with a leading batch dim B, a BankRead, or a
+# WidenedFFN.
 LayerMemories = dict[str, Tensor] | BankRead | WidenedFFN
 Memories = dict[int, LayerMemories]
 
@@ -152,8 +156,17 @@ class KVCache:
     instead of growing a tensor per token. Memories need no cache entry: a fetched block is the
     same for every position (KV memories are read by the position-free query)."""
 
-    def __init__(self, *, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        *,
+        n_layers: int,
+        batch: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
         if max_len <= 0 or batch <= 0:
             raise ValueError(f"KVCache: max_len and batch must be positive, got {max_len}, {batch}")
         shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
@@ -163,13 +176,26 @@ class KVCache:
         self.max_len = max_len
 
     @classmethod
-    def for_model(cls, model: AnchorLM, *, batch: int = 1, max_len: int | None = None,
-                  dtype: torch.dtype | None = None) -> KVCache:
+    def for_model(
+        cls,
+        model: AnchorLM,
+        *,
+        batch: int = 1,
+        max_len: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> KVCache:
         """A cache shaped for `model`: up to its max_seq_len tokens unless `max_len` is smaller."""
         a, p = model.config.anchor, next(model.parameters())
         n = model.config.max_seq_len if max_len is None else min(max_len, model.config.max_seq_len)
-        return cls(n_layers=a.n_layers, batch=batch, n_kv_heads=a.kv_heads, head_dim=a.head_dim, max_len=n,
-                   dtype=dtype or p.dtype, device=p.device)
+        return cls(
+            n_layers=a.n_layers,
+            batch=batch,
+            n_kv_heads=a.kv_heads,
+            head_dim=a.head_dim,
+            max_len=n,
+            dtype=dtype or p.dtype,
+            device=p.device,
+        )
 
     @property
     def nbytes(self) -> int:
@@ -181,7 +207,10 @@ class KVCache:
         `length` moves on once all layers have appended (`advance`)."""
         end = self.length + k.shape[2]
         if end > self.max_len:
-            raise ValueError(f"KVCache holds {self.max_len} tokens; {self.length} + {k.shape[2]} would overflow it")
+            raise ValueError(
+                f"KVCache holds {self.max_len} tokens; {self.length} + {k.shape[2]} would overflow "
+                "it"
+            )
         self.k[layer, :, :, self.length : end] = k
         self.v[layer, :, :, self.length : end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
@@ -199,7 +228,9 @@ class ModelConfig:
     init_std: float = 0.02
     memory: MemoryConfig | None = None
     moc: MoCConfig | None = None
-    pkm: PKMConfig | None = None  # product-key memory layers replacing FFNs (training/layers/pkm.py, seed 003)
+    pkm: PKMConfig | None = (
+        None  # product-key memory layers replacing FFNs (training/layers/pkm.py, seed 003)
+    )
     lora_alpha: float = 1.0
     # "sdpa": a dense (B, 1, S, S) document mask (CPU, short sequences); "flex": FlexAttention
     # with a block-sparse document mask, compiled on CUDA (skips the blocks across documents).
@@ -227,9 +258,14 @@ class ModelConfig:
             self.pkm.resolved_layers(self.anchor.n_layers)  # raises on a block the anchor lacks
         if self.moc is not None:
             if self.memory is not None:
-                raise ValueError("memory and moc are mutually exclusive (one kind of memory per model)")
-            self.moc.geometry(d_model=self.anchor.d_model, n_layers=self.anchor.n_layers,
-                              anchor_heads=self.anchor.n_heads)  # raises if the anchor cannot hold it
+                raise ValueError(
+                    "memory and moc are mutually exclusive (one kind of memory per model)"
+                )
+            self.moc.geometry(
+                d_model=self.anchor.d_model,
+                n_layers=self.anchor.n_layers,
+                anchor_heads=self.anchor.n_heads,
+            )  # raises if the anchor cannot hold it
 
 
 def segment_ids_from_eot(input_ids: Tensor, eot_id: int) -> Tensor:
@@ -254,8 +290,10 @@ def assemble_memories(
         if not layout:
             continue
         if level not in blocks:
-            raise ValueError(f"memory level {level} has multiplier "
-                             f"{memory_config.multipliers[level - 1]} but no blocks were given")
+            raise ValueError(
+                f"memory level {level} has multiplier "
+                f"{memory_config.multipliers[level - 1]} but no blocks were given"
+            )
         flat = blocks[level]
         want = sum(t.numel for t in layout)
         if flat.ndim != 2 or flat.shape[1] != want:
@@ -281,7 +319,9 @@ def widen_ffn_memories(model: AnchorLM, memories: Memories) -> Memories:
     out: Memories = {}
     for layer, mem in memories.items():
         if not isinstance(mem, dict) or mem["w1"].shape[0] != 1:
-            raise ValueError(f"widen_ffn_memories: layer {layer} needs gathered memories of one sequence")
+            raise ValueError(
+                f"widen_ffn_memories: layer {layer} needs gathered memories of one sequence"
+            )
         ffn = model.blocks[layer].ffn
         dt = ffn.w1.weight.dtype
         out[layer] = WidenedFFN(
@@ -327,7 +367,8 @@ _COMPILED_FLEX: dict[str, Any] = {}
 
 def _flex_attention(device: torch.device):
     """flex_attention, compiled once per process on CUDA (eager it runs an unfused reference)."""
-    # here, not at the top: it loads torch's compiler stack (seconds), needed only for attn_impl flex
+    # here, not at the top: it loads torch's compiler stack (seconds), needed only for attn_impl
+    # flex
     from torch.nn.attention.flex_attention import flex_attention
 
     if device.type != "cuda":
@@ -337,7 +378,9 @@ def _flex_attention(device: torch.device):
     return _COMPILED_FLEX["cuda"]
 
 
-def document_block_mask(segment_ids: Tensor | None, *, batch: int, seq_len: int, device: torch.device):
+def document_block_mask(
+    segment_ids: Tensor | None, *, batch: int, seq_len: int, device: torch.device
+):
     """FlexAttention BlockMask: causal, and within one document when segment_ids (B, S) is given.
 
     Built once per forward and shared by every layer; blocks that lie entirely across a
@@ -345,12 +388,15 @@ def document_block_mask(segment_ids: Tensor | None, *, batch: int, seq_len: int,
     from torch.nn.attention.flex_attention import create_block_mask  # heavy: see _flex_attention
 
     if segment_ids is None:
+
         def mask_mod(b, h, q_idx, kv_idx):
             return q_idx >= kv_idx
+
         return create_block_mask(mask_mod, None, None, seq_len, seq_len, device=device)
 
     def doc_mask_mod(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (segment_ids[b, q_idx] == segment_ids[b, kv_idx])
+
     return create_block_mask(doc_mask_mod, batch, None, seq_len, seq_len, device=device)
 
 
@@ -385,8 +431,15 @@ class Attention(nn.Module):
         groups = self.n_heads // self.n_kv_heads
         return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-                mem: LayerMemories | None, cache: tuple[KVCache, int] | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None,
+        mem: LayerMemories | None,
+        cache: tuple[KVCache, int] | None = None,
+    ) -> Tensor:
         q, k, v = self.q(x), self.k(x), self.v(x)  # (B, S, q_dim), (B, S, kv_dim) ×2
         if mem is not None and self.mem_type == "lora-qk":
             q = q + lora_delta(x, mem["q_a"], mem["q_b"], self.lora_alpha)
@@ -405,16 +458,27 @@ class Attention(nn.Module):
         else:
             out = self._self_attention(q, k, v, cos, sin, mask, cache)
         if mem is not None and self.mem_type == "kv":
-            out = out + (self._read_kv_bank(q_pos_free, mem) if isinstance(mem, BankRead)
-                         else self._read_kv_memory(q_pos_free, mem["k"], mem["v"]))
+            out = out + (
+                self._read_kv_bank(q_pos_free, mem)
+                if isinstance(mem, BankRead)
+                else self._read_kv_memory(q_pos_free, mem["k"], mem["v"])
+            )
         out = out.transpose(1, 2).flatten(2)  # (B, S, q_dim)
         y = self.o(out)
         if mem is not None and self.mem_type == "lora-ov":
             y = y + lora_delta(out, mem["o_a"], mem["o_b"], self.lora_alpha)
         return y
 
-    def _self_attention(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
-                        mask: Tensor | None, cache: tuple[KVCache, int] | None = None) -> Tensor:
+    def _self_attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None,
+        cache: tuple[KVCache, int] | None = None,
+    ) -> Tensor:
         """q (B, S, H, D), k/v (B, S, H_kv, D) before RoPE → (B, H, S, D), causal (+ mask).
         cache (KVCache, layer): the S new tokens follow the cache's `length` earlier ones
         (cos / sin are theirs), whose keys and values they also attend to."""
@@ -450,15 +514,27 @@ class Attention(nn.Module):
     def _read_kv_bank(q: Tensor, mem: BankRead) -> Tensor:
         """q (B, H, S, D) → (B, H, S, D): the same softmax over every level's slots as
         `_read_kv_memory` on the concatenated levels, read by block index from the bank."""
+
         def read(views: dict[str, Tensor], rows: Tensor, return_lse: bool):
             idx = rows[:, None]  # (B, 1): one block per sequence and level
-            table = None if mem.tables is None else mem.tables.get(
-                rows, q, views["k"], views["v"], idx, mem.impl)
-            return memory_attention(q, views["k"], views["v"], idx, sparse_grad=True,
-                                    impl=mem.impl, return_lse=return_lse, table=table)
+            table = (
+                None
+                if mem.tables is None
+                else mem.tables.get(rows, q, views["k"], views["v"], idx, mem.impl)
+            )
+            return memory_attention(
+                q,
+                views["k"],
+                views["v"],
+                idx,
+                sparse_grad=True,
+                impl=mem.impl,
+                return_lse=return_lse,
+                table=table,
+            )
 
         if len(mem.levels) == 1:
-            (views, rows), = mem.levels
+            ((views, rows),) = mem.levels
             return read(views, rows, False)
         outs, lses = zip(*(read(views, rows, True) for views, rows in mem.levels))
         # levels differ in slot count, so one call per level; their lses weight the
@@ -498,9 +574,12 @@ class FeedForward(nn.Module):
         if isinstance(mem, BankRead):  # (only KV/FFN memories are read in place)
             for views, rows in mem.levels:  # levels' blocks add up along the widened dim
                 idx = rows[:, None]  # (B, 1): one block per sequence and level
-                table = None if mem.tables is None else mem.tables.ffn(rows, idx, views["w1"].shape[0])
-                y = y + ffn_memory(x, views["w1"], views["w2"], views["w3"], idx, impl=mem.impl,
-                                   table=table)
+                table = (
+                    None if mem.tables is None else mem.tables.ffn(rows, idx, views["w1"].shape[0])
+                )
+                y = y + ffn_memory(
+                    x, views["w1"], views["w2"], views["w3"], idx, impl=mem.impl, table=table
+                )
             return y
         w1, w2, w3 = (mem[n].to(x.dtype) for n in ("w1", "w2", "w3"))  # (B, W, d) each
         h_mem = F.silu(x @ w1.mT) * (x @ w2.mT)  # (B, S, W)
@@ -528,16 +607,26 @@ class Block(nn.Module):
             self.ffn_post_norm = gain_norm(d, eps)
         moc = cfg.moc if cfg.moc is not None and layer in cfg.moc.layers else None
         # the memory sublayer brings its own pre-norm (RMSNorm, seed 000 eq. 1) and no post-norm
-        self.moc = (MoCLayer(moc, d_model=d, n_layers=a.n_layers, anchor_heads=a.n_heads, norm_eps=eps)
-                    if moc is not None else None)
+        self.moc = (
+            MoCLayer(moc, d_model=d, n_layers=a.n_layers, anchor_heads=a.n_heads, norm_eps=eps)
+            if moc is not None
+            else None
+        )
         self.moc_variation = moc.variation if moc is not None else None
         if self.moc_variation == 2:
             self.moc_ffn_norm = gain_norm(d, eps)
             self.moc_ffn = FeedForward(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-                mem: LayerMemories | None, bank: LatentBank | None = None,
-                cache: tuple[KVCache, int] | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None,
+        mem: LayerMemories | None,
+        bank: LatentBank | None = None,
+        cache: tuple[KVCache, int] | None = None,
+    ) -> Tensor:
         a = self.attn(self.attn_norm(x), cos, sin, mask, mem, cache)
         x = x + (self.attn_post_norm(a) if self.post_norms else a)
         if self.moc_variation == 1:  # Self-Attn → MemXAttn → MLP
@@ -582,12 +671,14 @@ class AnchorLM(nn.Module):
         return [b.moc for b in self.blocks if b.moc is not None]
 
     def moc_aux_loss(self) -> Tensor | None:
-        """Mean over memory layers of lb_coef·L_lb + z_coef·L_z from the last forward; None without MoC."""
+        """Mean over memory layers of lb_coef·L_lb + z_coef·L_z from the last forward; None without
+        MoC."""
         layers = self.moc_layers()
         return mean_aux_loss(layers) if layers else None
 
     def moc_parameters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-        """(latent banks, memory layers: routers, memory attention, variation-2 FFNs); empty without MoC."""
+        """(latent banks, memory layers: routers, memory attention, variation-2 FFNs); empty without
+        MoC."""
         if self.moc_banks is None:
             return [], []
         layers = []
@@ -623,12 +714,19 @@ class AnchorLM(nn.Module):
         the mask, so neither allows it."""
         return all(b.moc is None and b.attn.attn_core is None for b in self.blocks)
 
-    def forward(self, input_ids: Tensor, *, segment_ids: Tensor | None = None,
-                memories: Memories | None = None, positions: Tensor | None = None,
-                attn_mask: Tensor | None = None, hidden: bool = False,
-                cache: KVCache | None = None) -> Tensor:
-        """input_ids (B, S) → logits (B, S, V), or with hidden=True the last block's output (B, S, d),
-        to take `logits` of only the positions a scorer reads.
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        segment_ids: Tensor | None = None,
+        memories: Memories | None = None,
+        positions: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        hidden: bool = False,
+        cache: KVCache | None = None,
+    ) -> Tensor:
+        """input_ids (B, S) → logits (B, S, V), or with hidden=True the last block's output
+        (B, S, d), to take `logits` of only the positions a scorer reads.
 
         segment_ids (B, S): document index per token (`segment_ids_from_eot`);
         attention is causal and within a document. None: causal only.
@@ -650,10 +748,15 @@ class AnchorLM(nn.Module):
             raise ValueError("positions and attn_mask go together")
         if positions is not None:
             if not self.packable:
-                raise ValueError("positions/attn_mask need a packable model (no MoC layer, no custom attention core)")
+                raise ValueError(
+                    "positions/attn_mask need a packable model (no MoC layer, no custom attention "
+                    "core)"
+                )
             if positions.shape != input_ids.shape or attn_mask.shape != (*input_ids.shape, seq_len):
-                raise ValueError(f"positions {tuple(positions.shape)} and attn_mask {tuple(attn_mask.shape)} "
-                                 f"do not match input_ids {tuple(input_ids.shape)}")
+                raise ValueError(
+                    f"positions {tuple(positions.shape)} and attn_mask {tuple(attn_mask.shape)} "
+                    f"do not match input_ids {tuple(input_ids.shape)}"
+                )
         span = seq_len if positions is None else int(positions.max()) + 1
         if span > self.config.max_seq_len:
             raise ValueError(
@@ -671,8 +774,9 @@ class AnchorLM(nn.Module):
         if attn_mask is not None:
             mask = attn_mask[:, None]  # (B, 1, S, S), dense: SDPA on any device
         elif self.config.attn_impl == "flex":
-            mask = document_block_mask(segment_ids, batch=input_ids.shape[0], seq_len=seq_len,
-                                       device=input_ids.device)
+            mask = document_block_mask(
+                segment_ids, batch=input_ids.shape[0], seq_len=seq_len, device=input_ids.device
+            )
         elif segment_ids is not None:
             same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, S, S)
             causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=input_ids.device).tril()
@@ -686,12 +790,22 @@ class AnchorLM(nn.Module):
             x = block(x, cos, sin, mask, memories.get(i) if memories else None, bank)
         return x if hidden else self.logits(x)
 
-    def _forward_cached(self, input_ids: Tensor, cache: KVCache, memories: Memories | None, hidden: bool,
-                        segment_ids: Tensor | None, positions: Tensor | None) -> Tensor:
+    def _forward_cached(
+        self,
+        input_ids: Tensor,
+        cache: KVCache,
+        memories: Memories | None,
+        hidden: bool,
+        segment_ids: Tensor | None,
+        positions: Tensor | None,
+    ) -> Tensor:
         """`forward` after the cache's tokens; see `forward`."""
         if not self.packable:
-            # a Mixture-of-Chapters router pools the whole row, a custom attention core owns its keys
-            raise ValueError("a KV cache needs a packable model (no MoC layer, no custom attention core)")
+            # a Mixture-of-Chapters router pools the whole row, a custom attention core owns its
+            # keys
+            raise ValueError(
+                "a KV cache needs a packable model (no MoC layer, no custom attention core)"
+            )
         if segment_ids is not None or positions is not None:
             raise ValueError("a KV cache decodes one document per row: no segment_ids or positions")
         B, S = input_ids.shape
@@ -699,8 +813,10 @@ class AnchorLM(nn.Module):
             raise ValueError(f"the KV cache holds {cache.k.shape[1]} rows, input_ids {B}")
         span = cache.length + S
         if span > min(self.config.max_seq_len, cache.max_len):
-            raise ValueError(f"sequence length {span} exceeds max_seq_len {self.config.max_seq_len} "
-                             f"(or the cache's {cache.max_len})")
+            raise ValueError(
+                f"sequence length {span} exceeds max_seq_len {self.config.max_seq_len} "
+                f"(or the cache's {cache.max_len})"
+            )
         if memories and self.config.memory is None:
             raise ValueError("memories were given to a model configured without memory")
         cos, sin = self._rope_tables(span, input_ids.device)

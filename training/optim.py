@@ -64,13 +64,25 @@ def ring_bytes(kind: str, nbytes: int, n: int) -> int:
 
 
 class MemoryAdamW(Optimizer):
-    def __init__(self, params: Iterable[Any], *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float | None = None,
-                 dense_sharded: bool = False) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_grad_norm: float | None = None,
+        dense_sharded: bool = False,
+    ) -> None:
         if lr < 0 or eps <= 0 or not all(0 <= b < 1 for b in betas) or weight_decay < 0:
-            raise ValueError(f"invalid MemoryAdamW hyperparameters lr={lr} betas={betas} eps={eps} "
-                             f"weight_decay={weight_decay}")
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+            raise ValueError(
+                f"invalid MemoryAdamW hyperparameters lr={lr} betas={betas} eps={eps} "
+                f"weight_decay={weight_decay}"
+            )
+        super().__init__(
+            params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        )
         self.max_grad_norm = max_grad_norm
         # FSDP: each rank holds a shard of every dense gradient, so the squared norms are summed
         # across ranks; sparse (bank) gradients are replicated after `_sync_sparse_grads`.
@@ -112,8 +124,12 @@ class MemoryAdamW(Optimizer):
         all_vals = [torch.zeros_like(pad_vals) for _ in range(n)]
         dist.all_gather(all_rows, pad_rows, group=group)
         dist.all_gather(all_vals, pad_vals, group=group)
-        self._count(key, "all_gather", pad_rows.numel() * pad_rows.element_size()
-                    + pad_vals.numel() * pad_vals.element_size(), n)
+        self._count(
+            key,
+            "all_gather",
+            pad_rows.numel() * pad_rows.element_size() + pad_vals.numel() * pad_vals.element_size(),
+            n,
+        )
         idx = torch.cat([r[: int(c)] for r, c in zip(all_rows, sizes, strict=True)])
         val = torch.cat([v[: int(c)] for v, c in zip(all_vals, sizes, strict=True)])
         return idx, val
@@ -139,15 +155,20 @@ class MemoryAdamW(Optimizer):
                     if p.grad is None or not p.grad.is_sparse:
                         continue
                     g = p.grad.coalesce()
-                    idx, val = self._gather_rows(g.indices()[0], g.values(), None, world, "bank_rows_all_gather")
+                    idx, val = self._gather_rows(
+                        g.indices()[0], g.values(), None, world, "bank_rows_all_gather"
+                    )
                     p.grad = torch.sparse_coo_tensor(idx[None], val / world, p.shape).coalesce()
                     continue
-                # every rank joins a sharded table's collectives, also one that read none of its rows
-                # (a forward without memory): the others would wait for it
+                # every rank joins a sharded table's collectives, also one that read none of its
+                # rows (a forward without memory): the others would wait for it
                 g = p.grad
                 if g is None:
-                    g = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long, device=p.device),
-                                                p.new_zeros(0, p.shape[1]), p.shape)
+                    g = torch.sparse_coo_tensor(
+                        torch.zeros(1, 0, dtype=torch.long, device=p.device),
+                        p.new_zeros(0, p.shape[1]),
+                        p.shape,
+                    )
                 elif not g.is_sparse:
                     g = g.to_sparse(sparse_dim=1)
                 g = g.coalesce()
@@ -155,10 +176,13 @@ class MemoryAdamW(Optimizer):
                 own = rows != shard.generic_row
                 rows_own, vals_own = rows[own], vals[own]
                 if shard.replicas > 1:
-                    rows_own, vals_own = self._gather_rows(rows_own, vals_own, shard.group, shard.replicas,
-                                                           "bank_group_all_gather")
+                    rows_own, vals_own = self._gather_rows(
+                        rows_own, vals_own, shard.group, shard.replicas, "bank_group_all_gather"
+                    )
                 at = torch.nonzero(~own).flatten()  # where the generic row is, if this rank read it
-                flat = vals.new_zeros(vals.shape[1] + 1)  # (P + 1,): the row's gradient, then "read"
+                flat = vals.new_zeros(
+                    vals.shape[1] + 1
+                )  # (P + 1,): the row's gradient, then "read"
                 if len(at):
                     flat[:-1], flat[-1] = vals[at[0]], 1.0
                 generic.append((p, rows_own, vals_own, flat))
@@ -166,7 +190,9 @@ class MemoryAdamW(Optimizer):
             return
         buf = torch.cat([flat for *_, flat in generic])  # one all-reduce for every sharded table
         dist.all_reduce(buf)
-        self._count("bank_generic_all_reduce", "all_reduce", buf.numel() * buf.element_size(), world)
+        self._count(
+            "bank_generic_all_reduce", "all_reduce", buf.numel() * buf.element_size(), world
+        )
         off = 0
         for p, rows_own, vals_own, flat in generic:
             n = flat.numel()
@@ -200,9 +226,14 @@ class MemoryAdamW(Optimizer):
                     sparse_sq = sparse_sq + sq[generic].sum()
                     sharded_sq = sharded_sq + sq[~generic].sum() / shard.replicas
         if self.row_shards or self.dense_sharded:
-            parts = self._sum_across_ranks(torch.stack([
-                torch.as_tensor(x, dtype=torch.float64).cpu()
-                for x in (dense_sq if self.dense_sharded else 0.0, sharded_sq)]))
+            parts = self._sum_across_ranks(
+                torch.stack(
+                    [
+                        torch.as_tensor(x, dtype=torch.float64).cpu()
+                        for x in (dense_sq if self.dense_sharded else 0.0, sharded_sq)
+                    ]
+                )
+            )
             if self.dense_sharded:
                 dense_sq = parts[0]
             sharded_sq = parts[1]
@@ -217,8 +248,10 @@ class MemoryAdamW(Optimizer):
     def _sum_across_ranks(self, value: torch.Tensor | float) -> torch.Tensor | float:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return value
-        device = next((p.grad.device for g in self.param_groups for p in g["params"] if p.grad is not None),
-                      torch.device("cpu"))
+        device = next(
+            (p.grad.device for g in self.param_groups for p in g["params"] if p.grad is not None),
+            torch.device("cpu"),
+        )
         t = torch.as_tensor(value, dtype=torch.float64).to(device)
         dist.all_reduce(t)  # every rank joins, also one whose shards hold no gradient
         self._count("control", "all_reduce", t.numel() * t.element_size(), _world())
@@ -326,8 +359,12 @@ class MemoryAdamW(Optimizer):
         idx = st["slot"][rows]
         have = idx >= 0
         idx = idx[have]
-        return {"rows": rows[have], "exp_avg": st["exp_avg"][idx], "exp_avg_sq": st["exp_avg_sq"][idx],
-                "steps": st["steps"][idx]}
+        return {
+            "rows": rows[have],
+            "exp_avg": st["exp_avg"][idx],
+            "exp_avg_sq": st["exp_avg_sq"][idx],
+            "steps": st["steps"][idx],
+        }
 
     def load_row_state(self, p: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
         """Set rows' lazy Adam state from `row_state`'s layout (rows of this parameter)."""

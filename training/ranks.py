@@ -57,6 +57,7 @@ _BATCH = re.compile(r"-ba(\d+)-")
 
 # --- threads ----------------------------------------------------------------------------------
 
+
 def usable_cores() -> int:
     """The cores this process may run on (its affinity mask: a container's or taskset's limit)."""
     try:
@@ -65,8 +66,9 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def cpu_thread_count(setting: int | str, *, cores: int, local_ranks: int,
-                     env: Mapping[str, str]) -> tuple[int | None, str]:
+def cpu_thread_count(
+    setting: int | str, *, cores: int, local_ranks: int, env: Mapping[str, str]
+) -> tuple[int | None, str]:
     """(threads to set, or None to leave torch's, why). An explicit `cpu_threads: N` wins; under
     `auto` an OMP_NUM_THREADS in the environment is the user's choice (torch read it at start-up)
     and is left alone, and so is a lone process's count (torch's default does not oversubscribe
@@ -87,7 +89,9 @@ def set_cpu_threads(cfg: TrainConfig, *, gpu: bool, local_ranks: int) -> str:
     what was set and why, for the placement line."""
     if gpu:
         return f"{torch.get_num_threads()} (GPU run: left as is)"
-    n, why = cpu_thread_count(cfg.cpu_threads, cores=usable_cores(), local_ranks=local_ranks, env=os.environ)
+    n, why = cpu_thread_count(
+        cfg.cpu_threads, cores=usable_cores(), local_ranks=local_ranks, env=os.environ
+    )
     if n is not None:
         torch.set_num_threads(n)
     return f"{torch.get_num_threads()} ({why})"
@@ -95,17 +99,26 @@ def set_cpu_threads(cfg: TrainConfig, *, gpu: bool, local_ranks: int) -> str:
 
 # --- placement --------------------------------------------------------------------------------
 
+
 def _bytes(n: int) -> str:
     return f"{n:,} B ({n / 2**20:.1f} MiB)"
 
 
-def rank_placement(*, rank: int, world: int, bank: Any, layout: Any, cfg: TrainConfig, threads: str) -> dict[str, Any]:
+def rank_placement(
+    *, rank: int, world: int, bank: Any, layout: Any, cfg: TrainConfig, threads: str
+) -> dict[str, Any]:
     """This rank's placement as plain values (gathered to rank 0): bank rows per level, table
     bytes, the AdamW state's bound, the streams read and the samples per step."""
     from memtree.training.data import read_shards_manifest, selected_streams
 
-    d: dict[str, Any] = {"rank": rank, "world": world, "host": socket.gethostname(), "pid": os.getpid(),
-                         "threads": torch.get_num_threads(), "threads_note": threads}
+    d: dict[str, Any] = {
+        "rank": rank,
+        "world": world,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "threads": torch.get_num_threads(),
+        "threads_note": threads,
+    }
     if bank is not None:
         tables = {int(lv): t for lv, t in bank.tables.items()}
         d["subtrees"] = list(bank.held_subtrees)
@@ -114,15 +127,24 @@ def rank_placement(*, rank: int, world: int, bank: Any, layout: Any, cfg: TrainC
         d["bank_bytes"] = sum(t.numel() * t.element_size() for t in tables.values())
         # lazy AdamW (training/optim.py): per row ever updated exp_avg and exp_avg_sq in float32,
         # a step count (int64) and, for every row, its pool slot (int64)
-        d["state_bound"] = sum(int(t.shape[0]) * (int(t.shape[1]) * 2 * 4 + 16) for t in tables.values())
+        d["state_bound"] = sum(
+            int(t.shape[0]) * (int(t.shape[1]) * 2 * 4 + 16) for t in tables.values()
+        )
     if layout is not None:
         pl, plan = layout.placement, layout.plan
         g, r = pl.group_of(rank), pl.replica_of(rank)
         names = {int(s["subtree"]): s["name"] for s in layout.streams}
         lanes = [(names[plan.subtrees[k]], int(plan.per_step[k])) for k in pl.lanes[g]]
         total = sum(b for _, b in lanes)
-        d.update(group=g, groups=pl.groups, replica=r, replicas=pl.replicas, lanes=lanes,
-                 samples=(total - r + pl.replicas - 1) // pl.replicas, sharded=layout.shard is not None)
+        d.update(
+            group=g,
+            groups=pl.groups,
+            replica=r,
+            replicas=pl.replicas,
+            lanes=lanes,
+            samples=(total - r + pl.replicas - 1) // pl.replicas,
+            sharded=layout.shard is not None,
+        )
     else:
         streams = selected_streams(read_shards_manifest(cfg.data.shards), cfg.data.subtrees)
         d.update(streams=len(streams), samples=cfg.data.batch_size // world)
@@ -135,34 +157,46 @@ def placement_line(d: dict[str, Any]) -> str:
     if d["world"] == 1:
         if "rows" in d:
             held = "whole" if len(d["subtrees"]) == d["branching"] else f"subtrees {d['subtrees']}"
-            bank = (f"bank ({held}) {sum(d['rows'].values())} rows, {d['bank_bytes'] / 2**20:.1f} MiB, "
-                    f"AdamW state up to {d['state_bound'] / 2**20:.1f} MiB")
+            bank = (
+                f"bank ({held}) {sum(d['rows'].values())} rows, {d['bank_bytes'] / 2**20:.1f} MiB, "
+                f"AdamW state up to {d['state_bound'] / 2**20:.1f} MiB"
+            )
         else:
             bank = "no memory bank"
         reads = f"{len(d['lanes'])} lanes" if "lanes" in d else f"all {d['streams']} streams"
         return f"placement: one rank; {bank}; reads {reads}; torch threads {d['threads_note']}"
     if "group" in d:
         what = "bank shard" if d["sharded"] else "lane group"
-        head = (f"placement: rank {d['rank']} of {d['world']} ({what} {d['group']} of {d['groups']}, "
-                f"replica {d['replica']} of {d['replicas']})")
+        head = (
+            f"placement: rank {d['rank']} of {d['world']} ({what} {d['group']} of {d['groups']}, "
+            f"replica {d['replica']} of {d['replicas']})"
+        )
     else:
         head = f"placement: rank {d['rank']} of {d['world']}"
     parts = []
     if "rows" in d:
         whole = len(d["subtrees"]) == d["branching"]
-        held = f"all {d['branching']} level-1 subtrees" if whole else f"level-1 subtrees {d['subtrees']}"
+        held = (
+            f"all {d['branching']} level-1 subtrees"
+            if whole
+            else f"level-1 subtrees {d['subtrees']}"
+        )
         rows = sum(d["rows"].values())
         per = ", ".join(f"L{lv} {n}" for lv, n in sorted(d["rows"].items()))
-        parts += [f"holds {held}: bank {rows} rows ({per}), {_bytes(d['bank_bytes'])}",
-                  f"AdamW state up to {_bytes(d['state_bound'])}"]
+        parts += [
+            f"holds {held}: bank {rows} rows ({per}), {_bytes(d['bank_bytes'])}",
+            f"AdamW state up to {_bytes(d['state_bound'])}",
+        ]
     else:
         parts.append("no memory bank")
     if "lanes" in d:
         lanes = ", ".join(f"{name} ({b}/step)" for name, b in d["lanes"])
         parts.append(f"reads lanes {lanes}: {d['samples']} of {d['batch_size']} samples per step")
     else:
-        parts.append(f"reads all {d['streams']} streams (shuffled): {d['samples']} of {d['batch_size']} "
-                     "samples per step")
+        parts.append(
+            f"reads all {d['streams']} streams (shuffled): {d['samples']} of {d['batch_size']} "
+            "samples per step"
+        )
     parts.append(f"torch threads {d['threads_note']}")
     return head + " " + "; ".join(parts)
 
@@ -178,8 +212,14 @@ class Placement(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         from composer.utils import dist
 
-        mine = rank_placement(rank=dist.get_global_rank(), world=dist.get_world_size(),
-                              bank=unwrap(state.model).bank, layout=self.layout, cfg=self.cfg, threads=self.threads)
+        mine = rank_placement(
+            rank=dist.get_global_rank(),
+            world=dist.get_world_size(),
+            bank=unwrap(state.model).bank,
+            layout=self.layout,
+            cfg=self.cfg,
+            threads=self.threads,
+        )
         log.info("%s", placement_line(mine))
         self.ranks = dist.all_gather_object(mine) if dist.get_world_size() > 1 else [mine]
         if dist.get_global_rank() == 0:
@@ -252,15 +292,28 @@ def resume_command(argv: list[str], env: Mapping[str, str], module: str | None =
     earlier `autoresume=` dropped), under the launcher it ran under. `module`: the module the
     ranks ran (`-m memtree.training.train`, argv[0] then being its file), None for a script."""
     args = [a for a in argv[1:] if not a.startswith("autoresume=")] + ["autoresume=true"]
-    tail = " ".join([*(["-m", module] if module else [shlex.quote(argv[0])]), *map(shlex.quote, args)])
-    world, local = int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+    tail = " ".join(
+        [*(["-m", module] if module else [shlex.quote(argv[0])]), *map(shlex.quote, args)]
+    )
+    world, local = (
+        int(env.get("WORLD_SIZE", "1")),
+        int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))),
+    )
     if world == local:
         return f"composer -n {world} {tail}"
-    where = f"--master_addr {env.get('MASTER_ADDR', 'HEAD')} --master_port {env.get('MASTER_PORT', 'PORT')}"
+    where = (
+        f"--master_addr {env.get('MASTER_ADDR', 'HEAD')} --master_port "
+        f"{env.get('MASTER_PORT', 'PORT')}"
+    )
     if "TORCHELASTIC_RUN_ID" in env:
-        return (f"on each of the {world // local} nodes: torchrun --nnodes {world // local} --nproc-per-node {local} "
-                f"--node-rank K {where.replace('_', '-')} {tail}")
-    return f"on each of the {world // local} nodes: composer -n {local} --world_size {world} --node_rank K {where} {tail}"
+        return (
+            f"on each of the {world // local} nodes: torchrun --nnodes {world // local} "
+            f"--nproc-per-node {local} --node-rank K {where.replace('_', '-')} {tail}"
+        )
+    return (
+        f"on each of the {world // local} nodes: composer -n {local} --world_size {world} "
+        f"--node_rank K {where} {tail}"
+    )
 
 
 def launched_module() -> str | None:
@@ -286,14 +339,19 @@ def intact_lines(cfg: TrainConfig, *, sharded: bool) -> list[str]:
         man = read_manifest(bank)
         size = sum(int(e["bytes"]) for e in man["files"].values())
         if size > VERIFY_LIMIT_BYTES:
-            out.append(f"intact: bank shards {bank} ({len(man['files'])} files, {size / 2**30:.1f} GiB, published "
-                       "with a manifest; not hashed here: the resumed run checks each file's sha256)")
+            out.append(
+                f"intact: bank shards {bank} ({len(man['files'])} files, {size / 2**30:.1f} GiB, "
+                "published with a manifest; not hashed here: the resumed run checks each file's "
+                "sha256)"
+            )
         else:
             got = verify_shards(bank)
             out.append(f"intact: bank shards {bank} ({got['files']} files, sha256 verified)")
     except (BankShardError, OSError, KeyError) as e:
-        out.append(f"NOT intact: bank shards {bank}: {e} (finished bank checkpoints: "
-                   f"{checkpoint_batches(ckpts / 'bank')}); the rerun cannot resume from batch {batch}")
+        out.append(
+            f"NOT intact: bank shards {bank}: {e} (finished bank checkpoints: "
+            f"{checkpoint_batches(ckpts / 'bank')}); the rerun cannot resume from batch {batch}"
+        )
     return out
 
 
@@ -303,7 +361,10 @@ def exit_after_lost_rank(cfg: TrainConfig, trainer: Any, e: BaseException) -> No
     again), so only the atexit handlers run (Composer's callbacks' close, Streaming's shared
     memory), with a watchdog: a handler stuck on the lost peer is cut short after 20 s, before the
     launcher's SIGKILL at 30 s."""
-    for sig in (signal.SIGTERM, signal.SIGINT):  # the launcher's SIGTERM must not cut the message short
+    for sig in (
+        signal.SIGTERM,
+        signal.SIGINT,
+    ):  # the launcher's SIGTERM must not cut the message short
         signal.signal(sig, signal.SIG_IGN)
     from composer.utils import dist
 
@@ -313,7 +374,9 @@ def exit_after_lost_rank(cfg: TrainConfig, trainer: Any, e: BaseException) -> No
     gone = lost_peers(ranks, me)
     why = [f"rank {', '.join(map(str, gone))} is gone"] if gone else []
     if isinstance(e, SystemExit):
-        why.append(f"stopped by signal {int(e.code) - 128} (the launcher stops every rank once one fails)")
+        why.append(
+            f"stopped by signal {int(e.code) - 128} (the launcher stops every rank once one fails)"
+        )
     else:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         if not gone:  # a rank on another host, or a failure of this rank's own: keep the evidence
@@ -322,9 +385,11 @@ def exit_after_lost_rank(cfg: TrainConfig, trainer: Any, e: BaseException) -> No
         why.append(f"{type(e).__name__}: {first[:200]}")
     done = int(trainer.state.timestamp.batch)
     bank = unwrap(trainer.state.model).bank
-    lines = [f"training stopped after {done} batches: {'; '.join(why)}",
-             *intact_lines(cfg, sharded=bank is not None and bank.shard is not None),
-             f"resume with: {resume_command(sys.argv, os.environ, launched_module())}"]
+    lines = [
+        f"training stopped after {done} batches: {'; '.join(why)}",
+        *intact_lines(cfg, sharded=bank is not None and bank.shard is not None),
+        f"resume with: {resume_command(sys.argv, os.environ, launched_module())}",
+    ]
     sys.stdout.flush()
     print("\n".join(f"[rank {me}] {line}" for line in lines), file=sys.stderr, flush=True)
     watchdog = threading.Timer(20.0, os._exit, args=(LOST_RANK_EXIT,))

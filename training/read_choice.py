@@ -5,9 +5,9 @@ Why this exists: KV and FFN memories can be read in place by the fused kernels (
 `assemble_memories`); both compute the same function. Which is faster depends on the GPU, the
 kernels' build, the model's shape, the batch and the precision: on an H100 the fused read was
 measured slower than gather in a training step (FFN 0.50x / 0.68x, KV 0.28x / 0.25x the step
-speed; docs/benchmarks/2026-11-25-kernels-h100.md, "Kernels and GPU paths on an H100"), so "fused on any GPU" put every
-GPU run on the slower path. `auto` now times both on the run's own model and batch and takes fused
-only when it is clearly faster:
+speed; docs/benchmarks/2026-11-25-kernels-h100.md, "Kernels and GPU paths on an H100"), so "fused on
+any GPU" put every GPU run on the slower path. `auto` now times both on the run's own model and
+batch and takes fused only when it is clearly faster:
 
 - `choose_read(timings)`: "fused" only if its step time is <= `margin` (0.95) x gather's; ties,
   a missing or failed fused time → "gather" (the path of standard ops; for KV / FFN memories
@@ -20,9 +20,9 @@ only when it is clearly faster:
   versioned JSON file, `$MEMTREE_CACHE_DIR/read-probe.json` (default
   `~/.cache/memtree/read-probe.json`), written atomically (temp file + os.replace). A corrupt or
   foreign file is named in a warning with the reason and treated as empty (then overwritten).
-- `resolve_read(read, model, batch)`: "fused" / "gather" / "flex" are returned unchanged; "auto" on the CPU
-  is "gather" without probing (the fused ops run their pure-torch reference there, measured not
-  faster: bench/training_steps.py --only read); "auto" on a GPU is the cached choice or a fresh
+- `resolve_read(read, model, batch)`: "fused" / "gather" / "flex" are returned unchanged; "auto" on
+  the CPU is "gather" without probing (the fused ops run their pure-torch reference there, measured
+  not faster: bench/training_steps.py --only read); "auto" on a GPU is the cached choice or a fresh
   probe's, logged in one line. A probe that raises (a Triton compile error, say) gives "gather",
   with the error in that line; models with no read to choose (no memory, LoRA memories, HF
   anchors) get "gather" without probing.
@@ -113,8 +113,14 @@ def default_cache_path() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "memtree") / CACHE_FILE
 
 
-def probe_key(model: Any, batch: Mapping[str, Any], *, device_name: str, precision: str,
-              allow_tf32: bool | None = None) -> dict[str, Any]:
+def probe_key(
+    model: Any,
+    batch: Mapping[str, Any],
+    *,
+    device_name: str,
+    precision: str,
+    allow_tf32: bool | None = None,
+) -> dict[str, Any]:
     """What determines the relative cost of the two reads: the device, the software that runs
     the kernels, the model's shape (anchor, memory type / multipliers / placement / branching,
     attention implementation) and the step's shape (micro batch, sequence length, precision,
@@ -129,11 +135,18 @@ def probe_key(model: Any, batch: Mapping[str, Any], *, device_name: str, precisi
     anchor = getattr(model, "model", None)
     shape = {k: v for k, v in dataclasses.asdict(model.anchor_shape).items() if k != "name"}
     memory = getattr(model, "memory", None)
-    fields = {"device": device_name, "torch": torch.__version__, "triton": triton_version,
-              "anchor": shape, "memory": dataclasses.asdict(memory) if memory is not None else None,
-              "attn_impl": getattr(getattr(anchor, "config", None), "attn_impl", None),
-              "batch": int(ids.shape[0]), "seq_len": int(ids.shape[1]), "precision": precision,
-              "allow_tf32": allow_tf32}
+    fields = {
+        "device": device_name,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "anchor": shape,
+        "memory": dataclasses.asdict(memory) if memory is not None else None,
+        "attn_impl": getattr(getattr(anchor, "config", None), "attn_impl", None),
+        "batch": int(ids.shape[0]),
+        "seq_len": int(ids.shape[1]),
+        "precision": precision,
+        "allow_tf32": allow_tf32,
+    }
     moc = getattr(getattr(anchor, "config", None), "moc", None)
     if moc is not None:  # only then: the keys of KV / FFN models' cached probes stay as they were
         fields["moc"] = dataclasses.asdict(moc)
@@ -173,15 +186,21 @@ class ReadProbeCache:
             got = data.get("format") if isinstance(data, dict) else type(data).__name__
             return self._bad(f"not a {CACHE_FORMAT} file (format {got!r})")
         if data.get("version") != CACHE_VERSION:
-            return self._bad(f"version {data.get('version')!r}, this code reads version {CACHE_VERSION}")
+            return self._bad(
+                f"version {data.get('version')!r}, this code reads version {CACHE_VERSION}"
+            )
         entries = data.get("entries")
         if not isinstance(entries, dict):
             return self._bad("its 'entries' is not an object")
         return entries
 
     def _bad(self, reason: str) -> dict[str, dict[str, Any]]:
-        warnings.warn(f"{self.path}: read-probe cache ignored, {reason}; treating it as empty (the next "
-                      "probe rewrites it)", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"{self.path}: read-probe cache ignored, {reason}; treating it as empty (the next "
+            "probe rewrites it)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return {}
 
     def get(self, key: str) -> dict[str, Any] | None:
@@ -195,7 +214,9 @@ class ReadProbeCache:
         """Store `entry` under `key` (atomically: temp file + os.replace)."""
         entries = self.entries()
         entries[key] = dict(entry)
-        atomic_write_json(self.path, {"format": CACHE_FORMAT, "version": CACHE_VERSION, "entries": entries})
+        atomic_write_json(
+            self.path, {"format": CACHE_FORMAT, "version": CACHE_VERSION, "entries": entries}
+        )
 
 
 # ------------------------------------------------------------------------------- the probe
@@ -208,7 +229,9 @@ def precision_context(precision: str, device_type: str):
         return contextlib.nullcontext()
     if precision == "fp32":
         return torch.autocast("cuda", enabled=False)
-    return torch.autocast("cuda", dtype=torch.bfloat16 if precision == "amp_bf16" else torch.float16)
+    return torch.autocast(
+        "cuda", dtype=torch.bfloat16 if precision == "amp_bf16" else torch.float16
+    )
 
 
 def _device_sync(device: torch.device) -> Callable[[], None]:
@@ -217,10 +240,17 @@ def _device_sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def probe_read(model: Any, batch: Mapping[str, Any], *, steps: int = 3, warmup: int = 1,
-               precision: str = "fp32", allow_tf32: bool | None = None,
-               timer: Callable[[], float] = time.perf_counter,
-               sync: Callable[[], None] | None = None) -> dict[str, float]:
+def probe_read(
+    model: Any,
+    batch: Mapping[str, Any],
+    *,
+    steps: int = 3,
+    warmup: int = 1,
+    precision: str = "fp32",
+    allow_tf32: bool | None = None,
+    timer: Callable[[], float] = time.perf_counter,
+    sync: Callable[[], None] | None = None,
+) -> dict[str, float]:
     """Median seconds per training step of `model` (a `MemtreeLM` with a read to choose,
     `read_modes`) on `batch` with each of its reads: {"fused": s, "gather": s[, "flex": s]}.
 
@@ -241,8 +271,10 @@ def probe_read(model: Any, batch: Mapping[str, Any], *, steps: int = 3, warmup: 
     restoring)."""
     modes = read_modes(model)
     if "fused" not in modes:
-        raise ValueError("probe_read: the model has no read to compare (no KV/FFN bank on its own anchor, "
-                         "no Mixture-of-Chapters layers)")
+        raise ValueError(
+            "probe_read: the model has no read to compare (no KV/FFN bank on its own anchor, "
+            "no Mixture-of-Chapters layers)"
+        )
     if steps < 1 or warmup < 0:
         raise ValueError(f"probe_read: steps {steps} must be >= 1 and warmup {warmup} >= 0")
     device = next(model.parameters()).device
@@ -250,10 +282,15 @@ def probe_read(model: Any, batch: Mapping[str, Any], *, steps: int = 3, warmup: 
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     params = list(model.parameters())
     saved = {
-        "grads": [p.grad for p in params], "training": model.training, "read": model.read,
-        "forwards": model.forwards.detach().clone(), "memory_dropout": model.memory_dropout,
-        "memory_mode": model.memory_mode, "last_slots": model.last_slots,
-        "last_use_generic": model.last_use_generic, "last_seq_loss": model.last_seq_loss,
+        "grads": [p.grad for p in params],
+        "training": model.training,
+        "read": model.read,
+        "forwards": model.forwards.detach().clone(),
+        "memory_dropout": model.memory_dropout,
+        "memory_mode": model.memory_mode,
+        "last_slots": model.last_slots,
+        "last_use_generic": model.last_use_generic,
+        "last_seq_loss": model.last_seq_loss,
         "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         "tf32": (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32),
@@ -288,11 +325,14 @@ def probe_read(model: Any, batch: Mapping[str, Any], *, steps: int = 3, warmup: 
                 if mode == "gather":
                     raise
                 failed[mode] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                warnings.warn(f"memory.read probe: the {mode!r} read failed ({failed[mode]}); left out",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"memory.read probe: the {mode!r} read failed ({failed[mode]}); left out",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         alive = [m for m in modes if m not in failed]
         for i in range(steps):
-            for mode in (alive if i % 2 == 0 else alive[::-1]):
+            for mode in alive if i % 2 == 0 else alive[::-1]:
                 model.read = mode  # the switch: read by every forward
                 sync()
                 t0 = timer()
@@ -305,8 +345,14 @@ def probe_read(model: Any, batch: Mapping[str, Any], *, steps: int = 3, warmup: 
         with torch.no_grad():
             model.forwards.copy_(saved["forwards"])
         model.train(saved["training"])
-        for name in ("read", "memory_dropout", "memory_mode", "last_slots", "last_use_generic",
-                     "last_seq_loss"):
+        for name in (
+            "read",
+            "memory_dropout",
+            "memory_mode",
+            "last_slots",
+            "last_use_generic",
+            "last_seq_loss",
+        ):
             setattr(model, name, saved[name])
         for layer, routing, aux in saved["moc"]:
             layer.last_routing, layer.last_aux = routing, aux
@@ -321,14 +367,23 @@ def _batch_size(batch: Mapping[str, Any]) -> int:
     return int(batch["input_ids"].shape[0])
 
 
-def _probe_fitting(model: Any, batch: Mapping[str, Any], *, steps: int, warmup: int, precision: str,
-                   allow_tf32: bool | None, probed: list[int]) -> dict[str, float]:
+def _probe_fitting(
+    model: Any,
+    batch: Mapping[str, Any],
+    *,
+    steps: int,
+    warmup: int,
+    precision: str,
+    allow_tf32: bool | None,
+    probed: list[int],
+) -> dict[str, float]:
     """`probe_read`, on half the batch (and so on) while the device runs out of memory; the batch
     size that ran is appended to `probed`."""
     while True:
         try:
-            out = probe_read(model, batch, steps=steps, warmup=warmup, precision=precision,
-                             allow_tf32=allow_tf32)
+            out = probe_read(
+                model, batch, steps=steps, warmup=warmup, precision=precision, allow_tf32=allow_tf32
+            )
             probed.append(_batch_size(batch))
             return out
         except torch.cuda.OutOfMemoryError:
@@ -336,70 +391,113 @@ def _probe_fitting(model: Any, batch: Mapping[str, Any], *, steps: int, warmup: 
             if n <= 1:
                 raise
             torch.cuda.empty_cache()
-            log.warning("memory.read auto: the probe ran out of memory at micro batch %d; probing at %d",
-                        n, n // 2)
+            log.warning(
+                "memory.read auto: the probe ran out of memory at micro batch %d; probing at %d",
+                n,
+                n // 2,
+            )
             batch = {k: v[: n // 2] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 # ---------------------------------------------------------------------------- the decision
-def resolve_read(read: str, model: Any = None, batch: Mapping[str, Any] | None = None, *,
-                 on_gpu: bool | None = None, device_name: str | None = None, precision: str = "fp32",
-                 allow_tf32: bool | None = None,
-                 cache: ReadProbeCache | str | os.PathLike | None = None, steps: int = 3, warmup: int = 1,
-                 margin: float = 0.95,
-                 probe: Callable[[Any, Mapping[str, Any]], Mapping[str, float]] | None = None) -> str:
+def resolve_read(
+    read: str,
+    model: Any = None,
+    batch: Mapping[str, Any] | None = None,
+    *,
+    on_gpu: bool | None = None,
+    device_name: str | None = None,
+    precision: str = "fp32",
+    allow_tf32: bool | None = None,
+    cache: ReadProbeCache | str | os.PathLike | None = None,
+    steps: int = 3,
+    warmup: int = 1,
+    margin: float = 0.95,
+    probe: Callable[[Any, Mapping[str, Any]], Mapping[str, float]] | None = None,
+) -> str:
     """`memory.read` resolved to one of the model's reads (`read_modes`; module docstring).
 
     `on_gpu` (default: whether the model's parameters are on CUDA) and `device_name` (default:
     `torch.cuda.get_device_name` there, "cpu" otherwise) say where the run trains; `cache` is a
     `ReadProbeCache` or its file (default `default_cache_path()`); `probe(model, batch)` returns
-    {"fused": s, "gather": s[, "flex": s]} (default `probe_read` with `steps`, `warmup`, `precision`,
-    `allow_tf32`, on a halved batch after running out of memory). `precision`: the trainer's,
-    resolved (fp32, amp_bf16, amp_fp16). Logs one line saying what was measured and chosen."""
+    {"fused": s, "gather": s[, "flex": s]} (default `probe_read` with `steps`, `warmup`,
+    `precision`, `allow_tf32`, on a halved batch after running out of memory). `precision`: the
+    trainer's, resolved (fp32, amp_bf16, amp_fp16). Logs one line saying what was measured and
+    chosen."""
     if read not in ("auto", *READS):
         raise ValueError(f"memory.read {read!r} is not 'auto', 'fused', 'gather' or 'flex'")
     if read != "auto":
         return read
     if model is None or not can_read_in_place(model):
-        log.info("memory.read auto: gather (this model has no read to choose: no KV/FFN bank on its "
-                 "own anchor, no Mixture-of-Chapters layers)")
+        log.info(
+            "memory.read auto: gather (this model has no read to choose: no KV/FFN bank on its "
+            "own anchor, no Mixture-of-Chapters layers)"
+        )
         return "gather"
     device = next(model.parameters()).device
     if on_gpu is None:
         on_gpu = device.type == "cuda"
     if not on_gpu:
-        log.info("memory.read auto: gather (CPU: the fused ops run their pure-torch reference, not faster; "
-                 "bench/training_steps.py --only read)")
+        log.info(
+            "memory.read auto: gather (CPU: the fused ops run their pure-torch reference, not "
+            "faster; bench/training_steps.py --only read)"
+        )
         return "gather"
     if batch is None:
         raise ValueError("resolve_read: 'auto' on a GPU needs a batch to probe with")
     if device_name is None:
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     cache = cache if isinstance(cache, ReadProbeCache) else ReadProbeCache(cache)
-    fields = probe_key(model, batch, device_name=device_name, precision=precision, allow_tf32=allow_tf32)
+    fields = probe_key(
+        model, batch, device_name=device_name, precision=precision, allow_tf32=allow_tf32
+    )
     key = key_id(fields)
     where = f"B{fields['batch']} x S{fields['seq_len']}, {device_name}, {precision}"
     entry = cache.get(key)
     if entry is not None:
         choice = choose_read(entry, margin=margin)
-        log.info("memory.read auto: %s (%s) -> %s [cached in %s]", _times(entry), where, choice, cache.path)
+        log.info(
+            "memory.read auto: %s (%s) -> %s [cached in %s]",
+            _times(entry),
+            where,
+            choice,
+            cache.path,
+        )
         return choice
     probed: list[int] = []
     if probe is None:
+
         def probe(m, b):
-            return _probe_fitting(m, b, steps=steps, warmup=warmup, precision=precision,
-                                  allow_tf32=allow_tf32, probed=probed)
+            return _probe_fitting(
+                m,
+                b,
+                steps=steps,
+                warmup=warmup,
+                precision=precision,
+                allow_tf32=allow_tf32,
+                probed=probed,
+            )
+
     try:
         timings = {m: float(t) for m, t in probe(model, batch).items() if m in READS}
     except Exception as e:  # noqa: BLE001 — a compile error, an unsupported shape, …: no kernels then
-        log.warning("memory.read auto: probe failed (%s: %s) (%s) -> gather", type(e).__name__,
-                    str(e).splitlines()[0] if str(e) else "", where)
+        log.warning(
+            "memory.read auto: probe failed (%s: %s) (%s) -> gather",
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+            where,
+        )
         return "gather"
     choice = choose_read(timings, margin=margin)
     if probed and probed[-1] != fields["batch"]:
         where += f", probed at B{probed[-1]}"
-    entry = {**timings, "choice": choice, "batch": probed[-1] if probed else fields["batch"],
-             "measured_at": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "key": fields}
+    entry = {
+        **timings,
+        "choice": choice,
+        "batch": probed[-1] if probed else fields["batch"],
+        "measured_at": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "key": fields,
+    }
     try:
         cache.put(key, entry)
         stored = f"saved to {cache.path}"
@@ -410,8 +508,11 @@ def resolve_read(read: str, model: Any = None, batch: Mapping[str, Any] | None =
 
 
 def _times(t: Mapping[str, Any]) -> str:
-    ms = [f"{m} {t[m] * 1e3:.1f} ms" if _good(t.get(m)) else f"{m} n/a" for m in READS
-          if m in t or m in MODES]
+    ms = [
+        f"{m} {t[m] * 1e3:.1f} ms" if _good(t.get(m)) else f"{m} n/a"
+        for m in READS
+        if m in t or m in MODES
+    ]
     return " vs ".join(ms) + " per step"
 
 

@@ -42,15 +42,18 @@ def resolve_stored(run: str | Path, key: str, value: str | Path, *, must: str = 
                 return cand
     what = f"no {must} there" if must else "it does not exist"
     raise FileNotFoundError(
-        f"{key} = {str(value)!r} (stored in {run / CONFIG_FILE}): {what}, neither from the current directory "
-        f"nor relative to the run folder or its parents (was the run moved without it?); fix {key} in "
-        f"{run / CONFIG_FILE}")
+        f"{key} = {str(value)!r} (stored in {run / CONFIG_FILE}): {what}, neither from the current "
+        "directory nor relative to the run folder or its parents (was the run moved without it?); "
+        f"fix {key} in {run / CONFIG_FILE}"
+    )
 
 
 def stored_config(run: str | Path) -> dict[str, Any]:
     path = Path(run) / CONFIG_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{run}: no {CONFIG_FILE}; not a training run folder (memtree train's save_folder)")
+        raise FileNotFoundError(
+            f"{run}: no {CONFIG_FILE}; not a training run folder (memtree train's save_folder)"
+        )
     return read_json(path)["config"]
 
 
@@ -62,8 +65,10 @@ def finished_run(run: str | Path) -> Path:
         raise FileNotFoundError(f"{folder}: no such run folder (a training run's save_folder)")
     stored_config(folder)  # names a folder that is no run
     if not (folder / "anchor.safetensors").exists():
-        raise FileNotFoundError(f"{folder}: no anchor.safetensors (not a finished training run: "
-                                "memtree train run writes it at the end)")
+        raise FileNotFoundError(
+            f"{folder}: no anchor.safetensors (not a finished training run: "
+            "memtree train run writes it at the end)"
+        )
     return folder
 
 
@@ -83,8 +88,11 @@ def run_config(run: str | Path):
         hf = pretrained_dir(cfg.pretrained)
         trained = read_json(Path(run) / CONFIG_FILE).get("pretrained", {}).get("hash")
         if trained and read_manifest(hf)["hash"] != trained:
-            raise ValueError(f"{run}: trained on {cfg.pretrained} with folder hash {trained}, but this machine's "
-                             f"{hf} has {read_manifest(hf)['hash']} (another conversion or package version)")
+            raise ValueError(
+                f"{run}: trained on {cfg.pretrained} with folder hash {trained}, but this "
+                f"machine's {hf} has {read_manifest(hf)['hash']} (another conversion or package "
+                "version)"
+            )
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_dir=str(hf)))
     elif cfg.model.hf_dir:
         hf = resolve_stored(run, "model.hf_dir", cfg.model.hf_dir, must="config.json")
@@ -106,6 +114,8 @@ def open_tree(tree_dir: str | Path | None, cfg, folder: Path, tree_key: str = "-
     default = Path(cfg.data.shards).parent / "tree"
     if not (default / "tree.json").exists():
         fix = f"{tree_key}DIR" if tree_key.endswith("=") else f"{tree_key} DIR"
-        raise FileNotFoundError(f"{folder}: no clustering tree at {default} (tree/ beside data.shards "
-                                f"{cfg.data.shards!r}, stored in {folder / CONFIG_FILE}); pass {fix}")
+        raise FileNotFoundError(
+            f"{folder}: no clustering tree at {default} (tree/ beside data.shards "
+            f"{cfg.data.shards!r}, stored in {folder / CONFIG_FILE}); pass {fix}"
+        )
     return load_tree(default)

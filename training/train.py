@@ -10,9 +10,11 @@ What a run leaves in `save_folder`:
   memtree_config.yaml / memtree_config.json   the resolved config and its fingerprint
   checkpoints/                                 Composer checkpoints (model, optimizer, dataloader)
   anchor.safetensors                           the anchor's weights (input to frozen / cotrain runs)
-  bank/                                        the memory bank in the memstore format (memtree-bank v1)
+  bank/                                        the memory bank in the memstore format
+                                               (memtree-bank v1)
   metrics.json                                 final training metrics
-  tpp.json                                     tokens per parameter of each memory level (memtree/tpp.py)
+  tpp.json                                     tokens per parameter of each memory level
+                                               (memtree/tpp.py)
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ from memtree.training.read_choice import can_read_in_place, peek_batch, resolve_
 log = logging.getLogger(__name__)
 
 
-def build_model(cfg: TrainConfig, *, shard: tuple[int, ...] | None = None,
-                bank_init: str = "paper") -> tuple[MemtreeLM, dict[str, Any]]:
+def build_model(
+    cfg: TrainConfig, *, shard: tuple[int, ...] | None = None, bank_init: str = "paper"
+) -> tuple[MemtreeLM, dict[str, Any]]:
     """The model of `cfg`; `shard`: the level-1 subtrees whose bank rows this rank holds
     (`parallel.bank: sharded`), None for the whole bank; `bank_init`: how the bank's rows start
     ("empty": zeros, nothing drawn, for a model whose memories come from a store)."""
@@ -76,34 +79,54 @@ def build_model(cfg: TrainConfig, *, shard: tuple[int, ...] | None = None,
     anchor = cfg.anchor_shape(vocab)
     memory = cfg.memory_config(int(manifest["branching"]))
     if memory is not None and memory.n_levels > int(manifest["levels"]):
-        raise ConfigError(f"memory.multipliers: {memory.n_levels} levels, but the shards' tree has "
-                          f"{manifest['levels']}")
+        raise ConfigError(
+            f"memory.multipliers: {memory.n_levels} levels, but the shards' tree has "
+            f"{manifest['levels']}"
+        )
     if cfg.model.vocab_size and cfg.model.vocab_size < vocab:
-        raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} is smaller than the tokenizer's {vocab}")
+        raise ConfigError(
+            f"model.vocab_size {cfg.model.vocab_size} is smaller than the tokenizer's {vocab}"
+        )
     if cfg.model.moc is not None:
         try:  # the geometry's messages start with "moc…"
-            cfg.model.moc.geometry(d_model=anchor.d_model, n_layers=anchor.n_layers, anchor_heads=anchor.n_heads)
+            cfg.model.moc.geometry(
+                d_model=anchor.d_model, n_layers=anchor.n_layers, anchor_heads=anchor.n_heads
+            )
         except ValueError as e:
             raise ConfigError(f"model.{e}") from None
     seq_len = int(manifest["seq_len"])
-    subtree = cfg.data.subtrees[0] if cfg.data.subtrees and len(cfg.data.subtrees) == 1 and memory else None
-    model = MemtreeLM(cfg.model_config(anchor, memory, seq_len=seq_len, attn_impl=attn_impl(cfg)),
-                      memory_settings=memory_settings(cfg), seed=cfg.seed, hf_dir=cfg.model.hf_dir,
-                      freeze_anchor=cfg.mode == "frozen", subtree=subtree, shard=shard, bank_init=bank_init)
+    subtree = (
+        cfg.data.subtrees[0]
+        if cfg.data.subtrees and len(cfg.data.subtrees) == 1 and memory
+        else None
+    )
+    model = MemtreeLM(
+        cfg.model_config(anchor, memory, seq_len=seq_len, attn_impl=attn_impl(cfg)),
+        memory_settings=memory_settings(cfg),
+        seed=cfg.seed,
+        hf_dir=cfg.model.hf_dir,
+        freeze_anchor=cfg.mode == "frozen",
+        subtree=subtree,
+        shard=shard,
+        bank_init=bank_init,
+    )
     if cfg.anchor_checkpoint:
         load_anchor(model, cfg.anchor_checkpoint)
     if cfg.memory.init_bank:
         if shard is not None:
-            raise ConfigError("memory.init_bank with parallel.bank: sharded is not supported yet: start the "
-                              "sharded run from scratch or an anchor, or train the bank replicated")
+            raise ConfigError(
+                "memory.init_bank with parallel.bank: sharded is not supported yet: start the "
+                "sharded run from scratch or an anchor, or train the bank replicated"
+            )
         model.bank = load_bank(cfg.memory.init_bank, model, manifest)
         if model.hf is not None:
             model.hf.bank = model.bank
     return model, manifest
 
 
-def load_run(save_folder: str | Path, cfg: TrainConfig | None = None) -> tuple[MemtreeLM, TrainConfig,
-                                                                               dict[str, Any], Any]:
+def load_run(
+    save_folder: str | Path, cfg: TrainConfig | None = None
+) -> tuple[MemtreeLM, TrainConfig, dict[str, Any], Any]:
     """A finished run, ready to score text: (model in eval mode with the run's anchor weights, its
     config, its shards manifest, its tokenizer). The bank is not opened here (memstore does that).
     `cfg`: the run's stored config with its paths resolved elsewhere (a run moved from where it
@@ -114,13 +137,19 @@ def load_run(save_folder: str | Path, cfg: TrainConfig | None = None) -> tuple[M
     # nothing to load at build time: the weights come from the run folder, the memories from its
     # bank through memstore; drawing the training bank's initial rows (seconds and GBs for a
     # pretrained anchor's bank) would be thrown away
-    bare = dataclasses.replace(cfg, anchor_checkpoint=None, mode="scratch" if cfg.memory.multipliers else "baseline",
-                               memory=dataclasses.replace(cfg.memory, init_bank=None))
+    bare = dataclasses.replace(
+        cfg,
+        anchor_checkpoint=None,
+        mode="scratch" if cfg.memory.multipliers else "baseline",
+        memory=dataclasses.replace(cfg.memory, init_bank=None),
+    )
     model, manifest = build_model(bare, bank_init="empty")
     model.model.load_state_dict(load_file(str(folder / "anchor.safetensors")))
     model.eval()
     tok_path = (Path(cfg.data.shards) / manifest["tokenizer"]).resolve()
-    tokenizer = Tokenizer.from_file(str(tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path))
+    tokenizer = Tokenizer.from_file(
+        str(tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path)
+    )
     return model, cfg, manifest, tokenizer
 
 
@@ -129,11 +158,16 @@ def adopt_launcher_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
     `composer -n N` sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR and
     MASTER_PORT; torchrun (and the schedulers that follow it) names the node rank GROUP_RANK and
-    sets no NODE_RANK, which Composer would then take as 0 on every node. Copied over when absent."""
+    sets no NODE_RANK, which Composer would then take as 0 on every node. Copied over when
+    absent."""
     env = os.environ if env is None else env
     if "NODE_RANK" not in env and "GROUP_RANK" in env:
         env["NODE_RANK"] = env["GROUP_RANK"]
-    return {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK") if k in env}
+    return {
+        k: env[k]
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK")
+        if k in env
+    }
 
 
 def uses_gpu(cfg: TrainConfig) -> bool:
@@ -159,12 +193,14 @@ def memory_read(cfg: TrainConfig) -> str:
 
 
 def memory_settings(cfg: TrainConfig) -> MemorySection:
-    """The `memory:` section as the model is built with it: `memory.read` resolved (`memory_read`)."""
+    """The `memory:` section as the model is built with it: `memory.read` resolved
+    (`memory_read`)."""
     return dataclasses.replace(cfg.memory, read=memory_read(cfg))
 
 
-def settle_memory_read(cfg: TrainConfig, model: MemtreeLM, loader: Any, *, device: torch.device | None,
-                       precision: str) -> str:
+def settle_memory_read(
+    cfg: TrainConfig, model: MemtreeLM, loader: Any, *, device: torch.device | None, precision: str
+) -> str:
     """`memory.read: auto` on a GPU (`device`; None: a CPU run) decided by measurement
     (`training.read_choice.resolve_read`: a cached or fresh probe of both reads on this model and a
     batch of the run's data, peeked without advancing `loader`); sets the model's mode and returns
@@ -180,8 +216,9 @@ def settle_memory_read(cfg: TrainConfig, model: MemtreeLM, loader: Any, *, devic
         try:
             batch = peek_batch(loader, cfg.microbatch_size, seed=cfg.data.shuffle_seed)
             model.to(device)  # where Composer puts it anyway (an FSDP anchor goes back below)
-            choice[0] = resolve_read("auto", model, batch, on_gpu=True, precision=precision,
-                                     allow_tf32=cfg.allow_tf32)
+            choice[0] = resolve_read(
+                "auto", model, batch, on_gpu=True, precision=precision, allow_tf32=cfg.allow_tf32
+            )
         except Exception as e:  # noqa: BLE001 — no probe batch: never leave the other ranks waiting below
             log.warning("memory.read auto: no probe (%s: %s) -> gather", type(e).__name__, e)
         if cfg.fsdp:
@@ -204,13 +241,17 @@ def load_bank(path: str, model: MemtreeLM, manifest: dict[str, Any]):
         problems.append(f"tree {info.tree_id} vs the shards' tree {manifest['tree_id']}")
     strip = lambda a: {k: v for k, v in dataclasses.asdict(a).items() if k != "name"}
     if strip(info.anchor) != strip(model.anchor_shape):
-        problems.append(f"anchor shape {strip(info.anchor)} vs the model's {strip(model.anchor_shape)}")
+        problems.append(
+            f"anchor shape {strip(info.anchor)} vs the model's {strip(model.anchor_shape)}"
+        )
     if info.memory != model.memory:
         problems.append(f"memory config {info.memory} vs {model.memory}")
     if info.subtree != model.bank.subtree:
         problems.append(f"subtree {info.subtree} vs the run's {model.bank.subtree}")
     if problems:
-        raise ConfigError(f"memory.init_bank {path}: does not match this run: " + "; ".join(problems))
+        raise ConfigError(
+            f"memory.init_bank {path}: does not match this run: " + "; ".join(problems)
+        )
     return TrainableBank.from_bank(path)
 
 
@@ -220,12 +261,16 @@ def load_anchor(model: MemtreeLM, path: str) -> None:
     if p.is_dir():
         p = p / "anchor.safetensors"
     if not p.exists():
-        raise FileNotFoundError(f"anchor_checkpoint {path}: no anchor.safetensors there (a baseline run writes it)")
+        raise FileNotFoundError(
+            f"anchor_checkpoint {path}: no anchor.safetensors there (a baseline run writes it)"
+        )
     state = load_file(str(p))
     missing, unexpected = model.model.load_state_dict(state, strict=False)
     if unexpected or missing:
-        raise ConfigError(f"anchor_checkpoint {p}: does not match the model "
-                          f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise ConfigError(
+            f"anchor_checkpoint {p}: does not match the model "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
 
 
 def check_save_folder(cfg: TrainConfig, *, write: bool = True) -> None:
@@ -240,8 +285,10 @@ def check_save_folder(cfg: TrainConfig, *, write: bool = True) -> None:
         if old["fingerprint"] != cfg.fingerprint() and trained:
             new = to_dict(cfg)
             diffs = _diff(old["config"], new)
-            raise ConfigError(f"save_folder={folder} holds checkpoints of another config ({', '.join(trained)}; "
-                              f"differs at {diffs[:5]}); use a new save_folder")
+            raise ConfigError(
+                f"save_folder={folder} holds checkpoints of another config ({', '.join(trained)}; "
+                f"differs at {diffs[:5]}); use a new save_folder"
+            )
     if not write:
         return
     folder.mkdir(parents=True, exist_ok=True)
@@ -268,15 +315,19 @@ def check_inputs(cfg: TrainConfig) -> None:
     and what produces it."""
     shards = Path(cfg.data.shards)
     if not (shards / "manifest.json").is_file():
-        raise ConfigError(f"data.shards={shards}: no manifest.json there; give a pipeline run's shards/ "
-                          "directory (`memtree pipeline run … --out RUN` writes RUN/shards, `memtree pipeline demo` "
-                          "runs/demo/pipeline/shards)")
+        raise ConfigError(
+            f"data.shards={shards}: no manifest.json there; give a pipeline run's shards/ "
+            "directory (`memtree pipeline run … --out RUN` writes RUN/shards, "
+            "`memtree pipeline demo` runs/demo/pipeline/shards)"
+        )
     if cfg.anchor_checkpoint:
         p = Path(cfg.anchor_checkpoint)
         if not (p / "anchor.safetensors" if p.is_dir() or not p.suffix else p).is_file():
-            raise ConfigError(f"anchor_checkpoint={p}: no anchor.safetensors there; give the save_folder of a "
-                              "finished run (a baseline run, e.g. `memtree train run training/yamls/tiny-baseline.yaml`, "
-                              "writes it)")
+            raise ConfigError(
+                f"anchor_checkpoint={p}: no anchor.safetensors there; give the save_folder of a "
+                "finished run (a baseline run, e.g. "
+                "`memtree train run training/yamls/tiny-baseline.yaml`, writes it)"
+            )
 
 
 def drop_unfinished_checkpoints(folder: Path) -> list[Path]:
@@ -316,24 +367,46 @@ def _diff(a: Any, b: Any, where: str = "") -> list[str]:
 def run_tpp(cfg: TrainConfig, model: MemtreeLM, manifest: dict[str, Any]) -> dict[str, Any] | None:
     """The run's tokens-per-parameter table (memtree/tpp.py) from the shards' per-leaf counts (only
     the streams of `data.subtrees` where set) and `max_duration`; None without a hierarchical bank.
-    Shards without per-leaf counts give a table-less note instead of an error: training does not need them."""
+    Shards without per-leaf counts give a table-less note instead of an error: training does not
+    need them."""
     if model.bank is None or model.memory is None:
         return None
-    streams = [s for s in manifest["streams"] if cfg.data.subtrees is None or s["subtree"] in cfg.data.subtrees]
+    streams = [
+        s
+        for s in manifest["streams"]
+        if cfg.data.subtrees is None or s["subtree"] in cfg.data.subtrees
+    ]
     where = Path(cfg.data.shards) / "manifest.json"
     try:
         leaf = leaf_tokens_from_manifest({"streams": streams}, where)
     except ValueError as e:
         return {"error": str(e)}
-    epochs = parse_duration_epochs(cfg.max_duration, epoch_tokens=sum(leaf.values()),
-                                   epoch_samples=sum(int(s["n_samples"]) for s in streams),
-                                   batch_size=cfg.data.batch_size, flag="max_duration")
-    dropout = 0.0 if cfg.mode == "frozen" else cfg.memory.dropout  # a frozen anchor runs no anchor-only forwards
-    ratio = bank_lr_ratio(bank_lr=cfg.memory.lr, lr_by_level=cfg.memory.lr_by_level,
-                          multipliers=model.memory.multipliers, anchor_lr=cfg.optim.lr)
-    table = tpp_table(plan(model.anchor_shape, model.memory), leaf, epochs=epochs, generic_prob=model.generic_prob,
-                      dropout=dropout, source=str(where), tree_levels=int(manifest["levels"]),
-                      lr_ratio=ratio)
+    epochs = parse_duration_epochs(
+        cfg.max_duration,
+        epoch_tokens=sum(leaf.values()),
+        epoch_samples=sum(int(s["n_samples"]) for s in streams),
+        batch_size=cfg.data.batch_size,
+        flag="max_duration",
+    )
+    dropout = (
+        0.0 if cfg.mode == "frozen" else cfg.memory.dropout
+    )  # a frozen anchor runs no anchor-only forwards
+    ratio = bank_lr_ratio(
+        bank_lr=cfg.memory.lr,
+        lr_by_level=cfg.memory.lr_by_level,
+        multipliers=model.memory.multipliers,
+        anchor_lr=cfg.optim.lr,
+    )
+    table = tpp_table(
+        plan(model.anchor_shape, model.memory),
+        leaf,
+        epochs=epochs,
+        generic_prob=model.generic_prob,
+        dropout=dropout,
+        source=str(where),
+        tree_levels=int(manifest["levels"]),
+        lr_ratio=ratio,
+    )
     return {"table": table, **table.to_dict()}
 
 
@@ -359,12 +432,26 @@ def bank_param_groups(bank: TrainableBank, memory: MemorySection) -> list[dict[s
     """The bank's optimizer groups: one at memory.lr, or one per level with memory.lr_by_level
     (level l's table at lr_by_level[l - 1])."""
     if not memory.lr_by_level:
-        return [{"params": list(bank.bank_parameters()), "lr": memory.lr, "weight_decay": memory.weight_decay}]
-    return [{"params": [table], "lr": memory.lr_by_level[int(lv) - 1], "weight_decay": memory.weight_decay}
-            for lv, table in bank.tables.items()]
+        return [
+            {
+                "params": list(bank.bank_parameters()),
+                "lr": memory.lr,
+                "weight_decay": memory.weight_decay,
+            }
+        ]
+    return [
+        {
+            "params": [table],
+            "lr": memory.lr_by_level[int(lv) - 1],
+            "weight_decay": memory.weight_decay,
+        }
+        for lv, table in bank.tables.items()
+    ]
 
 
-def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, loggers: list[Any] | None = None):
+def build_trainer(
+    cfg: TrainConfig, *, callbacks: list[Any] | None = None, loggers: list[Any] | None = None
+):
     """The Composer Trainer for `cfg`. Before anything is built, with `data.verify_shards` (the
     default) every shard file the run reads is checked against its MDS index's size and hash
     (`training.data.verify_shards`; one read of the files, ~1 ms for the demo's 1.7 MB, disk-bound
@@ -376,11 +463,19 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
     from composer.utils import dist, reproducibility
 
     check_inputs(cfg)
-    check_save_folder(cfg, write=False)  # written once the model is built: a failed start leaves nothing
-    if cfg.data.verify_shards:  # a flipped byte is named here, not trained on (or a zstd error mid-run)
+    check_save_folder(
+        cfg, write=False
+    )  # written once the model is built: a failed start leaves nothing
+    if (
+        cfg.data.verify_shards
+    ):  # a flipped byte is named here, not trained on (or a zstd error mid-run)
         stats = verify_shards(cfg.data.shards, subtrees=cfg.data.subtrees)
-        log.info("verified %d shard files (%.1f MB) in %.2f s", stats["files"], stats["bytes"] / 1e6,
-                 stats["seconds"])
+        log.info(
+            "verified %d shard files (%.1f MB) in %.2f s",
+            stats["files"],
+            stats["bytes"] / 1e6,
+            stats["seconds"],
+        )
     if cfg.autoresume:
         drop_unfinished_checkpoints(Path(cfg.save_folder) / "checkpoints")
     gpu = uses_gpu(cfg)
@@ -406,51 +501,98 @@ def build_trainer(cfg: TrainConfig, *, callbacks: list[Any] | None = None, logge
         anchor_params = [p for p in anchor_params if all(p is not v for v in values)]
         groups.append({"params": values, "lr": cfg.optim.pkm_value_lr, "weight_decay": 0.0})
     if anchor_params:
-        groups.append({"params": anchor_params, "lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay})
+        groups.append(
+            {"params": anchor_params, "lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay}
+        )
     if model.bank is not None:
         groups += bank_param_groups(model.bank, cfg.memory)
     moc_bank, moc_layers = model.moc_parameters()  # Table 6: their own learning rates
     for params, lr in ((moc_bank, cfg.optim.moc_bank_lr), (moc_layers, cfg.optim.moc_layer_lr)):
         if params:
-            groups.append({"params": params, "lr": cfg.optim.lr if lr is None else lr,
-                           "weight_decay": cfg.optim.weight_decay})
+            groups.append(
+                {
+                    "params": params,
+                    "lr": cfg.optim.lr if lr is None else lr,
+                    "weight_decay": cfg.optim.weight_decay,
+                }
+            )
     parallelism = fsdp_parallelism(cfg, model, gpu=gpu)
-    optimizer = MemoryAdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-                            max_grad_norm=cfg.optim.max_grad_norm, dense_sharded=parallelism is not None)
+    optimizer = MemoryAdamW(
+        groups,
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        eps=cfg.optim.eps,
+        max_grad_norm=cfg.optim.max_grad_norm,
+        dense_sharded=parallelism is not None,
+    )
     precision = cfg.precision if cfg.precision != "auto" else ("amp_bf16" if gpu else "fp32")
     extra: list[Any] = []
     if layout is None:
-        loader = build_dataloader(cfg.data.shards, batch_size=cfg.data.batch_size, subtrees=cfg.data.subtrees,
-                                  shuffle=cfg.data.shuffle, shuffle_seed=cfg.data.shuffle_seed,
-                                  num_workers=cfg.data.num_workers, drop_last=cfg.data.drop_last)
+        loader = build_dataloader(
+            cfg.data.shards,
+            batch_size=cfg.data.batch_size,
+            subtrees=cfg.data.subtrees,
+            shuffle=cfg.data.shuffle,
+            shuffle_seed=cfg.data.shuffle_seed,
+            num_workers=cfg.data.num_workers,
+            drop_last=cfg.data.drop_last,
+        )
     else:
         loader = layout.loader(cfg)
         if layout.shard is not None:
             extra.append(layout.shard_bank(model.bank, optimizer, cfg))
-    settle_memory_read(cfg, model, loader, precision=precision,
-                       device=torch.device("cuda", dist.get_local_rank()) if gpu else None)
+    settle_memory_read(
+        cfg,
+        model,
+        loader,
+        precision=precision,
+        device=torch.device("cuda", dist.get_local_rank()) if gpu else None,
+    )
     # the loss is a mean over target tokens: weighting each microbatch by its share of the global
     # batch's target tokens (not of its samples) keeps the gradient that of the whole global batch,
     # whatever the world size or microbatching (elastic resumption, training/README.md)
     trainer = Trainer(
-        model=model, train_dataloader=DataSpec(loader, get_num_tokens_in_batch=batch_tokens),
-        accumulate_train_batch_on_tokens=True, max_duration=cfg.max_duration, optimizers=optimizer,
-        schedulers=CosineAnnealingWithWarmupScheduler(t_warmup=cfg.optim.warmup, alpha_f=cfg.optim.alpha_f),
+        model=model,
+        train_dataloader=DataSpec(loader, get_num_tokens_in_batch=batch_tokens),
+        accumulate_train_batch_on_tokens=True,
+        max_duration=cfg.max_duration,
+        optimizers=optimizer,
+        schedulers=CosineAnnealingWithWarmupScheduler(
+            t_warmup=cfg.optim.warmup, alpha_f=cfg.optim.alpha_f
+        ),
         # the bank shards' saver first: Composer appends its own checkpoint saver after these
-        callbacks=[*extra, Placement(cfg, layout, threads), *default_callbacks(comm_ddp_hook=cfg.comm_ddp_hook),
-                   *(callbacks or [])], loggers=loggers, run_name=cfg.run_name,
-        save_folder=str(Path(cfg.save_folder) / "checkpoints"), save_interval=cfg.save_interval,
-        save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep, save_overwrite=not cfg.autoresume,
-        device=DeviceGPU(allow_tf32=cfg.allow_tf32) if gpu else "cpu", precision=precision, seed=cfg.seed, **resume_args(cfg),
+        callbacks=[
+            *extra,
+            Placement(cfg, layout, threads),
+            *default_callbacks(comm_ddp_hook=cfg.comm_ddp_hook),
+            *(callbacks or []),
+        ],
+        loggers=loggers,
+        run_name=cfg.run_name,
+        save_folder=str(Path(cfg.save_folder) / "checkpoints"),
+        save_interval=cfg.save_interval,
+        save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
+        save_overwrite=not cfg.autoresume,
+        device=DeviceGPU(allow_tf32=cfg.allow_tf32) if gpu else "cpu",
+        precision=precision,
+        seed=cfg.seed,
+        **resume_args(cfg),
         device_train_microbatch_size=microbatch_size(cfg, layout, gpu=gpu),
-        progress_bar=cfg.progress_bar, log_to_console=not cfg.progress_bar, console_log_interval=cfg.log_interval,
-        parallelism_config=parallelism, step_schedulers_every_batch=True,
+        progress_bar=cfg.progress_bar,
+        log_to_console=not cfg.progress_bar,
+        console_log_interval=cfg.log_interval,
+        parallelism_config=parallelism,
+        step_schedulers_every_batch=True,
         # lanes position themselves from the restored timestamp instead of replaying skipped batches
         spin_dataloaders=layout is None,
     )
     if layout is not None:
-        loader.batch_sampler.bind(lambda: (int(trainer.state.timestamp.epoch),
-                                           int(trainer.state.timestamp.batch_in_epoch)))
+        loader.batch_sampler.bind(
+            lambda: (
+                int(trainer.state.timestamp.epoch),
+                int(trainer.state.timestamp.batch_in_epoch),
+            )
+        )
     return trainer
 
 
@@ -498,25 +640,38 @@ def fsdp_parallelism(cfg: TrainConfig, model: MemtreeLM, *, gpu: bool) -> dict[s
     if not cfg.fsdp:
         return None
     if not gpu:
-        raise ConfigError("fsdp: true needs GPUs (device: gpu); Composer's FSDP does not run on the CPU")
+        raise ConfigError(
+            "fsdp: true needs GPUs (device: gpu); Composer's FSDP does not run on the CPU"
+        )
     if model.hf is not None:
-        raise ConfigError("fsdp: true with model.hf_dir is not supported (the HF model's memory hooks call "
-                          "the unwrapped modules); use DDP for post-hoc runs (leave fsdp false)")
+        raise ConfigError(
+            "fsdp: true with model.hf_dir is not supported (the HF model's memory hooks call "
+            "the unwrapped modules); use DDP for post-hoc runs (leave fsdp false)"
+        )
     if model.bank is not None:
         from composer.utils import dist
 
         model.bank.to(torch.device("cuda", dist.get_local_rank()))
     # DEFAULT: bf16 compute, fp32 gradient reduction (PURE would reduce in bf16)
-    return {"fsdp": {"sharding_strategy": "FULL_SHARD", "mixed_precision": "DEFAULT", "use_orig_params": True}}
+    return {
+        "fsdp": {
+            "sharding_strategy": "FULL_SHARD",
+            "mixed_precision": "DEFAULT",
+            "use_orig_params": True,
+        }
+    }
 
 
 def anchor_state_dict(model: MemtreeLM) -> dict[str, torch.Tensor]:
-    """The anchor's full weights on the CPU; under FSDP every rank must call this (it all-gathers)."""
+    """The anchor's full weights on the CPU; under FSDP every rank must call this (it
+    all-gathers)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     # cpu_offload pins host memory, which needs a GPU: off when the weights are on the CPU already
     on_gpu = any(p.is_cuda for p in model.model.parameters())
-    full = get_model_state_dict(model.model, options=StateDictOptions(full_state_dict=True, cpu_offload=on_gpu))
+    full = get_model_state_dict(
+        model.model, options=StateDictOptions(full_state_dict=True, cpu_offload=on_gpu)
+    )
     return {k: v.detach().cpu().contiguous() for k, v in full.items()}
 
 
@@ -547,10 +702,18 @@ def export(trainer: Any, cfg: TrainConfig) -> dict[str, str]:
     if model.bank is not None:
         manifest = read_shards_manifest(cfg.data.shards)
         if shards is None:
-            model.bank.export(folder / "bank", dtype=cfg.memory.export_dtype, tree_id=manifest["tree_id"])
+            model.bank.export(
+                folder / "bank", dtype=cfg.memory.export_dtype, tree_id=manifest["tree_id"]
+            )
         else:
-            export_bank(shards, folder / "bank", anchor=model.bank.anchor, memory=model.bank.memory,
-                        dtype=cfg.memory.export_dtype, tree_id=manifest["tree_id"])
+            export_bank(
+                shards,
+                folder / "bank",
+                anchor=model.bank.anchor,
+                memory=model.bank.memory,
+                dtype=cfg.memory.export_dtype,
+                tree_id=manifest["tree_id"],
+            )
     dist.barrier()
     return out
 
@@ -559,8 +722,11 @@ def _checkpoints_kept(folder: Path, autoresume: bool) -> str:
     latest = last_complete_checkpoint(folder)
     if latest is None:
         return "no checkpoint was complete yet"
-    how = ("the rerun resumes from it and drops the unfinished one" if autoresume
-           else "set autoresume: true to resume from it")
+    how = (
+        "the rerun resumes from it and drops the unfinished one"
+        if autoresume
+        else "set autoresume: true to resume from it"
+    )
     return f"the last complete checkpoint, {latest.name}, is intact; {how}"
 
 
@@ -574,8 +740,12 @@ def check_pretrained(cfg: TrainConfig) -> None:
         got = check_folder(cfg.model.hf_dir)
     except PretrainedError as e:
         raise ConfigError(f"model.anchor: {cfg.pretrained}: {e}") from None
-    log.info("%s: perplexity %.1f on the check paragraph (random initialisation %.0f)", cfg.pretrained,
-             got["perplexity"], got["random_init_perplexity"])
+    log.info(
+        "%s: perplexity %.1f on the check paragraph (random initialisation %.0f)",
+        cfg.pretrained,
+        got["perplexity"],
+        got["random_init_perplexity"],
+    )
 
 
 def train(cfg: TrainConfig, *, callbacks: list[Any] | None = None) -> dict[str, Any]:
@@ -620,7 +790,9 @@ def rerun_plan(cfg: TrainConfig) -> tuple[str, TrainConfig]:
     old = read_json(meta)
     if old.get("fingerprint") != cfg.fingerprint():
         return "train", cfg
-    if (folder / "metrics.json").is_file() and old["config"].get("max_duration") == cfg.max_duration:
+    if (folder / "metrics.json").is_file() and old["config"].get(
+        "max_duration"
+    ) == cfg.max_duration:
         return "finished", cfg
     if (folder / "checkpoints" / "latest-rank0.pt").exists() and not cfg.autoresume:
         return "resume", dataclasses.replace(cfg, autoresume=True)
@@ -633,22 +805,30 @@ def run_once(cfg: TrainConfig, *, force: bool = False) -> dict[str, Any] | None:
     action, cfg = ("train", cfg) if force else rerun_plan(cfg)
     folder = Path(cfg.save_folder)
     if action == "finished":
-        print(f"{folder}: already trained with this config for {cfg.max_duration} (metrics.json); nothing to do "
-              f"(--force trains it again, a longer max_duration continues it)")
+        print(
+            f"{folder}: already trained with this config for {cfg.max_duration} (metrics.json); "
+            "nothing to do (--force trains it again, a longer max_duration continues it)"
+        )
         return None
     if action == "resume":
         print(f"{folder}: resuming from its latest checkpoint (same config)")
     result = train(cfg)
-    print(f"done: {result['metrics']}; anchor {result['anchor']}" + (f"; bank {result['bank']}" if 'bank' in result else ""))
+    print(
+        f"done: {result['metrics']}; anchor {result['anchor']}"
+        + (f"; bank {result['bank']}" if "bank" in result else "")
+    )
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
-        print("usage: composer -n N -m memtree.training.train CONFIG.yaml [key=value …]\n"
-              "       torchrun --nnodes M --nproc-per-node N … -m memtree.training.train CONFIG.yaml [key=value …]",
-              file=sys.stderr)
+        print(
+            "usage: composer -n N -m memtree.training.train CONFIG.yaml [key=value …]\n       "
+            "torchrun --nnodes M --nproc-per-node N … -m memtree.training.train CONFIG.yaml "
+            "[key=value …]",
+            file=sys.stderr,
+        )
         return 2
     config, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
     # a launcher's ranks always train (autoresume is the config's): no rerun check per rank

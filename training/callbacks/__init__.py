@@ -9,10 +9,23 @@ from memtree.training.callbacks.level_updates import LevelUpdates
 from memtree.training.callbacks.nan_guard import NonFiniteGuard
 from memtree.training.callbacks.throughput import TokenThroughput
 
-__all__ = ["BankTouch", "CommBytes", "GenericVsFetchedLoss", "LevelUpdates", "NonFiniteGuard", "TokenThroughput",
-           "default_callbacks"]
+__all__ = [
+    "BankTouch",
+    "CommBytes",
+    "GenericVsFetchedLoss",
+    "LevelUpdates",
+    "NonFiniteGuard",
+    "TokenThroughput",
+    "default_callbacks",
+]
 
 
 def default_callbacks(*, comm_ddp_hook: bool = True) -> list:
-    return [BankTouch(), LevelUpdates(), GenericVsFetchedLoss(), TokenThroughput(), NonFiniteGuard(),
-            CommBytes(hook_ddp=comm_ddp_hook)]
+    return [
+        BankTouch(),
+        LevelUpdates(),
+        GenericVsFetchedLoss(),
+        TokenThroughput(),
+        NonFiniteGuard(),
+        CommBytes(hook_ddp=comm_ddp_hook),
+    ]

@@ -1,4 +1,5 @@
-"""Bytes each rank sends per step, by collective (`comm/bytes/<kind>`), their sum and running totals.
+"""Bytes each rank sends per step, by collective (`comm/bytes/<kind>`), their sum and running
+totals.
 
 `MemoryAdamW.comm_bytes` counts the optimizer's own collectives (the bank's sparse rows, the
 generic rows, the norm and size scalars). With `hook_ddp` (the default; config key
@@ -86,5 +87,7 @@ class CommBytes(Callback):
             self.totals[k] = self.totals.get(k, 0) + v
         if step:
             total = "step_total" if self.complete else "step_total_excl_anchor"
-            logger.log_metrics({f"comm/bytes/{k}": v for k, v in step.items()}
-                               | {f"comm/bytes/{total}": sum(step.values())})
+            logger.log_metrics(
+                {f"comm/bytes/{k}": v for k, v in step.items()}
+                | {f"comm/bytes/{total}": sum(step.values())}
+            )

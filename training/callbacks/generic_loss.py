@@ -23,7 +23,11 @@ class GenericVsFetchedLoss(Callback):
 
     def after_loss(self, state: State, logger: Logger) -> None:
         model = unwrap(state.model)
-        if getattr(model, "bank", None) is None or model.last_seq_loss is None or model.last_use_generic is None:
+        if (
+            getattr(model, "bank", None) is None
+            or model.last_seq_loss is None
+            or model.last_use_generic is None
+        ):
             return
         loss, generic = model.last_seq_loss.cpu(), model.last_use_generic
         if generic.any():

@@ -24,7 +24,11 @@ class LevelUpdates(Callback):
         model = unwrap(state.model)
         if getattr(model, "bank", None) is None or not model.training:
             return
-        generic = model.last_use_generic if model.last_use_generic is not None else torch.zeros(0, dtype=torch.bool)
+        generic = (
+            model.last_use_generic
+            if model.last_use_generic is not None
+            else torch.zeros(0, dtype=torch.bool)
+        )
         for lv, rows in model.last_slots.items():
             fetched = rows[~generic] if len(generic) == len(rows) else rows
             self.step_rows.setdefault(lv, set()).update(int(r) for r in fetched)

@@ -19,4 +19,5 @@ class NonFiniteGuard(Callback):
             paths = state.batch.get("paths") if isinstance(state.batch, dict) else None
             raise FloatingPointError(
                 f"non-finite loss {value} at step {int(state.timestamp.batch)}"
-                + (f", batch paths {paths[:4].tolist()} …" if paths is not None else ""))
+                + (f", batch paths {paths[:4].tolist()} …" if paths is not None else "")
+            )

@@ -23,5 +23,11 @@ class TokenThroughput(Callback):
         n = int((labels != -100).sum())
         self.tokens += n
         self.elapsed += dt
-        logger.log_metrics({"throughput/tokens_per_sec": n / dt if dt > 0 else 0.0,
-                            "throughput/tokens_per_sec_avg": self.tokens / self.elapsed if self.elapsed else 0.0})
+        logger.log_metrics(
+            {
+                "throughput/tokens_per_sec": n / dt if dt > 0 else 0.0,
+                "throughput/tokens_per_sec_avg": self.tokens / self.elapsed
+                if self.elapsed
+                else 0.0,
+            }
+        )

@@ -113,8 +113,17 @@ def unapply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
 
 
-def prefix_attention(q: Tensor, k: Tensor, v: Tensor, pk: Tensor, pv: Tensor, first_query: Tensor,
-                     *, scale: float | None = None, sliding_window: int | None = None) -> Tensor:
+def prefix_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pk: Tensor,
+    pv: Tensor,
+    first_query: Tensor,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+) -> Tensor:
     """Attention of the window over prefix + window (eq. 2–5).
 
     q (B, H, S, D) and k, v (B, H_kv, S, D): the window at positions P..P+S−1, q and k rotated;
@@ -144,7 +153,9 @@ class _Run:
     """One document pass: the method's memory, the attention sink and the window in flight (its
     position `offset` = the length of everything prepended to it: sink S, then prefix P)."""
 
-    def __init__(self, method: str, memory: CamelotMemory | None, visibility: str, sink: int = 0) -> None:
+    def __init__(
+        self, method: str, memory: CamelotMemory | None, visibility: str, sink: int = 0
+    ) -> None:
         self.method, self.memory, self.visibility, self.sink = method, memory, visibility, sink
         self.offset = 0
         self.index = -1  # the window's number in the document
@@ -171,14 +182,26 @@ class _Run:
         if self.memory is not None:
             self.memory.windows += 1
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, k_free: Tensor,
-               prefix_rope: Callable[[int], tuple[Tensor, Tensor]], *, scale: float | None = None,
-               sliding_window: int | None = None) -> Tensor:
+    def attend(
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_free: Tensor,
+        prefix_rope: Callable[[int], tuple[Tensor, Tensor]],
+        *,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+    ) -> Tensor:
         """q (1, H, S, D), k, v (1, H_kv, S, D) with q, k rotated at offset..offset+S−1; k_free
         (1, H_kv, S, D) the keys before RoPE. Reads this layer's memory, attends, writes.
         prefix_rope(P) → (cos, sin) (P, D) for positions 0..P−1. → (1, H, S, D)."""
         if self.index == 0 and self.sink_len:
-            self.sink_kv[layer] = (k_free[0, :, :self.sink_len].clone(), v[0, :, :self.sink_len].clone())
+            self.sink_kv[layer] = (
+                k_free[0, :, : self.sink_len].clone(),
+                v[0, :, : self.sink_len].clone(),
+            )
         mem = self.memory.layers.get(layer) if self.memory is not None else None
         prefix, match = (None, None) if mem is None else mem.read(k_free[0])
         pks, pvs, firsts = [], [], []
@@ -202,13 +225,19 @@ class _Run:
             mem.write(k_free[0], v[0], match)
         return out
 
-    def _prefix(self, prefix: Prefix, q: Tensor, prefix_rope, sink: int) -> tuple[Tensor, Tensor, Tensor]:
+    def _prefix(
+        self, prefix: Prefix, q: Tensor, prefix_rope, sink: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
         p, s = prefix.keys.shape[1], q.shape[2]
         if sink + p != self.offset:  # the window was positioned for another prefix length
-            raise RuntimeError(f"sink of {sink} and prefix of {p} entries, but the window sits at "
-                               f"offset {self.offset}")
+            raise RuntimeError(
+                f"sink of {sink} and prefix of {p} entries, but the window sits at "
+                f"offset {self.offset}"
+            )
         cos, sin = prefix_rope(sink + p)
-        pk = apply_rope(prefix.keys.to(device=q.device, dtype=q.dtype), cos[sink:], sin[sink:])[None]
+        pk = apply_rope(prefix.keys.to(device=q.device, dtype=q.dtype), cos[sink:], sin[sink:])[
+            None
+        ]
         pv = prefix.values.to(device=q.device, dtype=q.dtype)[None]
         if prefix.aligned and self.visibility == "causal":
             first = torch.arange(p, device=q.device).expand(prefix.valid.shape)
@@ -228,10 +257,16 @@ class _AnchorCore:
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cos, sin = self.backend.tables  # (offset + S, D) fp32
         o, s = self.run.offset, q.shape[1]
-        cw, sw = cos[o:o + s], sin[o:o + s]
+        cw, sw = cos[o : o + s], sin[o : o + s]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, S, D)
-        return self.run.attend(self.layer, apply_rope(q, cw, sw), apply_rope(k, cw, sw), v, k,
-                               lambda p: (cos[:p], sin[:p]))
+        return self.run.attend(
+            self.layer,
+            apply_rope(q, cw, sw),
+            apply_rope(k, cw, sw),
+            v,
+            k,
+            lambda p: (cos[:p], sin[:p]),
+        )
 
 
 class _AnchorBackend:
@@ -262,9 +297,18 @@ class _AnchorBackend:
 
 
 # -- Hugging Face causal LMs --------------------------------------------------------------------
-def _hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
-                  dropout: float = 0.0, scaling: float | None = None,
-                  sliding_window: int | None = None, softcap: float | None = None, **kwargs):
+def _hf_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+):
     """HF attention-interface function: query (B, H, S, D), key/value (B, H_kv, S, D) after
     RoPE → ((B, S, H, D), None). The model's own mask is not built for this implementation;
     the core builds causal / sliding / prefix masks itself."""
@@ -272,8 +316,9 @@ def _hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     if core is None:
         raise RuntimeError(f"attention implementation {_HF_ATTN!r} used outside a CAMELoT run")
     if softcap is not None:
-        raise NotImplementedError("attention logit soft-capping is not supported by the "
-                                  "CAMELoT hookup")
+        raise NotImplementedError(
+            "attention logit soft-capping is not supported by the CAMELoT hookup"
+        )
     return core(query, key, value, scaling=scaling, sliding_window=sliding_window), None
 
 
@@ -286,13 +331,22 @@ class _HFCore:
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, scaling, sliding_window) -> Tensor:
         got = self.backend.rope.pop(self.layer, None)
         if got is None:
-            raise RuntimeError(f"layer {self.layer}: attention ran without its self_attn pre-hook "
-                               "(an attention module outside model.layers is not supported)")
+            raise RuntimeError(
+                f"layer {self.layer}: attention ran without its self_attn pre-hook "
+                "(an attention module outside model.layers is not supported)"
+            )
         cos, sin, rotary = got  # cos / sin (B, S, D) at the window's positions
         k_free = unapply_rope(k, cos[:, None], sin[:, None])  # (B, H_kv, S, D) fp32
-        out = self.run.attend(self.layer, q, k, v, k_free,
-                              lambda p: self.backend.prefix_tables(rotary, p, q),
-                              scale=scaling, sliding_window=sliding_window)
+        out = self.run.attend(
+            self.layer,
+            q,
+            k,
+            v,
+            k_free,
+            lambda p: self.backend.prefix_tables(rotary, p, q),
+            scale=scaling,
+            sliding_window=sliding_window,
+        )
         return out.transpose(1, 2)  # (B, S, H, D)
 
 
@@ -307,14 +361,18 @@ class _RopeTap:
         if pe is None and len(args) > 1:
             pe = args[1]
         if pe is None:
-            raise RuntimeError(f"layer {self.layer}: self_attn got no position_embeddings "
-                               "(only RoPE decoders in the Llama / Qwen2 / Gemma style are "
-                               "supported)")
+            raise RuntimeError(
+                f"layer {self.layer}: self_attn got no position_embeddings "
+                "(only RoPE decoders in the Llama / Qwen2 / Gemma style are "
+                "supported)"
+            )
         cos, sin = pe
         made = self.backend.rotary_of.get(id(cos))
         if made is None or made[0] is not cos:
-            raise RuntimeError(f"layer {self.layer}: cannot tell which rotary module made its RoPE "
-                               "tables (expected a *RotaryEmbedding module)")
+            raise RuntimeError(
+                f"layer {self.layer}: cannot tell which rotary module made its RoPE "
+                "tables (expected a *RotaryEmbedding module)"
+            )
         self.backend.rope[self.layer] = (cos, sin, made[1])
 
 
@@ -335,14 +393,17 @@ class _HFBackend:
         a = anchor_shape_from_hf(hf.config)
         text = decoder_config(hf.config)
         if getattr(text, "attn_logit_softcapping", None) is not None:
-            raise NotImplementedError(f"{type(hf).__name__}: attention logit soft-capping is not "
-                                      "supported by the CAMELoT hookup")
+            raise NotImplementedError(
+                f"{type(hf).__name__}: attention logit soft-capping is not "
+                "supported by the CAMELoT hookup"
+            )
         self.n_layers, self.kv_heads, self.head_dim = a.n_layers, a.kv_heads, a.head_dim
         self.max_positions = int(text.max_position_embeddings)
         self.layers = decoder_layers(hf)
         if len(self.layers) != self.n_layers:
-            raise ValueError(f"config says n_layers={self.n_layers}, "
-                             f"the model has {len(self.layers)}")
+            raise ValueError(
+                f"config says n_layers={self.n_layers}, the model has {len(self.layers)}"
+            )
         self.rope: dict[int, tuple[Tensor, Tensor, nn.Module]] = {}
         self.rotary_of: dict[int, tuple[Tensor, nn.Module]] = {}
         self._tables: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
@@ -357,8 +418,11 @@ class _HFBackend:
 
     @contextlib.contextmanager
     def installed(self, run: _Run) -> Iterator[None]:
-        configs = {id(m.config): m.config for m in self.model.modules()
-                   if hasattr(getattr(m, "config", None), "_attn_implementation_internal")}
+        configs = {
+            id(m.config): m.config
+            for m in self.model.modules()
+            if hasattr(getattr(m, "config", None), "_attn_implementation_internal")
+        }
         before = {k: c._attn_implementation_internal for k, c in configs.items()}
         handles: list[Any] = []
         attns = [layer.self_attn for layer in self.layers]
@@ -403,8 +467,9 @@ def _backend(model: nn.Module) -> _AnchorBackend | _HFBackend:
     inner = getattr(model, "model", None)  # MemtreeLM
     if isinstance(inner, nn.Module):
         return _backend(inner)
-    raise TypeError(f"{type(model).__name__} is neither memtree's AnchorLM nor a Hugging Face "
-                    "causal LM")
+    raise TypeError(
+        f"{type(model).__name__} is neither memtree's AnchorLM nor a Hugging Face causal LM"
+    )
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -412,17 +477,27 @@ def _device(model: nn.Module) -> torch.device:
 
 
 # -- public API ---------------------------------------------------------------------------------
-def new_memory(model: nn.Module, method: Method, cfg: CamelotConfig | None = None, *,
-               device: torch.device | str | None = None) -> CamelotMemory | None:
+def new_memory(
+    model: nn.Module,
+    method: Method,
+    cfg: CamelotConfig | None = None,
+    *,
+    device: torch.device | str | None = None,
+) -> CamelotMemory | None:
     """An empty memory of `method`'s kind sized for `model` (None for "base")."""
     if method not in METHODS:
         raise ValueError(f"method {method!r} is not one of {list(METHODS)}")
     if method == "base":
         return None
     b = _backend(model)
-    return CamelotMemory(cfg or CamelotConfig(), kind=_KIND[method], n_layers=b.n_layers,
-                         kv_heads=b.kv_heads, head_dim=b.head_dim,
-                         device=device if device is not None else _device(b.model))
+    return CamelotMemory(
+        cfg or CamelotConfig(),
+        kind=_KIND[method],
+        n_layers=b.n_layers,
+        kv_heads=b.kv_heads,
+        head_dim=b.head_dim,
+        device=device if device is not None else _device(b.model),
+    )
 
 
 @contextlib.contextmanager
@@ -455,15 +530,26 @@ def _check_window(window: int, methods: Sequence[str], limit: int, sink: int = 0
     copies = 1 if list(methods) == ["base"] else 2  # the window, and for a memory its prefix of L
     need = copies * window + sink
     if need > limit:
-        what = ("window" if copies == 1 else "2·window (memory prefix + window)") + (" + sink" if sink else "")
-        raise ValueError(f"window={window}: {what} = {need} positions exceeds the model's context of {limit}; "
-                         f"use window ≤ {(limit - sink) // copies}")
+        what = ("window" if copies == 1 else "2·window (memory prefix + window)") + (
+            " + sink" if sink else ""
+        )
+        raise ValueError(
+            f"window={window}: {what} = {need} positions exceeds the model's context of {limit}; "
+            f"use window ≤ {(limit - sink) // copies}"
+        )
 
 
-def longdoc_token_nll(model: nn.Module, tokens: Tensor | Sequence[int], *,
-                      method: Method = "camelot", window: int = 128,
-                      cfg: CamelotConfig | None = None, memory: CamelotMemory | None = None,
-                      visibility: Visibility = "causal", sink: int = 0) -> Tensor:
+def longdoc_token_nll(
+    model: nn.Module,
+    tokens: Tensor | Sequence[int],
+    *,
+    method: Method = "camelot",
+    window: int = 128,
+    cfg: CamelotConfig | None = None,
+    memory: CamelotMemory | None = None,
+    visibility: Visibility = "causal",
+    sink: int = 0,
+) -> Tensor:
     """Per-token NLL (N − 1,) fp32 of a document of N tokens, window by window (module docstring).
 
     memory: continue from this memory (it is updated in place); None: a fresh one from `cfg`.
@@ -495,21 +581,36 @@ def longdoc_token_nll(model: nn.Module, tokens: Tensor | Sequence[int], *,
     install = contextlib.nullcontext() if method == "base" and not sink else b.installed(run)
     with _frozen(b.model), install:
         for start in range(0, n - 1, window):
-            x, y = ids[start:start + window], ids[start + 1:start + window + 1]
+            x, y = ids[start : start + window], ids[start + 1 : start + window + 1]
             run.start_window(len(x))
             logits = b.logits(x[None], run)  # (1, S, V)
-            losses.append(F.cross_entropy(logits[0, :len(y)].float(), y, reduction="none"))
+            losses.append(F.cross_entropy(logits[0, : len(y)].float(), y, reduction="none"))
             run.end_window()
     return torch.cat(losses)
 
 
-def longdoc_nll(model: nn.Module, tokens: Tensor | Sequence[int], *, method: Method = "camelot",
-                window: int = 128, cfg: CamelotConfig | None = None,
-                memory: CamelotMemory | None = None,
-                visibility: Visibility = "causal", sink: int = 0) -> tuple[float, int]:
+def longdoc_nll(
+    model: nn.Module,
+    tokens: Tensor | Sequence[int],
+    *,
+    method: Method = "camelot",
+    window: int = 128,
+    cfg: CamelotConfig | None = None,
+    memory: CamelotMemory | None = None,
+    visibility: Visibility = "causal",
+    sink: int = 0,
+) -> tuple[float, int]:
     """(summed NLL in nats, tokens scored) of one document; perplexity = exp(sum / n)."""
-    nll = longdoc_token_nll(model, tokens, method=method, window=window, cfg=cfg, memory=memory,
-                            visibility=visibility, sink=sink)
+    nll = longdoc_token_nll(
+        model,
+        tokens,
+        method=method,
+        window=window,
+        cfg=cfg,
+        memory=memory,
+        visibility=visibility,
+        sink=sink,
+    )
     return float(nll.double().sum()), int(nll.numel())
 
 
@@ -525,9 +626,16 @@ class CorpusNLL:
         return math.exp(self.sum_nll / self.n_tokens) if self.n_tokens else float("nan")
 
 
-def corpus_nll(model: nn.Module, docs: Iterable[Tensor | Sequence[int]], *,
-               method: Method = "camelot", window: int = 128, cfg: CamelotConfig | None = None,
-               visibility: Visibility = "causal", sink: int = 0) -> CorpusNLL:
+def corpus_nll(
+    model: nn.Module,
+    docs: Iterable[Tensor | Sequence[int]],
+    *,
+    method: Method = "camelot",
+    window: int = 128,
+    cfg: CamelotConfig | None = None,
+    visibility: Visibility = "causal",
+    sink: int = 0,
+) -> CorpusNLL:
     """Sum of `longdoc_nll` over documents, each with a fresh memory; empty documents (fewer
     than 2 tokens) are skipped and counted."""
     total, n_tok, n_docs, skipped = 0.0, 0, 0, 0
@@ -535,7 +643,8 @@ def corpus_nll(model: nn.Module, docs: Iterable[Tensor | Sequence[int]], *,
         if len(doc) < 2:
             skipped += 1
             continue
-        s, n = longdoc_nll(model, doc, method=method, window=window, cfg=cfg, visibility=visibility,
-                           sink=sink)
+        s, n = longdoc_nll(
+            model, doc, method=method, window=window, cfg=cfg, visibility=visibility, sink=sink
+        )
         total, n_tok, n_docs = total + s, n_tok + n, n_docs + 1
     return CorpusNLL(sum_nll=total, n_tokens=n_tok, n_docs=n_docs, skipped_empty=skipped)

@@ -1,4 +1,5 @@
-"""The context bank's compressor and reader (seed 004 §9.2–§9.3): the model side of the runtime memory.
+"""The context bank's compressor and reader (seed 004 §9.2–§9.3): the model side of the runtime
+memory.
 
 The store itself is `memstore.context.bank` (capacity, merging, clustering, persistence). This
 module turns a prompt into entries for it, and lets a frozen anchor read what it retrieves.
@@ -78,10 +79,11 @@ class ContextVAEConfig:
     """chunk_tokens: most tokens per entry; ratio: tokens per latent token (n_latent =
     ceil(chunk_tokens / ratio)); first: the first-layer states, "embedding" (the embedding
     layer's output) or "block" (block 0's output); latent_dim: d of a latent token (0: 2·d_model,
-    the width of what it compresses); hidden: encoder / decoder width (0: 2·d_model); reader_layers: where the reader reads: i in 0..n_layers-1
-    after block i, n_layers after the final norm (just before the output head); negative
-    indices count back from n_layers (-1: the head; default); reader_heads: its heads; distractors: other chunks of the batch each training
-    question reads beside its own (-1: all of them); *_weight: the loss weights (module docstring)."""
+    the width of what it compresses); hidden: encoder / decoder width (0: 2·d_model); reader_layers:
+    where the reader reads: i in 0..n_layers-1 after block i, n_layers after the final norm (just
+    before the output head); negative indices count back from n_layers (-1: the head; default);
+    reader_heads: its heads; distractors: other chunks of the batch each training question reads
+    beside its own (-1: all of them); *_weight: the loss weights (module docstring)."""
 
     chunk_tokens: int = 128
     ratio: int = 8
@@ -103,17 +105,30 @@ class ContextVAEConfig:
             if not is_int(v) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.ratio > self.chunk_tokens:
-            raise ValueError(f"ratio={self.ratio} exceeds chunk_tokens={self.chunk_tokens} "
-                             "(an entry needs at least one latent token)")
+            raise ValueError(
+                f"ratio={self.ratio} exceeds chunk_tokens={self.chunk_tokens} "
+                "(an entry needs at least one latent token)"
+            )
         for name in ("latent_dim", "hidden"):
             v = getattr(self, name)
             if not is_int(v) or v < 0:
-                raise ValueError(f"{name} must be an integer >= 0 (0: twice the anchor's d_model), got {v!r}")
+                raise ValueError(
+                    f"{name} must be an integer >= 0 (0: twice the anchor's d_model), got {v!r}"
+                )
         if self.first not in ("embedding", "block"):
             raise ValueError(f"first must be 'embedding' or 'block', got {self.first!r}")
         if not is_int(self.distractors) or self.distractors < -1:
-            raise ValueError(f"distractors must be an integer >= -1 (-1: the whole batch), got {self.distractors!r}")
-        for name in ("recon_weight", "kl_weight", "recall_weight", "retrieval_weight", "align_weight"):
+            raise ValueError(
+                "distractors must be an integer >= -1 (-1: the whole batch), got "
+                f"{self.distractors!r}"
+            )
+        for name in (
+            "recon_weight",
+            "kl_weight",
+            "recall_weight",
+            "retrieval_weight",
+            "align_weight",
+        ):
             v = getattr(self, name)
             if not is_number(v) or not 0 <= v < float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
@@ -129,20 +144,27 @@ class ContextVAEConfig:
 
 
 def _check_against(cfg: ContextVAEConfig, d_model: int, n_layers: int, max_seq_len: int) -> None:
-    """A config that does not fit the anchor: a ConfigError naming the field and the model's value."""
+    """A config that does not fit the anchor: a ConfigError naming the field and the model's
+    value."""
     bad = [i for i in cfg.reader_layers if not -n_layers - 1 <= i <= n_layers]
     if bad:
-        raise ConfigError(f"reader_layers {list(bad)} out of range: the anchor has n_layers={n_layers} "
-                          f"(0..{n_layers - 1}: after a block, {n_layers} or -1: after the final norm)")
+        raise ConfigError(
+            f"reader_layers {list(bad)} out of range: the anchor has n_layers={n_layers} "
+            f"(0..{n_layers - 1}: after a block, {n_layers} or -1: after the final norm)"
+        )
     if not cfg.reader_layers:
         raise ConfigError("reader_layers is empty: the reader must read somewhere")
     latent = cfg.latent_dim or 2 * d_model
     if d_model % cfg.reader_heads:
-        raise ConfigError(f"reader_heads={cfg.reader_heads} does not divide the anchor's d_model={d_model}")
+        raise ConfigError(
+            f"reader_heads={cfg.reader_heads} does not divide the anchor's d_model={d_model}"
+        )
     if latent <= 0:
         raise ConfigError(f"latent_dim={latent} must be positive")
     if cfg.chunk_tokens > max_seq_len:
-        raise ConfigError(f"chunk_tokens={cfg.chunk_tokens} exceeds the anchor's max_seq_len={max_seq_len}")
+        raise ConfigError(
+            f"chunk_tokens={cfg.chunk_tokens} exceeds the anchor's max_seq_len={max_seq_len}"
+        )
 
 
 def segments(lengths: Tensor, seq_len: int, n_latent: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -186,7 +208,9 @@ class ContextCompressor(nn.Module):
         self.mu = nn.Linear(h, self.latent_dim)
         self.logvar = nn.Linear(h, self.latent_dim)
         nn.init.zeros_(self.logvar.weight)
-        nn.init.constant_(self.logvar.bias, -4.0)  # start near-deterministic; KL widens it as it can
+        nn.init.constant_(
+            self.logvar.bias, -4.0
+        )  # start near-deterministic; KL widens it as it can
         self.dec_z = nn.Linear(self.latent_dim, h)
         self.dec_off = nn.Embedding(cfg.max_offset, h)
         self.dec = nn.Sequential(_ResMLP(h), nn.LayerNorm(h), nn.Linear(h, 2 * d_model))
@@ -217,7 +241,9 @@ class ContextCompressor(nn.Module):
         e = torch.exp(a) * mask  # (B, S)
         onehot = F.one_hot(seg, n).to(x.dtype) * mask[..., None]  # (B, S, n)
         denom = torch.einsum("bsn,bs->bn", onehot, e)  # (B, n)
-        pooled = torch.einsum("bsn,bs,bsh->bnh", onehot, e, x) / denom.clamp(min=1e-20)[..., None]  # (B, n, H)
+        pooled = (
+            torch.einsum("bsn,bs,bsh->bnh", onehot, e, x) / denom.clamp(min=1e-20)[..., None]
+        )  # (B, n, H)
         pooled = self.enc(pooled + self.seg_emb.weight[None])  # empty segments: embedding only
         return self.mu(pooled), self.logvar(pooled).clamp(-12.0, 6.0)
 
@@ -260,7 +286,9 @@ class ReaderLayer(nn.Module):
         """x (B, S, d), mem (B, M, e), mem_mask (B, M) bool → (out (B, S, d), weights (B, M):
         the softmax weight each latent token got, mean over heads and queries)."""
         B, S, _ = x.shape
-        q = self.q(self.norm_x(x)).view(B, S, self.heads, self.head_dim).transpose(1, 2)  # (B, H, S, D)
+        q = (
+            self.q(self.norm_x(x)).view(B, S, self.heads, self.head_dim).transpose(1, 2)
+        )  # (B, H, S, D)
         m = self.norm_m(mem.to(x.dtype))
         k = self.k(m).view(B, -1, self.heads, self.head_dim).transpose(1, 2)  # (B, H, M, D)
         v = self.v(m).view(B, -1, self.heads, self.head_dim).transpose(1, 2)
@@ -280,14 +308,17 @@ class ContextReader(nn.Module):
         super().__init__()
         self.layer_ids = tuple(sorted({i % (n_layers + 1) for i in cfg.reader_layers}))
         latent = cfg.latent_dim or 2 * d_model
-        self.layers = nn.ModuleDict({str(i): ReaderLayer(d_model, latent, cfg.reader_heads)
-                                     for i in self.layer_ids})
+        self.layers = nn.ModuleDict(
+            {str(i): ReaderLayer(d_model, latent, cfg.reader_heads) for i in self.layer_ids}
+        )
 
 
 class ContextVAE(nn.Module):
     """Compressor + reader, built for one anchor shape."""
 
-    def __init__(self, cfg: ContextVAEConfig, *, d_model: int, n_layers: int, max_seq_len: int) -> None:
+    def __init__(
+        self, cfg: ContextVAEConfig, *, d_model: int, n_layers: int, max_seq_len: int
+    ) -> None:
         super().__init__()
         _check_against(cfg, d_model, n_layers, max_seq_len)
         self.cfg = cfg
@@ -301,10 +332,13 @@ class ContextVAE(nn.Module):
 
 # -- the frozen anchor ---------------------------------------------------------------------------
 
+
 def anchor_dims(model: nn.Module) -> tuple[int, int, int]:
     """(d_model, n_layers, max_seq_len) of a memtree AnchorLM."""
     if not isinstance(model, AnchorLM):
-        raise TypeError(f"the context bank reads through memtree's AnchorLM, got {type(model).__name__}")
+        raise TypeError(
+            f"the context bank reads through memtree's AnchorLM, got {type(model).__name__}"
+        )
     return model.config.anchor.d_model, model.config.anchor.n_layers, model.config.max_seq_len
 
 
@@ -317,11 +351,20 @@ def hidden_pair(model: nn.Module, ids: Tensor, first: str = "embedding") -> Tens
         raise ValueError(f"first must be 'embedding' or 'block', got {first!r}")
     got: dict[str, Tensor] = {}
     src = model.embed if first == "embedding" else model.blocks[0]
-    with attached([(src, lambda m, a, o: got.__setitem__("first", o)),
-                   (model.norm, lambda m, a, o: got.__setitem__("last", o))]), torch.no_grad():
+    with (
+        attached(
+            [
+                (src, lambda m, a, o: got.__setitem__("first", o)),
+                (model.norm, lambda m, a, o: got.__setitem__("last", o)),
+            ]
+        ),
+        torch.no_grad(),
+    ):
         model(ids)
     d = got["first"].shape[-1]
-    return torch.cat([F.layer_norm(got["first"].float(), (d,)), F.layer_norm(got["last"].float(), (d,))], -1)
+    return torch.cat(
+        [F.layer_norm(got["first"].float(), (d,)), F.layer_norm(got["last"].float(), (d,))], -1
+    )
 
 
 @dataclass
@@ -345,16 +388,22 @@ def reading(model: nn.Module, vae: ContextVAE, mem: Tensor, mask: Tensor) -> Ite
             y, w = layer(out, state.mem, state.mask)
             state.weights = w if state.weights is None else state.weights + w
             return out + y
+
         return fn
 
     n = len(model.blocks)
-    with attached([(model.norm if i == n else model.blocks[i], hook(vae.reader.layers[str(i)]))
-                   for i in vae.reader.layer_ids]):
+    with attached(
+        [
+            (model.norm if i == n else model.blocks[i], hook(vae.reader.layers[str(i)]))
+            for i in vae.reader.layer_ids
+        ]
+    ):
         yield state
 
 
 def chunk_ids(ids: Sequence[int], chunk_tokens: int) -> list[list[int]]:
-    """A prompt's token ids cut into consecutive chunks of at most chunk_tokens (one bank entry each)."""
+    """A prompt's token ids cut into consecutive chunks of at most chunk_tokens (one bank entry
+    each)."""
     ids = list(ids)
     return [ids[i : i + chunk_tokens] for i in range(0, len(ids), chunk_tokens)] or [[]]
 
@@ -369,8 +418,14 @@ def pad(seqs: Sequence[Sequence[int]], value: int) -> tuple[Tensor, Tensor]:
 
 
 @torch.no_grad()
-def compress(model: nn.Module, vae: ContextVAE, seqs: Sequence[Sequence[int]], *, pad_id: int,
-             batch_size: int = 64) -> Tensor:
+def compress(
+    model: nn.Module,
+    vae: ContextVAE,
+    seqs: Sequence[Sequence[int]],
+    *,
+    pad_id: int,
+    batch_size: int = 64,
+) -> Tensor:
     """Chunks (each ≤ chunk_tokens ids, ≥ 1) → their latents μ (N, n_latent, latent_dim)."""
     out = []
     for s in range(0, len(seqs), batch_size):
@@ -383,7 +438,9 @@ def compress(model: nn.Module, vae: ContextVAE, seqs: Sequence[Sequence[int]], *
     return torch.cat(out) if out else torch.zeros(0, vae.cfg.n_latent, vae.latent_dim)
 
 
-def query_vector(model: nn.Module, vae: ContextVAE, seqs: Sequence[Sequence[int]], *, pad_id: int) -> Tensor:
+def query_vector(
+    model: nn.Module, vae: ContextVAE, seqs: Sequence[Sequence[int]], *, pad_id: int
+) -> Tensor:
     """Texts (token ids) → their query vectors (N, latent_dim): the mean of their latents' μ,
     the same space the bank's centroids live in (the mean latent of each entry)."""
     return compress(model, vae, [s[: vae.cfg.chunk_tokens] for s in seqs], pad_id=pad_id).mean(1)
@@ -391,24 +448,39 @@ def query_vector(model: nn.Module, vae: ContextVAE, seqs: Sequence[Sequence[int]
 
 # -- the artefact on disk ------------------------------------------------------------------------
 
+
 def anchor_fingerprint(model: nn.Module, anchor_folder: str | Path) -> dict[str, Any]:
     """What a compressor was trained against: the anchor run, its weights' sha256 and shape."""
     d, n_layers, _ = anchor_dims(model)
-    return {"folder": str(anchor_folder), "sha256": sha256_file(Path(anchor_folder) / "anchor.safetensors"),
-            "shape": {"d_model": d, "n_layers": n_layers, "vocab_size": model.config.anchor.vocab_size}}
+    return {
+        "folder": str(anchor_folder),
+        "sha256": sha256_file(Path(anchor_folder) / "anchor.safetensors"),
+        "shape": {"d_model": d, "n_layers": n_layers, "vocab_size": model.config.anchor.vocab_size},
+    }
 
 
-def save_vae(folder: str | Path, vae: ContextVAE, *, anchor: dict[str, Any], metrics: dict[str, Any]) -> Path:
+def save_vae(
+    folder: str | Path, vae: ContextVAE, *, anchor: dict[str, Any], metrics: dict[str, Any]
+) -> Path:
     """Write weights + manifest (format memtree-context-vae v1) atomically; returns the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     with atomic_path(folder / WEIGHTS_FILE) as tmp:
         save_file({k: v.detach().cpu().contiguous() for k, v in vae.state_dict().items()}, str(tmp))
-    atomic_write_json(folder / MANIFEST_FILE, {
-        "format": FORMAT, "version": VERSION, "config": to_dict(vae.cfg), "latent_dim": vae.latent_dim,
-        "n_latent": vae.cfg.n_latent, "reader_layers": list(vae.reader.layer_ids), "anchor": anchor,
-        "weights": {"file": WEIGHTS_FILE, "sha256": sha256_file(folder / WEIGHTS_FILE)}, "metrics": metrics,
-    })
+    atomic_write_json(
+        folder / MANIFEST_FILE,
+        {
+            "format": FORMAT,
+            "version": VERSION,
+            "config": to_dict(vae.cfg),
+            "latent_dim": vae.latent_dim,
+            "n_latent": vae.cfg.n_latent,
+            "reader_layers": list(vae.reader.layer_ids),
+            "anchor": anchor,
+            "weights": {"file": WEIGHTS_FILE, "sha256": sha256_file(folder / WEIGHTS_FILE)},
+            "metrics": metrics,
+        },
+    )
     return folder
 
 
@@ -418,7 +490,9 @@ def writer_id(folder: str | Path) -> str:
     return f"{FORMAT}:{man['weights']['sha256'][:16]}"
 
 
-def load_vae(folder: str | Path, model: nn.Module, *, anchor_folder: str | Path | None = None) -> ContextVAE:
+def load_vae(
+    folder: str | Path, model: nn.Module, *, anchor_folder: str | Path | None = None
+) -> ContextVAE:
     """Load a trained compressor + reader for `model`. A manifest of another format / version, or a
     compressor trained for another anchor (shape, or weights when `anchor_folder` is given): a
     ValueError naming the field."""
@@ -427,18 +501,28 @@ def load_vae(folder: str | Path, model: nn.Module, *, anchor_folder: str | Path 
     check_format(man, FORMAT, VERSION, folder)
     d, n_layers, max_len = anchor_dims(model)
     shape = man["anchor"].get("shape") or {}
-    for name, have in (("d_model", d), ("n_layers", n_layers), ("vocab_size", model.config.anchor.vocab_size)):
+    for name, have in (
+        ("d_model", d),
+        ("n_layers", n_layers),
+        ("vocab_size", model.config.anchor.vocab_size),
+    ):
         if name in shape and shape[name] != have:
-            raise ValueError(f"{folder}: compressor was trained for an anchor with {name}={shape[name]}, "
-                             f"this anchor has {name}={have}")
+            raise ValueError(
+                f"{folder}: compressor was trained for an anchor with {name}={shape[name]}, "
+                f"this anchor has {name}={have}"
+            )
     if anchor_folder is not None:
         want = man["anchor"].get("sha256")
         have_sha = sha256_file(Path(anchor_folder) / "anchor.safetensors")
         if want and want != have_sha:
-            raise ValueError(f"{folder}: compressor was trained against anchor weights sha256={want[:16]}…, "
-                             f"{anchor_folder} has sha256={have_sha[:16]}…")
+            raise ValueError(
+                f"{folder}: compressor was trained against anchor weights sha256={want[:16]}…, "
+                f"{anchor_folder} has sha256={have_sha[:16]}…"
+            )
     if sha256_file(folder / man["weights"]["file"]) != man["weights"]["sha256"]:
-        raise ValueError(f"{folder}: {man['weights']['file']} does not match its sha256 (corrupt or truncated)")
+        raise ValueError(
+            f"{folder}: {man['weights']['file']} does not match its sha256 (corrupt or truncated)"
+        )
     cfg = from_dict(ContextVAEConfig, man["config"], where="config")
     vae = ContextVAE(cfg, d_model=d, n_layers=n_layers, max_seq_len=max_len)
     vae.load_state_dict(load_file(str(folder / man["weights"]["file"])))

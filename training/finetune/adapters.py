@@ -62,23 +62,51 @@ class AdapterSpec:
 
     def __post_init__(self) -> None:
         checks = (
-            ("layers", isinstance(self.layers, str) and self.layers.strip() != "",
-             "all, every:N, first:K, last:K or a comma list of block indices"),
+            (
+                "layers",
+                isinstance(self.layers, str) and self.layers.strip() != "",
+                "all, every:N, first:K, last:K or a comma list of block indices",
+            ),
             ("variation", self.variation in (1, 2), "1 or 2"),
             ("n_chapters", is_int(self.n_chapters) and self.n_chapters > 1, "an integer > 1"),
-            ("tokens_per_chapter", is_int(self.tokens_per_chapter) and self.tokens_per_chapter > 0, "positive"),
-            ("n_shared", is_int(self.n_shared) and 0 <= self.n_shared < self.n_chapters, "in [0, n_chapters)"),
-            ("top_k", is_int(self.top_k) and 0 < self.top_k <= self.n_chapters - self.n_shared,
-             f"in [1, n_chapters - n_shared = {self.n_chapters - self.n_shared}]"),
+            (
+                "tokens_per_chapter",
+                is_int(self.tokens_per_chapter) and self.tokens_per_chapter > 0,
+                "positive",
+            ),
+            (
+                "n_shared",
+                is_int(self.n_shared) and 0 <= self.n_shared < self.n_chapters,
+                "in [0, n_chapters)",
+            ),
+            (
+                "top_k",
+                is_int(self.top_k) and 0 < self.top_k <= self.n_chapters - self.n_shared,
+                f"in [1, n_chapters - n_shared = {self.n_chapters - self.n_shared}]",
+            ),
             ("n_heads", is_int(self.n_heads) and self.n_heads >= 0, ">= 0 (0: the model's)"),
             ("n_kv_heads", is_int(self.n_kv_heads) and self.n_kv_heads >= 0, ">= 0 (0: n_heads)"),
-            ("low_rank", self.low_rank in ("none", "factorized", "reduced"), "none, factorized or reduced"),
-            ("rank", is_int(self.rank) and (self.rank > 0) == (self.low_rank != "none"),
-             "> 0 with low_rank factorized / reduced, 0 without"),
+            (
+                "low_rank",
+                self.low_rank in ("none", "factorized", "reduced"),
+                "none, factorized or reduced",
+            ),
+            (
+                "rank",
+                is_int(self.rank) and (self.rank > 0) == (self.low_rank != "none"),
+                "> 0 with low_rank factorized / reduced, 0 without",
+            ),
             ("bank_dtype", self.bank_dtype in BANK_DTYPES, f"one of {tuple(BANK_DTYPES)}"),
-            ("bank_lr_factor", isinstance(self.bank_lr_factor, int | float) and self.bank_lr_factor >= 0,
-             ">= 0 (0 freezes the bank)"),
-            ("routed_scaling", isinstance(self.routed_scaling, int | float) and self.routed_scaling > 0, "positive"),
+            (
+                "bank_lr_factor",
+                isinstance(self.bank_lr_factor, int | float) and self.bank_lr_factor >= 0,
+                ">= 0 (0 freezes the bank)",
+            ),
+            (
+                "routed_scaling",
+                isinstance(self.routed_scaling, int | float) and self.routed_scaling > 0,
+                "positive",
+            ),
             ("init_std", isinstance(self.init_std, int | float) and self.init_std > 0, "positive"),
         )
         for name, ok, want in checks:
@@ -103,12 +131,16 @@ class AdapterSpec:
         try:
             ids = tuple(int(x) for x in sel.split(","))
         except ValueError:
-            raise ConfigError(f"adapter.layers={sel!r}: must be all, every:N, first:K, last:K or a comma "
-                              "list of block indices") from None
+            raise ConfigError(
+                f"adapter.layers={sel!r}: must be all, every:N, first:K, last:K or a comma "
+                "list of block indices"
+            ) from None
         bad = [i for i in ids if not 0 <= i < n_layers]
         if bad:
-            raise ConfigError(f"adapter.layers={sel!r}: block(s) {bad} out of range; the model has "
-                              f"{n_layers} layers (0..{n_layers - 1})")
+            raise ConfigError(
+                f"adapter.layers={sel!r}: block(s) {bad} out of range; the model has "
+                f"{n_layers} layers (0..{n_layers - 1})"
+            )
         if len(set(ids)) != len(ids):
             raise ConfigError(f"adapter.layers={sel!r}: a block is listed twice")
         return tuple(sorted(ids))
@@ -120,23 +152,45 @@ class AdapterSpec:
         heads = self.n_heads or n_heads
         kv = self.n_kv_heads or heads
         if self.rank > d_model:
-            raise ConfigError(f"adapter.rank={self.rank} is larger than the model's d_model={d_model}")
+            raise ConfigError(
+                f"adapter.rank={self.rank} is larger than the model's d_model={d_model}"
+            )
         width = self.rank if self.low_rank == "reduced" else d_model
-        what = f"adapter.rank={self.rank}" if self.low_rank == "reduced" else f"the model's d_model={d_model}"
+        what = (
+            f"adapter.rank={self.rank}"
+            if self.low_rank == "reduced"
+            else f"the model's d_model={d_model}"
+        )
         if width % heads:
-            src = f"adapter.n_heads={self.n_heads}" if self.n_heads else f"the model's {n_heads} attention heads"
+            src = (
+                f"adapter.n_heads={self.n_heads}"
+                if self.n_heads
+                else f"the model's {n_heads} attention heads"
+            )
             raise ConfigError(f"{src} does not divide the memory attention width ({what})")
         if heads % kv:
             raise ConfigError(f"adapter.n_kv_heads={kv} does not divide the {heads} memory heads")
-        return MoCConfig(n_chapters=self.n_chapters, tokens_per_chapter=self.tokens_per_chapter, top_k=self.top_k,
-                         layers=layers, n_shared=self.n_shared, shared_bank=self.shared_bank,
-                         variation=self.variation, n_heads=heads, n_kv_heads=kv,
-                         routed_scaling=float(self.routed_scaling), init_std=float(self.init_std),
-                         zero_init_out=True, low_rank=self.low_rank, rank=self.rank or None,
-                         bank_dtype=self.bank_dtype)
+        return MoCConfig(
+            n_chapters=self.n_chapters,
+            tokens_per_chapter=self.tokens_per_chapter,
+            top_k=self.top_k,
+            layers=layers,
+            n_shared=self.n_shared,
+            shared_bank=self.shared_bank,
+            variation=self.variation,
+            n_heads=heads,
+            n_kv_heads=kv,
+            routed_scaling=float(self.routed_scaling),
+            init_std=float(self.init_std),
+            zero_init_out=True,
+            low_rank=self.low_rank,
+            rank=self.rank or None,
+            bank_dtype=self.bank_dtype,
+        )
 
 
-# -- memtree's own anchor -----------------------------------------------------------------------------
+# -- memtree's own anchor --------------------------------------------------------------------------
+
 
 def attach_to_anchor(model: nn.Module, spec: AdapterSpec, *, seed: int = 0) -> MoCConfig:
     """Insert memory adapters into an `AnchorLM` in place; returns their MoC configuration.
@@ -147,8 +201,10 @@ def attach_to_anchor(model: nn.Module, spec: AdapterSpec, *, seed: int = 0) -> M
     layers or product-key memories is refused (its memory is not an adapter's to replace)."""
     cfg = model.config
     if cfg.moc is not None or cfg.pkm is not None:
-        raise ValueError("the model already has a memory layer (moc / pkm); memory adapters go on a model "
-                         "without one (a MoC run's own memory is fine-tuned with method mem_adapter as it is)")
+        raise ValueError(
+            "the model already has a memory layer (moc / pkm); memory adapters go on a model "
+            "without one (a MoC run's own memory is fine-tuned with method mem_adapter as it is)"
+        )
     a = cfg.anchor
     moc = spec.moc_config(n_layers=a.n_layers, d_model=a.d_model, n_heads=a.n_heads)
     ref = next(model.parameters())
@@ -157,14 +213,21 @@ def attach_to_anchor(model: nn.Module, spec: AdapterSpec, *, seed: int = 0) -> M
         torch.manual_seed(seed)
         for i in moc.layers:
             block = model.blocks[i]
-            block.moc = MoCLayer(moc, d_model=a.d_model, n_layers=a.n_layers, anchor_heads=a.n_heads,
-                                 norm_eps=cfg.norm_eps).to(ref.device, ref.dtype)
+            block.moc = MoCLayer(
+                moc,
+                d_model=a.d_model,
+                n_layers=a.n_layers,
+                anchor_heads=a.n_heads,
+                norm_eps=cfg.norm_eps,
+            ).to(ref.device, ref.dtype)
             block.moc_variation = moc.variation
             if moc.variation == 2:
                 block.moc_ffn_norm = gain_norm(a.d_model, cfg.norm_eps).to(ref.device, ref.dtype)
                 block.moc_ffn = FeedForward(new_cfg).to(ref.device, ref.dtype)
                 for lin in (block.moc_ffn.w1, block.moc_ffn.w2):
-                    nn.init.trunc_normal_(lin.weight, std=spec.init_std, a=-2 * spec.init_std, b=2 * spec.init_std)
+                    nn.init.trunc_normal_(
+                        lin.weight, std=spec.init_std, a=-2 * spec.init_std, b=2 * spec.init_std
+                    )
                 nn.init.zeros_(block.moc_ffn.w3.weight)  # the second MLP adds nothing until trained
         model.moc_banks = build_banks(moc, a.d_model).to(ref.device, ref.dtype)
     model._adapter_base_config = cfg
@@ -198,9 +261,14 @@ def adapter_groups(model: nn.Module, spec: AdapterSpec) -> dict[str, list[nn.Par
     banks, layers = model.moc_parameters()
     if not banks:
         raise ValueError("the model has no memory adapters (attach_to_anchor first)")
-    kv_ids = {id(p) for b in model.blocks if b.moc is not None for p in (b.moc.k.weight, b.moc.v.weight)}
-    groups = {"bank": banks, "kv": [p for p in layers if id(p) in kv_ids],
-              "layers": [p for p in layers if id(p) not in kv_ids]}
+    kv_ids = {
+        id(p) for b in model.blocks if b.moc is not None for p in (b.moc.k.weight, b.moc.v.weight)
+    }
+    groups = {
+        "bank": banks,
+        "kv": [p for p in layers if id(p) in kv_ids],
+        "layers": [p for p in layers if id(p) not in kv_ids],
+    }
     for p in groups["bank"]:
         p.requires_grad_(spec.bank_lr_factor > 0)
     for p in groups["kv"]:
@@ -212,7 +280,15 @@ def adapter_groups(model: nn.Module, spec: AdapterSpec) -> dict[str, list[nn.Par
 
 def adapter_summary(moc: MoCConfig, d_model: int) -> dict[str, Any]:
     """What a report says about an adapter configuration."""
-    return {"layers": list(moc.layers), "variation": moc.variation, "shared_bank": moc.shared_bank,
-            "chapters": moc.n_chapters, "tokens_per_chapter": moc.tokens_per_chapter, "top_k": moc.top_k,
-            "low_rank": moc.low_rank, "rank": moc.rank, "bank_dtype": moc.bank_dtype,
-            "bank_bytes": bank_bytes(moc, d_model)}
+    return {
+        "layers": list(moc.layers),
+        "variation": moc.variation,
+        "shared_bank": moc.shared_bank,
+        "chapters": moc.n_chapters,
+        "tokens_per_chapter": moc.tokens_per_chapter,
+        "top_k": moc.top_k,
+        "low_rank": moc.low_rank,
+        "rank": moc.rank,
+        "bank_dtype": moc.bank_dtype,
+        "bank_bytes": bank_bytes(moc, d_model),
+    }

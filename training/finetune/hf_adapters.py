@@ -1,8 +1,8 @@
 """Memory adapters on a pretrained Hugging Face causal LM (seed 004 §7.3–7.4).
 
-The Mixture-of-Chapters memory cross-attention of `training/layers/moc.py` (router, top-k chapters of a
-latent bank, cross-attention from the hidden states), added as adapters to chosen decoder layers
-of an HF model that was trained without it — the HF counterpart of
+The Mixture-of-Chapters memory cross-attention of `training/layers/moc.py` (router, top-k chapters
+of a latent bank, cross-attention from the hidden states), added as adapters to chosen decoder
+layers of an HF model that was trained without it — the HF counterpart of
 `training.finetune.adapters.attach_to_anchor`. `AdapterSpec` configures it; `AdapterSpec.moc_config`
 resolves it against the model's shape and its errors (`ConfigError`) name the field and the
 model's value.
@@ -106,8 +106,10 @@ class _AttnDeltaHook(LayerHook):
     def __call__(self, module, args, out):
         x = self.owner._captured.inputs.pop(self.layer, None)
         if x is None:
-            raise RuntimeError(f"memory adapter, layer {self.layer}: the attention delta arrived without "
-                               "the layer's input (was the module called outside its decoder layer?)")
+            raise RuntimeError(
+                f"memory adapter, layer {self.layer}: the attention delta arrived without "
+                "the layer's input (was the module called outside its decoder layer?)"
+            )
         delta = out[0] if isinstance(out, tuple) else out  # (B, S, d)
         delta = delta + self.owner._read(self.layer, x + delta)
         return (delta, *out[1:]) if isinstance(out, tuple) else delta
@@ -164,25 +166,43 @@ class HFMemAdapter(nn.Module):
         self._check_layers(layers)
         ref = next(model.parameters())
         if adapter_dtype is None:
-            adapter_dtype = torch.float32 if ref.dtype in (torch.float16, torch.bfloat16) else ref.dtype
+            adapter_dtype = (
+                torch.float32 if ref.dtype in (torch.float16, torch.bfloat16) else ref.dtype
+            )
         eps = float(getattr(decoder_config(model.config), "rms_norm_eps", None) or 1e-6)
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            self.mem_layers = nn.ModuleDict({
-                str(i): MoCLayer(self.moc, d_model=a.d_model, n_layers=a.n_layers, anchor_heads=a.n_heads,
-                                 norm_eps=eps)
-                for i in self.moc.layers})
+            self.mem_layers = nn.ModuleDict(
+                {
+                    str(i): MoCLayer(
+                        self.moc,
+                        d_model=a.d_model,
+                        n_layers=a.n_layers,
+                        anchor_heads=a.n_heads,
+                        norm_eps=eps,
+                    )
+                    for i in self.moc.layers
+                }
+            )
             self.banks = build_banks(self.moc, a.d_model)
             if self.moc.variation == 2:
-                self.ffn_norms = nn.ModuleDict({str(i): nn.RMSNorm(a.d_model, eps=eps) for i in self.moc.layers})
-                self.ffns = nn.ModuleDict({str(i): _GatedMLP(a.d_model, a.ffn_dim, self._act(layers[i]))
-                                           for i in self.moc.layers})
+                self.ffn_norms = nn.ModuleDict(
+                    {str(i): nn.RMSNorm(a.d_model, eps=eps) for i in self.moc.layers}
+                )
+                self.ffns = nn.ModuleDict(
+                    {
+                        str(i): _GatedMLP(a.d_model, a.ffn_dim, self._act(layers[i]))
+                        for i in self.moc.layers
+                    }
+                )
                 std = spec.init_std
                 for ffn in self.ffns.values():
                     for lin in (ffn.gate_proj, ffn.up_proj):
                         nn.init.trunc_normal_(lin.weight, std=std, a=-2 * std, b=2 * std)
-                    nn.init.zeros_(ffn.down_proj.weight)  # the second MLP adds nothing until trained
+                    nn.init.zeros_(
+                        ffn.down_proj.weight
+                    )  # the second MLP adds nothing until trained
         for name in ("mem_layers", "banks", "ffn_norms", "ffns"):
             if hasattr(self, name):
                 getattr(self, name).to(ref.device, adapter_dtype)
@@ -200,7 +220,9 @@ class HFMemAdapter(nn.Module):
         for i in self.moc.layers:
             layer = layers[i]
             if self.moc.variation == 1:
-                self._handles.append(layer.register_forward_pre_hook(_CaptureInput(self, i), with_kwargs=True))
+                self._handles.append(
+                    layer.register_forward_pre_hook(_CaptureInput(self, i), with_kwargs=True)
+                )
                 delta = layer.post_attention_layernorm if _post_norm(layer) else layer.self_attn
                 self._handles.append(delta.register_forward_hook(_AttnDeltaHook(self, i)))
             else:
@@ -213,11 +235,15 @@ class HFMemAdapter(nn.Module):
             name = type(layer).__name__
             if self.moc.variation == 1:
                 if not hasattr(layer, "post_attention_layernorm"):
-                    raise ValueError(f"{name} (layer {i}) has no post_attention_layernorm: a parallel "
-                                     "attention/MLP block has no point between them for adapter variation 1")
+                    raise ValueError(
+                        f"{name} (layer {i}) has no post_attention_layernorm: a parallel "
+                        "attention/MLP block has no point between them for adapter variation 1"
+                    )
                 if not _post_norm(layer) and not hasattr(layer, "self_attn"):
-                    raise ValueError(f"{name} (layer {i}) has no self_attn; memory adapters support "
-                                     "Llama/Qwen/Gemma/OLMo-2 style decoder layers")
+                    raise ValueError(
+                        f"{name} (layer {i}) has no self_attn; memory adapters support "
+                        "Llama/Qwen/Gemma/OLMo-2 style decoder layers"
+                    )
 
     @staticmethod
     def _act(layer: nn.Module) -> Any:
@@ -248,7 +274,8 @@ class HFMemAdapter(nn.Module):
 
     # -- forward ------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        """The HF model's forward (`.logits` (B, S, V), `.loss` with labels); the hooks add the memory."""
+        """The HF model's forward (`.logits` (B, S, V), `.loss` with labels); the hooks add the
+        memory."""
         return self.hf(*args, **kwargs)
 
     def aux_loss(self) -> Tensor:
@@ -272,4 +299,8 @@ class HFMemAdapter(nn.Module):
         rest = list(self.mem_layers.parameters())
         if self.moc.variation == 2:
             rest += list(self.ffn_norms.parameters()) + list(self.ffns.parameters())
-        return {"bank": self.bank_parameters(), "kv": kv, "layers": [p for p in rest if id(p) not in kv_ids]}
+        return {
+            "bank": self.bank_parameters(),
+            "kv": kv,
+            "layers": [p for p in rest if id(p) not in kv_ids],
+        }

@@ -1,7 +1,8 @@
 """LoRA adapters on an anchor's attention and FFN matrices: the parameter-efficient finetuning
-baseline of seed 003 (Hu et al. 2021), used by `memtree train finetune` (training/finetune/continual.py).
-The anchor is memtree's own `AnchorLM` or a Hugging Face causal LM with Llama / Qwen / Gemma style
-decoder layers (`self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`: the same seven matrices).
+baseline of seed 003 (Hu et al. 2021), used by `memtree train finetune`
+(training/finetune/continual.py). The anchor is memtree's own `AnchorLM` or a Hugging Face causal LM
+with Llama / Qwen / Gemma style decoder layers (`self_attn.{q,k,v,o}_proj`,
+`mlp.{gate,up,down}_proj`: the same seven matrices).
 
 `peft` is not used: both hosts' projections are `nn.Linear`s, so a
 wrapper that keeps the frozen base and adds `scale · B A x` is the whole of it, and it keeps
@@ -22,7 +23,8 @@ from memtree.training.hf import decoder_layers
 # Module names (inside each block) that LoRA targets: attention q/k/v/o and SwiGLU w1/w2/w3.
 ATTENTION = ("attn.q", "attn.k", "attn.v", "attn.o")
 FFN = ("ffn.w1", "ffn.w2", "ffn.w3")
-# The same matrices in a Hugging Face decoder layer (gate ↔ w1, up ↔ w2, down ↔ w3, as training/hf.py maps them).
+# The same matrices in a Hugging Face decoder layer (gate ↔ w1, up ↔ w2, down ↔ w3, as
+# training/hf.py maps them).
 HF_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 HF_FFN = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -33,16 +35,20 @@ class LoRALinear(nn.Module):
     def __init__(self, base: nn.Linear, *, rank: int, alpha: float) -> None:
         super().__init__()
         if rank <= 0 or rank > min(base.in_features, base.out_features):
-            raise ValueError(f"LoRA rank {rank} must be in [1, {min(base.in_features, base.out_features)}] "
-                             f"for a {base.in_features}→{base.out_features} projection")
+            raise ValueError(
+                f"LoRA rank {rank} must be in [1, {min(base.in_features, base.out_features)}] "
+                f"for a {base.in_features}→{base.out_features} projection"
+            )
         self.base = base
         for p in base.parameters():
             p.requires_grad_(False)
         self.rank, self.scale = rank, alpha / rank
-        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, dtype=base.weight.dtype,
-                                               device=base.weight.device))
-        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, dtype=base.weight.dtype,
-                                               device=base.weight.device))
+        self.lora_a = nn.Parameter(
+            torch.empty(rank, base.in_features, dtype=base.weight.dtype, device=base.weight.device)
+        )
+        self.lora_b = nn.Parameter(
+            torch.zeros(base.out_features, rank, dtype=base.weight.dtype, device=base.weight.device)
+        )
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -55,7 +61,9 @@ class LoRALinear(nn.Module):
         return self.base
 
 
-def _blocks(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], tuple[str, ...], tuple[str, ...]]:
+def _blocks(
+    model: nn.Module,
+) -> tuple[list[tuple[str, nn.Module]], tuple[str, ...], tuple[str, ...]]:
     """(name prefix, block) per block, and the block's attention and FFN matrix names: an
     `AnchorLM`'s `blocks`, else a Hugging Face model's decoder layers."""
     if hasattr(model, "blocks"):
@@ -87,10 +95,15 @@ def add_lora(model: nn.Module, *, rank: int, alpha: float, targets: str = "all")
                 continue
             lin = getattr(parent, attr, None)
             if lin is None:
-                raise ValueError(f"{prefix}.{name}: {type(block).__name__} has no such module; LoRA on a Hugging "
-                                 f"Face model targets Llama / Qwen / Gemma style layers ({', '.join(names)})")
+                raise ValueError(
+                    f"{prefix}.{name}: {type(block).__name__} has no such module; LoRA on a "
+                    "Hugging Face model targets Llama / Qwen / Gemma style layers "
+                    f"({', '.join(names)})"
+                )
             if not isinstance(lin, nn.Linear):
-                raise TypeError(f"{prefix}.{name} is {type(lin).__name__}, not an nn.Linear (LoRA twice?)")
+                raise TypeError(
+                    f"{prefix}.{name} is {type(lin).__name__}, not an nn.Linear (LoRA twice?)"
+                )
             setattr(parent, attr, LoRALinear(lin, rank=rank, alpha=alpha))
             wrapped.append(f"{prefix}.{name}")
     if not wrapped:

@@ -46,8 +46,10 @@ def access_counts(indices: Tensor, n_slots: int, mask: Tensor | None = None) -> 
 def tfidf(counts: Tensor, doc_freq: Tensor, n_batches: int) -> Tensor:
     """003 §4: c(i) / Σ_j c(j) · log((|B| + 1) / (df(i) + 1)) per slot, (N,) float64."""
     if counts.shape != doc_freq.shape:
-        raise ValueError(f"counts {tuple(counts.shape)} and background doc_freq {tuple(doc_freq.shape)} "
-                         "differ: the background was collected on another memory size")
+        raise ValueError(
+            f"counts {tuple(counts.shape)} and background doc_freq {tuple(doc_freq.shape)} "
+            "differ: the background was collected on another memory size"
+        )
     c = counts.double()
     tf = c / c.sum().clamp(min=1)
     return tf * torch.log((n_batches + 1) / (doc_freq.double() + 1))
@@ -95,8 +97,9 @@ def recording(model: nn.Module) -> Iterator[dict[int, list[Tensor]]]:
 
 
 @torch.no_grad()
-def collect_background(model: nn.Module, batches: Iterable[dict[str, Tensor]], n_batches: int,
-                       *, progress: bool = True) -> dict[int, BackgroundCounts]:
+def collect_background(
+    model: nn.Module, batches: Iterable[dict[str, Tensor]], n_batches: int, *, progress: bool = True
+) -> dict[int, BackgroundCounts]:
     """Document frequencies of every memory layer's slots over n_batches pretraining batches
     (dicts with `input_ids` (B, S) and `labels` (B, S), -100 on padding: padded positions are
     not counted). Fewer batches than asked: an error naming both."""
@@ -105,15 +108,23 @@ def collect_background(model: nn.Module, batches: Iterable[dict[str, Tensor]], n
     model.eval()
     out: dict[int, BackgroundCounts] = {}
     done = 0
-    with recording(model) as logs, tqdm(total=n_batches, desc="background counts", disable=not progress) as bar:
+    with (
+        recording(model) as logs,
+        tqdm(total=n_batches, desc="background counts", disable=not progress) as bar,
+    ):
         for batch in batches:
             ids = batch["input_ids"]
-            real = real_positions(batch["labels"]) if "labels" in batch else torch.ones_like(ids, dtype=torch.bool)
+            real = (
+                real_positions(batch["labels"])
+                if "labels" in batch
+                else torch.ones_like(ids, dtype=torch.bool)
+            )
             model(ids, segment_ids=batch.get("segment_ids"))
             for i, log in logs.items():
                 n_slots = model.blocks[i].pkm.cfg.n_slots
-                out.setdefault(i, BackgroundCounts.empty(n_slots)).add_batch(access_counts(log[-1], n_slots, real),
-                                                                              tokens=int(real.sum()))
+                out.setdefault(i, BackgroundCounts.empty(n_slots)).add_batch(
+                    access_counts(log[-1], n_slots, real), tokens=int(real.sum())
+                )
                 log.clear()
             done += 1
             bar.update()
@@ -151,26 +162,50 @@ class BackgroundCounts:
 
     def add_batch(self, counts: Tensor, tokens: int = 0) -> None:
         if counts.shape != self.doc_freq.shape:
-            raise ValueError(f"batch counts have {counts.numel()} slots, the background {self.doc_freq.numel()}")
+            raise ValueError(
+                f"batch counts have {counts.numel()} slots, the background {self.doc_freq.numel()}"
+            )
         self.doc_freq += (counts > 0).to(torch.int64)
         self.n_batches += 1
         self.tokens += int(tokens)
 
     def save(self, folder: str | Path) -> Path:
-        """background_counts.safetensors + background_counts.json (format memtree-pkm-background v1)."""
-        return write_checked_tensors(folder, "background_counts", {"doc_freq": self.doc_freq}, {
-            "format": BACKGROUND_FORMAT, "version": BACKGROUND_VERSION, "n_batches": self.n_batches,
-            "tokens": self.tokens, "source": self.source, "n_slots": int(self.doc_freq.numel())})
+        """background_counts.safetensors + background_counts.json (format memtree-pkm-background
+        v1)."""
+        return write_checked_tensors(
+            folder,
+            "background_counts",
+            {"doc_freq": self.doc_freq},
+            {
+                "format": BACKGROUND_FORMAT,
+                "version": BACKGROUND_VERSION,
+                "n_batches": self.n_batches,
+                "tokens": self.tokens,
+                "source": self.source,
+                "n_slots": int(self.doc_freq.numel()),
+            },
+        )
 
     @classmethod
     def load(cls, folder: str | Path, *, n_slots: int | None = None) -> BackgroundCounts:
         """Read them back; a missing file, another format / version, a checksum mismatch or (with
         n_slots) another memory size: an error naming the value."""
-        t, man = read_checked_tensors(folder, "background_counts", fmt=BACKGROUND_FORMAT, version=BACKGROUND_VERSION,
-                                      missing="no background counts (background_counts.json); collect them over "
-                                              "pretraining batches before sparse memory finetuning")
+        t, man = read_checked_tensors(
+            folder,
+            "background_counts",
+            fmt=BACKGROUND_FORMAT,
+            version=BACKGROUND_VERSION,
+            missing="no background counts (background_counts.json); collect them over "
+            "pretraining batches before sparse memory finetuning",
+        )
         if n_slots is not None and man["n_slots"] != n_slots:
-            raise ValueError(f"{folder}: background counts cover n_slots={man['n_slots']}, the memory has "
-                             f"n_slots={n_slots}")
-        return cls(doc_freq=t["doc_freq"], n_batches=int(man["n_batches"]), tokens=int(man.get("tokens", 0)),
-                   source=man.get("source", ""))
+            raise ValueError(
+                f"{folder}: background counts cover n_slots={man['n_slots']}, the memory has "
+                f"n_slots={n_slots}"
+            )
+        return cls(
+            doc_freq=t["doc_freq"],
+            n_batches=int(man["n_batches"]),
+            tokens=int(man.get("tokens", 0)),
+            source=man.get("source", ""),
+        )

@@ -66,7 +66,9 @@ class LevelFetch:
     level: int
     cluster: int  # global id on the prompt's path, or GENERIC (-1)
     tier: str
-    source: Literal["read", "cache", "refused"]  # read from the tier, hit its session cache, or blocked
+    source: Literal[
+        "read", "cache", "refused"
+    ]  # read from the tier, hit its session cache, or blocked
     bytes_read: int  # bytes read from the tier (0 for a cache hit or a refused block)
     block_bytes: int  # bytes of the decoded block attached
     seconds: float
@@ -102,8 +104,9 @@ def run_context(composer_model, cfg, manifest: dict[str, Any]) -> int:
     return min(context, int(getattr(model.config, "max_position_embeddings", context)))
 
 
-def sample_next(logits: torch.Tensor, *, temperature: float, top_p: float,
-                generator: torch.Generator | None) -> int:
+def sample_next(
+    logits: torch.Tensor, *, temperature: float, top_p: float, generator: torch.Generator | None
+) -> int:
     """The next token from logits (V,): the argmax at temperature 0, else a draw from the
     softmax at `temperature` restricted to the smallest set of tokens whose mass reaches top_p."""
     if temperature == 0:
@@ -127,9 +130,20 @@ class Generator:
     first prompt's timing, as `memtree generate` does.
     """
 
-    def __init__(self, *, model, tokenizer, eot_id: int, memory_config, context: int, tree,
-                 store: MemoryStore | None, hf=None, folder: Path | None = None,
-                 tokenizer_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        model,
+        tokenizer,
+        eot_id: int,
+        memory_config,
+        context: int,
+        tree,
+        store: MemoryStore | None,
+        hf=None,
+        folder: Path | None = None,
+        tokenizer_dir: Path | None = None,
+    ) -> None:
         """model: an `AnchorLM`, or a Hugging Face causal LM with `hf` its `HFMemoryModel`;
         context: the most tokens a prompt and its answer may take together; tokenizer_dir: the
         run's tokenizer folder, copied into an export."""
@@ -140,9 +154,15 @@ class Generator:
         self._embedder = None
 
     @classmethod
-    def from_run(cls, run: str | Path, *, tree_dir: str | Path | None = None,
-                 tiers: Sequence[TierConfig] = DEFAULT_TIERS, verify: Literal["always", "once", "never"] = "once",
-                 bank: bool = True) -> Generator:
+    def from_run(
+        cls,
+        run: str | Path,
+        *,
+        tree_dir: str | Path | None = None,
+        tiers: Sequence[TierConfig] = DEFAULT_TIERS,
+        verify: Literal["always", "once", "never"] = "once",
+        bank: bool = True,
+    ) -> Generator:
         """The run folder `run` (a finished `memtree train run`), its bank through memstore with
         `tiers` (fastest first; the bank's levels are placed shallow-first, as on a device) and
         the clustering tree beside its shards (or `tree_dir`). A bank built on another tree is
@@ -153,13 +173,24 @@ class Generator:
         store, tree = None, None
         if bank and (folder / "bank").exists():
             tree = open_tree(tree_dir, cfg, folder)
-            store = MemoryStore(folder / "bank", tree=tree, tiers=tiers, verify=verify, out_dtype=torch.float32)
+            store = MemoryStore(
+                folder / "bank", tree=tree, tiers=tiers, verify=verify, out_dtype=torch.float32
+            )
         elif tree_dir:
             tree = open_tree(tree_dir, cfg, folder)
         model, hf = composer_model.model, composer_model.hf
-        return cls(model=model, tokenizer=tokenizer, eot_id=int(manifest["eot_id"]), memory_config=composer_model.memory,
-                   context=run_context(composer_model, cfg, manifest), tree=tree, store=store, hf=hf, folder=folder,
-                   tokenizer_dir=(Path(cfg.data.shards) / manifest["tokenizer"]).resolve())
+        return cls(
+            model=model,
+            tokenizer=tokenizer,
+            eot_id=int(manifest["eot_id"]),
+            memory_config=composer_model.memory,
+            context=run_context(composer_model, cfg, manifest),
+            tree=tree,
+            store=store,
+            hf=hf,
+            folder=folder,
+            tokenizer_dir=(Path(cfg.data.shards) / manifest["tokenizer"]).resolve(),
+        )
 
     # -- the steps --------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -174,7 +205,9 @@ class Generator:
         if self._embedder is None:
             if self.tree is None:
                 raise ValueError("routing needs the run's clustering tree")
-            self._embedder = embedder_from_meta(self.tree.meta.get("embedder", {}), self.tree.path, device="cpu")
+            self._embedder = embedder_from_meta(
+                self.tree.meta.get("embedder", {}), self.tree.path, device="cpu"
+            )
         return self._embedder
 
     def warm(self) -> float:
@@ -185,8 +218,15 @@ class Generator:
         if self.tree is not None:
             self.route("warm-up")
         with torch.no_grad():
-            decode_tokens(self.model, self.encode("warm-up")[:1] or [self.eot_id], None, max_new_tokens=1,
-                          eot_id=None, context=self.context, hf=self.hf)
+            decode_tokens(
+                self.model,
+                self.encode("warm-up")[:1] or [self.eot_id],
+                None,
+                max_new_tokens=1,
+                eot_id=None,
+                context=self.context,
+                hf=self.hf,
+            )
         return time.perf_counter() - t0
 
     def route(self, text: str) -> tuple[np.ndarray, dict[str, float]]:
@@ -194,14 +234,20 @@ class Generator:
         emb_meta = self.tree.meta.get("embedder", {}) if self.tree is not None else {}
         model = self.embedder()
         t0 = time.perf_counter()
-        x = embed_texts(model, [text], strategy=emb_meta.get("strategy", "truncate"),
-                        batch_size=int(emb_meta.get("batch_size", 64)))
+        x = embed_texts(
+            model,
+            [text],
+            strategy=emb_meta.get("strategy", "truncate"),
+            batch_size=int(emb_meta.get("batch_size", 64)),
+        )
         t1 = time.perf_counter()
         path = route(self.tree, x)[0]
         t2 = time.perf_counter()
         return path, {"embed_s": t1 - t0, "traverse_s": t2 - t1}
 
-    def fetch(self, path: Sequence[int] | None, memory: MemoryChoice) -> tuple[dict[int, torch.Tensor], list[LevelFetch]]:
+    def fetch(
+        self, path: Sequence[int] | None, memory: MemoryChoice
+    ) -> tuple[dict[int, torch.Tensor], list[LevelFetch]]:
         """{level: (1, P_level)} blocks of `path` (or the generic memory) through the store, and
         what each level's fetch did (tier, read / cache hit / refused, bytes, seconds)."""
         store = self.store
@@ -221,9 +267,17 @@ class Generator:
                 source = "cache"
             else:
                 source = "read"
-            fetches.append(LevelFetch(level=level, cluster=cluster, tier=tier, source=source,
-                                      bytes_read=after["bytes_read"] - before["bytes_read"],
-                                      block_bytes=flat.numel() * flat.element_size(), seconds=dt))
+            fetches.append(
+                LevelFetch(
+                    level=level,
+                    cluster=cluster,
+                    tier=tier,
+                    source=source,
+                    bytes_read=after["bytes_read"] - before["bytes_read"],
+                    block_bytes=flat.numel() * flat.element_size(),
+                    seconds=dt,
+                )
+            )
             blocks[level] = flat[None]
         return blocks, fetches
 
@@ -243,8 +297,16 @@ class Generator:
 
     # -- generation -------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0, memory: MemoryChoice = "fetched") -> Generation:
+    def generate(
+        self,
+        prompt: str,
+        *,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        memory: MemoryChoice = "fetched",
+    ) -> Generation:
         """Answer one prompt. `memory`: "fetched" (the prompt's path), "generic" (the bank's
         generic blocks) or "none" (the anchor alone). Greedy at temperature 0; otherwise sampled
         from a torch generator seeded with `seed`, so the same seed gives the same tokens."""
@@ -254,12 +316,16 @@ class Generator:
             raise ValueError("--prompt: the prompt is empty")
         if memory != "none" and self.store is None:
             where = self.folder / "bank" if self.folder else "the run's bank"
-            raise ValueError(f"--memory {memory}: {where} does not exist (a run trained without memory); "
-                             "use --memory none")
+            raise ValueError(
+                f"--memory {memory}: {where} does not exist (a run trained without memory); "
+                "use --memory none"
+            )
         ids = self.encode(prompt)
         if len(ids) >= self.context:
-            raise ValueError(f"--prompt: {len(ids)} tokens leave no room to generate in the model's context "
-                             f"of {self.context} tokens")
+            raise ValueError(
+                f"--prompt: {len(ids)} tokens leave no room to generate in the model's context "
+                f"of {self.context} tokens"
+            )
         timing: dict[str, float] = {}
         t_start = time.perf_counter()
         path, fetches, memories = None, [], None
@@ -273,18 +339,38 @@ class Generator:
             t0 = time.perf_counter()
             memories = self.attach(blocks, widen=True)
             timing["attach_s"] = time.perf_counter() - t0
-        out, stop, dec, kv_bytes = decode_tokens(self.model, ids, memories, max_new_tokens=max_new_tokens,
-                                                 eot_id=self.eot_id, context=self.context, temperature=temperature,
-                                                 top_p=top_p, seed=seed, hf=self.hf)
+        out, stop, dec, kv_bytes = decode_tokens(
+            self.model,
+            ids,
+            memories,
+            max_new_tokens=max_new_tokens,
+            eot_id=self.eot_id,
+            context=self.context,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            hf=self.hf,
+        )
         timing.update(dec)
         timing["ttft_s"] = dec["first_token_at"] - t_start
         timing["total_s"] = dec["end_at"] - t_start
         del timing["first_token_at"], timing["end_at"]
-        return Generation(prompt=prompt, text=self.decode(out), tokens=out, memory=memory, path=path, stop=stop,
-                          prompt_tokens=len(ids), fetches=fetches, timing=timing,
-                          resident=self.resident(fetches, kv_bytes))
+        return Generation(
+            prompt=prompt,
+            text=self.decode(out),
+            tokens=out,
+            memory=memory,
+            path=path,
+            stop=stop,
+            prompt_tokens=len(ids),
+            fetches=fetches,
+            timing=timing,
+            resident=self.resident(fetches, kv_bytes),
+        )
 
-    def export(self, out_dir: str | Path, *, prompt: str | None = None, memory: MemoryChoice = "fetched") -> dict:
+    def export(
+        self, out_dir: str | Path, *, prompt: str | None = None, memory: MemoryChoice = "fetched"
+    ) -> dict:
         """Write the anchor with `prompt`'s fetched blocks merged (or the generic ones, or none)
         as a Hugging Face model folder (`training.generate.export`); returns what was written,
         with the path the prompt routed to."""
@@ -294,7 +380,9 @@ class Generator:
         path = None
         if memory == "fetched":
             if not prompt or not prompt.strip():
-                raise ValueError("--export: fetched memory is exported for a prompt's path; give --prompt")
+                raise ValueError(
+                    "--export: fetched memory is exported for a prompt's path; give --prompt"
+                )
             path = [int(c) for c in self.route(prompt)[0]]
         memories = None
         if memory != "none":
@@ -303,21 +391,36 @@ class Generator:
             memories = self.attach(self.fetch(path, memory)[0])
         if self.hf is not None:
             if memories is None:
-                raise ValueError("--export: a Hugging Face anchor without memory is its own folder already "
-                                 "(model.hf_dir)")
+                raise ValueError(
+                    "--export: a Hugging Face anchor without memory is its own folder already "
+                    "(model.hf_dir)"
+                )
             info = export_hf_memory(self.hf, memories, out_dir, tokenizer_dir=self.tokenizer_dir)
         else:
-            info = export_anchor(self.model, out_dir, memories=memories, tokenizer_dir=self.tokenizer_dir,
-                                 eot_id=self.eot_id)
+            info = export_anchor(
+                self.model,
+                out_dir,
+                memories=memories,
+                tokenizer_dir=self.tokenizer_dir,
+                eot_id=self.eot_id,
+            )
         return {**info, "memory": memory, "route_path": path}
 
     def resident(self, fetches: Sequence[LevelFetch], kv_bytes: int) -> dict[str, int]:
         """Bytes in fast memory while answering: the anchor, the attached blocks, the KV cache;
         beside the whole bank's bytes on its tiers."""
         anchor = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        bank = sum(lv.file_bytes for lv in self.store.info.levels.values()) if self.store is not None else 0
-        return {"anchor_bytes": anchor, "fetched_bytes": sum(f.block_bytes for f in fetches),
-                "kv_cache_bytes": int(kv_bytes), "bank_bytes": bank}
+        bank = (
+            sum(lv.file_bytes for lv in self.store.info.levels.values())
+            if self.store is not None
+            else 0
+        )
+        return {
+            "anchor_bytes": anchor,
+            "fetched_bytes": sum(f.block_bytes for f in fetches),
+            "kv_cache_bytes": int(kv_bytes),
+            "bank_bytes": bank,
+        }
 
     def close(self) -> None:
         if self.store is not None:
@@ -341,7 +444,9 @@ def _hf_steps(model, hf, ids: list[int], memories):
     from transformers import DynamicCache
 
     def hooked():
-        return hf.use_memories(memories, batch=1) if memories is not None else contextlib.nullcontext()
+        return (
+            hf.use_memories(memories, batch=1) if memories is not None else contextlib.nullcontext()
+        )
 
     cache = DynamicCache()
     with hooked():
@@ -349,14 +454,26 @@ def _hf_steps(model, hf, ids: list[int], memories):
     nxt = yield out.logits[0, -1].float(), _hf_cache_bytes(out.past_key_values)
     while True:
         with hooked():
-            out = model(input_ids=torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(
+                input_ids=torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True
+            )
         nxt = yield out.logits[0, -1].float()
 
 
 @torch.no_grad()
-def decode_tokens(model, ids: list[int], memories, *, max_new_tokens: int, eot_id: int | None, context: int,
-           temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-           hf=None) -> tuple[list[int], str, dict[str, float], int]:
+def decode_tokens(
+    model,
+    ids: list[int],
+    memories,
+    *,
+    max_new_tokens: int,
+    eot_id: int | None,
+    context: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    hf=None,
+) -> tuple[list[int], str, dict[str, float], int]:
     """Prefill `ids` once, then one token per forward with a KV cache, memories attached
     throughout: (new tokens, why it stopped: "eot" | "limit" | "context", timing, KV-cache bytes).
 
@@ -366,11 +483,16 @@ def decode_tokens(model, ids: list[int], memories, *, max_new_tokens: int, eot_i
     take. Timing: prefill_s, decode_s, decode_tokens (produced after the first), decode_tok_s, and
     the perf_counter instants first_token_at and end_at."""
     if len(ids) >= context:
-        raise ValueError(f"a prompt of {len(ids)} tokens leaves no room to generate in a context of {context}")
+        raise ValueError(
+            f"a prompt of {len(ids)} tokens leaves no room to generate in a context of {context}"
+        )
     budget = min(max_new_tokens, context - len(ids))
     gen = torch.Generator().manual_seed(int(seed)) if temperature > 0 else None
-    step = _hf_steps(model, hf, ids, memories) if hf is not None else _anchor_steps(model, ids, memories,
-                                                                                      len(ids) + budget)
+    step = (
+        _hf_steps(model, hf, ids, memories)
+        if hf is not None
+        else _anchor_steps(model, ids, memories, len(ids) + budget)
+    )
     timing: dict[str, float] = {}
     out, stop = [], "limit"
     t0 = time.perf_counter()
@@ -396,10 +518,11 @@ def decode_tokens(model, ids: list[int], memories, *, max_new_tokens: int, eot_i
     decoded = max(len(out) - 1, 0)
     timing["decode_s"] = t_end - t_first
     timing["decode_tokens"] = decoded
-    timing["decode_tok_s"] = decoded / timing["decode_s"] if decoded and timing["decode_s"] > 0 else 0.0
+    timing["decode_tok_s"] = (
+        decoded / timing["decode_s"] if decoded and timing["decode_s"] > 0 else 0.0
+    )
     timing["first_token_at"], timing["end_at"] = t_first, t_end
     return out, stop, timing, kv_bytes
-
 
 
 def _hf_cache_bytes(cache) -> int:

@@ -1,4 +1,5 @@
-"""Mixture-of-Chapters memory layers (seed 000 §5, App. A.3 Algorithm 1, App. A.4 Table 5; seed 004).
+"""Mixture-of-Chapters memory layers (seed 000 §5, App. A.3 Algorithm 1, App. A.4 Table 5;
+seed 004).
 
 A latent memory bank of C chapters × T tokens (shared by every memory layer or
 one per layer, seed 004 §3.1) is read by cross-attention from chosen blocks of
@@ -90,7 +91,9 @@ class MoCConfig:
     layers: tuple[int, ...]  # 0-based blocks that read the memory
     n_shared: int = 1  # always-on chapters 0..n_shared-1
     shared_bank: bool = True  # one bank for every memory layer (else one bank per layer)
-    variation: Literal[1, 2] = 1  # 1: Self-Attn → MemXAttn → MLP; 2: Self-Attn → MLP → MemXAttn → MLP
+    variation: Literal[1, 2] = (
+        1  # 1: Self-Attn → MemXAttn → MLP; 2: Self-Attn → MLP → MemXAttn → MLP
+    )
     n_heads: int | None = None  # memory query heads; None: the anchor's
     n_kv_heads: int | None = None  # memory KV heads; None: n_heads
     routed_scaling: float = 2.5
@@ -102,7 +105,9 @@ class MoCConfig:
     zero_init_out: bool = True
     low_rank: Literal["none", "factorized", "reduced"] = "none"
     rank: int | None = None  # r for low_rank
-    bank_dtype: Literal["fp32", "bf16", "int8", "int4"] = "fp32"  # how the bank is stored (seed 004 §5.2)
+    bank_dtype: Literal["fp32", "bf16", "int8", "int4"] = (
+        "fp32"  # how the bank is stored (seed 004 §5.2)
+    )
     norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
@@ -110,12 +115,18 @@ class MoCConfig:
             if getattr(self, k) <= 0:
                 raise ValueError(f"{k} must be positive, got {getattr(self, k)}")
         if not 0 <= self.n_shared < self.n_chapters:
-            raise ValueError(f"n_shared must be in [0, n_chapters={self.n_chapters}), got {self.n_shared}")
+            raise ValueError(
+                f"n_shared must be in [0, n_chapters={self.n_chapters}), got {self.n_shared}"
+            )
         if self.top_k > self.n_routed:
-            raise ValueError(f"top_k {self.top_k} exceeds the {self.n_routed} routable chapters "
-                             f"(n_chapters {self.n_chapters} - n_shared {self.n_shared})")
+            raise ValueError(
+                f"top_k {self.top_k} exceeds the {self.n_routed} routable chapters "
+                f"(n_chapters {self.n_chapters} - n_shared {self.n_shared})"
+            )
         if not self.layers or len(set(self.layers)) != len(self.layers) or min(self.layers) < 0:
-            raise ValueError(f"layers must be distinct non-negative block indices, got {list(self.layers)}")
+            raise ValueError(
+                f"layers must be distinct non-negative block indices, got {list(self.layers)}"
+            )
         if self.variation not in (1, 2):
             raise ValueError(f"variation must be 1 or 2, got {self.variation!r}")
         for k in ("n_heads", "n_kv_heads"):
@@ -127,18 +138,26 @@ class MoCConfig:
         if self.lb_coef < 0 or self.z_coef < 0:
             raise ValueError(f"lb_coef and z_coef must be >= 0, got {self.lb_coef}, {self.z_coef}")
         if self.init_std <= 0 or self.norm_eps <= 0:
-            raise ValueError(f"init_std and norm_eps must be positive, got {self.init_std}, {self.norm_eps}")
+            raise ValueError(
+                f"init_std and norm_eps must be positive, got {self.init_std}, {self.norm_eps}"
+            )
         if self.weight_mode not in ("bias", "mix"):
             raise ValueError(f"weight_mode must be 'bias' or 'mix', got {self.weight_mode!r}")
         if self.low_rank not in ("none", "factorized", "reduced"):
-            raise ValueError(f"low_rank must be 'none', 'factorized' or 'reduced', got {self.low_rank!r}")
+            raise ValueError(
+                f"low_rank must be 'none', 'factorized' or 'reduced', got {self.low_rank!r}"
+            )
         if (self.low_rank == "none") != (self.rank is None):
-            raise ValueError(f"rank is required with low_rank 'factorized' / 'reduced' and only then "
-                             f"(low_rank {self.low_rank!r}, rank {self.rank})")
+            raise ValueError(
+                f"rank is required with low_rank 'factorized' / 'reduced' and only then "
+                f"(low_rank {self.low_rank!r}, rank {self.rank})"
+            )
         if self.rank is not None and self.rank <= 0:
             raise ValueError(f"rank must be positive, got {self.rank}")
         if self.bank_dtype not in BANK_DTYPES:
-            raise ValueError(f"bank_dtype must be one of {tuple(BANK_DTYPES)}, got {self.bank_dtype!r}")
+            raise ValueError(
+                f"bank_dtype must be one of {tuple(BANK_DTYPES)}, got {self.bank_dtype!r}"
+            )
 
     @property
     def n_routed(self) -> int:
@@ -160,11 +179,18 @@ class MoCConfig:
             raise ValueError(f"moc.n_kv_heads {kv_heads} must divide the memory heads {heads}")
         attn_dim = self.rank if self.low_rank == "reduced" else d_model
         if attn_dim % heads:
-            raise ValueError(f"moc: the memory attention width {attn_dim} must be a multiple of the "
-                             f"{heads} memory heads")
+            raise ValueError(
+                f"moc: the memory attention width {attn_dim} must be a multiple of the "
+                f"{heads} memory heads"
+            )
         head_dim = attn_dim // heads
-        return MoCGeometry(n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim,
-                           mem_dim=attn_dim, stored_dim=self.rank or d_model)
+        return MoCGeometry(
+            n_heads=heads,
+            n_kv_heads=kv_heads,
+            head_dim=head_dim,
+            mem_dim=attn_dim,
+            stored_dim=self.rank or d_model,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,7 +218,8 @@ class Routing(NamedTuple):
 
 
 def route(logits: Tensor, *, n_shared: int, top_k: int, routed_scaling: float) -> Routing:
-    """Sequence-level top-k routing with always-on shared chapters. logits (B, C) over all chapters."""
+    """Sequence-level top-k routing with always-on shared chapters. logits (B, C) over all
+    chapters."""
     batch = logits.shape[0]
     probs = logits[:, n_shared:].softmax(dim=-1)  # (B, C_r)
     top_p, routed = probs.topk(top_k, dim=-1)  # (B, k)
@@ -208,7 +235,9 @@ def load_balance_loss(probs: Tensor, routed: Tensor) -> Tensor:
     batch, n = probs.shape
     k = routed.shape[1]
     counts = torch.zeros(n, dtype=probs.dtype, device=probs.device)
-    counts.scatter_add_(0, routed.flatten(), torch.ones(routed.numel(), dtype=probs.dtype, device=probs.device))
+    counts.scatter_add_(
+        0, routed.flatten(), torch.ones(routed.numel(), dtype=probs.dtype, device=probs.device)
+    )
     f = counts * (n / (k * batch))  # (C_r,)
     return (f * probs.mean(dim=0)).sum()
 
@@ -228,8 +257,15 @@ def read_modes(weight_mode: str) -> tuple[str, ...]:
     return READS if weight_mode == "bias" else ("fused", "gather")
 
 
-def _memory_read(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor, weights: Tensor,
-                 weight_mode: str, read: str) -> Tensor:
+def _memory_read(
+    q: Tensor,
+    bank_k: Tensor,
+    bank_v: Tensor,
+    block_idx: Tensor,
+    weights: Tensor,
+    weight_mode: str,
+    read: str,
+) -> Tensor:
     """q (B, H, S, D); bank_k/bank_v (U, T, H_kv, D); block_idx, weights (B, n) → (B, H, S, D).
 
     The one place a memory layer calls a memory-attention path (kernels/memory_attention), chosen
@@ -238,8 +274,9 @@ def _memory_read(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor, w
     gradient is dense and small; the latent bank's own gradient is sparse through `LatentBank`'s
     gather."""
     if read == "fused":
-        return memory_attention(q, bank_k, bank_v, block_idx, weights, weight_mode=weight_mode,
-                                sparse_grad=False)
+        return memory_attention(
+            q, bank_k, bank_v, block_idx, weights, weight_mode=weight_mode, sparse_grad=False
+        )
     if read == "gather":
         return memory_attention_sdpa(q, bank_k, bank_v, block_idx, weights, weight_mode=weight_mode)
     if read == "flex":
@@ -278,7 +315,11 @@ def bank_bytes(cfg: MoCConfig, d_model: int) -> int:
     values = cfg.n_chapters * cfg.tokens_per_chapter * (cfg.rank or d_model)
     per = values * BANK_DTYPES[cfg.bank_dtype]
     if cfg.bank_dtype in ("int8", "int4"):
-        per += 4 * cfg.n_chapters * math.ceil(cfg.tokens_per_chapter * (cfg.rank or d_model) / QUANT_GROUP)
+        per += (
+            4
+            * cfg.n_chapters
+            * math.ceil(cfg.tokens_per_chapter * (cfg.rank or d_model) / QUANT_GROUP)
+        )
     if cfg.low_rank == "factorized":
         per += 4 * cfg.rank * d_model
     return int(per) * (1 if cfg.shared_bank else len(cfg.layers))
@@ -296,7 +337,9 @@ class LatentBank(nn.Module):
         self.cfg = cfg
         stored = cfg.rank or d_model
         self.weight = nn.Parameter(torch.empty(cfg.n_chapters, cfg.tokens_per_chapter * stored))
-        self.up = nn.Parameter(torch.empty(cfg.rank, d_model)) if cfg.low_rank == "factorized" else None
+        self.up = (
+            nn.Parameter(torch.empty(cfg.rank, d_model)) if cfg.low_rank == "factorized" else None
+        )
         self.reset_parameters()
 
     @torch.no_grad()
@@ -307,8 +350,11 @@ class LatentBank(nn.Module):
             nn.init.normal_(self.up, std=self.cfg.rank**-0.5)
 
     def forward(self, chapters: Tensor) -> Tensor:
-        """chapters (U,) → their tokens (U, T, m_out); the table's gradient is sparse over `chapters`."""
-        rows = quantise(F.embedding(chapters, self.weight, sparse=True), self.cfg.bank_dtype)  # (U, T·m)
+        """chapters (U,) → their tokens (U, T, m_out); the table's gradient is sparse over
+        `chapters`."""
+        rows = quantise(
+            F.embedding(chapters, self.weight, sparse=True), self.cfg.bank_dtype
+        )  # (U, T·m)
         tokens = rows.unflatten(-1, (self.cfg.tokens_per_chapter, -1))  # (U, T, m)
         return tokens if self.up is None else tokens @ self.up.to(tokens.dtype)
 
@@ -326,8 +372,15 @@ def bank_for(banks: nn.ModuleDict, layer: int) -> LatentBank:
 class MoCLayer(nn.Module):
     """Router + memory cross-attention for one block; forward returns the residual update."""
 
-    def __init__(self, cfg: MoCConfig, *, d_model: int, n_layers: int, anchor_heads: int,
-                 norm_eps: float = 1e-5) -> None:
+    def __init__(
+        self,
+        cfg: MoCConfig,
+        *,
+        d_model: int,
+        n_layers: int,
+        anchor_heads: int,
+        norm_eps: float = 1e-5,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         g = cfg.geometry(d_model=d_model, n_layers=n_layers, anchor_heads=anchor_heads)
@@ -354,8 +407,10 @@ class MoCLayer(nn.Module):
     @read.setter
     def read(self, mode: str) -> None:
         if mode not in read_modes(self.cfg.weight_mode):
-            raise ValueError(f"MoC read {mode!r} is not one of {read_modes(self.cfg.weight_mode)} "
-                             f"(weight_mode {self.cfg.weight_mode!r})")
+            raise ValueError(
+                f"MoC read {mode!r} is not one of {read_modes(self.cfg.weight_mode)} "
+                f"(weight_mode {self.cfg.weight_mode!r})"
+            )
         self._read = mode
 
     @torch.no_grad()
@@ -375,12 +430,19 @@ class MoCLayer(nn.Module):
             logits = self.router(x.float().mean(dim=1))  # (B, C)
         if self.blocked is not None:
             if self.training:
-                raise RuntimeError("MoCLayer.blocked is an inference-time experiment; unset it to train")
+                raise RuntimeError(
+                    "MoCLayer.blocked is an inference-time experiment; unset it to train"
+                )
             ids = self.blocked.tolist()
-            if any(i < c.n_shared or i >= c.n_chapters for i in ids) or len(set(ids)) > c.n_routed - c.top_k:
-                raise ValueError(f"blocked chapters {ids}: only routed chapters (ids {c.n_shared}.."
-                                 f"{c.n_chapters - 1}) can be blocked, and at most n_routed - top_k = "
-                                 f"{c.n_routed - c.top_k} of them")
+            if (
+                any(i < c.n_shared or i >= c.n_chapters for i in ids)
+                or len(set(ids)) > c.n_routed - c.top_k
+            ):
+                raise ValueError(
+                    f"blocked chapters {ids}: only routed chapters (ids {c.n_shared}.."
+                    f"{c.n_chapters - 1}) can be blocked, and at most n_routed - top_k = "
+                    f"{c.n_routed - c.top_k} of them"
+                )
             logits = logits.index_fill(1, self.blocked.to(logits.device), float("-inf"))
         r = route(logits, n_shared=c.n_shared, top_k=c.top_k, routed_scaling=c.routed_scaling)
         self.last_aux = {"load_balance": load_balance_loss(r.probs, r.routed), "z": z_loss(logits)}
@@ -397,15 +459,21 @@ class MoCLayer(nn.Module):
             mem = F.rms_norm(mem, (mem.shape[-1],), eps=self.cfg.norm_eps)
         bank_k = self.k(mem).unflatten(-1, (g.n_kv_heads, g.head_dim))  # (U, T, H_kv, D)
         bank_v = self.v(mem).unflatten(-1, (g.n_kv_heads, g.head_dim))
-        q = self.q(self.norm(x)).unflatten(-1, (g.n_heads, g.head_dim)).transpose(1, 2)  # (B, H, S, D)
-        out = _memory_read(q, bank_k, bank_v, local, r.weights, self.cfg.weight_mode, self.read)  # (B, H, S, D)
+        q = (
+            self.q(self.norm(x)).unflatten(-1, (g.n_heads, g.head_dim)).transpose(1, 2)
+        )  # (B, H, S, D)
+        out = _memory_read(
+            q, bank_k, bank_v, local, r.weights, self.cfg.weight_mode, self.read
+        )  # (B, H, S, D)
         return self.o(out.transpose(1, 2).flatten(2))
 
     def aux_loss(self) -> Tensor:
         """lb_coef·L_lb + z_coef·L_z of the last forward."""
         if not self.last_aux:
             raise RuntimeError("MoCLayer.aux_loss before any forward")
-        return self.cfg.lb_coef * self.last_aux["load_balance"] + self.cfg.z_coef * self.last_aux["z"]
+        return (
+            self.cfg.lb_coef * self.last_aux["load_balance"] + self.cfg.z_coef * self.last_aux["z"]
+        )
 
 
 def mean_aux_loss(layers: list[MoCLayer]) -> Tensor:

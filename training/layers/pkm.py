@@ -60,7 +60,9 @@ class PKMConfig:
         if self.k > self.n_keys:
             raise ValueError(f"k={self.k} exceeds n_keys={self.n_keys} (top-k per half)")
         if not is_int(self.value_dim) or self.value_dim < 0:
-            raise ValueError(f"value_dim must be an integer >= 0 (0: d_model), got {self.value_dim!r}")
+            raise ValueError(
+                f"value_dim must be an integer >= 0 (0: d_model), got {self.value_dim!r}"
+            )
 
     @property
     def n_slots(self) -> int:
@@ -77,8 +79,12 @@ class PKMConfig:
     def params(self, d_model: int) -> int:
         """Parameters of one memory layer: query, sub-keys, values, gate W_1 and output W_2."""
         vd = self.value_dim or d_model
-        return (d_model * self.heads * self.key_dim + self.heads * self.n_keys * self.key_dim
-                + self.n_slots * vd + 2 * d_model * vd)
+        return (
+            d_model * self.heads * self.key_dim
+            + self.heads * self.n_keys * self.key_dim
+            + self.n_slots * vd
+            + 2 * d_model * vd
+        )
 
     def flops(self, d_model: int, tokens: int) -> int:
         """Forward FLOPs of one memory layer over `tokens` tokens (2 per multiply-add): query
@@ -86,8 +92,14 @@ class PKMConfig:
         per head, gate and output projections. Top-k selections and the softmax are not counted."""
         vd = self.value_dim or d_model
         h, kd, k = self.heads, self.key_dim, self.k
-        per_token = (2 * d_model * h * kd + 2 * h * self.n_keys * kd + h * k * k + 2 * h * k * vd
-                     + 2 * 2 * d_model * vd + vd)
+        per_token = (
+            2 * d_model * h * kd
+            + 2 * h * self.n_keys * kd
+            + h * k * k
+            + 2 * h * k * vd
+            + 2 * 2 * d_model * vd
+            + vd
+        )
         return tokens * per_token
 
 
@@ -124,7 +136,7 @@ class ProductKeyMemory(nn.Module):
         projections are left to the model's own init."""
         kd = self.cfg.key_dim
         nn.init.normal_(self.sub_keys, std=(kd // 2) ** -0.5)
-        nn.init.normal_(self.values.weight, std=self.value_dim ** -0.5)
+        nn.init.normal_(self.values.weight, std=self.value_dim**-0.5)
 
     def _queries(self, x: Tensor) -> Tensor:
         q = self.query(x).unflatten(-1, (self.cfg.heads, self.cfg.key_dim))  # (…, H, kd)
@@ -143,18 +155,27 @@ class ProductKeyMemory(nn.Module):
         idx = (i1[..., :, None] * c.n_keys + i2[..., None, :]).flatten(-2)
         best, pos = cand.topk(c.k, dim=-1)  # (…, H, k)
         slots = idx.gather(-1, pos)
-        return Lookup(indices=slots, weights=torch.softmax(best.float(), -1).to(best.dtype), scores=best)
+        return Lookup(
+            indices=slots, weights=torch.softmax(best.float(), -1).to(best.dtype), scores=best
+        )
 
     def exhaustive_lookup(self, x: Tensor) -> Lookup:
         """The same top-k over all N slots' full keys [C¹_i; C²_j] (a test reference: O(N))."""
         c, kd = self.cfg, self.cfg.key_dim
         q = self._queries(x)
         n = c.n_keys
-        full = torch.cat([self.sub_keys[:, 0][:, :, None, :].expand(-1, n, n, -1),
-                          self.sub_keys[:, 1][:, None, :, :].expand(-1, n, n, -1)], -1)  # (H, n, n, kd)
+        full = torch.cat(
+            [
+                self.sub_keys[:, 0][:, :, None, :].expand(-1, n, n, -1),
+                self.sub_keys[:, 1][:, None, :, :].expand(-1, n, n, -1),
+            ],
+            -1,
+        )  # (H, n, n, kd)
         scores = torch.einsum("...hd,hsd->...hs", q, full.reshape(c.heads, n * n, kd))  # (…, H, N)
         best, slots = scores.topk(c.k, dim=-1)
-        return Lookup(indices=slots, weights=torch.softmax(best.float(), -1).to(best.dtype), scores=best)
+        return Lookup(
+            indices=slots, weights=torch.softmax(best.float(), -1).to(best.dtype), scores=best
+        )
 
     def forward(self, x: Tensor, *, trainable: Tensor | None = None) -> Tensor:
         """x (…, d) → (…, d). trainable: (N,) bool, the slots whose values may receive gradient
