@@ -1,7 +1,7 @@
 """What a training run folder records, read for evaluation.
 
 - Stored paths resolve for a moved run as `training.runfolder` says (`run_config`,
-`resolve_stored`).
+  `resolve_stored`).
 - Epochs: the run's `max_duration` plus, along `anchor_checkpoint`, the runs it started from (the
   demo's co-training run: anchor 2 ep + co-training 5 ep = 7), in epochs over its shards.
 - The demo layout (`memtree demo`): `facts.jsonl` and `heldout.jsonl` beside the pipeline run
