@@ -222,6 +222,29 @@ def forgetting(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float
     }
 
 
+def _run_row(spec, before: dict[str, Any], after: dict[str, Any], **rest: Any) -> dict[str, Any]:
+    """A finetuning run's row of results.json: label, method, spec, the measures after it and its
+    forgetting, then the run kind's own fields (`rest`, in order)."""
+    return {
+        "label": spec.label,
+        "method": spec.method,
+        "spec": to_dict(spec),
+        "after": after,
+        "forgetting": forgetting(before, after),
+        **rest,
+    }
+
+
+def _run_line(row: dict[str, Any]) -> str:
+    """The progress line a finished run prints: learning, old facts and held-out perplexity."""
+    after, f = row["after"], row["forgetting"]
+    return (
+        f"{row['label']}: learned {after['new_accuracy']:.1%}, old facts "
+        f"{after['old_accuracy']:.1%} (−{f['old_drop']:.1f}), held-out ppl "
+        f"{after['perplexity']:.3f} (+{f['ppl_increase_pct']:.1f} %)"
+    )
+
+
 def equal_learning(rows: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
     """The target check: the learning level L every method reaches (the smallest of the methods'
     best new-fact accuracies); per method, its least forgetting (`key`) among configurations
@@ -365,25 +388,17 @@ def run_continual(cfg: ContinualConfig, *, progress: bool = True) -> Path:
         after = measure(rm, new, old, held)
         trained = [v["trained"] for r in res["log"] for k, v in r.items() if k.startswith("layer_")]
         rows.append(
-            {
-                "label": spec.label,
-                "method": spec.method,
-                "spec": to_dict(spec),
-                "after": after,
-                "forgetting": forgetting(before, after),
-                "seconds": res["seconds"],
-                "changed": {k: res["changed"][k] for k in ("elements", "of_elements", "bytes")},
-                "trained_rows_per_step": float(np.mean(trained)) if trained else None,
-                "final_loss": res["log"][-1]["loss"],
-            }
+            _run_row(
+                spec,
+                before,
+                after,
+                seconds=res["seconds"],
+                changed={k: res["changed"][k] for k in ("elements", "of_elements", "bytes")},
+                trained_rows_per_step=float(np.mean(trained)) if trained else None,
+                final_loss=res["log"][-1]["loss"],
+            )
         )
-        f = rows[-1]["forgetting"]
-        print(
-            f"{spec.label}: learned {after['new_accuracy']:.1%}, old facts "
-            f"{after['old_accuracy']:.1%} (−{f['old_drop']:.1f}), held-out ppl "
-            f"{after['perplexity']:.3f} (+{f['ppl_increase_pct']:.1f} %)",
-            flush=True,
-        )
+        print(_run_line(rows[-1]), flush=True)
     model.load_state_dict(pretrained)
     hierarchical = None
     if cfg.block_runs:
@@ -511,27 +526,18 @@ def run_blocks(
         anchor_changed = sum(int((v != pretrained[k]).sum()) for k, v in model.state_dict().items())
         after = measure(rm, new, old, held, paths=paths)
         rows.append(
-            {
-                "label": spec.label,
-                "method": spec.method,
-                "spec": to_dict(spec),
-                "after": after,
-                "forgetting": forgetting(before, after),
-                "seconds": round(seconds, 1),
-                "bank": edits,
-                "anchor_params_changed": anchor_changed,
-                "units_trained_per_step": float(np.mean([r.get("units_trained", 0) for r in log])),
-                "final_loss": log[-1]["loss"],
-            }
+            _run_row(
+                spec,
+                before,
+                after,
+                seconds=round(seconds, 1),
+                bank=edits,
+                anchor_params_changed=anchor_changed,
+                units_trained_per_step=float(np.mean([r.get("units_trained", 0) for r in log])),
+                final_loss=log[-1]["loss"],
+            )
         )
-        f = rows[-1]["forgetting"]
-        print(
-            f"{spec.label}: learned {after['new_accuracy']:.1%}, old facts "
-            f"{after['old_accuracy']:.1%} (−{f['old_drop']:.1f}), held-out ppl "
-            f"{after['perplexity']:.3f} (+{f['ppl_increase_pct']:.1f} %), bank bytes changed "
-            f"{edits['bytes_changed']:,}",
-            flush=True,
-        )
+        print(f"{_run_line(rows[-1])}, bank bytes changed {edits['bytes_changed']:,}", flush=True)
         rm.store.close()
         shutil.rmtree(work, ignore_errors=True)
     model.load_state_dict(pretrained)
