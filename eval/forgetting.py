@@ -71,8 +71,8 @@ def fact_clause(fact: Mapping[str, Any]) -> str:
 def fact_statements(
     facts: Sequence[Mapping[str, Any]], run: str | Path, owner_ids: Sequence[str]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Documents of the pipeline run stating each fact: (owner's, everyone else's), each (n_facts,)
-    int64.
+    """Documents of the pipeline run stating each fact: (owner's, everyone else's), each
+    (n_facts,) int64.
 
     Reads the ingest's texts part by part; a fact is looked for only in documents naming its
     reference, so the cost is (documents × distinct references) substring tests."""

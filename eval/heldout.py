@@ -17,8 +17,8 @@ Z95 = 1.959963984540054
 
 def paired_interval(a: Sequence[bool], b: Sequence[bool], z: float = 1.96) -> dict[str, Any]:
     """Paired difference of two rows' per-probe correctness on the same probes: mean of d = a - b
-    and its normal-approximation interval mean ± z · sd(d) / √n (sample sd, n - 1); None when n <
-    2."""
+    and its normal-approximation interval mean ± z · sd(d) / √n (sample sd, n - 1); None when
+    n < 2."""
     d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
     n = len(d)
     if n == 0:

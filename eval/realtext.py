@@ -307,8 +307,8 @@ def score_runs(
     held_key: str = "",
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Every run's held-out rows: {"rows": [{name, run, mode, nll, perplexity, tokens}], "paired":
-    …}.
+    """Every run's held-out rows: {"rows": [{name, run, mode, nll, perplexity, tokens}],
+    "paired": …}.
 
     held_key: names the held-out documents (e.g. their file's digest); with it each run's
     per-document sums are kept in its folder (SCORES_FILE) and reused while the run, the documents,

@@ -1,5 +1,5 @@
-"""Long-context perplexity of a frozen LM with CAMELoT and its baselines (seed 001, Table 2 / Fig.
-3).
+"""Long-context perplexity of a frozen LM with CAMELoT and its baselines (seed 001, Table 2 /
+Fig. 3).
 
 `longctx_eval(model, docs, methods=[...], window=L)` runs every long document through the frozen
 model window by window (`training.camelot.longdoc.longdoc_token_nll`) once per method:

@@ -1,5 +1,5 @@
-"""`memtree eval continual`: learning new facts in sequence without forgetting (seed 003 §5.1, Figs.
-3, 5).
+"""`memtree eval continual`: learning new facts in sequence without forgetting (seed 003 §5.1,
+Figs. 3, 5).
 
 The experiment. A model whose middle FFN is a product-key memory layer is pretrained on a bios
 demo run's shards (`ROOT/train/pkm`, trained here when missing, like any `memtree train` run) and
