@@ -51,7 +51,9 @@ def blocked(layers: Sequence[MoCLayer], chapters: Sequence[Sequence[int]]) -> It
             layer.blocked = None
 
 
-def routed_counts(rm: RunModel, probes: Sequence[dict[str, Any]], layers: Sequence[MoCLayer]) -> np.ndarray:
+def routed_counts(
+    rm: RunModel, probes: Sequence[dict[str, Any]], layers: Sequence[MoCLayer]
+) -> np.ndarray:
     """(layers, n_chapters) how often each chapter was picked by the routed top-k (shared chapters
     excluded) over the probes' scored sequences."""
     n = layers[0].cfg.n_chapters
@@ -62,6 +64,7 @@ def routed_counts(rm: RunModel, probes: Sequence[dict[str, Any]], layers: Sequen
             r = layer.last_routing
             routed = (r.routed + layer.cfg.n_shared).reshape(-1).cpu().numpy()
             counts[i] += np.bincount(routed, minlength=n)
+
         return record
 
     with attached([(layer, hook(i)) for i, layer in enumerate(layers)]):
@@ -69,16 +72,24 @@ def routed_counts(rm: RunModel, probes: Sequence[dict[str, Any]], layers: Sequen
     return counts
 
 
-def chapter_blocking_eval(rm: RunModel, probes: Sequence[dict[str, Any]], *, target_domains: Sequence[str],
-                          fraction: float, seed: int = 0) -> dict[str, Any]:
+def chapter_blocking_eval(
+    rm: RunModel,
+    probes: Sequence[dict[str, Any]],
+    *,
+    target_domains: Sequence[str],
+    fraction: float,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Accuracy of the target domains' probes and of the others before and after blocking the
     chapters the target's sequences pick most (adversarial) and as many random other chapters."""
     layers = moc_layers(rm)
     cfg = layers[0].cfg
     n_block = max(1, round(fraction * cfg.n_routed))
     if n_block > cfg.n_routed - cfg.top_k:
-        raise ValueError(f"blocking {n_block} of {cfg.n_routed} routed chapters leaves fewer than top_k "
-                         f"{cfg.top_k} to pick")
+        raise ValueError(
+            f"blocking {n_block} of {cfg.n_routed} routed chapters leaves fewer than top_k "
+            f"{cfg.top_k} to pick"
+        )
     target = np.asarray([p.get("domain") in set(target_domains) for p in probes])
     if not target.any():
         raise ValueError(f"no probe belongs to the target domains {list(target_domains)}")
@@ -92,18 +103,31 @@ def chapter_blocking_eval(rm: RunModel, probes: Sequence[dict[str, Any]], *, tar
 
     counts = routed_counts(rm, [p for p, t in zip(probes, target, strict=True) if t], layers)
     routed_ids = np.arange(cfg.n_shared, cfg.n_chapters)
-    adversarial = [routed_ids[np.argsort(-c[cfg.n_shared:], kind="stable")[:n_block]].tolist() for c in counts]
+    adversarial = [
+        routed_ids[np.argsort(-c[cfg.n_shared :], kind="stable")[:n_block]].tolist() for c in counts
+    ]
     rng = np.random.default_rng(seed)
-    rand = [sorted(rng.choice(np.setdiff1d(routed_ids, adv), n_block, replace=False).tolist())
-            for adv in adversarial]
+    rand = [
+        sorted(rng.choice(np.setdiff1d(routed_ids, adv), n_block, replace=False).tolist())
+        for adv in adversarial
+    ]
     base = score()
     result: dict[str, Any] = {
-        "fraction": n_block / cfg.n_routed, "chapters_blocked_per_layer": n_block, "n_routed": cfg.n_routed,
-        "top_k": cfg.top_k, "target_domains": list(target_domains), "n_target": int(target.sum()),
-        "n_other": int((~target).sum()), "settings": {}}
+        "fraction": n_block / cfg.n_routed,
+        "chapters_blocked_per_layer": n_block,
+        "n_routed": cfg.n_routed,
+        "top_k": cfg.top_k,
+        "target_domains": list(target_domains),
+        "n_target": int(target.sum()),
+        "n_other": int((~target).sum()),
+        "settings": {},
+    }
     for name, chosen in (("adversarial", adversarial), ("random", rand)):
         total = counts.sum(axis=1)
-        share = [float(c[ids].sum() / t) if t else 0.0 for c, ids, t in zip(counts, chosen, total, strict=True)]
+        share = [
+            float(c[ids].sum() / t) if t else 0.0
+            for c, ids, t in zip(counts, chosen, total, strict=True)
+        ]
         with blocked(layers, chosen):
             ok = score()
         result["settings"][name] = {

@@ -37,6 +37,7 @@ def check_demo_root(root: str, cmd: str, files: tuple[str, ...]) -> None:
     """A bios demo run's ROOT: each file the command reads, named when missing."""
     missing = [f for f in files if not (Path(root) / f).exists()]
     if missing:
-        raise FileNotFoundError(f"{cmd} ROOT {root}: no {', '.join(missing)} there (ROOT is a bios demo run: "
-                                "memtree demo's --root)")
-
+        raise FileNotFoundError(
+            f"{cmd} ROOT {root}: no {', '.join(missing)} there (ROOT is a bios demo run: "
+            "memtree demo's --root)"
+        )

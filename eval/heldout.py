@@ -16,8 +16,9 @@ Z95 = 1.959963984540054
 
 
 def paired_interval(a: Sequence[bool], b: Sequence[bool], z: float = 1.96) -> dict[str, Any]:
-    """Paired difference of two rows' per-probe correctness on the same probes: mean of d = a - b and
-    its normal-approximation interval mean ± z · sd(d) / √n (sample sd, n - 1); None when n < 2."""
+    """Paired difference of two rows' per-probe correctness on the same probes: mean of d = a - b
+    and its normal-approximation interval mean ± z · sd(d) / √n (sample sd, n - 1); None when
+    n < 2."""
     d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
     n = len(d)
     if n == 0:
@@ -29,9 +30,12 @@ def paired_interval(a: Sequence[bool], b: Sequence[bool], z: float = 1.96) -> di
     return {"n": n, "diff": mean, "ci95": [mean - half, mean + half]}
 
 
-def heldout_windows(rm: RunModel, docs: Sequence[dict[str, Any]], window_tokens: int) -> list[dict[str, Any]]:
+def heldout_windows(
+    rm: RunModel, docs: Sequence[dict[str, Any]], window_tokens: int
+) -> list[dict[str, Any]]:
     """Each document's tokens cut into windows of ≤ window_tokens: {"doc": index, "ids", "text"}.
-    Windows shorter than 2 tokens score nothing and are left out (counted by `score_run`'s caller)."""
+    Windows shorter than 2 tokens score nothing and are left out (counted by `score_run`'s
+    caller)."""
     limit = min(window_tokens, rm.max_seq_len)
     out = []
     for i, d in enumerate(docs):
@@ -45,8 +49,14 @@ def heldout_windows(rm: RunModel, docs: Sequence[dict[str, Any]], window_tokens:
     return out
 
 
-def window_nll(rm: RunModel, windows: Sequence[dict[str, Any]], *, mode: str, paths: np.ndarray | None,
-               batch_size: int = 16) -> np.ndarray:
+def window_nll(
+    rm: RunModel,
+    windows: Sequence[dict[str, Any]],
+    *,
+    mode: str,
+    paths: np.ndarray | None,
+    batch_size: int = 16,
+) -> np.ndarray:
     """Σ −log p over each window's tokens after the first: (n_windows,) float64."""
     out = np.zeros(len(windows))
     for s in range(0, len(windows), batch_size):
@@ -57,7 +67,9 @@ def window_nll(rm: RunModel, windows: Sequence[dict[str, Any]], *, mode: str, pa
     return out
 
 
-def per_doc(windows: Sequence[dict[str, Any]], nll: np.ndarray, n_docs: int) -> tuple[np.ndarray, np.ndarray]:
+def per_doc(
+    windows: Sequence[dict[str, Any]], nll: np.ndarray, n_docs: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(Σ nll, tokens scored) per document."""
     doc = np.array([w["doc"] for w in windows])
     tok = np.array([len(w["ids"]) - 1 for w in windows], dtype=np.float64)

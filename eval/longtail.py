@@ -26,8 +26,17 @@ from memtree.io import iter_jsonl
 
 # Exposure buckets (inclusive lower bound, exclusive upper bound): how many times training saw a
 # statement of the fact. Doubling widths, so the top bucket holds only the most frequent facts.
-BUCKETS: tuple[tuple[int, int], ...] = ((0, 1), (1, 2), (2, 4), (4, 8), (8, 16), (16, 32), (32, 64),
-                                        (64, 128), (128, 10**9))
+BUCKETS: tuple[tuple[int, int], ...] = (
+    (0, 1),
+    (1, 2),
+    (2, 4),
+    (4, 8),
+    (8, 16),
+    (16, 32),
+    (32, 64),
+    (64, 128),
+    (128, 10**9),
+)
 
 
 def bucket_label(lo: int, hi: int) -> str:
@@ -46,8 +55,14 @@ def load_facts(path: str | Path) -> list[dict[str, Any]]:
     return facts
 
 
-def build_probes(facts: Sequence[dict[str, Any]], *, n_distractors: int = 3, seed: int = 0,
-                 min_mentions: int = 0, epochs: float = 1.0) -> list[dict[str, Any]]:
+def build_probes(
+    facts: Sequence[dict[str, Any]],
+    *,
+    n_distractors: int = 3,
+    seed: int = 0,
+    min_mentions: int = 0,
+    epochs: float = 1.0,
+) -> list[dict[str, Any]]:
     """One multiple-choice probe per fact that has enough distinct distractor values.
 
     Distractors come from the fact's closed value set (`values`, as the bios corpus writes it)
@@ -73,17 +88,19 @@ def build_probes(facts: Sequence[dict[str, Any]], *, n_distractors: int = 3, see
             continue
         choices = rng.sample(others, n_distractors) + [f["value"]]
         rng.shuffle(choices)
-        probes.append({
-            "context": f"The {f['label']} of {f['reference']} is",
-            "exposures": round(f["mentions"] * epochs),
-            "choices": choices,
-            "gold": choices.index(f["value"]),
-            "mentions": int(f["mentions"]),
-            "domain": f.get("domain"),
-            "topic": f.get("topic"),
-            "entity": f.get("entity"),
-            "attribute": f["attribute"],
-        })
+        probes.append(
+            {
+                "context": f"The {f['label']} of {f['reference']} is",
+                "exposures": round(f["mentions"] * epochs),
+                "choices": choices,
+                "gold": choices.index(f["value"]),
+                "mentions": int(f["mentions"]),
+                "domain": f.get("domain"),
+                "topic": f.get("topic"),
+                "entity": f.get("entity"),
+                "attribute": f["attribute"],
+            }
+        )
     return probes
 
 
@@ -91,15 +108,22 @@ def exposure(p: dict[str, Any]) -> int:
     return int(p.get("exposures", p["mentions"]))
 
 
-def accuracy_by_bucket(probes: Sequence[dict[str, Any]], predictions: Sequence[int]) -> list[dict[str, Any]]:
+def accuracy_by_bucket(
+    probes: Sequence[dict[str, Any]], predictions: Sequence[int]
+) -> list[dict[str, Any]]:
     """Per exposure bucket: n, accuracy and its 95 % Wilson interval."""
     rows = []
     for lo, hi in BUCKETS:
         idx = [i for i, p in enumerate(probes) if lo <= exposure(p) < hi]
         correct = sum(int(predictions[i] == probes[i]["gold"]) for i in idx)
-        rows.append({"bucket": bucket_label(lo, hi), "n": len(idx),
-                     "accuracy": correct / len(idx) if idx else None,
-                     "ci95": list(wilson(correct, len(idx))) if idx else None})
+        rows.append(
+            {
+                "bucket": bucket_label(lo, hi),
+                "n": len(idx),
+                "accuracy": correct / len(idx) if idx else None,
+                "ci95": list(wilson(correct, len(idx))) if idx else None,
+            }
+        )
     return rows
 
 

@@ -17,7 +17,8 @@ epochs), into ROOT/train/memories/<row>, reused only when trained from the same 
   fetched width per layer, which gives exactly the parameters (and forward FLOPs) of anchor +
   fetched FFN memory, since an FFN memory block is extra SwiGLU hidden units;
 - `moc`: the anchor with Mixture-of-Chapters memory layers (`training/layers/moc.py`);
-- `pkm`: the anchor with a product-key memory layer in place of its middle FFN (`training/layers/pkm.py`).
+- `pkm`: the anchor with a product-key memory layer in place of its middle FFN
+  (`training/layers/pkm.py`).
   Both are sized to the fetched memory's active parameters per token (what a token reads besides
   the anchor: the fetched blocks; MoC's memory layers plus its selected chapters; PKM's query,
   sub-keys, k values per head and in/out projections), solving one knob when the grid leaves it
@@ -31,8 +32,8 @@ per exposure bucket (`paired_interval`). Accounting per row: total and runtime p
 active parameters, training FLOPs (`training.flops`, forward × 3 per trained sequence) and wall
 time, inference FLOPs per token, bytes fetched per query and whether blocking is possible; the
 fetched row carries the demo's subtree-blocking figures and MoC rows run the chapters' analogue
-(`eval.chapter_blocking`) on the same target domain and share. The report (JSON, markdown, PNG) is
-written by `eval.memories_report`.
+(`eval.chapter_blocking`) on the same target domain and share. The trained rows' sizes are solved by
+`eval.memories_sizes`; the report (JSON, markdown, PNG) is written by `eval.memories_report`.
 """
 
 from __future__ import annotations
@@ -53,10 +54,18 @@ from memtree.eval.demo import shards_fingerprint, train_once
 from memtree.eval.heldout import paired_interval
 from memtree.eval.knowledge import knowledge_eval, load_eval_inputs
 from memtree.eval.longtail import BUCKETS, bucket_label, exposure
+from memtree.eval.memories_sizes import (
+    dense_shape,
+    fetched_widths,
+    moc_active_params,
+    pkm_active_params,
+    size_moc,
+    size_pkm,
+)
 from memtree.eval.model import RunModel
 from memtree.eval.rag import RagIndex
 from memtree.eval.runinfo import duration_epochs, resolve_stored, run_config
-from memtree.geometry import AnchorShape, Plan, layer_widths, plan
+from memtree.geometry import AnchorShape, Plan, plan
 from memtree.io import read_json
 from memtree.pipeline.corpus.bios import BiosSpec
 from memtree.training.config import TrainConfig
@@ -83,10 +92,14 @@ BLOCKING = {
     "rag": "yes: drop the subtree's windows from the datastore",
     "rag+fetched": "yes: both of the above",
     "dense": "no: the knowledge is spread over shared weights",
-    "moc": ("analogue only: mask chapters out of the router's top-k; chapters are learned by routing, not "
-            "aligned with the tree's clusters, so no set of chapters is known to hold a domain"),
-    "pkm": ("analogue only: mask memory slots; slots are chosen per token by key similarity, so no set of "
-            "slots is known to hold a domain"),
+    "moc": (
+        "analogue only: mask chapters out of the router's top-k; chapters are learned by routing, "
+        "not aligned with the tree's clusters, so no set of chapters is known to hold a domain"
+    ),
+    "pkm": (
+        "analogue only: mask memory slots; slots are chosen per token by key similarity, so no set "
+        "of slots is known to hold a domain"
+    ),
 }
 
 
@@ -95,13 +108,14 @@ class MemoryRow:
     """One row of the grid. name: its label (a folder name under ROOT/train/memories for trained
     rows); kind: demo | dense | moc | pkm; setting (demo): none | generic | fetched | rag |
     rag+fetched; size (dense): 1x | 2x | runtime; moc / pkm: `training.layers.moc.MoCConfig` /
-    `training.layers.pkm.PKMConfig` fields, `tokens_per_chapter` / `k` left out to size the memory to the
-    fetched memory's active parameters; train: training overrides for this row, after the grid's;
-    budget (trained rows): `steps`, the demo's duration (the same tokens and steps as the fetched row), or
-    `flops`, as many batches as give the fetched row's training FLOPs (`training.flops`); bank (moc / pkm):
-    `active`, only the active parameters matched to the fetched memory's, or `total`, also the model's total
-    parameters matched to anchor + the fetched row's whole bank (n_chapters / n_keys solved at the
-    active-matched tokens_per_chapter / k; the active parameters then come out above the fetched memory's)."""
+    `training.layers.pkm.PKMConfig` fields, `tokens_per_chapter` / `k` left out to size the memory
+    to the fetched memory's active parameters; train: training overrides for this row, after the
+    grid's; budget (trained rows): `steps`, the demo's duration (the same tokens and steps as the
+    fetched row), or `flops`, as many batches as give the fetched row's training FLOPs
+    (`training.flops`); bank (moc / pkm): `active`, only the active parameters matched to the
+    fetched memory's, or `total`, also the model's total parameters matched to anchor + the fetched
+    row's whole bank (n_chapters / n_keys solved at the active-matched tokens_per_chapter / k; the
+    active parameters then come out above the fetched memory's)."""
 
     name: str
     kind: str
@@ -116,28 +130,44 @@ class MemoryRow:
     def __post_init__(self) -> None:
         where = f"rows.{self.name}"
         if not re.fullmatch(r"[A-Za-z0-9_.+-]+", self.name):
-            raise ConfigError(f"{where}: name must be letters, digits and _ . + - (it names a folder)")
+            raise ConfigError(
+                f"{where}: name must be letters, digits and _ . + - (it names a folder)"
+            )
         if self.kind not in KINDS:
             raise ConfigError(f"{where}.kind: {self.kind!r} is not one of {list(KINDS)}")
         for kind, key in _OWNER.items():
             if kind != self.kind and getattr(self, key):
-                raise ConfigError(f"{where}.{key}: only for kind {kind} rows (this row is kind {self.kind})")
+                raise ConfigError(
+                    f"{where}.{key}: only for kind {kind} rows (this row is kind {self.kind})"
+                )
         if self.kind == "demo" and self.setting not in DEMO_SETTINGS:
-            raise ConfigError(f"{where}.setting: {self.setting!r} is not one of {list(DEMO_SETTINGS)}")
+            raise ConfigError(
+                f"{where}.setting: {self.setting!r} is not one of {list(DEMO_SETTINGS)}"
+            )
         if self.kind == "dense" and self.size not in DENSE_SIZES:
             raise ConfigError(f"{where}.size: {self.size!r} is not one of {list(DENSE_SIZES)}")
         if self.kind == "demo" and self.train:
-            raise ConfigError(f"{where}.train: a demo row reuses the demo's runs and trains nothing")
+            raise ConfigError(
+                f"{where}.train: a demo row reuses the demo's runs and trains nothing"
+            )
         if self.bank not in BANKS:
             raise ConfigError(f"{where}.bank: {self.bank!r} is not one of {list(BANKS)}")
         if self.bank == "total" and self.kind not in ("moc", "pkm"):
-            raise ConfigError(f"{where}.bank: total is for moc and pkm rows (this row is kind {self.kind})")
+            raise ConfigError(
+                f"{where}.bank: total is for moc and pkm rows (this row is kind {self.kind})"
+            )
         if self.budget not in BUDGETS:
             raise ConfigError(f"{where}.budget: {self.budget!r} is not one of {list(BUDGETS)}")
         if self.budget != "steps" and self.kind == "demo":
-            raise ConfigError(f"{where}.budget: a demo row reuses the demo's runs and trains nothing")
-        if self.budget == "flops" and any(o.split("=", 1)[0].strip() == "max_duration" for o in self.train):
-            raise ConfigError(f"{where}: budget flops sets max_duration; drop max_duration from train")
+            raise ConfigError(
+                f"{where}.budget: a demo row reuses the demo's runs and trains nothing"
+            )
+        if self.budget == "flops" and any(
+            o.split("=", 1)[0].strip() == "max_duration" for o in self.train
+        ):
+            raise ConfigError(
+                f"{where}: budget flops sets max_duration; drop max_duration from train"
+            )
         if self.kind == "moc":
             from_dict(MoCConfig, {"tokens_per_chapter": 1, **self.moc}, where=f"{where}.moc")
         if self.kind == "pkm":
@@ -165,12 +195,20 @@ class MemoriesConfig:
 
     def __post_init__(self) -> None:
         names = [r.name for r in self.rows]
-        check_selection(names, self.select, key="rows", flag="--rows", noun="row",
-                        empty="no row to run (eval/yamls/memories.yaml lists them)")
+        check_selection(
+            names,
+            self.select,
+            key="rows",
+            flag="--rows",
+            noun="row",
+            empty="no row to run (eval/yamls/memories.yaml lists them)",
+        )
         ref = next((r for r in self.rows if r.name == self.reference), None)
         if ref is None or ref.kind != "demo" or ref.setting not in ("generic", "fetched", "none"):
-            raise ConfigError(f"reference: {self.reference!r} must name a demo row scored without RAG "
-                              f"(the grid's rows: {names})")
+            raise ConfigError(
+                f"reference: {self.reference!r} must name a demo row scored without RAG "
+                f"(the grid's rows: {names})"
+            )
         if not is_int(self.max_probes) or self.max_probes < 0:
             raise ConfigError(f"max_probes must be an integer >= 0, got {self.max_probes!r}")
 
@@ -180,11 +218,14 @@ class MemoriesConfig:
         return [r for r in self.rows if r.name in keep]
 
 
-def load_memories_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> MemoriesConfig:
+def load_memories_config(
+    path: str | Path | None = None, overrides: Sequence[str] = ()
+) -> MemoriesConfig:
     return load_config(MemoriesConfig, str(path or DEFAULT_YAML), list(overrides))
 
 
-# -- the demo's runs ---------------------------------------------------------------------------------
+# -- the demo's runs -------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class DemoRuns:
@@ -209,8 +250,10 @@ class DemoRuns:
     def duration(self) -> str:
         """The demo's whole training (anchor + co-training) as one Composer duration: epochs when
         both stages count whole epochs, else batches at the co-training's batch size."""
-        if all(str(c.max_duration).strip().endswith("ep") for c in (self.anchor_cfg, self.cfg)) \
-                and float(self.epochs).is_integer():
+        if (
+            all(str(c.max_duration).strip().endswith("ep") for c in (self.anchor_cfg, self.cfg))
+            and float(self.epochs).is_integer()
+        ):
             return f"{int(self.epochs)}ep"
         return f"{max(1, round(self.epochs * self.n_samples / self.cfg.data.batch_size))}ba"
 
@@ -221,120 +264,39 @@ def open_demo(root: str | Path) -> DemoRuns:
     cotrain = root / "train" / "cotrain"
     cfg = run_config(cotrain)
     if not cfg.memory.multipliers or not cfg.anchor_checkpoint:
-        raise ValueError(f"{cotrain}: not a co-training run with hierarchical memory continuing an anchor run "
-                         "(memory.multipliers, anchor_checkpoint); run `memtree demo` for ROOT")
-    anchor_dir = resolve_stored(cotrain, "anchor_checkpoint", cfg.anchor_checkpoint, must="memtree_config.json")
+        raise ValueError(
+            f"{cotrain}: not a co-training run with hierarchical memory continuing an anchor run "
+            "(memory.multipliers, anchor_checkpoint); run `memtree demo` for ROOT"
+        )
+    anchor_dir = resolve_stored(
+        cotrain, "anchor_checkpoint", cfg.anchor_checkpoint, must="memtree_config.json"
+    )
     anchor_cfg = run_config(anchor_dir)
     manifest = read_shards_manifest(cfg.data.shards)
     shape = cfg.anchor_shape(tokenizer_vocab_size(cfg.data.shards, manifest))
     mem = cfg.memory.geometry(int(manifest["branching"]))
     epochs = [duration_epochs(c.max_duration, c) for c in (anchor_cfg, cfg)]
     if None in epochs:
-        raise ValueError(f"{cotrain}: the demo's durations ({anchor_cfg.max_duration}, {cfg.max_duration}) are not "
-                         "countable in epochs")
+        raise ValueError(
+            f"{cotrain}: the demo's durations ({anchor_cfg.max_duration}, {cfg.max_duration}) are "
+            "not countable in epochs"
+        )
     n_samples = sum(int(s["n_samples"]) for s in manifest["streams"])
-    return DemoRuns(root=root, cotrain=cotrain, cfg=cfg, anchor_cfg=anchor_cfg, shape=shape, plan=plan(shape, mem),
-                    seq_len=int(manifest["seq_len"]), n_samples=n_samples, anchor_epochs=epochs[0],
-                    cotrain_epochs=epochs[1])
+    return DemoRuns(
+        root=root,
+        cotrain=cotrain,
+        cfg=cfg,
+        anchor_cfg=anchor_cfg,
+        shape=shape,
+        plan=plan(shape, mem),
+        seq_len=int(manifest["seq_len"]),
+        n_samples=n_samples,
+        anchor_epochs=epochs[0],
+        cotrain_epochs=epochs[1],
+    )
 
 
-# -- sizes -------------------------------------------------------------------------------------------
-
-def fetched_widths(p: Plan) -> dict[int, int]:
-    """Per layer, the FFN hidden units all fetched blocks add (every level's block together)."""
-    if p.memory.type != "ffn":
-        raise ValueError(f"memory.type {p.memory.type!r}: only FFN memories are compared here")
-    out: dict[int, int] = {}
-    for m in p.memory.multipliers:
-        for layer, w in layer_widths(p.anchor, p.memory, m).items():
-            out[layer] = out.get(layer, 0) + w
-    return out
-
-
-def dense_shape(anchor: AnchorShape, p: Plan, size: str) -> AnchorShape:
-    """`1x`: the anchor's own shape; `2x`: the anchor's blocks repeated until the model has ≥ 2× the
-    anchor's parameters; `runtime`: every FFN widened by the fetched width per layer (= anchor +
-    fetched parameters)."""
-    if size == "1x":
-        return dataclasses.replace(anchor, name="dense-1x")
-    if size == "2x":
-        n = anchor.n_layers
-        while dataclasses.replace(anchor, n_layers=n).params() < 2 * anchor.params():
-            n += 1
-        return dataclasses.replace(anchor, name=f"dense-{n}l", n_layers=n)
-    widths = set(fetched_widths(p).values())
-    if len(widths) != 1 or len(fetched_widths(p)) != anchor.n_layers:
-        raise ValueError(f"size runtime needs the same memory width on every layer, got {fetched_widths(p)}")
-    ffn = anchor.ffn_dim + widths.pop()
-    return dataclasses.replace(anchor, name=f"dense-ffn{ffn}", ffn_dim=ffn)
-
-
-def moc_active_params(anchor: AnchorShape, moc: MoCConfig) -> int:
-    """Memory parameters a token reads in MoC layers: their own weights (router, W_Q, W_K, W_V, W_O,
-    norms, variation 2's MLP) and the selected chapters' bank tokens (a factorised bank's B too)."""
-    p = moc_params(anchor, moc)
-    g = moc.geometry(d_model=anchor.d_model, n_layers=anchor.n_layers, anchor_heads=anchor.n_heads)
-    banks = 1 if moc.shared_bank else len(moc.layers)
-    read = moc.n_selected * moc.tokens_per_chapter * g.stored_dim
-    read += moc.rank * anchor.d_model if moc.low_rank == "factorized" else 0
-    return p["layers"] + p["kv"] + banks * read
-
-
-def pkm_active_params(anchor: AnchorShape, pkm: PKMConfig) -> int:
-    """Memory parameters a token reads in product-key layers: query projection, every sub-key (all
-    are scored), k values per head, and the in / out projections."""
-    vd = pkm.value_dim or anchor.d_model
-    per = pkm.params(anchor.d_model) - pkm.n_slots * vd + pkm.heads * pkm.k * vd
-    return per * len(pkm.resolved_layers(anchor.n_layers))
-
-
-def _solve(active: Callable[[int], int], target: int, hi: int) -> int:
-    """The integer x in [1, hi] whose (linear, increasing) `active(x)` is closest to `target`."""
-    slope = active(2) - active(1)
-    x = 1 + round((target - active(1)) / slope) if slope > 0 else 1
-    return min(max(x, 1), hi)
-
-
-def _closest(f: Callable[[int], int], target: int, lo: int, hi: int) -> int:
-    """The integer x in [lo, hi] whose (increasing, not necessarily linear) f(x) is closest to target."""
-    a, b = lo, hi
-    while b - a > 1:  # f(a) < target <= f(b), or the bounds
-        m = (a + b) // 2
-        a, b = (m, b) if f(m) < target else (a, m)
-    return min((a, b), key=lambda x: (abs(f(x) - target), x))
-
-
-def size_moc(anchor: AnchorShape, fields: dict[str, Any], target: int, total: int | None = None) -> MoCConfig:
-    """The row's MoCConfig; without tokens_per_chapter, the T whose active parameters are closest to target.
-    With total (bank: total), then n_chapters (≥ the chapters a token reads) such that the model's total
-    parameters (anchor + every MoC parameter) come closest to it, at that T. The active parameters then
-    exceed target: the router's weights grow with the chapters and every token runs them (on the demo's
-    anchor and plan, re-solving T against them ends at T = 1 and 37,182 chapters, 9.7M active)."""
-    if "tokens_per_chapter" in fields:
-        return from_dict(MoCConfig, fields, where="moc")
-    t = _solve(lambda x: moc_active_params(anchor, from_dict(MoCConfig, {**fields, "tokens_per_chapter": x})),
-               target, hi=1 << 20)
-    m = from_dict(MoCConfig, {**fields, "tokens_per_chapter": t}, where="moc")
-    if total is not None:
-        size = lambda n: anchor.params() + sum(moc_params(anchor, dataclasses.replace(m, n_chapters=n)).values())
-        m = dataclasses.replace(m, n_chapters=_closest(size, total, m.n_selected, 1 << 16))
-    return m
-
-
-def size_pkm(anchor: AnchorShape, fields: dict[str, Any], target: int, total: int | None = None) -> PKMConfig:
-    """The row's PKMConfig; without k, the slots per head (≤ n_keys) whose active parameters are closest.
-    With total (bank: total), then n_keys such that the model's total parameters (`pkm_params`) come
-    closest to it, at that k. The active parameters then exceed target: every token scores all
-    2·n_keys sub-keys per head (on the demo's 12 heads, even k = 1 stays above target at the total)."""
-    if "k" in fields:
-        return from_dict(PKMConfig, fields, where="pkm")
-    n_keys = int(fields.get("n_keys", PKMConfig().n_keys))
-    k = _solve(lambda x: pkm_active_params(anchor, from_dict(PKMConfig, {**fields, "k": x})), target, hi=n_keys)
-    pk = from_dict(PKMConfig, {**fields, "k": k}, where="pkm")
-    if total is not None:
-        size = lambda n: pkm_params(anchor, dataclasses.replace(pk, n_keys=n))
-        pk = dataclasses.replace(pk, n_keys=_closest(size, total, pk.k, 1 << 14))
-    return pk
+# -- the trained rows' models (their sizes are solved in eval/memories_sizes.py) -----------------
 
 
 @dataclass(frozen=True)
@@ -360,26 +322,45 @@ def row_model(row: MemoryRow, demo: DemoRuns) -> RowModel | None:
     return None
 
 
-# -- accounting --------------------------------------------------------------------------------------
+# -- accounting ------------------------------------------------------------------------------------
 
-def accounting(row: MemoryRow, demo: DemoRuns, model: RowModel | None, *, rag_tokens: float | None = None,
-               epochs: float | None = None) -> dict[str, Any]:
+
+def accounting(
+    row: MemoryRow,
+    demo: DemoRuns,
+    model: RowModel | None,
+    *,
+    rag_tokens: float | None = None,
+    epochs: float | None = None,
+) -> dict[str, Any]:
     """Parameters (total, runtime = what one query runs with, memory_active = what a token reads
-    besides the anchor), training FLOPs (forward × 3 per sequence trained, `training.flops`; a trained
-    row over `epochs`, default the demo's), inference FLOPs per token, bytes fetched per query and
-    blocking."""
+    besides the anchor), training FLOPs (forward × 3 per sequence trained, `training.flops`; a
+    trained row over `epochs`, default the demo's), inference FLOPs per token, bytes fetched per
+    query and blocking."""
     if row.kind == "demo":
         return _demo_accounting(row.setting, demo, rag_tokens)
     assert model is not None
     fwd = model_flops(model.shape, model.moc, seq_len=demo.seq_len, pkm=model.pkm).forward
     sequences = (demo.epochs if epochs is None else epochs) * demo.n_samples
-    out = {"train_flops": 3 * fwd * sequences, "inference_flops_per_token": fwd / demo.seq_len,
-           "blocking": BLOCKING[row.kind]}
+    out = {
+        "train_flops": 3 * fwd * sequences,
+        "inference_flops_per_token": fwd / demo.seq_len,
+        "blocking": BLOCKING[row.kind],
+    }
     if row.kind == "dense":
         n = model.shape.params()
-        return {**out, "total_params": n, "runtime_params": n, "memory_active_params": 0,
-                "fetch": {"bytes": 0, "per": "query", "note": "no memory"}}
-    sizes = _moc_sizes(demo.shape, model.moc) if row.kind == "moc" else _pkm_sizes(demo.shape, model.pkm)
+        return {
+            **out,
+            "total_params": n,
+            "runtime_params": n,
+            "memory_active_params": 0,
+            "fetch": {"bytes": 0, "per": "query", "note": "no memory"},
+        }
+    sizes = (
+        _moc_sizes(demo.shape, model.moc)
+        if row.kind == "moc"
+        else _pkm_sizes(demo.shape, model.pkm)
+    )
     return {**out, **sizes}
 
 
@@ -390,17 +371,31 @@ def _demo_accounting(setting: str, demo: DemoRuns, rag_tokens: float | None) -> 
     anchor_fwd = model_flops(a, seq_len=S).forward
     mem_fwd = ffn_memory(a, fetched_widths(p), tokens=S)
     mem = setting in ("generic", "fetched", "rag+fetched")
-    train = 3 * demo.n_samples * (anchor_fwd * demo.anchor_epochs + (anchor_fwd + mem_fwd) * demo.cotrain_epochs)
-    bank = {"generic": p.fetch_params, "fetched": p.bank_params + p.fetch_params,
-            "rag+fetched": p.bank_params + p.fetch_params}.get(setting, 0)  # blocks + the generic ones
+    train = (
+        3
+        * demo.n_samples
+        * (anchor_fwd * demo.anchor_epochs + (anchor_fwd + mem_fwd) * demo.cotrain_epochs)
+    )
+    bank = {
+        "generic": p.fetch_params,
+        "fetched": p.bank_params + p.fetch_params,
+        "rag+fetched": p.bank_params + p.fetch_params,
+    }.get(setting, 0)  # blocks + the generic ones
     active = p.fetch_params if mem else 0
-    per_query = p.fetch_bytes(demo.cfg.memory.export_dtype) if setting in ("fetched", "rag+fetched") else 0
+    per_query = (
+        p.fetch_bytes(demo.cfg.memory.export_dtype) if setting in ("fetched", "rag+fetched") else 0
+    )
     if setting.startswith("rag") and rag_tokens is not None:
         per_query += round(rag_tokens * TOKEN_ID_BYTES)
-    out = {"total_params": a.params() + bank, "runtime_params": a.params() + active, "memory_active_params": active,
-           "train_flops": train, "inference_flops_per_token": (anchor_fwd + (mem_fwd if mem else 0)) / S,
-           "fetch": {"bytes": per_query, "per": "query", "note": _fetch_note(setting, demo)},
-           "blocking": BLOCKING[setting]}
+    out = {
+        "total_params": a.params() + bank,
+        "runtime_params": a.params() + active,
+        "memory_active_params": active,
+        "train_flops": train,
+        "inference_flops_per_token": (anchor_fwd + (mem_fwd if mem else 0)) / S,
+        "fetch": {"bytes": per_query, "per": "query", "note": _fetch_note(setting, demo)},
+        "blocking": BLOCKING[setting],
+    }
     if setting.startswith("rag"):
         out["rag_context_tokens"] = rag_tokens
     return out
@@ -411,11 +406,17 @@ def _moc_sizes(a: AnchorShape, m: MoCConfig) -> dict[str, Any]:
     g = m.geometry(d_model=a.d_model, n_layers=a.n_layers, anchor_heads=a.n_heads)
     banks = 1 if m.shared_bank else len(m.layers)
     read = banks * m.n_selected * m.tokens_per_chapter * g.stored_dim * 4  # fp32 bank in RAM
-    return {"total_params": a.params() + sum(moc_params(a, m).values()), "runtime_params": a.params() + active,
-            "memory_active_params": active,
-            "fetch": {"bytes": read, "per": "sequence",
-                      "note": f"{m.n_selected} chapters × {m.tokens_per_chapter} tokens read per sequence, "
-                              "from a bank held in RAM"}}
+    return {
+        "total_params": a.params() + sum(moc_params(a, m).values()),
+        "runtime_params": a.params() + active,
+        "memory_active_params": active,
+        "fetch": {
+            "bytes": read,
+            "per": "sequence",
+            "note": f"{m.n_selected} chapters × {m.tokens_per_chapter} tokens read per sequence, "
+            "from a bank held in RAM",
+        },
+    }
 
 
 def _pkm_sizes(a: AnchorShape, pk: PKMConfig) -> dict[str, Any]:
@@ -423,37 +424,64 @@ def _pkm_sizes(a: AnchorShape, pk: PKMConfig) -> dict[str, Any]:
     layers = len(pk.resolved_layers(a.n_layers))
     active = pkm_active_params(a, pk)
     replaced = 3 * a.d_model * a.ffn_dim * layers  # the FFNs the memory layers take the place of
-    return {"total_params": pkm_params(a, pk), "runtime_params": a.params() - replaced + active,
-            "memory_active_params": active,
-            "fetch": {"bytes": pk.heads * pk.k * vd * 4 * layers, "per": "token",
-                      "note": f"{pk.heads} heads × k={pk.k} value rows per token, from a table held in RAM"}}
+    return {
+        "total_params": pkm_params(a, pk),
+        "runtime_params": a.params() - replaced + active,
+        "memory_active_params": active,
+        "fetch": {
+            "bytes": pk.heads * pk.k * vd * 4 * layers,
+            "per": "token",
+            "note": f"{pk.heads} heads × k={pk.k} value rows per token, from a table held in RAM",
+        },
+    }
 
 
 def _fetch_note(setting: str, demo: DemoRuns) -> str:
     dtype = demo.cfg.memory.export_dtype
-    return {"none": "no memory", "generic": "the generic blocks, the same for every query (resident)",
-            "fetched": f"the query's blocks on its path, {dtype}",
-            "rag": f"the kept head of one training window, as {TOKEN_ID_BYTES}-byte token ids",
-            "rag+fetched": f"the path's blocks ({dtype}) + one window's kept tokens"}[setting]
+    return {
+        "none": "no memory",
+        "generic": "the generic blocks, the same for every query (resident)",
+        "fetched": f"the query's blocks on its path, {dtype}",
+        "rag": f"the kept head of one training window, as {TOKEN_ID_BYTES}-byte token ids",
+        "rag+fetched": f"the path's blocks ({dtype}) + one window's kept tokens",
+    }[setting]
 
 
-# -- training ----------------------------------------------------------------------------------------
+# -- training --------------------------------------------------------------------------------------
+
 
 def row_folder(demo: DemoRuns, row: MemoryRow) -> Path:
     return demo.root / "train" / "memories" / row.name
 
 
-def row_train_config(demo: DemoRuns, row: MemoryRow, model: RowModel, overrides: Sequence[str] = ()) -> TrainConfig:
-    """The co-training run's config as a memoryless from-scratch run of `model`, for the demo's whole
-    duration; then the grid's and the row's overrides."""
+def row_train_config(
+    demo: DemoRuns, row: MemoryRow, model: RowModel, overrides: Sequence[str] = ()
+) -> TrainConfig:
+    """The co-training run's config as a memoryless from-scratch run of `model`, for the demo's
+    whole duration; then the grid's and the row's overrides."""
     d = to_dict(demo.cfg)
     duration = demo.duration() if row.budget == "steps" else equal_flops_duration(demo, model)
-    d.update(mode="baseline", anchor_checkpoint=None, save_folder=str(row_folder(demo, row)),
-             run_name=f"memories-{row.name}", max_duration=duration, autoresume=False)
+    d.update(
+        mode="baseline",
+        anchor_checkpoint=None,
+        save_folder=str(row_folder(demo, row)),
+        run_name=f"memories-{row.name}",
+        max_duration=duration,
+        autoresume=False,
+    )
     d["memory"] = {**d["memory"], "multipliers": []}
-    shape = {k: v for k, v in dataclasses.asdict(model.shape).items() if k != "vocab_size" and v is not None}
-    d["model"] = {**d["model"], "anchor": "custom", "shape": shape,
-                  "moc": to_dict(model.moc) if model.moc else None, "pkm": to_dict(model.pkm) if model.pkm else None}
+    shape = {
+        k: v
+        for k, v in dataclasses.asdict(model.shape).items()
+        if k != "vocab_size" and v is not None
+    }
+    d["model"] = {
+        **d["model"],
+        "anchor": "custom",
+        "shape": shape,
+        "moc": to_dict(model.moc) if model.moc else None,
+        "pkm": to_dict(model.pkm) if model.pkm else None,
+    }
     return load_config(TrainConfig, d, [*overrides, *row.train])
 
 
@@ -465,20 +493,33 @@ def equal_flops_duration(demo: DemoRuns, model: RowModel) -> str:
     return f"{max(1, round(target / (3 * fwd) / demo.cfg.data.batch_size))}ba"
 
 
-def train_row(demo: DemoRuns, row: MemoryRow, model: RowModel, overrides: Sequence[str] = (),
-              log: Callable[[str], None] = print) -> dict[str, Any]:
+def train_row(
+    demo: DemoRuns,
+    row: MemoryRow,
+    model: RowModel,
+    overrides: Sequence[str] = (),
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Train the row unless its folder finished a run from the same inputs; returns {folder,
     action, train_s (the wall time Composer recorded), duration, epochs}."""
     from streaming.base.util import clean_stale_shared_memory
 
     tcfg = row_train_config(demo, row, model, overrides)
-    inputs = {"config": tcfg.fingerprint(), "duration": tcfg.max_duration,
-              "upstream": shards_fingerprint(Path(demo.cfg.data.shards))}
+    inputs = {
+        "config": tcfg.fingerprint(),
+        "duration": tcfg.max_duration,
+        "upstream": shards_fingerprint(Path(demo.cfg.data.shards)),
+    }
     folder = Path(tcfg.save_folder)
     _, action = train_once(row.name, tcfg, inputs, log=log)
     clean_stale_shared_memory()  # the next row opens the shards again in this process
-    return {"folder": str(folder), "action": action, "train_s": checkpoint_wall_seconds(folder),
-            "duration": tcfg.max_duration, "epochs": duration_epochs(tcfg.max_duration, tcfg)}
+    return {
+        "folder": str(folder),
+        "action": action,
+        "train_s": checkpoint_wall_seconds(folder),
+        "duration": tcfg.max_duration,
+        "epochs": duration_epochs(tcfg.max_duration, tcfg),
+    }
 
 
 def checkpoint_wall_seconds(run: str | Path) -> float | None:
@@ -497,14 +538,19 @@ def checkpoint_wall_seconds(run: str | Path) -> float | None:
 def demo_train_seconds(demo: DemoRuns) -> float | None:
     """The demo's anchor + co-training wall time, from each run's latest Composer checkpoint (the
     demo's report reads 0 s for a stage it reused)."""
-    anchor = resolve_stored(demo.cotrain, "anchor_checkpoint", demo.cfg.anchor_checkpoint, must="memtree_config.json")
+    anchor = resolve_stored(
+        demo.cotrain, "anchor_checkpoint", demo.cfg.anchor_checkpoint, must="memtree_config.json"
+    )
     parts = [checkpoint_wall_seconds(anchor), checkpoint_wall_seconds(demo.cotrain)]
     return None if None in parts else round(sum(parts), 1)
 
 
-# -- scoring -----------------------------------------------------------------------------------------
+# -- scoring ---------------------------------------------------------------------------------------
 
-def paired_by_bucket(probes: Sequence[dict[str, Any]], a: Sequence[bool], b: Sequence[bool]) -> list[dict[str, Any]]:
+
+def paired_by_bucket(
+    probes: Sequence[dict[str, Any]], a: Sequence[bool], b: Sequence[bool]
+) -> list[dict[str, Any]]:
     """`paired_interval` per exposure bucket (the demo's buckets, `eval.longtail.BUCKETS`)."""
     ex = np.asarray([exposure(p) for p in probes])
     a, b = np.asarray(a), np.asarray(b)
@@ -524,8 +570,12 @@ def _row_result(mode: dict[str, Any]) -> dict[str, Any]:
     return {**{k: mode[k] for k in keep}, "perplexity": mode.get("perplexity")}
 
 
-def score_demo(demo: DemoRuns, rows: Sequence[MemoryRow], probes: list[dict[str, Any]],
-               held: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], float | None]:
+def score_demo(
+    demo: DemoRuns,
+    rows: Sequence[MemoryRow],
+    probes: list[dict[str, Any]],
+    held: list[dict[str, Any]],
+) -> tuple[dict[str, dict[str, Any]], float | None]:
     """The demo rows, scored on the co-trained run as `memtree eval` scores it; also returns the RAG
     rows' mean kept window tokens (None without RAG rows)."""
     t = time.time()
@@ -535,18 +585,26 @@ def score_demo(demo: DemoRuns, rows: Sequence[MemoryRow], probes: list[dict[str,
     rag = RagIndex.open(demo.root / "pipeline") if settings & {"rag", "rag+fetched"} else None
     k = knowledge_eval(rm, probes, held, modes=modes, rag=rag)
     seconds = (time.time() - t) / max(len(rows), 1)
-    out = {r.name: {**_row_result(k["modes"][r.setting]), "eval_s": round(seconds, 1)} for r in rows}
+    out = {
+        r.name: {**_row_result(k["modes"][r.setting]), "eval_s": round(seconds, 1)} for r in rows
+    }
     tokens = float(np.mean(k["rag"]["kept_tokens"])) if rag is not None else None
     return out, tokens
 
 
-def score_trained(folder: str | Path, probes: list[dict[str, Any]], held: list[dict[str, Any]]) -> dict[str, Any]:
-    """A trained row (no bank): accuracy, buckets and held-out perplexity, and its measured parameters."""
+def score_trained(
+    folder: str | Path, probes: list[dict[str, Any]], held: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A trained row (no bank): accuracy, buckets and held-out perplexity, and its measured
+    parameters."""
     t = time.time()
     rm = RunModel.load(folder, bank=False)
     k = knowledge_eval(rm, probes, held, modes=("none",))
-    return {**_row_result(k["modes"]["none"]), "eval_s": round(time.time() - t, 1),
-            "measured_params": sum(p.numel() for p in rm.model.parameters())}
+    return {
+        **_row_result(k["modes"]["none"]),
+        "eval_s": round(time.time() - t, 1),
+        "measured_params": sum(p.numel() for p in rm.model.parameters()),
+    }
 
 
 def run_memories(cfg: MemoriesConfig, *, log: Callable[[str], None] = print) -> Path:
@@ -558,11 +616,18 @@ def run_memories(cfg: MemoriesConfig, *, log: Callable[[str], None] = print) -> 
     out = Path(cfg.out) if cfg.out else demo.root / "memories"
     rows = cfg.selected()
     held_path = demo.root / "heldout.jsonl"
-    probes, held = load_eval_inputs(demo.root / "facts.jsonl", held_out=held_path if held_path.is_file() else None,
-                                    max_probes=cfg.max_probes, seed=demo.cfg.seed, epochs=demo.epochs)
-    log(f"[eval memories] {len(rows)} rows × {len(probes)} probes, {len(held)} held-out documents; "
-        f"trained rows: {_given_duration(cfg.train) or demo.duration()} from scratch (the demo's anchor + "
-        f"co-training: {demo.duration()})")
+    probes, held = load_eval_inputs(
+        demo.root / "facts.jsonl",
+        held_out=held_path if held_path.is_file() else None,
+        max_probes=cfg.max_probes,
+        seed=demo.cfg.seed,
+        epochs=demo.epochs,
+    )
+    log(
+        f"[eval memories] {len(rows)} rows × {len(probes)} probes, {len(held)} held-out documents; "
+        f"trained rows: {_given_duration(cfg.train) or demo.duration()} from scratch (the demo's "
+        f"anchor + co-training: {demo.duration()})"
+    )
     results: dict[str, dict[str, Any]] = {}
     demo_blocking = read_demo_blocking(demo)
     demo_rows = [r for r in rows if r.kind == "demo"]
@@ -571,8 +636,15 @@ def run_memories(cfg: MemoriesConfig, *, log: Callable[[str], None] = print) -> 
         scored, rag_tokens = score_demo(demo, demo_rows, probes, held)
         wall = demo_train_seconds(demo)
         for r in demo_rows:
-            results[r.name] = {**scored[r.name], "train": {"folder": str(demo.cotrain), "action": "reused",
-                                                           "train_s": wall, "duration": "demo (anchor + co-training)"}}
+            results[r.name] = {
+                **scored[r.name],
+                "train": {
+                    "folder": str(demo.cotrain),
+                    "action": "reused",
+                    "train_s": wall,
+                    "duration": "demo (anchor + co-training)",
+                },
+            }
             if r.setting == "fetched" and cfg.blocking and demo_blocking:
                 results[r.name]["blocking_result"] = {"kind": "subtree", **demo_blocking}
     models = {}
@@ -580,33 +652,70 @@ def run_memories(cfg: MemoriesConfig, *, log: Callable[[str], None] = print) -> 
         if r.kind == "demo":
             continue
         models[r.name] = row_model(r, demo)
-        train = train_row(demo, r, models[r.name], cfg.train, log=lambda m: log(f"[eval memories] {m}"))
+        train = train_row(
+            demo, r, models[r.name], cfg.train, log=lambda m: log(f"[eval memories] {m}")
+        )
         log(f"[eval memories] {r.name}: scoring")
         results[r.name] = {**score_trained(train["folder"], probes, held), "train": train}
         if r.kind == "moc" and cfg.blocking and demo_blocking:
-            log(f"[eval memories] {r.name}: blocking the chapters the {demo_blocking['target_domains']} probes "
-                "pick most, and as many random ones")
-            results[r.name]["blocking_result"] = {"kind": "chapters", **chapter_blocking_eval(
-                RunModel.load(train["folder"], bank=False), probes, target_domains=demo_blocking["target_domains"],
-                fraction=demo_blocking["fraction"], seed=demo.cfg.seed)}
+            log(
+                f"[eval memories] {r.name}: blocking the chapters the "
+                f"{demo_blocking['target_domains']} probes pick most, and as many random ones"
+            )
+            results[r.name]["blocking_result"] = {
+                "kind": "chapters",
+                **chapter_blocking_eval(
+                    RunModel.load(train["folder"], bank=False),
+                    probes,
+                    target_domains=demo_blocking["target_domains"],
+                    fraction=demo_blocking["fraction"],
+                    seed=demo.cfg.seed,
+                ),
+            }
     ref = correct(probes, results[cfg.reference]["predictions"])
     for r in rows:
         res = results[r.name]
         ok = correct(probes, res["predictions"])
-        res.update(name=r.name, kind=r.kind, spec=to_dict(r),
-                   **accounting(r, demo, models.get(r.name), rag_tokens=rag_tokens, epochs=res["train"].get("epochs")))
+        res.update(
+            name=r.name,
+            kind=r.kind,
+            spec=to_dict(r),
+            **accounting(
+                r,
+                demo,
+                models.get(r.name),
+                rag_tokens=rag_tokens,
+                epochs=res["train"].get("epochs"),
+            ),
+        )
         res["model"] = _describe(demo, models.get(r.name))
-        res["paired"] = {"overall": paired_interval(ok, ref), "by_bucket": paired_by_bucket(probes, ok, ref)}
-    report = {"format": "memtree-memories", "version": 1, "config": to_dict(cfg), "root": str(demo.root),
-              "reference": cfg.reference, "n_probes": len(probes), "held_out_documents": len(held),
-              "chance": 1 / len(probes[0]["choices"]) if probes else None, "demo": _demo_meta(demo),
-              "rows": [results[r.name] for r in rows], "seconds": round(time.time() - t0, 1)}
+        res["paired"] = {
+            "overall": paired_interval(ok, ref),
+            "by_bucket": paired_by_bucket(probes, ok, ref),
+        }
+    report = {
+        "format": "memtree-memories",
+        "version": 1,
+        "config": to_dict(cfg),
+        "root": str(demo.root),
+        "reference": cfg.reference,
+        "n_probes": len(probes),
+        "held_out_documents": len(held),
+        "chance": 1 / len(probes[0]["choices"]) if probes else None,
+        "demo": _demo_meta(demo),
+        "rows": [results[r.name] for r in rows],
+        "seconds": round(time.time() - t0, 1),
+    }
     return write_memories_report(out, report)
 
 
 def _given_duration(overrides: Sequence[str]) -> str | None:
     """The max_duration a grid-wide `train=[…]` override sets, if one does (the last wins)."""
-    given = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0].strip() == "max_duration"]
+    given = [
+        o.split("=", 1)[1].strip()
+        for o in overrides
+        if o.split("=", 1)[0].strip() == "max_duration"
+    ]
     return given[-1] if given else None
 
 
@@ -622,26 +731,42 @@ def read_demo_blocking(demo: DemoRuns) -> dict[str, Any] | None:
 def _describe(demo: DemoRuns, model: RowModel | None) -> dict[str, Any]:
     if model is None:
         return {"shape": dataclasses.asdict(demo.shape), "memory": to_dict(demo.plan.to_dict())}
-    return {"shape": dataclasses.asdict(model.shape), "moc": to_dict(model.moc) if model.moc else None,
-            "pkm": to_dict(model.pkm) if model.pkm else None}
+    return {
+        "shape": dataclasses.asdict(model.shape),
+        "moc": to_dict(model.moc) if model.moc else None,
+        "pkm": to_dict(model.pkm) if model.pkm else None,
+    }
 
 
 def corpus_meta(root: Path) -> dict[str, Any] | None:
-    """The demo corpus's size and the generator fields that differ from the default corpus (what makes
-    e.g. `--corpus entities_per_subtopic=48` the headline's benchmark rather than the demo's); None
-    when ROOT has no corpus.json."""
+    """The demo corpus's size and the generator fields that differ from the default corpus (what
+    makes e.g. `--corpus entities_per_subtopic=48` the headline's benchmark rather than the demo's);
+    None when ROOT has no corpus.json."""
     path = root / "corpus.json"
     if not path.is_file():
         return None
     rec = read_json(path)
     default = BiosSpec().record()
     spec = BiosSpec.stored(rec.get("spec", {}))
-    return {"documents": rec.get("documents"), "facts": rec.get("facts"),
-            "spec_changes": {k: v for k, v in spec.items() if k in default and v != default[k]}}
+    return {
+        "documents": rec.get("documents"),
+        "facts": rec.get("facts"),
+        "spec_changes": {k: v for k, v in spec.items() if k in default and v != default[k]},
+    }
 
 
 def _demo_meta(demo: DemoRuns) -> dict[str, Any]:
-    return {"cotrain": str(demo.cotrain), "anchor_params": demo.shape.params(), "plan": demo.plan.to_dict(),
-            "epochs": demo.epochs, "anchor_epochs": demo.anchor_epochs, "cotrain_epochs": demo.cotrain_epochs,
-            "duration": demo.duration(), "seq_len": demo.seq_len, "samples": demo.n_samples,
-            "batch_size": demo.cfg.data.batch_size, "seed": demo.cfg.seed, "corpus": corpus_meta(demo.root)}
+    return {
+        "cotrain": str(demo.cotrain),
+        "anchor_params": demo.shape.params(),
+        "plan": demo.plan.to_dict(),
+        "epochs": demo.epochs,
+        "anchor_epochs": demo.anchor_epochs,
+        "cotrain_epochs": demo.cotrain_epochs,
+        "duration": demo.duration(),
+        "seq_len": demo.seq_len,
+        "samples": demo.n_samples,
+        "batch_size": demo.cfg.data.batch_size,
+        "seed": demo.cfg.seed,
+        "corpus": corpus_meta(demo.root),
+    }

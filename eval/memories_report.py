@@ -11,15 +11,23 @@ from memtree.geometry import human, human_bytes
 from memtree.io import atomic_write_json, atomic_write_text
 
 NOTES = (
-    ("Trained rows (dense, moc, pkm) train from scratch on the demo's shards, seed and optimiser settings "
-    "for the demo's anchor + co-training duration; the demo rows reuse the demo's runs (anchor only = the "
-    "co-trained anchor without its memory)."),
-    ("Δ vs reference: mean per-probe correctness difference (row − reference) on the same probes, with a "
-    "normal-approximation 95 % interval on the paired difference (mean ± 1.96·sd/√n)."),
-    ("runtime params: what one query runs with (anchor + fetched blocks; MoC / PKM: the memory parameters a "
-    "token reads); memory active: that memory part alone. Training FLOPs: forward × 3 per trained sequence "
-    "(training/flops.py), every sample once per epoch. A row with budget `flops` trains as many batches as give "
-    "the fetched row's training FLOPs; the others train the demo's steps."),
+    (
+        "Trained rows (dense, moc, pkm) train from scratch on the demo's shards, seed and "
+        "optimiser settings for the demo's anchor + co-training duration; the demo rows reuse the "
+        "demo's runs (anchor only = the co-trained anchor without its memory)."
+    ),
+    (
+        "Δ vs reference: mean per-probe correctness difference (row − reference) on the same "
+        "probes, with a normal-approximation 95 % interval on the paired difference (mean ± "
+        "1.96·sd/√n)."
+    ),
+    (
+        "runtime params: what one query runs with (anchor + fetched blocks; MoC / PKM: the memory "
+        "parameters a token reads); memory active: that memory part alone. Training FLOPs: forward "
+        "× 3 per trained sequence (training/flops.py), every sample once per epoch. A row with "
+        "budget `flops` trains as many batches as give the fetched row's training FLOPs; the "
+        "others train the demo's steps."
+    ),
 )
 
 
@@ -45,16 +53,24 @@ def _seconds(v: float | None) -> str:
 
 
 def _main_table(report: dict[str, Any]) -> list[str]:
-    lines = [("| row | kind | accuracy | Δ vs reference, points [95 % CI] | held-out ppl | total params | "
-              "runtime params | memory active | train FLOPs | train s | inference FLOPs/token | fetched | "
-              "blocking |"), "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        (
+            "| row | kind | accuracy | Δ vs reference, points [95 % CI] | held-out ppl | total "
+            "params | runtime params | memory active | train FLOPs | train s | inference "
+            "FLOPs/token | fetched | blocking |"
+        ),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in report["rows"]:
         ppl = "—" if r.get("perplexity") is None else f"{r['perplexity']:.2f}"
         block = r["blocking"].split(":")[0]
-        lines.append(f"| {r['name']} | {r['kind']} | {_pct(r['accuracy'])} | {_delta(r['paired']['overall'])} | "
-                     f"{ppl} | {r['total_params']:,} | {r['runtime_params']:,} | "
-                     f"{r['memory_active_params']:,} | {r['train_flops']:.3g} | {_seconds(r['train']['train_s'])} | "
-                     f"{human(r['inference_flops_per_token'])} | {_fetch(r['fetch'])} | {block} |")
+        lines.append(
+            f"| {r['name']} | {r['kind']} | {_pct(r['accuracy'])} | "
+            f"{_delta(r['paired']['overall'])} | {ppl} | {r['total_params']:,} | "
+            f"{r['runtime_params']:,} | {r['memory_active_params']:,} | {r['train_flops']:.3g} | "
+            f"{_seconds(r['train']['train_s'])} | {human(r['inference_flops_per_token'])} | "
+            f"{_fetch(r['fetch'])} | {block} |"
+        )
     return lines
 
 
@@ -64,11 +80,15 @@ def _bucket_tables(report: dict[str, Any]) -> list[str]:
     head = "| row | " + " | ".join(f"{first[i]['bucket']} (n={first[i]['n']})" for i in keep) + " |"
     sep = "|---|" + "---:|" * len(keep)
     acc = ["Accuracy by exposure bucket:", "", head, sep]
-    acc += [f"| {r['name']} | " + " | ".join(_pct(r["by_bucket"][i]["accuracy"]) for i in keep) + " |"
-            for r in report["rows"]]
+    acc += [
+        f"| {r['name']} | " + " | ".join(_pct(r["by_bucket"][i]["accuracy"]) for i in keep) + " |"
+        for r in report["rows"]
+    ]
     paired = ["", f"Paired Δ vs {report['reference']} by bucket (points [95 % CI]):", "", head, sep]
-    paired += [f"| {r['name']} | " + " | ".join(_delta(r["paired"]["by_bucket"][i]) for i in keep) + " |"
-               for r in report["rows"]]
+    paired += [
+        f"| {r['name']} | " + " | ".join(_delta(r["paired"]["by_bucket"][i]) for i in keep) + " |"
+        for r in report["rows"]
+    ]
     return acc + paired
 
 
@@ -96,51 +116,82 @@ def _blocking_lines(report: dict[str, Any]) -> list[str]:
     rows = [r for r in report["rows"] if r.get("blocking_result")]
     if not rows:
         return []
-    lines = ["", "Blocking (the demo's target domain; random: as much of the memory, chosen at random):", "",
-             "| row | blocked | setting | target before → after | other before → after |",
-             "|---|---|---|---:|---:|"]
+    lines = [
+        "",
+        "Blocking (the demo's target domain; random: as much of the memory, chosen at random):",
+        "",
+        "| row | blocked | setting | target before → after | other before → after |",
+        "|---|---|---|---:|---:|",
+    ]
     for r in rows:
         b = r["blocking_result"]
-        what = (f"{b['fraction']:.2%} of the bank (level-{b['level']} subtree)" if b["kind"] == "subtree" else
-                f"{b['chapters_blocked_per_layer']} of {b['n_routed']} routed chapters per layer")
+        what = (
+            f"{b['fraction']:.2%} of the bank (level-{b['level']} subtree)"
+            if b["kind"] == "subtree"
+            else f"{b['chapters_blocked_per_layer']} of {b['n_routed']} routed chapters per layer"
+        )
         for name, st in b["settings"].items():
             t, o = st["accuracy_target"], st["accuracy_other"]
-            lines.append(f"| {r['name']} | {what} | {name} | {_pct(t['before'])} → {_pct(t['after'])} | "
-                         f"{_pct(o['before'])} → {_pct(o['after'])} |")
+            lines.append(
+                f"| {r['name']} | {what} | {name} | {_pct(t['before'])} → {_pct(t['after'])} | "
+                f"{_pct(o['before'])} → {_pct(o['after'])} |"
+            )
     return lines
 
 
 def trained_durations(report: dict[str, Any]) -> str:
     """What the trained rows ran for, as their runs' durations (a `train=[max_duration=…]` override
     shortens them below the demo's), or the demo's duration when no row was trained."""
-    runs = [r["train"]["duration"] for r in report.get("rows", ()) if r.get("kind") != "demo" and r.get("train")]
+    runs = [
+        r["train"]["duration"]
+        for r in report.get("rows", ())
+        if r.get("kind") != "demo" and r.get("train")
+    ]
     if not runs:
         return f"{report['demo']['duration']} (none trained)"
     distinct = sorted(set(runs), key=runs.index)
     same = distinct == [report["demo"]["duration"]]
-    return " / ".join(distinct) + (" (the demo's)" if same else f" (the demo's is {report['demo']['duration']})")
+    return " / ".join(distinct) + (
+        " (the demo's)" if same else f" (the demo's is {report['demo']['duration']})"
+    )
 
 
 def header_lines(report: dict[str, Any]) -> list[str]:
     """The report's title and what it ran on: the demo root's training, memory and corpus."""
     demo = report["demo"]
-    lines = ["# Memory families on one knowledge benchmark (memtree eval memories)", "",
-             (f"Demo root {report['root']}: {report['n_probes']} probes (chance {_pct(report['chance'])}), "
-              f"{report['held_out_documents']} held-out documents; the demo trained {demo['epochs']:g} epochs "
-              f"({demo['anchor_epochs']:g} anchor + {demo['cotrain_epochs']:g} co-training), trained rows "
-              f"{trained_durations(report)}; anchor {human(demo['anchor_params'])} parameters, hierarchical memory "
-              f"{human(demo['plan']['fetch_params'])} fetched from a {human(demo['plan']['bank_params'])} bank; "
-              f"reference row: {report['reference']}."), ""]
+    lines = [
+        "# Memory families on one knowledge benchmark (memtree eval memories)",
+        "",
+        (
+            f"Demo root {report['root']}: {report['n_probes']} probes (chance "
+            f"{_pct(report['chance'])}), {report['held_out_documents']} held-out documents; the "
+            f"demo trained {demo['epochs']:g} epochs ({demo['anchor_epochs']:g} anchor + "
+            f"{demo['cotrain_epochs']:g} co-training), trained rows {trained_durations(report)}; "
+            f"anchor {human(demo['anchor_params'])} parameters, hierarchical memory "
+            f"{human(demo['plan']['fetch_params'])} fetched from a "
+            f"{human(demo['plan']['bank_params'])} bank; reference row: {report['reference']}."
+        ),
+        "",
+    ]
     corpus = demo.get("corpus")
     if corpus:
-        changes = ", ".join(f"{k}={v}" for k, v in corpus["spec_changes"].items()) or "none: the demo's corpus"
-        lines += [(f"Corpus: {corpus['documents']:,} documents, {corpus['facts']:,} facts; generator fields "
-                   f"changed from the default: {changes}."), ""]
+        changes = (
+            ", ".join(f"{k}={v}" for k, v in corpus["spec_changes"].items())
+            or "none: the demo's corpus"
+        )
+        lines += [
+            (
+                f"Corpus: {corpus['documents']:,} documents, {corpus['facts']:,} facts; generator "
+                f"fields changed from the default: {changes}."
+            ),
+            "",
+        ]
     return lines
 
 
 def write_memories_report(out: str | Path, report: dict[str, Any]) -> Path:
-    """Write results.json, report.md and accuracy_vs_exposure.png under `out`; returns report.md's path."""
+    """Write results.json, report.md and accuracy_vs_exposure.png under `out`; returns report.md's
+    path."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     lines = header_lines(report)
@@ -148,18 +199,26 @@ def write_memories_report(out: str | Path, report: dict[str, Any]) -> Path:
     lines += _main_table(report) + [""] + _bucket_tables(report) + ["", "Row details:", ""]
     for r in report["rows"]:
         m = r["model"]
-        what = (f"shape n_layers={m['shape']['n_layers']} d_model={m['shape']['d_model']} "
-                f"ffn_dim={m['shape']['ffn_dim']}")
+        what = (
+            f"shape n_layers={m['shape']['n_layers']} d_model={m['shape']['d_model']} "
+            f"ffn_dim={m['shape']['ffn_dim']}"
+        )
         if m.get("moc"):
             mc = m["moc"]
-            what += (f"; MoC {mc['n_chapters']} chapters × {mc['tokens_per_chapter']} tokens, top-{mc['top_k']} + "
-                     f"{mc['n_shared']} shared, layers {mc['layers']}")
+            what += (
+                f"; MoC {mc['n_chapters']} chapters × {mc['tokens_per_chapter']} tokens, "
+                f"top-{mc['top_k']} + {mc['n_shared']} shared, layers {mc['layers']}"
+            )
         if m.get("pkm"):
             pk = m["pkm"]
-            what += (f"; PKM {pk['n_keys']}² slots, {pk['heads']} heads, k={pk['k']}, key_dim {pk['key_dim']}, "
-                     f"value_dim {pk['value_dim'] or m['shape']['d_model']}")
-        lines.append(f"- **{r['name']}** ({r['train']['action']}, {r['train']['duration']}): {what}; "
-                     f"fetched: {r['fetch']['note']}; blocking: {r['blocking']}")
+            what += (
+                f"; PKM {pk['n_keys']}² slots, {pk['heads']} heads, k={pk['k']}, key_dim "
+                f"{pk['key_dim']}, value_dim {pk['value_dim'] or m['shape']['d_model']}"
+            )
+        lines.append(
+            f"- **{r['name']}** ({r['train']['action']}, {r['train']['duration']}): {what}; "
+            f"fetched: {r['fetch']['note']}; blocking: {r['blocking']}"
+        )
     lines += _blocking_lines(report)
     lines += ["", f"Wall time of the command: {report['seconds']:.0f} s."]
     plot_accuracy(report, out / "accuracy_vs_exposure.png")

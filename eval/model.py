@@ -46,16 +46,27 @@ class RunModel:
     tokenizer: Any
     eot_id: int
     tree: Any | None
-    hf: Any | None = None  # a Hugging Face anchor's `training.hf.HFMemoryModel` (its hooks read memories)
-    context: int | None = None  # the most tokens a sequence may take; None: the anchor's max_seq_len
+    hf: Any | None = (
+        None  # a Hugging Face anchor's `training.hf.HFMemoryModel` (its hooks read memories)
+    )
+    context: int | None = (
+        None  # the most tokens a sequence may take; None: the anchor's max_seq_len
+    )
 
     @classmethod
-    def load(cls, save_folder: str | Path, *, tree_dir: str | Path | None = None,
-             tiers: list[TierConfig] | None = None, bank: bool = True, tree_key: str = "--tree") -> RunModel:
+    def load(
+        cls,
+        save_folder: str | Path,
+        *,
+        tree_dir: str | Path | None = None,
+        tiers: list[TierConfig] | None = None,
+        bank: bool = True,
+        tree_key: str = "--tree",
+    ) -> RunModel:
         """The run's model and (`bank`, when the run has one) its bank. Paths stored in the run's
-        config resolve relative to the run when it was moved (`eval.runinfo.resolve_stored`); the tree
-        is `tree_dir`, else `tree/` beside the run's shards; errors name it as `tree_key` (the caller's
-        flag or config key for it)."""
+        config resolve relative to the run when it was moved (`eval.runinfo.resolve_stored`); the
+        tree is `tree_dir`, else `tree/` beside the run's shards; errors name it as `tree_key` (the
+        caller's flag or config key for it)."""
         folder = Path(save_folder)
         # the stored config with its paths resolved (a run moved from where it trained)
         cfg = run_config(finished_run(folder))
@@ -64,12 +75,24 @@ class RunModel:
         store = None
         if bank and (folder / "bank").exists():
             tree = open_tree(tree_dir, cfg, folder, tree_key)
-            store = MemoryStore(folder / "bank", tree=tree, out_dtype=torch.float32,
-                                tiers=tiers or [TierConfig(name="ram", kind="ram")])
+            store = MemoryStore(
+                folder / "bank",
+                tree=tree,
+                out_dtype=torch.float32,
+                tiers=tiers or [TierConfig(name="ram", kind="ram")],
+            )
         else:
             tree = open_tree(tree_dir, cfg, folder, tree_key) if tree_dir else None
-        return cls(config=cfg, model=model, store=store, tokenizer=tokenizer, eot_id=int(manifest["eot_id"]),
-                   tree=tree, hf=composer_model.hf, context=run_context(composer_model, cfg, manifest))
+        return cls(
+            config=cfg,
+            model=model,
+            store=store,
+            tokenizer=tokenizer,
+            eot_id=int(manifest["eot_id"]),
+            tree=tree,
+            hf=composer_model.hf,
+            context=run_context(composer_model, cfg, manifest),
+        )
 
     @property
     def has_memory(self) -> bool:
@@ -110,7 +133,10 @@ class RunModel:
         if mode == "none" or self.store is None:
             return None
         if mode == "generic":
-            blocks = {lv: t.unsqueeze(0).expand(batch, -1) for lv, t in self.store.fetch_generic(flat=True).items()}
+            blocks = {
+                lv: t.unsqueeze(0).expand(batch, -1)
+                for lv, t in self.store.fetch_generic(flat=True).items()
+            }
         else:
             if paths is None:
                 raise ValueError("fetched memories need each query's path")
@@ -123,19 +149,28 @@ class RunModel:
         `use_memories` would give the generic memory instead)."""
         return self.hf.use_memories(memories) if memories is not None else contextlib.nullcontext()
 
-    def _hidden(self, ids: torch.Tensor, memories, *, positions: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def _hidden(
+        self,
+        ids: torch.Tensor,
+        memories,
+        *,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The final hidden states (B, S, d), before the head; `mask` (B, S, S) bool: True where a
         query sees a key."""
         if self.hf is None:
-            return self.model(ids, positions=positions, attn_mask=mask, memories=memories, hidden=True)
+            return self.model(
+                ids, positions=positions, attn_mask=mask, memories=memories, hidden=True
+            )
         kw: dict[str, Any] = {}
         if positions is not None:
             kw["position_ids"] = positions
         if mask is not None:
             dtype = next(self.model.parameters()).dtype
             kw["attention_mask"] = torch.zeros(mask.shape, dtype=dtype).masked_fill(
-                ~mask, torch.finfo(dtype).min)[:, None]
+                ~mask, torch.finfo(dtype).min
+            )[:, None]
         with self._hooked(memories):
             return self.model.get_decoder()(input_ids=ids, use_cache=False, **kw).last_hidden_state
 
@@ -147,8 +182,13 @@ class RunModel:
         return logits if cap is None else torch.tanh(logits / cap) * cap  # as Gemma's own head
 
     @torch.no_grad()
-    def logprobs(self, sequences: list[list[int]], *, paths: np.ndarray | None = None,
-                 mode: MemoryMode = "fetched") -> list[torch.Tensor]:
+    def logprobs(
+        self,
+        sequences: list[list[int]],
+        *,
+        paths: np.ndarray | None = None,
+        mode: MemoryMode = "fetched",
+    ) -> list[torch.Tensor]:
         """Per sequence, log p(token_t | tokens_<t) for t ≥ 1: a (len − 1,) tensor each."""
         S = max(len(s) for s in sequences)
         if S > self.max_seq_len:
@@ -166,13 +206,20 @@ class RunModel:
         return [lp[i, : len(s) - 1] for i, s in enumerate(sequences)]
 
     @torch.no_grad()
-    def choice_scores(self, items: list[tuple[list[int], list[list[int]]]], *, paths: np.ndarray | None = None,
-                      mode: MemoryMode = "fetched", pack: bool | None = None) -> list[list[float]]:
-        """Per (prefix, choices) item, Σ log p(choice | prefix) for each choice; paths (n, L) for fetched memories.
+    def choice_scores(
+        self,
+        items: list[tuple[list[int], list[list[int]]]],
+        *,
+        paths: np.ndarray | None = None,
+        mode: MemoryMode = "fetched",
+        pack: bool | None = None,
+    ) -> list[list[float]]:
+        """Per (prefix, choices) item, Σ log p(choice | prefix) for each choice; paths (n, L) for
+        fetched memories.
 
-        A `packable` model scores an item in one row, prefix + choice 1 + … + choice k: each choice's
-        tokens take the positions that follow the prefix and see only the prefix and their own
-        choice, so a score equals that of the separate sequence prefix + choice (up to float
+        A `packable` model scores an item in one row, prefix + choice 1 + … + choice k: each
+        choice's tokens take the positions that follow the prefix and see only the prefix and their
+        own choice, so a score equals that of the separate sequence prefix + choice (up to float
         rounding) for a k-th of the prefix's compute. pack=False (and other models, and empty
         prefixes) score the separate sequences."""
         if pack is None:
@@ -181,7 +228,7 @@ class RunModel:
             seqs = [prefix + c for prefix, choices in items for c in choices]
             rows = None if paths is None else np.repeat(paths, [len(ch) for _, ch in items], axis=0)
             lps = iter(self.logprobs(seqs, paths=rows, mode=mode))
-            return [[float(next(lps)[-len(c):].sum()) for c in choices] for _, choices in items]
+            return [[float(next(lps)[-len(c) :].sum()) for c in choices] for _, choices in items]
         S = max(len(prefix) + sum(map(len, choices)) for prefix, choices in items)
         n = len(items)
         ids = torch.full((n, S), self.eot_id, dtype=torch.long)
@@ -194,19 +241,25 @@ class RunModel:
             P = o = len(prefix)
             ids[i, :P], pos[i, :P], seg[i, :P] = torch.tensor(prefix), torch.arange(P), 0
             for k, c in enumerate(choices):
-                ids[i, o : o + len(c)], pos[i, o : o + len(c)] = torch.tensor(c), torch.arange(P, P + len(c))
+                ids[i, o : o + len(c)], pos[i, o : o + len(c)] = (
+                    torch.tensor(c),
+                    torch.arange(P, P + len(c)),
+                )
                 seg[i, o : o + len(c)] = k + 1
                 rows += [i] * len(c)
                 at += [P - 1, *range(o, o + len(c) - 1)]
                 target += c
                 o += len(c)
         causal = torch.ones(S, S, dtype=torch.bool).tril()
-        # a query sees the prefix and its own segment; padding sees itself, so no softmax row is empty
+        # a query sees the prefix and its own segment; padding sees itself, so no softmax row is
+        # empty
         sees = (seg[:, None, :] == 0) | (seg[:, :, None] == seg[:, None, :])
         mask = (sees & causal & (seg[:, None, :] >= 0)) | torch.eye(S, dtype=torch.bool)
         h = self._hidden(ids, self.memories(paths, n, mode), positions=pos, mask=mask)
         logits = self._head(h[torch.tensor(rows), torch.tensor(at)]).float()  # (M, V)
-        lp = F.log_softmax(logits, dim=-1).gather(-1, torch.tensor(target)[:, None])[:, 0].tolist()  # (M,)
+        lp = (
+            F.log_softmax(logits, dim=-1).gather(-1, torch.tensor(target)[:, None])[:, 0].tolist()
+        )  # (M,)
         out, k = [], 0
         for _, choices in items:
             out.append([])
@@ -216,13 +269,27 @@ class RunModel:
         return out
 
     @torch.no_grad()
-    def greedy(self, prompt: list[int], *, max_new_tokens: int, paths: np.ndarray | None = None,
-               mode: MemoryMode = "fetched", stop: int | None = None) -> list[int]:
+    def greedy(
+        self,
+        prompt: list[int],
+        *,
+        max_new_tokens: int,
+        paths: np.ndarray | None = None,
+        mode: MemoryMode = "fetched",
+        stop: int | None = None,
+    ) -> list[int]:
         """Greedy tokens after `prompt`, decoded as `memtree generate` decodes (a KV cache,
         `training.generate.generator.decode_tokens`); a prompt that fills the context keeps its
         last tokens, leaving room for the answer."""
         room = self.max_seq_len - max_new_tokens
-        ids = list(prompt)[-max(room, 1):]
-        out, _, _, _ = decode_tokens(self.model, ids, self.memories(paths, 1, mode), max_new_tokens=max_new_tokens,
-                                     eot_id=stop, context=self.max_seq_len, hf=self.hf)
+        ids = list(prompt)[-max(room, 1) :]
+        out, _, _, _ = decode_tokens(
+            self.model,
+            ids,
+            self.memories(paths, 1, mode),
+            max_new_tokens=max_new_tokens,
+            eot_id=stop,
+            context=self.max_seq_len,
+            hf=self.hf,
+        )
         return out

@@ -1,4 +1,5 @@
-"""Plot helpers shared by eval's reports: a matplotlib figure without a GUI backend, saved atomically.
+"""Plot helpers shared by eval's reports: a matplotlib figure without a GUI backend, saved
+atomically.
 
 matplotlib is imported only when a figure is made, so evaluations that write no PNG never load it.
 """

@@ -43,13 +43,20 @@ from memtree.io import read_json
 SEPARATOR = "\n\n"
 
 
-def nearest_in_cluster(queries: np.ndarray, query_paths: np.ndarray, paths: np.ndarray, embeddings: np.ndarray,
-                       *, level: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per query, the stored row in the query's level-`level` cluster with the largest cosine similarity.
+def nearest_in_cluster(
+    queries: np.ndarray,
+    query_paths: np.ndarray,
+    paths: np.ndarray,
+    embeddings: np.ndarray,
+    *,
+    level: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per query, the stored row in the query's level-`level` cluster with the largest cosine
+    similarity.
 
     queries (n, dim) and embeddings (W, dim) are L2-normalised, so the dot product is the cosine;
-    query_paths (n, L) and paths (W, L) are cluster ids per level. Returns (rows (n,) int64, −1 where
-    the cluster holds no row; similarities (n,) float32, NaN where there is none)."""
+    query_paths (n, L) and paths (W, L) are cluster ids per level. Returns (rows (n,) int64, −1
+    where the cluster holds no row; similarities (n,) float32, NaN where there is none)."""
     col = paths[:, level - 1]
     order = np.argsort(col, kind="stable")  # rows grouped by cluster, ascending row inside each
     sorted_ids = col[order]
@@ -60,7 +67,9 @@ def nearest_in_cluster(queries: np.ndarray, query_paths: np.ndarray, paths: np.n
         if lo == hi:
             continue
         members = order[lo:hi]
-        s = np.asarray(embeddings[members], dtype=np.float32) @ np.asarray(queries[i], dtype=np.float32)  # (k,)
+        s = np.asarray(embeddings[members], dtype=np.float32) @ np.asarray(
+            queries[i], dtype=np.float32
+        )  # (k,)
         j = int(np.argmax(s))  # first maximum: the lowest ordinal among ties
         rows[i], sims[i] = members[j], s[j]
     return rows, sims
@@ -68,7 +77,8 @@ def nearest_in_cluster(queries: np.ndarray, query_paths: np.ndarray, paths: np.n
 
 @dataclass
 class RagIndex:
-    """A pipeline run's windows as a datastore: paths (W, L), embeddings (W, dim), texts by ordinal."""
+    """A pipeline run's windows as a datastore: paths (W, L), embeddings (W, dim), texts by
+    ordinal."""
 
     root: Path
     tree: Any
@@ -83,17 +93,23 @@ class RagIndex:
         root = Path(run_dir)
         for stage in ("window", "embed", "tree", "assign"):
             if not (root / stage / "_stage.json").exists():
-                raise FileNotFoundError(f"{root}: no finished `{stage}` stage; the RAG datastore is a pipeline "
-                                        "run directory (memtree pipeline run … out=RUN)")
+                raise FileNotFoundError(
+                    f"{root}: no finished `{stage}` stage; the RAG datastore is a pipeline "
+                    "run directory (memtree pipeline run … out=RUN)"
+                )
         tree = load_tree(root / "tree")
         embeddings = np.load(root / "embed" / "embeddings.npy", mmap_mode="r")
         paths = np.full((embeddings.shape[0], tree.levels), -1, dtype=np.int64)
         for p in read_json(root / "assign" / "_stage.json")["stats"]["parts"]:
             t = pq.read_table(root / "assign" / p["file"], columns=["window_ordinal", "path"])
             ords = t["window_ordinal"].to_numpy()
-            paths[ords] = np.asarray(t["path"].combine_chunks().flatten(), dtype=np.int64).reshape(len(ords), -1)
+            paths[ords] = np.asarray(t["path"].combine_chunks().flatten(), dtype=np.int64).reshape(
+                len(ords), -1
+            )
         if (paths < 0).any():
-            raise ValueError(f"{root}/assign: {(paths[:, 0] < 0).sum()} windows have no assigned path")
+            raise ValueError(
+                f"{root}/assign: {(paths[:, 0] < 0).sum()} windows have no assigned path"
+            )
         parts = read_json(root / "window" / "_stage.json")["stats"]["parts"]
         return cls(root=root, tree=tree, paths=paths, embeddings=embeddings, parts=parts)
 
@@ -122,15 +138,20 @@ class RagIndex:
             raise ValueError(f"rag level {level} must be in [1, {self.tree.levels}]")
         emb = self.tree.meta.get("embedder", {})
         model = embedder_from_meta(emb, self.tree.path)
-        x = embed_texts(model, list(texts), strategy=emb.get("strategy", "truncate"),
-                        batch_size=int(emb.get("batch_size", 64)))  # (n, dim)
+        x = embed_texts(
+            model,
+            list(texts),
+            strategy=emb.get("strategy", "truncate"),
+            batch_size=int(emb.get("batch_size", 64)),
+        )  # (n, dim)
         paths = route(self.tree, x)
         rows, sims = nearest_in_cluster(x, paths, self.paths, self.embeddings, level=level)
         return {"paths": paths, "ordinals": rows, "similarity": sims}
 
 
 def _fit(rm: RunModel, doc: str, query: str, reserve: int) -> tuple[str, int]:
-    """The longest head of `doc` such that doc + separator + query + `reserve` tokens fits max_seq_len."""
+    """The longest head of `doc` such that doc + separator + query + `reserve` tokens fits
+    max_seq_len."""
     limit = rm.max_seq_len
     ids = rm.encode(doc)
     k = min(len(ids), limit - reserve - len(rm.encode(SEPARATOR + query)))
@@ -143,37 +164,57 @@ def _fit(rm: RunModel, doc: str, query: str, reserve: int) -> tuple[str, int]:
     return "", 0
 
 
-def rag_items(rm: RunModel, index: RagIndex, items: Sequence[dict[str, Any]], *,
-              level: int | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def rag_items(
+    rm: RunModel, index: RagIndex, items: Sequence[dict[str, Any]], *, level: int | None = None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Items whose context is (retrieved window head + blank line + the 0-shot question).
 
     Multiple-choice items reserve room for their longest choice, generation items for their answer.
-    Each new item keeps the question as its `query`, so fetched memories are still retrieved with the
-    question alone. Returns (items, retrieval record: per item the window ordinal, its cluster path,
-    cosine similarity and the tokens of it kept)."""
+    Each new item keeps the question as its `query`, so fetched memories are still retrieved with
+    the question alone. Returns (items, retrieval record: per item the window ordinal, its cluster
+    path, cosine similarity and the tokens of it kept)."""
     if rm.tree is not None and rm.tree.tree_id != index.tree.tree_id:
-        raise ValueError(f"rag: the datastore {index.root} was clustered with tree {index.tree.tree_id}, the run's "
-                         f"memories with tree {rm.tree.tree_id}; use the pipeline run the model was trained on")
+        raise ValueError(
+            f"rag: the datastore {index.root} was clustered with tree {index.tree.tree_id}, the "
+            f"run's memories with tree {rm.tree.tree_id}; use the pipeline run the model was "
+            "trained on"
+        )
     queries = [retrieval_query(it) for it in items]
     hit = index.retrieve(queries, level=level)
     found = hit["ordinals"] >= 0
-    docs = dict(zip(hit["ordinals"][found].tolist(), index.texts(hit["ordinals"][found].tolist()), strict=True))
+    docs = dict(
+        zip(
+            hit["ordinals"][found].tolist(),
+            index.texts(hit["ordinals"][found].tolist()),
+            strict=True,
+        )
+    )
     out, kept = [], []
     for it, q, o in zip(items, queries, hit["ordinals"].tolist(), strict=True):
         conts = it["choices"] if "choices" in it else [it["answer"]]
-        reserve = max(len(rm.encode(c if c.startswith(" ") else " " + c.strip())) for c in conts)  # as scored
+        reserve = max(
+            len(rm.encode(c if c.startswith(" ") else " " + c.strip())) for c in conts
+        )  # as scored
         head, k = _fit(rm, docs[o], q, reserve) if o >= 0 else ("", 0)
         kept.append(k)
         out.append({**it, "query": q, "context": f"{head}{SEPARATOR}{q}" if head else q})
-    record = {"level": level or index.tree.levels, "datastore": str(index.root.resolve()),
-              "ordinals": hit["ordinals"].tolist(), "paths": hit["paths"].tolist(),
-              "similarity": [None if np.isnan(s) else float(s) for s in hit["similarity"]],
-              "kept_tokens": kept}
+    record = {
+        "level": level or index.tree.levels,
+        "datastore": str(index.root.resolve()),
+        "ordinals": hit["ordinals"].tolist(),
+        "paths": hit["paths"].tolist(),
+        "similarity": [None if np.isnan(s) else float(s) for s in hit["similarity"]],
+        "kept_tokens": kept,
+    }
     return out, record
 
 
-def routing_agreement(window_texts: Sequence[str], window_paths: np.ndarray, probes: Sequence[dict[str, Any]],
-                      probe_paths: np.ndarray) -> dict[str, Any]:
+def routing_agreement(
+    window_texts: Sequence[str],
+    window_paths: np.ndarray,
+    probes: Sequence[dict[str, Any]],
+    probe_paths: np.ndarray,
+) -> dict[str, Any]:
     """How often a probe is routed to a cluster that holds a training window stating its fact.
 
     A window states the fact when it contains both the probe's entity and its gold answer.
@@ -201,7 +242,16 @@ def routing_agreement(window_texts: Sequence[str], window_paths: np.ndarray, pro
     def rates(sel: np.ndarray) -> list[float | None]:
         return [float(hit[sel, lv].mean()) if sel.any() else None for lv in range(levels)]
 
-    return {"n_probes": len(probes), "n_with_stating_window": len(hit),
-            "all": rates(np.ones(len(hit), dtype=bool)),
-            "by_bucket": [{"bucket": bucket_label(lo, hi), "n": int(((m >= lo) & (m < hi)).sum()),
-                           "rates": rates((m >= lo) & (m < hi))} for lo, hi in BUCKETS]}
+    return {
+        "n_probes": len(probes),
+        "n_with_stating_window": len(hit),
+        "all": rates(np.ones(len(hit), dtype=bool)),
+        "by_bucket": [
+            {
+                "bucket": bucket_label(lo, hi),
+                "n": int(((m >= lo) & (m < hi)).sum()),
+                "rates": rates((m >= lo) & (m < hi)),
+            }
+            for lo, hi in BUCKETS
+        ],
+    }

@@ -46,8 +46,12 @@ from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl
 TaskType = Literal["multiple_choice", "schema", "generation", "perplexity"]
 GROUPS = {"common": "Common knowledge", "specific": "Specific knowledge"}
 COLUMN = {"none": "anchor only", "generic": "+ generic", "fetched": "+ fetched"}
-TYPE_LABEL = {"multiple_choice": "multiple choice", "schema": "schema", "generation": "generation",
-              "perplexity": "perplexity"}
+TYPE_LABEL = {
+    "multiple_choice": "multiple choice",
+    "schema": "schema",
+    "generation": "generation",
+    "perplexity": "perplexity",
+}
 # Per type: the fields an item needs and their JSON types.
 REQUIRED: dict[str, dict[str, type]] = {
     "multiple_choice": {"context": str, "choices": list, "gold": int},
@@ -77,9 +81,13 @@ class TaskSpec:
             if getattr(self, key) < 0:
                 raise ConfigError(f"tasks.{self.name}.{key}: must be ≥ 0, got {getattr(self, key)}")
         if self.max_new_tokens < 1:
-            raise ConfigError(f"tasks.{self.name}.max_new_tokens: must be ≥ 1, got {self.max_new_tokens}")
+            raise ConfigError(
+                f"tasks.{self.name}.max_new_tokens: must be ≥ 1, got {self.max_new_tokens}"
+            )
         if self.num_fewshot and self.type == "perplexity":
-            raise ConfigError(f"tasks.{self.name}.num_fewshot: perplexity tasks take no few-shot examples")
+            raise ConfigError(
+                f"tasks.{self.name}.num_fewshot: perplexity tasks take no few-shot examples"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,8 +119,10 @@ def load_suite_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
         p = Path(t.path)
         found = next((c for c in ((p,) if p.is_absolute() else (base / p, p)) if c.is_file()), None)
         if found is None:
-            raise ConfigError(f"tasks[{i}].path ({t.name}) in {path}: {t.path} is not a file "
-                              f"(relative paths are relative to the suite YAML, {base})")
+            raise ConfigError(
+                f"tasks[{i}].path ({t.name}) in {path}: {t.path} is not a file "
+                f"(relative paths are relative to the suite YAML, {base})"
+            )
         tasks.append(dataclasses.replace(t, path=str(found)))
     return dataclasses.replace(cfg, tasks=tasks)
 
@@ -136,7 +146,8 @@ def _check_item(item: Any, kind: str) -> str | None:
 
 
 def load_task_items(path: str | Path, kind: TaskType) -> list[dict[str, Any]]:
-    """Every item of a JSONL task file, validated; a bad line raises `TaskDataError` naming file:line."""
+    """Every item of a JSONL task file, validated; a bad line raises `TaskDataError` naming
+    file:line."""
     items = []
     for lineno, item in iter_jsonl(path, TaskDataError):
         why = _check_item(item, kind)
@@ -149,14 +160,17 @@ def load_task_items(path: str | Path, kind: TaskType) -> list[dict[str, Any]]:
 
 
 def task_items(spec: TaskSpec, seed: int) -> list[dict[str, Any]]:
-    """The items to score, each behind `num_fewshot` solved examples drawn (seeded) from the rest of the file."""
+    """The items to score, each behind `num_fewshot` solved examples drawn (seeded) from the rest of
+    the file."""
     pool = load_task_items(spec.path, spec.type)
     n = min(spec.max_items or len(pool), len(pool))
     if not spec.num_fewshot:
         return pool[:n]
     if spec.num_fewshot >= len(pool):
-        raise ConfigError(f"tasks.{spec.name}.num_fewshot: {spec.num_fewshot} examples need more than the "
-                          f"{len(pool)} items of {spec.path}")
+        raise ConfigError(
+            f"tasks.{spec.name}.num_fewshot: {spec.num_fewshot} examples need more than the "
+            f"{len(pool)} items of {spec.path}"
+        )
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -165,8 +179,14 @@ def task_items(spec: TaskSpec, seed: int) -> list[dict[str, Any]]:
     return out
 
 
-def _score(rm: RunModel, spec: TaskSpec, items: list[dict[str, Any]], mode: str, paths: np.ndarray | None,
-           batch_size: int) -> dict[str, Any]:
+def _score(
+    rm: RunModel,
+    spec: TaskSpec,
+    items: list[dict[str, Any]],
+    mode: str,
+    paths: np.ndarray | None,
+    batch_size: int,
+) -> dict[str, Any]:
     if spec.type == "perplexity":
         return perplexity(rm, items, mode=mode, paths=paths, batch_size=batch_size)
     if spec.type == "generation":
@@ -181,26 +201,39 @@ def metric_of(task_type: str) -> str:
 
 
 def run_suite(rm: RunModel, cfg: SuiteConfig) -> dict[str, Any]:
-    """Every task in every memory setting the run supports, and each group's average accuracy per setting.
+    """Every task in every memory setting the run supports, and each group's average accuracy per
+    setting.
 
-    Returns {"modes", "tasks": {name: {type, group, path, num_fewshot, n, metric, modes: {mode: metrics}}},
-    "groups": {group: {"tasks": [names], "average": {mode: mean accuracy}}}}."""
+    Returns {"modes", "tasks": {name: {type, group, path, num_fewshot, n, metric, modes: {mode:
+    metrics}}}, "groups": {group: {"tasks": [names], "average": {mode: mean accuracy}}}}."""
     modes = [m for m in MODES if m == "none" or rm.has_memory]
     tasks: dict[str, Any] = {}
     for spec in cfg.tasks:
         items = task_items(spec, cfg.seed)
         queries = [d["text"] if spec.type == "perplexity" else retrieval_query(d) for d in items]
         paths = rm.route(queries) if rm.has_memory else None
-        tasks[spec.name] = {"type": spec.type, "group": spec.group, "path": spec.path,
-                            "num_fewshot": spec.num_fewshot, "n": len(items), "metric": metric_of(spec.type),
-                            "modes": {m: _score(rm, spec, items, m, paths, cfg.batch_size) for m in modes}}
+        tasks[spec.name] = {
+            "type": spec.type,
+            "group": spec.group,
+            "path": spec.path,
+            "num_fewshot": spec.num_fewshot,
+            "n": len(items),
+            "metric": metric_of(spec.type),
+            "modes": {m: _score(rm, spec, items, m, paths, cfg.batch_size) for m in modes},
+        }
     groups: dict[str, Any] = {}
     for g in GROUPS:
         names = [n for n, t in tasks.items() if t["group"] == g and t["metric"] == "accuracy"]
         if any(t["group"] == g for t in tasks.values()):
-            groups[g] = {"tasks": names, "average": {
-                m: float(np.mean([tasks[n]["modes"][m]["accuracy"] for n in names])) if names else None
-                for m in modes}}
+            groups[g] = {
+                "tasks": names,
+                "average": {
+                    m: float(np.mean([tasks[n]["modes"][m]["accuracy"] for n in names]))
+                    if names
+                    else None
+                    for m in modes
+                },
+            }
     return {"modes": modes, "tasks": tasks, "groups": groups}
 
 
@@ -209,19 +242,27 @@ def _cell(task: dict[str, Any], mode: str) -> str:
     return f"{value:.2f}" if task["metric"] == "perplexity" else f"{100 * value:.1f}"
 
 
-def write_suite_report(out_dir: str | Path, result: dict[str, Any], *,
-                       meta: dict[str, Any] | None = None) -> dict[str, str]:
-    """results.json, report.md (Table 1's layout) and suite.png (accuracy per task and group average)."""
+def write_suite_report(
+    out_dir: str | Path, result: dict[str, Any], *, meta: dict[str, Any] | None = None
+) -> dict[str, str]:
+    """results.json, report.md (Table 1's layout) and suite.png (accuracy per task and group
+    average)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     modes, tasks = result["modes"], result["tasks"]
     lines = ["# memtree task suite", ""]
     if meta:
         lines += [f"- {k}: {v}" for k, v in meta.items()] + [""]
-    lines += [("Accuracy in % (perplexity tasks: perplexity, not part of the group average). Memories are "
-               "retrieved with the question, the schema options' common prefix, or the whole document (App. B)."),
-              "", "| task | type | n | " + " | ".join(COLUMN[m] for m in modes) + " |",
-              "|---|---|---:|" + "---:|" * len(modes)]
+    lines += [
+        (
+            "Accuracy in % (perplexity tasks: perplexity, not part of the group average). Memories "
+            "are retrieved with the question, the schema options' common prefix, or the whole "
+            "document (App. B)."
+        ),
+        "",
+        "| task | type | n | " + " | ".join(COLUMN[m] for m in modes) + " |",
+        "|---|---|---:|" + "---:|" * len(modes),
+    ]
     for g, label in GROUPS.items():
         if g not in result["groups"]:
             continue
@@ -229,7 +270,11 @@ def write_suite_report(out_dir: str | Path, result: dict[str, Any], *,
         for name, t in tasks.items():
             if t["group"] == g:
                 kind = f"{TYPE_LABEL[t['type']]}, {t['num_fewshot']}-shot"
-                lines.append(f"| {name} | {kind} | {t['n']} | " + " | ".join(_cell(t, m) for m in modes) + " |")
+                lines.append(
+                    f"| {name} | {kind} | {t['n']} | "
+                    + " | ".join(_cell(t, m) for m in modes)
+                    + " |"
+                )
         avg = result["groups"][g]["average"]
         cells = ["—" if avg[m] is None else f"**{100 * avg[m]:.1f}**" for m in modes]
         lines.append(f"| **Avg {label.lower()}** | | | " + " | ".join(cells) + " |")
@@ -250,7 +295,11 @@ def write_suite_report(out_dir: str | Path, result: dict[str, Any], *,
     ax.set_ylabel("accuracy")
     ax.set_title("Task suite: anchor only vs generic vs fetched memory")
     ax.legend(fontsize=8)
-    files = {"png": str(out / "suite.png"), "json": str(out / "results.json"), "markdown": str(out / "report.md")}
+    files = {
+        "png": str(out / "suite.png"),
+        "json": str(out / "results.json"),
+        "markdown": str(out / "report.md"),
+    }
     save_png(fig, out / "suite.png")
     atomic_write_json(out / "results.json", {"meta": meta or {}, **result})
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")

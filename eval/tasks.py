@@ -1,4 +1,5 @@
-"""Task scorers: multiple choice and schema by log-likelihood, perplexity, and generation with answer extraction.
+"""Task scorers: multiple choice and schema by log-likelihood, perplexity, and generation with
+answer extraction.
 
 Every scorer takes a `RunModel` and a memory mode ("none" = anchor only,
 "generic", "fetched") and routes each item exactly as App. B says: the
@@ -7,8 +8,8 @@ prefix for schema tasks, the whole document for perplexity. Items are LLM-Foundr
 
   multiple choice  {"context": str, "choices": [str, …], "gold": int}   (+ optional "query":
                    the text to route when the context holds more than the question)
-  schema           {"context_options": [str, …], "continuation": str, "gold": int}   (+ optional "query")
-  generation       {"context": str, "answer": str}
+  schema           {"context_options": [str, …], "continuation": str, "gold": int}   (+ optional
+  "query") generation       {"context": str, "answer": str}
   perplexity       {"text": str}
 
 Schema items are routed with the part of the text every option shares (App. B):
@@ -39,14 +40,17 @@ def retrieval_query(item: dict[str, Any]) -> str:
 
 
 def schema_query(options: Sequence[str], continuation: str) -> str:
-    """The options' longest common prefix (whole words only), or the continuation when it is empty."""
+    """The options' longest common prefix (whole words only), or the continuation when it is
+    empty."""
     prefix = os.path.commonprefix(list(options))
     if any(len(o) > len(prefix) and not o[len(prefix)].isspace() for o in options):
         prefix = re.sub(r"\S+$", "", prefix)  # the prefix ends inside a word: drop that word
     return prefix.strip() or continuation.strip()
 
 
-def _paths(rm: RunModel, texts: list[str], mode: MemoryMode, paths: np.ndarray | None) -> np.ndarray | None:
+def _paths(
+    rm: RunModel, texts: list[str], mode: MemoryMode, paths: np.ndarray | None
+) -> np.ndarray | None:
     if mode != "fetched" or not rm.has_memory:
         return None
     return paths if paths is not None else rm.route(texts)
@@ -56,9 +60,16 @@ def _continuation(rm: RunModel, text: str) -> list[int]:
     return rm.encode(text) if text.startswith(" ") else rm.encode(" " + text.strip())
 
 
-def _ranked(rm: RunModel, items: Sequence[dict[str, Any]], pairs: list[list[tuple[list[int], list[int]]]],
-            p: np.ndarray | None, mode: MemoryMode, batch_size: int) -> dict[str, Any]:
-    """Score each item's (context, continuation) pairs by Σ log p(continuation | context); pick the best.
+def _ranked(
+    rm: RunModel,
+    items: Sequence[dict[str, Any]],
+    pairs: list[list[tuple[list[int], list[int]]]],
+    p: np.ndarray | None,
+    mode: MemoryMode,
+    batch_size: int,
+) -> dict[str, Any]:
+    """Score each item's (context, continuation) pairs by Σ log p(continuation | context); pick the
+    best.
 
     Scored through `RunModel.choice_scores`, batch_size units per forward: an item whose options
     share one context (multiple choice) is one unit, all its continuations in one row; otherwise
@@ -73,7 +84,11 @@ def _ranked(rm: RunModel, items: Sequence[dict[str, Any]], pairs: list[list[tupl
     flat: list[float] = []
     for s in range(0, len(units), batch_size):
         rows = None if p is None else p[np.asarray(owners[s : s + batch_size])]
-        flat += [sc for unit in rm.choice_scores(units[s : s + batch_size], paths=rows, mode=mode) for sc in unit]
+        flat += [
+            sc
+            for unit in rm.choice_scores(units[s : s + batch_size], paths=rows, mode=mode)
+            for sc in unit
+        ]
     scores = np.asarray(flat)
     preds, preds_norm, per_item, k = [], [], [], 0
     for options in pairs:
@@ -84,9 +99,13 @@ def _ranked(rm: RunModel, items: Sequence[dict[str, Any]], pairs: list[list[tupl
         per_item.append(sc.tolist())
         k += len(options)
     gold = np.asarray([int(it["gold"]) for it in items])
-    return {"n": len(items), "accuracy": float((np.asarray(preds) == gold).mean()),
-            "accuracy_norm": float((np.asarray(preds_norm) == gold).mean()), "predictions": preds,
-            "scores": per_item}
+    return {
+        "n": len(items),
+        "accuracy": float((np.asarray(preds) == gold).mean()),
+        "accuracy_norm": float((np.asarray(preds_norm) == gold).mean()),
+        "predictions": preds,
+        "scores": per_item,
+    }
 
 
 def _check_gold(i: int, it: dict[str, Any], options_key: str) -> None:
@@ -94,11 +113,18 @@ def _check_gold(i: int, it: dict[str, Any], options_key: str) -> None:
         raise ValueError(f"item {i}: needs {options_key} and a gold index inside them, got {it}")
 
 
-def multiple_choice(rm: RunModel, items: Sequence[dict[str, Any]], *, mode: MemoryMode = "fetched",
-                    paths: np.ndarray | None = None, batch_size: int = 16) -> dict[str, Any]:
+def multiple_choice(
+    rm: RunModel,
+    items: Sequence[dict[str, Any]],
+    *,
+    mode: MemoryMode = "fetched",
+    paths: np.ndarray | None = None,
+    batch_size: int = 16,
+) -> dict[str, Any]:
     """Accuracy of argmax Σ log p(choice | context) (and per-token normalised).
 
-    Returns {"accuracy", "accuracy_norm", "n", "predictions", "scores"} (scores: per item, per choice)."""
+    Returns {"accuracy", "accuracy_norm", "n", "predictions", "scores"} (scores: per item, per
+    choice)."""
     p = _paths(rm, [retrieval_query(it) for it in items], mode, paths)
     pairs = []
     for i, it in enumerate(items):
@@ -108,8 +134,14 @@ def multiple_choice(rm: RunModel, items: Sequence[dict[str, Any]], *, mode: Memo
     return _ranked(rm, items, pairs, p, mode, batch_size)
 
 
-def schema(rm: RunModel, items: Sequence[dict[str, Any]], *, mode: MemoryMode = "fetched",
-           paths: np.ndarray | None = None, batch_size: int = 16) -> dict[str, Any]:
+def schema(
+    rm: RunModel,
+    items: Sequence[dict[str, Any]],
+    *,
+    mode: MemoryMode = "fetched",
+    paths: np.ndarray | None = None,
+    batch_size: int = 16,
+) -> dict[str, Any]:
     """Accuracy of argmax Σ log p(continuation | context option) (and per-token normalised).
 
     Memories are fetched with `retrieval_query` (the options' common prefix). Returns the same
@@ -123,17 +155,32 @@ def schema(rm: RunModel, items: Sequence[dict[str, Any]], *, mode: MemoryMode = 
     return _ranked(rm, items, pairs, p, mode, batch_size)
 
 
-def perplexity(rm: RunModel, docs: Sequence[dict[str, Any]], *, mode: MemoryMode = "fetched",
-               paths: np.ndarray | None = None, batch_size: int = 8) -> dict[str, Any]:
+def perplexity(
+    rm: RunModel,
+    docs: Sequence[dict[str, Any]],
+    *,
+    mode: MemoryMode = "fetched",
+    paths: np.ndarray | None = None,
+    batch_size: int = 8,
+) -> dict[str, Any]:
     """Token-level perplexity over documents (each truncated to the model's context)."""
     p = _paths(rm, [d["text"] for d in docs], mode, paths)
     limit = rm.max_seq_len
     seqs = [rm.encode(d["text"])[:limit] for d in docs]
-    return {"n_docs": len(docs), **sequence_perplexity(rm, seqs, mode=mode, paths=p, batch_size=batch_size)}
+    return {
+        "n_docs": len(docs),
+        **sequence_perplexity(rm, seqs, mode=mode, paths=p, batch_size=batch_size),
+    }
 
 
-def sequence_perplexity(rm: RunModel, seqs: Sequence[list[int]], *, mode: MemoryMode = "none",
-                        paths: np.ndarray | None = None, batch_size: int = 8) -> dict[str, Any]:
+def sequence_perplexity(
+    rm: RunModel,
+    seqs: Sequence[list[int]],
+    *,
+    mode: MemoryMode = "none",
+    paths: np.ndarray | None = None,
+    batch_size: int = 8,
+) -> dict[str, Any]:
     """Token-level perplexity over token sequences, each within the model's context (text already
     cut into pieces); paths (n, L): each sequence's route, for fetched memories."""
     nll, n = 0.0, 0
@@ -160,23 +207,39 @@ def extract_integer(text: str) -> str | None:
     return m.group(0).replace(",", "") if m else None
 
 
-def generation(rm: RunModel, items: Sequence[dict[str, Any]], *, mode: MemoryMode = "fetched",
-               paths: np.ndarray | None = None, extract: Callable[[str], str | None] = extract_integer,
-               max_new_tokens: int = 8) -> dict[str, Any]:
+def generation(
+    rm: RunModel,
+    items: Sequence[dict[str, Any]],
+    *,
+    mode: MemoryMode = "fetched",
+    paths: np.ndarray | None = None,
+    extract: Callable[[str], str | None] = extract_integer,
+    max_new_tokens: int = 8,
+) -> dict[str, Any]:
     """Greedy continuation of each context; correct when extract(output) == extract(answer)."""
     p = _paths(rm, [retrieval_query(it) for it in items], mode, paths)
     outputs, correct = [], 0
     for i, it in enumerate(items):
-        out = rm.decode(rm.greedy(rm.encode(it["context"]), max_new_tokens=max_new_tokens,
-                                  paths=None if p is None else p[i : i + 1], mode=mode, stop=rm.eot_id))
+        out = rm.decode(
+            rm.greedy(
+                rm.encode(it["context"]),
+                max_new_tokens=max_new_tokens,
+                paths=None if p is None else p[i : i + 1],
+                mode=mode,
+                stop=rm.eot_id,
+            )
+        )
         outputs.append(out)
         got, want = extract(out), extract(it["answer"])
         correct += int(got is not None and got == want)
     return {"n": len(items), "accuracy": correct / max(len(items), 1), "outputs": outputs}
 
 
-def few_shot(items: Sequence[dict[str, Any]], shots: Sequence[dict[str, Any]], *, sep: str = "\n") -> list[dict]:
+def few_shot(
+    items: Sequence[dict[str, Any]], shots: Sequence[dict[str, Any]], *, sep: str = "\n"
+) -> list[dict]:
     """Prefix each item's context (each context option, for schema items) with solved examples."""
+
     def solved(ex: dict[str, Any]) -> str:
         if "context_options" in ex:
             return f"{ex['context_options'][int(ex['gold'])]} {ex['continuation'].strip()}"

@@ -1,4 +1,5 @@
-"""Long-context perplexity of a frozen LM with CAMELoT and its baselines (seed 001, Table 2 / Fig. 3).
+"""Long-context perplexity of a frozen LM with CAMELoT and its baselines (seed 001, Table 2 /
+Fig. 3).
 
 `longctx_eval(model, docs, methods=[...], window=L)` runs every long document through the frozen
 model window by window (`training.camelot.longdoc.longdoc_token_nll`) once per method:
@@ -53,10 +54,18 @@ from memtree.memstore.camelot.memory import CamelotConfig
 from memtree.training.camelot.longdoc import METHODS, check_window, context_limit, longdoc_token_nll
 
 # CamelotConfig switch → ablation name (App. A.2.1); each turns one switch off.
-ABLATIONS: dict[str, str] = {"consolidation": "camelot-no-consolidation", "novelty": "camelot-no-novelty",
-                             "recency": "camelot-no-recency", "retrieval": "camelot-no-retrieval"}
-METHOD_LABEL = {"base": "base (window alone)", "xl": "Transformer-XL cache", "memorizing": "Memorizing (FIFO kNN)",
-                "camelot": "CAMELoT"}
+ABLATIONS: dict[str, str] = {
+    "consolidation": "camelot-no-consolidation",
+    "novelty": "camelot-no-novelty",
+    "recency": "camelot-no-recency",
+    "retrieval": "camelot-no-retrieval",
+}
+METHOD_LABEL = {
+    "base": "base (window alone)",
+    "xl": "Transformer-XL cache",
+    "memorizing": "Memorizing (FIFO kNN)",
+    "camelot": "CAMELoT",
+}
 
 
 def frozen_lm(model: Any) -> nn.Module:
@@ -81,30 +90,54 @@ def _ppl(sum_nll: float, n: int) -> float | None:
     return math.exp(sum_nll / n) if n else None
 
 
-def _score(model: nn.Module, docs: Sequence[torch.Tensor], *, method: str, window: int,
-           cfg: CamelotConfig, visibility: str, sink: int, buckets: Sequence[tuple[int, int]]) -> dict[str, Any]:
+def _score(
+    model: nn.Module,
+    docs: Sequence[torch.Tensor],
+    *,
+    method: str,
+    window: int,
+    cfg: CamelotConfig,
+    visibility: str,
+    sink: int,
+    buckets: Sequence[tuple[int, int]],
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     sums = [0.0] * len(buckets)
     counts = [0] * len(buckets)
     for ids in docs:
-        nll = longdoc_token_nll(model, ids, method=method, window=window, cfg=cfg, visibility=visibility,
-                                sink=sink)
+        nll = longdoc_token_nll(
+            model, ids, method=method, window=window, cfg=cfg, visibility=visibility, sink=sink
+        )
         nll = nll.double().cpu()  # nll[t]: the prediction made at token t (of token t + 1)
         for b, (lo, hi) in enumerate(buckets):
             part = nll[lo:hi]
             sums[b] += float(part.sum())
             counts[b] += int(part.numel())
     total, n = sum(sums), sum(counts)
-    return {"perplexity": _ppl(total, n), "sum_nll": total, "n_tokens": n,
-            "seconds": round(time.perf_counter() - t0, 3),
-            "by_position": [{"start": lo, "end": hi, "n_tokens": c, "sum_nll": s, "perplexity": _ppl(s, c)}
-                            for (lo, hi), s, c in zip(buckets, sums, counts, strict=True)]}
+    return {
+        "perplexity": _ppl(total, n),
+        "sum_nll": total,
+        "n_tokens": n,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "by_position": [
+            {"start": lo, "end": hi, "n_tokens": c, "sum_nll": s, "perplexity": _ppl(s, c)}
+            for (lo, hi), s, c in zip(buckets, sums, counts, strict=True)
+        ],
+    }
 
 
-def longctx_eval(model: Any, docs: Iterable[Sequence[int] | torch.Tensor], *,
-                 methods: Sequence[str] = METHODS, window: int = 128, cfg: CamelotConfig | None = None,
-                 ablations: bool = True, visibility: str = "causal", sink: int = 0,
-                 log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def longctx_eval(
+    model: Any,
+    docs: Iterable[Sequence[int] | torch.Tensor],
+    *,
+    methods: Sequence[str] = METHODS,
+    window: int = 128,
+    cfg: CamelotConfig | None = None,
+    ablations: bool = True,
+    visibility: str = "causal",
+    sink: int = 0,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Perplexity per method, per input-length bucket, and CAMELoT's ablations (module docstring).
 
     model: a `RunModel` (its anchor is used), memtree's AnchorLM or an HF causal LM; it is never
@@ -133,31 +166,53 @@ def longctx_eval(model: Any, docs: Iterable[Sequence[int] | torch.Tensor], *,
     buckets = position_buckets(window, max(lengths) - 1)
     runs: list[tuple[str, str, CamelotConfig]] = [(m, m, cfg) for m in methods]
     if ablations and "camelot" in methods:
-        runs += [(name, "camelot", dataclasses.replace(cfg, **{switch: False}))
-                 for switch, name in ABLATIONS.items()]
+        runs += [
+            (name, "camelot", dataclasses.replace(cfg, **{switch: False}))
+            for switch, name in ABLATIONS.items()
+        ]
     rows: dict[str, dict[str, Any]] = {}
     for name, method, c in runs:
-        rows[name] = _score(lm, kept, method=method, window=window, cfg=c, visibility=visibility, sink=sink,
-                            buckets=buckets)
+        rows[name] = _score(
+            lm,
+            kept,
+            method=method,
+            window=window,
+            cfg=c,
+            visibility=visibility,
+            sink=sink,
+            buckets=buckets,
+        )
         if log:
-            log(f"{name}: perplexity {rows[name]['perplexity']:.4g} ({rows[name]['seconds']:.1f} s)")
+            log(
+                f"{name}: perplexity {rows[name]['perplexity']:.4g} ({rows[name]['seconds']:.1f} s)"
+            )
     base = rows.get("base", {}).get("perplexity")
     cam = rows.get("camelot", {}).get("perplexity")
     for name, row in rows.items():
         row["ratio_to_base"] = row["perplexity"] / base if base else None
         if name in ABLATIONS.values():
             row["ratio_to_camelot"] = row["perplexity"] / cam if cam else None
-    return {"window": window, "visibility": visibility, "sink": sink, "camelot_config": to_dict(cfg),
-            "context": context_limit(lm),
-            "docs": {"n_docs": len(kept), "skipped_empty": skipped, "n_tokens": sum(lengths),
-                     "min_tokens": min(lengths), "mean_tokens": sum(lengths) / len(lengths),
-                     "max_tokens": max(lengths)},
-            "buckets": [{"start": lo, "end": hi} for lo, hi in buckets],
-            "methods": {m: rows[m] for m in methods},
-            "ablations": {n: rows[n] for n in ABLATIONS.values() if n in rows}}
+    return {
+        "window": window,
+        "visibility": visibility,
+        "sink": sink,
+        "camelot_config": to_dict(cfg),
+        "context": context_limit(lm),
+        "docs": {
+            "n_docs": len(kept),
+            "skipped_empty": skipped,
+            "n_tokens": sum(lengths),
+            "min_tokens": min(lengths),
+            "mean_tokens": sum(lengths) / len(lengths),
+            "max_tokens": max(lengths),
+        },
+        "buckets": [{"start": lo, "end": hi} for lo, hi in buckets],
+        "methods": {m: rows[m] for m in methods},
+        "ablations": {n: rows[n] for n in ABLATIONS.values() if n in rows},
+    }
 
 
-# -- documents --------------------------------------------------------------------------------------
+# -- documents -------------------------------------------------------------------------------------
 def load_records(path: str | Path) -> list[dict[str, Any]]:
     """A JSONL of documents (`{"text": …}` plus any grouping keys); a bad line names file:line."""
     records = []
@@ -168,11 +223,13 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-def group_key(records: Sequence[dict[str, Any]], group_by: str | None, path: str | Path) -> str | None:
-    """The key `memtree eval longctx --group-by` joins records by, checked against the records: a key some
-    record lacks is refused, naming the record (a record without it would be scored alone while the
-    report says grouped). None (not given): `topic` when every record has one, no grouping when none
-    has; "none": no grouping."""
+def group_key(
+    records: Sequence[dict[str, Any]], group_by: str | None, path: str | Path
+) -> str | None:
+    """The key `memtree eval longctx --group-by` joins records by, checked against the records: a
+    key some record lacks is refused, naming the record (a record without it would be scored alone
+    while the report says grouped). None (not given): `topic` when every record has one, no grouping
+    when none has; "none": no grouping."""
     if group_by == "none":
         return None
     key = group_by or "topic"
@@ -183,15 +240,22 @@ def group_key(records: Sequence[dict[str, Any]], group_by: str | None, path: str
         i = lacking[0]
         rid = f" (id {records[i]['id']!r})" if "id" in records[i] else ""
         keys = sorted({k for r in records for k in r} - {"text", "id"})
-        raise ValueError(f"--group-by {key}: record {i + 1}{rid} of {path} has no {key!r} "
-                         f"({len(lacking)} of {len(records)} records lack it; keys the records have: {keys}); "
-                         "pass --group-by KEY that every record has, or --group-by none")
+        raise ValueError(
+            f"--group-by {key}: record {i + 1}{rid} of {path} has no {key!r} "
+            f"({len(lacking)} of {len(records)} records lack it; keys the records have: {keys}); "
+            "pass --group-by KEY that every record has, or --group-by none"
+        )
     return key
 
 
-def long_documents(records: Iterable[dict[str, Any]], encode: Callable[[str], list[int]], *,
-                   group_by: str | None = "topic", separator: int | None = None,
-                   max_docs: int = 0) -> tuple[list[str], list[list[int]]]:
+def long_documents(
+    records: Iterable[dict[str, Any]],
+    encode: Callable[[str], list[int]],
+    *,
+    group_by: str | None = "topic",
+    separator: int | None = None,
+    max_docs: int = 0,
+) -> tuple[list[str], list[list[int]]]:
     """(keys, token sequences): the records sharing `group_by`'s value joined in file order, each
     record's tokens followed by `separator` (the end-of-text id) except the last; records without
     the key (or group_by None) stand alone, keyed by their id or line. Groups are in order of first
@@ -216,7 +280,7 @@ def long_documents(records: Iterable[dict[str, Any]], encode: Callable[[str], li
     return keys, docs
 
 
-# -- report -----------------------------------------------------------------------------------------
+# -- report ----------------------------------------------------------------------------------------
 def _bucket_label(b: dict[str, Any]) -> str:
     return f"{b['start']}-{b['end']}"
 
@@ -225,8 +289,9 @@ def _fmt(v: float | None, spec: str = ".3f") -> str:
     return "—" if v is None else format(v, spec)
 
 
-def write_longctx_report(out_dir: str | Path, results: dict[str, Any],
-                         meta: dict[str, Any] | None = None) -> dict[str, str]:
+def write_longctx_report(
+    out_dir: str | Path, results: dict[str, Any], meta: dict[str, Any] | None = None
+) -> dict[str, str]:
     """OUT/results.json ({"meta", "longctx": results}), OUT/report.md, OUT/ppl_vs_length.png."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -236,31 +301,64 @@ def write_longctx_report(out_dir: str | Path, results: dict[str, Any],
     lines = ["# memtree long-context evaluation (CAMELoT, seed 001)", ""]
     lines += [f"- {k}: {v}" for k, v in (meta or {}).items()]
     sink = r.get("sink", 0)
-    lines += [f"- window L = {r['window']} tokens (model context {r['context']}), visibility {r['visibility']}",
-              (f"- attention sink: the document's first {sink} tokens before every later window, every method "
-               "(base = window + sink)" if sink else "- no attention sink (the seed's setting)"),
-              (f"- memory: M = {cfg['slots']} slots per layer and KV head, R = {cfg['threshold']}, "
-               f"layers {cfg['layers'] if cfg['layers'] is not None else 'all'}"),
-              (f"- documents: {d['n_docs']} scored ({d['n_tokens']} tokens; {d['min_tokens']}–{d['max_tokens']}, "
-               f"mean {d['mean_tokens']:.0f} per document), {d['skipped_empty']} empty skipped"), "",
-              "## Perplexity", "", "| method | perplexity | ratio to base | tokens | seconds |",
-              "|---|---:|---:|---:|---:|"]
+    lines += [
+        (
+            f"- window L = {r['window']} tokens (model context {r['context']}), visibility "
+            f"{r['visibility']}"
+        ),
+        (
+            f"- attention sink: the document's first {sink} tokens before every later window, "
+            "every method (base = window + sink)"
+            if sink
+            else "- no attention sink (the seed's setting)"
+        ),
+        (
+            f"- memory: M = {cfg['slots']} slots per layer and KV head, R = {cfg['threshold']}, "
+            f"layers {cfg['layers'] if cfg['layers'] is not None else 'all'}"
+        ),
+        (
+            f"- documents: {d['n_docs']} scored ({d['n_tokens']} tokens; "
+            f"{d['min_tokens']}–{d['max_tokens']}, mean {d['mean_tokens']:.0f} per document), "
+            f"{d['skipped_empty']} empty skipped"
+        ),
+        "",
+        "## Perplexity",
+        "",
+        "| method | perplexity | ratio to base | tokens | seconds |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, row in rows.items():
-        lines.append(f"| {METHOD_LABEL.get(name, name)} | {_fmt(row['perplexity'])} | "
-                     f"{_fmt(row['ratio_to_base'], '.4f')} | {row['n_tokens']} | {row['seconds']:.1f} |")
+        lines.append(
+            f"| {METHOD_LABEL.get(name, name)} | {_fmt(row['perplexity'])} | "
+            f"{_fmt(row['ratio_to_base'], '.4f')} | {row['n_tokens']} | {row['seconds']:.1f} |"
+        )
     labels = [_bucket_label(b) for b in r["buckets"]]
-    lines += ["", ("## Perplexity against input length (Fig. 3 analogue)"), "",
-              "NLL averaged over the predictions made at positions in each bucket of the long document.", "",
-              "| method | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
+    lines += [
+        "",
+        ("## Perplexity against input length (Fig. 3 analogue)"),
+        "",
+        "NLL averaged over the predictions made at positions in each bucket of the long document.",
+        "",
+        "| method | " + " | ".join(labels) + " |",
+        "|---|" + "---:|" * len(labels),
+    ]
     for name, row in rows.items():
-        lines.append(f"| {METHOD_LABEL.get(name, name)} | "
-                     + " | ".join(_fmt(b["perplexity"]) for b in row["by_position"]) + " |")
+        lines.append(
+            f"| {METHOD_LABEL.get(name, name)} | "
+            + " | ".join(_fmt(b["perplexity"]) for b in row["by_position"])
+            + " |"
+        )
     fig = new_figure()
     ax = fig.add_subplot()
     for name, row in rows.items():
         xs = [i for i, b in enumerate(row["by_position"]) if b["perplexity"] is not None]
-        ax.plot(xs, [row["by_position"][i]["perplexity"] for i in xs], marker="o",
-                ls="--" if name in r["ablations"] else "-", label=METHOD_LABEL.get(name, name))
+        ax.plot(
+            xs,
+            [row["by_position"][i]["perplexity"] for i in xs],
+            marker="o",
+            ls="--" if name in r["ablations"] else "-",
+            label=METHOD_LABEL.get(name, name),
+        )
     ax.set_xticks(range(len(labels)), labels, rotation=30, fontsize=7)
     ax.set_xlabel("position in the long document (tokens)")
     ax.set_ylabel("perplexity")

@@ -99,14 +99,20 @@ class ContextRecallConfig:
             if not is_int(v) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if not self.capacities or any(not c > 0 for c in self.capacities):
-            raise ValueError(f"capacities must be positive fractions of the entries written, got {self.capacities}")
+            raise ValueError(
+                "capacities must be positive fractions of the entries written, got "
+                f"{self.capacities}"
+            )
 
 
-def load_recall_config(path: str | Path | None, overrides: Sequence[str] = ()) -> ContextRecallConfig:
+def load_recall_config(
+    path: str | Path | None, overrides: Sequence[str] = ()
+) -> ContextRecallConfig:
     return load_config(ContextRecallConfig, str(path) if path else None, list(overrides))
 
 
 # -- data --------------------------------------------------------------------------------------
+
 
 def _world_spec(root: Path, seed: int):
     spec_rec = BiosSpec.stored(read_json(root / "corpus.json")["spec"])
@@ -114,17 +120,25 @@ def _world_spec(root: Path, seed: int):
 
 
 def _eval_seed(root: Path, cfg: ContextRecallConfig) -> int:
-    return cfg.world_seed if cfg.world_seed >= 0 else int(read_json(root / "corpus.json")["spec"]["seed"]) + 1000
+    return (
+        cfg.world_seed
+        if cfg.world_seed >= 0
+        else int(read_json(root / "corpus.json")["spec"]["seed"]) + 1000
+    )
 
 
 def training_pairs(root: Path, out: Path, cfg: ContextRecallConfig) -> Path:
     """The compressor's training pairs, written once: documents of `train_worlds` fresh bios worlds
     (seeds eval seed + 1000·k, k ≥ 1), so answers can only come from the compressed document, never
-    from what the anchor learnt; entities of the run's corpus or of the evaluation world are left out.
-    `train_on_corpus` adds the run's own corpus (facts the anchor partly knows)."""
+    from what the anchor learnt; entities of the run's corpus or of the evaluation world are left
+    out. `train_on_corpus` adds the run's own corpus (facts the anchor partly knows)."""
     path, marker = out / "pairs.jsonl", out / "pairs_inputs.json"
-    inputs = {"corpus": read_json(root / "corpus.json")["spec"], "eval_seed": _eval_seed(root, cfg),
-              "train_worlds": cfg.train_worlds, "train_on_corpus": cfg.train_on_corpus}
+    inputs = {
+        "corpus": read_json(root / "corpus.json")["spec"],
+        "eval_seed": _eval_seed(root, cfg),
+        "train_worlds": cfg.train_worlds,
+        "train_on_corpus": cfg.train_on_corpus,
+    }
     if path.exists() and marker.is_file() and read_json(marker) == json.loads(json.dumps(inputs)):
         return path
     held_out = {r["entity"] for _, r in iter_jsonl(root / "facts.jsonl")}
@@ -132,10 +146,16 @@ def training_pairs(root: Path, out: Path, cfg: ContextRecallConfig) -> Path:
     pairs = []
     for k in range(1, cfg.train_worlds + 1):
         spec = _world_spec(root, _eval_seed(root, cfg) + 1000 * k)
-        pairs += [p for p in recall_pairs(generate_bios(spec), bios_facts(spec)) if p["entity"] not in held_out]
+        pairs += [
+            p
+            for p in recall_pairs(generate_bios(spec), bios_facts(spec))
+            if p["entity"] not in held_out
+        ]
     if cfg.train_on_corpus:
-        pairs += recall_pairs((r for _, r in iter_jsonl(root / "corpus.jsonl")),
-                              [r for _, r in iter_jsonl(root / "facts.jsonl")])
+        pairs += recall_pairs(
+            (r for _, r in iter_jsonl(root / "corpus.jsonl")),
+            [r for _, r in iter_jsonl(root / "facts.jsonl")],
+        )
     if not pairs:
         raise ValueError("no training pairs: set train_worlds >= 1 or train_on_corpus: true")
     atomic_write_text(path, "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs))
@@ -143,13 +163,17 @@ def training_pairs(root: Path, out: Path, cfg: ContextRecallConfig) -> Path:
     return path
 
 
-def ensure_compressor(root: Path, out: Path, cfg: ContextRecallConfig, *, log=print) -> tuple[Path, str]:
-    """The compressor for the run's anchor; returns (its folder, "given" | "reused" | "trained" | "retrained").
+def ensure_compressor(
+    root: Path, out: Path, cfg: ContextRecallConfig, *, log=print
+) -> tuple[Path, str]:
+    """The compressor for the run's anchor; returns (its folder, "given" | "reused" | "trained" |
+    "retrained").
 
-    `vae=` holding a trained compressor is the user's: used as given. Otherwise (default OUT/vae) it is
-    reused only when it was trained from the same inputs (recorded in its `compressor_inputs.json`):
-    the training config (training/yamls/context-vae.yaml + `train`), the training pairs and the
-    anchor's weights; a compressor trained from other inputs, or with no record of them, is retrained."""
+    `vae=` holding a trained compressor is the user's: used as given. Otherwise (default OUT/vae) it
+    is reused only when it was trained from the same inputs (recorded in its
+    `compressor_inputs.json`): the training config (training/yamls/context-vae.yaml + `train`), the
+    training pairs and the anchor's weights; a compressor trained from other inputs, or with no
+    record of them, is retrained."""
     from memtree.training.context.train import load_context_config, train_context_vae
 
     anchor_dir = root / "train" / "anchor"
@@ -158,14 +182,24 @@ def ensure_compressor(root: Path, out: Path, cfg: ContextRecallConfig, *, log=pr
         log(f"[context-bank] compressor: {vae_dir} as given (vae=; --train settings not applied)")
         return vae_dir, "given"
     pairs = training_pairs(root, out, cfg)
-    tcfg = load_context_config(TRAIN_YAML, [f"anchor={anchor_dir}", f"data.pairs={pairs}",
-                                            f"save_folder={vae_dir}", *cfg.train])
+    tcfg = load_context_config(
+        TRAIN_YAML,
+        [f"anchor={anchor_dir}", f"data.pairs={pairs}", f"save_folder={vae_dir}", *cfg.train],
+    )
     config = to_dict(tcfg)
-    for key in ("anchor", "save_folder", "progress_bar", "log_interval"):  # where, not what, it trains
+    for key in (
+        "anchor",
+        "save_folder",
+        "progress_bar",
+        "log_interval",
+    ):  # where, not what, it trains
         config.pop(key, None)
     config["data"] = {k: v for k, v in config["data"].items() if k != "pairs"}
-    inputs = {"config": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16],
-              "pairs": sha256_file(pairs), "anchor": sha256_file(anchor_dir / "anchor.safetensors")}
+    inputs = {
+        "config": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16],
+        "pairs": sha256_file(pairs),
+        "anchor": sha256_file(anchor_dir / "anchor.safetensors"),
+    }
     marker = vae_dir / "compressor_inputs.json"
     old = read_json(marker) if marker.is_file() else None
     action = "trained"
@@ -188,7 +222,9 @@ def ensure_compressor(root: Path, out: Path, cfg: ContextRecallConfig, *, log=pr
     return vae_dir, action
 
 
-def new_entities(root: Path, cfg: ContextRecallConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def new_entities(
+    root: Path, cfg: ContextRecallConfig
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(documents, probes) about n_entities entities of a fresh bios world (one document each;
     probes: every fact the document states, 4-way). Deterministic for the config."""
     seed = _eval_seed(root, cfg)
@@ -206,15 +242,27 @@ def new_entities(root: Path, cfg: ContextRecallConfig) -> tuple[list[dict[str, A
     entities = sorted(first)
     random.Random(cfg.seed).shuffle(entities)
     if len(entities) < cfg.n_entities:
-        raise ValueError(f"the bios world of seed {seed} has {len(entities)} new entities, fewer than "
-                         f"n_entities={cfg.n_entities}")
+        raise ValueError(
+            f"the bios world of seed {seed} has {len(entities)} new entities, fewer than "
+            f"n_entities={cfg.n_entities}"
+        )
     chosen = entities[: cfg.n_entities]
     texts = {d["id"]: d["text"] for d in generate_bios(spec)}
     docs, facts = [], []
     for i, e in enumerate(chosen):
         doc = first[e]
-        docs.append({"id": doc, "entity": e, "text": texts[doc], "session": i * cfg.sessions // cfg.n_entities})
-        facts += [{**p, "value": p["answer"], "mentions": 1, "session": docs[-1]["session"]} for p in by_doc[doc]]
+        docs.append(
+            {
+                "id": doc,
+                "entity": e,
+                "text": texts[doc],
+                "session": i * cfg.sessions // cfg.n_entities,
+            }
+        )
+        facts += [
+            {**p, "value": p["answer"], "mentions": 1, "session": docs[-1]["session"]}
+            for p in by_doc[doc]
+        ]
     probes = build_probes(facts, seed=cfg.seed)
     for p, f in zip(probes, facts, strict=True):  # every fact has 12 values: none is skipped
         p["doc"], p["session"], p["question"] = f["doc"], f["session"], f["question"]
@@ -223,9 +271,18 @@ def new_entities(root: Path, cfg: ContextRecallConfig) -> tuple[list[dict[str, A
 
 # -- scoring -----------------------------------------------------------------------------------
 
+
 @torch.no_grad()
-def score(model, vae, tokenizer, probes: Sequence[dict[str, Any]], mems: Sequence[torch.Tensor] | None, *,
-          contexts: Sequence[str] | None = None, batch_size: int = 32) -> tuple[list[int], list[torch.Tensor]]:
+def score(
+    model,
+    vae,
+    tokenizer,
+    probes: Sequence[dict[str, Any]],
+    mems: Sequence[torch.Tensor] | None,
+    *,
+    contexts: Sequence[str] | None = None,
+    batch_size: int = 32,
+) -> tuple[list[int], list[torch.Tensor]]:
     """Each probe's prediction (argmax over choices of Σ log p(choice | context)), reading mems[i]
     (M_i, e) through the reader (None: anchor alone). `contexts`: text put before each question
     (the in-context setting). Returns (predictions, per probe the attention weight (M_i,) each
@@ -241,8 +298,12 @@ def score(model, vae, tokenizer, probes: Sequence[dict[str, Any]], mems: Sequenc
             choices = [tokenizer.encode(" " + c.strip()).ids for c in p["choices"]]
             room = limit - max(len(c) for c in choices)
             if room < 1:
-                raise ValueError(f"probe {s + i}: its choices do not fit the model's {limit} tokens")
-            ctx = ctx[-room:]  # an in-context document longer than the model's window loses its head
+                raise ValueError(
+                    f"probe {s + i}: its choices do not fit the model's {limit} tokens"
+                )
+            ctx = ctx[
+                -room:
+            ]  # an in-context document longer than the model's window loses its head
             for cont in choices:
                 seqs.append(ctx + cont)
                 conts.append(len(cont))
@@ -262,8 +323,13 @@ def score(model, vae, tokenizer, probes: Sequence[dict[str, Any]], mems: Sequenc
             with reading(model, vae, mem, mask) as st:
                 logits = model(ids)
             w_rows = st.weights  # (B·4, M)
-        lp = F.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]  # (N, S-1)
-        sc = [float(lp[j, int(lengths[j]) - 1 - conts[j] : int(lengths[j]) - 1].sum()) for j in range(len(seqs))]
+        lp = F.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[
+            ..., 0
+        ]  # (N, S-1)
+        sc = [
+            float(lp[j, int(lengths[j]) - 1 - conts[j] : int(lengths[j]) - 1].sum())
+            for j in range(len(seqs))
+        ]
         k = 0
         for i, p in enumerate(chunk):
             n = len(p["choices"])
@@ -280,9 +346,15 @@ def _acc(probes: Sequence[dict[str, Any]], preds: Sequence[int], sessions: int) 
     by = []
     for s in range(sessions):
         m = np.asarray([q["session"] == s for q in probes])
-        by.append({"session": s, "n": int(m.sum()), "accuracy": float(ok[m].mean()) if m.any() else None})
-    return {"n": len(ok), "accuracy": float(ok.mean()), "ci95": list(wilson(int(ok.sum()), len(ok))),
-            "by_session": by}
+        by.append(
+            {"session": s, "n": int(m.sum()), "accuracy": float(ok[m].mean()) if m.any() else None}
+        )
+    return {
+        "n": len(ok),
+        "accuracy": float(ok.mean()),
+        "ci95": list(wilson(int(ok.sum()), len(ok))),
+        "by_session": by,
+    }
 
 
 def _origins(bank_root: Path) -> dict[int, set[int]]:
@@ -292,10 +364,12 @@ def _origins(bank_root: Path) -> dict[int, set[int]]:
         if rec.get("action") == "merge":
             for a in rec["ids"]:
                 parent[int(a)] = int(rec["new"])
+
     def top(i: int) -> int:
         while i in parent:
             i = parent[i]
         return i
+
     out: dict[int, set[int]] = {}
     for i in list(parent) + [v for v in parent.values()]:
         out.setdefault(top(i), set()).add(i)
@@ -303,6 +377,7 @@ def _origins(bank_root: Path) -> dict[int, set[int]]:
 
 
 # -- the experiment ----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class _Written:
@@ -316,8 +391,9 @@ class _Written:
     queries: torch.Tensor  # (n_probes, e) each probe's question vector
 
 
-def _bank_setting(cfg: ContextRecallConfig, out: Path, model, vae, tok, w: _Written, frac: float,
-                  writer: str) -> tuple[str, dict[str, Any]]:
+def _bank_setting(
+    cfg: ContextRecallConfig, out: Path, model, vae, tok, w: _Written, frac: float, writer: str
+) -> tuple[str, dict[str, Any]]:
     """One capacity: fill a bank over cfg.sessions sessions (saved and reopened between them),
     then answer every probe from what the bank retrieves for its question alone."""
     n_written = len(w.owner)
@@ -326,11 +402,19 @@ def _bank_setting(cfg: ContextRecallConfig, out: Path, model, vae, tok, w: _Writ
     bank_root = out / "banks" / name
     if bank_root.exists():
         shutil.rmtree(bank_root)
-    bcfg = ContextBankConfig(dim=vae.latent_dim, n_latent=vae.cfg.n_latent, capacity=capacity,
-                             n_clusters=min(cfg.n_clusters, capacity), top_k=min(cfg.top_k, cfg.n_clusters, capacity),
-                             merge_rule=cfg.merge_rule, merge_scope=cfg.merge_scope,
-                             merge_importance_weight=cfg.merge_importance_weight,
-                             merge_age_weight=cfg.merge_age_weight, seed=cfg.seed, writer=writer)
+    bcfg = ContextBankConfig(
+        dim=vae.latent_dim,
+        n_latent=vae.cfg.n_latent,
+        capacity=capacity,
+        n_clusters=min(cfg.n_clusters, capacity),
+        top_k=min(cfg.top_k, cfg.n_clusters, capacity),
+        merge_rule=cfg.merge_rule,
+        merge_scope=cfg.merge_scope,
+        merge_importance_weight=cfg.merge_importance_weight,
+        merge_age_weight=cfg.merge_age_weight,
+        seed=cfg.seed,
+        writer=writer,
+    )
     t = time.time()
     written: dict[int, int] = {}  # written entry id → chunk index
     for s in range(cfg.sessions):
@@ -353,15 +437,25 @@ def _bank_setting(cfg: ContextRecallConfig, out: Path, model, vae, tok, w: _Writ
         hits.append(any(w.owner[written[e]] == w.doc_index[p["doc"]] for e in held if e in written))
         reads.append(len(r.ids))
     preds, weights = score(model, vae, tok, w.probes, mems, batch_size=cfg.batch_size)
-    for ids, wi in zip(read_ids, weights, strict=True):  # importance (§9.5): what each entry's tokens received
+    for ids, wi in zip(
+        read_ids, weights, strict=True
+    ):  # importance (§9.5): what each entry's tokens received
         if len(ids):
             bank.record_attention(ids, wi.view(len(ids), -1).sum(1))
     bank.save(bank_root)
     row = _acc(w.probes, preds, cfg.sessions)
-    row.update({"capacity": capacity, "entries_written": n_written, "fill_ratio": n_written / capacity,
-                "entries_held": len(bank), "merges": int(bank.stats["merges"]),
-                "retrieval_hit_rate": float(np.mean(hits)), "entries_read_mean": float(np.mean(reads)),
-                "seconds": round(time.time() - t, 1)})
+    row.update(
+        {
+            "capacity": capacity,
+            "entries_written": n_written,
+            "fill_ratio": n_written / capacity,
+            "entries_held": len(bank),
+            "merges": int(bank.stats["merges"]),
+            "retrieval_hit_rate": float(np.mean(hits)),
+            "entries_read_mean": float(np.mean(reads)),
+            "seconds": round(time.time() - t, 1),
+        }
+    )
     return name, row
 
 
@@ -377,14 +471,19 @@ def run_recall(cfg: ContextRecallConfig) -> Path:
     anchor_dir = root / "train" / "anchor"
     timings: dict[str, float] = {}
     t0 = time.time()
-    vae_dir, compressor_action = ensure_compressor(root, out, cfg, log=lambda m: print(m, flush=True))
+    vae_dir, compressor_action = ensure_compressor(
+        root, out, cfg, log=lambda m: print(m, flush=True)
+    )
     timings["train_s"] = round(time.time() - t0, 1)
     composer_model, _, manifest, tok = load_run(anchor_dir)
     model = composer_model.model
     vae = load_vae(vae_dir, model, anchor_folder=anchor_dir)
     pad_id = int(manifest["eot_id"])
     docs, probes = new_entities(root, cfg)
-    print(f"[context-bank] {len(docs)} new entities in {cfg.sessions} sessions, {len(probes)} probes", flush=True)
+    print(
+        f"[context-bank] {len(docs)} new entities in {cfg.sessions} sessions, {len(probes)} probes",
+        flush=True,
+    )
 
     # every document's chunks, compressed once (the compressor is deterministic at eval: μ)
     t = time.time()
@@ -392,7 +491,9 @@ def run_recall(cfg: ContextRecallConfig) -> Path:
     flat = [c for cs in doc_chunks for c in cs]
     lat = compress(model, vae, flat, pad_id=pad_id)  # (n_chunks, n_latent, e)
     owner = [i for i, cs in enumerate(doc_chunks) for _ in cs]
-    queries = query_vector(model, vae, [tok.encode(p["question"]).ids for p in probes], pad_id=pad_id)
+    queries = query_vector(
+        model, vae, [tok.encode(p["question"]).ids for p in probes], pad_id=pad_id
+    )
     doc_index = {d["id"]: i for i, d in enumerate(docs)}
     timings["compress_s"] = round(time.time() - t, 1)
     n_written = len(flat)
@@ -401,61 +502,110 @@ def run_recall(cfg: ContextRecallConfig) -> Path:
     t = time.time()
     preds, _ = score(model, vae, tok, probes, None, batch_size=cfg.batch_size)
     results["no_bank"] = _acc(probes, preds, cfg.sessions)
-    preds, _ = score(model, vae, tok, probes, None, contexts=[docs[doc_index[p["doc"]]]["text"] for p in probes],
-                     batch_size=cfg.batch_size)
+    preds, _ = score(
+        model,
+        vae,
+        tok,
+        probes,
+        None,
+        contexts=[docs[doc_index[p["doc"]]]["text"] for p in probes],
+        batch_size=cfg.batch_size,
+    )
     results["in_context"] = _acc(probes, preds, cfg.sessions)
-    doc_lat = [lat[[j for j in range(n_written) if owner[j] == i]].flatten(0, 1) for i in range(len(docs))]
+    doc_lat = [
+        lat[[j for j in range(n_written) if owner[j] == i]].flatten(0, 1) for i in range(len(docs))
+    ]
     own = [doc_lat[doc_index[p["doc"]]] for p in probes]  # (chunks·n_latent, e) each
     preds, _ = score(model, vae, tok, probes, own, batch_size=cfg.batch_size)
     results["own_entry"] = _acc(probes, preds, cfg.sessions)
     timings["baselines_s"] = round(time.time() - t, 1)
 
-    written = _Written(docs=docs, probes=probes, doc_index=doc_index, lat=lat, owner=owner, queries=queries)
+    written = _Written(
+        docs=docs, probes=probes, doc_index=doc_index, lat=lat, owner=owner, queries=queries
+    )
     writer = writer_id(vae_dir)
     for frac in cfg.capacities:
         name, row = _bank_setting(cfg, out, model, vae, tok, written, frac, writer)
         results[name] = row
-        print(f"[context-bank] {name}: accuracy {row['accuracy']:.1%}, hit rate {row['retrieval_hit_rate']:.1%}, "
-              f"{row['merges']} merges", flush=True)
+        print(
+            f"[context-bank] {name}: accuracy {row['accuracy']:.1%}, hit rate "
+            f"{row['retrieval_hit_rate']:.1%}, {row['merges']} merges",
+            flush=True,
+        )
     timings["total_s"] = round(time.time() - t0, 1)
-    report = {"format": "memtree-context-recall", "version": 1, "config": to_dict(cfg),
-              "compressor": read_json(vae_dir / "context_vae.json"),
-              "compressor_action": compressor_action, "n_probes": len(probes),
-              "n_entities": len(docs), "entries_written": n_written, "chance": 0.25, "settings": results,
-              "timings": timings}
+    report = {
+        "format": "memtree-context-recall",
+        "version": 1,
+        "config": to_dict(cfg),
+        "compressor": read_json(vae_dir / "context_vae.json"),
+        "compressor_action": compressor_action,
+        "n_probes": len(probes),
+        "n_entities": len(docs),
+        "entries_written": n_written,
+        "chance": 0.25,
+        "settings": results,
+        "timings": timings,
+    }
     return write_recall_report(out, report)
 
 
 def write_recall_report(out: Path, report: dict[str, Any]) -> Path:
     atomic_write_json(out / "results.json", report)
     s = report["settings"]
-    lines = ["# Context bank: cross-session recall", "",
-             (f"{report['n_entities']} new entities (one document each) written in "
-              f"{report['config']['sessions']} sessions as {report['entries_written']} entries; "
-              f"{report['n_probes']} 4-way probes asked in a later session from the question alone "
-              f"(chance 25 %)."), "",
-             "| setting | accuracy | 95 % interval | retrieval hit rate | merges | entries read |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "# Context bank: cross-session recall",
+        "",
+        (
+            f"{report['n_entities']} new entities (one document each) written in "
+            f"{report['config']['sessions']} sessions as {report['entries_written']} entries; "
+            f"{report['n_probes']} 4-way probes asked in a later session from the question alone "
+            f"(chance 25 %)."
+        ),
+        "",
+        "| setting | accuracy | 95 % interval | retrieval hit rate | merges | entries read |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, r in s.items():
         lo, hi = r["ci95"]
-        lines.append(f"| {name} | {r['accuracy']:.1%} | {lo:.1%}–{hi:.1%} | "
-                     f"{r.get('retrieval_hit_rate', float('nan')):.1%} | {r.get('merges', '—')} | "
-                     f"{r.get('entries_read_mean', float('nan')):.1f} |")
-    lines += ["", "By the session that wrote the entity (0 = oldest):", "",
-              "| setting | " + " | ".join(f"session {b['session']}" for b in next(iter(s.values()))["by_session"])
-              + " |", "|---|" + "---:|" * len(next(iter(s.values()))["by_session"])]
+        lines.append(
+            f"| {name} | {r['accuracy']:.1%} | {lo:.1%}–{hi:.1%} | "
+            f"{r.get('retrieval_hit_rate', float('nan')):.1%} | {r.get('merges', '—')} | "
+            f"{r.get('entries_read_mean', float('nan')):.1f} |"
+        )
+    lines += [
+        "",
+        "By the session that wrote the entity (0 = oldest):",
+        "",
+        "| setting | "
+        + " | ".join(f"session {b['session']}" for b in next(iter(s.values()))["by_session"])
+        + " |",
+        "|---|" + "---:|" * len(next(iter(s.values()))["by_session"]),
+    ]
     for name, r in s.items():
-        lines.append(f"| {name} | " + " | ".join("—" if b["accuracy"] is None else f"{b['accuracy']:.1%}"
-                                                 for b in r["by_session"]) + " |")
+        lines.append(
+            f"| {name} | "
+            + " | ".join(
+                "—" if b["accuracy"] is None else f"{b['accuracy']:.1%}" for b in r["by_session"]
+            )
+            + " |"
+        )
     if report.get("compressor_action"):
-        lines += ["", f"Compressor: {report['compressor_action']} (training/yamls/context-vae.yaml + `--train`)."]
+        lines += [
+            "",
+            (
+                f"Compressor: {report['compressor_action']} (training/yamls/context-vae.yaml + "
+                "`--train`)."
+            ),
+        ]
     lines += ["", f"Timings: {report['timings']}", ""]
     atomic_write_text(out / "report.md", "\n".join(lines))
     fig = new_figure()
     ax = fig.add_subplot()
     banks = [(r["fill_ratio"], r["accuracy"]) for r in s.values() if "fill_ratio" in r]
     banks.sort()
-    ax.plot([b[0] for b in banks], [b[1] for b in banks], marker="o", label="context bank (retrieval)")
+    ax.plot(
+        [b[0] for b in banks], [b[1] for b in banks], marker="o", label="context bank (retrieval)"
+    )
     for name, style in (("no_bank", ":"), ("own_entry", "--"), ("in_context", "-.")):
         if name in s:
             ax.axhline(s[name]["accuracy"], ls=style, lw=1, label=name.replace("_", " "))

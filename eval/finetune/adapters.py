@@ -7,11 +7,11 @@ Gemma 3 270M from `memtree.pretrained`: eval/finetune/bases.py) is fine-tuned on
 entities its corpus never mentions, under
 the four conditions of §7.3: full fine-tuning, LoRA, memory cross-attention adapters
 (training/finetune/adapters.py: MoC layers added to chosen blocks, base frozen) and adapters + LoRA.
-The data and the measures are `memtree eval continual`'s (eval/finetune/continual.py), so the two experiments read
-side by side: the same new-fact stream (each fact a batch of `paraphrases` statements in
-different frames), here repeated for `epochs` passes in a fresh order each pass; learning =
-4-way accuracy on the new facts' probes ("The {label} of {reference} is", chance 25 %; the
-statements embed that clause in other frames, the probe states it bare); forgetting = the
+The data and the measures are `memtree eval continual`'s (eval/finetune/continual.py), so the two
+experiments read side by side: the same new-fact stream (each fact a batch of `paraphrases`
+statements in different frames), here repeated for `epochs` passes in a fresh order each pass;
+learning = 4-way accuracy on the new facts' probes ("The {label} of {reference} is", chance 25 %;
+the statements embed that clause in other frames, the probe states it bare); forgetting = the
 accuracy drop on old corpus facts and the held-out perplexity increase, and with `held_out_text`
 the perplexity increase on real text (a pretrained model never read the bios corpus: its old-fact
 probes sit at chance, and real text is where its forgetting shows). Every condition starts from
@@ -55,8 +55,12 @@ from memtree.training.flops import finetune_accounting, lora_params
 
 DEFAULT_YAML = Path(__file__).resolve().parents[1] / "yamls" / "adapters.yaml"
 CHANCE = 0.25
-METHOD_STYLE = {"full": {"c": "tab:red", "marker": "s"}, "lora": {"c": "tab:blue", "marker": "^"},
-                "mem_adapter": {"c": "tab:green", "marker": "o"}, "mem_adapter+lora": {"c": "tab:purple", "marker": "D"}}
+METHOD_STYLE = {
+    "full": {"c": "tab:red", "marker": "s"},
+    "lora": {"c": "tab:blue", "marker": "^"},
+    "mem_adapter": {"c": "tab:green", "marker": "o"},
+    "mem_adapter+lora": {"c": "tab:purple", "marker": "D"},
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,31 +92,56 @@ class AdaptersConfig:
     out: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("n_facts", "paraphrases", "epochs", "old_probes", "held_out_docs", "held_out_tokens"):
+        for name in (
+            "n_facts",
+            "paraphrases",
+            "epochs",
+            "old_probes",
+            "held_out_docs",
+            "held_out_tokens",
+        ):
             v = getattr(self, name)
             if not is_int(v) or v <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
         if not self.runs:
-            raise ConfigError("runs: no configuration to compare (eval/yamls/adapters.yaml lists them)")
+            raise ConfigError(
+                "runs: no configuration to compare (eval/yamls/adapters.yaml lists them)"
+            )
         bad = [r.method for r in self.runs if r.method == "sparse_memory"]
         if bad:
-            raise ConfigError("runs: sparse_memory needs a product-key memory model; it is `memtree eval continual`'s")
+            raise ConfigError(
+                "runs: sparse_memory needs a product-key memory model; it is `memtree eval "
+                "continual`'s"
+            )
 
 
-def load_adapters_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> AdaptersConfig:
+def load_adapters_config(
+    path: str | Path | None = None, overrides: Sequence[str] = ()
+) -> AdaptersConfig:
     return load_config(AdaptersConfig, str(path or DEFAULT_YAML), list(overrides))
 
 
-def accounting(base: AnchorBase | PretrainedBase, spec: FinetuneSpec, seq_len: int) -> dict[str, Any]:
+def accounting(
+    base: AnchorBase | PretrainedBase, spec: FinetuneSpec, seq_len: int
+) -> dict[str, Any]:
     """training/flops.py's accounting of one configuration on the base's shape (an HF model's
     through `training.hf.anchor_shape_from_hf`)."""
     moc = base.moc(spec) if spec.method.startswith("mem_adapter") else None
-    return finetune_accounting(base.shape, spec.method, seq_len=seq_len, lora_rank=spec.lora_rank,
-                               lora_targets=spec.lora_targets, moc=moc,
-                               train_bank=spec.adapter.bank_lr_factor > 0, train_kv=not spec.adapter.freeze_kv)
+    return finetune_accounting(
+        base.shape,
+        spec.method,
+        seq_len=seq_len,
+        lora_rank=spec.lora_rank,
+        lora_targets=spec.lora_targets,
+        moc=moc,
+        train_bank=spec.adapter.bank_lr_factor > 0,
+        train_kv=not spec.adapter.freeze_kv,
+    )
 
 
-def matched_lora(runs: Sequence[FinetuneSpec], base: AnchorBase | PretrainedBase, seq_len: int) -> list[FinetuneSpec]:
+def matched_lora(
+    runs: Sequence[FinetuneSpec], base: AnchorBase | PretrainedBase, seq_len: int
+) -> list[FinetuneSpec]:
     """LoRA ranks chosen so each row's trainable parameters come nearest the first mem_adapter
     configuration's: a lora row's LoRA matches it alone, a mem_adapter+lora row's LoRA fills what
     its own (smaller) adapter leaves. Without a mem_adapter row the ranks stay as given."""
@@ -124,36 +153,57 @@ def matched_lora(runs: Sequence[FinetuneSpec], base: AnchorBase | PretrainedBase
     out = []
     for r in runs:
         if r.method in ("lora", "mem_adapter+lora"):
-            budget = target if r.method == "lora" else target - accounting(
-                base, dataclasses.replace(r, method="mem_adapter"), seq_len)["trainable_params"]
+            budget = (
+                target
+                if r.method == "lora"
+                else target
+                - accounting(base, dataclasses.replace(r, method="mem_adapter"), seq_len)[
+                    "trainable_params"
+                ]
+            )
             per_rank = lora_params(a, 1, r.lora_targets)
             if budget < per_rank:
-                raise ConfigError(f"match_lora: {r.label}'s adapter alone trains {target - budget:,} of the "
-                                  f"{target:,} parameters to match; give it a smaller adapter")
+                raise ConfigError(
+                    f"match_lora: {r.label}'s adapter alone trains {target - budget:,} of the "
+                    f"{target:,} parameters to match; give it a smaller adapter"
+                )
             rank = max(1, min(round(budget / per_rank), a.d_model))
             r = dataclasses.replace(r, lora_rank=rank)
         out.append(r)
     return out
 
 
-def measure_all(rm, new: Sequence[dict[str, Any]], old: Sequence[dict[str, Any]], held: Sequence[dict[str, Any]],
-                pieces: Sequence[list[int]]) -> dict[str, Any]:
-    """`memtree eval continual`'s measures, and the held-out real text's perplexity when there is some."""
+def measure_all(
+    rm,
+    new: Sequence[dict[str, Any]],
+    old: Sequence[dict[str, Any]],
+    held: Sequence[dict[str, Any]],
+    pieces: Sequence[list[int]],
+) -> dict[str, Any]:
+    """`memtree eval continual`'s measures, and the held-out real text's perplexity when there is
+    some."""
     out = measure(rm, new, old, held)
     if pieces:
-        out["text_perplexity"] = sequence_perplexity(rm, pieces, mode="none", batch_size=4)["perplexity"]
+        out["text_perplexity"] = sequence_perplexity(rm, pieces, mode="none", batch_size=4)[
+            "perplexity"
+        ]
     return out
 
 
 def text_forgetting(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
-    """`memtree eval continual`'s forgetting, and the real text's perplexity increase (%) when measured."""
+    """`memtree eval continual`'s forgetting, and the real text's perplexity increase (%) when
+    measured."""
     out = forgetting(before, after)
     if "text_perplexity" in before:
-        out["text_ppl_increase_pct"] = 100 * (after["text_perplexity"] / before["text_perplexity"] - 1)
+        out["text_ppl_increase_pct"] = 100 * (
+            after["text_perplexity"] / before["text_perplexity"] - 1
+        )
     return out
 
 
-def run_adapters(cfg: AdaptersConfig, *, progress: bool = True, pretrained: LoadedPretrained | None = None) -> Path:
+def run_adapters(
+    cfg: AdaptersConfig, *, progress: bool = True, pretrained: LoadedPretrained | None = None
+) -> Path:
     """The whole experiment; returns the markdown report's path. pretrained: an HF model already
     loaded (as `memtree.pretrained.load_pretrained` gives it), used instead of `run`."""
     import torch
@@ -161,13 +211,17 @@ def run_adapters(cfg: AdaptersConfig, *, progress: bool = True, pretrained: Load
     root = Path(cfg.root)
     out = Path(cfg.out) if cfg.out else root / "adapters"
     if cfg.held_out_text and not Path(cfg.held_out_text).is_file():
-        raise ConfigError(f"held_out_text={cfg.held_out_text}: no such file (a JSONL of {{\"text\": …}} records)")
+        raise ConfigError(
+            f'held_out_text={cfg.held_out_text}: no such file (a JSONL of {{"text": …}} records)'
+        )
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     base = open_base(root, cfg.run, pretrained)
     rm = base.rm
     _, new, old, held, batches = fact_task(root, out, cfg, rm)
-    pieces = text_pieces(cfg.held_out_text, rm, tokens=cfg.held_out_tokens) if cfg.held_out_text else []
+    pieces = (
+        text_pieces(cfg.held_out_text, rm, tokens=cfg.held_out_tokens) if cfg.held_out_text else []
+    )
     seq_len = int(np.mean([int(b[2].sum(1).float().mean()) for b in batches]))
     stream = []
     for e in range(cfg.epochs):  # every pass in its own order, the same for every condition
@@ -186,33 +240,79 @@ def run_adapters(cfg: AdaptersConfig, *, progress: bool = True, pretrained: Load
         moc = base.attached(spec)
         adapter = None
         if moc is not None:
-            adapter = {**adapter_summary(moc, base.shape.d_model), "chapter_overlap": chapter_overlap(crm, batches, new)}
-        rows.append({"label": spec.label, "method": spec.method, "spec": to_dict(spec), "after": after,
-                     "forgetting": text_forgetting(before, after), "seconds": res["seconds"],
-                     "step_ms": 1000 * res["seconds"] / max(1, res["steps"]), "accounting": acct,
-                     "trainable_counted": res["trainable"], "adapter": adapter,
-                     "changed": {k: res["changed"][k] for k in ("elements", "of_elements", "bytes", "added_elements")},
-                     "final_loss": res["log"][-1]["loss"]})
+            adapter = {
+                **adapter_summary(moc, base.shape.d_model),
+                "chapter_overlap": chapter_overlap(crm, batches, new),
+            }
+        rows.append(
+            {
+                "label": spec.label,
+                "method": spec.method,
+                "spec": to_dict(spec),
+                "after": after,
+                "forgetting": text_forgetting(before, after),
+                "seconds": res["seconds"],
+                "step_ms": 1000 * res["seconds"] / max(1, res["steps"]),
+                "accounting": acct,
+                "trainable_counted": res["trainable"],
+                "adapter": adapter,
+                "changed": {
+                    k: res["changed"][k]
+                    for k in ("elements", "of_elements", "bytes", "added_elements")
+                },
+                "final_loss": res["log"][-1]["loss"],
+            }
+        )
         f = rows[-1]["forgetting"]
-        text = (f", text ppl {after['text_perplexity']:.3f} ({f['text_ppl_increase_pct']:+.1f} %)"
-                if pieces else "")
-        print(f"{spec.label}: learned {after['new_accuracy']:.1%}, old facts {after['old_accuracy']:.1%} "
-              f"({f['old_drop']:+.1f} pts), held-out ppl {after['perplexity']:.3f} ({f['ppl_increase_pct']:+.1f} %)"
-              f"{text}, {res['trainable']:,} trainable, {rows[-1]['step_ms']:.0f} ms/step", flush=True)
+        text = (
+            f", text ppl {after['text_perplexity']:.3f} ({f['text_ppl_increase_pct']:+.1f} %)"
+            if pieces
+            else ""
+        )
+        print(
+            f"{spec.label}: learned {after['new_accuracy']:.1%}, old facts "
+            f"{after['old_accuracy']:.1%} ({f['old_drop']:+.1f} pts), held-out ppl "
+            f"{after['perplexity']:.3f} ({f['ppl_increase_pct']:+.1f} %){text}, "
+            f"{res['trainable']:,} trainable, {rows[-1]['step_ms']:.0f} ms/step",
+            flush=True,
+        )
         del crm, res
     base.restore()
-    report = {"format": "memtree-adapters", "version": 1, "config": to_dict(cfg), **base.meta,
-              "base": base.title, "hf": base.hf, "anchor": dataclasses.asdict(base.shape),
-              "n_new_probes": len(new), "n_old_probes": len(old), "held_out_documents": len(held),
-              "held_out_text": ({"path": cfg.held_out_text, "tokens": sum(map(len, pieces)), "pieces": len(pieces),
-                                 "piece_tokens": len(pieces[0])} if pieces else None),
-              "steps_per_run": len(stream), "tokens_per_batch": seq_len,
-              "chance": CHANCE, "before": before, "runs": rows, "best": best_per_method(rows),
-              "seconds": round(time.time() - t0, 1)}
+    report = {
+        "format": "memtree-adapters",
+        "version": 1,
+        "config": to_dict(cfg),
+        **base.meta,
+        "base": base.title,
+        "hf": base.hf,
+        "anchor": dataclasses.asdict(base.shape),
+        "n_new_probes": len(new),
+        "n_old_probes": len(old),
+        "held_out_documents": len(held),
+        "held_out_text": (
+            {
+                "path": cfg.held_out_text,
+                "tokens": sum(map(len, pieces)),
+                "pieces": len(pieces),
+                "piece_tokens": len(pieces[0]),
+            }
+            if pieces
+            else None
+        ),
+        "steps_per_run": len(stream),
+        "tokens_per_batch": seq_len,
+        "chance": CHANCE,
+        "before": before,
+        "runs": rows,
+        "best": best_per_method(rows),
+        "seconds": round(time.time() - t0, 1),
+    }
     return write_adapters_report(out, report)
 
 
-def chapter_overlap(rm, batches: Sequence[tuple], probes: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+def chapter_overlap(
+    rm, batches: Sequence[tuple], probes: Sequence[dict[str, Any]]
+) -> dict[str, Any] | None:
     """Whether a fact's question reads the chapters its statements were written into: per memory
     layer, the share of (fact, statement) pairs whose routed chapters (top-k, shared ones
     excluded) overlap the question's, against the same share for random top-k draws (1 −
@@ -256,72 +356,139 @@ def best_per_method(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]
     if not by:
         return {}
     level = min(max(r["after"]["new_accuracy"] for r in rs) for rs in by.values())
-    key = "text_ppl_increase_pct" if "text_ppl_increase_pct" in rows[0]["forgetting"] else "ppl_increase_pct"
+    key = (
+        "text_ppl_increase_pct"
+        if "text_ppl_increase_pct" in rows[0]["forgetting"]
+        else "ppl_increase_pct"
+    )
     out = {}
     for m, rs in by.items():
         top = max(rs, key=lambda r: r["after"]["new_accuracy"])
         ok = [r for r in rs if r["after"]["new_accuracy"] >= level - 1e-9]
         least = min(ok, key=lambda r: r["forgetting"][key])
-        out[m] = {"most_learned": top["label"], "new_accuracy": top["after"]["new_accuracy"],
-                  "at_common_level": least["label"], "level": level, "forgetting_key": key,
-                  "ppl_increase_pct": least["forgetting"][key],
-                  "old_drop": least["forgetting"]["old_drop"],
-                  "trainable_params": least["trainable_counted"]}
+        out[m] = {
+            "most_learned": top["label"],
+            "new_accuracy": top["after"]["new_accuracy"],
+            "at_common_level": least["label"],
+            "level": level,
+            "forgetting_key": key,
+            "ppl_increase_pct": least["forgetting"][key],
+            "old_drop": least["forgetting"]["old_drop"],
+            "trainable_params": least["trainable_counted"],
+        }
     return out
 
 
 def write_adapters_report(out: Path, report: dict[str, Any]) -> Path:
     atomic_write_json(out / "results.json", report)
     b, c, text = report["before"], report["config"], report.get("held_out_text")
-    forgetting_text = (f"accuracy drop on {report['n_old_probes']} old-fact probes and held-out perplexity increase "
-                       f"on {report['held_out_documents']} bios documents")
+    forgetting_text = (
+        f"accuracy drop on {report['n_old_probes']} old-fact probes and held-out perplexity "
+        f"increase on {report['held_out_documents']} bios documents"
+    )
     if text:
-        forgetting_text += (f" and on {text['tokens']:,} tokens of real text ({text['path']}, "
-                            f"{text['pieces']} pieces of ≤ {text['piece_tokens']} tokens)")
-    lines = ["# Memory adapters vs full fine-tuning vs LoRA (seed 004 §7.3)", "",
-             (f"Base: {report['base']}. "
-              f"{report['n_new_probes']} facts of new entities, {c['paraphrases']} paraphrases per batch, "
-              f"{c['epochs']} passes ({report['steps_per_run']} steps per configuration, "
-              f"{report['tokens_per_batch']:.1f} tokens per sequence on average). Learning = 4-way accuracy on the "
-              f"new facts (chance 25 %, n = {report['n_new_probes']}); forgetting = {forgetting_text}."), ""]
+        forgetting_text += (
+            f" and on {text['tokens']:,} tokens of real text ({text['path']}, "
+            f"{text['pieces']} pieces of ≤ {text['piece_tokens']} tokens)"
+        )
+    lines = [
+        "# Memory adapters vs full fine-tuning vs LoRA (seed 004 §7.3)",
+        "",
+        (
+            f"Base: {report['base']}. {report['n_new_probes']} facts of new entities, "
+            f"{c['paraphrases']} paraphrases per batch, {c['epochs']} passes "
+            f"({report['steps_per_run']} steps per configuration, {report['tokens_per_batch']:.1f} "
+            "tokens per sequence on average). Learning = 4-way accuracy on the new facts (chance "
+            f"25 %, n = {report['n_new_probes']}); forgetting = {forgetting_text}."
+        ),
+        "",
+    ]
     if report.get("hf"):
-        lines += [("The pretrained model never read the bios corpus: its old-fact probes sit near chance and "
-                   "measure little; " + ("the real text is where its forgetting shows." if text else
-                                         "give held_out_text= to measure forgetting on real text.")), ""]
-    lines += [(f"Before: new facts {b['new_accuracy']:.1%}, old facts {b['old_accuracy']:.1%}, held-out perplexity "
-               f"{b['perplexity']:.3f}" + (f", real-text perplexity {b['text_perplexity']:.3f}." if text else ".")), "",
-              ("| configuration | new facts (95 % CI) | old facts | old drop (pts) | ppl increase | "
-               + ("text ppl increase | " if text else "")
-               + "trainable params | bank bytes | train / inference MFLOPs per token | ms / step |"),
-              "|---|---:|---:|---:|---:|" + ("---:|" if text else "") + "---:|---:|---:|---:|"]
+        lines += [
+            (
+                "The pretrained model never read the bios corpus: its old-fact probes sit near "
+                "chance and measure little; "
+                + (
+                    "the real text is where its forgetting shows."
+                    if text
+                    else "give held_out_text= to measure forgetting on real text."
+                )
+            ),
+            "",
+        ]
+    lines += [
+        (
+            f"Before: new facts {b['new_accuracy']:.1%}, old facts {b['old_accuracy']:.1%}, "
+            f"held-out perplexity {b['perplexity']:.3f}"
+            + (f", real-text perplexity {b['text_perplexity']:.3f}." if text else ".")
+        ),
+        "",
+        (
+            "| configuration | new facts (95 % CI) | old facts | old drop (pts) | ppl increase | "
+            + ("text ppl increase | " if text else "")
+            + "trainable params | bank bytes | train / inference MFLOPs per token | ms / step |"
+        ),
+        "|---|---:|---:|---:|---:|" + ("---:|" if text else "") + "---:|---:|---:|---:|",
+    ]
     for r in report["runs"]:
         a, f, acc = r["after"], r["forgetting"], r["accounting"]
         lo, hi = a["new_ci95"]
-        lines.append(f"| {r['label']} | {a['new_accuracy']:.1%} ({lo:.0%}–{hi:.0%}) | {a['old_accuracy']:.1%} | "
-                     f"{f['old_drop']:+.1f} | {f['ppl_increase_pct']:+.1f} % | "
-                     + (f"{f['text_ppl_increase_pct']:+.1f} % | " if text else "")
-                     + f"{r['trainable_counted']:,} | {acc['bank_bytes']:,} | {acc['train_flops_per_token'] / 1e6:.2f} / "
-                     f"{acc['inference_flops_per_token'] / 1e6:.2f} | {r['step_ms']:.0f} |")
-    agree = [(r["label"], r["adapter"]["chapter_overlap"]) for r in report["runs"]
-             if r.get("adapter") and r["adapter"].get("chapter_overlap")]
+        lines.append(
+            f"| {r['label']} | {a['new_accuracy']:.1%} ({lo:.0%}–{hi:.0%}) | "
+            f"{a['old_accuracy']:.1%} | {f['old_drop']:+.1f} | {f['ppl_increase_pct']:+.1f} % | "
+            + (f"{f['text_ppl_increase_pct']:+.1f} % | " if text else "")
+            + f"{r['trainable_counted']:,} | {acc['bank_bytes']:,} | "
+            f"{acc['train_flops_per_token'] / 1e6:.2f} / "
+            f"{acc['inference_flops_per_token'] / 1e6:.2f} | {r['step_ms']:.0f} |"
+        )
+    agree = [
+        (r["label"], r["adapter"]["chapter_overlap"])
+        for r in report["runs"]
+        if r.get("adapter") and r["adapter"].get("chapter_overlap")
+    ]
     if agree:
-        lines += ["", "## Does a question read the chapters its fact was written into?", "",
-                  ("Per adapter layer, the share of (fact, training statement) pairs whose routed chapters overlap "
-                   "the bare question's (chance: random top-k draws)."), ""]
-        lines += [f"- {label}: " + ", ".join(f"layer {i} {v:.0%}" for i, v in a["per_layer"].items())
-                  + f" (chance {a['chance']:.0%})" for label, a in agree]
+        lines += [
+            "",
+            "## Does a question read the chapters its fact was written into?",
+            "",
+            (
+                "Per adapter layer, the share of (fact, training statement) pairs whose routed "
+                "chapters overlap the bare question's (chance: random top-k draws)."
+            ),
+            "",
+        ]
+        lines += [
+            f"- {label}: "
+            + ", ".join(f"layer {i} {v:.0%}" for i, v in a["per_layer"].items())
+            + f" (chance {a['chance']:.0%})"
+            for label, a in agree
+        ]
     lines += ["", "## Per method", ""]
     for m, v in report["best"].items():
         measure_name = "real-text" if v["forgetting_key"].startswith("text") else "held-out"
-        lines.append(f"- {m}: most learned {v['new_accuracy']:.1%} ({v['most_learned']}); at the level every "
-                     f"method reaches ({v['level']:.1%}) the least forgetting is {v['ppl_increase_pct']:+.1f} % "
-                     f"{measure_name} perplexity, {v['old_drop']:+.1f} points on old facts ({v['at_common_level']}, "
-                     f"{v['trainable_params']:,} trainable).")
+        lines.append(
+            f"- {m}: most learned {v['new_accuracy']:.1%} ({v['most_learned']}); at the level "
+            f"every method reaches ({v['level']:.1%}) the least forgetting is "
+            f"{v['ppl_increase_pct']:+.1f} % {measure_name} perplexity, {v['old_drop']:+.1f} "
+            f"points on old facts ({v['at_common_level']}, {v['trainable_params']:,} trainable)."
+        )
     lines += ["", f"Wall time {report['seconds']:.0f} s.", ""]
     atomic_write_text(out / "report.md", "\n".join(lines))
-    series = [(m.replace("_", " "), [r for r in report["runs"] if r["method"] == m], style)
-              for m, style in METHOD_STYLE.items()]
-    panels = (*PARETO_PANELS, ("text_perplexity", "real-text perplexity (forgetting ↑)")) if text else PARETO_PANELS
-    plot_pareto(series, b, report["chance"], "Fine-tuning on new facts: learning vs forgetting", out / "pareto.png",
-                panels=panels)
+    series = [
+        (m.replace("_", " "), [r for r in report["runs"] if r["method"] == m], style)
+        for m, style in METHOD_STYLE.items()
+    ]
+    panels = (
+        (*PARETO_PANELS, ("text_perplexity", "real-text perplexity (forgetting ↑)"))
+        if text
+        else PARETO_PANELS
+    )
+    plot_pareto(
+        series,
+        b,
+        report["chance"],
+        "Fine-tuning on new facts: learning vs forgetting",
+        out / "pareto.png",
+        panels=panels,
+    )
     return out / "report.md"

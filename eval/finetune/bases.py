@@ -1,5 +1,5 @@
-"""The model `memtree eval adapters` fine-tunes: a bios demo run's anchor (memtree's `AnchorLM`) or a
-real pretrained Hugging Face causal LM (`memtree.pretrained`: SmolLM2-135M, Gemma 3 270M), behind
+"""The model `memtree eval adapters` fine-tunes: a bios demo run's anchor (memtree's `AnchorLM`) or
+a real pretrained Hugging Face causal LM (`memtree.pretrained`: SmolLM2-135M, Gemma 3 270M), behind
 one interface, so the experiment (eval/finetune/adapters.py) reads the same for both.
 
 A base gives the scorer of its pretrained weights (`rm`, what eval/tasks.py's scorers take), its
@@ -52,8 +52,8 @@ class BareHF:
 
 @dataclass
 class PretrainedRunModel(RunModel):
-    """`RunModel` on a bare HF causal LM. `adapted`: memory adapters are hooked in; they route over a
-    whole row, so a multiple-choice item's choices are scored as separate sequences (as RunModel
+    """`RunModel` on a bare HF causal LM. `adapted`: memory adapters are hooked in; they route over
+    a whole row, so a multiple-choice item's choices are scored as separate sequences (as RunModel
     does for an AnchorLM with MoC layers) rather than packed into one row."""
 
     adapted: bool = False
@@ -65,8 +65,16 @@ class PretrainedRunModel(RunModel):
     @classmethod
     def of(cls, loaded: LoadedPretrained, shape: AnchorShape) -> PretrainedRunModel:
         positions = int(getattr(loaded.model.config, "max_position_embeddings", HF_CONTEXT))
-        return cls(config=None, model=loaded.model, store=None, tokenizer=loaded.tokenizer, eot_id=loaded.eot_id,
-                   tree=None, hf=BareHF(shape), context=min(HF_CONTEXT, positions))
+        return cls(
+            config=None,
+            model=loaded.model,
+            store=None,
+            tokenizer=loaded.tokenizer,
+            eot_id=loaded.eot_id,
+            tree=None,
+            hf=BareHF(shape),
+            context=min(HF_CONTEXT, positions),
+        )
 
 
 class AnchorBase:
@@ -85,8 +93,9 @@ class AnchorBase:
     def moc(self, spec: FinetuneSpec) -> MoCConfig:
         """The memory layers a mem_adapter condition trains (a MoC run's own, else the spec's)."""
         a = self.shape
-        return self.model.config.moc or spec.adapter.moc_config(n_layers=a.n_layers, d_model=a.d_model,
-                                                                n_heads=a.n_heads)
+        return self.model.config.moc or spec.adapter.moc_config(
+            n_layers=a.n_layers, d_model=a.d_model, n_heads=a.n_heads
+        )
 
     def attached(self, spec: FinetuneSpec) -> MoCConfig | None:
         """After a condition trained: the memory layers the model now has (None: none)."""
@@ -113,10 +122,17 @@ class PretrainedBase:
         r = loaded.record
         self.meta = {"run": loaded.name, "model": r}
         q = r.get("quantisation", "")
-        weights = (f"weights stored as {q}{' (4-bit)' if 'Q4' in q else ''}, dequantised to fp32: pretrained, but "
-                   "not bit for bit the released checkpoint" if q else "fp32 weights")
-        self.title = (f"{r.get('title', loaded.name)} ({loaded.name}, {self.shape.n_layers} × {self.shape.d_model}; "
-                      f"{weights}; licence {r.get('licence', 'unknown')}; upstream {r.get('upstream', 'unknown')})")
+        weights = (
+            f"weights stored as {q}{' (4-bit)' if 'Q4' in q else ''}, dequantised to fp32: "
+            "pretrained, but not bit for bit the released checkpoint"
+            if q
+            else "fp32 weights"
+        )
+        self.title = (
+            f"{r.get('title', loaded.name)} ({loaded.name}, {self.shape.n_layers} × "
+            f"{self.shape.d_model}; {weights}; licence {r.get('licence', 'unknown')}; upstream "
+            f"{r.get('upstream', 'unknown')})"
+        )
 
     def moc(self, spec: FinetuneSpec) -> MoCConfig:
         a = self.shape
@@ -126,14 +142,19 @@ class PretrainedBase:
         return self.moc(spec) if spec.method.startswith("mem_adapter") else None
 
     def condition(self, spec: FinetuneSpec) -> PretrainedRunModel:
-        return dataclasses.replace(self.rm, model=copy.deepcopy(self.loaded.model),
-                                   adapted=spec.method.startswith("mem_adapter"))
+        return dataclasses.replace(
+            self.rm,
+            model=copy.deepcopy(self.loaded.model),
+            adapted=spec.method.startswith("mem_adapter"),
+        )
 
     def restore(self) -> None:
         """Nothing to undo: the loaded model itself is never trained."""
 
 
-def open_base(root: Path, run: str, pretrained: LoadedPretrained | None = None) -> AnchorBase | PretrainedBase:
+def open_base(
+    root: Path, run: str, pretrained: LoadedPretrained | None = None
+) -> AnchorBase | PretrainedBase:
     """`pretrained` when given (a model already loaded); else `run`: a name of `memtree.pretrained`
     (smollm2-135m, gemma3-270m; a folder of that name wins), a memtree run folder, or empty for the
     demo's anchor ROOT/train/anchor."""
@@ -143,14 +164,17 @@ def open_base(root: Path, run: str, pretrained: LoadedPretrained | None = None) 
         return PretrainedBase(load_pretrained(run))
     folder = Path(run) if run else root / "train" / "anchor"
     if not (folder / "anchor.safetensors").exists():
-        raise FileNotFoundError(f"{folder}: no trained anchor (run `memtree demo` first, or give run=: a run "
-                                f"folder or a pretrained model, {' or '.join(sorted(SPECS))})")
+        raise FileNotFoundError(
+            f"{folder}: no trained anchor (run `memtree demo` first, or give run=: a run "
+            f"folder or a pretrained model, {' or '.join(sorted(SPECS))})"
+        )
     return AnchorBase(folder)
 
 
 def text_pieces(path: str | Path, rm: RunModel, *, tokens: int) -> list[list[int]]:
     """Held-out real text as token pieces of `TEXT_PIECE` (or the model's context): the JSONL's
-    {"text"} records in file order, each followed by the end-of-text token, until `tokens` tokens."""
+    {"text"} records in file order, each followed by the end-of-text token, until `tokens`
+    tokens."""
     ids: list[int] = []
     for n, rec in iter_jsonl(path):
         text = rec.get("text")
