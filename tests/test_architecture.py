@@ -100,9 +100,10 @@ def test_table_is_acyclic():
 
 
 def test_bench_scripts_cannot_shadow_a_package():
-    """`python bench/X.py` puts bench/ first on sys.path: a bench/memtree.py would hide the one
-    import name the project installs (its stages are memtree.<stage>, which no script can hide)."""
-    shadowing = sorted(p.name for p in (REPO / "bench").glob("*.py") if p.stem == "memtree")
+    """A script run by its path (`python bench/<topic>/X.py`) puts its folder first on sys.path: a
+    bench/<topic>/memtree.py would hide the one import name the project installs (its stages are
+    memtree.<stage>, which no script can hide)."""
+    shadowing = sorted(p.name for p in (REPO / "bench").rglob("*.py") if p.stem == "memtree")
     assert not shadowing, f"bench scripts named like the project's import name: {shadowing}"
 
 
@@ -171,7 +172,7 @@ def _private_uses(source: str, me: str, project: set[str]) -> list[tuple[int, st
 def test_no_module_uses_another_modules_private_names(package):
     """A `_name` is its module's own: a helper another module needs is made public where it
     lives (issue #39 found such back-doors, which the import table cannot see). The benchmark
-    scripts are held to it too; their own `_common`-style helper modules are bench's."""
+    scripts are held to it too; their own helper modules (`bench.common`, `bench.<topic>.<module>`) are bench's."""
     found = [f"{path.relative_to(REPO)}:{line} uses {name}"
              for path in sorted((REPO / package).rglob("*.py"))
              for line, name in _private_uses(path.read_text(), _module(path), set(TABLE))]

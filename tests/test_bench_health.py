@@ -20,9 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def common(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    yield importlib.import_module("_common")
-    sys.modules.pop("_common", None)
+    monkeypatch.syspath_prepend(str(REPO))
+    yield importlib.import_module("bench.common")
+    sys.modules.pop("bench.common", None)
 
 
 def test_baseline_health_is_judged_against_sgemm(common):
@@ -60,8 +60,8 @@ def _timed(fn) -> float:
 def test_forced_openblas_kernels_are_unset_for_the_command_and_recorded(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(
-        f"import json, os, sys\nsys.path.insert(0, {str(REPO / 'bench')!r})\n"
-        "from _common import FAST_KERNELS, cpu_info, machine_meta, prepare_blas_env\n"
+        f"import json, os, sys\nsys.path.insert(0, {str(REPO)!r})\n"
+        "from bench.common import FAST_KERNELS, cpu_info, machine_meta, prepare_blas_env\n"
         "prepare_blas_env()\n"
         "meta = machine_meta()\n"
         "faiss_blas = [b['architecture'] for b in meta['blas']\n"
@@ -81,11 +81,11 @@ def test_forced_openblas_kernels_are_unset_for_the_command_and_recorded(tmp_path
 
 
 def test_the_targets_table_claims_no_speedup_against_a_handicapped_baseline(monkeypatch):
-    """bench/pipeline_targets.py's table: with healthy baselines each ratio is judged against its
+    """bench/pipeline/pipeline_targets.py's table: with healthy baselines each ratio is judged against its
     target; with a handicapped FAISS the tree and routing speed-ups are left empty and unjudged,
     while the quality rows (NMI, balance, agreement) are still judged."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    targets = importlib.import_module("pipeline_targets")
+    monkeypatch.syspath_prepend(str(REPO))
+    targets = importlib.import_module("bench.pipeline.pipeline_targets")
     tree = {"equalize_share": 0.07, "rows": [
         {"method": "build_tree (defaults)", "seconds": 2.0, "nmi": 0.98, "balance_l1": 1.02, "balance_l2": 1.1,
          "balance_l3": 1.19},
@@ -118,5 +118,6 @@ def test_the_targets_table_claims_no_speedup_against_a_handicapped_baseline(monk
         assert rows[m]["ratio"] is None and rows[m]["met"] == "-"
     assert rows["leaf NMI vs flat"]["met"] == "yes" and rows["paths = float64 argmin"]["met"] == "yes"
     assert rows["int8 vs encode, msl 256, 1 thread"]["ratio"] == pytest.approx(1.5)
-    for m in ("pipeline_targets", "routing", "tree_targets", "embed_backends", "_common"):
+    for m in ("bench.pipeline.pipeline_targets", "bench.clustering.routing", "bench.clustering.tree_targets",
+              "bench.clustering.embed_backends", "bench.common"):
         sys.modules.pop(m, None)

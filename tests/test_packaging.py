@@ -204,7 +204,7 @@ def test_two_ranks_launch_from_the_installed_wheel(wheel_venv, pipeline_run, tmp
 
 
 def test_a_source_checkout_imports_its_stages_without_an_install(tmp_path):
-    """`PYTHONPATH=<checkout>` with no install (how bench/device_check.py runs on a machine with no
+    """`PYTHONPATH=<checkout>` with no install (how bench/device/device_check.py runs on a machine with no
     package index) finds memtree.<stage> in the folders beside memtree/. `-S` keeps site's .pth
     files, among them this checkout's editable install, out; the dependencies come as plain paths."""
     deps = [str(p) for p in map(Path, sys.path) if p.name == "site-packages" and p.is_dir()]

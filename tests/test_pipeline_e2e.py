@@ -42,7 +42,7 @@ def _read_all(out: Path):
 
 
 def test_end_to_end_counts(run_a, corpus_records):
-    # Speed is measured in bench/pipeline_stages.py, not asserted here.
+    # Speed is measured in bench/pipeline/pipeline_stages.py, not asserted here.
     out, markers, _ = run_a
     rep = markers["report"]["stats"]
     assert rep["reconciled"]

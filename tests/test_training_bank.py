@@ -170,7 +170,7 @@ def test_sparse_state_survives_a_state_dict_round_trip():
 @pytest.mark.parametrize("read", ["fused", "gather"])
 def test_bank_on_the_gpu_maps_paths_from_either_device(read):
     """The bank on CUDA: `slots` takes host paths (the model maps paths on the host) and device
-    paths (bench/training_steps.py), and a MemtreeLM forward + backward reads it either way
+    paths (bench/training/training_steps.py), and a MemtreeLM forward + backward reads it either way
     (the first device check found the cluster-to-row table left on the CPU)."""
     from memtree.training.composer_model import MemorySettings, MemtreeLM
     from memtree.training.model import ModelConfig
