@@ -80,7 +80,8 @@ def wait_quiet(limit_s: float, *, per_core: float = 1.0) -> float | None:
 
 
 def json_default(o: Any) -> Any:
-    """JSON for what benchmark results hold besides plain values: numpy scalars/arrays, paths, tuples."""
+    """JSON for what benchmark results hold besides plain values: numpy scalars/arrays, paths,
+    tuples."""
     if isinstance(o, np.integer):
         return int(o)
     if isinstance(o, np.floating):
@@ -94,9 +95,16 @@ def run_meta(args: Any, **extra: Any) -> dict:
     """The start of a results JSON's "meta": when, where, library versions, load, the arguments."""
     import torch
 
-    return {"started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": platform.node(),
-            "python": platform.python_version(), "torch": torch.__version__, "loadavg_start": loadavg(),
-            "host": machine_meta(), "args": vars(args), **extra}
+    return {
+        "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "loadavg_start": loadavg(),
+        "host": machine_meta(),
+        "args": vars(args),
+        **extra,
+    }
 
 
 # where a default name goes when the caller names no folder (tests point it at one of theirs);
@@ -158,7 +166,9 @@ def write_results(results: dict, out: Path) -> None:
     out.write_text(json.dumps(results, indent=2, default=json_default))
 
 
-def finish(results: dict, out: Path, print_table: Callable[[list[dict]], None] | Sequence[str]) -> int:
+def finish(
+    results: dict, out: Path, print_table: Callable[[list[dict]], None] | Sequence[str]
+) -> int:
     """Stamp the end of the run, write the results, print the table and where they went.
     print_table: a printer of the rows, or the row keys to print as plain `a | b | c` columns."""
     results["meta"]["finished"] = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -220,19 +230,32 @@ _REEXEC = "MEMTREE_BENCH_BLAS"
 def cpu_info() -> dict[str, Any]:
     """CPU model and the SIMD extensions that decide which BLAS kernels can run."""
     model, flags = blas_check.cpu_flags()
-    simd = sorted(f for f in flags if f.startswith(("sse4", "avx", "fma", "amx", "f16c", "asimd", "sve")))
+    simd = sorted(
+        f for f in flags if f.startswith(("sse4", "avx", "fma", "amx", "f16c", "asimd", "sve"))
+    )
     return {"model": model or platform.processor() or "", "cores": os.cpu_count(), "simd": simd}
 
 
 def blas_libraries() -> list[dict[str, Any]]:
-    """Every BLAS / OpenMP runtime loaded in this process (threadpoolctl): library, kernel, threads."""
+    """Every BLAS / OpenMP runtime loaded in this process (threadpoolctl): library, kernel,
+    threads."""
     try:
         from threadpoolctl import threadpool_info
     except ImportError:  # the lent GPU machine's image may lack it: say so rather than fail the run
-        return [{"error": "threadpoolctl is not installed: the BLAS / OpenMP runtimes were not listed"}]
+        return [
+            {"error": "threadpoolctl is not installed: the BLAS / OpenMP runtimes were not listed"}
+        ]
 
-    keep = ("user_api", "internal_api", "prefix", "version", "num_threads", "architecture", "threading_layer",
-            "filepath")
+    keep = (
+        "user_api",
+        "internal_api",
+        "prefix",
+        "version",
+        "num_threads",
+        "architecture",
+        "threading_layer",
+        "filepath",
+    )
     return [{k: i.get(k) for k in keep} for i in threadpool_info()]
 
 
@@ -248,20 +271,35 @@ def machine_basics(**extra: Any) -> dict[str, Any]:
 
     try:
         import faiss
+
         faiss_version = faiss.__version__
     except ImportError:
         faiss_version = None
-    return {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
-            "faiss": faiss_version, "cores": os.cpu_count(),
-            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1),
-            "cpu": cpu_info()["model"], "cuda_available": bool(torch.cuda.is_available()),
-            "platform": platform.platform(), **extra}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "faiss": faiss_version,
+        "cores": os.cpu_count(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1),
+        "cpu": cpu_info()["model"],
+        "cuda_available": bool(torch.cuda.is_available()),
+        "platform": platform.platform(),
+        **extra,
+    }
 
 
-def print_aligned(header: Sequence[str], cells: Sequence[Sequence[str]], *, last_width: int | None = None,
-                  rule: bool = True) -> None:
+def print_aligned(
+    header: Sequence[str],
+    cells: Sequence[Sequence[str]],
+    *,
+    last_width: int | None = None,
+    rule: bool = True,
+) -> None:
     """Left-aligned columns under a header (and a rule); the last column at most last_width."""
-    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(header)]
+    widths = [
+        max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(header)
+    ]
     if last_width is not None:
         widths[-1] = min(widths[-1], last_width)
     line = "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))
@@ -272,11 +310,48 @@ def print_aligned(header: Sequence[str], cells: Sequence[Sequence[str]], *, last
         print("  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)))
 
 
-TARGET_COLUMNS = [("bench", "bench"), ("metric", "metric"), ("value", "measured"), ("baseline", "baseline"),
-                  ("ratio", "ratio"), ("target", "target"), ("met", "met"), ("data", "data")]
+TARGET_COLUMNS = [
+    ("bench", "bench"),
+    ("metric", "metric"),
+    ("value", "measured"),
+    ("baseline", "baseline"),
+    ("ratio", "ratio"),
+    ("target", "target"),
+    ("met", "met"),
+    ("data", "data"),
+]
 
 
-def print_targets(rows: list[dict], *, data_width: int = 60, unit_on_baseline: bool = False) -> None:
+def row(
+    bench: str,
+    metric: str,
+    value: Any,
+    *,
+    data: str,
+    baseline: Any = None,
+    ratio: float | None = None,
+    target: str = "",
+    met: bool | None = None,
+    unit: str = "",
+) -> dict:
+    """One result row of a target table (`print_targets`): a figure, its baseline, the ratio and
+    whether the target is met."""
+    return {
+        "bench": bench,
+        "metric": metric,
+        "value": value,
+        "unit": unit,
+        "baseline": baseline,
+        "ratio": ratio,
+        "target": target,
+        "met": met,
+        "data": data,
+    }
+
+
+def print_targets(
+    rows: list[dict], *, data_width: int = 60, unit_on_baseline: bool = False
+) -> None:
     """Rows of {bench, metric, value, unit, baseline, ratio[, ratio_range, runs], target, met
     ("yes" / "no" / "-"), data}: the measured value against its baseline and target."""
     cells = []
@@ -284,7 +359,11 @@ def print_targets(rows: list[dict], *, data_width: int = 60, unit_on_baseline: b
         row = []
         for k, _ in TARGET_COLUMNS:
             cell = fmt(r[k])
-            if r["unit"] and r[k] is not None and (k == "value" or (k == "baseline" and unit_on_baseline)):
+            if (
+                r["unit"]
+                and r[k] is not None
+                and (k == "value" or (k == "baseline" and unit_on_baseline))
+            ):
                 cell += f" {r['unit']}"
             if k == "ratio" and r.get("ratio_range") and r.get("runs", 1) > 1:
                 cell += f" ({fmt(r['ratio_range'][0])}-{fmt(r['ratio_range'][1])})"
@@ -301,8 +380,12 @@ def machine_meta() -> dict[str, Any]:
         import faiss  # noqa: F401  (its bundled OpenBLAS is listed only once loaded)
     except ImportError:
         pass
-    return {"cpu": cpu_info(), "blas": blas_libraries(), "env": blas_env(),
-            "blas_env_changes": json.loads(os.environ.get(_REEXEC, "{}"))}
+    return {
+        "cpu": cpu_info(),
+        "blas": blas_libraries(),
+        "env": blas_env(),
+        "blas_env_changes": json.loads(os.environ.get(_REEXEC, "{}")),
+    }
 
 
 def _faiss_kernel() -> str | None:
@@ -334,11 +417,16 @@ def prepare_blas_env(mode: str = "auto") -> dict[str, Any]:
         os.execve(sys.executable, rerun_argv(), env)
     kernel = _faiss_kernel()
     flags = blas_check.cpu_flags()[1]
-    want = blas_check.safe_coretype(flags)  # the pipeline's check and the benchmarks agree on the fix
+    want = blas_check.safe_coretype(
+        flags
+    )  # the pipeline's check and the benchmarks agree on the fix
     if blas_check.is_fallback(kernel, flags) and "OPENBLAS_CORETYPE" not in os.environ:
-        done |= {"set": {"OPENBLAS_CORETYPE": want},
-                 "why": f"FAISS's OpenBLAS picked the fallback kernel {kernel} on a CPU with {want}-class SIMD",
-                 "final": True}
+        done |= {
+            "set": {"OPENBLAS_CORETYPE": want},
+            "why": f"FAISS's OpenBLAS picked the fallback kernel {kernel} on a CPU with "
+            f"{want}-class SIMD",
+            "final": True,
+        }
         env = dict(os.environ, OPENBLAS_CORETYPE=want, **{_REEXEC: json.dumps(done)})
         os.execve(sys.executable, rerun_argv(), env)
     done |= {"final": True, "faiss_kernel": kernel}
@@ -357,7 +445,8 @@ def emulate_blas(kind: str) -> dict[str, Any]:
     Prescott (SSE3), as on the Intel Xeon of issue #56; "slow-numpy-blas": numpy's runs Prescott,
     FAISS's the kernel the CPU runs (a host whose numpy BLAS is the slower one). The command is
     re-executed once with the variable numpy's load must see. torch's BLAS (MKL in the x86 wheels)
-    reads neither. Call first thing in main(), before anything imports FAISS; returns what was done."""
+    reads neither. Call first thing in main(), before anything imports FAISS; returns what was
+    done."""
     import sys
 
     from memtree.clustering.blas import cpu_flags, safe_coretype
@@ -367,7 +456,9 @@ def emulate_blas(kind: str) -> dict[str, Any]:
     fast = safe_coretype(cpu_flags()[1])
     if fast is None:
         raise SystemExit("a BLAS emulation needs a CPU with AVX2 (a fast kernel to compare with)")
-    numpy_kernel, faiss_kernel = ("Prescott", fast) if kind == "slow-numpy-blas" else (None, "Prescott")
+    numpy_kernel, faiss_kernel = (
+        ("Prescott", fast) if kind == "slow-numpy-blas" else (None, "Prescott")
+    )
     if os.environ.get(_EMULATE) != kind:
         env = {k: v for k, v in os.environ.items() if k not in BLAS_VARS} | {_EMULATE: kind}
         if numpy_kernel:
@@ -376,8 +467,11 @@ def emulate_blas(kind: str) -> dict[str, Any]:
     if "faiss" in sys.modules:
         raise RuntimeError("emulate_blas: FAISS was loaded before the variable could change")
     os.environ["OPENBLAS_CORETYPE"] = faiss_kernel
-    return {"kind": kind, "numpy_openblas": numpy_kernel or "its own pick (no OPENBLAS_CORETYPE at its load)",
-            "faiss_openblas": faiss_kernel}
+    return {
+        "kind": kind,
+        "numpy_openblas": numpy_kernel or "its own pick (no OPENBLAS_CORETYPE at its load)",
+        "faiss_openblas": faiss_kernel,
+    }
 
 
 def sgemm_gflops(n: int = 2048, repeats: int = 5) -> float:
@@ -403,7 +497,10 @@ def faiss_l2_gflops(n: int = 20000, k: int = 4096, d: int = 384, repeats: int = 
     import faiss
 
     rng = np.random.default_rng(0)
-    x, c = rng.standard_normal((n, d), dtype=np.float32), rng.standard_normal((k, d), dtype=np.float32)
+    x, c = (
+        rng.standard_normal((n, d), dtype=np.float32),
+        rng.standard_normal((k, d), dtype=np.float32),
+    )
     index = faiss.IndexFlatL2(d)
     index.add(c)
     best = min(_seconds(lambda: index.search(x, 1)) for _ in range(repeats))
@@ -423,5 +520,10 @@ def baseline_health(name: str, gflops: float, sgemm: float) -> dict[str, Any]:
     """A baseline's GFLOP/s against the machine's sgemm in the same run; below HEALTHY_FRACTION it
     is reported as handicapped and no speed-up is claimed against it."""
     frac = gflops / sgemm if sgemm > 0 else 0.0
-    return {"baseline": name, "gflops": round(gflops, 1), "sgemm_gflops": round(sgemm, 1),
-            "fraction_of_sgemm": round(frac, 3), "healthy": frac >= HEALTHY_FRACTION}
+    return {
+        "baseline": name,
+        "gflops": round(gflops, 1),
+        "sgemm_gflops": round(sgemm, 1),
+        "fraction_of_sgemm": round(frac, 3),
+        "healthy": frac >= HEALTHY_FRACTION,
+    }

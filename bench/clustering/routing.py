@@ -1,17 +1,20 @@
 """Greedy routing throughput at 65,536 leaves against exhaustive nearest-leaf search (issue #16).
 
-    .venv/bin/python -m bench.clustering.routing --quick     # 4 × 8 tree (4,096 leaves), 2,000 queries
-    .venv/bin/python -m bench.clustering.routing             # 4 × 16 tree (65,536 leaves), 20,000 queries
+    # 4 × 8 tree (4,096 leaves), 2,000 queries
+    .venv/bin/python -m bench.clustering.routing --quick
+    # 4 × 16 tree (65,536 leaves), 20,000 queries
+    .venv/bin/python -m bench.clustering.routing
 
 Candidate: `clustering.route.route` (FAISS's float32 per-pair dots against each point's
-parent's children, points visiting the leaves sorted by cluster, float64 re-scoring of near ties). Baselines in the same run, interleaved: exhaustive
-search over every leaf (`faiss.IndexFlatL2`, index build included, as in
-bench/pipeline/pipeline_stages.py) and the previous routing step kept here (`float64_route_step`: the
-same groups scored in float64, the centroids and points cast per group). Agreement: the
-candidate's paths against that level-by-level float64 argmin (the issue's criterion: 100 %) and
-its leaf against the exhaustive nearest leaf. The tree is the pipeline benchmark's constructed
-one (bench/pipeline/assign.py: children = parent + noise, renormalised), queries a random leaf
-plus noise. JSON: --out, default bench/clustering/results/routing-<date>[-quick].json.
+parent's children, points visiting the leaves sorted by cluster, float64 re-scoring of near ties).
+Baselines in the same run, interleaved: exhaustive search over every leaf (`faiss.IndexFlatL2`,
+index build included, as in bench/pipeline/pipeline_stages.py) and the previous routing step kept
+here (`float64_route_step`: the same groups scored in float64, the centroids and points cast per
+group). Agreement: the candidate's paths against that level-by-level float64 argmin (the issue's
+criterion: 100 %) and its leaf against the exhaustive nearest leaf. The tree is the pipeline
+benchmark's constructed one (bench/pipeline/assign.py: children = parent + noise, renormalised),
+queries a random leaf plus noise. JSON: --out, default
+bench/clustering/results/routing-<date>[-quick].json.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ IDLE_S = 0.3
 
 # The columns of the printed table.
 COLUMNS = ["leaves", "queries", "method", "seconds", "points_per_s", "route_speedup"]
+
 
 def float64_route_step(centroids, valid, x, parent, branching):
     """The routing step before issue #16: per parent group, float64 scores ||c||² − 2·x·c."""
@@ -87,7 +91,9 @@ def query_points(tree, nq: int, seed: int = 8) -> np.ndarray:
     """(nq, DIM) unit queries: a random leaf centroid plus noise."""
     rng = np.random.default_rng(seed)
     leaf = rng.integers(0, len(tree.centroids[-1]), size=nq)
-    xq = tree.centroids[-1][leaf] + 0.1 / math.sqrt(DIM) * rng.standard_normal((nq, DIM)).astype(np.float32)
+    xq = tree.centroids[-1][leaf] + 0.1 / math.sqrt(DIM) * rng.standard_normal((nq, DIM)).astype(
+        np.float32
+    )
     return (xq / np.linalg.norm(xq, axis=1, keepdims=True)).astype(np.float32)
 
 
@@ -97,12 +103,15 @@ def measure(*, levels: int, branching: int, nq: int, repeats: int, healthy: bool
     No speed-up is given (route_speedup None) unless the FAISS baseline is `healthy`."""
     tree = constructed_tree(levels, branching, seed=7, radii=[0.6, 0.35, 0.2])
     xq = query_points(tree, nq)
-    fns = {"route": lambda: route(tree, xq), "float64_route": lambda: float64_route(tree, xq),
-           "exhaustive": lambda: exhaustive(tree, xq)}
+    fns = {
+        "route": lambda: route(tree, xq),
+        "float64_route": lambda: float64_route(tree, xq),
+        "exhaustive": lambda: exhaustive(tree, xq),
+    }
     route(tree, xq)  # warm-up: first-touch of the tree's pages and the thread pools
     secs: dict[str, list[float]] = {k: [] for k in fns}
     for r in range(repeats):  # interleaved, order alternating
-        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+        for name in list(fns) if r % 2 == 0 else list(fns)[::-1]:
             time.sleep(IDLE_S)
             t = time.perf_counter()
             fns[name]()
@@ -110,13 +119,28 @@ def measure(*, levels: int, branching: int, nq: int, repeats: int, healthy: bool
         log(f"routing round {r + 1}: " + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in secs.items()))
     got, ref, exh = route(tree, xq), float64_route(tree, xq), exhaustive(tree, xq)
     med = {k: statistics.median(v) for k, v in secs.items()}
-    rows = [{"leaves": branching**levels, "queries": nq, "method": k, "seconds": med[k], "points_per_s": nq / med[k],
-             "route_speedup": med[k] / med["route"] if healthy else None} for k in fns]
-    out = {"rows": rows, "runs_seconds": secs,
-           "agreement_with_float64_argmin": float((got == ref).all(1).mean()),
-           "leaf_agreement_with_exhaustive": float((got[:, -1] == exh).mean())}
-    log(f"agreement with the float64 level-by-level argmin: {out['agreement_with_float64_argmin']:.4f}; "
-        f"leaf = exhaustive nearest leaf: {out['leaf_agreement_with_exhaustive']:.4f}")
+    rows = [
+        {
+            "leaves": branching**levels,
+            "queries": nq,
+            "method": k,
+            "seconds": med[k],
+            "points_per_s": nq / med[k],
+            "route_speedup": med[k] / med["route"] if healthy else None,
+        }
+        for k in fns
+    ]
+    out = {
+        "rows": rows,
+        "runs_seconds": secs,
+        "agreement_with_float64_argmin": float((got == ref).all(1).mean()),
+        "leaf_agreement_with_exhaustive": float((got[:, -1] == exh).mean()),
+    }
+    log(
+        "agreement with the float64 level-by-level argmin: "
+        f"{out['agreement_with_float64_argmin']:.4f}; "
+        f"leaf = exhaustive nearest leaf: {out['leaf_agreement_with_exhaustive']:.4f}"
+    )
     return out
 
 
@@ -125,8 +149,12 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--out", default=None)
-    p.add_argument("--blas", choices=("auto", "as-is"), default="auto",
-                   help="auto: a healthy BLAS environment for the FAISS baseline (bench/README.md)")
+    p.add_argument(
+        "--blas",
+        choices=("auto", "as-is"),
+        default="auto",
+        help="auto: a healthy BLAS environment for the FAISS baseline (bench/README.md)",
+    )
     args = p.parse_args()
     prepare_blas_env(args.blas)  # may re-execute this command
     meta = run_meta(args)  # at the start: when the run began, and the load then
@@ -135,11 +163,21 @@ def main() -> int:
     levels, branching, nq = (4, 8, 2_000) if args.quick else (4, 16, 20_000)
     import faiss
 
-    results = {"meta": {**meta, "faiss_threads": faiss.omp_get_max_threads()}, "health": health,
-               **measure(levels=levels, branching=branching, nq=nq, repeats=args.repeats,
-                         healthy=health["healthy"])}
+    results = {
+        "meta": {**meta, "faiss_threads": faiss.omp_get_max_threads()},
+        "health": health,
+        **measure(
+            levels=levels,
+            branching=branching,
+            nq=nq,
+            repeats=args.repeats,
+            healthy=health["healthy"],
+        ),
+    }
     day = _dt.date.today().isoformat()
-    out = results_path(args.out, f"routing-{day}{'-quick' if args.quick else ''}.json", results_dir(__file__))
+    out = results_path(
+        args.out, f"routing-{day}{'-quick' if args.quick else ''}.json", results_dir(__file__)
+    )
     return finish(results, out, COLUMNS)
 
 

@@ -1,6 +1,7 @@
 """Where the tree build's time goes, beside FAISS's `two_level_clustering` (issue 71's profile).
 
-    .venv/bin/python -m bench.clustering.tree_profile                      # 100,000 points, 3 × 16 = 4,096 leaves
+    # 100,000 points, 3 × 16 = 4,096 leaves
+    .venv/bin/python -m bench.clustering.tree_profile
     .venv/bin/python -m bench.clustering.tree_profile --n 20000 --levels 2
 
 On `gmm_hierarchy(n, seed)` (bench/pipeline/common.py, the tree targets' data), in one process:
@@ -167,7 +168,8 @@ def main() -> int:
     stats = pstats.Stats(prof)
     parts: dict[str, float] = defaultdict(float)
     top = []
-    for (file, _, name), (_, ncalls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
+    entries = stats.stats.items()  # type: ignore[attr-defined]
+    for (file, _, name), (_, ncalls, tottime, cumtime, _) in entries:
         fn = f"{file.split('/')[-1]}:{name}"
         parts[part_of(fn)] += tottime
         top.append(
@@ -189,7 +191,8 @@ def main() -> int:
     )
     for g in gemms:
         log(
-            f"  GEMM {g['shape']}: {g['calls']} calls, {g['seconds']:.2f} s, {g['gflops']:.1f} GFLOP/s"
+            f"  GEMM {g['shape']}: {g['calls']} calls, {g['seconds']:.2f} s, {g['gflops']:.1f} "
+            "GFLOP/s"
         )
 
     import faiss

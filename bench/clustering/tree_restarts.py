@@ -1,6 +1,7 @@
 """k-means restarts per node (`tree.restarts`) against one fit per node, on a demo run's embeddings.
 
-    .venv/bin/python -m bench.clustering.tree_restarts --run runs/demo                  # seeds 0-7, restarts 1 5 10 20
+    # seeds 0-7, restarts 1 5 10 20
+    .venv/bin/python -m bench.clustering.tree_restarts --run runs/demo
     .venv/bin/python -m bench.clustering.tree_restarts --run runs/demo --seeds 4 --restarts 1 20
 
 For every tree seed and restart count, the demo's tree (3 levels × 4, the pipeline's other tree
@@ -45,8 +46,12 @@ def objective(x: np.ndarray, tree, paths: np.ndarray) -> list[float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", type=Path, default=REPO / "runs" / "demo", help="a finished `memtree demo` root")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--run", type=Path, default=REPO / "runs" / "demo", help="a finished `memtree demo` root"
+    )
     ap.add_argument("--seeds", type=int, default=8, help="tree seeds 0 … N-1")
     ap.add_argument("--restarts", type=int, nargs="+", default=[1, 5, 10, 20])
     ap.add_argument("--out", type=Path, default=None)
@@ -56,7 +61,9 @@ def main() -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if 1 not in args.restarts:
         args.restarts = [1, *args.restarts]  # the baseline
-    out = results_path(args.out, f"tree-restarts-{_dt.date.today().isoformat()}.json", results_dir(__file__))
+    out = results_path(
+        args.out, f"tree-restarts-{_dt.date.today().isoformat()}.json", results_dir(__file__)
+    )
 
     pipe = args.run / "pipeline"
     base = load_tree(pipe / "tree")
@@ -64,45 +71,98 @@ def main() -> int:
     x = np.asarray(np.load(pipe / "embed" / "embeddings.npy"), dtype=np.float32)
     index = RagIndex.open(pipe)
     windows = index.texts(range(len(index.paths)))
-    probe_seed = read_json(args.run / "corpus.json")["spec"]["seed"]  # the demo builds probes with the corpus seed
+    probe_seed = read_json(args.run / "corpus.json")["spec"][
+        "seed"
+    ]  # the demo builds probes with the corpus seed
     probes = build_probes(load_facts(args.run / "facts.jsonl"), seed=probe_seed, epochs=1.0)
     emb = base.meta["embedder"]
-    q = embed_texts(embedder_from_meta(emb, base.path), [p["context"] for p in probes],
-                    strategy=emb.get("strategy", "truncate"), batch_size=int(emb.get("batch_size", 64)))
-    log(f"{x.shape[0]} windows, {len(probes)} probes, embedder backend {emb.get('backend', 'torch')}")
+    q = embed_texts(
+        embedder_from_meta(emb, base.path),
+        [p["context"] for p in probes],
+        strategy=emb.get("strategy", "truncate"),
+        batch_size=int(emb.get("batch_size", 64)),
+    )
+    log(
+        f"{x.shape[0]} windows, {len(probes)} probes, embedder backend "
+        f"{emb.get('backend', 'torch')}"
+    )
 
     rows = []
     for r in args.restarts:
         for seed in range(args.seeds):
             t = time.perf_counter()
-            tree, paths = build_tree(x, levels=cfg["levels"], branching=cfg["branching"],
-                                     batch_size=cfg["batch_size"], steps=cfg["steps"],
-                                     balance_factor=cfg["balance_factor"], equalize_steps=cfg["equalize_steps"],
-                                     min_points_per_child=cfg["min_points_per_child"], seed=seed, restarts=r)
+            tree, paths = build_tree(
+                x,
+                levels=cfg["levels"],
+                branching=cfg["branching"],
+                batch_size=cfg["batch_size"],
+                steps=cfg["steps"],
+                balance_factor=cfg["balance_factor"],
+                equalize_steps=cfg["equalize_steps"],
+                min_points_per_child=cfg["min_points_per_child"],
+                seed=seed,
+                restarts=r,
+            )
             seconds = time.perf_counter() - t
             agree = routing_agreement(windows, paths, probes, route(tree, q))
             once = next(b for b in agree["by_bucket"] if b["bucket"] == "1")["rates"]
-            rows.append({"restarts": r, "seed": seed, "build_s": round(seconds, 2),
-                         "objective": [round(v, 4) for v in objective(x, tree, paths)],
-                         "agreement": [round(v, 4) for v in agree["all"]],
-                         "agreement_stated_once": [round(v, 4) for v in once]})
-            log(f"restarts {r:2d} seed {seed}: leaf agreement {agree['all'][-1]:.3f}, "
-                f"objective {rows[-1]['objective']}, {seconds:.1f} s")
+            rows.append(
+                {
+                    "restarts": r,
+                    "seed": seed,
+                    "build_s": round(seconds, 2),
+                    "objective": [round(v, 4) for v in objective(x, tree, paths)],
+                    "agreement": [round(v, 4) for v in agree["all"]],
+                    "agreement_stated_once": [round(v, 4) for v in once],
+                }
+            )
+            log(
+                f"restarts {r:2d} seed {seed}: leaf agreement {agree['all'][-1]:.3f}, "
+                f"objective {rows[-1]['objective']}, {seconds:.1f} s"
+            )
 
     summary = []
     base_mean = statistics.mean(row["agreement"][-1] for row in rows if row["restarts"] == 1)
     for r in args.restarts:
         leaf = [row["agreement"][-1] for row in rows if row["restarts"] == r]
         once = [row["agreement_stated_once"][-1] for row in rows if row["restarts"] == r]
-        summary.append({"restarts": r, "leaf_mean": statistics.mean(leaf), "leaf_min": min(leaf),
-                        "stated_once_mean": statistics.mean(once), "stated_once_min": min(once),
-                        "build_s_mean": statistics.mean(row["build_s"] for row in rows if row["restarts"] == r),
-                        "ratio_to_1": statistics.mean(leaf) / base_mean})
+        summary.append(
+            {
+                "restarts": r,
+                "leaf_mean": statistics.mean(leaf),
+                "leaf_min": min(leaf),
+                "stated_once_mean": statistics.mean(once),
+                "stated_once_min": min(once),
+                "build_s_mean": statistics.mean(
+                    row["build_s"] for row in rows if row["restarts"] == r
+                ),
+                "ratio_to_1": statistics.mean(leaf) / base_mean,
+            }
+        )
     plot(rows, args.restarts, out.with_suffix(".png"))
-    results = {"meta": {**meta, "windows": int(x.shape[0]), "probes": len(probes),
-                        "backend": emb.get("backend", "torch")}, "rows": summary, "trees": rows}
-    return finish(results, out, ["restarts", "leaf_mean", "leaf_min", "stated_once_mean", "stated_once_min",
-                                 "build_s_mean", "ratio_to_1"])
+    results = {
+        "meta": {
+            **meta,
+            "windows": int(x.shape[0]),
+            "probes": len(probes),
+            "backend": emb.get("backend", "torch"),
+        },
+        "rows": summary,
+        "trees": rows,
+    }
+    return finish(
+        results,
+        out,
+        [
+            "restarts",
+            "leaf_mean",
+            "leaf_min",
+            "stated_once_mean",
+            "stated_once_min",
+            "build_s_mean",
+            "ratio_to_1",
+        ],
+    )
 
 
 def plot(rows: list[dict], restarts: list[int], path: Path) -> None:

@@ -2,7 +2,8 @@
 bottomup`, on finished pipeline runs' window embeddings.
 
     .venv/bin/python -m bench.clustering.tree_stability --run runs/knowledge-bu/seed-{0,1,2,3,4}
-    .venv/bin/python -m bench.clustering.tree_stability --run runs/realdocs --tree-seeds 0 1 2 --drops 2
+    .venv/bin/python -m bench.clustering.tree_stability --run runs/realdocs --tree-seeds 0 1 2 \
+        --drops 2
 
 For every run (a `memtree demo` root or any folder holding `pipeline/`) and each method, the tree
 is rebuilt with the run's tree settings (levels, branching, restarts, balance …) from several tree
@@ -105,13 +106,16 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     meta = run_meta(args)
-    out = results_path(args.out, f"tree-stability-{_dt.date.today().isoformat()}.json", results_dir(__file__))
+    out = results_path(
+        args.out, f"tree-stability-{_dt.date.today().isoformat()}.json", results_dir(__file__)
+    )
     trees, rows = [], []
     for root in args.run:
         x, cfg, labels = load_run(root)
         levels = int(cfg["levels"])
         log(
-            f"{root}: {len(x)} windows, {cfg['branching']}^{levels} leaves, restarts {cfg['restarts']}"
+            f"{root}: {len(x)} windows, {cfg['branching']}^{levels} leaves, restarts "
+            f"{cfg['restarts']}"
             f"{', labelled' if labels else ''}"
         )
         for method in args.methods:

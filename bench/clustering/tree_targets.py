@@ -1,6 +1,7 @@
 """Issue #37's tree targets in one run, against healthy FAISS baselines.
 
-    .venv/bin/python -m bench.clustering.tree_targets                 # 100,000 points, 3 × 16 = 4,096 leaves
+    # 100,000 points, 3 × 16 = 4,096 leaves
+    .venv/bin/python -m bench.clustering.tree_targets
     .venv/bin/python -m bench.clustering.tree_targets --seed 9 --quick
 
 On a hierarchical Gaussian mixture (`gmm_hierarchy`, 3 × 16 components, a seed not used to tune),
@@ -40,28 +41,47 @@ from bench.pipeline.common import gmm_hierarchy, zipf_mixture
 from bench.pipeline.tree import nmi
 from memtree.clustering.tree import build_tree
 
-COLUMNS = ["method", "seconds", "speedup_vs_flat", "nmi", "balance_l1", "balance_l2", "balance_l3", "empty"]
+COLUMNS = [
+    "method",
+    "seconds",
+    "speedup_vs_flat",
+    "nmi",
+    "balance_l1",
+    "balance_l2",
+    "balance_l3",
+    "empty",
+]
 
 
 def _balance(labels: np.ndarray, k: int) -> tuple[float, int]:
     c = np.bincount(labels, minlength=k)
     return float(c.max() / c.mean()), int((c == 0).sum())
 
+
 # The paper's rule alone: no cell equalisation and no strict refits for the balance target.
 NO_BALANCING = "build_tree, equalize_steps=0, balance_target=None"
 NUMPY_GEMM = "build_tree (defaults) on numpy's GEMM"
 
 
-def measure(*, n: int, seed: int, levels: int, repeats: int, healthy: bool, branching: int = 16,
-            gemm_backend: str = "numpy", numpy_row: bool = False) -> dict:
-    """build_tree (defaults, and without balancing: NO_BALANCING) against flat faiss.Kmeans and two_level_clustering
-    on `gmm_hierarchy(n, seed)`, interleaved rounds: {rows, runs_seconds, equalize_share, gemm}. No
-    speed-up is given (speedup_vs_flat None) unless the FAISS baselines are `healthy`.
-    gemm_backend: the node fits' GEMM (`clustering.gemm`; "auto": the fastest, measured once);
-    numpy_row: where that is not numpy, also time the default build on numpy's GEMM (NUMPY_GEMM)."""
+def measure(
+    *,
+    n: int,
+    seed: int,
+    levels: int,
+    repeats: int,
+    healthy: bool,
+    branching: int = 16,
+    gemm_backend: str = "numpy",
+    numpy_row: bool = False,
+) -> dict:
+    """build_tree (defaults, and without balancing: NO_BALANCING) against flat faiss.Kmeans and
+    two_level_clustering on `gmm_hierarchy(n, seed)`, interleaved rounds: {rows, runs_seconds,
+    equalize_share, gemm}. No speed-up is given (speedup_vs_flat None) unless the FAISS baselines
+    are `healthy`. gemm_backend: the node fits' GEMM (`clustering.gemm`; "auto": the fastest,
+    measured once); numpy_row: where that is not numpy, also time the default build on numpy's GEMM
+    (NUMPY_GEMM)."""
     import faiss
     from faiss.contrib.clustering import two_level_clustering
-
 
     B = branching
     k = B**levels
@@ -84,7 +104,9 @@ def measure(*, n: int, seed: int, levels: int, repeats: int, healthy: bool, bran
         return index.search(x, 1)[1][:, 0].astype(np.int64)
 
     def flat():
-        km = faiss.Kmeans(d, k, niter=20, seed=1, max_points_per_centroid=-(-n // k), min_points_per_centroid=1)
+        km = faiss.Kmeans(
+            d, k, niter=20, seed=1, max_points_per_centroid=-(-n // k), min_points_per_centroid=1
+        )
         km.train(x)
         return assign(km.centroids), None
 
@@ -94,14 +116,18 @@ def measure(*, n: int, seed: int, levels: int, repeats: int, healthy: bool, bran
             c, _ = two_level_clustering(x, 64 if levels == 3 else 8, k)
         return assign(c), None
 
-    fns = {"build_tree (defaults)": memtree, NO_BALANCING: lambda: memtree(0),
-           "faiss.Kmeans flat": flat, "two_level_clustering": two_level}
+    fns = {
+        "build_tree (defaults)": memtree,
+        NO_BALANCING: lambda: memtree(0),
+        "faiss.Kmeans flat": flat,
+        "two_level_clustering": two_level,
+    }
     if numpy_row and backend != "numpy":
         fns[NUMPY_GEMM] = lambda: memtree(on="numpy")
     secs: dict[str, list[float]] = {m: [] for m in fns}
     outs: dict[str, tuple] = {}
     for r in range(repeats):  # interleaved, order alternating
-        for m in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+        for m in list(fns) if r % 2 == 0 else list(fns)[::-1]:
             t = time.perf_counter()
             outs[m] = fns[m]()
             secs[m].append(time.perf_counter() - t)
@@ -110,10 +136,17 @@ def measure(*, n: int, seed: int, levels: int, repeats: int, healthy: bool, bran
     rows = []
     for m, (leaf, tree_bal) in outs.items():
         bal, empty = _balance(leaf, k)
-        row = {"method": m, "seconds": med[m], "speedup_vs_flat": med["faiss.Kmeans flat"] / med[m] if healthy else None,
-               "nmi": float(nmi(lab, leaf)), "empty": empty}
+        row = {
+            "method": m,
+            "seconds": med[m],
+            "speedup_vs_flat": med["faiss.Kmeans flat"] / med[m] if healthy else None,
+            "nmi": float(nmi(lab, leaf)),
+            "empty": empty,
+        }
         for lv in range(1, levels + 1):
-            row[f"balance_l{lv}"] = float(tree_bal[lv - 1]) if tree_bal else (bal if lv == levels else None)
+            row[f"balance_l{lv}"] = (
+                float(tree_bal[lv - 1]) if tree_bal else (bal if lv == levels else None)
+            )
         rows.append(row)
     eq_share = 1.0 - med[NO_BALANCING] / med["build_tree (defaults)"]
     log(f"balancing's share of the default build (equalisation and refits): {eq_share:.1%}")
@@ -131,7 +164,11 @@ def skewed_balance(*, seed: int, sizes=SKEWED, branching: int = 8) -> list[dict]
     alone (balance_target=None), the defaults (which refit the nodes over the balance target
     with strict balance) and strict_balance: [{data, mode, points_per_leaf, balance (per
     level), nmi, seconds, refits (per level: [refitted, kept])}]."""
-    modes = {"paper rule": {"balance_target": None}, "default": {}, "strict_balance": {"strict_balance": True}}
+    modes = {
+        "paper rule": {"balance_target": None},
+        "default": {},
+        "strict_balance": {"strict_balance": True},
+    }
     out = []
     for n, levels in sizes:
         x, lab = zipf_mixture(n, seed)
@@ -140,12 +177,21 @@ def skewed_balance(*, seed: int, sizes=SKEWED, branching: int = 8) -> list[dict]
             tree, paths = build_tree(x, levels=levels, branching=branching, **kw)
             secs = time.perf_counter() - t
             bal = [float(s.max() / s.mean()) for s in tree.sizes]
-            out.append({"data": f"zipf_mixture({n:,}, seed={seed}), {levels} x {branching}", "mode": mode,
-                        "points_per_leaf": n / branching**levels, "balance": bal,
-                        "nmi": float(nmi(lab, paths[:, -1])), "seconds": secs,
-                        "refits": tree.meta["balance_repairs"]})
-            log(f"skewed {n:,} points {levels} x {branching}, {mode}: balance "
-                f"{' / '.join(f'{b:.3f}' for b in bal)}, {secs:.2f} s")
+            out.append(
+                {
+                    "data": f"zipf_mixture({n:,}, seed={seed}), {levels} x {branching}",
+                    "mode": mode,
+                    "points_per_leaf": n / branching**levels,
+                    "balance": bal,
+                    "nmi": float(nmi(lab, paths[:, -1])),
+                    "seconds": secs,
+                    "refits": tree.meta["balance_repairs"],
+                }
+            )
+            log(
+                f"skewed {n:,} points {levels} x {branching}, {mode}: balance "
+                f"{' / '.join(f'{b:.3f}' for b in bal)}, {secs:.2f} s"
+            )
     return out
 
 
@@ -165,12 +211,24 @@ def main() -> int:
     health = baseline_health("faiss IndexFlatL2 search", faiss_l2_gflops(), sgemm_gflops())
     log(f"baseline health: {health}")
     levels, n = (2, 20_000) if args.quick else (3, args.n)
-    results = {"meta": {**meta, "n": n, "levels": levels, "branching": 16, "data_seed": args.seed,
-                        "faiss_threads": faiss.omp_get_max_threads()},
-               "health": health, **measure(n=n, seed=args.seed, levels=levels, repeats=args.repeats,
-                                           healthy=health["healthy"])}
+    results = {
+        "meta": {
+            **meta,
+            "n": n,
+            "levels": levels,
+            "branching": 16,
+            "data_seed": args.seed,
+            "faiss_threads": faiss.omp_get_max_threads(),
+        },
+        "health": health,
+        **measure(
+            n=n, seed=args.seed, levels=levels, repeats=args.repeats, healthy=health["healthy"]
+        ),
+    }
     day = _dt.date.today().isoformat()
-    out = results_path(args.out, f"tree-targets-{day}{'-quick' if args.quick else ''}.json", results_dir(__file__))
+    out = results_path(
+        args.out, f"tree-targets-{day}{'-quick' if args.quick else ''}.json", results_dir(__file__)
+    )
     return finish(results, out, COLUMNS)
 
 

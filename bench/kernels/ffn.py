@@ -1,6 +1,7 @@
 """Benchmark of the fused FFN-memory op against the gather + batched-matmul formulation.
 
-    .venv/bin/python -m bench.kernels.ffn --device cuda --runs 20   # realistic shape, timed
+    # realistic shape, timed
+    .venv/bin/python -m bench.kernels.ffn --device cuda --runs 20
     .venv/bin/python -m bench.kernels.ffn --device cpu               # tiny shape: correctness only
 
 Candidate: `kernels.ffn_memory.ffn_memory` (Triton on CUDA), with sparse bank gradients
@@ -39,10 +40,26 @@ from bench.common import (
 
 # B sequences of S tokens, d_model, memory width W per block (~1/10 of a 3,072-wide
 # FFN), k blocks per sequence (one per level of a 3-level tree with this branching).
-CUDA_SIZES = {"B": 16, "S": 1024, "d": 768, "W": 320, "levels": 3, "branching": 8,
-              "dtype": "bfloat16", "warmup": 3}
-CPU_SIZES = {"B": 3, "S": 63, "d": 64, "W": 40, "levels": 3, "branching": 2,
-             "dtype": "float32", "warmup": 1}
+CUDA_SIZES = {
+    "B": 16,
+    "S": 1024,
+    "d": 768,
+    "W": 320,
+    "levels": 3,
+    "branching": 8,
+    "dtype": "bfloat16",
+    "warmup": 3,
+}
+CPU_SIZES = {
+    "B": 3,
+    "S": 63,
+    "d": 64,
+    "W": 40,
+    "levels": 3,
+    "branching": 2,
+    "dtype": "float32",
+    "warmup": 1,
+}
 
 
 def make_problem(sz: dict, device: str, seed: int = 0) -> dict:
@@ -54,13 +71,21 @@ def make_problem(sz: dict, device: str, seed: int = 0) -> dict:
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     leaf = torch.randint(0, sizes[-1], (b,), generator=g)
     # Level-ℓ ancestor of the leaf; the lower levels are shared by many sequences.
-    idx = torch.stack([off + leaf // br ** (len(sizes) - 1 - i) for i, off in enumerate(offsets)], 1)
+    idx = torch.stack(
+        [off + leaf // br ** (len(sizes) - 1 - i) for i, off in enumerate(offsets)], 1
+    )
     n = sum(sizes)
     banks = [(torch.randn(n, w, d, generator=g) / d**0.5).to(device, dtype) for _ in range(3)]
     x = torch.randn(b, s, d, generator=g).to(device, dtype)
     dy = torch.randn(b, s, d, generator=g).to(device, dtype)
-    return {"x": x, "banks": banks, "idx": idx.to(device), "dy": dy, "n_blocks": n,
-            "unique_blocks": int(idx.unique().numel())}
+    return {
+        "x": x,
+        "banks": banks,
+        "idx": idx.to(device),
+        "dy": dy,
+        "n_blocks": n,
+        "unique_blocks": int(idx.unique().numel()),
+    }
 
 
 def gather_bmm(x, w1, w2, w3, idx):
@@ -85,12 +110,17 @@ def _variants(impl: str, p: dict | None = None) -> dict:
     shared = {}
     if p is not None:
         table = ffn.ffn_memory_table(p["idx"], p["n_blocks"])
-        shared = {"fused_shared_table": lambda x, a, b, c, i: ffn_memory(x, a, b, c, i, impl=impl,
-                                                                         table=table)}
+        shared = {
+            "fused_shared_table": lambda x, a, b, c, i: ffn_memory(
+                x, a, b, c, i, impl=impl, table=table
+            )
+        }
     return {
         "gather_bmm": gather_bmm,
         "fused_sparse": lambda x, a, b, c, i: ffn_memory(x, a, b, c, i, impl=impl),
-        "fused_dense": lambda x, a, b, c, i: ffn_memory(x, a, b, c, i, sparse_grad=False, impl=impl),
+        "fused_dense": lambda x, a, b, c, i: ffn_memory(
+            x, a, b, c, i, sparse_grad=False, impl=impl
+        ),
         **shared,
     }
 
@@ -117,7 +147,12 @@ def _rel_err(got, ref) -> float:
 
 def _errors(fn, p: dict) -> dict[str, float]:
     """Relative error of fn's output and gradients against the baseline's, both fp32."""
-    p32 = {**p, "x": p["x"].float(), "banks": [b.float() for b in p["banks"]], "dy": p["dy"].float()}
+    p32 = {
+        **p,
+        "x": p["x"].float(),
+        "banks": [b.float() for b in p["banks"]],
+        "dy": p["dy"].float(),
+    }
     ref = _run(gather_bmm, p32, backward=True)
     got = _run(fn, p, backward=True)
     names = ("y", "dx", "dw1", "dw2", "dw3")
@@ -137,8 +172,10 @@ def run_ffn(args: argparse.Namespace) -> dict[str, Any]:
     fwd_flops = 6.0 * b * s * k * w * d
     passes = {"forward": (False, fwd_flops), "forward_backward": (True, 3 * fwd_flops)}
     variants = _variants("auto", p)
-    log(f"ffn_memory on {device}: B={b} S={s} d={d} W={w} k={k} N={p['n_blocks']} "
-        f"({p['unique_blocks']} distinct blocks referenced) {sz['dtype']}")
+    log(
+        f"ffn_memory on {device}: B={b} S={s} d={d} W={w} k={k} N={p['n_blocks']} "
+        f"({p['unique_blocks']} distinct blocks referenced) {sz['dtype']}"
+    )
 
     times: dict[str, dict[str, list[float]]] = {v: {ps: [] for ps in passes} for v in variants}
     for pname, (bwd, _) in passes.items():
@@ -156,10 +193,17 @@ def run_ffn(args: argparse.Namespace) -> dict[str, Any]:
         for pname, (_, flops) in passes.items():
             ms = statistics.median(times[v][pname])
             base = statistics.median(times["gather_bmm"][pname])
-            rows.append({"variant": v, "pass": pname, "ms": ms, "tflops": flops / ms / 1e9,
-                         "speedup_vs_gather": base / ms,
-                         "peak_mib": peak if pname == "forward_backward" else None,
-                         "runs": args.runs})
+            rows.append(
+                {
+                    "variant": v,
+                    "pass": pname,
+                    "ms": ms,
+                    "tflops": flops / ms / 1e9,
+                    "speedup_vs_gather": base / ms,
+                    "peak_mib": peak if pname == "forward_backward" else None,
+                    "runs": args.runs,
+                }
+            )
 
     errors = {"reference" if device != "cuda" else "triton": _errors(variants["fused_sparse"], p)}
     if device == "cpu" and ffn_kernel.interpreting():
@@ -185,10 +229,15 @@ def _triton_version() -> str:
 
 def print_result(result: dict) -> None:
     for r in result["rows"]:
-        print(f"{r['variant']:<13} {r['pass']:<17} {fmt(r['ms'])} ms  {fmt(r['tflops'])} TFLOP/s  "
-              f"{fmt(r['speedup_vs_gather'])}x vs gather  peak {fmt(r['peak_mib'])} MiB")
+        print(
+            f"{r['variant']:<13} {r['pass']:<17} {fmt(r['ms'])} ms  {fmt(r['tflops'])} TFLOP/s  "
+            f"{fmt(r['speedup_vs_gather'])}x vs gather  peak {fmt(r['peak_mib'])} MiB"
+        )
     for impl, errs in result["max_rel_err_vs_gather"].items():
-        print(f"relative error vs gather ({impl}): " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+        print(
+            f"relative error vs gather ({impl}): "
+            + ", ".join(f"{k} {v:.1e}" for k, v in errs.items())
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

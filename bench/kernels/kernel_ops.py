@@ -1,7 +1,9 @@
 """Benchmarks of the Triton kernels, each against its baselines in the same run.
 
-    .venv/bin/python -m bench.kernels.kernel_ops --device cuda         # H200 shapes: time, TFLOP/s, memory
-    .venv/bin/python -m bench.kernels.kernel_ops --device cpu          # tiny shapes: correctness + reference
+    # H200 shapes: time, TFLOP/s, memory
+    .venv/bin/python -m bench.kernels.kernel_ops --device cuda
+    # tiny shapes: correctness + reference
+    .venv/bin/python -m bench.kernels.kernel_ops --device cpu
     .venv/bin/python -m bench.kernels.kernel_ops --device cuda --only attention --runs 20
 
 Memory attention (kernels/memory_attention), forward and forward+backward (gradients to q,
@@ -83,8 +85,7 @@ from memtree.kernels.memory_attention import (
 BENCHES = ("attention", "ffn")
 CUDA_SIZES = {
     "moc": {"B": 8, "H": 12, "H_kv": 12, "S": 1024, "D": 64, "T": 64, "k": 65, "N": 4097},
-    "hkv": {"B": 8, "H": 32, "H_kv": 8, "S": 2048, "D": 64, "T": 128, "levels": 3,
-            "branching": 16},
+    "hkv": {"B": 8, "H": 32, "H_kv": 8, "S": 2048, "D": 64, "T": 128, "levels": 3, "branching": 16},
     "token_locality": [0.0, 0.125, 0.5, "random"],
     "naive_s": 256,
     "dtype": "bfloat16",
@@ -105,8 +106,8 @@ def moc_problem(sz: dict, device: str, dtype, seed: int = 0) -> dict:
     """Sequence-level top-(k-1) routed chapters + the shared chapter 0, router weights."""
     g = torch.Generator().manual_seed(seed)
     b, k, n = sz["B"], sz["k"], sz["N"]
-    routed = torch.stack([torch.randperm(n - 1, generator=g)[:2 * (k - 1)] + 1 for _ in range(b)])
-    idx = torch.cat([torch.zeros(b, 1, dtype=torch.long), routed[:, :k - 1]], 1)  # (B, k)
+    routed = torch.stack([torch.randperm(n - 1, generator=g)[: 2 * (k - 1)] + 1 for _ in range(b)])
+    idx = torch.cat([torch.zeros(b, 1, dtype=torch.long), routed[:, : k - 1]], 1)  # (B, k)
     p = _tensors(sz, n, sz["T"], idx, g, device, dtype)
     p["pool"] = routed.to(device)  # (B, 2(k-1)): the sequence's top-2(k-1) chapters
     return p
@@ -125,12 +126,20 @@ def hkv_problem(sz: dict, device: str, dtype, seed: int = 0) -> dict:
 
 def _tensors(sz: dict, n: int, t: int, idx, g, device: str, dtype) -> dict:
     b, h, h_kv, s, d = sz["B"], sz["H"], sz["H_kv"], sz["S"], sz["D"]
+
     def rnd(*shape):
         return torch.randn(*shape, generator=g).to(device, dtype)
 
     w = torch.softmax(torch.randn(idx.shape, generator=g), -1)
-    return {"q": rnd(b, h, s, d), "bank_k": rnd(n, t, h_kv, d), "bank_v": rnd(n, t, h_kv, d),
-            "idx": idx.to(device), "w": w.to(device), "dy": rnd(b, h, s, d), "n": n}
+    return {
+        "q": rnd(b, h, s, d),
+        "bank_k": rnd(n, t, h_kv, d),
+        "bank_v": rnd(n, t, h_kv, d),
+        "idx": idx.to(device),
+        "w": w.to(device),
+        "dy": rnd(b, h, s, d),
+        "n": n,
+    }
 
 
 def token_idx(p: dict, s: int, locality, seed: int = 1):
@@ -143,7 +152,7 @@ def token_idx(p: dict, s: int, locality, seed: int = 1):
     else:
         routed = seq[:, None, 1:].expand(b, s, k - 1).clone()
         swap = torch.rand(b, s, k - 1, generator=g, device=seq.device) < locality
-        spare = p["pool"][:, None, k - 1:].expand(b, s, k - 1)  # never among the top-(k-1)
+        spare = p["pool"][:, None, k - 1 :].expand(b, s, k - 1)  # never among the top-(k-1)
         routed = torch.where(swap, spare, routed)
     return torch.cat([seq[:, None, :1].expand(b, s, 1), routed], -1)
 
@@ -179,8 +188,10 @@ def _attn_blocks():
 
 def _kernel(mode: str | None, **kw) -> Callable:
     def fn(q, bank_k, bank_v, idx, w=None):
-        return memory_attention(q, bank_k, bank_v, idx, w if mode else None,
-                                weight_mode=mode or "bias", **kw)
+        return memory_attention(
+            q, bank_k, bank_v, idx, w if mode else None, weight_mode=mode or "bias", **kw
+        )
+
     return fn
 
 
@@ -192,6 +203,7 @@ def _kernel_shared(p: dict, idx, **kw) -> Callable:
 
     def fn(q, bank_k, bank_v, idx, w=None):
         return memory_attention(q, bank_k, bank_v, idx, table=table, **kw)
+
     return fn
 
 
@@ -244,8 +256,9 @@ def time_variants(variants: dict, p: dict, runs: int, warmup: int, device: str) 
 
 def errors(fn, ref, p: dict, idx, weighted: bool) -> dict[str, float]:
     """Relative (Frobenius) error of fn's output and gradients against ref's in fp32."""
-    p32 = {n: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v)
-           for n, v in p.items()}
+    p32 = {
+        n: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for n, v in p.items()
+    }
     got = _run(fn, p, idx, True, weighted)
     want = _run(ref, p32, idx, True, weighted)
     names = ["out", "dq", "dbank_k", "dbank_v", "dweights"]
@@ -257,11 +270,28 @@ def errors(fn, ref, p: dict, idx, weighted: bool) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------- rows
-def row(bench: str, scenario: str, variant: str, pname: str, ms: float | None,
-        flops: float | None, **extra) -> dict:
-    return {"bench": bench, "scenario": scenario, "variant": variant, "pass": pname, "ms": ms,
-            "tflops": flops / ms / 1e9 if ms and flops else None, "peak_mib": None,
-            "vs_baseline": None, "target": "", "met": None, **extra}
+def row(
+    bench: str,
+    scenario: str,
+    variant: str,
+    pname: str,
+    ms: float | None,
+    flops: float | None,
+    **extra,
+) -> dict:
+    return {
+        "bench": bench,
+        "scenario": scenario,
+        "variant": variant,
+        "pass": pname,
+        "ms": ms,
+        "tflops": flops / ms / 1e9 if ms and flops else None,
+        "peak_mib": None,
+        "vs_baseline": None,
+        "target": "",
+        "met": None,
+        **extra,
+    }
 
 
 def rows_of(scenario: str, res: dict, flops: dict, baseline: str | None) -> list[dict]:
@@ -270,9 +300,18 @@ def rows_of(scenario: str, res: dict, flops: dict, baseline: str | None) -> list
         for pname in ("forward", "forward_backward"):
             base = res[baseline][pname] if baseline else None
             speedup = base / r[pname] if base and r[pname] and v != baseline else None
-            out.append(row("memory_attention", scenario, v, pname, r[pname], flops[pname],
-                           peak_mib=r["peak_mib"] if pname == "forward_backward" else None,
-                           vs_baseline=speedup))
+            out.append(
+                row(
+                    "memory_attention",
+                    scenario,
+                    v,
+                    pname,
+                    r[pname],
+                    flops[pname],
+                    peak_mib=r["peak_mib"] if pname == "forward_backward" else None,
+                    vs_baseline=speedup,
+                )
+            )
     return out
 
 
@@ -295,29 +334,42 @@ def _moc(args, sz: dict, p: dict, result: dict) -> list[dict]:
             "kernel_dense_grad": (_kernel(None, sparse_grad=False), p["idx"], False),
             "kernel_shared_table": (_kernel_shared(p, p["idx"]), p["idx"], False),
             "kernel_shared_table_dense_grad": (
-                _kernel_shared(p, p["idx"], sparse_grad=False), p["idx"], False),
+                _kernel_shared(p, p["idx"], sparse_grad=False),
+                p["idx"],
+                False,
+            ),
             "sdpa_gather_bias": (gather_sdpa, p["idx"], True),
             "kernel_bias": (_kernel("bias"), p["idx"], True),
             "kernel_mix": (_kernel("mix"), p["idx"], True),
         }
     else:
-        variants = {"reference": (_kernel(None, impl="reference"), p["idx"], False),
-                    "reference_mix": (_kernel("mix", impl="reference"), p["idx"], True)}
+        variants = {
+            "reference": (_kernel(None, impl="reference"), p["idx"], False),
+            "reference_mix": (_kernel("mix", impl="reference"), p["idx"], True),
+        }
     res = time_variants(variants, p, args.runs, sz["warmup"], device)
-    moc_rows = rows_of("moc", {v: r for v, r in res.items() if "bias" not in v}, fl,
-                       "sdpa_gather" if cuda else None)
+    moc_rows = rows_of(
+        "moc",
+        {v: r for v, r in res.items() if "bias" not in v},
+        fl,
+        "sdpa_gather" if cuda else None,
+    )
     if cuda:
-        moc_rows += rows_of("moc", {v: r for v, r in res.items() if "bias" in v}, fl,
-                            "sdpa_gather_bias")
+        moc_rows += rows_of(
+            "moc", {v: r for v, r in res.items() if "bias" in v}, fl, "sdpa_gather_bias"
+        )
         for r in moc_rows:
             if r["variant"] == "kernel" and r["pass"] == "forward_backward":
-                r.update(target=">= 1.0x sdpa_gather (else auto never picks it)",
-                         met=(r["vs_baseline"] or 0) >= 1)
+                r.update(
+                    target=">= 1.0x sdpa_gather (else auto never picks it)",
+                    met=(r["vs_baseline"] or 0) >= 1,
+                )
             if r["variant"] == "kernel" and r["pass"] == "forward" and r["tflops"]:
                 frac = r["tflops"] / args.peak_tflops
                 r.update(target=f"{frac:.0%} of {args.peak_tflops:g} TFLOP/s (recorded)")
-        result["moc_errors_vs_sdpa_gather_fp32"] = errors(_kernel(None), gather_sdpa, p,
-                                                          p["idx"], False)
+        result["moc_errors_vs_sdpa_gather_fp32"] = errors(
+            _kernel(None), gather_sdpa, p, p["idx"], False
+        )
     result["moc_unique_blocks"] = int(p["idx"].unique().numel())
     return moc_rows
 
@@ -340,26 +392,39 @@ def _token(args, sz: dict, p: dict, result: dict) -> list[dict]:
         n_items = int((items.item_key < p["n"]).sum().item())
         name, bname = f"kernel_token_p={loc}", f"kernel_token_blocks_p={loc}"
         if cuda:
-            variants = {"kernel": (_kernel(None), p["idx"], False),
-                        name: (_kernel(None, per_token_layout="tiles"), tidx, False),
-                        bname: (_kernel(None, per_token_layout="blocks"), tidx, False)}
+            variants = {
+                "kernel": (_kernel(None), p["idx"], False),
+                name: (_kernel(None, per_token_layout="tiles"), tidx, False),
+                bname: (_kernel(None, per_token_layout="blocks"), tidx, False),
+            }
             res = time_variants(variants, p, args.runs, sz["warmup"], device)
             trow = rows_of("token", res, fl, "kernel")
             for r in trow:
                 if r["variant"] in (name, bname):
                     ratio = r["ms"] / res["kernel"][r["pass"]] if r["ms"] else None
-                    r.update(slots_per_tile=slots, target="<= 2x sequence-level time",
-                             met=ratio is not None and ratio <= 2)
+                    r.update(
+                        slots_per_tile=slots,
+                        target="<= 2x sequence-level time",
+                        met=ratio is not None and ratio <= 2,
+                    )
             rows += [r for r in trow if r["variant"] in (name, bname)]
             if loc == "random":
                 tok_res["blocks_errors_vs_tiles_fp32"] = errors(
-                    _kernel(None, per_token_layout="blocks"), _kernel(None, per_token_layout="tiles"),
-                    p, tidx, False)
-        tok_res[str(loc)] = {"mean_slots_per_tile": slots, "k": m["k"],
-                             "tokens_per_tile": table.tokens_per_tile,
-                             "blocks_items": n_items, "blocks_chunks": n_chunks,
-                             "blocks_tokens_per_chunk": items.layout.chunk,
-                             "blocks_items_per_chunk": n_items / max(n_chunks, 1)}
+                    _kernel(None, per_token_layout="blocks"),
+                    _kernel(None, per_token_layout="tiles"),
+                    p,
+                    tidx,
+                    False,
+                )
+        tok_res[str(loc)] = {
+            "mean_slots_per_tile": slots,
+            "k": m["k"],
+            "tokens_per_tile": table.tokens_per_tile,
+            "blocks_items": n_items,
+            "blocks_chunks": n_chunks,
+            "blocks_tokens_per_chunk": items.layout.chunk,
+            "blocks_items_per_chunk": n_items / max(n_chunks, 1),
+        }
     result["token"] = tok_res
     return rows
 
@@ -368,16 +433,20 @@ def _naive_token(args, sz: dict, p: dict) -> tuple[list[dict], Any]:
     """The naive per-token formulation against the kernel at B=1; also returns its lists."""
     m, device = sz["moc"], args.device
     s1 = sz["naive_s"]
-    p1 = {n: (v[:1, :, :s1] if n in ("q", "dy") else v[:1] if n in ("idx", "w", "pool") else v)
-          for n, v in p.items()}
+    p1 = {
+        n: (v[:1, :, :s1] if n in ("q", "dy") else v[:1] if n in ("idx", "w", "pool") else v)
+        for n, v in p.items()
+    }
     tidx1 = token_idx(p1, s1, sz["token_locality"][0])
     fl1 = attn_flops(1, m["H"], s1, m["k"] * m["T"], m["D"])
     variants = {"naive_per_token": (_naive, tidx1, False)}
     if device == "cuda":
         variants["kernel_per_token"] = (_kernel(None), tidx1, False)
     res = time_variants(variants, p1, args.runs, sz["warmup"], device)
-    rows = [dict(r, scenario=f"naive_token B=1 S={s1}") for r in
-            rows_of("naive", res, fl1, "naive_per_token")]
+    rows = [
+        dict(r, scenario=f"naive_token B=1 S={s1}")
+        for r in rows_of("naive", res, fl1, "naive_per_token")
+    ]
     return rows, tidx1
 
 
@@ -387,9 +456,11 @@ def _hkv(args, sz: dict, ph: dict) -> list[dict]:
     flh = attn_flops(hk["B"], hk["H"], hk["S"], hk["levels"] * hk["T"], hk["D"])
     log(f"hkv: {hk}, {ph['n']} blocks")
     if cuda:
-        variants = {"sdpa_gather": (gather_sdpa, ph["idx"], False),
-                    "kernel": (_kernel(None), ph["idx"], False),
-                    "kernel_shared_table": (_kernel_shared(ph, ph["idx"]), ph["idx"], False)}
+        variants = {
+            "sdpa_gather": (gather_sdpa, ph["idx"], False),
+            "kernel": (_kernel(None), ph["idx"], False),
+            "kernel_shared_table": (_kernel_shared(ph, ph["idx"]), ph["idx"], False),
+        }
     else:
         variants = {"reference": (_kernel(None, impl="reference"), ph["idx"], False)}
     res = time_variants(variants, ph, args.runs, sz["warmup"], device)
@@ -398,8 +469,10 @@ def _hkv(args, sz: dict, ph: dict) -> list[dict]:
 
 def bench_attention(args, sz: dict) -> tuple[dict, list[dict]]:
     device, dtype = args.device, getattr(torch, sz["dtype"])
-    result: dict[str, Any] = {"sizes": sz, "timed": "triton kernels" if device == "cuda"
-                              else "pure-torch reference (CPU dispatch)"}
+    result: dict[str, Any] = {
+        "sizes": sz,
+        "timed": "triton kernels" if device == "cuda" else "pure-torch reference (CPU dispatch)",
+    }
     p = moc_problem(sz["moc"], device, dtype)
     rows = _moc(args, sz, p, result)
     rows += _token(args, sz, p, result)
@@ -408,8 +481,9 @@ def bench_attention(args, sz: dict) -> tuple[dict, list[dict]]:
     ph = hkv_problem(sz["hkv"], device, dtype)
     rows += _hkv(args, sz, ph)
     if device == "cuda":
-        result["hkv_errors_vs_sdpa_gather_fp32"] = errors(_kernel(None), gather_sdpa, ph,
-                                                          ph["idx"], False)
+        result["hkv_errors_vs_sdpa_gather_fp32"] = errors(
+            _kernel(None), gather_sdpa, ph, ph["idx"], False
+        )
     else:
         result["correctness"] = cpu_correctness(p, ph, tidx1)
     return result, rows
@@ -419,67 +493,123 @@ def cpu_correctness(p: dict, ph: dict, tidx) -> dict:
     """Relative errors on the CPU shapes: the reference against SDPA-on-gather, and the
     Triton kernels (interpreter) against the reference, per index and weight mode."""
     attn_kernel = _attn_kernel()
-    out = {"reference_vs_sdpa_gather": errors(_kernel(None, impl="reference"), gather_sdpa, p,
-                                              p["idx"], False),
-           "reference_vs_sdpa_gather_hkv": errors(_kernel(None, impl="reference"), gather_sdpa, ph,
-                                                  ph["idx"], False)}
+    out = {
+        "reference_vs_sdpa_gather": errors(
+            _kernel(None, impl="reference"), gather_sdpa, p, p["idx"], False
+        ),
+        "reference_vs_sdpa_gather_hkv": errors(
+            _kernel(None, impl="reference"), gather_sdpa, ph, ph["idx"], False
+        ),
+    }
     if not attn_kernel.interpreting():
         return out
     for mode in (None, "bias", "mix"):
-        for kind, idx, prob in (("seq", p["idx"], p), ("token", tidx, p),
-                                ("token_blocks", tidx, p), ("hkv", ph["idx"], ph)):
+        for kind, idx, prob in (
+            ("seq", p["idx"], p),
+            ("token", tidx, p),
+            ("token_blocks", tidx, p),
+            ("hkv", ph["idx"], ph),
+        ):
             if kind.startswith("token"):
-                prob = {n: (v[:1, :, :idx.shape[1]] if n in ("q", "dy") else
-                            v[:1] if n in ("idx", "w", "pool") else v) for n, v in p.items()}
+                prob = {
+                    n: (
+                        v[:1, :, : idx.shape[1]]
+                        if n in ("q", "dy")
+                        else v[:1]
+                        if n in ("idx", "w", "pool")
+                        else v
+                    )
+                    for n, v in p.items()
+                }
                 if mode:
                     prob["w"] = prob["w"][:, None].expand(idx.shape).contiguous()
             layout = "blocks" if kind == "token_blocks" else "auto"
             out[f"triton_{kind}_{mode}"] = errors(
                 _kernel(mode, impl="triton", per_token_layout=layout),
-                _kernel(mode, impl="reference"), prob, idx, mode is not None)
+                _kernel(mode, impl="reference"),
+                prob,
+                idx,
+                mode is not None,
+            )
     return out
 
 
 def bench_ffn(args, _sz: dict) -> tuple[dict, list[dict]]:
     res = run_ffn(args)
-    rows = [row("ffn_memory", "ffn", r["variant"], r["pass"], r["ms"], None, tflops=r["tflops"],
-                peak_mib=r["peak_mib"], vs_baseline=r["speedup_vs_gather"])
-            for r in res["rows"]]
+    rows = [
+        row(
+            "ffn_memory",
+            "ffn",
+            r["variant"],
+            r["pass"],
+            r["ms"],
+            None,
+            tflops=r["tflops"],
+            peak_mib=r["peak_mib"],
+            vs_baseline=r["speedup_vs_gather"],
+        )
+        for r in res["rows"]
+    ]
     return res, rows
 
 
 # ---------------------------------------------------------------------------------- main
 def print_table(rows: list[dict]) -> None:
-    cols = ("bench", "scenario", "variant", "pass", "ms", "tflops", "peak_mib", "vs_baseline",
-            "target", "met")
+    cols = (
+        "bench",
+        "scenario",
+        "variant",
+        "pass",
+        "ms",
+        "tflops",
+        "peak_mib",
+        "vs_baseline",
+        "target",
+        "met",
+    )
     print_aligned(cols, [[fmt(r.get(c)) for c in cols] for r in rows], rule=False)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", choices=("cuda", "cpu"),
-                    default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     ap.add_argument("--runs", type=int, default=10, help="timed repetitions per variant (median)")
     ap.add_argument("--only", choices=BENCHES, action="append", help="run only this (repeatable)")
-    ap.add_argument("--peak-tflops", type=float, default=989.0,
-                    help="dense bf16 peak of the GPU (H200 SXM: 989)")
+    ap.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=989.0,
+        help="dense bf16 peak of the GPU (H200 SXM: 989)",
+    )
     date = _dt.date.today().isoformat()
-    ap.add_argument("--out", default=None, help="JSON (default bench/kernels/results/kernels-DEVICE-DATE)")
+    ap.add_argument(
+        "--out", default=None, help="JSON (default bench/kernels/results/kernels-DEVICE-DATE)"
+    )
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available")
     if args.device == "cpu":  # before triton is first imported: check Triton on CPU too
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import triton
+
     out = results_path(args.out, f"kernels-{args.device}-{date}.json", results_dir(__file__))
     sz = CUDA_SIZES if args.device == "cuda" else CPU_SIZES
     results: dict[str, Any] = {
-        "meta": {"command": command_line(),
-                 "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-                 "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                 "torch": torch.__version__, "triton": triton.__version__,
-                 "peak_tflops": args.peak_tflops, "loadavg_start": loadavg(), "host": machine_meta()},
-        "benchmarks": {}, "rows": []}
+        "meta": {
+            "command": command_line(),
+            "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "peak_tflops": args.peak_tflops,
+            "loadavg_start": loadavg(),
+            "host": machine_meta(),
+        },
+        "benchmarks": {},
+        "rows": [],
+    }
     fns = {"attention": bench_attention, "ffn": bench_ffn}
     selected = [b for b in BENCHES if b in (args.only or BENCHES)]
     for name in selected:

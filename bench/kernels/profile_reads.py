@@ -1,7 +1,8 @@
 """Where a memory read's time goes: host work (op dispatch, the reference table, launches)
 against device work (kernels), for the fused reads and their gathered baselines.
 
-    .venv/bin/python -m bench.kernels.profile_reads --device cuda --out DIR --tables   # on the lent GPU (~60 s)
+    # on the lent GPU (~60 s)
+    .venv/bin/python -m bench.kernels.profile_reads --device cuda --out DIR --tables
     .venv/bin/python -m bench.kernels.profile_reads --device cpu --quick --out DIR
 
 The H100 runs of bench/kernels/kernel_ops.py put the fused memory-attention forward at 2.2 ms of
@@ -39,8 +40,14 @@ import torch
 
 from bench.common import log, run_meta
 
-SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
-            "aten::item", "aten::_local_scalar_dense", "aten::nonzero")
+SYNC_OPS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "aten::item",
+    "aten::_local_scalar_dense",
+    "aten::nonzero",
+)
 
 
 def _sync(device: str) -> None:
@@ -76,23 +83,43 @@ def measure(name: str, fn: Callable[[], Any], *, n: int, device: str, text: list
     syncs = {e.key: e.count / n for e in ev if e.key in SYNC_OPS}
     # kernels only: a record_function range on the GPU (Optimizer.step#...) spans kernels that
     # are counted on their own
-    dev_total = sum(e.time_range.elapsed_us() for e in prof.events()
-                    if e.device_type == torch.autograd.DeviceType.CUDA
-                    and not getattr(e, "is_user_annotation", False) and "#" not in e.name)
+    dev_total = sum(
+        e.time_range.elapsed_us()
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and not getattr(e, "is_user_annotation", False)
+        and "#" not in e.name
+    )
 
     def top(key: Callable, k: int = 12) -> list[dict]:
-        return [{"op": e.key, "calls": e.count / n, "self_host_us": e.self_cpu_time_total / n,
-                 "self_device_us": _dev_us(e) / n} for e in sorted(ev, key=key, reverse=True)[:k]]
+        return [
+            {
+                "op": e.key,
+                "calls": e.count / n,
+                "self_host_us": e.self_cpu_time_total / n,
+                "self_device_us": _dev_us(e) / n,
+            }
+            for e in sorted(ev, key=key, reverse=True)[:k]
+        ]
 
     python_top = _python_top(fn, n, device) if PYPROFILE else []
-    res = {"python_top": python_top, "enqueue_ms": (t1 - t0) / n * 1e3, "wall_ms": (t2 - t0) / n * 1e3,
-           "device_ms": dev_total / n / 1e3, "aten_ops": sum(e.count for e in aten) / n,
-           "launches": launches / n, "host_syncs": syncs,
-           "top_host": top(lambda e: e.self_cpu_time_total),
-           "top_device": top(_dev_us) if device == "cuda" else []}
-    log(f"{name}: enqueue {res['enqueue_ms']:.3f} ms, wall {res['wall_ms']:.3f} ms, device "
-        f"{res['device_ms']:.3f} ms, {res['aten_ops']:.0f} aten ops, {res['launches']:.0f} launches, "
-        f"syncs {syncs or 0}")
+    res = {
+        "python_top": python_top,
+        "enqueue_ms": (t1 - t0) / n * 1e3,
+        "wall_ms": (t2 - t0) / n * 1e3,
+        "device_ms": dev_total / n / 1e3,
+        "aten_ops": sum(e.count for e in aten) / n,
+        "launches": launches / n,
+        "host_syncs": syncs,
+        "top_host": top(lambda e: e.self_cpu_time_total),
+        "top_device": top(_dev_us) if device == "cuda" else [],
+    }
+    log(
+        f"{name}: enqueue {res['enqueue_ms']:.3f} ms, wall {res['wall_ms']:.3f} ms, device "
+        f"{res['device_ms']:.3f} ms, {res['aten_ops']:.0f} aten ops, {res['launches']:.0f} "
+        "launches, "
+        f"syncs {syncs or 0}"
+    )
     sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
     for s in dict.fromkeys(("self_cpu_time_total", sort)):
         text += [f"==== {name} (per {n} calls), by {s}", ev.table(sort_by=s, row_limit=20), ""]
@@ -120,7 +147,9 @@ def _python_top(fn: Callable[[], Any], n: int, device: str, k: int = 30) -> list
     rows = []
     for (file, line, func), (_cc, nc, tt, ct, _) in st.stats.items():
         where = f"{Path(file).name}:{line}({func})" if line else func
-        rows.append({"fn": where, "calls": nc / n, "tottime_us": tt / n * 1e6, "cumtime_us": ct / n * 1e6})
+        rows.append(
+            {"fn": where, "calls": nc / n, "tottime_us": tt / n * 1e6, "cumtime_us": ct / n * 1e6}
+        )
     return sorted(rows, key=lambda r: r["tottime_us"], reverse=True)[:k]
 
 
@@ -168,11 +197,16 @@ def attention_cases(args, out: dict, text: list[str]) -> None:
         def table(p=p):
             build_table(p["idx"], None, p["q"].shape[2], p["n"], 64)
 
-        for name, fn in (("fused_fwd_bwd", fused), ("fused_shared_table_fwd_bwd", fused_shared),
-                         ("fused_fwd", fused_fwd),
-                         ("sdpa_gather_fwd_bwd", sdpa), ("table_build", table)):
-            out[f"attention_{shape}_{name}"] = measure(f"attention {shape} {name}", fn, n=args.n,
-                                                       device=args.device, text=text)
+        for name, fn in (
+            ("fused_fwd_bwd", fused),
+            ("fused_shared_table_fwd_bwd", fused_shared),
+            ("fused_fwd", fused_fwd),
+            ("sdpa_gather_fwd_bwd", sdpa),
+            ("table_build", table),
+        ):
+            out[f"attention_{shape}_{name}"] = measure(
+                f"attention {shape} {name}", fn, n=args.n, device=args.device, text=text
+            )
 
 
 def ffn_cases(args, out: dict, text: list[str]) -> None:
@@ -182,39 +216,57 @@ def ffn_cases(args, out: dict, text: list[str]) -> None:
     p = make_problem(CUDA_SIZES if args.device == "cuda" else CPU_SIZES, args.device)
     impl = "auto" if args.device == "cuda" else "reference"
     leaves = [p["x"].detach().requires_grad_(), *(b.detach().requires_grad_() for b in p["banks"])]
-    cases = {"fused_sparse": lambda: ffn_memory(*_fresh(leaves), p["idx"], impl=impl),
-             "fused_dense": lambda: ffn_memory(*_fresh(leaves), p["idx"], sparse_grad=False, impl=impl),
-             "gather_bmm": lambda: gather_bmm(*_fresh(leaves), p["idx"])}
+    cases = {
+        "fused_sparse": lambda: ffn_memory(*_fresh(leaves), p["idx"], impl=impl),
+        "fused_dense": lambda: ffn_memory(*_fresh(leaves), p["idx"], sparse_grad=False, impl=impl),
+        "gather_bmm": lambda: gather_bmm(*_fresh(leaves), p["idx"]),
+    }
     for name, f in cases.items():
-        out[f"ffn_{name}_fwd_bwd"] = measure(f"ffn {name}", lambda f=f: f().backward(p["dy"]),
-                                             n=args.n, device=args.device, text=text)
+        out[f"ffn_{name}_fwd_bwd"] = measure(
+            f"ffn {name}",
+            lambda f=f: f().backward(p["dy"]),
+            n=args.n,
+            device=args.device,
+            text=text,
+        )
 
 
 def training_cases(args, out: dict, text: list[str]) -> None:
-    from bench.training.training_steps import (
+    from bench.training.steps_models import (
         Trainer,
         anchor_shape,
         fetched_width,
         make_batches,
-        sizes,
         split_width,
     )
+    from bench.training.training_steps import sizes
     from memtree.geometry import MemoryConfig
 
     S = sizes(args.quick) | {"device": args.device}
     a = anchor_shape(S)
     mults = split_width(fetched_width(a, S["fetch_fraction"]), S["level_weights"])
     br = S["overhead_branching"]
-    batches = make_batches(S, args.steps + 2, seq_len=S["seq_len"], n_leaf=br ** len(mults),
-                           levels=len(mults), branching=br, seed=S["seed"] + 300)
+    batches = make_batches(
+        S,
+        args.steps + 2,
+        seq_len=S["seq_len"],
+        n_leaf=br ** len(mults),
+        levels=len(mults),
+        branching=br,
+        seed=S["seed"] + 300,
+    )
     for kind in ("kv", "ffn"):
         mem = MemoryConfig(multipliers=mults, type=kind, branching=br)
         for read in ("fused", "gather"):
             tr = Trainer(S, a, mem, read=read)
             it = iter(batches * 100)
             out[f"train_{kind}_{read}"] = measure(
-                f"training step {S['anchor']['name']} {kind} {read}", lambda tr=tr, it=it: tr.step(next(it)),
-                n=args.steps, device=args.device, text=text)
+                f"training step {S['anchor']['name']} {kind} {read}",
+                lambda tr=tr, it=it: tr.step(next(it)),
+                n=args.steps,
+                device=args.device,
+                text=text,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,11 +277,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=10, help="calls per kernel case")
     ap.add_argument("--steps", type=int, default=4, help="training steps per training case")
     ap.add_argument("--only", choices=("attention", "ffn", "training"), action="append")
-    ap.add_argument("--tables", action="store_true",
-                    help="also write profile.txt, the profiler's tables (large; the device check "
-                         "leaves it out: at most 8 files come back from the device)")
-    ap.add_argument("--pyprofile", action="store_true",
-                    help="also the top Python functions by own host time per call (cProfile)")
+    ap.add_argument(
+        "--tables",
+        action="store_true",
+        help="also write profile.txt, the profiler's tables (large; the device check "
+        "leaves it out: at most 8 files come back from the device)",
+    )
+    ap.add_argument(
+        "--pyprofile",
+        action="store_true",
+        help="also the top Python functions by own host time per call (cProfile)",
+    )
     args = ap.parse_args(argv)
     global PYPROFILE
     PYPROFILE = args.pyprofile
@@ -239,11 +297,20 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--device cuda: no CUDA device is available")
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
-    res: dict[str, Any] = {"format": "memtree-profile-reads", "version": 1, "device": args.device,
-                           "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-                           "meta": run_meta(args), "cases": {}}
+    res: dict[str, Any] = {
+        "format": "memtree-profile-reads",
+        "version": 1,
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "meta": run_meta(args),
+        "cases": {},
+    }
     text: list[str] = []
-    for name, fn in (("attention", attention_cases), ("ffn", ffn_cases), ("training", training_cases)):
+    for name, fn in (
+        ("attention", attention_cases),
+        ("ffn", ffn_cases),
+        ("training", training_cases),
+    ):
         if args.only and name not in args.only:
             continue
         try:

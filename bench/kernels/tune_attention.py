@@ -1,6 +1,7 @@
 """Tile-size sweep of the memory-attention kernels on a GPU (the numbers behind Launch.choose).
 
-    python -m bench.kernels.tune_attention                    # moc and hkv shapes of bench/kernels/kernel_ops.py
+    # moc and hkv shapes of bench/kernels/kernel_ops.py
+    python -m bench.kernels.tune_attention
     python -m bench.kernels.tune_attention --scenario moc --runs 50
 
 Each candidate launch (BLOCK_M, BLOCK_N, warps, stages) replaces Launch.choose for one
@@ -52,11 +53,17 @@ def sweep(scenario: str, runs: int) -> list[dict]:
         leaves = [x.detach().requires_grad_() for x in (q, bk, bv)]
         fn(*leaves, idx).backward(dy)
 
-    rows = [{"scenario": scenario, "variant": "sdpa_gather", "rel_err": 0.0,
-             "forward_ms": do_bench(lambda: gather_sdpa(q, bk, bv, idx), rep=runs,
-                                    return_mode="median"),
-             "fwd_bwd_ms": do_bench(lambda: fwd_bwd(gather_sdpa), rep=runs,
-                                    return_mode="median")}]
+    rows = [
+        {
+            "scenario": scenario,
+            "variant": "sdpa_gather",
+            "rel_err": 0.0,
+            "forward_ms": do_bench(
+                lambda: gather_sdpa(q, bk, bv, idx), rep=runs, return_mode="median"
+            ),
+            "fwd_bwd_ms": do_bench(lambda: fwd_bwd(gather_sdpa), rep=runs, return_mode="median"),
+        }
+    ]
     original = K.Launch.choose
     try:
         for bm, bn, w, st in itertools.product(*CANDIDATES.values()):
@@ -67,17 +74,21 @@ def sweep(scenario: str, runs: int) -> list[dict]:
             def choose(*a, _cfg=cfg, **kw):
                 base = original(*a, **kw)
                 return dataclasses.replace(base, **_cfg, even_t=t % _cfg["block_n"] == 0)
+
             K.Launch.choose = choose
             K.clear_caches()  # the per-shape launch cache would keep the last configuration's tiles
             row = {"scenario": scenario, "variant": "kernel", **cfg}
             try:
                 out = memory_attention(q, bk, bv, idx)
                 row["rel_err"] = _rel(out, ref)
-                row["forward_ms"] = do_bench(lambda: memory_attention(q, bk, bv, idx), rep=runs,
-                                             return_mode="median")
-                row["fwd_bwd_ms"] = do_bench(lambda: fwd_bwd(memory_attention), rep=runs,
-                                             return_mode="median")
-            except Exception as e:  # noqa: BLE001 (out of shared memory or registers: recorded, not fatal)
+                row["forward_ms"] = do_bench(
+                    lambda: memory_attention(q, bk, bv, idx), rep=runs, return_mode="median"
+                )
+                row["fwd_bwd_ms"] = do_bench(
+                    lambda: fwd_bwd(memory_attention), rep=runs, return_mode="median"
+                )
+            # out of shared memory or registers: recorded, not fatal
+            except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
             rows.append(row)
             log(row)
@@ -123,14 +134,19 @@ def print_table(all_rows: list[dict]) -> None:
     for sc in dict.fromkeys(r["scenario"] for r in all_rows):
         rows = [r for r in all_rows if r["scenario"] == sc and "forward_ms" in r]
         base = next(r for r in rows if r["variant"] == "sdpa_gather")
-        print(f"\n{sc}: sdpa_gather fwd {base['forward_ms']:.3f} ms, "
-              f"fwd+bwd {base['fwd_bwd_ms']:.3f} ms")
+        print(
+            f"\n{sc}: sdpa_gather fwd {base['forward_ms']:.3f} ms, "
+            f"fwd+bwd {base['fwd_bwd_ms']:.3f} ms"
+        )
         print("block_m block_n warps stages   fwd_ms  fwd_TF  fb_ms   fb_vs_sdpa  rel_err")
-        for r in sorted((r for r in rows if r["variant"] == "kernel"),
-                        key=lambda r: r["fwd_bwd_ms"])[:12]:
-            print(f"{r['block_m']:7d} {r['block_n']:7d} {r['num_warps']:5d} {r['num_stages']:6d}"
-                  f" {r['forward_ms']:8.3f} {r['forward_tflops']:7.1f} {r['fwd_bwd_ms']:7.3f}"
-                  f" {base['fwd_bwd_ms'] / r['fwd_bwd_ms']:9.2f}x {r['rel_err']:.1e}")
+        for r in sorted(
+            (r for r in rows if r["variant"] == "kernel"), key=lambda r: r["fwd_bwd_ms"]
+        )[:12]:
+            print(
+                f"{r['block_m']:7d} {r['block_n']:7d} {r['num_warps']:5d} {r['num_stages']:6d}"
+                f" {r['forward_ms']:8.3f} {r['forward_tflops']:7.1f} {r['fwd_bwd_ms']:7.3f}"
+                f" {base['fwd_bwd_ms'] / r['fwd_bwd_ms']:9.2f}x {r['rel_err']:.1e}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,13 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenario", choices=("moc", "hkv"), action="append")
     ap.add_argument("--runs", type=int, default=25, help="do_bench repetition time (ms)")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--profile", action="store_true",
-                    help="profile one forward+backward per scenario instead of sweeping")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one forward+backward per scenario instead of sweeping",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
-    results = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__},
-               "rows": []}
+    results = {
+        "meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__},
+        "rows": [],
+    }
     for sc in args.scenario or ("moc", "hkv"):
         if args.profile:
             profile(sc, Path(args.out).parent)

@@ -2,7 +2,8 @@
 configurations, at the training step's fp32 shapes and at moc's bf16 one (GPU only).
 
     python -m bench.kernels.tune_backward --out DIR        # on the lent GPU, ~3 min
-    python -m bench.kernels.tune_backward --out DIR --quick --device cpu   # the interpreter: runs only
+    # the interpreter: runs only
+    python -m bench.kernels.tune_backward --out DIR --quick --device cpu
 
 bench/kernels/profile_reads.py found the dK/dV kernel at 0.75 ms per call in a training step of the
 small anchor (fp32, hierarchical KV memory, one block per level per sequence) while the dQ
@@ -26,10 +27,25 @@ from bench.common import run_meta
 from bench.kernels.tuning import kernel_device_us, setup, sweep
 
 # (block_m, block_n, num_warps, num_stages, dkv_chunk); None = Launch.choose as it is
-FP32 = [None, (64, 64, 4, 2, 4), (64, 32, 4, 2, 16), (32, 64, 4, 2, 16), (32, 32, 4, 2, 16),
-        (64, 64, 8, 2, 16), (64, 64, 4, 1, 16), (32, 32, 2, 1, 4), (64, 32, 4, 1, 4)]
-BF16 = [None, (128, 64, 8, 3, 4), (64, 64, 4, 3, 16), (128, 32, 8, 3, 16), (64, 64, 4, 2, 4),
-        (128, 64, 4, 3, 16)]
+FP32 = [
+    None,
+    (64, 64, 4, 2, 4),
+    (64, 32, 4, 2, 16),
+    (32, 64, 4, 2, 16),
+    (32, 32, 4, 2, 16),
+    (64, 64, 8, 2, 16),
+    (64, 64, 4, 1, 16),
+    (32, 32, 2, 1, 4),
+    (64, 32, 4, 1, 4),
+]
+BF16 = [
+    None,
+    (128, 64, 8, 3, 4),
+    (64, 64, 4, 3, 16),
+    (128, 32, 8, 3, 16),
+    (64, 64, 4, 2, 4),
+    (128, 64, 4, 3, 16),
+]
 KERNELS = ("fwd_kernel", "bwd_dq_kernel", "bwd_dkv_kernel")
 
 
@@ -38,22 +54,46 @@ def problems(device: str, quick: bool) -> list[dict]:
     per level per sequence; blocks of 99 / 24 slots at 4 / 64 blocks) and moc (bf16)."""
     g = torch.Generator().manual_seed(0)
     out = []
-    shapes = [("train-l1", 8, 8, 256, 32, 99, 4, 1, torch.float32, FP32),
-              ("train-l3", 8, 8, 256, 32, 24, 64, 1, torch.float32, FP32),
-              ("moc", 8, 12, 1024, 64, 64, 4097, 65, torch.bfloat16, BF16)]
+    shapes = [
+        ("train-l1", 8, 8, 256, 32, 99, 4, 1, torch.float32, FP32),
+        ("train-l3", 8, 8, 256, 32, 24, 64, 1, torch.float32, FP32),
+        ("moc", 8, 12, 1024, 64, 64, 4097, 65, torch.bfloat16, BF16),
+    ]
     if quick:
-        shapes = [(n, 2, 2, 40, 16, 20, 6, k if k == 1 else 3, torch.float32, c[:2])
-                  for n, *_, k, _, c in shapes[::2]]
+        shapes = [
+            (n, 2, 2, 40, 16, 20, 6, k if k == 1 else 3, torch.float32, c[:2])
+            for n, *_, k, _, c in shapes[::2]
+        ]
     for name, b, h, s, d, t, n, k, dtype, cfgs in shapes:
         if k == 1:
             idx = torch.randint(0, n, (b, 1), generator=g)
         else:
-            idx = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long),
-                                          torch.randperm(n - 1, generator=g)[:k - 1] + 1]) for _ in range(b)])
-        q, k_, v, dy = (torch.randn(*sh, generator=g).to(device, dtype)
-                        for sh in ((b, h, s, d), (n, t, h, d), (n, t, h, d), (b, h, s, d)))
-        out.append({"name": name, "q": q, "k": k_, "v": v, "dy": dy, "idx": idx.to(device),
-                    "configs": cfgs})
+            idx = torch.stack(
+                [
+                    torch.cat(
+                        [
+                            torch.zeros(1, dtype=torch.long),
+                            torch.randperm(n - 1, generator=g)[: k - 1] + 1,
+                        ]
+                    )
+                    for _ in range(b)
+                ]
+            )
+        q, k_, v, dy = (
+            torch.randn(*sh, generator=g).to(device, dtype)
+            for sh in ((b, h, s, d), (n, t, h, d), (n, t, h, d), (b, h, s, d))
+        )
+        out.append(
+            {
+                "name": name,
+                "q": q,
+                "k": k_,
+                "v": v,
+                "dy": dy,
+                "idx": idx.to(device),
+                "configs": cfgs,
+            }
+        )
     return out
 
 
@@ -70,8 +110,15 @@ def run(p: dict, cfg, n: int, device: str) -> dict:
             return base
         bm, bn, w, st, ch = cfg
         t = p["k"].shape[1]
-        return dataclasses.replace(base, block_m=bm, block_n=bn, num_warps=w, num_stages=st,
-                                   dkv_chunk=ch, even_t=t % bn == 0)
+        return dataclasses.replace(
+            base,
+            block_m=bm,
+            block_n=bn,
+            num_warps=w,
+            num_stages=st,
+            dkv_chunk=ch,
+            even_t=t % bn == 0,
+        )
 
     def spy(*a, **kw):
         compiled["dkv"] = run_dkv(*a, **kw)
@@ -107,16 +154,30 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--n", type=int, default=5, help="forward+backward calls profiled per configuration")
+    ap.add_argument(
+        "--n", type=int, default=5, help="forward+backward calls profiled per configuration"
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     out = setup(args.device, args.out)
-    header = {"device": args.device, "meta": run_meta(args),
-              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None}
-    sweep((({"shape": p["name"], "config": cfg or "current"}, p["name"],
-            lambda p=p, cfg=cfg: run(p, cfg, args.n, args.device))
-           for p in problems(args.device, args.quick) for cfg in p["configs"]),
-          out / "tune-backward.json", header)
+    header = {
+        "device": args.device,
+        "meta": run_meta(args),
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+    }
+    sweep(
+        (
+            (
+                {"shape": p["name"], "config": cfg or "current"},
+                p["name"],
+                lambda p=p, cfg=cfg: run(p, cfg, args.n, args.device),
+            )
+            for p in problems(args.device, args.quick)
+            for cfg in p["configs"]
+        ),
+        out / "tune-backward.json",
+        header,
+    )
     return 0
 
 

@@ -1,7 +1,7 @@
-"""What the launch-configuration tuners (bench/kernels/tune_ffn.py, bench/kernels/tune_backward.py) share: each
-configuration's kernels timed on the device by torch.profiler, its outputs checked against the
-first configuration's, and a results file rewritten after every row, so a run cut off by the
-lent GPU's time limit still leaves every row it measured."""
+"""What the launch-configuration tuners (bench/kernels/tune_ffn.py, bench/kernels/tune_backward.py)
+share: each configuration's kernels timed on the device by torch.profiler, its outputs checked
+against the first configuration's, and a results file rewritten after every row, so a run cut off by
+the lent GPU's time limit still leaves every row it measured."""
 
 from __future__ import annotations
 
@@ -28,22 +28,32 @@ def setup(device: str, out: str) -> Path:
     return folder
 
 
-def kernel_device_us(step: Callable[[], Any], n: int, device: str, kernels: Sequence[str]) -> dict[str, float]:
+def kernel_device_us(
+    step: Callable[[], Any], n: int, device: str, kernels: Sequence[str]
+) -> dict[str, float]:
     """{kernel + "_us": its own device time per call} over n calls of step(), for each named
     Triton kernel the profiler saw (the op's host work is not in these)."""
     if device == "cuda":
         torch.cuda.synchronize()
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else []
+    )
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(n):
             step()
         if device == "cuda":
             torch.cuda.synchronize()
-    return {e.key + "_us": getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) / n
-            for e in prof.key_averages() if e.key in kernels}
+    return {
+        e.key + "_us": getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+        / n
+        for e in prof.key_averages()
+        if e.key in kernels
+    }
 
 
-def sweep(cases: Iterable[tuple[dict, str, Callable[[], dict]]], path: Path, header: dict) -> list[dict]:
+def sweep(
+    cases: Iterable[tuple[dict, str, Callable[[], dict]]], path: Path, header: dict
+) -> list[dict]:
     """Measure each (label, group, measure) in order. measure() returns a row with "out": the
     tensors to check; each row gets max_rel_err against its group's first row's tensors. A
     configuration that fails (out of shared memory or registers) is recorded as an error row.
@@ -55,8 +65,10 @@ def sweep(cases: Iterable[tuple[dict, str, Callable[[], dict]]], path: Path, hea
             r = measure()
             got = r.pop("out")
             ref = refs.setdefault(group, got)
-            r["max_rel_err"] = max(float((a - b).norm() / b.norm().clamp(min=1e-30))
-                                   for a, b in zip(got, ref, strict=True))
+            r["max_rel_err"] = max(
+                float((a - b).norm() / b.norm().clamp(min=1e-30))
+                for a, b in zip(got, ref, strict=True)
+            )
             r = {**label, **r}
         except Exception as e:  # noqa: BLE001 (recorded, and the sweep goes on)
             r = {**label, "error": f"{type(e).__name__}: {str(e)[:200]}"}

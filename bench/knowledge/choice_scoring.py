@@ -1,8 +1,10 @@
 """Multiple-choice scoring: an item's choices in one row behind the shared question, against one
 sequence per choice, on a finished demo run.
 
-    .venv/bin/python -m bench.knowledge.choice_scoring --run runs/demo                 # 1,024 probes
-    .venv/bin/python -m bench.knowledge.choice_scoring --run runs/demo --probes 0      # all of them
+    # 1,024 probes
+    .venv/bin/python -m bench.knowledge.choice_scoring --run runs/demo
+    # all of them
+    .venv/bin/python -m bench.knowledge.choice_scoring --run runs/demo --probes 0
 
 The demo's probes (4 choices each) are scored by the co-trained run with `RunModel.choice_scores`
 twice per setting: pack=False (the baseline: question + choice as four sequences, the head on every
@@ -32,11 +34,18 @@ from memtree.eval.model import RunModel
 from memtree.eval.rag import RagIndex, rag_items
 
 
-def score(rm: RunModel, items: list[dict], paths: np.ndarray | None, mode: str, pack: bool,
-          batch: int) -> tuple[float, list[list[float]], int]:
+def score(
+    rm: RunModel, items: list[dict], paths: np.ndarray | None, mode: str, pack: bool, batch: int
+) -> tuple[float, list[list[float]], int]:
     """Seconds, scores and tokens run through the model for `items` at `batch` items per forward."""
-    encoded = [(rm.encode(it["context"]), [rm.encode(" " + c.strip()) for c in it["choices"]]) for it in items]
-    tokens = sum(len(q) + sum(map(len, cs)) if pack else sum(len(q) + len(c) for c in cs) for q, cs in encoded)
+    encoded = [
+        (rm.encode(it["context"]), [rm.encode(" " + c.strip()) for c in it["choices"]])
+        for it in items
+    ]
+    tokens = sum(
+        len(q) + sum(map(len, cs)) if pack else sum(len(q) + len(c) for c in cs)
+        for q, cs in encoded
+    )
     t0 = time.perf_counter()
     out: list[list[float]] = []
     for s in range(0, len(encoded), batch):
@@ -46,8 +55,12 @@ def score(rm: RunModel, items: list[dict], paths: np.ndarray | None, mode: str, 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", type=Path, default=REPO / "runs" / "demo", help="a finished `memtree demo` root")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--run", type=Path, default=REPO / "runs" / "demo", help="a finished `memtree demo` root"
+    )
     ap.add_argument("--probes", type=int, default=1024, help="probes, evenly spread (0: all)")
     ap.add_argument("--batch", type=int, default=16, help="items per forward")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
@@ -57,7 +70,9 @@ def main() -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    out = results_path(args.out, f"choice-scoring-{_dt.date.today().isoformat()}.json", results_dir(__file__))
+    out = results_path(
+        args.out, f"choice-scoring-{_dt.date.today().isoformat()}.json", results_dir(__file__)
+    )
     meta = run_meta(args, threads=torch.get_num_threads())
     rm = RunModel.load(args.run / "train" / "cotrain", tree_dir=args.run / "pipeline" / "tree")
     probes = build_probes(load_facts(args.run / "facts.jsonl"), seed=0)
@@ -72,17 +87,41 @@ def main() -> int:
             base_s, base, base_tokens = score(rm, items, paths, mode, False, args.batch)
             packed_s, packed, packed_tokens = score(rm, items, paths, mode, True, args.batch)
             b, p = np.asarray(base), np.asarray(packed)
-            rows.append({"setting": setting, "mode": mode, "probes": len(items),
-                         "separate_s": round(base_s, 2), "one_row_s": round(packed_s, 2),
-                         "speedup": round(base_s / packed_s, 2),
-                         "tokens_separate": base_tokens, "tokens_one_row": packed_tokens,
-                         "max_abs_score_diff": float(np.abs(b - p).max()),
-                         "same_choice": bool((b.argmax(1) == p.argmax(1)).all())})
-            log(f"  separate {base_s:.1f} s, one row {packed_s:.1f} s ({base_s / packed_s:.2f}x), "
-                f"max |Δscore| {rows[-1]['max_abs_score_diff']:.2e}")
+            rows.append(
+                {
+                    "setting": setting,
+                    "mode": mode,
+                    "probes": len(items),
+                    "separate_s": round(base_s, 2),
+                    "one_row_s": round(packed_s, 2),
+                    "speedup": round(base_s / packed_s, 2),
+                    "tokens_separate": base_tokens,
+                    "tokens_one_row": packed_tokens,
+                    "max_abs_score_diff": float(np.abs(b - p).max()),
+                    "same_choice": bool((b.argmax(1) == p.argmax(1)).all()),
+                }
+            )
+            log(
+                f"  separate {base_s:.1f} s, one row {packed_s:.1f} s ({base_s / packed_s:.2f}x), "
+                f"max |Δscore| {rows[-1]['max_abs_score_diff']:.2e}"
+            )
     results = {"meta": meta, "rows": rows}
-    return finish(results, out, ["setting", "mode", "probes", "separate_s", "one_row_s", "speedup",
-                                 "tokens_separate", "tokens_one_row", "max_abs_score_diff", "same_choice"])
+    return finish(
+        results,
+        out,
+        [
+            "setting",
+            "mode",
+            "probes",
+            "separate_s",
+            "one_row_s",
+            "speedup",
+            "tokens_separate",
+            "tokens_one_row",
+            "max_abs_score_diff",
+            "same_choice",
+        ],
+    )
 
 
 if __name__ == "__main__":

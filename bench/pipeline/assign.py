@@ -1,6 +1,6 @@
-"""The `assign` benchmark of bench/pipeline/pipeline_stages.py: greedy clustering.route.route against the
-exhaustive nearest leaf (faiss.IndexFlatL2) at 65,536 leaves, on a constructed tree and on the
-built default-config tree of the balance benchmark (target: >= 100x throughput)."""
+"""The `assign` benchmark of bench/pipeline/pipeline_stages.py: greedy clustering.route.route
+against the exhaustive nearest leaf (faiss.IndexFlatL2) at 65,536 leaves, on a constructed tree and
+on the built default-config tree of the balance benchmark (target: >= 100x throughput)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import loadavg, log
-from bench.pipeline.common import DIM, gmm_sphere, row
+from bench.common import loadavg, log, row
+from bench.pipeline.common import DIM, gmm_sphere
 from bench.pipeline.tree import balance_tree
 from memtree.clustering.route import route
 from memtree.clustering.tree import Tree
@@ -92,8 +92,13 @@ def routing_rows(r: dict, n_leaves: int, data: str) -> list[dict]:
             met=r["throughput_ratio"] >= 100,
             data=data,
         ),
-        row("assign", "agreement greedy leaf == exhaustive nearest leaf", r["agreement"],
-            data=data, target="(info)"),
+        row(
+            "assign",
+            "agreement greedy leaf == exhaustive nearest leaf",
+            r["agreement"],
+            data=data,
+            target="(info)",
+        ),
     ]
 
 

@@ -1,6 +1,7 @@
 """Helpers of the pipeline benchmarks: result rows, synthetic data, corpus files, pipeline
-configs and the RSS sampler (bench/pipeline/pipeline_stages.py, its stage modules (`embed.py`, `tree.py`, `assign.py`, `e2e.py`),
-bench/pipeline/pipeline_scale.py and bench/clustering/routing.py import them)."""
+configs and the RSS sampler (bench/pipeline/pipeline_stages.py, its stage modules (`embed.py`,
+`tree.py`, `assign.py`, `e2e.py`), bench/pipeline/pipeline_scale.py and bench/clustering/routing.py
+import them)."""
 
 from __future__ import annotations
 
@@ -34,31 +35,6 @@ DIM = 384  # all-MiniLM-L6-v2
 
 def n_cores() -> int:
     return os.cpu_count() or 1
-
-
-def row(
-    bench: str,
-    metric: str,
-    value: Any,
-    *,
-    data: str,
-    baseline: Any = None,
-    ratio: float | None = None,
-    target: str = "",
-    met: bool | None = None,
-    unit: str = "",
-) -> dict:
-    return {
-        "bench": bench,
-        "metric": metric,
-        "value": value,
-        "unit": unit,
-        "baseline": baseline,
-        "ratio": ratio,
-        "target": target,
-        "met": met,
-        "data": data,
-    }
 
 
 def gmm_sphere(
@@ -96,9 +72,16 @@ def gmm_sphere(
     return x, labels.astype(np.int64)
 
 
-def gmm_hierarchy(n: int, seed: int, *, dim: int = DIM, levels: int = 3, branching: int = 16,
-                  spreads: tuple[float, ...] = (1.0, 0.8, 0.6), point_spread: float = 0.6
-                  ) -> tuple[np.ndarray, np.ndarray]:
+def gmm_hierarchy(
+    n: int,
+    seed: int,
+    *,
+    dim: int = DIM,
+    levels: int = 3,
+    branching: int = 16,
+    spreads: tuple[float, ...] = (1.0, 0.8, 0.6),
+    point_spread: float = 0.6,
+) -> tuple[np.ndarray, np.ndarray]:
     """A hierarchical Gaussian mixture on the unit sphere, `levels` × `branching` deep (issue #37's
     3 × 16 = 4,096 leaf components): level-1 centres uniform on the sphere; a child centre is its
     parent plus Gaussian noise of norm ~spreads[l], renormalised; a point is a uniformly drawn
@@ -109,7 +92,8 @@ def gmm_hierarchy(n: int, seed: int, *, dim: int = DIM, levels: int = 3, branchi
     c /= np.linalg.norm(c, axis=1, keepdims=True)
     for s in spreads[1:levels]:
         c = np.repeat(c, branching, axis=0) + s / math.sqrt(dim) * rng.standard_normal(
-            (len(c) * branching, dim)).astype(np.float32)
+            (len(c) * branching, dim)
+        ).astype(np.float32)
         c /= np.linalg.norm(c, axis=1, keepdims=True)
     labels = rng.integers(0, len(c), size=n)
     x = c[labels] + point_spread / math.sqrt(dim) * rng.standard_normal((n, dim), dtype=np.float32)
@@ -117,8 +101,9 @@ def gmm_hierarchy(n: int, seed: int, *, dim: int = DIM, levels: int = 3, branchi
     return x.astype(np.float32), labels.astype(np.int64)
 
 
-def zipf_mixture(n: int, seed: int, *, dim: int = DIM, points_per_component: int = 27,
-                 spread: float = 0.7) -> tuple[np.ndarray, np.ndarray]:
+def zipf_mixture(
+    n: int, seed: int, *, dim: int = DIM, points_per_component: int = 27, spread: float = 0.7
+) -> tuple[np.ndarray, np.ndarray]:
     """Gaussian blobs whose weights fall as 1 / rank (n // points_per_component of them, centres
     standard normal, each point its centre plus noise of `spread` per coordinate, renormalised):
     a few topics hold most points, as in real corpora, unlike `gmm_hierarchy`'s uniform leaves.
@@ -221,9 +206,11 @@ class RssSampler(threading.Thread):
         self.join()
 
 
-def run_sampled(module: str, args: list[str], cwd: Path, pss: bool = False) -> tuple[int, float, RssSampler]:
-    """Run `python -m module *args` in `cwd` (the repository's root) to its end while sampling its RSS
-    (with its Dask workers) every 0.5 s → (exit status, wall seconds, sampler)."""
+def run_sampled(
+    module: str, args: list[str], cwd: Path, pss: bool = False
+) -> tuple[int, float, RssSampler]:
+    """Run `python -m module *args` in `cwd` (the repository's root) to its end while sampling its
+    RSS (with its Dask workers) every 0.5 s → (exit status, wall seconds, sampler)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=str(cwd))
     sampler = RssSampler(proc.pid, 0.5, pss=pss)

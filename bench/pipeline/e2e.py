@@ -1,6 +1,6 @@
-"""The `e2e` benchmark of bench/pipeline/pipeline_stages.py: run_pipeline end to end in a child process
-(this file, run with a spec path, is that child), documents/s and the peak RSS of the process
-tree, against a direct encode of a sample of the run's own windows (the embedding-bound
+"""The `e2e` benchmark of bench/pipeline/pipeline_stages.py: run_pipeline end to end in a child
+process (this file, run with a spec path, is that child), documents/s and the peak RSS of the
+process tree, against a direct encode of a sample of the run's own windows (the embedding-bound
 ceiling)."""
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import REPO, loadavg, log
+from bench.common import REPO, loadavg, log, row
 from bench.pipeline.common import (
     RssSampler,
     corpus_docs,
     n_cores,
     pipeline_cfg,
     quiet,
-    row,
     run_sampled,
     window_texts,
     write_jsonl,
@@ -154,7 +153,8 @@ def bench_e2e(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
     res: dict[str, Any] = {"docs": n_docs, "loadavg_start": loadavg()}
     log(
         f"e2e: run_pipeline on {n_docs} docs in a child process (levels {S['e2e_levels']}, "
-        f"branching {S['e2e_branching']}, window {S['e2e_window_tokens']}, seq_len {S['e2e_seq_len']}, "
+        f"branching {S['e2e_branching']}, window {S['e2e_window_tokens']}, seq_len "
+        f"{S['e2e_seq_len']}, "
         f"embed max_seq_length {S['e2e_max_seq_length']})"
     )
     out, wall, sampler = _run_child(S, work)

@@ -1,5 +1,6 @@
-"""The `embed` benchmark of bench/pipeline/pipeline_stages.py: the pipeline's Dask embed stage against
-SentenceTransformer.encode called directly on the same window texts (target: warm >= 0.9x)."""
+"""The `embed` benchmark of bench/pipeline/pipeline_stages.py: the pipeline's Dask embed stage
+against SentenceTransformer.encode called directly on the same window texts (target: warm >=
+0.9x)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import loadavg, log
+from bench.common import loadavg, log, row
 from bench.pipeline.common import (
     corpus_docs,
     n_cores,
     pipeline_cfg,
     quiet,
-    row,
     window_texts,
     write_jsonl,
 )
@@ -65,8 +65,10 @@ class _EmbedTimer:
         import torch
 
         e = self.cfg.embed
-        log(f"embed: {len(self.texts)} windows; pipeline embed stage with cold workers "
-            "(model load included)")
+        log(
+            f"embed: {len(self.texts)} windows; pipeline embed stage with cold workers "
+            "(model load included)"
+        )
         self.pipeline_once("cold")
         t0 = time.perf_counter()
         self.model = load_embedder(e.model, device="cpu", max_seq_length=e.max_seq_length)

@@ -1,7 +1,9 @@
 """Benchmarks of the clustering pipeline's stages, each against its baseline in the same run.
 
-    .venv/bin/python -m bench.pipeline.pipeline_stages            # full run (~14 min on 2 idle CPU cores)
-    .venv/bin/python -m bench.pipeline.pipeline_stages --quick    # small variant (a few minutes)
+    # full run (~14 min on 2 idle CPU cores)
+    .venv/bin/python -m bench.pipeline.pipeline_stages
+    # small variant (a few minutes)
+    .venv/bin/python -m bench.pipeline.pipeline_stages --quick
     .venv/bin/python -m bench.pipeline.pipeline_stages --only tree --out /tmp/tree.json
 
 Benchmarks (see bench/README.md for what each one compares), one module each:
@@ -143,7 +145,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, An
     ap.add_argument(
         "--only", choices=BENCHES, action="append", help="run only this benchmark (repeatable)"
     )
-    ap.add_argument("--out", default=None, help="JSON (default bench/pipeline/results/pipeline-DATE.json)")
+    ap.add_argument(
+        "--out", default=None, help="JSON (default bench/pipeline/results/pipeline-DATE.json)"
+    )
     ap.add_argument(
         "--cache-dir",
         default=os.path.join(tempfile.gettempdir(), "memtree-bench-cache"),
@@ -165,10 +169,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, An
         help="before each benchmark, wait up to SECONDS for the 1-minute load average to "
         "drop below the core count (other work on the machine skews timings)",
     )
-    ap.add_argument("--blas", choices=("auto", "as-is"), default="auto",
-                    help="auto: unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE for this command and give FAISS's "
-                    "OpenBLAS the kernel the CPU can run when it picked a fallback (bench/README.md); "
-                    "as-is: change nothing (to reproduce a handicapped run)")
+    ap.add_argument(
+        "--blas",
+        choices=("auto", "as-is"),
+        default="auto",
+        help="auto: unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE for this command and give FAISS's "
+        "OpenBLAS the kernel the CPU can run when it picked a fallback (bench/README.md); "
+        "as-is: change nothing (to reproduce a handicapped run)",
+    )
     args = ap.parse_args(argv)
     S = sizes(args.quick)
     for kv in args.set:
@@ -188,16 +196,21 @@ def mark_handicapped(rows: list[dict], health: dict) -> None:
     for r in rows:
         if r["bench"] in ("tree", "assign") and r["ratio"] is not None and r["target"]:
             r["met"] = None
-            r["target"] += (f" (not judged: FAISS ran at {health['fraction_of_sgemm']:.0%} of sgemm, "
-                            "a handicapped baseline)")
+            r["target"] += (
+                f" (not judged: FAISS ran at {health['fraction_of_sgemm']:.0%} of sgemm, "
+                "a handicapped baseline)"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
     args, S = parse_args(argv)
     prepare_blas_env(args.blas)  # may re-execute this command with a healthier BLAS environment
     log("baseline health: sgemm and FAISS's exhaustive L2 search, GFLOP/s")
-    health = baseline_health("faiss IndexFlatL2 search (k-means assignment, exhaustive routing)",
-                             faiss_l2_gflops(), sgemm_gflops())
+    health = baseline_health(
+        "faiss IndexFlatL2 search (k-means assignment, exhaustive routing)",
+        faiss_l2_gflops(),
+        sgemm_gflops(),
+    )
     log(f"  {health}")
     selected = args.only or list(BENCHES)
     ctx: dict[str, Any] = {"cache": Path(args.cache_dir), "tmp": args.tmp}
@@ -228,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     # balance runs before assign (assign reuses its tree); results are printed in BENCHES order.
     order = [b for b in ("embed", "tree", "balance", "assign", "e2e") if b in selected]
     all_rows: dict[str, list[dict]] = {}
-    out = results_path(args.out, f"pipeline-{_dt.date.today().isoformat()}.json", results_dir(__file__))
+    out = results_path(
+        args.out, f"pipeline-{_dt.date.today().isoformat()}.json", results_dir(__file__)
+    )
     for name in order:
         waited = wait_quiet(args.wait_quiet)
         t0 = time.perf_counter()

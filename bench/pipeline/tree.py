@@ -1,6 +1,6 @@
-"""The `tree` and `balance` benchmarks of bench/pipeline/pipeline_stages.py: clustering.tree.build_tree
-against flat faiss.Kmeans (speed, leaf NMI / purity), and the max/mean cluster size per level of
-a default-TreeConfig tree."""
+"""The `tree` and `balance` benchmarks of bench/pipeline/pipeline_stages.py:
+clustering.tree.build_tree against flat faiss.Kmeans (speed, leaf NMI / purity), and the max/mean
+cluster size per level of a default-TreeConfig tree."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import loadavg, log
-from bench.pipeline.common import corpus_docs, gmm_sphere, row
+from bench.common import loadavg, log, row
+from bench.pipeline.common import corpus_docs, gmm_sphere
 from memtree.clustering.embed import embed_texts, load_embedder
 from memtree.clustering.tree import build_tree, level_stats
 from memtree.config import to_dict
@@ -259,7 +259,8 @@ def balance_tree(S: dict, ctx: dict) -> dict:
     n = S["balance_points"]
     x, _ = gmm_sphere(n, seed=2)
     log(
-        f"balance: build_tree {tc.levels}x{tc.branching} (TreeConfig defaults otherwise) on {n} points"
+        f"balance: build_tree {tc.levels}x{tc.branching} (TreeConfig defaults otherwise) on {n} "
+        "points"
     )
     t0 = time.perf_counter()
     tree, _ = build_tree(

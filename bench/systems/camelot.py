@@ -1,8 +1,10 @@
 """Overhead per token of CAMELoT's memory (seed 001) over a frozen model's windowed forward.
 
     .venv/bin/python -m bench.systems.camelot --quick          # < 2 min: tiny shape, small M list
-    .venv/bin/python -m bench.systems.camelot                  # full: tiny + d768 shapes, M 256 … 65,536
-    .venv/bin/python -m bench.systems.camelot --shapes tiny --slots 256,4096 --windows 4 --out /tmp/c.json
+    # full: tiny + d768 shapes, M 256 … 65,536
+    .venv/bin/python -m bench.systems.camelot
+    .venv/bin/python -m bench.systems.camelot --shapes tiny --slots 256,4096 --windows 4 \
+        --out /tmp/c.json
 
 Two parts, both against a baseline measured in the same run:
 
@@ -62,19 +64,41 @@ from memtree.training.model import AnchorLM, ModelConfig
 
 # Anchor shapes (training/model.py's AnchorLM): "tiny" is the demo's anchor (4 layers × d 128,
 # 4 heads × 32); "d768" a GPT-2-small-sized one (12 × 768, 12 heads × 64).
-SHAPES = {"tiny": {"anchor": "tiny"},
-          "d768": {"n_layers": 12, "d_model": 768, "n_heads": 12, "head_dim": 64, "ffn_dim": 3072}}
-SEARCHES = {"exact": {"search": "exact"}, "faiss-flat": {"search": "faiss", "faiss_index": "flat"},
-            "faiss-ivf": {"search": "faiss", "faiss_index": "ivf"}}
+SHAPES = {
+    "tiny": {"anchor": "tiny"},
+    "d768": {"n_layers": 12, "d_model": 768, "n_heads": 12, "head_dim": 64, "ffn_dim": 3072},
+}
+SEARCHES = {
+    "exact": {"search": "exact"},
+    "faiss-flat": {"search": "faiss", "faiss_index": "flat"},
+    "faiss-ivf": {"search": "faiss", "faiss_index": "ivf"},
+}
 
 
 def sizes(quick: bool) -> dict[str, Any]:
     if quick:
-        return {"shapes": ["tiny"], "slots": [256, 4096], "e2e_slots": [256, 4096], "window": 128,
-                "windows": 2, "repeats": 2, "memory_windows": 3, "vocab": 8192, "max_gb": 1.0}
-    return {"shapes": ["tiny", "d768"], "slots": [256, 1024, 4096, 16384, 65536],
-            "e2e_slots": [256, 4096, 65536], "window": 128, "windows": 3, "repeats": 3,
-            "memory_windows": 5, "vocab": 8192, "max_gb": 2.0}
+        return {
+            "shapes": ["tiny"],
+            "slots": [256, 4096],
+            "e2e_slots": [256, 4096],
+            "window": 128,
+            "windows": 2,
+            "repeats": 2,
+            "memory_windows": 3,
+            "vocab": 8192,
+            "max_gb": 1.0,
+        }
+    return {
+        "shapes": ["tiny", "d768"],
+        "slots": [256, 1024, 4096, 16384, 65536],
+        "e2e_slots": [256, 4096, 65536],
+        "window": 128,
+        "windows": 3,
+        "repeats": 3,
+        "memory_windows": 5,
+        "vocab": 8192,
+        "max_gb": 2.0,
+    }
 
 
 def anchor_of(shape: str, vocab: int):
@@ -112,14 +136,18 @@ def base_per_token(model, doc, window: int) -> float:
 
 
 # ---------------------------------------------------------------------------- memory alone
-def bench_memory(S: dict, shape: str, base_s: float, n_layers: int, heads: int, dim: int) -> list[dict]:
+def bench_memory(
+    S: dict, shape: str, base_s: float, n_layers: int, heads: int, dim: int
+) -> list[dict]:
     L, rows = S["window"], []
     g = torch.Generator().manual_seed(0)
     centers = torch.randn(heads, 4 * max(S["slots"]), dim, generator=g)
     wins = []
     for _ in range(S["memory_windows"] + 1):
         pick = torch.randint(centers.shape[1], (heads, L), generator=g)
-        k = torch.gather(centers, 1, pick[..., None].expand(-1, -1, dim)) + 0.15 * torch.randn(heads, L, dim, generator=g)
+        k = torch.gather(centers, 1, pick[..., None].expand(-1, -1, dim)) + 0.15 * torch.randn(
+            heads, L, dim, generator=g
+        )
         wins.append((k, torch.randn(heads, L, dim, generator=g)))
     variants = [("camelot", s) for s in SEARCHES] + [("memorizing", "exact")]
     for m in S["slots"]:
@@ -140,11 +168,25 @@ def bench_memory(S: dict, shape: str, base_s: float, n_layers: int, heads: int, 
                     times.append(time.perf_counter() - t0)
             ms = statistics.median(times) * 1e3
             us_tok = ms * 1e3 * n_layers / L
-            rows.append({"part": "memory", "shape": shape, "method": kind, "search": search, "slots": m,
-                         "ms_per_window_layer": ms, "us_per_token": us_tok, "base_us_per_token": base_s * 1e6,
-                         "ratio": us_tok / (base_s * 1e6), "stats": dict(mem.stats), "times_s": times})
-            log(f"memory {shape} {kind}/{search} M={m}: {ms:.2f} ms per window and layer "
-                f"({rows[-1]['ratio']:.2f}x base per token, {n_layers} layers)")
+            rows.append(
+                {
+                    "part": "memory",
+                    "shape": shape,
+                    "method": kind,
+                    "search": search,
+                    "slots": m,
+                    "ms_per_window_layer": ms,
+                    "us_per_token": us_tok,
+                    "base_us_per_token": base_s * 1e6,
+                    "ratio": us_tok / (base_s * 1e6),
+                    "stats": dict(mem.stats),
+                    "times_s": times,
+                }
+            )
+            log(
+                f"memory {shape} {kind}/{search} M={m}: {ms:.2f} ms per window and layer "
+                f"({rows[-1]['ratio']:.2f}x base per token, {n_layers} layers)"
+            )
             del mem
     return rows
 
@@ -170,29 +212,56 @@ def bench_e2e(S: dict, shape: str, model, n_layers: int, heads: int, dim: int) -
         longdoc_token_nll(model, warm, method=method, window=L, memory=mem)  # warm-up, IVF training
         t_base, t_meth = [], []
         for r in range(S["repeats"]):
-            for which in (("base", method) if r % 2 == 0 else (method, "base")):
+            for which in ("base", method) if r % 2 == 0 else (method, "base"):
                 t0 = time.perf_counter()
                 if which == "base":
                     longdoc_token_nll(model, doc, method="base", window=L)
                 else:
                     longdoc_token_nll(model, doc, method=method, window=L, memory=mem)
-                (t_base if which == "base" else t_meth).append((time.perf_counter() - t0) / (len(doc) - 1))
+                (t_base if which == "base" else t_meth).append(
+                    (time.perf_counter() - t0) / (len(doc) - 1)
+                )
         b, t = statistics.median(t_base), statistics.median(t_meth)
-        rows.append({"part": "e2e", "shape": shape, "method": method, "search": search,
-                     "slots": None if method == "xl" else m, "us_per_token": t * 1e6, "base_us_per_token": b * 1e6,
-                     "ratio": t / b, "stats": mem.stats(), "times_s": t_meth, "base_times_s": t_base})
-        log(f"e2e {shape} {method}/{search} M={m}: {t * 1e6:.0f} us/token vs base {b * 1e6:.0f} ({t / b:.2f}x)")
+        rows.append(
+            {
+                "part": "e2e",
+                "shape": shape,
+                "method": method,
+                "search": search,
+                "slots": None if method == "xl" else m,
+                "us_per_token": t * 1e6,
+                "base_us_per_token": b * 1e6,
+                "ratio": t / b,
+                "stats": mem.stats(),
+                "times_s": t_meth,
+                "base_times_s": t_base,
+            }
+        )
+        log(
+            f"e2e {shape} {method}/{search} M={m}: {t * 1e6:.0f} us/token vs base {b * 1e6:.0f} "
+            f"({t / b:.2f}x)"
+        )
         del mem
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = [("part", "part"), ("shape", "shape"), ("method", "method"), ("search", "search"), ("slots", "M"),
-            ("ms_per_window_layer", "ms/window/layer"), ("us_per_token", "us/token"),
-            ("base_us_per_token", "base us/token"), ("ratio", "ratio")]
+    cols = [
+        ("part", "part"),
+        ("shape", "shape"),
+        ("method", "method"),
+        ("search", "search"),
+        ("slots", "M"),
+        ("ms_per_window_layer", "ms/window/layer"),
+        ("us_per_token", "us/token"),
+        ("base_us_per_token", "base us/token"),
+        ("ratio", "ratio"),
+    ]
     print_aligned([h for _, h in cols], [[fmt(r.get(k)) for k, _ in cols] for r in rows])
-    print("\nratio: e2e = method / base time per token (adjacent runs); memory = the memory alone, "
-          "read + write on every layer, per token / base forward per token")
+    print(
+        "\nratio: e2e = method / base time per token (adjacent runs); memory = the memory alone, "
+        "read + write on every layer, per token / base forward per token"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--e2e-slots", help="M list for the end-to-end part")
     ap.add_argument("--windows", type=int, help="windows of L tokens per timed document (e2e)")
     ap.add_argument("--repeats", type=int, help="timed repetitions per e2e method (median)")
-    ap.add_argument("--memory-windows", type=int, help="timed windows per memory-alone case (median)")
+    ap.add_argument(
+        "--memory-windows", type=int, help="timed windows per memory-alone case (median)"
+    )
     ap.add_argument("--window", type=int, help="L, tokens per window (default 128)")
     ap.add_argument("--vocab", type=int, help="vocabulary size of the random anchors")
     ap.add_argument("--max-gb", type=float, help="skip cases whose memory tables exceed this")
@@ -240,13 +311,26 @@ def main(argv: list[str] | None = None) -> int:
     stem = f"camelot-quick-{date}-{host}" if args.quick else f"camelot-{date}-{host}"
     out = results_path(args.out, f"{stem}.json", results_dir(__file__))
     results: dict[str, Any] = {
-        "meta": {"command": command_line(),
-                 "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "quick": args.quick,
-                 "machine": {"host": host, "platform": platform.platform(), "processor": platform.processor(),
-                             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()},
-                 "torch": torch.__version__, "faiss": faiss_version, "sizes": S, "loadavg_start": loadavg(),
-                 "pressure_start": pressure()},
-        "shapes": {}, "rows": []}
+        "meta": {
+            "command": command_line(),
+            "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "quick": args.quick,
+            "machine": {
+                "host": host,
+                "platform": platform.platform(),
+                "processor": platform.processor(),
+                "cpu_count": os.cpu_count(),
+                "torch_threads": torch.get_num_threads(),
+            },
+            "torch": torch.__version__,
+            "faiss": faiss_version,
+            "sizes": S,
+            "loadavg_start": loadavg(),
+            "pressure_start": pressure(),
+        },
+        "shapes": {},
+        "rows": [],
+    }
     parts = args.only or ["memory", "e2e"]
     with torch.no_grad():
         for shape in S["shapes"]:
@@ -255,13 +339,24 @@ def main(argv: list[str] | None = None) -> int:
             model = AnchorLM(ModelConfig(anchor=a, max_seq_len=2 * S["window"])).eval()
             doc = torch.randint(S["vocab"], (S["windows"] * S["window"] + 1,))
             base_per_token(model, doc[: S["window"] + 1], S["window"])  # warm-up
-            base_s = statistics.median(base_per_token(model, doc, S["window"]) for _ in range(S["repeats"]))
-            results["shapes"][shape] = {"anchor": a.__dict__, "params": a.params(), "base_us_per_token": base_s * 1e6,
-                                        "loadavg": loadavg()}
-            log(f"{shape}: {a.n_layers} layers x d {a.d_model}, {a.kv_heads} KV heads x {a.head_dim}: "
-                f"base {base_s * 1e6:.0f} us/token")
+            base_s = statistics.median(
+                base_per_token(model, doc, S["window"]) for _ in range(S["repeats"])
+            )
+            results["shapes"][shape] = {
+                "anchor": a.__dict__,
+                "params": a.params(),
+                "base_us_per_token": base_s * 1e6,
+                "loadavg": loadavg(),
+            }
+            log(
+                f"{shape}: {a.n_layers} layers x d {a.d_model}, {a.kv_heads} KV heads x "
+                f"{a.head_dim}: "
+                f"base {base_s * 1e6:.0f} us/token"
+            )
             if "memory" in parts:
-                results["rows"] += bench_memory(S, shape, base_s, a.n_layers, a.kv_heads, a.head_dim)
+                results["rows"] += bench_memory(
+                    S, shape, base_s, a.n_layers, a.kv_heads, a.head_dim
+                )
                 write_results(results, out)
             if "e2e" in parts:
                 results["rows"] += bench_e2e(S, shape, model, a.n_layers, a.kv_heads, a.head_dim)

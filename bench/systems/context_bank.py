@@ -1,4 +1,5 @@
-"""Cost of a write into a full context bank (memstore/context/bank.py): exact vs cluster-scoped merging.
+"""Cost of a write into a full context bank (memstore/context/bank.py): exact vs cluster-scoped
+merging.
 
     .venv/bin/python -m bench.systems.context_bank --quick      # < 1 min: N = 256, 1,024
     .venv/bin/python -m bench.systems.context_bank              # N = 256 … 4,096
@@ -31,7 +32,16 @@ from bench.common import finish, log, results_dir, results_path, run_meta
 from memtree.memstore.context.bank import ContextBank, ContextBankConfig
 
 # The columns of the printed table.
-COLUMNS = ["n", "clusters", "all_ms", "cluster_ms", "speedup", "exact_pair_found", "distance_vs_exact_median"]
+COLUMNS = [
+    "n",
+    "clusters",
+    "all_ms",
+    "cluster_ms",
+    "speedup",
+    "exact_pair_found",
+    "distance_vs_exact_median",
+]
+
 
 def _fill(cfg: ContextBankConfig, n: int, seed: int) -> ContextBank:
     g = torch.Generator().manual_seed(seed)
@@ -46,16 +56,25 @@ def _fill(cfg: ContextBankConfig, n: int, seed: int) -> ContextBank:
 
 def run(n: int, args: argparse.Namespace) -> dict:
     k = args.clusters or max(2, round(math.sqrt(n)))
-    row: dict = {"n": n, "clusters": k, "latent": args.latent, "dim": args.dim, "writes": args.writes}
+    row: dict = {
+        "n": n,
+        "clusters": k,
+        "latent": args.latent,
+        "dim": args.dim,
+        "writes": args.writes,
+    }
     g = torch.Generator().manual_seed(1)
     new = [torch.randn(args.latent, args.dim, generator=g) * 3.0 for _ in range(args.writes)]
     for scope in ("all", "cluster"):
-        cfg = ContextBankConfig(dim=args.dim, n_latent=args.latent, capacity=n, n_clusters=k,
-                                top_k=1, merge_scope=scope)
+        cfg = ContextBankConfig(
+            dim=args.dim, n_latent=args.latent, capacity=n, n_clusters=k, top_k=1, merge_scope=scope
+        )
         bank = _fill(cfg, n, seed=0)
         times, ratios = [], []
         for x in new:
-            if scope == "cluster":  # how far apart the scoped pair is, against the exact closest pair
+            if (
+                scope == "cluster"
+            ):  # how far apart the scoped pair is, against the exact closest pair
                 ref = copy.deepcopy(bank)
                 ref.cfg = dataclasses.replace(cfg, merge_scope="all")
                 exact = ref._closest_pair()[2]
@@ -73,7 +92,6 @@ def run(n: int, args: argparse.Namespace) -> dict:
     return row
 
 
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
@@ -86,12 +104,16 @@ def main() -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else ([256, 1024] if args.quick else
-                                                                        [256, 1024, 4096])
+    sizes = (
+        [int(s) for s in args.sizes.split(",")]
+        if args.sizes
+        else ([256, 1024] if args.quick else [256, 1024, 4096])
+    )
     day = _dt.date.today().isoformat()
-    out = results_path(args.out, f"context-bank-{day}{'-quick' if args.quick else ''}.json", results_dir(__file__))
-    results = {"meta": run_meta(args, threads=args.threads),
-               "rows": [run(n, args) for n in sizes]}
+    out = results_path(
+        args.out, f"context-bank-{day}{'-quick' if args.quick else ''}.json", results_dir(__file__)
+    )
+    results = {"meta": run_meta(args, threads=args.threads), "rows": [run(n, args) for n in sizes]}
     return finish(results, out, COLUMNS)
 
 

@@ -8,7 +8,8 @@ Baseline: `exhaustive_lookup`, the same top-k over all N full keys, same layer, 
 the same run, interleaved (candidate, baseline, baseline, candidate, …). Also checks that both
 return the same slots (as sets; rows whose order differs by a float-rounding tie are counted).
 Wall clock on the CPU, --threads torch threads (default 1), medians over
---repeats. The JSON (`--out`, default bench/systems/results/pkm-<date>[-quick].json) holds every figure.
+--repeats. The JSON (`--out`, default bench/systems/results/pkm-<date>[-quick].json) holds every
+figure.
 """
 
 from __future__ import annotations
@@ -24,7 +25,16 @@ from bench.common import finish, log, results_dir, results_path, run_meta
 from memtree.training.layers.pkm import PKMConfig, ProductKeyMemory
 
 # The columns of the printed table.
-COLUMNS = ["slots", "tokens", "product_key_ms", "exhaustive_ms", "speedup", "same_slots", "rows_in_other_order"]
+COLUMNS = [
+    "slots",
+    "tokens",
+    "product_key_ms",
+    "exhaustive_ms",
+    "speedup",
+    "same_slots",
+    "rows_in_other_order",
+]
+
 
 def _ms(fn) -> float:
     t = time.perf_counter()
@@ -45,16 +55,29 @@ def run(n_keys: int, args: argparse.Namespace) -> dict:
     order_diffs = int((fast.indices != full.indices).any(-1).sum())
     a, b = [], []
     for r in range(args.repeats):
-        order = (layer.lookup, layer.exhaustive_lookup) if r % 2 == 0 else (layer.exhaustive_lookup, layer.lookup)
+        order = (
+            (layer.lookup, layer.exhaustive_lookup)
+            if r % 2 == 0
+            else (layer.exhaustive_lookup, layer.lookup)
+        )
         for fn in order:
             (a if fn == layer.lookup else b).append(_ms(lambda fn=fn: fn(x)))
-    row = {"slots": cfg.n_slots, "n_keys": n_keys, "tokens": args.tokens, "product_key_ms": statistics.median(a),
-           "exhaustive_ms": statistics.median(b), "same_slots": same,
-           "rows_in_other_order": order_diffs, "rows": int(fast.indices[..., 0].numel())}
+    row = {
+        "slots": cfg.n_slots,
+        "n_keys": n_keys,
+        "tokens": args.tokens,
+        "product_key_ms": statistics.median(a),
+        "exhaustive_ms": statistics.median(b),
+        "same_slots": same,
+        "rows_in_other_order": order_diffs,
+        "rows": int(fast.indices[..., 0].numel()),
+    }
     row["speedup"] = row["exhaustive_ms"] / row["product_key_ms"]
-    log(f"N={cfg.n_slots:,}: product keys {row['product_key_ms']:.2f} ms, all slots {row['exhaustive_ms']:.2f} ms")
+    log(
+        f"N={cfg.n_slots:,}: product keys {row['product_key_ms']:.2f} ms, all slots "
+        f"{row['exhaustive_ms']:.2f} ms"
+    )
     return row
-
 
 
 def main() -> int:
@@ -71,12 +94,16 @@ def main() -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    sizes = [int(s) for s in args.n_keys.split(",")] if args.n_keys else ([64, 128] if args.quick else
-                                                                           [64, 128, 256, 512])
+    sizes = (
+        [int(s) for s in args.n_keys.split(",")]
+        if args.n_keys
+        else ([64, 128] if args.quick else [64, 128, 256, 512])
+    )
     day = _dt.date.today().isoformat()
-    out = results_path(args.out, f"pkm-{day}{'-quick' if args.quick else ''}.json", results_dir(__file__))
-    results = {"meta": run_meta(args, threads=args.threads),
-               "rows": [run(n, args) for n in sizes]}
+    out = results_path(
+        args.out, f"pkm-{day}{'-quick' if args.quick else ''}.json", results_dir(__file__)
+    )
+    results = {"meta": run_meta(args, threads=args.threads), "rows": [run(n, args) for n in sizes]}
     return finish(results, out, COLUMNS)
 
 

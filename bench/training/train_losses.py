@@ -1,8 +1,9 @@
 """Per-step training losses of one config, to compare the same run across devices/precisions.
 
-    python -m bench.training.train_losses training/yamls/demo.yaml --out gpu.json device=gpu precision=amp_bf16 \
-        data.shards=runs/demo/pipeline/shards mode=scratch max_duration=200ba
-    python -m bench.training.train_losses training/yamls/demo.yaml --out cpu.json device=cpu precision=fp32 ...
+    python -m bench.training.train_losses training/yamls/demo.yaml --out gpu.json device=gpu \
+        precision=amp_bf16 data.shards=runs/demo/pipeline/shards mode=scratch max_duration=200ba
+    python -m bench.training.train_losses training/yamls/demo.yaml --out cpu.json device=cpu \
+        precision=fp32 ...
     python -m bench.training.train_losses --compare cpu.json gpu.json
 
 Runs training.train.train (a real Composer Trainer.fit) with a callback that records the
@@ -40,15 +41,27 @@ def record(config: str, overrides: list[str], out: Path) -> int:
     cb = Losses()
     t0 = time.perf_counter()
     train(cfg, callbacks=[cb])
-    res = {"config": config, "overrides": overrides, "seconds": round(time.perf_counter() - t0, 1),
-           "device": torch.cuda.get_device_name() if cfg.device != "cpu" and torch.cuda.is_available()
-           else "cpu", "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-           # as the run left them (Composer's DeviceGPU sets both from cfg.allow_tf32)
-           "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32},
-           "losses": cb.losses}
+    res = {
+        "config": config,
+        "overrides": overrides,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "device": torch.cuda.get_device_name()
+        if cfg.device != "cpu" and torch.cuda.is_available()
+        else "cpu",
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        # as the run left them (Composer's DeviceGPU sets both from cfg.allow_tf32)
+        "tf32": {
+            "matmul": torch.backends.cuda.matmul.allow_tf32,
+            "cudnn": torch.backends.cudnn.allow_tf32,
+        },
+        "losses": cb.losses,
+    }
     out.write_text(json.dumps(res, indent=1))
-    log(f"{len(cb.losses)} steps in {res['seconds']} s on {res['device']}: first "
-        f"{cb.losses[0]:.4f}, last {cb.losses[-1]:.4f} -> {out}")
+    log(
+        f"{len(cb.losses)} steps in {res['seconds']} s on {res['device']}: first "
+        f"{cb.losses[0]:.4f}, last {cb.losses[-1]:.4f} -> {out}"
+    )
     return 0
 
 
@@ -60,8 +73,8 @@ def compare(a_path: str, b_path: str, window: int) -> int:
     print("steps        mean A   mean B   (B-A)/A")
     worst = 0.0
     for s in range(0, n, window):
-        ma = sum(la[s:s + window]) / len(la[s:s + window])
-        mb = sum(lb[s:s + window]) / len(lb[s:s + window])
+        ma = sum(la[s : s + window]) / len(la[s : s + window])
+        mb = sum(lb[s : s + window]) / len(lb[s : s + window])
         worst = max(worst, abs(mb - ma) / ma)
         print(f"{s:5d}-{min(s + window, n) - 1:<5d} {ma:8.4f} {mb:8.4f} {(mb - ma) / ma:+9.2%}")
     print(f"largest windowed relative difference: {worst:.2%} over {n} steps")

@@ -1,7 +1,9 @@
 """Benchmarks of memory training steps, each against its baseline in the same run.
 
-    .venv/bin/python -m bench.training.training_steps --wait-quiet 240  # full run (~5 min on 2 idle CPU cores)
-    .venv/bin/python -m bench.training.training_steps --quick           # small variant (~20 s)
+    # full run (~5 min on 2 idle CPU cores)
+    .venv/bin/python -m bench.training.training_steps --wait-quiet 240
+    # small variant (~20 s)
+    .venv/bin/python -m bench.training.training_steps --quick
     .venv/bin/python -m bench.training.training_steps --only overhead --out /tmp/overhead.json
 
 Every timed step is a direct PyTorch training step: forward of `training.model.AnchorLM`
@@ -36,19 +38,14 @@ instance) are excluded. Nothing is extrapolated: a figure is measured here or ab
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as _dt
 import json
-import math
 import resource
-import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from bench.common import (
     command_line,
@@ -58,16 +55,26 @@ from bench.common import (
     machine_basics,
     machine_meta,
     pressure,
-    print_targets,
     results_dir,
     results_path,
+    row,
     wait_quiet,
     write_results,
 )
+from bench.training.steps_models import (
+    Trainer,
+    anchor_shape,
+    attn_fwd_flops_per_token,
+    fetched_width,
+    make_batches,
+    matmul_params,
+    median,
+    mem_available,
+    print_table,
+    split_width,
+)
+from bench.training.steps_read import bench_read
 from memtree.geometry import AnchorShape, MemoryConfig, plan
-from memtree.training.bank import TrainableBank
-from memtree.training.model import AnchorLM, ModelConfig, assemble_memories
-from memtree.training.optim import MemoryAdamW
 
 BENCHES = ("overhead", "banksize", "state", "read")
 GiB = 1 << 30
@@ -94,8 +101,15 @@ def sizes(quick: bool) -> dict[str, Any]:
     if quick:
         return common | {
             # the "tiny" training preset (training/config.py) with an 8k vocabulary
-            "anchor": {"name": "tiny-v8192", "n_layers": 4, "d_model": 128, "n_heads": 4,
-                       "head_dim": 32, "ffn_dim": 512, "vocab_size": 8192},
+            "anchor": {
+                "name": "tiny-v8192",
+                "n_layers": 4,
+                "d_model": 128,
+                "n_heads": 4,
+                "head_dim": 32,
+                "ffn_dim": 512,
+                "vocab_size": 8192,
+            },
             "batch": 4,
             "seq_len": 128,
             "warmup_steps": 1,
@@ -109,8 +123,15 @@ def sizes(quick: bool) -> dict[str, Any]:
         }
     return common | {
         # the "small" training preset (training/config.py) with an 8k vocabulary
-        "anchor": {"name": "small-v8192", "n_layers": 8, "d_model": 256, "n_heads": 8,
-                   "head_dim": 32, "ffn_dim": 1024, "vocab_size": 8192},
+        "anchor": {
+            "name": "small-v8192",
+            "n_layers": 8,
+            "d_model": 256,
+            "n_heads": 8,
+            "head_dim": 32,
+            "ffn_dim": 1024,
+            "vocab_size": 8192,
+        },
         "batch": 8,
         "seq_len": 256,
         "warmup_steps": 2,
@@ -120,180 +141,6 @@ def sizes(quick: bool) -> dict[str, Any]:
         "banksize_steps_per_round": 3,
         "state_seq_len": 32,  # rows touched do not depend on the sequence length
     }
-
-
-# ---------------------------------------------------------------------------------- helpers
-def mem_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def row(bench: str, metric: str, value: Any, *, data: str, baseline: Any = None,
-        ratio: float | None = None, target: str = "", met: bool | None = None,
-        unit: str = "") -> dict:
-    return {"bench": bench, "metric": metric, "value": value, "unit": unit,
-            "baseline": baseline, "ratio": ratio, "target": target, "met": met, "data": data}
-
-
-def print_table(rows: list[dict]) -> None:
-    print_targets(rows, data_width=40)
-
-
-def median(xs: list[float]) -> float:
-    return float(statistics.median(xs))
-
-
-# ------------------------------------------------------------------------------ the models
-def anchor_shape(S: dict) -> AnchorShape:
-    return AnchorShape(tied_embeddings=True, **S["anchor"])
-
-
-def matmul_params(a: AnchorShape) -> int:
-    """Weights each token multiplies through in the anchor: every linear in the blocks plus
-    the (tied) output head. Norm gains and the input embedding lookup do no matmul."""
-    d, q, kv, f = a.d_model, a.q_dim, a.kv_dim, a.ffn_dim
-    per_layer = d * q + 2 * d * kv + q * d + 3 * d * f
-    return a.n_layers * per_layer + a.vocab_size * a.d_model
-
-
-def attn_fwd_flops_per_token(a: AnchorShape, seq_len: int) -> float:
-    """QKᵀ and AV in the forward pass, 2·d_q FLOPs per (query, key) pair each, causal: a
-    query sees (S+1)/2 keys on average."""
-    return a.n_layers * 2 * 2 * a.q_dim * (seq_len + 1) / 2
-
-
-def split_width(total: int, weights: list[int]) -> tuple[int, ...]:
-    """total FFN width over levels in proportion to weights (remainder to level 1)."""
-    parts = [total * w // sum(weights) for w in weights]
-    parts[0] += total - sum(parts)
-    return tuple(parts)
-
-
-def fetched_width(a: AnchorShape, fraction: float) -> int:
-    """FFN memory width W (summed over levels, on every layer) whose fetched params are
-    closest to fraction x the anchor's params: an FFN memory of width W holds 3·W·d per
-    layer."""
-    return max(1, round(fraction * a.params() / (3 * a.d_model * a.n_layers)))
-
-
-def make_bank(a: AnchorShape, mem: MemoryConfig, seed: int) -> TrainableBank:
-    """A bank with every value ~ N(0, 0.02²) (W3 included, so every memory gradient is
-    non-zero from the first step; the paper's init zeroes W3, which times the same)."""
-    bank = TrainableBank(a, mem, init="empty")
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for t in bank.tables.values():
-            t.normal_(0.0, 0.02, generator=g)
-    return bank
-
-
-def make_batches(S: dict, n: int, *, seq_len: int, n_leaf: int, levels: int, branching: int,
-                 seed: int, distinct: bool = False) -> list[dict]:
-    """n batches of random tokens, random leaf paths (global cluster ids per level) and
-    generic-memory draws, all from one seeded generator. distinct=True: the batch's leaves
-    are distinct (drawn without replacement), so every bank size fetches the same number of
-    distinct rows per step."""
-    # one generator each, so tokens and generic draws do not depend on the bank size
-    g_ids, g_leaf, g_gen = (torch.Generator().manual_seed(seed + i) for i in range(3))
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, S["anchor"]["vocab_size"], (S["batch"], seq_len + 1),
-                            generator=g_ids)
-        if distinct:
-            leaf = torch.randperm(n_leaf, generator=g_leaf)[: S["batch"]]
-        else:
-            leaf = torch.randint(0, n_leaf, (S["batch"],), generator=g_leaf)
-        paths = torch.stack([leaf // branching ** (levels - lv) for lv in range(1, levels + 1)], 1)
-        generic = torch.rand(S["batch"], generator=g_gen) < S["generic_prob"]
-        out.append({"ids": ids, "paths": paths, "generic": generic})
-    return out
-
-
-class Trainer:
-    """One model instance: anchor (+ bank) and its optimizers; `step` times one training step.
-
-    sparse=True: the bank's own forward (F.embedding(sparse=True)) and MemoryAdamW over anchor
-    and bank together. sparse=False: F.embedding(sparse=False), so the bank tables get dense
-    gradients, and a plain torch.optim.AdamW (defaults) steps the tables; the anchor keeps
-    MemoryAdamW, so only the bank's handling differs.
-    """
-
-    def __init__(self, S: dict, a: AnchorShape, mem: MemoryConfig | None, *, sparse: bool = True,
-                 max_grad_norm: float | None = None, seq_len: int | None = None,
-                 read: str = "gather") -> None:
-        torch.manual_seed(S["seed"])
-        self.a, self.mem, self.sparse, self.read = a, mem, sparse, read
-        self.device = torch.device(S.get("device", "cpu"))
-        seq_len = seq_len or S["seq_len"]
-        self.model = AnchorLM(ModelConfig(anchor=a, max_seq_len=seq_len, memory=mem)).to(self.device)
-        self.bank = make_bank(a, mem, S["seed"]).to(self.device) if mem is not None else None
-        kw = {"lr": S["lr"], "betas": tuple(S["betas"]), "eps": 1e-8, "weight_decay": 0.0}
-        groups = [{"params": list(self.model.parameters())}]
-        self.dense_opt = None
-        if self.bank is not None and sparse:
-            groups.append({"params": list(self.bank.bank_parameters())})
-        elif self.bank is not None:
-            self.dense_opt = torch.optim.AdamW(list(self.bank.bank_parameters()), **kw)
-        self.opt = MemoryAdamW(groups, max_grad_norm=max_grad_norm, **kw)
-        self.steps = 0
-        self.rows_seen: dict[int, set[int]] = {}
-        self.distinct_rows: list[int] = []  # distinct bank rows fetched per step
-        self.cpu_share: list[float] = []
-
-    def step(self, batch: dict) -> tuple[float, float]:
-        t0, c0 = time.perf_counter(), time.process_time()
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        mems = None
-        if self.bank is not None:
-            slots = self.bank.slots(batch["paths"], batch["generic"])
-            self.distinct_rows.append(sum(len(set(r.tolist())) for r in slots.values()))
-            for lv, r in slots.items():
-                self.rows_seen.setdefault(lv, set()).update(r.tolist())
-            if self.read == "fused":
-                mems = self.bank.read(slots)
-            elif self.sparse:
-                blocks = self.bank(slots)
-            else:
-                blocks = {lv: F.embedding(r, self.bank.tables[str(lv)], sparse=False)
-                          for lv, r in slots.items()}
-            if self.read != "fused":
-                mems = assemble_memories(blocks, self.a, self.mem)
-        ids = batch["ids"]
-        logits = self.model(ids[:, :-1], memories=mems)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
-        loss.backward()
-        self.opt.step()
-        if self.dense_opt is not None:
-            self.dense_opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        if self.dense_opt is not None:
-            self.dense_opt.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":  # the step is done when the device is
-            torch.cuda.synchronize(self.device)
-        dt = time.perf_counter() - t0
-        # CPU seconds of this process per wall second: ~ the thread count when the machine is
-        # quiet, lower when other work takes the cores (a contaminated step)
-        self.cpu_share.append((time.process_time() - c0) / dt)
-        self.steps += 1
-        return dt, float(loss)
-
-    def bank_state_bytes(self) -> int:
-        """Optimizer-state bytes held for the bank tables, counted as
-        `MemoryAdamW.state_bytes()` counts them (every tensor in the parameter's state)."""
-        if self.bank is None:
-            return 0
-        opt = self.opt if self.sparse else self.dense_opt
-        total = 0
-        for p in self.bank.bank_parameters():
-            for v in opt.state.get(p, {}).values():
-                if isinstance(v, torch.Tensor):
-                    total += v.numel() * v.element_size()
-        return total
 
 
 # ------------------------------------------------------------------------ 1. overhead
@@ -314,25 +161,45 @@ def bench_overhead(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
     flop_ratio_no_attn = (n_a + n_m) / n_a
     non_embed = a.n_layers * a.block_params()
     info = {
-        "anchor": S["anchor"], "anchor_params": a.params(), "anchor_non_embedding_params": non_embed,
-        "anchor_matmul_params": n_a, "memory": {"multipliers": list(mults), "type": "ffn",
-                                                "branching": br, "placement": "uniform"},
-        "fetched_params": n_m, "fetched_over_anchor": n_m / a.params(),
-        "fetched_over_non_embedding": n_m / non_embed, "bank_params": pl.bank_params,
+        "anchor": S["anchor"],
+        "anchor_params": a.params(),
+        "anchor_non_embedding_params": non_embed,
+        "anchor_matmul_params": n_a,
+        "memory": {
+            "multipliers": list(mults),
+            "type": "ffn",
+            "branching": br,
+            "placement": "uniform",
+        },
+        "fetched_params": n_m,
+        "fetched_over_anchor": n_m / a.params(),
+        "fetched_over_non_embedding": n_m / non_embed,
+        "bank_params": pl.bank_params,
         "attn_fwd_flops_per_token": attn,
         "flops_per_token": {"anchor": flops_anchor, "anchor_plus_memory": flops_mem},
         "flop_formula": "6·N_matmul + 3·(4·L·d_q·(S+1)/2) per token; N_matmul = block linears "
-                        "+ tied output head (+ fetched FFN memory)",
+        "+ tied output head (+ fetched FFN memory)",
     }
-    log(f"anchor {a.params():,} params ({n_a:,} in matmuls); memory {mults} branching {br}: "
+    log(
+        f"anchor {a.params():,} params ({n_a:,} in matmuls); memory {mults} branching {br}: "
         f"fetched {n_m:,} ({n_m / a.params():.1%} of the anchor, "
-        f"{n_m / non_embed:.1%} of non-embedding); FLOP ratio {flop_ratio:.4f}")
+        f"{n_m / non_embed:.1%} of non-embedding); FLOP ratio {flop_ratio:.4f}"
+    )
     warm, rounds, per = S["warmup_steps"], S["overhead_rounds"], S["overhead_steps_per_round"]
     n = warm + rounds * per
-    batches = make_batches(S, n, seq_len=T, n_leaf=br ** len(mults), levels=len(mults),
-                           branching=br, seed=S["seed"] + 100)
-    runs = {"anchor": Trainer(S, a, None, max_grad_norm=S["max_grad_norm"]),
-            "memory": Trainer(S, a, mem, max_grad_norm=S["max_grad_norm"])}
+    batches = make_batches(
+        S,
+        n,
+        seq_len=T,
+        n_leaf=br ** len(mults),
+        levels=len(mults),
+        branching=br,
+        seed=S["seed"] + 100,
+    )
+    runs = {
+        "anchor": Trainer(S, a, None, max_grad_norm=S["max_grad_norm"]),
+        "memory": Trainer(S, a, mem, max_grad_norm=S["max_grad_norm"]),
+    }
     times: dict[str, list[float]] = {k: [] for k in runs}
     losses: dict[str, list[float]] = {k: [] for k in runs}
     warm_times: dict[str, list[float]] = {k: [] for k in runs}
@@ -349,27 +216,56 @@ def bench_overhead(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
                 times[k].append(dt)
                 losses[k].append(loss)
             order.append(k)
-            log(f"  round {r + 1} {k}: {[round(t, 3) for t in times[k][-per:]]} (CPU share "
-                f"{[round(c, 2) for c in runs[k].cpu_share[-per:]]})")
+            log(
+                f"  round {r + 1} {k}: {[round(t, 3) for t in times[k][-per:]]} (CPU share "
+                f"{[round(c, 2) for c in runs[k].cpu_share[-per:]]})"
+            )
     t_a, t_m = median(times["anchor"]), median(times["memory"])
     time_ratio = t_m / t_a
     overhead = time_ratio / flop_ratio
-    res = info | {"steps": {k: v for k, v in times.items()}, "warmup": warm_times,
-                  "losses": losses, "order": order, "median_s": {"anchor": t_a, "memory": t_m},
-                  "cpu_share": {k: tr.cpu_share[warm:] for k, tr in runs.items()},
-                  "tokens_per_s": {"anchor": tokens / t_a, "memory": tokens / t_m},
-                  "time_ratio": time_ratio, "flop_ratio": flop_ratio,
-                  "flop_ratio_no_attention": flop_ratio_no_attn, "overhead": overhead}
-    data = (f"{S['anchor']['name']} B{S['batch']}xS{T}, FFN mem {list(mults)} br {br}, "
-            f"fetched {n_m / a.params():.1%} of anchor")
+    res = info | {
+        "steps": {k: v for k, v in times.items()},
+        "warmup": warm_times,
+        "losses": losses,
+        "order": order,
+        "median_s": {"anchor": t_a, "memory": t_m},
+        "cpu_share": {k: tr.cpu_share[warm:] for k, tr in runs.items()},
+        "tokens_per_s": {"anchor": tokens / t_a, "memory": tokens / t_m},
+        "time_ratio": time_ratio,
+        "flop_ratio": flop_ratio,
+        "flop_ratio_no_attention": flop_ratio_no_attn,
+        "overhead": overhead,
+    }
+    data = (
+        f"{S['anchor']['name']} B{S['batch']}xS{T}, FFN mem {list(mults)} br {br}, "
+        f"fetched {n_m / a.params():.1%} of anchor"
+    )
     rows = [
-        row("overhead", "tokens/s, anchor + memory vs anchor only", tokens / t_m,
-            baseline=tokens / t_a, ratio=t_a / t_m, data=data, unit="tok/s"),
+        row(
+            "overhead",
+            "tokens/s, anchor + memory vs anchor only",
+            tokens / t_m,
+            baseline=tokens / t_a,
+            ratio=t_a / t_m,
+            data=data,
+            unit="tok/s",
+        ),
         row("overhead", "step time ratio (memory / anchor)", time_ratio, data=data),
-        row("overhead", "FLOP ratio (with attention; without: "
-            f"{flop_ratio_no_attn:.4f})", flop_ratio, data=data),
-        row("overhead", "time ratio / FLOP ratio", overhead, ratio=overhead, target="<= 1.2",
-            met=overhead <= 1.2, data=data),
+        row(
+            "overhead",
+            f"FLOP ratio (with attention; without: {flop_ratio_no_attn:.4f})",
+            flop_ratio,
+            data=data,
+        ),
+        row(
+            "overhead",
+            "time ratio / FLOP ratio",
+            overhead,
+            ratio=overhead,
+            target="<= 1.2",
+            met=overhead <= 1.2,
+            data=data,
+        ),
     ]
     return res, rows
 
@@ -386,12 +282,21 @@ def _banksize_variants(S: dict, a: AnchorShape, W: int) -> list[dict]:
             rows = br**lv + 1  # + generic row
             table_bytes = rows * pl.fetch_params * 4
             scale = br**lv // base_blocks
-            out.append({"name": f"{'sparse' if sparse else 'dense'}-x{scale}", "sparse": sparse,
-                        "branching": br, "blocks": br**lv, "scale": scale, "mem": mem,
-                        "fetch_params": pl.fetch_params, "table_rows": rows,
-                        "table_bytes": table_bytes,
-                        # dense: table + dense grad + exp_avg + exp_avg_sq
-                        "dense_bytes": 4 * table_bytes})
+            out.append(
+                {
+                    "name": f"{'sparse' if sparse else 'dense'}-x{scale}",
+                    "sparse": sparse,
+                    "branching": br,
+                    "blocks": br**lv,
+                    "scale": scale,
+                    "mem": mem,
+                    "fetch_params": pl.fetch_params,
+                    "table_rows": rows,
+                    "table_bytes": table_bytes,
+                    # dense: table + dense grad + exp_avg + exp_avg_sq
+                    "dense_bytes": 4 * table_bytes,
+                }
+            )
     return out
 
 
@@ -411,10 +316,14 @@ def bench_banksize(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
     for v in variants:
         v["skip"] = None
         if not v["sparse"] and v["dense_bytes"] > cap:
-            v["skip"] = (f"dense needs {v['dense_bytes'] / GiB:.1f} GiB (table + grad + 2 states) "
-                         f"> cap {cap / GiB:.1f} GiB")
-        log(f"  {v['name']}: {v['blocks']} blocks x {v['fetch_params']:,} params, table "
-            f"{v['table_bytes'] / GiB:.2f} GiB" + (f" — SKIPPED: {v['skip']}" if v["skip"] else ""))
+            v["skip"] = (
+                f"dense needs {v['dense_bytes'] / GiB:.1f} GiB (table + grad + 2 states) "
+                f"> cap {cap / GiB:.1f} GiB"
+            )
+        log(
+            f"  {v['name']}: {v['blocks']} blocks x {v['fetch_params']:,} params, table "
+            f"{v['table_bytes'] / GiB:.2f} GiB" + (f" — SKIPPED: {v['skip']}" if v["skip"] else "")
+        )
     warm, rounds, per = S["warmup_steps"], S["banksize_rounds"], S["banksize_steps_per_round"]
     runnable = [v for v in variants if not v["skip"]]
     times: dict[str, list[float]] = {v["name"]: [] for v in runnable}
@@ -428,9 +337,16 @@ def bench_banksize(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
         seq = runnable if r % 2 == 0 else list(reversed(runnable))
         for v in seq:
             # same token batches for every variant; cluster ids scaled to this bank's size
-            batches = make_batches(S, warm + per, seq_len=S["seq_len"], n_leaf=v["blocks"],
-                                   levels=lv, branching=v["branching"],
-                                   seed=S["seed"] + 200 + r, distinct=True)
+            batches = make_batches(
+                S,
+                warm + per,
+                seq_len=S["seq_len"],
+                n_leaf=v["blocks"],
+                levels=lv,
+                branching=v["branching"],
+                seed=S["seed"] + 200 + r,
+                distinct=True,
+            )
             t0 = time.perf_counter()
             tr = Trainer(S, a, v["mem"], sparse=v["sparse"], max_grad_norm=None)
             build = time.perf_counter() - t0
@@ -442,45 +358,88 @@ def bench_banksize(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
             distinct.setdefault(v["name"], []).extend(tr.distinct_rows[warm:])
             cpu.setdefault(v["name"], []).extend(tr.cpu_share[warm:])
             order.append(v["name"])
-            log(f"  round {r + 1} {v['name']} (built in {build:.1f}s): "
+            log(
+                f"  round {r + 1} {v['name']} (built in {build:.1f}s): "
                 f"{[round(t, 3) for t in times[v['name']][-per:]]} (CPU share "
-                f"{[round(c, 2) for c in tr.cpu_share[warm:]]})")
+                f"{[round(c, 2) for c in tr.cpu_share[warm:]]})"
+            )
             del tr
     med = {k: median(t) for k, t in times.items()}
-    res = {"fetched_width": W, "level": lv, "variants": [
-        {k: (val if k != "mem" else {"multipliers": list(val.multipliers),
-                                     "branching": val.branching})
-         for k, val in v.items()} for v in variants],
-           "dense_cap_bytes": cap, "mem_available_bytes": avail, "steps": times,
-           "warmup": warm_times, "median_s": med, "order": order,
-           "distinct_rows_per_measured_step": distinct, "cpu_share": cpu,
-           "bank_state_bytes_after_run": {"sparse": sparse_state, "dense": dense_state},
-           "dense_optimizer": "torch.optim.AdamW defaults (foreach=None, fused=None)",
-           "max_grad_norm": None}
+    res = {
+        "fetched_width": W,
+        "level": lv,
+        "variants": [
+            {
+                k: (
+                    val
+                    if k != "mem"
+                    else {"multipliers": list(val.multipliers), "branching": val.branching}
+                )
+                for k, val in v.items()
+            }
+            for v in variants
+        ],
+        "dense_cap_bytes": cap,
+        "mem_available_bytes": avail,
+        "steps": times,
+        "warmup": warm_times,
+        "median_s": med,
+        "order": order,
+        "distinct_rows_per_measured_step": distinct,
+        "cpu_share": cpu,
+        "bank_state_bytes_after_run": {"sparse": sparse_state, "dense": dense_state},
+        "dense_optimizer": "torch.optim.AdamW defaults (foreach=None, fused=None)",
+        "max_grad_norm": None,
+    }
     rows = []
     fp = variants[0]["fetch_params"]
     base = med.get("sparse-x1")
     for v in variants:
         name = v["name"]
-        data = (f"{v['blocks']} blocks x {fp:,} params ({v['table_bytes'] / GiB:.2f} GiB fp32), "
-                f"level {lv}, br {v['branching']}")
+        data = (
+            f"{v['blocks']} blocks x {fp:,} params ({v['table_bytes'] / GiB:.2f} GiB fp32), "
+            f"level {lv}, br {v['branching']}"
+        )
         kind = "sparse + MemoryAdamW" if v["sparse"] else "dense grads + torch AdamW"
         if v["skip"]:
-            rows.append(row("banksize", f"step time, {kind}, bank x{v['scale']}", None,
-                            data=f"{data}; not run: {v['skip']}", unit="s"))
+            rows.append(
+                row(
+                    "banksize",
+                    f"step time, {kind}, bank x{v['scale']}",
+                    None,
+                    data=f"{data}; not run: {v['skip']}",
+                    unit="s",
+                )
+            )
             continue
         t = med[name]
         is_target = v["sparse"] and v["scale"] == max(x["scale"] for x in variants)
         ratio = t / base if base else None
-        rows.append(row("banksize", f"step time, {kind}, bank x{v['scale']} (vs sparse x1)", t,
-                        baseline=base, ratio=ratio, unit="s", data=data,
-                        target="<= 1.1" if is_target else "",
-                        met=(ratio <= 1.1) if is_target and ratio is not None else None))
+        rows.append(
+            row(
+                "banksize",
+                f"step time, {kind}, bank x{v['scale']} (vs sparse x1)",
+                t,
+                baseline=base,
+                ratio=ratio,
+                unit="s",
+                data=data,
+                target="<= 1.1" if is_target else "",
+                met=(ratio <= 1.1) if is_target and ratio is not None else None,
+            )
+        )
         if not v["sparse"]:
             sp = med.get(f"sparse-x{v['scale']}")
             if sp:
-                rows.append(row("banksize", f"dense / sparse step time at bank x{v['scale']}",
-                                t / sp, ratio=t / sp, data=data))
+                rows.append(
+                    row(
+                        "banksize",
+                        f"dense / sparse step time at bank x{v['scale']}",
+                        t / sp,
+                        ratio=t / sp,
+                        data=data,
+                    )
+                )
     return res, rows
 
 
@@ -500,8 +459,15 @@ def bench_state(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
     bank_params = rows_total * fp
     dense_bytes = 2 * bank_params * 4
     K = S["state_steps"]
-    batches = make_batches(S, K, seq_len=S["state_seq_len"], n_leaf=blocks, levels=lv,
-                           branching=br, seed=S["seed"] + 300)
+    batches = make_batches(
+        S,
+        K,
+        seq_len=S["state_seq_len"],
+        n_leaf=blocks,
+        levels=lv,
+        branching=br,
+        seed=S["seed"] + 300,
+    )
     tr = Trainer(S, a, mem, sparse=True, max_grad_norm=None, seq_len=S["state_seq_len"])
     table = tr.bank.tables[str(lv)]
     checkpoints = []
@@ -512,210 +478,54 @@ def bench_state(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
             st = tr.opt.state[table]
             sb = tr.bank_state_bytes()
             touched = int(st["used"])
-            checkpoints.append({"steps": k, "state_bytes": sb, "rows_touched": touched,
-                                "rows_seen_by_fetch": len(tr.rows_seen[lv]),
-                                "pool_capacity_rows": int(st["exp_avg"].shape[0]),
-                                "fraction_touched": touched / rows_total,
-                                "ratio_vs_dense": sb / dense_bytes})
-            log(f"  after {k} steps: {touched}/{rows_total} rows touched, pool "
+            checkpoints.append(
+                {
+                    "steps": k,
+                    "state_bytes": sb,
+                    "rows_touched": touched,
+                    "rows_seen_by_fetch": len(tr.rows_seen[lv]),
+                    "pool_capacity_rows": int(st["exp_avg"].shape[0]),
+                    "fraction_touched": touched / rows_total,
+                    "ratio_vs_dense": sb / dense_bytes,
+                }
+            )
+            log(
+                f"  after {k} steps: {touched}/{rows_total} rows touched, pool "
                 f"{st['exp_avg'].shape[0]} rows, state {sb / 2**20:.1f} MiB "
-                f"({sb / dense_bytes:.3f} of dense)")
+                f"({sb / dense_bytes:.3f} of dense)"
+            )
     total_state = tr.opt.state_bytes()
     anchor_state = total_state - tr.bank_state_bytes()
-    res = {"blocks": blocks, "table_rows": rows_total, "fetch_params": fp,
-           "bank_params": bank_params, "dense_adamw_state_bytes": dense_bytes,
-           "seq_len": S["state_seq_len"], "batch": S["batch"], "checkpoints": checkpoints,
-           "optimizer_state_bytes_total": total_state, "anchor_state_bytes": anchor_state,
-           "seconds": time.perf_counter() - t0}
+    res = {
+        "blocks": blocks,
+        "table_rows": rows_total,
+        "fetch_params": fp,
+        "bank_params": bank_params,
+        "dense_adamw_state_bytes": dense_bytes,
+        "seq_len": S["state_seq_len"],
+        "batch": S["batch"],
+        "checkpoints": checkpoints,
+        "optimizer_state_bytes_total": total_state,
+        "anchor_state_bytes": anchor_state,
+        "seconds": time.perf_counter() - t0,
+    }
     data = f"{blocks} blocks (+generic) x {fp:,} params, B{S['batch']}, {K} steps"
     rows = []
     for c in checkpoints:
-        rows.append(row("state", f"bank optimizer state after {c['steps']} steps "
-                        f"({c['rows_touched']}/{rows_total} rows touched = "
-                        f"{c['fraction_touched']:.1%}; pool {c['pool_capacity_rows']} rows)",
-                        c["state_bytes"] / 2**20, baseline=dense_bytes / 2**20,
-                        ratio=c["ratio_vs_dense"], unit="MiB", data=data))
+        rows.append(
+            row(
+                "state",
+                f"bank optimizer state after {c['steps']} steps "
+                f"({c['rows_touched']}/{rows_total} rows touched = "
+                f"{c['fraction_touched']:.1%}; pool {c['pool_capacity_rows']} rows)",
+                c["state_bytes"] / 2**20,
+                baseline=dense_bytes / 2**20,
+                ratio=c["ratio_vs_dense"],
+                unit="MiB",
+                data=data,
+            )
+        )
     return res, rows
-
-
-# ------------------------------------------------------------------------ 4. read
-def bench_read(S: dict, ctx: dict) -> tuple[dict, list[dict]]:
-    """Fused in-place read vs gathered copies, per memory type, at the overhead benchmark's
-    anchor and fetched width (FFN: W rows of 3·d per layer; KV: W slots of 2·kv_dim)."""
-    a = anchor_shape(S)
-    W = fetched_width(a, S["fetch_fraction"])
-    mults = split_width(W, S["level_weights"])
-    br = S["overhead_branching"]
-    T = S["seq_len"]
-    warm, rounds, per = S["warmup_steps"], S["overhead_rounds"], S["overhead_steps_per_round"]
-    n = warm + rounds * per
-    batches = make_batches(S, n, seq_len=T, n_leaf=br ** len(mults), levels=len(mults),
-                           branching=br, seed=S["seed"] + 300)
-    res: dict[str, Any] = {"anchor": S["anchor"], "multipliers": list(mults), "branching": br}
-    rows = []
-    for kind in ("ffn", "kv"):
-        mem = MemoryConfig(multipliers=mults, type=kind, branching=br)
-        runs = {r: Trainer(S, a, mem, read=r) for r in ("gather", "fused")}
-        times: dict[str, list[float]] = {k: [] for k in runs}
-        losses: dict[str, list[float]] = {k: [] for k in runs}
-        for k, tr in runs.items():
-            for i in range(warm):
-                losses[k].append(tr.step(batches[i])[1])
-        for r in range(rounds):
-            for k in (["gather", "fused"] if r % 2 == 0 else ["fused", "gather"]):
-                for j in range(per):
-                    dt, loss = runs[k].step(batches[warm + r * per + j])
-                    times[k].append(dt)
-                    losses[k].append(loss)
-        t_g, t_f = median(times["gather"]), median(times["fused"])
-        diff = max(abs(x - y) for x, y in zip(losses["gather"], losses["fused"], strict=True))
-        log(f"  {kind}: gather {t_g * 1e3:.1f} ms, fused {t_f * 1e3:.1f} ms per step; "
-            f"max loss difference {diff:.2e}")
-        res[kind] = {"fetch_params": plan(a, mem).fetch_params, "steps": times,
-                     "losses": losses, "median_s": {"gather": t_g, "fused": t_f},
-                     "time_ratio": t_f / t_g, "max_loss_diff": diff}
-        data = f"{S['anchor']['name']} B{S['batch']}xS{T}, {kind} mem {list(mults)} br {br}"
-        rows += [row("read", f"{kind}: step ms, fused vs gathered", t_f * 1e3,
-                     baseline=t_g * 1e3, ratio=t_g / t_f, data=data, unit="ms"),
-                 row("read", f"{kind}: max |loss difference| over {n} steps", diff,
-                     target="<= 1e-4", met=diff <= 1e-4, data=data)]
-        choice, how = resolve_auto(S, a, mem, batches[0], T)
-        t_auto, best = {"fused": t_f, "gather": t_g}[choice], min(t_f, t_g)
-        log(f"  {kind}: memory.read auto -> {choice} ({how}): {t_auto * 1e3:.1f} ms per step, "
-            f"{t_auto / best:.2f}x the faster")
-        res[kind]["auto"] = {"choice": choice, "how": how, "step_s": t_auto, "ratio_to_best": t_auto / best}
-        rows.append(row("read", f"{kind}: step ms, auto ({choice}) vs the faster of fused/gather",
-                        t_auto * 1e3, baseline=best * 1e3, ratio=t_auto / best, target="<= 1.05",
-                        met=t_auto <= 1.05 * best, data=f"{data}; {how}", unit="ms"))
-    res["moc"], moc_rows = bench_read_moc(S, a, batches, warm=warm, rounds=rounds, per=per)
-    return res, rows + moc_rows
-
-
-def bench_read_moc(S: dict, a: AnchorShape, batches: list[dict], *, warm: int, rounds: int,
-                   per: int) -> tuple[dict, list[dict]]:
-    """Mixture-of-Chapters reads: one `MemtreeLM` per read of the layer (`MoCLayer.read`), built
-    from one seed, stepped (forward, loss with the router losses, backward, MemoryAdamW) on the
-    same batches, interleaved by round; then `memory.read: auto` as the trainer resolves it."""
-    from memtree.training.composer_model import (  # here: the other benchmarks need no Composer
-        MemorySettings,
-        MemtreeLM,
-    )
-    from memtree.training.layers.moc import MoCConfig, read_modes
-
-    T = S["seq_len"]
-    moc = MoCConfig(n_chapters=S.get("moc_chapters", 65), tokens_per_chapter=S.get("moc_tokens", 32),
-                    top_k=S.get("moc_top_k", 8), layers=tuple(range(1, a.n_layers, 2)), zero_init_out=False)
-    device = torch.device(S.get("device", "cpu"))
-    kw = {"lr": S["lr"], "betas": tuple(S["betas"]), "eps": 1e-8, "weight_decay": 0.0}
-
-    def build(read: str):
-        torch.manual_seed(S["seed"])
-        model = MemtreeLM(ModelConfig(anchor=a, max_seq_len=T, moc=moc),
-                          memory_settings=MemorySettings(read=read)).to(device)
-        return model, MemoryAdamW([{"params": list(model.parameters())}], **kw)
-
-    def step(run, batch) -> tuple[float, float]:
-        model, opt = run
-        ids = batch["ids"].to(device)
-        b = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "paths": batch["paths"]}
-        t0 = time.perf_counter()
-        loss = model.loss(model(b), b)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - t0, float(loss)
-
-    modes = read_modes(moc.weight_mode)
-    runs, times, losses, failed = {}, {m: [] for m in modes}, {m: [] for m in modes}, {}
-    for m in modes:
-        try:
-            runs[m] = build(m)
-            for i in range(warm):
-                losses[m].append(step(runs[m], batches[i])[1])
-        except Exception as e:  # noqa: BLE001 — a read that cannot run here (a compile limit) is reported
-            failed[m] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            runs.pop(m, None)
-            log(f"  moc: the {m} read failed: {failed[m]}")
-    order = list(runs)
-    for r in range(rounds):
-        for m in order if r % 2 == 0 else order[::-1]:
-            for j in range(per):
-                dt, loss = step(runs[m], batches[warm + r * per + j])
-                times[m].append(dt)
-                losses[m].append(loss)
-    med = {m: median(times[m]) for m in order}
-    diff = max((abs(x - y) for m in order for x, y in zip(losses[m], losses["gather"], strict=True)),
-               default=0.0)
-    data = (f"{S['anchor']['name']} B{S['batch']}xS{T}, MoC C{moc.n_chapters} T{moc.tokens_per_chapter} "
-            f"k{moc.top_k} layers {list(moc.layers)}")
-    log("  moc: " + ", ".join(f"{m} {t * 1e3:.1f} ms" for m, t in med.items()) + f" per step; max loss "
-        f"difference {diff:.2e}")
-    res: dict[str, Any] = {"moc": dataclasses.asdict(moc), "steps": times, "losses": losses,
-                           "median_s": med, "failed": failed, "max_loss_diff": diff}
-    rows = [row("read", f"moc: step ms, {m} vs gather", t * 1e3, baseline=med["gather"] * 1e3,
-                ratio=med["gather"] / t, data=data, unit="ms") for m, t in med.items() if m != "gather"]
-    rows.append(row("read", f"moc: max |loss difference| over {warm + rounds * per} steps", diff,
-                    target="<= 1e-4", met=diff <= 1e-4, data=data))
-    import tempfile
-
-    from memtree.training.read_choice import ReadProbeCache, resolve_read
-
-    model = runs["gather"][0]
-    ids = batches[0]["ids"].to(device)
-    probe_batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "paths": batches[0]["paths"]}
-    with tempfile.TemporaryDirectory(prefix="memtree-read-probe-") as tmp:
-        choice = resolve_read("auto", model, probe_batch, precision="fp32",
-                              cache=ReadProbeCache(Path(tmp) / "read-probe.json"))
-    best = min(med.values())
-    t_auto = med.get(choice, math.nan)
-    res["auto"] = {"choice": choice, "step_s": t_auto, "ratio_to_best": t_auto / best}
-    log(f"  moc: memory.read auto -> {choice}: {t_auto * 1e3:.1f} ms per step, {t_auto / best:.2f}x the fastest")
-    rows.append(row("read", f"moc: step ms, auto ({choice}) vs the fastest read", t_auto * 1e3,
-                    baseline=best * 1e3, ratio=t_auto / best, target="<= 1.03", met=t_auto <= 1.03 * best,
-                    data=data, unit="ms"))
-    return res, rows
-
-
-def resolve_auto(S: dict, a: AnchorShape, mem: MemoryConfig, batch: dict, seq_len: int) -> tuple[str, str]:
-    """`memory.read: auto` resolved as the trainer does (`training.read_choice.resolve_read`: on a
-    GPU a timed probe of both reads on a `MemtreeLM` of this shape and one of the batches, fp32 like
-    this benchmark; on the CPU gather without probing), with a fresh cache in a temporary folder.
-    Returns (the mode, how it was decided)."""
-    import logging
-    import tempfile
-
-    from memtree.training.composer_model import (  # here: the other benchmarks need no Composer
-        MemorySettings,
-        MemtreeLM,
-    )
-    from memtree.training.read_choice import ReadProbeCache, resolve_read
-
-    torch.manual_seed(S["seed"])
-    device = torch.device(S.get("device", "cpu"))
-    model = MemtreeLM(ModelConfig(anchor=a, memory=mem, max_seq_len=seq_len),
-                      memory_settings=MemorySettings(generic_prob=S["generic_prob"], read="fused"), seed=S["seed"]).to(device)
-    ids = batch["ids"]
-    probe_batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "paths": batch["paths"]}
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("memtree.training.read_choice")
-    logger.addHandler(handler)
-    old_level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
-        with tempfile.TemporaryDirectory(prefix="memtree-read-probe-") as tmp:
-            choice = resolve_read("auto", model, probe_batch, precision="fp32",
-                                  cache=ReadProbeCache(Path(tmp) / "read-probe.json"))
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
-    how = lines[-1].removeprefix("memory.read auto: ").split(" [")[0] if lines else "no log line"
-    if how.startswith(f"{choice} (") and how.endswith(")"):  # "gather (why)": the why
-        how = how[len(choice) + 2:-1]
-    return choice, how
 
 
 # ------------------------------------------------------------------------------------- main
@@ -723,23 +533,40 @@ def machine() -> dict:
     return machine_basics(torch_threads=torch.get_num_threads())
 
 
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small, fast variant")
-    ap.add_argument("--only", choices=BENCHES, action="append",
-                    help="run only this benchmark (repeatable)")
+    ap.add_argument(
+        "--only", choices=BENCHES, action="append", help="run only this benchmark (repeatable)"
+    )
     date = _dt.date.today().isoformat()
-    ap.add_argument("--out", default=None,
-                    help="results JSON (default bench/training/results/training[-ONLY…]-DATE.json, so a "
-                    "partial run does not overwrite a full one)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override one size from sizes() (JSON value); recorded in the JSON")
-    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
-                    help="before each benchmark, wait up to SECONDS for the 1-minute load "
-                    "average to drop below half the core count")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="where the models train (fp32 on either)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="results JSON (default bench/training/results/training[-ONLY…]-DATE.json, so a "
+        "partial run does not overwrite a full one)",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one size from sizes() (JSON value); recorded in the JSON",
+    )
+    ap.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each benchmark, wait up to SECONDS for the 1-minute load "
+        "average to drop below half the core count",
+    )
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the models train (fp32 on either)",
+    )
     args = ap.parse_args(argv)
     S = sizes(args.quick) | {"device": args.device}
     for kv in args.set:
@@ -754,13 +581,24 @@ def main(argv: list[str] | None = None) -> int:
     out = results_path(args.out, f"training{parts}-{date}.json", results_dir(__file__))
     selected = args.only or list(BENCHES)
     results: dict[str, Any] = {
-        "meta": {"command": command_line(),
-                 "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-                 "quick": args.quick, "machine": machine(), "host": machine_meta(), "sizes": S,
-                 "loadavg_start": loadavg()},
-        "benchmarks": {}, "rows": []}
-    fns = {"overhead": bench_overhead, "banksize": bench_banksize, "state": bench_state,
-           "read": bench_read}
+        "meta": {
+            "command": command_line(),
+            "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "quick": args.quick,
+            "machine": machine(),
+            "host": machine_meta(),
+            "sizes": S,
+            "loadavg_start": loadavg(),
+        },
+        "benchmarks": {},
+        "rows": [],
+    }
+    fns = {
+        "overhead": bench_overhead,
+        "banksize": bench_banksize,
+        "state": bench_state,
+        "read": bench_read,
+    }
     ctx: dict[str, Any] = {}
     for name in [b for b in BENCHES if b in selected]:
         waited = wait_quiet(args.wait_quiet, per_core=0.5)
@@ -773,8 +611,9 @@ def main(argv: list[str] | None = None) -> int:
         res["load_after"] = {"loadavg": loadavg(), "pressure": pressure()}
         res["bench_seconds"] = round(time.perf_counter() - t0, 1)
         # peak resident set of this process so far (Linux reports KiB)
-        res["peak_rss_gib_so_far"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                                           / 2**20, 2)
+        res["peak_rss_gib_so_far"] = round(
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2
+        )
         results["benchmarks"][name] = res
         results["rows"] += rows
         write_results(results, out)  # partial results
