@@ -58,12 +58,12 @@ test-pretrained: $(PRETRAINED_STAMP)
 	$(PY) -m pytest -q -m slow tests/test_pretrained.py
 
 bench: $(STAMP)
-	$(PY) bench/pipeline_stages.py
+	$(PY) -m bench.pipeline.pipeline_stages
 
-# What the lent GPU machine cannot fetch, for bench/device_check.py: wheels, demo shards, MiniLM
+# What the lent GPU machine cannot fetch, for bench/device/device_check.py: wheels, demo shards, MiniLM
 # in fp16, into .devcheck/ (git-ignored; the device tool carries it). Needs the demo's shards.
 device-wheels: $(STAMP)
-	PY=$(PY) bash bench/device_wheels.sh
+	PY=$(PY) bash bench/device/device_wheels.sh
 
 clean:
 	rm -rf runs .pytest_cache

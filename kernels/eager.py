@@ -3,7 +3,7 @@
 Both fused reads (`kernels.memory_attention`, `kernels.ffn_memory`) are custom ops so that
 torch.compile can trace them; in eager mode the custom op's own per-call work (dispatch,
 default filling, the outputs' alias check) is host time, ~0.15 ms per forward+backward here,
-and on a GPU a training step's fused reads are host-bound (bench/profile_reads.py). So eager
+and on a GPU a training step's fused reads are host-bound (bench/kernels/profile_reads.py). So eager
 calls go through a plain autograd.Function with the same forward, context and backward; only
 tracing (torch.compile, fake or functional tensors, dispatch modes) needs the custom op.
 """

@@ -24,7 +24,7 @@ STAGES = ("pipeline", "clustering", "memstore", "training", "kernels", "eval")
 class _SourceTreeStages(importlib.abc.MetaPathFinder):
     """Finds `memtree.<stage>` in the stage folders beside this package, when this package was
     imported from a source checkout (an editable install, or `PYTHONPATH=<checkout>` with no
-    install, as bench/device_check.py runs on a machine with no package index).
+    install, as bench/device/device_check.py runs on a machine with no package index).
 
     It goes first on `sys.meta_path`: the stages that belong to this memtree/ are the folders
     beside it, also where an editable install of another checkout would map them elsewhere. It

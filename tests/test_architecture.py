@@ -53,7 +53,9 @@ def _imports(path: Path) -> list[tuple[int, str]]:
             out += [(node.lineno, _local(a.name).split(".")[0]) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             if node.module == "memtree":
-                out += [(node.lineno, a.name if a.name in STAGES else "memtree") for a in node.names]
+                out += [
+                    (node.lineno, a.name if a.name in STAGES else "memtree") for a in node.names
+                ]
             else:
                 out.append((node.lineno, _local(node.module).split(".")[0]))
     return out
@@ -65,7 +67,9 @@ TABLE = _table()
 def test_table_lists_every_package_and_only_packages():
     packages = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests", "bench"}
     assert set(TABLE) == packages, (
-        f"docs/ARCHITECTURE.md's package table lists {sorted(TABLE)}, the repository has {sorted(packages)}")
+        f"docs/ARCHITECTURE.md's package table lists {sorted(TABLE)}, the repository has "
+        f"{sorted(packages)}"
+    )
     for pkg, deps in TABLE.items():
         assert deps <= set(TABLE), f"{pkg} may import unknown packages {sorted(deps - set(TABLE))}"
 
@@ -78,8 +82,10 @@ def test_imports_flow_downward(package):
         for line, mod in _imports(path):
             if mod in project and mod != package and mod not in TABLE[package]:
                 bad.append(f"{path.relative_to(REPO)}:{line} imports {mod}")
-    assert not bad, (f"{package} may import only {sorted(TABLE[package]) or 'nothing'} "
-                     f"(docs/ARCHITECTURE.md):\n" + "\n".join(bad))
+    assert not bad, (
+        f"{package} may import only {sorted(TABLE[package]) or 'nothing'} "
+        f"(docs/ARCHITECTURE.md):\n" + "\n".join(bad)
+    )
 
 
 def test_table_is_acyclic():
@@ -87,7 +93,9 @@ def test_table_is_acyclic():
 
     def visit(pkg: str, path: list[str]) -> None:
         if seen.get(pkg) == 1:
-            raise AssertionError("import cycle in docs/ARCHITECTURE.md: " + " -> ".join(path + [pkg]))
+            raise AssertionError(
+                "import cycle in docs/ARCHITECTURE.md: " + " -> ".join(path + [pkg])
+            )
         if seen.get(pkg) == 2:
             return
         seen[pkg] = 1
@@ -100,9 +108,10 @@ def test_table_is_acyclic():
 
 
 def test_bench_scripts_cannot_shadow_a_package():
-    """`python bench/X.py` puts bench/ first on sys.path: a bench/memtree.py would hide the one
-    import name the project installs (its stages are memtree.<stage>, which no script can hide)."""
-    shadowing = sorted(p.name for p in (REPO / "bench").glob("*.py") if p.stem == "memtree")
+    """A script run by its path (`python bench/<topic>/X.py`) puts its folder first on sys.path: a
+    bench/<topic>/memtree.py would hide the one import name the project installs (its stages are
+    memtree.<stage>, which no script can hide)."""
+    shadowing = sorted(p.name for p in (REPO / "bench").rglob("*.py") if p.stem == "memtree")
     assert not shadowing, f"bench scripts named like the project's import name: {shadowing}"
 
 
@@ -111,8 +120,13 @@ def _bare_stage_imports(source: str, filename: str = "<source>") -> list[tuple[i
     `from eval.x import y`) rather than through the namespace (`memtree.training`)."""
     out = []
     for node in ast.walk(ast.parse(source, filename=filename)):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module]
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+            else []
+        )
         out += [(node.lineno, n) for n in names if n.split(".")[0] in STAGES]
     return out
 
@@ -121,14 +135,22 @@ def test_every_stage_is_imported_through_the_memtree_namespace():
     """The stages install as memtree.<stage> only. Run from the repository's root, a bare
     `import training` would still resolve (the folder is on sys.path there) and load a second copy
     of the module, so nothing here would fail, while the installed wheel has no such name."""
-    files = [p for top in (*STAGES, "memtree", "tests", "bench") for p in sorted((REPO / top).rglob("*.py"))]
+    files = [
+        p
+        for top in (*STAGES, "memtree", "tests", "bench")
+        for p in sorted((REPO / top).rglob("*.py"))
+    ]
     assert len(files) > 200
-    bad = [f"{p.relative_to(REPO)}:{line} imports {name}"
-           for p in files for line, name in _bare_stage_imports(p.read_text(), str(p))]
+    bad = [
+        f"{p.relative_to(REPO)}:{line} imports {name}"
+        for p in files
+        for line, name in _bare_stage_imports(p.read_text(), str(p))
+    ]
     assert not bad, "import these as memtree.<stage>:\n" + "\n".join(bad)
-    assert _bare_stage_imports("import eval.cli\nfrom kernels import x\nfrom memtree.eval import y\n"
-                               "import memtree.training\n") == [(1, "eval.cli"), (2, "kernels")]
-
+    assert _bare_stage_imports(
+        "import eval.cli\nfrom kernels import x\nfrom memtree.eval import y\n"
+        "import memtree.training\n"
+    ) == [(1, "eval.cli"), (2, "kernels")]
 
 
 def _module(path: Path) -> str:
@@ -147,8 +169,12 @@ def _private_uses(source: str, me: str, project: set[str]) -> list[tuple[int, st
     bound: dict[str, str] = {}  # local name -> the project module or object it stands for
     out = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
-                and _local(node.module).split(".")[0] in project:
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and _local(node.module).split(".")[0] in project
+        ):
             module = _local(node.module)
             for a in node.names:
                 if _private(a.name) and module != me:
@@ -159,10 +185,16 @@ def _private_uses(source: str, me: str, project: set[str]) -> list[tuple[int, st
                 if _local(a.name).split(".")[0] in project:
                     # `import memtree.training.hf as hf` binds hf; without `as`, the name bound is
                     # memtree, whose attributes are stages, not a module's private names
-                    bound[a.asname or a.name.split(".")[0]] = _local(a.name) if a.asname else a.name.split(".")[0]
+                    bound[a.asname or a.name.split(".")[0]] = (
+                        _local(a.name) if a.asname else a.name.split(".")[0]
+                    )
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name) \
-                and bound.get(node.value.id, me) != me:
+        if (
+            isinstance(node, ast.Attribute)
+            and _private(node.attr)
+            and isinstance(node.value, ast.Name)
+            and bound.get(node.value.id, me) != me
+        ):
             out.append((node.lineno, f"{bound[node.value.id]}.{node.attr}"))
     return sorted(out)
 
@@ -171,22 +203,32 @@ def _private_uses(source: str, me: str, project: set[str]) -> list[tuple[int, st
 def test_no_module_uses_another_modules_private_names(package):
     """A `_name` is its module's own: a helper another module needs is made public where it
     lives (issue #39 found such back-doors, which the import table cannot see). The benchmark
-    scripts are held to it too; their own `_common`-style helper modules are bench's."""
-    found = [f"{path.relative_to(REPO)}:{line} uses {name}"
-             for path in sorted((REPO / package).rglob("*.py"))
-             for line, name in _private_uses(path.read_text(), _module(path), set(TABLE))]
+    scripts are held to it too; their own helper modules (`bench.common`, `bench.<topic>.<module>`)
+    are bench's."""
+    found = [
+        f"{path.relative_to(REPO)}:{line} uses {name}"
+        for path in sorted((REPO / package).rglob("*.py"))
+        for line, name in _private_uses(path.read_text(), _module(path), set(TABLE))
+    ]
     assert not found, "\n".join(found)
 
 
 def test_the_private_name_check_sees_both_forms():
     """The check above fails on the two forms it looks for, and passes a module's own names."""
-    source = ("from memtree.training.hf import _secret, load_hf_causal_lm\n"
-              "import memtree.memstore.store as st\n"
-              "from memtree.training import model\n"
-              "st._ranges([1]); model._gain_norm; model.__name__\n")
+    source = (
+        "from memtree.training.hf import _secret, load_hf_causal_lm\n"
+        "import memtree.memstore.store as st\n"
+        "from memtree.training import model\n"
+        "st._ranges([1]); model._gain_norm; model.__name__\n"
+    )
     assert _private_uses(source, "training.x", set(TABLE)) == [
-        (1, "training.hf._secret"), (4, "memstore.store._ranges"), (4, "training.model._gain_norm")]
-    assert _private_uses("from memtree.training.hf import _secret\n", "training.hf", set(TABLE)) == []
+        (1, "training.hf._secret"),
+        (4, "memstore.store._ranges"),
+        (4, "training.model._gain_norm"),
+    ]
+    assert (
+        _private_uses("from memtree.training.hf import _secret\n", "training.hf", set(TABLE)) == []
+    )
 
 
 def _import_graph(project: set[str]) -> dict[str, set[str]]:
@@ -263,8 +305,11 @@ CORE_FOLDERS = {"training": {"callbacks", "generate", "layers"}, "memstore": {"s
 
 
 def _systems(stage: str) -> list[str]:
-    return sorted(p.parent.name for p in (REPO / stage).glob("*/__init__.py")
-                  if p.parent.name not in CORE_FOLDERS[stage])
+    return sorted(
+        p.parent.name
+        for p in (REPO / stage).glob("*/__init__.py")
+        if p.parent.name not in CORE_FOLDERS[stage]
+    )
 
 
 SYSTEMS = _systems("training")
@@ -279,7 +324,11 @@ def _stage_imports(source: str, stage: str) -> list[tuple[int, str]]:
             names = [module] if module != stage else [f"{stage}.{a.name}" for a in node.names]
             out += [(node.lineno, n) for n in names if n.startswith(f"{stage}.")]
         elif isinstance(node, ast.Import):
-            out += [(node.lineno, _local(a.name)) for a in node.names if _local(a.name).startswith(f"{stage}.")]
+            out += [
+                (node.lineno, _local(a.name))
+                for a in node.names
+                if _local(a.name).startswith(f"{stage}.")
+            ]
     return out
 
 
@@ -336,13 +385,14 @@ def test_eval_core_never_imports_a_system():
 
 def test_the_system_check_sees_an_import():
     """The check above finds both import forms of a system module."""
-    tree = ("from memtree.training.finetune.lora import add_lora\nimport memtree.training.context.vae\n"
-            "from memtree.training import camelot\n")
+    tree = (
+        "from memtree.training.finetune.lora import add_lora\nimport memtree.training.context.vae\n"
+        "from memtree.training import camelot\n"
+    )
     found = [m for _, m in _training_imports(tree)]
     assert found == ["training.finetune.lora", "training.context.vae", "training.camelot"]
     assert [_system_of(m) for m in found] == ["finetune", "context", "camelot"]
     assert _system_of("training.layers.moc") is None and _system_of("training.model") is None
-
 
 
 def test_the_trainer_never_imports_generation():
@@ -353,6 +403,9 @@ def test_the_trainer_never_imports_generation():
         rel = path.relative_to(REPO / "training").parts
         if rel[0] == "generate":
             continue
-        bad += [f"{path.relative_to(REPO)}:{line} imports {mod}" for line, mod in _training_imports(path.read_text())
-                if mod.startswith("training.generate")]
+        bad += [
+            f"{path.relative_to(REPO)}:{line} imports {mod}"
+            for line, mod in _training_imports(path.read_text())
+            if mod.startswith("training.generate")
+        ]
     assert bad == []

@@ -1,7 +1,7 @@
-"""bench/read_paths.py on the CPU with tiny shapes (as the first part of bench/device_check.py:
-tests/test_device_check.py): every read path runs at every shape or says why not, agrees with the fp32
-reference, the fair baseline's bank gradient is sparse as in training, and the results record the
-machine they were measured on."""
+"""bench/kernels/read_paths.py on the CPU with tiny shapes (as the first part of
+bench/device/device_check.py: tests/test_device_check.py): every read path runs at every shape or
+says why not, agrees with the fp32 reference, the fair baseline's bank gradient is sparse as in
+training, and the results record the machine they were measured on."""
 
 from __future__ import annotations
 
@@ -11,20 +11,35 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ATTENTION = {"kernel", "kernel_shared_table", "gather_sdpa", "gather_sdpa_dense", "sdpa_wide", "flex"}
+ATTENTION = {
+    "kernel",
+    "kernel_shared_table",
+    "gather_sdpa",
+    "gather_sdpa_dense",
+    "sdpa_wide",
+    "flex",
+}
 FFN = {"kernel", "kernel_shared_table", "gather_bmm", "gather_bmm_dense"}
-SCENARIOS = {"moc": ATTENTION, "moc_bias": ATTENTION, "moc_mix": ATTENTION, "hkv": ATTENTION, "ffn": FFN}
+SCENARIOS = {
+    "moc": ATTENTION,
+    "moc_bias": ATTENTION,
+    "moc_mix": ATTENTION,
+    "hkv": ATTENTION,
+    "ffn": FFN,
+}
+
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, *cmd], cwd=REPO, capture_output=True, text=True, timeout=300,
-                       check=False)
+    p = subprocess.run(
+        [sys.executable, *cmd], cwd=REPO, capture_output=True, text=True, timeout=300, check=False
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
 
 
 def test_read_paths_quick_runs_every_candidate_and_checks_it(tmp_path):
     out = tmp_path / "read-paths.json"
-    p = _run(["bench/read_paths.py", "--device", "cpu", "--quick", "--out", str(out)])
+    p = _run(["-m", "bench.kernels.read_paths", "--device", "cpu", "--quick", "--out", str(out)])
     res = json.loads(out.read_text())
     assert "x dev" in p.stdout  # the aligned table was printed
 
@@ -36,7 +51,9 @@ def test_read_paths_quick_runs_every_candidate_and_checks_it(tmp_path):
     for scenario, variants in SCENARIOS.items():
         summary = res["scenarios"][scenario]
         # the fair baseline reads as training does: a sparse COO gradient over the batch's rows
-        assert summary["baseline_grad_layout"] == "sparse_coo" and summary["baseline_grad_sparse"], summary
+        assert (
+            summary["baseline_grad_layout"] == "sparse_coo" and summary["baseline_grad_sparse"]
+        ), summary
         assert summary["fair_baseline"] in variants
         for v in variants:
             for pname in ("forward", "forward_backward"):
@@ -45,8 +62,14 @@ def test_read_paths_quick_runs_every_candidate_and_checks_it(tmp_path):
                 assert timed or r["reason"], r
                 if timed and pname == "forward_backward":
                     errs = r["errors"]
-                    assert "error" not in errs and errs["max"] < summary["tolerance"], (scenario, v, errs)
-                    assert {"out", "dbank_k", "dbank_v"} <= set(errs) or {"out", "dw1"} <= set(errs), errs
+                    assert "error" not in errs and errs["max"] < summary["tolerance"], (
+                        scenario,
+                        v,
+                        errs,
+                    )
+                    assert {"out", "dbank_k", "dbank_v"} <= set(errs) or {"out", "dw1"} <= set(
+                        errs
+                    ), errs
                     if summary["weight_mode"]:
                         assert "dweights" in errs, errs
                 if timed:
@@ -64,4 +87,3 @@ def test_read_paths_quick_runs_every_candidate_and_checks_it(tmp_path):
                 assert reason(scenario, v).startswith("n/a"), reason(scenario, v)
             else:  # everything else must run here
                 assert not reason(scenario, v), (scenario, v, reason(scenario, v))
-

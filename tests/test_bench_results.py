@@ -1,4 +1,5 @@
-"""Benchmark records under bench/results are never overwritten by a later run's default name."""
+"""Benchmark records under bench/<topic>/results are never overwritten by a later run's default
+name."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def common(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    mod = importlib.import_module("_common")
+    monkeypatch.syspath_prepend(str(REPO))
+    mod = importlib.import_module("bench.common")
     monkeypatch.setattr(mod, "RESULTS", tmp_path / "results")
     yield mod
-    sys.modules.pop("_common", None)
+    sys.modules.pop("bench.common", None)
 
 
 def test_a_second_run_on_the_same_day_takes_the_next_free_name(common, tmp_path):
@@ -28,7 +29,9 @@ def test_a_second_run_on_the_same_day_takes_the_next_free_name(common, tmp_path)
     second = common.results_path(None, "knowledge-2026-11-26.json")
     assert second.name == "knowledge-2026-11-26-2.json"
     second.write_text("{}")
-    assert common.results_path(None, "knowledge-2026-11-26.json").name == "knowledge-2026-11-26-3.json"
+    assert (
+        common.results_path(None, "knowledge-2026-11-26.json").name == "knowledge-2026-11-26-3.json"
+    )
     # an explicit --out is written as given, even over an existing file
     assert common.results_path(str(first), "x.json") == first
     # and its folder is made, as a default's is
@@ -37,13 +40,21 @@ def test_a_second_run_on_the_same_day_takes_the_next_free_name(common, tmp_path)
 
 def test_no_bench_script_builds_a_results_path_of_its_own():
     """Every script names its default through `results_path`, so the rule above holds for all."""
-    offenders = [p.name for p in (REPO / "bench").glob("*.py")
-                 if p.name != "_common.py" and re.search(r"""["']results["']""", p.read_text())]
-    assert not offenders, f"bench scripts writing under bench/results without results_path: {offenders}"
+    offenders = [
+        str(p.relative_to(REPO))
+        for p in (REPO / "bench").rglob("*.py")
+        if p != REPO / "bench" / "common.py" and re.search(r"""["']results["']""", p.read_text())
+    ]
+    assert not offenders, (
+        f"bench scripts writing under bench/<topic>/results without results_path: {offenders}"
+    )
 
 
 def test_every_committed_result_is_dated():
     """A record says when it was measured in its name (files and run folders alike)."""
-    undated = [p.name for p in (REPO / "bench" / "results").iterdir()
-               if not re.search(r"\d{4}-\d{2}-\d{2}", p.name)]
+    undated = [
+        p.name
+        for p in (REPO / "bench").glob("*/results/*")
+        if not re.search(r"\d{4}-\d{2}-\d{2}", p.name)
+    ]
     assert not undated, undated

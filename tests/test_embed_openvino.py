@@ -1,4 +1,5 @@
-"""The int8 OpenVINO embedding backend: local export, reuse, integrity, accuracy, pipeline and routing."""
+"""The int8 OpenVINO embedding backend: local export, reuse, integrity, accuracy, pipeline and
+routing."""
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ def export(tmp_path_factory, texts):
 
     root = tmp_path_factory.mktemp("ov")
     out = root / "export"
-    meta = export_openvino_int8(default_model_path(), out, texts[:48], max_seq_length=MSL, cache_dir=root / "cache")
+    meta = export_openvino_int8(
+        default_model_path(), out, texts[:48], max_seq_length=MSL, cache_dir=root / "cache"
+    )
     assert meta.pop("obtained") == "calibrated"
     return out, meta
 
@@ -58,41 +61,62 @@ def test_export_is_copied_from_the_cache_by_another_run(export, texts, tmp_path)
     out, meta = export
     cache = out.parent / "cache"
     entries = list(cache.iterdir())
-    assert [e.name for e in entries] == [export_key_hash({k: meta[k] for k in
-                                                          ("backend", "source_weights_sha256", "quantization",
-                                                           "calibration")})]
+    assert [e.name for e in entries] == [
+        export_key_hash(
+            {
+                k: meta[k]
+                for k in ("backend", "source_weights_sha256", "quantization", "calibration")
+            }
+        )
+    ]
     stamp = (entries[0] / OV_INT8_FILE).stat().st_mtime_ns
     other = tmp_path / "other-run" / "embedder"
-    got = export_openvino_int8(default_model_path(), other, texts[:48], max_seq_length=MSL, cache_dir=cache)
+    got = export_openvino_int8(
+        default_model_path(), other, texts[:48], max_seq_length=MSL, cache_dir=cache
+    )
     assert got.pop("obtained") == "cache"
     assert got["files"] == meta["files"] and read_export(other)["files"] == meta["files"]
-    assert (entries[0] / OV_INT8_FILE).stat().st_mtime_ns == stamp  # the cache entry itself untouched
+    assert (
+        entries[0] / OV_INT8_FILE
+    ).stat().st_mtime_ns == stamp  # the cache entry itself untouched
     # another calibration sample is another key: not served from this entry
-    assert export_key_hash({**{k: meta[k] for k in ("backend", "source_weights_sha256", "quantization")},
-                            "calibration": {**meta["calibration"], "n": 47}}) != entries[0].name
+    assert (
+        export_key_hash(
+            {
+                **{k: meta[k] for k in ("backend", "source_weights_sha256", "quantization")},
+                "calibration": {**meta["calibration"], "n": 47},
+            }
+        )
+        != entries[0].name
+    )
 
 
 def test_no_progress_silences_nncf(tmp_path, texts, capfd):
     from memtree.clustering.embed import default_model_path
 
-    got = export_openvino_int8(default_model_path(), tmp_path / "quiet", texts[:8], max_seq_length=32,
-                               progress=False)
+    got = export_openvino_int8(
+        default_model_path(), tmp_path / "quiet", texts[:8], max_seq_length=32, progress=False
+    )
     assert got["obtained"] == "calibrated"
     out, err = capfd.readouterr()
-    assert "nncf" not in (out + err).lower() and "Statistics collection" not in out + err, (out + err)[-2000:]
+    assert "nncf" not in (out + err).lower() and "Statistics collection" not in out + err, (
+        out + err
+    )[-2000:]
 
 
 def test_int8_embeddings_close_to_torch(export, texts):
     out, _ = export
     held_out = texts[48:]
     ref = embed_texts(load_embedder(None, device="cpu", max_seq_length=MSL), held_out)
-    got = embed_texts(load_embedder(str(out), max_seq_length=MSL, backend="openvino-int8", threads=1),
-                      held_out)
+    got = embed_texts(
+        load_embedder(str(out), max_seq_length=MSL, backend="openvino-int8", threads=1), held_out
+    )
     assert got.shape == ref.shape and got.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
     cos = (got * ref).sum(1)
     # README's claim: every document at cosine >= 0.9964 to torch (min of 1,000 synthetic docs at
-    # max_seq_length 256, bench/embed_backends.py). Here, 112 held-out docs at msl 64 calibrated on
+    # max_seq_length 256, bench/clustering/embed_backends.py). Here, 112 held-out docs at msl 64
+    # calibrated on
     # 48: min 0.9978, mean 0.9985 (2026-11-29, x86 CPU). NNCF's default settings, without the
     # chosen smooth-quant alpha and float layer-0 FFN output (clustering/embed_export.py), give min
     # 0.9875 on README's data and fail this.
@@ -108,15 +132,17 @@ def _has_vnni() -> bool:
 
 
 def test_int8_batches_come_in_few_shapes(export, texts):
-    """OpenVINO keeps memory per input shape (issue #16): lengths are padded to SEQ_BUCKET multiples,
-    so a corpus of any size runs through at most max_seq_length / SEQ_BUCKET lengths, and the
-    padding (masked) leaves the vectors as they were to int8 rounding."""
+    """OpenVINO keeps memory per input shape (issue #16): lengths are padded to SEQ_BUCKET
+    multiples, so a corpus of any size runs through at most max_seq_length / SEQ_BUCKET lengths, and
+    the padding (masked) leaves the vectors as they were to int8 rounding."""
     out, _ = export
     m = load_embedder(str(out), max_seq_length=MSL, backend="openvino-int8", threads=1)
     short = ["a b", "one two three four five six seven"]
     lengths = {m[0].preprocess([t])["input_ids"].shape[1] for t in short + texts[:8]}
     assert lengths <= {SEQ_BUCKET * k for k in range(1, MSL // SEQ_BUCKET + 1)}, lengths
-    assert m[0].preprocess(short[:1])["input_ids"].shape[1] == SEQ_BUCKET  # "[CLS] a b [SEP]" padded
+    assert (
+        m[0].preprocess(short[:1])["input_ids"].shape[1] == SEQ_BUCKET
+    )  # "[CLS] a b [SEP]" padded
     alone = np.stack([embed_texts(m, [t])[0] for t in short])
     together = embed_texts(m, short + texts[:6])[:2]  # padded to MSL beside the long texts
     assert ((alone * together).sum(1) > 0.999).all()
@@ -165,15 +191,23 @@ def test_backend_config_errors():
 
 
 def test_pipeline_with_int8_backend_routes_queries_through_the_export(
-        tmp_path, corpus_records, dask_client):
+    tmp_path, corpus_records, dask_client
+):
     from memtree.clustering.route import route_texts
     from memtree.clustering.tree import load_tree
 
     corpus = write_jsonl(tmp_path / "c.jsonl", corpus_records[:400])
     out = tmp_path / "run"
-    cfg = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
-                      [*PIPELINE_OVERRIDES, "tree.branching=4", "embed.backend=openvino-int8",
-                       "embed.calibration_samples=40"])
+    cfg = load_config(
+        PipelineConfig,
+        {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
+        [
+            *PIPELINE_OVERRIDES,
+            "tree.branching=4",
+            "embed.backend=openvino-int8",
+            "embed.calibration_samples=40",
+        ],
+    )
     markers = run_pipeline(cfg, client=dask_client, log=lambda m: None)
     em = markers["embed"]["stats"]
     assert em["backend"] == "openvino-int8" and em["calibration"]["n"] == 40
@@ -183,8 +217,12 @@ def test_pipeline_with_int8_backend_routes_queries_through_the_export(
     out.rename(moved)
     tree = load_tree(moved / "tree")
     assert tree.meta["embedder"]["backend"] == "openvino-int8"
-    w = pq.read_table(moved / "window" / "part-00000.parquet", columns=["text"])["text"].to_pylist()[:30]
-    a = pq.read_table(moved / "assign" / "part-00000.parquet", columns=["path"])["path"].to_pylist()[:30]
+    w = pq.read_table(moved / "window" / "part-00000.parquet", columns=["text"])[
+        "text"
+    ].to_pylist()[:30]
+    a = pq.read_table(moved / "assign" / "part-00000.parquet", columns=["path"])[
+        "path"
+    ].to_pylist()[:30]
     assert route_texts(tree, w).tolist() == a
 
 

@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_top_level_kernels_package_does_not_confuse_transformers():
-    # transformers probes for an unrelated hub package named `kernels`; ours must not be taken for it.
+    # transformers probes for an unrelated hub package named `kernels`; ours must not be taken for
+    # it.
     from transformers.utils import import_utils
 
     import memtree.kernels  # noqa: F401  (ours, importable)
@@ -48,12 +49,23 @@ def test_mean_strategy_covers_the_whole_window():
 
 
 def test_cli_lists_subcommands_and_names_bad_input(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "memtree", "--help"], capture_output=True, text=True,
-                       check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "memtree", "--help"], capture_output=True, text=True, check=False
+    )
     assert r.returncode == 0 and "pipeline" in r.stdout and "demo" in r.stdout
     r = subprocess.run(
-        [sys.executable, "-m", "memtree", "pipeline", "run", f"out={tmp_path / 'r'}", "tree.levelz=2"],
-        capture_output=True, text=True, check=False,
+        [
+            sys.executable,
+            "-m",
+            "memtree",
+            "pipeline",
+            "run",
+            f"out={tmp_path / 'r'}",
+            "tree.levelz=2",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert r.returncode == 1 and "tree.levelz" in r.stderr
 
@@ -71,7 +83,9 @@ def test_package_data_ships_every_stage_config():
         pkg = folder.parent
         pats = [*table.get("*", []), *table.get(f"memtree.{pkg.name}", [])]
         shipped = {f for pat in pats for f in pkg.glob(pat)}
-        missing += [str(f.relative_to(REPO)) for f in folder.rglob("*") if f.is_file() and f not in shipped]
+        missing += [
+            str(f.relative_to(REPO)) for f in folder.rglob("*") if f.is_file() and f not in shipped
+        ]
     assert not missing, f"not in pyproject.toml's package-data: {missing}"
 
 
@@ -80,8 +94,9 @@ def _folders_to_ship() -> set[str]:
     out = set()
     for top in ("memtree", *STAGES):
         for d in [REPO / top, *(p for p in (REPO / top).rglob("*") if p.is_dir())]:
-            if d.name == "__pycache__" or not any(f.is_file() and f.suffix in (".py", ".yaml", ".json", ".jsonl")
-                                                   for f in d.iterdir()):
+            if d.name == "__pycache__" or not any(
+                f.is_file() and f.suffix in (".py", ".yaml", ".json", ".jsonl") for f in d.iterdir()
+            ):
                 continue
             rel = d.relative_to(REPO).parts
             out.add(".".join(rel) if top == "memtree" else ".".join(("memtree", *rel)))
@@ -113,15 +128,44 @@ def wheel_venv(tmp_path_factory):
         shutil.copy2(REPO / name, src / name)
     for top in ("memtree", *STAGES):
         shutil.copytree(REPO / top, src / top, ignore=shutil.ignore_patterns("__pycache__"))
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                        "-q", "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("memtree-*.whl")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     before = {p.name for p in _site_packages(venv).iterdir()}
-    r = subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
-                       capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [
+            venv / "bin" / "python",
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     site = _site_packages(venv)
     added = {p.name for p in site.iterdir()} - before
@@ -137,7 +181,9 @@ def _user_folder(tmp_path: Path) -> Path:
     memtree import may pick up."""
     user = tmp_path / "user"
     (user / "training").mkdir(parents=True)
-    (user / "training" / "__init__.py").write_text("raise ImportError('the user training/ was imported')\n")
+    (user / "training" / "__init__.py").write_text(
+        "raise ImportError('the user training/ was imported')\n"
+    )
     (user / "eval.py").write_text("raise ImportError('the user eval.py was imported')\n")
     (user / "kernels.py").write_text("raise ImportError('the user kernels.py was imported')\n")
     return user
@@ -148,44 +194,79 @@ def test_the_wheel_installs_one_import_name(wheel_venv, tmp_path):
     that can be imported; every stage imports from it and `memtree --help` runs, even from a folder
     holding a user's own eval.py, training/ and kernels.py."""
     venv, site, added = wheel_venv
-    assert {n for n in added if not n.endswith(".dist-info") and n != "__pycache__"} == {"memtree"}, added
-    assert (next(site.glob("memtree-*.dist-info")) / "top_level.txt").read_text().split() == ["memtree"]
+    assert {n for n in added if not n.endswith(".dist-info") and n != "__pycache__"} == {
+        "memtree"
+    }, added
+    assert (next(site.glob("memtree-*.dist-info")) / "top_level.txt").read_text().split() == [
+        "memtree"
+    ]
     user = _user_folder(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    code = ("import importlib, sys\n"
-            f"stages = {[f'memtree.{s}' for s in STAGES]!r}\n"
-            "mods = [importlib.import_module(m) for m in stages + ['memtree.training.model', 'memtree.eval.cli',"
-            " 'memtree.kernels.memory_attention', 'memtree.pipeline.corpus', 'memtree.memstore.cli']]\n"
-            "print('\\n'.join(m.__file__ for m in mods))\n")
-    r = subprocess.run([venv / "bin" / "python", "-c", code], cwd=user, env=env, capture_output=True, text=True,
-                       check=False, timeout=300)
+    code = (
+        "import importlib, sys\n"
+        f"stages = {[f'memtree.{s}' for s in STAGES]!r}\n"
+        "mods = [importlib.import_module(m) for m in stages + ['memtree.training.model', "
+        "'memtree.eval.cli',"
+        " 'memtree.kernels.memory_attention', 'memtree.pipeline.corpus', 'memtree.memstore.cli']]\n"
+        "print('\\n'.join(m.__file__ for m in mods))\n"
+    )
+    r = subprocess.run(
+        [venv / "bin" / "python", "-c", code],
+        cwd=user,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     files = r.stdout.split()
-    assert len(files) == len(STAGES) + 5 and all(f.startswith(str(site / "memtree")) for f in files), files
+    assert len(files) == len(STAGES) + 5 and all(
+        f.startswith(str(site / "memtree")) for f in files
+    ), files
     assert (site / "memtree" / "eval" / "yamls" / "tasks").is_dir()
-    r = subprocess.run([venv / "bin" / "memtree", "--help"], cwd=user, env=env, capture_output=True, text=True,
-                       check=False, timeout=300)
+    r = subprocess.run(
+        [venv / "bin" / "memtree", "--help"],
+        cwd=user,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "pipeline" in r.stdout and "demo" in r.stdout and "memstore" in r.stdout
 
 
 @pytest.mark.parametrize("launcher", ["composer", "torchrun"])
 def test_two_ranks_launch_from_the_installed_wheel(wheel_venv, pipeline_run, tmp_path, launcher):
-    """`composer -n 2 -m memtree.training.train …` and `torchrun --nproc-per-node 2 -m …`, run by the
-    wheel's venv from a user's folder (its own training/ and eval.py there): both ranks train from
-    the installed package, and no stage folder is on their sys.path."""
+    """`composer -n 2 -m memtree.training.train …` and `torchrun --nproc-per-node 2 -m …`, run by
+    the wheel's venv from a user's folder (its own training/ and eval.py there): both ranks train
+    from the installed package, and no stage folder is on their sys.path."""
     venv, site, _ = wheel_venv
     user = _user_folder(tmp_path)
     out = tmp_path / "ddp"
     probe = user / "probe.yaml"  # a config of the user's own, next to the decoys
-    probe.write_text(f"data:\n  shards: {pipeline_run[0] / 'shards'}\n  batch_size: 4\nmax_duration: 2ba\n"
-                     f"mode: scratch\nsave_folder: {out}\nmemory:\n  multipliers: [8, 4]\n"
-                     "model:\n  shape: {n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}\n")
-    head = (["-m", "composer.cli.launcher", "-n", "2"] if launcher == "composer"
-            else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+    probe.write_text(
+        f"data:\n  shards: {pipeline_run[0] / 'shards'}\n  batch_size: 4\nmax_duration: 2ba\n"
+        f"mode: scratch\nsave_folder: {out}\nmemory:\n  multipliers: [8, 4]\n"
+        "model:\n  shape: {n_layers: 1, d_model: 32, n_heads: 1, head_dim: 32, ffn_dim: 64}\n"
+    )
+    head = (
+        ["-m", "composer.cli.launcher", "-n", "2"]
+        if launcher == "composer"
+        else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "WORLD_SIZE", "RANK")}
-    r = subprocess.run([venv / "bin" / "python", *head, "-m", "memtree.training.train", str(probe)],
-                       cwd=user, env=env, capture_output=True, text=True, check=False, timeout=600)
+    r = subprocess.run(
+        [venv / "bin" / "python", *head, "-m", "memtree.training.train", str(probe)],
+        cwd=user,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     from memtree.memstore.format import verify_bank
 
@@ -193,31 +274,56 @@ def test_two_ranks_launch_from_the_installed_wheel(wheel_venv, pipeline_run, tmp
     # The venv reads no .pth of this environment's (its dependencies are path lines), and the user's
     # folder, first on a -m launch's sys.path, holds no memtree: the only one the ranks could import
     # is the wheel's. The same interpreter from the same folder says where that is.
-    code = ("import sys\n"
-            "import memtree.training.train as t; print(t.__file__)\n"
-            "print(any(p.endswith('training') for p in sys.path))\n")
-    r = subprocess.run([venv / "bin" / "python", "-c", code], cwd=user, env=env, capture_output=True, text=True,
-                       check=False, timeout=300)
+    code = (
+        "import sys\n"
+        "import memtree.training.train as t; print(t.__file__)\n"
+        "print(any(p.endswith('training') for p in sys.path))\n"
+    )
+    r = subprocess.run(
+        [venv / "bin" / "python", "-c", code],
+        cwd=user,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     where, stage_on_path = r.stdout.split()
     assert where == str(site / "memtree" / "training" / "train.py") and stage_on_path == "False"
 
 
 def test_a_source_checkout_imports_its_stages_without_an_install(tmp_path):
-    """`PYTHONPATH=<checkout>` with no install (how bench/device_check.py runs on a machine with no
-    package index) finds memtree.<stage> in the folders beside memtree/. `-S` keeps site's .pth
-    files, among them this checkout's editable install, out; the dependencies come as plain paths."""
+    """`PYTHONPATH=<checkout>` with no install (how bench/device/device_check.py runs on a machine
+    with no package index) finds memtree.<stage> in the folders beside memtree/. `-S` keeps site's
+    .pth files, among them this checkout's editable install, out; the dependencies come as plain
+    paths."""
     deps = [str(p) for p in map(Path, sys.path) if p.name == "site-packages" and p.is_dir()]
-    env = dict({k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
-               PYTHONPATH=os.pathsep.join([str(REPO), *deps]))
-    code = ("import sys, memtree.training.model as m, memtree.eval.cli as c, memtree.kernels.ffn_memory as k\n"
-            "assert not any('editable' in type(f).__module__ for f in sys.meta_path), sys.meta_path\n"
-            "print(m.__file__, c.__file__, k.__file__)\n")
-    r = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       check=False, timeout=300)
+    env = dict(
+        {k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        PYTHONPATH=os.pathsep.join([str(REPO), *deps]),
+    )
+    code = (
+        "import sys, memtree.training.model as m, memtree.eval.cli as c, "
+        "memtree.kernels.ffn_memory as k\n"
+        "assert not any('editable' in type(f).__module__ for f in sys.meta_path), sys.meta_path\n"
+        "print(m.__file__, c.__file__, k.__file__)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split() == [str(REPO / "training" / "model.py"), str(REPO / "eval" / "cli.py"),
-                                str(REPO / "kernels" / "ffn_memory" / "__init__.py")]
+    assert r.stdout.split() == [
+        str(REPO / "training" / "model.py"),
+        str(REPO / "eval" / "cli.py"),
+        str(REPO / "kernels" / "ffn_memory" / "__init__.py"),
+    ]
 
 
 def test_a_second_checkout_on_pythonpath_uses_its_own_stages(tmp_path):
@@ -227,9 +333,22 @@ def test_a_second_checkout_on_pythonpath_uses_its_own_stages(tmp_path):
     for top in ("memtree", *STAGES):
         shutil.copytree(REPO / top, copy / top, ignore=shutil.ignore_patterns("__pycache__"))
     env = dict({k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, PYTHONPATH=str(copy))
-    code = "import memtree, memtree.training.model as m, memtree.eval as e; print(memtree.__file__, m.__file__, e.__file__)"
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       check=False, timeout=300)
+    code = (
+        "import memtree, memtree.training.model as m, memtree.eval as e; "
+        "print(memtree.__file__, m.__file__, e.__file__)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split() == [str(copy / "memtree" / "__init__.py"), str(copy / "training" / "model.py"),
-                                str(copy / "eval" / "__init__.py")]
+    assert r.stdout.split() == [
+        str(copy / "memtree" / "__init__.py"),
+        str(copy / "training" / "model.py"),
+        str(copy / "eval" / "__init__.py"),
+    ]

@@ -42,13 +42,15 @@ def _read_all(out: Path):
 
 
 def test_end_to_end_counts(run_a, corpus_records):
-    # Speed is measured in bench/pipeline_stages.py, not asserted here.
+    # Speed is measured in bench/pipeline/pipeline_stages.py, not asserted here.
     out, markers, _ = run_a
     rep = markers["report"]["stats"]
     assert rep["reconciled"]
     ing = markers["ingest"]["stats"]
     assert ing["records_in"] == len(corpus_records) == ing["kept"] + ing["rejected"]
-    assert (out / "report" / "report.md").is_file() and (out / "report" / "cluster_sizes.png").is_file()
+    assert (out / "report" / "report.md").is_file() and (
+        out / "report" / "cluster_sizes.png"
+    ).is_file()
 
 
 def test_every_window_in_exactly_one_sample_with_valid_paths(run_a):
@@ -78,7 +80,9 @@ def test_every_window_in_exactly_one_sample_with_valid_paths(run_a):
         seen.extend(wids.tolist())
     assert sorted(seen) == list(range(n_windows))
     # The assignment table and the samples agree on every window's path.
-    assign = pa.concat_tables([pq.read_table(p) for p in sorted((out / "assign").glob("part-*.parquet"))])
+    assign = pa.concat_tables(
+        [pq.read_table(p) for p in sorted((out / "assign").glob("part-*.parquet"))]
+    )
     leaf = assign["leaf"].to_numpy()
     for s in samples[:50]:
         assert (leaf[s["window_ids"]] == s["leaf"]).all()
@@ -90,8 +94,12 @@ def test_query_time_routing_matches_training_assignment(run_a):
 
     out, _, _ = run_a
     tree = load_tree(out / "tree")
-    w = pq.read_table(out / "window" / "part-00000.parquet", columns=["text"])["text"].to_pylist()[:20]
-    a = pq.read_table(out / "assign" / "part-00000.parquet", columns=["path"])["path"].to_pylist()[:20]
+    w = pq.read_table(out / "window" / "part-00000.parquet", columns=["text"])["text"].to_pylist()[
+        :20
+    ]
+    a = pq.read_table(out / "assign" / "part-00000.parquet", columns=["path"])["path"].to_pylist()[
+        :20
+    ]
     got = route_texts(tree, w, device="cpu")
     assert got.tolist() == a
 
@@ -99,15 +107,23 @@ def test_query_time_routing_matches_training_assignment(run_a):
 def test_topics_cluster_together(run_a):
     """The default corpus has real topical structure: level-1 clusters are domain-pure."""
     out, markers, _ = run_a
-    docs = pa.concat_tables([pq.read_table(out / "ingest" / p["file"], columns=["doc_ordinal", "meta"])
-                             for p in markers["ingest"]["stats"]["parts"]])
+    docs = pa.concat_tables(
+        [
+            pq.read_table(out / "ingest" / p["file"], columns=["doc_ordinal", "meta"])
+            for p in markers["ingest"]["stats"]["parts"]
+        ]
+    )
     import json
 
     domain = np.array([json.loads(m)["domain"] for m in docs["meta"].to_pylist()])
-    assign = pa.concat_tables([pq.read_table(p) for p in sorted((out / "assign").glob("part-*.parquet"))])
+    assign = pa.concat_tables(
+        [pq.read_table(p) for p in sorted((out / "assign").glob("part-*.parquet"))]
+    )
     dom = domain[assign["doc_ordinal"].to_numpy()]
     sub = assign["subtree"].to_numpy()
-    purity = sum(np.unique(dom[sub == s], return_counts=True)[1].max() for s in np.unique(sub)) / len(sub)
+    purity = sum(
+        np.unique(dom[sub == s], return_counts=True)[1].max() for s in np.unique(sub)
+    ) / len(sub)
     # 16 domains into 8 clusters: a perfect clustering has purity 0.5; random ~0.07.
     assert purity > 0.35
 
@@ -126,18 +142,22 @@ def test_routing_cells_balanced_on_real_embeddings(run_a):
 def test_rerun_skips_finished_stages(run_a, corpus, dask_client):
     out, _, _ = run_a
     logs: list[str] = []
-    cfg = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}}, OVERRIDES)
+    cfg = load_config(
+        PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}}, OVERRIDES
+    )
     run_pipeline(cfg, client=dask_client, log=logs.append)
     assert all("up to date" in line for line in logs) and len(logs) == 8
     # Changing only the packing reruns shards and report, nothing upstream.
     logs.clear()
-    cfg2 = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
-                       [*OVERRIDES, "pack.seq_len=1024"])
+    cfg2 = load_config(
+        PipelineConfig,
+        {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
+        [*OVERRIDES, "pack.seq_len=1024"],
+    )
     run_pipeline(cfg2, client=dask_client, log=logs.append)
     rerun = [line.split("]")[0][1:] for line in logs if "running" in line]
     assert rerun == ["shards", "report"]
     run_pipeline(cfg, client=dask_client, log=lambda m: None)  # restore for the other tests
-
 
 
 @pytest.mark.parametrize("balance", ["tree.strict_balance=true", "tree.balance_target=1.0"])
@@ -151,17 +171,35 @@ def test_tree_restarts_run_through_the_dask_fitter(run_a, corpus, dask_client, b
 
     out, _, _ = run_a
     logs: list[str] = []
-    cfg = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
-                      [*OVERRIDES, "tree.restarts=3", balance])
+    cfg = load_config(
+        PipelineConfig,
+        {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
+        [*OVERRIDES, "tree.restarts=3", balance],
+    )
     markers = run_pipeline(cfg, client=dask_client, log=logs.append)
-    assert [line.split("]")[0][1:] for line in logs if "running" in line] == ["tree", "assign", "shards", "report"]
+    assert [line.split("]")[0][1:] for line in logs if "running" in line] == [
+        "tree",
+        "assign",
+        "shards",
+        "report",
+    ]
     t, x = cfg.tree, np.load(out / "embed" / "embeddings.npy")
-    # the tree's bytes are those of the BLAS that ran its GEMMs (float32 rounding): the same one here
-    kw = {"levels": t.levels, "branching": t.branching, "batch_size": t.batch_size, "steps": t.steps,
-          "balance_factor": t.balance_factor, "equalize_steps": t.equalize_steps,
-          "min_points_per_child": t.min_points_per_child, "seed": cfg.seed,
-          "gemm_backend": markers["tree"]["stats"]["host"]["gemm_used"]}
-    ref = build_tree(x, restarts=3, strict_balance=t.strict_balance, balance_target=t.balance_target, **kw)[0]
+    # the tree's bytes are those of the BLAS that ran its GEMMs (float32 rounding): the same one
+    # here
+    kw = {
+        "levels": t.levels,
+        "branching": t.branching,
+        "batch_size": t.batch_size,
+        "steps": t.steps,
+        "balance_factor": t.balance_factor,
+        "equalize_steps": t.equalize_steps,
+        "min_points_per_child": t.min_points_per_child,
+        "seed": cfg.seed,
+        "gemm_backend": markers["tree"]["stats"]["host"]["gemm_used"],
+    }
+    ref = build_tree(
+        x, restarts=3, strict_balance=t.strict_balance, balance_target=t.balance_target, **kw
+    )[0]
     single = build_tree(x, **kw)[0]
     got = load_tree(out / "tree")
     assert got.tree_id == ref.tree_id != single.tree_id
@@ -170,9 +208,13 @@ def test_tree_restarts_run_through_the_dask_fitter(run_a, corpus, dask_client, b
         assert got.meta["config"]["strict_balance"] is True
     else:
         refits = [r for r, _ in got.meta["balance_repairs_per_level"]]
-        assert sum(refits) > 0 and got.meta["balance_repairs_per_level"] == ref.meta["balance_repairs"]
+        assert (
+            sum(refits) > 0 and got.meta["balance_repairs_per_level"] == ref.meta["balance_repairs"]
+        )
         assert any("refitted with strict balance" in line for line in logs)
-    base = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}}, OVERRIDES)
+    base = load_config(
+        PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}}, OVERRIDES
+    )
     run_pipeline(base, client=dask_client, log=lambda m: None)  # restore for the other tests
 
 
@@ -184,39 +226,77 @@ def test_tree_method_bottomup_through_the_pipeline(run_a, corpus, dask_client):
 
     out, _, _ = run_a
     logs: list[str] = []
-    cfg = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
-                      [*OVERRIDES, "tree.method=bottomup", "tree.restarts=2"])
+    cfg = load_config(
+        PipelineConfig,
+        {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
+        [*OVERRIDES, "tree.method=bottomup", "tree.restarts=2"],
+    )
     markers = run_pipeline(cfg, client=dask_client, log=logs.append)
-    assert [line.split("]")[0][1:] for line in logs if "running" in line] == ["tree", "assign", "shards", "report"]
+    assert [line.split("]")[0][1:] for line in logs if "running" in line] == [
+        "tree",
+        "assign",
+        "shards",
+        "report",
+    ]
     assert any("level 1 built (bottomup)" in line for line in logs)
     t, x = cfg.tree, np.load(out / "embed" / "embeddings.npy")
-    ref, paths = build_tree_bottomup(x, levels=t.levels, branching=t.branching, batch_size=t.batch_size,
-                                     steps=t.steps, balance_factor=t.balance_factor, restarts=2,
-                                     equalize_steps=t.equalize_steps, min_points_per_child=t.min_points_per_child,
-                                     seed=cfg.seed, gemm_backend=markers["tree"]["stats"]["host"]["gemm_used"])
+    ref, paths = build_tree_bottomup(
+        x,
+        levels=t.levels,
+        branching=t.branching,
+        batch_size=t.batch_size,
+        steps=t.steps,
+        balance_factor=t.balance_factor,
+        restarts=2,
+        equalize_steps=t.equalize_steps,
+        min_points_per_child=t.min_points_per_child,
+        seed=cfg.seed,
+        gemm_backend=markers["tree"]["stats"]["host"]["gemm_used"],
+    )
     got = load_tree(out / "tree")
     assert got.tree_id == ref.tree_id and got.meta["config"]["method"] == "bottomup"
-    assigned = pa.concat_tables([pq.read_table(p) for p in sorted((out / "assign").glob("part-*.parquet"))])
+    assigned = pa.concat_tables(
+        [pq.read_table(p) for p in sorted((out / "assign").glob("part-*.parquet"))]
+    )
     order = np.argsort(assigned["window_ordinal"].to_numpy())
     assert (np.stack(assigned["path"].to_numpy(zero_copy_only=False))[order] == paths).all()
-    base = load_config(PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}}, OVERRIDES)
+    base = load_config(
+        PipelineConfig, {"out": str(out), "ingest": {"inputs": [str(corpus)]}}, OVERRIDES
+    )
     run_pipeline(base, client=dask_client, log=lambda m: None)  # restore for the other tests
 
 
 def _files(root: Path, sub: str) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted((root / sub).rglob("*"))
-            if p.is_file() and p.name != "_stage.json"}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted((root / sub).rglob("*"))
+        if p.is_file() and p.name != "_stage.json"
+    }
 
 
 def test_killed_run_resumes_to_identical_outputs(run_a, corpus, tmp_path):
     """SIGKILL mid-embed, rerun: tree, assignments and shards are byte-identical to run A."""
     out_a, _, _ = run_a
     out_b = tmp_path / "b"
-    cmd = [sys.executable, "-m", "memtree", "pipeline", "run", f"out={out_b}", f"ingest.inputs=[{corpus}]",
-           "dask.n_workers=2", *OVERRIDES]
+    cmd = [
+        sys.executable,
+        "-m",
+        "memtree",
+        "pipeline",
+        "run",
+        f"out={out_b}",
+        f"ingest.inputs=[{corpus}]",
+        "dask.n_workers=2",
+        *OVERRIDES,
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    why = kill_when_ready(cmd, lambda: any((out_b / ".work").glob("embed-*/parts/part-*.npy")), env=env,
-                          log=tmp_path / "run-b-killed.log", timeout=480)
+    why = kill_when_ready(
+        cmd,
+        lambda: any((out_b / ".work").glob("embed-*/parts/part-*.npy")),
+        env=env,
+        log=tmp_path / "run-b-killed.log",
+        timeout=480,
+    )
     assert why is None, f"no kill at the first embed part: {why}"
     assert not (out_b / "embed").exists()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
@@ -231,7 +311,12 @@ def test_local_cluster_workers_keep_the_trim_and_a_fixed_mmap_threshold(dask_cli
     mmap threshold, so large tensor buffers are not mmap'ed per allocation (11 % of encode)."""
     from memtree.pipeline.dask_utils import MMAP_THRESHOLD
 
-    env = dask_client.run(lambda: (os.environ.get("MALLOC_TRIM_THRESHOLD_"), os.environ.get("MALLOC_MMAP_THRESHOLD_"),
-                                   os.environ.get("OMP_NUM_THREADS")))
+    env = dask_client.run(
+        lambda: (
+            os.environ.get("MALLOC_TRIM_THRESHOLD_"),
+            os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+            os.environ.get("OMP_NUM_THREADS"),
+        )
+    )
     assert len(env) == 2
     assert set(env.values()) == {("65536", str(MMAP_THRESHOLD), "1")}

@@ -14,7 +14,9 @@ from memtree.memstore.store import MemoryStore
 from memtree.training.bank import TrainableBank
 from memtree.training.optim import MemoryAdamW
 
-ANCHOR = AnchorShape(name="tiny", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=100)
+ANCHOR = AnchorShape(
+    name="tiny", n_layers=3, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=100
+)
 MEM = MemoryConfig(multipliers=(8, 4, 2), branching=4)
 
 
@@ -26,10 +28,16 @@ def test_tables_follow_the_bank_slot_order():
     bank = TrainableBank(ANCHOR, MEM)
     # 4^l clusters + 1 generic row per level; FFN rows 3·d·m·L
     assert {lv: tuple(t.shape) for lv, t in ((int(k), v) for k, v in bank.tables.items())} == {
-        1: (5, 3 * 16 * 8 * 3), 2: (17, 3 * 16 * 4 * 3), 3: (65, 3 * 16 * 2 * 3)}
+        1: (5, 3 * 16 * 8 * 3),
+        2: (17, 3 * 16 * 4 * 3),
+        3: (65, 3 * 16 * 2 * 3),
+    }
     part = TrainableBank(ANCHOR, MEM, subtree=2)
     assert {lv: tuple(t.shape) for lv, t in ((int(k), v) for k, v in part.tables.items())} == {
-        1: (2, 1152), 2: (5, 576), 3: (17, 288)}
+        1: (2, 1152),
+        2: (5, 576),
+        3: (17, 288),
+    }
     sl = part.slots(torch.tensor([[2, 9, 37]]))
     assert {lv: int(r) for lv, r in sl.items()} == {1: 0, 2: 1, 3: 5}
     with pytest.raises(ValueError, match="outside subtree 2"):
@@ -73,8 +81,10 @@ def test_sparse_rows_update_like_independent_adamw_with_their_own_steps():
     start = table.detach().clone()
     opt = MemoryAdamW([table], lr=0.05, weight_decay=0.1)
     refs = {r: torch.nn.Parameter(start[r].clone()) for r in (1, 4)}
-    ref_opts = {r: torch.optim.AdamW([refs[r]], lr=0.05, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-                for r in refs}
+    ref_opts = {
+        r: torch.optim.AdamW([refs[r]], lr=0.05, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        for r in refs
+    }
     schedule = [[1], [4], [1, 4]]
     for step, rows in enumerate(schedule):
         grads = torch.randn(len(rows), 4, generator=torch.Generator().manual_seed(step))
@@ -95,11 +105,15 @@ def test_global_clipping_over_dense_and_sparse():
     dense = torch.nn.Parameter(torch.zeros(3))
     table = torch.nn.Parameter(torch.zeros(4, 2))
     dense.grad = torch.tensor([3.0, 0.0, 0.0])
-    table.grad = torch.sparse_coo_tensor(torch.tensor([[2]]), torch.tensor([[0.0, 4.0]]), table.shape)
+    table.grad = torch.sparse_coo_tensor(
+        torch.tensor([[2]]), torch.tensor([[0.0, 4.0]]), table.shape
+    )
     opt = MemoryAdamW([dense, table], lr=0.1, max_grad_norm=1.0)
     opt.step()
     assert opt.last_grad_norm == pytest.approx(5.0)
-    table.grad = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([[float("nan"), 0.0]]), table.shape)
+    table.grad = torch.sparse_coo_tensor(
+        torch.tensor([[0]]), torch.tensor([[float("nan"), 0.0]]), table.shape
+    )
     dense.grad = None
     with pytest.raises(FloatingPointError):
         opt.step()
@@ -123,9 +137,16 @@ def test_per_subtree_training_then_merge_equals_training_one_bank(tmp_path):
     """App. A.2: one job per level-1 subtree, merged, equals one bank trained on the same batches
     (lazy per-row AdamW: rows of different subtrees never interact without clipping)."""
     torch.manual_seed(0)
-    batches = {0: torch.tensor([[0, 1, 5], [0, 2, 9]]), 1: torch.tensor([[1, 4, 17], [1, 7, 30]]),
-               2: torch.tensor([[2, 8, 33]]), 3: torch.tensor([[3, 15, 63]])}
-    target = {lv: torch.randn(_params(lv), generator=torch.Generator().manual_seed(lv)) for lv in (1, 2, 3)}
+    batches = {
+        0: torch.tensor([[0, 1, 5], [0, 2, 9]]),
+        1: torch.tensor([[1, 4, 17], [1, 7, 30]]),
+        2: torch.tensor([[2, 8, 33]]),
+        3: torch.tensor([[3, 15, 63]]),
+    }
+    target = {
+        lv: torch.randn(_params(lv), generator=torch.Generator().manual_seed(lv))
+        for lv in (1, 2, 3)
+    }
 
     def train(bank: TrainableBank, paths_list: list[torch.Tensor]) -> None:
         opt = MemoryAdamW(bank.parameters(), lr=0.05, weight_decay=0.1)
@@ -170,7 +191,7 @@ def test_sparse_state_survives_a_state_dict_round_trip():
 @pytest.mark.parametrize("read", ["fused", "gather"])
 def test_bank_on_the_gpu_maps_paths_from_either_device(read):
     """The bank on CUDA: `slots` takes host paths (the model maps paths on the host) and device
-    paths (bench/training_steps.py), and a MemtreeLM forward + backward reads it either way
+    paths (bench/training/training_steps.py), and a MemtreeLM forward + backward reads it either way
     (the first device check found the cluster-to-row table left on the CPU)."""
     from memtree.training.composer_model import MemorySettings, MemtreeLM
     from memtree.training.model import ModelConfig
@@ -180,8 +201,10 @@ def test_bank_on_the_gpu_maps_paths_from_either_device(read):
     on_host = shard_bank.slots(paths)
     on_gpu = shard_bank.slots(paths.cuda())
     assert all(torch.equal(on_host[lv], on_gpu[lv].cpu()) for lv in on_host)
-    model = MemtreeLM(ModelConfig(anchor=ANCHOR, memory=MEM, max_seq_len=16),
-                      memory_settings=MemorySettings(read=read)).cuda()
+    model = MemtreeLM(
+        ModelConfig(anchor=ANCHOR, memory=MEM, max_seq_len=16),
+        memory_settings=MemorySettings(read=read),
+    ).cuda()
     ids = torch.randint(0, ANCHOR.vocab_size, (2, 17), device="cuda")
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "paths": paths.cuda()}
     loss = model.loss(model(batch), batch)

@@ -4,7 +4,7 @@ PyTorch's CPU tensors come from glibc's malloc. A chunk above glibc's mmap thres
 32 MiB) is its own `mmap`, and `free` unmaps it, so every step of a CPU run re-maps its big
 activations (the demo's logits alone are 32 × 256 × 8,192 fp32 = 256 MiB) and takes one minor
 page fault per 4 KiB page on first touch: about 350,000 faults and 0.8 s of kernel time in a
-3.4 s step of `bench/bank_parallel.py`'s one-process run, and the fault cost grows with the
+3.4 s step of `bench/training/bank_parallel.py`'s one-process run, and the fault cost grows with the
 process's resident size, so a larger bank made the same step slower (docs/BENCHMARKS.md,
 "Memory-parallel co-training"). With mmap turned off and the heap never trimmed, freed chunks
 are reused from the second step on: zero faults per step in steady state.

@@ -22,8 +22,8 @@ batch and takes fused only when it is clearly faster:
   foreign file is named in a warning with the reason and treated as empty (then overwritten).
 - `resolve_read(read, model, batch)`: "fused" / "gather" / "flex" are returned unchanged; "auto" on
   the CPU is "gather" without probing (the fused ops run their pure-torch reference there, measured
-  not faster: bench/training_steps.py --only read); "auto" on a GPU is the cached choice or a fresh
-  probe's, logged in one line. A probe that raises (a Triton compile error, say) gives "gather",
+  not faster: bench/training/training_steps.py --only read); "auto" on a GPU is the cached choice
+  or a fresh probe's, logged in one line. A probe that raises (a Triton compile error, say) gives "gather",
   with the error in that line; models with no read to choose (no memory, LoRA memories, HF
   anchors) get "gather" without probing.
 - Mixture-of-Chapters layers (training/layers/moc.py) are probed the same way, over their three
@@ -440,7 +440,7 @@ def resolve_read(
     if not on_gpu:
         log.info(
             "memory.read auto: gather (CPU: the fused ops run their pure-torch reference, not "
-            "faster; bench/training_steps.py --only read)"
+            "faster; bench/training/training_steps.py --only read)"
         )
         return "gather"
     if batch is None:

@@ -345,7 +345,7 @@ def _launch_params(x: Tensor) -> tuple[dict[str, dict], dict]:
 
 def launch_configs(x: Tensor) -> dict[str, dict]:
     """The per-kernel tiles the launches read for x's device ({"up", "down", "bwd_h", "dx",
-    "dw"} -> keywords): the live table, which bench/tune_ffn.py changes and restores."""
+    "dw"} -> keywords): the live table, which bench/kernels/tune_ffn.py changes and restores."""
     return _launch_params(x)[0]
 
 

@@ -354,7 +354,7 @@ def table_numels(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
 
 def plan(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
          weights: Tensor | None) -> tuple[Launch, ItemTable]:
-    """Tile sizes and item table of one call (bench/kernel_ops.py reports its chunks)."""
+    """Tile sizes and item table of one call (bench/kernels/kernel_ops.py reports its chunks)."""
     launch, lay = _launch_and_layout(q, bank_k, bank_v, block_idx)
     return launch, build_items(block_idx, weights, bank_k.shape[0], lay.chunk)
 

@@ -37,11 +37,11 @@ A tile computes every slot for all its queries (coef = 0 masks the rest), so
 per-token lists cost in proportion to the unique blocks a tile touches: about
 the per-sequence cost when neighbouring tokens share chapters, up to TS times
 more when they share none. Tile sizes are fixed heuristics (`Launch.choose`), set
-where the compiled kernels stop spilling registers: bench/tune_backward.py reads each
+where the compiled kernels stop spilling registers: bench/kernels/tune_backward.py reads each
 kernel's device time and the dK/dV kernel's spills per configuration on a GPU, which
 timing the whole op (whose host work exceeds the kernels' time) cannot show.
 
-Per-token *random* lists (bench/kernel_ops.py `token_idx(..., "random")`: B=8,
+Per-token *random* lists (bench/kernels/kernel_ops.py `token_idx(..., "random")`: B=8,
 H=H_kv=12, S=1024, D=T=64, k=65 = the shared chapter + 64 drawn from 4,096;
 bf16), on paper, forward (backward scales alike, ~2.5×). Useful work: 0.105
 TFLOP. A tile of TS tokens touches U = 1 + 4096·(1 − (1 − 1/4096)^(64·TS))
@@ -467,7 +467,7 @@ class Launch:
             block_m = max(block_m, triton.next_power_of_2(g))
             block_n = min(64 if block_d <= 64 else 32, max(16, triton.next_power_of_2(t)))
             stages = 3 if block_d <= 64 else 2
-            # Register spills set these (bench/tune_backward.py on an H100, 2026-11-27): at
+            # Register spills set these (bench/kernels/tune_backward.py on an H100, 2026-11-27): at
             # moc's bf16 shape the dK/dV kernel spilled with 8 warps and ran 1.58 ms against
             # 0.72 with 4 (the forward 0.61 against 0.41); fp32 tiles of 64 x 64 made it spill
             # 1,312 registers and run 10-15x slower than 32 x 32 tiles at a training step's
@@ -520,7 +520,7 @@ def _launch_and_layout(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Ten
 
 def clear_caches() -> None:
     """Forget the per-shape launches and the unpacked tables: for benchmarks that replace
-    `Launch.choose` (bench/tune_*.py), whose cached choices would otherwise outlive them."""
+    `Launch.choose` (bench/kernels/tune_*.py), whose cached choices would otherwise outlive them."""
     _launch_and_layout_of.cache_clear()
     TABLES.clear()
 
@@ -550,7 +550,7 @@ def table_numels(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
 
 def plan(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
          weights: Tensor | None) -> tuple[Launch, Table]:
-    """Tile sizes and reference table of one call (also used by bench/kernel_ops.py to report
+    """Tile sizes and reference table of one call (also used by bench/kernels/kernel_ops.py to report
     how many slots a tile touches)."""
     launch, lay = _launch_and_layout(q, bank_k, bank_v, block_idx, weights is not None)
     table = build_table(block_idx, weights, q.shape[2], bank_k.shape[0], lay.tokens_per_tile)

@@ -17,7 +17,7 @@ scatter is used: duplicates are then harmless.
 Host cost: each torch op costs ~30 µs of host time on the profiled H100 VM, more than the
 kernels' device time at moc's shape, so the build is written for few ops: per-shape constants
 are cached (`_consts`), the spare elements replace `where` masks, and the parts are packed into
-one int32 buffer by a single cat. Ops per call at bench/kernel_ops.py's moc shape, counted
+one int32 buffer by a single cat. Ops per call at bench/kernels/kernel_ops.py's moc shape, counted
 with a TorchDispatchMode on the CPU (non-view ops / all dispatched, views included):
 per sequence 28 / 70 unweighted, 34 / 77 weighted; per token 31 / 74 and 38 / 84 (before
 this rework: 77 / 139, 76 / 138, 78 / 143, 78 / 144). test_table_build_stays_few_ops guards it.

@@ -1,0 +1,1 @@
+"""Benchmarks of the demo's knowledge experiment and of multiple-choice scoring."""
