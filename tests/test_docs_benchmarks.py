@@ -25,7 +25,7 @@ def github_anchor(text: str) -> str:
     """GitHub's heading anchor: the rendered text lowercased, every character but letters,
     digits, '_', '-' and spaces dropped, spaces turned into '-' (unicode letters kept)."""
     text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", text)  # links and images: their text
-    text = re.sub(r"<[^>]+>", "", text)                       # inline HTML tags
+    text = re.sub(r"<[^>]+>", "", text)  # inline HTML tags
     text = text.strip().lower()
     text = re.sub(r"[^\w\- ]", "", text)
     return text.replace(" ", "-")
@@ -68,7 +68,7 @@ def missing_scripts(lines: list[str], root: Path) -> list[str]:
     bad = []
     for i, _, text in headings(lines):
         for m in SCRIPT.finditer(text):
-            if RUN_AS.search(text[:m.start()]):
+            if RUN_AS.search(text[: m.start()]):
                 continue
             if not (root / m.group(0)).is_file():
                 bad.append(f"line {i}: {m.group(0)} in {text!r}")
@@ -77,8 +77,12 @@ def missing_scripts(lines: list[str], root: Path) -> list[str]:
 
 def broken_links(lines: list[str]) -> list[str]:
     known = anchors(lines)
-    return [f"line {i}: #{a}" for i, line in enumerate(lines, 1)
-            for a in LINK.findall(line) if a not in known]
+    return [
+        f"line {i}: #{a}"
+        for i, line in enumerate(lines, 1)
+        for a in LINK.findall(line)
+        if a not in known
+    ]
 
 
 def broken_file_links(path: Path, root: Path) -> list[str]:
@@ -104,17 +108,29 @@ def broken_file_links(path: Path, root: Path) -> list[str]:
 
 def markdown_files(root: Path) -> list[Path]:
     """The repository's own markdown: everything but virtual environments, runs and caches."""
-    skip = {".venv", "runs", ".git", "node_modules", ".pytest_cache", ".ruff_cache", "build", "dist"}
-    return sorted(p for p in root.rglob("*.md")
-                  if not skip.intersection(p.relative_to(root).parts[:-1])
-                  and not any(part.endswith(".egg-info") for part in p.relative_to(root).parts))
+    skip = {
+        ".venv",
+        "runs",
+        ".git",
+        "node_modules",
+        ".pytest_cache",
+        ".ruff_cache",
+        "build",
+        "dist",
+    }
+    return sorted(
+        p
+        for p in root.rglob("*.md")
+        if not skip.intersection(p.relative_to(root).parts[:-1])
+        and not any(part.endswith(".egg-info") for part in p.relative_to(root).parts)
+    )
 
 
 def figures_now(lines: list[str]) -> list[str]:
     """The lines of the "## Figures now" section, up to the next level-2 heading."""
     start = next(i for i, line in enumerate(lines) if line.rstrip() == "## Figures now")
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    return lines[start + 1:end]
+    return lines[start + 1 : end]
 
 
 def table_rows(lines: list[str]) -> list[str]:
@@ -143,7 +159,9 @@ def campaign_files() -> list[Path]:
 
 
 def test_benchmarks_md_is_the_figures_page_and_the_index(doc):
-    assert len(doc) < 200, f"docs/BENCHMARKS.md has {len(doc)} lines; dated sections go to docs/benchmarks/"
+    assert len(doc) < 200, (
+        f"docs/BENCHMARKS.md has {len(doc)} lines; dated sections go to docs/benchmarks/"
+    )
     first = next(text for _, level, text in headings(doc) if level == 2)
     assert first == "Figures now"
     assert len(campaign_files()) >= 10
@@ -169,8 +187,10 @@ def test_campaign_files_say_theme_machine_and_dates():
 def test_scripts_named_in_headings_exist(doc):
     bad = missing_scripts(doc, ROOT)
     for path in campaign_files():
-        bad += [f"{path.name} {b}" for b in
-                missing_scripts(path.read_text(encoding="utf-8").splitlines(), ROOT)]
+        bad += [
+            f"{path.name} {b}"
+            for b in missing_scripts(path.read_text(encoding="utf-8").splitlines(), ROOT)
+        ]
     assert not bad, "headings name scripts that do not exist:\n" + "\n".join(bad)
 
 
@@ -192,15 +212,23 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "real.py").write_text("")
     bad_doc = [
-        "# Benchmarks", "",
-        "## Figures now", "",
-        "| Figure | Now | Detail |", "| --- | --- | --- |",
+        "# Benchmarks",
+        "",
+        "## Figures now",
+        "",
+        "| Figure | Now | Detail |",
+        "| --- | --- | --- |",
         "| a | 1 | [detail](#real-benchrealpy-run-as-bencholdpy) |",
         "| b | 2 | no link |",
-        "| c | 3 | [detail](#no-such-heading) |", "",
-        "## Real (bench/real.py; run as bench/old.py)", "",
-        "## Gone (bench/old.py)", "",
-        "### Twice", "### Twice", "[second](#twice-1) [third](#twice-2)",
+        "| c | 3 | [detail](#no-such-heading) |",
+        "",
+        "## Real (bench/real.py; run as bench/old.py)",
+        "",
+        "## Gone (bench/old.py)",
+        "",
+        "### Twice",
+        "### Twice",
+        "[second](#twice-1) [third](#twice-2)",
     ]
     assert missing_scripts(bad_doc, tmp_path) == ["line 13: bench/old.py in 'Gone (bench/old.py)'"]
     assert broken_links(bad_doc) == ["line 9: #no-such-heading", "line 17: #twice-2"]
@@ -208,15 +236,21 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.md").write_text("# A\n\n## Real one\n", encoding="utf-8")
     page = tmp_path / "docs" / "b.md"
-    page.write_text("[ok](a.md#real-one) [web](https://x.org/y.md#z) [img](../bench/real.py)\n"
-                    "[gone](a.md#no-such) [missing](c.md) [deep](../../bench/real.py)\n",
-                    encoding="utf-8")
+    page.write_text(
+        "[ok](a.md#real-one) [web](https://x.org/y.md#z) [img](../bench/real.py)\n"
+        "[gone](a.md#no-such) [missing](c.md) [deep](../../bench/real.py)\n",
+        encoding="utf-8",
+    )
     assert broken_file_links(page, tmp_path) == [
         "docs/b.md:2: a.md#no-such (no such heading)",
         "docs/b.md:2: c.md (no such file)",
         "docs/b.md:2: ../../bench/real.py (no such file)",
     ]
-    assert github_anchor("Issue #37, fifth step (2026-11-28, 13:25–13:33 UTC): `x.y`") == \
-        "issue-37-fifth-step-2026-11-28-13251333-utc-xy"
-    assert github_anchor("… and on the bios demo, 4× the facts") == "-and-on-the-bios-demo-4-the-facts"
+    assert (
+        github_anchor("Issue #37, fifth step (2026-11-28, 13:25–13:33 UTC): `x.y`")
+        == "issue-37-fifth-step-2026-11-28-13251333-utc-xy"
+    )
+    assert (
+        github_anchor("… and on the bios demo, 4× the facts") == "-and-on-the-bios-demo-4-the-facts"
+    )
     assert github_anchor("`memtree eval --block-documents`") == "memtree-eval---block-documents"

@@ -3,8 +3,8 @@
 - `cpu_thread_count` / `set_cpu_threads`: torch's intra-op threads per rank on the CPU
   (`cpu_threads: auto`: the usable cores shared by the node's ranks). torch's own default is every
   core in every process, so N ranks on a node oversubscribe its cores N times (two sharded ranks
-  on 2 cores: 98-169 tokens/s, against 953 with one thread each; bench/training/bank_parallel.py --parts
-  threads measures both).
+  on 2 cores: 98-169 tokens/s, against 953 with one thread each;
+  bench/training/bank_parallel.py --parts threads measures both).
 - `Placement`: a callback that, at fit start, gathers every rank's placement (its bank shard,
   rows, bytes, the streams it reads, its threads; host and pid) and prints one line per rank on
   global rank 0's console (`composer -n N` shows only local rank 0's output while the run lives).

@@ -23,9 +23,9 @@ batch and takes fused only when it is clearly faster:
 - `resolve_read(read, model, batch)`: "fused" / "gather" / "flex" are returned unchanged; "auto" on
   the CPU is "gather" without probing (the fused ops run their pure-torch reference there, measured
   not faster: bench/training/training_steps.py --only read); "auto" on a GPU is the cached choice
-  or a fresh probe's, logged in one line. A probe that raises (a Triton compile error, say) gives "gather",
-  with the error in that line; models with no read to choose (no memory, LoRA memories, HF
-  anchors) get "gather" without probing.
+  or a fresh probe's, logged in one line. A probe that raises (a Triton compile error, say) gives
+  "gather", with the error in that line; models with no read to choose (no memory, LoRA memories,
+  HF anchors) get "gather" without probing.
 - Mixture-of-Chapters layers (training/layers/moc.py) are probed the same way, over their three
   reads: "fused" (the memory-attention kernel), "gather" (SDPA on gathered chapters, a widened
   head carrying the router's log-weights) and, in "bias" mode, "flex" (FlexAttention through a
