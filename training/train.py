@@ -185,8 +185,8 @@ def attn_impl(cfg: TrainConfig) -> str:
 def memory_read(cfg: TrainConfig) -> str:
     """`memory.read` as the model is built with: explicit values as given; "auto" gathers on the
     CPU (the fused ops run their reference there, not faster:
-    bench/training/training_steps.py --only read) and builds the in-place read where the run uses a GPU, as the candidate that
-    `settle_memory_read` then keeps or drops by a timed probe."""
+    bench/training/training_steps.py --only read) and builds the in-place read where the run uses
+    a GPU, as the candidate that `settle_memory_read` then keeps or drops by a timed probe."""
     if cfg.memory.read != "auto":
         return cfg.memory.read
     return "fused" if uses_gpu(cfg) else "gather"
