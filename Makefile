@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-ranks test-all test-pretrained install pretrained bench device-wheels clean
+.PHONY: demo test lint test-ranks test-all test-pretrained install pretrained bench device-wheels clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# the house style, as CI checks it: ruff's linter (line length included) and its formatter, pinned
+# in the dev extra so that every machine formats alike
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 # the slow multi-rank tests (and the BLAS fix's pipeline) that `make test` deselects; .ci/run runs them.
 RANK_TESTS := tests/test_training_sharded.py tests/test_training_replicas.py tests/test_blas_check.py \
