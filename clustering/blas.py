@@ -430,8 +430,10 @@ def _message(
     why = (
         "dask.blas=warn"
         if mode == "warn"
-        else "OPENBLAS_CORETYPE is set in the environment, so memtree leaves it "
-        "(dask.blas=force replaces it)"
+        else (
+            "OPENBLAS_CORETYPE is set in the environment, so memtree leaves it "
+            "(dask.blas=force replaces it)"
+        )
         if user_set and mode != "force"
         else "the workers of an existing Dask cluster keep their own environment"
         if not can_fix
@@ -439,9 +441,9 @@ def _message(
     )
     return (
         f"WARNING BLAS: {fig}. That is a fallback kernel on a CPU with {want}-class SIMD "
-        f"({why}); the "
-        f"tree's routing baselines and FAISS's searches run several times slower. Fix: start the "
-        f"command (and any Dask workers) with OPENBLAS_CORETYPE={want} in the environment; {gemm}"
+        f"({why}); the tree's routing baselines and FAISS's searches run several times slower. "
+        f"Fix: start the command (and any Dask workers) with OPENBLAS_CORETYPE={want} in the "
+        f"environment; {gemm}"
     )
 
 
