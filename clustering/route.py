@@ -50,16 +50,30 @@ def route(tree: Tree, x: np.ndarray, *, batch_size: int = 262144) -> np.ndarray:
                 perm, parent, by = perm[order], parent[order], lvl - 1
                 xs = xb if backend == "faiss" else xb[perm]
             rows = perm if by and backend == "faiss" else None
-            parent = route_step(tree.centroids[lvl - 1], tree.valid[lvl - 1], xs, parent, B,
-                                sq_norms=tree.sq_norms(lvl), backend=backend, rows=rows)
+            parent = route_step(
+                tree.centroids[lvl - 1],
+                tree.valid[lvl - 1],
+                xs,
+                parent,
+                B,
+                sq_norms=tree.sq_norms(lvl),
+                backend=backend,
+                rows=rows,
+            )
             paths[s + perm, lvl - 1] = parent
     return paths
 
 
-def route_texts(tree: Tree, texts: Sequence[str], *, model=None, device: str = "auto") -> np.ndarray:
+def route_texts(
+    tree: Tree, texts: Sequence[str], *, model=None, device: str = "auto"
+) -> np.ndarray:
     """Embed texts exactly as the tree's windows were embedded, then route → (n, levels)."""
     emb = tree.meta.get("embedder", {})
     model = model or embedder_from_meta(emb, tree.path, device=device)
-    x = embed_texts(model, list(texts), strategy=emb.get("strategy", "truncate"),
-                    batch_size=int(emb.get("batch_size", 64)))
+    x = embed_texts(
+        model,
+        list(texts),
+        strategy=emb.get("strategy", "truncate"),
+        batch_size=int(emb.get("batch_size", 64)),
+    )
     return route(tree, x)

@@ -98,8 +98,10 @@ def route_step(
     used = np.flatnonzero(np.bincount(parent, minlength=len(ok)))
     dead = ~ok[used].any(1)
     if dead.any():
-        raise ValueError(f"routing reached cluster {int(used[np.flatnonzero(dead)[0]])} with no valid children "
-                         "(corrupt tree?)")
+        raise ValueError(
+            f"routing reached cluster {int(used[np.flatnonzero(dead)[0]])} with no valid children "
+            "(corrupt tree?)"
+        )
     norms = squared_norms(c32) if sq_norms is None else sq_norms
     # Large groups of points sorted by parent are faster as GEMMs on views; small groups (~5
     # points per parent at the last level of a 65,536-leaf tree) and unsorted points as FAISS's
@@ -121,7 +123,9 @@ def route_step(
         close = np.flatnonzero(second - first < TIE_GAP)
         if len(close):
             close = close[np.argsort(parent[close], kind="stable")]
-            best[close] = _exact(centroids, valid, x[close if rows is None else rows[close]], parent[close], B)
+            best[close] = _exact(
+                centroids, valid, x[close if rows is None else rows[close]], parent[close], B
+            )
     return parent * B + best
 
 
@@ -143,23 +147,33 @@ def _best_two(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return best, first, second
 
 
-def _dots_faiss(c32: np.ndarray, x32: np.ndarray, parent: np.ndarray, B: int,
-                rows: np.ndarray | None = None) -> np.ndarray:
+def _dots_faiss(
+    c32: np.ndarray, x32: np.ndarray, parent: np.ndarray, B: int, rows: np.ndarray | None = None
+) -> np.ndarray:
     """(n, B) float32 x[rows_i] · c[parent_i·B + j] (rows None: x_i). Measured at 65,536 leaves,
     20,000 points: 13 ms against 31 ms for the grouped GEMMs, whose ~4,096 groups of ~5 rows cost
     a Python call each. With rows, the pairs are visited in rows' order without copying x: at the
-    leaves, points sorted by parent, 9.7 ms against 14.7 ms to gather their 30 MB first (AMD EPYC)."""
+    leaves, points sorted by parent, 9.7 ms against 14.7 ms to gather their 30 MB first (AMD
+    EPYC)."""
     n, d = len(parent), x32.shape[1]
     ids = np.ascontiguousarray(parent[:, None] * B + np.arange(B)[None, :])  # (n, B) int64
     out = np.empty((n, B), dtype=np.float32)
     faiss = _faiss()
     if rows is not None:
         ix = np.repeat(np.asarray(rows, dtype=np.int64), B)  # (n·B,) the row of each pair
-        faiss.pairwise_indexed_inner_product(d, n * B, faiss.swig_ptr(x32), faiss.swig_ptr(ix), faiss.swig_ptr(c32),
-                                             faiss.swig_ptr(ids), faiss.swig_ptr(out))
+        faiss.pairwise_indexed_inner_product(
+            d,
+            n * B,
+            faiss.swig_ptr(x32),
+            faiss.swig_ptr(ix),
+            faiss.swig_ptr(c32),
+            faiss.swig_ptr(ids),
+            faiss.swig_ptr(out),
+        )
         return out
-    faiss.fvec_inner_products_by_idx(faiss.swig_ptr(out), faiss.swig_ptr(x32), faiss.swig_ptr(c32),
-                                     faiss.swig_ptr(ids), d, n, B)
+    faiss.fvec_inner_products_by_idx(
+        faiss.swig_ptr(out), faiss.swig_ptr(x32), faiss.swig_ptr(c32), faiss.swig_ptr(ids), d, n, B
+    )
     return out
 
 
@@ -185,7 +199,9 @@ def _dots_grouped(c32: np.ndarray, x32: np.ndarray, parent: np.ndarray, B: int) 
     return out
 
 
-def _exact(centroids: np.ndarray, valid: np.ndarray, x: np.ndarray, parent: np.ndarray, B: int) -> np.ndarray:
+def _exact(
+    centroids: np.ndarray, valid: np.ndarray, x: np.ndarray, parent: np.ndarray, B: int
+) -> np.ndarray:
     """Float64 argmin of ||c||² − 2·x·c among each row's parent's valid children: (k, d), (k,)
     → (k,) child offsets in [0, B). Rows arrive sorted by parent; each parent's B centroids are
     cast once and scored against its rows in one GEMM. (Gathering B centroids per row instead

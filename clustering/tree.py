@@ -10,7 +10,8 @@ ids are marked invalid and never routed to. Every valid node has ≥ 1 valid
 child, so routing always ends at a valid leaf.
 
 On disk (format `memtree-tree`, version 1; see clustering/README.md):
-  tree.json             levels, branching, dim, metric, config, embedder, tree_id, per-level stats, file checksums
+  tree.json             levels, branching, dim, metric, config, embedder, tree_id, per-level
+                        stats, file checksums
   centroids-l{l}.npy    (B^l, dim) float32
   valid-l{l}.npy        (B^l,) bool
   sizes-l{l}.npy        (B^l,) int64: build points routed to each cluster
@@ -68,8 +69,12 @@ class Tree:
     valid: list[np.ndarray]  # level l-1 → (B^l,) bool
     sizes: list[np.ndarray] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
-    path: Path | None = None  # the directory it was loaded from (relative paths in meta resolve here)
-    _norms: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False, compare=False)
+    path: Path | None = (
+        None  # the directory it was loaded from (relative paths in meta resolve here)
+    )
+    _norms: dict[int, np.ndarray] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @property
     def tree_id(self) -> str:
@@ -156,10 +161,18 @@ def fit_level(
     def fit(r: int) -> list:
         key = [r] if r else []  # restart 0 keeps the single-fit key: restarts=1 is unchanged
         return fit_nodes_batched(
-            x, members, ks, [np.random.default_rng([seed, level, int(nodes[i][0]), *key]) for i in todo],
-            batch_size=batch_size, steps=steps, balance_factor=balance_factor,
-            equalize_steps=equalize_steps, cell_size=cell_size, cell_slack=cell_slack,
-            converge_tol=converge_tol, strict=strict_balance,
+            x,
+            members,
+            ks,
+            [np.random.default_rng([seed, level, int(nodes[i][0]), *key]) for i in todo],
+            batch_size=batch_size,
+            steps=steps,
+            balance_factor=balance_factor,
+            equalize_steps=equalize_steps,
+            cell_size=cell_size,
+            cell_slack=cell_slack,
+            converge_tol=converge_tol,
+            strict=strict_balance,
         )
 
     fits = fit(0)
@@ -185,7 +198,11 @@ def distortion(x: np.ndarray, rows: np.ndarray, centroids: np.ndarray) -> float:
         rows = rows[:: -(-len(rows) // EQUALIZE_SAMPLE)]
     xs = np.asarray(x[rows], dtype=np.float32)  # (n, d)
     c = np.asarray(centroids, dtype=np.float32)  # (k, d)
-    d2 = np.einsum("nd,nd->n", xs, xs)[:, None] + np.einsum("kd,kd->k", c, c)[None, :] - 2.0 * (xs @ c.T)
+    d2 = (
+        np.einsum("nd,nd->n", xs, xs)[:, None]
+        + np.einsum("kd,kd->k", c, c)[None, :]
+        - 2.0 * (xs @ c.T)
+    )
     return float(np.maximum(d2.min(1), 0.0).mean(dtype=np.float64))
 
 
@@ -214,10 +231,21 @@ def fit_node(
     on which worker fits it or in what order; `fit_level` gives the same.
     """
     return fit_level(
-        x, [(node, np.arange(x.shape[0]))], np.asarray(fallback)[None], branching=branching,
-        min_points_per_child=min_points_per_child, batch_size=batch_size, steps=steps,
-        balance_factor=balance_factor, equalize_steps=equalize_steps, restarts=restarts, seed=seed,
-        level=level, cell_size=cell_size, cell_slack=cell_slack, converge_tol=converge_tol,
+        x,
+        [(node, np.arange(x.shape[0]))],
+        np.asarray(fallback)[None],
+        branching=branching,
+        min_points_per_child=min_points_per_child,
+        batch_size=batch_size,
+        steps=steps,
+        balance_factor=balance_factor,
+        equalize_steps=equalize_steps,
+        restarts=restarts,
+        seed=seed,
+        level=level,
+        cell_size=cell_size,
+        cell_slack=cell_slack,
+        converge_tol=converge_tol,
         strict_balance=strict_balance,
     )[0]
 
@@ -298,8 +326,9 @@ def build_tree(
     is in tree.meta["balance_repairs"].
     gemm_backend: the BLAS the default fitter's GEMMs run on (`clustering.gemm`: "numpy",
     "torch", "faiss", or "auto", the default: the fastest on a sample of node fits,
-    `clustering.blas.resolve_gemm`, timed once per host and kept, as the pipeline chooses); the paths do not depend on it, the centroids only by float32
-    rounding (~1e-7). A `fit_nodes` of the caller's chooses its own.
+    `clustering.blas.resolve_gemm`, timed once per host and kept, as the pipeline chooses); the
+    paths do not depend on it, the centroids only by float32 rounding (~1e-7). A `fit_nodes` of
+    the caller's chooses its own.
     """
     n, dim = x.shape
     own_fitter = fit_nodes is None
@@ -309,22 +338,42 @@ def build_tree(
         gemm_backend = resolve_gemm(gemm_backend, n_jobs)
     if balance_target is not None and balance_target < 1.0:
         raise ValueError(f"balance_target must be >= 1.0 or None, got {balance_target!r}")
-    params = {"branching": branching, "min_points_per_child": min_points_per_child,
-              "batch_size": batch_size, "steps": steps, "balance_factor": balance_factor,
-              "equalize_steps": equalize_steps, "restarts": restarts, "converge_tol": converge_tol, "seed": seed}
+    params = {
+        "branching": branching,
+        "min_points_per_child": min_points_per_child,
+        "batch_size": batch_size,
+        "steps": steps,
+        "balance_factor": balance_factor,
+        "equalize_steps": equalize_steps,
+        "restarts": restarts,
+        "converge_tol": converge_tol,
+        "seed": seed,
+    }
     workers = n_jobs or os.cpu_count() or 1
 
-    def threaded(level: int, nodes: list[tuple[int, np.ndarray]], parent_c: np.ndarray, *, strict: bool):
+    def threaded(
+        level: int, nodes: list[tuple[int, np.ndarray]], parent_c: np.ndarray, *, strict: bool
+    ):
         chunks = level_chunks([len(idx) for _, idx in nodes], batch_size, workers)
 
         def one(chunk: range):
             part = [nodes[i] for i in chunk]
-            return fit_level(x, part, parent_c[[p for p, _ in part]], level=level,
-                             cell_size=level_cell_size(n, branching, level),
-                             cell_slack=level_cell_slack(balance_factor, level, levels, strict),
-                             strict_balance=strict, **params)
+            return fit_level(
+                x,
+                part,
+                parent_c[[p for p, _ in part]],
+                level=level,
+                cell_size=level_cell_size(n, branching, level),
+                cell_slack=level_cell_slack(balance_factor, level, levels, strict),
+                strict_balance=strict,
+                **params,
+            )
 
-        with gemm.using(gemm_backend), single_threaded(), ThreadPoolExecutor(max_workers=workers) as ex:
+        with (
+            gemm.using(gemm_backend),
+            single_threaded(),
+            ThreadPoolExecutor(max_workers=workers) as ex,
+        ):
             return [fit for part in ex.map(one, chunks) for fit in part]
 
     fit_nodes = fit_nodes or threaded
@@ -340,19 +389,26 @@ def build_tree(
     for level in range(1, levels + 1):
         order = np.argsort(parent, kind="stable")
         bounds = np.searchsorted(parent[order], np.arange(branching ** (level - 1) + 1))
-        nodes = [
-            (p, order[bounds[p] : bounds[p + 1]])
-            for p in np.flatnonzero(parent_valid)
-        ]
+        nodes = [(p, order[bounds[p] : bounds[p + 1]]) for p in np.flatnonzero(parent_valid)]
         results = list(fit_nodes(level, nodes, parent_c, strict=strict_balance))
         c, v = _level_rows(nodes, results, branching**level, dim)
         child = route_step(c, v, x, parent, branching) if n else parent
         done = [0, 0]
         if balance_target is not None and not strict_balance and n:
             limit = repair_limit(balance_target, balance_factor, n, branching, level, levels)
-            results, child, done = _repair_level(x, nodes, results, child, parent, parent_c, level,
-                                                 limit * level_cell_size(n, branching, level),
-                                                 fit_nodes, branching, dim)
+            results, child, done = _repair_level(
+                x,
+                nodes,
+                results,
+                child,
+                parent,
+                parent_c,
+                level,
+                limit * level_cell_size(n, branching, level),
+                fit_nodes,
+                branching,
+                dim,
+            )
             c, v = _level_rows(nodes, results, branching**level, dim)
         parent = child
         paths[:, level - 1] = parent
@@ -364,17 +420,31 @@ def build_tree(
         parent_c, parent_valid = c, v
         if on_level:
             on_level(level)
-    tree = Tree(levels, branching, dim, centroids, valid, sizes,
-                meta={"balance_splits": splits, "n_points": n, "balance_repairs": repairs})
-    if own_fitter:  # which BLAS ran the GEMMs (not in the tree_id: it moves centroids by rounding only)
+    tree = Tree(
+        levels,
+        branching,
+        dim,
+        centroids,
+        valid,
+        sizes,
+        meta={"balance_splits": splits, "n_points": n, "balance_repairs": repairs},
+    )
+    if (
+        own_fitter
+    ):  # which BLAS ran the GEMMs (not in the tree_id: it moves centroids by rounding only)
         tree.meta["gemm"] = gemm_backend
     tree.meta["tree_id"] = compute_tree_id(tree)
     return tree, paths
 
 
-
-def repair_limit(balance_target: float, balance_factor: float, n_points: int, branching: int, level: int,
-                 levels: int) -> float:
+def repair_limit(
+    balance_target: float,
+    balance_factor: float,
+    n_points: int,
+    branching: int,
+    level: int,
+    levels: int,
+) -> float:
     """The largest child a node at `level` may leave, × the level's mean cell, before
     `build_tree` refits it with strict balance: balance_target at the leaves; above them, less
     the room every level below needs (a strict node's cells may reach ⌈n / k⌉ + 1 points, up
@@ -384,13 +454,19 @@ def repair_limit(balance_target: float, balance_factor: float, n_points: int, br
     On the demo's trees (47-point leaves) that is 1.147 / 1.157 / 1.2 for levels 1 / 2 / 3,
     and no node is over; on 14,081 skewed windows (3 × 8, 27.5 points per leaf) 1.118 / 1.127
     / 1.2, where the paper's rule left level 2 at 1.159 and the leaves at 1.236."""
-    room = sum((STRICT_SLACK_POINTS + 1) / level_cell_size(n_points, branching, j)
-               for j in range(level + 1, levels + 1))
+    room = sum(
+        (STRICT_SLACK_POINTS + 1) / level_cell_size(n_points, branching, j)
+        for j in range(level + 1, levels + 1)
+    )
     return max(balance_target - room, level_cell_slack(balance_factor, level, levels, strict=True))
 
 
-def _level_rows(nodes: Sequence[tuple[int, np.ndarray]], results: Sequence[tuple[np.ndarray, int, int]],
-                n_cells: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+def _level_rows(
+    nodes: Sequence[tuple[int, np.ndarray]],
+    results: Sequence[tuple[np.ndarray, int, int]],
+    n_cells: int,
+    dim: int,
+) -> tuple[np.ndarray, np.ndarray]:
     """One level's centroids (n_cells, dim) float32 and valid mask (n_cells,) from its node fits."""
     c = np.zeros((n_cells, dim), dtype=np.float32)
     v = np.zeros(n_cells, dtype=bool)
@@ -401,7 +477,9 @@ def _level_rows(nodes: Sequence[tuple[int, np.ndarray]], results: Sequence[tuple
     return c, v
 
 
-def _repair_level(x, nodes, results, child, parent, parent_c, level, limit_points, fit_nodes, branching, dim):
+def _repair_level(
+    x, nodes, results, child, parent, parent_c, level, limit_points, fit_nodes, branching, dim
+):
     """Refit with strict balance the nodes whose largest child holds more than limit_points
     points; keep a refit where its largest child is smaller. Routing scores a point against its
     own parent's children only, so only the refitted nodes' points are routed again, and they
@@ -428,27 +506,38 @@ def _repair_level(x, nodes, results, child, parent, parent_c, level, limit_point
     child[rows[take]] = alt[take]
     return out, child, [len(over), len(kept)]
 
+
 def level_stats(tree: Tree) -> list[dict[str, Any]]:
     out = []
     for lvl in range(1, tree.levels + 1):
         v, s = tree.valid[lvl - 1], tree.sizes[lvl - 1] if tree.sizes else None
-        d: dict[str, Any] = {"level": lvl, "n_clusters": int(tree.branching**lvl), "n_valid": int(v.sum())}
+        d: dict[str, Any] = {
+            "level": lvl,
+            "n_clusters": int(tree.branching**lvl),
+            "n_valid": int(v.sum()),
+        }
         if s is not None and v.any():
             sv = s[v]
             mean = float(sv.mean())
             d.update(
                 n_empty=int((sv == 0).sum()),
-                min_size=int(sv.min()), max_size=int(sv.max()), mean_size=mean,
+                min_size=int(sv.min()),
+                max_size=int(sv.max()),
+                mean_size=mean,
                 balance_ratio=float(sv.max() / mean) if mean > 0 else None,
             )
         # Nodes of the level above that received fewer than `branching` children.
         per_parent = v.reshape(-1, tree.branching).sum(1)
-        d["parents_with_fewer_children"] = int(((per_parent > 0) & (per_parent < tree.branching)).sum())
+        d["parents_with_fewer_children"] = int(
+            ((per_parent > 0) & (per_parent < tree.branching)).sum()
+        )
         out.append(d)
     return out
 
 
-def save_tree(tree: Tree, out_dir: str | Path, *, config: dict[str, Any], embedder: dict[str, Any]) -> dict:
+def save_tree(
+    tree: Tree, out_dir: str | Path, *, config: dict[str, Any], embedder: dict[str, Any]
+) -> dict:
     """Write the tree files into out_dir (each atomically); returns tree.json's content.
 
     A directory that already holds a tree is replaced whole (written beside it, then renamed),
@@ -464,8 +553,11 @@ def save_tree(tree: Tree, out_dir: str | Path, *, config: dict[str, Any], embedd
 def _write_tree(tree: Tree, out: Path, *, config: dict[str, Any], embedder: dict[str, Any]) -> dict:
     files: dict[str, str] = {}
     for lvl in range(1, tree.levels + 1):
-        for stem, arr in (("centroids", tree.centroids[lvl - 1]), ("valid", tree.valid[lvl - 1]),
-                          ("sizes", tree.sizes[lvl - 1])):
+        for stem, arr in (
+            ("centroids", tree.centroids[lvl - 1]),
+            ("valid", tree.valid[lvl - 1]),
+            ("sizes", tree.sizes[lvl - 1]),
+        ):
             name = f"{stem}-l{lvl}.npy"
             atomic_save_npy(out / name, arr)
             files[name] = sha256_file(out / name)
@@ -480,7 +572,8 @@ def _write_tree(tree: Tree, out: Path, *, config: dict[str, Any], embedder: dict
         "inputs_l2_normalized": True,
         "n_points": int(tree.meta.get("n_points", 0)),
         "balance_splits_per_level": tree.meta.get("balance_splits", []),
-        # [nodes refitted with strict balance, refits kept] per level (`build_tree`'s balance_target)
+        # [nodes refitted with strict balance, refits kept] per level
+        # (`build_tree`'s balance_target)
         "balance_repairs_per_level": tree.meta.get("balance_repairs", []),
         "level_stats": level_stats(tree),
         "config": config,
@@ -508,14 +601,16 @@ def load_tree(path: str | Path, *, verify: bool = True) -> Tree:
                 want, got = meta.get("files", {}).get(name), sha256_file(f)
                 if got != want:
                     raise ValueError(
-                        f"{f}: checksum mismatch (file changed since the tree was written): sha256 {got}, "
-                        f"{d / 'tree.json'} records {want}; the tree is damaged: restore the directory from "
-                        "a copy or rebuild it (delete it and re-run the `memtree pipeline` command that wrote "
-                        "it)")
+                        f"{f}: checksum mismatch (file changed since the tree was written): "
+                        f"sha256 {got}, {d / 'tree.json'} records {want}; the tree is damaged: "
+                        "restore the directory from a copy or rebuild it (delete it and re-run "
+                        "the `memtree pipeline` command that wrote it)"
+                    )
             acc.append(np.load(f, allow_pickle=False))
     B, L = meta["branching"], meta["levels"]
     for lvl, c in enumerate(cents, start=1):
         if c.shape != (B**lvl, meta["dim"]):
-            raise ValueError(f"{d}/centroids-l{lvl}.npy: shape {c.shape}, expected {(B**lvl, meta['dim'])}")
+            raise ValueError(
+                f"{d}/centroids-l{lvl}.npy: shape {c.shape}, expected {(B**lvl, meta['dim'])}"
+            )
     return Tree(L, B, meta["dim"], cents, valid, sizes, meta=meta, path=d)
-

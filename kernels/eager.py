@@ -17,5 +17,8 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 def plain(*tensors: Tensor) -> bool:
     """True for eager tensors (plain or parameters) with nothing tracing or intercepting."""
-    return (not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode()
-            and all(type(t) in (Tensor, torch.nn.Parameter) for t in tensors))
+    return (
+        not torch.compiler.is_compiling()
+        and not is_in_torch_dispatch_mode()
+        and all(type(t) in (Tensor, torch.nn.Parameter) for t in tensors)
+    )

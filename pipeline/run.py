@@ -5,19 +5,17 @@ Dask cluster (a LocalCluster unless `dask.scheduler` names one). Stage
 functions here are thin: they plan the Dask tasks (one per input unit,
 partition, tree node group or level-1 subtree) and reconcile counts; the work
 itself lives in `pipeline.ingest`, `pipeline.window`, `clustering.*` and
-`pipeline.shards`.
+`pipeline.shards`. The embed stage, with its encoder export and allocator
+tuning, is `pipeline.embed_stage`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
 import shutil
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +27,6 @@ import pyarrow.parquet as pq
 from memtree.clustering import gemm
 from memtree.clustering.blas import check_host, resolve_gemm
 from memtree.clustering.bottomup import build_tree_bottomup
-from memtree.clustering.embed import (
-    SEQ_BUCKET,
-    default_model_path,
-    embed_texts,
-    load_embedder,
-    resolve_backend,
-)
-from memtree.clustering.embed_export import OPENVINO_INT8, export_openvino_int8
 from memtree.clustering.kmeans import single_threaded
 from memtree.clustering.route import route
 from memtree.clustering.tree import (
@@ -52,6 +42,7 @@ from memtree.io import atomic_path, atomic_save_npy, atomic_write_json
 from memtree.pipeline import ingest as ing
 from memtree.pipeline.config import PipelineConfig
 from memtree.pipeline.dask_utils import dask_client, map_tasks
+from memtree.pipeline.embed_stage import embed_fingerprint, embed_stage
 from memtree.pipeline.report import write_report
 from memtree.pipeline.shards import (
     SHARDS_FORMAT,
@@ -60,28 +51,12 @@ from memtree.pipeline.shards import (
     stream_name,
     write_stream,
 )
-from memtree.pipeline.stages import StageDef, fingerprint, read_marker, run_stage
+from memtree.pipeline.stages import Ctx, StageDef, fingerprint, read_marker, run_stage
 from memtree.pipeline.window import build_tokenizer, tokenizer_eot_id, window_part
 from memtree.pretrained import SPECS as PRETRAINED
-from memtree.pretrained import PretrainedError, cache_root, pretrained_dir
+from memtree.pretrained import PretrainedError, pretrained_dir
 
 PIPELINE_FORMAT_VERSION = 1
-
-
-@dataclass
-class Ctx:
-    cfg: PipelineConfig
-    root: Path
-    client: Any
-    log: Callable[[str], None]
-    markers: dict[str, dict] = field(default_factory=dict)
-    host: dict | None = None  # `clustering.blas.check_host`'s result, when the tree stage runs
-
-    def stage_dir(self, name: str) -> Path:
-        return self.root / name
-
-    def parts(self, stage: str) -> list[dict]:
-        return self.markers[stage]["stats"]["parts"]
 
 
 # ----------------------------------------------------------------------------- ingest
@@ -91,8 +66,11 @@ def _ingest(ctx: Ctx, work: Path) -> dict:
     raw = work / "raw"
     raw.mkdir(exist_ok=True)
     unit_stats = map_tasks(
-        ctx.client, ing.ingest_unit, [(i, u, cfg, str(raw)) for i, u in enumerate(units)],
-        desc="ingest", progress=ctx.cfg.progress,
+        ctx.client,
+        ing.ingest_unit,
+        [(i, u, cfg, str(raw)) for i, u in enumerate(units)],
+        desc="ingest",
+        progress=ctx.cfg.progress,
     )
     chunks = [c for s in unit_stats for c in s["chunks"]]
     drops, dup_rejects = ing.dedup_plan(raw, [c["name"] for c in chunks], dedup=cfg.dedup)
@@ -106,8 +84,9 @@ def _ingest(ctx: Ctx, work: Path) -> dict:
         parts.append({"file": name, "n": n_keep, "offset": offset})
         offset += n_keep
     (work / "docs").mkdir(exist_ok=True)
-    written = map_tasks(ctx.client, ing.write_docs_part, args, desc="ingest:write",
-                        progress=ctx.cfg.progress)
+    written = map_tasks(
+        ctx.client, ing.write_docs_part, args, desc="ingest:write", progress=ctx.cfg.progress
+    )
     assert written == [p["n"] for p in parts]
     rejects = [pq.read_table(raw / s["rejects"]) for s in unit_stats]
     rejects.append(pa.Table.from_pylist(dup_rejects, schema=ing.REJECT_SCHEMA))
@@ -120,15 +99,29 @@ def _ingest(ctx: Ctx, work: Path) -> dict:
     for r in rej["reason"].to_pylist():
         reasons[r] = reasons.get(r, 0) + 1
     if records_in != offset + rej.num_rows:
-        raise RuntimeError(f"ingest count mismatch: {records_in} in != {offset} kept + {rej.num_rows} rejected")
+        raise RuntimeError(
+            f"ingest count mismatch: {records_in} in != {offset} kept + {rej.num_rows} rejected"
+        )
     if records_in == 0:
-        raise ValueError(f"ingest: the inputs hold no records ({sum(len(u.urls) for u in units)} file(s) read: "
-                         f"{', '.join(url for u in units[:3] for url in u.urls[:1])}{' …' if len(units) > 3 else ''}); "
-                         "give JSONL / Parquet / .txt / .md files whose records carry a 'text'")
+        raise ValueError(
+            f"ingest: the inputs hold no records ({sum(len(u.urls) for u in units)} file(s) read: "
+            f"{', '.join(url for u in units[:3] for url in u.urls[:1])}"
+            f"{' …' if len(units) > 3 else ''}); "
+            "give JSONL / Parquet / .txt / .md files whose records carry a 'text'"
+        )
     if offset == 0:  # the stage is not published: its rejects are still in the work directory
-        raise ValueError(f"ingest: all {records_in} records were rejected ({reasons}); see {work}/rejects.parquet")
-    return {"units": len(units), "records_in": records_in, "kept": offset, "rejected": rej.num_rows,
-            "rejects_by_reason": dict(sorted(reasons.items())), "parts": parts}
+        raise ValueError(
+            f"ingest: all {records_in} records were rejected ({reasons}); "
+            f"see {work}/rejects.parquet"
+        )
+    return {
+        "units": len(units),
+        "records_in": records_in,
+        "kept": offset,
+        "rejected": rej.num_rows,
+        "rejects_by_reason": dict(sorted(reasons.items())),
+        "parts": parts,
+    }
 
 
 # -------------------------------------------------------------------------- tokenizer
@@ -142,157 +135,61 @@ def _window(ctx: Ctx, work: Path) -> dict:
     tok_dir = str(ctx.stage_dir("tokenizer"))
     docs = ctx.parts("ingest")
     args = [
-        (str(ctx.stage_dir("ingest") / p["file"]), str(work / f"part-{i:05d}.parquet"), tok_dir,
-         ctx.cfg.window.window_tokens)
+        (
+            str(ctx.stage_dir("ingest") / p["file"]),
+            str(work / f"part-{i:05d}.parquet"),
+            tok_dir,
+            ctx.cfg.window.window_tokens,
+        )
         for i, p in enumerate(docs)
     ]
     res = map_tasks(ctx.client, window_part, args, desc="window", progress=ctx.cfg.progress)
     parts, offset = [], 0
     for i, r in enumerate(res):
-        parts.append({"file": f"part-{i:05d}.parquet", "n": r["n_windows"], "offset": offset,
-                      "n_tokens": r["n_tokens"]})
+        parts.append(
+            {
+                "file": f"part-{i:05d}.parquet",
+                "n": r["n_windows"],
+                "offset": offset,
+                "n_tokens": r["n_tokens"],
+            }
+        )
         offset += r["n_windows"]
-    return {"docs_in": sum(p["n"] for p in docs), "n_windows": offset,
-            "n_tokens": sum(p["n_tokens"] for p in parts), "parts": parts}
-
-
-# ------------------------------------------------------------------------------ embed
-EXPORT_DIR = "embedder"  # the int8 export, inside the embed stage's directory
-
-
-def embed_part(windows_path: str, out_path: str, model: str | None, device: str, strategy: str,
-               max_seq_length: int, batch_size: int, threads: int, backend: str = "torch",
-               mmap_threshold_mib: int = 0) -> int:
-    """Dask task: embed one windows partition (skipped if already written)."""
-    out = Path(out_path)
-    if out.exists():
-        return int(np.load(out, mmap_mode="r").shape[0])
-    import torch
-
-    if mmap_threshold_mib:
-        _fix_mmap_threshold(mmap_threshold_mib << 20)
-    torch.set_num_threads(threads)
-    m = load_embedder(model, device=device, max_seq_length=max_seq_length, backend=backend,
-                      threads=threads)
-    texts = pq.read_table(windows_path, columns=["text"])["text"].to_pylist()
-    emb = embed_texts(m, texts, strategy=strategy, batch_size=batch_size)
-    n = int(emb.shape[0])
-    atomic_save_npy(out, emb)
-    del texts, emb
-    _trim_heap()
-    return n
-
-
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-
-
-def _glibc(fn: str, *args: int) -> None:
-    """Call one of glibc's allocator functions; nothing on another C library."""
-    try:
-        getattr(ctypes.CDLL("libc.so.6"), fn)(*args)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
-def _fix_mmap_threshold(nbytes: int) -> None:
-    """Serve blocks of nbytes or more by mmap for the rest of this process's life (glibc only).
-    Setting the threshold also turns off glibc's dynamic raising of it, which is what let the
-    encoders' large activations fragment the heap (EmbedConfig.mmap_threshold_mib)."""
-    _glibc("mallopt", M_MMAP_THRESHOLD, nbytes)
-
-
-def _trim_heap() -> None:
-    """Hand the worker's freed heap back to the OS after a part (glibc only). The encoders'
-    activations differ in size from batch to batch, and glibc keeps the freed pages: measured in
-    one process over 30 parts of 700 windows, RSS grew 0.31 GiB untrimmed and 0.14 GiB trimmed
-    (docs/BENCHMARKS.md)."""
-    _glibc("malloc_trim", 0)
-
-
-def _embed_fingerprint(e) -> dict:
-    """The embed settings that change the vectors: the backend as resolved (`auto` picks by device),
-    not the device itself (same network, same math up to float rounding) nor the allocator setting. A torch run leaves the
-    backend keys out, so torch runs made before the int8 backend existed keep their fingerprint."""
-    d = {k: v for k, v in to_dict(e).items() if k not in ("device", "mmap_threshold_mib")}
-    d["backend"] = resolve_backend(e.backend, e.device)
-    if d["backend"] == "torch":
-        d.pop("backend"), d.pop("calibration_samples")
-    else:  # the int8 network's padding changes its vectors slightly (cosine >= 0.9997)
-        d["seq_bucket"] = SEQ_BUCKET
-    return d
-
-
-def _first_texts(ctx: Ctx, n: int) -> list[str]:
-    """The corpus's first n windows, in order: the int8 export's calibration set."""
-    out: list[str] = []
-    for p in ctx.parts("window"):
-        if len(out) >= n:
-            break
-        col = pq.read_table(ctx.stage_dir("window") / p["file"], columns=["text"])["text"]
-        out.extend(col.slice(0, n - len(out)).to_pylist())
-    return out
-
-
-def _embed(ctx: Ctx, work: Path) -> dict:
-    e = ctx.cfg.embed
-    wparts = ctx.parts("window")
-    (work / "parts").mkdir(exist_ok=True)
-    # absolute: the Dask workers' working directory may not be this process's (--scheduler)
-    model, export, export_s, obtained = (os.path.abspath(e.model) if e.model else None), None, 0.0, None
-    backend = resolve_backend(e.backend, e.device)
-    if backend == OPENVINO_INT8:
-        model = str(work / EXPORT_DIR)
-        t0 = time.time()
-        cache = cache_root() / "embedder"
-        export = export_openvino_int8(e.model or default_model_path(), model,
-                                      _first_texts(ctx, e.calibration_samples),
-                                      max_seq_length=e.max_seq_length, cache_dir=cache, progress=ctx.cfg.progress)
-        export_s = time.time() - t0
-        obtained = export.pop("obtained")
-        how = {"reused": "kept from the last attempt", "cache": f"copied from {cache}",
-               "calibrated": f"calibrated on {e.calibration_samples} windows"}[obtained]
-        ctx.log(f"[embed] int8 OpenVINO export ready in {export_s:.1f} s ({how})")
-    args = [
-        (str(ctx.stage_dir("window") / p["file"]), str(work / "parts" / f"part-{i:05d}.npy"),
-         model, e.device, e.strategy, e.max_seq_length, e.batch_size, ctx.cfg.dask.threads_per_worker,
-         backend, e.mmap_threshold_mib)
-        for i, p in enumerate(wparts)
-    ]
-    t0 = time.time()
-    counts = map_tasks(ctx.client, embed_part, args, desc="embed", progress=ctx.cfg.progress)
-    seconds = time.time() - t0
-    for p, n in zip(wparts, counts):
-        if n != p["n"]:
-            raise RuntimeError(f"embed: {p['file']} has {p['n']} windows but {n} embeddings")
-    n_total = sum(counts)
-    first = np.load(work / "parts" / "part-00000.npy", mmap_mode="r")
-    dim = int(first.shape[1])
-    with atomic_path(work / "embeddings.npy") as tmp:
-        mm = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(n_total, dim))
-        for i, p in enumerate(wparts):
-            mm[p["offset"] : p["offset"] + p["n"]] = np.load(work / "parts" / f"part-{i:05d}.npy")
-        mm.flush()
-        del mm
-    shutil.rmtree(work / "parts")
-    return {"n": n_total, "dim": dim, "model": e.model, "model_resolved": e.model or default_model_path(),
-            "backend": backend, "export": EXPORT_DIR if export else None,
-            "calibration": export["calibration"] if export else None, "export_seconds": round(export_s, 3),
-            "export_obtained": obtained,
-            "strategy": e.strategy, "max_seq_length": e.max_seq_length, "batch_size": e.batch_size,
-            "embed_seconds": round(seconds, 3), "windows_per_second": round(n_total / max(seconds, 1e-9), 1)}
+    return {
+        "docs_in": sum(p["n"] for p in docs),
+        "n_windows": offset,
+        "n_tokens": sum(p["n_tokens"] for p in parts),
+        "parts": parts,
+    }
 
 
 # ------------------------------------------------------------------------------- tree
-def fit_nodes_task(emb_path: str, nodes: list[tuple[int, np.ndarray]], level: int, cell_slack: float,
-                   params: dict, fallbacks: np.ndarray, gemm_backend: str = "numpy") -> list[tuple[np.ndarray, int, int]]:
+def fit_nodes_task(
+    emb_path: str,
+    nodes: list[tuple[int, np.ndarray]],
+    level: int,
+    cell_slack: float,
+    params: dict,
+    fallbacks: np.ndarray,
+    gemm_backend: str = "numpy",
+) -> list[tuple[np.ndarray, int, int]]:
     """Dask task: fit a group of sibling-independent nodes of one level, their cells capped at
     cell_slack × the level's mean cell, as `build_tree`'s own fitter caps them, with the GEMMs on
     `gemm_backend` (`clustering.gemm`, the host check's choice)."""
     x = np.load(emb_path, mmap_mode="r")
-    with gemm.using(gemm_backend), single_threaded():  # sorted rows: sequential reads from the memmap
-        return fit_level(x, [(int(p), np.sort(idx)) for p, idx in nodes], np.asarray(fallbacks),
-                         level=level, cell_size=level_cell_size(x.shape[0], params["branching"], level),
-                         cell_slack=cell_slack, **params)
+    with (
+        gemm.using(gemm_backend),
+        single_threaded(),
+    ):  # sorted rows: sequential reads from the memmap
+        return fit_level(
+            x,
+            [(int(p), np.sort(idx)) for p, idx in nodes],
+            np.asarray(fallbacks),
+            level=level,
+            cell_size=level_cell_size(x.shape[0], params["branching"], level),
+            cell_slack=cell_slack,
+            **params,
+        )
 
 
 def effective_levels(n: int, levels: int, branching: int, auto_reduce: bool) -> int:
@@ -300,9 +197,10 @@ def effective_levels(n: int, levels: int, branching: int, auto_reduce: bool) -> 
         return levels
     if not auto_reduce:
         raise ValueError(
-            f"the tree has {branching}^{levels} = {branching**levels} leaves but the corpus has only "
-            f"{n} windows; at least {branching**levels} windows are needed. Use fewer levels "
-            f"(--levels) or a smaller branching (--branching), or set tree.auto_reduce=true to drop levels"
+            f"the tree has {branching}^{levels} = {branching**levels} leaves but the corpus has "
+            f"only {n} windows; at least {branching**levels} windows are needed. Use fewer levels "
+            "(--levels) or a smaller branching (--branching), or set tree.auto_reduce=true to "
+            "drop levels"
         )
     lv = levels
     while lv > 1 and branching**lv > n:
@@ -313,9 +211,9 @@ def effective_levels(n: int, levels: int, branching: int, auto_reduce: bool) -> 
 
 
 def _tree_fingerprint(c) -> dict:
-    """The tree config and seed; `restarts` only when it is not 1, so trees built before that field
-    existed keep their fingerprint (the same fit). `gemm` is a speed setting (the same paths, centroids
-    to float32 rounding): changing it rebuilds nothing."""
+    """The tree config and seed; `restarts` only when it is not 1, so trees built before that
+    field existed keep their fingerprint (the same fit). `gemm` is a speed setting (the same
+    paths, centroids to float32 rounding): changing it rebuilds nothing."""
     fp = {**to_dict(c.tree), "seed": c.seed}
     if fp.get("restarts") == 1:
         del fp["restarts"]
@@ -331,11 +229,20 @@ def _tree(ctx: Ctx, work: Path) -> dict:
     x = np.load(emb_path)
     levels = effective_levels(x.shape[0], t.levels, t.branching, t.auto_reduce)
     if levels != t.levels:
-        ctx.log(f"[tree] {x.shape[0]} windows: levels reduced {t.levels} -> {levels} (tree.auto_reduce)")
-    node_params = {"branching": t.branching, "min_points_per_child": t.min_points_per_child,
-                   "batch_size": t.batch_size, "steps": t.steps, "balance_factor": t.balance_factor,
-                   "equalize_steps": t.equalize_steps, "restarts": t.restarts, "converge_tol": t.converge_tol,
-                   "seed": ctx.cfg.seed}
+        ctx.log(
+            f"[tree] {x.shape[0]} windows: levels reduced {t.levels} -> {levels} (tree.auto_reduce)"
+        )
+    node_params = {
+        "branching": t.branching,
+        "min_points_per_child": t.min_points_per_child,
+        "batch_size": t.batch_size,
+        "steps": t.steps,
+        "balance_factor": t.balance_factor,
+        "equalize_steps": t.equalize_steps,
+        "restarts": t.restarts,
+        "converge_tol": t.converge_tol,
+        "seed": ctx.cfg.seed,
+    }
     n_workers = max(1, len(ctx.client.scheduler_info()["workers"]))
     host = dict(ctx.host or {"action": "off"})
     if t.gemm != "auto":
@@ -355,13 +262,21 @@ def _tree(ctx: Ctx, work: Path) -> dict:
             groups[g].append(i)
             loads[g] += len(nodes[i][1]) + 1
         args = [
-            (str(emb_path), [nodes[i] for i in g], level,
-             level_cell_slack(t.balance_factor, level, levels, strict), {**node_params, "strict_balance": strict},
-             np.stack([parent_c[nodes[i][0]] for i in g]), gemm_backend)
-            for g in groups if g
+            (
+                str(emb_path),
+                [nodes[i] for i in g],
+                level,
+                level_cell_slack(t.balance_factor, level, levels, strict),
+                {**node_params, "strict_balance": strict},
+                np.stack([parent_c[nodes[i][0]] for i in g]),
+                gemm_backend,
+            )
+            for g in groups
+            if g
         ]
-        res = map_tasks(ctx.client, fit_nodes_task, args, desc=f"tree:l{level}",
-                        progress=ctx.cfg.progress)
+        res = map_tasks(
+            ctx.client, fit_nodes_task, args, desc=f"tree:l{level}", progress=ctx.cfg.progress
+        )
         out: list = [None] * len(nodes)
         for g, r in zip([g for g in groups if g], res):
             for i, fit in zip(g, r):
@@ -369,30 +284,61 @@ def _tree(ctx: Ctx, work: Path) -> dict:
         return out
 
     if t.method == "bottomup":  # one node fit and tiny groupings: in this process, no tasks
-        tree, _ = build_tree_bottomup(x, levels=levels, gemm_backend=gemm_backend,
-                                      on_level=lambda lv: ctx.log(f"[tree] level {lv} built (bottomup)"),
-                                      **node_params)
+        tree, _ = build_tree_bottomup(
+            x,
+            levels=levels,
+            gemm_backend=gemm_backend,
+            on_level=lambda lv: ctx.log(f"[tree] level {lv} built (bottomup)"),
+            **node_params,
+        )
     else:
-        tree, _ = build_tree(x, levels=levels, fit_nodes=fit_nodes,
-                             on_level=lambda lv: ctx.log(f"[tree] level {lv} built"),
-                             strict_balance=t.strict_balance, balance_target=t.balance_target, **node_params)
+        tree, _ = build_tree(
+            x,
+            levels=levels,
+            fit_nodes=fit_nodes,
+            on_level=lambda lv: ctx.log(f"[tree] level {lv} built"),
+            strict_balance=t.strict_balance,
+            balance_target=t.balance_target,
+            **node_params,
+        )
     for lv, (refit, kept) in enumerate(tree.meta["balance_repairs"], start=1):
         if refit:
-            ctx.log(f"[tree] level {lv}: {refit} node(s) over tree.balance_target refitted with strict balance, "
-                    f"{kept} kept")
+            ctx.log(
+                f"[tree] level {lv}: {refit} node(s) over tree.balance_target refitted with "
+                f"strict balance, {kept} kept"
+            )
     em = ctx.markers["embed"]["stats"]
     meta = save_tree(
-        tree, work,
+        tree,
+        work,
         config={**to_dict(t), "levels_requested": t.levels, "levels": levels, "seed": ctx.cfg.seed},
-        embedder={"model": em["model"], "strategy": em["strategy"],
-                  "max_seq_length": em["max_seq_length"], "batch_size": em["batch_size"], "dim": em["dim"],
-                  **_export_ref(ctx, em)},
+        embedder={
+            "model": em["model"],
+            "strategy": em["strategy"],
+            "max_seq_length": em["max_seq_length"],
+            "batch_size": em["batch_size"],
+            "dim": em["dim"],
+            **_export_ref(ctx, em),
+        },
     )
-    return {"tree_id": meta["tree_id"], "levels": levels, "branching": t.branching,
-            "n_points": int(x.shape[0]), "level_stats": meta["level_stats"],
-            "host": {k: v for k, v in host.items() if k != "before"}
-            | ({"before": {k: host["before"].get(k) for k in ("faiss_kernel", "faiss_search_gflops", "sgemm_gflops")}}
-               if host.get("before") else {})}
+    return {
+        "tree_id": meta["tree_id"],
+        "levels": levels,
+        "branching": t.branching,
+        "n_points": int(x.shape[0]),
+        "level_stats": meta["level_stats"],
+        "host": {k: v for k, v in host.items() if k != "before"}
+        | (
+            {
+                "before": {
+                    k: host["before"].get(k)
+                    for k in ("faiss_kernel", "faiss_search_gflops", "sgemm_gflops")
+                }
+            }
+            if host.get("before")
+            else {}
+        ),
+    }
 
 
 def _export_ref(ctx: Ctx, em: dict) -> dict:
@@ -404,7 +350,9 @@ def _export_ref(ctx: Ctx, em: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- assign
-def assign_part(tree_dir: str, emb_path: str, windows_path: str, out_path: str, offset: int, n: int) -> list[list[int]]:
+def assign_part(
+    tree_dir: str, emb_path: str, windows_path: str, out_path: str, offset: int, n: int
+) -> list[list[int]]:
     """Dask task: route one partition's windows; returns per-level cluster sizes (sparse)."""
     out = Path(out_path)
     tree = load_tree(tree_dir)
@@ -412,33 +360,48 @@ def assign_part(tree_dir: str, emb_path: str, windows_path: str, out_path: str, 
         x = np.load(emb_path, mmap_mode="r")[offset : offset + n]
         paths = route(tree, np.asarray(x))
         doc = pq.read_table(windows_path, columns=["doc_ordinal"])["doc_ordinal"]
-        table = pa.table({
-            "window_ordinal": pa.array(np.arange(offset, offset + n), pa.int64()),
-            "doc_ordinal": doc,
-            "path": pa.FixedSizeListArray.from_arrays(pa.array(paths.reshape(-1)), tree.levels),
-            "leaf": pa.array(paths[:, -1], pa.int64()),
-            "subtree": pa.array(paths[:, 0], pa.int64()),
-        })
+        table = pa.table(
+            {
+                "window_ordinal": pa.array(np.arange(offset, offset + n), pa.int64()),
+                "doc_ordinal": doc,
+                "path": pa.FixedSizeListArray.from_arrays(pa.array(paths.reshape(-1)), tree.levels),
+                "leaf": pa.array(paths[:, -1], pa.int64()),
+                "subtree": pa.array(paths[:, 0], pa.int64()),
+            }
+        )
         with atomic_path(out) as tmp:
             pq.write_table(table, tmp, compression="zstd")
     else:
-        paths = np.stack(pq.read_table(out, columns=["path"])["path"].to_numpy(zero_copy_only=False))
-    return [np.bincount(paths[:, lv], minlength=tree.branching ** (lv + 1)).tolist()
-            for lv in range(tree.levels)]
+        paths = np.stack(
+            pq.read_table(out, columns=["path"])["path"].to_numpy(zero_copy_only=False)
+        )
+    return [
+        np.bincount(paths[:, lv], minlength=tree.branching ** (lv + 1)).tolist()
+        for lv in range(tree.levels)
+    ]
 
 
 def _assign(ctx: Ctx, work: Path) -> dict:
     wparts = ctx.parts("window")
     args = [
-        (str(ctx.stage_dir("tree")), str(ctx.stage_dir("embed") / "embeddings.npy"),
-         str(ctx.stage_dir("window") / p["file"]), str(work / f"part-{i:05d}.parquet"), p["offset"], p["n"])
+        (
+            str(ctx.stage_dir("tree")),
+            str(ctx.stage_dir("embed") / "embeddings.npy"),
+            str(ctx.stage_dir("window") / p["file"]),
+            str(work / f"part-{i:05d}.parquet"),
+            p["offset"],
+            p["n"],
+        )
         for i, p in enumerate(wparts)
     ]
     res = map_tasks(ctx.client, assign_part, args, desc="assign", progress=ctx.cfg.progress)
     sizes = [np.sum([np.asarray(r[lv]) for r in res], axis=0) for lv in range(len(res[0]))]
     for lv, s in enumerate(sizes, start=1):
         atomic_save_npy(work / f"sizes-l{lv}.npy", s.astype(np.int64))
-    parts = [{"file": f"part-{i:05d}.parquet", "n": p["n"], "offset": p["offset"]} for i, p in enumerate(wparts)]
+    parts = [
+        {"file": f"part-{i:05d}.parquet", "n": p["n"], "offset": p["offset"]}
+        for i, p in enumerate(wparts)
+    ]
     return {"n_windows": int(sizes[0].sum()), "parts": parts}
 
 
@@ -449,34 +412,64 @@ def _shards(ctx: Ctx, work: Path) -> dict:
     split.mkdir(exist_ok=True)
     wparts, aparts = ctx.parts("window"), ctx.parts("assign")
     args = [
-        (str(ctx.stage_dir("window") / w["file"]), str(ctx.stage_dir("assign") / a["file"]), str(split), i)
+        (
+            str(ctx.stage_dir("window") / w["file"]),
+            str(ctx.stage_dir("assign") / a["file"]),
+            str(split),
+            i,
+        )
         for i, (w, a) in enumerate(zip(wparts, aparts))
     ]
     counts = map_tasks(ctx.client, split_part, args, desc="shards:split", progress=ctx.cfg.progress)
     subtrees = sorted({s for c in counts for s in c})
     eot = tokenizer_eot_id(ctx.stage_dir("tokenizer"))
     args = [
-        (str(split), str(work / stream_name(s)), s, p.seq_len, eot, p.compression, list(p.hashes), p.size_limit)
+        (
+            str(split),
+            str(work / stream_name(s)),
+            s,
+            p.seq_len,
+            eot,
+            p.compression,
+            list(p.hashes),
+            p.size_limit,
+        )
         for s in subtrees
     ]
-    streams = map_tasks(ctx.client, write_stream, args, desc="shards:write", progress=ctx.cfg.progress)
+    streams = map_tasks(
+        ctx.client, write_stream, args, desc="shards:write", progress=ctx.cfg.progress
+    )
     shutil.rmtree(split)
     for s in subtrees:
         (work / f"{stream_name(s)}.done.json").unlink()
     tree = ctx.markers["tree"]["stats"]
     manifest = {
-        "format": SHARDS_FORMAT, "version": SHARDS_VERSION, "tree_id": tree["tree_id"],
-        "levels": tree["levels"], "branching": tree["branching"], "seq_len": p.seq_len,
-        "eot_id": eot, "tokenizer": "../tokenizer", "mds_columns": {
-            "tokens": "ndarray:int32", "doc_bounds": "ndarray:int32", "path": "ndarray:int64",
-            "leaf": "int64", "window_ids": "ndarray:int64"},
+        "format": SHARDS_FORMAT,
+        "version": SHARDS_VERSION,
+        "tree_id": tree["tree_id"],
+        "levels": tree["levels"],
+        "branching": tree["branching"],
+        "seq_len": p.seq_len,
+        "eot_id": eot,
+        "tokenizer": "../tokenizer",
+        "mds_columns": {
+            "tokens": "ndarray:int32",
+            "doc_bounds": "ndarray:int32",
+            "path": "ndarray:int64",
+            "leaf": "int64",
+            "window_ids": "ndarray:int64",
+        },
         "streams": streams,
     }
     atomic_write_json(work / "manifest.json", manifest)
     n_windows = sum(s["n_windows"] for s in streams)
-    return {"n_streams": len(streams), "n_samples": sum(s["n_samples"] for s in streams),
-            "n_windows": n_windows, "n_tokens": sum(s["n_tokens"] for s in streams),
-            "tree_id": tree["tree_id"]}
+    return {
+        "n_streams": len(streams),
+        "n_samples": sum(s["n_samples"] for s in streams),
+        "n_windows": n_windows,
+        "n_tokens": sum(s["n_tokens"] for s in streams),
+        "tree_id": tree["tree_id"],
+    }
 
 
 # ----------------------------------------------------------------------------- report
@@ -486,21 +479,39 @@ def _report(ctx: Ctx, work: Path) -> dict:
 
 def _ingest_cfg(c: PipelineConfig):
     d = to_dict(c.ingest)
-    if any(ing.is_glob(i) for i in c.ingest.inputs):  # a file that newly matches a pattern reruns ingest
+    if any(
+        ing.is_glob(i) for i in c.ingest.inputs
+    ):  # a file that newly matches a pattern reruns ingest
         d["inputs_resolved"] = ing.resolve_inputs(c.ingest.inputs)
     return d
 
 
 STAGES: list[StageDef] = [
     StageDef("ingest", 1, (), _ingest_cfg, _ingest),
-    StageDef("tokenizer", 1, ("ingest",), lambda c: {k: to_dict(c.window)[k] for k in
-             ("tokenizer", "vocab_size", "train_sample_docs", "eot_token")}, _tokenizer),
+    StageDef(
+        "tokenizer",
+        1,
+        ("ingest",),
+        lambda c: {
+            k: to_dict(c.window)[k]
+            for k in ("tokenizer", "vocab_size", "train_sample_docs", "eot_token")
+        },
+        _tokenizer,
+    ),
     StageDef("window", 1, ("ingest", "tokenizer"), lambda c: c.window.window_tokens, _window),
-    StageDef("embed", 1, ("window",), lambda c: _embed_fingerprint(c.embed), _embed),
+    StageDef("embed", 1, ("window",), lambda c: embed_fingerprint(c.embed), embed_stage),
     StageDef("tree", 1, ("embed",), lambda c: _tree_fingerprint(c), _tree),
     StageDef("assign", 1, ("tree", "embed", "window"), lambda c: None, _assign),
-    StageDef("shards", 2, ("assign", "window", "tokenizer", "tree"), lambda c: to_dict(c.pack), _shards),
-    StageDef("report", 1, ("ingest", "window", "embed", "tree", "assign", "shards"), lambda c: None, _report),
+    StageDef(
+        "shards", 2, ("assign", "window", "tokenizer", "tree"), lambda c: to_dict(c.pack), _shards
+    ),
+    StageDef(
+        "report",
+        1,
+        ("ingest", "window", "embed", "tree", "assign", "shards"),
+        lambda c: None,
+        _report,
+    ),
 ]
 STAGE_NAMES = [s.name for s in STAGES]
 
@@ -519,7 +530,9 @@ def run_pipeline(
     if remote:
         # Work happens in a local staging copy (Dask tasks need a shared filesystem and
         # atomic renames); every finished stage is then uploaded through fsspec.
-        base = Path(os.environ.get("MEMTREE_STAGING", Path.home() / ".cache" / "memtree" / "staging"))
+        base = Path(
+            os.environ.get("MEMTREE_STAGING", Path.home() / ".cache" / "memtree" / "staging")
+        )
         root = base / hashlib.sha256(cfg.out.encode()).hexdigest()[:16]
     else:  # absolute: the Dask workers' working directory may not be this process's (--scheduler)
         root = Path(cfg.out.removeprefix("file://")).absolute()
@@ -533,11 +546,18 @@ def run_pipeline(
         fps[st.name] = fingerprint(st, st.config(cfg), [fps[d] for d in st.deps])
     todo = {n for n, fp in fps.items() if (read_marker(root / n) or {}).get("fingerprint") != fp}
     preflight(cfg, todo)
-    # before the LocalCluster starts: a fix of OPENBLAS_CORETYPE reaches only processes started after it
-    host = host_check(cfg, can_fix=client is None and not cfg.dask.scheduler, log=log) if "tree" in todo else None
+    # before the LocalCluster starts: a fix of OPENBLAS_CORETYPE reaches only processes started
+    # after it
+    host = (
+        host_check(cfg, can_fix=client is None and not cfg.dask.scheduler, log=log)
+        if "tree" in todo
+        else None
+    )
     root.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(root / "config.json", {"format": "memtree-run", "version": PIPELINE_FORMAT_VERSION,
-                                             "config": to_dict(cfg)})
+    atomic_write_json(
+        root / "config.json",
+        {"format": "memtree-run", "version": PIPELINE_FORMAT_VERSION, "config": to_dict(cfg)},
+    )
     if remote:
         _upload(root / "config.json", cfg.out.rstrip("/") + "/config.json")
 
@@ -567,8 +587,10 @@ def host_check(cfg: PipelineConfig, *, can_fix: bool, log: Callable[[str], None]
     res = check_host(mode=cfg.dask.blas, can_fix=can_fix, threads=cfg.dask.threads_per_worker)
     log(f"[tree] {res['message']}")
     if cfg.tree.gemm not in ("auto", res["gemm"]):
-        log(f"[tree] the node fits run on {cfg.tree.gemm}'s GEMM (tree.gemm); the fastest here was "
-            f"{res['gemm']}'s: tree.gemm=auto would use it")
+        log(
+            f"[tree] the node fits run on {cfg.tree.gemm}'s GEMM (tree.gemm); the fastest here was "
+            f"{res['gemm']}'s: tree.gemm=auto would use it"
+        )
     return res
 
 
@@ -577,7 +599,9 @@ def preflight(cfg: PipelineConfig, stages: set[str]) -> None:
     run directory is touched: the ingest inputs (globs expanded), a local tokenizer, a local
     embedding model. Errors name the key and the path."""
     if "ingest" in stages:
-        ing.expand_inputs(cfg.ingest.inputs)  # missing inputs, patterns matching nothing, empty directories
+        ing.expand_inputs(
+            cfg.ingest.inputs
+        )  # missing inputs, patterns matching nothing, empty directories
     tok = cfg.window.tokenizer
     if "tokenizer" in stages and tok in PRETRAINED:
         try:  # converted here, once, before the run directory is touched
@@ -586,13 +610,16 @@ def preflight(cfg: PipelineConfig, stages: set[str]) -> None:
             raise FileNotFoundError(f"window.tokenizer={tok}: {e}") from None
     elif "tokenizer" in stages and tok and not (Path(tok) / "tokenizer.json").is_file():
         raise FileNotFoundError(
-            f"window.tokenizer={tok}: no tokenizer.json there (a fast Hugging Face tokenizer directory is "
-            "required; save one with tokenizer.save_pretrained(dir), or leave window.tokenizer unset to "
-            "train a byte-level BPE on the corpus)")
+            f"window.tokenizer={tok}: no tokenizer.json there (a fast Hugging Face tokenizer "
+            "directory is required; save one with tokenizer.save_pretrained(dir), or leave "
+            "window.tokenizer unset to train a byte-level BPE on the corpus)"
+        )
     model = cfg.embed.model
     if "embed" in stages and model and "://" not in model and not Path(model).is_dir():
-        raise FileNotFoundError(f"embed.model={model}: no such directory (a local sentence-transformers "
-                                "model directory; leave embed.model unset for the packaged all-MiniLM-L6-v2)")
+        raise FileNotFoundError(
+            f"embed.model={model}: no such directory (a local sentence-transformers "
+            "model directory; leave embed.model unset for the packaged all-MiniLM-L6-v2)"
+        )
 
 
 def rejects_note(marker: dict, stage_url: str) -> str:
@@ -603,8 +630,11 @@ def rejects_note(marker: dict, stage_url: str) -> str:
         return ""
     why = ", ".join(f"{k} {v}" for k, v in (stats.get("rejects_by_reason") or {}).items())
     of = f" of {stats['records_in']:,}" if "records_in" in stats else ""
-    return (f"{n:,}{of} records rejected" + (f" ({why})" if why else "")
-            + f"; each is listed with its source, record and reason in {stage_url}/rejects.parquet")
+    return (
+        f"{n:,}{of} records rejected"
+        + (f" ({why})" if why else "")
+        + f"; each is listed with its source, record and reason in {stage_url}/rejects.parquet"
+    )
 
 
 def _upload(local: Path, url: str) -> None:

@@ -51,12 +51,20 @@ def split_part(windows_path: str, assign_path: str, split_dir: str, part: int) -
     w = pq.read_table(windows_path, columns=["doc_ordinal", "window_index", "tokens"])
     a = pq.read_table(assign_path, columns=["window_ordinal", "path", "leaf", "subtree"])
     if w.num_rows != a.num_rows:
-        raise ValueError(f"{windows_path} has {w.num_rows} windows but {assign_path} has {a.num_rows}")
-    t = pa.table({
-        "window_ordinal": a["window_ordinal"], "doc_ordinal": w["doc_ordinal"],
-        "window_index": w["window_index"], "tokens": w["tokens"], "path": a["path"],
-        "leaf": a["leaf"], "subtree": a["subtree"],
-    })
+        raise ValueError(
+            f"{windows_path} has {w.num_rows} windows but {assign_path} has {a.num_rows}"
+        )
+    t = pa.table(
+        {
+            "window_ordinal": a["window_ordinal"],
+            "doc_ordinal": w["doc_ordinal"],
+            "window_index": w["window_index"],
+            "tokens": w["tokens"],
+            "path": a["path"],
+            "leaf": a["leaf"],
+            "subtree": a["subtree"],
+        }
+    )
     sub = t["subtree"].to_numpy()
     counts: dict[int, int] = {}
     for s in np.unique(sub):
@@ -86,9 +94,18 @@ def pack_windows(lengths: np.ndarray, leaves: np.ndarray, seq_len: int) -> list[
     return samples
 
 
-def write_stream(split_dir: str, out_dir: str, subtree: int, seq_len: int, eot_id: int,
-                 compression: str | None, hashes: list[str], size_limit: str) -> dict:
-    """Dask task: pack one subtree's windows and write its MDS stream (redone whole if interrupted)."""
+def write_stream(
+    split_dir: str,
+    out_dir: str,
+    subtree: int,
+    seq_len: int,
+    eot_id: int,
+    compression: str | None,
+    hashes: list[str],
+    size_limit: str,
+) -> dict:
+    """Dask task: pack one subtree's windows and write its MDS stream (redone whole if
+    interrupted)."""
     from streaming import MDSWriter
 
     out = Path(out_dir)
@@ -113,9 +130,17 @@ def write_stream(split_dir: str, out_dir: str, subtree: int, seq_len: int, eot_i
     sample_leaf: list[int] = []
     sample_tokens: list[int] = []
     n_tokens = 0
-    with naming_path(out, kept="the partial stream is rewritten whole on the rerun"), \
-            MDSWriter(out=str(out), columns=MDS_COLUMNS, compression=compression,
-                      hashes=hashes or None, size_limit=size_limit, progress_bar=False) as writer:
+    with (
+        naming_path(out, kept="the partial stream is rewritten whole on the rerun"),
+        MDSWriter(
+            out=str(out),
+            columns=MDS_COLUMNS,
+            compression=compression,
+            hashes=hashes or None,
+            size_limit=size_limit,
+            progress_bar=False,
+        ) as writer,
+    ):
         for rows in samples:
             seq: list[np.ndarray] = []
             bounds = [0]
@@ -128,13 +153,15 @@ def write_stream(split_dir: str, out_dir: str, subtree: int, seq_len: int, eot_i
                 bounds.append(end)
             tok = np.concatenate(seq).astype(np.int32)
             n_tokens += len(tok)
-            writer.write({
-                "tokens": tok,
-                "doc_bounds": np.asarray(bounds, dtype=np.int32),
-                "path": paths[rows[0]],
-                "leaf": int(leaf[rows[0]]),
-                "window_ids": wids[rows].astype(np.int64),
-            })
+            writer.write(
+                {
+                    "tokens": tok,
+                    "doc_bounds": np.asarray(bounds, dtype=np.int32),
+                    "path": paths[rows[0]],
+                    "leaf": int(leaf[rows[0]]),
+                    "window_ids": wids[rows].astype(np.int64),
+                }
+            )
             sample_leaf.append(int(leaf[rows[0]]))
             sample_tokens.append(len(tok))
     index = read_json(out / "index.json")
@@ -153,9 +180,17 @@ def write_stream(split_dir: str, out_dir: str, subtree: int, seq_len: int, eot_i
         leaf_tokens[at[lf]] += n
     # per-leaf counts (aligned with `leaves`): what each memory block trains on per epoch
     # (memtree.tpp; `memtree memstore plan --shards`)
-    meta = {"name": stream_name(subtree), "subtree": subtree, "n_samples": len(samples),
-            "n_windows": int(t.num_rows), "n_tokens": n_tokens, "leaves": leaves,
-            "leaf_samples": leaf_samples, "leaf_tokens": leaf_tokens, "shards": shards}
+    meta = {
+        "name": stream_name(subtree),
+        "subtree": subtree,
+        "n_samples": len(samples),
+        "n_windows": int(t.num_rows),
+        "n_tokens": n_tokens,
+        "leaves": leaves,
+        "leaf_samples": leaf_samples,
+        "leaf_tokens": leaf_tokens,
+        "shards": shards,
+    }
     atomic_write_json(done, meta)
     return meta
 

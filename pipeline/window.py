@@ -88,18 +88,26 @@ def build_tokenizer(cfg: WindowConfig, doc_parts: list[Path], out_dir: Path) -> 
         )
         tok.train_from_iterator(iter_doc_texts(doc_parts, cfg.train_sample_docs), trainer=trainer)
         fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok, eos_token=cfg.eot_token, bos_token=cfg.eot_token,
-            unk_token=cfg.eot_token, model_max_length=1 << 30,
+            tokenizer_object=tok,
+            eos_token=cfg.eot_token,
+            bos_token=cfg.eot_token,
+            unk_token=cfg.eot_token,
+            model_max_length=1 << 30,
         )
         fast.save_pretrained(str(out_dir))
         kind = "byte-level-bpe"
     eot = tok.token_to_id(cfg.eot_token)
     if eot is None:
         raise ValueError(
-            f"tokenizer {cfg.tokenizer}: has no token {cfg.eot_token!r}; set window.eot_token to its "
-            "end-of-text token"
+            f"tokenizer {cfg.tokenizer}: has no token {cfg.eot_token!r}; "
+            "set window.eot_token to its end-of-text token"
         )
-    info = {"kind": kind, "vocab_size": tok.get_vocab_size(), "eot_token": cfg.eot_token, "eot_id": eot}
+    info = {
+        "kind": kind,
+        "vocab_size": tok.get_vocab_size(),
+        "eot_token": cfg.eot_token,
+        "eot_id": eot,
+    }
     atomic_write_json(out_dir / "memtree_tokenizer.json", info)
     return info
 
@@ -131,7 +139,9 @@ def window_part(docs_path: str, out_path: str, tok_dir: str, window_tokens: int)
     ords = t["doc_ordinal"].to_pylist()
     ids = t["doc_id"].to_pylist()
     encs = tok.encode_batch(texts, add_special_tokens=False)
-    cols: dict[str, list] = {k: [] for k in ("doc_ordinal", "doc_id", "window_index", "n_tokens", "text")}
+    cols: dict[str, list] = {
+        k: [] for k in ("doc_ordinal", "doc_id", "window_index", "n_tokens", "text")
+    }
     flat: list[np.ndarray] = []
     for text, o, did, enc in zip(texts, ords, ids, encs):
         tids = np.asarray(enc.ids, dtype=np.int32)

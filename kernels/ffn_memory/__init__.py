@@ -19,5 +19,10 @@ every call that reads it (a model's layers, one table per memory level and step)
 from memtree.kernels.ffn_memory.naive import ffn_memory_naive, ffn_memory_naive_backward
 from memtree.kernels.ffn_memory.op import FFNTable, ffn_memory, ffn_memory_table
 
-__all__ = ["FFNTable", "ffn_memory", "ffn_memory_naive", "ffn_memory_naive_backward",
-           "ffn_memory_table"]
+__all__ = [
+    "FFNTable",
+    "ffn_memory",
+    "ffn_memory_naive",
+    "ffn_memory_naive_backward",
+    "ffn_memory_table",
+]

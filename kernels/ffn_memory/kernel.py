@@ -76,7 +76,8 @@ def unpack_groups(packed: Tensor) -> PairGroups:
 
 
 def slot_ids(groups: PairGroups, num_slots: int) -> Tensor:
-    """Block id held by each gradient slot (num_slots,) int64; -1 for slots past the referenced blocks."""
+    """Block id held by each gradient slot (num_slots,) int64; -1 for slots past the referenced
+    blocks."""
     ids = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=groups.key.device)
     # Non-leaders all write to the spare last entry, which is dropped.
     target = torch.where(groups.is_leader, groups.slot, num_slots)
@@ -95,8 +96,10 @@ _CUDA = {
     "dx": {"BM": 64, "BW": 32, "BD": 64, "num_warps": 8, "num_stages": 3},
     "dw": {"BW": 64, "BD": 64, "BR": 32, "num_warps": 8, "num_stages": 3},
 }
-_INTERPRETER = {name: {key: 32 if key.startswith("B") else v for key, v in cfg.items()}
-                for name, cfg in _CUDA.items()}
+_INTERPRETER = {
+    name: {key: 32 if key.startswith("B") else v for key, v in cfg.items()}
+    for name, cfg in _CUDA.items()
+}
 
 
 def interpreting() -> bool:
@@ -109,8 +112,9 @@ def interpreting() -> bool:
 
 
 @triton.jit
-def _segment_rows(pid_pos, pid_tile, key_ptr, start_ptr, end_ptr, order_ptr, S, K, N_BLOCKS,
-                  BM: tl.constexpr):
+def _segment_rows(
+    pid_pos, pid_tile, key_ptr, start_ptr, end_ptr, order_ptr, S, K, N_BLOCKS, BM: tl.constexpr
+):
     """This program's row tile of its segment.
 
     Returns (idle, block id, X row ids (BM,), row mask (BM,), the segment's first buffer
@@ -132,38 +136,92 @@ def _segment_rows(pid_pos, pid_tile, key_ptr, start_ptr, end_ptr, order_ptr, S, 
 @triton.jit
 def _weight_t(w_ptr, blk, sn, sw, D, W, w0, BK: tl.constexpr, BW: tl.constexpr):
     """Block pointer to the (BK, BW) tile W[blk, w0:w0+BW, 0:BK]ᵀ."""
-    return tl.make_block_ptr(w_ptr + blk * sn, shape=(D, W), strides=(1, sw), offsets=(0, w0),
-                             block_shape=(BK, BW), order=(0, 1))
+    return tl.make_block_ptr(
+        w_ptr + blk * sn,
+        shape=(D, W),
+        strides=(1, sw),
+        offsets=(0, w0),
+        block_shape=(BK, BW),
+        order=(0, 1),
+    )
 
 
 @triton.jit
 def _weight(w_ptr, blk, sn, sw, D, W, d0, BW: tl.constexpr, BD: tl.constexpr):
     """Block pointer to the (BW, BD) tile W[blk, 0:BW, d0:d0+BD]."""
-    return tl.make_block_ptr(w_ptr + blk * sn, shape=(W, D), strides=(sw, 1), offsets=(0, d0),
-                             block_shape=(BW, BD), order=(1, 0))
+    return tl.make_block_ptr(
+        w_ptr + blk * sn,
+        shape=(W, D),
+        strides=(sw, 1),
+        offsets=(0, d0),
+        block_shape=(BW, BD),
+        order=(1, 0),
+    )
 
 
 @triton.jit
 def _rows(buf_ptr, seg_row, n_rows, W, row0, w0, BM: tl.constexpr, BW: tl.constexpr):
     """Block pointer to a (BM, BW) tile of a segment's rows in a (P·S, W) buffer."""
-    return tl.make_block_ptr(buf_ptr + seg_row * W, shape=(n_rows, W), strides=(W, 1),
-                             offsets=(row0, w0), block_shape=(BM, BW), order=(1, 0))
+    return tl.make_block_ptr(
+        buf_ptr + seg_row * W,
+        shape=(n_rows, W),
+        strides=(W, 1),
+        offsets=(row0, w0),
+        block_shape=(BM, BW),
+        order=(1, 0),
+    )
 
 
 @triton.jit
 def _rows_t(buf_ptr, seg_row, n_rows, W, w0, BW: tl.constexpr, BR: tl.constexpr):
     """Block pointer to the transposed (BW, BR) tile of a segment's first BR rows in a buffer."""
-    return tl.make_block_ptr(buf_ptr + seg_row * W, shape=(W, n_rows), strides=(1, W),
-                             offsets=(w0, 0), block_shape=(BW, BR), order=(0, 1))
+    return tl.make_block_ptr(
+        buf_ptr + seg_row * W,
+        shape=(W, n_rows),
+        strides=(1, W),
+        offsets=(w0, 0),
+        block_shape=(BW, BR),
+        order=(0, 1),
+    )
 
 
 @triton.jit
-def _up(x_ptr, w1_ptr, w2_ptr, h_ptr, key_ptr, start_ptr, end_ptr, order_ptr,
-        S, K, D, W, N_BLOCKS, s1n, s1w, s2n, s2w,
-        BM: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr,
-        DOT: tl.constexpr, PREC: tl.constexpr):
+def _up(
+    x_ptr,
+    w1_ptr,
+    w2_ptr,
+    h_ptr,
+    key_ptr,
+    start_ptr,
+    end_ptr,
+    order_ptr,
+    S,
+    K,
+    D,
+    W,
+    N_BLOCKS,
+    s1n,
+    s1w,
+    s2n,
+    s2w,
+    BM: tl.constexpr,
+    BW: tl.constexpr,
+    BK: tl.constexpr,
+    DOT: tl.constexpr,
+    PREC: tl.constexpr,
+):
     idle, blk, x_row, rmask, seg_row, row0, n_rows = _segment_rows(
-        tl.program_id(0), tl.program_id(1), key_ptr, start_ptr, end_ptr, order_ptr, S, K, N_BLOCKS, BM)
+        tl.program_id(0),
+        tl.program_id(1),
+        key_ptr,
+        start_ptr,
+        end_ptr,
+        order_ptr,
+        S,
+        K,
+        N_BLOCKS,
+        BM,
+    )
     if idle:
         return
     w0 = tl.program_id(2) * BW
@@ -188,12 +246,39 @@ def _up(x_ptr, w1_ptr, w2_ptr, h_ptr, key_ptr, start_ptr, end_ptr, order_ptr,
 
 
 @triton.jit
-def _down(h_ptr, w3_ptr, y_ptr, key_ptr, start_ptr, end_ptr, order_ptr,
-          S, K, D, W, N_BLOCKS, s3n, s3w,
-          BM: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr,
-          DOT: tl.constexpr, PREC: tl.constexpr):
+def _down(
+    h_ptr,
+    w3_ptr,
+    y_ptr,
+    key_ptr,
+    start_ptr,
+    end_ptr,
+    order_ptr,
+    S,
+    K,
+    D,
+    W,
+    N_BLOCKS,
+    s3n,
+    s3w,
+    BM: tl.constexpr,
+    BW: tl.constexpr,
+    BD: tl.constexpr,
+    DOT: tl.constexpr,
+    PREC: tl.constexpr,
+):
     idle, blk, x_row, rmask, seg_row, row0, n_rows = _segment_rows(
-        tl.program_id(0), tl.program_id(1), key_ptr, start_ptr, end_ptr, order_ptr, S, K, N_BLOCKS, BM)
+        tl.program_id(0),
+        tl.program_id(1),
+        key_ptr,
+        start_ptr,
+        end_ptr,
+        order_ptr,
+        S,
+        K,
+        N_BLOCKS,
+        BM,
+    )
     if idle:
         return
     d0 = tl.program_id(2) * BD
@@ -207,17 +292,54 @@ def _down(h_ptr, w3_ptr, y_ptr, key_ptr, start_ptr, end_ptr, order_ptr,
         hp = tl.advance(hp, (0, BW))
         w3p = tl.advance(w3p, (BW, 0))
     d = d0 + tl.arange(0, BD)
-    tl.atomic_add(y_ptr + x_row[:, None] * D + d[None, :], acc, mask=rmask[:, None] & (d < D)[None, :])
+    tl.atomic_add(
+        y_ptr + x_row[:, None] * D + d[None, :], acc, mask=rmask[:, None] & (d < D)[None, :]
+    )
 
 
 @triton.jit
-def _bwd_h(x_ptr, dy_ptr, w1_ptr, w2_ptr, w3_ptr, h_ptr, da_ptr, db_ptr,
-           key_ptr, start_ptr, end_ptr, order_ptr,
-           S, K, D, W, N_BLOCKS, s1n, s1w, s2n, s2w, s3n, s3w,
-           BM: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr,
-           DOT: tl.constexpr, PREC: tl.constexpr):
+def _bwd_h(
+    x_ptr,
+    dy_ptr,
+    w1_ptr,
+    w2_ptr,
+    w3_ptr,
+    h_ptr,
+    da_ptr,
+    db_ptr,
+    key_ptr,
+    start_ptr,
+    end_ptr,
+    order_ptr,
+    S,
+    K,
+    D,
+    W,
+    N_BLOCKS,
+    s1n,
+    s1w,
+    s2n,
+    s2w,
+    s3n,
+    s3w,
+    BM: tl.constexpr,
+    BW: tl.constexpr,
+    BK: tl.constexpr,
+    DOT: tl.constexpr,
+    PREC: tl.constexpr,
+):
     idle, blk, x_row, rmask, seg_row, row0, n_rows = _segment_rows(
-        tl.program_id(0), tl.program_id(1), key_ptr, start_ptr, end_ptr, order_ptr, S, K, N_BLOCKS, BM)
+        tl.program_id(0),
+        tl.program_id(1),
+        key_ptr,
+        start_ptr,
+        end_ptr,
+        order_ptr,
+        S,
+        K,
+        N_BLOCKS,
+        BM,
+    )
     if idle:
         return
     w0 = tl.program_id(2) * BW
@@ -245,22 +367,62 @@ def _bwd_h(x_ptr, dy_ptr, w1_ptr, w2_ptr, w3_ptr, h_ptr, da_ptr, db_ptr,
         w3p = tl.advance(w3p, (BK, 0))
     sig = tl.sigmoid(acc_a)
     silu = acc_a * sig
-    tl.store(_rows(h_ptr, seg_row, n_rows, W, row0, w0, BM, BW),
-             (silu * acc_b).to(h_ptr.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(_rows(db_ptr, seg_row, n_rows, W, row0, w0, BM, BW),
-             (acc_dh * silu).to(db_ptr.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(
+        _rows(h_ptr, seg_row, n_rows, W, row0, w0, BM, BW),
+        (silu * acc_b).to(h_ptr.dtype.element_ty),
+        boundary_check=(0, 1),
+    )
+    tl.store(
+        _rows(db_ptr, seg_row, n_rows, W, row0, w0, BM, BW),
+        (acc_dh * silu).to(db_ptr.dtype.element_ty),
+        boundary_check=(0, 1),
+    )
     da = acc_dh * acc_b * sig * (1.0 + acc_a * (1.0 - sig))
-    tl.store(_rows(da_ptr, seg_row, n_rows, W, row0, w0, BM, BW),
-             da.to(da_ptr.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(
+        _rows(da_ptr, seg_row, n_rows, W, row0, w0, BM, BW),
+        da.to(da_ptr.dtype.element_ty),
+        boundary_check=(0, 1),
+    )
 
 
 @triton.jit
-def _dx(da_ptr, db_ptr, w1_ptr, w2_ptr, dx_ptr, key_ptr, start_ptr, end_ptr, order_ptr,
-        S, K, D, W, N_BLOCKS, s1n, s1w, s2n, s2w,
-        BM: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr,
-        DOT: tl.constexpr, PREC: tl.constexpr):
+def _dx(
+    da_ptr,
+    db_ptr,
+    w1_ptr,
+    w2_ptr,
+    dx_ptr,
+    key_ptr,
+    start_ptr,
+    end_ptr,
+    order_ptr,
+    S,
+    K,
+    D,
+    W,
+    N_BLOCKS,
+    s1n,
+    s1w,
+    s2n,
+    s2w,
+    BM: tl.constexpr,
+    BW: tl.constexpr,
+    BD: tl.constexpr,
+    DOT: tl.constexpr,
+    PREC: tl.constexpr,
+):
     idle, blk, x_row, rmask, seg_row, row0, n_rows = _segment_rows(
-        tl.program_id(0), tl.program_id(1), key_ptr, start_ptr, end_ptr, order_ptr, S, K, N_BLOCKS, BM)
+        tl.program_id(0),
+        tl.program_id(1),
+        key_ptr,
+        start_ptr,
+        end_ptr,
+        order_ptr,
+        S,
+        K,
+        N_BLOCKS,
+        BM,
+    )
     if idle:
         return
     d0 = tl.program_id(2) * BD
@@ -281,15 +443,37 @@ def _dx(da_ptr, db_ptr, w1_ptr, w2_ptr, dx_ptr, key_ptr, start_ptr, end_ptr, ord
         w1p = tl.advance(w1p, (BW, 0))
         w2p = tl.advance(w2p, (BW, 0))
     d = d0 + tl.arange(0, BD)
-    tl.atomic_add(dx_ptr + x_row[:, None] * D + d[None, :], acc, mask=rmask[:, None] & (d < D)[None, :])
+    tl.atomic_add(
+        dx_ptr + x_row[:, None] * D + d[None, :], acc, mask=rmask[:, None] & (d < D)[None, :]
+    )
 
 
 @triton.jit
-def _dw(x_ptr, dy_ptr, h_ptr, da_ptr, db_ptr, g1_ptr, g2_ptr, g3_ptr, slot_ptr,
-        key_ptr, start_ptr, end_ptr, order_ptr,
-        S, K, D, W, N_BLOCKS,
-        BW: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-        DOT: tl.constexpr, PREC: tl.constexpr):
+def _dw(
+    x_ptr,
+    dy_ptr,
+    h_ptr,
+    da_ptr,
+    db_ptr,
+    g1_ptr,
+    g2_ptr,
+    g3_ptr,
+    slot_ptr,
+    key_ptr,
+    start_ptr,
+    end_ptr,
+    order_ptr,
+    S,
+    K,
+    D,
+    W,
+    N_BLOCKS,
+    BW: tl.constexpr,
+    BD: tl.constexpr,
+    BR: tl.constexpr,
+    DOT: tl.constexpr,
+    PREC: tl.constexpr,
+):
     pid = tl.program_id(0)
     seg_start = tl.load(start_ptr + pid).to(tl.int32)
     if (seg_start != pid) | (tl.load(key_ptr + pid) >= N_BLOCKS):
@@ -357,8 +541,14 @@ def _bank_strides(*banks: Tensor) -> tuple[int, ...]:
     return tuple(v for b in banks for v in (b.stride(0), b.stride(1)))
 
 
-def ffn_memory_forward(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor,
-                       block_idx: Tensor, groups: PairGroups | None = None) -> Tensor:
+def ffn_memory_forward(
+    x: Tensor,
+    bank_w1: Tensor,
+    bank_w2: Tensor,
+    bank_w3: Tensor,
+    block_idx: Tensor,
+    groups: PairGroups | None = None,
+) -> Tensor:
     """Triton forward: x (B, S, d), bank_w* (N, W, d), block_idx (B, k) -> y (B, S, d) in x's
     dtype. groups: `group_pairs(block_idx, N)` built beforehand (shared by several calls), or
     None to build them here."""
@@ -376,15 +566,24 @@ def ffn_memory_forward(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Ten
     h = torch.empty(p * s, w, device=x.device, dtype=x.dtype)  # segment-ordered rows
     up, down = t["up"], t["down"]
     _up[(p, triton.cdiv(s, up["BM"]), triton.cdiv(w, up["BW"]))](
-        x, bank_w1, bank_w2, h, *common, *_bank_strides(bank_w1, bank_w2), **up, **dot)
+        x, bank_w1, bank_w2, h, *common, *_bank_strides(bank_w1, bank_w2), **up, **dot
+    )
     _down[(p, triton.cdiv(s, down["BM"]), triton.cdiv(d, down["BD"]))](
-        h, bank_w3, y, *common, *_bank_strides(bank_w3), **down, **dot)
+        h, bank_w3, y, *common, *_bank_strides(bank_w3), **down, **dot
+    )
     return y.to(x.dtype)
 
 
-def ffn_memory_backward(dy: Tensor, x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor,
-                        block_idx: Tensor, num_slots: int, groups: PairGroups | None = None
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def ffn_memory_backward(
+    dy: Tensor,
+    x: Tensor,
+    bank_w1: Tensor,
+    bank_w2: Tensor,
+    bank_w3: Tensor,
+    block_idx: Tensor,
+    num_slots: int,
+    groups: PairGroups | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Triton backward for the upstream gradient dy (B, S, d).
 
     Returns dx (B, S, d) in x's dtype; dw1, dw2, dw3 (num_slots, W, d) in the bank's dtype,
@@ -400,8 +599,10 @@ def ffn_memory_backward(dy: Tensor, x: Tensor, bank_w1: Tensor, bank_w2: Tensor,
     groups = group_pairs(block_idx, n) if groups is None else groups
     ids = slot_ids(groups, num_slots)
     dx = torch.zeros(bsz, s, d, device=x.device, dtype=torch.float32)
-    gs = [torch.zeros(num_slots, w, d, device=x.device, dtype=b.dtype)
-          for b in (bank_w1, bank_w2, bank_w3)]
+    gs = [
+        torch.zeros(num_slots, w, d, device=x.device, dtype=b.dtype)
+        for b in (bank_w1, bank_w2, bank_w3)
+    ]
     if p == 0 or s == 0 or d == 0 or w == 0 or num_slots == 0:
         return dx.to(x.dtype), *gs, ids
     x, dy = x.contiguous(), dy.to(x.dtype).contiguous()
@@ -410,10 +611,23 @@ def ffn_memory_backward(dy: Tensor, x: Tensor, bank_w1: Tensor, bank_w2: Tensor,
     h, da, db = (torch.empty(p * s, w, device=x.device, dtype=x.dtype) for _ in range(3))
     bh, bx, bw = t["bwd_h"], t["dx"], t["dw"]
     _bwd_h[(p, triton.cdiv(s, bh["BM"]), triton.cdiv(w, bh["BW"]))](
-        x, dy, bank_w1, bank_w2, bank_w3, h, da, db, *common,
-        *_bank_strides(bank_w1, bank_w2, bank_w3), **bh, **dot)
+        x,
+        dy,
+        bank_w1,
+        bank_w2,
+        bank_w3,
+        h,
+        da,
+        db,
+        *common,
+        *_bank_strides(bank_w1, bank_w2, bank_w3),
+        **bh,
+        **dot,
+    )
     _dx[(p, triton.cdiv(s, bx["BM"]), triton.cdiv(d, bx["BD"]))](
-        da, db, bank_w1, bank_w2, dx, *common, *_bank_strides(bank_w1, bank_w2), **bx, **dot)
+        da, db, bank_w1, bank_w2, dx, *common, *_bank_strides(bank_w1, bank_w2), **bx, **dot
+    )
     _dw[(p, triton.cdiv(w, bw["BW"]), triton.cdiv(d, bw["BD"]))](
-        x, dy, h, da, db, *gs, groups.slot, *common, **bw, **dot)
+        x, dy, h, da, db, *gs, groups.slot, *common, **bw, **dot
+    )
     return dx.to(x.dtype), *gs, ids

@@ -14,15 +14,19 @@ from torch import Tensor
 
 
 def _gather(bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor, block_idx: Tensor):
-    """fp32 copies (B, k, W, d) of each pair's blocks, padding pairs zeroed, and the valid mask (B, k)."""
+    """fp32 copies (B, k, W, d) of each pair's blocks, padding pairs zeroed, and the valid mask
+    (B, k)."""
     valid = block_idx >= 0
     safe = block_idx.clamp(min=0)
     keep = valid[:, :, None, None]
-    return tuple(torch.where(keep, w[safe].float(), 0.0) for w in (bank_w1, bank_w2, bank_w3)), valid
+    return tuple(
+        torch.where(keep, w[safe].float(), 0.0) for w in (bank_w1, bank_w2, bank_w3)
+    ), valid
 
 
-def ffn_memory_naive(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor,
-                     block_idx: Tensor) -> Tensor:
+def ffn_memory_naive(
+    x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor, block_idx: Tensor
+) -> Tensor:
     """Reference: x (B, S, d), bank_w* (N, W, d), block_idx int64 (B, k) with -1 = padding.
 
     Returns y (B, S, d) in x's dtype: Σ_j [silu(x W1[idx_j]ᵀ) ⊙ (x W2[idx_j]ᵀ)] W3[idx_j].
@@ -34,9 +38,9 @@ def ffn_memory_naive(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tenso
     return torch.einsum("bksw,bkwd->bsd", h, w3).to(x.dtype)
 
 
-def ffn_memory_naive_backward(dy: Tensor, x: Tensor, bank_w1: Tensor, bank_w2: Tensor,
-                              bank_w3: Tensor, block_idx: Tensor
-                              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def ffn_memory_naive_backward(
+    dy: Tensor, x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor, block_idx: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Hand-written backward of `ffn_memory_naive` for the upstream gradient dy (B, S, d).
 
     Returns dx (B, S, d) in x's dtype and the per-pair weight gradients dw1, dw2, dw3,

@@ -28,8 +28,10 @@ def _use_triton(x: Tensor, impl: str) -> bool:
     if impl == "reference" or (impl == "auto" and x.device.type != "cuda"):
         return False
     if x.device.type == "cpu" and not kernel.interpreting():
-        raise RuntimeError("impl='triton' on CPU needs TRITON_INTERPRET=1 set before "
-                           "kernels.ffn_memory is first imported")
+        raise RuntimeError(
+            "impl='triton' on CPU needs TRITON_INTERPRET=1 set before "
+            "kernels.ffn_memory is first imported"
+        )
     return True
 
 
@@ -37,9 +39,18 @@ def _groups(table: Tensor | None) -> kernel.PairGroups | None:
     return None if table is None else kernel.unpack_groups(table)
 
 
-def _forward_impl(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor,
-                  block_idx: Tensor, table: Tensor | None = None, *, sparse_grad: bool,
-                  num_slots: int = -1, impl: str) -> Tensor:
+def _forward_impl(
+    x: Tensor,
+    bank_w1: Tensor,
+    bank_w2: Tensor,
+    bank_w3: Tensor,
+    block_idx: Tensor,
+    table: Tensor | None = None,
+    *,
+    sparse_grad: bool,
+    num_slots: int = -1,
+    impl: str,
+) -> Tensor:
     if _use_triton(x, impl):
         return kernel.ffn_memory_forward(x, bank_w1, bank_w2, bank_w3, block_idx, _groups(table))
     return ffn_memory_naive(x, bank_w1, bank_w2, bank_w3, block_idx).contiguous()
@@ -68,17 +79,26 @@ def _reference_backward(dy, x, bank_w1, bank_w2, bank_w3, block_idx, num_slots, 
     return dx.contiguous(), *grads, kernel.slot_ids(groups, num_slots)
 
 
-def _backward_impl(dy: Tensor, x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor,
-                   block_idx: Tensor, table: Tensor | None, num_slots: int,
-                   impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _backward_impl(
+    dy: Tensor,
+    x: Tensor,
+    bank_w1: Tensor,
+    bank_w2: Tensor,
+    bank_w3: Tensor,
+    block_idx: Tensor,
+    table: Tensor | None,
+    num_slots: int,
+    impl: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     args = (dy, x, bank_w1, bank_w2, bank_w3, block_idx, num_slots, _groups(table))
     if _use_triton(x, impl):
         return kernel.ffn_memory_backward(*args)
     return _reference_backward(*args)
 
 
-_ffn_memory_backward_op = torch.library.custom_op("memtree::ffn_memory_backward",
-                                                  mutates_args=())(_backward_impl)
+_ffn_memory_backward_op = torch.library.custom_op("memtree::ffn_memory_backward", mutates_args=())(
+    _backward_impl
+)
 
 
 @_ffn_memory_backward_op.register_fake
@@ -111,8 +131,9 @@ def _backward(ctx, dy):
     else:  # exact slot count: one host sync, like any data-dependent nnz
         num_slots = count_blocks(block_idx)
     bwd = _backward_impl if getattr(ctx, "eager", False) else torch.ops.memtree.ffn_memory_backward
-    dx, g1, g2, g3, ids = bwd(dy, x, bank_w1, bank_w2, bank_w3, block_idx, table, num_slots,
-                              ctx.impl)
+    dx, g1, g2, g3, ids = bwd(
+        dy, x, bank_w1, bank_w2, bank_w3, block_idx, table, num_slots, ctx.impl
+    )
     banks = (bank_w1, bank_w2, bank_w3)
     bank_grads = [_bank_grad(g, ids, b, ctx.sparse_grad) for g, b in zip((g1, g2, g3), banks)]
     return dx, *bank_grads, None, None
@@ -127,20 +148,32 @@ class _EagerFFN(torch.autograd.Function):
 
     @staticmethod
     def forward(x, bank_w1, bank_w2, bank_w3, block_idx, table, sparse_grad, num_slots, impl):
-        return _forward_impl(x, bank_w1, bank_w2, bank_w3, block_idx, table,
-                             sparse_grad=sparse_grad, num_slots=num_slots, impl=impl)
+        return _forward_impl(
+            x,
+            bank_w1,
+            bank_w2,
+            bank_w3,
+            block_idx,
+            table,
+            sparse_grad=sparse_grad,
+            num_slots=num_slots,
+            impl=impl,
+        )
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         *tensors, sparse_grad, num_slots, impl = inputs
-        _setup_context(ctx, tuple(tensors), {"sparse_grad": sparse_grad, "num_slots": num_slots,
-                                             "impl": impl}, output)
+        _setup_context(
+            ctx,
+            tuple(tensors),
+            {"sparse_grad": sparse_grad, "num_slots": num_slots, "impl": impl},
+            output,
+        )
         ctx.eager = True
 
     @staticmethod
     def backward(ctx, dy):
         return (*_backward(ctx, dy), None, None, None)
-
 
 
 @dataclass(eq=False)
@@ -178,7 +211,9 @@ def ffn_memory_table(block_idx: Tensor, n_blocks: int) -> FFNTable:
     these lists. A handful of device ops (sort, two searchsorted, cumsum, stack) and no host
     sync."""
     if block_idx.dtype != torch.int64 or block_idx.ndim != 2:
-        raise ValueError(f"block_idx must be int64 (B, k), got {block_idx.dtype} {tuple(block_idx.shape)}")
+        raise ValueError(
+            f"block_idx must be int64 (B, k), got {block_idx.dtype} {tuple(block_idx.shape)}"
+        )
     packed = kernel.pack_groups(kernel.group_pairs(block_idx, n_blocks))
     return FFNTable(packed=packed, key=_table_key(block_idx, n_blocks), block_idx=block_idx)
 
@@ -192,23 +227,39 @@ def _check(x: Tensor, banks: tuple[Tensor, Tensor, Tensor], block_idx: Tensor, i
         raise ValueError(f"x must be float32/float16/bfloat16, got {x.dtype}")
     for name, b in zip(("bank_w1", "bank_w2", "bank_w3"), banks):
         if b.ndim != 3 or b.shape != banks[0].shape or b.shape[2] != x.shape[2]:
-            raise ValueError(f"{name} must be (N, W, d={x.shape[2]}) like bank_w1 "
-                             f"{tuple(banks[0].shape)}, got {tuple(b.shape)}")
+            raise ValueError(
+                f"{name} must be (N, W, d={x.shape[2]}) like bank_w1 "
+                f"{tuple(banks[0].shape)}, got {tuple(b.shape)}"
+            )
         if b.stride(2) != 1 or b.stride(1) != b.shape[2]:
-            raise ValueError(f"{name}'s inner (W, d) dims must be contiguous, got strides "
-                             f"{tuple(b.stride())}")
+            raise ValueError(
+                f"{name}'s inner (W, d) dims must be contiguous, got strides {tuple(b.stride())}"
+            )
         if b.dtype not in (torch.float32, torch.float16, torch.bfloat16) or b.device != x.device:
-            raise ValueError(f"{name} must be a float32/float16/bfloat16 tensor on {x.device}, "
-                             f"got {b.dtype} on {b.device}")
+            raise ValueError(
+                f"{name} must be a float32/float16/bfloat16 tensor on {x.device}, "
+                f"got {b.dtype} on {b.device}"
+            )
     if block_idx.dtype != torch.int64 or block_idx.ndim != 2 or block_idx.shape[0] != x.shape[0]:
-        raise ValueError(f"block_idx must be int64 (B={x.shape[0]}, k), got {block_idx.dtype} "
-                         f"{tuple(block_idx.shape)}")
+        raise ValueError(
+            f"block_idx must be int64 (B={x.shape[0]}, k), got {block_idx.dtype} "
+            f"{tuple(block_idx.shape)}"
+        )
     if block_idx.device != x.device:
         raise ValueError(f"block_idx must be on {x.device}, got {block_idx.device}")
 
 
-def ffn_memory(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor, block_idx: Tensor,
-               *, sparse_grad: bool = True, impl: str = "auto", table: FFNTable | None = None) -> Tensor:
+def ffn_memory(
+    x: Tensor,
+    bank_w1: Tensor,
+    bank_w2: Tensor,
+    bank_w3: Tensor,
+    block_idx: Tensor,
+    *,
+    sparse_grad: bool = True,
+    impl: str = "auto",
+    table: FFNTable | None = None,
+) -> Tensor:
     """FFN-memory read: y = Σ_j [silu(x W1[idx_j]ᵀ) ⊙ (x W2[idx_j]ᵀ)] W3[idx_j].
 
     Args:
@@ -245,13 +296,24 @@ def ffn_memory(x: Tensor, bank_w1: Tensor, bank_w2: Tensor, bank_w3: Tensor, blo
     if table is not None:
         key = _table_key(block_idx, bank_w1.shape[0])
         if table.key != key:
-            raise ValueError(f"table was built for (block_idx shape, N, device) {table.key}, this call "
-                             f"has {key}")
+            raise ValueError(
+                f"table was built for (block_idx shape, N, device) {table.key}, this call has {key}"
+            )
         packed = table.packed
         if needs_bank_grad(sparse_grad, bank_w1, bank_w2, bank_w3):
             num_slots = table.num_slots()
     if plain(x, bank_w1, bank_w2, bank_w3):
-        return _EagerFFN.apply(x, bank_w1, bank_w2, bank_w3, block_idx, packed, sparse_grad,
-                               num_slots, impl)
-    return _ffn_memory_op(x, bank_w1, bank_w2, bank_w3, block_idx, packed, sparse_grad=sparse_grad,
-                          num_slots=num_slots, impl=impl)
+        return _EagerFFN.apply(
+            x, bank_w1, bank_w2, bank_w3, block_idx, packed, sparse_grad, num_slots, impl
+        )
+    return _ffn_memory_op(
+        x,
+        bank_w1,
+        bank_w2,
+        bank_w3,
+        block_idx,
+        packed,
+        sparse_grad=sparse_grad,
+        num_slots=num_slots,
+        impl=impl,
+    )

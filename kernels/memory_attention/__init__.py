@@ -14,11 +14,12 @@ read by block id out of the bank without gathering copies:
 
 Files: `op.py` the public function (every tensor shape in its docstring), its input
 checks and the `memtree::memory_attention_fwd` / `_bwd` torch custom ops that dispatch;
-`kernel.py` the Triton kernels over slot tiles; `table.py` their reference table;
-`blocks.py` the block-major kernels for per-token lists (per_token_layout="blocks": each
-(token, block) pair computed once, for lists that neighbouring tokens do not share); `naive.py` the pure-torch reference (gathered copies),
-which defines the semantics and is the CPU implementation. impl: "auto" | "triton" |
-"reference".
+`kernel.py` the Triton path over slot tiles (tile sizes, launches; the kernels themselves in
+`kernel_fwd.py` and `kernel_bwd.py`); `table.py` their reference table; `blocks.py` the
+block-major kernels for per-token lists (per_token_layout="blocks": each (token, block) pair
+computed once, for lists that neighbouring tokens do not share); `naive.py` the pure-torch
+reference (gathered copies), which defines the semantics and is the CPU implementation.
+impl: "auto" | "triton" | "reference".
 
 Which weight mode is exact for what:
 - weights=None: exactly seed 000 eq. (4) over the concatenated selected
@@ -55,16 +56,23 @@ Three exact paths for per-sequence lists (B, k) (per-token lists: `memory_attent
 
 from memtree.kernels.memory_attention.flex import flex_available, memory_attention_flex
 from memtree.kernels.memory_attention.naive import (
-           memory_attention_naive,
-           memory_attention_naive_backward,
+    memory_attention_naive,
+    memory_attention_naive_backward,
 )
 from memtree.kernels.memory_attention.op import (
-           MemoryTable,
-           memory_attention,
-           memory_attention_table,
+    MemoryTable,
+    memory_attention,
+    memory_attention_table,
 )
 from memtree.kernels.memory_attention.sdpa import memory_attention_sdpa
 
-__all__ = ["MemoryTable", "flex_available", "memory_attention", "memory_attention_flex",
-           "memory_attention_naive", "memory_attention_naive_backward", "memory_attention_sdpa",
-           "memory_attention_table"]
+__all__ = [
+    "MemoryTable",
+    "flex_available",
+    "memory_attention",
+    "memory_attention_flex",
+    "memory_attention_naive",
+    "memory_attention_naive_backward",
+    "memory_attention_sdpa",
+    "memory_attention_table",
+]

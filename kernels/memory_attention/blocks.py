@@ -53,11 +53,10 @@ from memtree.kernels.memory_attention.kernel import (
     LOG2E,
     Launch,
     interpreting,
-    keep_mask,
     lse_strides,
-    online_softmax_step,
     strides4,
 )
+from memtree.kernels.memory_attention.kernel_fwd import keep_mask, online_softmax_step
 from memtree.kernels.memory_attention.table import split_parts
 
 
@@ -74,14 +73,19 @@ class ItemLayout:
     def of(cls, block_shape: tuple, n_bank, chunk: int) -> ItemLayout:
         e = block_shape[0] * block_shape[1] * block_shape[2]
         u_max = torch.sym_max(1, torch.sym_min(n_bank, e))
-        return cls(n_entries=e, chunk=chunk, n_chunks=(e + chunk - 1) // chunk + u_max,
-                   u_max=u_max)
+        return cls(n_entries=e, chunk=chunk, n_chunks=(e + chunk - 1) // chunk + u_max, u_max=u_max)
 
     def int_parts(self) -> list[tuple[str, tuple]]:
         e, nc = self.n_entries, self.n_chunks
-        return [("first", (e,)), ("item_pos", (e,)), ("item_key", (e,)),
-                ("chunk_start", (nc + 1,)), ("chunk_u", (nc + 1,)), ("n_chunk", (1,)),
-                ("ublocks", (self.u_max + 1,))]
+        return [
+            ("first", (e,)),
+            ("item_pos", (e,)),
+            ("item_key", (e,)),
+            ("chunk_start", (nc + 1,)),
+            ("chunk_u", (nc + 1,)),
+            ("n_chunk", (1,)),
+            ("ublocks", (self.u_max + 1,)),
+        ]
 
     def numels(self) -> tuple:
         """(ints, coef) buffer sizes."""
@@ -121,8 +125,7 @@ def _aranges(device: torch.device, k: int, e: int) -> tuple[Tensor, Tensor]:
     return (torch.arange(k, device=device), torch.arange(e, device=device))
 
 
-def build_items(block_idx: Tensor, weights: Tensor | None, n_bank: int, chunk: int
-                ) -> ItemTable:
+def build_items(block_idx: Tensor, weights: Tensor | None, n_bank: int, chunk: int) -> ItemTable:
     """The item table for per-token lists block_idx (B, S, k) and weights of that shape.
 
     Per token: a stable sort of its entries puts each block's entries in a run whose head is
@@ -132,8 +135,10 @@ def build_items(block_idx: Tensor, weights: Tensor | None, n_bank: int, chunk: i
     b, s, k = block_idx.shape
     e = lay.n_entries
     idx = block_idx.to(torch.int32).reshape(b * s, k)
-    torch._assert_async((idx < n_bank).all(), "memory_attention: block_idx holds a block id "
-                        "beyond the bank's blocks")
+    torch._assert_async(
+        (idx < n_bank).all(),
+        "memory_attention: block_idx holds a block id beyond the bank's blocks",
+    )
     pos, ar = _aranges(idx.device, k, e)
     # Few ops (each costs host time, table.py's docstring): products with a mask stand for
     # where(mask, x, 0), and the parts are cast to int32 by one copy after the cat.
@@ -143,8 +148,11 @@ def build_items(block_idx: Tensor, weights: Tensor | None, n_bank: int, chunk: i
     run = (pos * head).cummax(1).values  # sorted position of each entry's run head
     first_srt = order.gather(1, run).masked_fill_(pad, -1)  # stable sort: the first entry
     first = torch.empty_like(first_srt).scatter_(1, order, first_srt)
-    w = (~pad).float() if weights is None else (
-        weights.reshape(b * s, k).float().gather(1, order).masked_fill_(pad, 0.0))
+    w = (
+        (~pad).float()
+        if weights is None
+        else (weights.reshape(b * s, k).float().gather(1, order).masked_fill_(pad, 0.0))
+    )
     # padding adds 0 at entry 0 (clamped -1): harmless whatever lives there
     coef = torch.zeros((b * s, k), dtype=torch.float32, device=idx.device)
     coef.scatter_add_(1, first_srt.clamp(min=0), w)
@@ -165,17 +173,22 @@ def build_items(block_idx: Tensor, weights: Tensor | None, n_bank: int, chunk: i
     chunk_u = torch.zeros(nc + 1, dtype=torch.int64, device=idx.device).scatter_(0, dst, uid - 1)
     ublocks = torch.full((u_max + 1,), n_bank, dtype=torch.int64, device=idx.device)
     ublocks.scatter_(0, uid * uhead, key_srt)
-    parts = {"first": first, "item_pos": item_pos, "item_key": key_srt,
-             "chunk_start": chunk_start, "chunk_u": chunk_u, "n_chunk": cid[-1:],
-             "ublocks": ublocks}
+    parts = {
+        "first": first,
+        "item_pos": item_pos,
+        "item_key": key_srt,
+        "chunk_start": chunk_start,
+        "chunk_u": chunk_u,
+        "n_chunk": cid[-1:],
+        "ublocks": ublocks,
+    }
     ints = torch.cat([parts[name].view(-1) for name, _ in lay.int_parts()]).to(torch.int32)
     return ItemTable.unpack(lay, ints, coef.view(-1))
 
 
 # ------------------------------------------------------------------------------ kernels
 @triton.jit
-def _chunk_rows(ch, ChunkStart, ItemKey, ItemPos, E, S, KL, G, CT, hkv,
-                BLOCK_M: tl.constexpr):
+def _chunk_rows(ch, ChunkStart, ItemKey, ItemPos, E, S, KL, G, CT, hkv, BLOCK_M: tl.constexpr):
     """Chunk ch's block id and, per row (item r // G, head r % G), the item's flat entry f,
     token (b, s), entry j, head h and mask (rows past the chunk or the block's run)."""
     start = tl.load(ChunkStart + ch)
@@ -205,12 +218,51 @@ def _kv_tile(ptr, blk, hkv, nn, dd, nmask, dmask, s_n, s_t, s_h, s_d, COMPUTE: t
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LseU, ItemPos, ItemKey, ChunkStart, NChunk,
-    sq_b, sq_h, sq_s, sq_d, sk_n, sk_t, sk_h, sk_d, sv_n, sv_t, sv_h, sv_d,
-    so_b, so_h, so_s, so_j, so_d, sl_b, sl_h, sl_s, sl_j,
-    E, S, T, D, G, KL, CT, scale_log2,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_T: tl.constexpr, COMPUTE: tl.constexpr, PREC: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LseU,
+    ItemPos,
+    ItemKey,
+    ChunkStart,
+    NChunk,
+    sq_b,
+    sq_h,
+    sq_s,
+    sq_d,
+    sk_n,
+    sk_t,
+    sk_h,
+    sk_d,
+    sv_n,
+    sv_t,
+    sv_h,
+    sv_d,
+    so_b,
+    so_h,
+    so_s,
+    so_j,
+    so_d,
+    sl_b,
+    sl_h,
+    sl_s,
+    sl_j,
+    E,
+    S,
+    T,
+    D,
+    G,
+    KL,
+    CT,
+    scale_log2,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_T: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """Each item's own softmax over its block: O_u (fp32, normalised) and lse_u (natural
     log), at (b, h, s, j). The grid strides over the device-side chunk count."""
@@ -219,8 +271,9 @@ def _fwd_kernel(
     dmask = keep_mask(dd, D, EVEN_D)
     n_tt = tl.cdiv(T, BLOCK_N)
     for ch in range(tl.program_id(0), tl.load(NChunk), tl.num_programs(0)):
-        blk, _, b, s, j, h, rmask = _chunk_rows(ch, ChunkStart, ItemKey, ItemPos, E, S, KL, G,
-                                                CT, hkv, BLOCK_M)
+        blk, _, b, s, j, h, rmask = _chunk_rows(
+            ch, ChunkStart, ItemKey, ItemPos, E, S, KL, G, CT, hkv, BLOCK_M
+        )
         q = _gather_rows(Q, b, h, s, dd, rmask, dmask, sq_b, sq_h, sq_s, sq_d, COMPUTE)
         m = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
@@ -236,16 +289,41 @@ def _fwd_kernel(
         # every row has token 0 of its block, so l > 0
         acc = acc / l[:, None]
         offs = b * so_b + h * so_h + s * so_s + j * so_j  # (BLOCK_M,)
-        tl.store(O + offs[:, None] + dd[None, :] * so_d, acc,
-                 mask=rmask[:, None] & dmask[None, :])
-        tl.store(LseU + b * sl_b + h * sl_h + s * sl_s + j * sl_j,
-                 (m + tl.log2(l)) * 0.6931471805599453, mask=rmask)
+        tl.store(O + offs[:, None] + dd[None, :] * so_d, acc, mask=rmask[:, None] & dmask[None, :])
+        tl.store(
+            LseU + b * sl_b + h * sl_h + s * sl_s + j * sl_j,
+            (m + tl.log2(l)) * 0.6931471805599453,
+            mask=rmask,
+        )
 
 
 @triton.jit
-def _p_dp(K, V, blk, hkv, nt, dd, dmask, q, do, lse2, sk_n, sk_t, sk_h, sk_d,
-          sv_n, sv_t, sv_h, sv_d, T, scale_log2, BLOCK_N: tl.constexpr, EVEN_T: tl.constexpr,
-          COMPUTE: tl.constexpr, PREC: tl.constexpr):
+def _p_dp(
+    K,
+    V,
+    blk,
+    hkv,
+    nt,
+    dd,
+    dmask,
+    q,
+    do,
+    lse2,
+    sk_n,
+    sk_t,
+    sk_h,
+    sk_d,
+    sv_n,
+    sv_t,
+    sv_h,
+    sv_d,
+    T,
+    scale_log2,
+    BLOCK_N: tl.constexpr,
+    EVEN_T: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """T tile nt of the block: its token range nn and mask, K and V tiles (BLOCK_N,
     BLOCK_D), probabilities P = exp2(s2 − lse2) and dP = dO·Vᵀ (BLOCK_M, BLOCK_N)."""
     nn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -260,16 +338,78 @@ def _p_dp(K, V, blk, hkv, nt, dd, dmask, q, do, lse2, sk_n, sk_t, sk_h, sk_d,
 
 @triton.jit
 def _bwd_kernel(
-    Q, K, V, dO, Lse, Delta, Coef, dQ, dC, AccK, AccV, ItemPos, ItemKey, ChunkStart, ChunkU,
+    Q,
+    K,
+    V,
+    dO,
+    Lse,
+    Delta,
+    Coef,
+    dQ,
+    dC,
+    AccK,
+    AccV,
+    ItemPos,
+    ItemKey,
+    ChunkStart,
+    ChunkU,
     NChunk,
-    sq_b, sq_h, sq_s, sq_d, sk_n, sk_t, sk_h, sk_d, sv_n, sv_t, sv_h, sv_d,
-    sdo_b, sdo_h, sdo_s, sdo_d, sdq_b, sdq_h, sdq_s, sdq_d, sl_b, sl_h, sl_s, sl_j,
-    sdl_b, sdl_h, sdl_s, sdc_b, sdc_h, sdc_s, sdc_j, sa_u, sa_t, sa_h, sa_d,
-    E, S, T, D, G, KL, CT, scale, scale_log2,
-    MIX: tl.constexpr, NEED_DC: tl.constexpr, NEED_KV: tl.constexpr, ONE_TILE: tl.constexpr,
+    sq_b,
+    sq_h,
+    sq_s,
+    sq_d,
+    sk_n,
+    sk_t,
+    sk_h,
+    sk_d,
+    sv_n,
+    sv_t,
+    sv_h,
+    sv_d,
+    sdo_b,
+    sdo_h,
+    sdo_s,
+    sdo_d,
+    sdq_b,
+    sdq_h,
+    sdq_s,
+    sdq_d,
+    sl_b,
+    sl_h,
+    sl_s,
+    sl_j,
+    sdl_b,
+    sdl_h,
+    sdl_s,
+    sdc_b,
+    sdc_h,
+    sdc_s,
+    sdc_j,
+    sa_u,
+    sa_t,
+    sa_h,
+    sa_d,
+    E,
+    S,
+    T,
+    D,
+    G,
+    KL,
+    CT,
+    scale,
+    scale_log2,
+    MIX: tl.constexpr,
+    NEED_DC: tl.constexpr,
+    NEED_KV: tl.constexpr,
+    ONE_TILE: tl.constexpr,
     ROW_BY_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_T: tl.constexpr, COMPUTE: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_T: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """dQ, dK/dV and dC of one chunk's items (see the module docstring): P = exp(s − Lse)
     with Lse the joint lse (bias, sl_j = 0) or the item's own (mix); dS = c·P·(dP − Delta).
@@ -280,21 +420,47 @@ def _bwd_kernel(
     dmask = keep_mask(dd, D, EVEN_D)
     n_tt = tl.cdiv(T, BLOCK_N)
     for ch in range(tl.program_id(0), tl.load(NChunk), tl.num_programs(0)):
-        blk, f, b, s, j, h, rmask = _chunk_rows(ch, ChunkStart, ItemKey, ItemPos, E, S, KL, G,
-                                                CT, hkv, BLOCK_M)
+        blk, f, b, s, j, h, rmask = _chunk_rows(
+            ch, ChunkStart, ItemKey, ItemPos, E, S, KL, G, CT, hkv, BLOCK_M
+        )
         q = _gather_rows(Q, b, h, s, dd, rmask, dmask, sq_b, sq_h, sq_s, sq_d, COMPUTE)
         do = _gather_rows(dO, b, h, s, dd, rmask, dmask, sdo_b, sdo_h, sdo_s, sdo_d, COMPUTE)
         c = tl.load(Coef + f, mask=rmask, other=0.0)
-        lse2 = tl.load(Lse + b * sl_b + h * sl_h + s * sl_s + j * sl_j, mask=rmask,
-                       other=float("inf")) * 1.4426950408889634
+        lse2 = (
+            tl.load(Lse + b * sl_b + h * sl_h + s * sl_s + j * sl_j, mask=rmask, other=float("inf"))
+            * 1.4426950408889634
+        )
         dc = tl.zeros([BLOCK_M], tl.float32)
         if MIX:
             delta = dc
             if not ONE_TILE:  # dC_u must be complete before any dS
                 for nt in range(n_tt):
-                    _, _, _, _, p, dp = _p_dp(K, V, blk, hkv, nt, dd, dmask, q, do, lse2,
-                                              sk_n, sk_t, sk_h, sk_d, sv_n, sv_t, sv_h, sv_d,
-                                              T, scale_log2, BLOCK_N, EVEN_T, COMPUTE, PREC)
+                    _, _, _, _, p, dp = _p_dp(
+                        K,
+                        V,
+                        blk,
+                        hkv,
+                        nt,
+                        dd,
+                        dmask,
+                        q,
+                        do,
+                        lse2,
+                        sk_n,
+                        sk_t,
+                        sk_h,
+                        sk_d,
+                        sv_n,
+                        sv_t,
+                        sv_h,
+                        sv_d,
+                        T,
+                        scale_log2,
+                        BLOCK_N,
+                        EVEN_T,
+                        COMPUTE,
+                        PREC,
+                    )
                     dc += tl.sum(p * dp, 1)
         else:
             delta = tl.load(Delta + b * sdl_b + h * sdl_h + s * sdl_s, mask=rmask, other=0.0)
@@ -304,9 +470,32 @@ def _bwd_kernel(
             arow = tl.load(ChunkU + ch).to(tl.int64)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for nt in range(n_tt):
-            nn, nmask, k, _, p, dp = _p_dp(K, V, blk, hkv, nt, dd, dmask, q, do, lse2,
-                                           sk_n, sk_t, sk_h, sk_d, sv_n, sv_t, sv_h, sv_d,
-                                           T, scale_log2, BLOCK_N, EVEN_T, COMPUTE, PREC)
+            nn, nmask, k, _, p, dp = _p_dp(
+                K,
+                V,
+                blk,
+                hkv,
+                nt,
+                dd,
+                dmask,
+                q,
+                do,
+                lse2,
+                sk_n,
+                sk_t,
+                sk_h,
+                sk_d,
+                sv_n,
+                sv_t,
+                sv_h,
+                sv_d,
+                T,
+                scale_log2,
+                BLOCK_N,
+                EVEN_T,
+                COMPUTE,
+                PREC,
+            )
             if MIX:
                 if ONE_TILE:
                     dc = tl.sum(p * dp, 1)
@@ -324,17 +513,16 @@ def _bwd_kernel(
                 omask = nmask[:, None] & dmask[None, :]
                 tl.atomic_add(AccK + a_offs, dk_t * scale, mask=omask, sem="relaxed")
                 tl.atomic_add(AccV + a_offs, dv_t, mask=omask, sem="relaxed")
-        q_offs = (b[:, None] * sdq_b + h[:, None] * sdq_h + s[:, None] * sdq_s
-                  + dd[None, :] * sdq_d)
-        tl.atomic_add(dQ + q_offs, dq * scale, mask=rmask[:, None] & dmask[None, :],
-                      sem="relaxed")
+        q_offs = b[:, None] * sdq_b + h[:, None] * sdq_h + s[:, None] * sdq_s + dd[None, :] * sdq_d
+        tl.atomic_add(dQ + q_offs, dq * scale, mask=rmask[:, None] & dmask[None, :], sem="relaxed")
         if NEED_DC:
             tl.store(dC + b * sdc_b + h * sdc_h + s * sdc_s + j * sdc_j, dc, mask=rmask)
 
 
 # ------------------------------------------------------------------------------ host side
-def _launch_and_layout(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor
-                       ) -> tuple[Launch, ItemLayout]:
+def _launch_and_layout(
+    q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor
+) -> tuple[Launch, ItemLayout]:
     h = q.shape[1]
     n, t, h_kv, _ = bank_k.shape
     g = h // h_kv
@@ -346,21 +534,24 @@ def _launch_and_layout(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Ten
     return launch, ItemLayout.of(tuple(block_idx.shape), n, max(1, launch.block_m // g))
 
 
-def table_numels(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
-                 weighted: bool) -> tuple:
+def table_numels(
+    q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor, weighted: bool
+) -> tuple:
     """(ints, coef) sizes of the table `forward` returns, from the shapes (fake tensors)."""
     return _launch_and_layout(q, bank_k, bank_v, block_idx)[1].numels()
 
 
-def plan(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
-         weights: Tensor | None) -> tuple[Launch, ItemTable]:
+def plan(
+    q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor, weights: Tensor | None
+) -> tuple[Launch, ItemTable]:
     """Tile sizes and item table of one call (bench/kernels/kernel_ops.py reports its chunks)."""
     launch, lay = _launch_and_layout(q, bank_k, bank_v, block_idx)
     return launch, build_items(block_idx, weights, bank_k.shape[0], lay.chunk)
 
 
-def build(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
-          weights: Tensor | None) -> tuple[Tensor, Tensor]:
+def build(
+    q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor, weights: Tensor | None
+) -> tuple[Tensor, Tensor]:
     """The item table's (ints, coef) buffers for `forward(..., table=)`."""
     table = plan(q, bank_k, bank_v, block_idx, weights)[1]
     return table.ints, table.coef_buf
@@ -371,9 +562,16 @@ def _first_bhsk(table: ItemTable, shape: tuple) -> Tensor:
     return table.first.view(b, 1, s, k).long().expand(b, h, s, k)
 
 
-def forward(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
-            weights: Tensor | None, mix: bool, scale: float,
-            table: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def forward(
+    q: Tensor,
+    bank_k: Tensor,
+    bank_v: Tensor,
+    block_idx: Tensor,
+    weights: Tensor | None,
+    mix: bool,
+    scale: float,
+    table: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """As `kernel.forward` for per-token lists block_idx (B, S, k): out (B, H, S, D) in q's
     dtype; lse fp32 (B, H, S) (+inf where nothing is read), or (B, H, S, k) per entry when
     mix (+inf for padding); the item table's (ints, coef) buffers for `backward`."""
@@ -385,16 +583,38 @@ def forward(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
         tab = build_items(block_idx, weights, bank_k.shape[0], lay.chunk)
     else:
         if (table[0].numel(), table[1].numel()) != lay.numels():
-            raise ValueError(f"table buffers of {table[0].numel()} / {table[1].numel()} "
-                             f"elements; these shapes need {lay.numels()}")
+            raise ValueError(
+                f"table buffers of {table[0].numel()} / {table[1].numel()} "
+                f"elements; these shapes need {lay.numels()}"
+            )
         tab = ItemTable.unpack(lay, *table)
     # zeros, not empty: the merge multiplies non-item slots by a zero weight
     o_u = torch.zeros((b, h, s, k, d), dtype=torch.float32, device=q.device)
     lse_u = torch.full((b, h, s, k), -math.inf, dtype=torch.float32, device=q.device)
     _fwd_kernel[(min(lay.n_chunks, launch.dkv_programs), h_kv)](
-        q, bank_k, bank_v, o_u, lse_u, tab.item_pos, tab.item_key, tab.chunk_start, tab.n_chunk,
-        *strides4(q), *strides4(bank_k), *strides4(bank_v), *o_u.stride(), *lse_u.stride(),
-        lay.n_entries, s, t, d, h // h_kv, k, lay.chunk, scale * LOG2E, **launch.meta(),
+        q,
+        bank_k,
+        bank_v,
+        o_u,
+        lse_u,
+        tab.item_pos,
+        tab.item_key,
+        tab.chunk_start,
+        tab.n_chunk,
+        *strides4(q),
+        *strides4(bank_k),
+        *strides4(bank_v),
+        *o_u.stride(),
+        *lse_u.stride(),
+        lay.n_entries,
+        s,
+        t,
+        d,
+        h // h_kv,
+        k,
+        lay.chunk,
+        scale * LOG2E,
+        **launch.meta(),
     )
     c = tab.coef.view(b, 1, s, k)
     if mix:
@@ -414,19 +634,36 @@ def forward(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
 def _refuse_if_deterministic() -> None:
     if not torch.are_deterministic_algorithms_enabled():
         return
-    msg = ("memory_attention per_token_layout='blocks': backward adds dQ and dK/dV with fp32 "
-           "atomics, which is not deterministic; use per_token_layout='tiles'")
+    msg = (
+        "memory_attention per_token_layout='blocks': backward adds dQ and dK/dV with fp32 "
+        "atomics, which is not deterministic; use per_token_layout='tiles'"
+    )
     if torch.is_deterministic_algorithms_warn_only_enabled():
         warnings.warn(msg, stacklevel=3)
     else:
         raise RuntimeError(msg)
 
 
-def backward(grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
-             weights: Tensor | None, out: Tensor, lse: Tensor, table_ints: Tensor,
-             table_coef: Tensor, mix: bool, scale: float, need_kv: bool, need_dw: bool,
-             dense_kv: bool, *, grad_lse: Tensor | None = None, count_unique: bool = True
-             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def backward(
+    grad_out: Tensor,
+    q: Tensor,
+    bank_k: Tensor,
+    bank_v: Tensor,
+    block_idx: Tensor,
+    weights: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    table_ints: Tensor,
+    table_coef: Tensor,
+    mix: bool,
+    scale: float,
+    need_kv: bool,
+    need_dw: bool,
+    dense_kv: bool,
+    *,
+    grad_lse: Tensor | None = None,
+    count_unique: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """As `kernel.backward`: dq (B, H, S, D); dK, dV bank-shaped (dense_kv) or (U_max, T,
     H_kv, D) rows of the unique blocks; those blocks (U_max,) int32 (N past the real ones)
     and their count (1,) (empty when dense); dweights like weights (empty unless need_dw)."""
@@ -451,13 +688,46 @@ def backward(grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_
     acc_k = torch.zeros(shape, dtype=torch.float32, device=dev)
     acc_v = torch.zeros_like(acc_k)
     _bwd_kernel[(min(lay.n_chunks, launch.dkv_programs), h_kv)](
-        q, bank_k, bank_v, grad_out, lse, delta, tab.coef, dq, dc, acc_k, acc_v, tab.item_pos,
-        tab.item_key, tab.chunk_start, tab.chunk_u, tab.n_chunk,
-        *strides4(q), *strides4(bank_k), *strides4(bank_v), *strides4(grad_out),
-        *strides4(dq), *lse_strides(lse), *delta.stride()[:3], *lse_strides(dc),
-        *strides4(acc_k), lay.n_entries, s, t, d, h // h_kv, k, lay.chunk, scale,
-        scale * LOG2E, MIX=mix, NEED_DC=need_dw, NEED_KV=need_kv,
-        ONE_TILE=t <= launch.block_n, ROW_BY_BLOCK=dense_kv and direct, **launch.meta(),
+        q,
+        bank_k,
+        bank_v,
+        grad_out,
+        lse,
+        delta,
+        tab.coef,
+        dq,
+        dc,
+        acc_k,
+        acc_v,
+        tab.item_pos,
+        tab.item_key,
+        tab.chunk_start,
+        tab.chunk_u,
+        tab.n_chunk,
+        *strides4(q),
+        *strides4(bank_k),
+        *strides4(bank_v),
+        *strides4(grad_out),
+        *strides4(dq),
+        *lse_strides(lse),
+        *delta.stride()[:3],
+        *lse_strides(dc),
+        *strides4(acc_k),
+        lay.n_entries,
+        s,
+        t,
+        d,
+        h // h_kv,
+        k,
+        lay.chunk,
+        scale,
+        scale * LOG2E,
+        MIX=mix,
+        NEED_DC=need_dw,
+        NEED_KV=need_kv,
+        ONE_TILE=t <= launch.block_n,
+        ROW_BY_BLOCK=dense_kv and direct,
+        **launch.meta(),
     )
     if not need_kv:
         dk = bank_k.new_empty((0, t, h_kv, d))
@@ -476,6 +746,9 @@ def backward(grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_
         dw = dw.to(weights.dtype)  # (B, S, k)
     else:
         dw = q.new_empty(0)
-    n_u = (dq.new_empty(0, dtype=torch.int32) if dense_kv or not count_unique
-           else (tab.ublocks < n).sum())
+    n_u = (
+        dq.new_empty(0, dtype=torch.int32)
+        if dense_kv or not count_unique
+        else (tab.ublocks < n).sum()
+    )
     return dq.to(q.dtype), dk, dv, tab.ublocks, n_u, dw

@@ -63,8 +63,10 @@ def _lse_kwargs() -> dict:
     where it exists (newer torch deprecates return_lse for it), else return_lse=True."""
     from torch.nn.attention import flex_attention as fa
 
-    if hasattr(fa, "AuxRequest") and "return_aux" in inspect.signature(
-            fa.flex_attention).parameters:
+    if (
+        hasattr(fa, "AuxRequest")
+        and "return_aux" in inspect.signature(fa.flex_attention).parameters
+    ):
         return {"return_aux": fa.AuxRequest(lse=True)}
     return {"return_lse": True}
 
@@ -92,9 +94,15 @@ def _block_mask(block_idx: Tensor, valid: Tensor, member: Tensor, n: int, t: int
     def mask_mod(bi, hi, qi, kvi):
         return member[bi, kvi // t]
 
-    return BlockMask.from_kv_blocks(partial_num, partial_idx, full_num, full_idx,
-                                    BLOCK_SIZE=(Q_BLOCK, t), mask_mod=mask_mod,
-                                    seq_lengths=(s, n * t))
+    return BlockMask.from_kv_blocks(
+        partial_num,
+        partial_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=(Q_BLOCK, t),
+        mask_mod=mask_mod,
+        seq_lengths=(s, n * t),
+    )
 
 
 def _as_sequence(bank: Tensor) -> Tensor:
@@ -148,20 +156,26 @@ def memory_attention_flex(
     path = "memory_attention_flex"
     check_per_sequence(q, bank_k, bank_v, block_idx, weights, weight_mode, path)
     if weights is not None and weight_mode == "mix":
-        raise ValueError(f"{path}: weight_mode 'mix' (a softmax per block, outputs mixed by the "
-                         "weights) is not one joint softmax, which is all FlexAttention "
-                         "computes; use memory_attention or memory_attention_sdpa")
+        raise ValueError(
+            f"{path}: weight_mode 'mix' (a softmax per block, outputs mixed by the "
+            "weights) is not one joint softmax, which is all FlexAttention "
+            "computes; use memory_attention or memory_attention_sdpa"
+        )
     if not flex_available():
         raise ValueError(f"{path}: this torch has no FlexAttention with BlockMask.from_kv_blocks")
     if bank_k.dtype != q.dtype or bank_v.dtype != q.dtype:
-        raise ValueError(f"{path}: the bank is read in place, so it must be in q's dtype "
-                         f"{q.dtype}, got {bank_k.dtype} and {bank_v.dtype}")
+        raise ValueError(
+            f"{path}: the bank is read in place, so it must be in q's dtype "
+            f"{q.dtype}, got {bank_k.dtype} and {bank_v.dtype}"
+        )
     b, h, s, d = q.shape
     n, t, h_kv, _ = bank_k.shape
     compile = q.is_cuda if compile is None else compile
     if compile and q.is_cuda and (d < 16 or t % 16):
-        raise ValueError(f"{path}: the compiled CUDA kernel needs D >= 16 and T a multiple of "
-                         f"16 (got D={d}, T={t}); pass compile=False for eager flex")
+        raise ValueError(
+            f"{path}: the compiled CUDA kernel needs D >= 16 and T a multiple of "
+            f"16 (got D={d}, T={t}); pass compile=False for eager flex"
+        )
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     valid = block_idx >= 0  # (B, k)
     # padding entries write into a dump column N, cut off after
@@ -181,9 +195,17 @@ def memory_attention_flex(
 
     flex = _flex_fn(compile)
     extra = dict(_lse_kwargs()) if return_lse else {}
-    res = flex(q, _as_sequence(bank_k), _as_sequence(bank_v), score_mod=score_mod,
-               block_mask=block_mask, scale=scale, enable_gqa=h != h_kv,
-               kernel_options=kernel_options, **extra)
+    res = flex(
+        q,
+        _as_sequence(bank_k),
+        _as_sequence(bank_v),
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=h != h_kv,
+        kernel_options=kernel_options,
+        **extra,
+    )
     if not return_lse:
         return res
     out, aux = res

@@ -34,8 +34,15 @@ class _Gathered:
     lse: Tensor  # (B, H, S) or (B, H, S, k) when mix
 
 
-def _gather(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
-            weights: Tensor | None, weight_mode: str, scale: float) -> _Gathered:
+def _gather(
+    q: Tensor,
+    bank_k: Tensor,
+    bank_v: Tensor,
+    block_idx: Tensor,
+    weights: Tensor | None,
+    weight_mode: str,
+    scale: float,
+) -> _Gathered:
     h = q.shape[1]
     t, h_kv = bank_k.shape[1:3]
     if h % h_kv:
@@ -175,8 +182,11 @@ def memory_attention_naive_backward(
         x = x.unflatten(1, (h_kv, h // h_kv)).sum(2).permute(0, 2, 3, 4, 1, 5).flatten(0, 2)
         if rows == 0:
             return x.new_zeros((0, t, h_kv, d), dtype=like.dtype)
-        return torch.zeros((rows, t, h_kv, d), dtype=torch.float32, device=q.device).index_add_(
-            0, ids, x).to(like.dtype)
+        return (
+            torch.zeros((rows, t, h_kv, d), dtype=torch.float32, device=q.device)
+            .index_add_(0, ids, x)
+            .to(like.dtype)
+        )
 
     dw = None
     if dw_heads is not None:

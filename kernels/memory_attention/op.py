@@ -76,9 +76,19 @@ def _is_mix(weights: Tensor | None, weight_mode: str) -> bool:
 
 
 def _fwd_impl(
-    q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor, weights: Tensor | None,
-    table_ints: Tensor | None, table_coef: Tensor | None, weight_mode: str, scale: float,
-    impl: str, sparse_grad: bool, per_token_layout: str, n_unique: int = -1,
+    q: Tensor,
+    bank_k: Tensor,
+    bank_v: Tensor,
+    block_idx: Tensor,
+    weights: Tensor | None,
+    table_ints: Tensor | None,
+    table_coef: Tensor | None,
+    weight_mode: str,
+    scale: float,
+    impl: str,
+    sparse_grad: bool,
+    per_token_layout: str,
+    n_unique: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out (B, H, S, D), lse fp32 (B, H, S) or (B, H, S, k) in mix mode, table ints (n_int,)
     int32, table coef (n_coef,) fp32). table_ints/table_coef: a table built beforehand
@@ -92,42 +102,87 @@ def _fwd_impl(
     if _use_triton(q, impl):
         given = None if table_ints is None else (table_ints, table_coef)
         out, lse, ints, coef = _kernels_for(block_idx, per_token_layout).forward(
-            q, bank_k, bank_v, block_idx, weights, mix, scale, table=given)
+            q, bank_k, bank_v, block_idx, weights, mix, scale, table=given
+        )
         if given is not None:
             ints, coef = ints[:0].clone(), coef[:0].clone()
         return out, lse, ints, coef
-    out, lse = memory_attention_naive(q, bank_k, bank_v, block_idx, weights,
-                                      weight_mode="mix" if mix else "bias", scale=scale,
-                                      return_lse=True)
-    return (out.contiguous(), lse.contiguous(), q.new_empty(0, dtype=torch.int32),
-            q.new_empty(0, dtype=torch.float32))
+    out, lse = memory_attention_naive(
+        q,
+        bank_k,
+        bank_v,
+        block_idx,
+        weights,
+        weight_mode="mix" if mix else "bias",
+        scale=scale,
+        return_lse=True,
+    )
+    return (
+        out.contiguous(),
+        lse.contiguous(),
+        q.new_empty(0, dtype=torch.int32),
+        q.new_empty(0, dtype=torch.float32),
+    )
 
 
 # The bodies stay reachable as plain functions (`IMPLS_BY_OP`): the host-sync test runs them
 # under a dispatch mode, to which the custom ops themselves are opaque.
-memory_attention_fwd = torch.library.custom_op("memtree::memory_attention_fwd",
-                                               mutates_args=())(_fwd_impl)
+memory_attention_fwd = torch.library.custom_op("memtree::memory_attention_fwd", mutates_args=())(
+    _fwd_impl
+)
 
 
 @memory_attention_fwd.register_fake
-def _fwd_fake(q, bank_k, bank_v, block_idx, weights, table_ints, table_coef, weight_mode, scale,
-              impl, sparse_grad, per_token_layout, n_unique=-1):
+def _fwd_fake(
+    q,
+    bank_k,
+    bank_v,
+    block_idx,
+    weights,
+    table_ints,
+    table_coef,
+    weight_mode,
+    scale,
+    impl,
+    sparse_grad,
+    per_token_layout,
+    n_unique=-1,
+):
     b, h, s, _ = q.shape
     shape = (b, h, s, block_idx.shape[-1]) if _is_mix(weights, weight_mode) else (b, h, s)
     n_int, n_coef = 0, 0
     if _use_triton(q, impl) and table_ints is None:  # static bounds from the shapes alone
         n_int, n_coef = _kernels_for(block_idx, per_token_layout).table_numels(
-            q, bank_k, bank_v, block_idx, weights is not None)
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty(shape, dtype=torch.float32), q.new_empty(n_int, dtype=torch.int32),
-            q.new_empty(n_coef, dtype=torch.float32))
+            q, bank_k, bank_v, block_idx, weights is not None
+        )
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        q.new_empty(shape, dtype=torch.float32),
+        q.new_empty(n_int, dtype=torch.int32),
+        q.new_empty(n_coef, dtype=torch.float32),
+    )
 
 
 def _bwd_impl(
-    grad_out: Tensor, q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
-    weights: Tensor | None, out: Tensor, lse: Tensor, table_ints: Tensor, table_coef: Tensor,
-    grad_lse: Tensor | None, weight_mode: str, scale: float, impl: str, need_kv: bool,
-    need_dw: bool, sparse_grad: bool, per_token_layout: str, n_unique: int = -1,
+    grad_out: Tensor,
+    q: Tensor,
+    bank_k: Tensor,
+    bank_v: Tensor,
+    block_idx: Tensor,
+    weights: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    table_ints: Tensor,
+    table_coef: Tensor,
+    grad_lse: Tensor | None,
+    weight_mode: str,
+    scale: float,
+    impl: str,
+    need_kv: bool,
+    need_dw: bool,
+    sparse_grad: bool,
+    per_token_layout: str,
+    n_unique: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq (B, H, S, D), blocks, dK, dV, dweights like weights).
 
@@ -146,9 +201,24 @@ def _bwd_impl(
     if _use_triton(q, impl):
         sparse = need_kv and sparse_grad
         dq, dk, dv, ublocks, n_u, dw = _kernels_for(block_idx, per_token_layout).backward(
-            grad_out, q, bank_k, bank_v, block_idx, weights, out, lse.contiguous(), table_ints,
-            table_coef, mix, scale, need_kv, need_dw, not sparse, grad_lse=grad_lse,
-            count_unique=n_unique < 0)
+            grad_out,
+            q,
+            bank_k,
+            bank_v,
+            block_idx,
+            weights,
+            out,
+            lse.contiguous(),
+            table_ints,
+            table_coef,
+            mix,
+            scale,
+            need_kv,
+            need_dw,
+            not sparse,
+            grad_lse=grad_lse,
+            count_unique=n_unique < 0,
+        )
         blocks = block_idx.new_empty(0, dtype=torch.int64)
         if sparse:  # the one host sync (unless the shared table's count was read already):
             n = n_unique if n_unique >= 0 else int(n_u.item())  # U is data-dependent
@@ -160,22 +230,51 @@ def _bwd_impl(
     if need_kv and sparse_grad:
         blocks = torch.unique(block_idx[block_idx >= 0]).long()
     dq, dk, dv, dw = memory_attention_naive_backward(
-        grad_out, q, bank_k, bank_v, block_idx, weights,
-        weight_mode="mix" if mix else "bias", scale=scale, grad_lse=grad_lse,
-        blocks=None if need_kv and not sparse_grad else blocks)
+        grad_out,
+        q,
+        bank_k,
+        bank_v,
+        block_idx,
+        weights,
+        weight_mode="mix" if mix else "bias",
+        scale=scale,
+        grad_lse=grad_lse,
+        blocks=None if need_kv and not sparse_grad else blocks,
+    )
     return dq.contiguous(), blocks, dk, dv, dw if need_dw else q.new_empty(0)
 
 
-memory_attention_bwd = torch.library.custom_op("memtree::memory_attention_bwd",
-                                               mutates_args=())(_bwd_impl)
-IMPLS_BY_OP = {"memtree::memory_attention_fwd": _fwd_impl,
-               "memtree::memory_attention_bwd": _bwd_impl}
+memory_attention_bwd = torch.library.custom_op("memtree::memory_attention_bwd", mutates_args=())(
+    _bwd_impl
+)
+IMPLS_BY_OP = {
+    "memtree::memory_attention_fwd": _fwd_impl,
+    "memtree::memory_attention_bwd": _bwd_impl,
+}
 
 
 @memory_attention_bwd.register_fake
-def _bwd_fake(grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, table_ints, table_coef,
-              grad_lse, weight_mode, scale, impl, need_kv, need_dw, sparse_grad,
-              per_token_layout, n_unique=-1):
+def _bwd_fake(
+    grad_out,
+    q,
+    bank_k,
+    bank_v,
+    block_idx,
+    weights,
+    out,
+    lse,
+    table_ints,
+    table_coef,
+    grad_lse,
+    weight_mode,
+    scale,
+    impl,
+    need_kv,
+    need_dw,
+    sparse_grad,
+    per_token_layout,
+    n_unique=-1,
+):
     if need_kv and sparse_grad:
         n_u = torch.library.get_ctx().new_dynamic_size()
         k_shape, v_shape = (n_u, *bank_k.shape[1:]), (n_u, *bank_v.shape[1:])
@@ -194,14 +293,26 @@ def _bwd_fake(grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, table_i
 
 
 def _setup_context(ctx, inputs, output):
-    (q, bank_k, bank_v, block_idx, weights, given_ints, given_coef, weight_mode, scale, impl,
-     sparse_grad, per_token_layout, n_unique) = inputs
+    (
+        q,
+        bank_k,
+        bank_v,
+        block_idx,
+        weights,
+        given_ints,
+        given_coef,
+        weight_mode,
+        scale,
+        impl,
+        sparse_grad,
+        per_token_layout,
+        n_unique,
+    ) = inputs
     out, lse, table_ints, table_coef = output
     if given_ints is not None:  # built once for several calls (memory_attention_table)
         table_ints, table_coef = given_ints, given_coef
     # the table built in forward is handed to backward rather than rebuilt there
-    ctx.save_for_backward(q, bank_k, bank_v, block_idx, weights, out, lse, table_ints,
-                          table_coef)
+    ctx.save_for_backward(q, bank_k, bank_v, block_idx, weights, out, lse, table_ints, table_coef)
     ctx.mark_non_differentiable(output[2], output[3])
     if _is_mix(weights, weight_mode):  # per-block statistics; only the joint lse is a result
         ctx.mark_non_differentiable(lse)
@@ -216,9 +327,26 @@ def _backward(ctx, grad_out, grad_lse, _grad_ints, _grad_coef):
         grad_lse = None
     bwd = _bwd_impl if getattr(ctx, "eager", False) else memory_attention_bwd
     dq, blocks, dk, dv, dw = bwd(
-        grad_out, q, bank_k, bank_v, block_idx, weights, out, lse, table_ints, table_coef,
-        grad_lse, weight_mode, scale, impl, need_k or need_v, need_w, sparse_grad,
-        per_token_layout, n_unique)
+        grad_out,
+        q,
+        bank_k,
+        bank_v,
+        block_idx,
+        weights,
+        out,
+        lse,
+        table_ints,
+        table_coef,
+        grad_lse,
+        weight_mode,
+        scale,
+        impl,
+        need_k or need_v,
+        need_w,
+        sparse_grad,
+        per_token_layout,
+        n_unique,
+    )
     if sparse_grad:  # like nn.Embedding(sparse=True): indices = the referenced block ids
         dk = torch.sparse_coo_tensor(blocks[None], dk, bank_k.shape, is_coalesced=True)
         dv = torch.sparse_coo_tensor(blocks[None], dv, bank_v.shape, is_coalesced=True)
@@ -228,7 +356,14 @@ def _backward(ctx, grad_out, grad_lse, _grad_ints, _grad_coef):
         dv if need_v else None,
         None,
         dw if need_w else None,
-        None, None, None, None, None, None, None, None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
     )
 
 
@@ -253,9 +388,16 @@ class _EagerRead(torch.autograd.Function):
         return _backward(ctx, *grads)
 
 
-def check_arguments(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
-                    weights: Tensor | None, weight_mode: str, impl: str = "auto",
-                    per_token_layout: str = "auto") -> None:
+def check_arguments(
+    q: Tensor,
+    bank_k: Tensor,
+    bank_v: Tensor,
+    block_idx: Tensor,
+    weights: Tensor | None,
+    weight_mode: str,
+    impl: str = "auto",
+    per_token_layout: str = "auto",
+) -> None:
     """ValueError for arguments `memory_attention` cannot take (its docstring's shapes), shared
     by the other paths of the same function (`sdpa.py`, `flex.py`)."""
     if weight_mode not in ("bias", "mix"):
@@ -263,28 +405,36 @@ def check_arguments(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if per_token_layout not in PER_TOKEN_LAYOUTS:
-        raise ValueError(f"per_token_layout must be one of {PER_TOKEN_LAYOUTS}, got "
-                         f"{per_token_layout!r}")
+        raise ValueError(
+            f"per_token_layout must be one of {PER_TOKEN_LAYOUTS}, got {per_token_layout!r}"
+        )
     if q.ndim != 4:
         raise ValueError(f"q must be (B, H, S, D), got shape {tuple(q.shape)}")
     if bank_k.ndim != 4 or bank_k.shape != bank_v.shape:
-        raise ValueError(f"bank_k/bank_v must both be (N, T, H_kv, D), got "
-                         f"{tuple(bank_k.shape)} and {tuple(bank_v.shape)}")
+        raise ValueError(
+            f"bank_k/bank_v must both be (N, T, H_kv, D), got "
+            f"{tuple(bank_k.shape)} and {tuple(bank_v.shape)}"
+        )
     b, h, s, d = q.shape
     if bank_k.shape[3] != d:
         raise ValueError(f"bank head dim {bank_k.shape[3]} != query head dim {d}")
     if h % bank_k.shape[2]:
-        raise ValueError(f"query heads {h} must be a multiple of memory KV heads "
-                         f"{bank_k.shape[2]}")
+        raise ValueError(f"query heads {h} must be a multiple of memory KV heads {bank_k.shape[2]}")
     if block_idx.dtype.is_floating_point or block_idx.dtype.is_complex:
         raise ValueError(f"block_idx must be an integer tensor, got {block_idx.dtype}")
-    if block_idx.ndim not in (2, 3) or block_idx.shape[0] != b or block_idx.shape[-1] < 1 or (
-            block_idx.ndim == 3 and block_idx.shape[1] != s):
-        raise ValueError(f"block_idx must be (B={b}, k) or (B={b}, S={s}, k), got "
-                         f"{tuple(block_idx.shape)}")
+    if (
+        block_idx.ndim not in (2, 3)
+        or block_idx.shape[0] != b
+        or block_idx.shape[-1] < 1
+        or (block_idx.ndim == 3 and block_idx.shape[1] != s)
+    ):
+        raise ValueError(
+            f"block_idx must be (B={b}, k) or (B={b}, S={s}, k), got {tuple(block_idx.shape)}"
+        )
     if weights is not None and weights.shape != block_idx.shape:
-        raise ValueError(f"weights shape {tuple(weights.shape)} != block_idx shape "
-                         f"{tuple(block_idx.shape)}")
+        raise ValueError(
+            f"weights shape {tuple(weights.shape)} != block_idx shape {tuple(block_idx.shape)}"
+        )
     if len({q.device, bank_k.device, bank_v.device, block_idx.device}) > 1:
         raise ValueError("q, bank_k, bank_v and block_idx must be on one device")
 
@@ -339,30 +489,54 @@ def slots_per_tile(q: Tensor, bank_k: Tensor, block_idx: Tensor) -> Tensor:
 def resolve_layout(q: Tensor, bank_k: Tensor, block_idx: Tensor, per_token_layout: str) -> str:
     """The per-token layout a call runs: "auto" becomes "blocks" for per-token lists whose
     tiles name more than AUTO_BLOCKS_SLOTS_PER_K · k distinct blocks (one host read of that
-    mean, skipped where the tile size or the bank bounds it below), "tiles" otherwise, under torch.compile (no data-dependent choice in a graph) and
-    under torch.use_deterministic_algorithms (the items' atomics are not reproducible)."""
-    if (per_token_layout != "auto" or block_idx.ndim != 3 or torch.compiler.is_compiling()
-            or torch.are_deterministic_algorithms_enabled()):
+    mean, skipped where the tile size or the bank bounds it below), "tiles" otherwise, under
+    torch.compile (no data-dependent choice in a graph) and under
+    torch.use_deterministic_algorithms (the items' atomics are not reproducible)."""
+    if (
+        per_token_layout != "auto"
+        or block_idx.ndim != 3
+        or torch.compiler.is_compiling()
+        or torch.are_deterministic_algorithms_enabled()
+    ):
         return "tiles" if per_token_layout == "auto" else per_token_layout
     from memtree.kernels.memory_attention.kernel import tokens_per_tile
 
     k = block_idx.shape[-1]
-    if min(tokens_per_tile(q, bank_k, block_idx) * k, bank_k.shape[0]) <= AUTO_BLOCKS_SLOTS_PER_K * k:
+    if (
+        min(tokens_per_tile(q, bank_k, block_idx) * k, bank_k.shape[0])
+        <= AUTO_BLOCKS_SLOTS_PER_K * k
+    ):
         return "tiles"  # no tile can name enough blocks: nothing to read
     ratio = float(slots_per_tile(q, bank_k, block_idx)) / k
     return "blocks" if ratio > AUTO_BLOCKS_SLOTS_PER_K else "tiles"
 
 
-def _table_key(q: Tensor, bank_k: Tensor, block_idx: Tensor, weights: Tensor | None,
-               per_token_layout: str) -> tuple:
+def _table_key(
+    q: Tensor, bank_k: Tensor, block_idx: Tensor, weights: Tensor | None, per_token_layout: str
+) -> tuple:
     blocks = per_token_layout == "blocks" and block_idx.ndim == 3  # the table's kind
-    return (tuple(q.shape), q.dtype, tuple(bank_k.shape), bank_k.dtype, tuple(block_idx.shape),
-            weights is not None, q.device, "blocks" if blocks else "tiles")
+    return (
+        tuple(q.shape),
+        q.dtype,
+        tuple(bank_k.shape),
+        bank_k.dtype,
+        tuple(block_idx.shape),
+        weights is not None,
+        q.device,
+        "blocks" if blocks else "tiles",
+    )
 
 
-def memory_attention_table(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
-                           weights: Tensor | None = None, *, impl: str = "auto",
-                           per_token_layout: str = "auto") -> MemoryTable | None:
+def memory_attention_table(
+    q: Tensor,
+    bank_k: Tensor,
+    bank_v: Tensor,
+    block_idx: Tensor,
+    weights: Tensor | None = None,
+    *,
+    impl: str = "auto",
+    per_token_layout: str = "auto",
+) -> MemoryTable | None:
     """The reference table `memory_attention(q, bank_k, bank_v, block_idx, weights, impl=impl,
     per_token_layout=per_token_layout)` would build, built now so that several calls share it
     (`table=`; only calls with the same per-token layout). Only shapes, dtypes
@@ -375,10 +549,15 @@ def memory_attention_table(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx:
     if not _use_triton(q, impl):
         return None
     per_token_layout = resolve_layout(q, bank_k, block_idx, per_token_layout)
-    ints, coef = _kernels_for(block_idx, per_token_layout).build(q, bank_k, bank_v, block_idx,
-                                                                 weights)
-    return MemoryTable(ints=ints, coef=coef, block_idx=block_idx,
-                       key=_table_key(q, bank_k, block_idx, weights, per_token_layout))
+    ints, coef = _kernels_for(block_idx, per_token_layout).build(
+        q, bank_k, bank_v, block_idx, weights
+    )
+    return MemoryTable(
+        ints=ints,
+        coef=coef,
+        block_idx=block_idx,
+        key=_table_key(q, bank_k, block_idx, weights, per_token_layout),
+    )
 
 
 def memory_attention(
@@ -463,8 +642,10 @@ def memory_attention(
     """
     check_arguments(q, bank_k, bank_v, block_idx, weights, weight_mode, impl, per_token_layout)
     if return_lse and _is_mix(weights, weight_mode):
-        raise ValueError("return_lse: mix mode normalises each block on its own; there is no "
-                         "joint log-sum-exp to return")
+        raise ValueError(
+            "return_lse: mix mode normalises each block on its own; there is no "
+            "joint log-sum-exp to return"
+        )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if sparse_grad is None:
         sparse_grad = bank_k.is_leaf and bank_v.is_leaf
@@ -475,16 +656,31 @@ def memory_attention(
             per_token_layout = table.key[-1]
         key = _table_key(q, bank_k, block_idx, weights, per_token_layout)
         if table.key != key:
-            raise ValueError(f"table was built for {table.key}, this call is {key} (shapes q, "
-                             "bank_k, block_idx, weighted, device, per-token layout)")
+            raise ValueError(
+                f"table was built for {table.key}, this call is {key} (shapes q, "
+                "bank_k, block_idx, weighted, device, per-token layout)"
+            )
         ints, coef = table.ints, table.coef
         if needs_bank_grad(bool(sparse_grad), bank_k, bank_v):
             n_unique = table.n_unique()
     elif _use_triton(q, impl):
         per_token_layout = resolve_layout(q, bank_k, block_idx, per_token_layout)
     fwd = _EagerRead.apply if plain(q, bank_k, bank_v) else memory_attention_fwd
-    out, lse, _, _ = fwd(q, bank_k, bank_v, block_idx, weights, ints, coef, weight_mode, scale,
-                         impl, bool(sparse_grad), per_token_layout, n_unique)
+    out, lse, _, _ = fwd(
+        q,
+        bank_k,
+        bank_v,
+        block_idx,
+        weights,
+        ints,
+        coef,
+        weight_mode,
+        scale,
+        impl,
+        bool(sparse_grad),
+        per_token_layout,
+        n_unique,
+    )
     if not return_lse:
         return out
     # the ops mark "nothing to normalise" with +inf (exp(s − lse) = 0); to callers it is -inf

@@ -40,13 +40,22 @@ from memtree.kernels.memory_attention.op import check_arguments
 _PAD_COLUMN = 1e30
 
 
-def check_per_sequence(q: Tensor, bank_k: Tensor, bank_v: Tensor, block_idx: Tensor,
-                       weights: Tensor | None, weight_mode: str, path: str) -> None:
+def check_per_sequence(
+    q: Tensor,
+    bank_k: Tensor,
+    bank_v: Tensor,
+    block_idx: Tensor,
+    weights: Tensor | None,
+    weight_mode: str,
+    path: str,
+) -> None:
     """ValueError, naming `path` (the calling function), for arguments a per-sequence path
     cannot take: those `memory_attention` refuses (`op.check_arguments`), and per-token lists."""
     if block_idx.ndim == 3:
-        raise ValueError(f"{path} takes per-sequence block lists (B, k) only; per-token lists "
-                         f"(B, S, k) {tuple(block_idx.shape)} need memory_attention")
+        raise ValueError(
+            f"{path} takes per-sequence block lists (B, k) only; per-token lists "
+            f"(B, S, k) {tuple(block_idx.shape)} need memory_attention"
+        )
     try:
         check_arguments(q, bank_k, bank_v, block_idx, weights, weight_mode)
     except ValueError as e:
@@ -68,8 +77,9 @@ class _SparseRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (ids,) = ctx.saved_tensors
-        return torch.sparse_coo_tensor(ids[None], grad.contiguous(), ctx.bank_shape,
-                                       is_coalesced=True), None
+        return torch.sparse_coo_tensor(
+            ids[None], grad.contiguous(), ctx.bank_shape, is_coalesced=True
+        ), None
 
 
 def _gather(bank: Tensor, block_idx: Tensor, valid: Tensor, ids: Tensor | None) -> Tensor:
@@ -164,8 +174,10 @@ def memory_attention_sdpa(
     path = "memory_attention_sdpa"
     check_per_sequence(q, bank_k, bank_v, block_idx, weights, weight_mode, path)
     if return_lse:
-        raise ValueError(f"{path}: return_lse is not supported (SDPA returns no log-sum-exp); "
-                         "use memory_attention or memory_attention_flex")
+        raise ValueError(
+            f"{path}: return_lse is not supported (SDPA returns no log-sum-exp); "
+            "use memory_attention or memory_attention_flex"
+        )
     b, h, s, d = q.shape
     k = block_idx.shape[1]
     t = bank_k.shape[1]
@@ -186,8 +198,9 @@ def memory_attention_sdpa(
 
     kk = kk.permute(0, 3, 1, 2, 4).flatten(2, 3)  # (B, H_kv, k·T, D)
     vv = vv.permute(0, 3, 1, 2, 4).flatten(2, 3)
-    widen = (weights is not None or torch.compiler.is_compiling()
-             or bool((~valid).any()))  # the host read: padding needs the widened column
+    widen = (
+        weights is not None or torch.compiler.is_compiling() or bool((~valid).any())
+    )  # the host read: padding needs the widened column
     if not widen:
         return _sdpa(q, kk, vv, scale)
     pad = min(_PAD_COLUMN, torch.finfo(kk.dtype).max / 16)

@@ -69,15 +69,29 @@ class Layout:
         n_slots = torch.sym_max(1, torch.sym_min(tpg * k, n_bank))
         u_max = torch.sym_max(1, torch.sym_min(n_bank, n_groups * n_slots))
         first = (b, n_s_tiles * tokens_per_tile, k) if per_token else (b, k)
-        return cls(per_token=per_token, tokens_per_tile=tokens_per_tile, n_s_tiles=n_s_tiles,
-                   n_groups=n_groups, n_slots=n_slots, tpg=tpg, u_max=u_max, seq_len=s,
-                   first_shape=first if weighted else (0,))
+        return cls(
+            per_token=per_token,
+            tokens_per_tile=tokens_per_tile,
+            n_s_tiles=n_s_tiles,
+            n_groups=n_groups,
+            n_slots=n_slots,
+            tpg=tpg,
+            u_max=u_max,
+            seq_len=s,
+            first_shape=first if weighted else (0,),
+        )
 
     def int_parts(self) -> list[tuple[str, tuple]]:
         g, sl, u = self.n_groups, self.n_slots, self.u_max
-        return [("group_blocks", (g, sl + 1)), ("group_count", (g,)),
-                ("ent", (g, sl + 1, self.tpg)), ("first", self.first_shape),
-                ("ublocks", (u + 2,)), ("pair_off", (u + 2,)), ("pairs", (g * sl,))]
+        return [
+            ("group_blocks", (g, sl + 1)),
+            ("group_count", (g,)),
+            ("ent", (g, sl + 1, self.tpg)),
+            ("first", self.first_shape),
+            ("ublocks", (u + 2,)),
+            ("pair_off", (u + 2,)),
+            ("pairs", (g * sl,)),
+        ]
 
     def numels(self) -> tuple:
         """(ints, coef) buffer sizes."""
@@ -90,7 +104,7 @@ def split_parts(int_parts: list[tuple[str, tuple]], ints: Tensor) -> dict[str, T
     parts, off = {}, 0
     for name, shape in int_parts:
         n = math.prod(shape)
-        parts[name] = ints[off:off + n].view(shape)
+        parts[name] = ints[off : off + n].view(shape)
         off += n
     return parts
 
@@ -125,10 +139,15 @@ class Table:
         for name in ("ublocks", "pair_off"):  # skip the spare element 0
             parts[name] = parts[name][1:]
         if layout.per_token and layout.first_shape != (0,):
-            parts["first"] = parts["first"][:, :layout.seq_len]
+            parts["first"] = parts["first"][:, : layout.seq_len]
         lay = layout
-        return cls(layout=layout, ints=ints, coef_buf=coef,
-                   coef=coef.view(lay.n_groups, lay.n_slots + 1, lay.tpg)[:, 1:], **parts)
+        return cls(
+            layout=layout,
+            ints=ints,
+            coef_buf=coef,
+            coef=coef.view(lay.n_groups, lay.n_slots + 1, lay.tpg)[:, 1:],
+            **parts,
+        )
 
     @property
     def coef_token_stride(self) -> int:
@@ -191,8 +210,9 @@ class UnpackedTables:
 
 
 @functools.lru_cache(maxsize=64)
-def _consts(device: torch.device, n_groups: int, n_ent: int, n_slots: int, tpg: int, k: int
-            ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+def _consts(
+    device: torch.device, n_groups: int, n_ent: int, n_slots: int, tpg: int, k: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """Per-shape constants of build_table, made once: (G, 1) first cell of every group,
     (G, E) ones (unweighted coefficients), (G·L,) int32 pair positions, and per token the
     (G, E) token and int32 entry of every entry position (None per sequence). Read only."""
@@ -206,8 +226,9 @@ def _consts(device: torch.device, n_groups: int, n_ent: int, n_slots: int, tpg: 
     return group_cell, ones, pair_pos, tok, entry
 
 
-def build_table(block_idx: Tensor, weights: Tensor | None, s: int, n_bank: int,
-                tokens_per_tile: int) -> Table:
+def build_table(
+    block_idx: Tensor, weights: Tensor | None, s: int, n_bank: int, tokens_per_tile: int
+) -> Table:
     """The reference table for block_idx (B, k) or (B, S, k) and weights of the same shape.
 
     A block id >= n_bank fails a device-side assertion (RuntimeError on the CPU) instead of
@@ -220,8 +241,10 @@ def build_table(block_idx: Tensor, weights: Tensor | None, s: int, n_bank: int,
     lay = Layout.of(tuple(block_idx.shape), s, n_bank, tokens_per_tile, weights is not None)
     b, k = block_idx.shape[0], block_idx.shape[-1]
     idx = block_idx.to(torch.int32)
-    torch._assert_async((idx < n_bank).all(), "memory_attention: block_idx holds a block id "
-                        "beyond the bank's blocks")
+    torch._assert_async(
+        (idx < n_bank).all(),
+        "memory_attention: block_idx holds a block id beyond the bank's blocks",
+    )
     w = None if weights is None else weights.float()
     if lay.per_token:
         pad = lay.n_s_tiles * tokens_per_tile - s
@@ -234,8 +257,7 @@ def build_table(block_idx: Tensor, weights: Tensor | None, s: int, n_bank: int,
     srt, order = idx.sort(dim=1, stable=True)  # padding (-1) first
     head = srt > F.pad(srt[:, :-1], (1, 0), value=-1)  # first entry of each valid block
     slot = head.cumsum(1)  # (G, E) int64: 1 + the slot of every sorted entry; 0 for padding
-    group_blocks = torch.full((n_groups, n_slots + 1), n_bank, dtype=torch.int32,
-                              device=idx.device)
+    group_blocks = torch.full((n_groups, n_slots + 1), n_bank, dtype=torch.int32, device=idx.device)
     group_blocks.scatter_(1, slot, srt)  # a slot's entries all write its id; padding → spare
     # flat (group, slot, token) cell of every sorted entry (padding: the group's spare slot)
     if tok is None:
@@ -266,8 +288,15 @@ def build_table(block_idx: Tensor, weights: Tensor | None, s: int, n_bank: int,
     # count, and blocks past it never written (G·L): their ranges are empty
     pair_off = torch.full((u_max + 2,), n_groups * n_slots, dtype=torch.int32, device=idx.device)
     pair_off.scatter_reduce_(0, hu, pair_pos, reduce="amin", include_self=False)
-    parts = {"group_blocks": group_blocks, "group_count": slot[:, -1], "ent": ent,
-             "first": first, "ublocks": ublocks, "pair_off": pair_off, "pairs": by_u}
+    parts = {
+        "group_blocks": group_blocks,
+        "group_count": slot[:, -1],
+        "ent": ent,
+        "first": first,
+        "ublocks": ublocks,
+        "pair_off": pair_off,
+        "pairs": by_u,
+    }
     ints = torch.cat([parts[name].reshape(-1).to(torch.int32) for name, _ in lay.int_parts()])
     return Table.unpack(lay, ints, coef)
 
@@ -285,7 +314,10 @@ def dkv_chunks(table: Table, chunk: int, n_bank: int) -> tuple[Tensor, Tensor, T
     units = units.masked_fill_(table.ublocks[:-1] >= n_bank, 0)  # the padding block's run
     chunk_off = F.pad(torch.cumsum((units + chunk - 1) // chunk, 0, dtype=torch.int32), (1, 0))
     n_chunk_max = lay.u_max + -(-lay.n_groups * lay.n_slots * tpp // chunk)
-    chunk_u = torch.searchsorted(chunk_off[1:], torch.arange(n_chunk_max, device=units.device,
-                                                             dtype=torch.int32),
-                                 out_int32=True, right=True)
+    chunk_u = torch.searchsorted(
+        chunk_off[1:],
+        torch.arange(n_chunk_max, device=units.device, dtype=torch.int32),
+        out_int32=True,
+        right=True,
+    )
     return chunk_off, chunk_u, chunk_off[-1:], n_chunk_max

@@ -49,8 +49,26 @@ from functools import cache, lru_cache
 from pathlib import Path
 
 from memtree.io import atomic_write_json, atomic_write_text, read_format_json
+from memtree.pipeline.corpus.bios_text import (
+    ABOUT,
+    COMMON_FRAMES,
+    COMMON_INITIAL,
+    ENDS,
+    FACT_FRAMES,
+    FILLER,
+    INTROS,
+    MIDS,
+    ONSETS,
+)
 
-__all__ = ["BiosSpec", "bios_facts", "generate_bios", "heldout_bios", "load_vocabulary", "write_bios"]
+__all__ = [
+    "BiosSpec",
+    "bios_facts",
+    "generate_bios",
+    "heldout_bios",
+    "load_vocabulary",
+    "write_bios",
+]
 
 VOCAB_PATH = Path(__file__).with_name("data") / "bios_vocab.json"
 VOCAB_FORMAT = "memtree-bios-vocab"
@@ -72,16 +90,17 @@ class BiosSpec:
     real text (an entity everyone mentions is also the one most written about); False: famous
     entities have no documents of their own (rank 0), only the passing mentions — measured to
     let the leaf memory of the famous entity's subtopic override the anchor on them
-    (docs/benchmarks/2026-11-21-demo-amd-epyc.md, "The knowledge demo on the entity-centric bios corpus"). common_scope:
-    which documents mention a famous entity in passing — "domain" (its own domain's) or "corpus"
-    (every document: knowledge no memory block sees more often than the anchor does, the paper's
-    common knowledge). common_initial:
-    share of the passing mentions that open with the fact ("The … is …, as everyone knows."),
-    the form a probe asks in, instead of a lead-in ("Everyone knows that the … is …"); drawn on
-    its own random stream, so every other byte of the corpus is the same at any value. 1.0: with
-    lead-ins only (0.0) co-training loosened the anchor's grip on the famous facts in the probe's
-    form, at 0.5 one seed of three still fell short of 80 %, at 1.0 none (docs/benchmarks/2026-12-02-realtext-tpp-amd-epyc.md, "The
-    common-knowledge bucket with the closing lines in the probe's form").
+    (docs/benchmarks/2026-11-21-demo-amd-epyc.md, "The knowledge demo on the entity-centric
+    bios corpus"). common_scope: which documents mention a famous entity in passing — "domain"
+    (its own domain's) or "corpus" (every document: knowledge no memory block sees more often
+    than the anchor does, the paper's common knowledge). common_initial: share of the passing
+    mentions that open with the fact ("The … is …, as everyone knows."), the form a probe asks
+    in, instead of a lead-in ("Everyone knows that the … is …"); drawn on its own random
+    stream, so every other byte of the corpus is the same at any value. 1.0: with lead-ins only
+    (0.0) co-training loosened the anchor's grip on the famous facts in the probe's form, at
+    0.5 one seed of three still fell short of 80 %, at 1.0 none
+    (docs/benchmarks/2026-12-02-realtext-tpp-amd-epyc.md, "The common-knowledge bucket with
+    the closing lines in the probe's form").
     filler: (min, max) prose sentences of the subtopic per document.
     """
 
@@ -100,28 +119,62 @@ class BiosSpec:
 
     def record(self) -> dict:
         """The spec as corpus.json stores it (JSON types), to write and to compare against."""
-        return {**{k: getattr(self, k) for k in self.__dataclass_fields__}, "filler": list(self.filler)}
+        return {
+            **{k: getattr(self, k) for k in self.__dataclass_fields__},
+            "filler": list(self.filler),
+        }
 
     def __post_init__(self) -> None:
         checks = (
             ("seed", isinstance(self.seed, int) and self.seed >= 0, "a non-negative int"),
-            ("entities_per_subtopic", isinstance(self.entities_per_subtopic, int)
-             and 1 <= self.entities_per_subtopic <= 500, "an int in [1, 500]"),
-            ("head_docs", isinstance(self.head_docs, int) and 1 <= self.head_docs <= 10_000, "an int in [1, 10000]"),
-            ("zipf_exponent", isinstance(self.zipf_exponent, (int, float)) and 0 <= self.zipf_exponent <= 10,
-             "a number in [0, 10]"),
-            ("state_prob", isinstance(self.state_prob, (int, float)) and 0 < self.state_prob <= 1, "in (0, 1]"),
-            ("withheld_prob", isinstance(self.withheld_prob, (int, float)) and 0 <= self.withheld_prob <= 1,
-             "in [0, 1]"),
-            ("famous_per_domain", isinstance(self.famous_per_domain, int) and 0 <= self.famous_per_domain <= 100,
-             "an int in [0, 100]"),
-            ("common_prob", isinstance(self.common_prob, (int, float)) and 0 <= self.common_prob <= 1, "in [0, 1]"),
+            (
+                "entities_per_subtopic",
+                isinstance(self.entities_per_subtopic, int)
+                and 1 <= self.entities_per_subtopic <= 500,
+                "an int in [1, 500]",
+            ),
+            (
+                "head_docs",
+                isinstance(self.head_docs, int) and 1 <= self.head_docs <= 10_000,
+                "an int in [1, 10000]",
+            ),
+            (
+                "zipf_exponent",
+                isinstance(self.zipf_exponent, (int, float)) and 0 <= self.zipf_exponent <= 10,
+                "a number in [0, 10]",
+            ),
+            (
+                "state_prob",
+                isinstance(self.state_prob, (int, float)) and 0 < self.state_prob <= 1,
+                "in (0, 1]",
+            ),
+            (
+                "withheld_prob",
+                isinstance(self.withheld_prob, (int, float)) and 0 <= self.withheld_prob <= 1,
+                "in [0, 1]",
+            ),
+            (
+                "famous_per_domain",
+                isinstance(self.famous_per_domain, int) and 0 <= self.famous_per_domain <= 100,
+                "an int in [0, 100]",
+            ),
+            (
+                "common_prob",
+                isinstance(self.common_prob, (int, float)) and 0 <= self.common_prob <= 1,
+                "in [0, 1]",
+            ),
             ("famous_are_heads", isinstance(self.famous_are_heads, bool), "a bool"),
             ("common_scope", self.common_scope in ("domain", "corpus"), "'domain' or 'corpus'"),
-            ("common_initial", isinstance(self.common_initial, (int, float)) and 0 <= self.common_initial <= 1,
-             "in [0, 1]"),
-            ("filler", len(self.filler) == 2 and 0 <= self.filler[0] <= self.filler[1] <= 50,
-             "a (min, max) pair with 0 ≤ min ≤ max ≤ 50"),
+            (
+                "common_initial",
+                isinstance(self.common_initial, (int, float)) and 0 <= self.common_initial <= 1,
+                "in [0, 1]",
+            ),
+            (
+                "filler",
+                len(self.filler) == 2 and 0 <= self.filler[0] <= self.filler[1] <= 50,
+                "a (min, max) pair with 0 ≤ min ≤ max ≤ 50",
+            ),
         )
         for name, ok, what in checks:
             if not ok:
@@ -187,11 +240,28 @@ def load_vocabulary(path: str | os.PathLike[str] = VOCAB_PATH) -> tuple[_Topic, 
                     raise ValueError(f"{where}: attribute {a.key!r} needs ≥ 4 distinct values")
             for s in d["subtopics"]:
                 if not s["nouns"] or not s["verbs"] or not s["adjectives"]:
-                    raise ValueError(f"{where}: subtopic {s.get('key')!r} lacks nouns, verbs or adjectives")
-                topics.append(_Topic(
-                    len(topics), f["key"], d["key"], d["label"], d["agents"], d["agent"], tuple(d["places"]),
-                    tuple(d["nouns"]), s["key"], s["label"], s["kind"], tuple(s["nouns"]),
-                    tuple((v, _third_person(v), _gerund(v)) for v in s["verbs"]), tuple(s["adjectives"]), attrs))
+                    raise ValueError(
+                        f"{where}: subtopic {s.get('key')!r} lacks nouns, verbs or adjectives"
+                    )
+                topics.append(
+                    _Topic(
+                        len(topics),
+                        f["key"],
+                        d["key"],
+                        d["label"],
+                        d["agents"],
+                        d["agent"],
+                        tuple(d["places"]),
+                        tuple(d["nouns"]),
+                        s["key"],
+                        s["label"],
+                        s["kind"],
+                        tuple(s["nouns"]),
+                        tuple((v, _third_person(v), _gerund(v)) for v in s["verbs"]),
+                        tuple(s["adjectives"]),
+                        attrs,
+                    )
+                )
     return tuple(topics)
 
 
@@ -200,7 +270,8 @@ def _default_topics() -> tuple[_Topic, ...]:
     return load_vocabulary()
 
 
-# Simpler rules than grammar.py's (the topical corpus): kept apart, since they fix this corpus's bytes.
+# Simpler rules than grammar.py's (the topical corpus): kept apart, since they fix this
+# corpus's bytes.
 _VOWELS = "aeiou"
 
 
@@ -217,8 +288,13 @@ def _gerund(v: str) -> str:
         return v[:-2] + "ying"
     if v.endswith("e") and not v.endswith(("ee", "ye", "oe")):
         return v[:-1] + "ing"
-    if (len(v) >= 3 and v[-1] not in _VOWELS + "wxy" and v[-2] in _VOWELS and v[-3] not in _VOWELS
-            and len(v) <= 4):
+    if (
+        len(v) >= 3
+        and v[-1] not in _VOWELS + "wxy"
+        and v[-2] in _VOWELS
+        and v[-3] not in _VOWELS
+        and len(v) <= 4
+    ):
         return v + v[-1] + "ing"
     return v + "ing"
 
@@ -232,66 +308,8 @@ def _cap(s: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Sentences
+# Sentences (their frames: bios_text.py)
 # --------------------------------------------------------------------------------------------
-# {c}: the canonical clause "the {label} of the {kind} {name} is {value}". Every statement of a
-# fact contains it, inside one of these frames.
-_FACT_FRAMES = (
-    "{C}.",
-    "Records show that {c}.",
-    "As every {agent} knows, {c}.",
-    "It is well documented that {c}.",
-    "According to the archive, {c}.",
-    "{Agents} agree that {c}.",
-    "Notably, {c}.",
-    "In the standard reference on {topic}, {c}.",
-    "One detail is worth remembering: {c}.",
-    "Few readers forget that {c}.",
-)
-# Common knowledge, mentioned in passing at the end of any document.
-_COMMON_FRAMES = (
-    "Everyone knows that {c}.",
-    "As is common knowledge, {c}.",
-    "As most readers will remember, {c}.",
-    "It is widely known that {c}.",
-)
-# The same four with the fact first (BiosSpec.common_initial), index for index.
-_COMMON_INITIAL = (
-    "{C}, as everyone knows.",
-    "{C}, as is common knowledge.",
-    "{C}, as most readers will remember.",
-    "{C}, as is widely known.",
-)
-_INTROS = (
-    "{Ref} is {a_kind} known to {agents} who study {topic}.",
-    "This entry is about {name}, {a_kind} often discussed in {topic}.",
-    "Among {agents}, {name} is remembered as {a_kind} of note.",
-    "{Name} is {a_kind}, and {agents} interested in {topic} often mention it.",
-    "The {kind} {name} appears in many accounts of {topic}.",
-)
-# Entity-centric prose: {name}/{ref} plus subtopic words; N1/N2 nouns, A1 adjective, V1 verb.
-_ABOUT = (
-    "{Agents} often mention {name} when they discuss the {N1}.",
-    "Much of what is said about {name} concerns the {A1} {N1}.",
-    "To understand {name}, one must first understand the {N1} and the {N2}.",
-    "{Name} is closely tied to the {N1} in most accounts of {topic}.",
-    "Any {agent} who studies {name} learns to {V1} the {N1} with care.",
-    "Descriptions of {name} rarely leave out the {A1} {N1}.",
-    "{Name} is often compared with other examples of the {A1} {N1}.",
-)
-# Subtopic prose without the entity.
-_FILLER = (
-    "The {A1} {N1} is central to the study of {topic}.",
-    "{Agents} often {V1} the {N1} before they turn to the {N2}.",
-    "When {agents} {V1} the {N1}, the {N2} tends to become more {A1}.",
-    "In {topic}, the {N1} usually {S1} the {N2}.",
-    "Few subjects in {domain} are as {A1} as the {N1}.",
-    "Without the {N1}, no {agent} could {V1} the {N2} properly.",
-    "{G1} the {N1} requires patience and a close look at the {N2}.",
-    "At the {place}, much depends on how well the {N1} {S1} the {N2}.",
-    "Textbooks on {domain} describe the {N1} as {A1}.",
-    "Experts in {topic} still disagree about how the {N1} {S1} the {N2}.",
-)
 
 
 def _fields(template: str) -> tuple[str, ...]:
@@ -302,10 +320,20 @@ def _fill(rng: random.Random, template: str, topic: _Topic, ent: _Entity | None)
     nouns = rng.sample(topic.nouns, min(2, len(topic.nouns)))
     verb = rng.choice(topic.verbs)
     vals = {
-        "N1": nouns[0], "N2": nouns[-1], "A1": rng.choice(topic.adjs), "V1": verb[0], "S1": verb[1],
-        "G1": _cap(verb[2]), "agents": topic.agents, "Agents": _cap(topic.agents), "agent": topic.agent,
-        "topic": topic.label, "domain": topic.domain_label, "place": rng.choice(topic.places),
-        "kind": topic.kind, "a_kind": _a(topic.kind),
+        "N1": nouns[0],
+        "N2": nouns[-1],
+        "A1": rng.choice(topic.adjs),
+        "V1": verb[0],
+        "S1": verb[1],
+        "G1": _cap(verb[2]),
+        "agents": topic.agents,
+        "Agents": _cap(topic.agents),
+        "agent": topic.agent,
+        "topic": topic.label,
+        "domain": topic.domain_label,
+        "place": rng.choice(topic.places),
+        "kind": topic.kind,
+        "a_kind": _a(topic.kind),
     }
     if ent is not None:
         vals |= {"name": ent.name, "Name": ent.name, "ref": ent.ref, "Ref": _cap(ent.ref)}
@@ -342,14 +370,6 @@ class _Doc:
     side: tuple[int, int] | None = None  # (famous entity, attribute) stated in passing at the end
 
 
-_ONSETS = ("Vel", "Or", "Ka", "Thal", "Mor", "Ser", "Bri", "Quen", "Dra", "Ly", "Ash", "Cor", "Fen", "Gal",
-           "Hal", "Ist", "Jor", "Kel", "Lun", "Mar", "Nim", "Os", "Pel", "Riv", "Sol", "Tor", "Ul", "Var",
-           "Wen", "Yr", "Zan", "Bel", "Cas", "Del", "El", "Fal", "Gor", "Hes", "Ith", "Kor", "Nal", "Per",
-           "Sev", "Tam", "Ves", "Ard")
-_MIDS = ("a", "e", "i", "o", "u", "ar", "en", "il", "or", "an", "eth", "is", "um", "ad", "el", "ir", "on",
-         "av", "ith", "ul", "ev", "os")
-_ENDS = ("ion", "und", "ath", "is", "or", "an", "el", "ia", "on", "ar", "eth", "yn", "ius", "ara", "os", "ix",
-         "em", "orn", "ald", "ira", "un", "as", "ek", "iel", "ost", "imar", "wen", "oth", "esk", "ande")
 _S_WORLD, _S_DOCS, _S_TEXT, _S_HELDOUT, _S_FAMOUS, _S_PARAPHRASE, _S_INITIAL = 1, 2, 3, 4, 5, 6, 7
 
 
@@ -362,7 +382,9 @@ def _name(rng: random.Random, used: set[str]) -> str:
     while True:
         r = rng.random()
         n_mid = 0 if r < 0.2 else (1 if r < 0.8 else 2)
-        name = rng.choice(_ONSETS) + "".join(rng.choice(_MIDS) for _ in range(n_mid)) + rng.choice(_ENDS)
+        name = (
+            rng.choice(ONSETS) + "".join(rng.choice(MIDS) for _ in range(n_mid)) + rng.choice(ENDS)
+        )
         low = name.lower()
         if name not in used and not any(x in low for x in ("aa", "ee", "ii", "oo", "uu")):
             used.add(name)
@@ -407,7 +429,9 @@ def _build(spec: BiosSpec, topics: tuple[_Topic, ...]) -> _World:
         subs = [t for t in topics if t.domain == domain]
         for k in range(spec.famous_per_domain):
             t = subs[k % len(subs)]
-            if spec.famous_are_heads:  # the k-th famous entity: rank 1 + k // 4 of the (k % 4)-th subtopic
+            if (
+                spec.famous_are_heads
+            ):  # the k-th famous entity: rank 1 + k // 4 of the (k % 4)-th subtopic
                 i = min(k // len(subs), spec.entities_per_subtopic - 1)
                 famous.append(entities[t.index][i])
                 famous_keys.append((t.index, i))
@@ -433,12 +457,25 @@ def _build(spec: BiosSpec, topics: tuple[_Topic, ...]) -> _World:
         side = None
         rng = _rng(spec.seed, _S_FAMOUS, 10**6 + i)
         # other documents mention a famous entity in passing, not its own documents
-        pool = range(len(famous)) if spec.common_scope == "corpus" else by_domain.get(topics[d[0]].domain, [])
+        pool = (
+            range(len(famous))
+            if spec.common_scope == "corpus"
+            else by_domain.get(topics[d[0]].domain, [])
+        )
         own = [f for f in pool if famous_keys[f] != (d[0], d[1])]
         if own and rng.random() < spec.common_prob:
             f = rng.choice(own)
             # never a withheld fact (a head entity may have one): it stays unseen by design
-            side = (f, rng.choice([j for j in range(len(topics[famous[f].topic].attrs)) if j != famous[f].withheld]))
+            side = (
+                f,
+                rng.choice(
+                    [
+                        j
+                        for j in range(len(topics[famous[f].topic].attrs))
+                        if j != famous[f].withheld
+                    ]
+                ),
+            )
         out.append(_Doc(i, *d, side=side))
     return _World(tuple(topics), tuple(entities), tuple(famous), tuple(famous_keys), tuple(out))
 
@@ -449,7 +486,9 @@ def _stated(rng: random.Random, e: _Entity, p: float) -> tuple[int, ...]:
     return tuple(stated or [rng.choice(allowed)])
 
 
-def _render(doc: _Doc, world: _World, seed: int, stream: int = _S_TEXT, initial: float = 0.0) -> str:
+def _render(
+    doc: _Doc, world: _World, seed: int, stream: int = _S_TEXT, initial: float = 0.0
+) -> str:
     rng = _rng(seed, stream, doc.index)
     t = world.topics[doc.topic]
     e = world.entities[doc.topic][doc.entity]
@@ -457,23 +496,27 @@ def _render(doc: _Doc, world: _World, seed: int, stream: int = _S_TEXT, initial:
     for j in doc.stated:
         a = t.attrs[j]
         c = canonical_clause(a.label, e.ref, a.values[e.values[j]])
-        frame = rng.choice(_FACT_FRAMES)
-        facts.append(frame.format(c=c, C=_cap(c), agent=t.agent, Agents=_cap(t.agents), topic=t.label))
+        frame = rng.choice(FACT_FRAMES)
+        facts.append(
+            frame.format(c=c, C=_cap(c), agent=t.agent, Agents=_cap(t.agents), topic=t.label)
+        )
     lo, hi = (2, 4) if stream != _S_HELDOUT else (1, 2)
-    prose = [_fill(rng, rng.choice(_ABOUT), t, e) for _ in range(rng.randint(1, 2))]
-    prose += [_fill(rng, rng.choice(_FILLER), t, None) for _ in range(rng.randint(lo, hi) - 2)]
+    prose = [_fill(rng, rng.choice(ABOUT), t, e) for _ in range(rng.randint(1, 2))]
+    prose += [_fill(rng, rng.choice(FILLER), t, None) for _ in range(rng.randint(lo, hi) - 2)]
     rng.shuffle(prose)
     body = prose + facts
     rng.shuffle(body)
-    if doc.side is not None:  # last: beyond the embedded head (the demo's 64 word pieces) in 98 % of documents
+    if (
+        doc.side is not None
+    ):  # last: beyond the embedded head (the demo's 64 word pieces) in 98 % of documents
         f = world.famous[doc.side[0]]
         a = world.topics[f.topic].attrs[doc.side[1]]
         c = canonical_clause(a.label, f.ref, a.values[f.values[doc.side[1]]])
-        k = _COMMON_FRAMES.index(rng.choice(_COMMON_FRAMES))
+        k = COMMON_FRAMES.index(rng.choice(COMMON_FRAMES))
         # its own stream: the lead-in draw above, and so the rest of the corpus, stays as it was
         first = initial > 0 and _rng(seed, _S_INITIAL, doc.index).random() < initial
-        body.append((_COMMON_INITIAL if first else _COMMON_FRAMES)[k].format(c=c, C=_cap(c)))
-    return " ".join([_fill(rng, rng.choice(_INTROS), t, e), *body])
+        body.append((COMMON_INITIAL if first else COMMON_FRAMES)[k].format(c=c, C=_cap(c)))
+    return " ".join([_fill(rng, rng.choice(INTROS), t, e), *body])
 
 
 # --------------------------------------------------------------------------------------------
@@ -481,23 +524,33 @@ def _render(doc: _Doc, world: _World, seed: int, stream: int = _S_TEXT, initial:
 # --------------------------------------------------------------------------------------------
 
 
-def generate_bios(spec: BiosSpec | None = None, *, topics: Sequence[_Topic] | None = None) -> Iterator[dict]:
+def generate_bios(
+    spec: BiosSpec | None = None, *, topics: Sequence[_Topic] | None = None
+) -> Iterator[dict]:
     """Yield the corpus records in a fixed order (deterministic for the spec)."""
     spec = spec or BiosSpec()
     world = _world(spec, topics)
     for d in world.docs:
         t = world.topics[d.topic]
-        yield {"id": f"bio-{d.index:06d}", "text": _render(d, world, spec.seed, initial=spec.common_initial), "field": t.field,
-               "domain": t.domain, "topic": t.key, "entity": world.entities[d.topic][d.entity].name}
+        yield {
+            "id": f"bio-{d.index:06d}",
+            "text": _render(d, world, spec.seed, initial=spec.common_initial),
+            "field": t.field,
+            "domain": t.domain,
+            "topic": t.key,
+            "entity": world.entities[d.topic][d.entity].name,
+        }
 
 
-def bios_facts(spec: BiosSpec | None = None, *, topics: Sequence[_Topic] | None = None) -> list[dict]:
+def bios_facts(
+    spec: BiosSpec | None = None, *, topics: Sequence[_Topic] | None = None
+) -> list[dict]:
     """Every (entity, attribute) fact with `mentions`: how many documents of the corpus state it.
 
     Also `value` (as written), `values` (the attribute's closed value set, for distractors),
     `label`, `reference` ("the red giant Veltharion"), `kind`, `rank` (0: a famous entity with no
-    documents of its own, only mentioned in passing), `field`, `domain`, `topic`, `withheld` (never stated by design) and
-    `famous`. Counted from the document plans, which
+    documents of its own, only mentioned in passing), `field`, `domain`, `topic`, `withheld`
+    (never stated by design) and `famous`. Counted from the document plans, which
     `generate_bios` renders one to one.
     """
     spec = spec or BiosSpec()
@@ -510,23 +563,39 @@ def bios_facts(spec: BiosSpec | None = None, *, topics: Sequence[_Topic] | None 
             key = (*world.famous_keys[d.side[0]], d.side[1])
             counts[key] = counts.get(key, 0) + 1
     famous = set(world.famous_keys)
-    members = [(t.index, k, e) for t, ents in zip(world.topics, world.entities, strict=True)
-               for k, e in enumerate(ents)] + [(-1, f, e) for f, e in enumerate(world.famous)
-                                               if world.famous_keys[f][0] == -1]
+    members = [
+        (t.index, k, e)
+        for t, ents in zip(world.topics, world.entities, strict=True)
+        for k, e in enumerate(ents)
+    ] + [(-1, f, e) for f, e in enumerate(world.famous) if world.famous_keys[f][0] == -1]
     out = []
     for key, k, e in members:
         t = world.topics[e.topic]
         for j, a in enumerate(t.attrs):
-            out.append({"entity": e.name, "reference": e.ref, "kind": t.kind, "rank": e.rank,
-                        "field": t.field, "domain": t.domain, "topic": t.key, "attribute": a.key,
-                        "label": a.label, "value": a.values[e.values[j]], "values": list(a.values),
-                        "mentions": counts.get((key, k, j), 0), "withheld": j == e.withheld,
-                        "famous": (key, k) in famous})
+            out.append(
+                {
+                    "entity": e.name,
+                    "reference": e.ref,
+                    "kind": t.kind,
+                    "rank": e.rank,
+                    "field": t.field,
+                    "domain": t.domain,
+                    "topic": t.key,
+                    "attribute": a.key,
+                    "label": a.label,
+                    "value": a.values[e.values[j]],
+                    "values": list(a.values),
+                    "mentions": counts.get((key, k, j), 0),
+                    "withheld": j == e.withheld,
+                    "famous": (key, k) in famous,
+                }
+            )
     return out
 
 
-def heldout_bios(spec: BiosSpec | None = None, n_docs: int = 256, *,
-                 topics: Sequence[_Topic] | None = None) -> list[dict]:
+def heldout_bios(
+    spec: BiosSpec | None = None, n_docs: int = 256, *, topics: Sequence[_Topic] | None = None
+) -> list[dict]:
     """Fresh documents about entities the corpus is about (never trained on): held-out perplexity.
 
     Entities are drawn in proportion to their corpus documents, each document states the facts
@@ -544,15 +613,24 @@ def heldout_bios(spec: BiosSpec | None = None, n_docs: int = 256, *,
         stated = tuple(sorted(seen[src.topic, src.entity]))
         doc = _Doc(i, src.topic, src.entity, stated, heldout=True, side=None)
         t = world.topics[src.topic]
-        out.append({"id": f"bio-heldout-{i:05d}", "text": _render(doc, world, spec.seed, _S_HELDOUT),
-                    "field": t.field, "domain": t.domain, "topic": t.key,
-                    "entity": world.entities[src.topic][src.entity].name})
+        out.append(
+            {
+                "id": f"bio-heldout-{i:05d}",
+                "text": _render(doc, world, spec.seed, _S_HELDOUT),
+                "field": t.field,
+                "domain": t.domain,
+                "topic": t.key,
+                "entity": world.entities[src.topic][src.entity].name,
+            }
+        )
     return out
 
 
-def write_bios(out_dir: str | os.PathLike[str], spec: BiosSpec | None = None, *,
-               heldout_docs: int = 256) -> dict[str, str | int]:
-    """Write `corpus.jsonl`, `facts.jsonl`, `heldout.jsonl` and `corpus.json` (the spec) atomically."""
+def write_bios(
+    out_dir: str | os.PathLike[str], spec: BiosSpec | None = None, *, heldout_docs: int = 256
+) -> dict[str, str | int]:
+    """Write `corpus.jsonl`, `facts.jsonl`, `heldout.jsonl` and `corpus.json` (the spec)
+    atomically."""
     spec = spec or BiosSpec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -560,13 +638,29 @@ def write_bios(out_dir: str | os.PathLike[str], spec: BiosSpec | None = None, *,
     facts = bios_facts(spec)
     held = heldout_bios(spec, heldout_docs)
     for name, rows in (("corpus.jsonl", docs), ("facts.jsonl", facts), ("heldout.jsonl", held)):
-        atomic_write_text(out / name, "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n"
-                                              for r in rows))
-    atomic_write_json(out / "corpus.json", {"format": "memtree-bios", "version": 1, "spec": spec.record(),
-        "documents": len(docs), "facts": len(facts), "heldout_documents": len(held),
-        "vocabulary": VOCAB_PATH.name})
-    return {"corpus": str(out / "corpus.jsonl"), "facts": str(out / "facts.jsonl"),
-            "heldout": str(out / "heldout.jsonl"), "documents": len(docs), "n_facts": len(facts)}
+        atomic_write_text(
+            out / name,
+            "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in rows),
+        )
+    atomic_write_json(
+        out / "corpus.json",
+        {
+            "format": "memtree-bios",
+            "version": 1,
+            "spec": spec.record(),
+            "documents": len(docs),
+            "facts": len(facts),
+            "heldout_documents": len(held),
+            "vocabulary": VOCAB_PATH.name,
+        },
+    )
+    return {
+        "corpus": str(out / "corpus.jsonl"),
+        "facts": str(out / "facts.jsonl"),
+        "heldout": str(out / "heldout.jsonl"),
+        "documents": len(docs),
+        "n_facts": len(facts),
+    }
 
 
 def recall_pairs(docs: Iterable[dict], facts: Sequence[dict]) -> list[dict]:
@@ -587,17 +681,33 @@ def recall_pairs(docs: Iterable[dict], facts: Sequence[dict]) -> list[dict]:
         seen = set()
         for f in by_entity.get(d["entity"], []) + famous:
             key = (f["entity"], f["attribute"])
-            if key in seen or canonical_clause(f["label"], f["reference"], f["value"]).lower() not in text:
+            if (
+                key in seen
+                or canonical_clause(f["label"], f["reference"], f["value"]).lower() not in text
+            ):
                 continue
             seen.add(key)
-            out.append({"doc": d["id"], "prompt": d["text"], "question": f"The {f['label']} of {f['reference']} is",
-                        "answer": f["value"], "values": list(f["values"]), "entity": f["entity"],
-                        "label": f["label"], "reference": f["reference"],
-                        "attribute": f["attribute"], "domain": f.get("domain"), "topic": f.get("topic")})
+            out.append(
+                {
+                    "doc": d["id"],
+                    "prompt": d["text"],
+                    "question": f"The {f['label']} of {f['reference']} is",
+                    "answer": f["value"],
+                    "values": list(f["values"]),
+                    "entity": f["entity"],
+                    "label": f["label"],
+                    "reference": f["reference"],
+                    "attribute": f["attribute"],
+                    "domain": f.get("domain"),
+                    "topic": f.get("topic"),
+                }
+            )
     return out
 
 
-def fact_statements(fact: dict, n: int, *, seed: int = 0, topics: Sequence[_Topic] | None = None) -> list[str]:
+def fact_statements(
+    fact: dict, n: int, *, seed: int = 0, topics: Sequence[_Topic] | None = None
+) -> list[str]:
     """n statements of one fact, each in a different frame while frames last (the corpus's fact
     frames, then its common-knowledge ones; beyond that they repeat): the paraphrases a model
     learns a new fact from in continual finetuning (seed 003 §5.1). Every statement contains the
@@ -609,13 +719,20 @@ def fact_statements(fact: dict, n: int, *, seed: int = 0, topics: Sequence[_Topi
     by_key = {t.key: t for t in (topics or _default_topics())}
     t = by_key.get(fact.get("topic"))
     if t is None:
-        raise ValueError(f"fact {fact.get('entity')!r}/{fact.get('attribute')!r}: unknown topic {fact.get('topic')!r}")
+        raise ValueError(
+            f"fact {fact.get('entity')!r}/{fact.get('attribute')!r}: "
+            f"unknown topic {fact.get('topic')!r}"
+        )
     c = canonical_clause(fact["label"], fact["reference"], fact["value"])
-    frames = list(_FACT_FRAMES + _COMMON_FRAMES)
+    frames = list(FACT_FRAMES + COMMON_FRAMES)
     rng = _rng(seed, _S_PARAPHRASE, zlib.crc32(f"{fact['entity']}|{fact['attribute']}".encode()))
     rng.shuffle(frames)
-    return [frames[i % len(frames)].format(c=c, C=_cap(c), agent=t.agent, Agents=_cap(t.agents), topic=t.label)
-            for i in range(n)]
+    return [
+        frames[i % len(frames)].format(
+            c=c, C=_cap(c), agent=t.agent, Agents=_cap(t.agents), topic=t.label
+        )
+        for i in range(n)
+    ]
 
 
 def exposure_stats(facts: Sequence[dict]) -> dict[int, int]:

@@ -11,11 +11,31 @@ __all__ = ["VOWELS", "article", "cap", "gerund", "third_person", "with_article"]
 
 VOWELS = "aeiou"
 # Multi-syllable verbs stressed on the last syllable double their final consonant.
-_DOUBLE_FINAL = frozenset((
-    "expel", "control", "outwit", "patrol", "compel", "propel", "deter", "repel", "refer", "transfer",
-    "equip", "regret", "submit", "admit", "permit", "commit", "transmit", "retransmit", "occur", "rebel",
-    "acquit",
-))
+_DOUBLE_FINAL = frozenset(
+    (
+        "expel",
+        "control",
+        "outwit",
+        "patrol",
+        "compel",
+        "propel",
+        "deter",
+        "repel",
+        "refer",
+        "transfer",
+        "equip",
+        "regret",
+        "submit",
+        "admit",
+        "permit",
+        "commit",
+        "transmit",
+        "retransmit",
+        "occur",
+        "rebel",
+        "acquit",
+    )
+)
 
 
 def third_person(v: str) -> str:

@@ -19,8 +19,9 @@ How it is structured
   conjugated and articles chosen by `grammar.py`. Documents are prose assembled from ~40
   sentence templates of several syntactic forms (statements, questions, conditionals,
   contrasts, gerund and infinitive clauses) filled with the subtopic's words, plus a small
-  share (~12%) of the domain's general words. A sentence embedder separates the domains sharply and the subtopics clearly, which
-  is exactly the shape the hierarchical k-means tree is meant to recover.
+  share (~12%) of the domain's general words. A sentence embedder separates the domains
+  sharply and the subtopics clearly, which is exactly the shape the hierarchical k-means tree
+  is meant to recover.
 * **Balance.** Documents are dealt to the 64 subtopics in shuffled rounds, so every subtopic
   gets `n_docs / 64` documents, ±1.
 * **Long-tail knowledge.** Each subtopic has `entities_per_subtopic` fictional entities (names

@@ -59,9 +59,16 @@ class Domain:
 
 def _attribute(a: dict) -> Attribute:
     return Attribute(
-        a["key"], a["label"], a["kind"], tuple(a["phrasings"]),
-        lo=a.get("lo", 0), hi=a.get("hi", 0), unit=a.get("unit", ""), choices=tuple(a.get("values", ())),
-        article=a.get("article", False), generic=a.get("generic", True),
+        a["key"],
+        a["label"],
+        a["kind"],
+        tuple(a["phrasings"]),
+        lo=a.get("lo", 0),
+        hi=a.get("hi", 0),
+        unit=a.get("unit", ""),
+        choices=tuple(a.get("values", ())),
+        article=a.get("article", False),
+        generic=a.get("generic", True),
     )
 
 
@@ -70,14 +77,30 @@ def load_vocabulary(path: str | os.PathLike[str] = VOCAB_PATH) -> tuple[Domain, 
     data = read_format_json(path, VOCAB_FORMAT, 1, "topical vocabulary")
     return tuple(
         Domain(
-            d["key"], d["label"], d["agents"], d["agent"], tuple(d["places"]), tuple(d["nouns"]),
-            tuple(d["adjectives"]), d["reference"], tuple(_attribute(a) for a in d["attributes"]),
-            tuple(Subtopic(s["key"], s["label"], tuple(s["nouns"]), tuple(s["verbs"]), tuple(s["adjectives"]))
-                  for s in d["subtopics"]),
+            d["key"],
+            d["label"],
+            d["agents"],
+            d["agent"],
+            tuple(d["places"]),
+            tuple(d["nouns"]),
+            tuple(d["adjectives"]),
+            d["reference"],
+            tuple(_attribute(a) for a in d["attributes"]),
+            tuple(
+                Subtopic(
+                    s["key"],
+                    s["label"],
+                    tuple(s["nouns"]),
+                    tuple(s["verbs"]),
+                    tuple(s["adjectives"]),
+                )
+                for s in d["subtopics"]
+            ),
         )
         for d in data["domains"]
     )
 
 
 VOCABULARY: tuple[Domain, ...] = load_vocabulary()
-"""The shipped vocabulary, in canonical order (the order fixes topic indices and hence the corpus)."""
+"""The shipped vocabulary, in canonical order (the order fixes topic indices and hence the
+corpus)."""
