@@ -30,5 +30,6 @@ def test_the_line_length_rule_is_on():
         input=long_line,
         capture_output=True,
         text=True,
+        check=False,
     )
     assert r.returncode == 1 and "E501" in r.stdout, r.stdout + r.stderr
