@@ -367,7 +367,7 @@ def _add_info(subparsers: argparse._SubParsersAction) -> None:
 def _info(args: argparse.Namespace) -> int:
     from memtree.memstore.format import read_manifest
     from memtree.memstore.journal import recover
-    from memtree.memstore.store import read_policy
+    from memtree.memstore.policy import read_policy
 
     if is_checkpoint(args.bank):
         return shards_info(args)

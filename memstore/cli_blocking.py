@@ -232,7 +232,7 @@ def _summary(action: str, mode: str, out: dict, counts: dict[int, int], changed:
 
 def _run_documents(args: argparse.Namespace) -> int:
     """block / unblock / delete --documents: the blocks a data owner's documents trained (memstore.ownership)."""
-    from memtree.memstore.journal import audit_log
+    from memtree.memstore.audit import audit_log
     from memtree.memstore.ownership import (
         check_min_share,
         check_run_tree,

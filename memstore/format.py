@@ -8,9 +8,9 @@ A bank is a directory (see memstore/README.md for the full description):
                          level l (local to the subtree for a per-subtree bank), then one
                          trailing slot for the generic memory
     level-<l>.sums       16-byte xxh3-128 digest of each slot's record (padding excluded)
-    policy.json          blocked blocks and the fallback (memstore.store)
-    audit.jsonl          who blocked / deleted / edited what and when (memstore.store)
-    journal/             in-place edits waiting to be applied (memstore.store)
+    policy.json          blocked blocks and the fallback (memstore.policy)
+    audit.jsonl          who blocked / deleted / edited what and when (memstore.audit)
+    journal/             in-place edits waiting to be applied (memstore.commit)
 
 Fixed-size aligned slots make a block addressable by arithmetic: fetching a
 path is one contiguous `pread` per level, whatever the bank size, and aligned

@@ -39,7 +39,7 @@ from memtree.memstore.format import (
 )
 from memtree.memstore.journal import recover
 from memtree.memstore.locking import bank_writer, exclusive_change
-from memtree.memstore.store import id_runs
+from memtree.memstore.policy import id_runs
 
 GenericMerge = Literal["mean", "first"]
 
