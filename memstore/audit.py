@@ -19,14 +19,27 @@ from memtree.io import utc_timestamp
 from memtree.memstore.policy import id_runs
 
 
-def append_audit(root: Path, *, user: str, action: str, targets: Mapping[int, Sequence[int]], reason: str,
-                 generation: int, request: Mapping[str, Any]) -> None:
+def append_audit(
+    root: Path,
+    *,
+    user: str,
+    action: str,
+    targets: Mapping[int, Sequence[int]],
+    reason: str,
+    generation: int,
+    request: Mapping[str, Any],
+) -> None:
     """One audit line; `request` records what was asked (level, clusters, subtree) beside `targets`,
     every block it covered, so an unblock can undo exactly what a block did."""
     entry = {
-        "time": utc_timestamp(), "user": user, "host": socket.gethostname(), "action": action,
+        "time": utc_timestamp(),
+        "user": user,
+        "host": socket.gethostname(),
+        "action": action,
         "targets": {str(lv): id_runs(ids) for lv, ids in targets.items()},
-        "reason": reason, "generation": generation, **request,
+        "reason": reason,
+        "generation": generation,
+        **request,
     }
     line = (json.dumps(entry, sort_keys=True) + "\n").encode()
     fd = os.open(root / "audit.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -49,8 +62,8 @@ def blocked_as_subtree(entries: Sequence[dict[str, Any]], level: int) -> list[in
 
     An entry records what was asked (`level`, `clusters`, `subtree`); entries written before
     those fields existed are read from `targets`: the shallowest level is what was asked, and
-    any deeper level means the subtree came with it. Blocks asked for another way (`by`, e.g. an owner's
-    documents) name no cluster and are skipped."""
+    any deeper level means the subtree came with it. Blocks asked for another way (`by`, e.g. an
+    owner's documents) name no cluster and are skipped."""
     latest: dict[int, bool] = {}
     for e in entries:
         if e.get("action") != "block" or not e.get("targets") or e.get("by"):

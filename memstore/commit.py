@@ -21,8 +21,13 @@ from memtree.memstore.sync import BankSync
 Write = tuple[int, int, bytes]  # (level, slot, record)
 
 
-def commit_writes(sync: BankSync, info: BankInfo, files: Mapping[int, str], writes: list[Write],
-                  manifest: dict | None = None) -> BankInfo:
+def commit_writes(
+    sync: BankSync,
+    info: BankInfo,
+    files: Mapping[int, str],
+    writes: list[Write],
+    manifest: dict | None = None,
+) -> BankInfo:
     """Journal `writes` with `manifest` (default the bank's; its generation bumped), apply them and
     publish; returns the bank as published. `files` {level: path}: a level living at a URL is
     read-only here and refused before anything is written."""
@@ -30,8 +35,10 @@ def commit_writes(sync: BankSync, info: BankInfo, files: Mapping[int, str], writ
     manifest["generation"] = info.generation + 1
     for lv, _, _ in writes:
         if is_url(files[lv]):
-            raise BankError(f"level {lv} lives at {files[lv]}, which is "
-                            "read-only here; relocate it to a local path to edit it")
+            raise BankError(
+                f"level {lv} lives at {files[lv]}, which is read-only "
+                "here; relocate it to a local path to edit it"
+            )
     journal = journal_bytes(manifest, writes)
     jdir = sync.root / "journal"
     jdir.mkdir(exist_ok=True)
@@ -41,8 +48,9 @@ def commit_writes(sync: BankSync, info: BankInfo, files: Mapping[int, str], writ
     return read_manifest(sync.root)
 
 
-def erase_writes(info: BankInfo, levels: Mapping[int, LevelInfo],
-                 targets: Mapping[int, Sequence[int]]) -> tuple[list[Write], dict]:
+def erase_writes(
+    info: BankInfo, levels: Mapping[int, LevelInfo], targets: Mapping[int, Sequence[int]]
+) -> tuple[list[Write], dict]:
     """The zeroed records and the manifest (its `deleted` runs grown) that delete `targets`
     {level: global ids} of the open `levels`; `info.manifest` itself is left untouched."""
     manifest = copy.deepcopy(info.manifest)  # untouched if the commit fails

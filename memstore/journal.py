@@ -37,7 +37,13 @@ def journal_bytes(manifest: dict, writes: list[tuple[int, int, bytes]]) -> bytes
         entries.append({"level": lv, "slot": slot, "offset": off, "length": len(rec)})
         body.append(rec)
         off += len(rec)
-    header = {"format": JOURNAL_FORMAT, "version": 1, "manifest": manifest, "entries": entries, "body_bytes": off}
+    header = {
+        "format": JOURNAL_FORMAT,
+        "version": 1,
+        "manifest": manifest,
+        "entries": entries,
+        "body_bytes": off,
+    }
     head = dumps_json(header).encode()
     return len(head).to_bytes(8, "little") + head + b"".join(body)
 
@@ -49,7 +55,9 @@ def apply_journals(root: Path) -> int:
     if not jdir.is_dir():
         return 0
     done = 0
-    for stale in jdir.glob(".*.tmp"):  # a journal whose write never finished: the edit never happened
+    for stale in jdir.glob(
+        ".*.tmp"
+    ):  # a journal whose write never finished: the edit never happened
         stale.unlink()
     for jpath in sorted(jdir.glob("*.jnl")):
         data = jpath.read_bytes()
@@ -107,5 +115,6 @@ def _needs_recovery(root: Path) -> bool:
     if not root.exists():
         return (root.parent / f".{root.name}.tmp-old").is_dir()
     jdir = root / "journal"
-    return (any(root.glob(".*.tmp")) or
-            (jdir.is_dir() and (any(jdir.glob("*.jnl")) or any(jdir.glob(".*.tmp")))))
+    return any(root.glob(".*.tmp")) or (
+        jdir.is_dir() and (any(jdir.glob("*.jnl")) or any(jdir.glob(".*.tmp")))
+    )

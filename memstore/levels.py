@@ -56,13 +56,20 @@ class OpenLevels:
     """Every memory level of one bank, open on its tier: `placement` {level: tier name},
     `levels` {level: Level}, `caches` {tier name: ByteLRU}, `codecs` {level: codec}."""
 
-    def __init__(self, root: Path, info: BankInfo, tiers: Mapping[str, TierConfig],
-                 placement_rule: str | Mapping[int, str], tier_stats: Mapping[str, TierStats],
-                 mask: Callable[[LevelInfo], np.ndarray]) -> None:
+    def __init__(
+        self,
+        root: Path,
+        info: BankInfo,
+        tiers: Mapping[str, TierConfig],
+        placement_rule: str | Mapping[int, str],
+        tier_stats: Mapping[str, TierStats],
+        mask: Callable[[LevelInfo], np.ndarray],
+    ) -> None:
         self.root, self.info, self.tier_stats = root, info, tier_stats
         level_bytes = {lv.level: lv.file_bytes for lv in info.levels.values()}
         self.placement = place_levels(
-            level_bytes, [TierBudget(name=t.name, capacity_bytes=t.capacity_bytes) for t in tiers.values()],
+            level_bytes,
+            [TierBudget(name=t.name, capacity_bytes=t.capacity_bytes) for t in tiers.values()],
             placement_rule,
         )
         self.codecs = {lv: info.codec(lv) for lv in info.levels}
@@ -74,16 +81,26 @@ class OpenLevels:
                 tier = tiers[tname]
                 reader = open_reader(tier, level_path(root, lv), lv, tier_stats[tname])
                 if tname not in self.caches and tier.kind != "ram" and tier.cache_bytes > 0:
-                    self.caches[tname] = ByteLRU(tier.cache_bytes)  # one budget per tier, shared by its levels
-                self.levels[lv.level] = Level(info=lv, tier=tname, reader=reader,
-                                              sums=bytearray((root / sums_name(lv)).read_bytes()),
-                                              mask=mask(lv), cache=self.caches.get(tname))
+                    self.caches[tname] = ByteLRU(
+                        tier.cache_bytes
+                    )  # one budget per tier, shared by its levels
+                self.levels[lv.level] = Level(
+                    info=lv,
+                    tier=tname,
+                    reader=reader,
+                    sums=bytearray((root / sums_name(lv)).read_bytes()),
+                    mask=mask(lv),
+                    cache=self.caches.get(tname),
+                )
         except BaseException:
             self.close()  # the levels opened so far: their files would stay open otherwise
             raise
 
-    def read(self, L: Level, slot: int, verify: Verify, out_dtype: torch.dtype | None) -> torch.Tensor:
-        """Slot `slot` of level `L` decoded: from its tier's cache, else read, checked and cached."""
+    def read(
+        self, L: Level, slot: int, verify: Verify, out_dtype: torch.dtype | None
+    ) -> torch.Tensor:
+        """Slot `slot` of level `L` decoded: from its tier's cache, else read, checked and
+        cached."""
         key = (L.info.level, slot)
         if L.cache is not None:
             hit = L.cache.get(key)
@@ -91,7 +108,9 @@ class OpenLevels:
             if hit is not None:
                 stats.cache_hits += 1
                 L.hits += 1
-                return hit.clone()  # callers may edit what they fetch; the cached block must not change
+                return (
+                    hit.clone()
+                )  # callers may edit what they fetch; the cached block must not change
             stats.cache_misses += 1
             L.misses += 1
         rec = L.reader.read(slot)
@@ -118,7 +137,9 @@ class OpenLevels:
             if isinstance(L.reader, RamReader):
                 L.reader.write(slot, rec)
 
-    def remask(self, mask: Callable[[LevelInfo], np.ndarray], levels: Iterable[int] | None = None) -> None:
+    def remask(
+        self, mask: Callable[[LevelInfo], np.ndarray], levels: Iterable[int] | None = None
+    ) -> None:
         """Recompute the refused masks (of `levels`, default all) after a policy change."""
         for lv in self.levels if levels is None else levels:
             self.levels[lv].mask = mask(self.levels[lv].info)

@@ -49,7 +49,9 @@ def read_policy(root: Path) -> dict[str, Any]:
     return p
 
 
-def apply_blocked(policy: dict[str, Any], action: str, targets: Mapping[int, Sequence[int]]) -> None:
+def apply_blocked(
+    policy: dict[str, Any], action: str, targets: Mapping[int, Sequence[int]]
+) -> None:
     """Block (`action` "block") or lift (any other) `targets` {level: ids} in `policy`, in place."""
     for lv, ids in targets.items():
         cur = {i for a, b in policy["blocked"].get(str(lv), []) for i in range(a, b)}
@@ -57,7 +59,9 @@ def apply_blocked(policy: dict[str, Any], action: str, targets: Mapping[int, Seq
         policy["blocked"][str(lv)] = id_runs(cur)
 
 
-def refused_mask(lv: LevelInfo, policy: Mapping[str, Any], deleted: Mapping[str, Any]) -> np.ndarray:
+def refused_mask(
+    lv: LevelInfo, policy: Mapping[str, Any], deleted: Mapping[str, Any]
+) -> np.ndarray:
     """(n_blocks,) bool: the slots of level `lv` that `policy` blocks or the manifest's `deleted`
     runs erased."""
     mask = np.zeros(lv.n_blocks, dtype=bool)
@@ -69,10 +73,16 @@ def refused_mask(lv: LevelInfo, policy: Mapping[str, Any], deleted: Mapping[str,
     return mask
 
 
-def expand_targets(levels: Mapping[int, LevelInfo], branching: int, level: int, clusters: Sequence[int],
-                   subtree: bool) -> dict[int, list[int]]:
-    """{level: sorted ids} a block / unblock / delete of `clusters` at `level` covers; with `subtree`,
-    every deeper level of `levels` too. The generic memory and ids the level lacks are refused."""
+def expand_targets(
+    levels: Mapping[int, LevelInfo],
+    branching: int,
+    level: int,
+    clusters: Sequence[int],
+    subtree: bool,
+) -> dict[int, list[int]]:
+    """{level: sorted ids} a block / unblock / delete of `clusters` at `level` covers; with
+    `subtree`, every deeper level of `levels` too. The generic memory and ids the level lacks are
+    refused."""
     for c in clusters:
         if int(c) == GENERIC:
             raise ValueError(f"level {level}: the generic memory cannot be blocked or deleted")
@@ -122,8 +132,11 @@ class BlockPolicy:
     def session_entries(self) -> list[dict[str, Any]]:
         """The session's blocks and unblocks shaped as audit entries (`blocked_as_subtree` reads
         them as it reads the audit log)."""
-        return [{"action": a, "targets": {str(k): id_runs(v) for k, v in t.items()}}
-                for a, t in self.session if a != "fallback"]
+        return [
+            {"action": a, "targets": {str(k): id_runs(v) for k, v in t.items()}}
+            for a, t in self.session
+            if a != "fallback"
+        ]
 
     @property
     def fallback(self) -> Fallback:

@@ -35,17 +35,24 @@ class StoreStats:
         self.tiers = {name: TierStats() for name in tier_names}
         self.refused_served: dict[int, int] = {}
 
-    def report(self, placement: Mapping[int, str], caches: Mapping[str, ByteLRU],
-               levels: Mapping[int, Any]) -> dict[str, Any]:
+    def report(
+        self, placement: Mapping[int, str], caches: Mapping[str, ByteLRU], levels: Mapping[int, Any]
+    ) -> dict[str, Any]:
         """The `MemoryStore.stats()` dict; `levels` are the open levels (tier, hits, misses)."""
         return {
             "tiers": {n: s.as_dict() for n, s in self.tiers.items()},
             "placement": {str(k): v for k, v in placement.items()},
             "refused_served": {str(k): v for k, v in self.refused_served.items()},
             "caches": {name: c.stats() for name, c in caches.items()},
-            "levels": {str(k): {"tier": L.tier, "cache_hits": L.hits, "cache_misses": L.misses,
-                                "hit_rate": L.hits / (L.hits + L.misses) if L.hits + L.misses else 0.0}
-                       for k, L in levels.items()},
+            "levels": {
+                str(k): {
+                    "tier": L.tier,
+                    "cache_hits": L.hits,
+                    "cache_misses": L.misses,
+                    "hit_rate": L.hits / (L.hits + L.misses) if L.hits + L.misses else 0.0,
+                }
+                for k, L in levels.items()
+            },
         }
 
     def reset(self, caches: Mapping[str, ByteLRU], levels: Mapping[int, Any]) -> None:

@@ -127,8 +127,9 @@ class MemoryStore:
             self._levels.close()
         self.info = info
         self._policy.load()
-        self._levels = OpenLevels(self.root, info, self.tiers, self._placement_rule, self.tier_stats,
-                                  self._refused_mask)
+        self._levels = OpenLevels(
+            self.root, info, self.tiers, self._placement_rule, self.tier_stats, self._refused_mask
+        )
         for level in self.levels:
             self.refused_served.setdefault(level, 0)
         self._sync.note(info)
@@ -142,7 +143,8 @@ class MemoryStore:
             self._levels.remask(self._refused_mask)
 
     def _reading(self):
-        """One consistent read: the reader lock held shared, the bank reloaded first if it changed."""
+        """One consistent read: the reader lock held shared, the bank reloaded first if it
+        changed."""
         return self._sync.reading(self._reload)
 
     def _writing(self, operation: str):
@@ -208,7 +210,9 @@ class MemoryStore:
         try:
             return self.levels[level]
         except KeyError:
-            raise BankError(f"{self.root}: level {level} holds no memory (levels: {sorted(self.levels)})") from None
+            raise BankError(
+                f"{self.root}: level {level} holds no memory (levels: {sorted(self.levels)})"
+            ) from None
 
     # -- reading ------------------------------------------------------------------
     def _read_slot(self, L: Level, slot: int) -> torch.Tensor:
@@ -236,7 +240,11 @@ class MemoryStore:
     def _zero_dtype(self) -> torch.dtype:
         if self.out_dtype is not None:
             return self.out_dtype
-        return TORCH_DTYPES.get(self.info.dtype, torch.float32) if not self.info.rank else torch.float32
+        return (
+            TORCH_DTYPES.get(self.info.dtype, torch.float32)
+            if not self.info.rank
+            else torch.float32
+        )
 
     def fetch(self, path: Sequence[int], *, flat: bool = False) -> dict[int, Any]:
         """Blocks of every memory level on a path of global cluster ids (one per tree level).
@@ -248,7 +256,9 @@ class MemoryStore:
         path = [int(c) for c in path]
         with self._reading():
             if len(path) < max(self.levels):
-                raise ValueError(f"path {path} has {len(path)} levels; this bank needs {max(self.levels)}")
+                raise ValueError(
+                    f"path {path} has {len(path)} levels; this bank needs {max(self.levels)}"
+                )
             out = {}
             for level in self.levels:
                 t = self.fetch_flat(level, path[level - 1])
@@ -263,7 +273,9 @@ class MemoryStore:
                 out[level] = t if flat else self.codec(level).unflatten(t)
             return out
 
-    def gather(self, paths: np.ndarray | torch.Tensor | Sequence[Sequence[int]]) -> dict[int, torch.Tensor]:
+    def gather(
+        self, paths: np.ndarray | torch.Tensor | Sequence[Sequence[int]]
+    ) -> dict[int, torch.Tensor]:
         """Training-time batch fetch: paths (B, L) global ids → {level: (B, params)}.
 
         Each distinct block is read once however many rows share it; rows whose
@@ -285,23 +297,35 @@ class MemoryStore:
         """Write updated blocks back: values (n, params) for global cluster ids (or GENERIC)."""
         values = torch.as_tensor(values)
         if values.ndim != 2 or values.shape[0] != len(clusters):
-            raise ValueError(f"scatter: values must be (len(clusters)={len(clusters)}, params), got "
-                             f"{tuple(values.shape)}")
+            raise ValueError(
+                f"scatter: values must be (len(clusters)={len(clusters)}, "
+                f"params), got {tuple(values.shape)}"
+            )
         with self._writing("scatter"):
             self._scatter(level, clusters, values)
 
     def _scatter(self, level: int, clusters: Sequence[int], values: torch.Tensor) -> None:
         L = self._level(level)
         slots = [L.info.slot(int(c)) for c in clusters]
-        refused = [int(c) for c, s in zip(clusters, slots, strict=True) if c != GENERIC and L.mask[s]]
+        refused = [
+            int(c) for c, s in zip(clusters, slots, strict=True) if c != GENERIC and L.mask[s]
+        ]
         if refused:
-            raise BankError(f"scatter: level {level} clusters {refused[:10]} are blocked or deleted; "
-                            "unblock them first (deleted blocks stay deleted)")
+            raise BankError(
+                f"scatter: level {level} clusters {refused[:10]} are blocked or deleted; unblock "
+                "them first (deleted blocks stay deleted)"
+            )
         codec = self.codec(level)
         self._commit([(level, s, codec.encode(v)) for s, v in zip(slots, values, strict=True)])
 
-    def edit(self, level: int, cluster: int, values: torch.Tensor | Mapping[str, torch.Tensor], *,
-             reason: str = "") -> None:
+    def edit(
+        self,
+        level: int,
+        cluster: int,
+        values: torch.Tensor | Mapping[str, torch.Tensor],
+        *,
+        reason: str = "",
+    ) -> None:
         """Replace one block (flat tensor, or {tensor name: tensor} covering the layout)."""
         codec = self.codec(level)
         if isinstance(values, Mapping):
@@ -310,14 +334,18 @@ class MemoryStore:
                 raise ValueError(f"edit: level {level} needs tensors {names}, got {sorted(values)}")
             for t in codec.layout:
                 if tuple(torch.as_tensor(values[t.name]).shape) != t.shape:
-                    raise ValueError(f"edit: level {level} tensor {t.name} must have shape {t.shape}, "
-                                     f"got {tuple(torch.as_tensor(values[t.name]).shape)}")
+                    raise ValueError(
+                        f"edit: level {level} tensor {t.name} must have shape {t.shape}, got "
+                        f"{tuple(torch.as_tensor(values[t.name]).shape)}"
+                    )
             values = torch.cat([torch.as_tensor(values[n]).reshape(-1) for n in names])
         with self._writing("edit"):
             self._scatter(level, [cluster], torch.as_tensor(values).reshape(1, -1))
             self._audit("edit", {level: [cluster]}, reason)
 
-    def delete(self, level: int, clusters: Sequence[int] = (), *, subtree: bool = False, reason: str = "") -> dict:
+    def delete(
+        self, level: int, clusters: Sequence[int] = (), *, subtree: bool = False, reason: str = ""
+    ) -> dict:
         """Erase blocks: their bytes are overwritten with zeros in place, the digests and
         manifest updated, and they are refused from then on. `subtree=True` deletes the
         given clusters' whole subtrees at this and every deeper level."""
@@ -327,12 +355,20 @@ class MemoryStore:
     def _delete(self, level: int, clusters: Sequence[int], subtree: bool, reason: str) -> dict:
         targets = self._expand(level, clusters, subtree)
         self._erase(targets)
-        self._audit("delete", targets, reason, level=level, clusters=sorted({int(c) for c in clusters}),
-                    subtree=bool(subtree))
+        self._audit(
+            "delete",
+            targets,
+            reason,
+            level=level,
+            clusters=sorted({int(c) for c in clusters}),
+            subtree=bool(subtree),
+        )
         return {lv: len(ids) for lv, ids in targets.items()}
 
     def _erase(self, targets: Mapping[int, Sequence[int]]) -> None:
-        writes, manifest = erase_writes(self.info, {lv: self.levels[lv].info for lv in targets}, targets)
+        writes, manifest = erase_writes(
+            self.info, {lv: self.levels[lv].info for lv in targets}, targets
+        )
         self._commit(writes, manifest=manifest)
         self._levels.remask(self._refused_mask, targets)
 
@@ -348,18 +384,33 @@ class MemoryStore:
         infos = {lv: L.info for lv, L in self.levels.items()}
         return expand_targets(infos, self.info.memory.branching, level, clusters, subtree)
 
-    def block(self, level: int, clusters: Sequence[int], *, subtree: bool = False, reason: str = "",
-              persist: bool = True) -> dict:
+    def block(
+        self,
+        level: int,
+        clusters: Sequence[int],
+        *,
+        subtree: bool = False,
+        reason: str = "",
+        persist: bool = True,
+    ) -> dict:
         """Refuse blocks from now on: in every process, at its next fetch. Returns counts per level.
         `persist=False` blocks for this open store only (an experiment on a shared bank):
         policy.json and the audit log are left alone."""
         return self._set_blocked("block", level, clusters, subtree, reason, persist)
 
-    def unblock(self, level: int, clusters: Sequence[int], *, subtree: bool | None = None, reason: str = "",
-                persist: bool = True) -> dict:
-        """Lift blocks. `subtree=None` (the default) undoes what blocked them: a cluster whose latest
-        block named it with `subtree=True` (`blocking.adversarial_block` / `random_block` block that
-        way) is lifted with its whole subtree, any other alone. True / False force either."""
+    def unblock(
+        self,
+        level: int,
+        clusters: Sequence[int],
+        *,
+        subtree: bool | None = None,
+        reason: str = "",
+        persist: bool = True,
+    ) -> dict:
+        """Lift blocks. `subtree=None` (the default) undoes what blocked them: a cluster whose
+        latest block named it with `subtree=True` (`blocking.adversarial_block` / `random_block`
+        block that way) is lifted with its whole subtree, any other alone. True / False force
+        either."""
         if subtree is None:
             with self._sync.mutex:
                 entries = audit_log(self.root) if persist else self._policy.session_entries()
@@ -368,11 +419,21 @@ class MemoryStore:
             lifted = [c for c in clusters if int(c) in roots]
             for lv, ids in (self._expand(level, lifted, True) if lifted else {}).items():
                 targets[lv] = sorted(set(targets.get(lv, [])) | set(ids))
-            return self._set_blocked("unblock", level, clusters, None, reason, persist, targets=targets)
+            return self._set_blocked(
+                "unblock", level, clusters, None, reason, persist, targets=targets
+            )
         return self._set_blocked("unblock", level, clusters, subtree, reason, persist)
 
-    def _set_blocked(self, action: str, level: int, clusters: Sequence[int], subtree: bool | None, reason: str,
-                     persist: bool, targets: dict[int, list[int]] | None = None) -> dict:
+    def _set_blocked(
+        self,
+        action: str,
+        level: int,
+        clusters: Sequence[int],
+        subtree: bool | None,
+        reason: str,
+        persist: bool,
+        targets: dict[int, list[int]] | None = None,
+    ) -> dict:
         targets = targets if targets is not None else self._expand(level, clusters, bool(subtree))
         counts = {lv: len(ids) for lv, ids in targets.items()}
         if not persist:
@@ -383,31 +444,64 @@ class MemoryStore:
         with self._writing(action):
             apply_blocked(self._policy.disk, action, targets)
             self._save_policy()
-            self._audit(action, targets, reason, level=level, clusters=sorted({int(c) for c in clusters}),
-                        subtree="as blocked" if subtree is None else bool(subtree))
+            self._audit(
+                action,
+                targets,
+                reason,
+                level=level,
+                clusters=sorted({int(c) for c in clusters}),
+                subtree="as blocked" if subtree is None else bool(subtree),
+            )
         return counts
 
-    def apply_targets(self, action: Literal["block", "unblock", "delete"], targets: Mapping[int, Sequence[int]], *,
-                      reason: str = "", **request: Any) -> dict[int, list[int]]:
-        """Block, unblock or delete an explicit {level: [global cluster ids]} map as one operation with ONE
-        audit entry: `targets` (all it covered), `changed` (the blocks newly blocked, lifted or erased, so
-        an undo can lift exactly what a block set) and `request` (what asked for it, e.g. an owner's hash).
-        Returns `changed`."""
+    def apply_targets(
+        self,
+        action: Literal["block", "unblock", "delete"],
+        targets: Mapping[int, Sequence[int]],
+        *,
+        reason: str = "",
+        **request: Any,
+    ) -> dict[int, list[int]]:
+        """Block, unblock or delete an explicit {level: [global cluster ids]} map as one operation
+        with ONE
+        audit entry: `targets` (all it covered), `changed` (the blocks newly blocked, lifted or
+        erased, so
+        an undo can lift exactly what a block set) and `request` (what asked for it, e.g. an owner's
+        hash). Returns `changed`."""
         if action not in ("block", "unblock", "delete"):
-            raise ValueError(f"apply_targets: action {action!r} is not 'block', 'unblock' or 'delete'")
+            raise ValueError(
+                f"apply_targets: action {action!r} is not 'block', 'unblock' or 'delete'"
+            )
         with self._writing(action):
-            targets = {int(lv): self._expand(int(lv), ids, False)[int(lv)] for lv, ids in targets.items() if ids}
-            source = self.info.manifest.get("deleted", {}) if action == "delete" else self._policy.disk["blocked"]
-            was = {lv: {i for a, b in source.get(str(lv), []) for i in range(a, b)} for lv in targets}
-            changed = {lv: sorted(set(ids) - was[lv] if action != "unblock" else set(ids) & was[lv])
-                       for lv, ids in targets.items()}
+            targets = {
+                int(lv): self._expand(int(lv), ids, False)[int(lv)]
+                for lv, ids in targets.items()
+                if ids
+            }
+            source = (
+                self.info.manifest.get("deleted", {})
+                if action == "delete"
+                else self._policy.disk["blocked"]
+            )
+            was = {
+                lv: {i for a, b in source.get(str(lv), []) for i in range(a, b)} for lv in targets
+            }
+            changed = {
+                lv: sorted(set(ids) - was[lv] if action != "unblock" else set(ids) & was[lv])
+                for lv, ids in targets.items()
+            }
             if action == "delete":
                 self._erase(targets)
             else:
                 apply_blocked(self._policy.disk, action, targets)
                 self._save_policy()
-            self._audit(action, targets, reason, changed={str(lv): id_runs(v) for lv, v in changed.items()},
-                        **request)
+            self._audit(
+                action,
+                targets,
+                reason,
+                changed={str(lv): id_runs(v) for lv, v in changed.items()},
+                **request,
+            )
         return changed
 
     @contextlib.contextmanager
@@ -452,9 +546,18 @@ class MemoryStore:
             self._policy.save()
         self._policy_changed()
 
-    def _audit(self, action: str, targets: Mapping[int, Sequence[int]], reason: str, **request: Any) -> None:
-        append_audit(self.root, user=self.user, action=action, targets=targets, reason=reason,
-                     generation=self.info.generation, request=request)
+    def _audit(
+        self, action: str, targets: Mapping[int, Sequence[int]], reason: str, **request: Any
+    ) -> None:
+        append_audit(
+            self.root,
+            user=self.user,
+            action=action,
+            targets=targets,
+            reason=reason,
+            generation=self.info.generation,
+            request=request,
+        )
 
     # -- counters ---------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -472,9 +575,13 @@ def check_path(path: Sequence[int], branching: int) -> None:
     for i, c in enumerate(path):
         level = i + 1
         if c != GENERIC and not 0 <= c < B**level:
-            raise ValueError(f"path {list(path)}: level-{level} id {c} is out of range [0, {B**level}) "
-                             f"for branching {B}")
+            raise ValueError(
+                f"path {list(path)}: level-{level} id {c} is "
+                f"out of range [0, {B**level}) for branching {B}"
+            )
         if i and c != GENERIC and path[i - 1] != GENERIC and c // B != path[i - 1]:
             p = path[i - 1]
-            raise ValueError(f"path {list(path)}: level-{level} id {c} is not a child of level-{level - 1} id {p} "
-                             f"(its children are {p * B}…{p * B + B - 1} with branching {B})")
+            raise ValueError(
+                f"path {list(path)}: level-{level} id {c} is not a child of level-{level - 1} id "
+                f"{p} (its children are {p * B}…{p * B + B - 1} with branching {B})"
+            )

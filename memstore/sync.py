@@ -28,8 +28,11 @@ from memtree.memstore.locking import ReadWriteLock, bank_writer
 def bank_identity(root: Path, info: BankInfo) -> tuple:
     """What a reader's open files and digests depend on: the directory (a rewrite or merge
     replaces it), the generation (in-place edits) and where each level's file lives (relocate)."""
-    return (os.stat(root).st_ino, info.generation,
-            tuple(sorted((lv.level, lv.file) for lv in info.levels.values())))
+    return (
+        os.stat(root).st_ino,
+        info.generation,
+        tuple(sorted((lv.level, lv.file) for lv in info.levels.values())),
+    )
 
 
 class BankSync:
@@ -59,7 +62,8 @@ class BankSync:
 
     @contextlib.contextmanager
     def reading(self, reload: Callable[[], None]) -> Iterator[None]:
-        """One consistent read: the reader lock held shared, the bank reloaded first if it changed."""
+        """One consistent read: the reader lock held shared, the bank reloaded first if it
+        changed."""
         with self.mutex:
             if self.depth:
                 yield

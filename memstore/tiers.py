@@ -102,8 +102,10 @@ class FlashReader(LevelReader):
         buf = memoryview(raw[start : start + n])
         got = os.preadv(self.fd, [buf], slot * self.lv.stride)
         if got < self.lv.record_bytes:
-            raise BankError(f"{self.path}: short read at level {self.lv.level} slot {slot} "
-                            f"({got} of {self.lv.record_bytes} bytes); file truncated?")
+            raise BankError(
+                f"{self.path}: short read at level {self.lv.level} slot {slot} ({got} of "
+                f"{self.lv.record_bytes} bytes); file truncated?"
+            )
         self.stats.reads += 1
         self.stats.bytes_read += got
         return buf[: self.lv.record_bytes]
@@ -123,7 +125,9 @@ class DiskReader(LevelReader):
             self.f.seek(slot * self.lv.stride)
             data = self.f.read(self.lv.record_bytes)
         if len(data) < self.lv.record_bytes:
-            raise BankError(f"{self.path}: short read at level {self.lv.level} slot {slot}; file truncated?")
+            raise BankError(
+                f"{self.path}: short read at level {self.lv.level} slot {slot}; file truncated?"
+            )
         self.stats.reads += 1
         self.stats.bytes_read += len(data)
         return memoryview(bytearray(data))
