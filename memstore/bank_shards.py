@@ -51,7 +51,8 @@ _PARTIAL = re.compile(r"^\.ba(\d+)\.partial$")
 
 
 class BankShardError(ValueError):
-    """A bank-shards checkpoint that is missing, of another bank, or whose files fail their sha256."""
+    """A bank-shards checkpoint that is missing, of another bank, or whose files fail their
+    sha256."""
 
 
 def subtree_file(s: int) -> str:
@@ -81,9 +82,14 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
     if not path.exists():
         done = checkpoint_batches(folder)
         if done:  # the folder of checkpoints was given, not one of them
-            raise BankShardError(f"{folder}: a folder of bank-shards checkpoints "
-                                 f"({', '.join(f'ba{b}' for b in done)}), not one; give one, e.g. {folder / f'ba{done[-1]}'}")
-        raise BankShardError(f"{folder}: no manifest.json, so not a finished bank-shards checkpoint")
+            raise BankShardError(
+                f"{folder}: a folder of bank-shards checkpoints "
+                f"({', '.join(f'ba{b}' for b in done)}), not "
+                f"one; give one, e.g. {folder / f'ba{done[-1]}'}"
+            )
+        raise BankShardError(
+            f"{folder}: no manifest.json, so not a finished bank-shards checkpoint"
+        )
     man = read_json(path)
     check_format(man, FORMAT, VERSION, path, error=BankShardError)
     return man
@@ -100,8 +106,10 @@ def file_problem(folder: Path, man: dict[str, Any], name: str) -> str | None:
         return f"{path}: missing (listed in {folder / 'manifest.json'})"
     got = sha256_file(path)
     if got != entry["sha256"]:
-        return (f"{path}: sha256 {got} does not match the manifest's {entry['sha256']}; the file is corrupt: "
-                "resume from an earlier checkpoint")
+        return (
+            f"{path}: sha256 {got} does not match the manifest's {entry['sha256']}; the file is "
+            "corrupt: resume from an earlier checkpoint"
+        )
     return None
 
 
@@ -119,7 +127,10 @@ def _layout_problems(folder: Path, man: dict[str, Any], name: str) -> list[str]:
     with safe_open(str(folder / name), framework="pt") as f:
         keys = set(f.keys())
         for lv, spec in man["levels"].items():
-            want = [1 if name == GENERIC_FILE else int(spec["rows_per_subtree"]), int(spec["params"])]
+            want = [
+                1 if name == GENERIC_FILE else int(spec["rows_per_subtree"]),
+                int(spec["params"]),
+            ]
             if f"w.{lv}" not in keys:
                 out.append(f"{folder / name}: no tensor w.{lv} (level {lv}'s rows)")
             elif (got := list(f.get_slice(f"w.{lv}").get_shape())) != want:
@@ -134,34 +145,67 @@ def verify_shards(folder: str | os.PathLike) -> dict[str, Any]:
     man = read_manifest(folder)
     B = int(man["branching"])
     expected = [subtree_file(s) for s in range(B)] + [GENERIC_FILE]
-    problems = [f"{folder / n}: the manifest lists no such file (a checkpoint has one per level-1 subtree and "
-                "the generic row)" for n in expected if n not in man["files"]]
+    problems = [
+        f"{folder / n}: the manifest lists no such file (a "
+        "checkpoint has one per level-1 subtree and the generic row)"
+        for n in expected
+        if n not in man["files"]
+    ]
     for name in man["files"]:
         problem = file_problem(folder, man, name)
         problems += [problem] if problem is not None else _layout_problems(folder, man, name)
     if problems:
-        raise BankShardError(f"{folder}: {len(problems)} problem{'s' * (len(problems) > 1)} in the bank-shards "
-                             "checkpoint:\n  " + "\n  ".join(problems))
-    return {"batch": man["batch"], "files": len(man["files"]),
-            "bytes": sum(int(e["bytes"]) for e in man["files"].values())}
+        raise BankShardError(
+            f"{folder}: {len(problems)} problem{'s' * (len(problems) > 1)} "
+            "in the bank-shards checkpoint:\n  " + "\n  ".join(problems)
+        )
+    return {
+        "batch": man["batch"],
+        "files": len(man["files"]),
+        "bytes": sum(int(e["bytes"]) for e in man["files"].values()),
+    }
 
 
 def summary(folder: str | os.PathLike) -> dict[str, Any]:
-    """What `memtree memstore info` says of a checkpoint (nothing is hashed; `verify_shards` does)."""
+    """What `memtree memstore info` says of a checkpoint (nothing is hashed; `verify_shards`
+    does)."""
     man = read_manifest(folder)
     B = int(man["branching"])
-    levels = {lv: {"rows_per_subtree": int(s["rows_per_subtree"]), "rows": B * int(s["rows_per_subtree"]) + 1,
-                   "params_per_row": int(s["params"]), "params": (B * int(s["rows_per_subtree"]) + 1) * int(s["params"])}
-              for lv, s in man["levels"].items()}
-    return {"checkpoint": str(folder), "format": man["format"], "version": man["version"], "batch": man["batch"],
-            "anchor": man["anchor"], "memory": man["memory"], "branching": B, "levels": levels,
-            "params": sum(v["params"] for v in levels.values()), "files": man["files"], "n_files": len(man["files"]),
-            "bytes": sum(int(e["bytes"]) for e in man["files"].values()), "saved_by": man["saved_by"],
-            "export": man.get("export")}
+    levels = {
+        lv: {
+            "rows_per_subtree": int(s["rows_per_subtree"]),
+            "rows": B * int(s["rows_per_subtree"]) + 1,
+            "params_per_row": int(s["params"]),
+            "params": (B * int(s["rows_per_subtree"]) + 1) * int(s["params"]),
+        }
+        for lv, s in man["levels"].items()
+    }
+    return {
+        "checkpoint": str(folder),
+        "format": man["format"],
+        "version": man["version"],
+        "batch": man["batch"],
+        "anchor": man["anchor"],
+        "memory": man["memory"],
+        "branching": B,
+        "levels": levels,
+        "params": sum(v["params"] for v in levels.values()),
+        "files": man["files"],
+        "n_files": len(man["files"]),
+        "bytes": sum(int(e["bytes"]) for e in man["files"].values()),
+        "saved_by": man["saved_by"],
+        "export": man.get("export"),
+    }
 
 
-def export_settings(man: dict[str, Any], *, dtype: str | None = None, tree_id: str | None = None,
-                    anchor_name: str | None = None, where: str = "") -> dict[str, Any]:
+def export_settings(
+    man: dict[str, Any],
+    *,
+    dtype: str | None = None,
+    tree_id: str | None = None,
+    anchor_name: str | None = None,
+    where: str = "",
+) -> dict[str, Any]:
     """`export_bank`'s anchor, memory, dtype and tree_id for this checkpoint: the manifest's
     `export` entry, or what is given (required where an older checkpoint lacks it).
     `tree_id` "none" exports a bank bound to no tree; a given one must match a recorded one."""
@@ -169,30 +213,45 @@ def export_settings(man: dict[str, Any], *, dtype: str | None = None, tree_id: s
     if dtype is None:
         dtype = rec.get("dtype")
     if dtype is None:
-        raise BankShardError(f"{where or 'the checkpoint'}: its manifest records no export dtype (a checkpoint from "
-                             f"an older memtree): give --dtype, one of {list(DTYPES)} (the run's memory.export_dtype)")
+        raise BankShardError(
+            f"{where or 'the checkpoint'}: its manifest records no export dtype (a checkpoint from "
+            "an older memtree): give --dtype, one of "
+            f"{list(DTYPES)} (the run's memory.export_dtype)"
+        )
     if dtype not in DTYPES:
         raise BankShardError(f"--dtype {dtype!r} is not one of {list(DTYPES)}")
     if tree_id is None:
         if "tree_id" not in rec:
-            raise BankShardError(f"{where or 'the checkpoint'}: its manifest records no tree id (a checkpoint from an "
-                                 "older memtree): give --tree-id (the `tree_id` of the run's shards/manifest.json, "
-                                 "or none)")
+            raise BankShardError(
+                f"{where or 'the checkpoint'}: its manifest records no tree id (a checkpoint from "
+                "an older memtree): give --tree-id (the `tree_id` of the run's "
+                "shards/manifest.json, or none)"
+            )
         tid = rec["tree_id"]
     else:
         tid = None if tree_id.lower() == "none" else tree_id
         if "tree_id" in rec and tid != rec["tree_id"]:
-            raise BankShardError(f"--tree-id {tree_id}: the checkpoint was trained on tree {rec['tree_id']} "
-                                 "(its manifest's export.tree_id); a bank bound to another tree would be refused "
-                                 "by the right one and accepted by the wrong one")
+            raise BankShardError(
+                f"--tree-id {tree_id}: the checkpoint was trained on tree {rec['tree_id']} (its "
+                "manifest's export.tree_id); a bank bound to another tree would be refused by the "
+                "right one and accepted by the wrong one"
+            )
     name = anchor_name or rec.get("anchor_name") or "custom"
     anchor = from_dict(AnchorShape, {**man["anchor"], "name": name}, where="manifest.anchor")
     memory = from_dict(MemoryConfig, man["memory"], where="manifest.memory")
     return {"anchor": anchor, "memory": memory, "dtype": dtype, "tree_id": tid}
 
 
-def export_bank(folder: str | os.PathLike, root: str | os.PathLike, *, anchor: AnchorShape, memory: MemoryConfig,
-                dtype: str = "bf16", tree_id: str | None = None, chunk_rows: int = 256) -> BankInfo:
+def export_bank(
+    folder: str | os.PathLike,
+    root: str | os.PathLike,
+    *,
+    anchor: AnchorShape,
+    memory: MemoryConfig,
+    dtype: str = "bf16",
+    tree_id: str | None = None,
+    chunk_rows: int = 256,
+) -> BankInfo:
     """The whole bank in the memstore format from a bank-shards checkpoint, streamed (at most
     `chunk_rows` rows in memory per file), in `TrainableBank.export`'s order and encoding. Every
     file is checked against its sha256 before anything is written."""
@@ -201,10 +260,14 @@ def export_bank(folder: str | os.PathLike, root: str | os.PathLike, *, anchor: A
     want = identity(anchor, memory)
     for key in ("anchor", "memory"):
         if man[key] != want[key]:
-            raise BankShardError(f"{folder}: a bank of {key} {man[key]}, not the {want[key]} asked for")
+            raise BankShardError(
+                f"{folder}: a bank of {key} {man[key]}, not the {want[key]} asked for"
+            )
     B = int(man["branching"])
     with contextlib.ExitStack() as stack:
-        handles = {name: stack.enter_context(open_checked(folder, man, name)) for name in man["files"]}
+        handles = {
+            name: stack.enter_context(open_checked(folder, man, name)) for name in man["files"]
+        }
 
         def blocks(level: int) -> Iterator[tuple[int, torch.Tensor]]:
             span = B ** (level - 1)
@@ -216,8 +279,15 @@ def export_bank(folder: str | os.PathLike, root: str | os.PathLike, *, anchor: A
                         yield s * span + a + i, part[i]
             yield GENERIC, handles[GENERIC_FILE].get_tensor(f"w.{level}")[0].float()
 
-        return write_bank(root, anchor=anchor, memory=memory, dtype=dtype, tree_id=tree_id, generic=True,
-                          blocks=blocks)
+        return write_bank(
+            root,
+            anchor=anchor,
+            memory=memory,
+            dtype=dtype,
+            tree_id=tree_id,
+            generic=True,
+            blocks=blocks,
+        )
 
 
 def checkpoint_batches(folder: str | os.PathLike) -> list[int]:
@@ -225,8 +295,11 @@ def checkpoint_batches(folder: str | os.PathLike) -> list[int]:
     root = Path(folder)
     if not root.is_dir():
         return []
-    return sorted(int(m.group(1)) for p in root.iterdir()
-                  if (m := _DIR.match(p.name)) and (p / "manifest.json").is_file())
+    return sorted(
+        int(m.group(1))
+        for p in root.iterdir()
+        if (m := _DIR.match(p.name)) and (p / "manifest.json").is_file()
+    )
 
 
 def prune(folder: str | os.PathLike, keep: set[int]) -> list[int]:

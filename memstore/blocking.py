@@ -48,16 +48,19 @@ def _check_level(store: MemoryStore, level: int | None, fraction: float) -> int:
     if level is None:
         return default_level(store, fraction)
     if level not in store.levels:
-        raise ValueError(f"level {level} holds no memory in {store.root} (levels that do: "
-                         f"{', '.join(map(str, sorted(store.levels)))}); block at one of those, or leave the "
-                         "level out to derive it from the fraction")
+        raise ValueError(
+            f"level {level} holds no memory in {store.root} (levels that do: "
+            f"{', '.join(map(str, sorted(store.levels)))}); block at one of those, or leave the "
+            "level out to derive it from the fraction"
+        )
     return level
 
 
 def _n_subtrees(store: MemoryStore, level: int, fraction: float) -> int:
     _check_fraction(fraction)
     share = subtree_share(store, level)
-    # smallest count whose share reaches the fraction (tolerant of float rounding: 16 × 1/16 == 1/16·16)
+    # smallest count whose share reaches the fraction (tolerant of float rounding: 16 × 1/16 ==
+    # 1/16·16)
     return max(1, int(np.ceil(fraction / share - 1e-9)))
 
 
@@ -88,14 +91,20 @@ def adversarial_block(
     """
     if paths is None:
         if texts is None or tree is None:
-            raise ValueError("adversarial_block: give paths, or texts together with the tree to route them")
+            raise ValueError(
+                "adversarial_block: give paths, or texts together with the tree to route them"
+            )
         if not len(texts):
-            raise ValueError("adversarial_block: no query texts to route; nothing to choose the blocks by")
+            raise ValueError(
+                "adversarial_block: no query texts to route; nothing to choose the blocks by"
+            )
         paths = route_texts(tree, list(texts))
     paths = np.asarray(paths, dtype=np.int64)
     if paths.ndim != 2 or not len(paths):
-        raise ValueError(f"adversarial_block: expected a non-empty (n, levels) array of query paths, got "
-                         f"shape {paths.shape}; nothing to choose the blocks by")
+        raise ValueError(
+            "adversarial_block: expected a non-empty (n, levels) array of query paths, got shape "
+            f"{paths.shape}; nothing to choose the blocks by"
+        )
     level = _check_level(store, level, fraction)
     n = _n_subtrees(store, level, fraction)
     ranked = rank_clusters(paths, level)
@@ -126,17 +135,32 @@ def random_block(
     B = store.info.memory.branching
     pool = np.setdiff1d(np.arange(B**level), np.asarray(list(exclude), dtype=np.int64))
     if len(pool) < n:
-        raise ValueError(f"random_block: {n} subtrees to draw at level {level} but only {len(pool)} are not excluded")
+        raise ValueError(
+            f"random_block: {n} subtrees to draw at level "
+            f"{level} but only {len(pool)} are not excluded"
+        )
     chosen = sorted(np.random.default_rng(seed).choice(pool, size=n, replace=False).tolist())
-    return _block_report(store, None if paths is None else np.asarray(paths), level, chosen, reason, persist)
+    return _block_report(
+        store, None if paths is None else np.asarray(paths), level, chosen, reason, persist
+    )
 
 
-def _block_report(store: MemoryStore, paths: np.ndarray | None, level: int, chosen: list[int],
-                  reason: str, persist: bool) -> dict[str, Any]:
+def _block_report(
+    store: MemoryStore,
+    paths: np.ndarray | None,
+    level: int,
+    chosen: list[int],
+    reason: str,
+    persist: bool,
+) -> dict[str, Any]:
     counts = store.block(level, chosen, subtree=True, reason=reason, persist=persist)
-    report: dict[str, Any] = {"level": level, "clusters": chosen, "subtree": True,
-                              "blocks": {str(lv): n for lv, n in sorted(counts.items())},
-                              "bank_fraction_blocked": store.blocked_fraction()}
+    report: dict[str, Any] = {
+        "level": level,
+        "clusters": chosen,
+        "subtree": True,
+        "blocks": {str(lv): n for lv, n in sorted(counts.items())},
+        "bank_fraction_blocked": store.blocked_fraction(),
+    }
     if paths is not None and len(paths):
         hit = np.isin(paths[:, level - 1], chosen)
         report["queries"] = len(paths)

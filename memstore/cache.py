@@ -3,8 +3,8 @@
 Used by the real store (one per tier, holding decoded blocks of the levels on
 that tier) and by the fetch simulator (the same policy over block keys; the
 simulator keeps one session cache for all levels, so its hit rates equal the
-store's when the store's levels share one cached tier). Consecutive queries share shallow levels of their paths
-(compositionality, seed 002 §3), which is what this cache exploits.
+store's when the store's levels share one cached tier). Consecutive queries share shallow levels of
+their paths (compositionality, seed 002 §3), which is what this cache exploits.
 """
 
 from __future__ import annotations
@@ -74,6 +74,12 @@ class ByteLRU:
         return self.hits / total if total else 0.0
 
     def stats(self) -> dict[str, int | float]:
-        return {"capacity_bytes": self.capacity, "used_bytes": self.used, "entries": len(self._items),
-                "hits": self.hits, "misses": self.misses, "evictions": self.evictions,
-                "hit_rate": self.hit_rate}
+        return {
+            "capacity_bytes": self.capacity,
+            "used_bytes": self.used,
+            "entries": len(self._items),
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "hit_rate": self.hit_rate,
+        }

@@ -8,9 +8,9 @@ A bank is a directory (see memstore/README.md for the full description):
                          level l (local to the subtree for a per-subtree bank), then one
                          trailing slot for the generic memory
     level-<l>.sums       16-byte xxh3-128 digest of each slot's record (padding excluded)
-    policy.json          blocked blocks and the fallback (memstore.store)
-    audit.jsonl          who blocked / deleted / edited what and when (memstore.store)
-    journal/             in-place edits waiting to be applied (memstore.store)
+    policy.json          blocked blocks and the fallback (memstore.policy)
+    audit.jsonl          who blocked / deleted / edited what and when (memstore.audit)
+    journal/             in-place edits waiting to be applied (memstore.commit)
 
 Fixed-size aligned slots make a block addressable by arithmetic: fetching a
 path is one contiguous `pread` per level, whatever the bank size, and aligned
@@ -101,7 +101,9 @@ class RecordCodec:
     def stored_values(self) -> int:
         if not self.rank:
             return self.params
-        return sum(r * (t.shape[0] + t.shape[1]) for r, t in zip(self._ranks(), self.layout, strict=True))
+        return sum(
+            r * (t.shape[0] + t.shape[1]) for r, t in zip(self._ranks(), self.layout, strict=True)
+        )
 
     @property
     def record_bytes(self) -> int:
@@ -151,7 +153,9 @@ class RecordCodec:
         if self.dtype in TORCH_DTYPES:
             cast = vals.to(TORCH_DTYPES[self.dtype])
             if not torch.isfinite(cast).all():
-                raise BankError(f"block values overflow {self.dtype} (max |x| = {float(vals.abs().max()):.4g})")
+                raise BankError(
+                    f"block values overflow {self.dtype} (max |x| = {float(vals.abs().max()):.4g})"
+                )
             return cast.contiguous().view(torch.uint8).numpy().tobytes()
         n = vals.numel()
         groups = math.ceil(n / QUANT_GROUP)
@@ -171,7 +175,9 @@ class RecordCodec:
             payload = (u[0::2] | (u[1::2] << 4)).numpy().tobytes()
         return payload + scale.numpy().astype("<f4").tobytes()
 
-    def decode(self, record: bytes | memoryview, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def decode(
+        self, record: bytes | memoryview, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """Record bytes → (params,) tensor. Raw float dtypes decode without a copy
         when no rank and no dtype change are asked for."""
         if len(record) < self.record_bytes:
@@ -185,7 +191,9 @@ class RecordCodec:
             groups = math.ceil(n / QUANT_GROUP)
             nbytes = n if self.dtype == "int8" else math.ceil(n / 2)
             raw = np.frombuffer(record, dtype=np.uint8, count=nbytes)
-            scale = torch.from_numpy(np.frombuffer(record, dtype="<f4", count=groups, offset=nbytes).copy())
+            scale = torch.from_numpy(
+                np.frombuffer(record, dtype="<f4", count=groups, offset=nbytes).copy()
+            )
             if self.dtype == "int8":
                 q = torch.from_numpy(raw.view(np.int8).astype(np.float32))
             else:
@@ -196,11 +204,14 @@ class RecordCodec:
             vals = (pad.view(groups, QUANT_GROUP) * scale[:, None]).reshape(-1)[:n]
         if self.rank:
             vals = self._expand(vals.float())
-        want = out_dtype or (vals.dtype if self.dtype in TORCH_DTYPES and not self.rank else torch.float32)
+        want = out_dtype or (
+            vals.dtype if self.dtype in TORCH_DTYPES and not self.rank else torch.float32
+        )
         return vals.to(want)
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """(…, params) → {name: (…, *shape)} views, in layout order (`memtree.geometry.split_block`)."""
+        """(…, params) → {name: (…, *shape)} views, in layout order
+        (`memtree.geometry.split_block`)."""
         return split_block(self.layout, flat)
 
 
@@ -261,17 +272,27 @@ class BankInfo:
         return int(self.manifest["generation"])
 
     def codec(self, level: int) -> RecordCodec:
-        return RecordCodec(tuple(block_layout(self.anchor, self.memory, level)), self.dtype, self.rank)
+        return RecordCodec(
+            tuple(block_layout(self.anchor, self.memory, level)), self.dtype, self.rank
+        )
 
     def level(self, level: int) -> LevelInfo:
         try:
             return self.levels[level]
         except KeyError:
-            raise BankError(f"{self.root}: level {level} holds no memory (levels: {sorted(self.levels)})") from None
+            raise BankError(
+                f"{self.root}: level {level} holds no memory (levels: {sorted(self.levels)})"
+            ) from None
 
 
-def _level_infos(anchor: AnchorShape, memory: MemoryConfig, dtype: str, rank: int | None,
-                 subtree: int | None, generic: bool) -> dict[int, LevelInfo]:
+def _level_infos(
+    anchor: AnchorShape,
+    memory: MemoryConfig,
+    dtype: str,
+    rank: int | None,
+    subtree: int | None,
+    generic: bool,
+) -> dict[int, LevelInfo]:
     out = {}
     B = memory.branching
     for lv in plan(anchor, memory).levels:
@@ -280,22 +301,40 @@ def _level_infos(anchor: AnchorShape, memory: MemoryConfig, dtype: str, rank: in
         codec = RecordCodec(tuple(block_layout(anchor, memory, lv.level)), dtype, rank)
         n_blocks = B ** (lv.level - 1) if subtree is not None else lv.n_blocks
         first = subtree * B ** (lv.level - 1) if subtree is not None else 0
-        out[lv.level] = LevelInfo(level=lv.level, multiplier=lv.multiplier, n_blocks=n_blocks,
-                                  first_cluster=first, params=codec.params, record_bytes=codec.record_bytes,
-                                  stride=codec.stride, file=f"level-{lv.level}.bin", has_generic=generic)
+        out[lv.level] = LevelInfo(
+            level=lv.level,
+            multiplier=lv.multiplier,
+            n_blocks=n_blocks,
+            first_cluster=first,
+            params=codec.params,
+            record_bytes=codec.record_bytes,
+            stride=codec.stride,
+            file=f"level-{lv.level}.bin",
+            has_generic=generic,
+        )
     return out
 
 
-def build_manifest(*, anchor: AnchorShape, memory: MemoryConfig, dtype: str, rank: int | None,
-                   tree_id: str | None, subtree: int | None, generic: bool,
-                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def build_manifest(
+    *,
+    anchor: AnchorShape,
+    memory: MemoryConfig,
+    dtype: str,
+    rank: int | None,
+    tree_id: str | None,
+    subtree: int | None,
+    generic: bool,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     if dtype not in DTYPES:
         raise BankError(f"dtype {dtype!r} is not one of {list(DTYPES)}")
     if subtree is not None and not 0 <= subtree < memory.branching:
         raise BankError(f"subtree {subtree} must be in [0, {memory.branching})")
     levels = _level_infos(anchor, memory, dtype, rank, subtree, generic)
     if not levels:
-        raise BankError(f"memory config {memory.multipliers} has no non-zero level; nothing to store")
+        raise BankError(
+            f"memory config {memory.multipliers} has no non-zero level; nothing to store"
+        )
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -308,7 +347,9 @@ def build_manifest(*, anchor: AnchorShape, memory: MemoryConfig, dtype: str, ran
         "rank": rank,
         "align": ALIGN,
         "digest": "xxh3-128",
-        "levels": {str(k): {f: getattr(v, f) for f in v.__dataclass_fields__} for k, v in levels.items()},
+        "levels": {
+            str(k): {f: getattr(v, f) for f in v.__dataclass_fields__} for k, v in levels.items()
+        },
         "extra": extra or {},
     }
     manifest["layout_digest"] = layout_digest(manifest)
@@ -318,8 +359,13 @@ def build_manifest(*, anchor: AnchorShape, memory: MemoryConfig, dtype: str, ran
 def layout_digest(manifest: dict[str, Any]) -> str:
     """Digest of the fields that decide how record bytes decode. Record digests cannot
     catch an edit of these (e.g. dtype bf16 → fp16 keeps every size), this does."""
-    fixed = {k: manifest[k] for k in ("anchor", "memory", "dtype", "rank", "tree_id", "subtree", "align", "digest")}
-    fixed["levels"] = {k: {f: v for f, v in lv.items() if f != "file"} for k, lv in manifest["levels"].items()}
+    fixed = {
+        k: manifest[k]
+        for k in ("anchor", "memory", "dtype", "rank", "tree_id", "subtree", "align", "digest")
+    }
+    fixed["levels"] = {
+        k: {f: v for f, v in lv.items() if f != "file"} for k, lv in manifest["levels"].items()
+    }
     return xxhash.xxh3_128_hexdigest(json.dumps(fixed, sort_keys=True).encode())
 
 
@@ -334,15 +380,36 @@ def read_manifest(root: str | os.PathLike) -> BankInfo:
     anchor = from_dict(AnchorShape, m["anchor"], where="manifest.anchor")
     memory = from_dict(MemoryConfig, m["memory"], where="manifest.memory")
     levels = {int(k): LevelInfo(**v) for k, v in m["levels"].items()}
-    info = BankInfo(root=root, manifest=m, anchor=anchor, memory=memory, dtype=m["dtype"], rank=m["rank"],
-                    tree_id=m["tree_id"], subtree=m["subtree"], levels=levels)
+    info = BankInfo(
+        root=root,
+        manifest=m,
+        anchor=anchor,
+        memory=memory,
+        dtype=m["dtype"],
+        rank=m["rank"],
+        tree_id=m["tree_id"],
+        subtree=m["subtree"],
+        levels=levels,
+    )
     # The manifest must agree with what the geometry says these files hold.
-    expect = _level_infos(anchor, memory, info.dtype, info.rank, info.subtree,
-                          any(v.has_generic for v in levels.values()))
-    if set(expect) != set(levels) or any(replace(v, file=expect[k].file) != expect[k] for k, v in levels.items()):
-        raise BankError(f"{path}: level table does not match its anchor/memory config (edited by hand?)")
+    expect = _level_infos(
+        anchor,
+        memory,
+        info.dtype,
+        info.rank,
+        info.subtree,
+        any(v.has_generic for v in levels.values()),
+    )
+    if set(expect) != set(levels) or any(
+        replace(v, file=expect[k].file) != expect[k] for k, v in levels.items()
+    ):
+        raise BankError(
+            f"{path}: level table does not match its anchor/memory config (edited by hand?)"
+        )
     if m.get("layout_digest") != layout_digest(m):
-        raise BankError(f"{path}: anchor/memory/dtype/level fields do not match layout_digest (edited by hand?)")
+        raise BankError(
+            f"{path}: anchor/memory/dtype/level fields do not match layout_digest (edited by hand?)"
+        )
     return info
 
 
@@ -365,14 +432,18 @@ def _size(path: str) -> int | None:
 def check_files(info: BankInfo) -> None:
     """Every level file and digest file exists with exactly the expected size."""
     for lv in info.levels.values():
-        for p, size in ((level_path(info.root, lv), lv.file_bytes),
-                        (str(info.root / sums_name(lv)), lv.n_slots * DIGEST_BYTES)):
+        for p, size in (
+            (level_path(info.root, lv), lv.file_bytes),
+            (str(info.root / sums_name(lv)), lv.n_slots * DIGEST_BYTES),
+        ):
             actual = _size(p)
             if actual is None:
                 raise BankError(f"{p}: missing (level {lv.level})")
             if actual != size:
-                raise BankError(f"{p}: {actual:,} bytes, expected {size:,} (truncated or wrong file) "
-                                f"for level {lv.level}")
+                raise BankError(
+                    f"{p}: {actual:,} bytes, expected {size:,} "
+                    f"(truncated or wrong file) for level {lv.level}"
+                )
 
 
 def sums_name(lv: LevelInfo) -> str:
@@ -389,8 +460,8 @@ def check_tree(info: BankInfo, tree: Any) -> None:
         raise BankError(f"{info.root}: bank was built for tree {info.tree_id}, not tree {tid}")
     if tree.branching != info.memory.branching or tree.levels < info.memory.n_levels:
         raise BankError(
-            f"{info.root}: bank needs branching {info.memory.branching} and {info.memory.n_levels} levels; "
-            f"the tree has branching {tree.branching} and {tree.levels} levels"
+            f"{info.root}: bank needs branching {info.memory.branching} and {info.memory.n_levels} "
+            f"levels; the tree has branching {tree.branching} and {tree.levels} levels"
         )
 
 
@@ -423,5 +494,7 @@ def _open_read(path: str):
 
 def corrupt_message(info: BankInfo, lv: LevelInfo, slot: int) -> str:
     who = "generic memory" if slot == lv.n_blocks else f"cluster {lv.first_cluster + slot}"
-    return (f"checksum mismatch: level {lv.level}, {who} (slot {slot}) in {level_path(info.root, lv)}; "
-            f"the bank is corrupted")
+    return (
+        f"checksum mismatch: level {lv.level}, {who} (slot {slot}) "
+        f"in {level_path(info.root, lv)}; the bank is corrupted"
+    )

@@ -3,19 +3,21 @@
 An in-place edit (scatter, edit, delete) first lands as one journal file in `BANK/journal/`
 (atomic rename), is then applied with `pwrite` + fsync, then the manifest generation is bumped
 and the journal removed. `recover`, called by every open, replays a journal a crash left
-behind, so every block is either its old or its new value. `audit_log` reads the bank's
-`audit.jsonl`.
+behind, so every block is either its old or its new value. `audit_log` and `blocked_as_subtree`
+are `memstore.audit`'s, imported here too for the callers that read them from this module.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from memtree.io import atomic_write_json, dumps_json, restore_replaced_dir
+from memtree.memstore.audit import (  # noqa: F401  (re-exported: callers read the audit log from here)
+    audit_log,
+    blocked_as_subtree,
+)
 from memtree.memstore.format import (
     DIGEST_BYTES,
     BankError,
@@ -35,7 +37,13 @@ def journal_bytes(manifest: dict, writes: list[tuple[int, int, bytes]]) -> bytes
         entries.append({"level": lv, "slot": slot, "offset": off, "length": len(rec)})
         body.append(rec)
         off += len(rec)
-    header = {"format": JOURNAL_FORMAT, "version": 1, "manifest": manifest, "entries": entries, "body_bytes": off}
+    header = {
+        "format": JOURNAL_FORMAT,
+        "version": 1,
+        "manifest": manifest,
+        "entries": entries,
+        "body_bytes": off,
+    }
     head = dumps_json(header).encode()
     return len(head).to_bytes(8, "little") + head + b"".join(body)
 
@@ -47,7 +55,9 @@ def apply_journals(root: Path) -> int:
     if not jdir.is_dir():
         return 0
     done = 0
-    for stale in jdir.glob(".*.tmp"):  # a journal whose write never finished: the edit never happened
+    for stale in jdir.glob(
+        ".*.tmp"
+    ):  # a journal whose write never finished: the edit never happened
         stale.unlink()
     for jpath in sorted(jdir.glob("*.jnl")):
         data = jpath.read_bytes()
@@ -105,34 +115,6 @@ def _needs_recovery(root: Path) -> bool:
     if not root.exists():
         return (root.parent / f".{root.name}.tmp-old").is_dir()
     jdir = root / "journal"
-    return (any(root.glob(".*.tmp")) or
-            (jdir.is_dir() and (any(jdir.glob("*.jnl")) or any(jdir.glob(".*.tmp")))))
-
-
-def audit_log(root: str | os.PathLike) -> list[dict[str, Any]]:
-    path = Path(root) / "audit.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def blocked_as_subtree(entries: Sequence[dict[str, Any]], level: int) -> list[int]:
-    """Level-`level` clusters whose latest block named them as the root of a subtree block.
-
-    An entry records what was asked (`level`, `clusters`, `subtree`); entries written before
-    those fields existed are read from `targets`: the shallowest level is what was asked, and
-    any deeper level means the subtree came with it. Blocks asked for another way (`by`, e.g. an owner's
-    documents) name no cluster and are skipped."""
-    latest: dict[int, bool] = {}
-    for e in entries:
-        if e.get("action") != "block" or not e.get("targets") or e.get("by"):
-            continue
-        if "level" in e:
-            root, ids, sub = int(e["level"]), e["clusters"], e.get("subtree") is True
-        else:
-            lvs = sorted(int(k) for k in e["targets"])
-            root, sub = lvs[0], len(lvs) > 1
-            ids = [i for a, b in e["targets"][str(root)] for i in range(a, b)]
-        if root == level:
-            latest.update((int(c), sub) for c in ids)
-    return sorted(c for c, sub in latest.items() if sub)
+    return any(root.glob(".*.tmp")) or (
+        jdir.is_dir() and (any(jdir.glob("*.jnl")) or any(jdir.glob(".*.tmp")))
+    )

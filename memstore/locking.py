@@ -88,8 +88,10 @@ def holder(root: str | os.PathLike) -> dict | None:
 def _describe(h: dict | None) -> str:
     if not h:
         return "another process (it has not recorded itself yet)"
-    return (f"pid {h.get('pid')} on {h.get('host')} (user {h.get('user')}, {h.get('operation')!r}, "
-            f"since {h.get('since')})")
+    return (
+        f"pid {h.get('pid')} on {h.get('host')} (user {h.get('user')}, "
+        f"{h.get('operation')!r}, since {h.get('since')})"
+    )
 
 
 _held: dict[str, list[int]] = {}  # lock path -> [fd, depth]: re-entrancy within this process
@@ -120,7 +122,9 @@ def bank_writer(root: str | os.PathLike, *, operation: str, wait: float = 0.0) -
     while True:
         fd = _open_lock(path, write=True)
         if fd is None:
-            raise BankError(f"{Path(root)}: cannot create the writer lock {path}; is the directory read-only?")
+            raise BankError(
+                f"{Path(root)}: cannot create the writer lock {path}; is the directory read-only?"
+            )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -128,18 +132,29 @@ def bank_writer(root: str | os.PathLike, *, operation: str, wait: float = 0.0) -
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise
             if time.monotonic() >= deadline:
-                raise BankBusy(f"{Path(root)}: the bank is being written by {_describe(holder(root))}; "
-                               f"one writer at a time (lock file {path}). Retry when it finishes, or wait "
-                               f"for it (--wait SECONDS / lock_wait=)") from None
+                raise BankBusy(
+                    f"{Path(root)}: the bank is being written by {_describe(holder(root))}; one "
+                    f"writer at a time (lock file {path}). Retry when it "
+                    "finishes, or wait for it (--wait SECONDS / lock_wait=)"
+                ) from None
             time.sleep(_POLL_S)
             continue
         if _same_file(fd, path):
             break
-        os.close(fd)  # the holder removed the lock file with its bank before releasing: take the new one
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "user": whoami(),
-          "operation": operation, "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-          "command": " ".join(sys.argv[:4])}
-    with contextlib.suppress(OSError):  # who holds it is for messages only; a full disk must not stop the lock
+        os.close(
+            fd
+        )  # the holder removed the lock file with its bank before releasing: take the new one
+    me = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "user": whoami(),
+        "operation": operation,
+        "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join(sys.argv[:4]),
+    }
+    with contextlib.suppress(
+        OSError
+    ):  # who holds it is for messages only; a full disk must not stop the lock
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
     with _held_mutex:
@@ -152,7 +167,9 @@ def bank_writer(root: str | os.PathLike, *, operation: str, wait: float = 0.0) -
         try:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)  # nobody holds it now
-            if not Path(root).exists():  # no bank (removed, or a first write that failed): no lock debris
+            if not Path(
+                root
+            ).exists():  # no bank (removed, or a first write that failed): no lock debris
                 for p in lock_paths(root):
                     p.unlink(missing_ok=True)
         finally:
@@ -177,7 +194,9 @@ class ReadWriteLock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.fd = _open_lock(self.path, write=True)
         except OSError:
-            self.fd = _open_lock(self.path, write=False)  # read-only parent: unlocked, see the docstring
+            self.fd = _open_lock(
+                self.path, write=False
+            )  # read-only parent: unlocked, see the docstring
 
     def counter(self) -> int:
         if self.fd is None:
@@ -202,11 +221,14 @@ class ReadWriteLock:
         """Hold the lock exclusively while changing the bank; the counter is bumped on exit, so
         every reader reloads before its next fetch. Yields the new counter value."""
         if self.fd is None:
-            raise BankError(f"{self.path}: cannot create the bank's lock file; is the directory read-only?")
+            raise BankError(
+                f"{self.path}: cannot create the bank's lock file; is the directory read-only?"
+            )
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         try:
             if os.fstat(self.fd).st_size < _COUNTER:
-                # allocate the counter before the change: bumping it afterwards then cannot fail on a full disk
+                # allocate the counter before the change: bumping it afterwards then cannot fail on
+                # a full disk
                 with naming_path(self.path, kept="the bank was not changed"):
                     os.pwrite(self.fd, bytes(_COUNTER), 0)
             new = self.counter() + 1
@@ -237,13 +259,18 @@ def remove_bank(root: str | os.PathLike) -> None:
                 if not is_url(p) and not Path(p).resolve().is_relative_to(root.resolve()):
                     Path(p).unlink(missing_ok=True)
                     with contextlib.suppress(OSError):
-                        Path(p).parent.rmdir()  # the directory relocate_level made for it, if now empty
-        shutil.rmtree(root, ignore_errors=True)  # the lock files go when the writer lock is released
+                        Path(
+                            p
+                        ).parent.rmdir()  # the directory relocate_level made for it, if now empty
+        shutil.rmtree(
+            root, ignore_errors=True
+        )  # the lock files go when the writer lock is released
 
 
 @contextlib.contextmanager
 def exclusive_change(root: str | os.PathLike) -> Iterator[int]:
-    """`ReadWriteLock(root).exclusive()` for writers that hold no store (write_bank, merge, relocate)."""
+    """`ReadWriteLock(root).exclusive()` for writers that hold no store (write_bank, merge,
+    relocate)."""
     rw = ReadWriteLock(root)
     try:
         with rw.exclusive() as n:
@@ -252,5 +279,13 @@ def exclusive_change(root: str | os.PathLike) -> Iterator[int]:
         rw.close()
 
 
-__all__ = ["BankBusy", "ReadWriteLock", "bank_writer", "exclusive_change", "holder", "lock_paths", "remove_bank",
-           "whoami"]
+__all__ = [
+    "BankBusy",
+    "ReadWriteLock",
+    "bank_writer",
+    "exclusive_change",
+    "holder",
+    "lock_paths",
+    "remove_bank",
+    "whoami",
+]

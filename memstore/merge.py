@@ -39,12 +39,14 @@ from memtree.memstore.format import (
 )
 from memtree.memstore.journal import recover
 from memtree.memstore.locking import bank_writer, exclusive_change
-from memtree.memstore.store import id_runs
+from memtree.memstore.policy import id_runs
 
 GenericMerge = Literal["mean", "first"]
 
 
-def _copy_slots(src: BankInfo, level: int, first_slot: int, n: int, out, sums_out: bytearray, out_slot: int) -> None:
+def _copy_slots(
+    src: BankInfo, level: int, first_slot: int, n: int, out, sums_out: bytearray, out_slot: int
+) -> None:
     lv = src.level(level)
     with fsspec.open(level_path(src.root, lv), "rb") as f:
         f.seek(first_slot * lv.stride)
@@ -63,7 +65,10 @@ def _copy_slots(src: BankInfo, level: int, first_slot: int, n: int, out, sums_ou
 def _same_bank_shape(a: BankInfo, b: BankInfo) -> None:
     for key in ("anchor", "memory", "dtype", "rank", "tree_id"):
         if a.manifest[key] != b.manifest[key]:
-            raise BankError(f"{b.root}: {key} differs from {a.root} ({b.manifest[key]!r} vs {a.manifest[key]!r})")
+            raise BankError(
+                f"{b.root}: {key} differs from {a.root} "
+                f"({b.manifest[key]!r} vs {a.manifest[key]!r})"
+            )
 
 
 def _deleted_only_in(info: BankInfo) -> dict[str, list[list[int]]]:
@@ -79,9 +84,16 @@ def split_bank(root: str | os.PathLike, subtree: int, out: str | os.PathLike) ->
         if src.subtree is not None:
             raise BankError(f"{src.root}: already a per-subtree bank (subtree {src.subtree})")
         generic = any(lv.has_generic for lv in src.levels.values())
-        manifest = build_manifest(anchor=src.anchor, memory=src.memory, dtype=src.dtype, rank=src.rank,
-                                  tree_id=src.tree_id, subtree=subtree, generic=generic,
-                                  extra={**src.manifest.get("extra", {}), "split_from_generation": src.generation})
+        manifest = build_manifest(
+            anchor=src.anchor,
+            memory=src.memory,
+            dtype=src.dtype,
+            rank=src.rank,
+            tree_id=src.tree_id,
+            subtree=subtree,
+            generic=generic,
+            extra={**src.manifest.get("extra", {}), "split_from_generation": src.generation},
+        )
         part = _info(out, manifest)
         deleted = {}
         with atomic_dir(out, publish_guard=lambda: exclusive_change(out)) as tmp:
@@ -94,8 +106,12 @@ def split_bank(root: str | os.PathLike, subtree: int, out: str | os.PathLike) ->
                         _copy_slots(src, level, src.level(level).n_blocks, 1, f, sums, lv.n_blocks)
                 (tmp / sums_name(lv)).write_bytes(bytes(sums))
                 hi = lv.first_cluster + lv.n_blocks
-                ids = [i for a, b in _deleted_only_in(src).get(str(level), []) for i in range(a, b)
-                       if lv.first_cluster <= i < hi]
+                ids = [
+                    i
+                    for a, b in _deleted_only_in(src).get(str(level), [])
+                    for i in range(a, b)
+                    if lv.first_cluster <= i < hi
+                ]
                 if ids:
                     deleted[str(level)] = id_runs(ids)
             if deleted:
@@ -105,8 +121,9 @@ def split_bank(root: str | os.PathLike, subtree: int, out: str | os.PathLike) ->
         return read_manifest(out)
 
 
-def merge_banks(parts: Sequence[str | os.PathLike], out: str | os.PathLike, *,
-                generic: GenericMerge = "mean") -> BankInfo:
+def merge_banks(
+    parts: Sequence[str | os.PathLike], out: str | os.PathLike, *, generic: GenericMerge = "mean"
+) -> BankInfo:
     """Merge per-subtree banks (one per level-1 subtree, any order) into one bank.
 
     Blocks are copied byte for byte. The generic memory, trained by every job,
@@ -129,7 +146,10 @@ def merge_banks(parts: Sequence[str | os.PathLike], out: str | os.PathLike, *,
             if info.subtree is None:
                 raise BankError(f"{info.root}: not a per-subtree bank (manifest subtree is null)")
             if info.subtree in by_subtree:
-                raise BankError(f"merge: subtree {info.subtree} given twice ({by_subtree[info.subtree].root}, {info.root})")
+                raise BankError(
+                    f"merge: subtree {info.subtree} given twice "
+                    f"({by_subtree[info.subtree].root}, {info.root})"
+                )
             _same_bank_shape(infos[0], info)
             by_subtree[info.subtree] = info
         missing = sorted(set(range(B)) - set(by_subtree))
@@ -139,10 +159,19 @@ def merge_banks(parts: Sequence[str | os.PathLike], out: str | os.PathLike, *,
             raise ValueError(f"merge: generic={generic!r} is not 'mean' or 'first'")
         first = by_subtree[0]
         has_generic = any(lv.has_generic for lv in first.levels.values())
-        manifest = build_manifest(anchor=first.anchor, memory=first.memory, dtype=first.dtype, rank=first.rank,
-                                  tree_id=first.tree_id, subtree=None, generic=has_generic,
-                                  extra={"merged_from": [str(by_subtree[s].root) for s in range(B)],
-                                         "generic_merge": generic})
+        manifest = build_manifest(
+            anchor=first.anchor,
+            memory=first.memory,
+            dtype=first.dtype,
+            rank=first.rank,
+            tree_id=first.tree_id,
+            subtree=None,
+            generic=has_generic,
+            extra={
+                "merged_from": [str(by_subtree[s].root) for s in range(B)],
+                "generic_merge": generic,
+            },
+        )
         merged = _info(out, manifest)
         deleted: dict[str, list[int]] = {}
         with atomic_dir(out, publish_guard=lambda: exclusive_change(out)) as tmp:
@@ -157,10 +186,14 @@ def merge_banks(parts: Sequence[str | os.PathLike], out: str | os.PathLike, *,
                         for a, b in _deleted_only_in(part).get(str(level), []):
                             deleted.setdefault(str(level), []).extend(range(a, b))
                     if has_generic:
-                        rec = _merged_generic(merged, level, [by_subtree[s] for s in range(B)], generic)
+                        rec = _merged_generic(
+                            merged, level, [by_subtree[s] for s in range(B)], generic
+                        )
                         f.seek(lv.n_blocks * lv.stride)
                         f.write(rec)
-                        sums[lv.n_blocks * DIGEST_BYTES : (lv.n_blocks + 1) * DIGEST_BYTES] = digest(rec)
+                        sums[lv.n_blocks * DIGEST_BYTES : (lv.n_blocks + 1) * DIGEST_BYTES] = (
+                            digest(rec)
+                        )
                 (tmp / sums_name(lv)).write_bytes(bytes(sums))
             if deleted:
                 manifest["deleted"] = {k: id_runs(v) for k, v in deleted.items()}
@@ -169,7 +202,9 @@ def merge_banks(parts: Sequence[str | os.PathLike], out: str | os.PathLike, *,
         return read_manifest(out)
 
 
-def _merged_generic(merged: BankInfo, level: int, parts: list[BankInfo], how: GenericMerge) -> bytes:
+def _merged_generic(
+    merged: BankInfo, level: int, parts: list[BankInfo], how: GenericMerge
+) -> bytes:
     codec = merged.codec(level)
     vals = []
     for part in parts[: 1 if how == "first" else None]:
@@ -177,8 +212,13 @@ def _merged_generic(merged: BankInfo, level: int, parts: list[BankInfo], how: Ge
         with fsspec.open(level_path(part.root, lv), "rb") as f:
             f.seek(lv.n_blocks * lv.stride)
             rec = f.read(lv.record_bytes)
-        if digest(rec) != (part.root / sums_name(lv)).read_bytes()[lv.n_blocks * DIGEST_BYTES :][:DIGEST_BYTES]:
-            raise BankError(f"checksum mismatch: level {level}, generic memory in {level_path(part.root, lv)}")
+        if (
+            digest(rec)
+            != (part.root / sums_name(lv)).read_bytes()[lv.n_blocks * DIGEST_BYTES :][:DIGEST_BYTES]
+        ):
+            raise BankError(
+                f"checksum mismatch: level {level}, generic memory in {level_path(part.root, lv)}"
+            )
         if how == "first":
             return rec  # byte-identical: re-encoding would quantise again
         vals.append(codec.decode(rec, torch.float32))
@@ -186,11 +226,17 @@ def _merged_generic(merged: BankInfo, level: int, parts: list[BankInfo], how: Ge
 
 
 def _info(root: str | os.PathLike, manifest: dict) -> BankInfo:
-    return BankInfo(root=Path(root), manifest=manifest,
-                    anchor=from_dict(AnchorShape, manifest["anchor"]), memory=from_dict(MemoryConfig, manifest["memory"]),
-                    dtype=manifest["dtype"], rank=manifest["rank"], tree_id=manifest["tree_id"],
-                    subtree=manifest["subtree"],
-                    levels={int(k): LevelInfo(**v) for k, v in manifest["levels"].items()})
+    return BankInfo(
+        root=Path(root),
+        manifest=manifest,
+        anchor=from_dict(AnchorShape, manifest["anchor"]),
+        memory=from_dict(MemoryConfig, manifest["memory"]),
+        dtype=manifest["dtype"],
+        rank=manifest["rank"],
+        tree_id=manifest["tree_id"],
+        subtree=manifest["subtree"],
+        levels={int(k): LevelInfo(**v) for k, v in manifest["levels"].items()},
+    )
 
 
 def _copy_policy(src: Path, dst: Path) -> None:
@@ -212,9 +258,15 @@ def _merge_policies(parts: list[Path], dst: Path) -> None:
         if (p / "audit.jsonl").exists():
             audit += (p / "audit.jsonl").read_bytes()
     if blocked or fallback:
-        atomic_write_json(dst / "policy.json", {"format": "memtree-bank-policy", "version": 1,
-                                                "fallback": fallback or "zeros",
-                                                "blocked": {k: id_runs(v) for k, v in blocked.items()}})
+        atomic_write_json(
+            dst / "policy.json",
+            {
+                "format": "memtree-bank-policy",
+                "version": 1,
+                "fallback": fallback or "zeros",
+                "blocked": {k: id_runs(v) for k, v in blocked.items()},
+            },
+        )
     if audit:
         (dst / "audit.jsonl").write_bytes(audit)
 
@@ -252,11 +304,19 @@ def _relocate_level(root: Path, level: int, dest: str) -> str:
             f.seek(s * lv.stride)
             if digest(f.read(lv.record_bytes)) != sums[s * DIGEST_BYTES : (s + 1) * DIGEST_BYTES]:
                 fs.rm(p)
-                raise BankError(f"relocate: copy of level {level} to {new} does not verify (slot {s}); nothing moved")
+                raise BankError(
+                    f"relocate: copy of level {level} to {new} "
+                    f"does not verify (slot {s}); nothing moved"
+                )
     fs.mv(p, fsspec.core.url_to_fs(new)[1])
     manifest = dict(info.manifest)
-    manifest["levels"] = {**manifest["levels"], str(level): {**manifest["levels"][str(level)],
-                                                             "file": new if new != str(root / name) else name}}
+    manifest["levels"] = {
+        **manifest["levels"],
+        str(level): {
+            **manifest["levels"][str(level)],
+            "file": new if new != str(root / name) else name,
+        },
+    }
     with exclusive_change(root):  # readers reopen the level where it now lives
         atomic_write_json(root / "manifest.json", manifest)
         ofs, op = fsspec.core.url_to_fs(old)

@@ -53,7 +53,8 @@ def place_levels(
 
     def describe() -> str:
         return ", ".join(
-            f"{t.name}={'unbounded' if t.capacity_bytes is None else f'{t.capacity_bytes:,} B'}" for t in tiers
+            f"{t.name}={'unbounded' if t.capacity_bytes is None else f'{t.capacity_bytes:,} B'}"
+            for t in tiers
         )
 
     out: dict[int, str] = {}
@@ -61,11 +62,18 @@ def place_levels(
         for lv, nbytes in levels.items():
             tier = policy.get(lv)
             if tier is None:
-                raise ValueError(f"placement: level {lv} has no tier in the explicit mapping {dict(policy)}")
+                raise ValueError(
+                    f"placement: level {lv} has no tier in the explicit mapping {dict(policy)}"
+                )
             if tier not in free:
-                raise ValueError(f"placement: level {lv} mapped to unknown tier {tier!r}; tiers are {names}")
+                raise ValueError(
+                    f"placement: level {lv} mapped to unknown tier {tier!r}; tiers are {names}"
+                )
             if not take(tier, nbytes):
-                raise ValueError(f"placement: level {lv} ({nbytes:,} B) does not fit on tier {tier!r} ({describe()})")
+                raise ValueError(
+                    f"placement: level {lv} ({nbytes:,} B) does "
+                    f"not fit on tier {tier!r} ({describe()})"
+                )
             out[lv] = tier
         return out
     if policy == "hierarchical":
@@ -75,7 +83,9 @@ def place_levels(
                     out[lv] = t.name
                     break
             else:
-                raise ValueError(f"placement: level {lv} ({nbytes:,} B) fits on no tier ({describe()})")
+                raise ValueError(
+                    f"placement: level {lv} ({nbytes:,} B) fits on no tier ({describe()})"
+                )
         return out
     if policy == "flat":
         total = sum(levels.values())
@@ -83,4 +93,6 @@ def place_levels(
             if take(t.name, total):
                 return {lv: t.name for lv in levels}
         raise ValueError(f"placement: the flat bank ({total:,} B) fits on no tier ({describe()})")
-    raise ValueError(f"placement: policy {policy!r} is not 'hierarchical', 'flat' or a {{level: tier}} mapping")
+    raise ValueError(
+        f"placement: policy {policy!r} is not 'hierarchical', 'flat' or a {{level: tier}} mapping"
+    )

@@ -71,13 +71,32 @@ def write_bank(
     Values come from `blocks(level)` — an iterable of (cluster or GENERIC, flat tensor)
     covering every slot — or, when not given, from `init` (default: App. I init, seed 0).
     """
-    manifest = build_manifest(anchor=anchor, memory=memory, dtype=dtype, rank=rank, tree_id=tree_id,
-                              subtree=subtree, generic=generic, extra=extra)
+    manifest = build_manifest(
+        anchor=anchor,
+        memory=memory,
+        dtype=dtype,
+        rank=rank,
+        tree_id=tree_id,
+        subtree=subtree,
+        generic=generic,
+        extra=extra,
+    )
     init = init or paper_init(0)
-    with bank_writer(root, operation="write"), atomic_dir(root, publish_guard=lambda: exclusive_change(root)) as tmp:
-        info = BankInfo(root=tmp, manifest=manifest, anchor=anchor, memory=memory, dtype=dtype, rank=rank,
-                        tree_id=tree_id, subtree=subtree,
-                        levels={int(k): LevelInfo(**v) for k, v in manifest["levels"].items()})
+    with (
+        bank_writer(root, operation="write"),
+        atomic_dir(root, publish_guard=lambda: exclusive_change(root)) as tmp,
+    ):
+        info = BankInfo(
+            root=tmp,
+            manifest=manifest,
+            anchor=anchor,
+            memory=memory,
+            dtype=dtype,
+            rank=rank,
+            tree_id=tree_id,
+            subtree=subtree,
+            levels={int(k): LevelInfo(**v) for k, v in manifest["levels"].items()},
+        )
         for lv in info.levels.values():
             codec = info.codec(lv.level)
             sums = bytearray(lv.n_slots * DIGEST_BYTES)
@@ -85,13 +104,20 @@ def write_bank(
             if blocks is not None:
                 source = blocks(lv.level)
             else:
-                ids = [lv.first_cluster + i for i in range(lv.n_blocks)] + ([GENERIC] if generic else [])
+                ids = [lv.first_cluster + i for i in range(lv.n_blocks)] + (
+                    [GENERIC] if generic else []
+                )
                 source = ((c, init(lv.level, c, codec)) for c in ids)
             pad = bytes(lv.stride - lv.record_bytes)
             with open(tmp / lv.file, "wb") as f:
                 f.truncate(lv.file_bytes)
-                for cluster, values in tqdm(source, total=lv.n_slots, disable=not progress,
-                                            desc=f"level {lv.level}", unit="block"):
+                for cluster, values in tqdm(
+                    source,
+                    total=lv.n_slots,
+                    disable=not progress,
+                    desc=f"level {lv.level}",
+                    unit="block",
+                ):
                     s = lv.slot(cluster)
                     rec = codec.encode(values)
                     f.seek(s * lv.stride)
@@ -99,9 +125,14 @@ def write_bank(
                     sums[s * DIGEST_BYTES : (s + 1) * DIGEST_BYTES] = digest(rec)
                     seen[s] = True
             if not seen.all():
-                missing = [lv.first_cluster + int(i) if i < lv.n_blocks else "generic" for i in np.flatnonzero(~seen)]
-                raise BankError(f"level {lv.level}: no values given for slots {missing[:10]}"
-                                f"{' …' if len(missing) > 10 else ''}")
+                missing = [
+                    lv.first_cluster + int(i) if i < lv.n_blocks else "generic"
+                    for i in np.flatnonzero(~seen)
+                ]
+                raise BankError(
+                    f"level {lv.level}: no values given for slots "
+                    f"{missing[:10]}{' …' if len(missing) > 10 else ''}"
+                )
             (tmp / sums_name(lv)).write_bytes(bytes(sums))
         atomic_write_json(tmp / "manifest.json", manifest)
     return read_manifest(root)

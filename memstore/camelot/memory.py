@@ -1,10 +1,10 @@
 """CAMELoT's associative memory (seed 001 §2.1, §2.3, App. A.2) and the caches of its baselines.
 
-A training-free memory for a frozen LM, one per memory-augmented layer. `training/camelot/longdoc.py`
-runs the model window by window and hands each layer's keys and values of the window to that
-layer's memory; this module owns what the memory holds, how it is searched and how it changes.
-It sees keys as given (the hookup passes position-free keys, taken before RoPE) and knows
-nothing about models.
+A training-free memory for a frozen LM, one per memory-augmented layer.
+`training/camelot/longdoc.py` runs the model window by window and hands each layer's keys and values
+of the window to that layer's memory; this module owns what the memory holds, how it is searched and
+how it changes. It sees keys as given (the hookup passes position-free keys, taken before RoPE) and
+knows nothing about models.
 
 `AssociativeMemory` (CAMELoT): per KV head H, M slots, each a key and a value vector (D), a
 count c (instances consolidated) and an age τ (windows since the slot was last updated).
@@ -106,10 +106,14 @@ class CamelotConfig:
     def __post_init__(self) -> None:
         if not is_int(self.slots) or self.slots <= 0:
             raise ValueError(f"slots must be a positive integer, got {self.slots!r}")
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int | float) \
-                or not -1.0 <= self.threshold <= 1.0:
-            raise ValueError(f"threshold (R, a cosine similarity) must lie in [-1, 1], "
-                             f"got {self.threshold!r}")
+        if (
+            isinstance(self.threshold, bool)
+            or not isinstance(self.threshold, int | float)
+            or not -1.0 <= self.threshold <= 1.0
+        ):
+            raise ValueError(
+                f"threshold (R, a cosine similarity) must lie in [-1, 1], got {self.threshold!r}"
+            )
         if self.layers is not None:
             layers = tuple(self.layers)
             if not layers:
@@ -134,8 +138,9 @@ class CamelotConfig:
         if not is_int(self.ivf_probe) or self.ivf_probe <= 0:
             raise ValueError(f"ivf_probe must be a positive integer, got {self.ivf_probe!r}")
         if not is_int(self.faiss_min_slots) or self.faiss_min_slots <= 0:
-            raise ValueError(f"faiss_min_slots must be a positive integer, "
-                             f"got {self.faiss_min_slots!r}")
+            raise ValueError(
+                f"faiss_min_slots must be a positive integer, got {self.faiss_min_slots!r}"
+            )
         if not is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
@@ -145,8 +150,9 @@ class CamelotConfig:
 
     @property
     def uses_faiss(self) -> bool:
-        return self.search == "faiss" or (self.search == "auto"
-                                          and self.slots >= self.faiss_min_slots)
+        return self.search == "faiss" or (
+            self.search == "auto" and self.slots >= self.faiss_min_slots
+        )
 
 
 @dataclass(frozen=True)
@@ -250,8 +256,10 @@ class _SlotSearch:
                 i = np.where(i >= 0, ids[np.maximum(i, 0)], -1)
             sims.append(np.where(i >= 0, d[:, 0], -np.inf).astype(np.float32))
             slots.append(i.astype(np.int64))
-        return Match(slot=torch.from_numpy(np.stack(slots)).to(q.device),
-                     sim=torch.from_numpy(np.stack(sims)).to(q.device))
+        return Match(
+            slot=torch.from_numpy(np.stack(slots)).to(q.device),
+            sim=torch.from_numpy(np.stack(sims)).to(q.device),
+        )
 
     def _refresh(self, h: int, keys: Tensor, filled: Tensor):
         """The head's index, brought up to date; (index or None when empty, flat id map)."""
@@ -261,8 +269,9 @@ class _SlotSearch:
         if self.cfg.faiss_index == "ivf" and not self._trained[h] and bool(filled.all()):
             x = F.normalize(keys.float(), dim=-1).cpu().numpy()
             quantizer = faiss.IndexFlatIP(self.dim)
-            index = faiss.IndexIVFFlat(quantizer, self.dim, self.cfg.nlist,
-                                       faiss.METRIC_INNER_PRODUCT)
+            index = faiss.IndexIVFFlat(
+                quantizer, self.dim, self.cfg.nlist, faiss.METRIC_INNER_PRODUCT
+            )
             index.cp.min_points_per_centroid = 1  # small memories: no under-sampling warning
             index.cp.seed = self.cfg.seed
             index.train(x)
@@ -305,8 +314,15 @@ class AssociativeMemory:
 
     kind = "camelot"
 
-    def __init__(self, cfg: CamelotConfig, *, kv_heads: int, head_dim: int, layer: int = 0,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: CamelotConfig,
+        *,
+        kv_heads: int,
+        head_dim: int,
+        layer: int = 0,
+        device: torch.device | str | None = None,
+    ) -> None:
         self.cfg, self.heads, self.dim, self.layer = cfg, kv_heads, head_dim, layer
         shape = (kv_heads, cfg.slots)
         self.keys = torch.zeros(*shape, head_dim, device=device)
@@ -330,8 +346,12 @@ class AssociativeMemory:
         if not bool(self.filled.any()):
             return None, match
         slot = match.slot if self.cfg.retrieval else self._random_filled(k.shape[1])
-        return Prefix(keys=_gather_slots(self.keys, slot), values=_gather_slots(self.values, slot),
-                      valid=(slot >= 0).to(self.keys.device), aligned=True), match
+        return Prefix(
+            keys=_gather_slots(self.keys, slot),
+            values=_gather_slots(self.values, slot),
+            valid=(slot >= 0).to(self.keys.device),
+            aligned=True,
+        ), match
 
     def _random_filled(self, n: int) -> Tensor:
         """(H, n) a uniformly random filled slot per token (-1 for an empty head)."""
@@ -371,7 +391,10 @@ class AssociativeMemory:
         familiar = ~novel
         base = torch.arange(n_heads, device=dev)[:, None] * m  # head h's first flat slot
         keys, values = self.keys.view(-1, self.dim), self.values.view(-1, self.dim)
-        counts, touched = self.counts.view(-1), torch.zeros(n_heads * m, dtype=torch.bool, device=dev)
+        counts, touched = (
+            self.counts.view(-1),
+            torch.zeros(n_heads * m, dtype=torch.bool, device=dev),
+        )
         n_fam = int(familiar.sum())
         if n_fam:  # eq. 6–8 for every familiar token at once, only the slots they reach
             tgt = (slot + base)[familiar]  # head-major, token order within a head
@@ -434,12 +457,18 @@ class AssociativeMemory:
             old = (free[h] & filled[h]).nonzero().squeeze(1)
             old = old[torch.randperm(len(old), generator=self.generator).to(old.device)]
             row = torch.cat([empty, old])[:need]
-            cand[h, :len(row)] = row
+            cand[h, : len(row)] = row
         return cand, n_cand
 
     def state(self) -> dict[str, Tensor]:
-        return {"keys": self.keys, "values": self.values, "counts": self.counts,
-                "ages": self.ages, "filled": self.filled, "rng": self.generator.get_state()}
+        return {
+            "keys": self.keys,
+            "values": self.values,
+            "counts": self.counts,
+            "ages": self.ages,
+            "filled": self.filled,
+            "rng": self.generator.get_state(),
+        }
 
     def load_state(self, state: dict[str, Tensor]) -> None:
         for name in ("keys", "values", "counts", "ages", "filled"):
@@ -454,8 +483,15 @@ class FifoKNNCache:
 
     kind = "memorizing"
 
-    def __init__(self, cfg: CamelotConfig, *, kv_heads: int, head_dim: int, layer: int = 0,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: CamelotConfig,
+        *,
+        kv_heads: int,
+        head_dim: int,
+        layer: int = 0,
+        device: torch.device | str | None = None,
+    ) -> None:
         self.cfg, self.heads, self.dim, self.layer = cfg, kv_heads, head_dim, layer
         self.keys = torch.zeros(kv_heads, cfg.slots, head_dim, device=device)
         self.values = torch.zeros(kv_heads, cfg.slots, head_dim, device=device)
@@ -478,9 +514,12 @@ class FifoKNNCache:
             _check_kv(k, None, self.heads, self.dim)
             return None, None
         match = self.search(k)
-        return Prefix(keys=_gather_slots(self.keys, match.slot),
-                      values=_gather_slots(self.values, match.slot),
-                      valid=(match.slot >= 0).to(self.keys.device), aligned=True), match
+        return Prefix(
+            keys=_gather_slots(self.keys, match.slot),
+            values=_gather_slots(self.values, match.slot),
+            valid=(match.slot >= 0).to(self.keys.device),
+            aligned=True,
+        ), match
 
     @torch.no_grad()
     def write(self, k: Tensor, v: Tensor, match: Match | None = None) -> None:
@@ -488,7 +527,7 @@ class FifoKNNCache:
         _check_kv(k, v, self.heads, self.dim)
         m, n = self.cfg.slots, k.shape[1]
         if n > m:  # only the last M tokens survive the window anyway
-            k, v, n = k[:, n - m:], v[:, n - m:], m
+            k, v, n = k[:, n - m :], v[:, n - m :], m
         pos = (self.cursor + torch.arange(n)) % m
         dev_pos = pos.to(self.keys.device)
         self.keys[:, dev_pos], self.values[:, dev_pos] = k.to(self.keys), v.to(self.values)
@@ -498,16 +537,21 @@ class FifoKNNCache:
         self._search.changed(pos)
 
     def state(self) -> dict[str, Tensor]:
-        return {"keys": self.keys, "values": self.values,
-                "ring": torch.tensor([self.cursor, self.size], dtype=torch.int64)}
+        return {
+            "keys": self.keys,
+            "values": self.values,
+            "ring": torch.tensor([self.cursor, self.size], dtype=torch.int64),
+        }
 
     def load_state(self, state: dict[str, Tensor]) -> None:
         self.keys.copy_(state["keys"])
         self.values.copy_(state["values"])
         self.cursor, self.size = (int(x) for x in state["ring"])
         if not (0 <= self.cursor < self.cfg.slots and 0 <= self.size <= self.cfg.slots):
-            raise ValueError(f"layer {self.layer}: ring cursor/size {self.cursor}/{self.size} "
-                             f"out of range for slots={self.cfg.slots}")
+            raise ValueError(
+                f"layer {self.layer}: ring cursor/size {self.cursor}/{self.size} "
+                f"out of range for slots={self.cfg.slots}"
+            )
         self._search.changed()
 
 
@@ -517,8 +561,15 @@ class PrevWindowCache:
 
     kind = "xl"
 
-    def __init__(self, cfg: CamelotConfig, *, kv_heads: int, head_dim: int, layer: int = 0,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: CamelotConfig,
+        *,
+        kv_heads: int,
+        head_dim: int,
+        layer: int = 0,
+        device: torch.device | str | None = None,
+    ) -> None:
         self.cfg, self.heads, self.dim, self.layer = cfg, kv_heads, head_dim, layer
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
@@ -558,8 +609,16 @@ class CamelotMemory:
     """The memories of one model: kind ("camelot" | "memorizing" | "xl"), one layer memory per
     index in cfg.layers (None: all n_layers), each with kv_heads heads of head_dim."""
 
-    def __init__(self, cfg: CamelotConfig, *, kind: Kind, n_layers: int, kv_heads: int,
-                 head_dim: int, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: CamelotConfig,
+        *,
+        kind: Kind,
+        n_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        device: torch.device | str | None = None,
+    ) -> None:
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r} is not one of {list(KINDS)}")
         for name, val in (("n_layers", n_layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
@@ -575,13 +634,16 @@ class CamelotMemory:
         cls = _LAYER_CLASSES[kind]
         self.layers: dict[int, LayerMemory] = {
             i: cls(cfg, kv_heads=kv_heads, head_dim=head_dim, layer=i, device=device)
-            for i in layers}
+            for i in layers
+        }
 
     def check_model(self, *, n_layers: int, kv_heads: int, head_dim: int) -> None:
         """Raise naming the first field in which the memory and the model disagree."""
-        for name, mine, theirs in (("n_layers", self.n_layers, n_layers),
-                                   ("kv_heads", self.kv_heads, kv_heads),
-                                   ("head_dim", self.head_dim, head_dim)):
+        for name, mine, theirs in (
+            ("n_layers", self.n_layers, n_layers),
+            ("kv_heads", self.kv_heads, kv_heads),
+            ("head_dim", self.head_dim, head_dim),
+        ):
             if mine != theirs:
                 raise ValueError(f"memory {name}={mine} does not match the model's {name}={theirs}")
 
@@ -596,18 +658,29 @@ class CamelotMemory:
     def save(self, path: str | Path) -> Path:
         """Write the memory as a `memtree-camelot` v1 directory (atomically replaced)."""
         path = Path(path)
-        tensors = {f"{i}.{name}": t.detach().contiguous().cpu()
-                   for i, mem in self.layers.items() for name, t in mem.state().items()}
+        tensors = {
+            f"{i}.{name}": t.detach().contiguous().cpu()
+            for i, mem in self.layers.items()
+            for name, t in mem.state().items()
+        }
         with atomic_dir(path) as tmp:
             save_file(tensors, str(tmp / _STATE_FILE))
-            atomic_write_json(tmp / "manifest.json", {
-                "format": FORMAT, "version": VERSION, "kind": self.kind,
-                "config": to_dict(self.cfg), "n_layers": self.n_layers,
-                "kv_heads": self.kv_heads, "head_dim": self.head_dim,
-                "layers": sorted(self.layers), "windows": self.windows,
-                "stats": {str(i): m.stats for i, m in self.layers.items()},
-                "state": {"file": _STATE_FILE, "sha256": sha256_file(tmp / _STATE_FILE)},
-            })
+            atomic_write_json(
+                tmp / "manifest.json",
+                {
+                    "format": FORMAT,
+                    "version": VERSION,
+                    "kind": self.kind,
+                    "config": to_dict(self.cfg),
+                    "n_layers": self.n_layers,
+                    "kv_heads": self.kv_heads,
+                    "head_dim": self.head_dim,
+                    "layers": sorted(self.layers),
+                    "windows": self.windows,
+                    "stats": {str(i): m.stats for i, m in self.layers.items()},
+                    "state": {"file": _STATE_FILE, "sha256": sha256_file(tmp / _STATE_FILE)},
+                },
+            )
         return path
 
     @classmethod
@@ -619,26 +692,37 @@ class CamelotMemory:
         man = read_json(path / "manifest.json")
         check_format(man, FORMAT, VERSION, path)
         cfg = from_dict(CamelotConfig, man["config"], where="config")
-        mem = cls(cfg, kind=man["kind"], n_layers=man["n_layers"], kv_heads=man["kv_heads"],
-                  head_dim=man["head_dim"], device=device)
+        mem = cls(
+            cfg,
+            kind=man["kind"],
+            n_layers=man["n_layers"],
+            kv_heads=man["kv_heads"],
+            head_dim=man["head_dim"],
+            device=device,
+        )
         if sorted(mem.layers) != man["layers"]:
-            raise ValueError(f"{path}: layers {man['layers']} disagree with the config's "
-                             f"{sorted(mem.layers)}")
+            raise ValueError(
+                f"{path}: layers {man['layers']} disagree with the config's {sorted(mem.layers)}"
+            )
         state_path = path / man["state"]["file"]
         if sha256_file(state_path) != man["state"]["sha256"]:
-            raise ValueError(f"{state_path}: sha256 does not match the manifest "
-                             "(corrupt or edited)")
+            raise ValueError(
+                f"{state_path}: sha256 does not match the manifest (corrupt or edited)"
+            )
         tensors = load_file(str(state_path), device=str(device) if device is not None else "cpu")
         for i, layer in mem.layers.items():
-            state = {k.split(".", 1)[1]: t for k, t in tensors.items()
-                     if k.split(".", 1)[0] == str(i)}
+            state = {
+                k.split(".", 1)[1]: t for k, t in tensors.items() if k.split(".", 1)[0] == str(i)
+            }
             for name, t in layer.state().items():
                 if name not in state:
                     raise ValueError(f"{state_path}: layer {i} lacks tensor {name!r}")
                 if tuple(state[name].shape) != tuple(t.shape) or state[name].dtype != t.dtype:
                     got = f"{tuple(state[name].shape)} {state[name].dtype}"
-                    raise ValueError(f"{state_path}: layer {i} {name} is {got}, "
-                                     f"expected {tuple(t.shape)} {t.dtype}")
+                    raise ValueError(
+                        f"{state_path}: layer {i} {name} is {got}, "
+                        f"expected {tuple(t.shape)} {t.dtype}"
+                    )
             if "rng" in state:  # torch.Generator states live on the CPU
                 state["rng"] = state["rng"].cpu()
             layer.load_state(state)

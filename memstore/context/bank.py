@@ -33,8 +33,9 @@ entries a, b with token blocks A, B (n_latent, d):
 (ties: the pair of lowest ids). ||A − B||² is the information lost by merging (§9.4: merge
 only what is already close); importance makes attended pairs dearer; age makes old pairs
 cheaper, and a pair is as young as its younger member, so a freshly written entry is protected
-even when it lies next to an old one. With β = γ = 0 this is the seed's plain closest pair. For large banks (§10.2), `merge_scope=
-"cluster"` looks for the pair only inside each k-means cluster (the IVF lists retrieval reads):
+even when it lies next to an old one. With β = γ = 0 this is the seed's plain closest pair. For
+large banks (§10.2), `merge_scope= "cluster"` looks for the pair only inside each k-means cluster
+(the IVF lists retrieval reads):
 O(N²/k) per merge instead of O(N²), with each cluster's distance matrix cached until the cluster
 gains or loses an entry (weights still change every write, through age, so only distances are
 cached); when no cluster holds two mergeable entries it falls back to every pair.
@@ -151,8 +152,9 @@ class ContextBankConfig:
         if self.merge_scope not in ("all", "cluster"):
             raise ValueError(f"merge_scope {self.merge_scope!r} is not one of 'all', 'cluster'")
         if not is_int(self.recluster_every) or self.recluster_every < 0:
-            raise ValueError(f"recluster_every must be a non-negative integer, "
-                             f"got {self.recluster_every!r}")
+            raise ValueError(
+                f"recluster_every must be a non-negative integer, got {self.recluster_every!r}"
+            )
         if not is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
@@ -177,10 +179,18 @@ class EntryMeta:
         return self.attn_sum
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "session": self.session, "created_step": self.created_step,
-                "created_time": self.created_time, "age": self.age, "attn_sum": self.attn_sum,
-                "attn_count": self.attn_count, "merged_from": list(self.merged_from),
-                "blocked": self.blocked, "cluster": self.cluster}
+        return {
+            "id": self.id,
+            "session": self.session,
+            "created_step": self.created_step,
+            "created_time": self.created_time,
+            "age": self.age,
+            "attn_sum": self.attn_sum,
+            "attn_count": self.attn_count,
+            "merged_from": list(self.merged_from),
+            "blocked": self.blocked,
+            "cluster": self.cluster,
+        }
 
 
 @dataclass(frozen=True)
@@ -206,9 +216,17 @@ class ContextBank:
         self.meta: dict[int, EntryMeta] = {}
         self.centroids = torch.zeros(cfg.n_clusters, cfg.dim)  # (k, d) float32
         self.counts = torch.zeros(cfg.n_clusters, dtype=torch.int64)  # (k,) entries per cluster
-        self.stats = {"appends": 0, "merges": 0, "deleted": 0, "reads": 0, "entries_served": 0,
-                      "blocked_refused": 0, "attention_records": 0, "attention_dropped": 0,
-                      "reclusters": 0}
+        self.stats = {
+            "appends": 0,
+            "merges": 0,
+            "deleted": 0,
+            "reads": 0,
+            "entries_served": 0,
+            "blocked_refused": 0,
+            "attention_records": 0,
+            "attention_dropped": 0,
+            "reclusters": 0,
+        }
         self.root: Path | None = None  # bound directory (after open / save)
         self.generation = 0  # version directory this state was loaded from / saved as
         self.log: list[dict[str, Any]] = []  # this process's audit records
@@ -244,8 +262,9 @@ class ContextBank:
         if t.ndim != 2:
             raise ValueError(f"tokens must be (n_latent, dim), got shape {tuple(t.shape)}")
         if t.shape[0] != self.cfg.n_latent:
-            raise ValueError(f"tokens have {t.shape[0]} rows, the bank has "
-                             f"n_latent={self.cfg.n_latent}")
+            raise ValueError(
+                f"tokens have {t.shape[0]} rows, the bank has n_latent={self.cfg.n_latent}"
+            )
         if t.shape[1] != self.cfg.dim:
             raise ValueError(f"tokens have dimension {t.shape[1]}, the bank has dim={self.cfg.dim}")
         t = t.detach().to("cpu", torch.float32).clone()
@@ -253,14 +272,27 @@ class ContextBank:
             raise ValueError("tokens contain NaN or inf")  # would poison k-means and merges
         return t
 
-    def _add(self, x: Tensor, session: str, *, merged_from: list[int], attn_sum: float = 0.0,
-             attn_count: int = 0) -> int:
+    def _add(
+        self,
+        x: Tensor,
+        session: str,
+        *,
+        merged_from: list[int],
+        attn_sum: float = 0.0,
+        attn_count: int = 0,
+    ) -> int:
         eid = self.next_id
         self.next_id += 1
         self.tokens[eid] = x
-        self.meta[eid] = EntryMeta(id=eid, session=session, created_step=self.step,
-                                   created_time=utc_timestamp(), merged_from=merged_from,
-                                   attn_sum=attn_sum, attn_count=attn_count)
+        self.meta[eid] = EntryMeta(
+            id=eid,
+            session=session,
+            created_step=self.step,
+            created_time=utc_timestamp(),
+            merged_from=merged_from,
+            attn_sum=attn_sum,
+            attn_count=attn_count,
+        )
         self._join_cluster(eid)
         return eid
 
@@ -270,8 +302,11 @@ class ContextBank:
 
     def _gram_dist(self, ids: list[int]) -> Tensor:
         """(N, N) float64 ||A − B||²_F between the entries `ids`."""
-        x = torch.stack([self.tokens[i].flatten() for i in ids]).double() if ids else \
-            torch.zeros(0, self.cfg.n_latent * self.cfg.dim, dtype=torch.float64)  # (N, L·d)
+        x = (
+            torch.stack([self.tokens[i].flatten() for i in ids]).double()
+            if ids
+            else torch.zeros(0, self.cfg.n_latent * self.cfg.dim, dtype=torch.float64)
+        )  # (N, L·d)
         sq = (x * x).sum(1)
         # Gram form: O(N²) memory instead of O(N²·L·d); float64 keeps it exact enough
         return (sq[:, None] + sq[None, :] - 2.0 * (x @ x.T)).clamp(min=0.0)
@@ -281,8 +316,9 @@ class ContextBank:
         and every pair with a blocked member score +inf."""
         imp = torch.tensor([self.meta[i].importance for i in ids], dtype=torch.float64)
         age = torch.tensor([self.meta[i].age for i in ids], dtype=torch.float64)
-        weight = (1.0 + self.cfg.merge_importance_weight * (imp[:, None] + imp[None, :])) \
-            / (1.0 + self.cfg.merge_age_weight * torch.minimum(age[:, None], age[None, :]))
+        weight = (1.0 + self.cfg.merge_importance_weight * (imp[:, None] + imp[None, :])) / (
+            1.0 + self.cfg.merge_age_weight * torch.minimum(age[:, None], age[None, :])
+        )
         score = dist * weight
         score.fill_diagonal_(float("inf"))
         blocked = torch.tensor([self.meta[i].blocked for i in ids], dtype=torch.bool)
@@ -317,15 +353,22 @@ class ContextBank:
                 weight, score = self._weighted(ids, dist)
                 flat = int(torch.argmin(score))
                 i, j = divmod(flat, len(ids))
-                cand = (float(score[i, j]), min(ids[i], ids[j]), max(ids[i], ids[j]), float(dist[i, j]),
-                        float(weight[i, j]))
+                cand = (
+                    float(score[i, j]),
+                    min(ids[i], ids[j]),
+                    max(ids[i], ids[j]),
+                    float(dist[i, j]),
+                    float(weight[i, j]),
+                )
                 if cand[0] < float("inf") and (best is None or cand[:3] < best[:3]):
                     best = cand
         if best is None:  # exact search (also when no cluster holds two mergeable entries)
             ids, dist, weight, score = self.pair_scores()
             if len(ids) < 2:
-                raise RuntimeError(f"context bank full (capacity={self.cfg.capacity}) and fewer than "
-                                   "two unblocked entries to merge: unblock or delete some")
+                raise RuntimeError(
+                    f"context bank full (capacity={self.cfg.capacity}) and fewer than two "
+                    "unblocked entries to merge: unblock or delete some"
+                )
             flat = int(torch.argmin(score))  # row-major: ties go to the lowest ids
             i, j = divmod(flat, len(ids))
             best = (float(score[i, j]), ids[i], ids[j], float(dist[i, j]), float(weight[i, j]))
@@ -343,8 +386,15 @@ class ContextBank:
             x = (wa * xa + wb * xb) / (wa + wb)
         session = mb.session  # b is the newer (ids are monotonic)
         attn_sum, attn_count = ma.attn_sum + mb.attn_sum, ma.attn_count + mb.attn_count
-        rec = {"a": a, "b": b, "distance": distance, "weight": weight, "score": score,
-               "rule": self.cfg.merge_rule, "scope": self.cfg.merge_scope}
+        rec = {
+            "a": a,
+            "b": b,
+            "distance": distance,
+            "weight": weight,
+            "score": score,
+            "rule": self.cfg.merge_rule,
+            "scope": self.cfg.merge_scope,
+        }
         self._remove(a)
         self._remove(b)
         new = self._add(x, session, merged_from=[a, b], attn_sum=attn_sum, attn_count=attn_count)
@@ -427,8 +477,8 @@ class ContextBank:
             if bool((new == assign).all()):
                 break
             assign = new
-        self.centroids[:len(c)] = c
-        self.counts[:len(c)] = torch.bincount(assign, minlength=len(c))
+        self.centroids[: len(c)] = c
+        self.counts[: len(c)] = torch.bincount(assign, minlength=len(c))
         for i, a in zip(ids, assign.tolist(), strict=True):
             self.meta[i].cluster = a
 
@@ -459,10 +509,13 @@ class ContextBank:
                     ids.append(i)
         self.stats["blocked_refused"] += refused
         self.stats["entries_served"] += len(ids)
-        toks = torch.cat([self.tokens[i] for i in ids]) if ids else \
-            torch.zeros(0, self.cfg.dim)
-        return Retrieved(tokens=toks, ids=torch.tensor(ids, dtype=torch.int64),
-                         clusters=clusters.to(torch.int64), scores=best)
+        toks = torch.cat([self.tokens[i] for i in ids]) if ids else torch.zeros(0, self.cfg.dim)
+        return Retrieved(
+            tokens=toks,
+            ids=torch.tensor(ids, dtype=torch.int64),
+            clusters=clusters.to(torch.int64),
+            scores=best,
+        )
 
     def get(self, eid: int) -> Tensor:
         """One entry's tokens (n_latent, d); KeyError if absent, PermissionError if blocked
@@ -507,8 +560,15 @@ class ContextBank:
 
     # -- audit ------------------------------------------------------------------------------
     def _audit(self, action: str, *, durable: bool = False, **fields: Any) -> None:
-        self.log.append({"time": utc_timestamp(), "host": socket.gethostname(), "action": action,
-                         "step": self.step, **fields})
+        self.log.append(
+            {
+                "time": utc_timestamp(),
+                "host": socket.gethostname(),
+                "action": action,
+                "step": self.step,
+                **fields,
+            }
+        )
         self._pending += 1
         if durable and self.root is not None:
             self.flush_audit()
@@ -517,7 +577,7 @@ class ContextBank:
         """Append the records not yet on disk to <root>/audit.jsonl (one write, fsynced)."""
         if self.root is None or not self._pending:
             return
-        lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.log[-self._pending:])
+        lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.log[-self._pending :])
         self.root.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.root / _AUDIT_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
@@ -550,14 +610,18 @@ class ContextBank:
         for stale in root.glob(".v*.tmp-*"):  # temp dirs of saves killed mid-way
             shutil.rmtree(stale, ignore_errors=True)
         versions = self._versions(root)
-        keep = self.generation if self.root == root and self.generation else \
-            (versions[0][0] if versions else 0)
+        keep = (
+            self.generation
+            if self.root == root and self.generation
+            else (versions[0][0] if versions else 0)
+        )
         gen = (versions[0][0] if versions else 0) + 1
         self.root = root
         self.flush_audit()  # the log names everything the new state reflects
         ids = list(self.tokens)
         tensors = {
-            "tokens": torch.stack([self.tokens[i] for i in ids]) if ids
+            "tokens": torch.stack([self.tokens[i] for i in ids])
+            if ids
             else torch.zeros(0, self.cfg.n_latent, self.cfg.dim),  # (N, n_latent, d) float32
             "ids": torch.tensor(ids, dtype=torch.int64),  # (N,)
             "centroids": self.centroids.contiguous(),  # (k, d) float32
@@ -565,13 +629,23 @@ class ContextBank:
         }
         with atomic_dir(root / f"v{gen:08d}") as tmp:
             save_file(tensors, str(tmp / _TENSOR_FILE))
-            atomic_write_json(tmp / "manifest.json", {
-                "format": FORMAT, "version": VERSION, "generation": gen,
-                "config": to_dict(self.cfg), "dim": self.cfg.dim, "n_latent": self.cfg.n_latent,
-                "n_entries": len(ids), "step": self.step, "next_id": self.next_id,
-                "stats": dict(self.stats), "entries": [self.meta[i].to_json() for i in ids],
-                "tensors": {"file": _TENSOR_FILE, "sha256": sha256_file(tmp / _TENSOR_FILE)},
-            })
+            atomic_write_json(
+                tmp / "manifest.json",
+                {
+                    "format": FORMAT,
+                    "version": VERSION,
+                    "generation": gen,
+                    "config": to_dict(self.cfg),
+                    "dim": self.cfg.dim,
+                    "n_latent": self.cfg.n_latent,
+                    "n_entries": len(ids),
+                    "step": self.step,
+                    "next_id": self.next_id,
+                    "stats": dict(self.stats),
+                    "entries": [self.meta[i].to_json() for i in ids],
+                    "tensors": {"file": _TENSOR_FILE, "sha256": sha256_file(tmp / _TENSOR_FILE)},
+                },
+            )
             pause = float(os.environ.get(SAVE_PAUSE_ENV, "0") or 0)
             if pause > 0:
                 time.sleep(pause)
@@ -582,8 +656,9 @@ class ContextBank:
         return root / f"v{gen:08d}"
 
     @classmethod
-    def open(cls, root: str | os.PathLike, *, config: ContextBankConfig | None = None
-             ) -> ContextBank:
+    def open(
+        cls, root: str | os.PathLike, *, config: ContextBankConfig | None = None
+    ) -> ContextBank:
         """Load the newest good version under `root`. A version whose files are missing,
         unreadable or fail the checksum is skipped (warning; `bank.recovered` and an audit
         record say which and why); one of another format, version or (with `config`) other
@@ -602,14 +677,21 @@ class ContextBank:
             bank.root = root
             if skipped:
                 bank.recovered = skipped
-                warnings.warn(f"{root}: loaded {path.name}, skipped newer corrupt version(s): "
-                              + "; ".join(f"{n}: {why}" for n, why in skipped), stacklevel=2)
-                bank._audit("recover", loaded=path.name,
-                            skipped=[{"version": n, "reason": w} for n, w in skipped],
-                            durable=True)
+                warnings.warn(
+                    f"{root}: loaded {path.name}, skipped newer corrupt version(s): "
+                    + "; ".join(f"{n}: {why}" for n, why in skipped),
+                    stacklevel=2,
+                )
+                bank._audit(
+                    "recover",
+                    loaded=path.name,
+                    skipped=[{"version": n, "reason": w} for n, w in skipped],
+                    durable=True,
+                )
             return bank
-        raise ValueError(f"{root}: no readable version: "
-                         + "; ".join(f"{n}: {why}" for n, why in skipped))
+        raise ValueError(
+            f"{root}: no readable version: " + "; ".join(f"{n}: {why}" for n, why in skipped)
+        )
 
     @classmethod
     def _load_version(cls, path: Path, expect: ContextBankConfig | None) -> ContextBank:
@@ -626,24 +708,32 @@ class ContextBank:
         except (OSError, KeyError, TypeError) as e:
             raise _Corrupt(f"tensor file unreadable ({e!r})") from None
         if not ok:
-            raise _Corrupt(f"{tfile.name}: sha256 does not match the manifest "
-                           "(corrupt or truncated)")
+            raise _Corrupt(
+                f"{tfile.name}: sha256 does not match the manifest (corrupt or truncated)"
+            )
         cfg = from_dict(ContextBankConfig, man["config"], where="config")
         for name in ("dim", "n_latent"):
             if man.get(name) != getattr(cfg, name):
-                raise ValueError(f"{path}: manifest {name}={man.get(name)!r} disagrees with "
-                                 f"config {name}={getattr(cfg, name)!r}")
+                raise ValueError(
+                    f"{path}: manifest {name}={man.get(name)!r} "
+                    f"disagrees with config {name}={getattr(cfg, name)!r}"
+                )
         if expect is not None:
             for name in ("dim", "n_latent", "capacity", "n_clusters", "writer"):
                 if getattr(expect, name) != getattr(cfg, name):
-                    raise ValueError(f"{path}: bank was written with {name}="
-                                     f"{getattr(cfg, name)}, expected {name}="
-                                     f"{getattr(expect, name)}")
+                    raise ValueError(
+                        f"{path}: bank was written with {name}={getattr(cfg, name)}, expected "
+                        f"{name}={getattr(expect, name)}"
+                    )
             cfg = expect  # the caller's merge / retrieval settings apply from now on
         t = load_file(str(tfile))
         n = int(man["n_entries"])
-        shapes = {"tokens": (n, cfg.n_latent, cfg.dim), "ids": (n,),
-                  "centroids": (cfg.n_clusters, cfg.dim), "counts": (cfg.n_clusters,)}
+        shapes = {
+            "tokens": (n, cfg.n_latent, cfg.dim),
+            "ids": (n,),
+            "centroids": (cfg.n_clusters, cfg.dim),
+            "counts": (cfg.n_clusters,),
+        }
         for name, shape in shapes.items():
             if name not in t or tuple(t[name].shape) != shape:
                 got = tuple(t[name].shape) if name in t else None

@@ -63,7 +63,9 @@ def memory_levels(p: Plan) -> list[LevelPlan]:
     """Levels that carry memory (m_l > 0): the ones a fetch reads."""
     levels = [lv for lv in p.levels if lv.multiplier > 0]
     if not levels:
-        raise ValueError(f"memory config {p.memory.multipliers} has no non-zero level: nothing to fetch")
+        raise ValueError(
+            f"memory config {p.memory.multipliers} has no non-zero level: nothing to fetch"
+        )
     return levels
 
 
@@ -76,7 +78,9 @@ def _policy_name(policy: Policy) -> str:
     return "explicit" if isinstance(policy, Mapping) else str(policy)
 
 
-def level_placement(p: Plan, profile: HardwareProfile, dtype: str, policy: Policy = "hierarchical") -> dict[int, str]:
+def level_placement(
+    p: Plan, profile: HardwareProfile, dtype: str, policy: Policy = "hierarchical"
+) -> dict[int, str]:
     """{level: tier name} for the memory-carrying levels."""
     bank = {lv.level: lv.n_blocks * stored_bytes(lv.block_params, dtype) for lv in memory_levels(p)}
     return place_levels(bank, profile.budgets(), policy)
@@ -125,9 +129,14 @@ class FetchResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "profile": self.profile, "dtype": self.dtype, "policy": self.policy,
-            "fetch_bytes": self.fetch_bytes, "seconds": self.seconds, "speedup": self.speedup,
-            "levels": [asdict(lv) for lv in self.levels], "flat": asdict(self.flat),
+            "profile": self.profile,
+            "dtype": self.dtype,
+            "policy": self.policy,
+            "fetch_bytes": self.fetch_bytes,
+            "seconds": self.seconds,
+            "speedup": self.speedup,
+            "levels": [asdict(lv) for lv in self.levels],
+            "flat": asdict(self.flat),
         }
 
 
@@ -138,21 +147,36 @@ def attach_seconds(p: Plan, level: int, profile: HardwareProfile) -> float:
     return len(block_layout(p.anchor, p.memory, level)) * profile.tensor_us * 1e-6
 
 
-def flat_baseline(p: Plan, profile: HardwareProfile, dtype: str, tier: str | None = None) -> FlatBaseline:
-    """The flat bank, on the fastest tier that holds it, or on `tier` (checked against its capacity)."""
+def flat_baseline(
+    p: Plan, profile: HardwareProfile, dtype: str, tier: str | None = None
+) -> FlatBaseline:
+    """The flat bank, on the fastest tier that holds it, or on `tier` (checked against its
+    capacity)."""
     deepest = memory_levels(p)[-1]
     fetch = p.fetch_bytes(dtype)
     n_blocks = p.memory.n_blocks(deepest.level)
     bank = n_blocks * fetch
     policy: Policy = "flat" if tier is None else {deepest.level: tier}
     placed = place_levels({deepest.level: bank}, profile.budgets(), policy)[deepest.level]
-    return FlatBaseline(level=deepest.level, n_blocks=n_blocks, block_bytes=fetch, bank_bytes=bank, tier=placed,
-                        seconds=profile.tier(placed).read_seconds(fetch)
-                        + sum(attach_seconds(p, lv.level, profile) for lv in memory_levels(p)))
+    return FlatBaseline(
+        level=deepest.level,
+        n_blocks=n_blocks,
+        block_bytes=fetch,
+        bank_bytes=bank,
+        tier=placed,
+        seconds=profile.tier(placed).read_seconds(fetch)
+        + sum(attach_seconds(p, lv.level, profile) for lv in memory_levels(p)),
+    )
 
 
-def simulate_fetch(p: Plan, profile: HardwareProfile, dtype: str = "bf16", policy: Policy = "hierarchical",
-                   *, flat_tier: str | None = None) -> FetchResult:
+def simulate_fetch(
+    p: Plan,
+    profile: HardwareProfile,
+    dtype: str = "bf16",
+    policy: Policy = "hierarchical",
+    *,
+    flat_tier: str | None = None,
+) -> FetchResult:
     """One cold fetch of a path: per-level reads on their tiers vs the flat baseline.
 
     `policy` places the hierarchical bank's levels; `flat_tier` pins the flat
@@ -162,12 +186,23 @@ def simulate_fetch(p: Plan, profile: HardwareProfile, dtype: str = "bf16", polic
     levels = []
     for lv in memory_levels(p):
         block = stored_bytes(lv.block_params, dtype)
-        levels.append(LevelFetch(level=lv.level, tier=tiers[lv.level], block_bytes=block,
-                                 bank_bytes=lv.n_blocks * block,
-                                 seconds=profile.tier(tiers[lv.level]).read_seconds(block)
-                                 + attach_seconds(p, lv.level, profile)))
-    return FetchResult(profile=profile.name, dtype=dtype, policy=_policy_name(policy), levels=tuple(levels),
-                       flat=flat_baseline(p, profile, dtype, flat_tier))
+        levels.append(
+            LevelFetch(
+                level=lv.level,
+                tier=tiers[lv.level],
+                block_bytes=block,
+                bank_bytes=lv.n_blocks * block,
+                seconds=profile.tier(tiers[lv.level]).read_seconds(block)
+                + attach_seconds(p, lv.level, profile),
+            )
+        )
+    return FetchResult(
+        profile=profile.name,
+        dtype=dtype,
+        policy=_policy_name(policy),
+        levels=tuple(levels),
+        flat=flat_baseline(p, profile, dtype, flat_tier),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -179,24 +214,38 @@ def validate_trace(p: Plan, trace: np.ndarray) -> np.ndarray:
     t = np.asarray(trace)
     L, B = p.memory.n_levels, p.memory.branching
     if t.ndim != 2 or t.shape[0] == 0 or t.shape[1] != L:
-        raise ValueError(f"trace: expected a non-empty (n, {L}) array of cluster paths, got shape {t.shape}")
+        raise ValueError(
+            f"trace: expected a non-empty (n, {L}) array of cluster paths, got shape {t.shape}"
+        )
     if not np.issubdtype(t.dtype, np.integer):
         raise ValueError(f"trace: cluster ids must be integers, got dtype {t.dtype}")
     t = t.astype(np.int64)
     for level in range(1, L + 1):
         col = t[:, level - 1]
         if col.min() < 0 or col.max() >= B**level:
-            raise ValueError(f"trace: level-{level} ids must lie in [0, {B**level}) for branching {B}, "
-                             f"got [{col.min()}, {col.max()}] (does the tree's branching match --branching?)")
+            raise ValueError(
+                f"trace: level-{level} ids must lie in [0, {B**level}) for branching {B}, got "
+                f"[{col.min()}, {col.max()}] (does the tree's branching match --branching?)"
+            )
         if level > 1 and (col // B != t[:, level - 2]).any():
             row = int(np.flatnonzero(col // B != t[:, level - 2])[0])
-            raise ValueError(f"trace: row {row} is not a nested path: level-{level} id {col[row]} is not a child "
-                             f"of level-{level - 1} id {t[row, level - 2]}")
+            raise ValueError(
+                f"trace: row {row} is not a nested path: level-{level} id {col[row]} is not a "
+                f"child of level-{level - 1} id {t[row, level - 2]}"
+            )
     return t
 
 
-def zipf_trace(n_queries: int, branching: int, levels: int, *, exponent: float = 1.1, stay: float = 0.8,
-               shared_levels: int | None = None, seed: int = 0) -> np.ndarray:
+def zipf_trace(
+    n_queries: int,
+    branching: int,
+    levels: int,
+    *,
+    exponent: float = 1.1,
+    stay: float = 0.8,
+    shared_levels: int | None = None,
+    seed: int = 0,
+) -> np.ndarray:
     """A synthetic session of topical queries → (n_queries, levels) int64 nested global ids.
 
     Leaf popularity is Zipf: the leaf of rank r has weight r**-exponent, ranks
@@ -209,16 +258,24 @@ def zipf_trace(n_queries: int, branching: int, levels: int, *, exponent: float =
     differ in deep ones, the pattern §3 describes.
     """
     if n_queries < 1 or branching < 2 or levels < 1:
-        raise ValueError(f"zipf_trace: need n_queries >= 1, branching >= 2, levels >= 1; got "
-                         f"{n_queries}, {branching}, {levels}")
+        raise ValueError(
+            "zipf_trace: need n_queries >= 1, branching >= 2, "
+            f"levels >= 1; got {n_queries}, {branching}, {levels}"
+        )
     if not 0.0 <= stay <= 1.0 or exponent < 0:
-        raise ValueError(f"zipf_trace: need 0 <= stay <= 1 and exponent >= 0; got stay={stay}, exponent={exponent}")
+        raise ValueError(
+            "zipf_trace: need 0 <= stay <= 1 and exponent "
+            f">= 0; got stay={stay}, exponent={exponent}"
+        )
     shared = min(2, levels - 1) if shared_levels is None else shared_levels
     if not 0 <= shared <= levels:
         raise ValueError(f"zipf_trace: shared_levels must be in [0, {levels}], got {shared}")
     n_leaves = branching**levels
     if n_leaves > 1 << 26:
-        raise ValueError(f"zipf_trace: {n_leaves:,} leaves is too many to tabulate; use fewer levels or branching")
+        raise ValueError(
+            f"zipf_trace: {n_leaves:,} leaves is too many "
+            "to tabulate; use fewer levels or branching"
+        )
     rng = np.random.default_rng(seed)
     weights = np.empty(n_leaves)
     weights[rng.permutation(n_leaves)] = np.arange(1, n_leaves + 1, dtype=np.float64) ** -exponent
@@ -226,7 +283,9 @@ def zipf_trace(n_queries: int, branching: int, levels: int, *, exponent: float =
     cdf /= cdf[-1]
     stays = rng.random(n_queries) < stay
     u = rng.random(n_queries)
-    span = branching ** (levels - shared)  # leaves under one shared prefix; contiguous since ids nest
+    span = branching ** (
+        levels - shared
+    )  # leaves under one shared prefix; contiguous since ids nest
     leaves = np.empty(n_queries, dtype=np.int64)
     for i in range(n_queries):
         if i > 0 and stays[i]:
@@ -240,14 +299,16 @@ def zipf_trace(n_queries: int, branching: int, levels: int, *, exponent: float =
     return np.stack([leaves // branching ** (levels - lv) for lv in range(1, levels + 1)], axis=1)
 
 
-def trace_from_texts(tree_dir: str | Path, texts: Sequence[str], *, model: Any = None,
-                     device: str = "auto") -> np.ndarray:
+def trace_from_texts(
+    tree_dir: str | Path, texts: Sequence[str], *, model: Any = None, device: str = "auto"
+) -> np.ndarray:
     """Route real query texts through a clustering tree → (n, levels) global ids."""
     return route_texts(load_tree(tree_dir), texts, model=model, device=device)
 
 
 def load_trace(path: str | Path) -> np.ndarray:
-    """A trace from .npy ((n, L) integers) or .jsonl (one path per line: a list or {"path": [...]})."""
+    """A trace from .npy ((n, L) integers) or .jsonl (one path per line: a list or {"path":
+    [...]})."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"trace file not found: {p}")
@@ -263,16 +324,25 @@ def load_trace(path: str | Path) -> np.ndarray:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{p}:{i}: not valid JSON ({e})") from None
             row = rec.get("path") if isinstance(rec, dict) else rec
-            if not isinstance(row, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in row):
-                raise ValueError(f"{p}:{i}: expected a list of integer cluster ids or {{\"path\": [...]}}")
+            if not isinstance(row, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in row
+            ):
+                raise ValueError(
+                    f'{p}:{i}: expected a list of integer cluster ids or {{"path": [...]}}'
+                )
             if rows and len(row) != len(rows[0]):
-                raise ValueError(f"{p}:{i}: path has {len(row)} levels, earlier lines have {len(rows[0])}")
+                raise ValueError(
+                    f"{p}:{i}: path has {len(row)} levels, earlier lines have {len(rows[0])}"
+                )
             rows.append(row)
         t = np.array(rows, dtype=np.int64)
     else:
         raise ValueError(f"trace {p}: expected a .npy or .jsonl file")
     if t.ndim != 2 or t.shape[0] == 0 or not np.issubdtype(t.dtype, np.integer):
-        raise ValueError(f"trace {p}: expected a non-empty 2-D integer array, got shape {t.shape} dtype {t.dtype}")
+        raise ValueError(
+            f"trace {p}: expected a non-empty 2-D integer "
+            f"array, got shape {t.shape} dtype {t.dtype}"
+        )
     return t.astype(np.int64)
 
 
@@ -280,7 +350,9 @@ def load_trace(path: str | Path) -> np.ndarray:
 # Sessions
 
 
-def _latency_stats(seconds: np.ndarray, hits: int, lookups: int, nbytes: np.ndarray) -> dict[str, float | int]:
+def _latency_stats(
+    seconds: np.ndarray, hits: int, lookups: int, nbytes: np.ndarray
+) -> dict[str, float | int]:
     return {
         "n_queries": int(seconds.size),
         "mean_s": float(seconds.mean()),
@@ -325,33 +397,63 @@ class SessionResult:
         return self.hier_level_hit.shape[1] - self.hier_hits
 
     def summary(self) -> dict[str, Any]:
-        hier = _latency_stats(self.hier_seconds, int(self.hier_level_hit.sum()), self.hier_level_hit.size,
-                              self.hier_bytes)
-        flat = _latency_stats(self.flat_seconds, int(self.flat_hit.sum()), self.flat_hit.size, self.flat_bytes)
-        return {"hierarchical": hier, "flat": flat,
-                "speedup_mean": flat["mean_s"] / hier["mean_s"] if hier["mean_s"] > 0 else math.inf}
+        hier = _latency_stats(
+            self.hier_seconds,
+            int(self.hier_level_hit.sum()),
+            self.hier_level_hit.size,
+            self.hier_bytes,
+        )
+        flat = _latency_stats(
+            self.flat_seconds, int(self.flat_hit.sum()), self.flat_hit.size, self.flat_bytes
+        )
+        return {
+            "hierarchical": hier,
+            "flat": flat,
+            "speedup_mean": flat["mean_s"] / hier["mean_s"] if hier["mean_s"] > 0 else math.inf,
+        }
 
     def to_dict(self, *, per_query: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "profile": self.profile, "dtype": self.dtype, "policy": self.policy, "cache_bytes": self.cache_bytes,
-            "count_cache_copy": self.count_cache_copy, "levels": list(self.levels), "tiers": list(self.tiers),
-            "flat_tier": self.flat_tier, "summary": self.summary(),
+            "profile": self.profile,
+            "dtype": self.dtype,
+            "policy": self.policy,
+            "cache_bytes": self.cache_bytes,
+            "count_cache_copy": self.count_cache_copy,
+            "levels": list(self.levels),
+            "tiers": list(self.tiers),
+            "flat_tier": self.flat_tier,
+            "summary": self.summary(),
         }
         if per_query:
             out["per_query"] = {
-                "hierarchical": {"seconds": self.hier_seconds.tolist(), "bytes_read": self.hier_bytes.tolist(),
-                                 "hits": self.hier_hits.tolist(), "misses": self.hier_misses.tolist(),
-                                 "level_seconds": self.hier_level_seconds.tolist(),
-                                 "level_hit": self.hier_level_hit.tolist()},
-                "flat": {"seconds": self.flat_seconds.tolist(), "bytes_read": self.flat_bytes.tolist(),
-                         "hit": self.flat_hit.tolist()},
+                "hierarchical": {
+                    "seconds": self.hier_seconds.tolist(),
+                    "bytes_read": self.hier_bytes.tolist(),
+                    "hits": self.hier_hits.tolist(),
+                    "misses": self.hier_misses.tolist(),
+                    "level_seconds": self.hier_level_seconds.tolist(),
+                    "level_hit": self.hier_level_hit.tolist(),
+                },
+                "flat": {
+                    "seconds": self.flat_seconds.tolist(),
+                    "bytes_read": self.flat_bytes.tolist(),
+                    "hit": self.flat_hit.tolist(),
+                },
             }
         return out
 
 
-def simulate_session(p: Plan, profile: HardwareProfile, trace: np.ndarray, dtype: str = "bf16",
-                     cache_bytes: int | None = None, *, policy: Policy = "hierarchical",
-                     flat_tier: str | None = None, count_cache_copy: bool = False) -> SessionResult:
+def simulate_session(
+    p: Plan,
+    profile: HardwareProfile,
+    trace: np.ndarray,
+    dtype: str = "bf16",
+    cache_bytes: int | None = None,
+    *,
+    policy: Policy = "hierarchical",
+    flat_tier: str | None = None,
+    count_cache_copy: bool = False,
+) -> SessionResult:
     """Replay a trace of paths through a byte-budgeted LRU (default budget: the profile's cache_gb).
 
     Hierarchical and flat banks each get their own cache of that budget.
@@ -363,9 +465,13 @@ def simulate_session(p: Plan, profile: HardwareProfile, trace: np.ndarray, dtype
     mem = memory_levels(p)
     block = [stored_bytes(lv.block_params, dtype) for lv in mem]
     attach = [attach_seconds(p, lv.level, profile) for lv in mem]
-    miss_s = [profile.tier(placement[lv.level]).read_seconds(b) + a for lv, b, a in zip(mem, block, attach, strict=True)]
+    miss_s = [
+        profile.tier(placement[lv.level]).read_seconds(b) + a
+        for lv, b, a in zip(mem, block, attach, strict=True)
+    ]
     ram = profile.tiers[0]
-    # A hit still copies the block out of the cache when asked to count it (bandwidth only, no seek).
+    # A hit still copies the block out of the cache when asked to count it (bandwidth only, no
+    # seek).
     copy_s = [b / (ram.bandwidth_gbps * 1e9) if count_cache_copy else 0.0 for b in block]
     hit_s = [c + a for c, a in zip(copy_s, attach, strict=True)]
     flat_copy_s = flat.block_bytes / (ram.bandwidth_gbps * 1e9) if count_cache_copy else 0.0
@@ -397,11 +503,21 @@ def simulate_session(p: Plan, profile: HardwareProfile, trace: np.ndarray, dtype
             flat_bytes[i] = flat.block_bytes
             flat_cache.put(key, True, flat.block_bytes)
     return SessionResult(
-        profile=profile.name, dtype=dtype, policy=_policy_name(policy), cache_bytes=budget,
-        count_cache_copy=count_cache_copy, levels=tuple(lv.level for lv in mem),
-        tiers=tuple(placement[lv.level] for lv in mem), hier_seconds=level_s.sum(axis=1), hier_bytes=hier_bytes,
-        hier_level_seconds=level_s, hier_level_hit=level_hit, flat_tier=flat.tier, flat_seconds=flat_s,
-        flat_bytes=flat_bytes, flat_hit=flat_hit,
+        profile=profile.name,
+        dtype=dtype,
+        policy=_policy_name(policy),
+        cache_bytes=budget,
+        count_cache_copy=count_cache_copy,
+        levels=tuple(lv.level for lv in mem),
+        tiers=tuple(placement[lv.level] for lv in mem),
+        hier_seconds=level_s.sum(axis=1),
+        hier_bytes=hier_bytes,
+        hier_level_seconds=level_s,
+        hier_level_hit=level_hit,
+        flat_tier=flat.tier,
+        flat_seconds=flat_s,
+        flat_bytes=flat_bytes,
+        flat_hit=flat_hit,
     )
 
 
@@ -413,10 +529,22 @@ def config_label(multipliers: Sequence[int]) -> str:
     return ",".join(map(str, multipliers))
 
 
-def sweep(anchor: str, configs: Sequence[Sequence[int]], profile: HardwareProfile, *, type: str = "ffn",
-          dtype: str = "bf16", policy: str = "hierarchical", pin_tier: str | None = None, branching: int = 16,
-          trace: np.ndarray | None = None, n_queries: int = 0, seed: int = 0, cache_bytes: int | None = None,
-          count_cache_copy: bool = False) -> list[dict[str, Any]]:
+def sweep(
+    anchor: str,
+    configs: Sequence[Sequence[int]],
+    profile: HardwareProfile,
+    *,
+    type: str = "ffn",
+    dtype: str = "bf16",
+    policy: str = "hierarchical",
+    pin_tier: str | None = None,
+    branching: int = 16,
+    trace: np.ndarray | None = None,
+    n_queries: int = 0,
+    seed: int = 0,
+    cache_bytes: int | None = None,
+    count_cache_copy: bool = False,
+) -> list[dict[str, Any]]:
     """One row per memory config: single-fetch latencies and, with a trace, session means.
 
     `pin_tier` stores both banks on that one tier (Fig. 5 right) instead of
@@ -430,19 +558,40 @@ def sweep(anchor: str, configs: Sequence[Sequence[int]], profile: HardwareProfil
         placement = pinned(p, pin_tier) if pin_tier else policy
         f = simulate_fetch(p, profile, dtype, placement, flat_tier=pin_tier)
         row: dict[str, Any] = {
-            "profile": profile.name, "config": config_label(mult), "multipliers": list(mult),
-            "fetch_params": p.fetch_params, "fetch_bytes": f.fetch_bytes, "bank_bytes": p.bank_bytes(dtype),
-            "flat_bank_bytes": f.flat.bank_bytes, "tiers": {str(lv.level): lv.tier for lv in f.levels},
-            "flat_tier": f.flat.tier, "hierarchical_s": f.seconds, "flat_s": f.flat.seconds, "speedup": f.speedup,
+            "profile": profile.name,
+            "config": config_label(mult),
+            "multipliers": list(mult),
+            "fetch_params": p.fetch_params,
+            "fetch_bytes": f.fetch_bytes,
+            "bank_bytes": p.bank_bytes(dtype),
+            "flat_bank_bytes": f.flat.bank_bytes,
+            "tiers": {str(lv.level): lv.tier for lv in f.levels},
+            "flat_tier": f.flat.tier,
+            "hierarchical_s": f.seconds,
+            "flat_s": f.flat.seconds,
+            "speedup": f.speedup,
         }
-        t = trace if trace is not None else (
-            zipf_trace(n_queries, branching, len(mult), seed=seed) if n_queries > 0 else None)
+        t = (
+            trace
+            if trace is not None
+            else (zipf_trace(n_queries, branching, len(mult), seed=seed) if n_queries > 0 else None)
+        )
         if t is not None:
-            s = simulate_session(p, profile, t, dtype, cache_bytes, policy=placement, flat_tier=pin_tier,
-                                 count_cache_copy=count_cache_copy).summary()
+            s = simulate_session(
+                p,
+                profile,
+                t,
+                dtype,
+                cache_bytes,
+                policy=placement,
+                flat_tier=pin_tier,
+                count_cache_copy=count_cache_copy,
+            ).summary()
             row["session"] = {
-                "hierarchical_mean_s": s["hierarchical"]["mean_s"], "flat_mean_s": s["flat"]["mean_s"],
-                "hierarchical_hit_rate": s["hierarchical"]["hit_rate"], "flat_hit_rate": s["flat"]["hit_rate"],
+                "hierarchical_mean_s": s["hierarchical"]["mean_s"],
+                "flat_mean_s": s["flat"]["mean_s"],
+                "hierarchical_hit_rate": s["hierarchical"]["hit_rate"],
+                "flat_hit_rate": s["flat"]["hit_rate"],
             }
         rows.append(row)
     return rows

@@ -37,11 +37,18 @@ class TierProfile:
         if not self.name:
             raise ValueError("tier name must not be empty")
         if not (math.isfinite(self.bandwidth_gbps) and self.bandwidth_gbps > 0):
-            raise ValueError(f"tier {self.name!r}: bandwidth_gbps must be positive, got {self.bandwidth_gbps}")
+            raise ValueError(
+                f"tier {self.name!r}: bandwidth_gbps must be positive, got {self.bandwidth_gbps}"
+            )
         if not (math.isfinite(self.latency_us) and self.latency_us >= 0):
-            raise ValueError(f"tier {self.name!r}: latency_us must be non-negative, got {self.latency_us}")
+            raise ValueError(
+                f"tier {self.name!r}: latency_us must be non-negative, got {self.latency_us}"
+            )
         if self.capacity_gb is not None and not self.capacity_gb >= 0:
-            raise ValueError(f"tier {self.name!r}: capacity_gb must be non-negative or null, got {self.capacity_gb}")
+            raise ValueError(
+                f"tier {self.name!r}: capacity_gb must be "
+                f"non-negative or null, got {self.capacity_gb}"
+            )
 
     @property
     def capacity_bytes(self) -> int | None:
@@ -69,18 +76,25 @@ class HardwareProfile:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.tensor_us) and self.tensor_us >= 0):
-            raise ValueError(f"profile {self.name!r}: tensor_us must be non-negative, got {self.tensor_us}")
+            raise ValueError(
+                f"profile {self.name!r}: tensor_us must be non-negative, got {self.tensor_us}"
+            )
         if self.format != PROFILE_FORMAT:
             raise ValueError(f"format {self.format!r} is not {PROFILE_FORMAT!r}")
         if self.version != PROFILE_VERSION:
-            raise ValueError(f"profile version {self.version} is not supported (this memtree reads {PROFILE_VERSION})")
+            raise ValueError(
+                f"profile version {self.version} is not "
+                f"supported (this memtree reads {PROFILE_VERSION})"
+            )
         if not self.tiers:
             raise ValueError(f"profile {self.name!r}: needs at least one tier")
         names = [t.name for t in self.tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"profile {self.name!r}: tier names must be unique, got {names}")
         if not (math.isfinite(self.cache_gb) and self.cache_gb >= 0):
-            raise ValueError(f"profile {self.name!r}: cache_gb must be non-negative, got {self.cache_gb}")
+            raise ValueError(
+                f"profile {self.name!r}: cache_gb must be non-negative, got {self.cache_gb}"
+            )
 
     @property
     def cache_bytes(self) -> int:
@@ -106,6 +120,8 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     if isinstance(name_or_path, str) and name_or_path in shipped_profiles():
         p = PROFILES_DIR / f"{name_or_path}.yaml"
     elif not (p.is_file() or p.suffix in (".yaml", ".yml")):
-        raise ConfigError(f"unknown hardware profile {str(name_or_path)!r}; shipped: {shipped_profiles()} "
-                          "(or give a path to a profile YAML)")
+        raise ConfigError(
+            f"unknown hardware profile {str(name_or_path)!r}; shipped: {shipped_profiles()} (or "
+            "give a path to a profile YAML)"
+        )
     return load_config(HardwareProfile, p)

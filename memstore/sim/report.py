@@ -32,8 +32,12 @@ class ProfileResults:
     sweep: tuple[dict[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"profile": to_dict(self.profile), "fetch": self.fetch.to_dict(),
-                "session": self.session.to_dict() if self.session else None, "sweep": list(self.sweep)}
+        return {
+            "profile": to_dict(self.profile),
+            "fetch": self.fetch.to_dict(),
+            "session": self.session.to_dict() if self.session else None,
+            "sweep": list(self.sweep),
+        }
 
 
 def _ms(seconds: float) -> str:
@@ -46,8 +50,13 @@ def format_table(results: Sequence[ProfileResults]) -> str:
     for r in results:
         f = r.fetch
         lines += [f"## {r.profile.name}: {r.profile.description}".rstrip(": "), ""]
-        tiers = ", ".join(f"L{lv.level} ({human_bytes(lv.bank_bytes)}) → {lv.tier}" for lv in f.levels)
-        flat_bank = f"flat bank ({human_bytes(f.flat.bank_bytes)}, {f.flat.n_blocks:,} blocks) → {f.flat.tier}"
+        tiers = ", ".join(
+            f"L{lv.level} ({human_bytes(lv.bank_bytes)}) → {lv.tier}" for lv in f.levels
+        )
+        flat_bank = (
+            f"flat bank ({human_bytes(f.flat.bank_bytes)}, "
+            f"{f.flat.n_blocks:,} blocks) → {f.flat.tier}"
+        )
         lines += [f"placement ({f.policy}): {tiers}; {flat_bank}", ""]
         per_level = " + ".join(f"L{lv.level} {_ms(lv.seconds)}" for lv in f.levels)
         head = "| bank | fetch | single fetch (ms) |"
@@ -56,39 +65,68 @@ def format_table(results: Sequence[ProfileResults]) -> str:
         flat = f"| flat | {human_bytes(f.flat.block_bytes)} | {_ms(f.flat.seconds)} |"
         if r.session is not None:
             s = r.session.summary()
-            head += " session mean (ms) | warm mean (ms) | p50 (ms) | p95 (ms) | hit rate | read/query |"
+            head += (
+                " session mean (ms) | warm mean (ms) | p50 "
+                "(ms) | p95 (ms) | hit rate | read/query |"
+            )
             rule += "---:|---:|---:|---:|---:|---:|"
 
             def cols(st: dict[str, Any]) -> str:
-                return (f" {_ms(st['mean_s'])} | {_ms(st['warm_mean_s'])} | {_ms(st['p50_s'])} | "
-                        f"{_ms(st['p95_s'])} | {st['hit_rate']:.1%} | {human_bytes(st['bytes_read_mean'])} |")
+                return (
+                    f" {_ms(st['mean_s'])} | {_ms(st['warm_mean_s'])} | {_ms(st['p50_s'])} | "
+                    f"{_ms(st['p95_s'])} | {st['hit_rate']:.1%} | "
+                    f"{human_bytes(st['bytes_read_mean'])} |"
+                )
 
             hier += cols(s["hierarchical"])
             flat += cols(s["flat"])
         lines += [head, rule, hier, flat, ""]
-        lines.append(f"single-fetch speedup (flat / hierarchical): {f.speedup:.1f}×"
-                     + (f"; session mean speedup: {r.session.summary()['speedup_mean']:.1f}× over "
-                        f"{r.session.hier_seconds.size} queries, cache {human_bytes(r.session.cache_bytes)}"
-                        if r.session is not None else ""))
+        lines.append(
+            f"single-fetch speedup (flat / hierarchical): {f.speedup:.1f}×"
+            + (
+                f"; session mean speedup: {r.session.summary()['speedup_mean']:.1f}× over "
+                f"{r.session.hier_seconds.size} queries, cache {human_bytes(r.session.cache_bytes)}"
+                if r.session is not None
+                else ""
+            )
+        )
         lines.append("")
         if r.sweep:
             has_session = "session" in r.sweep[0]
-            lines += ["| config | fetched params | fetch | bank | flat bank | hierarchical (ms) | flat (ms) | speedup |"
-                      + (" session hier (ms) | session flat (ms) |" if has_session else ""),
-                      "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if has_session else "")]
+            lines += [
+                "| config | fetched params | fetch | bank | flat "
+                "bank | hierarchical (ms) | flat (ms) | speedup |"
+                + (" session hier (ms) | session flat (ms) |" if has_session else ""),
+                "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if has_session else ""),
+            ]
             for row in r.sweep:
-                line = (f"| ({row['config']}) | {human(row['fetch_params'])} | {human_bytes(row['fetch_bytes'])} | "
-                        f"{human_bytes(row['bank_bytes'])} | {human_bytes(row['flat_bank_bytes'])} | "
-                        f"{_ms(row['hierarchical_s'])} | {_ms(row['flat_s'])} | {row['speedup']:.1f}× |")
+                line = (
+                    f"| ({row['config']}) | {human(row['fetch_params'])} | "
+                    f"{human_bytes(row['fetch_bytes'])} | {human_bytes(row['bank_bytes'])} | "
+                    f"{human_bytes(row['flat_bank_bytes'])} | {_ms(row['hierarchical_s'])} | "
+                    f"{_ms(row['flat_s'])} | {row['speedup']:.1f}× |"
+                )
                 if has_session:
-                    line += f" {_ms(row['session']['hierarchical_mean_s'])} | {_ms(row['session']['flat_mean_s'])} |"
+                    line += (
+                        f" {_ms(row['session']['hierarchical_mean_s'])} | "
+                        f"{_ms(row['session']['flat_mean_s'])} |"
+                    )
                 lines.append(line)
             lines.append("")
     return "\n".join(lines)
 
 
 def _tier_colors(results: Sequence[ProfileResults]) -> dict[str, str]:
-    palette = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
+    palette = [
+        "#4C72B0",
+        "#DD8452",
+        "#55A868",
+        "#C44E52",
+        "#8172B3",
+        "#937860",
+        "#DA8BC3",
+        "#8C8C8C",
+    ]
     names: list[str] = []
     for r in results:
         names += [t.name for t in r.profile.tiers if t.name not in names]
@@ -115,7 +153,15 @@ def _plot_fetch(results: Sequence[ProfileResults], path: Path) -> None:
             h = lv.seconds * 1e3
             ax.bar(0, h, bottom=bottom, color=colors[lv.tier], edgecolor="white", width=0.6)
             if h > 0.05 * top:  # a label in a sliver would overprint its neighbours
-                ax.text(0, bottom + h / 2, f"L{lv.level}", ha="center", va="center", fontsize=8, color="white")
+                ax.text(
+                    0,
+                    bottom + h / 2,
+                    f"L{lv.level}",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="white",
+                )
             bottom += h
         ax.text(0, bottom, f"{bottom:.1f} ms", ha="center", va="bottom", fontsize=9)
         flat_ms = f.flat.seconds * 1e3
@@ -125,7 +171,11 @@ def _plot_fetch(results: Sequence[ProfileResults], path: Path) -> None:
         ax.set_ylabel("single fetch latency (ms)")
         ax.set_title(f"{r.profile.name}: fetch {human_bytes(f.fetch_bytes)}")
         ax.margins(y=0.12)
-        used = [t.name for t in r.profile.tiers if t.name in {lv.tier for lv in f.levels} | {f.flat.tier}]
+        used = [
+            t.name
+            for t in r.profile.tiers
+            if t.name in {lv.tier for lv in f.levels} | {f.flat.tier}
+        ]
         ax.legend(handles=[_patch(colors[n], n) for n in used], title="tier", fontsize=8)
     _save(fig, path)
 
@@ -146,7 +196,10 @@ def _plot_session(results: Sequence[ProfileResults], path: Path) -> None:
         q = np.arange(s.hier_seconds.size)
         summ = s.summary()
         # Flat first, so the (much lower) hierarchical trace is drawn on top of it.
-        for bank, sec, color in (("flat", s.flat_seconds, "#C44E52"), ("hierarchical", s.hier_seconds, "#4C72B0")):
+        for bank, sec, color in (
+            ("flat", s.flat_seconds, "#C44E52"),
+            ("hierarchical", s.hier_seconds, "#4C72B0"),
+        ):
             mean_ms = summ[bank]["mean_s"] * 1e3
             ax.plot(q, sec * 1e3, lw=0.7, color=color, label=f"{bank} (mean {mean_ms:.2f} ms)")
             ax.axhline(mean_ms, color=color, ls="--", lw=1)
@@ -165,14 +218,32 @@ def _plot_sweep(results: Sequence[ProfileResults], path: Path) -> None:
     axes = fig.subplots(1, len(rs), squeeze=False)[0]
     for ax, r in zip(axes, rs):
         x = [row["fetch_params"] for row in r.sweep]
-        ax.vlines(x, [row["hierarchical_s"] * 1e3 for row in r.sweep], [row["flat_s"] * 1e3 for row in r.sweep],
-                  color="#BBBBBB", lw=1, zorder=0)
-        ax.scatter(x, [row["hierarchical_s"] * 1e3 for row in r.sweep], marker="o", color="#4C72B0",
-                   label="hierarchical")
-        ax.scatter(x, [row["flat_s"] * 1e3 for row in r.sweep], marker="s", color="#C44E52", label="flat")
+        ax.vlines(
+            x,
+            [row["hierarchical_s"] * 1e3 for row in r.sweep],
+            [row["flat_s"] * 1e3 for row in r.sweep],
+            color="#BBBBBB",
+            lw=1,
+            zorder=0,
+        )
+        ax.scatter(
+            x,
+            [row["hierarchical_s"] * 1e3 for row in r.sweep],
+            marker="o",
+            color="#4C72B0",
+            label="hierarchical",
+        )
+        ax.scatter(
+            x, [row["flat_s"] * 1e3 for row in r.sweep], marker="s", color="#C44E52", label="flat"
+        )
         for row in r.sweep:
-            ax.annotate(f"({row['config']})", (row["fetch_params"], row["hierarchical_s"] * 1e3), fontsize=7,
-                        textcoords="offset points", xytext=(4, 4))
+            ax.annotate(
+                f"({row['config']})",
+                (row["fetch_params"], row["hierarchical_s"] * 1e3),
+                fontsize=7,
+                textcoords="offset points",
+                xytext=(4, 4),
+            )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("fetched parameters")
@@ -182,15 +253,23 @@ def _plot_sweep(results: Sequence[ProfileResults], path: Path) -> None:
     _save(fig, path)
 
 
-def write_report(results: Sequence[ProfileResults], out_dir: str | Path, *,
-                 meta: Mapping[str, Any] | None = None) -> dict[str, Path]:
-    """Write results.json, report.md and PNGs (fetch; session and sweep when present) → {name: path}."""
+def write_report(
+    results: Sequence[ProfileResults], out_dir: str | Path, *, meta: Mapping[str, Any] | None = None
+) -> dict[str, Path]:
+    """Write results.json, report.md and PNGs (fetch; session and sweep when present) → {name:
+    path}."""
     if not results:
         raise ValueError("write_report: no results")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "results.json", "table": out / "report.md", "fetch_png": out / "fetch.png"}
-    atomic_write_json(paths["json"], {"meta": dict(meta or {}), "results": [r.to_dict() for r in results]})
+    paths = {
+        "json": out / "results.json",
+        "table": out / "report.md",
+        "fetch_png": out / "fetch.png",
+    }
+    atomic_write_json(
+        paths["json"], {"meta": dict(meta or {}), "results": [r.to_dict() for r in results]}
+    )
     atomic_write_text(paths["table"], format_table(results) + "\n")
     _plot_fetch(results, paths["fetch_png"])
     if any(r.session is not None for r in results):
