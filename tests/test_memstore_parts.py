@@ -29,7 +29,9 @@ from memtree.memstore.sync import BankSync
 from memtree.memstore.tiers import DiskReader, FlashReader, RamReader, TierConfig
 from memtree.memstore.writer import write_bank
 
-TINY = AnchorShape(name="tiny", n_layers=1, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=100)
+TINY = AnchorShape(
+    name="tiny", n_layers=1, d_model=16, n_heads=2, head_dim=8, ffn_dim=32, vocab_size=100
+)
 MEM = MemoryConfig(multipliers=(4, 2), branching=4)  # level 1: 4 blocks, level 2: 16
 
 
@@ -77,17 +79,23 @@ def test_block_policy_session_layer_never_reaches_the_file(bank):
 
 def test_open_levels_read_cache_verify_and_written(bank):
     info = read_manifest(bank)
-    tiers = {"ram": TierConfig(name="ram", kind="ram", capacity_bytes=info.levels[1].file_bytes),
-             "flash": TierConfig(name="flash", kind="flash", cache_bytes=1 << 20)}
+    tiers = {
+        "ram": TierConfig(name="ram", kind="ram", capacity_bytes=info.levels[1].file_bytes),
+        "flash": TierConfig(name="flash", kind="flash", cache_bytes=1 << 20),
+    }
     stats = StoreStats(tiers)
-    opened = OpenLevels(bank, info, tiers, "hierarchical", stats.tiers, lambda lv: np.zeros(lv.n_blocks, bool))
+    opened = OpenLevels(
+        bank, info, tiers, "hierarchical", stats.tiers, lambda lv: np.zeros(lv.n_blocks, bool)
+    )
     try:
         assert opened.placement == {1: "ram", 2: "flash"} and set(opened.caches) == {"flash"}
         assert isinstance(opened.levels[1].reader, RamReader)
         assert isinstance(opened.levels[2].reader, FlashReader)
         L2 = opened.levels[2]
         for _ in range(2):
-            assert torch.equal(opened.read(L2, 7, "always", None), torch.full((L2.info.params,), 7.0))
+            assert torch.equal(
+                opened.read(L2, 7, "always", None), torch.full((L2.info.params,), 7.0)
+            )
         assert (stats.tiers["flash"].reads, L2.hits, L2.misses) == (1, 1, 1)
         report = stats.report(opened.placement, opened.caches, opened.levels)
         assert report["levels"]["2"]["hit_rate"] == 0.5
@@ -114,7 +122,9 @@ def test_disk_reader_and_sync_reload_decisions(bank):
     info = read_manifest(bank)
     stats = StoreStats(["disk"])
     disk = {"disk": TierConfig(name="disk", kind="disk")}
-    opened = OpenLevels(bank, info, disk, "flat", stats.tiers, lambda lv: np.zeros(lv.n_blocks, bool))
+    opened = OpenLevels(
+        bank, info, disk, "flat", stats.tiers, lambda lv: np.zeros(lv.n_blocks, bool)
+    )
     assert isinstance(opened.levels[1].reader, DiskReader)
     L1 = opened.levels[1]
     assert torch.equal(opened.read(L1, 3, "once", None), torch.full((L1.info.params,), 3.0))
@@ -137,11 +147,20 @@ def test_erase_writes_and_audit_lines(bank):
     info = read_manifest(bank)
     writes, manifest = erase_writes(info, info.levels, {2: [3, 4]})
     assert [(lv, slot, len(rec), any(rec)) for lv, slot, rec in writes] == [
-        (2, 3, info.levels[2].record_bytes, False), (2, 4, info.levels[2].record_bytes, False)]
+        (2, 3, info.levels[2].record_bytes, False),
+        (2, 4, info.levels[2].record_bytes, False),
+    ]
     assert manifest["deleted"] == {"2": [[3, 5]]} and "deleted" not in info.manifest
 
-    append_audit(bank, user="ann", action="block", targets={1: [1], 2: [4, 5, 6, 7]}, reason="why",
-                 generation=info.generation, request={"level": 1, "clusters": [1], "subtree": True})
+    append_audit(
+        bank,
+        user="ann",
+        action="block",
+        targets={1: [1], 2: [4, 5, 6, 7]},
+        reason="why",
+        generation=info.generation,
+        request={"level": 1, "clusters": [1], "subtree": True},
+    )
     (entry,) = audit_log(bank)
     assert entry["user"] == "ann" and entry["targets"] == {"1": [[1, 2]], "2": [[4, 8]]}
     assert blocked_as_subtree([entry], 1) == [1]
