@@ -527,3 +527,28 @@ def baseline_health(name: str, gflops: float, sgemm: float) -> dict[str, Any]:
         "fraction_of_sgemm": round(frac, 3),
         "healthy": frac >= HEALTHY_FRACTION,
     }
+
+
+def host_gemm() -> dict[str, Any]:
+    """Each BLAS's float32 GEMM on this host, so a reader sees which host kind a tree figure came
+    from (issue 71): GFLOP/s at the node fits' shapes (`clustering.gemm.SHAPES`, one thread, per
+    backend: numpy's OpenBLAS, torch's, FAISS's OpenBLAS) and at a 2,048² square on all threads
+    (numpy, torch). Logged as one line and returned for the results file."""
+    from memtree.clustering import gemm
+
+    node = gemm.measure()
+    out = {
+        "node_shapes": [list(s) for s in gemm.SHAPES],
+        "node_gflops_1_thread": node.get("gflops"),
+        "node_choice": node.get("choice"),
+        "square_2048_gflops_all_threads": {
+            "numpy": round(sgemm_gflops(), 1),
+            "torch": round(torch_sgemm_gflops(), 1),
+        },
+    }
+    log(
+        f"sgemm GFLOP/s at the node shapes {gemm.SHAPES} (one thread): "
+        f"{out['node_gflops_1_thread']}; at 2,048² (all threads): "
+        f"{out['square_2048_gflops_all_threads']}"
+    )
+    return out

@@ -68,12 +68,18 @@ def route_texts(
     tree: Tree, texts: Sequence[str], *, model=None, device: str = "auto"
 ) -> np.ndarray:
     """Embed texts exactly as the tree's windows were embedded, then route → (n, levels)."""
+    return route(tree, embed_like_tree(tree, texts, model=model, device=device))
+
+
+def embed_like_tree(
+    tree: Tree, texts: Sequence[str], *, model=None, device: str = "auto"
+) -> np.ndarray:
+    """texts → (n, dim) float32 embeddings, made as the tree's windows were (its embedder meta)."""
     emb = tree.meta.get("embedder", {})
     model = model or embedder_from_meta(emb, tree.path, device=device)
-    x = embed_texts(
+    return embed_texts(
         model,
         list(texts),
         strategy=emb.get("strategy", "truncate"),
         batch_size=int(emb.get("batch_size", 64)),
     )
-    return route(tree, x)

@@ -11,7 +11,15 @@ import argparse
 from pathlib import Path
 
 from memtree.cli import Commands, add_config, add_overrides, config_and_overrides, nonneg
-from memtree.eval.cli_common import check_demo_root, config_file, need_file, note, out_override
+from memtree.eval.cli_common import (
+    add_gate,
+    apply_gate,
+    check_demo_root,
+    config_file,
+    need_file,
+    note,
+    out_override,
+)
 from memtree.pretrained import SPECS as PRETRAINED
 
 # Each command imports its library modules inside its handler: `memtree --help` loads every stage's
@@ -126,6 +134,7 @@ def _add_knowledge(sub: argparse._SubParsersAction) -> None:
         help="with --block-domains / --block-documents: what a blocked block reads as in these "
         "experiments (zeros: no memory; generic: the generic memory; default: the bank's policy)",
     )
+    add_gate(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="report directory (default RUN/eval)")
     p.set_defaults(func=_eval)
@@ -186,6 +195,7 @@ def _add_tasks(sub: argparse._SubParsersAction) -> None:
     t.add_argument(
         "--tree", help="clustering tree directory (default: tree/ beside the run's shards)"
     )
+    add_gate(t)
     t.add_argument("--out", help="report directory (default RUN/eval-tasks)")
     t.set_defaults(func=_tasks)
 
@@ -336,6 +346,7 @@ def _eval(args: argparse.Namespace) -> int:
     )
 
     rm = RunModel.load(args.run, tree_dir=args.tree)
+    apply_gate(rm, args)
     level = _block_level(rm, args)  # fail fast: before the probes are scored
     owner_ids = _owner_args(args)
     if args.fallback and not (args.block_domains or owner_ids is not None):
@@ -562,7 +573,9 @@ def _tasks(args: argparse.Namespace) -> int:
     from memtree.eval.suite import load_suite_config, run_suite, write_suite_report
 
     cfg = load_suite_config(need_file(args.suite, "SUITE"))  # task paths resolve against the YAML
-    result = run_suite(RunModel.load(args.run, tree_dir=args.tree), cfg)
+    rm = RunModel.load(args.run, tree_dir=args.tree)
+    apply_gate(rm, args)
+    result = run_suite(rm, cfg)
     out = Path(args.out) if args.out else Path(args.run) / "eval-tasks"
     files = write_suite_report(
         out, result, meta={"run": str(Path(args.run).resolve()), "suite": args.suite}

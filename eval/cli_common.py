@@ -41,3 +41,51 @@ def check_demo_root(root: str, cmd: str, files: tuple[str, ...]) -> None:
             f"{cmd} ROOT {root}: no {', '.join(missing)} there (ROOT is a bios demo run: "
             "memtree demo's --root)"
         )
+
+
+def gate_spec(text: str):
+    """argparse type for `--gate`: LEVEL:QUANTILE or LEVEL:=THRESHOLD (`clustering.gate`)."""
+    from memtree.clustering.gate import GateSpec
+
+    try:
+        return GateSpec.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_gate(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gate",
+        type=gate_spec,
+        metavar="LEVEL:QUANTILE",
+        help="add a gated setting: fetched memory only for queries whose cosine similarity to "
+        "their level-LEVEL cluster (LEVEL: 1, 2, … or leaf) reaches the QUANTILE of the training "
+        "windows' own (e.g. leaf:0.01), or a given similarity (leaf:=0.4); the anchor alone "
+        "elsewhere (memtree.clustering.gate)",
+    )
+    p.add_argument(
+        "--gate-windows",
+        metavar="EMBEDDINGS_NPY",
+        help="with --gate: the training windows' embeddings to calibrate on (default: the "
+        "pipeline's embed/embeddings.npy beside the tree)",
+    )
+
+
+def apply_gate(rm, args: argparse.Namespace) -> None:
+    """Calibrate `--gate` on the run's tree and set it on the RunModel `rm`."""
+    if args.gate is None:
+        if args.gate_windows:
+            raise ValueError("--gate-windows: only with --gate")
+        return
+    if not rm.has_memory or rm.tree is None:
+        raise ValueError("--gate: the run has no bank (and tree) to gate")
+    from memtree.clustering.gate import calibrate
+
+    rm.gate = calibrate(rm.tree, args.gate, embeddings=args.gate_windows)
+    g = rm.gate
+    how = (
+        f"the {g.quantile:g} quantile of {g.windows:,} training windows" if g.quantile else "given"
+    )
+    print(
+        f"[gate] level {g.level}, cosine ≥ {g.threshold:.4f} ({how})", file=sys.stderr, flush=True
+    )

@@ -64,7 +64,7 @@ from memtree.pipeline.demo import run_demo
 from memtree.pretrained import SPECS as PRETRAINED
 from memtree.tpp import deliberate
 from memtree.training.config import TrainConfig, load_train_config
-from memtree.training.train import train
+from memtree.training.train import rerun_plan, train
 
 DEMO_TRAIN_YAML = Path(__file__).resolve().parents[1] / "training" / "yamls" / "demo.yaml"
 
@@ -252,10 +252,13 @@ def _epochs(duration: str, batch_size: int, n_samples: int) -> float:
 
 def train_once(name: str, cfg: TrainConfig, inputs: dict[str, str], log=_log) -> tuple[str, str]:
     """Train `cfg` unless `save_folder` finished a run from the same `inputs` (recorded in its
-    `demo_inputs.json`); returns (their key, "reused" | "trained" | "retrained").
+    `demo_inputs.json`); returns (their key, "reused" | "trained" | "resumed" | "retrained").
 
-    A folder trained (or half-trained) from other inputs, or by a version that did not record them,
-    is removed first: Composer would otherwise resume its checkpoints on the new shards."""
+    A folder half-trained from the same inputs and config continues from its latest checkpoint
+    (`training.train.rerun_plan`: the README's "rerunning a command resumes it"; before, the
+    stage started again from batch 0 over its own checkpoints). A folder trained (or half-trained)
+    from other inputs, or by a version that did not record them, is removed first: Composer would
+    otherwise resume its checkpoints on the new shards."""
     folder = Path(cfg.save_folder)
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
     marker = folder / "demo_inputs.json"
@@ -265,6 +268,11 @@ def train_once(name: str, cfg: TrainConfig, inputs: dict[str, str], log=_log) ->
         if (folder / "metrics.json").exists():
             log(f"{name}: already trained from these inputs ({folder}), skipping")
             return key, "reused"
+        plan, resumed = rerun_plan(cfg)
+        if plan == "resume":
+            log(f"{name}: resuming from its latest checkpoint ({folder}/checkpoints)")
+            train(resumed)
+            return key, "resumed"
     elif folder.exists() and any(folder.iterdir()):
         if old is None:
             log(

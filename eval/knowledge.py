@@ -29,7 +29,7 @@ from memtree.eval.longtail import accuracy_by_bucket, build_probes, load_facts
 from memtree.eval.model import RunModel
 from memtree.eval.plots import new_figure, save_png
 from memtree.eval.rag import RagIndex, rag_items
-from memtree.eval.tasks import multiple_choice, perplexity
+from memtree.eval.tasks import gated_result, multiple_choice, perplexity
 from memtree.io import atomic_write_json, atomic_write_text
 from memtree.memstore.blocking import adversarial_block, random_block
 from memtree.tpp import format_tpp_markdown
@@ -41,6 +41,7 @@ MODE_LABEL = {
     "none": "anchor only",
     "generic": "anchor + generic memory",
     "fetched": "anchor + fetched memory",
+    "gated": "anchor + fetched memory, gated (anchor alone outside the tree's domain)",
     "rag": "anchor + RAG (nearest training window)",
     "rag+fetched": "anchor + RAG + fetched memory",
 }
@@ -67,6 +68,26 @@ def load_eval_inputs(
     return probes, docs
 
 
+def gate_lines(gate: dict[str, Any], admitted: dict[str, tuple[int, int]]) -> list[str]:
+    """Markdown saying what the gated setting did: the gate, and per item set how many of its
+    queries read memory ({name: (admitted, n)})."""
+    where = (
+        f"the {gate['quantile']:g} quantile of the {gate['windows']:,} training windows' own"
+        if gate["quantile"] is not None
+        else "given"
+    )
+    counts = ", ".join(f"{name} {a} of {n}" for name, (a, n) in admitted.items())
+    return [
+        (
+            f"Gated (`memtree.clustering.gate`): fetched memory only for a query whose cosine "
+            f"similarity to its level-{gate['level']} cluster is at least "
+            f"{gate['threshold']:.4f} ({where}); the anchor alone for the rest. Queries that "
+            f"read memory: {counts}."
+        ),
+        "",
+    ]
+
+
 def knowledge_eval(
     rm: RunModel,
     probes: Sequence[dict[str, Any]],
@@ -78,10 +99,17 @@ def knowledge_eval(
     """Probe accuracy (overall and per frequency bucket) and held-out perplexity per memory setting.
 
     With `rag`, also the RAG baseline: each probe 0-shot behind its nearest training window, anchor
-    only and (runs with a bank) with fetched memory; its retrieval record goes to out["rag"]."""
+    only and (runs with a bank) with fetched memory; its retrieval record goes to out["rag"].
+    With a domain gate on `rm` (`RunModel.gate`) and both "none" and "fetched" among the modes,
+    also "gated": each probe and held-out document as fetched memory scored it where the gate
+    admits its query, as the anchor alone did elsewhere; out["gate"] says the gate and how many
+    probes / documents it admitted."""
     modes = [m for m in modes if m == "none" or rm.has_memory]
-    paths = rm.route([p["context"] for p in probes]) if rm.has_memory else None
-    doc_paths = rm.route([d["text"] for d in held_out]) if rm.has_memory and held_out else None
+    paths = admitted = doc_paths = doc_admitted = None
+    if rm.has_memory:
+        paths, admitted = rm.route_admitted([p["context"] for p in probes])
+        if held_out:
+            doc_paths, doc_admitted = rm.route_admitted([d["text"] for d in held_out])
     out: dict[str, Any] = {
         "n_probes": len(probes),
         "n_choices": len(probes[0]["choices"]) if probes else None,
@@ -90,8 +118,7 @@ def knowledge_eval(
     if paths is not None:  # what fetched memory used: the traversal of each question's text
         out["paths"] = paths.tolist()
 
-    def row(items: Sequence[dict[str, Any]], mode: str) -> dict[str, Any]:
-        mc = multiple_choice(rm, items, mode=mode, paths=paths)
+    def summary(mc: dict[str, Any]) -> dict[str, Any]:
         return {
             "accuracy": mc["accuracy"],
             "accuracy_norm": mc["accuracy_norm"],
@@ -99,12 +126,27 @@ def knowledge_eval(
             "predictions": mc["predictions"],
         }
 
+    def row(items: Sequence[dict[str, Any]], mode: str) -> dict[str, Any]:
+        return summary(multiple_choice(rm, items, mode=mode, paths=paths))
+
+    raw: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {}
     for mode in modes:
-        out["modes"][mode] = row(probes, mode)
-        if held_out:
-            out["modes"][mode]["perplexity"] = perplexity(rm, held_out, mode=mode, paths=doc_paths)[
+        mc = multiple_choice(rm, probes, mode=mode, paths=paths)
+        ppl = perplexity(rm, held_out, mode=mode, paths=doc_paths) if held_out else None
+        raw[mode] = (mc, ppl)
+        out["modes"][mode] = summary(mc)
+        if ppl is not None:
+            out["modes"][mode]["perplexity"] = ppl["perplexity"]
+    if admitted is not None and {"none", "fetched"} <= set(raw):
+        (mc_n, ppl_n), (mc_f, ppl_f) = raw["none"], raw["fetched"]
+        out["modes"]["gated"] = summary(gated_result(mc_n, mc_f, admitted))
+        out["gate"] = {**rm.gate.describe(), "probes_admitted": int(admitted.sum())}
+        if ppl_n is not None:
+            out["modes"]["gated"]["perplexity"] = gated_result(ppl_n, ppl_f, doc_admitted)[
                 "perplexity"
             ]
+            out["gate"]["documents_admitted"] = int(doc_admitted.sum())
+            out["gate"]["documents"] = len(held_out)
     if rag is not None:
         items, out["rag"] = rag_items(rm, rag, probes)
         for name, mode in RAG_MODES.items():
@@ -319,6 +361,14 @@ def write_report(
                 f"{1 / k_choices:.0%}); memories fetched by routing the question text alone."
             ),
             "",
+        ]
+        if "gate" in knowledge:
+            g = knowledge["gate"]
+            counts = {"probes": (g["probes_admitted"], knowledge["n_probes"])}
+            if "documents_admitted" in g:
+                counts["held-out documents"] = (g["documents_admitted"], g["documents"])
+            lines += gate_lines(g, counts)
+        lines += [
             "| setting | accuracy | accuracy (length-normalised) | held-out perplexity |",
             "|---|---:|---:|---:|",
         ]

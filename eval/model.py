@@ -25,7 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from memtree.clustering.route import route_texts
+from memtree.clustering.gate import Gate, similarities
+from memtree.clustering.route import embed_like_tree, route_texts
 from memtree.eval.runinfo import run_config
 from memtree.memstore.store import MemoryStore, TierConfig
 from memtree.training.config import TrainConfig
@@ -52,6 +53,9 @@ class RunModel:
     context: int | None = (
         None  # the most tokens a sequence may take; None: the anchor's max_seq_len
     )
+    # the domain gate (`memtree.clustering.gate`): with one, the scorers add a "gated" setting,
+    # fetched memory for the queries it admits and the anchor alone for the rest
+    gate: Gate | None = None
 
     @classmethod
     def load(
@@ -102,6 +106,16 @@ class RunModel:
         if self.tree is None:
             raise ValueError("routing needs the clustering tree (pass tree_dir)")
         return route_texts(self.tree, texts)
+
+    def route_admitted(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray | None]:
+        """Paths (n, levels) as `route` gives them and, with a gate, which queries it admits
+        ((n,) bool; None without a gate)."""
+        if self.gate is None:
+            return self.route(texts), None
+        if self.tree is None:
+            raise ValueError("routing needs the clustering tree (pass tree_dir)")
+        paths, sims = similarities(self.tree, embed_like_tree(self.tree, texts))
+        return paths, self.gate.admit(sims)
 
     @property
     def max_seq_len(self) -> int:

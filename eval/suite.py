@@ -30,11 +30,13 @@ from typing import Any, Literal
 import numpy as np
 
 from memtree.config import ConfigError, load_config
-from memtree.eval.knowledge import MODES
+from memtree.eval.knowledge import MODES, gate_lines
 from memtree.eval.model import RunModel
 from memtree.eval.plots import new_figure, save_png
 from memtree.eval.tasks import (
+    PER_ITEM,
     few_shot,
+    gated_result,
     generation,
     multiple_choice,
     perplexity,
@@ -45,7 +47,12 @@ from memtree.io import atomic_write_json, atomic_write_text, iter_jsonl
 
 TaskType = Literal["multiple_choice", "schema", "generation", "perplexity"]
 GROUPS = {"common": "Common knowledge", "specific": "Specific knowledge"}
-COLUMN = {"none": "anchor only", "generic": "+ generic", "fetched": "+ fetched"}
+COLUMN = {
+    "none": "anchor only",
+    "generic": "+ generic",
+    "fetched": "+ fetched",
+    "gated": "+ fetched, gated",
+}
 TYPE_LABEL = {
     "multiple_choice": "multiple choice",
     "schema": "schema",
@@ -192,8 +199,7 @@ def _score(
     if spec.type == "generation":
         return generation(rm, items, mode=mode, paths=paths, max_new_tokens=spec.max_new_tokens)
     scorer = multiple_choice if spec.type == "multiple_choice" else schema
-    res = scorer(rm, items, mode=mode, paths=paths, batch_size=batch_size)
-    return {k: v for k, v in res.items() if k != "scores"}
+    return scorer(rm, items, mode=mode, paths=paths, batch_size=batch_size)
 
 
 def metric_of(task_type: str) -> str:
@@ -204,14 +210,22 @@ def run_suite(rm: RunModel, cfg: SuiteConfig) -> dict[str, Any]:
     """Every task in every memory setting the run supports, and each group's average accuracy per
     setting.
 
+    With a domain gate on `rm` (`RunModel.gate`), also "gated": each item as fetched memory
+    scored it where the gate admits its query, as the anchor alone did elsewhere; its metrics
+    carry "admitted", the number of items that read memory.
+
     Returns {"modes", "tasks": {name: {type, group, path, num_fewshot, n, metric, modes: {mode:
     metrics}}}, "groups": {group: {"tasks": [names], "average": {mode: mean accuracy}}}}."""
     modes = [m for m in MODES if m == "none" or rm.has_memory]
+    gated = rm.has_memory and rm.gate is not None
     tasks: dict[str, Any] = {}
     for spec in cfg.tasks:
         items = task_items(spec, cfg.seed)
         queries = [d["text"] if spec.type == "perplexity" else retrieval_query(d) for d in items]
-        paths = rm.route(queries) if rm.has_memory else None
+        paths, admitted = rm.route_admitted(queries) if rm.has_memory else (None, None)
+        scored = {m: _score(rm, spec, items, m, paths, cfg.batch_size) for m in modes}
+        if gated:
+            scored["gated"] = gated_result(scored["none"], scored["fetched"], admitted)
         tasks[spec.name] = {
             "type": spec.type,
             "group": spec.group,
@@ -219,8 +233,11 @@ def run_suite(rm: RunModel, cfg: SuiteConfig) -> dict[str, Any]:
             "num_fewshot": spec.num_fewshot,
             "n": len(items),
             "metric": metric_of(spec.type),
-            "modes": {m: _score(rm, spec, items, m, paths, cfg.batch_size) for m in modes},
+            "modes": {
+                m: {k: v for k, v in r.items() if k not in PER_ITEM} for m, r in scored.items()
+            },
         }
+    modes = modes + ["gated"] if gated else modes
     groups: dict[str, Any] = {}
     for g in GROUPS:
         names = [n for n, t in tasks.items() if t["group"] == g and t["metric"] == "accuracy"]
@@ -234,7 +251,10 @@ def run_suite(rm: RunModel, cfg: SuiteConfig) -> dict[str, Any]:
                     for m in modes
                 },
             }
-    return {"modes": modes, "tasks": tasks, "groups": groups}
+    out = {"modes": modes, "tasks": tasks, "groups": groups}
+    if gated:
+        out["gate"] = rm.gate.describe()
+    return out
 
 
 def _cell(task: dict[str, Any], mode: str) -> str:
@@ -260,6 +280,13 @@ def write_suite_report(
             "document (App. B)."
         ),
         "",
+    ]
+    if "gate" in result:
+        lines += gate_lines(
+            result["gate"],
+            {n: (t["modes"]["gated"]["admitted"], t["n"]) for n, t in tasks.items()},
+        )
+    lines += [
         "| task | type | n | " + " | ".join(COLUMN[m] for m in modes) + " |",
         "|---|---|---:|" + "---:|" * len(modes),
     ]

@@ -99,12 +99,16 @@ def _ranked(
         per_item.append(sc.tolist())
         k += len(options)
     gold = np.asarray([int(it["gold"]) for it in items])
+    correct, correct_norm = np.asarray(preds) == gold, np.asarray(preds_norm) == gold
     return {
         "n": len(items),
-        "accuracy": float((np.asarray(preds) == gold).mean()),
-        "accuracy_norm": float((np.asarray(preds_norm) == gold).mean()),
+        "accuracy": float(correct.mean()),
+        "accuracy_norm": float(correct_norm.mean()),
         "predictions": preds,
+        "predictions_norm": preds_norm,
         "scores": per_item,
+        "correct": correct.tolist(),
+        "correct_norm": correct_norm.tolist(),
     }
 
 
@@ -182,20 +186,70 @@ def sequence_perplexity(
     batch_size: int = 8,
 ) -> dict[str, Any]:
     """Token-level perplexity over token sequences, each within the model's context (text already
-    cut into pieces); paths (n, L): each sequence's route, for fetched memories."""
-    nll, n = 0.0, 0
+    cut into pieces); paths (n, L): each sequence's route, for fetched memories. Per sequence
+    too: "seq_nll" (summed) and "seq_tokens" (0 for a sequence under two tokens), which
+    `gated_result` combines."""
+    seq_nll, seq_tokens = [0.0] * len(seqs), [0] * len(seqs)
     for s in range(0, len(seqs), batch_size):
         chunk = seqs[s : s + batch_size]
         keep = [i for i, q in enumerate(chunk) if len(q) >= 2]
         if not keep:
             continue
         rows = None if paths is None else paths[s : s + batch_size][keep]
-        for lp in rm.logprobs([chunk[i] for i in keep], paths=rows, mode=mode):
-            nll -= float(lp.sum())
-            n += len(lp)
+        for i, lp in zip(keep, rm.logprobs([chunk[i] for i in keep], paths=rows, mode=mode)):
+            seq_nll[s + i], seq_tokens[s + i] = -float(lp.sum()), len(lp)
+    return _perplexity_of(seq_nll, seq_tokens)
+
+
+def _perplexity_of(seq_nll: Sequence[float], seq_tokens: Sequence[int]) -> dict[str, Any]:
+    n = int(sum(seq_tokens))
     if n == 0:
         raise ValueError("perplexity: no document has two or more tokens")
-    return {"tokens": n, "nll": nll / n, "perplexity": math.exp(nll / n)}
+    nll = float(sum(seq_nll)) / n
+    return {
+        "tokens": n,
+        "nll": nll,
+        "perplexity": math.exp(nll),
+        "seq_nll": list(seq_nll),
+        "seq_tokens": list(seq_tokens),
+    }
+
+
+# per-item fields of the scorers' results, which `gated_result` reads (reports leave them out)
+PER_ITEM = ("scores", "correct", "correct_norm", "predictions_norm", "seq_nll", "seq_tokens")
+
+
+def gated_result(
+    none: dict[str, Any], fetched: dict[str, Any], admitted: np.ndarray
+) -> dict[str, Any]:
+    """A scorer's result with the domain gate (`memtree.clustering.gate`): item i as scored with
+    fetched memory where admitted[i], as scored by the anchor alone elsewhere, so no extra
+    forward pass is needed. `none` and `fetched`: the same scorer's results on the same items
+    (multiple choice / schema, generation or perplexity). Adds "admitted": how many items read
+    memory."""
+    adm = np.asarray(admitted, dtype=bool)
+
+    def pick(key: str) -> list:
+        a, b = none[key], fetched[key]
+        if len(a) != len(adm) or len(b) != len(adm):
+            raise ValueError(f"gated_result: {key} holds {len(a)}/{len(b)} items, gate {len(adm)}")
+        return [bv if g else av for av, bv, g in zip(a, b, adm.tolist())]
+
+    if "seq_nll" in none:
+        out = {k: v for k, v in none.items() if k not in ("seq_nll", "seq_tokens")}
+        out.update(_perplexity_of(pick("seq_nll"), pick("seq_tokens")))
+    else:
+        out = dict(none)
+        for key in ("predictions", "predictions_norm", "correct", "correct_norm", "outputs"):
+            if key in none:
+                out[key] = pick(key)
+        if "scores" in none:
+            out["scores"] = pick("scores")
+        out["accuracy"] = float(np.mean(out["correct"])) if len(adm) else 0.0
+        if "correct_norm" in out:
+            out["accuracy_norm"] = float(np.mean(out["correct_norm"])) if len(adm) else 0.0
+    out["admitted"] = int(adm.sum())
+    return out
 
 
 INTEGER = re.compile(r"-?\d[\d,]*")
@@ -218,7 +272,7 @@ def generation(
 ) -> dict[str, Any]:
     """Greedy continuation of each context; correct when extract(output) == extract(answer)."""
     p = _paths(rm, [retrieval_query(it) for it in items], mode, paths)
-    outputs, correct = [], 0
+    outputs, correct = [], []
     for i, it in enumerate(items):
         out = rm.decode(
             rm.greedy(
@@ -231,8 +285,13 @@ def generation(
         )
         outputs.append(out)
         got, want = extract(out), extract(it["answer"])
-        correct += int(got is not None and got == want)
-    return {"n": len(items), "accuracy": correct / max(len(items), 1), "outputs": outputs}
+        correct.append(got is not None and got == want)
+    return {
+        "n": len(items),
+        "accuracy": sum(correct) / max(len(items), 1),
+        "outputs": outputs,
+        "correct": correct,
+    }
 
 
 def few_shot(

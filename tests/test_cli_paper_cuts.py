@@ -171,6 +171,42 @@ def test_rerunning_train_resumes_or_skips(pipeline_run, tmp_path, capsys):
     clean_stale_shared_memory()
 
 
+# (h) the demo's stages too: a half-trained stage continues from its latest checkpoint (it used
+# to start again from batch 0 over its own checkpoints, seen on a 45-minute SmolLM2 stage)
+def test_demo_stage_resumes_a_half_trained_run(pipeline_run, tmp_path):
+    from streaming.base.util import clean_stale_shared_memory
+
+    from memtree.config import load_config
+    from memtree.eval.demo import train_once
+    from memtree.training.config import TrainConfig
+
+    folder = tmp_path / "stage"
+    base = [
+        f"data.shards={pipeline_run[0] / 'shards'}",
+        f"save_folder={folder}",
+        "data.batch_size=4",
+        "save_interval=1ba",
+        "optim.warmup=1ba",
+        "progress_bar=false",
+    ]
+    inputs = {"shards": "x"}
+    said: list[str] = []
+    clean_stale_shared_memory()
+    cfg = load_config(TrainConfig, BASELINE, [*base, "max_duration=2ba"])
+    assert train_once("stage", cfg, inputs, log=said.append)[1] == "trained"
+    (folder / "metrics.json").unlink()  # as if stopped after batch 2 of a longer stage
+    ckpts = folder / "checkpoints"
+    first = {f.name: f.stat().st_mtime_ns for f in ckpts.glob("*ba*.pt")}
+    clean_stale_shared_memory()
+    cfg = load_config(TrainConfig, BASELINE, [*base, "max_duration=3ba"])
+    assert train_once("stage", cfg, inputs, log=said.append)[1] == "resumed"
+    assert any("resuming from its latest checkpoint" in m for m in said), said
+    after = {f.name: f.stat().st_mtime_ns for f in ckpts.glob("*ba*.pt")}
+    assert {k: after[k] for k in first} == first and "ep0-ba3-rank0.pt" in after, sorted(after)
+    assert train_once("stage", cfg, inputs, log=said.append)[1] == "reused"
+    clean_stale_shared_memory()
+
+
 # (i) eval memories' header names what the trained rows ran for
 def test_memories_header_names_the_trained_rows_duration():
     from memtree.eval.memories_report import trained_durations

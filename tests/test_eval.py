@@ -415,3 +415,33 @@ def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path, capsys):
     # a different corpus under the same root is refused
     assert main([*argv[:3], "--corpus", "entities_per_subtopic=3", *argv[5:]]) == 1
     assert "holds a corpus" in capsys.readouterr().err
+
+
+def test_gated_knowledge_takes_each_probe_from_its_setting(run, probes, tmp_path):
+    """With a domain gate (memtree.clustering.gate), the "gated" row is fetched memory on the
+    probes and documents the gate admits and the anchor alone on the rest, item for item."""
+    import dataclasses
+
+    from memtree.clustering.gate import GateSpec, calibrate, similarities
+    from memtree.clustering.route import embed_like_tree
+
+    held_out = [{"text": f"{p['context']} {p['choices'][p['gold']]}."} for p in probes[::6]]
+    _, sims = similarities(run.tree, embed_like_tree(run.tree, [p["context"] for p in probes]))
+    mid = float(np.median(sims[:, -1]))  # half the probes in, half out
+    gated = dataclasses.replace(run, gate=calibrate(run.tree, GateSpec.parse(f"leaf:={mid}")))
+    k = knowledge_eval(gated, probes, held_out)
+    admit = sims[:, -1] >= mid
+    assert k["gate"]["probes_admitted"] == int(admit.sum()) and 0 < admit.sum() < len(probes)
+    none, fetched, g = (k["modes"][m]["predictions"] for m in ("none", "fetched", "gated"))
+    assert g == [f if a else n for n, f, a in zip(none, fetched, admit.tolist())]
+    assert none != fetched  # the memories change some answers here, so the check can fail
+    # the whole gate shut: exactly the anchor alone, held-out perplexity included
+    shut = dataclasses.replace(run, gate=calibrate(run.tree, GateSpec.parse("leaf:=1.0")))
+    k = knowledge_eval(shut, probes, held_out)
+    assert k["modes"]["gated"]["perplexity"] == pytest.approx(k["modes"]["none"]["perplexity"])
+    assert k["modes"]["gated"]["predictions"] == k["modes"]["none"]["predictions"]
+    assert k["gate"]["documents_admitted"] == 0 and k["gate"]["documents"] == len(held_out)
+    write_report(tmp_path / "r", knowledge=k, meta={"run": "test"})
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "| anchor + fetched memory, gated (anchor alone outside the tree's domain) |" in md
+    assert f"probes 0 of {len(probes)}, held-out documents 0 of {len(held_out)}" in md

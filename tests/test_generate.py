@@ -290,6 +290,11 @@ def test_the_command_prints_an_answer_and_its_timing(run_dir, tmp_path, capsys):
         (["--prompt", "x", "--temperature", "-1"], "--temperature: must be >= 0"),
         (["--prompt", "   "], "--prompt: the prompt is empty"),
         (["--prompt", "x", "--session"], "--session: needs --prompts"),
+        (["--prompt", "x", "--gate", "3:1.5"], r"gate quantile: in \[0, 1\)"),
+        (
+            ["--prompt", "x", "--memory", "none", "--gate", "leaf:0.01"],
+            "--gate: gates fetched memory",
+        ),
     ],
 )
 def test_bad_arguments_are_named_before_anything_loads(argv, match, tmp_path, capsys):
@@ -613,3 +618,27 @@ def test_post_hoc_memories_on_a_hugging_face_anchor_generate_and_export(
     assert hf.config.intermediate_size > 64
     with torch.no_grad():
         assert (hf(torch.tensor([ids])).logits - with_mem).abs().max() <= 1e-4
+
+
+def test_the_gate_answers_refused_prompts_with_the_anchor_alone_and_fetches_nothing(
+    run_dir, tmp_path, capsys
+):
+    def answer(*extra: str) -> dict:
+        argv = ["generate", str(run_dir), "--prompt", PROMPT, "--json", "--max-new-tokens", "6"]
+        assert main([*argv, *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    alone, fetched = answer("--memory", "none"), answer()
+    shut, wide = answer("--gate", "leaf:=1.0"), answer("--gate", "1:=-1.0")
+    g = shut["generations"][0]
+    assert g["admitted"] is False and g["fetches"] == [] and g["resident"]["fetched_bytes"] == 0
+    assert g["tokens"] == alone["generations"][0]["tokens"]
+    assert g["path"] == fetched["generations"][0]["path"]  # routed all the same
+    assert shut["gate"]["threshold"] == 1.0 and shut["gate"]["level"] == 2
+    w = wide["generations"][0]
+    assert w["admitted"] is True and w["tokens"] == fetched["generations"][0]["tokens"]
+    assert len(w["fetches"]) == 2 and -1.0 <= w["similarity"] <= 1.0
+    # a quantile is calibrated on the pipeline's windows; the table says what the gate did
+    assert main(["generate", str(run_dir), "--prompt", PROMPT, "--gate", "leaf:0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "gate: similarity" in out and ("admitted" in out or "refused" in out), out

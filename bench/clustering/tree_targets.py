@@ -30,6 +30,7 @@ from bench.common import (
     baseline_health,
     faiss_l2_gflops,
     finish,
+    host_gemm,
     log,
     prepare_blas_env,
     results_dir,
@@ -210,6 +211,7 @@ def main() -> int:
     meta = run_meta(args)
     health = baseline_health("faiss IndexFlatL2 search", faiss_l2_gflops(), sgemm_gflops())
     log(f"baseline health: {health}")
+    host = host_gemm()  # which host kind the figures come from: each BLAS at the node shapes
     levels, n = (2, 20_000) if args.quick else (3, args.n)
     results = {
         "meta": {
@@ -221,6 +223,7 @@ def main() -> int:
             "faiss_threads": faiss.omp_get_max_threads(),
         },
         "health": health,
+        "host_gemm": host,
         **measure(
             n=n, seed=args.seed, levels=levels, repeats=args.repeats, healthy=health["healthy"]
         ),

@@ -43,6 +43,7 @@ from bench.common import (
     emulate_blas,
     faiss_l2_gflops,
     finish,
+    host_gemm,
     log,
     prepare_blas_env,
     print_targets,
@@ -303,6 +304,7 @@ def main() -> int:
         ),
     }
     log(f"baseline health: {health}")
+    host = host_gemm()  # which host kind the figures come from: each BLAS at the node shapes
     if args.quick:
         tree_size, route_size, embed_size = (20_000, 2), (4, 8, 2_000), (200, 128)
     else:
@@ -350,6 +352,7 @@ def main() -> int:
     results = {
         "meta": {**meta, "faiss_threads": faiss.omp_get_max_threads(), "data_seed": args.seed},
         "health": health,
+        "host_gemm": host,
         "rows": rows,
         "tree": tree,
         "route": route,

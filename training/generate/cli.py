@@ -98,6 +98,15 @@ def register(cli: Commands) -> None:
         "model folder that AutoModelForCausalLM loads (a memtree architecture needs "
         "`import memtree.training.generate.export` first; the folder's config says which)",
     )
+    p.add_argument(
+        "--gate",
+        metavar="LEVEL:QUANTILE",
+        help="with --memory fetched: fetch only for a prompt whose cosine similarity to its "
+        "level-LEVEL cluster (1, 2, … or leaf) reaches the QUANTILE of the training windows' own "
+        "(e.g. leaf:0.01; calibrated on the pipeline's embed/embeddings.npy beside the tree), or "
+        "a given similarity (leaf:=0.4); any other prompt is answered by the anchor alone, "
+        "nothing fetched (memtree.clustering.gate)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.add_argument("--out", help="also write the JSON document to this file")
     p.set_defaults(func=_generate)
@@ -149,6 +158,13 @@ def _generate(args: argparse.Namespace) -> int:
         )
     if args.ram_bytes < 0 or args.cache_bytes < 0:
         raise ValueError("--ram-bytes / --cache-bytes: must be >= 0")
+    gate = None
+    if args.gate is not None:
+        from memtree.clustering.gate import GateSpec
+
+        if args.memory != "fetched":
+            raise ValueError(f"--gate: gates fetched memory (--memory fetched), not {args.memory}")
+        gate = GateSpec.parse(args.gate)
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
     from memtree.training.runfolder import finished_run
 
@@ -175,6 +191,10 @@ def _generate(args: argparse.Namespace) -> int:
         profile = load_profile(args.profile)
     gen = Generator.from_run(args.run, tree_dir=args.tree, tiers=tiers, bank=args.memory != "none")
     try:
+        if gate is not None:
+            from memtree.clustering.gate import calibrate
+
+            gen.gate = calibrate(gen.tree, gate)
         load_s = gen.warm()
         results = [
             gen.generate(
@@ -200,6 +220,7 @@ def _generate(args: argparse.Namespace) -> int:
             "placement": (
                 {str(k): v for k, v in gen.store.placement.items()} if gen.store is not None else {}
             ),
+            "gate": gen.gate.describe() if gen.gate is not None else None,
             "generations": [r.to_dict() for r in results],
             "store": gen.store.stats() if gen.store is not None else None,
         }
@@ -259,12 +280,15 @@ def format_generations(results, *, session: bool = False) -> str:
     lines = []
     for i, r in enumerate(results, 1):
         t, res = r.timing, r.resident
-        lines += [
-            f"[{i}] prompt: {r.prompt}",
-            f"    answer ({r.memory} memory, stop: {r.stop}): {r.text}",
-        ]
+        used = "no memory: gated" if r.admitted is False else f"{r.memory} memory"
+        lines += [f"[{i}] prompt: {r.prompt}", f"    answer ({used}, stop: {r.stop}): {r.text}"]
         if r.path is not None:
             lines.append(f"    path: {' → '.join(map(str, r.path))}")
+        if r.admitted is not None:
+            lines.append(
+                f"    gate: similarity {r.similarity:.3f}, "
+                + ("admitted" if r.admitted else "refused: the anchor alone, nothing fetched")
+            )
         if "embed_s" in t:
             lines.append(
                 f"    route    {_ms(t['embed_s'] + t['traverse_s'])} (embed {_ms(t['embed_s'])}, "

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from memtree.clustering.embed import embed_texts, embedder_from_meta
-from memtree.clustering.route import route
+from memtree.clustering.gate import Gate, similarities
 from memtree.memstore.format import GENERIC
 from memtree.memstore.store import DEFAULT_TIERS, MemoryStore, TierConfig
 from memtree.training.model import KVCache, assemble_memories, widen_ffn_memories
@@ -88,6 +88,10 @@ class Generation:
     fetches: list[LevelFetch] = field(default_factory=list)
     timing: dict[str, float] = field(default_factory=dict)
     resident: dict[str, int] = field(default_factory=dict)
+    # with a domain gate (fetched memory only): the prompt's similarity to its cluster at the
+    # gate's level, and whether that admitted it (False: answered by the anchor alone, no fetch)
+    similarity: float | None = None
+    admitted: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -152,6 +156,8 @@ class Generator:
         self.memory_config, self.context = memory_config, int(context)
         self.tree, self.store, self.hf, self.folder = tree, store, hf, folder
         self._embedder = None
+        # the domain gate (`memtree.clustering.gate`): a prompt it refuses reads no memory
+        self.gate: Gate | None = None
 
     @classmethod
     def from_run(
@@ -231,6 +237,12 @@ class Generator:
 
     def route(self, text: str) -> tuple[np.ndarray, dict[str, float]]:
         """The prompt's path (levels,) of global cluster ids, and {embed_s, traverse_s}."""
+        path, _, timing = self.route_scored(text)
+        return path, timing
+
+    def route_scored(self, text: str) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
+        """`route`, with the prompt's cosine similarity to its cluster at each level (levels,)
+        (`clustering.gate.similarities`; the traversal is `clustering.route.route`'s)."""
         emb_meta = self.tree.meta.get("embedder", {}) if self.tree is not None else {}
         model = self.embedder()
         t0 = time.perf_counter()
@@ -241,9 +253,9 @@ class Generator:
             batch_size=int(emb_meta.get("batch_size", 64)),
         )
         t1 = time.perf_counter()
-        path = route(self.tree, x)[0]
+        paths, sims = similarities(self.tree, x)
         t2 = time.perf_counter()
-        return path, {"embed_s": t1 - t0, "traverse_s": t2 - t1}
+        return paths[0], sims[0], {"embed_s": t1 - t0, "traverse_s": t2 - t1}
 
     def fetch(
         self, path: Sequence[int] | None, memory: MemoryChoice
@@ -307,9 +319,11 @@ class Generator:
         seed: int = 0,
         memory: MemoryChoice = "fetched",
     ) -> Generation:
-        """Answer one prompt. `memory`: "fetched" (the prompt's path), "generic" (the bank's
-        generic blocks) or "none" (the anchor alone). Greedy at temperature 0; otherwise sampled
-        from a torch generator seeded with `seed`, so the same seed gives the same tokens."""
+        """Answer one prompt. `memory`: "fetched" (the prompt's path; with `self.gate`, only when
+        the gate admits the prompt, else the anchor alone and nothing fetched), "generic" (the
+        bank's generic blocks) or "none" (the anchor alone). Greedy at temperature 0; otherwise
+        sampled from a torch generator seeded with `seed`, so the same seed gives the same
+        tokens."""
         check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
         check_memory(memory)
         if not prompt or not prompt.strip():
@@ -329,11 +343,15 @@ class Generator:
         timing: dict[str, float] = {}
         t_start = time.perf_counter()
         path, fetches, memories = None, [], None
+        similarity = admitted = None
         if memory == "fetched":
-            p, route_t = self.route(prompt)
+            p, sims, route_t = self.route_scored(prompt)
             path = [int(c) for c in p]
             timing.update(route_t)
-        if memory != "none":
+            if self.gate is not None:
+                similarity = float(sims[self.gate.level - 1])
+                admitted = bool(self.gate.admit(sims[None])[0])
+        if memory != "none" and admitted is not False:
             blocks, fetches = self.fetch(path, memory)
             timing["fetch_s"] = sum(f.seconds for f in fetches)
             t0 = time.perf_counter()
@@ -366,6 +384,8 @@ class Generator:
             fetches=fetches,
             timing=timing,
             resident=self.resident(fetches, kv_bytes),
+            similarity=similarity,
+            admitted=admitted,
         )
 
     def export(
