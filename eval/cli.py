@@ -16,6 +16,7 @@ from memtree.eval.cli_common import (
     apply_gate,
     check_demo_root,
     config_file,
+    gate_spec,
     need_file,
     note,
     out_override,
@@ -256,6 +257,14 @@ def _add_demo(cli: Commands) -> None:
     )
     d.add_argument("--no-rag", action="store_true", help="skip the RAG rows")
     d.add_argument(
+        "--gate",
+        type=gate_spec,
+        metavar="LEVEL:QUANTILE",
+        help="add the probes' gated row: fetched memory only for questions as close to their "
+        "cluster as the QUANTILE of the training windows (e.g. leaf:0.01; memtree eval tasks "
+        "--help says more)",
+    )
+    d.add_argument(
         "--train",
         action="append",
         default=[],
@@ -285,6 +294,7 @@ def _demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         memory_mode=args.memory_mode,
         anchor=args.anchor,
+        gate=args.gate,
     )
     print(Path(report).read_text())
     print(f"Demo finished. Report: {Path(report).resolve()}")

@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from memtree.clustering.gate import GateSpec, calibrate
 from memtree.config import from_dict
 from memtree.eval.answers import answers_in_words
 from memtree.eval.forgetting import demo_owners, forgetting_eval, plan_forgetting
@@ -399,6 +400,7 @@ def run_main_job(
     seed: int = 0,
     memory_mode: str | None = None,
     anchor: str | None = None,
+    gate: str | GateSpec | None = None,
 ) -> Path:
     """Run (or resume) the whole demo under `root`; returns the evaluation report path.
 
@@ -407,9 +409,13 @@ def run_main_job(
     (default: the first domain in sorted order); `memory_mode`: the memory stage's training mode,
     "cotrain" (anchor and memories; the default) or "frozen" (memories alone on the anchor stage's
     weights); `anchor`: a named pretrained model (`memtree.pretrained`) as the frozen anchor, seed
-    002's Table 2 (no anchor stage, `anchor_duration` unused; `memory_mode` frozen)."""
+    002's Table 2 (no anchor stage, `anchor_duration` unused; `memory_mode` frozen); `gate`: a
+    domain gate ("leaf:0.01", `memtree.clustering.gate.GateSpec`) calibrated on the pipeline's
+    windows, which adds the probes' gated row to the report."""
     if memory_mode not in (None, "cotrain", "frozen"):
         raise ValueError(f"memory_mode: 'cotrain' or 'frozen', got {memory_mode!r}")
+    # a bad gate's error before any work
+    gate_spec = GateSpec.parse(gate) if isinstance(gate, str) else gate
     pipeline_overrides, train_overrides = list(pipeline_overrides), list(train_overrides)
     defaults: list[str] = []
     if anchor is not None:
@@ -488,6 +494,8 @@ def run_main_job(
 
     t = time.time()
     rm = RunModel.load(root / "train" / "cotrain", tree_dir=root / "pipeline" / "tree")
+    if gate_spec is not None:
+        rm.gate = calibrate(rm.tree, gate_spec)
     probes = build_probes(load_facts(root / "facts.jsonl"), seed=seed, epochs=epochs)
     if max_probes:
         probes = probes[:: max(1, len(probes) // max_probes)][:max_probes]

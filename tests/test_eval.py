@@ -377,8 +377,12 @@ def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path, capsys):
         s: (root / "train" / s / "metrics.json").stat().st_mtime_ns for s in ("anchor", "cotrain")
     }
     mtime, before = (root / "corpus.jsonl").stat().st_mtime_ns, trained()
-    assert main(argv) == 0
+    assert main([*argv, "--gate", "leaf:0.01"]) == 0  # the rerun adds the gated row (no training)
     assert (root / "corpus.jsonl").stat().st_mtime_ns == mtime and trained() == before
+    gated = json.loads((root / "report" / "results.json").read_text())["knowledge"]
+    assert gated["gate"]["quantile"] == 0.01 and gated["gate"]["windows"] > 0
+    assert 0 < gated["gate"]["probes_admitted"] <= 48 and "gated" in gated["modes"]
+    assert "Gated (`memtree.clustering.gate`)" in (root / "report" / "report.md").read_text()
     # a pipeline change that rebuilds the shards under the same root retrains both stages on them
     capsys.readouterr()
     assert main([*argv, "tree.restarts=2"]) == 0

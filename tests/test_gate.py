@@ -201,3 +201,12 @@ def test_eval_tasks_gate_windows_needs_gate(gated_run, tmp_path, monkeypatch, ca
     with pytest.raises(SystemExit):
         main([*argv, "--gate", "3:1.5"])
     assert "gate quantile: in [0, 1)" in capsys.readouterr().err
+
+
+def test_the_demo_refuses_a_bad_gate_before_any_work(tmp_path, capsys):
+    from memtree.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--root", str(tmp_path / "demo"), "--gate", "leaf:2"])
+    assert e.value.code == 2 and "gate quantile: in [0, 1)" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()
