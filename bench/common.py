@@ -541,6 +541,7 @@ def host_gemm() -> dict[str, Any]:
         "node_shapes": [list(s) for s in gemm.SHAPES],
         "node_gflops_1_thread": node.get("gflops"),
         "node_choice": node.get("choice"),
+        "node_measure": node,  # clustering.gemm.measure's whole result
         "square_2048_gflops_all_threads": {
             "numpy": round(sgemm_gflops(), 1),
             "torch": round(torch_sgemm_gflops(), 1),

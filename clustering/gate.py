@@ -20,7 +20,7 @@ the quantile; `GateSpec` ("leaf:0.01" or "2:0.01" on a command line, or an expli
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,8 +36,8 @@ CALIBRATION_SAMPLE = 100_000
 @dataclass(frozen=True, kw_only=True)
 class GateSpec:
     """Which similarity admits a query: at `level` (1 … tree levels; -1: the leaves, "leaf" in
-    text), either the
-    `quantile` of the training windows' own similarities or an explicit `threshold`."""
+    text), either the `quantile` of the training windows' own similarities or an explicit
+    `threshold`."""
 
     level: int = -1
     quantile: float | None = 0.01
@@ -88,13 +88,7 @@ class Gate:
         return np.asarray(similarity)[:, self.level - 1] >= self.threshold
 
     def describe(self) -> dict:
-        return {
-            "level": self.level,
-            "threshold": self.threshold,
-            "quantile": self.quantile,
-            "calibration": self.calibration,
-            "windows": self.windows,
-        }
+        return asdict(self)
 
 
 def similarities(tree: Tree, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -105,8 +99,9 @@ def similarities(tree: Tree, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     paths = route(tree, x)
     sims = np.empty(paths.shape, dtype=np.float32)
     for lvl in range(1, tree.levels + 1):
-        c = tree.centroids[lvl - 1][paths[:, lvl - 1]]  # (n, dim)
-        norm = np.linalg.norm(c, axis=1)
+        ids = paths[:, lvl - 1]
+        c = tree.centroids[lvl - 1][ids]  # (n, dim)
+        norm = np.sqrt(tree.sq_norms(lvl)[ids])  # the tree keeps ||c||² for routing
         sims[:, lvl - 1] = np.einsum("nd,nd->n", x, c) / np.maximum(norm, 1e-12)
     return paths, sims
 

@@ -240,11 +240,17 @@ def gated_result(
         out.update(_perplexity_of(pick("seq_nll"), pick("seq_tokens")))
     else:
         out = dict(none)
-        for key in ("predictions", "predictions_norm", "correct", "correct_norm", "outputs"):
+        per_item = (
+            "predictions",
+            "predictions_norm",
+            "scores",
+            "correct",
+            "correct_norm",
+            "outputs",
+        )
+        for key in per_item:
             if key in none:
                 out[key] = pick(key)
-        if "scores" in none:
-            out["scores"] = pick("scores")
         out["accuracy"] = float(np.mean(out["correct"])) if len(adm) else 0.0
         if "correct_norm" in out:
             out["accuracy_norm"] = float(np.mean(out["correct_norm"])) if len(adm) else 0.0

@@ -30,12 +30,11 @@ from collections import defaultdict
 
 from bench.common import (
     finish,
+    host_gemm,
     log,
     results_dir,
     results_path,
     run_meta,
-    sgemm_gflops,
-    torch_sgemm_gflops,
 )
 from bench.pipeline.common import gmm_hierarchy
 from memtree.clustering import gemm
@@ -87,12 +86,9 @@ def main() -> int:
     from memtree.clustering.blas import best_gemm
 
     backend = best_gemm() if args.gemm == "auto" else args.gemm
-    node = gemm.measure()
-    square = {"numpy": sgemm_gflops(), "torch": torch_sgemm_gflops()}
-    log(
-        f"GEMM at the node shapes {gemm.SHAPES} (one thread): {node.get('gflops') or node}; "
-        f"2,048² (all threads): {square}; the fits run on {backend}"
-    )
+    host = host_gemm()
+    node, square = host["node_measure"], host["square_2048_gflops_all_threads"]
+    log(f"the fits run on {backend}")
 
     n, dim, B = x.shape[0], x.shape[1], args.branching
 
