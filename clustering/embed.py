@@ -50,11 +50,39 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def resolve_backend(backend: str, device: str) -> str:
-    """`auto` → torch when the device resolves to CUDA, the int8 OpenVINO network on the CPU."""
+# `backend: auto` on the CPU: the corpus size (windows) from which the int8 network's export and
+# calibration on the corpus's own windows, a fixed cost paid again for every new corpus, are
+# earned back by its faster embedding, by max_seq_length. Measured end to end (the pipeline's
+# embed stage from an empty cache, 316 / 1,588 / 3,174 windows, `python -m
+# bench.pipeline.embed_choice`, 2-core Intel Xeon with AVX-512 VNNI and AMX, 2026-12-07):
+# at 256 word pieces torch 16.8 s + 27.7 ms a window, int8 41.1 s + 7.2 ms; at 64, torch
+# 8.4 s + 7.0 ms, int8 23.6 s + 1.0 ms (docs/benchmarks/2026-12-07-embedder-choice-intel-xeon.md).
+AUTO_INT8_BREAK_EVEN = {64: 2518, 256: 1181}
+
+
+def auto_int8_min_windows(max_seq_length: int) -> int:
+    """The corpus size from which `backend: auto` picks the int8 network on the CPU: the measured
+    break-even at `max_seq_length`, interpolated between the lengths measured (held at the nearest
+    one outside them)."""
+    lengths = sorted(AUTO_INT8_BREAK_EVEN)
+    counts = [AUTO_INT8_BREAK_EVEN[m] for m in lengths]
+    return round(float(np.interp(max_seq_length, lengths, counts)))
+
+
+def resolve_backend(
+    backend: str, device: str, n_windows: int | None = None, max_seq_length: int = 256
+) -> str:
+    """`auto` → torch when the device resolves to CUDA; on the CPU, the int8 OpenVINO network for a
+    corpus of at least `auto_int8_min_windows(max_seq_length)` windows, torch below. `n_windows`
+    None (the size not known yet) resolves `auto` on the CPU to "auto", which the embed stage
+    settles once the windows are cut."""
     if backend != "auto":
         return backend
-    return "torch" if resolve_device(device).startswith("cuda") else OPENVINO_INT8
+    if resolve_device(device).startswith("cuda"):
+        return "torch"
+    if n_windows is None:
+        return "auto"
+    return OPENVINO_INT8 if n_windows >= auto_int8_min_windows(max_seq_length) else "torch"
 
 
 def load_embedder(

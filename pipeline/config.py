@@ -90,7 +90,10 @@ class EmbedConfig:
     to OpenVINO and quantised to int8, CPU only, calibrated on the corpus's first
     `calibration_samples` windows: faster than torch's encode on the CPU, with nearly the same
     vectors and the same leaf NMI (docs/benchmarks/2026-11-21-pipeline-amd-epyc.md, "Pipeline
-    and clustering"). auto: torch on CUDA, openvino-int8 otherwise."""
+    and clustering"). auto: torch on CUDA; on the CPU openvino-int8 for a corpus of at least
+    `clustering.embed.auto_int8_min_windows(max_seq_length)` windows (measured break-even: 1,181
+    at 256 word pieces, 2,518 at 64), torch below (the int8 export and its calibration are a fixed
+    cost that a small corpus does not earn back)."""
     calibration_samples: int = 300
     mmap_threshold_mib: int = 4
     """Fixed glibc mmap threshold (MiB) in the embed workers; 0 keeps glibc's dynamic threshold.

@@ -18,12 +18,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+import memtree.clustering.embed as embedding
 from memtree.clustering.embed import (
     SEQ_BUCKET,
     default_model_path,
     embed_texts,
     load_embedder,
     resolve_backend,
+    resolve_device,
 )
 from memtree.clustering.embed_export import OPENVINO_INT8, export_openvino_int8
 from memtree.config import to_dict
@@ -98,13 +100,18 @@ def embed_fingerprint(e) -> dict:
     """The embed settings that change the vectors: the backend as resolved (`auto` picks by
     device), not the device itself (same network, same math up to float rounding) nor the
     allocator setting. A torch run leaves the backend keys out, so torch runs made before the
-    int8 backend existed keep their fingerprint."""
+    int8 backend existed keep their fingerprint. `auto` on the CPU picks by the corpus's size,
+    known only once the windows are cut (the window stage is upstream, so its fingerprint already
+    fixes the size): the rule's threshold stands in for the choice."""
     d = {k: v for k, v in to_dict(e).items() if k not in ("device", "mmap_threshold_mib")}
     d["backend"] = resolve_backend(e.backend, e.device)
     if d["backend"] == "torch":
         d.pop("backend"), d.pop("calibration_samples")
-    else:  # the int8 network's padding changes its vectors slightly (cosine >= 0.9997)
-        d["seq_bucket"] = SEQ_BUCKET
+        return d
+    # the int8 network's padding changes its vectors slightly (cosine >= 0.9997)
+    d["seq_bucket"] = SEQ_BUCKET
+    if d["backend"] == "auto":
+        d["auto_int8_min_windows"] = embedding.auto_int8_min_windows(e.max_seq_length)
     return d
 
 
@@ -130,7 +137,14 @@ def embed_stage(ctx: Ctx, work: Path) -> dict:
         0.0,
         None,
     )
-    backend = resolve_backend(e.backend, e.device)
+    n_windows = sum(int(p["n"]) for p in wparts)
+    backend = resolve_backend(e.backend, e.device, n_windows, e.max_seq_length)
+    if e.backend == "auto" and not resolve_device(e.device).startswith("cuda"):
+        ctx.log(
+            f"[embed] backend auto: {backend} for {n_windows:,} windows (int8 from "
+            f"{embedding.auto_int8_min_windows(e.max_seq_length):,} at max_seq_length "
+            f"{e.max_seq_length}: below that its export and calibration cost more than they save)"
+        )
     if backend == OPENVINO_INT8:
         model = str(work / EXPORT_DIR)
         t0 = time.time()

@@ -171,12 +171,57 @@ def test_damaged_export_is_named(export, tmp_path):
         load_embedder(str(bad), backend="openvino-int8", max_seq_length=MSL)
 
 
-def test_auto_backend_is_int8_on_the_cpu_and_torch_on_cuda():
-    from memtree.clustering.embed import resolve_backend
+def test_auto_backend_picks_by_device_and_corpus_size(monkeypatch):
+    import memtree.clustering.embed as embedding
+    from memtree.clustering.embed import auto_int8_min_windows, resolve_backend
 
-    assert resolve_backend("auto", "cpu") == "openvino-int8"
-    assert resolve_backend("auto", "cuda:0") == "torch"
-    assert resolve_backend("torch", "cpu") == "torch"
+    monkeypatch.setattr(embedding, "AUTO_INT8_BREAK_EVEN", {64: 2000, 256: 1000})
+    assert [auto_int8_min_windows(m) for m in (32, 64, 128, 256, 512)] == [
+        2000,
+        2000,
+        round(2000 - 1000 * 64 / 192),
+        1000,
+        1000,
+    ]
+    assert resolve_backend("auto", "cpu", 1000) == "openvino-int8"
+    assert resolve_backend("auto", "cpu", 999) == "torch"
+    assert resolve_backend("auto", "cpu", 1999, max_seq_length=64) == "torch"
+    assert resolve_backend("auto", "cpu", 2000, max_seq_length=64) == "openvino-int8"
+    assert resolve_backend("auto", "cpu") == "auto"  # the size not known yet: the stage settles it
+    assert resolve_backend("auto", "cuda:0", 10**6) == "torch"
+    assert resolve_backend("torch", "cpu", 10**6) == "torch"
+    assert resolve_backend("openvino-int8", "cpu", 1) == "openvino-int8"
+
+
+def test_auto_backend_in_the_pipeline_follows_the_corpus_size(
+    tmp_path, corpus_records, dask_client, monkeypatch
+):
+    """A corpus under the break-even embeds with torch (no export, no calibration); the same
+    corpus with the break-even at its size gets the int8 network, and the changed rule re-runs
+    the stage."""
+    import memtree.clustering.embed as embedding
+    from memtree.clustering.tree import load_tree
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", corpus_records[:200])
+    out = tmp_path / "run"
+    cfg = load_config(
+        PipelineConfig,
+        {"out": str(out), "ingest": {"inputs": [str(corpus)]}},
+        [*PIPELINE_OVERRIDES, "tree.branching=4", "embed.calibration_samples=40"],
+    )
+    assert cfg.embed.backend == "auto" and cfg.embed.max_seq_length == MSL
+    lines: list[str] = []
+    em = run_pipeline(cfg, client=dask_client, log=lines.append, until="embed")["embed"]["stats"]
+    n = em["n"]
+    assert 0 < n < embedding.auto_int8_min_windows(MSL)
+    assert em["backend"] == "torch" and em["export"] is None and em["export_seconds"] == 0
+    assert not (out / "embed" / "embedder").exists()
+    assert f"[embed] backend auto: torch for {n:,} windows" in "\n".join(lines)
+    monkeypatch.setattr(embedding, "AUTO_INT8_BREAK_EVEN", {MSL: n})
+    em = run_pipeline(cfg, client=dask_client, log=lines.append)["embed"]["stats"]
+    assert em["backend"] == "openvino-int8" and em["calibration"]["n"] == 40
+    read_export(out / "embed" / em["export"])
+    assert load_tree(out / "tree").meta["embedder"]["backend"] == "openvino-int8"
 
 
 def test_backend_config_errors():
