@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-import memtree.clustering.embed as embedding
 from memtree.clustering.embed import (
     SEQ_BUCKET,
+    auto_int8_min_windows,
     default_model_path,
     embed_texts,
     load_embedder,
@@ -111,7 +111,7 @@ def embed_fingerprint(e) -> dict:
     # the int8 network's padding changes its vectors slightly (cosine >= 0.9997)
     d["seq_bucket"] = SEQ_BUCKET
     if d["backend"] == "auto":
-        d["auto_int8_min_windows"] = embedding.auto_int8_min_windows(e.max_seq_length)
+        d["auto_int8_min_windows"] = auto_int8_min_windows(e.max_seq_length)
     return d
 
 
@@ -142,7 +142,7 @@ def embed_stage(ctx: Ctx, work: Path) -> dict:
     if e.backend == "auto" and not resolve_device(e.device).startswith("cuda"):
         ctx.log(
             f"[embed] backend auto: {backend} for {n_windows:,} windows (int8 from "
-            f"{embedding.auto_int8_min_windows(e.max_seq_length):,} at max_seq_length "
+            f"{auto_int8_min_windows(e.max_seq_length):,} at max_seq_length "
             f"{e.max_seq_length}: below that its export and calibration cost more than they save)"
         )
     if backend == OPENVINO_INT8:
