@@ -25,7 +25,6 @@ from memtree.clustering.embed import (
     embed_texts,
     load_embedder,
     resolve_backend,
-    resolve_device,
 )
 from memtree.clustering.embed_export import OPENVINO_INT8, export_openvino_int8
 from memtree.config import to_dict
@@ -139,7 +138,7 @@ def embed_stage(ctx: Ctx, work: Path) -> dict:
     )
     n_windows = sum(int(p["n"]) for p in wparts)
     backend = resolve_backend(e.backend, e.device, n_windows, e.max_seq_length)
-    if e.backend == "auto" and not resolve_device(e.device).startswith("cuda"):
+    if resolve_backend(e.backend, e.device) == "auto":  # auto on the CPU: the size decided
         ctx.log(
             f"[embed] backend auto: {backend} for {n_windows:,} windows (int8 from "
             f"{auto_int8_min_windows(e.max_seq_length):,} at max_seq_length "

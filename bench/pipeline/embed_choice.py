@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 
@@ -34,22 +35,15 @@ def embed_once(root: Path, inputs: list[str], backend: str, msl: int) -> dict:
     """One pipeline run up to `embed` in a fresh folder and a fresh embedder cache → the stage's
     figures."""
     cache = Path(tempfile.mkdtemp(dir=root, prefix="cache-"))
-    old = os.environ.get("MEMTREE_CACHE_DIR")
-    os.environ["MEMTREE_CACHE_DIR"] = str(cache)
-    try:
-        cfg = pipeline_cfg(
-            root / f"run-{backend}",
-            inputs,
-            embed={"device": "cpu", "backend": backend, "max_seq_length": msl},
-        )  # the pipeline's default Dask cluster, as a user's run gets it
+    cfg = pipeline_cfg(
+        root / f"run-{backend}",
+        inputs,
+        embed={"device": "cpu", "backend": backend, "max_seq_length": msl},
+    )  # the pipeline's default Dask cluster, as a user's run gets it
+    with mock.patch.dict(os.environ, {"MEMTREE_CACHE_DIR": str(cache)}):  # restored after
         t0 = time.time()
         st = run_pipeline(cfg, until="embed", log=quiet)["embed"]["stats"]
         wall = time.time() - t0
-    finally:
-        if old is None:
-            os.environ.pop("MEMTREE_CACHE_DIR", None)
-        else:
-            os.environ["MEMTREE_CACHE_DIR"] = old
     return {
         "windows": st["n"],
         "export_seconds": st["export_seconds"],
@@ -78,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     out = results_path(
         args.out, f"embed-choice-{time.strftime('%Y-%m-%d')}.json", results_dir(__file__)
     )
-    results: dict = {"meta": run_meta(args, argv=sys.argv[1:]), "runs": []}
+    results: dict = {"meta": run_meta(args, argv=sys.argv[1:]), "rows": []}
     with tempfile.TemporaryDirectory(prefix="embed-choice-") as tmp:
         for n_docs in args.docs:
             corpus = Path(tmp) / f"corpus-{n_docs}.jsonl"
@@ -92,20 +86,19 @@ def main(argv: list[str] | None = None) -> int:
                     f"{n_docs} docs, {backend}: {r['windows']} windows, export "
                     f"{r['export_seconds']:.1f} s + embed {r['embed_seconds']:.1f} s"
                 )
-                results["runs"].append(r)
+                results["rows"].append(r)
     lines = {
-        b: fit([(r["windows"], r["stage_seconds"]) for r in results["runs"] if r["backend"] == b])
+        b: fit([(r["windows"], r["stage_seconds"]) for r in results["rows"] if r["backend"] == b])
         for b in BACKENDS
     }
     (f_t, s_t), (f_i, s_i) = lines["torch"], lines["openvino-int8"]
     results["lines"] = {b: {"fixed_s": f, "per_window_s": s} for b, (f, s) in lines.items()}
     results["speedup_per_window"] = s_t / s_i
     results["break_even_windows"] = (f_i - f_t) / (s_t - s_i) if s_t > s_i else None
-    results["rows"] = results["runs"]
     lines_out = [
         f"{r['docs']} docs ({r['windows']} windows), {r['backend']}: stage {r['stage_seconds']:.1f}"
         f" s (export {r['export_seconds']:.1f}, embed {r['embed_seconds']:.1f})"
-        for r in results["runs"]
+        for r in results["rows"]
     ]
     be = results["break_even_windows"]
     lines_out.append(
