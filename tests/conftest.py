@@ -63,12 +63,12 @@ def pytest_collection_modifyitems(config, items):
     # did not hold the whole default suite on a 2-core AVX2 host (heavy_tests.txt says which)
     heavy = _heavy_test_ids()
     collected = set()
-    for item in items:
-        nodeid = item.nodeid if item.nodeid.startswith("tests/") else f"tests/{item.nodeid}"
-        if nodeid in heavy:
+    for item in items:  # node ids are relative to the rootdir (the repo), wherever pytest runs
+        if item.nodeid in heavy:
             item.add_marker(pytest.mark.slow)
-            collected.add(nodeid)
-    if config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword:
+            collected.add(item.nodeid)
+    # items are not yet deselected by -k or -m here: a whole-suite run sees every listed test
+    if config.args_source == pytest.Config.ArgsSource.TESTPATHS:
         stale = sorted(heavy - collected)
         if stale:
             raise pytest.UsageError(f"{HEAVY_TESTS}: no such test (renamed?): {stale}")
