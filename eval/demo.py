@@ -355,6 +355,7 @@ def demo_forgetting(
     corpus = [rec for _, rec in iter_jsonl(root / "corpus.jsonl")]
     facts = load_facts(root / "facts.jsonl")
     given = {m: knowledge["modes"][m]["predictions"] for m in ("fetched", "generic")}
+    unblocked: dict = {}  # the held-out pages' unblocked scores, the same for every owner
     out = []
     for owner in demo_owners(corpus, domain):
         ids_file = root / "report" / f"forget-{owner['key']}.txt"
@@ -380,6 +381,7 @@ def demo_forgetting(
                 fallback="generic",
                 predictions=given,
                 paths=knowledge["paths"],
+                unblocked=unblocked,
                 log=_log,
             )
         )

@@ -241,6 +241,7 @@ def forgetting_eval(
     predictions: Mapping[str, Sequence[int]] | None = None,
     paths: np.ndarray | None = None,
     window_tokens: int | None = None,
+    unblocked: dict[Any, Any] | None = None,
     log=None,
 ) -> dict[str, Any]:
     """Score `plan_forgetting`'s plan: the owner's facts against the others (`probes`, built from
@@ -248,7 +249,10 @@ def forgetting_eval(
     (needs the plan's `owner_field`), before / after / random control, beside the generic memory.
     `predictions` may hold the probes' "fetched" and "generic" predictions already made
     (knowledge_eval's, on the same bank policy) and `paths` the probes' routed paths (its "paths"),
-    so they are not scored or routed again."""
+    so they are not scored or routed again. `unblocked`: a dict shared by calls on the same `rm` and
+    `held_out` (the demo's owners, one after another): the held-out pages' generic and unblocked
+    fetched scores are kept in it by the first call and read by the next, whose blocks do not
+    change them."""
     store = rm.store
     say = log or (lambda _msg: None)
     out = {k: v for k, v in plan.items() if not k.startswith("_")}
@@ -283,6 +287,7 @@ def forgetting_eval(
                 targets,
                 control,
                 window_tokens,
+                {} if unblocked is None else unblocked,
             )
     return out
 
@@ -395,7 +400,7 @@ def _facts_part(
 
 
 def _held_out_part(
-    rm: RunModel, docs, values: set[str], field, targets, control, window_tokens
+    rm: RunModel, docs, values: set[str], field, targets, control, window_tokens, unblocked
 ) -> dict[str, Any]:
     lacking = [i for i, d in enumerate(docs) if field not in d]
     if lacking:
@@ -416,12 +421,18 @@ def _held_out_part(
     ):
         if name == "random" and control is None:
             continue
+        key = (name, window_tokens or rm.max_seq_len, len(docs))
+        if t is None and key in unblocked:  # no block in this setting: the last owner's scores
+            sums[name], tokens = unblocked[key]
+            continue
         with rm.store.experiment():
             if t:
                 _block(rm.store, t)
             sums[name], tokens = per_doc(
                 windows, window_nll(rm, windows, mode=mode, paths=paths), len(docs)
             )
+        if t is None:
+            unblocked[key] = (sums[name], tokens)
 
     def part(mask: np.ndarray) -> dict[str, Any]:
         tok = float(tokens[mask].sum())

@@ -17,7 +17,7 @@ that reads them; the anchor-only setting is the pretrained model itself.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -56,6 +56,12 @@ class RunModel:
     # the domain gate (`memtree.clustering.gate`): with one, the scorers add a "gated" setting,
     # fetched memory for the queries it admits and the anchor alone for the rest
     gate: Gate | None = None
+    # each text's routed path ({text: path}) and the tree they were routed with: the demo routes
+    # the same held-out windows once per forgetting owner, and embedding is most of a route's time
+    _routes: dict[str, np.ndarray] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _routes_tree: Any = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def load(
@@ -103,9 +109,19 @@ class RunModel:
         return self.store is not None
 
     def route(self, texts: list[str]) -> np.ndarray:
+        """Each text's path (n, levels) through the tree, as `route_texts` gives it; a text routed
+        before by this model (under the same tree) is not embedded again."""
         if self.tree is None:
             raise ValueError("routing needs the clustering tree (pass tree_dir)")
-        return route_texts(self.tree, texts)
+        if not texts:
+            return route_texts(self.tree, texts)
+        if self._routes_tree is not self.tree:
+            self._routes, self._routes_tree = {}, self.tree
+        known = self._routes
+        new = [t for t in dict.fromkeys(texts) if t not in known]
+        if new:
+            known.update(zip(new, route_texts(self.tree, new)))
+        return np.stack([known[t] for t in texts])
 
     def route_admitted(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray | None]:
         """Paths (n, levels) as `route` gives them and, with a gate, which queries it admits

@@ -394,3 +394,45 @@ def test_block_documents_says_when_the_probes_miss_every_owner_fact(made, tmp_pa
         == 0
     )
     assert "the held-out pages still measure the owner" in capsys.readouterr().err
+
+
+def test_owners_in_a_row_share_the_unblocked_held_out_scores_and_routes(made):
+    """The demo forgets two owners one after the other: the held-out pages' generic and unblocked
+    fetched scores, which no block changes, are scored once and reused (`unblocked`), and the
+    windows' paths once (`RunModel.route` keeps each text's path). Reused or not, the figures are
+    those of a call that scores everything itself."""
+    from memtree.clustering.route import route_texts
+    from memtree.eval.forgetting import forgetting_eval, plan_forgetting
+    from memtree.eval.model import RunModel
+
+    rm = RunModel.load(made["run"])
+    held = [
+        json.loads(line)
+        for line in (made["root"] / "corpus" / "heldout.jsonl").read_text().splitlines()
+    ]
+    texts = [d["text"] for d in held[:6]]
+    # repeated texts, and texts routed before, get the tree's own paths
+    again = rm.route(texts[:3])
+    got = rm.route(texts + texts[:2])
+    np.testing.assert_array_equal(got, route_texts(rm.tree, texts + texts[:2]))
+    np.testing.assert_array_equal(got[:3], again)
+    assert rm.route([]).shape[0] == 0
+
+    def forget(key: str, value: str, unblocked):
+        plan = plan_forgetting(
+            rm, run=made["root"] / "pipeline", ids=_owner(made, key, value), owner_field=key
+        )
+        return forgetting_eval(rm, plan, held_out=held, fallback="generic", unblocked=unblocked)[
+            "held_out"
+        ]
+
+    topics = sorted({r["topic"] for r in made["corpus"]})[:2]
+    shared: dict = {}
+    first, second = (forget("topic", t, shared) for t in topics)
+    alone = forget("topic", topics[1], None)
+    assert {k[0] for k in shared} == {"generic", "before"}
+    for part in ("owner", "others"):
+        assert second[part] == alone[part]
+    assert all(math.isfinite(first["others"]["perplexity"][k]) for k in ("generic", "before"))
+    # the first owner's pages are the second's others: the unblocked totals cover every page
+    assert first["owner"]["pages"] + first["others"]["pages"] == len(held)
