@@ -434,5 +434,5 @@ def test_owners_in_a_row_share_the_unblocked_held_out_scores_and_routes(made):
     for part in ("owner", "others"):
         assert second[part] == alone[part]
     assert all(math.isfinite(first["others"]["perplexity"][k]) for k in ("generic", "before"))
-    # the first owner's pages are the second's others: the unblocked totals cover every page
+    # every held-out page is the owner's or another's
     assert first["owner"]["pages"] + first["others"]["pages"] == len(held)
