@@ -409,7 +409,8 @@ def _held_out_part(
             f"{field!r} (first: record {lacking[0] + 1})"
         )
     is_owner = np.asarray([str(d[field]) in values for d in docs])
-    windows = heldout_windows(rm, docs, window_tokens or rm.max_seq_len)
+    limit = window_tokens or rm.max_seq_len
+    windows = heldout_windows(rm, docs, limit)
     paths = rm.route([w["text"] for w in windows])
     sums: dict[str, np.ndarray] = {}
     tokens = None
@@ -421,7 +422,7 @@ def _held_out_part(
     ):
         if name == "random" and control is None:
             continue
-        key = (name, window_tokens or rm.max_seq_len, len(docs))
+        key = (name, limit, len(docs))
         if t is None and key in unblocked:  # no block in this setting: the last owner's scores
             sums[name], tokens = unblocked[key]
             continue
