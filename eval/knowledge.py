@@ -57,8 +57,8 @@ def load_eval_inputs(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Probes from a facts JSONL (at most `max_probes`, evenly spread; 0 = all) and held-out
     documents; `epochs`: how many times training went over the corpus (exposures = mentions ×
-    epochs)."""
-    probes = build_probes(load_facts(facts), seed=seed, epochs=epochs)
+    epochs). Never-stated facts get the balanced design (`build_probes(balance_unseen=True)`)."""
+    probes = build_probes(load_facts(facts), seed=seed, epochs=epochs, balance_unseen=True)
     if max_probes:
         probes = probes[:: max(1, len(probes) // max_probes)][:max_probes]
     docs = []

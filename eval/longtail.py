@@ -62,6 +62,7 @@ def build_probes(
     seed: int = 0,
     min_mentions: int = 0,
     epochs: float = 1.0,
+    balance_unseen: bool = False,
 ) -> list[dict[str, Any]]:
     """One multiple-choice probe per fact that has enough distinct distractor values.
 
@@ -71,14 +72,21 @@ def build_probes(
     without `values` (older fact lists) fall back to other entities' values of the attribute,
     which is biased when values are unique per entity (a never-stated gold string is rarer than
     the distractors). `exposures` = `mentions` × `epochs`: how many times training saw a
-    statement of the fact; buckets use it."""
+    statement of the fact; buckets use it.
+
+    `balance_unseen`: redraw the distractors of never-stated facts (mentions 0, with `values`) so
+    that, within each attribute, the gold's rank among its choices by how often the corpus states
+    each value is spread evenly over the ranks (`balanced_unseen`). Uniform draws are at chance
+    only in expectation over corpora: an anchor that prefers often-stated values scores above
+    chance on a corpus whose unseen golds happen to be often stated elsewhere. The other probes
+    stay exactly as drawn without it."""
     rng = random.Random(seed)
     by_attr: dict[str, list[str]] = {}
     for f in facts:
         by_attr.setdefault(f["attribute"], [])
         if f["value"] not in by_attr[f["attribute"]]:
             by_attr[f["attribute"]].append(f["value"])
-    probes = []
+    probes, sources = [], []
     for f in facts:
         if f["mentions"] < min_mentions:
             continue
@@ -88,6 +96,7 @@ def build_probes(
             continue
         choices = rng.sample(others, n_distractors) + [f["value"]]
         rng.shuffle(choices)
+        sources.append(f)
         probes.append(
             {
                 "context": f"The {f['label']} of {f['reference']} is",
@@ -101,7 +110,78 @@ def build_probes(
                 "attribute": f["attribute"],
             }
         )
+    if balance_unseen:
+        probes = balanced_unseen(probes, sources, value_counts(facts), seed=seed)
     return probes
+
+
+def value_counts(facts: Sequence[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """{attribute: {value: statements of that value in the corpus}}: the facts' mentions summed
+    per attribute and value (every value of an attribute's closed set, stated or not)."""
+    counts: dict[str, dict[str, int]] = {}
+    for f in facts:
+        c = counts.setdefault(f["attribute"], {})
+        for v in f.get("values") or ():
+            c.setdefault(v, 0)
+        c[f["value"]] = c.get(f["value"], 0) + int(f["mentions"])
+    return counts
+
+
+def balanced_unseen(
+    probes: Sequence[dict[str, Any]],
+    sources: Sequence[dict[str, Any]],
+    counts: dict[str, dict[str, int]],
+    *,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """`probes` (as `build_probes` drew them, `sources[i]` the fact of probe i) with the
+    never-stated facts' choices redrawn so that the gold's prior rank is spread evenly within
+    each attribute.
+
+    A value's prior rank orders an attribute's values by their corpus statement count
+    (`counts`, as `value_counts` gives it). Each unseen probe gets a target rank r (0 = the gold
+    is the most-stated of its choices): r distractors stated more often than the gold, the rest
+    less often; values stated exactly as often as the gold join (ordered by a fixed random key
+    per value) only where the others cannot fill any rank. Probes are assigned in order of how
+    few ranks their gold allows (a gold stated most of all can only be rank 0), each to its
+    least-used allowed rank in its attribute (ties: the least used overall, then at random). A
+    scorer that picks by how often the corpus states a value is then at chance on the bucket;
+    such a preference cannot fake knowledge of the fact. Each probe records the rank it got
+    (`prior_rank`)."""
+    rng = random.Random(f"balanced-unseen:{seed}")
+    key = {a: {v: (c, rng.random()) for v, c in sorted(vals.items())} for a, vals in counts.items()}
+    todo = []
+    for i, f in enumerate(sources):
+        if f["mentions"] or not f.get("values"):
+            continue
+        n = len(probes[i]["choices"]) - 1
+        k, g = key[f["attribute"]], key[f["attribute"]][f["value"]]
+        # values stated exactly as often as the gold only where the others cannot fill a rank:
+        # a tie with the gold leaves a count-led scorer's pick to chance
+        above = [v for v in f["values"] if k[v][0] > g[0]]
+        below = [v for v in f["values"] if k[v][0] < g[0]]
+        ranks = [r for r in range(n + 1) if r <= len(above) and n - r <= len(below)]
+        if not ranks:
+            above = [v for v in f["values"] if v != f["value"] and k[v] > g]
+            below = [v for v in f["values"] if v != f["value"] and k[v] < g]
+            ranks = [r for r in range(n + 1) if r <= len(above) and n - r <= len(below)]
+        todo.append((len(ranks), rng.random(), i, f, sorted(above), sorted(below), ranks))
+    out = list(probes)
+    per_attr: dict[tuple[str, int], int] = {}
+    overall: dict[int, int] = {}
+    for _, _, i, f, above, below, ranks in sorted(todo, key=lambda t: t[:2]):
+        a = f["attribute"]
+        r = min(
+            ranks,
+            key=lambda r: (per_attr.get((a, r), 0), overall.get(r, 0), rng.random()),
+        )
+        per_attr[(a, r)] = per_attr.get((a, r), 0) + 1
+        overall[r] = overall.get(r, 0) + 1
+        n = len(out[i]["choices"]) - 1
+        choices = rng.sample(above, r) + rng.sample(below, n - r) + [f["value"]]
+        rng.shuffle(choices)
+        out[i] = {**out[i], "choices": choices, "gold": choices.index(f["value"]), "prior_rank": r}
+    return out
 
 
 def exposure(p: dict[str, Any]) -> int:

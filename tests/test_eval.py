@@ -71,6 +71,45 @@ def test_bios_probes_draw_distractors_from_the_value_set_and_count_exposures():
     assert all(r["ci95"] is None or r["ci95"][0] <= r["accuracy"] <= r["ci95"][1] for r in rows)
 
 
+def test_balanced_unseen_probes_put_a_count_led_scorer_at_chance():
+    """balance_unseen redraws only the never-stated facts' choices, from the fact's value set,
+    spreading the gold's rank by corpus statement count evenly: a scorer that picks the most-stated
+    choice (ties at random) is at chance on them, and the seen probes stay exactly as drawn."""
+    from collections import Counter
+
+    from memtree.eval.longtail import value_counts
+    from memtree.pipeline.corpus.bios import BiosSpec, bios_facts
+
+    for corpus_seed in (0, 3):
+        facts = bios_facts(BiosSpec(seed=corpus_seed))
+        counts = value_counts(facts)
+        plain = build_probes(facts, seed=corpus_seed, epochs=7)
+        balanced = build_probes(facts, seed=corpus_seed, epochs=7, balance_unseen=True)
+        assert balanced == build_probes(facts, seed=corpus_seed, epochs=7, balance_unseen=True)
+        assert len(balanced) == len(plain)
+        unseen = []
+        for a, b, f in zip(plain, balanced, facts, strict=True):
+            if f["mentions"]:
+                assert a == b
+                continue
+            unseen.append(b)
+            assert len(set(b["choices"])) == 4 and set(b["choices"]) <= set(f["values"])
+            assert b["choices"][b["gold"]] == f["value"]
+            c = counts[f["attribute"]]
+            more = sum(c[v] > c[f["value"]] for v in b["choices"])
+            assert more == b["prior_rank"]  # no value stated as often as the gold is needed here
+        assert len(unseen) > 400
+        ranks = Counter(p["prior_rank"] for p in unseen)
+        assert max(ranks.values()) - min(ranks[r] for r in range(4)) <= 2
+        # the count-led scorer's expected accuracy: 1 / (choices tied at the top) when the gold is
+        # among them
+        expected = 0.0
+        for p in unseen:
+            c = [counts[p["attribute"]][v] for v in p["choices"]]
+            expected += (c[p["gold"]] == max(c)) / c.count(max(c))
+        assert abs(expected / len(unseen) - 0.25) < 0.01
+
+
 def test_scorer_is_at_chance_without_knowledge(run):
     """No knowledge of the facts (random weights, and a model never trained on them): chance."""
     import dataclasses
@@ -395,8 +434,8 @@ def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path, capsys):
         == json.loads((root / "pipeline" / "shards" / "_stage.json").read_text())["fingerprint"]
     )
     # the memory stage on the frozen anchor (seed 002's row A3): the anchor run is reused, the
-    # memory stage retrains in mode frozen (with the demo's memory.dropout, which a frozen anchor
-    # turns off) and leaves the anchor's weights exactly as the anchor stage wrote them
+    # memory stage retrains in mode frozen (with the demo's memory settings: no dropout) and
+    # leaves the anchor's weights exactly as the anchor stage wrote them
     from safetensors.torch import load_file
 
     from memtree.eval.demo import run_main_job
@@ -409,7 +448,7 @@ def test_main_job_end_to_end_on_a_tiny_configuration(tmp_path, capsys):
         and "(config changed), retraining" in out
     )
     cfg = json.loads((root / "train" / "cotrain" / "memtree_config.json").read_text())["config"]
-    assert cfg["mode"] == "frozen" and cfg["memory"]["dropout"] == pytest.approx(0.1)
+    assert cfg["mode"] == "frozen" and cfg["memory"]["dropout"] == 0.0
     before, after = (
         load_file(root / "train" / s / "anchor.safetensors") for s in ("anchor", "cotrain")
     )

@@ -371,27 +371,27 @@ def test_warnings_fire_where_benchmarks_measured_harm_and_not_on_the_shipped_rec
 
 
 def test_the_demo_console_does_not_warn_on_its_deliberate_settings():
-    """The bios demo (training/yamls/demo.yaml: bank LR 10× the anchor's, leaf blocks under the
-    fewest TPP measured; 1,593 samples of ≤ 256 tokens, 5 co-training epochs): its training console,
-    inside `deliberate(**eval.demo.DELIBERATE)` as `run_main_job` runs it, prints notes only;
-    outside it (a run of the same settings on real text) the measured LR warning fires; tpp.json
-    keeps it either way."""
+    """The bios demo (training/yamls/demo.yaml: bank LR 5× the anchor's, leaf blocks under the
+    fewest TPP measured; 324,806 tokens per epoch in its shards, 5 co-training epochs): its
+    training console, inside `deliberate(**eval.demo.DELIBERATE)` as `run_main_job` runs it,
+    prints notes only; outside it (a run of the same settings on real text) the measured LR
+    warning fires; tpp.json keeps it either way."""
     from memtree.eval.demo import DELIBERATE, TPP_NOTE
 
     demo = _yaml_table(
-        "demo.yaml", 1593 * 256, 5.0, "mode=cotrain", "anchor_checkpoint=runs/demo/train/anchor"
+        "demo.yaml", 324_806, 5.0, "mode=cotrain", "anchor_checkpoint=runs/demo/train/anchor"
     )
     assert (
-        demo.lr_ratio == pytest.approx(10.0)
+        demo.lr_ratio == pytest.approx(5.0)
         and FETCH_WORSE_AT_TPP < demo.levels[-1].tpp_run < GENERALISES_DOWN_TO
     )
     assert (
         len(demo.warnings()) == 1
-        and "10× the anchor's" in demo.warnings()[0]
+        and "5× the anchor's" in demo.warnings()[0]
         and len(demo.notes()) == 1
     )
     plain = format_tpp(demo)
-    assert "warning: the bank learns at 10×" in plain
+    assert "warning: the bank learns at 5×" in plain
     with deliberate(**DELIBERATE):
         text = format_tpp(demo)
         stored = demo.to_dict()
