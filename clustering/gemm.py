@@ -34,9 +34,10 @@ BACKENDS = ("numpy", "torch", "faiss")
 # a backend replaces numpy only when this much faster: timings on a busy host wobble by ~10 %,
 # and a choice that flips between runs would make runs differ in speed for no reason
 MARGIN = 1.15
-# the node fits' GEMM shapes (rows of a cache group, dim, k): nearest centroids x·cᵀ and the
-# cluster sums xᵀ·onehot (`clustering.kmeans._cache_groups`: ≤ 4,096 rows at a time)
-SHAPES = ((4096, 384, 16), (384, 4096, 16))
+# the node fits' GEMM shape (rows of a cache group, dim, k): nearest centroids x·cᵀ and
+# equalisation's dot products (`clustering.kmeans._cache_groups`: ≤ 4,096 rows at a time; the
+# cluster sums are a sparse product, `kmeans._cluster_sums`)
+SHAPES = ((4096, 384, 16),)
 
 _current = "numpy"
 _ROW, _NOTRANS, _TRANS = 101, 111, 112  # CBLAS_ORDER / CBLAS_TRANSPOSE

@@ -17,21 +17,22 @@ largest cell when rescaling cannot (a dense region that k-means++ seeded with
 too few centroids).
 
 `fit_nodes_batched` fits many nodes (a tree level, or a chunk of one)
-together: their batches lie end to end in one array and every EM step
-advances every node. Below level 1 a node is a few hundred to a few thousand
-points against ≤ 16 centroids, where fixed costs per call outweighed the
-arithmetic (measured: 22 ms per 390-point level-3 node, two thirds of it in
-61 FAISS searches, each building its index). So a node's nearest centroids
-are one float32 GEMM (argmin of ||c||² − 2·x·c), its cluster sums another,
-and the rest (argmin, counts, balance check, centroid update) is one
-vectorised pass over all nodes' rows; `balance` runs only for nodes over the
-limit, and a node whose batch is the whole node stops stepping once it has
-converged (`_BatchedFit.fit`). Equalisation changes only norms, so its dot
-products are computed once (`_equalize`). A node's arithmetic reads only its
-own rows, with operations shaped by that node alone, and draws only from its
-own RNG (in the order the per-node FAISS version drew), so its result does
-not depend on which nodes share its batch: `balanced_kmeans` (one node)
-gives bit for bit what a batched fit gives for it.
+together: their batches lie end to end in one array and every EM step advances
+every node. Below level 1 a node is a few hundred to a few thousand points
+against ≤ 16 centroids, where fixed costs per call outweighed the arithmetic
+(measured: 22 ms per 390-point level-3 node, two thirds of it in 61 FAISS
+searches, each building its index). So a node's nearest centroids are one
+float32 GEMM (argmin of ||c||² − 2·x·c), every node's cluster sums one sparse
+product (`_cluster_sums`), and the rest (argmin, counts, balance check,
+centroid update) is one vectorised pass over all nodes' rows; `balance` runs
+only for nodes over the limit, and a node whose batch is the whole node stops
+stepping once it has converged (`_BatchedFit.fit`). Equalisation changes only
+norms, so its dot products are computed once (`_equalize`). A node's
+arithmetic reads only its own rows, with operations shaped by that node alone,
+and draws only from its own RNG (in the order the per-node FAISS version
+drew), so its result does not depend on which nodes share its batch:
+`balanced_kmeans` (one node) gives bit for bit what a batched fit gives for
+it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import sparse
 
 from memtree.clustering import gemm
 from memtree.clustering.route_core import TIE_GAP
@@ -396,6 +398,29 @@ class _Segments:
         return np.bincount(flat, minlength=len(self.sizes) * kmax).reshape(-1, kmax)
 
 
+def _cluster_sums(
+    xb: np.ndarray, rows: np.ndarray, seg: _Segments, assign: np.ndarray, counts: np.ndarray
+) -> np.ndarray:
+    """(nodes, kmax, d) float32 sums of each node's rows per cluster: row r of `seg` is
+    xb[rows[r]], assigned to its node's cluster assign[r]; counts (nodes, kmax) as
+    `seg.counts(assign, kmax)` gives them.
+
+    One sparse product for all nodes, (nodes · kmax, rows of xb) indicators times xb, instead of
+    a GEMM xᵀ·onehot per node: those GEMMs are 384 × ~400 × 16, where a BLAS runs at a fraction
+    of its speed (measured on a 2-core AVX2 EPYC: 8.2 GFLOP/s, 46 % of the one-thread build with
+    the nearest-centroid GEMMs). A cluster's sum adds its rows in row order in float32, from its
+    own node's rows alone, so a node's result does not depend on which nodes share the group."""
+    kmax = counts.shape[1]
+    key = seg.node_of_row * kmax + assign
+    order = np.argsort(key, kind="stable")
+    indptr = np.r_[0, np.cumsum(counts.ravel())]
+    ind = sparse.csr_array(
+        (np.ones(len(order), dtype=np.float32), rows[order], indptr),
+        shape=(counts.size, xb.shape[0]),
+    )
+    return np.asarray(ind @ xb, dtype=np.float32).reshape(*counts.shape, xb.shape[1])
+
+
 def _nearest(
     seg: _Segments, xs: Sequence[np.ndarray], c: np.ndarray, k: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -458,6 +483,11 @@ class _BatchedFit:
             idx = np.sort(self.perm[j][self.pos[j] : self.pos[j] + bs])  # sorted: sequential reads
             self.pos[j] += bs
             self.views[j][:] = self.x[self.members[j][idx]]
+
+    def _rows_in_batch(self, live: np.ndarray, seg: _Segments) -> np.ndarray:
+        """Row of self.xb of each row of `seg` (the live nodes' rows, laid end to end)."""
+        start = self.seg.off[live] - seg.off[:-1]  # per live node: its xb offset − its seg offset
+        return start[seg.node_of_row] + np.arange(int(seg.off[-1]))
 
     def seed(self) -> np.ndarray:
         """k-means++ on each node's current batch → (nodes, kmax, d); unused rows zero.
@@ -563,16 +593,9 @@ class _BatchedFit:
                 split[i] = n_split > 0
             if len(over):
                 counts = seg.counts(assign, kmax)
-            onehot = np.zeros(
-                (len(assign), kmax), dtype=np.float32
-            )  # float32 like xb: no float64 copy
-            onehot[np.arange(len(assign)), assign] = 1.0
-            sums_t = np.zeros((len(live), self.xb.shape[1], kmax), dtype=np.float32)
-            for i, (s, e) in enumerate(seg.bounds):
-                # per-cluster sums as one small GEMM; xᵀ·onehot measured 1.4× faster than onehotᵀ·x
-                gemm.matmul(views[i].T, onehot[s:e, : kl[i]], sums_t[i, :, : kl[i]])
+            sums = _cluster_sums(self.xb, self._rows_in_batch(live, seg), seg, assign, counts)
             nz = counts > 0
-            cl[nz] = (sums_t.transpose(0, 2, 1)[nz] / counts[nz][:, None]).astype(np.float32)
+            cl[nz] = (sums[nz] / counts[nz][:, None]).astype(np.float32)
             c[live] = cl
             if prev is not None and self.stop_converged:
                 moved = np.bincount(seg.node_of_row[assign != prev], minlength=len(live))

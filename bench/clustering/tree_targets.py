@@ -5,8 +5,10 @@
     .venv/bin/python -m bench.clustering.tree_targets --seed 9 --quick
 
 On a hierarchical Gaussian mixture (`gmm_hierarchy`, 3 × 16 components, a seed not used to tune),
-with the public APIs and default arguments: `clustering.tree.build_tree(x, levels=3,
-branching=16)` against flat `faiss.Kmeans(384, 4096, niter=20)` on all points and against
+with the public APIs and default arguments: `clustering.tree.build_tree(x, levels=3, branching=16)`
+(its node fits' GEMM chosen as the library chooses it, `gemm_backend="auto"`: the BLAS fastest on
+timed node fits, once per host; `--gemm` picks one, and a build on numpy's GEMM is timed
+beside any other) against flat `faiss.Kmeans(384, 4096, niter=20)` on all points and against
 `faiss.contrib.clustering.two_level_clustering(x, 64, 4096)` (each then assigns every point to its
 nearest centroid, as build_tree returns every point's leaf). Reports wall seconds (median of
 interleaved repeats), NMI against the leaf labels, leaf balance (max / mean cluster size) at every
@@ -72,7 +74,7 @@ def measure(
     repeats: int,
     healthy: bool,
     branching: int = 16,
-    gemm_backend: str = "numpy",
+    gemm_backend: str = "auto",
     numpy_row: bool = False,
 ) -> dict:
     """build_tree (defaults, and without balancing: NO_BALANCING) against flat faiss.Kmeans and
@@ -204,6 +206,13 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="20,000 points, 2 × 16 leaves")
     p.add_argument("--out", default=None)
     p.add_argument("--blas", choices=("auto", "as-is"), default="auto")
+    p.add_argument(
+        "--gemm",
+        choices=("auto", "numpy", "torch", "faiss"),
+        default="auto",
+        help="the node fits' GEMM (build_tree's gemm_backend; default auto, as build_tree's own); "
+        "a choice other than numpy adds the default build on numpy's GEMM as a row",
+    )
     args = p.parse_args()
     prepare_blas_env(args.blas)  # may re-execute this command
     import faiss
@@ -225,7 +234,13 @@ def main() -> int:
         "health": health,
         "host_gemm": host,
         **measure(
-            n=n, seed=args.seed, levels=levels, repeats=args.repeats, healthy=health["healthy"]
+            n=n,
+            seed=args.seed,
+            levels=levels,
+            repeats=args.repeats,
+            healthy=health["healthy"],
+            gemm_backend=args.gemm,
+            numpy_row=True,
         ),
     }
     day = _dt.date.today().isoformat()
