@@ -484,11 +484,6 @@ class _BatchedFit:
             self.pos[j] += bs
             self.views[j][:] = self.x[self.members[j][idx]]
 
-    def _rows_in_batch(self, live: np.ndarray, seg: _Segments) -> np.ndarray:
-        """Row of self.xb of each row of `seg` (the live nodes' rows, laid end to end)."""
-        start = self.seg.off[live] - seg.off[:-1]  # per live node: its xb offset − its seg offset
-        return start[seg.node_of_row] + np.arange(int(seg.off[-1]))
-
     def seed(self) -> np.ndarray:
         """k-means++ on each node's current batch → (nodes, kmax, d); unused rows zero.
 
@@ -556,6 +551,7 @@ class _BatchedFit:
             self.seg,
             None,
         )  # prev: last step's assignment of live rows
+        rows = np.arange(int(seg.off[-1]))  # row of self.xb of each live row
         # Settling (tol > 0): a whole-node node's squared distances before balancing, and the
         # steps since they last fell by more than tol of their best.
         xsq = (
@@ -593,7 +589,7 @@ class _BatchedFit:
                 split[i] = n_split > 0
             if len(over):
                 counts = seg.counts(assign, kmax)
-            sums = _cluster_sums(self.xb, self._rows_in_batch(live, seg), seg, assign, counts)
+            sums = _cluster_sums(self.xb, rows, seg, assign, counts)
             nz = counts > 0
             cl[nz] = (sums[nz] / counts[nz][:, None]).astype(np.float32)
             c[live] = cl
@@ -601,7 +597,8 @@ class _BatchedFit:
                 moved = np.bincount(seg.node_of_row[assign != prev], minlength=len(live))
                 done = ((moved == 0) & ~split | (stall[live] >= SETTLE_STEPS)) & static[live]
                 if done.any():
-                    assign = assign[~done[seg.node_of_row]]
+                    keep = ~done[seg.node_of_row]
+                    assign, rows = assign[keep], rows[keep]
                     live, seg = live[~done], _Segments(seg.sizes[~done])
             prev = assign
         return c, splits, ran
